@@ -1,0 +1,177 @@
+// dion3/backend.hpp — the narrow interface between the device-independent engine and a device.
+//
+// A backend implements the few operations Dion3, NorMuon, Muon, AdamW and Lion need: row
+// scoring and selection, row gather/scatter, the orthogonalization primitives (GEMM, Gram
+// product, symmetric product), the fused NorMuon-normalise-and-update and the element-wise
+// optimizers. All operations are enqueued in order on the backend's stream; none synchronises
+// with the host except read_flag() and the host copies. Mutating operations take `skip`, a
+// device flag: when *skip != 0 they leave memory untouched (this is how a step with a
+// non-finite gradient is dropped without a host round trip).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "dion3/view.hpp"
+
+namespace dion3 {
+
+// Device memory for workspace and engine-owned state. Injected so that front ends can lend
+// their own allocator (PyTorch's caching allocator, which CUDA-graph capture needs).
+class Allocator {
+ public:
+  virtual ~Allocator() = default;
+  virtual void* allocate(std::size_t bytes) = 0;
+  virtual void deallocate(void* ptr, std::size_t bytes) = 0;
+};
+
+// One matrix of a matrix parameter, as a megabatch sees it (each view has batch == 1).
+struct ParamMatrix {
+  MatrixView weight;
+  MatrixView grad;
+  MatrixView momentum;
+  float* variance = nullptr;  // `rows` fp32 entries (NorMuon second moment), null for Muon
+};
+
+// The matrices of one megabatch. Backends may derive from it to keep device-side copies of
+// the pointer table; refresh() is called whenever `mats` changed.
+struct MatrixSet {
+  virtual ~MatrixSet() = default;
+  std::vector<ParamMatrix> mats;
+  int64_t rows() const { return mats.empty() ? 0 : mats.front().weight.rows; }
+  int64_t cols() const { return mats.empty() ? 0 : mats.front().weight.cols; }
+};
+
+// Scalars of the matrix update (SPEC §1 steps 6–8, Muon/NorMuon variants).
+struct UpdateParams {
+  float lr = 0.0f;           // base lr: weight decay factor is (1 - lr*weight_decay)
+  float weight_decay = 0.0f;
+  float adjusted_lr = 0.0f;  // lr' of the orthogonalized update
+  bool normuon = false;      // apply the NorMuon row normalisation with variance
+  float beta2 = 0.95f;
+  bool cautious_wd = false;
+};
+
+// A flat element-wise parameter (AdamW / Lion); views are 1 x numel.
+struct ElementwiseParam {
+  MatrixView weight;
+  MatrixView grad;
+  MatrixView exp_avg;
+  MatrixView exp_avg_sq;  // AdamW only
+};
+
+struct AdamWParams {
+  float lr, beta1, beta2, weight_decay, epsilon;
+  float bias_correction1, bias_correction2;  // 1 - beta^t, computed by the engine
+};
+struct LionParams {
+  float lr, beta1, beta2, weight_decay;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual Device device() const = 0;
+  virtual Allocator& allocator() = 0;
+  virtual void set_stream(void* stream) { (void)stream; }
+
+  // --- memory --------------------------------------------------------------------------
+  virtual void fill_zero(void* ptr, std::size_t bytes) = 0;
+  virtual void copy_to_host(void* host_dst, const void* src, std::size_t bytes) = 0;
+  virtual void copy_from_host(void* dst, const void* host_src, std::size_t bytes) = 0;
+  virtual void copy(void* dst, const void* src, std::size_t bytes) = 0;
+  virtual int read_flag(const int* flag) = 0;  // synchronises
+  virtual std::unique_ptr<MatrixSet> new_matrix_set() { return std::make_unique<MatrixSet>(); }
+  virtual void refresh(MatrixSet& set) { (void)set; }
+
+  // --- step, parameter side ------------------------------------------------------------
+  // *flag |= 1 if any element of any view is NaN or Inf.
+  virtual void check_finite(std::span<const MatrixView> xs, int* flag) = 0;
+  // M = decay*M + G for each matrix; if scores != null, scores[i*rows + r] = sum_j |M_i[r,j]|
+  // taken after the update.
+  virtual void accumulate(const MatrixSet& set, float decay, float* scores, const int* skip) = 0;
+  // For each of `count` score vectors of length m: the k rows of largest score, ties to the
+  // lower index, written to idx[i*k ...] in ascending row order.
+  virtual void select_rows(const float* scores, int64_t count, int64_t m, int64_t k, int32_t* idx,
+                           const int* skip) = 0;
+  // out[i] (k x cols) = scale_m*M_i[idx_i] + scale_g*G_i[idx_i], then M_i[idx_i] *= decay.
+  // idx == null selects all rows in order (k == rows). out is contiguous, any float dtype.
+  virtual void gather_rows(const MatrixSet& set, const int32_t* idx, int64_t k, float scale_m,
+                           float scale_g, float decay, MatrixView out, const int* skip) = 0;
+  // Per matrix i with rows idx_i (null = all): optional NorMuon normalisation of O_i with the
+  // variance rows idx_i, then W_i *= (1 - lr*wd) on all rows and W_i[idx_i] -= lr' * O_i.
+  virtual void apply_update(const MatrixSet& set, const int32_t* idx, int64_t k, MatrixView O,
+                            const UpdateParams& p, const int* skip) = 0;
+
+  // --- orthogonalization primitives (contiguous batches, fp32 accumulation) -------------
+  // out[b] = in[b] / (||in[b]||_F + eps), rounded to out.dtype.
+  virtual void normalize(MatrixView in, MatrixView out, float eps) = 0;
+  virtual void transpose(MatrixView in, MatrixView out) = 0;  // also converts dtype
+  // C = alpha*op(A)*op(B) + beta*C.
+  virtual void gemm(bool trans_a, bool trans_b, float alpha, MatrixView A, MatrixView B,
+                    float beta, MatrixView C) = 0;
+  // C = X*X^T (symmetric; both triangles written).
+  virtual void gram(MatrixView X, MatrixView C) = 0;
+  // C = alpha*A*B + beta*D + gamma*I, for A, B, D symmetric and commuting (so A*B is
+  // symmetric); D may be null. C must not alias A or B; it may alias D.
+  virtual void sym_product(float alpha, MatrixView A, MatrixView B, float beta, const MatrixView* D,
+                           float gamma, MatrixView C) = 0;
+  // Cost of a symmetric product relative to the full GEMM of the same size (1 = no savings).
+  virtual double symmetric_cost_factor() const { return 1.0; }
+  // Iteration dtype when the user leaves it open.
+  virtual DType default_iteration_dtype(bool gram) const = 0;
+
+  // --- element-wise optimizers ----------------------------------------------------------
+  virtual void adamw(const ElementwiseParam& p, const AdamWParams& h, const int* skip) = 0;
+  virtual void lion(const ElementwiseParam& p, const LionParams& h, const int* skip) = 0;
+};
+
+// The CPU backend (always built). Threads come from the BLAS.
+std::unique_ptr<Backend> make_cpu_backend();
+// The CUDA backend; throws dion3::Error(Unsupported) when built without CUDA.
+std::unique_ptr<Backend> make_cuda_backend(int device_index = 0, void* stream = nullptr,
+                                           Allocator* allocator = nullptr);
+bool cuda_available();
+
+}  // namespace dion3
+
+namespace dion3 {
+
+// Owning handle on memory from a backend's allocator (workspace and engine-owned state).
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(Allocator& alloc, std::size_t bytes) : alloc_(&alloc), bytes_(bytes) {
+    ptr_ = bytes ? alloc.allocate(bytes) : nullptr;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& o) noexcept { swap(o); }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    DeviceBuffer tmp(std::move(o));
+    swap(tmp);
+    return *this;
+  }
+  ~DeviceBuffer() {
+    if (ptr_) alloc_->deallocate(ptr_, bytes_);
+  }
+  void* get() const { return ptr_; }
+  template <class T>
+  T* as() const { return static_cast<T*>(ptr_); }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  void swap(DeviceBuffer& o) noexcept {
+    std::swap(alloc_, o.alloc_);
+    std::swap(ptr_, o.ptr_);
+    std::swap(bytes_, o.bytes_);
+  }
+  Allocator* alloc_ = nullptr;
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+}  // namespace dion3

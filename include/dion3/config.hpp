@@ -1,0 +1,70 @@
+// dion3/config.hpp — every hyper-parameter of a parameter group and of orthogonalization.
+//
+// Names and defaults follow the public reference `dion.Dion3` (SPEC.md §1, §4) so that user
+// code moves over unchanged. Validation lives in validate(); it throws dion3::Error naming the
+// field, what was expected and what was given.
+#pragma once
+
+#include <array>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dion3/view.hpp"
+
+namespace dion3 {
+
+enum class Algorithm : int { Dion3 = 0, NorMuon = 1, Muon = 2, AdamW = 3, Lion = 4 };
+enum class AdjustLR : int { SpectralNorm = 0, RmsNorm = 1, None = 2 };
+// Auto picks, per shape, the cheaper of the two by the backend's cost model (SPEC §2).
+enum class OrthMethod : int { Auto = 0, Standard = 1, Gram = 2 };
+enum class NonFinitePolicy : int { Raise = 0, Skip = 1 };
+
+const char* algorithm_name(Algorithm a);
+Algorithm parse_algorithm(const std::string& name);  // "dion3"/"nordion2", "normuon", "muon", "adamw", "lion"
+AdjustLR parse_adjust_lr(const std::string& name);   // "spectral_norm", "rms_norm", "none"
+OrthMethod parse_orth_method(const std::string& name);  // "auto", "standard", "gram"
+NonFinitePolicy parse_nonfinite(const std::string& name);  // "raise", "skip"
+bool is_matrix_algorithm(Algorithm a);
+
+using Coefficients = std::array<double, 3>;  // (a, b, c) of one quintic step
+
+// Polar Express with safety 1.05 (the default) and Muon's classic quintic ("You").
+const std::vector<Coefficients>& polar_express_coefficients();
+const std::vector<Coefficients>& you_coefficients();
+
+struct OrthConfig {
+  OrthMethod method = OrthMethod::Auto;
+  std::vector<Coefficients> coefficients = polar_express_coefficients();
+  std::vector<int> restarts = {2};       // Gram NS restart positions (t > 0 take effect)
+  // Iteration dtype. nullopt = the backend's choice (CPU: F32; CUDA: F16 for Gram, BF16 standard).
+  std::optional<DType> iteration_dtype;
+
+  void validate() const;
+};
+
+struct GroupConfig {
+  Algorithm algorithm = Algorithm::Dion3;
+  double lr = 0.01;
+  double fraction = 0.25;
+  double mu = 0.95;
+  double muon_beta2 = 0.95;
+  std::array<double, 2> betas = {0.9, 0.95};  // AdamW / Lion
+  double weight_decay = 0.01;
+  double epsilon = 1e-8;
+  AdjustLR adjust_lr = AdjustLR::SpectralNorm;
+  bool flatten = false;       // >= 3-D tensors: (dim0, rest) if true, else batches of matrices
+  bool nesterov = false;      // Muon / NorMuon
+  bool cautious_wd = false;   // Muon / NorMuon: decay only where update and weight agree in sign
+  bool scale_lr_by_fraction = false;  // Dion3: use lr / sqrt(fraction) (the paper's scaling law)
+  std::optional<DType> momentum_dtype;  // nullopt = the parameter's dtype
+  OrthConfig orth;
+
+  void validate() const;  // throws dion3::Error naming the offending field
+  // Learning rate actually applied to the matrix update of an m x n matrix (SPEC §1 step 8).
+  double adjusted_lr(int64_t m, int64_t n) const;
+  // Base lr after the opt-in fraction scaling.
+  double base_lr() const;
+};
+
+}  // namespace dion3

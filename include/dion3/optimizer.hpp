@@ -1,0 +1,113 @@
+// dion3/optimizer.hpp — the engine: parameter registration, megabatch planning, the step.
+//
+// Parameters are registered once (weight, gradient and, optionally, externally owned state
+// tensors) into groups with a GroupConfig. Matrix parameters are planned into megabatches by
+// (group, matrix shape, dtype, layout); each megabatch runs as one batched pipeline:
+// accumulate -> score -> select -> gather (+ error feedback) -> orthogonalize -> normalize ->
+// update. Element-wise groups (AdamW, Lion) run one fused kernel per parameter.
+//
+// Guarantees: every argument is validated before anything is written; a step that meets a
+// non-finite gradient either raises (default, one host synchronisation at the end of the
+// step) or is skipped (no synchronisation), and in both cases leaves weights and state
+// untouched. The same inputs give the same bits on the same backend.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dion3/backend.hpp"
+#include "dion3/config.hpp"
+#include "dion3/view.hpp"
+
+namespace dion3 {
+
+struct ParamSpec {
+  std::string name;
+  TensorView weight;
+  TensorView grad;  // may be re-bound before each step with set_grad()
+  // Externally owned state (e.g. PyTorch tensors); missing ones are allocated by the engine
+  // and zero-filled. Matrix algorithms: "momentum" (weight's shape) and "variance" (fp32,
+  // one entry per matrix row). AdamW: "exp_avg", "exp_avg_sq"; Lion: "exp_avg".
+  std::vector<std::pair<std::string, TensorView>> state;
+};
+
+// A host copy of one state tensor.
+struct HostTensor {
+  DType dtype = DType::F32;
+  std::vector<int64_t> shape;
+  std::vector<unsigned char> data;
+};
+
+struct ParamState {
+  std::string name;
+  int64_t step = 0;  // updates applied to this parameter (AdamW bias correction)
+  std::vector<std::pair<std::string, HostTensor>> tensors;
+};
+
+struct OptimizerState {
+  int64_t steps = 0;
+  int64_t skipped = 0;
+  std::vector<ParamState> params;
+};
+
+struct OptimizerOptions {
+  NonFinitePolicy on_nonfinite = NonFinitePolicy::Raise;
+};
+
+// What one megabatch is: for introspection, benchmarks and tests.
+struct MegabatchInfo {
+  int group = 0;
+  Algorithm algorithm = Algorithm::Dion3;
+  int64_t rows = 0, cols = 0;  // m x n of each matrix
+  DType dtype = DType::F32;
+  int64_t count = 0;           // matrices in the batch
+  int64_t selected_rows = 0;   // k
+  OrthMethod method = OrthMethod::Standard;
+  DType iteration_dtype = DType::F32;
+  std::size_t workspace_bytes = 0;
+};
+
+class Optimizer {
+ public:
+  explicit Optimizer(std::unique_ptr<Backend> backend, OptimizerOptions options = {});
+  ~Optimizer();
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  int add_group(const GroupConfig& config);
+  int add_param(int group, const ParamSpec& spec);
+  void set_grad(int param, const TensorView& grad);
+
+  // Groups may be edited between steps (lr schedules); edits are validated at the next step.
+  GroupConfig& group(int index);
+  const GroupConfig& group(int index) const;
+  int num_groups() const;
+  int num_params() const;
+  const std::string& param_name(int param) const;
+
+  // One optimizer step over every parameter. Returns false when the step was skipped because
+  // a gradient was not finite and on_nonfinite == Skip. Throws dion3::Error(NonFinite) under
+  // Raise, with nothing modified.
+  bool step();
+  int64_t steps_taken() const;
+  int64_t steps_skipped() const;
+
+  // Views of a parameter's state tensors (in device memory).
+  std::vector<std::pair<std::string, TensorView>> state_views(int param) const;
+  OptimizerState export_state() const;
+  // Checks every tensor's name, dtype and shape before copying any of them.
+  void import_state(const OptimizerState& state);
+
+  std::vector<MegabatchInfo> plan();
+  Backend& backend();
+  const OptimizerOptions& options() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dion3

@@ -1,0 +1,52 @@
+// dion3/orthogonalize.hpp — batched polar-factor approximation (SPEC §2).
+//
+// Standard Newton–Schulz and Gram Newton–Schulz with restarts, written once over the backend's
+// primitives (gemm, gram, sym_product), so every backend runs the same algorithm. An
+// Orthogonalizer is planned once for a (batch, rows, cols) problem — method and iteration dtype
+// resolved, workspace allocated — and then run any number of times without allocating.
+#pragma once
+
+#include <cstdint>
+
+#include "dion3/backend.hpp"
+#include "dion3/config.hpp"
+
+namespace dion3 {
+
+// FLOPs of standard NS on a batch of p x q (p <= q) inputs, the "effective" convention of SPEC §2:
+// T*(4p^2 q + 2p^3) per matrix, no symmetry savings.
+double effective_ns_flops(int64_t batch, int64_t rows, int64_t cols, int steps);
+// FLOPs a method really performs (full GEMMs; symmetric products scaled by `sym_factor`).
+double standard_ns_flops(int64_t batch, int64_t p, int64_t q, int steps, double sym_factor);
+double gram_ns_flops(int64_t batch, int64_t p, int64_t q, int steps, int n_restarts, double sym_factor);
+// The method `auto` resolves to for p x q (p <= q) on this backend (always standard when p == q).
+OrthMethod choose_orth_method(const Backend& backend, const OrthConfig& cfg, int64_t rows, int64_t cols);
+
+class Orthogonalizer {
+ public:
+  Orthogonalizer(Backend& backend, const OrthConfig& cfg, int64_t batch, int64_t rows, int64_t cols);
+  // in: batch x rows x cols, contiguous, any float dtype (normalised in fp32, SPEC §2).
+  // out: same shape, contiguous, any float dtype. in and out may be the same memory.
+  void run(MatrixView in, MatrixView out);
+
+  OrthMethod method() const { return method_; }
+  DType iteration_dtype() const { return dtype_; }
+  bool transposed() const { return transposed_; }
+  std::size_t workspace_bytes() const { return workspace_.bytes(); }
+
+ private:
+  void standard(MatrixView X);
+  void gram(MatrixView X);
+  MatrixView square(int slot) const;  // p x p scratch matrices
+  MatrixView wide(int slot) const;    // p x q scratch matrices
+
+  Backend& backend_;
+  OrthConfig cfg_;
+  int64_t batch_, p_, q_;
+  bool transposed_;
+  OrthMethod method_;
+  DType dtype_;
+  DeviceBuffer workspace_;
+};
+
+}  // namespace dion3
