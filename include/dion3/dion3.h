@@ -1,0 +1,234 @@
+/* dion3/dion3.h — the C API of dion3 (usable from C99 and C++).
+ *
+ * A thin, exception-free layer over dion3::Optimizer for native trainers (llm.c style) and
+ * foreign-function bindings:
+ *   - an opaque optimizer handle (dion3_optimizer*),
+ *   - a plain tensor-view struct (dion3_tensor: pointer, dtype, device, ndim, shape[8]),
+ *   - integer status codes (dion3_status, equal to dion3::Status) and a thread-local
+ *     last-error string (dion3_last_error()),
+ *   - a self-describing binary format for optimizer state (export / import).
+ *
+ * Memory described by a dion3_tensor is owned by the caller and must stay valid (and, for
+ * weights, not move) while the optimizer may touch it: weights and gradients are read and
+ * written in place by dion3_step(). Tensors are contiguous and row-major.
+ *
+ * Typical use:
+ *
+ *   dion3_optimizer* opt = NULL;
+ *   dion3_create(&opt, DION3_DEVICE_CPU, 0, NULL, DION3_NONFINITE_RAISE);
+ *   dion3_group_config cfg;
+ *   dion3_group_config_default(&cfg);          // Dion3, lr 0.01, fraction 0.25, ...
+ *   cfg.fraction = 0.5;
+ *   int g = -1, p = -1;
+ *   dion3_add_group(opt, &cfg, &g);
+ *   dion3_add_param(opt, g, "w", &weight, &grad, &p);
+ *   ... fill grad ...;  dion3_step(opt, NULL);
+ *   dion3_destroy(opt);
+ *
+ * Every function returns a dion3_status (except the few that cannot fail); on failure,
+ * dion3_last_error() describes what went wrong, naming the parameter or field at fault.
+ * Nothing is modified by a failing call.
+ */
+#ifndef DION3_DION3_H
+#define DION3_DION3_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DION3_C_API_VERSION 1
+#define DION3_MAX_DIMS 8
+#define DION3_MAX_ORTH_STEPS 16
+#define DION3_MAX_ORTH_RESTARTS 16
+
+/* ---- enums (values are part of the ABI; structs store them as int32_t) ----------------- */
+
+typedef enum dion3_status {
+  DION3_OK = 0,
+  DION3_INVALID_ARGUMENT = 1, /* bad hyper-parameter, shape, dtype, index or state buffer */
+  DION3_NON_FINITE = 2,       /* a gradient held NaN/Inf and the policy is RAISE */
+  DION3_UNSUPPORTED = 3,      /* valid request this build cannot serve (e.g. no CUDA) */
+  DION3_INTERNAL = 4          /* backend failure (BLAS, CUDA, out of memory) */
+} dion3_status;
+
+typedef enum dion3_dtype {
+  DION3_F32 = 0,
+  DION3_F16 = 1,
+  DION3_BF16 = 2,
+  DION3_F64 = 3,
+  DION3_I32 = 4,
+  DION3_I64 = 5
+} dion3_dtype;
+
+typedef enum dion3_device { DION3_DEVICE_CPU = 0, DION3_DEVICE_CUDA = 1 } dion3_device;
+
+typedef enum dion3_algorithm {
+  DION3_ALGO_DION3 = 0,
+  DION3_ALGO_NORMUON = 1,
+  DION3_ALGO_MUON = 2,
+  DION3_ALGO_ADAMW = 3,
+  DION3_ALGO_LION = 4
+} dion3_algorithm;
+
+typedef enum dion3_adjust_lr {
+  DION3_ADJUST_LR_SPECTRAL_NORM = 0,
+  DION3_ADJUST_LR_RMS_NORM = 1,
+  DION3_ADJUST_LR_NONE = 2
+} dion3_adjust_lr;
+
+typedef enum dion3_orth_method {
+  DION3_ORTH_AUTO = 0, /* per shape, the cheaper of the two by the backend's cost model */
+  DION3_ORTH_STANDARD = 1,
+  DION3_ORTH_GRAM = 2
+} dion3_orth_method;
+
+typedef enum dion3_orth_coefficients {
+  DION3_COEFF_POLAR_EXPRESS = 0, /* Polar Express, safety 1.05 (default) */
+  DION3_COEFF_YOU = 1,           /* Muon's classic quintic */
+  DION3_COEFF_CUSTOM = 2         /* orth_custom[0 .. orth_num_custom-1] */
+} dion3_orth_coefficients;
+
+typedef enum dion3_nonfinite_policy {
+  DION3_NONFINITE_RAISE = 0, /* dion3_step returns DION3_NON_FINITE, nothing modified */
+  DION3_NONFINITE_SKIP = 1   /* the step is dropped (*applied = 0), nothing modified */
+} dion3_nonfinite_policy;
+
+/* ---- plain structs --------------------------------------------------------------------- */
+
+/* A contiguous, row-major tensor owned by the caller. */
+typedef struct dion3_tensor {
+  void* data;
+  int32_t dtype;        /* dion3_dtype */
+  int32_t device;       /* dion3_device */
+  int32_t device_index; /* CUDA ordinal; 0 for CPU */
+  int32_t ndim;         /* 0 .. DION3_MAX_DIMS */
+  int64_t shape[DION3_MAX_DIMS];
+} dion3_tensor;
+
+/* Hyper-parameters of one parameter group (SPEC.md §1, §4). Always start from
+ * dion3_group_config_default(): it fills the reference defaults. */
+typedef struct dion3_group_config {
+  int32_t algorithm; /* dion3_algorithm; default DION3_ALGO_DION3 */
+  double lr;         /* 0.01 */
+  double fraction;   /* 0.25: share of rows orthogonalized per step (Dion3) */
+  double mu;         /* 0.95: momentum / error-feedback decay */
+  double muon_beta2; /* 0.95: NorMuon second-moment EMA */
+  double betas[2];   /* {0.9, 0.95}: AdamW / Lion */
+  double weight_decay; /* 0.01, decoupled */
+  double epsilon;      /* 1e-8 */
+  int32_t adjust_lr;   /* dion3_adjust_lr; default spectral norm */
+  int32_t flatten;     /* 0: >=3-D tensors are batches of matrices; 1: (dim0, rest) */
+  int32_t nesterov;    /* Muon / NorMuon */
+  int32_t cautious_wd; /* Muon / NorMuon */
+  int32_t scale_lr_by_fraction; /* Dion3: lr / sqrt(fraction); default 0 */
+  int32_t momentum_dtype;       /* dion3_dtype, or -1 = the parameter's dtype (default) */
+  /* orthogonalization */
+  int32_t orth_method;          /* dion3_orth_method; default AUTO */
+  int32_t orth_coefficients;    /* dion3_orth_coefficients; default POLAR_EXPRESS */
+  int32_t orth_num_custom;      /* used when orth_coefficients == CUSTOM */
+  double orth_custom[DION3_MAX_ORTH_STEPS][3]; /* (a, b, c) per quintic step */
+  int32_t orth_num_restarts;    /* default 1 */
+  int32_t orth_restarts[DION3_MAX_ORTH_RESTARTS]; /* default {2} (Gram NS restart steps) */
+  int32_t orth_iteration_dtype; /* dion3_dtype, or -1 = the backend's choice (default) */
+} dion3_group_config;
+
+/* One megabatch of the plan (all same-shape matrices of a group orthogonalized together). */
+typedef struct dion3_megabatch_info {
+  int32_t group;
+  int32_t algorithm;       /* dion3_algorithm */
+  int64_t rows, cols;      /* m x n of each matrix */
+  int32_t dtype;           /* dion3_dtype */
+  int64_t count;           /* matrices in the batch */
+  int64_t selected_rows;   /* k */
+  int32_t method;          /* dion3_orth_method actually used (STANDARD or GRAM) */
+  int32_t iteration_dtype; /* dion3_dtype */
+  uint64_t workspace_bytes;
+} dion3_megabatch_info;
+
+typedef struct dion3_optimizer dion3_optimizer; /* opaque */
+
+/* ---- library ---------------------------------------------------------------------------- */
+
+/* Message of the most recent failed call on this thread ("" if none). Never NULL; valid
+ * until the next failing call on the same thread. */
+const char* dion3_last_error(void);
+/* "0.1.0" */
+const char* dion3_version(void);
+/* 1 if this build has a CUDA backend and a device is visible. */
+int dion3_cuda_available(void);
+/* Static name of a status code ("ok", "invalid argument", ...). */
+const char* dion3_status_name(int status);
+
+/* ---- optimizer lifetime ---------------------------------------------------------------- */
+
+/* device: DION3_DEVICE_CPU or DION3_DEVICE_CUDA (device_index, cuda_stream = cudaStream_t or
+ * NULL for the default stream; both ignored for CPU). on_nonfinite: dion3_nonfinite_policy.
+ * A CUDA request in a build without CUDA returns DION3_UNSUPPORTED. */
+dion3_status dion3_create(dion3_optimizer** out, int device, int device_index, void* cuda_stream,
+                          int on_nonfinite);
+/* NULL is allowed. */
+void dion3_destroy(dion3_optimizer* opt);
+/* Re-bind the CUDA stream the optimizer enqueues on (no-op for CPU). */
+dion3_status dion3_set_stream(dion3_optimizer* opt, void* cuda_stream);
+
+/* ---- groups and parameters ------------------------------------------------------------- */
+
+void dion3_group_config_default(dion3_group_config* cfg);
+dion3_status dion3_add_group(dion3_optimizer* opt, const dion3_group_config* cfg, int* group_index);
+/* Read and replace a group's configuration between steps (validated at the next step). */
+dion3_status dion3_get_group_config(const dion3_optimizer* opt, int group, dion3_group_config* out);
+dion3_status dion3_set_group_config(dion3_optimizer* opt, int group, const dion3_group_config* cfg);
+/* Shortcut for learning-rate schedules. */
+dion3_status dion3_set_lr(dion3_optimizer* opt, int group, double lr);
+
+/* Registers a parameter (weight updated in place, grad read at every step). name is copied
+ * and appears in error messages. param_index may be NULL. */
+dion3_status dion3_add_param(dion3_optimizer* opt, int group, const char* name,
+                             const dion3_tensor* weight, const dion3_tensor* grad, int* param_index);
+/* Re-binds the gradient of a parameter (same shape and dtype as the weight). */
+dion3_status dion3_set_grad(dion3_optimizer* opt, int param, const dion3_tensor* grad);
+dion3_status dion3_num_params(const dion3_optimizer* opt, int* count);
+
+/* ---- step -------------------------------------------------------------------------------- */
+
+/* One step over every parameter. *applied (may be NULL) is 1 if the step was applied and 0 if
+ * it was skipped under DION3_NONFINITE_SKIP. Under RAISE a non-finite gradient returns
+ * DION3_NON_FINITE; in both cases weights and state are untouched. */
+dion3_status dion3_step(dion3_optimizer* opt, int* applied);
+/* Steps applied and skipped so far (either pointer may be NULL). */
+dion3_status dion3_steps(const dion3_optimizer* opt, int64_t* taken, int64_t* skipped);
+
+/* The megabatch plan. Writes min(capacity, n) entries to out (out may be NULL when capacity
+ * is 0) and the total n to *count. */
+dion3_status dion3_plan(dion3_optimizer* opt, dion3_megabatch_info* out, size_t capacity,
+                        size_t* count);
+
+/* ---- state --------------------------------------------------------------------------------- */
+
+/* Bytes of optimizer state (momentum, variance, exp_avg, ...) held in device memory. */
+dion3_status dion3_state_size(const dion3_optimizer* opt, size_t* bytes);
+
+/* Size of the serialized state that dion3_export_state writes. */
+dion3_status dion3_export_size(const dion3_optimizer* opt, size_t* bytes);
+/* Serializes the state into buf (capacity bytes). *written (may be NULL) receives the size.
+ * A too-small buffer returns DION3_INVALID_ARGUMENT and writes nothing.
+ * Format (all integers little-endian):
+ *   "DION3ST\0" | u32 version (1) | u32 reserved (0) | i64 steps | i64 skipped | u32 nparams
+ *   per param:  u32 len, name | i64 step | u32 ntensors
+ *     per tensor: u32 len, name | i32 dtype | u32 ndim | i64 shape[ndim] | u64 nbytes | bytes
+ *   u64 FNV-1a hash of everything before it. */
+dion3_status dion3_export_state(const dion3_optimizer* opt, void* buf, size_t capacity,
+                                size_t* written);
+/* Restores state written by dion3_export_state into an optimizer with the same parameters
+ * (matched by name). The whole buffer is checked (format, hash, names, dtypes, shapes)
+ * before anything changes; on failure the optimizer is untouched. */
+dion3_status dion3_import_state(dion3_optimizer* opt, const void* buf, size_t size);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* DION3_DION3_H */

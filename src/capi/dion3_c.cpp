@@ -1,0 +1,596 @@
+// src/capi/dion3_c.cpp — the C API (include/dion3/dion3.h) over dion3::Optimizer.
+//
+// Every entry point runs its body inside guard(): C++ exceptions become a dion3_status plus a
+// thread-local message, so nothing throws across the C boundary. This file also holds the
+// binary state format (serialize / parse), which is parsed and checked completely before the
+// engine's import_state() is called.
+#include "dion3/dion3.h"
+
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <new>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "dion3/config.hpp"
+#include "dion3/error.hpp"
+#include "dion3/optimizer.hpp"
+
+struct dion3_optimizer {
+  dion3::Optimizer engine;
+  explicit dion3_optimizer(std::unique_ptr<dion3::Backend> backend, dion3::OptimizerOptions o)
+      : engine(std::move(backend), o) {}
+};
+
+namespace {
+
+thread_local std::string g_last_error;
+
+dion3_status set_error(dion3_status s, const std::string& message) {
+  g_last_error = message;
+  return s;
+}
+
+template <class F>
+dion3_status guard(F&& body) noexcept {
+  try {
+    body();
+    return DION3_OK;
+  } catch (const dion3::Error& e) {
+    return set_error(static_cast<dion3_status>(static_cast<int>(e.status())), e.what());
+  } catch (const std::bad_alloc&) {
+    return set_error(DION3_INTERNAL, "dion3: out of memory");
+  } catch (const std::exception& e) {
+    return set_error(DION3_INTERNAL, std::string("dion3: internal error: ") + e.what());
+  } catch (...) {
+    return set_error(DION3_INTERNAL, "dion3: internal error: unknown exception");
+  }
+}
+
+void require(bool ok, const std::string& message) {
+  if (!ok) dion3::fail(message);
+}
+
+template <class T>
+T* checked(T* p, const char* what) {
+  require(p != nullptr, std::string(what) + " is NULL");
+  return p;
+}
+
+// --- enum conversions ----------------------------------------------------------------------
+
+dion3::DType to_dtype(int32_t v, const std::string& what) {
+  require(v >= DION3_F32 && v <= DION3_I64,
+          what + ": dtype " + std::to_string(v) + " is not a dion3_dtype (0..5)");
+  return static_cast<dion3::DType>(v);
+}
+
+template <class E>
+E to_enum(int32_t v, int32_t lo, int32_t hi, const std::string& what) {
+  require(v >= lo && v <= hi, what + " is " + std::to_string(v) + ", expected " +
+                                  std::to_string(lo) + ".." + std::to_string(hi));
+  return static_cast<E>(v);
+}
+
+dion3::TensorView to_view(const dion3_tensor* t, const std::string& what) {
+  require(t != nullptr, what + " is NULL");
+  require(t->ndim >= 0 && t->ndim <= DION3_MAX_DIMS,
+          what + ": ndim " + std::to_string(t->ndim) + " is outside 0..8");
+  dion3::TensorView v;
+  v.data = t->data;
+  v.dtype = to_dtype(t->dtype, what);
+  v.device = to_enum<dion3::Device>(t->device, DION3_DEVICE_CPU, DION3_DEVICE_CUDA, what + ": device");
+  v.device_index = t->device_index;
+  v.shape.assign(t->shape, t->shape + t->ndim);
+  for (int64_t d : v.shape)
+    require(d >= 0, what + ": negative dimension in shape " + dion3::shape_string(v.shape));
+  require(v.data != nullptr || v.numel() == 0, what + ": data is NULL");
+  return v;
+}
+
+const std::vector<dion3::Coefficients>& preset(int32_t which) {
+  return which == DION3_COEFF_YOU ? dion3::you_coefficients() : dion3::polar_express_coefficients();
+}
+
+dion3::GroupConfig to_config(const dion3_group_config* c) {
+  require(c != nullptr, "group config is NULL");
+  dion3::GroupConfig g;
+  g.algorithm = to_enum<dion3::Algorithm>(c->algorithm, 0, 4, "group config: algorithm");
+  g.lr = c->lr;
+  g.fraction = c->fraction;
+  g.mu = c->mu;
+  g.muon_beta2 = c->muon_beta2;
+  g.betas = {c->betas[0], c->betas[1]};
+  g.weight_decay = c->weight_decay;
+  g.epsilon = c->epsilon;
+  g.adjust_lr = to_enum<dion3::AdjustLR>(c->adjust_lr, 0, 2, "group config: adjust_lr");
+  g.flatten = c->flatten != 0;
+  g.nesterov = c->nesterov != 0;
+  g.cautious_wd = c->cautious_wd != 0;
+  g.scale_lr_by_fraction = c->scale_lr_by_fraction != 0;
+  if (c->momentum_dtype >= 0) g.momentum_dtype = to_dtype(c->momentum_dtype, "group config: momentum_dtype");
+  require(c->momentum_dtype >= -1, "group config: momentum_dtype is " +
+                                       std::to_string(c->momentum_dtype) + ", expected -1 or a dtype");
+  g.orth.method = to_enum<dion3::OrthMethod>(c->orth_method, 0, 2, "group config: orth_method");
+  int32_t which = to_enum<int32_t>(c->orth_coefficients, 0, 2, "group config: orth_coefficients");
+  if (which == DION3_COEFF_CUSTOM) {
+    require(c->orth_num_custom >= 1 && c->orth_num_custom <= DION3_MAX_ORTH_STEPS,
+            "group config: orth_num_custom is " + std::to_string(c->orth_num_custom) +
+                ", expected 1..16");
+    g.orth.coefficients.clear();
+    for (int i = 0; i < c->orth_num_custom; ++i)
+      g.orth.coefficients.push_back({c->orth_custom[i][0], c->orth_custom[i][1], c->orth_custom[i][2]});
+  } else {
+    g.orth.coefficients = preset(which);
+  }
+  require(c->orth_num_restarts >= 0 && c->orth_num_restarts <= DION3_MAX_ORTH_RESTARTS,
+          "group config: orth_num_restarts is " + std::to_string(c->orth_num_restarts) +
+              ", expected 0..16");
+  g.orth.restarts.assign(c->orth_restarts, c->orth_restarts + c->orth_num_restarts);
+  require(c->orth_iteration_dtype >= -1, "group config: orth_iteration_dtype is " +
+                                             std::to_string(c->orth_iteration_dtype) +
+                                             ", expected -1 or a dtype");
+  if (c->orth_iteration_dtype >= 0)
+    g.orth.iteration_dtype = to_dtype(c->orth_iteration_dtype, "group config: orth_iteration_dtype");
+  return g;
+}
+
+void from_config(const dion3::GroupConfig& g, dion3_group_config* c) {
+  dion3_group_config_default(c);
+  c->algorithm = static_cast<int32_t>(g.algorithm);
+  c->lr = g.lr;
+  c->fraction = g.fraction;
+  c->mu = g.mu;
+  c->muon_beta2 = g.muon_beta2;
+  c->betas[0] = g.betas[0];
+  c->betas[1] = g.betas[1];
+  c->weight_decay = g.weight_decay;
+  c->epsilon = g.epsilon;
+  c->adjust_lr = static_cast<int32_t>(g.adjust_lr);
+  c->flatten = g.flatten;
+  c->nesterov = g.nesterov;
+  c->cautious_wd = g.cautious_wd;
+  c->scale_lr_by_fraction = g.scale_lr_by_fraction;
+  c->momentum_dtype = g.momentum_dtype ? static_cast<int32_t>(*g.momentum_dtype) : -1;
+  c->orth_method = static_cast<int32_t>(g.orth.method);
+  if (g.orth.coefficients == dion3::polar_express_coefficients()) {
+    c->orth_coefficients = DION3_COEFF_POLAR_EXPRESS;
+  } else if (g.orth.coefficients == dion3::you_coefficients()) {
+    c->orth_coefficients = DION3_COEFF_YOU;
+  } else {
+    require(g.orth.coefficients.size() <= DION3_MAX_ORTH_STEPS,
+            "group has " + std::to_string(g.orth.coefficients.size()) +
+                " orthogonalization steps; the C API holds at most 16");
+    c->orth_coefficients = DION3_COEFF_CUSTOM;
+    c->orth_num_custom = static_cast<int32_t>(g.orth.coefficients.size());
+    for (size_t i = 0; i < g.orth.coefficients.size(); ++i)
+      for (int j = 0; j < 3; ++j) c->orth_custom[i][j] = g.orth.coefficients[i][j];
+  }
+  require(g.orth.restarts.size() <= DION3_MAX_ORTH_RESTARTS,
+          "group has " + std::to_string(g.orth.restarts.size()) +
+              " restart positions; the C API holds at most 16");
+  c->orth_num_restarts = static_cast<int32_t>(g.orth.restarts.size());
+  for (size_t i = 0; i < g.orth.restarts.size(); ++i) c->orth_restarts[i] = g.orth.restarts[i];
+  c->orth_iteration_dtype = g.orth.iteration_dtype ? static_cast<int32_t>(*g.orth.iteration_dtype) : -1;
+}
+
+void check_group(const dion3::Optimizer& e, int group) {
+  require(group >= 0 && group < e.num_groups(), "group index " + std::to_string(group) +
+                                                     " is out of range (the optimizer has " +
+                                                     std::to_string(e.num_groups()) + " groups)");
+}
+
+void check_param(const dion3::Optimizer& e, int param) {
+  require(param >= 0 && param < e.num_params(), "parameter index " + std::to_string(param) +
+                                                     " is out of range (the optimizer has " +
+                                                     std::to_string(e.num_params()) + " parameters)");
+}
+
+// --- state format --------------------------------------------------------------------------
+
+constexpr char kMagic[8] = {'D', 'I', 'O', 'N', '3', 'S', 'T', '\0'};
+constexpr uint32_t kFormatVersion = 1;
+
+uint64_t fnv1a(const unsigned char* p, size_t n) {
+  uint64_t h = 14695981039346656037ull;
+  for (size_t i = 0; i < n; ++i) {
+    h ^= p[i];
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+// Appends little-endian integers and raw bytes. With out == nullptr it only counts.
+class Writer {
+ public:
+  explicit Writer(unsigned char* out) : out_(out) {}
+  template <class T>
+  void integer(T v) {
+    using U = std::make_unsigned_t<T>;
+    U u = static_cast<U>(v);
+    for (size_t i = 0; i < sizeof(T); ++i) {
+      if (out_) out_[n_] = static_cast<unsigned char>(u >> (8 * i));
+      ++n_;
+    }
+  }
+  void bytes(const void* p, size_t n) {
+    if (out_ && n) std::memcpy(out_ + n_, p, n);
+    n_ += n;
+  }
+  void str(const std::string& s) {
+    integer<uint32_t>(static_cast<uint32_t>(s.size()));
+    bytes(s.data(), s.size());
+  }
+  size_t size() const { return n_; }
+
+ private:
+  unsigned char* out_;
+  size_t n_ = 0;
+};
+
+size_t serialize(const dion3::OptimizerState& st, unsigned char* out) {
+  Writer w(out);
+  w.bytes(kMagic, sizeof kMagic);
+  w.integer<uint32_t>(kFormatVersion);
+  w.integer<uint32_t>(0);
+  w.integer<int64_t>(st.steps);
+  w.integer<int64_t>(st.skipped);
+  w.integer<uint32_t>(static_cast<uint32_t>(st.params.size()));
+  for (const auto& p : st.params) {
+    w.str(p.name);
+    w.integer<int64_t>(p.step);
+    w.integer<uint32_t>(static_cast<uint32_t>(p.tensors.size()));
+    for (const auto& [name, t] : p.tensors) {
+      w.str(name);
+      w.integer<int32_t>(static_cast<int32_t>(t.dtype));
+      w.integer<uint32_t>(static_cast<uint32_t>(t.shape.size()));
+      for (int64_t d : t.shape) w.integer<int64_t>(d);
+      w.integer<uint64_t>(t.data.size());
+      w.bytes(t.data.data(), t.data.size());
+    }
+  }
+  size_t body = w.size();
+  w.integer<uint64_t>(out ? fnv1a(out, body) : 0);
+  return w.size();
+}
+
+// Reads what Writer wrote; every read is bounds-checked and failures name the offset.
+class Reader {
+ public:
+  Reader(const unsigned char* p, size_t n) : p_(p), n_(n) {}
+  void need(size_t k, const char* what) {
+    require(k <= n_ - pos_, std::string("state buffer is truncated while reading ") + what +
+                                " at byte " + std::to_string(pos_));
+  }
+  template <class T>
+  T integer(const char* what) {
+    need(sizeof(T), what);
+    std::make_unsigned_t<T> u = 0;
+    for (size_t i = 0; i < sizeof(T); ++i)
+      u |= static_cast<std::make_unsigned_t<T>>(p_[pos_ + i]) << (8 * i);
+    pos_ += sizeof(T);
+    return static_cast<T>(u);
+  }
+  const unsigned char* bytes(size_t k, const char* what) {
+    need(k, what);
+    const unsigned char* r = p_ + pos_;
+    pos_ += k;
+    return r;
+  }
+  std::string str(const char* what) {
+    uint32_t len = integer<uint32_t>(what);
+    const unsigned char* b = bytes(len, what);
+    return std::string(reinterpret_cast<const char*>(b), len);
+  }
+  size_t pos() const { return pos_; }
+
+ private:
+  const unsigned char* p_;
+  size_t n_;
+  size_t pos_ = 0;
+};
+
+dion3::OptimizerState parse(const unsigned char* buf, size_t size) {
+  require(size >= sizeof kMagic + 8 && std::memcmp(buf, kMagic, sizeof kMagic) == 0,
+          "state buffer does not start with the dion3 state magic \"DION3ST\"");
+  require(size >= sizeof kMagic + 16, "state buffer is truncated");
+  // The hash covers everything but its own 8 bytes: check it first, so corrupted buffers are
+  // rejected with one clear message instead of a confusing field error.
+  {
+    Reader tail(buf + size - 8, 8);
+    uint64_t stored = tail.integer<uint64_t>("hash");
+    require(stored == fnv1a(buf, size - 8),
+            "state buffer is corrupted or truncated (hash mismatch over " + std::to_string(size) +
+                " bytes)");
+  }
+  Reader r(buf, size - 8);
+  r.bytes(sizeof kMagic, "magic");
+  uint32_t version = r.integer<uint32_t>("version");
+  require(version == kFormatVersion, "state buffer has format version " + std::to_string(version) +
+                                         ", this build reads version " +
+                                         std::to_string(kFormatVersion));
+  r.integer<uint32_t>("reserved");
+  dion3::OptimizerState st;
+  st.steps = r.integer<int64_t>("steps");
+  st.skipped = r.integer<int64_t>("skipped");
+  require(st.steps >= 0 && st.skipped >= 0, "state buffer has negative step counters");
+  uint32_t nparams = r.integer<uint32_t>("parameter count");
+  for (uint32_t i = 0; i < nparams; ++i) {
+    dion3::ParamState ps;
+    ps.name = r.str("parameter name");
+    ps.step = r.integer<int64_t>("parameter step");
+    uint32_t ntensors = r.integer<uint32_t>("tensor count");
+    for (uint32_t j = 0; j < ntensors; ++j) {
+      std::string tname = r.str("tensor name");
+      std::string where = "state of parameter '" + ps.name + "', tensor '" + tname + "'";
+      dion3::HostTensor t;
+      t.dtype = to_dtype(r.integer<int32_t>("tensor dtype"), where);
+      uint32_t ndim = r.integer<uint32_t>("tensor rank");
+      require(ndim <= DION3_MAX_DIMS, where + ": rank " + std::to_string(ndim) + " is above 8");
+      uint64_t numel = 1;
+      for (uint32_t d = 0; d < ndim; ++d) {
+        int64_t e = r.integer<int64_t>("tensor shape");
+        require(e >= 0 && (e == 0 || numel <= std::numeric_limits<uint64_t>::max() / uint64_t(e)),
+                where + ": invalid dimension " + std::to_string(e));
+        t.shape.push_back(e);
+        numel *= static_cast<uint64_t>(e);
+      }
+      uint64_t nbytes = r.integer<uint64_t>("tensor size");
+      require(nbytes / dion3::dtype_size(t.dtype) == numel &&
+                  nbytes % dion3::dtype_size(t.dtype) == 0,
+              where + ": " + std::to_string(nbytes) + " bytes do not match shape " +
+                  dion3::shape_string(t.shape) + " of " + dion3::dtype_name(t.dtype));
+      const unsigned char* data = r.bytes(static_cast<size_t>(nbytes), "tensor data");
+      t.data.assign(data, data + nbytes);
+      ps.tensors.emplace_back(std::move(tname), std::move(t));
+    }
+    st.params.push_back(std::move(ps));
+  }
+  require(r.pos() == size - 8, "state buffer has " + std::to_string(size - 8 - r.pos()) +
+                                   " unexpected bytes after the last parameter");
+  return st;
+}
+
+}  // namespace
+
+// ============================================================================================
+
+extern "C" {
+
+const char* dion3_last_error(void) { return g_last_error.c_str(); }
+
+const char* dion3_version(void) { return "0.1.0"; }
+
+int dion3_cuda_available(void) {
+  try {
+    return dion3::cuda_available() ? 1 : 0;
+  } catch (...) {
+    return 0;
+  }
+}
+
+const char* dion3_status_name(int status) {
+  switch (status) {
+    case DION3_OK: return "ok";
+    case DION3_INVALID_ARGUMENT: return "invalid argument";
+    case DION3_NON_FINITE: return "non-finite gradient";
+    case DION3_UNSUPPORTED: return "unsupported";
+    case DION3_INTERNAL: return "internal error";
+    default: return "unknown status";
+  }
+}
+
+dion3_status dion3_create(dion3_optimizer** out, int device, int device_index, void* cuda_stream,
+                          int on_nonfinite) {
+  return guard([&] {
+    checked(out, "dion3_create: out");
+    *out = nullptr;
+    auto dev = to_enum<dion3::Device>(device, DION3_DEVICE_CPU, DION3_DEVICE_CUDA, "dion3_create: device");
+    dion3::OptimizerOptions o;
+    o.on_nonfinite = to_enum<dion3::NonFinitePolicy>(on_nonfinite, 0, 1, "dion3_create: on_nonfinite");
+    std::unique_ptr<dion3::Backend> backend =
+        dev == dion3::Device::CPU ? dion3::make_cpu_backend()
+                                  : dion3::make_cuda_backend(device_index, cuda_stream, nullptr);
+    *out = new dion3_optimizer(std::move(backend), o);
+  });
+}
+
+void dion3_destroy(dion3_optimizer* opt) {
+  try {
+    delete opt;
+  } catch (...) {
+    // A destructor that throws has nowhere to report to; swallow rather than terminate.
+  }
+}
+
+dion3_status dion3_set_stream(dion3_optimizer* opt, void* cuda_stream) {
+  return guard([&] { checked(opt, "optimizer")->engine.backend().set_stream(cuda_stream); });
+}
+
+void dion3_group_config_default(dion3_group_config* c) {
+  if (!c) return;
+  std::memset(c, 0, sizeof *c);
+  const dion3::GroupConfig d;  // the C++ defaults are the single source of truth
+  c->algorithm = static_cast<int32_t>(d.algorithm);
+  c->lr = d.lr;
+  c->fraction = d.fraction;
+  c->mu = d.mu;
+  c->muon_beta2 = d.muon_beta2;
+  c->betas[0] = d.betas[0];
+  c->betas[1] = d.betas[1];
+  c->weight_decay = d.weight_decay;
+  c->epsilon = d.epsilon;
+  c->adjust_lr = static_cast<int32_t>(d.adjust_lr);
+  c->flatten = d.flatten;
+  c->nesterov = d.nesterov;
+  c->cautious_wd = d.cautious_wd;
+  c->scale_lr_by_fraction = d.scale_lr_by_fraction;
+  c->momentum_dtype = -1;
+  c->orth_method = static_cast<int32_t>(d.orth.method);
+  c->orth_coefficients = DION3_COEFF_POLAR_EXPRESS;
+  c->orth_num_custom = 0;
+  c->orth_num_restarts = static_cast<int32_t>(d.orth.restarts.size());
+  for (size_t i = 0; i < d.orth.restarts.size() && i < DION3_MAX_ORTH_RESTARTS; ++i)
+    c->orth_restarts[i] = d.orth.restarts[i];
+  c->orth_iteration_dtype = -1;
+}
+
+dion3_status dion3_add_group(dion3_optimizer* opt, const dion3_group_config* cfg, int* group_index) {
+  return guard([&] {
+    checked(opt, "optimizer");
+    int g = opt->engine.add_group(to_config(cfg));
+    if (group_index) *group_index = g;
+  });
+}
+
+dion3_status dion3_get_group_config(const dion3_optimizer* opt, int group, dion3_group_config* out) {
+  return guard([&] {
+    checked(opt, "optimizer");
+    checked(out, "out");
+    check_group(opt->engine, group);
+    dion3_group_config tmp;
+    from_config(opt->engine.group(group), &tmp);
+    *out = tmp;
+  });
+}
+
+dion3_status dion3_set_group_config(dion3_optimizer* opt, int group, const dion3_group_config* cfg) {
+  return guard([&] {
+    checked(opt, "optimizer");
+    check_group(opt->engine, group);
+    dion3::GroupConfig g = to_config(cfg);
+    // Changing the algorithm would change the state a parameter needs: not an edit.
+    require(g.algorithm == opt->engine.group(group).algorithm,
+            "group " + std::to_string(group) + ": the algorithm of a group cannot change (" +
+                dion3::algorithm_name(opt->engine.group(group).algorithm) + " -> " +
+                dion3::algorithm_name(g.algorithm) + ")");
+    g.validate();
+    opt->engine.group(group) = g;
+  });
+}
+
+dion3_status dion3_set_lr(dion3_optimizer* opt, int group, double lr) {
+  return guard([&] {
+    checked(opt, "optimizer");
+    check_group(opt->engine, group);
+    require(lr >= 0.0 && lr < std::numeric_limits<double>::infinity(),
+            "group " + std::to_string(group) + ": lr must be finite and >= 0, got " + std::to_string(lr));
+    opt->engine.group(group).lr = lr;
+  });
+}
+
+dion3_status dion3_add_param(dion3_optimizer* opt, int group, const char* name,
+                             const dion3_tensor* weight, const dion3_tensor* grad, int* param_index) {
+  return guard([&] {
+    checked(opt, "optimizer");
+    checked(name, "parameter name");
+    check_group(opt->engine, group);
+    std::string n(name);
+    dion3::ParamSpec spec;
+    spec.name = n;
+    spec.weight = to_view(weight, "parameter '" + n + "': weight");
+    spec.grad = to_view(grad, "parameter '" + n + "': grad");
+    int p = opt->engine.add_param(group, spec);
+    if (param_index) *param_index = p;
+  });
+}
+
+dion3_status dion3_set_grad(dion3_optimizer* opt, int param, const dion3_tensor* grad) {
+  return guard([&] {
+    checked(opt, "optimizer");
+    check_param(opt->engine, param);
+    opt->engine.set_grad(param, to_view(grad, "parameter '" + opt->engine.param_name(param) + "': grad"));
+  });
+}
+
+dion3_status dion3_num_params(const dion3_optimizer* opt, int* count) {
+  return guard([&] { *checked(count, "count") = checked(opt, "optimizer")->engine.num_params(); });
+}
+
+dion3_status dion3_step(dion3_optimizer* opt, int* applied) {
+  if (applied) *applied = 0;
+  return guard([&] {
+    bool ok = checked(opt, "optimizer")->engine.step();
+    if (applied) *applied = ok ? 1 : 0;
+  });
+}
+
+dion3_status dion3_steps(const dion3_optimizer* opt, int64_t* taken, int64_t* skipped) {
+  return guard([&] {
+    checked(opt, "optimizer");
+    if (taken) *taken = opt->engine.steps_taken();
+    if (skipped) *skipped = opt->engine.steps_skipped();
+  });
+}
+
+dion3_status dion3_plan(dion3_optimizer* opt, dion3_megabatch_info* out, size_t capacity,
+                        size_t* count) {
+  return guard([&] {
+    checked(opt, "optimizer");
+    checked(count, "count");
+    require(out != nullptr || capacity == 0, "out is NULL but capacity is " + std::to_string(capacity));
+    std::vector<dion3::MegabatchInfo> plan = opt->engine.plan();
+    for (size_t i = 0; i < plan.size() && i < capacity; ++i) {
+      const auto& m = plan[i];
+      dion3_megabatch_info& o = out[i];
+      o.group = m.group;
+      o.algorithm = static_cast<int32_t>(m.algorithm);
+      o.rows = m.rows;
+      o.cols = m.cols;
+      o.dtype = static_cast<int32_t>(m.dtype);
+      o.count = m.count;
+      o.selected_rows = m.selected_rows;
+      o.method = static_cast<int32_t>(m.method);
+      o.iteration_dtype = static_cast<int32_t>(m.iteration_dtype);
+      o.workspace_bytes = m.workspace_bytes;
+    }
+    *count = plan.size();
+  });
+}
+
+dion3_status dion3_state_size(const dion3_optimizer* opt, size_t* bytes) {
+  return guard([&] {
+    checked(opt, "optimizer");
+    checked(bytes, "bytes");
+    size_t total = 0;
+    for (int p = 0; p < opt->engine.num_params(); ++p)
+      for (const auto& [name, view] : opt->engine.state_views(p)) total += view.bytes();
+    *bytes = total;
+  });
+}
+
+dion3_status dion3_export_size(const dion3_optimizer* opt, size_t* bytes) {
+  return guard([&] {
+    checked(opt, "optimizer");
+    checked(bytes, "bytes");
+    *bytes = serialize(opt->engine.export_state(), nullptr);
+  });
+}
+
+dion3_status dion3_export_state(const dion3_optimizer* opt, void* buf, size_t capacity,
+                                size_t* written) {
+  return guard([&] {
+    checked(opt, "optimizer");
+    dion3::OptimizerState st = opt->engine.export_state();
+    size_t need = serialize(st, nullptr);
+    require(buf != nullptr, "buffer is NULL");
+    require(capacity >= need, "buffer holds " + std::to_string(capacity) + " bytes but the state needs " +
+                                  std::to_string(need) + " (see dion3_export_size)");
+    serialize(st, static_cast<unsigned char*>(buf));
+    if (written) *written = need;
+  });
+}
+
+dion3_status dion3_import_state(dion3_optimizer* opt, const void* buf, size_t size) {
+  return guard([&] {
+    checked(opt, "optimizer");
+    checked(buf, "buffer");
+    dion3::OptimizerState st = parse(static_cast<const unsigned char*>(buf), size);
+    opt->engine.import_state(st);  // checks names, dtypes and shapes before copying
+  });
+}
+
+}  // extern "C"
