@@ -109,7 +109,8 @@ class Backend {
   // --- orthogonalization primitives (contiguous batches, fp32 accumulation) -------------
   // out[b] = in[b] / (||in[b]||_F + eps), rounded to out.dtype.
   virtual void normalize(MatrixView in, MatrixView out, float eps) = 0;
-  virtual void transpose(MatrixView in, MatrixView out) = 0;  // also converts dtype
+  // out = in (or in^T when `transpose`), converting between any float dtypes.
+  virtual void convert(MatrixView in, MatrixView out, bool transpose) = 0;
   // C = alpha*op(A)*op(B) + beta*C.
   virtual void gemm(bool trans_a, bool trans_b, float alpha, MatrixView A, MatrixView B,
                     float beta, MatrixView C) = 0;
@@ -119,6 +120,8 @@ class Backend {
   // symmetric); D may be null. C must not alias A or B; it may alias D.
   virtual void sym_product(float alpha, MatrixView A, MatrixView B, float beta, const MatrixView* D,
                            float gamma, MatrixView C) = 0;
+  // C = X + gamma*I (square matrices; C may alias X).
+  virtual void add_identity(MatrixView X, float gamma, MatrixView C) = 0;
   // Cost of a symmetric product relative to the full GEMM of the same size (1 = no savings).
   virtual double symmetric_cost_factor() const { return 1.0; }
   // Iteration dtype when the user leaves it open.

@@ -1,0 +1,141 @@
+// config.cpp — hyper-parameter parsing, validation and the learning-rate rules of SPEC §1.
+#include "dion3/config.hpp"
+
+#include <cmath>
+#include <sstream>
+
+#include "dion3/error.hpp"
+
+namespace dion3 {
+
+namespace {
+
+std::string num(double v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
+}
+
+void require_nonnegative(const char* field, double v) {
+  if (!(v >= 0.0) || !std::isfinite(v))
+    fail(std::string("'") + field + "' must be a finite number >= 0, got " + num(v));
+}
+
+void require_unit_interval(const char* field, double v) {
+  if (!(v >= 0.0 && v < 1.0)) fail(std::string("'") + field + "' must lie in [0, 1), got " + num(v));
+}
+
+}  // namespace
+
+const char* algorithm_name(Algorithm a) {
+  switch (a) {
+    case Algorithm::Dion3: return "dion3";
+    case Algorithm::NorMuon: return "normuon";
+    case Algorithm::Muon: return "muon";
+    case Algorithm::AdamW: return "adamw";
+    case Algorithm::Lion: return "lion";
+  }
+  return "unknown";
+}
+
+Algorithm parse_algorithm(const std::string& name) {
+  if (name == "dion3" || name == "nordion2") return Algorithm::Dion3;
+  if (name == "normuon") return Algorithm::NorMuon;
+  if (name == "muon") return Algorithm::Muon;
+  if (name == "adamw") return Algorithm::AdamW;
+  if (name == "lion") return Algorithm::Lion;
+  fail("'algorithm' must be one of dion3, nordion2, normuon, muon, adamw, lion; got '" + name + "'");
+}
+
+AdjustLR parse_adjust_lr(const std::string& name) {
+  if (name == "spectral_norm") return AdjustLR::SpectralNorm;
+  if (name == "rms_norm") return AdjustLR::RmsNorm;
+  if (name == "none" || name == "None" || name.empty()) return AdjustLR::None;
+  fail("'adjust_lr' must be 'spectral_norm', 'rms_norm' or None; got '" + name + "'");
+}
+
+OrthMethod parse_orth_method(const std::string& name) {
+  if (name == "auto") return OrthMethod::Auto;
+  if (name == "standard") return OrthMethod::Standard;
+  if (name == "gram") return OrthMethod::Gram;
+  fail("'orthogonalizer' must be 'auto', 'standard' or 'gram'; got '" + name + "'");
+}
+
+NonFinitePolicy parse_nonfinite(const std::string& name) {
+  if (name == "raise") return NonFinitePolicy::Raise;
+  if (name == "skip") return NonFinitePolicy::Skip;
+  fail("'on_nonfinite' must be 'raise' or 'skip'; got '" + name + "'");
+}
+
+bool is_matrix_algorithm(Algorithm a) {
+  return a == Algorithm::Dion3 || a == Algorithm::NorMuon || a == Algorithm::Muon;
+}
+
+const std::vector<Coefficients>& polar_express_coefficients() {
+  static const std::vector<Coefficients> c = {
+      {7.892582874424408, -20.383013945879568, 13.555306149406924},
+      {3.911484868135431, -2.546463592906088, 0.426898831967307},
+      {3.760657955697423, -2.512819018216563, 0.432364734907007},
+      {3.160399673686287, -2.149649518898498, 0.399636690766439},
+      {2.191097161861730, -1.441662010214663, 0.328146487623155},
+  };
+  return c;
+}
+
+const std::vector<Coefficients>& you_coefficients() {
+  static const std::vector<Coefficients> c = {
+      {4.0848, -6.8946, 2.9270}, {3.9505, -6.3029, 2.6377}, {3.7418, -5.5913, 2.3037},
+      {2.8769, -3.1427, 1.2046}, {2.8366, -3.0525, 1.2012},
+  };
+  return c;
+}
+
+void OrthConfig::validate() const {
+  if (coefficients.empty()) fail("'coefficients' must hold at least one (a, b, c) step, got none");
+  for (std::size_t i = 0; i < coefficients.size(); ++i)
+    for (double v : coefficients[i])
+      if (!std::isfinite(v)) fail("'coefficients' step " + std::to_string(i) + " is not finite");
+  for (int r : restarts)
+    if (r < 0 || r >= static_cast<int>(coefficients.size()))
+      fail("'restarts' positions must lie in [0, " + std::to_string(coefficients.size()) +
+           "), got " + std::to_string(r));
+  if (iteration_dtype && !is_float_param_dtype(*iteration_dtype))
+    fail(std::string("'iteration_dtype' must be float32, float16 or bfloat16, got ") +
+         dtype_name(*iteration_dtype));
+}
+
+void GroupConfig::validate() const {
+  require_nonnegative("lr", lr);
+  require_nonnegative("weight_decay", weight_decay);
+  if (!(epsilon > 0.0)) fail("'epsilon' must be > 0, got " + num(epsilon));
+  if (is_matrix_algorithm(algorithm)) {
+    if (!(fraction > 0.0 && fraction <= 1.0))
+      fail("'fraction' must lie in (0, 1], got " + num(fraction));
+    require_unit_interval("mu", mu);
+    require_unit_interval("muon_beta2", muon_beta2);
+    if (momentum_dtype && !is_float_param_dtype(*momentum_dtype))
+      fail(std::string("'momentum_dtype' must be float32, float16 or bfloat16, got ") +
+           dtype_name(*momentum_dtype));
+    orth.validate();
+  } else {
+    require_unit_interval("betas[0]", betas[0]);
+    require_unit_interval("betas[1]", betas[1]);
+  }
+}
+
+double GroupConfig::base_lr() const {
+  if (algorithm == Algorithm::Dion3 && scale_lr_by_fraction) return lr / std::sqrt(fraction);
+  return lr;
+}
+
+double GroupConfig::adjusted_lr(int64_t m, int64_t n) const {
+  const double eta = base_lr();
+  switch (adjust_lr) {
+    case AdjustLR::SpectralNorm: return eta * std::sqrt(static_cast<double>(m) / static_cast<double>(n));
+    case AdjustLR::RmsNorm: return eta * 0.2 * std::sqrt(static_cast<double>(std::max(m, n)));
+    case AdjustLR::None: return eta;
+  }
+  return eta;
+}
+
+}  // namespace dion3

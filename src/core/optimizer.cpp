@@ -1,0 +1,400 @@
+// optimizer.cpp — the engine: registration and validation, megabatch planning, the step (SPEC §1).
+#include "dion3/optimizer.hpp"
+
+#include <cmath>
+#include <map>
+#include <tuple>
+
+#include "core/engine.hpp"
+#include "dion3/error.hpp"
+
+namespace dion3 {
+
+namespace {
+
+MatrixView matrix_of(const TensorView& t, DType dtype, int64_t index, int64_t rows, int64_t cols) {
+  char* base = static_cast<char*>(t.data) + static_cast<std::size_t>(index * rows * cols) * dtype_size(dtype);
+  return MatrixView::contiguous(base, dtype, 1, rows, cols);
+}
+
+MatrixView flat_of(const TensorView& t) {
+  return MatrixView::contiguous(t.data, t.dtype, 1, 1, t.numel());
+}
+
+// Structural settings that decide the plan and the state layout.
+bool same_structure(const GroupConfig& a, const GroupConfig& b) {
+  return a.algorithm == b.algorithm && a.flatten == b.flatten && a.momentum_dtype == b.momentum_dtype;
+}
+bool same_plan(const GroupConfig& a, const GroupConfig& b) {
+  return same_structure(a, b) && a.fraction == b.fraction && a.orth.method == b.orth.method &&
+         a.orth.coefficients == b.orth.coefficients && a.orth.restarts == b.orth.restarts &&
+         a.orth.iteration_dtype == b.orth.iteration_dtype;
+}
+
+std::string group_error(int g, const std::string& what) { return "group " + std::to_string(g) + ": " + what; }
+
+}  // namespace
+
+const TensorView* Param::find_state(const std::string& key) const {
+  for (const auto& [name, view] : state)
+    if (name == key) return &view;
+  return nullptr;
+}
+
+std::string Optimizer::Impl::describe(int param) const {
+  return "parameter " + std::to_string(param) + " '" + params[param].name + "'";
+}
+
+std::vector<Optimizer::Impl::StateSpec> Optimizer::Impl::state_specs(const Param& p) const {
+  const GroupConfig& g = groups[p.group];
+  switch (g.algorithm) {
+    case Algorithm::Dion3:
+    case Algorithm::NorMuon:
+      return {{"momentum", g.momentum_dtype.value_or(p.weight.dtype), p.weight.shape},
+              {"variance", DType::F32, {p.count * p.rows}}};
+    case Algorithm::Muon: return {{"momentum", g.momentum_dtype.value_or(p.weight.dtype), p.weight.shape}};
+    case Algorithm::AdamW:
+      return {{"exp_avg", p.weight.dtype, p.weight.shape}, {"exp_avg_sq", p.weight.dtype, p.weight.shape}};
+    case Algorithm::Lion: return {{"exp_avg", p.weight.dtype, p.weight.shape}};
+  }
+  return {};
+}
+
+Optimizer::Optimizer(std::unique_ptr<Backend> backend, OptimizerOptions options) : impl_(new Impl) {
+  if (!backend) fail("Optimizer needs a backend, got null");
+  impl_->backend = std::move(backend);
+  impl_->options = options;
+  impl_->flag = DeviceBuffer(impl_->backend->allocator(), sizeof(int));
+}
+
+Optimizer::~Optimizer() = default;
+
+int Optimizer::add_group(const GroupConfig& config) {
+  const int g = static_cast<int>(impl_->groups.size());
+  try {
+    config.validate();
+  } catch (const Error& e) {
+    fail(group_error(g, std::string(e.what()).substr(7)));  // strip the "dion3: " prefix
+  }
+  impl_->groups.push_back(config);
+  impl_->plan_valid = false;
+  return g;
+}
+
+namespace {
+
+void check_tensor(const std::string& who, const char* role, const TensorView& t, Device device) {
+  if (!is_float_param_dtype(t.dtype))
+    fail(who + " " + role + " has dtype " + dtype_name(t.dtype) +
+         " but dion3 supports float32, float16 and bfloat16");
+  if (t.device != device)
+    fail(who + " " + role + " is on " + device_name(t.device) + " but this optimizer runs on " +
+         device_name(device));
+  for (int64_t s : t.shape)
+    if (s < 0) fail(who + " " + role + " has a negative dimension in shape " + t.shape_str());
+  if (!t.data && t.numel() > 0) fail(who + " " + role + " has a null data pointer");
+}
+
+void check_grad(const std::string& who, const TensorView& weight, const TensorView& grad, Device device) {
+  check_tensor(who, "gradient", grad, device);
+  if (grad.shape != weight.shape)
+    fail(who + " has weight shape " + weight.shape_str() + " but its gradient has shape " + grad.shape_str());
+}
+
+}  // namespace
+
+int Optimizer::add_param(int group, const ParamSpec& spec) {
+  Impl& s = *impl_;
+  const int index = static_cast<int>(s.params.size());
+  const std::string who = "parameter " + std::to_string(index) + " '" + spec.name + "'";
+  if (group < 0 || group >= static_cast<int>(s.groups.size()))
+    fail(who + " names group " + std::to_string(group) + " but the optimizer has " +
+         std::to_string(s.groups.size()) + " groups");
+  const GroupConfig& g = s.groups[group];
+  const Device device = s.backend->device();
+  check_tensor(who, "weight", spec.weight, device);
+  if (spec.grad.data || !spec.grad.shape.empty()) check_grad(who, spec.weight, spec.grad, device);
+
+  Param p;
+  p.name = spec.name;
+  p.group = group;
+  p.weight = spec.weight;
+  p.grad = spec.grad;
+  const auto& shape = spec.weight.shape;
+  if (is_matrix_algorithm(g.algorithm)) {
+    if (shape.size() < 2)
+      fail(who + " has shape " + spec.weight.shape_str() + " but " +
+           (g.algorithm == Algorithm::Dion3 ? "Dion3" : g.algorithm == Algorithm::Muon ? "Muon" : "NorMuon") +
+           " needs a matrix; put 1-D tensors in an 'adamw' or 'lion' group");
+    if (g.flatten || shape.size() == 2) {
+      p.count = 1;
+      p.rows = shape[0];
+      p.cols = spec.weight.numel() / std::max<int64_t>(shape[0], 1);
+    } else {
+      p.rows = shape[shape.size() - 2];
+      p.cols = shape.back();
+      p.count = spec.weight.numel() / std::max<int64_t>(p.rows * p.cols, 1);
+    }
+    if (p.rows < 1 || p.cols < 1 || p.count < 1)
+      fail(who + " has shape " + spec.weight.shape_str() + " with an empty dimension; a matrix needs rows and columns");
+  }
+
+  // State: validate the caller's tensors first, then allocate the missing ones.
+  s.params.push_back(std::move(p));
+  Param& added = s.params.back();
+  try {
+    const auto specs = s.state_specs(added);
+    for (const auto& [name, view] : spec.state) {
+      bool known = false;
+      for (const auto& want : specs) known |= (want.name == name);
+      if (!known) fail(who + " was given state '" + name + "', which " + algorithm_name(g.algorithm) + " does not use");
+    }
+    for (const auto& want : specs) {
+      const TensorView* given = nullptr;
+      for (const auto& [name, view] : spec.state)
+        if (name == want.name) given = &view;
+      if (given) {
+        if (given->dtype != want.dtype || given->shape != want.shape || given->device != device)
+          fail(who + " state '" + want.name + "' must be " + dtype_name(want.dtype) + " " + shape_string(want.shape) +
+               " on " + device_name(device) + ", got " + dtype_name(given->dtype) + " " + given->shape_str() +
+               " on " + device_name(given->device));
+        added.state.emplace_back(want.name, *given);
+      }
+    }
+    for (const auto& want : specs) {
+      if (added.find_state(want.name)) continue;
+      TensorView t{nullptr, want.dtype, device, 0, want.shape};
+      added.owned.emplace_back(s.backend->allocator(), std::max<std::size_t>(t.bytes(), 1));
+      t.data = added.owned.back().get();
+      s.backend->fill_zero(t.data, t.bytes());
+      added.state.emplace_back(want.name, t);
+    }
+    // Keep the algorithm's order regardless of the order the caller gave.
+    std::vector<std::pair<std::string, TensorView>> ordered;
+    for (const auto& want : specs) ordered.emplace_back(want.name, *added.find_state(want.name));
+    added.state = std::move(ordered);
+  } catch (...) {
+    s.params.pop_back();
+    throw;
+  }
+  s.plan_valid = false;
+  return index;
+}
+
+void Optimizer::set_grad(int param, const TensorView& grad) {
+  Impl& s = *impl_;
+  if (param < 0 || param >= static_cast<int>(s.params.size()))
+    fail("set_grad: no parameter " + std::to_string(param) + " (the optimizer has " +
+         std::to_string(s.params.size()) + ")");
+  check_grad(s.describe(param), s.params[param].weight, grad, s.backend->device());
+  s.params[param].grad = grad;
+}
+
+GroupConfig& Optimizer::group(int index) {
+  if (index < 0 || index >= num_groups()) fail("no group " + std::to_string(index));
+  return impl_->groups[index];
+}
+const GroupConfig& Optimizer::group(int index) const { return const_cast<Optimizer*>(this)->group(index); }
+int Optimizer::num_groups() const { return static_cast<int>(impl_->groups.size()); }
+int Optimizer::num_params() const { return static_cast<int>(impl_->params.size()); }
+const std::string& Optimizer::param_name(int param) const {
+  if (param < 0 || param >= num_params()) fail("no parameter " + std::to_string(param));
+  return impl_->params[param].name;
+}
+int64_t Optimizer::steps_taken() const { return impl_->steps; }
+int64_t Optimizer::steps_skipped() const { return impl_->skipped; }
+Backend& Optimizer::backend() { return *impl_->backend; }
+const OptimizerOptions& Optimizer::options() const { return impl_->options; }
+
+std::vector<std::pair<std::string, TensorView>> Optimizer::state_views(int param) const {
+  if (param < 0 || param >= num_params()) fail("no parameter " + std::to_string(param));
+  return impl_->params[param].state;
+}
+
+void Optimizer::Impl::build_plan() {
+  megabatches.clear();
+  using Key = std::tuple<int, int64_t, int64_t, int, int, int>;
+  std::map<Key, std::size_t> index;
+  for (int i = 0; i < static_cast<int>(params.size()); ++i) {
+    const Param& p = params[i];
+    const GroupConfig& g = groups[p.group];
+    if (!is_matrix_algorithm(g.algorithm)) continue;
+    const DType mom = state_specs(p)[0].dtype;
+    const Key key{p.group, p.rows, p.cols, static_cast<int>(p.weight.dtype), static_cast<int>(p.grad.dtype),
+                  static_cast<int>(mom)};
+    auto [it, fresh] = index.try_emplace(key, megabatches.size());
+    if (fresh) {
+      Megabatch mb;
+      mb.group = p.group;
+      mb.rows = p.rows;
+      mb.cols = p.cols;
+      mb.weight_dtype = p.weight.dtype;
+      mb.grad_dtype = p.grad.dtype;
+      mb.momentum_dtype = mom;
+      mb.k = g.algorithm == Algorithm::Dion3
+                 ? std::max<int64_t>(1, static_cast<int64_t>(std::ceil(g.fraction * static_cast<double>(p.rows))))
+                 : p.rows;
+      megabatches.push_back(std::move(mb));
+    }
+    for (int64_t j = 0; j < p.count; ++j) megabatches[it->second].members.emplace_back(i, j);
+  }
+  Allocator& alloc = backend->allocator();
+  for (Megabatch& mb : megabatches) {
+    const GroupConfig& g = groups[mb.group];
+    const auto n = static_cast<int64_t>(mb.members.size());
+    mb.set = backend->new_matrix_set();
+    mb.orth = std::make_unique<Orthogonalizer>(*backend, g.orth, n, mb.k, mb.cols);
+    if (g.algorithm == Algorithm::Dion3) {
+      mb.scores = DeviceBuffer(alloc, static_cast<std::size_t>(n * mb.rows) * sizeof(float));
+      mb.indices = DeviceBuffer(alloc, static_cast<std::size_t>(n * mb.k) * sizeof(int32_t));
+    }
+    mb.update = DeviceBuffer(alloc, static_cast<std::size_t>(n * mb.k * mb.cols) * sizeof(float));
+  }
+  planned = groups;
+  plan_valid = true;
+}
+
+std::vector<MegabatchInfo> Optimizer::plan() {
+  Impl& s = *impl_;
+  if (!s.plan_valid) s.build_plan();
+  std::vector<MegabatchInfo> out;
+  for (const Megabatch& mb : s.megabatches) {
+    MegabatchInfo info;
+    info.group = mb.group;
+    info.algorithm = s.groups[mb.group].algorithm;
+    info.rows = mb.rows;
+    info.cols = mb.cols;
+    info.dtype = mb.weight_dtype;
+    info.count = static_cast<int64_t>(mb.members.size());
+    info.selected_rows = mb.k;
+    info.method = mb.orth->method();
+    info.iteration_dtype = mb.orth->iteration_dtype();
+    info.workspace_bytes = mb.orth->workspace_bytes() + mb.scores.bytes() + mb.indices.bytes() + mb.update.bytes();
+    out.push_back(info);
+  }
+  return out;
+}
+
+bool Optimizer::step() {
+  Impl& s = *impl_;
+  Backend& be = *s.backend;
+
+  // 1. Validate everything before touching memory.
+  if (s.groups.empty()) fail("step: the optimizer has no parameter groups");
+  std::vector<int> group_size(s.groups.size(), 0);
+  for (const Param& p : s.params) ++group_size[p.group];
+  for (int g = 0; g < num_groups(); ++g) {
+    if (group_size[g] == 0) fail(group_error(g, "the group is empty; every group needs at least one parameter"));
+    try {
+      s.groups[g].validate();
+    } catch (const Error& e) {
+      fail(group_error(g, std::string(e.what()).substr(7)));
+    }
+    if (s.plan_valid && !same_structure(s.groups[g], s.planned[g]) && s.state_created)
+      fail(group_error(g, "'algorithm', 'flatten' and 'momentum_dtype' cannot change once state exists"));
+  }
+  for (int i = 0; i < num_params(); ++i) {
+    const Param& p = s.params[i];
+    if (!p.grad.data && p.weight.numel() > 0) fail(s.describe(i) + " has no gradient; call set_grad before step");
+  }
+  for (int g = 0; s.plan_valid && g < num_groups(); ++g)
+    if (!same_plan(s.groups[g], s.planned[g])) s.plan_valid = false;
+  if (!s.plan_valid) s.build_plan();
+  // Gradient dtypes are part of the megabatch key: re-plan if set_grad changed one.
+  for (const Megabatch& mb : s.megabatches)
+    for (const auto& [pi, j] : mb.members)
+      if (s.params[pi].grad.dtype != mb.grad_dtype) s.plan_valid = false;
+  if (!s.plan_valid) s.build_plan();
+  s.state_created = true;
+
+  // 2. Non-finite gradients raise a device flag that every mutating op below obeys.
+  int* flag = s.flag.as<int>();
+  be.fill_zero(flag, sizeof(int));
+  std::vector<MatrixView> grads;
+  for (const Param& p : s.params) grads.push_back(flat_of(p.grad));
+  be.check_finite(grads, flag);
+
+  // 3. Matrix megabatches.
+  for (Megabatch& mb : s.megabatches) {
+    const GroupConfig& g = s.groups[mb.group];
+    mb.set->mats.clear();
+    for (const auto& [pi, j] : mb.members) {
+      Param& p = s.params[pi];
+      ParamMatrix pm;
+      pm.weight = matrix_of(p.weight, p.weight.dtype, j, p.rows, p.cols);
+      pm.grad = matrix_of(p.grad, p.grad.dtype, j, p.rows, p.cols);
+      pm.momentum = matrix_of(p.state[0].second, mb.momentum_dtype, j, p.rows, p.cols);
+      if (p.state.size() > 1) pm.variance = static_cast<float*>(p.state[1].second.data) + j * p.rows;
+      mb.set->mats.push_back(pm);
+    }
+    be.refresh(*mb.set);
+    const auto n = static_cast<int64_t>(mb.members.size());
+    MatrixView U = MatrixView::contiguous(mb.update.get(), DType::F32, n, mb.k, mb.cols);
+    UpdateParams up;
+    up.lr = static_cast<float>(g.base_lr());
+    up.weight_decay = static_cast<float>(g.weight_decay);
+    up.adjusted_lr = static_cast<float>(g.adjusted_lr(mb.rows, mb.cols));
+    up.beta2 = static_cast<float>(g.muon_beta2);
+    up.cautious_wd = g.cautious_wd;
+    const float mu = static_cast<float>(g.mu);
+    if (g.algorithm == Algorithm::Dion3) {
+      float* scores = mb.scores.as<float>();
+      int32_t* idx = mb.indices.as<int32_t>();
+      be.accumulate(*mb.set, 1.0f, scores, flag);                // M += G, row l1 scores
+      be.select_rows(scores, n, mb.rows, mb.k, idx, flag);         // S = top-k rows
+      be.gather_rows(*mb.set, idx, mb.k, 1.0f, 0.0f, mu, U, flag);  // U = M[S]; M[S] *= mu
+      mb.orth->run(U, U);
+      up.normuon = true;
+      be.apply_update(*mb.set, idx, mb.k, U, up, flag);
+    } else {
+      be.accumulate(*mb.set, mu, nullptr, flag);  // M = mu M + G
+      if (g.nesterov) be.gather_rows(*mb.set, nullptr, mb.k, mu, 1.0f, 1.0f, U, flag);
+      else be.gather_rows(*mb.set, nullptr, mb.k, 1.0f, 0.0f, 1.0f, U, flag);
+      mb.orth->run(U, U);
+      up.normuon = g.algorithm == Algorithm::NorMuon;
+      be.apply_update(*mb.set, nullptr, mb.k, U, up, flag);
+    }
+  }
+
+  // 4. Element-wise parameters.
+  for (Param& p : s.params) {
+    const GroupConfig& g = s.groups[p.group];
+    if (is_matrix_algorithm(g.algorithm) || p.weight.numel() == 0) continue;
+    ElementwiseParam e;
+    e.weight = flat_of(p.weight);
+    e.grad = flat_of(p.grad);
+    e.exp_avg = flat_of(p.state[0].second);
+    const float lr = static_cast<float>(g.lr), wd = static_cast<float>(g.weight_decay);
+    const float b1 = static_cast<float>(g.betas[0]), b2 = static_cast<float>(g.betas[1]);
+    if (g.algorithm == Algorithm::AdamW) {
+      e.exp_avg_sq = flat_of(p.state[1].second);
+      const double t = static_cast<double>(p.step + 1);
+      AdamWParams h{lr, b1, b2, wd, static_cast<float>(g.epsilon),
+                    static_cast<float>(1.0 - std::pow(g.betas[0], t)),
+                    static_cast<float>(1.0 - std::pow(g.betas[1], t))};
+      be.adamw(e, h, flag);
+    } else {
+      be.lion(e, LionParams{lr, b1, b2, wd}, flag);
+    }
+  }
+
+  // 5. The verdict: one host synchronisation.
+  if (be.read_flag(flag) != 0) {
+    if (s.options.on_nonfinite == NonFinitePolicy::Raise) {
+      for (int i = 0; i < num_params(); ++i) {
+        be.fill_zero(flag, sizeof(int));
+        be.check_finite(std::span<const MatrixView>(&grads[i], 1), flag);
+        if (be.read_flag(flag)) fail(s.describe(i) + " has a non-finite gradient (NaN or Inf); the step was not applied "
+                      "(on_nonfinite='raise'; use 'skip' to drop such steps)", Status::NonFinite);
+      }
+      fail("a gradient is non-finite; the step was not applied", Status::NonFinite);
+    }
+    ++s.skipped;
+    return false;
+  }
+  for (Param& p : s.params) ++p.step;
+  ++s.steps;
+  return true;
+}
+
+}  // namespace dion3

@@ -1,0 +1,153 @@
+// orthogonalize.cpp — standard and Gram Newton–Schulz (SPEC §2) over backend primitives.
+//
+// Buffers live in one workspace allocated at planning time, in the iteration dtype:
+// two wide p x q matrices (X and a ping-pong partner) and five p x p squares.
+#include "dion3/orthogonalize.hpp"
+
+#include <algorithm>
+#include <utility>
+
+#include "dion3/error.hpp"
+
+namespace dion3 {
+
+namespace {
+constexpr int kWide = 2;
+constexpr int kSquares = 5;
+constexpr float kNormEps = 1e-7f;
+
+bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
+}  // namespace
+
+double effective_ns_flops(int64_t batch, int64_t rows, int64_t cols, int steps) {
+  const double p = static_cast<double>(std::min(rows, cols)), q = static_cast<double>(std::max(rows, cols));
+  return static_cast<double>(batch) * steps * (4.0 * p * p * q + 2.0 * p * p * p);
+}
+
+double standard_ns_flops(int64_t batch, int64_t p, int64_t q, int steps, double sym) {
+  const double P = static_cast<double>(p), Q = static_cast<double>(q);
+  const double per_step = 2 * P * P * Q * sym + 2 * P * P * P * sym + 2 * P * P * Q;
+  return static_cast<double>(batch) * steps * per_step;
+}
+
+double gram_ns_flops(int64_t batch, int64_t p, int64_t q, int steps, int n_restarts, double sym) {
+  const double P = static_cast<double>(p), Q = static_cast<double>(q);
+  const double sq = 2 * P * P * P * sym;
+  double f = 2 * P * P * Q * sym + 2 * P * P * Q;           // first Gram, final Q X
+  f += n_restarts * (2 * P * P * Q + 2 * P * P * Q * sym);  // X = Q X, R = X X^T
+  f += steps * sq;                                          // Z
+  f += std::max(0, steps - 1 - n_restarts) * sq;            // Q = Q Z + a Q
+  f += std::max(0, steps - 1 - n_restarts) * 2 * sq;        // R updates
+  return static_cast<double>(batch) * f;
+}
+
+OrthMethod choose_orth_method(const Backend& backend, const OrthConfig& cfg, int64_t rows, int64_t cols) {
+  if (cfg.method != OrthMethod::Auto) return cfg.method;
+  const int64_t p = std::min(rows, cols), q = std::max(rows, cols);
+  if (p == q) return OrthMethod::Standard;
+  const int steps = static_cast<int>(cfg.coefficients.size());
+  int n_restarts = 0;
+  for (int r : cfg.restarts) n_restarts += (r > 0);
+  const double sym = backend.symmetric_cost_factor();
+  return gram_ns_flops(1, p, q, steps, n_restarts, sym) < standard_ns_flops(1, p, q, steps, sym)
+             ? OrthMethod::Gram
+             : OrthMethod::Standard;
+}
+
+Orthogonalizer::Orthogonalizer(Backend& backend, const OrthConfig& cfg, int64_t batch, int64_t rows,
+                               int64_t cols)
+    : backend_(backend), cfg_(cfg), batch_(batch) {
+  cfg_.validate();
+  if (batch < 1 || rows < 1 || cols < 1)
+    fail("orthogonalize needs a non-empty batch of matrices, got batch " + std::to_string(batch) + " of " +
+         std::to_string(rows) + "x" + std::to_string(cols));
+  transposed_ = rows > cols;
+  p_ = std::min(rows, cols);
+  q_ = std::max(rows, cols);
+  method_ = choose_orth_method(backend, cfg_, rows, cols);
+  dtype_ = cfg_.iteration_dtype.value_or(backend.default_iteration_dtype(method_ == OrthMethod::Gram));
+  const std::size_t elems = static_cast<std::size_t>(batch * (kWide * p_ * q_ + kSquares * p_ * p_));
+  workspace_ = DeviceBuffer(backend.allocator(), elems * dtype_size(dtype_));
+}
+
+MatrixView Orthogonalizer::wide(int slot) const {
+  char* base = workspace_.as<char>() + static_cast<std::size_t>(slot * batch_ * p_ * q_) * dtype_size(dtype_);
+  return MatrixView::contiguous(base, dtype_, batch_, p_, q_);
+}
+
+MatrixView Orthogonalizer::square(int slot) const {
+  char* base = workspace_.as<char>() +
+               static_cast<std::size_t>(kWide * batch_ * p_ * q_ + slot * batch_ * p_ * p_) * dtype_size(dtype_);
+  return MatrixView::contiguous(base, dtype_, batch_, p_, p_);
+}
+
+void Orthogonalizer::run(MatrixView in, MatrixView out) {
+  const int64_t rows = transposed_ ? q_ : p_, cols = transposed_ ? p_ : q_;
+  auto same_shape = [&](const MatrixView& v) { return v.batch == batch_ && v.rows == rows && v.cols == cols; };
+  if (!same_shape(in) || !same_shape(out))
+    fail("orthogonalize was planned for batch " + std::to_string(batch_) + " of " + std::to_string(rows) + "x" +
+         std::to_string(cols) + " but got input " + std::to_string(in.batch) + "x" + std::to_string(in.rows) +
+         "x" + std::to_string(in.cols));
+  MatrixView X = wide(0);
+  if (transposed_) {
+    MatrixView tmp = wide(1);
+    tmp.rows = rows;
+    tmp.cols = cols;
+    tmp.ld = cols;
+    backend_.normalize(in, tmp, kNormEps);
+    backend_.convert(tmp, X, true);
+  } else {
+    backend_.normalize(in, X, kNormEps);
+  }
+  if (method_ == OrthMethod::Gram) gram(X);
+  else standard(X);
+  backend_.convert(wide(0), out, transposed_);  // both methods leave their result in wide(0)
+}
+
+void Orthogonalizer::standard(MatrixView X) {
+  MatrixView X2 = wide(1), A = square(0), B = square(1);
+  const std::size_t bytes = static_cast<std::size_t>(batch_ * p_ * q_) * dtype_size(dtype_);
+  for (const Coefficients& k : cfg_.coefficients) {
+    const float a = static_cast<float>(k[0]), b = static_cast<float>(k[1]), c = static_cast<float>(k[2]);
+    backend_.gram(X, A);                              // A = X X^T
+    backend_.sym_product(c, A, A, b, &A, 0.0f, B);   // B = b A + c A^2
+    backend_.copy(X2.data, X.data, bytes);
+    backend_.gemm(false, false, 1.0f, B, X, a, X2);  // X2 = a X + B X
+    std::swap(X.data, X2.data);
+  }
+  if (X.data != wide(0).data) backend_.copy(wide(0).data, X.data, bytes);
+}
+
+void Orthogonalizer::gram(MatrixView X) {
+  MatrixView X2 = wide(1);
+  MatrixView R = square(0), Z = square(1), Q = square(2), RZ = square(3), T = square(4);
+  const int steps = static_cast<int>(cfg_.coefficients.size());
+  const std::size_t bytes = static_cast<std::size_t>(batch_ * p_ * q_) * dtype_size(dtype_);
+  backend_.gram(X, R);
+  for (int t = 0; t < steps; ++t) {
+    const float a = static_cast<float>(cfg_.coefficients[t][0]);
+    const float b = static_cast<float>(cfg_.coefficients[t][1]);
+    const float c = static_cast<float>(cfg_.coefficients[t][2]);
+    const bool restart = contains(cfg_.restarts, t);
+    if (restart && t > 0) {  // X = Q X; R = X X^T; Q = I
+      backend_.gemm(false, false, 1.0f, Q, X, 0.0f, X2);
+      std::swap(X.data, X2.data);
+      backend_.gram(X, R);
+    }
+    backend_.sym_product(c, R, R, b, &R, 0.0f, Z);  // Z = b R + c R^2
+    if (t == 0 || restart) {
+      backend_.add_identity(Z, a, Q);  // Q = Z + a I
+    } else {
+      backend_.sym_product(1.0f, Q, Z, a, &Q, 0.0f, T);  // Q = Q Z + a Q
+      std::swap(Q.data, T.data);
+    }
+    if (t < steps - 1 && !contains(cfg_.restarts, t + 1)) {
+      backend_.sym_product(1.0f, R, Z, a, &R, 0.0f, RZ);   // RZ = R Z + a R
+      backend_.sym_product(1.0f, Z, RZ, a, &RZ, 0.0f, R);  // R = Z RZ + a RZ
+    }
+  }
+  backend_.gemm(false, false, 1.0f, Q, X, 0.0f, X2);  // X = Q X
+  if (X2.data != wide(0).data) backend_.copy(wide(0).data, X2.data, bytes);
+}
+
+}  // namespace dion3

@@ -1,0 +1,71 @@
+// state.cpp — Optimizer::export_state / import_state: host copies of every state tensor, and
+// an import that checks every name, dtype and shape before it copies anything.
+#include "core/engine.hpp"
+#include "dion3/error.hpp"
+
+namespace dion3 {
+
+OptimizerState Optimizer::export_state() const {
+  const Impl& s = *impl_;
+  OptimizerState out;
+  out.steps = s.steps;
+  out.skipped = s.skipped;
+  for (const Param& p : s.params) {
+    ParamState ps;
+    ps.name = p.name;
+    ps.step = p.step;
+    for (const auto& [name, view] : p.state) {
+      HostTensor h;
+      h.dtype = view.dtype;
+      h.shape = view.shape;
+      h.data.resize(view.bytes());
+      if (!h.data.empty()) s.backend->copy_to_host(h.data.data(), view.data, h.data.size());
+      ps.tensors.emplace_back(name, std::move(h));
+    }
+    out.params.push_back(std::move(ps));
+  }
+  return out;
+}
+
+void Optimizer::import_state(const OptimizerState& state) {
+  Impl& s = *impl_;
+  if (state.params.size() != s.params.size())
+    fail("import_state: the state holds " + std::to_string(state.params.size()) +
+         " parameters but the optimizer has " + std::to_string(s.params.size()));
+  for (std::size_t i = 0; i < s.params.size(); ++i) {
+    const Param& p = s.params[i];
+    const ParamState& ps = state.params[i];
+    const std::string who = s.describe(static_cast<int>(i));
+    if (ps.name != p.name) fail("import_state: " + who + " meets state saved for '" + ps.name + "'");
+    if (ps.step < 0) fail("import_state: " + who + " has a negative step count " + std::to_string(ps.step));
+    if (ps.tensors.size() != p.state.size())
+      fail("import_state: " + who + " needs " + std::to_string(p.state.size()) + " state tensors, got " +
+           std::to_string(ps.tensors.size()));
+    for (std::size_t j = 0; j < p.state.size(); ++j) {
+      const auto& [want_name, want] = p.state[j];
+      const auto& [name, got] = ps.tensors[j];
+      if (name != want_name)
+        fail("import_state: " + who + " state " + std::to_string(j) + " must be '" + want_name + "', got '" + name + "'");
+      if (got.dtype != want.dtype || got.shape != want.shape)
+        fail("import_state: " + who + " state '" + name + "' must be " + dtype_name(want.dtype) + " " +
+             want.shape_str() + ", got " + dtype_name(got.dtype) + " " + shape_string(got.shape));
+      if (got.data.size() != want.bytes())
+        fail("import_state: " + who + " state '" + name + "' holds " + std::to_string(got.data.size()) +
+             " bytes, expected " + std::to_string(want.bytes()));
+    }
+  }
+  if (state.steps < 0 || state.skipped < 0) fail("import_state: negative step counters");
+  // Everything checked: now copy.
+  for (std::size_t i = 0; i < s.params.size(); ++i) {
+    Param& p = s.params[i];
+    p.step = state.params[i].step;
+    for (std::size_t j = 0; j < p.state.size(); ++j) {
+      const HostTensor& h = state.params[i].tensors[j].second;
+      if (!h.data.empty()) s.backend->copy_from_host(p.state[j].second.data, h.data.data(), h.data.size());
+    }
+  }
+  s.steps = state.steps;
+  s.skipped = state.skipped;
+}
+
+}  // namespace dion3

@@ -1,0 +1,345 @@
+// cpu_backend.cpp — the CPU implementation of dion3::Backend.
+//
+// GEMMs go through the system BLAS (cblas_sgemm / cblas_ssyrk, OpenBLAS in our builds);
+// everything else is plain loops in fp32 over rows loaded and stored by cpu_numeric.hpp. The
+// "device flag" of the interface is an ordinary int in host memory.
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <numeric>
+
+#include "cpu/cpu_numeric.hpp"
+#include "dion3/backend.hpp"
+#include "dion3/error.hpp"
+
+namespace dion3 {
+namespace {
+
+using cpu::load_matrix;
+using cpu::load_row;
+using cpu::store_matrix;
+using cpu::store_row;
+
+class CpuAllocator final : public Allocator {
+ public:
+  void* allocate(std::size_t bytes) override {
+    void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!p) fail("out of host memory allocating " + std::to_string(bytes) + " bytes", Status::Internal);
+    return p;
+  }
+  void deallocate(void* ptr, std::size_t) override { std::free(ptr); }
+};
+
+bool skipped(const int* skip) { return skip && *skip != 0; }
+
+void check(bool ok, const char* what) {
+  if (!ok) fail(std::string("CPU backend: ") + what, Status::Internal);
+}
+
+// A view's matrix b as a dense fp32 pointer with its leading dimension: the memory itself
+// when the view already is fp32, else a converted copy in `scratch`.
+struct F32Operand {
+  const float* ptr;
+  int64_t ld;
+};
+F32Operand as_f32(const MatrixView& v, int64_t b, std::vector<float>& scratch) {
+  if (v.dtype == DType::F32)
+    return {reinterpret_cast<const float*>(cpu::elem_ptr(v, b, 0)), v.ld};
+  load_matrix(v, b, scratch);
+  return {scratch.data(), v.cols};
+}
+
+class CpuBackend final : public Backend {
+ public:
+  Device device() const override { return Device::CPU; }
+  Allocator& allocator() override { return alloc_; }
+
+  void fill_zero(void* ptr, std::size_t bytes) override { std::memset(ptr, 0, bytes); }
+  void copy_to_host(void* dst, const void* src, std::size_t bytes) override { std::memcpy(dst, src, bytes); }
+  void copy_from_host(void* dst, const void* src, std::size_t bytes) override { std::memcpy(dst, src, bytes); }
+  void copy(void* dst, const void* src, std::size_t bytes) override { std::memmove(dst, src, bytes); }
+  int read_flag(const int* flag) override { return *flag; }
+
+  void check_finite(std::span<const MatrixView> xs, int* flag) override {
+    std::vector<float> row;
+    for (const MatrixView& v : xs)
+      for (int64_t b = 0; b < v.batch; ++b)
+        for (int64_t r = 0; r < v.rows; ++r) {
+          row.resize(v.cols);
+          load_row(v, b, r, row.data());
+          for (float x : row)
+            if (!std::isfinite(x)) {
+              *flag = 1;
+              return;
+            }
+        }
+  }
+
+  void accumulate(const MatrixSet& set, float decay, float* scores, const int* skip) override {
+    if (skipped(skip)) return;
+    std::vector<float> m, g;
+    const int64_t rows = set.rows();
+    for (std::size_t i = 0; i < set.mats.size(); ++i) {
+      const ParamMatrix& p = set.mats[i];
+      m.resize(p.momentum.cols);
+      g.resize(p.grad.cols);
+      for (int64_t r = 0; r < rows; ++r) {
+        load_row(p.momentum, 0, r, m.data());
+        load_row(p.grad, 0, r, g.data());
+        for (int64_t j = 0; j < p.momentum.cols; ++j) m[j] = decay * m[j] + g[j];
+        store_row(p.momentum, 0, r, m.data());
+        if (scores) {
+          // Score what is stored: the rounded momentum, as a device kernel reading M back would.
+          double s = 0.0;
+          for (int64_t j = 0; j < p.momentum.cols; ++j) s += std::fabs(cpu::round_to(p.momentum.dtype, m[j]));
+          scores[i * rows + r] = static_cast<float>(s);
+        }
+      }
+    }
+  }
+
+  void select_rows(const float* scores, int64_t count, int64_t m, int64_t k, int32_t* idx,
+                   const int* skip) override {
+    if (skipped(skip)) return;
+    check(k >= 1 && k <= m, "select_rows needs 1 <= k <= m");
+    std::vector<int32_t> order(m);
+    for (int64_t i = 0; i < count; ++i) {
+      const float* s = scores + i * m;
+      std::iota(order.begin(), order.end(), 0);
+      // Larger score first; equal scores: lower row index first (SPEC §1 tie rule).
+      auto better = [s](int32_t a, int32_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); };
+      std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), better);
+      std::sort(order.begin(), order.begin() + k);
+      std::copy(order.begin(), order.begin() + k, idx + i * k);
+    }
+  }
+
+  void gather_rows(const MatrixSet& set, const int32_t* idx, int64_t k, float scale_m, float scale_g,
+                   float decay, MatrixView out, const int* skip) override {
+    if (skipped(skip)) return;
+    const int64_t cols = set.cols();
+    check(out.rows == k && out.cols == cols && out.batch == static_cast<int64_t>(set.mats.size()),
+          "gather_rows output shape");
+    std::vector<float> m(cols), g(cols), u(cols);
+    for (std::size_t i = 0; i < set.mats.size(); ++i) {
+      const ParamMatrix& p = set.mats[i];
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t r = idx ? idx[i * k + j] : j;
+        load_row(p.momentum, 0, r, m.data());
+        if (scale_g != 0.0f) load_row(p.grad, 0, r, g.data());
+        for (int64_t c = 0; c < cols; ++c) u[c] = scale_m * m[c] + (scale_g != 0.0f ? scale_g * g[c] : 0.0f);
+        store_row(out, i, j, u.data());
+        if (decay != 1.0f) {
+          for (int64_t c = 0; c < cols; ++c) m[c] *= decay;
+          store_row(p.momentum, 0, r, m.data());
+        }
+      }
+    }
+  }
+
+  void apply_update(const MatrixSet& set, const int32_t* idx, int64_t k, MatrixView O,
+                    const UpdateParams& p, const int* skip) override {
+    if (skipped(skip)) return;
+    const int64_t rows = set.rows(), cols = set.cols();
+    check(O.rows == k && O.cols == cols, "apply_update update shape");
+    const float decay = 1.0f - p.lr * p.weight_decay;
+    std::vector<float> o, w(cols);
+    std::vector<int64_t> target(rows, -1);  // weight row -> row of O, or -1
+    for (std::size_t i = 0; i < set.mats.size(); ++i) {
+      const ParamMatrix& pm = set.mats[i];
+      load_matrix(O, i, o);
+      if (p.normuon) normuon_normalize(o, k, cols, pm.variance, idx ? idx + i * k : nullptr, p.beta2);
+      std::fill(target.begin(), target.end(), -1);
+      for (int64_t j = 0; j < k; ++j) target[idx ? idx[i * k + j] : j] = j;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* u = target[r] >= 0 ? o.data() + target[r] * cols : nullptr;
+        if (!u && decay == 1.0f) continue;
+        load_row(pm.weight, 0, r, w.data());
+        for (int64_t c = 0; c < cols; ++c) {
+          const float uc = u ? u[c] : 0.0f;
+          float d = decay;
+          if (p.cautious_wd && !(uc * w[c] > 0.0f)) d = 1.0f;
+          w[c] = w[c] * d - p.adjusted_lr * uc;
+        }
+        store_row(pm.weight, 0, r, w.data());
+      }
+    }
+  }
+
+  void normalize(MatrixView in, MatrixView out, float eps) override {
+    check(in.batch == out.batch && in.rows == out.rows && in.cols == out.cols, "normalize shapes");
+    std::vector<float> x;
+    for (int64_t b = 0; b < in.batch; ++b) {
+      load_matrix(in, b, x);
+      double ss = 0.0;
+      for (float v : x) ss += static_cast<double>(v) * v;
+      const float inv = static_cast<float>(1.0 / (std::sqrt(ss) + eps));
+      for (float& v : x) v *= inv;
+      store_matrix(out, b, x.data());
+    }
+  }
+
+  void convert(MatrixView in, MatrixView out, bool transpose) override {
+    check(in.batch == out.batch && (transpose ? in.rows == out.cols && in.cols == out.rows
+                                              : in.rows == out.rows && in.cols == out.cols),
+          "convert shapes");
+    std::vector<float> x, t;
+    for (int64_t b = 0; b < in.batch; ++b) {
+      load_matrix(in, b, x);
+      if (transpose) {
+        t.resize(x.size());
+        for (int64_t r = 0; r < in.rows; ++r)
+          for (int64_t c = 0; c < in.cols; ++c) t[c * in.rows + r] = x[r * in.cols + c];
+        x.swap(t);
+      }
+      store_matrix(out, b, x.data());
+    }
+  }
+
+  void gemm(bool trans_a, bool trans_b, float alpha, MatrixView A, MatrixView B, float beta,
+            MatrixView C) override {
+    const int64_t M = C.rows, N = C.cols;
+    const int64_t K = trans_a ? A.rows : A.cols;
+    check((trans_a ? A.cols : A.rows) == M && (trans_b ? B.rows : B.cols) == N &&
+              (trans_b ? B.cols : B.rows) == K && A.batch == C.batch && B.batch == C.batch,
+          "gemm shapes");
+    std::vector<float> sa, sb, sc;
+    for (int64_t b = 0; b < C.batch; ++b) {
+      F32Operand a = as_f32(A, b, sa), bb = as_f32(B, b, sb);
+      if (C.dtype == DType::F32 && A.data != C.data && B.data != C.data) {
+        auto* c = reinterpret_cast<float*>(const_cast<char*>(cpu::elem_ptr(C, b, 0)));
+        cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
+                    M, N, K, alpha, a.ptr, a.ld, bb.ptr, bb.ld, beta, c, C.ld);
+        continue;
+      }
+      if (beta != 0.0f) load_matrix(C, b, sc);
+      else sc.assign(static_cast<std::size_t>(M * N), 0.0f);
+      cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
+                  M, N, K, alpha, a.ptr, a.ld, bb.ptr, bb.ld, beta, sc.data(), N);
+      store_matrix(C, b, sc.data());
+    }
+  }
+
+  void gram(MatrixView X, MatrixView C) override {
+    const int64_t p = X.rows, q = X.cols;
+    check(C.rows == p && C.cols == p && C.batch == X.batch, "gram shapes");
+    std::vector<float> sx, c(static_cast<std::size_t>(p * p));
+    for (int64_t b = 0; b < X.batch; ++b) {
+      F32Operand x = as_f32(X, b, sx);
+      cblas_ssyrk(CblasRowMajor, CblasLower, CblasNoTrans, p, q, 1.0f, x.ptr, x.ld, 0.0f, c.data(), p);
+      mirror_lower(c.data(), p);
+      store_matrix(C, b, c.data());
+    }
+  }
+
+  void sym_product(float alpha, MatrixView A, MatrixView B, float beta, const MatrixView* D, float gamma,
+                   MatrixView C) override {
+    const int64_t p = C.rows;
+    check(A.rows == p && A.cols == p && B.rows == p && B.cols == p && C.cols == p, "sym_product shapes");
+    std::vector<float> sa, sb, sd, t(static_cast<std::size_t>(p * p));
+    for (int64_t b = 0; b < C.batch; ++b) {
+      F32Operand a = as_f32(A, b, sa), bb = as_f32(B, b, sb);
+      cblas_ssymm(CblasRowMajor, CblasLeft, CblasLower, p, p, alpha, a.ptr, a.ld, bb.ptr, bb.ld, 0.0f,
+                  t.data(), p);
+      if (D && beta != 0.0f) {
+        load_matrix(*D, b, sd);
+        for (std::size_t e = 0; e < t.size(); ++e) t[e] += beta * sd[e];
+      }
+      for (int64_t r = 0; r < p; ++r) t[r * p + r] += gamma;
+      symmetrize(t.data(), p);
+      store_matrix(C, b, t.data());
+    }
+  }
+
+  void add_identity(MatrixView X, float gamma, MatrixView C) override {
+    check(X.rows == X.cols && C.rows == X.rows && C.cols == X.cols && C.batch == X.batch, "add_identity shapes");
+    std::vector<float> x;
+    for (int64_t b = 0; b < X.batch; ++b) {
+      load_matrix(X, b, x);
+      for (int64_t r = 0; r < X.rows; ++r) x[r * X.cols + r] += gamma;
+      store_matrix(C, b, x.data());
+    }
+  }
+
+  DType default_iteration_dtype(bool) const override { return DType::F32; }
+
+  void adamw(const ElementwiseParam& e, const AdamWParams& h, const int* skip) override {
+    if (skipped(skip)) return;
+    const int64_t n = e.weight.cols;
+    std::vector<float> w(n), g(n), m(n), v(n);
+    load_row(e.weight, 0, 0, w.data());
+    load_row(e.grad, 0, 0, g.data());
+    load_row(e.exp_avg, 0, 0, m.data());
+    load_row(e.exp_avg_sq, 0, 0, v.data());
+    const float decay = 1.0f - h.lr * h.weight_decay;
+    for (int64_t j = 0; j < n; ++j) {
+      m[j] += (1.0f - h.beta1) * (g[j] - m[j]);
+      v[j] += (1.0f - h.beta2) * (g[j] * g[j] - v[j]);
+      const float mhat = m[j] / h.bias_correction1;
+      const float vhat = v[j] / h.bias_correction2;
+      w[j] = w[j] * decay - h.lr * mhat / (std::sqrt(vhat) + h.epsilon);
+    }
+    store_row(e.weight, 0, 0, w.data());
+    store_row(e.exp_avg, 0, 0, m.data());
+    store_row(e.exp_avg_sq, 0, 0, v.data());
+  }
+
+  void lion(const ElementwiseParam& e, const LionParams& h, const int* skip) override {
+    if (skipped(skip)) return;
+    const int64_t n = e.weight.cols;
+    std::vector<float> w(n), g(n), m(n);
+    load_row(e.weight, 0, 0, w.data());
+    load_row(e.grad, 0, 0, g.data());
+    load_row(e.exp_avg, 0, 0, m.data());
+    const float decay = 1.0f - h.lr * h.weight_decay;
+    for (int64_t j = 0; j < n; ++j) {
+      const float c = m[j] + (1.0f - h.beta1) * (g[j] - m[j]);
+      const float u = static_cast<float>((c > 0.0f) - (c < 0.0f));
+      m[j] += (1.0f - h.beta2) * (g[j] - m[j]);
+      w[j] = w[j] * decay - h.lr * u;
+    }
+    store_row(e.weight, 0, 0, w.data());
+    store_row(e.exp_avg, 0, 0, m.data());
+  }
+
+ private:
+  static void mirror_lower(float* c, int64_t p) {
+    for (int64_t r = 0; r < p; ++r)
+      for (int64_t s = r + 1; s < p; ++s) c[r * p + s] = c[s * p + r];
+  }
+  // Rounding in A*B can break exact symmetry; keep the lower triangle, as the symmetric
+  // kernels on the GPU do.
+  static void symmetrize(float* c, int64_t p) { mirror_lower(c, p); }
+
+  // NorMuon (SPEC §1 step 6) on k rows of an update, in fp32, updating variance[rows].
+  static void normuon_normalize(std::vector<float>& o, int64_t k, int64_t cols, float* variance,
+                                const int32_t* rows, float beta2) {
+    double norm_o = 0.0, norm_n = 0.0;
+    for (float x : o) norm_o += static_cast<double>(x) * x;
+    for (int64_t j = 0; j < k; ++j) {
+      float* row = o.data() + j * cols;
+      double ss = 0.0;
+      for (int64_t c = 0; c < cols; ++c) ss += static_cast<double>(row[c]) * row[c];
+      const float r = static_cast<float>(ss / static_cast<double>(cols));
+      float& v = variance[rows ? rows[j] : j];
+      v = beta2 * v + (1.0f - beta2) * r;
+      const float inv = 1.0f / (std::sqrt(v) + 1e-8f);
+      for (int64_t c = 0; c < cols; ++c) {
+        row[c] *= inv;
+        norm_n += static_cast<double>(row[c]) * row[c];
+      }
+    }
+    const float scale = static_cast<float>(std::sqrt(norm_o) / std::max(std::sqrt(norm_n), 1e-8));
+    for (float& x : o) x *= scale;
+  }
+
+  CpuAllocator alloc_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<CpuBackend>(); }
+
+}  // namespace dion3
