@@ -32,6 +32,17 @@ class CpuAllocator final : public Allocator {
   void deallocate(void* ptr, std::size_t) override { std::free(ptr); }
 };
 
+// Element-wise work goes through cache-sized column chunks.
+constexpr int64_t kChunk = 4096;
+
+// Columns [c0, c0 + kChunk) of a view (fewer at the end).
+MatrixView cols_slice(const MatrixView& v, int64_t c0) {
+  MatrixView s = v;
+  s.data = static_cast<char*>(v.data) + static_cast<std::size_t>(c0) * v.elem_bytes();
+  s.cols = std::min(kChunk, v.cols - c0);
+  return s;
+}
+
 bool skipped(const int* skip) { return skip && *skip != 0; }
 
 void check(bool ok, const char* what) {
@@ -63,18 +74,19 @@ class CpuBackend final : public Backend {
   int read_flag(const int* flag) override { return *flag; }
 
   void check_finite(std::span<const MatrixView> xs, int* flag) override {
-    std::vector<float> row;
+    std::vector<float> buf(kChunk);
     for (const MatrixView& v : xs)
       for (int64_t b = 0; b < v.batch; ++b)
-        for (int64_t r = 0; r < v.rows; ++r) {
-          row.resize(v.cols);
-          load_row(v, b, r, row.data());
-          for (float x : row)
-            if (!std::isfinite(x)) {
-              *flag = 1;
-              return;
-            }
-        }
+        for (int64_t r = 0; r < v.rows; ++r)
+          for (int64_t c0 = 0; c0 < v.cols; c0 += kChunk) {
+            const MatrixView part = cols_slice(v, c0);
+            load_row(part, b, r, buf.data());
+            for (int64_t j = 0; j < part.cols; ++j)
+              if (!std::isfinite(buf[j])) {
+                *flag = 1;
+                return;
+              }
+          }
   }
 
   void accumulate(const MatrixSet& set, float decay, float* scores, const int* skip) override {
@@ -267,41 +279,46 @@ class CpuBackend final : public Backend {
 
   void adamw(const ElementwiseParam& e, const AdamWParams& h, const int* skip) override {
     if (skipped(skip)) return;
-    const int64_t n = e.weight.cols;
-    std::vector<float> w(n), g(n), m(n), v(n);
-    load_row(e.weight, 0, 0, w.data());
-    load_row(e.grad, 0, 0, g.data());
-    load_row(e.exp_avg, 0, 0, m.data());
-    load_row(e.exp_avg_sq, 0, 0, v.data());
     const float decay = 1.0f - h.lr * h.weight_decay;
-    for (int64_t j = 0; j < n; ++j) {
-      m[j] += (1.0f - h.beta1) * (g[j] - m[j]);
-      v[j] += (1.0f - h.beta2) * (g[j] * g[j] - v[j]);
-      const float mhat = m[j] / h.bias_correction1;
-      const float vhat = v[j] / h.bias_correction2;
-      w[j] = w[j] * decay - h.lr * mhat / (std::sqrt(vhat) + h.epsilon);
+    std::vector<float> w(kChunk), g(kChunk), m(kChunk), v(kChunk);
+    for (int64_t c0 = 0; c0 < e.weight.cols; c0 += kChunk) {
+      const MatrixView W = cols_slice(e.weight, c0), G = cols_slice(e.grad, c0);
+      const MatrixView M = cols_slice(e.exp_avg, c0), V = cols_slice(e.exp_avg_sq, c0);
+      load_row(W, 0, 0, w.data());
+      load_row(G, 0, 0, g.data());
+      load_row(M, 0, 0, m.data());
+      load_row(V, 0, 0, v.data());
+      for (int64_t j = 0; j < W.cols; ++j) {
+        m[j] += (1.0f - h.beta1) * (g[j] - m[j]);
+        v[j] += (1.0f - h.beta2) * (g[j] * g[j] - v[j]);
+        const float mhat = m[j] / h.bias_correction1;
+        const float vhat = v[j] / h.bias_correction2;
+        w[j] = w[j] * decay - h.lr * mhat / (std::sqrt(vhat) + h.epsilon);
+      }
+      store_row(W, 0, 0, w.data());
+      store_row(M, 0, 0, m.data());
+      store_row(V, 0, 0, v.data());
     }
-    store_row(e.weight, 0, 0, w.data());
-    store_row(e.exp_avg, 0, 0, m.data());
-    store_row(e.exp_avg_sq, 0, 0, v.data());
   }
 
   void lion(const ElementwiseParam& e, const LionParams& h, const int* skip) override {
     if (skipped(skip)) return;
-    const int64_t n = e.weight.cols;
-    std::vector<float> w(n), g(n), m(n);
-    load_row(e.weight, 0, 0, w.data());
-    load_row(e.grad, 0, 0, g.data());
-    load_row(e.exp_avg, 0, 0, m.data());
     const float decay = 1.0f - h.lr * h.weight_decay;
-    for (int64_t j = 0; j < n; ++j) {
-      const float c = m[j] + (1.0f - h.beta1) * (g[j] - m[j]);
-      const float u = static_cast<float>((c > 0.0f) - (c < 0.0f));
-      m[j] += (1.0f - h.beta2) * (g[j] - m[j]);
-      w[j] = w[j] * decay - h.lr * u;
+    std::vector<float> w(kChunk), g(kChunk), m(kChunk);
+    for (int64_t c0 = 0; c0 < e.weight.cols; c0 += kChunk) {
+      const MatrixView W = cols_slice(e.weight, c0), G = cols_slice(e.grad, c0), M = cols_slice(e.exp_avg, c0);
+      load_row(W, 0, 0, w.data());
+      load_row(G, 0, 0, g.data());
+      load_row(M, 0, 0, m.data());
+      for (int64_t j = 0; j < W.cols; ++j) {
+        const float c = m[j] + (1.0f - h.beta1) * (g[j] - m[j]);
+        const float u = static_cast<float>((c > 0.0f) - (c < 0.0f));
+        m[j] += (1.0f - h.beta2) * (g[j] - m[j]);
+        w[j] = w[j] * decay - h.lr * u;
+      }
+      store_row(W, 0, 0, w.data());
+      store_row(M, 0, 0, m.data());
     }
-    store_row(e.weight, 0, 0, w.data());
-    store_row(e.exp_avg, 0, 0, m.data());
   }
 
  private:
