@@ -185,7 +185,8 @@ dion3_status dion3_set_group_config(dion3_optimizer* opt, int group, const dion3
 dion3_status dion3_set_lr(dion3_optimizer* opt, int group, double lr);
 
 /* Registers a parameter (weight updated in place, grad read at every step). name is copied
- * and appears in error messages. param_index may be NULL. */
+ * and appears in error messages. grad may be NULL: bind it with dion3_set_grad before the
+ * first step. param_index may be NULL. */
 dion3_status dion3_add_param(dion3_optimizer* opt, int group, const char* name,
                              const dion3_tensor* weight, const dion3_tensor* grad, int* param_index);
 /* Re-binds the gradient of a parameter (same shape and dtype as the weight). */

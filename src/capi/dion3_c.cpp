@@ -492,7 +492,7 @@ dion3_status dion3_add_param(dion3_optimizer* opt, int group, const char* name,
     dion3::ParamSpec spec;
     spec.name = n;
     spec.weight = to_view(weight, "parameter '" + n + "': weight");
-    spec.grad = to_view(grad, "parameter '" + n + "': grad");
+    if (grad) spec.grad = to_view(grad, "parameter '" + n + "': grad");  // else bound later
     int p = opt->engine.add_param(group, spec);
     if (param_index) *param_index = p;
   });

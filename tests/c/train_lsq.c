@@ -261,6 +261,20 @@ static void test_errors(void) {
   CHECK_OK(dion3_num_params(opt, &n));
   dion3_destroy(opt);
   dion3_destroy(NULL);
+
+  /* A gradient bound after registration: stepping before set_grad is refused. */
+  CHECK_OK(dion3_create(&opt, DION3_DEVICE_CPU, 0, NULL, DION3_NONFINITE_RAISE));
+  dion3_group_config_default(&cfg);
+  CHECK_OK(dion3_add_group(opt, &cfg, &g));
+  CHECK_OK(dion3_add_param(opt, g, "late.grad", &tw, NULL, &n));
+  s = dion3_step(opt, NULL);
+  CHECK(s == DION3_INVALID_ARGUMENT && strstr(dion3_last_error(), "late.grad") != NULL,
+        "step without a gradient gave %d: %s", (int)s, dion3_last_error());
+  tgw = view2(gw, M, N);
+  CHECK_OK(dion3_set_grad(opt, n, &tgw));
+  gw[0] = 1.0f;
+  CHECK_OK(dion3_step(opt, NULL));
+  dion3_destroy(opt);
 }
 
 static void test_nonfinite(void) {

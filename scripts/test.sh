@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# scripts/test.sh — the whole test suite: sets up and builds when needed (scripts/setup.sh is
+# idempotent and incremental), then runs every CTest test (GoogleTest suites and the C API
+# program). Exit status is non-zero when anything fails.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+BUILD_DIR=${DION3_BUILD_DIR:-$ROOT/build}
+
+scripts/setup.sh
+ctest --test-dir "$BUILD_DIR" --output-on-failure
