@@ -1,0 +1,336 @@
+// tests/cpp/test_errors.cpp — every rejected input of the engine, with its message and status,
+// and the guarantee that a rejected call leaves weights and state byte-for-byte unchanged
+// (DESIGN: "validate first, then mutate"); non-finite gradients under the Raise and Skip
+// policies, and a normal step afterwards.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "dion3/error.hpp"
+#include "dion3/optimizer.hpp"
+#include "test_util.hpp"
+
+namespace {
+
+using ::testing::HasSubstr;
+using dion3::Algorithm;
+using dion3::DType;
+using dion3::GroupConfig;
+using dion3::Status;
+using t3::Harness;
+using t3::Rng;
+
+// An optimizer with a Dion3 matrix and an AdamW bias that has taken two steps, so that its
+// state is not zero; `d` and `a` are the group indices.
+struct Trained {
+  Harness h;
+  int d = -1, a = -1;
+  explicit Trained(dion3::OptimizerOptions o = {}) : h(o) {
+    Rng rng(42);
+    d = h.opt.add_group(GroupConfig{});
+    GroupConfig ga;
+    ga.algorithm = Algorithm::AdamW;
+    a = h.opt.add_group(ga);
+    h.add(d, "mlp.up.weight", DType::F32, {16, 24}, rng);
+    h.add(a, "mlp.up.bias", DType::F32, {16}, rng);
+    for (int s = 0; s < 2; ++s) {
+      h.randomize_grads(rng);
+      EXPECT_TRUE(h.opt.step());
+    }
+  }
+  std::vector<unsigned char> snap() { return t3::snapshot(h.opt, h.all()); }
+};
+
+TEST(Errors, OneDimensionalTensorInAMatrixGroup) {
+  for (Algorithm alg : {Algorithm::Dion3, Algorithm::NorMuon, Algorithm::Muon}) {
+    Trained t;
+    GroupConfig g;
+    g.algorithm = alg;
+    const int gi = t.h.opt.add_group(g);
+    const auto before = t.snap();
+    t3::HostParam bias("mlp.down.bias", DType::F32, {16});
+    Status st = Status::Ok;
+    const std::string msg = t3::error_of([&] { t.h.opt.add_param(gi, bias.spec()); }, &st);
+    EXPECT_EQ(st, Status::InvalidArgument);
+    EXPECT_THAT(msg, HasSubstr("'mlp.down.bias'"));
+    EXPECT_THAT(msg, HasSubstr("[16]"));
+    EXPECT_THAT(msg, HasSubstr("needs a matrix"));
+    EXPECT_THAT(msg, HasSubstr("'adamw' or 'lion'"));
+    EXPECT_EQ(t.h.opt.num_params(), 2);
+    EXPECT_EQ(t.snap(), before);
+  }
+}
+
+TEST(Errors, InvalidGroupIsRejectedAtAddGroup) {
+  Trained t;
+  GroupConfig g;
+  g.fraction = 1.5;
+  Status st = Status::Ok;
+  const std::string msg = t3::error_of([&] { t.h.opt.add_group(g); }, &st);
+  EXPECT_EQ(st, Status::InvalidArgument);
+  EXPECT_THAT(msg, HasSubstr("'fraction'"));
+  EXPECT_THAT(msg, HasSubstr("(0, 1]"));
+  EXPECT_THAT(msg, HasSubstr("1.5"));
+  EXPECT_EQ(t.h.opt.num_groups(), 2);
+}
+
+struct BadEdit {
+  std::string name;
+  std::string field;
+  void (*apply)(GroupConfig&);
+};
+
+class InvalidGroupEdit : public ::testing::TestWithParam<BadEdit> {};
+
+TEST_P(InvalidGroupEdit, StepRejectsItAndChangesNothing) {
+  Trained t;
+  Rng rng(7);
+  t.h.randomize_grads(rng);
+  const auto before = t.snap();
+  const GroupConfig saved = t.h.opt.group(t.d);
+  GetParam().apply(t.h.opt.group(t.d));
+  Status st = Status::Ok;
+  const std::string msg = t3::error_of([&] { t.h.opt.step(); }, &st);
+  EXPECT_EQ(st, Status::InvalidArgument);
+  EXPECT_THAT(msg, HasSubstr("'" + GetParam().field + "'"));
+  EXPECT_THAT(msg, HasSubstr("group " + std::to_string(t.d)));
+  EXPECT_EQ(t.snap(), before);
+  EXPECT_EQ(t.h.opt.steps_taken(), 2);
+  // Restoring the group lets training continue.
+  t.h.opt.group(t.d) = saved;
+  EXPECT_TRUE(t.h.opt.step());
+  EXPECT_NE(t.snap(), before);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Fields, InvalidGroupEdit,
+    ::testing::Values(BadEdit{"fraction_zero", "fraction", [](GroupConfig& g) { g.fraction = 0.0; }},
+                      BadEdit{"fraction_above_one", "fraction", [](GroupConfig& g) { g.fraction = 1.25; }},
+                      BadEdit{"negative_lr", "lr", [](GroupConfig& g) { g.lr = -0.01; }},
+                      BadEdit{"negative_mu", "mu", [](GroupConfig& g) { g.mu = -0.9; }},
+                      BadEdit{"negative_muon_beta2", "muon_beta2", [](GroupConfig& g) { g.muon_beta2 = -0.95; }},
+                      BadEdit{"negative_weight_decay", "weight_decay", [](GroupConfig& g) { g.weight_decay = -1e-4; }},
+                      BadEdit{"nan_lr", "lr", [](GroupConfig& g) { g.lr = std::numeric_limits<double>::quiet_NaN(); }}),
+    [](const ::testing::TestParamInfo<BadEdit>& i) { return i.param.name; });
+
+TEST(Errors, GradientShapeDiffersFromWeight) {
+  Trained t;
+  const auto before = t.snap();
+  t3::HostParam p("attn.out", DType::F32, {16, 24});
+  t3::Buffer g(DType::F32, {24, 16});
+  dion3::ParamSpec spec = p.spec();
+  spec.grad = g.view();
+  const std::string msg = t3::error_of([&] { t.h.opt.add_param(t.d, spec); });
+  EXPECT_THAT(msg, HasSubstr("'attn.out'"));
+  EXPECT_THAT(msg, HasSubstr("[16, 24]"));
+  EXPECT_THAT(msg, HasSubstr("[24, 16]"));
+  EXPECT_EQ(t.h.opt.num_params(), 2);
+  // set_grad with the wrong shape: rejected, the old gradient stays bound.
+  const std::string msg2 = t3::error_of([&] { t.h.opt.set_grad(0, g.view()); });
+  EXPECT_THAT(msg2, HasSubstr("'mlp.up.weight'"));
+  EXPECT_THAT(msg2, HasSubstr("[24, 16]"));
+  EXPECT_EQ(t.snap(), before);
+  EXPECT_TRUE(t.h.opt.step());
+}
+
+TEST(Errors, UnsupportedDtype) {
+  Trained t;
+  t3::HostParam p("embed.ids", DType::I32, {16, 24});
+  Status st = Status::Ok;
+  const std::string msg = t3::error_of([&] { t.h.opt.add_param(t.a, p.spec()); }, &st);
+  EXPECT_EQ(st, Status::InvalidArgument);
+  EXPECT_THAT(msg, HasSubstr("'embed.ids'"));
+  EXPECT_THAT(msg, HasSubstr("int32"));
+  // A float64 weight is not a parameter dtype either.
+  t3::HostParam q("w64", DType::F64, {4, 4});
+  EXPECT_THAT(t3::error_of([&] { t.h.opt.add_param(t.d, q.spec()); }), HasSubstr("float64"));
+  // Nor an integer gradient for a float weight.
+  t3::HostParam r("w", DType::F32, {4, 4});
+  t3::Buffer gi(DType::I64, {4, 4});
+  dion3::ParamSpec spec = r.spec();
+  spec.grad = gi.view();
+  EXPECT_THAT(t3::error_of([&] { t.h.opt.add_param(t.d, spec); }), HasSubstr("int64"));
+  EXPECT_EQ(t.h.opt.num_params(), 2);
+}
+
+TEST(Errors, NonexistentGroupAndParameterIndices) {
+  Trained t;
+  t3::HostParam p("w", DType::F32, {8, 8});
+  EXPECT_THAT(t3::error_of([&] { t.h.opt.add_param(5, p.spec()); }), HasSubstr("group 5"));
+  EXPECT_THAT(t3::error_of([&] { t.h.opt.add_param(-1, p.spec()); }), HasSubstr("group -1"));
+  EXPECT_THAT(t3::error_of([&] { t.h.opt.set_grad(9, p.g.view()); }), HasSubstr("9"));
+  EXPECT_FALSE(t3::error_of([&] { t.h.opt.state_views(9); }).empty());
+  EXPECT_FALSE(t3::error_of([&] { t.h.opt.group(9); }).empty());
+  EXPECT_FALSE(t3::error_of([&] { t.h.opt.param_name(-1); }).empty());
+  EXPECT_EQ(t.h.opt.num_params(), 2);
+}
+
+TEST(Errors, EmptyGroupIsRejectedAtStep) {
+  // The engine's decision: a group without parameters is a configuration mistake, reported at
+  // the next step (not silently ignored), with nothing modified.
+  Trained t;
+  Rng rng(8);
+  t.h.randomize_grads(rng);
+  const int empty = t.h.opt.add_group(GroupConfig{});
+  const auto before = t.snap();
+  Status st = Status::Ok;
+  const std::string msg = t3::error_of([&] { t.h.opt.step(); }, &st);
+  EXPECT_EQ(st, Status::InvalidArgument);
+  EXPECT_THAT(msg, HasSubstr("group " + std::to_string(empty)));
+  EXPECT_THAT(msg, HasSubstr("empty"));
+  EXPECT_EQ(t.snap(), before);
+}
+
+TEST(Errors, StepWithoutGroupsOrGradients) {
+  Harness h;
+  EXPECT_THAT(t3::error_of([&] { h.opt.step(); }), HasSubstr("no parameter groups"));
+  const int gi = h.opt.add_group(GroupConfig{});
+  t3::HostParam p("w", DType::F32, {8, 8});
+  dion3::ParamSpec spec = p.spec();
+  spec.grad = dion3::TensorView{};  // gradient bound later with set_grad
+  p.index = h.opt.add_param(gi, spec);
+  EXPECT_THAT(t3::error_of([&] { h.opt.step(); }), HasSubstr("set_grad"));
+  h.opt.set_grad(p.index, p.g.view());
+  EXPECT_TRUE(h.opt.step());
+}
+
+// ---------------------------------------------------------------------------------------------
+// import_state of a state that does not fit.
+class BadImport : public ::testing::TestWithParam<int> {};
+
+TEST_P(BadImport, IsRejectedBeforeAnythingIsCopied) {
+  Trained src;
+  Rng rng(9);
+  src.h.randomize_grads(rng);
+  src.h.opt.step();  // a different state than `t` holds
+  dion3::OptimizerState st = src.h.opt.export_state();
+  std::string expect;
+  switch (GetParam()) {
+    case 0:  // momentum of the wrong shape
+      st.params[0].tensors[0].second.shape = {24, 16};
+      expect = "'momentum'";
+      break;
+    case 1:  // wrong dtype
+      st.params[1].tensors[1].second.dtype = DType::BF16;
+      expect = "'exp_avg_sq'";
+      break;
+    case 2:  // saved for another parameter
+      st.params[1].name = "other.bias";
+      expect = "'other.bias'";
+      break;
+    case 3:  // a missing parameter
+      st.params.pop_back();
+      expect = "1 parameters";
+      break;
+    case 4:  // truncated data, the last tensor: everything before it would fit
+      st.params[1].tensors[1].second.data.resize(8);
+      expect = "bytes";
+      break;
+    case 5:  // wrong tensor name
+      st.params[0].tensors[1].first = "second_moment";
+      expect = "'second_moment'";
+      break;
+  }
+  Trained t;
+  const auto before = t.snap();
+  const int64_t steps = t.h.opt.steps_taken();
+  Status status = Status::Ok;
+  const std::string msg = t3::error_of([&] { t.h.opt.import_state(st); }, &status);
+  EXPECT_EQ(status, Status::InvalidArgument);
+  EXPECT_THAT(msg, HasSubstr(expect));
+  EXPECT_EQ(t.snap(), before);
+  EXPECT_EQ(t.h.opt.steps_taken(), steps);
+  EXPECT_EQ(t.h.opt.export_state().params[1].step, 2);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, BadImport, ::testing::Range(0, 6));
+
+// ---------------------------------------------------------------------------------------------
+// Non-finite gradients.
+
+struct NonFiniteCase {
+  std::string name;
+  int param;    // 0 = the Dion3 matrix, 1 = the AdamW bias
+  double value;
+};
+
+class NonFinite : public ::testing::TestWithParam<NonFiniteCase> {};
+
+TEST_P(NonFinite, RaiseThrowsAndChangesNothing) {
+  const NonFiniteCase c = GetParam();
+  Trained t;
+  Rng rng(10);
+  t.h.randomize_grads(rng);
+  t.h.params[c.param]->g.set(3, c.value);
+  const auto before = t.snap();
+  Status st = Status::Ok;
+  const std::string msg = t3::error_of([&] { t.h.opt.step(); }, &st);
+  EXPECT_EQ(st, Status::NonFinite);
+  EXPECT_THAT(msg, HasSubstr("'" + t.h.params[c.param]->name + "'"));
+  EXPECT_EQ(t.snap(), before);
+  EXPECT_EQ(t.h.opt.steps_taken(), 2);
+}
+
+TEST_P(NonFinite, SkipReturnsFalseAndChangesNothing) {
+  const NonFiniteCase c = GetParam();
+  Trained t(dion3::OptimizerOptions{dion3::NonFinitePolicy::Skip});
+  Rng rng(11);
+  t.h.randomize_grads(rng);
+  t.h.params[c.param]->g.set(5, c.value);
+  const auto before = t.snap();
+  EXPECT_FALSE(t.h.opt.step());
+  EXPECT_EQ(t.snap(), before);
+  EXPECT_EQ(t.h.opt.steps_skipped(), 1);
+  EXPECT_EQ(t.h.opt.steps_taken(), 2);
+  EXPECT_FALSE(t.h.opt.step());  // still bad: skipped again
+  EXPECT_EQ(t.h.opt.steps_skipped(), 2);
+  EXPECT_EQ(t.h.opt.export_state().skipped, 2);
+}
+
+TEST_P(NonFinite, ALaterFiniteStepIsNormal) {
+  // After a dropped step, the next finite step gives exactly what an optimizer that never saw
+  // the bad gradient gives (including AdamW's step count for the bias correction).
+  const NonFiniteCase c = GetParam();
+  for (auto policy : {dion3::NonFinitePolicy::Raise, dion3::NonFinitePolicy::Skip}) {
+    Trained t(dion3::OptimizerOptions{policy}), control;
+    Rng rng(12);
+    t.h.randomize_grads(rng);
+    t.h.params[c.param]->g.set(0, c.value);
+    if (policy == dion3::NonFinitePolicy::Raise) EXPECT_THROW(t.h.opt.step(), dion3::Error);
+    else EXPECT_FALSE(t.h.opt.step());
+    Rng r1(13), r2(13);
+    t.h.randomize_grads(r1);
+    control.h.randomize_grads(r2);
+    EXPECT_TRUE(t.h.opt.step());
+    EXPECT_TRUE(control.h.opt.step());
+    EXPECT_EQ(t.snap(), control.snap());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Values, NonFinite,
+    ::testing::Values(NonFiniteCase{"nan_in_matrix", 0, std::numeric_limits<double>::quiet_NaN()},
+                      NonFiniteCase{"inf_in_matrix", 0, std::numeric_limits<double>::infinity()},
+                      NonFiniteCase{"neg_inf_in_bias", 1, -std::numeric_limits<double>::infinity()},
+                      NonFiniteCase{"nan_in_bias", 1, std::numeric_limits<double>::quiet_NaN()}),
+    [](const ::testing::TestParamInfo<NonFiniteCase>& i) { return i.param.name; });
+
+TEST(NonFiniteBf16, NaNInA16BitGradientIsCaught) {
+  Rng rng(14);
+  Harness h;
+  const int gi = h.opt.add_group(GroupConfig{});
+  t3::HostParam& p = h.add(gi, "w", DType::BF16, {16, 32}, rng);
+  h.randomize_grads(rng);
+  ASSERT_TRUE(h.opt.step());
+  h.randomize_grads(rng);
+  p.g.set(100, std::numeric_limits<double>::quiet_NaN());
+  const auto before = t3::snapshot(h.opt, h.all());
+  Status st = Status::Ok;
+  t3::error_of([&] { h.opt.step(); }, &st);
+  EXPECT_EQ(st, Status::NonFinite);
+  EXPECT_EQ(t3::snapshot(h.opt, h.all()), before);
+}
+
+}  // namespace
