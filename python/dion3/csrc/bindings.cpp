@@ -1,0 +1,313 @@
+// bindings.cpp — dion3._C: the PyTorch extension. Wraps torch tensors into the engine's
+// TensorViews (pointer, dtype, device, shape), binds gradients before each step, runs the step on
+// the current CUDA stream with workspace from PyTorch's caching allocator, and turns dion3::Error
+// into Python exceptions. It holds no optimizer math: that is all in dion3::Optimizer.
+#include <torch/extension.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dion3/backend.hpp"
+#include "dion3/config.hpp"
+#include "dion3/error.hpp"
+#include "dion3/optimizer.hpp"
+
+#ifdef DION3_HAVE_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+PyObject* g_nonfinite_error = nullptr;  // dion3._C.NonFiniteError (a FloatingPointError)
+
+dion3::DType to_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return dion3::DType::F32;
+    case at::kHalf: return dion3::DType::F16;
+    case at::kBFloat16: return dion3::DType::BF16;
+    case at::kDouble: return dion3::DType::F64;
+    case at::kInt: return dion3::DType::I32;
+    case at::kLong: return dion3::DType::I64;
+    default:
+      throw dion3::Error(dion3::Status::InvalidArgument,
+                         std::string("tensors of dtype ") + c10::toString(t) +
+                             " are not supported; use float32, float16 or bfloat16");
+  }
+}
+
+at::ScalarType to_scalar_type(const std::string& name) {
+  if (name == "float32" || name == "float") return at::kFloat;
+  if (name == "float16" || name == "half") return at::kHalf;
+  if (name == "bfloat16") return at::kBFloat16;
+  if (name == "float64" || name == "double") return at::kDouble;
+  throw dion3::Error(dion3::Status::InvalidArgument, "unknown dtype '" + name + "'");
+}
+
+dion3::TensorView view_of(const at::Tensor& t, const std::string& who) {
+  if (!t.is_contiguous())
+    throw dion3::Error(dion3::Status::InvalidArgument,
+                       who + " is not contiguous (strides " + c10::str(t.strides()) +
+                           "); dion3 needs contiguous tensors");
+  dion3::TensorView v;
+  v.data = t.data_ptr();
+  v.dtype = to_dtype(t.scalar_type());
+  if (t.is_cuda()) {
+    v.device = dion3::Device::CUDA;
+    v.device_index = t.get_device();
+  } else if (t.is_cpu()) {
+    v.device = dion3::Device::CPU;
+  } else {
+    throw dion3::Error(dion3::Status::InvalidArgument,
+                       who + " is on device '" + t.device().str() + "'; dion3 runs on cpu and cuda");
+  }
+  v.shape.assign(t.sizes().begin(), t.sizes().end());
+  return v;
+}
+
+std::optional<dion3::DType> optional_dtype(const py::dict& d, const char* key) {
+  if (!d.contains(key) || d[key].is_none()) return std::nullopt;
+  return to_dtype(to_scalar_type(py::cast<std::string>(d[key])));
+}
+
+// The group dict the Python layer normalises (see dion3/optimizer.py: _engine_config).
+dion3::GroupConfig group_config(const py::dict& d) {
+  dion3::GroupConfig c;
+  c.algorithm = dion3::parse_algorithm(py::cast<std::string>(d["algorithm"]));
+  c.lr = py::cast<double>(d["lr"]);
+  c.fraction = py::cast<double>(d["fraction"]);
+  c.mu = py::cast<double>(d["mu"]);
+  c.muon_beta2 = py::cast<double>(d["muon_beta2"]);
+  c.betas = {py::cast<double>(d["beta1"]), py::cast<double>(d["beta2"])};
+  c.weight_decay = py::cast<double>(d["weight_decay"]);
+  c.epsilon = py::cast<double>(d["epsilon"]);
+  c.adjust_lr = dion3::parse_adjust_lr(py::cast<std::string>(d["adjust_lr"]));
+  c.flatten = py::cast<bool>(d["flatten"]);
+  c.nesterov = py::cast<bool>(d["nesterov"]);
+  c.cautious_wd = py::cast<bool>(d["cautious_wd"]);
+  c.scale_lr_by_fraction = py::cast<bool>(d["scale_lr_by_fraction"]);
+  c.momentum_dtype = optional_dtype(d, "momentum_dtype");
+  c.orth.method = dion3::parse_orth_method(py::cast<std::string>(d["orthogonalizer"]));
+  c.orth.coefficients.clear();
+  for (const auto& step : py::cast<py::list>(d["coefficients"])) {
+    auto abc = py::cast<std::vector<double>>(step);
+    if (abc.size() != 3)
+      throw dion3::Error(dion3::Status::InvalidArgument,
+                         "'coefficients' must be a list of (a, b, c) triples, got a step of " +
+                             std::to_string(abc.size()) + " numbers");
+    c.orth.coefficients.push_back({abc[0], abc[1], abc[2]});
+  }
+  c.orth.restarts = py::cast<std::vector<int>>(d["restarts"]);
+  c.orth.iteration_dtype = optional_dtype(d, "iteration_dtype");
+  return c;
+}
+
+#ifdef DION3_HAVE_CUDA
+// Workspace and engine-owned state from PyTorch's caching allocator (CUDA-graph capture needs it).
+class TorchCudaAllocator final : public dion3::Allocator {
+ public:
+  void* allocate(std::size_t bytes) override {
+    return c10::cuda::CUDACachingAllocator::raw_alloc(bytes);
+  }
+  void deallocate(void* ptr, std::size_t) override { c10::cuda::CUDACachingAllocator::raw_delete(ptr); }
+};
+#endif
+
+// One dion3::Optimizer on one device, with the tensors it points into kept alive.
+class Engine {
+ public:
+  Engine(const std::string& device_type, int device_index, const std::string& on_nonfinite)
+      : device_index_(device_index) {
+    dion3::OptimizerOptions options;
+    options.on_nonfinite = dion3::parse_nonfinite(on_nonfinite);
+    std::unique_ptr<dion3::Backend> backend;
+    if (device_type == "cpu") {
+      backend = dion3::make_cpu_backend();
+    } else if (device_type == "cuda") {
+#ifdef DION3_HAVE_CUDA
+      cuda_ = true;
+      c10::cuda::CUDAGuard guard(device_index);
+      allocator_ = std::make_unique<TorchCudaAllocator>();
+      backend = dion3::make_cuda_backend(device_index, at::cuda::getCurrentCUDAStream(device_index).stream(),
+                                         allocator_.get());
+#else
+      backend = dion3::make_cuda_backend(device_index, nullptr, nullptr);  // throws Unsupported
+#endif
+    } else {
+      throw dion3::Error(dion3::Status::InvalidArgument, "dion3 runs on cpu and cuda, not '" + device_type + "'");
+    }
+    opt_ = std::make_unique<dion3::Optimizer>(std::move(backend), options);
+  }
+
+  int add_group(const py::dict& cfg) { return opt_->add_group(group_config(cfg)); }
+
+  // Hyper-parameters are re-read before every step, so schedules that edit the group dict work.
+  void update_group(int index, const py::dict& cfg) { opt_->group(index) = group_config(cfg); }
+
+  int add_param(int group, const std::string& name, const at::Tensor& weight, const at::Tensor& grad,
+                const py::dict& state) {
+    dion3::ParamSpec spec;
+    spec.name = name;
+    spec.weight = view_of(weight, "parameter '" + name + "'");
+    spec.grad = view_of(grad, "the gradient of parameter '" + name + "'");
+    std::vector<at::Tensor> held{weight};
+    for (auto item : state) {
+      auto key = py::cast<std::string>(item.first);
+      auto t = py::cast<at::Tensor>(item.second);
+      spec.state.emplace_back(key, view_of(t, "state '" + key + "' of parameter '" + name + "'"));
+      held.push_back(t);
+    }
+    const int index = opt_->add_param(group, spec);
+    weights_.push_back(weight);
+    weight_ptrs_.push_back(weight.data_ptr());
+    held_.push_back(std::move(held));
+    grads_.push_back(grad);
+    return index;
+  }
+
+  // Per-parameter step counters (AdamW bias correction) after a rebuild: the engine offers them
+  // only through export/import, so this round-trips the state through host memory. Called only
+  // when resuming (a counter > 0), never on the hot path.
+  void set_param_steps(const std::vector<int64_t>& steps, int64_t steps_taken, int64_t steps_skipped) {
+    if (static_cast<int>(steps.size()) != opt_->num_params())
+      throw dion3::Error(dion3::Status::InvalidArgument, "set_param_steps: wrong number of counters");
+    Guard g(*this);
+    dion3::OptimizerState st = opt_->export_state();
+    for (std::size_t i = 0; i < steps.size(); ++i) st.params[i].step = steps[i];
+    st.steps = steps_taken;
+    st.skipped = steps_skipped;
+    opt_->import_state(st);
+  }
+
+  // Binds this step's gradients and runs the step. Returns 1 (applied), 0 (skipped: a gradient
+  // was not finite under on_nonfinite="skip"), or -1 (a weight's storage moved: the caller must
+  // rebuild the engine; nothing was changed).
+  int step(const std::vector<at::Tensor>& grads) {
+    const int n = opt_->num_params();
+    if (static_cast<int>(grads.size()) != n)
+      throw dion3::Error(dion3::Status::InvalidArgument,
+                         "step: got " + std::to_string(grads.size()) + " gradients for " + std::to_string(n) +
+                             " parameters");
+    for (int i = 0; i < n; ++i)
+      if (weights_[i].data_ptr() != weight_ptrs_[i]) return -1;
+    for (int i = 0; i < n; ++i) {
+      const at::Tensor& g = grads[i];
+      if (!g.is_same(grads_[i]) || g.data_ptr() != bound_ptr(i)) {
+        at::Tensor c = g.is_contiguous() ? g : g.contiguous();
+        opt_->set_grad(i, view_of(c, "the gradient of " + opt_->param_name(i)));
+        grads_[i] = c;
+      }
+    }
+    bool applied;
+    {
+      Guard guard(*this);
+      py::gil_scoped_release release;
+      applied = opt_->step();
+    }
+    return applied ? 1 : 0;
+  }
+
+  py::list plan() {
+    Guard g(*this);
+    py::list out;
+    for (const auto& mb : opt_->plan()) {
+      py::dict d;
+      d["group"] = mb.group;
+      d["algorithm"] = dion3::algorithm_name(mb.algorithm);
+      d["rows"] = mb.rows;
+      d["cols"] = mb.cols;
+      d["dtype"] = dion3::dtype_name(mb.dtype);
+      d["count"] = mb.count;
+      d["selected_rows"] = mb.selected_rows;
+      d["method"] = mb.method == dion3::OrthMethod::Gram ? "gram" : "standard";
+      d["iteration_dtype"] = dion3::dtype_name(mb.iteration_dtype);
+      d["workspace_bytes"] = mb.workspace_bytes;
+      out.append(d);
+    }
+    return out;
+  }
+
+  int num_params() const { return opt_->num_params(); }
+  int num_groups() const { return opt_->num_groups(); }
+  int64_t steps_taken() const { return opt_->steps_taken(); }
+  int64_t steps_skipped() const { return opt_->steps_skipped(); }
+
+ private:
+  // Device and stream of the engine's calls: the current CUDA stream of the engine's device.
+  struct Guard {
+#ifdef DION3_HAVE_CUDA
+    std::optional<c10::cuda::CUDAGuard> device;
+    explicit Guard(Engine& e) {
+      if (e.cuda_) {
+        device.emplace(e.device_index_);
+        e.opt_->backend().set_stream(at::cuda::getCurrentCUDAStream(e.device_index_).stream());
+      }
+    }
+#else
+    explicit Guard(Engine&) {}
+#endif
+  };
+
+  const void* bound_ptr(int i) const { return grads_[i].data_ptr(); }
+
+  int device_index_ = 0;
+  bool cuda_ = false;
+#ifdef DION3_HAVE_CUDA
+  std::unique_ptr<TorchCudaAllocator> allocator_;
+#endif
+  std::unique_ptr<dion3::Optimizer> opt_;  // after allocator_: destroyed first
+  std::vector<at::Tensor> weights_;
+  std::vector<void*> weight_ptrs_;
+  std::vector<std::vector<at::Tensor>> held_;  // weights and state tensors the engine points into
+  std::vector<at::Tensor> grads_;              // the gradients bound for the current step
+};
+
+void validate_group(const py::dict& cfg) { group_config(cfg).validate(); }
+
+bool cuda_built() {
+#ifdef DION3_HAVE_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "dion3 engine binding (internal; use dion3.Dion3 / NorMuon / Muon)";
+  g_nonfinite_error = PyErr_NewException("dion3._C.NonFiniteError", PyExc_FloatingPointError, nullptr);
+  m.attr("NonFiniteError") = py::handle(g_nonfinite_error);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const dion3::Error& e) {
+      switch (e.status()) {
+        case dion3::Status::InvalidArgument: PyErr_SetString(PyExc_ValueError, e.what()); break;
+        case dion3::Status::NonFinite: PyErr_SetString(g_nonfinite_error, e.what()); break;
+        case dion3::Status::Unsupported: PyErr_SetString(PyExc_NotImplementedError, e.what()); break;
+        default: PyErr_SetString(PyExc_RuntimeError, e.what()); break;
+      }
+    }
+  });
+
+  py::class_<Engine>(m, "Engine")
+      .def(py::init<const std::string&, int, const std::string&>(), py::arg("device_type"),
+           py::arg("device_index"), py::arg("on_nonfinite"))
+      .def("add_group", &Engine::add_group)
+      .def("update_group", &Engine::update_group)
+      .def("add_param", &Engine::add_param)
+      .def("set_param_steps", &Engine::set_param_steps)
+      .def("step", &Engine::step)
+      .def("plan", &Engine::plan)
+      .def_property_readonly("num_params", &Engine::num_params)
+      .def_property_readonly("num_groups", &Engine::num_groups)
+      .def_property_readonly("steps_taken", &Engine::steps_taken)
+      .def_property_readonly("steps_skipped", &Engine::steps_skipped);
+  m.def("validate_group", &validate_group, "Raise ValueError if a normalised group config is invalid");
+  m.def("cuda_built", &cuda_built, "Whether this build has the CUDA backend");
+}

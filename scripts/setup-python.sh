@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# scripts/setup-python.sh — the repo-local Python environment for the PyTorch front end.
+#
+# Creates .venv (git-ignored) with PyTorch, numpy, pytest and the build tools, then builds and
+# installs dion3 from this tree into it. Idempotent: every step is skipped when its result is
+# already there, and the extension is rebuilt (incrementally, by ninja) only when a source file
+# changed since the last build. Environment knobs:
+#   DION3_VENV=path        use another virtualenv folder (default: <repo>/.venv)
+#   PYTHON=python3.x       interpreter that creates the virtualenv
+#   DION3_TORCH_SPEC=...   pip requirement for PyTorch (default: torch)
+#   DION3_CUDA=0|1         build the CUDA backend (default: when torch sees a GPU and nvcc exists)
+#   MAX_JOBS=n             parallel compile jobs (default 2)
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=${DION3_VENV:-$ROOT/.venv}
+PYTHON=${PYTHON:-python3}
+TORCH_SPEC=${DION3_TORCH_SPEC:-torch}
+export MAX_JOBS=${MAX_JOBS:-2}
+
+log() { printf '[setup-python] %s\n' "$*" >&2; }
+t0=$SECONDS
+
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating virtualenv $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
+has_module() { "$PY" -c "import $1" >/dev/null 2>&1; }
+
+if ! has_module torch; then
+  # The CPU-only wheel index is much smaller (no CUDA runtime wheels); use it when it answers.
+  # Where only PyPI is reachable, PyPI's torch (with its CUDA runtime dependencies) is used.
+  if [ -z "${DION3_TORCH_SPEC:-}" ] && curl -fsS -m 10 -o /dev/null https://download.pytorch.org/whl/cpu/ 2>/dev/null; then
+    log "installing CPU PyTorch from the PyTorch CPU index"
+    pip_install --index-url https://download.pytorch.org/whl/cpu torch
+  else
+    log "installing PyTorch from PyPI ($TORCH_SPEC)"
+    pip_install "$TORCH_SPEC"
+  fi
+fi
+for mod in numpy pytest setuptools wheel ninja; do
+  has_module "$mod" || { log "installing $mod"; pip_install "$mod"; }
+done
+
+# Rebuild only when a source file is newer than the stamp of the last successful build.
+STAMP="$VENV/.dion3-build-stamp"
+need_build=1
+if [ -f "$STAMP" ] && has_module dion3._C; then
+  changed=$(find "$ROOT/src" "$ROOT/include" "$ROOT/python" "$ROOT/setup.py" "$ROOT/pyproject.toml" \
+              -newer "$STAMP" -type f \( -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.hpp' \
+              -o -name '*.h' -o -name '*.py' -o -name '*.toml' \) -print -quit 2>/dev/null || true)
+  [ -z "$changed" ] && need_build=0
+fi
+if [ "$need_build" = 1 ]; then
+  log "building and installing dion3 (MAX_JOBS=$MAX_JOBS)"
+  touch "$STAMP.new"
+  (cd "$ROOT" && "$PY" -m pip install --disable-pip-version-check -q --no-build-isolation --no-deps .)
+  mv "$STAMP.new" "$STAMP"
+else
+  log "dion3 is up to date"
+fi
+log "done in $((SECONDS - t0)) s"
