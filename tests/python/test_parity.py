@@ -1,0 +1,183 @@
+# test_parity.py — dion3.Dion3 / NorMuon / Muon (and the AdamW / Lion groups) against the float64
+# transcription of SPEC.md in reference.py, over several steps, on every device of conftest.
+import math
+
+import pytest
+import torch
+
+import dion3
+from reference import Reference, orth_gram, orth_standard, POLAR_EXPRESS
+
+STEPS = 4
+
+
+def make_params(shapes, device, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(device=device, dtype=dtype)) for s in shapes]
+
+
+def grads_for(shapes, step, seed=100):
+    g = torch.Generator().manual_seed(seed + step)
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
+def run_pair(cls, shapes, device, group_opts, ctor=None, ref_opts=None, steps=STEPS, atol=2e-5):
+    """Step our optimizer and the reference with the same gradients; compare weights each step."""
+    params = make_params(shapes, device)
+    ref = Reference(params, **dict(group_opts, **(ref_opts or {})))
+    kw = dict(ctor or {})
+    if device.type == "cuda":
+        kw.setdefault("iteration_dtype", torch.float32)
+    opt = cls([dict(params=params, **group_opts)], **kw)
+    for t in range(steps):
+        gs = grads_for(shapes, t)
+        for p, g in zip(params, gs):
+            p.grad = g.to(device)
+        opt.step()
+        ref.step(gs)
+        for i, (p, w) in enumerate(zip(params, ref.w)):
+            got = p.detach().double().cpu()
+            err = (got - w).abs().max().item()
+            assert err <= atol, f"step {t} param {i} {tuple(p.shape)}: max |ours - reference| = {err:.3g}"
+    return opt, ref, params
+
+
+SHAPES = [(32, 16), (16, 48), (24, 24), (3, 8, 12)]
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 1.0])
+def test_dion3_matches_reference(device, fraction):
+    run_pair(dion3.Dion3, SHAPES, device, dict(algorithm="dion3", lr=0.02, fraction=fraction, weight_decay=0.1))
+
+
+@pytest.mark.parametrize("orthogonalizer", ["standard", "gram", "auto"])
+def test_dion3_orthogonalizers_match_reference(device, orthogonalizer):
+    run_pair(dion3.Dion3, [(16, 64), (64, 16)], device, dict(lr=0.02, fraction=0.5),
+             ctor=dict(orthogonalizer=orthogonalizer))
+
+
+def test_dion3_flatten_and_state(device):
+    shapes = [(6, 4, 5), (10, 3, 3)]
+    opt, ref, params = run_pair(dion3.Dion3, shapes, device, dict(lr=0.01, fraction=0.5, flatten=True))
+    for p, st in zip(params, ref.state):
+        mine = opt.state[p]
+        assert mine["step"] == STEPS
+        assert torch.allclose(mine["momentum"].double().cpu(), st["momentum"].reshape(p.shape), atol=1e-5)
+        assert torch.allclose(mine["variance"].double().cpu(), st["variance"].reshape(-1), rtol=1e-4, atol=1e-9)
+        assert mine["variance"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("adjust_lr", ["spectral_norm", "rms_norm", None])
+def test_adjust_lr_rules(device, adjust_lr):
+    run_pair(dion3.Dion3, [(32, 8), (8, 32)], device, dict(lr=0.01, adjust_lr=adjust_lr))
+
+
+def test_scale_lr_by_fraction_and_you_coefficients(device):
+    run_pair(dion3.Dion3, [(32, 16)], device, dict(lr=0.01, fraction=0.25, scale_lr_by_fraction=True,
+                                                  use_polar_express=False))
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("cautious_wd", [False, True])
+def test_normuon_matches_reference(device, nesterov, cautious_wd):
+    run_pair(dion3.NorMuon, SHAPES, device,
+             dict(algorithm="normuon", lr=0.02, nesterov=nesterov, cautious_wd=cautious_wd, weight_decay=0.2))
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("cautious_wd", [False, True])
+def test_muon_matches_reference(device, nesterov, cautious_wd):
+    run_pair(dion3.Muon, SHAPES, device,
+             dict(algorithm="muon", lr=0.02, nesterov=nesterov, cautious_wd=cautious_wd, weight_decay=0.2))
+
+
+def test_dion3_fraction_one_is_normuon(device):
+    shapes = [(16, 24), (24, 16)]
+    pa, pb = make_params(shapes, device), make_params(shapes, device)
+    a = dion3.Dion3(pa, fraction=1.0, lr=0.03)
+    b = dion3.NorMuon(pb, lr=0.03)
+    for t in range(STEPS):
+        for ps in (pa, pb):
+            for p, g in zip(ps, grads_for(shapes, t)):
+                p.grad = g.to(device)
+        a.step()
+        b.step()
+    for x, y in zip(pa, pb):
+        assert torch.allclose(x, y, atol=1e-6)
+
+
+def test_unselected_rows_change_only_by_weight_decay(device):
+    (p,) = make_params([(40, 12)], device)
+    w0 = p.detach().clone()
+    opt = dion3.Dion3([p], fraction=0.25, lr=0.05, weight_decay=0.1)
+    g = torch.zeros(40, 12)
+    g[:5] = torch.randn(5, 12)  # only rows 0..4 can score; k = 10, so rows 5.. include unselected ones
+    g[5:10] = 1e-3
+    p.grad = g.to(device)
+    opt.step()
+    changed = ~torch.isclose(p.detach(), w0 * (1 - 0.05 * 0.1), rtol=0, atol=1e-7)
+    rows = changed.any(dim=1).nonzero().flatten().tolist()
+    assert set(rows) <= set(range(10)) and len(rows) > 0
+
+
+def test_adamw_matches_torch(device):
+    shapes = [(7,), (5, 3)]
+    pa, pb = make_params(shapes, device), make_params(shapes, device)
+    ours = dion3.Dion3([dict(params=pa, algorithm="adamw", lr=1e-2, weight_decay=0.1)])
+    theirs = torch.optim.AdamW(pb, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for t in range(STEPS + 2):
+        for ps in (pa, pb):
+            for p, g in zip(ps, grads_for(shapes, t)):
+                p.grad = g.to(device)
+        ours.step()
+        theirs.step()
+        for x, y in zip(pa, pb):
+            assert torch.allclose(x, y, atol=1e-6, rtol=1e-5), f"step {t}"
+    assert torch.allclose(ours.state[pa[0]]["exp_avg_sq"], theirs.state[pb[0]]["exp_avg_sq"], rtol=1e-5)
+
+
+def test_adamw_and_lion_match_reference(device):
+    run_pair(dion3.Dion3, [(9,), (4, 4)], device, dict(algorithm="adamw", lr=3e-3, betas=(0.8, 0.99)))
+    run_pair(dion3.Dion3, [(9,), (4, 4)], device, dict(algorithm="lion", lr=3e-3, betas=(0.9, 0.99)))
+
+
+def test_mixed_groups_in_one_optimizer(device):
+    shapes_m, shapes_v = [(12, 8), (8, 12)], [(8,), (12,)]
+    pm, pv = make_params(shapes_m, device, seed=1), make_params(shapes_v, device, seed=2)
+    rm, rv = Reference(pm, lr=0.02), Reference(pv, algorithm="lion", lr=1e-3)
+    kw = dict(iteration_dtype=torch.float32) if device.type == "cuda" else {}
+    opt = dion3.Dion3([dict(params=pm), dict(params=pv, algorithm="lion", lr=1e-3)], lr=0.02, **kw)
+    for t in range(STEPS):
+        gm, gv = grads_for(shapes_m, t), grads_for(shapes_v, t, seed=7)
+        for p, g in zip(pm + pv, gm + gv):
+            p.grad = g.to(device)
+        opt.step()
+        rm.step(gm)
+        rv.step(gv)
+    for p, w in zip(pm + pv, rm.w + rv.w):
+        assert torch.allclose(p.detach().double().cpu(), w, atol=2e-5)
+
+
+def test_reference_gram_equals_standard():
+    # Sanity of the transcription itself: both orthogonalizers agree in float64.
+    g = torch.Generator().manual_seed(3)
+    for shape in [(8, 32), (32, 8), (16, 16)]:
+        X = torch.randn(shape, generator=g, dtype=torch.float64)
+        assert torch.allclose(orth_standard(X), orth_gram(X), atol=1e-9)
+        s = torch.linalg.svdvals(orth_standard(X, POLAR_EXPRESS))
+        assert s.min() > 0.6 and s.max() < 1.25
+
+
+def test_bf16_params_with_fp32_momentum(device):
+    shapes = [(16, 32)]
+    params = make_params(shapes, device, dtype=torch.bfloat16)
+    ref = Reference(params, lr=0.02)
+    opt = dion3.Dion3(params, lr=0.02, momentum_dtype=torch.float32)
+    for t in range(2):
+        gs = grads_for(shapes, t)
+        params[0].grad = gs[0].to(device=device, dtype=torch.bfloat16)
+        ref.step([g.bfloat16() for g in gs])
+        opt.step()
+    assert opt.state[params[0]]["momentum"].dtype == torch.float32
+    # bf16 weights: compare at bf16 resolution.
+    assert torch.allclose(params[0].double().cpu(), ref.w[0], atol=3e-2)
