@@ -4,6 +4,8 @@
 // f32 and 16-bit parameters.
 #include <gtest/gtest.h>
 
+#include <ostream>
+
 #include <cmath>
 
 #include "dion3/optimizer.hpp"
@@ -46,6 +48,7 @@ struct MatrixCase {
   double wd = 0.01;
   DType dtype = DType::F32;
 };
+void PrintTo(const MatrixCase& c, std::ostream* os) { *os << c.name; }
 
 class MuonFamilyVsReference : public ::testing::TestWithParam<MatrixCase> {};
 
@@ -167,6 +170,7 @@ struct ElemCase {
   DType dtype = DType::F32;
   double wd = 0.01;
 };
+void PrintTo(const ElemCase& c, std::ostream* os) { *os << c.name; }
 
 class ElementwiseVsReference : public ::testing::TestWithParam<ElemCase> {};
 
@@ -253,6 +257,39 @@ TEST(AdamW, MixedWithMatrixGroupsInOneOptimizer) {
   }
   EXPECT_LE(t3::rel_max_diff(w.w.values(), W), 1e-5);
   EXPECT_LE(t3::rel_max_diff(b.w.values(), B), 1e-5);
+}
+
+TEST(Lion, ZeroGradientAndMomentumGiveOnlyWeightDecay) {
+  // sign(0) = 0: with m = 0 and g = 0 the update vanishes and only the decay remains.
+  Rng rng(8);
+  GroupConfig g;
+  g.algorithm = Algorithm::Lion;
+  g.lr = 0.01;
+  g.weight_decay = 0.1;
+  Harness h;
+  t3::HostParam& p = h.add(h.opt.add_group(g), "b", DType::F32, {32}, rng);
+  const auto W0 = p.w.values();
+  ASSERT_TRUE(h.opt.step());  // gradients are zero
+  const auto W1 = p.w.values();
+  for (size_t i = 0; i < W0.size(); ++i) EXPECT_FLOAT_EQ(W1[i], W0[i] * (1 - 0.01 * 0.1));
+}
+
+TEST(NorMuon, ScaleLrByFractionOnlyAffectsDion3Groups) {
+  // The opt-in scaling is Dion3's (lr / sqrt(f)); a NorMuon group ignores it.
+  const int m = 16, n = 32;
+  Rng ra(9), rb(9);
+  GroupConfig ga, gb;
+  ga.algorithm = gb.algorithm = Algorithm::NorMuon;
+  ga.scale_lr_by_fraction = true;
+  ga.fraction = 0.25;
+  Harness a, b;
+  t3::HostParam& pa = a.add(a.opt.add_group(ga), "w", DType::F32, {m, n}, ra);
+  t3::HostParam& pb = b.add(b.opt.add_group(gb), "w", DType::F32, {m, n}, rb);
+  a.randomize_grads(ra);
+  pb.g.bytes = pa.g.bytes;
+  a.opt.step();
+  b.opt.step();
+  EXPECT_EQ(pa.w.bytes, pb.w.bytes);
 }
 
 }  // namespace

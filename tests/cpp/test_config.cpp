@@ -4,6 +4,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <ostream>
+
 #include <cmath>
 
 #include "dion3/config.hpp"
@@ -121,6 +123,7 @@ struct BadField {
   const char* field;
   void (*apply)(GroupConfig&);
 };
+void PrintTo(const BadField& c, std::ostream* os) { *os << c.field; }
 
 class ConfigValidation : public ::testing::TestWithParam<BadField> {};
 

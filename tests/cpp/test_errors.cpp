@@ -5,6 +5,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <ostream>
+
 #include <cmath>
 #include <limits>
 
@@ -81,6 +83,7 @@ struct BadEdit {
   std::string field;
   void (*apply)(GroupConfig&);
 };
+void PrintTo(const BadEdit& c, std::ostream* os) { *os << c.name; }
 
 class InvalidGroupEdit : public ::testing::TestWithParam<BadEdit> {};
 
@@ -196,6 +199,56 @@ TEST(Errors, StepWithoutGroupsOrGradients) {
   EXPECT_TRUE(h.opt.step());
 }
 
+TEST(Errors, StructuralGroupEditsAfterStateExistsAreRejected) {
+  for (int which = 0; which < 3; ++which) {
+    Trained t;
+    Rng rng(15);
+    t.h.randomize_grads(rng);
+    const auto before = t.snap();
+    GroupConfig& g = t.h.opt.group(t.d);
+    std::string field;
+    if (which == 0) {
+      g.algorithm = Algorithm::Muon;
+      field = "algorithm";
+    } else if (which == 1) {
+      g.flatten = true;
+      field = "flatten";
+    } else {
+      g.momentum_dtype = DType::BF16;
+      field = "momentum_dtype";
+    }
+    const std::string msg = t3::error_of([&] { t.h.opt.step(); });
+    EXPECT_THAT(msg, HasSubstr("'" + field + "'")) << field;
+    EXPECT_EQ(t.snap(), before) << field;
+  }
+}
+
+TEST(Errors, TensorOnTheWrongDeviceOrWithoutData) {
+  Trained t;
+  t3::HostParam p("gpu.w", DType::F32, {8, 8});
+  dion3::ParamSpec spec = p.spec();
+  spec.weight.device = dion3::Device::CUDA;
+  EXPECT_THAT(t3::error_of([&] { t.h.opt.add_param(t.d, spec); }), HasSubstr("cuda"));
+  spec = p.spec();
+  spec.weight.data = nullptr;
+  EXPECT_THAT(t3::error_of([&] { t.h.opt.add_param(t.d, spec); }), HasSubstr("null"));
+  EXPECT_EQ(t.h.opt.num_params(), 2);
+}
+
+TEST(Errors, ElementwiseGroupFields) {
+  Trained t;
+  GroupConfig g;
+  g.algorithm = Algorithm::AdamW;
+  g.betas = {1.0, 0.95};
+  EXPECT_THAT(t3::error_of([&] { t.h.opt.add_group(g); }), HasSubstr("'betas[0]'"));
+  g.betas = {0.9, -0.1};
+  EXPECT_THAT(t3::error_of([&] { t.h.opt.add_group(g); }), HasSubstr("'betas[1]'"));
+  g.betas = {0.9, 0.95};
+  g.epsilon = 0.0;
+  EXPECT_THAT(t3::error_of([&] { t.h.opt.add_group(g); }), HasSubstr("'epsilon'"));
+  EXPECT_EQ(t.h.opt.num_groups(), 2);
+}
+
 // ---------------------------------------------------------------------------------------------
 // import_state of a state that does not fit.
 class BadImport : public ::testing::TestWithParam<int> {};
@@ -255,6 +308,7 @@ struct NonFiniteCase {
   int param;    // 0 = the Dion3 matrix, 1 = the AdamW bias
   double value;
 };
+void PrintTo(const NonFiniteCase& c, std::ostream* os) { *os << c.name; }
 
 class NonFinite : public ::testing::TestWithParam<NonFiniteCase> {};
 

@@ -6,6 +6,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <ostream>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -57,6 +59,7 @@ struct OrthCase {
   OrthMethod method;
   bool you;  // false = Polar Express
 };
+void PrintTo(const OrthCase& c, std::ostream* os) { *os << c.rows << "x" << c.cols << (c.method == OrthMethod::Gram ? " gram" : " standard") << (c.you ? " you" : " polar-express"); }
 
 class OrthVsReference : public ::testing::TestWithParam<OrthCase> {};
 
@@ -226,6 +229,7 @@ struct BandCase {
   // why SPEC §2 makes fp16 the Gram default. Everything else stays within [0.7, 1.2].
   double hi = 1.2;
 };
+void PrintTo(const BandCase& c, std::ostream* os) { *os << dion3::dtype_name(c.dtype) << (c.method == OrthMethod::Gram ? " gram" : " standard") << (c.you ? " you" : " polar-express"); }
 
 class SingularValueBand : public ::testing::TestWithParam<BandCase> {};
 
@@ -310,6 +314,7 @@ struct AgreeCase {
   DType dtype;
   double tol;  // max |gram - standard| / max |standard|
 };
+void PrintTo(const AgreeCase& c, std::ostream* os) { *os << dion3::dtype_name(c.dtype) << " tol " << c.tol; }
 
 class GramVsStandard : public ::testing::TestWithParam<AgreeCase> {};
 
