@@ -1,0 +1,263 @@
+# test_training.py — dion3 as a torch optimizer in use: a tiny model learns, state_dict round trips
+# continue exactly, lr schedules compose, grads that are None are skipped, many optimizers coexist.
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import dion3
+
+OPTIMIZERS = [dion3.Dion3, dion3.NorMuon, dion3.Muon]
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=32, d=24):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+        self.norm = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        h = self.embed(idx)
+        h = h + self.down(torch.relu(self.up(h)))
+        return self.lm_head(self.norm(h))
+
+
+def batch(device, seed=0, vocab=32, n=64):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, vocab, (n,), generator=g)
+    return x.to(device), ((x * 7 + 3) % vocab).to(device)  # a fixed permutation to learn
+
+
+def train(model, opt, device, steps, seed=0, scheduler=None):
+    losses = []
+    x, y = batch(device, seed)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(loss.item())
+    return losses
+
+
+def make(cls, device, seed=0, **kw):
+    torch.manual_seed(seed)
+    model = TinyLM().to(device)
+    groups = dion3.param_groups(model, elementwise_options=dict(lr=1e-2))
+    return model, cls(groups, lr=0.05, **kw)
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_tiny_model_loss_decreases(device, cls):
+    model, opt = make(cls, device)
+    losses = train(model, opt, device, 40)
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_param_groups_roles():
+    model = TinyLM()
+    groups = dion3.param_groups(model)
+    roles = {g["role"]: g["param_names"] for g in groups}
+    assert roles["matrix"] == ["up.weight", "down.weight"]
+    assert roles["embedding"] == ["embed.weight"] and roles["lm_head"] == ["lm_head.weight"]
+    assert set(roles["vector"]) == {"up.bias", "down.bias", "norm.weight", "norm.bias"}
+    assert all(g.get("algorithm") == "adamw" for g in groups if g["role"] != "matrix")
+    # explicit selectors and overrides
+    groups = dion3.param_groups(model, lm_head=model.lm_head, embeddings="embed",
+                                overrides={"down.weight": {"algorithm": "muon", "lr": 0.1}}, elementwise="lion")
+    by_name = {n: g for g in groups for n in g["param_names"]}
+    assert by_name["down.weight"]["algorithm"] == "muon" and by_name["down.weight"]["lr"] == 0.1
+    assert by_name["up.weight"].get("algorithm") is None
+    assert by_name["norm.bias"]["algorithm"] == "lion"
+    with pytest.raises(ValueError, match="matches no parameter"):
+        dion3.param_groups(model, overrides={"nope.weight": {"lr": 1.0}})
+    opt = dion3.Dion3(groups)
+    assert len(opt.param_groups) == len(groups)
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_state_dict_round_trip_continues_exactly(device, cls):
+    model_a, opt_a = make(cls, device)
+    train(model_a, opt_a, device, 5)
+    buf = io.BytesIO()
+    torch.save({"model": model_a.state_dict(), "opt": opt_a.state_dict()}, buf)
+    after_a = train(model_a, opt_a, device, 5, seed=1)
+
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=False)
+    model_b, opt_b = make(cls, device, seed=123)  # different init, overwritten by the load
+    model_b.load_state_dict(saved["model"])
+    opt_b.load_state_dict(saved["opt"])
+    after_b = train(model_b, opt_b, device, 5, seed=1)
+    assert after_a == after_b
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(pa, pb)
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        sa, sb = opt_a.state[pa], opt_b.state[pb]
+        assert sa.keys() == sb.keys() and sa["step"] == sb["step"] == 10
+        for k in sa:
+            if torch.is_tensor(sa[k]):
+                assert torch.equal(sa[k], sb[k]), k
+
+
+def test_state_dict_keeps_fp32_state_of_bf16_params(device):
+    p = nn.Parameter(torch.randn(16, 8, device=device, dtype=torch.bfloat16))
+    opt = dion3.Dion3([p], momentum_dtype=torch.float32)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    sd = opt.state_dict()
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    q = nn.Parameter(p.detach().clone())
+    opt2 = dion3.Dion3([q], momentum_dtype=torch.float32)
+    opt2.load_state_dict(torch.load(buf, weights_only=False))
+    st = opt2.state[q]
+    assert st["momentum"].dtype == torch.float32 and st["variance"].dtype == torch.float32
+    assert torch.equal(st["momentum"], opt.state[p]["momentum"])
+    g = torch.randn_like(p)
+    p.grad, q.grad = g, g.clone()
+    opt.step()
+    opt2.step()
+    assert torch.equal(p, q)
+
+
+def test_lr_scheduler_and_group_lr_untouched(device):
+    model, opt = make(dion3.Dion3, device)
+    base = [g["lr"] for g in opt.param_groups]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5 ** t)
+    x, y = batch(device)
+    for t in range(3):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        before = [g["lr"] for g in opt.param_groups]
+        opt.step()
+        assert [g["lr"] for g in opt.param_groups] == before  # step reads lr, never writes it
+        assert all(type(g["lr"]) is float for g in opt.param_groups)
+        sched.step()
+        assert [g["lr"] for g in opt.param_groups] == pytest.approx([b * 0.5 ** (t + 1) for b in base])
+
+
+def test_lr_is_read_every_step(device):
+    # A hand-written schedule (g["lr"] = base * scale) takes effect at the next step; lr = 0 freezes.
+    p = nn.Parameter(torch.randn(8, 8, device=device))
+    opt = dion3.Dion3([p], lr=0.1)
+    opt.param_groups[0]["lr"] = 0.0
+    w = p.detach().clone()
+    p.grad = torch.randn_like(p)
+    opt.step()
+    assert torch.equal(p, w)
+    opt.param_groups[0]["lr"] = 0.1 * 0.5
+    p.grad = torch.randn_like(p)
+    opt.step()
+    assert not torch.equal(p, w)
+    assert opt.param_groups[0]["lr"] == 0.05
+
+
+def test_none_grads_are_skipped(device):
+    a = nn.Parameter(torch.randn(8, 4, device=device))
+    b = nn.Parameter(torch.randn(4, 8, device=device))
+    opt = dion3.Dion3([a, b])
+    a.grad = torch.randn_like(a)
+    wb = b.detach().clone()
+    opt.step()
+    assert torch.equal(b, wb) and b not in opt.state and opt.state[a]["step"] == 1
+    b.grad = torch.randn_like(b)
+    opt.step()  # the set of parameters with gradients changed: the engine is rebuilt
+    assert opt.state[a]["step"] == 2 and opt.state[b]["step"] == 1
+    opt.zero_grad()
+    opt.step()  # nothing to do
+    assert opt.state[a]["step"] == 2
+
+
+def test_steps_counters_survive_rebuild_for_adamw(device):
+    # AdamW bias correction depends on the per-parameter step: a rebuild (new grad set) keeps it.
+    pa = [nn.Parameter(torch.randn(5, device=device)), nn.Parameter(torch.randn(3, device=device))]
+    pb = [nn.Parameter(p.detach().clone()) for p in pa]
+    ours = dion3.Dion3([dict(params=pa, algorithm="adamw")])
+    theirs = torch.optim.AdamW(pb, lr=0.01, betas=(0.9, 0.95), weight_decay=0.01)
+    g = torch.Generator().manual_seed(0)
+    for t in range(6):
+        for i, (x, y) in enumerate(zip(pa, pb)):
+            if t == 3 and i == 1:
+                x.grad = y.grad = None  # skipped by both
+            else:
+                gr = torch.randn(x.shape, generator=g).to(device)
+                x.grad, y.grad = gr, gr.clone()
+        ours.step()
+        theirs.step()
+    for x, y in zip(pa, pb):
+        assert torch.allclose(x, y, atol=1e-6)
+
+
+def test_add_param_group_later(device):
+    a = nn.Parameter(torch.randn(8, 4, device=device))
+    opt = dion3.Muon([a])
+    a.grad = torch.randn_like(a)
+    opt.step()
+    v = nn.Parameter(torch.randn(4, device=device))
+    opt.add_param_group(dict(params=[v], algorithm="lion", lr=1e-3))
+    v.grad = torch.ones_like(v)
+    w = v.detach().clone()
+    opt.step()
+    assert torch.allclose(v, w * (1 - 1e-3 * 0.01) - 1e-3)
+
+
+def test_weight_reallocated_is_followed(device):
+    p = nn.Parameter(torch.randn(8, 8, device=device))
+    opt = dion3.Muon([p], lr=0.1)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    p.data = p.data.clone()  # new storage
+    w = p.detach().clone()
+    opt.step()
+    assert not torch.equal(p, w)
+
+
+def test_twenty_optimizers_over_different_shape_sets(device):
+    opts = []
+    for i in range(20):
+        g = torch.Generator().manual_seed(i)
+        shapes = [(4 + i, 3 + 2 * i), (3 + i % 5, 17), (2 * i + 1, 5, 3)]
+        ps = [nn.Parameter(torch.randn(s, generator=g).to(device)) for s in shapes]
+        cls = OPTIMIZERS[i % 3]
+        opt = cls(ps, lr=0.01)
+        opts.append((opt, ps))
+    for _ in range(2):
+        for opt, ps in opts:
+            for p in ps:
+                p.grad = torch.randn_like(p)
+            opt.step()
+    for opt, ps in opts:
+        assert all(torch.isfinite(p).all() for p in ps)
+        assert all(opt.state[p]["step"] == 2 for p in ps)
+
+
+def test_closure_is_called(device):
+    p = nn.Parameter(torch.randn(6, 6, device=device))
+    opt = dion3.Dion3([p])
+
+    def closure():
+        opt.zero_grad()
+        loss = (p ** 2).sum()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert loss is not None and opt.state[p]["step"] == 1
+
+
+def test_plan_reports_megabatches(device):
+    ps = [nn.Parameter(torch.randn(16, 8, device=device)) for _ in range(3)]
+    opt = dion3.Dion3(ps, fraction=0.25)
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    (mb,) = opt.plan()
+    assert mb["count"] == 3 and mb["rows"] == 16 and mb["cols"] == 8 and mb["selected_rows"] == 4
