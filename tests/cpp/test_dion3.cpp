@@ -355,7 +355,9 @@ TEST(Dion3, MegabatchEqualsSeparateOptimizers) {
   const int gi = batched.opt.add_group(plain(0.25, 0.01));
   std::vector<std::unique_ptr<Harness>> singles;
   for (int i = 0; i < N; ++i) {
-    batched.add(gi, "w" + std::to_string(i), DType::F32, {m, n}, rng);
+    std::string name = "w";  // (built with += : GCC 12 gives a false -Wrestrict on "w" + to_string)
+    name += std::to_string(i);
+    batched.add(gi, name, DType::F32, {m, n}, rng);
     singles.push_back(std::make_unique<Harness>());
     Harness& s = *singles.back();
     const int sg = s.opt.add_group(plain(0.25, 0.01));
