@@ -44,7 +44,8 @@ Workload (default: --model gpt-small --layers 1, about 7M weights in 6 matrices)
   --model NAME        gpt-small  12 layers, d=768,  MLP 4d      (q,k,v,o d x d; up 4d x d; down d x 4d)
                       gpt-1b     16 layers, d=2048, MLP 4d
                       llama-7b   32 layers, d=4096, MLP 11008   (gate, up 11008 x d; down d x 11008)
-  --layers N          use only the first N layers of the model (default 1; 0 = all)
+  --layers N          use only the first N layers of the model (default: all layers when
+                      --model is given, 1 layer for the no-argument default run)
   --shapes LIST       explicit matrices instead of a model, rows x cols (out x in), comma
                       separated; ROWSxCOLS:N repeats a shape N times, e.g. 1024x4096,4096x1024:4
 Run:
@@ -81,7 +82,8 @@ step ends with one host synchronisation (the non-finite check), so wall time is 
 
 struct Options {
   std::string model = "gpt-small";
-  int layers = 1;
+  int layers = -1;  // -1: 1 layer for the default workload, all layers when --model is given
+  bool model_given = false;
   std::string shapes;
   std::string device = "cpu";
   std::string dtype = "f32";
@@ -155,8 +157,9 @@ Options parse_args(int argc, char** argv) {
       std::exit(0);
     } else if (key == "--model") {
       o.model = value();
+      o.model_given = true;
     } else if (key == "--layers") {
-      o.layers = parse_int(value(), key, 0);
+      o.layers = parse_int(value(), key, 1);
     } else if (key == "--shapes") {
       o.shapes = value();
     } else if (key == "--device") {
@@ -325,7 +328,10 @@ struct Row {
   std::string table, label;
   double fraction = 0;
   int64_t rows = 0, cols = 0;
-  double median_ms = 0, min_ms = 0, speedup = 0, eff_gflops = 0, real_gflop = 0;
+  double median_ms = 0, min_ms = 0, speedup = 0;
+  double eff_gflops = 0;     // effective GFLOP/s (SPEC §2 convention)
+  double eff_gflop = 0;      // effective GFLOP per call
+  double real_gflop = -1;    // GFLOP really performed per call (orth table only; -1 = unknown)
   std::string note;
 };
 
@@ -416,7 +422,7 @@ Row run_variant(const Options& o, const Variant& v, const std::vector<MatrixShap
   const int T = static_cast<int>(cfg.orth.coefficients.size());
   double flops = step_effective_flops(plan, T);
   r.eff_gflops = flops > 0 ? flops / (r.median_ms * 1e-3) / 1e9 : 0.0;
-  r.real_gflop = flops / 1e9;
+  r.eff_gflop = flops / 1e9;
   return r;
 }
 
@@ -472,6 +478,7 @@ std::vector<Row> run_orth_table(const Options& o, const MatrixShape& s, dion3::D
       double real = mi == 0 ? dion3::standard_ns_flops(1, p, q, T, be.symmetric_cost_factor())
                             : dion3::gram_ns_flops(1, p, q, T, restarts, be.symmetric_cost_factor());
       r.real_gflop = real / 1e9;
+      r.eff_gflop = dion3::effective_ns_flops(1, p, q, T) / 1e9;
       r.note = std::string("iter ") + dion3::dtype_name(orth.iteration_dtype()) +
                (orth.transposed() ? ", transposed" : "");
       rows.push_back(r);
@@ -488,16 +495,29 @@ std::vector<Row> run_orth_table(const Options& o, const MatrixShape& s, dion3::D
   return rows;
 }
 
+std::string csv_field(const std::string& v) {
+  if (v.find_first_of(",\"\n") == std::string::npos) return v;
+  std::string out = "\"";
+  for (char c : v) out += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return out + "\"";
+}
+
 void write_csv(const std::string& path, const Options& o, const std::string& workload,
                const std::vector<Row>& rows) {
   std::ofstream f(path);
   if (!f) throw std::runtime_error("cannot write " + path);
-  f << "table,optimizer,fraction,rows,cols,median_ms,min_ms,speedup,effective_gflops,"
-       "gflop_per_call,device,dtype,workload,note\n";
+  f << "table,name,fraction,rows,cols,median_ms,min_ms,speedup,effective_gflops,"
+       "effective_gflop_per_call,performed_gflop_per_call,device,dtype,workload,note\n";
   for (const auto& r : rows) {
-    f << r.table << ',' << r.label << ',' << r.fraction << ',' << r.rows << ',' << r.cols << ','
-      << r.median_ms << ',' << r.min_ms << ',' << r.speedup << ',' << r.eff_gflops << ','
-      << r.real_gflop << ',' << o.device << ',' << o.dtype << ',' << workload << ',' << r.note << '\n';
+    f << r.table << ',' << csv_field(r.label) << ',';
+    if (r.fraction > 0) f << r.fraction;
+    f << ',';
+    if (r.rows > 0) f << r.rows << ',' << r.cols;
+    else f << ',';
+    f << ',' << r.median_ms << ',' << r.min_ms << ',' << r.speedup << ',' << r.eff_gflops << ','
+      << r.eff_gflop << ',';
+    if (r.real_gflop >= 0) f << r.real_gflop;
+    f << ',' << o.device << ',' << o.dtype << ',' << csv_field(workload) << ',' << csv_field(r.note) << '\n';
   }
 }
 
@@ -510,7 +530,7 @@ int run(const Options& o) {
     workload = "shapes " + o.shapes;
   } else {
     const auto& preset = dion3::bench::find_preset(o.model);
-    int layers = o.layers <= 0 ? preset.layers : std::min(o.layers, preset.layers);
+    int layers = o.layers > 0 ? std::min(o.layers, preset.layers) : o.model_given ? preset.layers : 1;
     shapes = dion3::bench::model_matrices(preset, layers);
     workload = preset.name + " (" + std::to_string(layers) + " of " + std::to_string(preset.layers) + " layers)";
   }
