@@ -27,7 +27,8 @@
  *
  * Every function returns a dion3_status (except the few that cannot fail); on failure,
  * dion3_last_error() describes what went wrong, naming the parameter or field at fault.
- * Nothing is modified by a failing call.
+ * Nothing is modified by a failing call. An optimizer handle may be used from one thread at a
+ * time; distinct handles are independent.
  */
 #ifndef DION3_DION3_H
 #define DION3_DION3_H
