@@ -144,6 +144,22 @@ class _EngineOptimizer(torch.optim.Optimizer):
 
     # ---- torch.optim.Optimizer protocol ---------------------------------------------------
 
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        # Unpickling / deepcopy keep only defaults, state and param_groups (torch's __getstate__):
+        # the engine is rebuilt at the next step.
+        on_nonfinite = state.get("_on_nonfinite", "raise")
+        super().__setstate__(state)
+        self._on_nonfinite = on_nonfinite
+        self._engine, self._engine_key, self._engine_params, self._engine_groups = None, None, [], []
+        self._steps_skipped = getattr(self, "_steps_skipped", 0)
+        self._dirty = True
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__()
+        state["_on_nonfinite"] = self._on_nonfinite
+        state["_steps_skipped"] = self._steps_skipped
+        return state
+
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)
         try:

@@ -261,3 +261,21 @@ def test_plan_reports_megabatches(device):
     opt.step()
     (mb,) = opt.plan()
     assert mb["count"] == 3 and mb["rows"] == 16 and mb["cols"] == 8 and mb["selected_rows"] == 4
+
+
+def test_deepcopy_and_pickle(device):
+    import copy
+    import pickle
+    p = nn.Parameter(torch.randn(8, 6, device=device))
+    opt = dion3.Dion3([p], on_nonfinite="skip")
+    p.grad = torch.randn_like(p)
+    opt.step()
+    clone = copy.deepcopy(opt)
+    (q,) = clone.param_groups[0]["params"]
+    assert q is not p and torch.equal(q, p) and clone._on_nonfinite == "skip"
+    q.grad = p.grad.clone()
+    opt.step()
+    clone.step()
+    assert torch.equal(p, q) and clone.state[q]["step"] == 2
+    again = pickle.loads(pickle.dumps(opt))
+    assert again.state_dict()["state"][0]["step"] == 2
