@@ -1,0 +1,60 @@
+# cmake/cuda.cmake — the CUDA backend of dion3 (included by the top-level CMakeLists when
+# -DDION3_CUDA=ON): enables CUDA, adds src/cuda/*.cu to target `dion3`, links cuBLAS/cuBLASLt,
+# and builds the CUDA benchmark programs (bench/cuda_*.cu).
+#
+# Architectures: Hopper's sm_90a by default (wgmma needs the "a" target, written with -gencode,
+# see .library HOPPER.md). Override with -DDION3_CUDA_GENCODE="-gencode=..." or with
+# -DCMAKE_CUDA_ARCHITECTURES=<list> (then CMake's own flags are used instead).
+if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES OR CMAKE_CUDA_ARCHITECTURES STREQUAL "")
+  # Leave CMake's architecture flags off and pass our -gencode explicitly.
+  set(CMAKE_CUDA_ARCHITECTURES OFF)
+  set(DION3_CUDA_GENCODE "-gencode=arch=compute_90a,code=sm_90a" CACHE STRING
+      "nvcc -gencode flags of the CUDA backend")
+else()
+  set(DION3_CUDA_GENCODE "" CACHE STRING "nvcc -gencode flags of the CUDA backend")
+endif()
+
+enable_language(CUDA)
+find_package(CUDAToolkit REQUIRED)
+# C++20 for device code too (targets inherit CXX_STANDARD 20). Older CMake (3.25) has no CUDA20
+# dialect flags for nvcc 13: supply them.
+if(NOT CMAKE_CUDA20_STANDARD_COMPILE_OPTION)
+  set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
+  set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
+endif()
+set(_dion3_cuda_flags --expt-relaxed-constexpr -lineinfo)
+
+set(DION3_CUDA_SOURCES
+  ${CMAKE_CURRENT_SOURCE_DIR}/src/cuda/cuda_backend.cu
+  ${CMAKE_CURRENT_SOURCE_DIR}/src/cuda/step_kernels.cu
+  ${CMAKE_CURRENT_SOURCE_DIR}/src/cuda/elementwise_kernels.cu
+  ${CMAKE_CURRENT_SOURCE_DIR}/src/cuda/symmetric.cu
+)
+target_sources(dion3 PRIVATE ${DION3_CUDA_SOURCES})
+separate_arguments(_dion3_gencode UNIX_COMMAND "${DION3_CUDA_GENCODE}")
+# `dion3` was created before this file ran, so it did not pick up CMAKE_CUDA_ARCHITECTURES.
+set_target_properties(dion3 PROPERTIES CUDA_ARCHITECTURES "${CMAKE_CUDA_ARCHITECTURES}")
+target_compile_options(dion3 PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${_dion3_gencode} ${_dion3_cuda_flags}>)
+target_compile_definitions(dion3 PUBLIC DION3_HAVE_CUDA=1)
+target_link_libraries(dion3 PUBLIC CUDA::cudart CUDA::cublas CUDA::cublasLt)
+
+# Flags for other CUDA targets (tests, benchmarks) that compile .cu files.
+function(dion3_cuda_target tgt)
+  set_target_properties(${tgt} PROPERTIES CUDA_ARCHITECTURES "${CMAKE_CUDA_ARCHITECTURES}")
+  target_compile_options(${tgt} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${_dion3_gencode} ${_dion3_cuda_flags}>)
+endfunction()
+
+if(DION3_BENCH)
+  add_executable(dion3-cuda-bench ${CMAKE_CURRENT_SOURCE_DIR}/bench/cuda_orth_bench.cu)
+  target_include_directories(dion3-cuda-bench PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/src)
+  target_link_libraries(dion3-cuda-bench PRIVATE dion3 CUDA::cudart)
+  dion3_cuda_target(dion3-cuda-bench)
+endif()
+
+if(DION3_BENCH)
+  add_executable(dion3-cuda-step-bench ${CMAKE_CURRENT_SOURCE_DIR}/bench/cuda_step_bench.cu
+                                       ${CMAKE_CURRENT_SOURCE_DIR}/bench/model_shapes.cpp)
+  target_include_directories(dion3-cuda-step-bench PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/bench)
+  target_link_libraries(dion3-cuda-step-bench PRIVATE dion3 CUDA::cudart)
+  dion3_cuda_target(dion3-cuda-step-bench)
+endif()

@@ -1,0 +1,363 @@
+// cuda_backend.cu — the CUDA implementation of dion3::Backend: stream, cuBLAS handle and
+// workspace, default stream-ordered allocator, per-megabatch device pointer tables, and the
+// dispatch of every backend op to the kernels in step_kernels.cu, elementwise_kernels.cu and
+// symmetric.cu. Nothing here synchronises with the host except read_flag and host copies.
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+
+#include "cuda/cuda_backend.hpp"
+#include "cuda/kernels.cuh"
+
+namespace dion3 {
+namespace cuda {
+
+void throw_cuda(cudaError_t e, const char* what, const char* file, int line) {
+  fail(std::string("CUDA error ") + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ") in " +
+           what + " at " + file + ":" + std::to_string(line),
+       Status::Internal);
+}
+
+void throw_cublas(cublasStatus_t s, const char* what, const char* file, int line) {
+  fail(std::string("cuBLAS error ") + cublasGetStatusName(s) + " in " + what + " at " + file + ":" +
+           std::to_string(line),
+       Status::Internal);
+}
+
+namespace {
+
+// Stream-ordered allocations on the backend's stream (capture-safe with cudaMallocAsync).
+class StreamAllocator final : public Allocator {
+ public:
+  explicit StreamAllocator(cudaStream_t s) : stream_(s) {}
+  void* allocate(std::size_t bytes) override {
+    void* p = nullptr;
+    if (bytes == 0) return nullptr;
+    DION3_CUDA_CHECK(cudaMallocAsync(&p, bytes, stream_));
+    return p;
+  }
+  void deallocate(void* ptr, std::size_t) override {
+    if (ptr) cudaFreeAsync(ptr, stream_);  // no throw from destructors' paths
+  }
+  void set_stream(cudaStream_t s) { stream_ = s; }
+
+ private:
+  cudaStream_t stream_;
+};
+
+// Device memory that only grows; reuse is safe because every user is ordered on one stream.
+class Scratch {
+ public:
+  void* get(Allocator& a, std::size_t bytes) {
+    if (bytes > buf_.bytes()) buf_ = DeviceBuffer(a, round_up(bytes));
+    return buf_.get();
+  }
+  void reset() { buf_ = DeviceBuffer(); }
+
+ private:
+  static std::size_t round_up(std::size_t b) { return (b + 4095) & ~std::size_t(4095); }
+  DeviceBuffer buf_;
+};
+
+struct CudaMatrixSet final : MatrixSet {
+  DeviceBuffer table;           // DeviceMat[mats.size()]
+  DeviceMat* host = nullptr;    // pinned staging of the table
+  std::size_t host_cap = 0;
+  cudaEvent_t uploaded = nullptr;
+  bool pending = false;
+  DType wdt = DType::F32, gdt = DType::F32, mdt = DType::F32;
+  std::size_t uploaded_count = 0;
+  ~CudaMatrixSet() override {
+    if (uploaded) { cudaEventSynchronize(uploaded); cudaEventDestroy(uploaded); }
+    if (host) cudaFreeHost(host);
+  }
+};
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(int device, cudaStream_t stream, Allocator* alloc) : device_(device), stream_(stream) {
+    DION3_CUDA_CHECK(cudaSetDevice(device_));
+    if (alloc == nullptr) {
+      own_alloc_ = std::make_unique<StreamAllocator>(stream_);
+      alloc_ = own_alloc_.get();
+    } else {
+      alloc_ = alloc;
+    }
+    DION3_CUBLAS_CHECK(cublasCreate(&handle_));
+    DION3_CUBLAS_CHECK(cublasSetStream(handle_, stream_));
+    // A fixed cuBLAS workspace from our allocator: required for graph capture.
+    cublas_ws_ = DeviceBuffer(*alloc_, kCublasWorkspace);
+    DION3_CUBLAS_CHECK(cublasSetWorkspace(handle_, cublas_ws_.get(), kCublasWorkspace));
+    if (const char* t = std::getenv("DION3_SYM_TILE")) sym_.tile = std::atoll(t);
+    if (const char* e = std::getenv("DION3_SYM_DISABLE")) sym_.enabled = std::atoi(e) == 0;
+  }
+  ~CudaBackend() override {
+    cudaStreamSynchronize(stream_);
+    scratch_.reset();
+    scratch_sym_.reset();
+    cublas_ws_ = DeviceBuffer();
+    if (handle_) cublasDestroy(handle_);
+    cudaStreamSynchronize(stream_);
+  }
+
+  Device device() const override { return Device::CUDA; }
+  Allocator& allocator() override { return *alloc_; }
+  void set_stream(void* stream) override {
+    stream_ = static_cast<cudaStream_t>(stream);
+    DION3_CUBLAS_CHECK(cublasSetStream(handle_, stream_));
+    if (own_alloc_) own_alloc_->set_stream(stream_);
+  }
+  cudaStream_t stream() const { return stream_; }
+
+  // --- memory ----------------------------------------------------------------------------
+  void fill_zero(void* ptr, std::size_t bytes) override {
+    if (bytes) DION3_CUDA_CHECK(cudaMemsetAsync(ptr, 0, bytes, stream_));
+  }
+  void copy_to_host(void* dst, const void* src, std::size_t bytes) override {
+    if (!bytes) return;
+    DION3_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
+    DION3_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+  void copy_from_host(void* dst, const void* src, std::size_t bytes) override {
+    if (!bytes) return;
+    DION3_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
+    DION3_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the host buffer may go away
+  }
+  void copy(void* dst, const void* src, std::size_t bytes) override {
+    if (bytes) DION3_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+  }
+  int read_flag(const int* flag) override {
+    int v = 0;
+    copy_to_host(&v, flag, sizeof(int));
+    return v;
+  }
+
+  std::unique_ptr<MatrixSet> new_matrix_set() override { return std::make_unique<CudaMatrixSet>(); }
+
+  void refresh(MatrixSet& base) override {
+    auto* set = dynamic_cast<CudaMatrixSet*>(&base);
+    if (set == nullptr) fail("CUDA backend: refresh() needs a MatrixSet made by this backend's new_matrix_set()");
+    const std::size_t n = set->mats.size();
+    if (n == 0) return;
+    const auto& f = set->mats.front();
+    set->wdt = f.weight.dtype;
+    set->gdt = f.grad.data ? f.grad.dtype : f.weight.dtype;
+    set->mdt = f.momentum.data ? f.momentum.dtype : f.weight.dtype;
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto& pm = set->mats[i];
+      if (pm.weight.dtype != set->wdt || (pm.grad.data && pm.grad.dtype != set->gdt) ||
+          (pm.momentum.data && pm.momentum.dtype != set->mdt))
+        fail("CUDA backend: matrices of one megabatch must share dtypes (matrix " + std::to_string(i) + ")");
+    }
+    // The staging buffer may still be read by the previous upload: wait for it (it is
+    // normally long done), except under capture where events cannot be waited on.
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    DION3_CUDA_CHECK(cudaStreamIsCapturing(stream_, &cap));
+    if (set->pending && cap == cudaStreamCaptureStatusNone) {
+      DION3_CUDA_CHECK(cudaEventSynchronize(set->uploaded));
+      set->pending = false;
+    }
+    if (set->host_cap < n) {
+      if (set->host) DION3_CUDA_CHECK(cudaFreeHost(set->host));
+      DION3_CUDA_CHECK(cudaMallocHost(&set->host, n * sizeof(DeviceMat)));
+      set->host_cap = n;
+    }
+    if (set->table.bytes() < n * sizeof(DeviceMat)) set->table = DeviceBuffer(*alloc_, n * sizeof(DeviceMat));
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto& pm = set->mats[i];
+      set->host[i] = DeviceMat{pm.weight.data, pm.grad.data, pm.momentum.data, pm.variance,
+                               pm.weight.ld ? pm.weight.ld : pm.weight.cols,
+                               pm.grad.ld ? pm.grad.ld : pm.grad.cols,
+                               pm.momentum.ld ? pm.momentum.ld : pm.momentum.cols};
+    }
+    DION3_CUDA_CHECK(cudaMemcpyAsync(set->table.get(), set->host, n * sizeof(DeviceMat),
+                                     cudaMemcpyHostToDevice, stream_));
+    if (cap == cudaStreamCaptureStatusNone) {
+      if (!set->uploaded) DION3_CUDA_CHECK(cudaEventCreateWithFlags(&set->uploaded, cudaEventDisableTiming));
+      DION3_CUDA_CHECK(cudaEventRecord(set->uploaded, stream_));
+      set->pending = true;
+    }
+    set->uploaded_count = n;
+  }
+
+  // --- step, parameter side ----------------------------------------------------------------
+  void check_finite(std::span<const MatrixView> xs, int* flag) override {
+    launch_check_finite(xs, flag, stream_);
+  }
+
+  void accumulate(const MatrixSet& base, float decay, float* scores, const int* skip) override {
+    const auto& set = ready(base);
+    launch_accumulate(table(set), n_of(set), set.rows(), set.cols(), set.mdt, set.gdt, decay, scores,
+                      skip, stream_);
+  }
+
+  void select_rows(const float* scores, int64_t count, int64_t m, int64_t k, int32_t* idx,
+                   const int* skip) override {
+    launch_select_rows(scores, count, m, k, idx, skip, stream_);
+  }
+
+  void gather_rows(const MatrixSet& base, const int32_t* idx, int64_t k, float scale_m, float scale_g,
+                   float decay, MatrixView out, const int* skip) override {
+    const auto& set = ready(base);
+    if (idx == nullptr && k != set.rows()) fail("gather_rows: idx == null needs k == rows");
+    if (out.rows != k || out.cols != set.cols() || out.batch != n_of(set))
+      fail("gather_rows: out must be " + std::to_string(n_of(set)) + " x " + std::to_string(k) + " x " +
+           std::to_string(set.cols()));
+    launch_gather_rows(table(set), n_of(set), set.rows(), set.cols(), set.mdt, set.gdt, idx, k, scale_m,
+                       scale_g, decay, out, skip, stream_);
+  }
+
+  void apply_update(const MatrixSet& base, const int32_t* idx, int64_t k, MatrixView O,
+                    const UpdateParams& p, const int* skip) override {
+    const auto& set = ready(base);
+    if (idx == nullptr && k != set.rows()) fail("apply_update: idx == null needs k == rows");
+    if (O.rows != k || O.cols != set.cols() || O.batch != n_of(set))
+      fail("apply_update: O must be " + std::to_string(n_of(set)) + " x " + std::to_string(k) + " x " +
+           std::to_string(set.cols()));
+    float* scr = static_cast<float*>(
+        scratch_.get(*alloc_, apply_update_scratch_floats(n_of(set), k) * sizeof(float)));
+    launch_apply_update(table(set), n_of(set), set.rows(), set.cols(), set.wdt, idx, k, O, p, scr, skip,
+                        stream_);
+  }
+
+  // --- orthogonalization primitives ----------------------------------------------------------
+  void normalize(MatrixView in, MatrixView out, float eps) override {
+    float* scr = static_cast<float*>(scratch_.get(*alloc_, normalize_scratch_floats(in.batch) * sizeof(float)));
+    launch_normalize(in, out, eps, scr, stream_);
+  }
+  void convert(MatrixView in, MatrixView out, bool transpose) override {
+    if (transpose) launch_transpose(in, out, stream_);
+    else launch_convert(in, out, stream_);
+  }
+  void add_identity(MatrixView X, float gamma, MatrixView C) override {
+    if (X.rows != X.cols || C.rows != X.rows || C.cols != X.cols || C.batch != X.batch)
+      fail("add_identity: X and C must be square and of one shape");
+    launch_sym_prepare(X, 1.0f, gamma, C, C.rows, stream_);
+  }
+
+  void gemm(bool trans_a, bool trans_b, float alpha, MatrixView A, MatrixView B, float beta,
+            MatrixView C) override {
+    cublas_gemm(handle_, trans_a, trans_b, alpha, A, B, beta, C);
+  }
+
+  void gram(MatrixView X, MatrixView C) override {
+    if (C.rows != X.rows || C.cols != X.rows || C.batch != X.batch)
+      fail("gram: C must be batch x rows x rows of X");
+    const int64_t p = X.rows, tile = tile_for(p);
+    if (tile >= p) {
+      cublas_gemm(handle_, false, true, 1.0f, X, X, 0.0f, C);
+      return;
+    }
+    void* ptrs = scratch_sym_.get(*alloc_, sym_ptr_scratch_bytes(C.batch, p, tile));
+    sym_lower_gemm(handle_, stream_, X, X, 1.0f, 0.0f, C, tile, ptrs);
+    launch_mirror_lower(C, 0.0f, true, stream_);
+  }
+
+  void sym_product(float alpha, MatrixView A, MatrixView B, float beta, const MatrixView* D,
+                   float gamma, MatrixView C) override {
+    const int64_t p = C.rows;
+    if (A.rows != p || A.cols != p || B.rows != p || B.cols != p || C.cols != p)
+      fail("sym_product: A, B and C must be square and of one size");
+    if (C.data == A.data || C.data == B.data) fail("sym_product: C must not alias A or B");
+    const int64_t tile = tile_for(p);
+    const bool has_d = D != nullptr && D->data != nullptr && beta != 0.0f;
+    if (has_d) launch_sym_prepare(*D, beta, gamma, C, tile, stream_);
+    const float gemm_beta = has_d ? 1.0f : 0.0f;
+    // Row-major C = A·B, and B symmetric: A·B = A·Bᵀ, the "T,N" form of the tile schedule.
+    if (tile >= p) {
+      cublas_gemm(handle_, false, true, alpha, A, B, gemm_beta, C);
+      launch_mirror_lower(C, has_d ? 0.0f : gamma, false, stream_);
+      return;
+    }
+    void* ptrs = scratch_sym_.get(*alloc_, sym_ptr_scratch_bytes(C.batch, p, tile));
+    sym_lower_gemm(handle_, stream_, A, B, alpha, gemm_beta, C, tile, ptrs);
+    launch_mirror_lower(C, has_d ? 0.0f : gamma, true, stream_);
+  }
+
+  double symmetric_cost_factor() const override {
+    if (!sym_.enabled) return 1.0;
+    return kMeasuredSymFactor;
+  }
+  DType default_iteration_dtype(bool gram) const override { return gram ? DType::F16 : DType::BF16; }
+
+  // --- element-wise optimizers ---------------------------------------------------------------
+  void adamw(const ElementwiseParam& p, const AdamWParams& h, const int* skip) override {
+    launch_adamw(p, h, skip, stream_);
+  }
+  void lion(const ElementwiseParam& p, const LionParams& h, const int* skip) override {
+    launch_lion(p, h, skip, stream_);
+  }
+
+  // --- knobs -------------------------------------------------------------------------------
+  SymmetricOptions sym_{};
+  int64_t tile_for(int64_t p) const {
+    if (!sym_.enabled) return p;
+    int64_t t = sym_.tile;
+    if (t <= 0) {
+      // Automatic: full GEMM for small matrices, else tiles of about 512 (from bench sweeps).
+      if (p < 1536) return p;
+      t = 512;
+    }
+    if (t >= p) return p;
+    return t;
+  }
+
+ private:
+  static constexpr std::size_t kCublasWorkspace = 32u << 20;
+  static constexpr double kMeasuredSymFactor = 0.65;
+
+  const CudaMatrixSet& ready(const MatrixSet& base) const {
+    const auto* set = dynamic_cast<const CudaMatrixSet*>(&base);
+    if (set == nullptr) fail("CUDA backend: MatrixSet was not made by this backend's new_matrix_set()");
+    if (set->uploaded_count != set->mats.size())
+      fail("CUDA backend: MatrixSet changed without refresh()");
+    return *set;
+  }
+  static int64_t n_of(const CudaMatrixSet& s) { return static_cast<int64_t>(s.mats.size()); }
+  static const DeviceMat* table(const CudaMatrixSet& s) { return s.table.as<const DeviceMat>(); }
+
+  int device_;
+  cudaStream_t stream_;
+  std::unique_ptr<StreamAllocator> own_alloc_;
+  Allocator* alloc_ = nullptr;
+  cublasHandle_t handle_ = nullptr;
+  DeviceBuffer cublas_ws_;
+  Scratch scratch_, scratch_sym_;
+};
+
+CudaBackend& as_cuda(Backend& b) {
+  auto* c = dynamic_cast<CudaBackend*>(&b);
+  if (c == nullptr) fail("expected a CUDA backend, got a " + std::string(device_name(b.device())) + " one");
+  return *c;
+}
+
+}  // namespace
+
+void set_symmetric_options(Backend& backend, const SymmetricOptions& options) { as_cuda(backend).sym_ = options; }
+SymmetricOptions symmetric_options(Backend& backend) { return as_cuda(backend).sym_; }
+void* backend_stream(Backend& backend) { return as_cuda(backend).stream(); }
+int64_t symmetric_tile_for(Backend& backend, int64_t p) { return as_cuda(backend).tile_for(p); }
+
+}  // namespace cuda
+
+std::unique_ptr<Backend> make_cuda_backend(int device_index, void* stream, Allocator* allocator) {
+  if (!cuda_available())
+    fail("no CUDA device is available (cudaGetDeviceCount found none)", Status::Unsupported);
+  int n = 0;
+  cudaGetDeviceCount(&n);
+  if (device_index < 0 || device_index >= n)
+    fail("CUDA device index " + std::to_string(device_index) + " is out of range (devices: " + std::to_string(n) + ")");
+  return std::make_unique<cuda::CudaBackend>(device_index, static_cast<cudaStream_t>(stream), allocator);
+}
+
+bool cuda_available() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky-free error so later calls start clean
+    return false;
+  }
+  return n > 0;
+}
+
+}  // namespace dion3

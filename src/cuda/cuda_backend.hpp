@@ -1,0 +1,24 @@
+// cuda_backend.hpp — CUDA-specific knobs of the CUDA backend for tests and benchmarks (plain
+// C++, no CUDA headers): choosing full-GEMM or symmetric (lower-triangle tile) products, the
+// tile size, and reaching the backend's stream.
+#pragma once
+
+#include <cstdint>
+
+#include "dion3/backend.hpp"
+
+namespace dion3::cuda {
+
+struct SymmetricOptions {
+  bool enabled = true;  // false: gram/sym_product run as one full cuBLAS GEMM per matrix
+  int64_t tile = 0;     // tile edge of the lower-triangle schedule; 0 = automatic by size
+};
+
+// Throws dion3::Error(InvalidArgument) if `backend` is not a CUDA backend.
+void set_symmetric_options(Backend& backend, const SymmetricOptions& options);
+SymmetricOptions symmetric_options(Backend& backend);
+void* backend_stream(Backend& backend);  // the cudaStream_t the backend enqueues on
+// The tile edge the backend uses for a p x p symmetric product (p when it uses a full GEMM).
+int64_t symmetric_tile_for(Backend& backend, int64_t p);
+
+}  // namespace dion3::cuda

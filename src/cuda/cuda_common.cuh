@@ -1,0 +1,96 @@
+// cuda_common.cuh — shared pieces of the CUDA backend: error checks, the one dtype-dispatch
+// switch (DION3_DISPATCH_FLOAT), fp32 load/store of fp32/fp16/bf16 elements, launch helpers.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "dion3/error.hpp"
+#include "dion3/view.hpp"
+
+namespace dion3::cuda {
+
+[[noreturn]] void throw_cuda(cudaError_t e, const char* what, const char* file, int line);
+[[noreturn]] void throw_cublas(cublasStatus_t s, const char* what, const char* file, int line);
+
+#define DION3_CUDA_CHECK(expr)                                                           \
+  do {                                                                                   \
+    cudaError_t e_ = (expr);                                                             \
+    if (e_ != cudaSuccess) ::dion3::cuda::throw_cuda(e_, #expr, __FILE__, __LINE__);     \
+  } while (0)
+#define DION3_CUBLAS_CHECK(expr)                                                         \
+  do {                                                                                   \
+    cublasStatus_t s_ = (expr);                                                          \
+    if (s_ != CUBLAS_STATUS_SUCCESS)                                                     \
+      ::dion3::cuda::throw_cublas(s_, #expr, __FILE__, __LINE__);                        \
+  } while (0)
+// After every kernel launch: launch-configuration errors surface here, not later.
+#define DION3_CUDA_LAUNCH_CHECK() DION3_CUDA_CHECK(cudaGetLastError())
+
+// The single place where a runtime DType becomes a compile-time element type. `T` is bound
+// to float, __half or __nv_bfloat16 inside the body.
+#define DION3_DISPATCH_FLOAT(dtype, T, ...)                                              \
+  [&] {                                                                                  \
+    switch (dtype) {                                                                     \
+      case ::dion3::DType::F32: { using T = float; return __VA_ARGS__(); }               \
+      case ::dion3::DType::F16: { using T = __half; return __VA_ARGS__(); }              \
+      case ::dion3::DType::BF16: { using T = __nv_bfloat16; return __VA_ARGS__(); }      \
+      default:                                                                           \
+        ::dion3::fail(std::string("CUDA backend: unsupported dtype ") +                  \
+                      ::dion3::dtype_name(dtype) + " (expected float32, float16 or bfloat16)"); \
+    }                                                                                    \
+  }()
+
+template <class T> __device__ __forceinline__ float to_f32(T x);
+template <> __device__ __forceinline__ float to_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ float to_f32<__half>(__half x) { return __half2float(x); }
+template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <class T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+__device__ __forceinline__ bool skipped(const int* skip) { return skip != nullptr && *skip != 0; }
+
+inline cudaDataType_t cuda_dtype(DType t) {
+  switch (t) {
+    case DType::F32: return CUDA_R_32F;
+    case DType::F16: return CUDA_R_16F;
+    case DType::BF16: return CUDA_R_16BF;
+    case DType::F64: return CUDA_R_64F;
+    default: fail(std::string("CUDA backend: no cuBLAS type for dtype ") + dtype_name(t));
+  }
+}
+
+inline unsigned ceil_div_u(int64_t a, int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
+
+// One matrix of a megabatch as the kernels see it (uploaded by CudaBackend::refresh).
+struct DeviceMat {
+  void* w;
+  const void* g;
+  void* m;
+  float* v;
+  int64_t ldw, ldg, ldm;
+};
+
+// Block-wide sum (blockDim.x a multiple of 32, <= 1024); result valid in every thread.
+// Fixed reduction order, so results are bitwise reproducible.
+__device__ __forceinline__ float block_sum(float x, float* smem32) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();  // smem32 may still be read by a previous call
+  if (lane == 0) smem32[warp] = x;
+  __syncthreads();
+  const int nw = (blockDim.x + 31) >> 5;
+  float y = lane < nw ? smem32[lane] : 0.0f;
+  for (int o = 16; o > 0; o >>= 1) y += __shfl_xor_sync(0xffffffffu, y, o);
+  return y;
+}
+
+}  // namespace dion3::cuda

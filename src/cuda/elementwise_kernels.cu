@@ -1,0 +1,289 @@
+// elementwise_kernels.cu — memory-bound kernels of the CUDA backend: Frobenius normalisation
+// (deterministic two-pass reduction), batched transpose with dtype conversion, fused AdamW and
+// Lion, and the helpers of the symmetric products (scaled-add prologue, mirror of the lower
+// triangle with a diagonal shift).
+#include "cuda/kernels.cuh"
+
+namespace dion3::cuda {
+namespace {
+
+constexpr int kNormBlocks = 128;  // partial sums per matrix (fixed: results are reproducible)
+
+template <class T>
+__global__ void sumsq_partial_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, int64_t ld,
+                                     int64_t bstride, float* __restrict__ partial) {
+  __shared__ float red[32];
+  const int64_t b = blockIdx.y;
+  const T* xb = x + b * bstride;
+  const int64_t total = rows * cols;
+  float acc = 0.0f;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float v = to_f32(xb[(e / cols) * ld + e % cols]);
+    acc += v * v;
+  }
+  acc = block_sum(acc, red);
+  if (threadIdx.x == 0) partial[b * gridDim.x + blockIdx.x] = acc;
+}
+
+template <class TI, class TO>
+__global__ void scale_by_norm_kernel(const TI* __restrict__ x, int64_t rows, int64_t cols, int64_t ld,
+                                     int64_t bstride, TO* __restrict__ y, int64_t ldy, int64_t bstride_y,
+                                     const float* __restrict__ partial, int nparts, float eps) {
+  __shared__ float s_inv;
+  const int64_t b = blockIdx.y;
+  if (threadIdx.x < 32) {
+    float a = 0.0f;
+    for (int j = threadIdx.x; j < nparts; j += 32) a += partial[b * nparts + j];
+    for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+    if (threadIdx.x == 0) s_inv = 1.0f / (sqrtf(a) + eps);
+  }
+  __syncthreads();
+  const float inv = s_inv;  // multiply by the reciprocal, as the CPU reference does
+  const TI* xb = x + b * bstride;
+  TO* yb = y + b * bstride_y;
+  const int64_t total = rows * cols;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = e / cols, c = e % cols;
+    yb[r * ldy + c] = from_f32<TO>(to_f32(xb[r * ld + c]) * inv);
+  }
+}
+
+template <class TI, class TO>
+__global__ void transpose_kernel(const TI* __restrict__ in, int64_t rows, int64_t cols, int64_t ld,
+                                 int64_t bstride, TO* __restrict__ out, int64_t ldo, int64_t bstride_o) {
+  __shared__ float tile[32][33];
+  const int64_t b = blockIdx.z;
+  const int64_t r0 = blockIdx.y * 32, c0 = blockIdx.x * 32;
+  const TI* ib = in + b * bstride;
+  TO* ob = out + b * bstride_o;
+  for (int dy = threadIdx.y; dy < 32; dy += blockDim.y) {
+    const int64_t r = r0 + dy, c = c0 + threadIdx.x;
+    if (r < rows && c < cols) tile[dy][threadIdx.x] = to_f32(ib[r * ld + c]);
+  }
+  __syncthreads();
+  for (int dy = threadIdx.y; dy < 32; dy += blockDim.y) {
+    const int64_t oc = r0 + threadIdx.x, orow = c0 + dy;  // out[orow][oc] = in[oc][orow]
+    if (orow < cols && oc < rows) ob[orow * ldo + oc] = from_f32<TO>(tile[threadIdx.x][dy]);
+  }
+}
+
+template <class TI, class TO>
+__global__ void convert_kernel(const TI* __restrict__ in, int64_t rows, int64_t cols, int64_t ld,
+                               int64_t bstride, TO* __restrict__ out, int64_t ldo, int64_t bstride_o) {
+  const int64_t b = blockIdx.y, total = rows * cols;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = e / cols, c = e % cols;
+    out[b * bstride_o + r * ldo + c] = from_f32<TO>(to_f32(in[b * bstride + r * ld + c]));
+  }
+}
+
+template <class TW, class TG, class TS>
+__global__ void adamw_kernel(TW* __restrict__ w, const TG* __restrict__ g, TS* __restrict__ m,
+                             TS* __restrict__ v, int64_t n, AdamWParams h, const int* skip) {
+  if (skipped(skip)) return;
+  const float decay = 1.0f - h.lr * h.weight_decay;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float gv = to_f32(g[e]);
+    float mv = to_f32(m[e]), vv = to_f32(v[e]);
+    mv = mv + (1.0f - h.beta1) * (gv - mv);
+    vv = vv + (1.0f - h.beta2) * (gv * gv - vv);
+    m[e] = from_f32<TS>(mv);
+    v[e] = from_f32<TS>(vv);
+    // Same expression order as the CPU reference (unrounded moments, bias-corrected).
+    const float mhat = mv / h.bias_correction1, vhat = vv / h.bias_correction2;
+    w[e] = from_f32<TW>(to_f32(w[e]) * decay - h.lr * mhat / (sqrtf(vhat) + h.epsilon));
+  }
+}
+
+template <class TW, class TG, class TS>
+__global__ void lion_kernel(TW* __restrict__ w, const TG* __restrict__ g, TS* __restrict__ m, int64_t n,
+                            LionParams h, const int* skip) {
+  if (skipped(skip)) return;
+  const float decay = 1.0f - h.lr * h.weight_decay;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float gv = to_f32(g[e]);
+    const float mv = to_f32(m[e]);
+    const float c = mv + (1.0f - h.beta1) * (gv - mv);
+    const float u = c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : 0.0f);
+    m[e] = from_f32<TS>(mv + (1.0f - h.beta2) * (gv - mv));
+    w[e] = from_f32<TW>(to_f32(w[e]) * decay - h.lr * u);
+  }
+}
+
+template <class TD, class TC>
+__global__ void sym_prepare_kernel(const TD* __restrict__ d, int64_t ldd, int64_t bsd, float beta,
+                                   float gamma, TC* c, int64_t p, int64_t ldc, int64_t bsc, int64_t tile) {
+  const int64_t r = blockIdx.x, b = blockIdx.y;
+  const int64_t lim = min(p, (r / tile + 1) * tile);
+  const TD* dr = d ? d + b * bsd + r * ldd : nullptr;
+  TC* cr = c + b * bsc + r * ldc;
+  for (int64_t j = threadIdx.x; j < lim; j += blockDim.x) {
+    float x = dr ? beta * to_f32(dr[j]) : 0.0f;
+    if (j == r) x += gamma;
+    cr[j] = from_f32<TC>(x);
+  }
+}
+
+template <class T>
+__global__ void mirror_lower_kernel(T* c, int64_t p, int64_t ldc, int64_t bsc, float gamma) {
+  const int64_t tr = blockIdx.y, tc = blockIdx.x;  // destination tile (upper: tr <= tc)
+  if (tr > tc) return;
+  __shared__ T tile[32][33];
+  T* cb = c + blockIdx.z * bsc;
+  // Source: rows tc*32.., cols tr*32.. (the mirrored lower tile).
+  for (int dy = threadIdx.y; dy < 32; dy += blockDim.y) {
+    const int64_t r = tc * 32 + dy, col = tr * 32 + threadIdx.x;
+    if (r < p && col < p) tile[dy][threadIdx.x] = cb[r * ldc + col];
+  }
+  __syncthreads();
+  for (int dy = threadIdx.y; dy < 32; dy += blockDim.y) {
+    const int64_t r = tr * 32 + dy, col = tc * 32 + threadIdx.x;  // dest (r, col) = src (col, r)
+    if (r < p && col < p) {
+      if (r < col) cb[r * ldc + col] = tile[threadIdx.x][dy];
+      else if (r == col && gamma != 0.0f) cb[r * ldc + col] = from_f32<T>(to_f32(tile[threadIdx.x][dy]) + gamma);
+    }
+  }
+}
+
+template <class T>
+__global__ void diag_add_kernel(T* c, int64_t p, int64_t ldc, int64_t bsc, float gamma) {
+  const int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (r >= p) return;
+  T* e = c + blockIdx.y * bsc + r * ldc + r;
+  *e = from_f32<T>(to_f32(*e) + gamma);
+}
+
+int64_t bstride_of(const MatrixView& v) { return v.batch > 1 ? v.batch_stride : v.rows * v.ld; }
+
+unsigned grid_for(int64_t n, int threads, unsigned cap = 4096) {
+  return std::max(1u, std::min<unsigned>(ceil_div_u(n, threads * 4), cap));
+}
+
+}  // namespace
+
+int64_t normalize_scratch_floats(int64_t batch) { return batch * kNormBlocks; }
+
+void launch_normalize(const MatrixView& in, const MatrixView& out, float eps, float* scratch,
+                      cudaStream_t s) {
+  if (in.batch == 0 || in.rows * in.cols == 0) return;
+  if (out.batch != in.batch || out.rows != in.rows || out.cols != in.cols)
+    fail("normalize: out has a different shape than in");
+  const unsigned nb = static_cast<unsigned>(in.batch);
+  DION3_DISPATCH_FLOAT(in.dtype, TI, [&] {
+    sumsq_partial_kernel<TI><<<dim3(kNormBlocks, nb), 256, 0, s>>>(
+        static_cast<const TI*>(in.data), in.rows, in.cols, in.ld, bstride_of(in), scratch);
+    DION3_CUDA_LAUNCH_CHECK();
+    const unsigned gx = grid_for(in.rows * in.cols, 256, 1024);
+    DION3_DISPATCH_FLOAT(out.dtype, TO, [&] {
+      scale_by_norm_kernel<TI, TO><<<dim3(gx, nb), 256, 0, s>>>(
+          static_cast<const TI*>(in.data), in.rows, in.cols, in.ld, bstride_of(in),
+          static_cast<TO*>(out.data), out.ld, bstride_of(out), scratch, kNormBlocks, eps);
+    });
+  });
+  DION3_CUDA_LAUNCH_CHECK();
+}
+
+void launch_transpose(const MatrixView& in, const MatrixView& out, cudaStream_t s) {
+  if (out.rows != in.cols || out.cols != in.rows || out.batch != in.batch)
+    fail("transpose: out must be in's shape transposed");
+  if (in.batch == 0 || in.rows * in.cols == 0) return;
+  dim3 grid(ceil_div_u(in.cols, 32), ceil_div_u(in.rows, 32), static_cast<unsigned>(in.batch));
+  DION3_DISPATCH_FLOAT(in.dtype, TI, [&] {
+    DION3_DISPATCH_FLOAT(out.dtype, TO, [&] {
+      transpose_kernel<TI, TO><<<grid, dim3(32, 8), 0, s>>>(
+          static_cast<const TI*>(in.data), in.rows, in.cols, in.ld, bstride_of(in),
+          static_cast<TO*>(out.data), out.ld, bstride_of(out));
+    });
+  });
+  DION3_CUDA_LAUNCH_CHECK();
+}
+
+void launch_convert(const MatrixView& in, const MatrixView& out, cudaStream_t s) {
+  if (out.rows != in.rows || out.cols != in.cols || out.batch != in.batch)
+    fail("convert: out must have in's shape");
+  if (in.batch == 0 || in.rows * in.cols == 0) return;
+  if (in.data == out.data) {
+    if (in.dtype == out.dtype && in.ld == out.ld && bstride_of(in) == bstride_of(out)) return;
+    fail("convert: in and out alias but differ in dtype or layout");
+  }
+  const unsigned gx = grid_for(in.rows * in.cols, 256, 1024);
+  DION3_DISPATCH_FLOAT(in.dtype, TI, [&] {
+    DION3_DISPATCH_FLOAT(out.dtype, TO, [&] {
+      convert_kernel<TI, TO><<<dim3(gx, static_cast<unsigned>(in.batch)), 256, 0, s>>>(
+          static_cast<const TI*>(in.data), in.rows, in.cols, in.ld, bstride_of(in),
+          static_cast<TO*>(out.data), out.ld, bstride_of(out));
+    });
+  });
+  DION3_CUDA_LAUNCH_CHECK();
+}
+
+void launch_adamw(const ElementwiseParam& p, const AdamWParams& h, const int* skip, cudaStream_t s) {
+  const int64_t n = p.weight.batch * p.weight.rows * p.weight.cols;
+  if (n == 0) return;
+  if (p.exp_avg.dtype != p.exp_avg_sq.dtype) fail("adamw: exp_avg and exp_avg_sq dtypes differ");
+  DION3_DISPATCH_FLOAT(p.weight.dtype, TW, [&] {
+    DION3_DISPATCH_FLOAT(p.grad.dtype, TG, [&] {
+      DION3_DISPATCH_FLOAT(p.exp_avg.dtype, TS, [&] {
+        adamw_kernel<TW, TG, TS><<<grid_for(n, 256), 256, 0, s>>>(
+            static_cast<TW*>(p.weight.data), static_cast<const TG*>(p.grad.data),
+            static_cast<TS*>(p.exp_avg.data), static_cast<TS*>(p.exp_avg_sq.data), n, h, skip);
+      });
+    });
+  });
+  DION3_CUDA_LAUNCH_CHECK();
+}
+
+void launch_lion(const ElementwiseParam& p, const LionParams& h, const int* skip, cudaStream_t s) {
+  const int64_t n = p.weight.batch * p.weight.rows * p.weight.cols;
+  if (n == 0) return;
+  DION3_DISPATCH_FLOAT(p.weight.dtype, TW, [&] {
+    DION3_DISPATCH_FLOAT(p.grad.dtype, TG, [&] {
+      DION3_DISPATCH_FLOAT(p.exp_avg.dtype, TS, [&] {
+        lion_kernel<TW, TG, TS><<<grid_for(n, 256), 256, 0, s>>>(
+            static_cast<TW*>(p.weight.data), static_cast<const TG*>(p.grad.data),
+            static_cast<TS*>(p.exp_avg.data), n, h, skip);
+      });
+    });
+  });
+  DION3_CUDA_LAUNCH_CHECK();
+}
+
+void launch_sym_prepare(const MatrixView& D, float beta, float gamma, const MatrixView& C,
+                        int64_t tile, cudaStream_t s) {
+  const int64_t p = C.rows;
+  if (p == 0 || C.batch == 0) return;
+  dim3 grid(static_cast<unsigned>(p), static_cast<unsigned>(C.batch));
+  const bool has_d = D.data != nullptr;
+  DION3_DISPATCH_FLOAT(has_d ? D.dtype : C.dtype, TD, [&] {
+    DION3_DISPATCH_FLOAT(C.dtype, TC, [&] {
+      sym_prepare_kernel<TD, TC><<<grid, 256, 0, s>>>(
+          static_cast<const TD*>(D.data), has_d ? D.ld : 0, has_d ? bstride_of(D) : 0, beta, gamma,
+          static_cast<TC*>(C.data), p, C.ld, bstride_of(C), tile);
+    });
+  });
+  DION3_CUDA_LAUNCH_CHECK();
+}
+
+void launch_mirror_lower(const MatrixView& C, float gamma, bool mirror, cudaStream_t s) {
+  const int64_t p = C.rows;
+  if (p == 0 || C.batch == 0) return;
+  if (!mirror && gamma == 0.0f) return;
+  DION3_DISPATCH_FLOAT(C.dtype, T, [&] {
+    if (mirror) {
+      const unsigned nt = ceil_div_u(p, 32);
+      mirror_lower_kernel<T><<<dim3(nt, nt, static_cast<unsigned>(C.batch)), dim3(32, 8), 0, s>>>(
+          static_cast<T*>(C.data), p, C.ld, bstride_of(C), gamma);
+    } else {
+      diag_add_kernel<T><<<dim3(ceil_div_u(p, 256), static_cast<unsigned>(C.batch)), 256, 0, s>>>(
+          static_cast<T*>(C.data), p, C.ld, bstride_of(C), gamma);
+    }
+  });
+  DION3_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace dion3::cuda

@@ -1,0 +1,56 @@
+// kernels.cuh — host-side launchers of the CUDA backend's kernels (step_kernels.cu,
+// elementwise_kernels.cu, symmetric.cu). Every launcher enqueues on `stream` and never syncs.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <span>
+
+#include "cuda/cuda_common.cuh"
+#include "dion3/backend.hpp"
+
+namespace dion3::cuda {
+
+// --- step kernels (step_kernels.cu) ------------------------------------------------------
+void launch_accumulate(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
+                       DType gdt, float decay, float* scores, const int* skip, cudaStream_t s);
+void launch_select_rows(const float* scores, int64_t count, int64_t m, int64_t k, int32_t* idx,
+                        const int* skip, cudaStream_t s);
+void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
+                        DType gdt, const int32_t* idx, int64_t k, float scale_m, float scale_g,
+                        float decay, const MatrixView& out, const int* skip, cudaStream_t s);
+// scratch: at least apply_update_scratch_floats(nmats, k) floats.
+int64_t apply_update_scratch_floats(int64_t nmats, int64_t k);
+void launch_apply_update(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType wdt,
+                         const int32_t* idx, int64_t k, const MatrixView& O, const UpdateParams& p,
+                         float* scratch, const int* skip, cudaStream_t s);
+void launch_check_finite(std::span<const MatrixView> xs, int* flag, cudaStream_t s);
+
+// --- element-wise kernels (elementwise_kernels.cu) ---------------------------------------
+int64_t normalize_scratch_floats(int64_t batch);
+void launch_normalize(const MatrixView& in, const MatrixView& out, float eps, float* scratch,
+                      cudaStream_t s);
+void launch_transpose(const MatrixView& in, const MatrixView& out, cudaStream_t s);
+void launch_convert(const MatrixView& in, const MatrixView& out, cudaStream_t s);  // same shape
+void launch_adamw(const ElementwiseParam& p, const AdamWParams& h, const int* skip, cudaStream_t s);
+void launch_lion(const ElementwiseParam& p, const LionParams& h, const int* skip, cudaStream_t s);
+// C[r][c] = beta*D[r][c] + gamma*(r==c) for every (r, c) with c < (r/tile + 1)*tile (the
+// lower-triangle tiles, diagonal tiles whole; tile = p: everything). D may alias C.
+void launch_sym_prepare(const MatrixView& D, float beta, float gamma, const MatrixView& C,
+                        int64_t tile, cudaStream_t s);
+// C[r][c] = C[c][r] for r < c; then C[r][r] += gamma. mirror=false: only the diagonal add.
+void launch_mirror_lower(const MatrixView& C, float gamma, bool mirror, cudaStream_t s);
+
+// --- symmetric products (symmetric.cu) ----------------------------------------------------
+// Lower-triangle tiles (i >= j, tile edge `tile`) of C = alpha * A * B^T + beta * C, where A and
+// B are batches of p x kdim row-major matrices; the upper tiles are left untouched.
+// ptr_scratch: at least sym_ptr_scratch_bytes(batch, p, tile) bytes of device memory.
+std::size_t sym_ptr_scratch_bytes(int64_t batch, int64_t p, int64_t tile);
+void sym_lower_gemm(cublasHandle_t h, cudaStream_t s, const MatrixView& A, const MatrixView& B,
+                    float alpha, float beta, const MatrixView& C, int64_t tile, void* ptr_scratch);
+// Full C = alpha * op(A) * op(B) + beta * C through cublasGemmStridedBatchedEx (row-major views).
+void cublas_gemm(cublasHandle_t h, bool trans_a, bool trans_b, float alpha, const MatrixView& A,
+                 const MatrixView& B, float beta, const MatrixView& C);
+
+}  // namespace dion3::cuda

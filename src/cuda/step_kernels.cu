@@ -1,0 +1,361 @@
+// step_kernels.cu — fused kernels of the matrix step (SPEC §1): momentum accumulate with row-ℓ1
+// scores, batched top-k row selection (radix select, ties to the lower index), row gather with
+// error-feedback decay, NorMuon normalisation + weight decay + scatter update, and the
+// non-finite check. Every kernel honours the device `skip` flag and never syncs with the host.
+#include <cub/block/block_scan.cuh>
+
+#include "cuda/kernels.cuh"
+
+namespace dion3::cuda {
+namespace {
+
+constexpr int kRowThreads = 256;
+
+template <class T>
+__device__ __forceinline__ const T* row_ptr(const void* base, int64_t ld, int64_t r) {
+  return static_cast<const T*>(base) + r * ld;
+}
+
+// ---- accumulate: M = decay*M + G; scores[r] = sum_j |M[r, j]| (of the rounded values) --------
+template <class TM, class TG>
+__global__ void accumulate_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols,
+                                  float decay, float* __restrict__ scores, const int* skip) {
+  if (skipped(skip)) return;
+  __shared__ float red[32];
+  const int64_t r = blockIdx.x, i = blockIdx.y;
+  const DeviceMat d = mats[i];
+  TM* m = static_cast<TM*>(d.m) + r * d.ldm;
+  const TG* g = static_cast<const TG*>(d.g) + r * d.ldg;
+  float acc = 0.0f;
+  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+    const TM nv = from_f32<TM>(decay * to_f32(m[j]) + to_f32(g[j]));
+    m[j] = nv;
+    acc += fabsf(to_f32(nv));
+  }
+  if (scores != nullptr) {
+    acc = block_sum(acc, red);
+    if (threadIdx.x == 0) scores[i * rows + r] = acc;
+  }
+}
+
+// ---- select_rows: per score vector, the k largest (ties: lower index), ascending output ----
+constexpr int kSelectThreads = 512;
+
+__device__ __forceinline__ uint32_t order_key(float f) {
+  // Monotone map of floats to unsigned integers (larger float -> larger key).
+  const uint32_t u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__global__ void select_rows_kernel(const float* __restrict__ scores, int64_t m, int64_t k,
+                                   int32_t* __restrict__ idx, const int* skip) {
+  if (skipped(skip)) return;
+  using Scan = cub::BlockScan<int, kSelectThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ int hist[256];
+  __shared__ uint32_t s_prefix, s_mask;
+  __shared__ int s_need;
+  __shared__ int s_base_eq, s_base_out;
+  const float* s = scores + blockIdx.x * m;
+  int32_t* out = idx + blockIdx.x * k;
+
+  if (threadIdx.x == 0) { s_prefix = 0; s_mask = 0; s_need = static_cast<int>(k); }
+  // Radix select of the k-th largest key, 8 bits at a time from the top.
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
+    __syncthreads();
+    const uint32_t prefix = s_prefix, mask = s_mask;
+    for (int64_t r = threadIdx.x; r < m; r += blockDim.x) {
+      const uint32_t key = order_key(s[r]);
+      if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int need = s_need, b = 255;
+      for (; b > 0; --b) {
+        if (hist[b] >= need) break;
+        need -= hist[b];
+      }
+      s_need = need;
+      s_prefix = prefix | (static_cast<uint32_t>(b) << shift);
+      s_mask = mask | (255u << shift);
+    }
+    __syncthreads();
+  }
+  // Keys > T are all taken; of the keys == T, the first `need` in index order.
+  const uint32_t T = s_prefix;
+  const int need = s_need;
+  if (threadIdx.x == 0) { s_base_eq = 0; s_base_out = 0; }
+  __syncthreads();
+  for (int64_t c0 = 0; c0 < m; c0 += blockDim.x) {
+    const int64_t r = c0 + threadIdx.x;
+    uint32_t key = 0;
+    if (r < m) key = order_key(s[r]);
+    const int is_eq = (r < m && key == T) ? 1 : 0;
+    int eq_rank, eq_total;
+    Scan(scan_tmp).ExclusiveSum(is_eq, eq_rank, eq_total);
+    const int base_eq = s_base_eq;
+    const int sel = (r < m) && (key > T || (is_eq && base_eq + eq_rank < need)) ? 1 : 0;
+    __syncthreads();
+    int pos, sel_total;
+    Scan(scan_tmp).ExclusiveSum(sel, pos, sel_total);
+    const int base_out = s_base_out;
+    if (sel) out[base_out + pos] = static_cast<int32_t>(r);
+    __syncthreads();
+    if (threadIdx.x == 0) { s_base_eq = base_eq + eq_total; s_base_out = base_out + sel_total; }
+    __syncthreads();
+  }
+}
+
+// ---- gather_rows: out[i][s] = scale_m*M[idx[s]] + scale_g*G[idx[s]]; M[idx[s]] *= decay ----
+template <class TM, class TG, class TO>
+__global__ void gather_rows_kernel(const DeviceMat* __restrict__ mats, int64_t cols,
+                                   const int32_t* __restrict__ idx, int64_t k, float scale_m,
+                                   float scale_g, float decay, TO* __restrict__ out, int64_t out_ld,
+                                   int64_t out_bstride, const int* skip) {
+  if (skipped(skip)) return;
+  const int64_t s = blockIdx.x, i = blockIdx.y;
+  const DeviceMat d = mats[i];
+  const int64_t r = idx ? idx[i * k + s] : s;
+  TM* m = static_cast<TM*>(d.m) + r * d.ldm;
+  const TG* g = static_cast<const TG*>(d.g) + r * d.ldg;
+  TO* o = out + i * out_bstride + s * out_ld;
+  const bool use_g = scale_g != 0.0f, do_decay = decay != 1.0f;
+  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+    const float mv = to_f32(m[j]);
+    float u = scale_m * mv;
+    if (use_g) u += scale_g * to_f32(g[j]);
+    o[j] = from_f32<TO>(u);
+    if (do_decay) m[j] = from_f32<TM>(decay * mv);
+  }
+}
+
+// ---- apply_update ------------------------------------------------------------------------
+// Pass 1 (NorMuon): per selected row, sum of squares of O; v = b2*v + (1-b2)*mean(O^2);
+// inv = 1/(sqrt(v)+1e-8). Pass 2: per matrix, the Frobenius rescale factor. Pass 3: decay all
+// rows, subtract the scaled update from the selected ones.
+template <class TO>
+__global__ void normuon_rows_kernel(const DeviceMat* __restrict__ mats, int64_t cols,
+                                    const int32_t* __restrict__ idx, int64_t k,
+                                    const TO* __restrict__ O, int64_t o_ld, int64_t o_bstride,
+                                    float beta2, float* __restrict__ rowsq, float* __restrict__ inv,
+                                    const int* skip) {
+  if (skipped(skip)) return;
+  __shared__ float red[32];
+  const int64_t s = blockIdx.x, i = blockIdx.y;
+  const TO* o = O + i * o_bstride + s * o_ld;
+  float acc = 0.0f;
+  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+    const float x = to_f32(o[j]);
+    acc += x * x;
+  }
+  acc = block_sum(acc, red);
+  if (threadIdx.x == 0) {
+    const int64_t r = idx ? idx[i * k + s] : s;
+    float* v = mats[i].v + r;
+    const float nv = beta2 * *v + (1.0f - beta2) * (acc / static_cast<float>(cols));
+    *v = nv;
+    rowsq[i * k + s] = acc;
+    inv[i * k + s] = 1.0f / (sqrtf(nv) + 1e-8f);
+  }
+}
+
+__global__ void normuon_factor_kernel(int64_t k, const float* __restrict__ rowsq,
+                                      float* __restrict__ inv, float* __restrict__ factor,
+                                      const int* skip) {
+  if (skipped(skip)) return;
+  __shared__ float red[32];
+  const int64_t i = blockIdx.x;
+  float a = 0.0f, b = 0.0f;
+  for (int64_t s = threadIdx.x; s < k; s += blockDim.x) {
+    const float q = rowsq[i * k + s], w = inv[i * k + s];
+    a += q;
+    b += q * w * w;
+  }
+  a = block_sum(a, red);
+  b = block_sum(b, red);
+  if (threadIdx.x == 0) factor[i] = sqrtf(a) / fmaxf(sqrtf(b), 1e-8f);
+}
+
+template <class TW, class TO>
+__global__ void update_rows_kernel(const DeviceMat* __restrict__ mats, int64_t cols,
+                                   const int32_t* __restrict__ idx, int64_t k,
+                                   const TO* __restrict__ O, int64_t o_ld, int64_t o_bstride,
+                                   float decay, float lr_upd, bool cautious,
+                                   const float* __restrict__ inv, const float* __restrict__ factor,
+                                   const int* skip) {
+  if (skipped(skip)) return;
+  const int64_t r = blockIdx.x, i = blockIdx.y;
+  int64_t pos = -1;
+  if (idx == nullptr) {
+    pos = r;
+  } else {
+    const int32_t* id = idx + i * k;  // ascending
+    int64_t lo = 0, hi = k - 1;
+    while (lo <= hi) {
+      const int64_t mid = (lo + hi) >> 1;
+      const int32_t v = id[mid];
+      if (v == r) { pos = mid; break; }
+      if (v < r) lo = mid + 1; else hi = mid - 1;
+    }
+  }
+  if (pos < 0 && decay == 1.0f) return;
+  const DeviceMat d = mats[i];
+  TW* w = static_cast<TW*>(d.w) + r * d.ldw;
+  if (pos < 0) {
+    // Unselected row: only weight decay (cautious decay: the update is zero, so no decay).
+    if (cautious) return;
+    for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) w[j] = from_f32<TW>(to_f32(w[j]) * decay);
+    return;
+  }
+  float scale = lr_upd;
+  if (inv != nullptr) scale *= inv[i * k + pos] * factor[i];
+  const TO* o = O + i * o_bstride + pos * o_ld;
+  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+    const float wv = to_f32(w[j]);
+    const float u = to_f32(o[j]) * scale;
+    float dec = decay;
+    if (cautious && !(u * wv > 0.0f)) dec = 1.0f;
+    w[j] = from_f32<TW>(wv * dec - u);
+  }
+}
+
+// ---- check_finite -------------------------------------------------------------------------
+constexpr int kFiniteViews = 64;
+struct FiniteView {
+  const void* data;
+  int64_t batch, rows, cols, ld, bstride, total;
+  int dtype;
+};
+struct FiniteArgs {
+  FiniteView v[kFiniteViews];
+};
+
+template <class T>
+__device__ bool view_finite(const FiniteView& fv) {
+  const T* p = static_cast<const T*>(fv.data);
+  bool ok = true;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const bool contiguous = fv.ld == fv.cols && (fv.batch == 1 || fv.bstride == fv.rows * fv.cols);
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < fv.total; e += stride) {
+    int64_t off = e;
+    if (!contiguous) {
+      const int64_t c = e % fv.cols, rr = e / fv.cols;
+      off = (rr / fv.rows) * fv.bstride + (rr % fv.rows) * fv.ld + c;
+    }
+    ok &= isfinite(to_f32(p[off]));
+  }
+  return ok;
+}
+
+__global__ void check_finite_kernel(const __grid_constant__ FiniteArgs args, int* flag) {
+  const FiniteView& fv = args.v[blockIdx.y];
+  bool ok = true;
+  switch (fv.dtype) {
+    case 0: ok = view_finite<float>(fv); break;
+    case 1: ok = view_finite<__half>(fv); break;
+    default: ok = view_finite<__nv_bfloat16>(fv); break;
+  }
+  if (__syncthreads_or(!ok) && threadIdx.x == 0) atomicOr(flag, 1);
+}
+
+}  // namespace
+
+void launch_accumulate(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
+                       DType gdt, float decay, float* scores, const int* skip, cudaStream_t s) {
+  if (nmats == 0 || rows == 0) return;
+  dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(nmats));
+  DION3_DISPATCH_FLOAT(mdt, TM, [&] {
+    DION3_DISPATCH_FLOAT(gdt, TG, [&] {
+      accumulate_kernel<TM, TG><<<grid, kRowThreads, 0, s>>>(mats, rows, cols, decay, scores, skip);
+    });
+  });
+  DION3_CUDA_LAUNCH_CHECK();
+}
+
+void launch_select_rows(const float* scores, int64_t count, int64_t m, int64_t k, int32_t* idx,
+                        const int* skip, cudaStream_t s) {
+  if (count == 0 || k == 0) return;
+  if (k > m) fail("select_rows: k = " + std::to_string(k) + " exceeds m = " + std::to_string(m));
+  select_rows_kernel<<<static_cast<unsigned>(count), kSelectThreads, 0, s>>>(scores, m, k, idx, skip);
+  DION3_CUDA_LAUNCH_CHECK();
+}
+
+void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
+                        DType gdt, const int32_t* idx, int64_t k, float scale_m, float scale_g,
+                        float decay, const MatrixView& out, const int* skip, cudaStream_t s) {
+  (void)rows;
+  if (nmats == 0 || k == 0) return;
+  dim3 grid(static_cast<unsigned>(k), static_cast<unsigned>(nmats));
+  const int64_t obs = out.batch > 1 ? out.batch_stride : k * out.ld;
+  DION3_DISPATCH_FLOAT(mdt, TM, [&] {
+    DION3_DISPATCH_FLOAT(gdt, TG, [&] {
+      DION3_DISPATCH_FLOAT(out.dtype, TO, [&] {
+        gather_rows_kernel<TM, TG, TO><<<grid, kRowThreads, 0, s>>>(
+            mats, cols, idx, k, scale_m, scale_g, decay, static_cast<TO*>(out.data), out.ld, obs, skip);
+      });
+    });
+  });
+  DION3_CUDA_LAUNCH_CHECK();
+}
+
+int64_t apply_update_scratch_floats(int64_t nmats, int64_t k) { return 2 * nmats * k + nmats; }
+
+void launch_apply_update(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType wdt,
+                         const int32_t* idx, int64_t k, const MatrixView& O, const UpdateParams& p,
+                         float* scratch, const int* skip, cudaStream_t s) {
+  if (nmats == 0 || rows == 0) return;
+  const int64_t obs = O.batch > 1 ? O.batch_stride : k * O.ld;
+  float* rowsq = scratch;
+  float* inv = scratch + nmats * k;
+  float* factor = scratch + 2 * nmats * k;
+  const float decay = 1.0f - p.lr * p.weight_decay;
+  DION3_DISPATCH_FLOAT(O.dtype, TO, [&] {
+    const TO* o = static_cast<const TO*>(O.data);
+    if (p.normuon && k > 0) {
+      normuon_rows_kernel<TO><<<dim3(static_cast<unsigned>(k), static_cast<unsigned>(nmats)), kRowThreads, 0, s>>>(
+          mats, cols, idx, k, o, O.ld, obs, p.beta2, rowsq, inv, skip);
+      DION3_CUDA_LAUNCH_CHECK();
+      normuon_factor_kernel<<<static_cast<unsigned>(nmats), 256, 0, s>>>(k, rowsq, inv, factor, skip);
+      DION3_CUDA_LAUNCH_CHECK();
+    }
+    DION3_DISPATCH_FLOAT(wdt, TW, [&] {
+      update_rows_kernel<TW, TO><<<dim3(static_cast<unsigned>(rows), static_cast<unsigned>(nmats)), kRowThreads, 0, s>>>(
+          mats, cols, idx, k, o, O.ld, obs, decay, p.adjusted_lr, p.cautious_wd,
+          p.normuon && k > 0 ? inv : nullptr, factor, skip);
+    });
+  });
+  DION3_CUDA_LAUNCH_CHECK();
+}
+
+void launch_check_finite(std::span<const MatrixView> xs, int* flag, cudaStream_t s) {
+  for (std::size_t base = 0; base < xs.size(); base += kFiniteViews) {
+    FiniteArgs args{};
+    const std::size_t n = std::min<std::size_t>(kFiniteViews, xs.size() - base);
+    int64_t max_total = 0;
+    for (std::size_t j = 0; j < n; ++j) {
+      const MatrixView& x = xs[base + j];
+      FiniteView& f = args.v[j];
+      f.data = x.data;
+      f.batch = x.batch;
+      f.rows = x.rows;
+      f.cols = x.cols;
+      f.ld = x.ld ? x.ld : x.cols;
+      f.bstride = x.batch_stride;
+      f.total = x.batch * x.rows * x.cols;
+      switch (x.dtype) {
+        case DType::F32: f.dtype = 0; break;
+        case DType::F16: f.dtype = 1; break;
+        case DType::BF16: f.dtype = 2; break;
+        default: fail(std::string("check_finite: unsupported dtype ") + dtype_name(x.dtype));
+      }
+      max_total = std::max(max_total, f.total);
+    }
+    if (max_total == 0) continue;
+    const unsigned gx = std::min<unsigned>(ceil_div_u(max_total, 256 * 8), 1024);
+    check_finite_kernel<<<dim3(gx, static_cast<unsigned>(n)), 256, 0, s>>>(args, flag);
+    DION3_CUDA_LAUNCH_CHECK();
+  }
+}
+
+}  // namespace dion3::cuda

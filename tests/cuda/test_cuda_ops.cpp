@@ -1,0 +1,386 @@
+// tests/cuda/test_cuda_ops.cpp — every CUDA backend op against the CPU backend on the same
+// inputs: accumulate + scores, select_rows (ties), gather_rows, apply_update (NorMuon, cautious
+// decay), check_finite, skip flags, normalize, convert, add_identity, gemm, gram and
+// sym_product (full and lower-triangle tile schedules, ragged tiles), AdamW and Lion.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "cuda/cuda_backend.hpp"
+#include "cuda_test_util.hpp"
+
+namespace {
+
+using ct::Twin;
+using CudaOps = ct::CudaTest;
+using dion3::DType;
+using dion3::MatrixView;
+
+const char* dn(DType t) { return dion3::dtype_name(t); }
+
+// nmats matrices (rows x cols) of weight, grad, momentum and variance, on both sides.
+struct SetTwin {
+  int64_t n, rows, cols;
+  Twin w, g, m, v;
+  std::unique_ptr<dion3::MatrixSet> hs, ds;
+  SetTwin(dion3::Backend& cpu, dion3::Backend& gpu, int64_t n_, int64_t r, int64_t c, DType wdt, DType gdt,
+          DType mdt, std::mt19937_64& rng)
+      : n(n_), rows(r), cols(c), w(gpu, wdt, n_, r, c), g(gpu, gdt, n_, r, c), m(gpu, mdt, n_, r, c),
+        v(gpu, DType::F32, n_, 1, r) {
+    w.fill_normal(rng);
+    g.fill_normal(rng, 0.5f);
+    m.fill_normal(rng, 0.3f);
+    std::vector<float> vv = ct::normal_values(rng, n * r, 0.1f);
+    for (auto& x : vv) x = x * x;
+    v.set_host(vv);
+    v.upload();
+    hs = cpu.new_matrix_set();
+    ds = gpu.new_matrix_set();
+    for (int64_t i = 0; i < n; ++i) {
+      dion3::ParamMatrix hp, dp;
+      hp.weight = w.hview().at(i); hp.grad = g.hview().at(i); hp.momentum = m.hview().at(i);
+      hp.variance = reinterpret_cast<float*>(v.host.data()) + i * r;
+      dp.weight = w.dview().at(i); dp.grad = g.dview().at(i); dp.momentum = m.dview().at(i);
+      dp.variance = v.dev.as<float>() + i * r;
+      hs->mats.push_back(hp);
+      ds->mats.push_back(dp);
+    }
+    cpu.refresh(*hs);
+    gpu.refresh(*ds);
+  }
+};
+
+double storage_tol(DType t) { return t == DType::F32 ? 1e-5 : 2.0 * ct::ulp_of(t); }
+
+// ---- accumulate -----------------------------------------------------------------------------
+struct AccCase { DType m, g; };
+class Accumulate : public ct::CudaTest, public ::testing::WithParamInterface<AccCase> {};
+
+TEST_P(Accumulate, MatchesCpu) {
+  const AccCase c = GetParam();
+  std::mt19937_64 rng(11);
+  SetTwin s(*cpu, *gpu, 3, 37, 301, DType::F32, c.g, c.m, rng);
+  std::vector<float> hsc(3 * 37), dsc_h(3 * 37);
+  dion3::DeviceBuffer dsc(gpu->allocator(), hsc.size() * 4);
+  cpu->accumulate(*s.hs, 0.9f, hsc.data(), nullptr);
+  gpu->accumulate(*s.ds, 0.9f, dsc.as<float>(), nullptr);
+  gpu->copy_to_host(dsc_h.data(), dsc.get(), hsc.size() * 4);
+  EXPECT_LE(ct::rel_max_diff(s.m.device_values(), s.m.host_values()), storage_tol(c.m));
+  EXPECT_LE(ct::rel_max_diff(dsc_h, hsc), 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, Accumulate,
+                         ::testing::Values(AccCase{DType::F32, DType::F32}, AccCase{DType::BF16, DType::BF16},
+                                           AccCase{DType::F32, DType::BF16}, AccCase{DType::F16, DType::F32},
+                                           AccCase{DType::BF16, DType::F16}),
+                         [](const auto& i) { return std::string(dn(i.param.m)) + "_" + dn(i.param.g); });
+
+// ---- select_rows ----------------------------------------------------------------------------
+struct SelCase { int64_t count, m, k, levels; };
+class SelectRows : public ct::CudaTest, public ::testing::WithParamInterface<SelCase> {};
+
+TEST_P(SelectRows, ExactlyCpu) {
+  const SelCase c = GetParam();
+  std::mt19937_64 rng(c.m * 7 + c.k);
+  std::vector<float> sc(c.count * c.m);
+  std::uniform_int_distribution<int> lev(0, static_cast<int>(c.levels) - 1);
+  std::uniform_real_distribution<float> uni(0.0f, 100.0f);
+  for (auto& x : sc) x = c.levels > 0 ? static_cast<float>(lev(rng)) * 0.25f : uni(rng);
+  std::vector<int32_t> hidx(c.count * c.k), didx_h(c.count * c.k, -1);
+  dion3::DeviceBuffer dsc(gpu->allocator(), sc.size() * 4), didx(gpu->allocator(), hidx.size() * 4);
+  gpu->copy_from_host(dsc.get(), sc.data(), sc.size() * 4);
+  cpu->select_rows(sc.data(), c.count, c.m, c.k, hidx.data(), nullptr);
+  gpu->select_rows(dsc.as<float>(), c.count, c.m, c.k, didx.as<int32_t>(), nullptr);
+  gpu->copy_to_host(didx_h.data(), didx.get(), hidx.size() * 4);
+  EXPECT_EQ(didx_h, hidx);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, SelectRows,
+                         ::testing::Values(SelCase{4, 1000, 1, 0}, SelCase{4, 1000, 250, 0},
+                                           SelCase{4, 1000, 1000, 0}, SelCase{3, 1000, 333, 5},
+                                           SelCase{2, 777, 100, 2}, SelCase{2, 513, 1, 1},
+                                           SelCase{5, 11008, 2752, 0}, SelCase{3, 11008, 2752, 40},
+                                           SelCase{2, 4096, 512, 3}));
+
+// ---- gather_rows ------------------------------------------------------------------------------
+struct GatherCase { DType m, out; bool with_idx; float sm, sg, decay; };
+class GatherRows : public ct::CudaTest, public ::testing::WithParamInterface<GatherCase> {};
+
+TEST_P(GatherRows, MatchesCpu) {
+  const GatherCase c = GetParam();
+  std::mt19937_64 rng(5);
+  const int64_t n = 3, rows = 40, cols = 130, k = c.with_idx ? 11 : rows;
+  SetTwin s(*cpu, *gpu, n, rows, cols, DType::F32, DType::F32, c.m, rng);
+  std::vector<int32_t> idx;
+  for (int64_t i = 0; i < n; ++i) {
+    std::vector<int32_t> all(rows);
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), rng);
+    std::sort(all.begin(), all.begin() + k);
+    idx.insert(idx.end(), all.begin(), all.begin() + k);
+  }
+  dion3::DeviceBuffer didx(gpu->allocator(), idx.size() * 4);
+  gpu->copy_from_host(didx.get(), idx.data(), idx.size() * 4);
+  Twin out(*gpu, c.out, n, k, cols);
+  cpu->gather_rows(*s.hs, c.with_idx ? idx.data() : nullptr, k, c.sm, c.sg, c.decay, out.hview(), nullptr);
+  gpu->gather_rows(*s.ds, c.with_idx ? didx.as<int32_t>() : nullptr, k, c.sm, c.sg, c.decay, out.dview(), nullptr);
+  EXPECT_LE(ct::rel_max_diff(out.device_values(), out.host_values()), storage_tol(c.out));
+  EXPECT_LE(ct::rel_max_diff(s.m.device_values(), s.m.host_values()), storage_tol(c.m));
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, GatherRows,
+                         ::testing::Values(GatherCase{DType::F32, DType::F32, true, 1.0f, 0.0f, 0.95f},
+                                           GatherCase{DType::BF16, DType::F32, true, 1.0f, 0.0f, 0.95f},
+                                           GatherCase{DType::BF16, DType::F16, false, 0.95f, 1.0f, 1.0f},
+                                           GatherCase{DType::F32, DType::BF16, false, 1.0f, 0.0f, 1.0f}));
+
+// ---- apply_update -----------------------------------------------------------------------------
+struct UpdCase { DType w; bool with_idx, normuon, cautious; };
+class ApplyUpdate : public ct::CudaTest, public ::testing::WithParamInterface<UpdCase> {};
+
+TEST_P(ApplyUpdate, MatchesCpu) {
+  const UpdCase c = GetParam();
+  std::mt19937_64 rng(9);
+  const int64_t n = 4, rows = 50, cols = 96, k = c.with_idx ? 13 : rows;
+  SetTwin s(*cpu, *gpu, n, rows, cols, c.w, c.w, DType::F32, rng);
+  std::vector<int32_t> idx;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < k; ++j) idx.push_back(static_cast<int32_t>(c.with_idx ? j * 3 + (i % 3) : j));
+  dion3::DeviceBuffer didx(gpu->allocator(), idx.size() * 4);
+  gpu->copy_from_host(didx.get(), idx.data(), idx.size() * 4);
+  Twin O(*gpu, DType::F32, n, k, cols);
+  O.fill_normal(rng, 0.05f);
+  dion3::UpdateParams p;
+  p.lr = 0.02f; p.weight_decay = 0.1f; p.adjusted_lr = 0.03f; p.normuon = c.normuon; p.beta2 = 0.95f;
+  p.cautious_wd = c.cautious;
+  cpu->apply_update(*s.hs, c.with_idx ? idx.data() : nullptr, k, O.hview(), p, nullptr);
+  gpu->apply_update(*s.ds, c.with_idx ? didx.as<int32_t>() : nullptr, k, O.dview(), p, nullptr);
+  EXPECT_LE(ct::rel_max_diff(s.w.device_values(), s.w.host_values()), storage_tol(c.w));
+  EXPECT_LE(ct::rel_max_diff(s.v.device_values(), s.v.host_values()), 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, ApplyUpdate,
+                         ::testing::Values(UpdCase{DType::F32, true, true, false}, UpdCase{DType::F32, false, true, false},
+                                           UpdCase{DType::BF16, true, true, false}, UpdCase{DType::F32, false, false, false},
+                                           UpdCase{DType::F32, false, false, true}, UpdCase{DType::BF16, false, true, true},
+                                           UpdCase{DType::F16, true, false, false}));
+
+// ---- skip flag --------------------------------------------------------------------------------
+TEST_F(CudaOps, SkipFlagLeavesEverythingUntouched) {
+  std::mt19937_64 rng(3);
+  SetTwin s(*cpu, *gpu, 2, 20, 64, DType::BF16, DType::BF16, DType::F32, rng);
+  dion3::DeviceBuffer flag(gpu->allocator(), 4), scores(gpu->allocator(), 2 * 20 * 4), idx(gpu->allocator(), 2 * 5 * 4);
+  const int one = 1;
+  gpu->copy_from_host(flag.get(), &one, 4);
+  const auto w0 = s.w.device_values(), m0 = s.m.device_values(), v0 = s.v.device_values();
+  Twin out(*gpu, DType::F32, 2, 5, 64);
+  out.fill_value(7.0f);
+  gpu->accumulate(*s.ds, 0.5f, scores.as<float>(), flag.as<int>());
+  gpu->select_rows(scores.as<float>(), 2, 20, 5, idx.as<int32_t>(), flag.as<int>());
+  gpu->gather_rows(*s.ds, nullptr, 20, 1.0f, 0.0f, 0.5f, Twin(*gpu, DType::F32, 2, 20, 64).dview(), flag.as<int>());
+  dion3::UpdateParams p{0.1f, 0.1f, 0.1f, true, 0.9f, false};
+  gpu->apply_update(*s.ds, idx.as<int32_t>(), 5, out.dview(), p, flag.as<int>());
+  Twin e(*gpu, DType::BF16, 1, 1, 100), eg(*gpu, DType::BF16, 1, 1, 100), ea(*gpu, DType::F32, 1, 1, 100),
+      eb(*gpu, DType::F32, 1, 1, 100);
+  e.fill_value(1.0f); eg.fill_value(1.0f); ea.fill_value(0.5f); eb.fill_value(0.5f);
+  dion3::ElementwiseParam ep{e.dview(), eg.dview(), ea.dview(), eb.dview()};
+  gpu->adamw(ep, dion3::AdamWParams{0.1f, 0.9f, 0.95f, 0.1f, 1e-8f, 0.1f, 0.05f}, flag.as<int>());
+  gpu->lion(ep, dion3::LionParams{0.1f, 0.9f, 0.95f, 0.1f}, flag.as<int>());
+  EXPECT_EQ(s.w.device_values(), w0);
+  EXPECT_EQ(s.m.device_values(), m0);
+  EXPECT_EQ(s.v.device_values(), v0);
+  EXPECT_EQ(e.device_values(), e.host_values());
+  EXPECT_EQ(ea.device_values(), ea.host_values());
+}
+
+// ---- check_finite -----------------------------------------------------------------------------
+TEST_F(CudaOps, CheckFinite) {
+  std::mt19937_64 rng(4);
+  Twin a(*gpu, DType::F32, 2, 33, 70), b(*gpu, DType::F16, 1, 1, 100000), c(*gpu, DType::BF16, 3, 5, 9);
+  a.fill_normal(rng); b.fill_normal(rng); c.fill_normal(rng);
+  dion3::DeviceBuffer flag(gpu->allocator(), 4);
+  auto run = [&](std::vector<MatrixView> xs) {
+    gpu->fill_zero(flag.get(), 4);
+    gpu->check_finite(xs, flag.as<int>());
+    return gpu->read_flag(flag.as<int>());
+  };
+  EXPECT_EQ(run({a.dview(), b.dview(), c.dview()}), 0);
+  // A NaN outside the view (past cols in a strided view) must not count.
+  MatrixView strided = a.dview();
+  strided.cols = 60;  // ld stays 70
+  std::vector<float> av = a.host_values();
+  av[1 * 33 * 70 + 5 * 70 + 65] = NAN;
+  a.set_host(av); a.upload();
+  EXPECT_EQ(run({strided}), 0);
+  EXPECT_EQ(run({a.dview()}), 1);
+  std::vector<float> bv = b.host_values();
+  bv[99999] = INFINITY;
+  b.set_host(bv); b.upload();
+  EXPECT_EQ(run({c.dview(), b.dview()}), 1);
+  // More views than one launch carries.
+  std::vector<MatrixView> many(150, c.dview());
+  many.push_back(b.dview());
+  EXPECT_EQ(run(many), 1);
+}
+
+// ---- normalize / convert / add_identity -------------------------------------------------------
+struct ConvCase { DType in, out; };
+class Conversions : public ct::CudaTest, public ::testing::WithParamInterface<ConvCase> {};
+
+TEST_P(Conversions, NormalizeConvertTranspose) {
+  const ConvCase c = GetParam();
+  std::mt19937_64 rng(21);
+  Twin x(*gpu, c.in, 3, 45, 77);
+  x.fill_normal(rng, 3.0f);
+  Twin y(*gpu, c.out, 3, 45, 77), t(*gpu, c.out, 3, 77, 45), z(*gpu, c.out, 3, 45, 77);
+  cpu->normalize(x.hview(), y.hview(), 1e-7f);
+  gpu->normalize(x.dview(), y.dview(), 1e-7f);
+  EXPECT_LE(ct::rel_max_diff(y.device_values(), y.host_values()), storage_tol(c.out));
+  cpu->convert(x.hview(), t.hview(), true);
+  gpu->convert(x.dview(), t.dview(), true);
+  EXPECT_EQ(t.device_values(), t.host_values());
+  cpu->convert(x.hview(), z.hview(), false);
+  gpu->convert(x.dview(), z.dview(), false);
+  EXPECT_EQ(z.device_values(), z.host_values());
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, Conversions,
+                         ::testing::Values(ConvCase{DType::F32, DType::F32}, ConvCase{DType::F32, DType::F16},
+                                           ConvCase{DType::F32, DType::BF16}, ConvCase{DType::BF16, DType::F32},
+                                           ConvCase{DType::F16, DType::BF16}),
+                         [](const auto& i) { return std::string(dn(i.param.in)) + "_" + dn(i.param.out); });
+
+TEST_F(CudaOps, AddIdentityInPlaceAndOutOfPlace) {
+  std::mt19937_64 rng(22);
+  Twin x(*gpu, DType::F16, 2, 33, 33), y(*gpu, DType::F16, 2, 33, 33);
+  x.fill_normal(rng);
+  cpu->add_identity(x.hview(), 2.5f, y.hview());
+  gpu->add_identity(x.dview(), 2.5f, y.dview());
+  EXPECT_EQ(y.device_values(), y.host_values());
+  cpu->add_identity(x.hview(), -1.0f, x.hview());
+  gpu->add_identity(x.dview(), -1.0f, x.dview());
+  EXPECT_EQ(x.device_values(), x.host_values());
+}
+
+// ---- gemm ---------------------------------------------------------------------------------------
+struct GemmCase { DType ab, c; bool ta, tb; };
+class Gemm : public ct::CudaTest, public ::testing::WithParamInterface<GemmCase> {};
+
+TEST_P(Gemm, MatchesCpu) {
+  const GemmCase g = GetParam();
+  std::mt19937_64 rng(31);
+  const int64_t b = 3, M = 70, N = 90, K = 130;
+  Twin A(*gpu, g.ab, b, g.ta ? K : M, g.ta ? M : K), B(*gpu, g.ab, b, g.tb ? N : K, g.tb ? K : N);
+  Twin C(*gpu, g.c, b, M, N);
+  A.fill_normal(rng); B.fill_normal(rng); C.fill_normal(rng);
+  cpu->gemm(g.ta, g.tb, 0.7f, A.hview(), B.hview(), -0.3f, C.hview());
+  gpu->gemm(g.ta, g.tb, 0.7f, A.dview(), B.dview(), -0.3f, C.dview());
+  const double tol = g.c == DType::F32 ? 1e-5 : 2.0 * ct::ulp_of(g.c);
+  EXPECT_LE(ct::rel_max_diff(C.device_values(), C.host_values()), tol);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, Gemm,
+                         ::testing::Values(GemmCase{DType::F32, DType::F32, false, false},
+                                           GemmCase{DType::F32, DType::F32, true, false},
+                                           GemmCase{DType::F32, DType::F32, false, true},
+                                           GemmCase{DType::F32, DType::F32, true, true},
+                                           GemmCase{DType::F16, DType::F16, false, false},
+                                           GemmCase{DType::BF16, DType::BF16, false, true},
+                                           GemmCase{DType::F16, DType::F32, true, false}));
+
+// ---- gram / sym_product: full GEMM and lower-triangle tile schedules ---------------------------
+struct SymCase { DType dt; int64_t p, q, tile; };  // tile 0: full GEMM
+class Symmetric : public ct::CudaTest, public ::testing::WithParamInterface<SymCase> {};
+
+bool exactly_symmetric(const std::vector<float>& v, int64_t batch, int64_t p) {
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t r = 0; r < p; ++r)
+      for (int64_t c = 0; c < r; ++c)
+        if (v[b * p * p + r * p + c] != v[b * p * p + c * p + r]) return false;
+  return true;
+}
+
+TEST_P(Symmetric, GramAndSymProductMatchCpu) {
+  const SymCase c = GetParam();
+  dion3::cuda::set_symmetric_options(*gpu, {c.tile > 0, c.tile});
+  std::mt19937_64 rng(41 + c.p);
+  const int64_t b = 3;
+  Twin X(*gpu, c.dt, b, c.p, c.q), R(*gpu, c.dt, b, c.p, c.p);
+  X.fill_normal(rng, 1.0f / std::sqrt(static_cast<float>(c.q)));
+  cpu->gram(X.hview(), R.hview());
+  gpu->gram(X.dview(), R.dview());
+  const double tol = c.dt == DType::F32 ? 1e-5 : 2.0 * ct::ulp_of(c.dt);
+  const auto Rd = R.device_values();
+  EXPECT_LE(ct::rel_max_diff(Rd, R.host_values()), tol);
+  EXPECT_TRUE(exactly_symmetric(Rd, b, c.p));
+  // From here both sides start from the same (CPU) R.
+  R.upload();
+  // Z = b R + c R^2 (D aliases neither), then Q = Q Z + a Q with gamma, then D == C aliasing.
+  Twin Z(*gpu, c.dt, b, c.p, c.p), Q(*gpu, c.dt, b, c.p, c.p);
+  MatrixView Rh = R.hview(), Rdv = R.dview();
+  cpu->sym_product(2.0f, R.hview(), R.hview(), -1.5f, &Rh, 0.0f, Z.hview());
+  gpu->sym_product(2.0f, R.dview(), R.dview(), -1.5f, &Rdv, 0.0f, Z.dview());
+  auto Zd = Z.device_values();
+  EXPECT_LE(ct::rel_max_diff(Zd, Z.host_values()), 2 * tol);
+  EXPECT_TRUE(exactly_symmetric(Zd, b, c.p));
+  Z.upload();
+  cpu->sym_product(1.0f, R.hview(), Z.hview(), 0.0f, nullptr, 3.0f, Q.hview());
+  gpu->sym_product(1.0f, R.dview(), Z.dview(), 0.0f, nullptr, 3.0f, Q.dview());
+  auto Qd = Q.device_values();
+  EXPECT_LE(ct::rel_max_diff(Qd, Q.host_values()), 2 * tol);
+  EXPECT_TRUE(exactly_symmetric(Qd, b, c.p));
+  Q.upload();
+  MatrixView Qh = Q.hview(), Qdv = Q.dview();
+  cpu->sym_product(0.5f, R.hview(), Z.hview(), 0.25f, &Qh, 1.0f, Q.hview());
+  gpu->sym_product(0.5f, R.dview(), Z.dview(), 0.25f, &Qdv, 1.0f, Q.dview());
+  EXPECT_LE(ct::rel_max_diff(Q.device_values(), Q.host_values()), 2 * tol);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, Symmetric,
+                         ::testing::Values(SymCase{DType::F32, 96, 200, 0}, SymCase{DType::F32, 200, 300, 64},
+                                           SymCase{DType::F32, 256, 300, 64}, SymCase{DType::F16, 256, 512, 64},
+                                           SymCase{DType::BF16, 200, 512, 48}, SymCase{DType::F16, 130, 260, 128},
+                                           SymCase{DType::F16, 512, 1024, 128}),
+                         [](const auto& i) {
+                           return std::string(dn(i.param.dt)) + "_p" + std::to_string(i.param.p) + "_t" +
+                                  std::to_string(i.param.tile);
+                         });
+
+// ---- AdamW / Lion -------------------------------------------------------------------------------
+struct EwCase { DType w, s; };
+class Elementwise : public ct::CudaTest, public ::testing::WithParamInterface<EwCase> {};
+
+TEST_P(Elementwise, AdamWAndLionMatchCpu) {
+  const EwCase c = GetParam();
+  std::mt19937_64 rng(51);
+  const int64_t n = 10007;
+  Twin w(*gpu, c.w, 1, 1, n), g(*gpu, c.w, 1, 1, n), m(*gpu, c.s, 1, 1, n), v(*gpu, c.s, 1, 1, n);
+  w.fill_normal(rng); g.fill_normal(rng); m.fill_normal(rng, 0.1f);
+  std::vector<float> vv = ct::normal_values(rng, n, 0.1f);
+  for (auto& x : vv) x *= x;
+  v.set_host(vv); v.upload();
+  dion3::ElementwiseParam hp{w.hview(), g.hview(), m.hview(), v.hview()};
+  dion3::ElementwiseParam dp{w.dview(), g.dview(), m.dview(), v.dview()};
+  const dion3::AdamWParams ah{0.01f, 0.9f, 0.95f, 0.1f, 1e-8f, 0.271f, 0.0975f};
+  cpu->adamw(hp, ah, nullptr);
+  gpu->adamw(dp, ah, nullptr);
+  const double tw = storage_tol(c.w), ts = storage_tol(c.s);
+  EXPECT_LE(ct::rel_max_diff(w.device_values(), w.host_values()), tw);
+  EXPECT_LE(ct::rel_max_diff(m.device_values(), m.host_values()), ts);
+  EXPECT_LE(ct::rel_max_diff(v.device_values(), v.host_values()), ts);
+  w.upload(); m.upload();
+  const dion3::LionParams lh{0.01f, 0.9f, 0.99f, 0.1f};
+  cpu->lion(hp, lh, nullptr);
+  gpu->lion(dp, lh, nullptr);
+  EXPECT_LE(ct::rel_max_diff(w.device_values(), w.host_values()), tw);
+  EXPECT_LE(ct::rel_max_diff(m.device_values(), m.host_values()), ts);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, Elementwise,
+                         ::testing::Values(EwCase{DType::F32, DType::F32}, EwCase{DType::BF16, DType::F32},
+                                           EwCase{DType::BF16, DType::BF16}, EwCase{DType::F16, DType::F16}),
+                         [](const auto& i) { return std::string(dn(i.param.w)) + "_" + dn(i.param.s); });
+
+}  // namespace

@@ -1,0 +1,133 @@
+// tests/cuda/test_cuda_step.cpp — whole-step parity, CPU backend vs CUDA backend, through
+// dion3::Optimizer: Dion3 (several fractions), NorMuon, Muon (plain and Nesterov, cautious
+// decay), AdamW and Lion groups, over several steps with fresh gradients; weights and every
+// state tensor compared. fp32 iteration dtype for tight bounds; the GPU defaults (fp16 Gram,
+// bf16 standard) with loose ones.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <optional>
+
+#include "cpu/cpu_numeric.hpp"
+#include "cuda_test_util.hpp"
+#include "dion3/optimizer.hpp"
+
+namespace {
+
+using ct::Twin;
+using dion3::Algorithm;
+using dion3::DType;
+
+struct StepCase {
+  std::string name;
+  Algorithm algo;
+  double fraction = 0.25;
+  DType wdt = DType::F32;
+  std::optional<DType> iter = DType::F32;  // nullopt: the backend's default
+  bool nesterov = false, cautious = false;
+  dion3::OrthMethod method = dion3::OrthMethod::Auto;
+};
+
+class StepParity : public ct::CudaTest, public ::testing::WithParamInterface<StepCase> {};
+
+std::vector<float> decode(const dion3::HostTensor& t) {
+  int64_t n = 1;
+  for (auto s : t.shape) n *= s;
+  std::vector<float> v(static_cast<std::size_t>(n));
+  dion3::MatrixView h = dion3::MatrixView::contiguous(const_cast<unsigned char*>(t.data.data()), t.dtype, 1, 1, n);
+  dion3::cpu::load_row(h, 0, 0, v.data());
+  return v;
+}
+
+TEST_P(StepParity, SeveralSteps) {
+  const StepCase c = GetParam();
+  std::mt19937_64 rng(81);
+  dion3::GroupConfig g;
+  g.algorithm = c.algo;
+  g.lr = 0.02;
+  g.fraction = c.fraction;
+  g.weight_decay = 0.05;
+  g.nesterov = c.nesterov;
+  g.cautious_wd = c.cautious;
+  g.orth.iteration_dtype = c.iter;
+  g.orth.method = c.method;
+  dion3::GroupConfig ga;
+  ga.algorithm = Algorithm::AdamW;
+  ga.lr = 0.01;
+  dion3::GroupConfig gl;
+  gl.algorithm = Algorithm::Lion;
+  gl.lr = 0.001;
+
+  const std::vector<std::vector<int64_t>> shapes = {{64, 96}, {64, 96}, {96, 64}, {50, 130}, {3, 40, 72}};
+  dion3::Optimizer ocpu(dion3::make_cpu_backend()), ogpu(dion3::make_cuda_backend(0));
+  std::vector<std::unique_ptr<Twin>> W, G;
+  auto add = [&](int gi_c, int gi_g, const std::vector<int64_t>& shape, const std::string& name) {
+    int64_t rows = 1, cols = shape.back();
+    for (std::size_t d = 0; d + 1 < shape.size(); ++d) rows *= shape[d];
+    W.push_back(std::make_unique<Twin>(*gpu, c.wdt, 1, rows, cols));
+    G.push_back(std::make_unique<Twin>(*gpu, c.wdt, 1, rows, cols));
+    W.back()->fill_normal(rng, 0.5f);
+    dion3::ParamSpec hs, ds;
+    hs.name = ds.name = name;
+    hs.weight = {W.back()->host.data(), c.wdt, dion3::Device::CPU, 0, shape};
+    hs.grad = {G.back()->host.data(), c.wdt, dion3::Device::CPU, 0, shape};
+    ds.weight = {W.back()->dev.get(), c.wdt, dion3::Device::CUDA, 0, shape};
+    ds.grad = {G.back()->dev.get(), c.wdt, dion3::Device::CUDA, 0, shape};
+    EXPECT_EQ(ocpu.add_param(gi_c, hs), ogpu.add_param(gi_g, ds));
+  };
+  const int gc = ocpu.add_group(g), gg = ogpu.add_group(g);
+  for (std::size_t i = 0; i < shapes.size(); ++i) add(gc, gg, shapes[i], "m" + std::to_string(i));
+  const int ac = ocpu.add_group(ga), ag = ogpu.add_group(ga);
+  add(ac, ag, {130}, "bias");
+  const int lc = ocpu.add_group(gl), lg = ogpu.add_group(gl);
+  add(lc, lg, {7, 33}, "embed");
+  std::vector<std::vector<float>> w0;
+  for (auto& w : W) w0.push_back(w->host_values());
+
+  for (int step = 0; step < 4; ++step) {
+    for (auto& gr : G) gr->fill_normal(rng, 1.0f);
+    ASSERT_TRUE(ocpu.step());
+    ASSERT_TRUE(ogpu.step());
+  }
+  const bool loose = !c.iter || *c.iter != DType::F32;
+  const double delta_tol = loose ? 6e-2 : 2e-3;
+  for (std::size_t i = 0; i < W.size(); ++i) {
+    const auto wc = W[i]->host_values(), wg = W[i]->device_values();
+    double max_w = 0, max_d = 0, worst = 0;
+    for (std::size_t e = 0; e < wc.size(); ++e) {
+      max_w = std::max(max_w, std::fabs(static_cast<double>(wc[e])));
+      max_d = std::max(max_d, std::fabs(static_cast<double>(wc[e]) - w0[i][e]));
+    }
+    const double tol = 2.0 * (c.wdt == DType::F32 ? 0x1.0p-24 : ct::ulp_of(c.wdt)) * 2 * max_w + delta_tol * max_d;
+    for (std::size_t e = 0; e < wc.size(); ++e) worst = std::max(worst, std::fabs(static_cast<double>(wg[e]) - wc[e]));
+    EXPECT_LE(worst, tol) << "param " << i << " weights differ (max change " << max_d << ")";
+  }
+  const auto sc = ocpu.export_state(), sg = ogpu.export_state();
+  ASSERT_EQ(sc.params.size(), sg.params.size());
+  EXPECT_EQ(sc.steps, sg.steps);
+  for (std::size_t i = 0; i < sc.params.size(); ++i) {
+    ASSERT_EQ(sc.params[i].tensors.size(), sg.params[i].tensors.size());
+    for (std::size_t t = 0; t < sc.params[i].tensors.size(); ++t) {
+      const auto& [name, hc] = sc.params[i].tensors[t];
+      const auto vc = decode(hc), vg = decode(sg.params[i].tensors[t].second);
+      const double tol = (loose && name == "variance") ? 0.1 : (hc.dtype == DType::F32 ? 5e-3 : 4 * ct::ulp_of(hc.dtype));
+      EXPECT_LE(ct::rel_max_diff(vg, vc), tol) << sc.params[i].name << "." << name;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Algorithms, StepParity,
+    ::testing::Values(StepCase{"dion3_f025", Algorithm::Dion3, 0.25},
+                      StepCase{"dion3_f05_gram", Algorithm::Dion3, 0.5, DType::F32, DType::F32, false, false, dion3::OrthMethod::Gram},
+                      StepCase{"dion3_f1", Algorithm::Dion3, 1.0},
+                      StepCase{"dion3_f0125_bf16", Algorithm::Dion3, 0.125, DType::BF16},
+                      StepCase{"dion3_f025_default_iter", Algorithm::Dion3, 0.25, DType::F32, std::nullopt},
+                      StepCase{"normuon", Algorithm::NorMuon, 1.0},
+                      StepCase{"normuon_bf16_default_iter", Algorithm::NorMuon, 1.0, DType::BF16, std::nullopt},
+                      StepCase{"muon", Algorithm::Muon, 1.0},
+                      StepCase{"muon_nesterov_cautious", Algorithm::Muon, 1.0, DType::F32, DType::F32, true, true},
+                      StepCase{"muon_default_iter", Algorithm::Muon, 1.0, DType::F32, std::nullopt}),
+    [](const auto& i) { return i.param.name; });
+
+}  // namespace
