@@ -1,0 +1,122 @@
+# benchmark.py — `python -m dion3.benchmark`: the Python front end's own cost on model-shaped
+# parameter sets (issue 4, item 8). Times dion3.<Optimizer>.step() end to end, the host time
+# it takes to return (the launch time on CUDA, host_ms), and the time spent in the
+# engine call inside it; the difference is the Python-side overhead, as a share of the step.
+# Not a test: it asserts nothing and prints one JSON line per configuration.
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import dion3
+
+# (layers, d_model, d_mlp) of the model-shaped sets of SPEC §5; "tiny" is for CPU smoke runs.
+MODELS = {
+    "gpt-1b": (16, 2048, 4 * 2048),
+    "llama-7b": (32, 4096, 11008),
+    "tiny": (2, 256, 1024),
+}
+
+
+def model_shapes(name: str, layers: int = 0):
+    n_layers, d, mlp = MODELS[name]
+    n_layers = layers or n_layers
+    gated = name.startswith("llama")
+    per_layer = [(d, d)] * 4 + ([(mlp, d), (mlp, d), (d, mlp)] if gated else [(mlp, d), (d, mlp)])
+    return per_layer * n_layers, [(d,)] * (2 * n_layers)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run(args, cls_name, fraction):
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    mats, vecs = model_shapes(args.model, args.layers)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    params_m = [torch.nn.Parameter(torch.randn(s, generator=g).to(device, dtype) * 0.02) for s in mats]
+    params_v = [torch.nn.Parameter(torch.ones(s, device=device, dtype=dtype)) for s in vecs]
+    for p in params_m + params_v:
+        p.grad = torch.randn_like(p) * 1e-3
+    cls = getattr(dion3, cls_name)
+    kw = dict(fraction=fraction) if cls_name == "Dion3" else {}
+    opt = cls([dict(params=params_m), dict(params=params_v, algorithm="adamw", lr=1e-3)], lr=0.01,
+              on_nonfinite=args.on_nonfinite, **kw)
+    for _ in range(args.warmup):
+        opt.step()
+    sync(device)
+
+    # The engine call is timed inside each opt.step(), so the Python share is measured on the
+    # same calls (robust to a noisy machine): overhead = host time of step() - time in engine.step.
+    class TimedEngine:
+        def __init__(self, engine):
+            self.engine, self.seconds = engine, 0.0
+
+        def step(self, grads):
+            t = time.perf_counter()
+            try:
+                return self.engine.step(grads)
+            finally:
+                self.seconds += time.perf_counter() - t
+
+        def __getattr__(self, name):
+            return getattr(self.engine, name)
+
+    timed = TimedEngine(opt._engine)
+    opt._engine = timed
+    step_ms, host_ms, inside_ms = [], [], []
+    for _ in range(args.steps):
+        sync(device)
+        timed.seconds = 0.0
+        t0 = time.perf_counter()
+        opt.step()
+        t1 = time.perf_counter()
+        sync(device)
+        t2 = time.perf_counter()
+        host_ms.append((t1 - t0) * 1e3)
+        step_ms.append((t2 - t0) * 1e3)
+        inside_ms.append(timed.seconds * 1e3)
+    opt._engine = timed.engine
+    med = statistics.median
+    overhead = med([h - e for h, e in zip(host_ms, inside_ms)])
+    return {
+        "optimizer": cls_name, "fraction": fraction if cls_name == "Dion3" else None,
+        "model": args.model, "layers": args.layers or MODELS[args.model][0], "device": str(device),
+        "dtype": args.dtype, "matrices": len(mats), "vectors": len(vecs),
+        "step_ms": round(med(step_ms), 3), "host_ms": round(med(host_ms), 3),
+        "engine_host_ms": round(med(inside_ms), 3),
+        "python_overhead_ms": round(overhead, 4),
+        "python_overhead_pct": round(100.0 * overhead / med(step_ms), 3),
+        "megabatches": len(opt.plan()),
+    }
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="llama-7b", choices=sorted(MODELS))
+    ap.add_argument("--layers", type=int, default=0, help="override the layer count (0: the model's)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="parameter dtype (default: bfloat16 on cuda, float32 on cpu)")
+    ap.add_argument("--optimizers", default="Dion3,NorMuon,Muon")
+    ap.add_argument("--fractions", default="0.25,0.5,1.0")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--on-nonfinite", default="raise", choices=["raise", "skip"])
+    args = ap.parse_args(argv)
+    if args.dtype is None:
+        args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    for name in args.optimizers.split(","):
+        fractions = [float(f) for f in args.fractions.split(",")] if name == "Dion3" else [1.0]
+        for f in fractions:
+            print(json.dumps(run(args, name, f)), flush=True)
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+
+if __name__ == "__main__":
+    main()
