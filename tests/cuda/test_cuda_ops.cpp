@@ -68,7 +68,7 @@ TEST_P(Accumulate, MatchesCpu) {
   gpu->accumulate(*s.ds, 0.9f, dsc.as<float>(), nullptr);
   gpu->copy_to_host(dsc_h.data(), dsc.get(), hsc.size() * 4);
   EXPECT_LE(ct::rel_max_diff(s.m.device_values(), s.m.host_values()), storage_tol(c.m));
-  EXPECT_LE(ct::rel_max_diff(dsc_h, hsc), 1e-5);
+  EXPECT_LE(ct::rel_max_diff(dsc_h, hsc), 1e-4);  // fp32 tree sum vs the CPU's double sum
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, Accumulate,

@@ -94,11 +94,22 @@ TEST_P(StepParity, SeveralSteps) {
   for (std::size_t i = 0; i < W.size(); ++i) {
     const auto wc = W[i]->host_values(), wg = W[i]->device_values();
     double max_w = 0, max_d = 0, worst = 0;
+    std::vector<float> dc(wc.size()), dg(wc.size());
     for (std::size_t e = 0; e < wc.size(); ++e) {
       max_w = std::max(max_w, std::fabs(static_cast<double>(wc[e])));
       max_d = std::max(max_d, std::fabs(static_cast<double>(wc[e]) - w0[i][e]));
+      dc[e] = wc[e] - w0[i][e];
+      dg[e] = wg[e] - w0[i][e];
     }
-    const double tol = 2.0 * (c.wdt == DType::F32 ? 0x1.0p-24 : ct::ulp_of(c.wdt)) * 2 * max_w + delta_tol * max_d;
+    double tol = 2.0 * (c.wdt == DType::F32 ? 0x1.0p-24 : ct::ulp_of(c.wdt)) * 2 * max_w + delta_tol * max_d;
+    // Cautious decay is discontinuous where an update element crosses zero: one decay step
+    // (lr * wd * |w|) per step may differ there.
+    if (c.cautious) tol += 4 * g.lr * g.weight_decay * max_w;
+    if (loose) {
+      // Half-precision iterations on two devices round differently; compare the whole change.
+      EXPECT_LE(ct::rel_fro_diff(dg, dc), 0.05) << "param " << i << " weight changes differ";
+      continue;
+    }
     for (std::size_t e = 0; e < wc.size(); ++e) worst = std::max(worst, std::fabs(static_cast<double>(wg[e]) - wc[e]));
     EXPECT_LE(worst, tol) << "param " << i << " weights differ (max change " << max_d << ")";
   }
@@ -110,7 +121,11 @@ TEST_P(StepParity, SeveralSteps) {
     for (std::size_t t = 0; t < sc.params[i].tensors.size(); ++t) {
       const auto& [name, hc] = sc.params[i].tensors[t];
       const auto vc = decode(hc), vg = decode(sg.params[i].tensors[t].second);
-      const double tol = (loose && name == "variance") ? 0.1 : (hc.dtype == DType::F32 ? 5e-3 : 4 * ct::ulp_of(hc.dtype));
+      if (loose && name == "variance") {
+        EXPECT_LE(ct::rel_fro_diff(vg, vc), 0.1) << sc.params[i].name << "." << name;
+        continue;
+      }
+      const double tol = hc.dtype == DType::F32 ? 5e-3 : 4 * ct::ulp_of(hc.dtype);
       EXPECT_LE(ct::rel_max_diff(vg, vc), tol) << sc.params[i].name << "." << name;
     }
   }
