@@ -59,6 +59,10 @@ Run:
   --warmup N          untimed steps per optimizer before timing (default 0: the median of
                       3 already discards the first step's one-time costs)
   --iters N           timed steps per optimizer; the median is reported (default 3)
+  --schedule S        interleaved: all optimizers live at once and take turns step by step, so
+                      a machine whose speed drifts (a shared CPU) biases none of them; needs
+                      every optimizer's state in memory at once. sequential: one optimizer
+                      at a time. Default: interleaved on cpu, sequential on cuda.
   --no-orth-table     skip the orthogonalization-only table
   --seed N            random seed of weights and gradients (default 1)
   --csv FILE          also write every table row to FILE (CSV with a header)
@@ -95,6 +99,7 @@ struct Options {
   bool orth_table = true;
   unsigned seed = 1;
   std::string csv;
+  std::string schedule;  // "interleaved" | "sequential"; empty = by device
 };
 
 [[noreturn]] void usage_error(const std::string& msg) {
@@ -185,6 +190,10 @@ Options parse_args(int argc, char** argv) {
       o.warmup = parse_int(value(), key, 0);
     } else if (key == "--iters") {
       o.iters = parse_int(value(), key, 1);
+    } else if (key == "--schedule") {
+      o.schedule = value();
+      if (o.schedule != "interleaved" && o.schedule != "sequential")
+        usage_error("--schedule is interleaved or sequential, got '" + o.schedule + "'");
     } else if (key == "--no-orth-table") {
       o.orth_table = false;
     } else if (key == "--seed") {
@@ -195,6 +204,7 @@ Options parse_args(int argc, char** argv) {
       usage_error("unknown option '" + a + "'");
     }
   }
+  if (o.schedule.empty()) o.schedule = o.device == "cpu" ? "interleaved" : "sequential";
   return o;
 }
 
@@ -367,63 +377,110 @@ double step_effective_flops(const std::vector<dion3::MegabatchInfo>& plan, int s
   return flops;
 }
 
-Row run_variant(const Options& o, const Variant& v, const std::vector<MatrixShape>& shapes,
-                Tensors& t, int index, int total, Progress& progress,
-                std::vector<dion3::MegabatchInfo>* plan_out) {
-  dion3::Optimizer opt(make_backend(o));
+// One optimizer variant with everything registered, ready to step. The Syncer's buffer comes
+// from the optimizer's backend, so it is declared after (and destroyed before) the optimizer.
+struct Runner {
+  Variant variant;
   dion3::GroupConfig cfg;
-  cfg.algorithm = v.algorithm;
-  cfg.fraction = v.fraction;
-  cfg.orth.method = orth_method(o);
-  int g = opt.add_group(cfg);
-  for (std::size_t i = 0; i < shapes.size(); ++i) {
-    dion3::ParamSpec spec;
-    spec.name = shapes[i].name;
-    std::vector<int64_t> shape = {shapes[i].rows, shapes[i].cols};
-    dion3::Device dev = o.device == "cuda" ? dion3::Device::CUDA : dion3::Device::CPU;
-    spec.weight = dion3::TensorView{t.weights[i].get(), t.dtype, dev, 0, shape};
-    spec.grad = dion3::TensorView{t.grads[i].get(), t.dtype, dev, 0, shape};
-    opt.add_param(g, spec);
-  }
-  std::vector<dion3::MegabatchInfo> plan = opt.plan();
-  if (plan_out) *plan_out = plan;
-
+  std::unique_ptr<dion3::Optimizer> opt;
+  std::unique_ptr<Syncer> sync;
+  std::vector<dion3::MegabatchInfo> plan;
   std::vector<double> times;
-  {
-    Syncer sync(opt.backend());
-    const int n = o.warmup + o.iters;
-    std::string prefix = "[" + std::to_string(index) + "/" + std::to_string(total) + "] " + v.label;
-    double last = 0;
-    for (int s = 0; s < n; ++s) {
-      char line[160];
-      std::snprintf(line, sizeof line, "%s: %s %d/%d%s", prefix.c_str(),
-                    s < o.warmup ? "warmup" : "step", s < o.warmup ? s + 1 : s - o.warmup + 1,
-                    s < o.warmup ? o.warmup : o.iters,
-                    s ? (" (last " + std::to_string(static_cast<long>(last)) + " ms)").c_str() : "");
-      progress.update(line);
-      auto t0 = Clock::now();
-      opt.step();
-      sync();
-      last = ms_since(t0);
-      if (s >= o.warmup) times.push_back(last);
+  ~Runner() { sync.reset(); }
+
+  Runner(const Options& o, const Variant& v, const std::vector<MatrixShape>& shapes, Tensors& t)
+      : variant(v) {
+    opt = std::make_unique<dion3::Optimizer>(make_backend(o));
+    cfg.algorithm = v.algorithm;
+    cfg.fraction = v.fraction;
+    cfg.orth.method = orth_method(o);
+    int g = opt->add_group(cfg);
+    const dion3::Device dev = o.device == "cuda" ? dion3::Device::CUDA : dion3::Device::CPU;
+    for (std::size_t i = 0; i < shapes.size(); ++i) {
+      dion3::ParamSpec spec;
+      spec.name = shapes[i].name;
+      std::vector<int64_t> shape = {shapes[i].rows, shapes[i].cols};
+      spec.weight = dion3::TensorView{t.weights[i].get(), t.dtype, dev, 0, shape};
+      spec.grad = dion3::TensorView{t.grads[i].get(), t.dtype, dev, 0, shape};
+      opt->add_param(g, spec);
     }
-    char line[160];
-    std::snprintf(line, sizeof line, "%s: median %.1f ms over %d steps", prefix.c_str(), median(times),
-                  o.iters);
-    progress.done(line);
+    plan = opt->plan();
+    sync = std::make_unique<Syncer>(opt->backend());
   }
 
-  Row r;
-  r.table = "step";
-  r.label = v.label;
-  r.fraction = dion3::is_matrix_algorithm(v.algorithm) ? v.fraction : 0.0;
-  r.median_ms = median(times);
-  r.min_ms = *std::min_element(times.begin(), times.end());
-  const int T = static_cast<int>(cfg.orth.coefficients.size());
-  double flops = step_effective_flops(plan, T);
-  r.eff_gflops = flops > 0 ? flops / (r.median_ms * 1e-3) / 1e9 : 0.0;
-  r.eff_gflop = flops / 1e9;
-  return r;
+  double step() {
+    auto t0 = Clock::now();
+    opt->step();
+    (*sync)();
+    return ms_since(t0);
+  }
+
+  Row row() const {
+    Row r;
+    r.table = "step";
+    r.label = variant.label;
+    r.fraction = dion3::is_matrix_algorithm(variant.algorithm) ? variant.fraction : 0.0;
+    r.median_ms = median(times);
+    r.min_ms = *std::min_element(times.begin(), times.end());
+    const int T = static_cast<int>(cfg.orth.coefficients.size());
+    double flops = step_effective_flops(plan, T);
+    r.eff_gflops = flops > 0 ? flops / (r.median_ms * 1e-3) / 1e9 : 0.0;
+    r.eff_gflop = flops / 1e9;
+    return r;
+  }
+};
+
+std::string step_label(const Options& o, int s) {
+  return s < o.warmup ? "warmup " + std::to_string(s + 1) + "/" + std::to_string(o.warmup)
+                      : "step " + std::to_string(s - o.warmup + 1) + "/" + std::to_string(o.iters);
+}
+
+// Interleaved: every optimizer lives at once and they take turns, step by step, so that a
+// machine whose speed drifts (other jobs, thermal limits) biases no optimizer against another.
+// Sequential: one optimizer at a time (only one optimizer's state in memory).
+std::vector<Row> run_steps(const Options& o, const std::vector<Variant>& variants,
+                           const std::vector<MatrixShape>& shapes, Tensors& t, Progress& progress,
+                           std::vector<std::vector<dion3::MegabatchInfo>>& plans) {
+  const int n = o.warmup + o.iters;
+  const int total = static_cast<int>(variants.size());
+  std::vector<Row> rows;
+  plans.clear();
+  if (o.schedule == "interleaved") {
+    std::vector<std::unique_ptr<Runner>> runners;
+    for (int i = 0; i < total; ++i) {
+      progress.update("registering " + variants[i].label);
+      runners.push_back(std::make_unique<Runner>(o, variants[i], shapes, t));
+    }
+    for (int s = 0; s < n; ++s) {
+      for (int i = 0; i < total; ++i) {
+        progress.update("[" + step_label(o, s) + "] " + std::to_string(i + 1) + "/" +
+                        std::to_string(total) + " " + variants[i].label);
+        double ms = runners[i]->step();
+        if (s >= o.warmup) runners[i]->times.push_back(ms);
+      }
+      progress.done("[" + step_label(o, s) + "] all " + std::to_string(total) + " optimizers done");
+    }
+    for (auto& r : runners) {
+      rows.push_back(r->row());
+      plans.push_back(r->plan);
+    }
+    return rows;
+  }
+  for (int i = 0; i < total; ++i) {
+    Runner r(o, variants[i], shapes, t);
+    const std::string prefix = "[" + std::to_string(i + 1) + "/" + std::to_string(total) + "] " + variants[i].label;
+    for (int s = 0; s < n; ++s) {
+      progress.update(prefix + ": " + step_label(o, s));
+      double ms = r.step();
+      if (s >= o.warmup) r.times.push_back(ms);
+    }
+    char line[200];
+    std::snprintf(line, sizeof line, "%s: median %.1f ms over %d steps", prefix.c_str(), median(r.times), o.iters);
+    progress.done(line);
+    rows.push_back(r.row());
+    plans.push_back(r.plan);
+  }
+  return rows;
 }
 
 // ---- the orthogonalization table -------------------------------------------------------------
@@ -438,7 +495,6 @@ std::vector<Row> run_orth_table(const Options& o, const MatrixShape& s, dion3::D
   std::vector<float> outputs[2];
   {
     dion3::DeviceBuffer in(be.allocator(), n * dion3::dtype_size(dtype));
-    dion3::DeviceBuffer out(be.allocator(), n * dion3::dtype_size(dtype));
     std::mt19937 rng(o.seed + 7);
     fill_random(be, in.get(), n, dtype, 1.0f, rng);
     Syncer sync(be);
@@ -451,39 +507,53 @@ std::vector<Row> run_orth_table(const Options& o, const MatrixShape& s, dion3::D
     for (int r : base.restarts)
       if (r > 0 && r < T) ++restarts;
 
+    // Both orthogonalizers are planned up front and run alternately (same reason as the
+    // interleaved step schedule: drift in machine speed then favours neither).
     const dion3::OrthMethod methods[2] = {dion3::OrthMethod::Standard, dion3::OrthMethod::Gram};
+    const char* labels[2] = {"standard NS", "Gram NS"};
+    std::vector<std::unique_ptr<dion3::Orthogonalizer>> orths;
+    std::vector<dion3::DeviceBuffer> outs;
     for (int mi = 0; mi < 2; ++mi) {
       dion3::OrthConfig cfg = base;
       cfg.method = methods[mi];
-      dion3::Orthogonalizer orth(be, cfg, 1, s.rows, s.cols);
-      std::string label = mi == 0 ? "standard NS" : "Gram NS";
-      std::vector<double> times;
-      for (int it = 0; it < o.warmup + o.iters; ++it) {
-        progress.update("[orth] " + label + " " + std::to_string(s.rows) + "x" + std::to_string(s.cols) +
-                        ": run " + std::to_string(it + 1) + "/" + std::to_string(o.warmup + o.iters));
+      orths.push_back(std::make_unique<dion3::Orthogonalizer>(be, cfg, 1, s.rows, s.cols));
+      outs.emplace_back(be.allocator(), n * dion3::dtype_size(dtype));
+    }
+    std::vector<double> times[2];
+    const int runs = o.warmup + o.iters;
+    for (int it = 0; it < runs; ++it) {
+      for (int mi = 0; mi < 2; ++mi) {
+        progress.update(std::string("[orth] ") + labels[mi] + " " + std::to_string(s.rows) + "x" +
+                        std::to_string(s.cols) + ": run " + std::to_string(it + 1) + "/" + std::to_string(runs));
         auto t0 = Clock::now();
-        orth.run(view(in.get()), view(out.get()));
+        orths[mi]->run(view(in.get()), view(outs[mi].get()));
         sync();
-        if (it >= o.warmup) times.push_back(ms_since(t0));
+        if (it >= o.warmup) times[mi].push_back(ms_since(t0));
       }
-      outputs[mi] = read_floats(be, out.get(), n, dtype);
+    }
+    for (int mi = 0; mi < 2; ++mi) {
+      outputs[mi] = read_floats(be, outs[mi].get(), n, dtype);
       Row r;
       r.table = "orth";
-      r.label = label;
+      r.label = labels[mi];
       r.rows = s.rows;
       r.cols = s.cols;
-      r.median_ms = median(times);
-      r.min_ms = *std::min_element(times.begin(), times.end());
+      r.median_ms = median(times[mi]);
+      r.min_ms = *std::min_element(times[mi].begin(), times[mi].end());
       r.eff_gflops = dion3::effective_ns_flops(1, p, q, T) / (r.median_ms * 1e-3) / 1e9;
       double real = mi == 0 ? dion3::standard_ns_flops(1, p, q, T, be.symmetric_cost_factor())
                             : dion3::gram_ns_flops(1, p, q, T, restarts, be.symmetric_cost_factor());
       r.real_gflop = real / 1e9;
       r.eff_gflop = dion3::effective_ns_flops(1, p, q, T) / 1e9;
-      r.note = std::string("iter ") + dion3::dtype_name(orth.iteration_dtype()) +
-               (orth.transposed() ? ", transposed" : "");
+      r.note = std::string("iter ") + dion3::dtype_name(orths[mi]->iteration_dtype()) +
+               (orths[mi]->transposed() ? ", transposed" : "");
       rows.push_back(r);
-      progress.done("[orth] " + label + ": median " + std::to_string(r.median_ms) + " ms");
+      char line[120];
+      std::snprintf(line, sizeof line, "[orth] %s: median %.1f ms", labels[mi], r.median_ms);
+      progress.done(line);
     }
+    orths.clear();  // workspace goes back before `be` is destroyed
+    outs.clear();
   }
   double maxabs = 0, maxdiff = 0;
   for (std::size_t i = 0; i < outputs[0].size(); ++i) {
@@ -538,9 +608,9 @@ int run(const Options& o) {
 
   auto data_backend = make_backend(o);
   const int64_t elems = dion3::bench::total_elements(shapes);
-  std::printf("dion3-bench: %s, %zu matrices, %.2fM weights, device %s, dtype %s, warmup %d, iters %d\n",
+  std::printf("dion3-bench: %s, %zu matrices, %.2fM weights, device %s, dtype %s, warmup %d, iters %d, %s\n",
               workload.c_str(), shapes.size(), elems / 1e6, o.device.c_str(), o.dtype.c_str(), o.warmup,
-              o.iters);
+              o.iters, o.schedule.c_str());
   if (const char* th = std::getenv("OPENBLAS_NUM_THREADS"); th && o.device == "cpu")
     std::printf("OPENBLAS_NUM_THREADS=%s\n", th);
 
@@ -576,20 +646,15 @@ int run(const Options& o) {
   // The plan shown is the Dion3 run at the library's default fraction when present.
   const double default_f = dion3::GroupConfig{}.fraction;
   auto t_start = Clock::now();
+  std::vector<std::vector<dion3::MegabatchInfo>> plans;
+  rows = run_steps(o, variants, shapes, t, progress, plans);
   for (std::size_t i = 0; i < variants.size(); ++i) {
     const auto& v = variants[i];
     bool show = v.algorithm == dion3::Algorithm::Dion3 &&
                 (plan_title.empty() || std::fabs(v.fraction - default_f) < 1e-12);
-    std::vector<dion3::MegabatchInfo> p;
-    rows.push_back(run_variant(o, v, shapes, t, static_cast<int>(i + 1), static_cast<int>(variants.size()),
-                               progress, &p));
-    if (show) {
-      plan = p;
+    if (show || (plan_title.empty() && i + 1 == variants.size())) {
+      plan = plans[i];
       plan_title = v.label + ", orth " + o.orth;
-    }
-    if (plan_title.empty() && i + 1 == variants.size()) {
-      plan = p;
-      plan_title = v.label;
     }
   }
   double muon_ms = 0;
