@@ -58,10 +58,10 @@ def run(args, cls_name, fraction):
         def __init__(self, engine):
             self.engine, self.seconds = engine, 0.0
 
-        def step(self, grads):
+        def step(self):
             t = time.perf_counter()
             try:
-                return self.engine.step(grads)
+                return self.engine.step()
             finally:
                 self.seconds += time.perf_counter() - t
 

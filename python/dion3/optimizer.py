@@ -137,6 +137,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._engine = None
         self._engine_key = None
         self._engine_params: List[torch.Tensor] = []
+        self._engine_states: List[Dict[str, Any]] = []
         self._engine_groups: List[int] = []
         self._steps_skipped = 0
         self._dirty = True
@@ -151,6 +152,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         super().__setstate__(state)
         self._on_nonfinite = on_nonfinite
         self._engine, self._engine_key, self._engine_params, self._engine_groups = None, None, [], []
+        self._engine_states = []
         self._steps_skipped = getattr(self, "_steps_skipped", 0)
         self._dirty = True
 
@@ -196,26 +198,32 @@ class _EngineOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        params = [p for g in self.param_groups for p in g["params"]]
-        grads = [p.grad for p in params]
-        key = (tuple(g is not None for g in grads),
-               tuple((id(g), len(g["params"])) + _structure_key(g) for g in self.param_groups))
+        key = tuple((id(g), len(g["params"])) + _structure_key(g) for g in self.param_groups)
         if self._dirty or key != self._engine_key:
             self._rebuild(key)
-        if self._engine is None:  # no parameter has a gradient
-            return loss
         engine = self._engine
+        if engine is None:  # no parameter had a gradient: look again (rare, so done in Python)
+            if not any(p.grad is not None for g in self.param_groups for p in g["params"]):
+                return loss
+            self._rebuild(key)
+            engine = self._engine
         for i, gi in enumerate(self._engine_groups):
             engine.update_group(i, _engine_config(self.param_groups[gi]))
-        active = [g for g in grads if g is not None]
-        status = engine.step(active)
-        if status < 0:  # a weight was re-allocated (p.data = ...): re-register and retry once
+        # The engine reads each parameter's .grad itself (no per-parameter Python work per step).
+        status = engine.step()
+        if status < 0:  # the set of parameters with gradients changed, or a weight moved (p.data = ...)
             self._rebuild(key)
-            status = self._engine.step(active)
+            engine = self._engine
+            if engine is None:
+                return loss
+            for i, gi in enumerate(self._engine_groups):
+                engine.update_group(i, _engine_config(self.param_groups[gi]))
+            status = engine.step()
+            if status < 0:
+                raise RuntimeError("dion3: internal error: the engine still asks for a rebuild")
         if status > 0:
-            state = self.state
-            for p in self._engine_params:
-                state[p]["step"] += 1
+            for st in self._engine_states:
+                st["step"] += 1
         else:
             self._steps_skipped += 1
         return loss
@@ -305,15 +313,15 @@ class _EngineOptimizer(torch.optim.Optimizer):
                     if t is None:
                         t = torch.zeros(shape, dtype=dtype, device=p.device)
                     st[name] = t
-                grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
-                if grad.device != p.device:
+                if p.grad.device != p.device:
                     raise ValueError(f"dion3: parameter '{self._param_name(group, gi, j)}' is on "
-                                     f"{p.device} but its gradient is on {grad.device}")
-                engine.add_param(ei, self._param_name(group, gi, j), p, grad, st)
+                                     f"{p.device} but its gradient is on {p.grad.device}")
+                engine.add_param(ei, self._param_name(group, gi, j), p, st)
                 st["step"] = int(old.get("step", 0))
                 new_state[p] = st
                 engine_params.append(p)
                 steps.append(st["step"])
+        engine.watch([p for g in self.param_groups for p in g["params"] if p.grad is None])
         if any(steps):
             engine.set_param_steps(steps, max(steps), self._steps_skipped)
         # The engine accepted everything: commit the state.
@@ -321,6 +329,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             self.state[p].update(st)
         self._engine = engine
         self._engine_params = engine_params
+        self._engine_states = [self.state[p] for p in engine_params]
         self._engine_groups = engine_groups
         self._engine_key = key
         self._dirty = False

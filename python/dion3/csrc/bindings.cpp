@@ -148,8 +148,11 @@ class Engine {
   // Hyper-parameters are re-read before every step, so schedules that edit the group dict work.
   void update_group(int index, const py::dict& cfg) { opt_->group(index) = group_config(cfg); }
 
-  int add_param(int group, const std::string& name, const at::Tensor& weight, const at::Tensor& grad,
-                const py::dict& state) {
+  // Registers a parameter; its gradient (weight.grad()) is read again before every step.
+  int add_param(int group, const std::string& name, const at::Tensor& weight, const py::dict& state) {
+    const at::Tensor grad = contiguous_grad(weight);
+    if (!grad.defined())
+      throw dion3::Error(dion3::Status::InvalidArgument, "parameter '" + name + "' has no gradient");
     dion3::ParamSpec spec;
     spec.name = name;
     spec.weight = view_of(weight, "parameter '" + name + "'");
@@ -169,6 +172,10 @@ class Engine {
     return index;
   }
 
+  // Parameters of the optimizer that had no gradient when the engine was built: if one gains a
+  // gradient, step() asks for a rebuild.
+  void watch(const std::vector<at::Tensor>& params) { watched_ = params; }
+
   // Per-parameter step counters (AdamW bias correction) after a rebuild: the engine offers them
   // only through export/import, so this round-trips the state through host memory. Called only
   // when resuming (a counter > 0), never on the hot path.
@@ -183,23 +190,21 @@ class Engine {
     opt_->import_state(st);
   }
 
-  // Binds this step's gradients and runs the step. Returns 1 (applied), 0 (skipped: a gradient
-  // was not finite under on_nonfinite="skip"), or -1 (a weight's storage moved: the caller must
-  // rebuild the engine; nothing was changed).
-  int step(const std::vector<at::Tensor>& grads) {
+  // Binds this step's gradients (each registered weight's .grad) and runs the step. Returns 1
+  // (applied), 0 (skipped: a gradient was not finite under on_nonfinite="skip"), or -1 (the
+  // caller must rebuild the engine: a weight's storage moved, or the set of parameters with a
+  // gradient changed; nothing was changed). Doing this here keeps per-parameter work out of Python.
+  int step() {
     const int n = opt_->num_params();
-    if (static_cast<int>(grads.size()) != n)
-      throw dion3::Error(dion3::Status::InvalidArgument,
-                         "step: got " + std::to_string(grads.size()) + " gradients for " + std::to_string(n) +
-                             " parameters");
+    for (const at::Tensor& w : watched_)
+      if (w.grad().defined()) return -1;
     for (int i = 0; i < n; ++i)
-      if (weights_[i].data_ptr() != weight_ptrs_[i]) return -1;
+      if (weights_[i].data_ptr() != weight_ptrs_[i] || !weights_[i].grad().defined()) return -1;
     for (int i = 0; i < n; ++i) {
-      const at::Tensor& g = grads[i];
-      if (!g.is_same(grads_[i]) || g.data_ptr() != bound_ptr(i)) {
-        at::Tensor c = g.is_contiguous() ? g : g.contiguous();
-        opt_->set_grad(i, view_of(c, "the gradient of " + opt_->param_name(i)));
-        grads_[i] = c;
+      at::Tensor g = contiguous_grad(weights_[i]);
+      if (!g.is_same(grads_[i]) || g.data_ptr() != grads_[i].data_ptr()) {
+        opt_->set_grad(i, view_of(g, "the gradient of " + opt_->param_name(i)));
+        grads_[i] = std::move(g);
       }
     }
     bool applied;
@@ -252,7 +257,11 @@ class Engine {
 #endif
   };
 
-  const void* bound_ptr(int i) const { return grads_[i].data_ptr(); }
+  static at::Tensor contiguous_grad(const at::Tensor& weight) {
+    at::Tensor g = weight.grad();
+    if (g.defined() && !g.is_contiguous()) g = g.contiguous();
+    return g;
+  }
 
   int device_index_ = 0;
   bool cuda_ = false;
@@ -264,6 +273,7 @@ class Engine {
   std::vector<void*> weight_ptrs_;
   std::vector<std::vector<at::Tensor>> held_;  // weights and state tensors the engine points into
   std::vector<at::Tensor> grads_;              // the gradients bound for the current step
+  std::vector<at::Tensor> watched_;            // parameters without a gradient at build time
 };
 
 void validate_group(const py::dict& cfg) { group_config(cfg).validate(); }
@@ -301,6 +311,7 @@ PYBIND11_MODULE(_C, m) {
       .def("add_group", &Engine::add_group)
       .def("update_group", &Engine::update_group)
       .def("add_param", &Engine::add_param)
+      .def("watch", &Engine::watch)
       .def("set_param_steps", &Engine::set_param_steps)
       .def("step", &Engine::step)
       .def("plan", &Engine::plan)
