@@ -60,5 +60,5 @@ fi
 log "configuring $BUILD_DIR (DION3_CUDA=$DION3_CUDA, $BUILD_TYPE)"
 cmake "${cmake_args[@]}" >/dev/null
 log "building with $JOBS jobs"
-cmake --build "$BUILD_DIR" -j "$JOBS"
+cmake --build "$BUILD_DIR" -j "$JOBS" >&2  # build log on stderr: stdout stays the bench/test output
 log "done: $BUILD_DIR/dion3-bench, tests: scripts/test.sh"
