@@ -2,7 +2,10 @@
 // TensorViews (pointer, dtype, device, shape), binds gradients before each step, runs the step on
 // the current CUDA stream with workspace from PyTorch's caching allocator, and turns dion3::Error
 // into Python exceptions. It holds no optimizer math: that is all in dion3::Optimizer.
-#include <torch/extension.h>
+// ATen plus torch's pybind11 casters only: torch/extension.h (the whole C++ frontend) doubles
+// the compile time of this file.
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <memory>
 #include <string>
