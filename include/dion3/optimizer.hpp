@@ -55,6 +55,10 @@ struct OptimizerState {
 
 struct OptimizerOptions {
   NonFinitePolicy on_nonfinite = NonFinitePolicy::Raise;
+  // Workspace budget (bytes). Megabatches are orthogonalized in chunks of as many matrices as
+  // fit (at least one); all chunks share one arena, so this bounds the optimizer's memory
+  // beyond its state whatever the model size.
+  std::size_t workspace_limit = std::size_t{512} << 20;
 };
 
 // What one megabatch is: for introspection, benchmarks and tests.
@@ -67,7 +71,8 @@ struct MegabatchInfo {
   int64_t selected_rows = 0;   // k
   OrthMethod method = OrthMethod::Standard;
   DType iteration_dtype = DType::F32;
-  std::size_t workspace_bytes = 0;
+  std::size_t workspace_bytes = 0;  // arena bytes its largest chunk uses
+  int64_t chunk = 0;                 // matrices per orthogonalization call
 };
 
 class Optimizer {

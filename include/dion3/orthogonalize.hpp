@@ -24,7 +24,14 @@ OrthMethod choose_orth_method(const Backend& backend, const OrthConfig& cfg, int
 
 class Orthogonalizer {
  public:
-  Orthogonalizer(Backend& backend, const OrthConfig& cfg, int64_t batch, int64_t rows, int64_t cols);
+  // With workspace == null the Orthogonalizer allocates its own; else it uses the caller's
+  // memory (at least required_workspace() bytes, not owned), e.g. an arena shared by several
+  // Orthogonalizers whose runs are ordered on one stream.
+  Orthogonalizer(Backend& backend, const OrthConfig& cfg, int64_t batch, int64_t rows, int64_t cols,
+                 void* workspace = nullptr);
+  // Bytes of workspace a (batch, rows, cols) problem needs with this config on this backend.
+  static std::size_t required_workspace(const Backend& backend, const OrthConfig& cfg, int64_t batch,
+                                        int64_t rows, int64_t cols);
   // in: batch x rows x cols, contiguous, any float dtype (normalised in fp32, SPEC §2).
   // out: same shape, contiguous, any float dtype. in and out may be the same memory.
   void run(MatrixView in, MatrixView out);
@@ -32,7 +39,8 @@ class Orthogonalizer {
   OrthMethod method() const { return method_; }
   DType iteration_dtype() const { return dtype_; }
   bool transposed() const { return transposed_; }
-  std::size_t workspace_bytes() const { return workspace_.bytes(); }
+  int64_t batch() const { return batch_; }
+  std::size_t workspace_bytes() const { return bytes_; }
 
  private:
   void standard(MatrixView X);
@@ -46,7 +54,9 @@ class Orthogonalizer {
   bool transposed_;
   OrthMethod method_;
   DType dtype_;
-  DeviceBuffer workspace_;
+  DeviceBuffer owned_;      // when the caller gave no workspace
+  char* workspace_ = nullptr;
+  std::size_t bytes_ = 0;
 };
 
 }  // namespace dion3

@@ -27,17 +27,26 @@ struct Param {
   const TensorView* find_state(const std::string& key) const;
 };
 
+// A slice of a megabatch orthogonalized in one call, sized so that its workspace fits the
+// optimizer's workspace limit.
+struct Chunk {
+  int64_t first = 0, count = 0;  // members [first, first + count)
+  std::unique_ptr<MatrixSet> set;
+  Orthogonalizer* orth = nullptr;
+};
+
 // Parameters of one group sharing (matrix shape, dtypes): one batched pipeline per step.
 struct Megabatch {
   int group = 0;
   int64_t rows = 0, cols = 0, k = 0;
   DType weight_dtype = DType::F32, grad_dtype = DType::F32, momentum_dtype = DType::F32;
   std::vector<std::pair<int, int64_t>> members;  // (param index, matrix index in param)
-  std::unique_ptr<MatrixSet> set;
-  std::unique_ptr<Orthogonalizer> orth;
-  DeviceBuffer scores;   // count x rows fp32
-  DeviceBuffer indices;  // count x k int32
-  DeviceBuffer update;   // count x k x cols fp32: gathered rows, then their orthogonalized update
+  std::unique_ptr<MatrixSet> set;                // every member: accumulate and select
+  std::vector<Chunk> chunks;                     // gather, orthogonalize, update
+  std::vector<std::unique_ptr<Orthogonalizer>> orths;  // one per distinct chunk size
+  DeviceBuffer scores;   // members x rows fp32
+  DeviceBuffer indices;  // members x k int32
+  std::size_t chunk_bytes = 0;  // arena bytes the largest chunk needs
 };
 
 struct Optimizer::Impl {
@@ -48,7 +57,8 @@ struct Optimizer::Impl {
   std::vector<Param> params;
   std::vector<Megabatch> megabatches;
   bool plan_valid = false;
-  DeviceBuffer flag;  // one int: a gradient was non-finite this step
+  DeviceBuffer flag;   // one int: a gradient was non-finite this step
+  DeviceBuffer arena;  // workspace shared by all chunks (their work is ordered on one stream)
   int64_t steps = 0, skipped = 0;
   bool state_created = false;
 

@@ -31,6 +31,8 @@ bool same_plan(const GroupConfig& a, const GroupConfig& b) {
          a.orth.iteration_dtype == b.orth.iteration_dtype;
 }
 
+std::size_t align_up(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
+
 std::string group_error(int g, const std::string& what) { return "group " + std::to_string(g) + ": " + what; }
 
 }  // namespace
@@ -239,16 +241,43 @@ void Optimizer::Impl::build_plan() {
     for (int64_t j = 0; j < p.count; ++j) megabatches[it->second].members.emplace_back(i, j);
   }
   Allocator& alloc = backend->allocator();
+  std::size_t arena_bytes = 0;
   for (Megabatch& mb : megabatches) {
     const GroupConfig& g = groups[mb.group];
     const auto n = static_cast<int64_t>(mb.members.size());
+    auto need = [&](int64_t count) {
+      return align_up(static_cast<std::size_t>(count * mb.k * mb.cols) * sizeof(float)) +
+             Orthogonalizer::required_workspace(*backend, g.orth, count, mb.k, mb.cols);
+    };
+    int64_t chunk = n;
+    while (chunk > 1 && need(chunk) > options.workspace_limit) chunk = (chunk + 1) / 2;
+    mb.chunk_bytes = need(chunk);
+    arena_bytes = std::max(arena_bytes, mb.chunk_bytes);
     mb.set = backend->new_matrix_set();
-    mb.orth = std::make_unique<Orthogonalizer>(*backend, g.orth, n, mb.k, mb.cols);
     if (g.algorithm == Algorithm::Dion3) {
       mb.scores = DeviceBuffer(alloc, static_cast<std::size_t>(n * mb.rows) * sizeof(float));
       mb.indices = DeviceBuffer(alloc, static_cast<std::size_t>(n * mb.k) * sizeof(int32_t));
     }
-    mb.update = DeviceBuffer(alloc, static_cast<std::size_t>(n * mb.k * mb.cols) * sizeof(float));
+    for (int64_t first = 0; first < n; first += chunk) {
+      Chunk c;
+      c.first = first;
+      c.count = std::min(chunk, n - first);
+      c.set = backend->new_matrix_set();
+      mb.chunks.push_back(std::move(c));
+    }
+  }
+  arena = DeviceBuffer(alloc, arena_bytes);
+  // Orthogonalizers are planned on the arena, behind the chunk's update buffer.
+  for (Megabatch& mb : megabatches) {
+    const GroupConfig& g = groups[mb.group];
+    for (Chunk& c : mb.chunks) {
+      for (auto& o : mb.orths)
+        if (o->batch() == c.count) c.orth = o.get();
+      if (c.orth) continue;
+      char* ws = arena.as<char>() + align_up(static_cast<std::size_t>(c.count * mb.k * mb.cols) * sizeof(float));
+      mb.orths.push_back(std::make_unique<Orthogonalizer>(*backend, g.orth, c.count, mb.k, mb.cols, ws));
+      c.orth = mb.orths.back().get();
+    }
   }
   planned = groups;
   plan_valid = true;
@@ -267,9 +296,10 @@ std::vector<MegabatchInfo> Optimizer::plan() {
     info.dtype = mb.weight_dtype;
     info.count = static_cast<int64_t>(mb.members.size());
     info.selected_rows = mb.k;
-    info.method = mb.orth->method();
-    info.iteration_dtype = mb.orth->iteration_dtype();
-    info.workspace_bytes = mb.orth->workspace_bytes() + mb.scores.bytes() + mb.indices.bytes() + mb.update.bytes();
+    info.method = mb.chunks.front().orth->method();
+    info.iteration_dtype = mb.chunks.front().orth->iteration_dtype();
+    info.workspace_bytes = mb.chunk_bytes + mb.scores.bytes() + mb.indices.bytes();
+    info.chunk = mb.chunks.front().count;
     out.push_back(info);
   }
   return out;
@@ -329,7 +359,6 @@ bool Optimizer::step() {
     }
     be.refresh(*mb.set);
     const auto n = static_cast<int64_t>(mb.members.size());
-    MatrixView U = MatrixView::contiguous(mb.update.get(), DType::F32, n, mb.k, mb.cols);
     UpdateParams up;
     up.lr = static_cast<float>(g.base_lr());
     up.weight_decay = static_cast<float>(g.weight_decay);
@@ -337,22 +366,26 @@ bool Optimizer::step() {
     up.beta2 = static_cast<float>(g.muon_beta2);
     up.cautious_wd = g.cautious_wd;
     const float mu = static_cast<float>(g.mu);
-    if (g.algorithm == Algorithm::Dion3) {
-      float* scores = mb.scores.as<float>();
-      int32_t* idx = mb.indices.as<int32_t>();
-      be.accumulate(*mb.set, 1.0f, scores, flag);                // M += G, row l1 scores
-      be.select_rows(scores, n, mb.rows, mb.k, idx, flag);         // S = top-k rows
-      be.gather_rows(*mb.set, idx, mb.k, 1.0f, 0.0f, mu, U, flag);  // U = M[S]; M[S] *= mu
-      mb.orth->run(U, U);
-      up.normuon = true;
-      be.apply_update(*mb.set, idx, mb.k, U, up, flag);
+    const bool dion3 = g.algorithm == Algorithm::Dion3;
+    float* scores = mb.scores.as<float>();
+    int32_t* idx = mb.indices.as<int32_t>();
+    if (dion3) {
+      be.accumulate(*mb.set, 1.0f, scores, flag);         // M += G, row l1 scores
+      be.select_rows(scores, n, mb.rows, mb.k, idx, flag);  // S = top-k rows
     } else {
       be.accumulate(*mb.set, mu, nullptr, flag);  // M = mu M + G
-      if (g.nesterov) be.gather_rows(*mb.set, nullptr, mb.k, mu, 1.0f, 1.0f, U, flag);
-      else be.gather_rows(*mb.set, nullptr, mb.k, 1.0f, 0.0f, 1.0f, U, flag);
-      mb.orth->run(U, U);
-      up.normuon = g.algorithm == Algorithm::NorMuon;
-      be.apply_update(*mb.set, nullptr, mb.k, U, up, flag);
+    }
+    up.normuon = g.algorithm != Algorithm::Muon;
+    for (Chunk& c : mb.chunks) {
+      c.set->mats.assign(mb.set->mats.begin() + c.first, mb.set->mats.begin() + c.first + c.count);
+      be.refresh(*c.set);
+      MatrixView U = MatrixView::contiguous(s.arena.get(), DType::F32, c.count, mb.k, mb.cols);
+      const int32_t* rows = dion3 ? idx + c.first * mb.k : nullptr;
+      if (dion3) be.gather_rows(*c.set, rows, mb.k, 1.0f, 0.0f, mu, U, flag);  // U = M[S]; M[S] *= mu
+      else if (g.nesterov) be.gather_rows(*c.set, nullptr, mb.k, mu, 1.0f, 1.0f, U, flag);  // U = mu M + G
+      else be.gather_rows(*c.set, nullptr, mb.k, 1.0f, 0.0f, 1.0f, U, flag);                 // U = M
+      c.orth->run(U, U);
+      be.apply_update(*c.set, rows, mb.k, U, up, flag);
     }
   }
 

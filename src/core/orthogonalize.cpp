@@ -13,8 +13,9 @@ namespace dion3 {
 
 namespace {
 constexpr int kWide = 2;
-constexpr int kSquares = 5;
 constexpr float kNormEps = 1e-7f;
+// p x p scratch matrices each method needs: A, B (standard); R, Z, Q, RZ, T (Gram).
+int squares_of(OrthMethod m) { return m == OrthMethod::Gram ? 5 : 2; }
 
 bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
 }  // namespace
@@ -54,8 +55,16 @@ OrthMethod choose_orth_method(const Backend& backend, const OrthConfig& cfg, int
              : OrthMethod::Standard;
 }
 
+std::size_t Orthogonalizer::required_workspace(const Backend& backend, const OrthConfig& cfg, int64_t batch,
+                                               int64_t rows, int64_t cols) {
+  const OrthMethod method = choose_orth_method(backend, cfg, rows, cols);
+  const DType dtype = cfg.iteration_dtype.value_or(backend.default_iteration_dtype(method == OrthMethod::Gram));
+  const int64_t p = std::min(rows, cols), q = std::max(rows, cols);
+  return static_cast<std::size_t>(batch * (kWide * p * q + squares_of(method) * p * p)) * dtype_size(dtype);
+}
+
 Orthogonalizer::Orthogonalizer(Backend& backend, const OrthConfig& cfg, int64_t batch, int64_t rows,
-                               int64_t cols)
+                               int64_t cols, void* workspace)
     : backend_(backend), cfg_(cfg), batch_(batch) {
   cfg_.validate();
   if (batch < 1 || rows < 1 || cols < 1)
@@ -66,17 +75,21 @@ Orthogonalizer::Orthogonalizer(Backend& backend, const OrthConfig& cfg, int64_t 
   q_ = std::max(rows, cols);
   method_ = choose_orth_method(backend, cfg_, rows, cols);
   dtype_ = cfg_.iteration_dtype.value_or(backend.default_iteration_dtype(method_ == OrthMethod::Gram));
-  const std::size_t elems = static_cast<std::size_t>(batch * (kWide * p_ * q_ + kSquares * p_ * p_));
-  workspace_ = DeviceBuffer(backend.allocator(), elems * dtype_size(dtype_));
+  bytes_ = required_workspace(backend, cfg_, batch, rows, cols);
+  if (!workspace) {
+    owned_ = DeviceBuffer(backend.allocator(), bytes_);
+    workspace = owned_.get();
+  }
+  workspace_ = static_cast<char*>(workspace);
 }
 
 MatrixView Orthogonalizer::wide(int slot) const {
-  char* base = workspace_.as<char>() + static_cast<std::size_t>(slot * batch_ * p_ * q_) * dtype_size(dtype_);
+  char* base = workspace_ + static_cast<std::size_t>(slot * batch_ * p_ * q_) * dtype_size(dtype_);
   return MatrixView::contiguous(base, dtype_, batch_, p_, q_);
 }
 
 MatrixView Orthogonalizer::square(int slot) const {
-  char* base = workspace_.as<char>() +
+  char* base = workspace_ +
                static_cast<std::size_t>(kWide * batch_ * p_ * q_ + slot * batch_ * p_ * p_) * dtype_size(dtype_);
   return MatrixView::contiguous(base, dtype_, batch_, p_, p_);
 }

@@ -384,6 +384,38 @@ TEST(Dion3, MegabatchEqualsSeparateOptimizers) {
   }
 }
 
+// A workspace limit below one megabatch's need splits it into chunks that share one arena;
+// each matrix's math is unchanged, so the bytes equal the unchunked run's.
+TEST(Dion3, WorkspaceLimitChunksAMegabatchWithoutChangingResults) {
+  const int N = 5, m = 24, n = 40;
+  for (auto alg : {dion3::Algorithm::Dion3, dion3::Algorithm::Muon}) {
+    dion3::OptimizerOptions tight;
+    tight.workspace_limit = 1;  // forces one matrix per chunk
+    Harness whole, chunked(tight);
+    dion3::GroupConfig cfg = plain(0.5, 0.01);
+    cfg.algorithm = alg;
+    const int gw = whole.opt.add_group(cfg), gc = chunked.opt.add_group(cfg);
+    Rng rng(21), same(21);
+    for (int i = 0; i < N; ++i) {
+      std::string name = "w";
+      name += std::to_string(i);
+      whole.add(gw, name, DType::F32, {m, n}, rng);
+      chunked.add(gc, name, DType::F32, {m, n}, same);
+    }
+    ASSERT_EQ(whole.opt.plan().at(0).chunk, N);
+    ASSERT_EQ(chunked.opt.plan().at(0).chunk, 1);
+    EXPECT_LT(chunked.opt.plan().at(0).workspace_bytes, whole.opt.plan().at(0).workspace_bytes);
+    for (int step = 0; step < 3; ++step) {
+      whole.randomize_grads(rng);
+      chunked.randomize_grads(same);
+      ASSERT_TRUE(whole.opt.step());
+      ASSERT_TRUE(chunked.opt.step());
+    }
+    EXPECT_EQ(t3::snapshot(whole.opt, whole.all()), t3::snapshot(chunked.opt, chunked.all()))
+        << dion3::algorithm_name(alg);
+  }
+}
+
 TEST(Dion3, PlanGroupsByShapeAndDtype) {
   Rng rng(11);
   Harness h;
