@@ -192,6 +192,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
             self._check_group(i, g)
         self._dirty = True
 
+    # Dynamo does not trace into the step (the engine is an opaque C++ call): a compiled training
+    # function that calls opt.step() gets a clean graph break instead of a warning.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None):
         loss = None

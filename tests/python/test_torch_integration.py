@@ -1,0 +1,94 @@
+# test_torch_integration.py — dion3 alongside PyTorch machinery: torch.compile'd models (and a
+# compiled training step that calls opt.step()), and, on CUDA, the current stream and CUDA-graph
+# capture of optimizer.step().
+import pytest
+import torch
+from torch import nn
+
+import dion3
+
+
+def tiny(device):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).to(device)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager"])
+def test_compiled_model_trains(device, backend):
+    model = tiny(device)
+    ref = tiny(device)
+    compiled = torch.compile(model, backend=backend)
+    opt = dion3.Dion3(dion3.param_groups(model), lr=0.02)
+    opt_ref = dion3.Dion3(dion3.param_groups(ref), lr=0.02)
+    x, y = torch.randn(32, 8, device=device), torch.randn(32, 4, device=device)
+    for _ in range(5):
+        for m, o in ((compiled, opt), (ref, opt_ref)):
+            o.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_compiled_train_step_with_optimizer_inside(device):
+    model = tiny(device)
+    opt = dion3.Muon(dion3.param_groups(model), lr=0.02)
+    x, y = torch.randn(32, 8, device=device), torch.randn(32, 4, device=device)
+
+    @torch.compile(backend="aot_eager")
+    def train_step():
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()  # the engine call is opaque to dynamo: a graph break, not an error
+        return loss
+
+    losses = [train_step().item() for _ in range(6)]
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and dion3.cuda_built()), reason="needs CUDA")
+def test_runs_on_a_side_stream():
+    p = nn.Parameter(torch.randn(64, 32, device="cuda"))
+    q = nn.Parameter(p.detach().clone())
+    g = torch.randn_like(p)
+    a, b = dion3.Dion3([p]), dion3.Dion3([q])
+    p.grad, q.grad = g, g.clone()
+    a.step()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        b.step()
+    torch.cuda.current_stream().wait_stream(s)
+    assert torch.equal(p, q)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and dion3.cuda_built()), reason="needs CUDA")
+@pytest.mark.xfail(strict=False, reason="the engine reads its non-finite flag on the host at the end of "
+                   "every step (Optimizer::step, read_flag), which a capturing stream forbids")
+def test_cuda_graph_capture_of_step():
+    # Matrix groups only: the host-side step counter of AdamW groups would be frozen in a graph.
+    ps = [nn.Parameter(torch.randn(64, 32, device="cuda")) for _ in range(3)]
+    qs = [nn.Parameter(p.detach().clone()) for p in ps]
+    grads = [torch.randn_like(p) for p in ps]
+    for p, g in zip(ps, grads):
+        p.grad = g
+    for q, g in zip(qs, grads):
+        q.grad = g.clone()
+    opt = dion3.Dion3(ps, on_nonfinite="skip")
+    eager = dion3.Dion3(qs, on_nonfinite="skip")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        opt.step()  # warm-up: builds the engine and its workspace outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    eager.step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    for _ in range(3):
+        graph.replay()
+        eager.step()
+    torch.cuda.synchronize()
+    for p, q in zip(ps, qs):
+        assert torch.allclose(p, q, atol=1e-6)
