@@ -68,6 +68,7 @@ struct CudaMatrixSet final : MatrixSet {
   bool pending = false;
   DType wdt = DType::F32, gdt = DType::F32, mdt = DType::F32;
   std::size_t uploaded_count = 0;
+  bool vec = false;  // all rows of W, G, M start 4-element aligned and cols % 4 == 0
   ~CudaMatrixSet() override {
     if (uploaded) { cudaEventSynchronize(uploaded); cudaEventDestroy(uploaded); }
     if (host) cudaFreeHost(host);
@@ -164,6 +165,13 @@ class CudaBackend final : public Backend {
       set->host_cap = n;
     }
     if (set->table.bytes() < n * sizeof(DeviceMat)) set->table = DeviceBuffer(*alloc_, n * sizeof(DeviceMat));
+    set->vec = set->cols() % 4 == 0;
+    for (const auto& pm : set->mats) {
+      auto ok = [](const MatrixView& v) {
+        return v.data == nullptr || (aligned4(v.data, dtype_size(v.dtype)) && (v.ld == 0 || v.ld % 4 == 0));
+      };
+      set->vec = set->vec && ok(pm.weight) && ok(pm.grad) && ok(pm.momentum);
+    }
     for (std::size_t i = 0; i < n; ++i) {
       const auto& pm = set->mats[i];
       set->host[i] = DeviceMat{pm.weight.data, pm.grad.data, pm.momentum.data, pm.variance,
@@ -189,7 +197,7 @@ class CudaBackend final : public Backend {
   void accumulate(const MatrixSet& base, float decay, float* scores, const int* skip) override {
     const auto& set = ready(base);
     launch_accumulate(table(set), n_of(set), set.rows(), set.cols(), set.mdt, set.gdt, decay, scores,
-                      skip, stream_);
+                      skip, stream_, set.vec);
   }
 
   void select_rows(const float* scores, int64_t count, int64_t m, int64_t k, int32_t* idx,
@@ -218,7 +226,7 @@ class CudaBackend final : public Backend {
     float* scr = static_cast<float*>(
         scratch_.get(*alloc_, apply_update_scratch_floats(n_of(set), k) * sizeof(float)));
     launch_apply_update(table(set), n_of(set), set.rows(), set.cols(), set.wdt, idx, k, O, p, scr, skip,
-                        stream_);
+                        stream_, set.vec);
   }
 
   // --- orthogonalization primitives ----------------------------------------------------------

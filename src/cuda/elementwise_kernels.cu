@@ -80,22 +80,51 @@ __global__ void convert_kernel(const TI* __restrict__ in, int64_t rows, int64_t 
   }
 }
 
-template <class TW, class TG, class TS>
+struct AdamWElem {
+  // Same expression order as the CPU reference (unrounded moments, bias-corrected).
+  __device__ __forceinline__ static void apply(float& w, float g, float& m, float& v, const AdamWParams& h,
+                                               float decay) {
+    m = m + (1.0f - h.beta1) * (g - m);
+    v = v + (1.0f - h.beta2) * (g * g - v);
+    const float mhat = m / h.bias_correction1, vhat = v / h.bias_correction2;
+    w = w * decay - h.lr * mhat / (sqrtf(vhat) + h.epsilon);
+  }
+};
+
+// VEC: 4 elements per access (n % 4 == 0, every pointer 4-element aligned).
+template <class TW, class TG, class TS, bool VEC>
 __global__ void adamw_kernel(TW* __restrict__ w, const TG* __restrict__ g, TS* __restrict__ m,
                              TS* __restrict__ v, int64_t n, AdamWParams h, const int* skip) {
   if (skipped(skip)) return;
   const float decay = 1.0f - h.lr * h.weight_decay;
-  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n;
-       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float gv = to_f32(g[e]);
-    float mv = to_f32(m[e]), vv = to_f32(v[e]);
-    mv = mv + (1.0f - h.beta1) * (gv - mv);
-    vv = vv + (1.0f - h.beta2) * (gv * gv - vv);
-    m[e] = from_f32<TS>(mv);
-    v[e] = from_f32<TS>(vv);
-    // Same expression order as the CPU reference (unrounded moments, bias-corrected).
-    const float mhat = mv / h.bias_correction1, vhat = vv / h.bias_correction2;
-    w[e] = from_f32<TW>(to_f32(w[e]) * decay - h.lr * mhat / (sqrtf(vhat) + h.epsilon));
+  const int64_t start = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  if constexpr (VEC) {
+    for (int64_t q = start; 4 * q < n; q += stride) {
+      Pack4<TW> wp = reinterpret_cast<const Pack4<TW>*>(w)[q];
+      const Pack4<TG> gp = reinterpret_cast<const Pack4<TG>*>(g)[q];
+      Pack4<TS> mp = reinterpret_cast<const Pack4<TS>*>(m)[q];
+      Pack4<TS> vp = reinterpret_cast<const Pack4<TS>*>(v)[q];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float wv = to_f32(wp.v[e]), mv = to_f32(mp.v[e]), vv = to_f32(vp.v[e]);
+        AdamWElem::apply(wv, to_f32(gp.v[e]), mv, vv, h, decay);
+        wp.v[e] = from_f32<TW>(wv);
+        mp.v[e] = from_f32<TS>(mv);
+        vp.v[e] = from_f32<TS>(vv);
+      }
+      reinterpret_cast<Pack4<TW>*>(w)[q] = wp;
+      reinterpret_cast<Pack4<TS>*>(m)[q] = mp;
+      reinterpret_cast<Pack4<TS>*>(v)[q] = vp;
+    }
+  } else {
+    for (int64_t e = start; e < n; e += stride) {
+      float wv = to_f32(w[e]), mv = to_f32(m[e]), vv = to_f32(v[e]);
+      AdamWElem::apply(wv, to_f32(g[e]), mv, vv, h, decay);
+      m[e] = from_f32<TS>(mv);
+      v[e] = from_f32<TS>(vv);
+      w[e] = from_f32<TW>(wv);
+    }
   }
 }
 
@@ -229,9 +258,14 @@ void launch_adamw(const ElementwiseParam& p, const AdamWParams& h, const int* sk
   DION3_DISPATCH_FLOAT(p.weight.dtype, TW, [&] {
     DION3_DISPATCH_FLOAT(p.grad.dtype, TG, [&] {
       DION3_DISPATCH_FLOAT(p.exp_avg.dtype, TS, [&] {
-        adamw_kernel<TW, TG, TS><<<grid_for(n, 256), 256, 0, s>>>(
-            static_cast<TW*>(p.weight.data), static_cast<const TG*>(p.grad.data),
-            static_cast<TS*>(p.exp_avg.data), static_cast<TS*>(p.exp_avg_sq.data), n, h, skip);
+        const bool vec = n % 4 == 0 && aligned4(p.weight.data, sizeof(TW)) && aligned4(p.grad.data, sizeof(TG)) &&
+                         aligned4(p.exp_avg.data, sizeof(TS)) && aligned4(p.exp_avg_sq.data, sizeof(TS));
+        auto* w = static_cast<TW*>(p.weight.data);
+        auto* g = static_cast<const TG*>(p.grad.data);
+        auto* m = static_cast<TS*>(p.exp_avg.data);
+        auto* v = static_cast<TS*>(p.exp_avg_sq.data);
+        if (vec) adamw_kernel<TW, TG, TS, true><<<grid_for(n / 4, 256), 256, 0, s>>>(w, g, m, v, n, h, skip);
+        else adamw_kernel<TW, TG, TS, false><<<grid_for(n, 256), 256, 0, s>>>(w, g, m, v, n, h, skip);
       });
     });
   });

@@ -14,7 +14,8 @@ namespace dion3::cuda {
 
 // --- step kernels (step_kernels.cu) ------------------------------------------------------
 void launch_accumulate(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
-                       DType gdt, float decay, float* scores, const int* skip, cudaStream_t s);
+                       DType gdt, float decay, float* scores, const int* skip, cudaStream_t s,
+                       bool vec);  // vec: every row pointer 4-element aligned, cols % 4 == 0
 void launch_select_rows(const float* scores, int64_t count, int64_t m, int64_t k, int32_t* idx,
                         const int* skip, cudaStream_t s);
 void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
@@ -24,7 +25,7 @@ void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int6
 int64_t apply_update_scratch_floats(int64_t nmats, int64_t k);
 void launch_apply_update(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType wdt,
                          const int32_t* idx, int64_t k, const MatrixView& O, const UpdateParams& p,
-                         float* scratch, const int* skip, cudaStream_t s);
+                         float* scratch, const int* skip, cudaStream_t s, bool vec);
 void launch_check_finite(std::span<const MatrixView> xs, int* flag, cudaStream_t s);
 
 // --- element-wise kernels (elementwise_kernels.cu) ---------------------------------------

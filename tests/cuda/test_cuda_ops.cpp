@@ -55,13 +55,13 @@ struct SetTwin {
 double storage_tol(DType t) { return t == DType::F32 ? 1e-5 : 2.0 * ct::ulp_of(t); }
 
 // ---- accumulate -----------------------------------------------------------------------------
-struct AccCase { DType m, g; };
+struct AccCase { DType m, g; int64_t cols = 300; };  // cols % 4 == 0: vectorised path
 class Accumulate : public ct::CudaTest, public ::testing::WithParamInterface<AccCase> {};
 
 TEST_P(Accumulate, MatchesCpu) {
   const AccCase c = GetParam();
   std::mt19937_64 rng(11);
-  SetTwin s(*cpu, *gpu, 3, 37, 301, DType::F32, c.g, c.m, rng);
+  SetTwin s(*cpu, *gpu, 3, 37, c.cols, DType::F32, c.g, c.m, rng);
   std::vector<float> hsc(3 * 37), dsc_h(3 * 37);
   dion3::DeviceBuffer dsc(gpu->allocator(), hsc.size() * 4);
   cpu->accumulate(*s.hs, 0.9f, hsc.data(), nullptr);
@@ -72,10 +72,10 @@ TEST_P(Accumulate, MatchesCpu) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, Accumulate,
-                         ::testing::Values(AccCase{DType::F32, DType::F32}, AccCase{DType::BF16, DType::BF16},
+                         ::testing::Values(AccCase{DType::F32, DType::F32, 301}, AccCase{DType::BF16, DType::BF16},
                                            AccCase{DType::F32, DType::BF16}, AccCase{DType::F16, DType::F32},
-                                           AccCase{DType::BF16, DType::F16}),
-                         [](const auto& i) { return std::string(dn(i.param.m)) + "_" + dn(i.param.g); });
+                                           AccCase{DType::BF16, DType::F16, 301}),
+                         [](const auto& i) { return std::string(dn(i.param.m)) + "_" + dn(i.param.g) + "_" + std::to_string(i.param.cols); });
 
 // ---- select_rows ----------------------------------------------------------------------------
 struct SelCase { int64_t count, m, k, levels; };
@@ -349,13 +349,13 @@ INSTANTIATE_TEST_SUITE_P(Cases, Symmetric,
                          });
 
 // ---- AdamW / Lion -------------------------------------------------------------------------------
-struct EwCase { DType w, s; };
+struct EwCase { DType w, s; int64_t n = 10008; };  // n % 4 == 0: vectorised AdamW
 class Elementwise : public ct::CudaTest, public ::testing::WithParamInterface<EwCase> {};
 
 TEST_P(Elementwise, AdamWAndLionMatchCpu) {
   const EwCase c = GetParam();
   std::mt19937_64 rng(51);
-  const int64_t n = 10007;
+  const int64_t n = c.n;
   Twin w(*gpu, c.w, 1, 1, n), g(*gpu, c.w, 1, 1, n), m(*gpu, c.s, 1, 1, n), v(*gpu, c.s, 1, 1, n);
   w.fill_normal(rng); g.fill_normal(rng); m.fill_normal(rng, 0.1f);
   std::vector<float> vv = ct::normal_values(rng, n, 0.1f);
@@ -379,8 +379,8 @@ TEST_P(Elementwise, AdamWAndLionMatchCpu) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, Elementwise,
-                         ::testing::Values(EwCase{DType::F32, DType::F32}, EwCase{DType::BF16, DType::F32},
-                                           EwCase{DType::BF16, DType::BF16}, EwCase{DType::F16, DType::F16}),
-                         [](const auto& i) { return std::string(dn(i.param.w)) + "_" + dn(i.param.s); });
+                         ::testing::Values(EwCase{DType::F32, DType::F32, 10007}, EwCase{DType::BF16, DType::F32},
+                                           EwCase{DType::BF16, DType::BF16}, EwCase{DType::F16, DType::F16, 10007}),
+                         [](const auto& i) { return std::string(dn(i.param.w)) + "_" + dn(i.param.s) + "_" + std::to_string(i.param.n); });
 
 }  // namespace

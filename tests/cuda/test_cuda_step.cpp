@@ -107,7 +107,9 @@ TEST_P(StepParity, SeveralSteps) {
     if (c.cautious) tol += 4 * g.lr * g.weight_decay * max_w;
     if (loose) {
       // Half-precision iterations on two devices round differently; compare the whole change.
-      EXPECT_LE(ct::rel_fro_diff(dg, dc), 0.05) << "param " << i << " weight changes differ";
+      // 16-bit weights also quantize each change to the weight's ulp (~2^-9 |w| for bf16).
+      const double fro_tol = c.wdt == DType::F32 ? 0.05 : 0.15;
+      EXPECT_LE(ct::rel_fro_diff(dg, dc), fro_tol) << "param " << i << " weight changes differ";
       continue;
     }
     for (std::size_t e = 0; e < wc.size(); ++e) worst = std::max(worst, std::fabs(static_cast<double>(wg[e]) - wc[e]));
