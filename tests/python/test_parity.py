@@ -21,13 +21,21 @@ def grads_for(shapes, step, seed=100):
     return [torch.randn(s, generator=g) for s in shapes]
 
 
-def run_pair(cls, shapes, device, group_opts, ctor=None, ref_opts=None, steps=STEPS, atol=2e-5):
+def exact_orth(device):
+    """Options that make the CUDA backend orthogonalize in fp32 (its default is fp16/bf16), so
+    results can be compared tightly; the CPU backend is fp32 already."""
+    return dict(iteration_dtype=torch.float32) if device.type == "cuda" else {}
+
+
+def run_pair(cls, shapes, device, group_opts, ctor=None, ref_opts=None, steps=STEPS, atol=None):
     """Step our optimizer and the reference with the same gradients; compare weights each step."""
+    if atol is None:
+        atol = 2e-5 if device.type == "cpu" else 1e-4  # GPU fp32 GEMMs may round differently
     params = make_params(shapes, device)
     ref = Reference(params, **dict(group_opts, **(ref_opts or {})))
     kw = dict(ctor or {})
-    if device.type == "cuda":
-        kw.setdefault("iteration_dtype", torch.float32)
+    if device.type == "cuda" and "iteration_dtype" not in kw:
+        kw["iteration_dtype"] = torch.float32
     opt = cls([dict(params=params, **group_opts)], **kw)
     for t in range(steps):
         gs = grads_for(shapes, t)
@@ -94,8 +102,8 @@ def test_muon_matches_reference(device, nesterov, cautious_wd):
 def test_dion3_fraction_one_is_normuon(device):
     shapes = [(16, 24), (24, 16)]
     pa, pb = make_params(shapes, device), make_params(shapes, device)
-    a = dion3.Dion3(pa, fraction=1.0, lr=0.03)
-    b = dion3.NorMuon(pb, lr=0.03)
+    a = dion3.Dion3(pa, fraction=1.0, lr=0.03, **exact_orth(device))
+    b = dion3.NorMuon(pb, lr=0.03, **exact_orth(device))
     for t in range(STEPS):
         for ps in (pa, pb):
             for p, g in zip(ps, grads_for(shapes, t)):
@@ -145,8 +153,7 @@ def test_mixed_groups_in_one_optimizer(device):
     shapes_m, shapes_v = [(12, 8), (8, 12)], [(8,), (12,)]
     pm, pv = make_params(shapes_m, device, seed=1), make_params(shapes_v, device, seed=2)
     rm, rv = Reference(pm, lr=0.02), Reference(pv, algorithm="lion", lr=1e-3)
-    kw = dict(iteration_dtype=torch.float32) if device.type == "cuda" else {}
-    opt = dion3.Dion3([dict(params=pm), dict(params=pv, algorithm="lion", lr=1e-3)], lr=0.02, **kw)
+    opt = dion3.Dion3([dict(params=pm), dict(params=pv, algorithm="lion", lr=1e-3)], lr=0.02, **exact_orth(device))
     for t in range(STEPS):
         gm, gv = grads_for(shapes_m, t), grads_for(shapes_v, t, seed=7)
         for p, g in zip(pm + pv, gm + gv):
@@ -155,7 +162,7 @@ def test_mixed_groups_in_one_optimizer(device):
         rm.step(gm)
         rv.step(gv)
     for p, w in zip(pm + pv, rm.w + rv.w):
-        assert torch.allclose(p.detach().double().cpu(), w, atol=2e-5)
+        assert torch.allclose(p.detach().double().cpu(), w, atol=2e-5 if device.type == "cpu" else 1e-4)
 
 
 def test_reference_gram_equals_standard():
@@ -172,7 +179,7 @@ def test_bf16_params_with_fp32_momentum(device):
     shapes = [(16, 32)]
     params = make_params(shapes, device, dtype=torch.bfloat16)
     ref = Reference(params, lr=0.02)
-    opt = dion3.Dion3(params, lr=0.02, momentum_dtype=torch.float32)
+    opt = dion3.Dion3(params, lr=0.02, momentum_dtype=torch.float32, **exact_orth(device))
     for t in range(2):
         gs = grads_for(shapes, t)
         params[0].grad = gs[0].to(device=device, dtype=torch.bfloat16)
@@ -181,3 +188,12 @@ def test_bf16_params_with_fp32_momentum(device):
     assert opt.state[params[0]]["momentum"].dtype == torch.float32
     # bf16 weights: compare at bf16 resolution.
     assert torch.allclose(params[0].double().cpu(), ref.w[0], atol=3e-2)
+
+
+@pytest.mark.parametrize("cls,algo", [(dion3.Dion3, "dion3"), (dion3.NorMuon, "normuon"), (dion3.Muon, "muon")])
+def test_default_iteration_dtype_close_to_reference(device, cls, algo):
+    # The backend's own iteration dtype (CPU: fp32; CUDA: fp16 Gram / bf16 standard NS): close to
+    # the float64 reference at that dtype's resolution.
+    atol = 2e-5 if device.type == "cpu" else 3e-3
+    run_pair(cls, [(64, 32), (32, 96)], device, dict(algorithm=algo, lr=0.02), ctor=dict(iteration_dtype=None),
+             atol=atol)
