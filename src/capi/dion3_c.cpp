@@ -322,6 +322,7 @@ dion3::OptimizerState parse(const unsigned char* buf, size_t size) {
     dion3::ParamState ps;
     ps.name = r.str("parameter name");
     ps.step = r.integer<int64_t>("parameter step");
+    require(ps.step >= 0, "state of parameter '" + ps.name + "' has a negative step count");
     uint32_t ntensors = r.integer<uint32_t>("tensor count");
     for (uint32_t j = 0; j < ntensors; ++j) {
       std::string tname = r.str("tensor name");
