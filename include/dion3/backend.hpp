@@ -65,8 +65,22 @@ struct ElementwiseParam {
 
 struct AdamWParams {
   float lr, beta1, beta2, weight_decay, epsilon;
-  float bias_correction1, bias_correction2;  // 1 - beta^t, computed by the engine
+  // Bias correction 1 - beta^t with t = *applied_steps - step_offset + 1, read on the device
+  // so that a captured step is still right when it is replayed.
+  const int64_t* applied_steps;
+  int64_t step_offset;
 };
+
+#if defined(__CUDACC__)
+#define DION3_HOST_DEVICE __host__ __device__
+#else
+#define DION3_HOST_DEVICE
+#endif
+
+// t of an AdamW step (see AdamWParams), for backends and tests.
+DION3_HOST_DEVICE inline double adamw_step_number(const AdamWParams& h, int64_t applied_steps) {
+  return static_cast<double>(applied_steps - h.step_offset + 1);
+}
 struct LionParams {
   float lr, beta1, beta2, weight_decay;
 };
@@ -84,6 +98,8 @@ class Backend {
   virtual void copy_from_host(void* dst, const void* host_src, std::size_t bytes) = 0;
   virtual void copy(void* dst, const void* src, std::size_t bytes) = 0;
   virtual int read_flag(const int* flag) = 0;  // synchronises
+  // Ends a step: counters[0] += 1 when *flag == 0 (the step was applied), else counters[1] += 1.
+  virtual void finish_step(const int* flag, int64_t* counters) = 0;
   virtual std::unique_ptr<MatrixSet> new_matrix_set() { return std::make_unique<MatrixSet>(); }
   virtual void refresh(MatrixSet& set) { (void)set; }
 

@@ -93,10 +93,15 @@ class Optimizer {
   int num_params() const;
   const std::string& param_name(int param) const;
 
-  // One optimizer step over every parameter. Returns false when the step was skipped because
-  // a gradient was not finite and on_nonfinite == Skip. Throws dion3::Error(NonFinite) under
-  // Raise, with nothing modified.
+  // One optimizer step over every parameter, then one host synchronisation for the verdict.
+  // Returns false when the step was dropped because a gradient was not finite and
+  // on_nonfinite == Skip. Throws dion3::Error(NonFinite) under Raise, with nothing modified.
   bool step();
+  // The same step, only enqueued on the backend's stream: no host synchronisation, so it can
+  // be captured in a CUDA graph and replayed. A non-finite gradient drops the step on the
+  // device whatever the policy (steps_skipped() counts it); nothing is raised.
+  void step_async();
+  // Counters kept on the device (reading them synchronises): steps applied, steps dropped.
   int64_t steps_taken() const;
   int64_t steps_skipped() const;
 

@@ -2,6 +2,7 @@
 // step) and state.cpp (export / import). Not installed.
 #pragma once
 
+#include <array>
 #include <memory>
 #include <string>
 #include <vector>
@@ -22,7 +23,8 @@ struct Param {
   int64_t count = 0, rows = 0, cols = 0;
   std::vector<std::pair<std::string, TensorView>> state;  // in a fixed order per algorithm
   std::vector<DeviceBuffer> owned;                          // engine-allocated state memory
-  int64_t step = 0;
+  // Steps applied to this parameter = optimizer's applied steps - step_offset (AdamW's t).
+  int64_t step_offset = 0;
 
   const TensorView* find_state(const std::string& key) const;
 };
@@ -59,7 +61,7 @@ struct Optimizer::Impl {
   bool plan_valid = false;
   DeviceBuffer flag;   // one int: a gradient was non-finite this step
   DeviceBuffer arena;  // workspace shared by all chunks (their work is ordered on one stream)
-  int64_t steps = 0, skipped = 0;
+  DeviceBuffer counters;  // int64 [steps applied, steps dropped], on the device
   bool state_created = false;
 
   // Names the expected state tensors of a parameter (name, dtype, shape).
@@ -71,6 +73,9 @@ struct Optimizer::Impl {
   std::vector<StateSpec> state_specs(const Param& p) const;
   std::string describe(int param) const;  // "parameter 3 'mlp.up.weight'"
   void build_plan();
+  std::array<int64_t, 2> read_counters() const;
+  void validate_for_step();
+  void enqueue_step();
 };
 
 }  // namespace dion3

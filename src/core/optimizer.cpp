@@ -67,6 +67,8 @@ Optimizer::Optimizer(std::unique_ptr<Backend> backend, OptimizerOptions options)
   impl_->backend = std::move(backend);
   impl_->options = options;
   impl_->flag = DeviceBuffer(impl_->backend->allocator(), sizeof(int));
+  impl_->counters = DeviceBuffer(impl_->backend->allocator(), 2 * sizeof(int64_t));
+  impl_->backend->fill_zero(impl_->counters.get(), 2 * sizeof(int64_t));
 }
 
 Optimizer::~Optimizer() = default;
@@ -122,6 +124,7 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
   p.group = group;
   p.weight = spec.weight;
   p.grad = spec.grad;
+  p.step_offset = s.read_counters()[0];  // AdamW's t starts at 1 for a parameter added late
   const auto& shape = spec.weight.shape;
   if (is_matrix_algorithm(g.algorithm)) {
     if (shape.size() < 2)
@@ -203,8 +206,13 @@ const std::string& Optimizer::param_name(int param) const {
   if (param < 0 || param >= num_params()) fail("no parameter " + std::to_string(param));
   return impl_->params[param].name;
 }
-int64_t Optimizer::steps_taken() const { return impl_->steps; }
-int64_t Optimizer::steps_skipped() const { return impl_->skipped; }
+std::array<int64_t, 2> Optimizer::Impl::read_counters() const {
+  std::array<int64_t, 2> c{};
+  backend->copy_to_host(c.data(), counters.get(), sizeof(c));
+  return c;
+}
+int64_t Optimizer::steps_taken() const { return impl_->read_counters()[0]; }
+int64_t Optimizer::steps_skipped() const { return impl_->read_counters()[1]; }
 Backend& Optimizer::backend() { return *impl_->backend; }
 const OptimizerOptions& Optimizer::options() const { return impl_->options; }
 
@@ -305,15 +313,14 @@ std::vector<MegabatchInfo> Optimizer::plan() {
   return out;
 }
 
-bool Optimizer::step() {
-  Impl& s = *impl_;
-  Backend& be = *s.backend;
-
+void Optimizer::Impl::validate_for_step() {
+  Impl& s = *this;
   // 1. Validate everything before touching memory.
   if (s.groups.empty()) fail("step: the optimizer has no parameter groups");
   std::vector<int> group_size(s.groups.size(), 0);
   for (const Param& p : s.params) ++group_size[p.group];
-  for (int g = 0; g < num_groups(); ++g) {
+  const int num_groups = static_cast<int>(s.groups.size());
+  for (int g = 0; g < num_groups; ++g) {
     if (group_size[g] == 0) fail(group_error(g, "the group is empty; every group needs at least one parameter"));
     try {
       s.groups[g].validate();
@@ -323,11 +330,11 @@ bool Optimizer::step() {
     if (s.plan_valid && !same_structure(s.groups[g], s.planned[g]) && s.state_created)
       fail(group_error(g, "'algorithm', 'flatten' and 'momentum_dtype' cannot change once state exists"));
   }
-  for (int i = 0; i < num_params(); ++i) {
+  for (int i = 0; i < static_cast<int>(s.params.size()); ++i) {
     const Param& p = s.params[i];
     if (!p.grad.data && p.weight.numel() > 0) fail(s.describe(i) + " has no gradient; call set_grad before step");
   }
-  for (int g = 0; s.plan_valid && g < num_groups(); ++g)
+  for (int g = 0; s.plan_valid && g < num_groups; ++g)
     if (!same_plan(s.groups[g], s.planned[g])) s.plan_valid = false;
   if (!s.plan_valid) s.build_plan();
   // Gradient dtypes are part of the megabatch key: re-plan if set_grad changed one.
@@ -336,7 +343,11 @@ bool Optimizer::step() {
       if (s.params[pi].grad.dtype != mb.grad_dtype) s.plan_valid = false;
   if (!s.plan_valid) s.build_plan();
   s.state_created = true;
+}
 
+void Optimizer::Impl::enqueue_step() {
+  Impl& s = *this;
+  Backend& be = *s.backend;
   // 2. Non-finite gradients raise a device flag that every mutating op below obeys.
   int* flag = s.flag.as<int>();
   be.fill_zero(flag, sizeof(int));
@@ -401,33 +412,40 @@ bool Optimizer::step() {
     const float b1 = static_cast<float>(g.betas[0]), b2 = static_cast<float>(g.betas[1]);
     if (g.algorithm == Algorithm::AdamW) {
       e.exp_avg_sq = flat_of(p.state[1].second);
-      const double t = static_cast<double>(p.step + 1);
-      AdamWParams h{lr, b1, b2, wd, static_cast<float>(g.epsilon),
-                    static_cast<float>(1.0 - std::pow(g.betas[0], t)),
-                    static_cast<float>(1.0 - std::pow(g.betas[1], t))};
+      AdamWParams h{lr, b1, b2, wd, static_cast<float>(g.epsilon), s.counters.as<int64_t>(), p.step_offset};
       be.adamw(e, h, flag);
     } else {
       be.lion(e, LionParams{lr, b1, b2, wd}, flag);
     }
   }
+  be.finish_step(flag, s.counters.as<int64_t>());
+}
 
-  // 5. The verdict: one host synchronisation.
-  if (be.read_flag(flag) != 0) {
-    if (s.options.on_nonfinite == NonFinitePolicy::Raise) {
-      for (int i = 0; i < num_params(); ++i) {
-        be.fill_zero(flag, sizeof(int));
-        be.check_finite(std::span<const MatrixView>(&grads[i], 1), flag);
-        if (be.read_flag(flag)) fail(s.describe(i) + " has a non-finite gradient (NaN or Inf); the step was not applied "
-                      "(on_nonfinite='raise'; use 'skip' to drop such steps)", Status::NonFinite);
-      }
-      fail("a gradient is non-finite; the step was not applied", Status::NonFinite);
+void Optimizer::step_async() {
+  impl_->validate_for_step();
+  impl_->enqueue_step();
+}
+
+bool Optimizer::step() {
+  Impl& s = *impl_;
+  Backend& be = *s.backend;
+  s.validate_for_step();
+  s.enqueue_step();
+  int* flag = s.flag.as<int>();
+  // The verdict: one host synchronisation.
+  if (be.read_flag(flag) == 0) return true;
+  if (s.options.on_nonfinite == NonFinitePolicy::Raise) {
+    for (int i = 0; i < num_params(); ++i) {
+      const MatrixView grad = flat_of(s.params[i].grad);
+      be.fill_zero(flag, sizeof(int));
+      be.check_finite(std::span<const MatrixView>(&grad, 1), flag);
+      if (be.read_flag(flag))
+        fail(s.describe(i) + " has a non-finite gradient (NaN or Inf); the step was not applied "
+             "(on_nonfinite='raise'; use 'skip' to drop such steps)", Status::NonFinite);
     }
-    ++s.skipped;
-    return false;
+    fail("a gradient is non-finite; the step was not applied", Status::NonFinite);
   }
-  for (Param& p : s.params) ++p.step;
-  ++s.steps;
-  return true;
+  return false;
 }
 
 }  // namespace dion3

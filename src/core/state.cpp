@@ -8,12 +8,13 @@ namespace dion3 {
 OptimizerState Optimizer::export_state() const {
   const Impl& s = *impl_;
   OptimizerState out;
-  out.steps = s.steps;
-  out.skipped = s.skipped;
+  const auto counters = s.read_counters();
+  out.steps = counters[0];
+  out.skipped = counters[1];
   for (const Param& p : s.params) {
     ParamState ps;
     ps.name = p.name;
-    ps.step = p.step;
+    ps.step = counters[0] - p.step_offset;
     for (const auto& [name, view] : p.state) {
       HostTensor h;
       h.dtype = view.dtype;
@@ -37,7 +38,9 @@ void Optimizer::import_state(const OptimizerState& state) {
     const ParamState& ps = state.params[i];
     const std::string who = s.describe(static_cast<int>(i));
     if (ps.name != p.name) fail("import_state: " + who + " meets state saved for '" + ps.name + "'");
-    if (ps.step < 0) fail("import_state: " + who + " has a negative step count " + std::to_string(ps.step));
+    if (ps.step < 0 || ps.step > state.steps)
+      fail("import_state: " + who + " has step count " + std::to_string(ps.step) + ", outside [0, " +
+           std::to_string(state.steps) + "] (the optimizer's steps)");
     if (ps.tensors.size() != p.state.size())
       fail("import_state: " + who + " needs " + std::to_string(p.state.size()) + " state tensors, got " +
            std::to_string(ps.tensors.size()));
@@ -58,14 +61,14 @@ void Optimizer::import_state(const OptimizerState& state) {
   // Everything checked: now copy.
   for (std::size_t i = 0; i < s.params.size(); ++i) {
     Param& p = s.params[i];
-    p.step = state.params[i].step;
+    p.step_offset = state.steps - state.params[i].step;
     for (std::size_t j = 0; j < p.state.size(); ++j) {
       const HostTensor& h = state.params[i].tensors[j].second;
       if (!h.data.empty()) s.backend->copy_from_host(p.state[j].second.data, h.data.data(), h.data.size());
     }
   }
-  s.steps = state.steps;
-  s.skipped = state.skipped;
+  const int64_t counters[2] = {state.steps, state.skipped};
+  s.backend->copy_from_host(s.counters.get(), counters, sizeof(counters));
 }
 
 }  // namespace dion3

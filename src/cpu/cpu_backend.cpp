@@ -72,6 +72,7 @@ class CpuBackend final : public Backend {
   void copy_from_host(void* dst, const void* src, std::size_t bytes) override { std::memcpy(dst, src, bytes); }
   void copy(void* dst, const void* src, std::size_t bytes) override { std::memmove(dst, src, bytes); }
   int read_flag(const int* flag) override { return *flag; }
+  void finish_step(const int* flag, int64_t* counters) override { ++counters[*flag ? 1 : 0]; }
 
   void check_finite(std::span<const MatrixView> xs, int* flag) override {
     std::vector<float> buf(kChunk);
@@ -280,6 +281,9 @@ class CpuBackend final : public Backend {
   void adamw(const ElementwiseParam& e, const AdamWParams& h, const int* skip) override {
     if (skipped(skip)) return;
     const float decay = 1.0f - h.lr * h.weight_decay;
+    const double t = adamw_step_number(h, *h.applied_steps);
+    const float bias_correction1 = static_cast<float>(1.0 - std::pow(static_cast<double>(h.beta1), t));
+    const float bias_correction2 = static_cast<float>(1.0 - std::pow(static_cast<double>(h.beta2), t));
     std::vector<float> w(kChunk), g(kChunk), m(kChunk), v(kChunk);
     for (int64_t c0 = 0; c0 < e.weight.cols; c0 += kChunk) {
       const MatrixView W = cols_slice(e.weight, c0), G = cols_slice(e.grad, c0);
@@ -291,8 +295,8 @@ class CpuBackend final : public Backend {
       for (int64_t j = 0; j < W.cols; ++j) {
         m[j] += (1.0f - h.beta1) * (g[j] - m[j]);
         v[j] += (1.0f - h.beta2) * (g[j] * g[j] - v[j]);
-        const float mhat = m[j] / h.bias_correction1;
-        const float vhat = v[j] / h.bias_correction2;
+        const float mhat = m[j] / bias_correction1;
+        const float vhat = v[j] / bias_correction2;
         w[j] = w[j] * decay - h.lr * mhat / (std::sqrt(vhat) + h.epsilon);
       }
       store_row(W, 0, 0, w.data());

@@ -134,6 +134,8 @@ class CudaBackend final : public Backend {
     return v;
   }
 
+  void finish_step(const int* flag, int64_t* counters) override { launch_finish_step(flag, counters, stream_); }
+
   std::unique_ptr<MatrixSet> new_matrix_set() override { return std::make_unique<CudaMatrixSet>(); }
 
   void refresh(MatrixSet& base) override {

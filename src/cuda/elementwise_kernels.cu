@@ -83,10 +83,10 @@ __global__ void convert_kernel(const TI* __restrict__ in, int64_t rows, int64_t 
 struct AdamWElem {
   // Same expression order as the CPU reference (unrounded moments, bias-corrected).
   __device__ __forceinline__ static void apply(float& w, float g, float& m, float& v, const AdamWParams& h,
-                                               float decay) {
+                                               float decay, float bc1, float bc2) {
     m = m + (1.0f - h.beta1) * (g - m);
     v = v + (1.0f - h.beta2) * (g * g - v);
-    const float mhat = m / h.bias_correction1, vhat = v / h.bias_correction2;
+    const float mhat = m / bc1, vhat = v / bc2;
     w = w * decay - h.lr * mhat / (sqrtf(vhat) + h.epsilon);
   }
 };
@@ -97,6 +97,10 @@ __global__ void adamw_kernel(TW* __restrict__ w, const TG* __restrict__ g, TS* _
                              TS* __restrict__ v, int64_t n, AdamWParams h, const int* skip) {
   if (skipped(skip)) return;
   const float decay = 1.0f - h.lr * h.weight_decay;
+  // Bias correction from the device step counter (as the CPU backend: double pow, float result).
+  const double t = adamw_step_number(h, *h.applied_steps);
+  const float bc1 = static_cast<float>(1.0 - pow(static_cast<double>(h.beta1), t));
+  const float bc2 = static_cast<float>(1.0 - pow(static_cast<double>(h.beta2), t));
   const int64_t start = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   if constexpr (VEC) {
@@ -108,7 +112,7 @@ __global__ void adamw_kernel(TW* __restrict__ w, const TG* __restrict__ g, TS* _
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float wv = to_f32(wp.v[e]), mv = to_f32(mp.v[e]), vv = to_f32(vp.v[e]);
-        AdamWElem::apply(wv, to_f32(gp.v[e]), mv, vv, h, decay);
+        AdamWElem::apply(wv, to_f32(gp.v[e]), mv, vv, h, decay, bc1, bc2);
         wp.v[e] = from_f32<TW>(wv);
         mp.v[e] = from_f32<TS>(mv);
         vp.v[e] = from_f32<TS>(vv);
@@ -120,7 +124,7 @@ __global__ void adamw_kernel(TW* __restrict__ w, const TG* __restrict__ g, TS* _
   } else {
     for (int64_t e = start; e < n; e += stride) {
       float wv = to_f32(w[e]), mv = to_f32(m[e]), vv = to_f32(v[e]);
-      AdamWElem::apply(wv, to_f32(g[e]), mv, vv, h, decay);
+      AdamWElem::apply(wv, to_f32(g[e]), mv, vv, h, decay, bc1, bc2);
       m[e] = from_f32<TS>(mv);
       v[e] = from_f32<TS>(vv);
       w[e] = from_f32<TW>(wv);

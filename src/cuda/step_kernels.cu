@@ -407,4 +407,13 @@ void launch_check_finite(std::span<const MatrixView> xs, int* flag, cudaStream_t
   }
 }
 
+
+// One thread: the step's verdict into the applied / dropped counters (see Backend::finish_step).
+__global__ void finish_step_kernel(const int* flag, int64_t* counters) { ++counters[*flag ? 1 : 0]; }
+
+void launch_finish_step(const int* flag, int64_t* counters, cudaStream_t s) {
+  finish_step_kernel<<<1, 1, 0, s>>>(flag, counters);
+  DION3_CUDA_LAUNCH_CHECK();
+}
+
 }  // namespace dion3::cuda
