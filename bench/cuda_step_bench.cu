@@ -5,6 +5,9 @@
 // the ratios to Muon and AdamW of the same run, a roofline floor (max of FLOPs really performed
 // / 790 TFLOP/s and the bytes a step must move / 4.3 TB/s), the time from constructing the
 // optimizer to the end of its first step, and the device memory it holds beyond its state.
+// --profile: where the time of one step goes — per megabatch and phase (accumulate, select,
+// gather, orthogonalization ops, update), timed with CUDA events around every backend op, with
+// the achieved bandwidth of the memory-bound phases; for several workspace limits and methods.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -14,10 +17,14 @@
 #include <cstdarg>
 #include <cstdio>
 #include <fstream>
+#include <map>
+#include <memory>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "cuda/cuda_backend.hpp"
 #include "dion3/backend.hpp"
 #include "dion3/optimizer.hpp"
 #include "dion3/orthogonalize.hpp"
@@ -60,6 +67,120 @@ struct Variant {
   double fraction;
 };
 
+// Phase profiler: a Backend that forwards every op to the CUDA backend and brackets it with
+// CUDA events on the backend's stream, attributing the time to (megabatch shape, op). The engine
+// calls refresh(set) before a megabatch's (and each chunk's) ops, which names the shape.
+class ProfilingBackend final : public dion3::Backend {
+ public:
+  explicit ProfilingBackend(std::unique_ptr<dion3::Backend> inner) : in_(std::move(inner)) {
+    stream_ = static_cast<cudaStream_t>(dion3::cuda::backend_stream(*in_));
+  }
+  ~ProfilingBackend() override {
+    for (auto& e : pool_) cudaEventDestroy(e);
+  }
+  struct Rec {
+    std::string shape, op;
+    int a, b;
+  };
+  bool enabled = false;
+  // (shape, op) -> ms, summed over the recorded ops since the last clear().
+  std::map<std::pair<std::string, std::string>, double> totals;
+  void collect() {
+    CK(cudaStreamSynchronize(stream_));
+    for (const Rec& r : recs_) {
+      float ms = 0;
+      CK(cudaEventElapsedTime(&ms, pool_[r.a], pool_[r.b]));
+      totals[{r.shape, r.op}] += ms;
+    }
+    recs_.clear();
+    used_ = 0;
+  }
+  dion3::Device device() const override { return in_->device(); }
+  dion3::Allocator& allocator() override { return in_->allocator(); }
+  void set_stream(void* s) override { in_->set_stream(s); stream_ = static_cast<cudaStream_t>(s); }
+  void fill_zero(void* p, std::size_t b) override { shape_ = "all"; wrap("other", [&] { in_->fill_zero(p, b); }); }
+  void copy_to_host(void* d, const void* s, std::size_t b) override { in_->copy_to_host(d, s, b); }
+  void copy_from_host(void* d, const void* s, std::size_t b) override { in_->copy_from_host(d, s, b); }
+  void copy(void* d, const void* s, std::size_t b) override { wrap("orth.copy", [&] { in_->copy(d, s, b); }); }
+  int read_flag(const int* f) override { return in_->read_flag(f); }
+  void finish_step(const int* f, int64_t* c) override { shape_ = "all"; wrap("other", [&] { in_->finish_step(f, c); }); }
+  std::unique_ptr<dion3::MatrixSet> new_matrix_set() override { return in_->new_matrix_set(); }
+  void refresh(dion3::MatrixSet& set) override {
+    shape_ = fmt("%lldx%lld", (long long)set.rows(), (long long)set.cols());
+    wrap("refresh", [&] { in_->refresh(set); });
+  }
+  void check_finite(std::span<const dion3::MatrixView> xs, int* flag) override {
+    shape_ = "all";
+    wrap("check_finite", [&] { in_->check_finite(xs, flag); });
+  }
+  void accumulate(const dion3::MatrixSet& s, float d, float* sc, const int* k) override {
+    wrap("accumulate", [&] { in_->accumulate(s, d, sc, k); });
+  }
+  void select_rows(const float* s, int64_t c, int64_t m, int64_t k, int32_t* i, const int* sk) override {
+    wrap("select", [&] { in_->select_rows(s, c, m, k, i, sk); });
+  }
+  void gather_rows(const dion3::MatrixSet& s, const int32_t* i, int64_t k, float a, float b, float d,
+                   dion3::MatrixView o, const int* sk) override {
+    wrap("gather", [&] { in_->gather_rows(s, i, k, a, b, d, o, sk); });
+  }
+  void apply_update(const dion3::MatrixSet& s, const int32_t* i, int64_t k, dion3::MatrixView o,
+                    const dion3::UpdateParams& p, const int* sk) override {
+    wrap("update", [&] { in_->apply_update(s, i, k, o, p, sk); });
+  }
+  void normalize(dion3::MatrixView i, dion3::MatrixView o, float e) override {
+    wrap("orth.normalize", [&] { in_->normalize(i, o, e); });
+  }
+  void convert(dion3::MatrixView i, dion3::MatrixView o, bool t) override {
+    wrap(t ? "orth.transpose" : "orth.convert", [&] { in_->convert(i, o, t); });
+  }
+  void gemm(bool ta, bool tb, float al, dion3::MatrixView A, dion3::MatrixView B, float be,
+            dion3::MatrixView C) override {
+    wrap("orth.gemm", [&] { in_->gemm(ta, tb, al, A, B, be, C); });
+  }
+  void gram(dion3::MatrixView X, dion3::MatrixView C) override { wrap("orth.gram", [&] { in_->gram(X, C); }); }
+  void sym_product(float al, dion3::MatrixView A, dion3::MatrixView B, float be, const dion3::MatrixView* D,
+                   float g, dion3::MatrixView C) override {
+    wrap("orth.sym_product", [&] { in_->sym_product(al, A, B, be, D, g, C); });
+  }
+  void add_identity(dion3::MatrixView X, float g, dion3::MatrixView C) override {
+    wrap("orth.add_identity", [&] { in_->add_identity(X, g, C); });
+  }
+  double symmetric_cost_factor() const override { return in_->symmetric_cost_factor(); }
+  dion3::DType default_iteration_dtype(bool g) const override { return in_->default_iteration_dtype(g); }
+  void adamw(const dion3::ElementwiseParam& p, const dion3::AdamWParams& h, const int* s) override {
+    wrap("adamw", [&] { in_->adamw(p, h, s); });
+  }
+  void lion(const dion3::ElementwiseParam& p, const dion3::LionParams& h, const int* s) override {
+    wrap("lion", [&] { in_->lion(p, h, s); });
+  }
+
+ private:
+  int event() {
+    if (used_ == pool_.size()) {
+      cudaEvent_t e;
+      CK(cudaEventCreate(&e));
+      pool_.push_back(e);
+    }
+    return static_cast<int>(used_++);
+  }
+  template <class F>
+  void wrap(const char* op, F&& f) {
+    if (!enabled) return f();
+    const int a = event();
+    CK(cudaEventRecord(pool_[a], stream_));
+    f();
+    const int b = event();
+    CK(cudaEventRecord(pool_[b], stream_));
+    recs_.push_back({shape_, op, a, b});
+  }
+  std::unique_ptr<dion3::Backend> in_;
+  cudaStream_t stream_;
+  std::string shape_ = "all";
+  std::vector<cudaEvent_t> pool_;
+  std::size_t used_ = 0;
+  std::vector<Rec> recs_;
+};
+
 double used_bytes() {
   size_t free_b = 0, total = 0;
   CK(cudaDeviceSynchronize());
@@ -73,14 +194,38 @@ int main(int argc, char** argv) {
   std::vector<std::string> models = {"gpt-1b", "llama-7b"};
   int iters = 5, warmup = 1;
   std::string out_path;
+  bool profile = false;
+  std::vector<double> prof_fractions = {0.25};
+  std::vector<std::size_t> prof_ws_mib = {512};
+  std::vector<std::string> prof_methods = {"auto"};
+  auto split = [](const std::string& list) {
+    std::vector<std::string> out;
+    std::stringstream ss(list);
+    for (std::string item; std::getline(ss, item, ',');)
+      if (!item.empty()) out.push_back(item);
+    return out;
+  };
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
+    if (a == "--profile") { profile = true; continue; }
+    if (a == "--fractions" && i + 1 < argc) {
+      prof_fractions.clear();
+      for (auto& x : split(argv[++i])) prof_fractions.push_back(std::atof(x.c_str()));
+      continue;
+    }
+    if (a == "--workspace-mib" && i + 1 < argc) {
+      prof_ws_mib.clear();
+      for (auto& x : split(argv[++i])) prof_ws_mib.push_back(std::strtoull(x.c_str(), nullptr, 10));
+      continue;
+    }
+    if (a == "--methods" && i + 1 < argc) { prof_methods = split(argv[++i]); continue; }
     if (a == "--model" && i + 1 < argc) models = {argv[++i]};
     else if (a == "--iters" && i + 1 < argc) iters = std::atoi(argv[++i]);
     else if (a == "--warmup" && i + 1 < argc) warmup = std::atoi(argv[++i]);
     else if (a == "--out" && i + 1 < argc) out_path = argv[++i];
     else {
-      std::fprintf(stderr, "usage: dion3-cuda-step-bench [--model NAME] [--iters N] [--warmup N] [--out FILE]\n");
+      std::fprintf(stderr, "usage: dion3-cuda-step-bench [--model NAME] [--iters N] [--warmup N] [--out FILE]\n"
+                           "       [--profile [--fractions 0.25,...] [--workspace-mib 512,...] [--methods auto,gram,standard]]\n");
       return 2;
     }
   }
@@ -112,6 +257,101 @@ int main(int argc, char** argv) {
       G.push_back(g);
     }
     CK(cudaDeviceSynchronize());
+    if (profile) {
+      for (double frac : prof_fractions)
+        for (std::size_t ws : prof_ws_mib)
+          for (const std::string& meth : prof_methods) {
+            dion3::OptimizerOptions oo;
+            oo.workspace_limit = ws << 20;
+            auto pb_owned = std::make_unique<ProfilingBackend>(dion3::make_cuda_backend(0));
+            ProfilingBackend* pb = pb_owned.get();
+            dion3::Optimizer opt(std::move(pb_owned), oo);
+            dion3::GroupConfig cfg;
+            cfg.algorithm = dion3::Algorithm::Dion3;
+            cfg.fraction = frac;
+            if (meth == "gram") cfg.orth.method = dion3::OrthMethod::Gram;
+            else if (meth == "standard") cfg.orth.method = dion3::OrthMethod::Standard;
+            const int g = opt.add_group(cfg);
+            for (std::size_t i = 0; i < shapes.size(); ++i) {
+              dion3::ParamSpec spec;
+              spec.name = shapes[i].name;
+              spec.weight = {W[i], dion3::DType::BF16, dion3::Device::CUDA, 0, {shapes[i].rows, shapes[i].cols}};
+              spec.grad = {G[i], dion3::DType::BF16, dion3::Device::CUDA, 0, {shapes[i].rows, shapes[i].cols}};
+              opt.add_param(g, spec);
+            }
+            for (int i = 0; i < 2; ++i) opt.step();
+            std::vector<double> t;
+            for (int i = 0; i < iters; ++i) {
+              const auto a = std::chrono::steady_clock::now();
+              opt.step();
+              t.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - a).count());
+            }
+            std::sort(t.begin(), t.end());
+            const double step_ms = t[t.size() / 2];
+            pb->enabled = true;
+            const int prof_steps = 3;
+            for (int i = 0; i < prof_steps; ++i) {
+              opt.step();
+              pb->collect();
+            }
+            pb->enabled = false;
+            double sum_ms = 0;
+            for (auto& [key, ms] : pb->totals) sum_ms += ms / prof_steps;
+            line(fmt("### Where the time goes: %s Dion3 f=%g, workspace limit %zu MiB, method %s", model.c_str(), frac,
+                     ws, meth.c_str()));
+            line("");
+            line(fmt("Step %.2f ms (median of %d, unprofiled); the profiled ops sum to %.2f ms (mean of %d steps; "
+                     "events around every backend op). GB/s: bytes each phase must move (bf16 W/G/M, fp32 U/O) "
+                     "over its time.",
+                     step_ms, iters, sum_ms, prof_steps));
+            line("");
+            line("| megabatch | n | k | method | chunk | accumulate ms (GB/s) | select | gather ms (GB/s) | orth ms | "
+                 "update ms (GB/s) | refresh |");
+            line("|---|---|---|---|---|---|---|---|---|---|---|");
+            auto get = [&](const std::string& sh, const std::string& op) {
+              auto it = pb->totals.find({sh, op});
+              return it == pb->totals.end() ? 0.0 : it->second / prof_steps;
+            };
+            const char* orth_ops[] = {"orth.normalize", "orth.transpose", "orth.convert", "orth.gram",
+                                      "orth.sym_product", "orth.gemm", "orth.copy", "orth.add_identity"};
+            std::ostringstream orth_tab;
+            double tot[6] = {0, 0, 0, 0, 0, 0};
+            for (const auto& m : opt.plan()) {
+              const std::string sh = fmt("%lldx%lld", (long long)m.rows, (long long)m.cols);
+              const double n = m.count, R = m.rows, C = m.cols, K = m.selected_rows;
+              const double acc = get(sh, "accumulate"), sel = get(sh, "select"), gat = get(sh, "gather"),
+                           upd = get(sh, "update"), ref = get(sh, "refresh");
+              double orth = 0;
+              std::string ops;
+              for (const char* o : orth_ops) {
+                orth += get(sh, o);
+                ops += fmt(" %.2f |", get(sh, o));
+              }
+              const double gbs_acc = n * R * C * 6 / (acc * 1e6), gbs_gat = n * K * C * 8 / (gat * 1e6);
+              const double gbs_upd = (n * R * C * 4 + n * K * C * 8) / (upd * 1e6);
+              line(fmt("| %s | %lld | %lld | %s | %lld | %.2f (%.0f) | %.2f | %.2f (%.0f) | %.2f | %.2f (%.0f) | %.2f |",
+                       sh.c_str(), (long long)m.count, (long long)m.selected_rows,
+                       m.method == dion3::OrthMethod::Gram ? "gram" : "standard", (long long)m.chunk, acc, gbs_acc,
+                       sel, gat, gbs_gat, orth, upd, gbs_upd, ref));
+              orth_tab << fmt("| %s |%s\n", sh.c_str(), ops.c_str());
+              tot[0] += acc; tot[1] += sel; tot[2] += gat; tot[3] += orth; tot[4] += upd; tot[5] += ref;
+            }
+            line(fmt("| all | | | | | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |", tot[0], tot[1], tot[2], tot[3], tot[4],
+                     tot[5]));
+            line(fmt("| (check_finite %.2f, other %.2f) | | | | | | | | | | |", get("all", "check_finite"),
+                     get("all", "other")));
+            line("");
+            line("| megabatch | normalize | transpose | convert | gram | sym_product | gemm | copy | add_identity |");
+            line("|---|---|---|---|---|---|---|---|---|");
+            std::string ot = orth_tab.str();
+            if (!ot.empty()) ot.pop_back();
+            line(ot);
+            line("");
+          }
+      for (void* p : W) cudaFree(p);
+      for (void* p : G) cudaFree(p);
+      continue;
+    }
     line(fmt("## Optimizer step, %s (%zu matrices, %.2fB weights, bf16 weights/grads/momentum), median of %d steps",
              model.c_str(), shapes.size(), total / 1e9, iters));
     line("");

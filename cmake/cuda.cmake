@@ -54,7 +54,7 @@ endif()
 if(DION3_BENCH)
   add_executable(dion3-cuda-step-bench ${CMAKE_CURRENT_SOURCE_DIR}/bench/cuda_step_bench.cu
                                        ${CMAKE_CURRENT_SOURCE_DIR}/bench/model_shapes.cpp)
-  target_include_directories(dion3-cuda-step-bench PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/bench)
+  target_include_directories(dion3-cuda-step-bench PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/bench ${CMAKE_CURRENT_SOURCE_DIR}/src)
   target_link_libraries(dion3-cuda-step-bench PRIVATE dion3 CUDA::cudart)
   dion3_cuda_target(dion3-cuda-step-bench)
 endif()
