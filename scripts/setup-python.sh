@@ -18,8 +18,8 @@ PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${DION3_TORCH_SPEC:-torch}
 export MAX_JOBS=${MAX_JOBS:-2}
 
-log() { printf '[setup-python] %s\n' "$*" >&2; }
 t0=$SECONDS
+log() { printf '[setup-python] %4ss %s\n' "$((SECONDS - t0))" "$*" >&2; }
 
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating virtualenv $VENV"

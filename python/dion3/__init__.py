@@ -1,5 +1,21 @@
 # dion3 — PyTorch front end of the dion3 engine: Dion3, NorMuon and Muon as torch.optim
 # optimizers (AdamW / Lion for the element-wise parameter groups), and param_groups().
+"""dion3: the Dion3 optimizer (and NorMuon / Muon baselines) for PyTorch, computed by a C++/CUDA engine.
+
+    import dion3
+    opt = dion3.Dion3(dion3.param_groups(model, elementwise_options={"lr": 3e-4}), lr=0.01, fraction=0.25)
+
+Constructor arguments follow the reference package `dion` (``dion.Dion3``, ``dion.NorMuon``,
+``dion.Muon``), so moving over is an import change. Extra arguments: ``orthogonalizer`` ("auto",
+"standard", "gram"; ``use_gram_newton_schulz=True`` maps to "gram"), ``scale_lr_by_fraction``,
+``on_nonfinite`` ("raise": a NaN/Inf gradient raises ``dion3.NonFiniteError`` and changes nothing;
+"skip": the step is dropped and counted in ``opt.steps_skipped``), ``momentum_dtype``,
+``iteration_dtype``, ``coefficients`` and ``restarts``. Parameter groups take
+``algorithm="dion3"|"nordion2"|"normuon"|"muon"|"adamw"|"lion"``. ``group["lr"]`` is read before
+every step and never written. Parameters whose ``.grad`` is None are skipped. One optimizer steps
+parameters of one device (cpu, or one cuda device on the current stream). ``distributed_mesh``
+must be None for now.
+"""
 import torch  # noqa: F401  (loads libc10/libtorch, which dion3._C links against)
 
 from . import _C

@@ -189,6 +189,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 if isinstance(value, torch.Tensor):
                     mine[key] = value.detach().to(device=p.device, dtype=value.dtype, copy=True)
         for i, g in enumerate(self.param_groups):
+            for k, v in self.defaults.items():  # groups saved by an older version may lack new keys
+                g.setdefault(k, v)
             self._check_group(i, g)
         self._dirty = True
 

@@ -279,3 +279,18 @@ def test_deepcopy_and_pickle(device):
     assert torch.equal(p, q) and clone.state[q]["step"] == 2
     again = pickle.loads(pickle.dumps(opt))
     assert again.state_dict()["state"][0]["step"] == 2
+
+
+def test_load_state_dict_missing_group_keys_take_defaults(device):
+    p = nn.Parameter(torch.randn(8, 6, device=device))
+    opt = dion3.Dion3([p])
+    p.grad = torch.randn_like(p)
+    opt.step()
+    sd = opt.state_dict()
+    for g in sd["param_groups"]:
+        del g["orthogonalizer"], g["scale_lr_by_fraction"]
+    opt2 = dion3.Dion3([p], orthogonalizer="gram")
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["orthogonalizer"] == "gram"
+    opt2.step()
+    assert opt2.state[p]["step"] == 2
