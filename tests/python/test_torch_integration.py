@@ -92,3 +92,19 @@ def test_cuda_graph_capture_of_step():
     torch.cuda.synchronize()
     for p, q in zip(ps, qs):
         assert torch.allclose(p, q, atol=1e-6)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and dion3.cuda_built()), reason="needs CUDA")
+def test_workspace_comes_from_torch_caching_allocator():
+    ps = [nn.Parameter(torch.randn(256, 128, device="cuda")) for _ in range(4)]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt = dion3.Dion3(ps, fraction=0.5)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    opt.step()
+    torch.cuda.synchronize()
+    grown = torch.cuda.memory_allocated() - before
+    state = sum(t.numel() * t.element_size() for p in ps for t in opt.state[p].values() if torch.is_tensor(t))
+    workspace = sum(mb["workspace_bytes"] for mb in opt.plan())
+    assert workspace > 0 and grown >= state + workspace
