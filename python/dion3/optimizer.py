@@ -306,7 +306,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             raise ValueError(f"dion3: parameters are on '{device}'; dion3 runs on cpu and cuda")
         engine = _C.Engine(device.type, device.index or 0, self._on_nonfinite)
         new_state: Dict[torch.Tensor, Dict[str, Any]] = {}
-        engine_params, engine_groups, steps = [], [], []
+        engine_params, engine_groups, steps, adamw_check = [], [], [], []
         for gi, group, members in params_with_grad:
             ei = engine.add_group(_engine_config(group))
             engine_groups.append(gi)
@@ -326,8 +326,12 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 new_state[p] = st
                 engine_params.append(p)
                 steps.append(st["step"])
+                adamw_check.append((group, p))
         engine.watch([p for g in self.param_groups for p in g["params"] if p.grad is None])
-        if any(steps):
+        # Only AdamW's bias correction reads the engine's per-parameter counters; restoring them
+        # costs a host round trip of the state (the engine has no cheaper setter yet), so it is
+        # done only when an AdamW parameter resumes.
+        if any(s and g["algorithm"] == "adamw" for s, (g, _) in zip(steps, adamw_check)):
             engine.set_param_steps(steps, max(steps), self._steps_skipped)
         # The engine accepted everything: commit the state.
         for p, st in new_state.items():
