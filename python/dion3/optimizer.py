@@ -138,6 +138,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._engine_key = None
         self._engine_params: List[torch.Tensor] = []
         self._engine_states: List[Dict[str, Any]] = []
+        self._engine_cuda = False
+        self._applied_seen = self._skipped_seen = 0  # engine counters already folded into state
+        self._counters_pending = False
         self._engine_groups: List[int] = []
         self._steps_skipped = 0
         self._dirty = True
@@ -153,6 +156,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._on_nonfinite = on_nonfinite
         self._engine, self._engine_key, self._engine_params, self._engine_groups = None, None, [], []
         self._engine_states = []
+        self._engine_cuda = False
+        self._applied_seen = self._skipped_seen = 0
+        self._counters_pending = False
         self._steps_skipped = getattr(self, "_steps_skipped", 0)
         self._dirty = True
 
@@ -214,6 +220,14 @@ class _EngineOptimizer(torch.optim.Optimizer):
             engine = self._engine
         for i, gi in enumerate(self._engine_groups):
             engine.update_group(i, _engine_config(self.param_groups[gi]))
+        if self._engine_cuda and torch.cuda.is_current_stream_capturing():
+            # CUDA-graph capture: the engine's capture-safe step (no host synchronisation). Step
+            # counters then advance on the device only; _sync_counters() brings them back.
+            if engine.step_async() < 0:
+                raise RuntimeError("dion3: the parameters with gradients (or their storage) changed "
+                                   "since the last step; run one eager step before capturing")
+            self._counters_pending = True
+            return loss
         # The engine reads each parameter's .grad itself (no per-parameter Python work per step).
         status = engine.step()
         if status < 0:  # the set of parameters with gradients changed, or a weight moved (p.data = ...)
@@ -229,16 +243,41 @@ class _EngineOptimizer(torch.optim.Optimizer):
         if status > 0:
             for st in self._engine_states:
                 st["step"] += 1
+            self._applied_seen += 1
         else:
             self._steps_skipped += 1
+            self._skipped_seen += 1
         return loss
+
+    def _sync_counters(self) -> None:
+        """Fold the steps the engine applied or dropped without us seeing them (replays of a
+        captured CUDA graph) into state[p]["step"] and steps_skipped. Synchronises the device."""
+        if not self._counters_pending or self._engine is None:
+            return
+        applied, skipped = self._engine.steps_taken, self._engine.steps_skipped
+        for st in self._engine_states:
+            st["step"] += applied - self._applied_seen
+        self._steps_skipped += skipped - self._skipped_seen
+        self._applied_seen, self._skipped_seen = applied, skipped
+        self._counters_pending = False
+
+    def state_dict(self) -> Dict[str, Any]:
+        self._sync_counters()
+        return super().state_dict()
 
     # ---- introspection ---------------------------------------------------------------------
 
     @property
     def steps_skipped(self) -> int:
-        """Steps dropped because a gradient was not finite (on_nonfinite='skip')."""
+        """Steps dropped because a gradient was not finite (on_nonfinite='skip', or any dropped
+        step of a captured CUDA graph)."""
+        self._sync_counters()
         return self._steps_skipped
+
+    def sync_counters(self) -> None:
+        """After replaying a captured step, bring state[p]["step"] up to date (state_dict() and
+        steps_skipped do this themselves)."""
+        self._sync_counters()
 
     def plan(self) -> List[Dict[str, Any]]:
         """The engine's megabatches (shape, count, selected rows, orthogonalizer, workspace)."""
@@ -289,6 +328,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
 
     def _rebuild(self, key) -> None:
         """Register the parameters that have a gradient with a fresh engine."""
+        self._sync_counters()
         self._engine = None
         self._engine_key = None
         params_with_grad = []
@@ -331,13 +371,18 @@ class _EngineOptimizer(torch.optim.Optimizer):
         # Only AdamW's bias correction reads the engine's per-parameter counters; restoring them
         # costs a host round trip of the state (the engine has no cheaper setter yet), so it is
         # done only when an AdamW parameter resumes.
+        applied_seen, skipped_seen = 0, 0
         if any(s and g["algorithm"] == "adamw" for s, (g, _) in zip(steps, adamw_check)):
             engine.set_param_steps(steps, max(steps), self._steps_skipped)
+            applied_seen, skipped_seen = max(steps), self._steps_skipped
         # The engine accepted everything: commit the state.
         for p, st in new_state.items():
             self.state[p].update(st)
         self._engine = engine
         self._engine_params = engine_params
+        self._engine_cuda = device.type == "cuda"
+        self._applied_seen, self._skipped_seen = applied_seen, skipped_seen
+        self._counters_pending = False
         self._engine_states = [self.state[p] for p in engine_params]
         self._engine_groups = engine_groups
         self._engine_key = key

@@ -197,7 +197,15 @@ class Engine {
   // (applied), 0 (skipped: a gradient was not finite under on_nonfinite="skip"), or -1 (the
   // caller must rebuild the engine: a weight's storage moved, or the set of parameters with a
   // gradient changed; nothing was changed). Doing this here keeps per-parameter work out of Python.
-  int step() {
+  int step() { return run(false); }
+
+  // The capture-safe step (Optimizer::step_async): enqueued on the current stream with no host
+  // synchronisation; a non-finite gradient drops the step on the device. Returns 2 (enqueued)
+  // or -1 (rebuild needed, as for step()).
+  int step_async() { return run(true); }
+
+ private:
+  int run(bool async) {
     const int n = opt_->num_params();
     for (const at::Tensor& w : watched_)
       if (w.grad().defined()) return -1;
@@ -210,14 +218,16 @@ class Engine {
         grads_[i] = std::move(g);
       }
     }
-    bool applied;
-    {
-      Guard guard(*this);
-      py::gil_scoped_release release;
-      applied = opt_->step();
+    Guard guard(*this);
+    py::gil_scoped_release release;
+    if (async) {
+      opt_->step_async();
+      return 2;
     }
-    return applied ? 1 : 0;
+    return opt_->step() ? 1 : 0;
   }
+
+ public:
 
   py::list plan() {
     Guard g(*this);
@@ -317,6 +327,7 @@ PYBIND11_MODULE(_C, m) {
       .def("watch", &Engine::watch)
       .def("set_param_steps", &Engine::set_param_steps)
       .def("step", &Engine::step)
+      .def("step_async", &Engine::step_async)
       .def("plan", &Engine::plan)
       .def_property_readonly("num_params", &Engine::num_params)
       .def_property_readonly("num_groups", &Engine::num_groups)
