@@ -186,7 +186,9 @@ TEST_F(CudaOps, SkipFlagLeavesEverythingUntouched) {
       eb(*gpu, DType::F32, 1, 1, 100);
   e.fill_value(1.0f); eg.fill_value(1.0f); ea.fill_value(0.5f); eb.fill_value(0.5f);
   dion3::ElementwiseParam ep{e.dview(), eg.dview(), ea.dview(), eb.dview()};
-  gpu->adamw(ep, dion3::AdamWParams{0.1f, 0.9f, 0.95f, 0.1f, 1e-8f, 0.1f, 0.05f}, flag.as<int>());
+  dion3::DeviceBuffer steps(gpu->allocator(), sizeof(int64_t));
+  gpu->fill_zero(steps.get(), sizeof(int64_t));
+  gpu->adamw(ep, dion3::AdamWParams{0.1f, 0.9f, 0.95f, 0.1f, 1e-8f, steps.as<int64_t>(), 0}, flag.as<int>());
   gpu->lion(ep, dion3::LionParams{0.1f, 0.9f, 0.95f, 0.1f}, flag.as<int>());
   EXPECT_EQ(s.w.device_values(), w0);
   EXPECT_EQ(s.m.device_values(), m0);
@@ -363,9 +365,15 @@ TEST_P(Elementwise, AdamWAndLionMatchCpu) {
   v.set_host(vv); v.upload();
   dion3::ElementwiseParam hp{w.hview(), g.hview(), m.hview(), v.hview()};
   dion3::ElementwiseParam dp{w.dview(), g.dview(), m.dview(), v.dview()};
-  const dion3::AdamWParams ah{0.01f, 0.9f, 0.95f, 0.1f, 1e-8f, 0.271f, 0.0975f};
+  // Bias correction reads the applied-step counter where the backend runs: t = 2 - 0 + 1 = 3.
+  const int64_t host_steps = 2;
+  dion3::DeviceBuffer dev_steps(gpu->allocator(), sizeof(int64_t));
+  gpu->copy_from_host(dev_steps.get(), &host_steps, sizeof(int64_t));
+  const dion3::AdamWParams ah{0.01f, 0.9f, 0.95f, 0.1f, 1e-8f, &host_steps, 0};
+  dion3::AdamWParams ad = ah;
+  ad.applied_steps = dev_steps.as<int64_t>();
   cpu->adamw(hp, ah, nullptr);
-  gpu->adamw(dp, ah, nullptr);
+  gpu->adamw(dp, ad, nullptr);
   const double tw = storage_tol(c.w), ts = storage_tol(c.s);
   EXPECT_LE(ct::rel_max_diff(w.device_values(), w.host_values()), tw);
   EXPECT_LE(ct::rel_max_diff(m.device_values(), m.host_values()), ts);
