@@ -215,7 +215,7 @@ class CudaBackend final : public Backend {
       fail("gather_rows: out must be " + std::to_string(n_of(set)) + " x " + std::to_string(k) + " x " +
            std::to_string(set.cols()));
     launch_gather_rows(table(set), n_of(set), set.rows(), set.cols(), set.mdt, set.gdt, idx, k, scale_m,
-                       scale_g, decay, out, skip, stream_);
+                       scale_g, decay, out, skip, stream_, set.vec);
   }
 
   void apply_update(const MatrixSet& base, const int32_t* idx, int64_t k, MatrixView O,

@@ -20,7 +20,8 @@ void launch_select_rows(const float* scores, int64_t count, int64_t m, int64_t k
                         const int* skip, cudaStream_t s);
 void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
                         DType gdt, const int32_t* idx, int64_t k, float scale_m, float scale_g,
-                        float decay, const MatrixView& out, const int* skip, cudaStream_t s);
+                        float decay, const MatrixView& out, const int* skip, cudaStream_t s,
+                        bool vec);  // vec: as launch_accumulate's (out is checked here)
 // scratch: at least apply_update_scratch_floats(nmats, k) floats.
 int64_t apply_update_scratch_floats(int64_t nmats, int64_t k);
 void launch_apply_update(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType wdt,
