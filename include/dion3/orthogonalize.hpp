@@ -35,6 +35,10 @@ class Orthogonalizer {
   // in: batch x rows x cols, contiguous, any float dtype (normalised in fp32, SPEC §2).
   // out: same shape, contiguous, any float dtype. in and out may be the same memory.
   void run(MatrixView in, MatrixView out);
+  // As above, but leaves the result in the workspace, in the iteration dtype, and returns a
+  // view of it (batch x rows x cols, contiguous), valid until the next run on this workspace.
+  // Saves the final conversion pass when the caller can read the iteration dtype directly.
+  MatrixView run(MatrixView in);
 
   OrthMethod method() const { return method_; }
   DType iteration_dtype() const { return dtype_; }

@@ -1,6 +1,7 @@
 // optimizer.cpp — the engine: registration and validation, megabatch planning, the step (SPEC §1).
 #include "dion3/optimizer.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <tuple>
@@ -249,6 +250,13 @@ void Optimizer::Impl::build_plan() {
     for (int64_t j = 0; j < p.count; ++j) megabatches[it->second].members.emplace_back(i, j);
   }
   Allocator& alloc = backend->allocator();
+  std::size_t limit = options.workspace_limit;
+  if (limit == 0) {  // automatic (OptimizerOptions::workspace_limit)
+    std::size_t momentum_bytes = 0;
+    for (const Megabatch& mb : megabatches)
+      momentum_bytes += static_cast<std::size_t>(mb.members.size() * mb.rows * mb.cols) * dtype_size(mb.momentum_dtype);
+    limit = std::max(std::size_t{512} << 20, momentum_bytes / 4);
+  }
   std::size_t arena_bytes = 0;
   for (Megabatch& mb : megabatches) {
     const GroupConfig& g = groups[mb.group];
@@ -258,7 +266,7 @@ void Optimizer::Impl::build_plan() {
              Orthogonalizer::required_workspace(*backend, g.orth, count, mb.k, mb.cols);
     };
     int64_t chunk = n;
-    while (chunk > 1 && need(chunk) > options.workspace_limit) chunk = (chunk + 1) / 2;
+    while (chunk > 1 && need(chunk) > limit) chunk = (chunk + 1) / 2;
     mb.chunk_bytes = need(chunk);
     arena_bytes = std::max(arena_bytes, mb.chunk_bytes);
     mb.set = backend->new_matrix_set();
@@ -395,8 +403,9 @@ void Optimizer::Impl::enqueue_step() {
       if (dion3) be.gather_rows(*c.set, rows, mb.k, 1.0f, 0.0f, mu, U, flag);  // U = M[S]; M[S] *= mu
       else if (g.nesterov) be.gather_rows(*c.set, nullptr, mb.k, mu, 1.0f, 1.0f, U, flag);  // U = mu M + G
       else be.gather_rows(*c.set, nullptr, mb.k, 1.0f, 0.0f, 1.0f, U, flag);                 // U = M
-      c.orth->run(U, U);
-      be.apply_update(*c.set, rows, mb.k, U, up, flag);
+      // The update reads the orthogonalizer's result in its iteration dtype (no conversion pass).
+      const MatrixView O = c.orth->run(U);
+      be.apply_update(*c.set, rows, mb.k, O, up, flag);
     }
   }
 

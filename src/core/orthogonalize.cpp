@@ -96,8 +96,18 @@ MatrixView Orthogonalizer::square(int slot) const {
 
 void Orthogonalizer::run(MatrixView in, MatrixView out) {
   const int64_t rows = transposed_ ? q_ : p_, cols = transposed_ ? p_ : q_;
+  if (!(out.batch == batch_ && out.rows == rows && out.cols == cols))
+    fail("orthogonalize was planned for batch " + std::to_string(batch_) + " of " + std::to_string(rows) + "x" +
+         std::to_string(cols) + " but got output " + std::to_string(out.batch) + "x" + std::to_string(out.rows) +
+         "x" + std::to_string(out.cols));
+  const MatrixView result = run(in);
+  backend_.convert(result, out, false);
+}
+
+MatrixView Orthogonalizer::run(MatrixView in) {
+  const int64_t rows = transposed_ ? q_ : p_, cols = transposed_ ? p_ : q_;
   auto same_shape = [&](const MatrixView& v) { return v.batch == batch_ && v.rows == rows && v.cols == cols; };
-  if (!same_shape(in) || !same_shape(out))
+  if (!same_shape(in))
     fail("orthogonalize was planned for batch " + std::to_string(batch_) + " of " + std::to_string(rows) + "x" +
          std::to_string(cols) + " but got input " + std::to_string(in.batch) + "x" + std::to_string(in.rows) +
          "x" + std::to_string(in.cols));
@@ -114,7 +124,14 @@ void Orthogonalizer::run(MatrixView in, MatrixView out) {
   }
   if (method_ == OrthMethod::Gram) gram(X);
   else standard(X);
-  backend_.convert(wide(0), out, transposed_);  // both methods leave their result in wide(0)
+  // Both methods leave their result in wide(0); wide(1) is free again.
+  if (!transposed_) return wide(0);
+  MatrixView T = wide(1);
+  T.rows = rows;
+  T.cols = cols;
+  T.ld = cols;
+  backend_.convert(wide(0), T, true);
+  return T;
 }
 
 void Orthogonalizer::standard(MatrixView X) {
