@@ -8,7 +8,7 @@
 Constructor arguments follow the reference package `dion` (``dion.Dion3``, ``dion.NorMuon``,
 ``dion.Muon``), so moving over is an import change. Extra arguments: ``orthogonalizer`` ("auto",
 "standard", "gram"; ``use_gram_newton_schulz=True`` maps to "gram"), ``scale_lr_by_fraction``,
-``on_nonfinite`` ("raise": a NaN/Inf gradient raises ``dion3.NonFiniteError`` and changes nothing;
+``workspace_limit`` (bytes), ``on_nonfinite`` ("raise": a NaN/Inf gradient raises ``dion3.NonFiniteError`` and changes nothing;
 "skip": the step is dropped and counted in ``opt.steps_skipped``), ``momentum_dtype``,
 ``iteration_dtype``, ``coefficients`` and ``restarts``. Parameter groups take
 ``algorithm="dion3"|"nordion2"|"normuon"|"muon"|"adamw"|"lion"``. ``group["lr"]`` is read before

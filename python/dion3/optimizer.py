@@ -117,7 +117,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
     _default_algorithm = "dion3"
     _name = "Dion3"
 
-    def __init__(self, params, distributed_mesh, defaults: Dict[str, Any], on_nonfinite: str):
+    def __init__(self, params, distributed_mesh, defaults: Dict[str, Any], on_nonfinite: str,
+                 workspace_limit: Optional[int] = None):
         if distributed_mesh is not None:
             raise NotImplementedError(
                 f"dion3: {self._name}(distributed_mesh=...) is not supported yet: this build runs "
@@ -133,7 +134,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
         if defaults.get("selection_scope", "local") not in ("local", "global"):
             raise ValueError(
                 f"dion3: 'selection_scope' must be 'local' or 'global'; got {defaults['selection_scope']!r}")
+        if workspace_limit is not None and (not isinstance(workspace_limit, int) or workspace_limit < 0):
+            raise ValueError(f"dion3: 'workspace_limit' must be a byte count >= 0 or None; got {workspace_limit!r}")
         self._on_nonfinite = on_nonfinite
+        self._workspace_limit = -1 if workspace_limit is None else workspace_limit
         self._engine = None
         self._engine_key = None
         self._engine_params: List[torch.Tensor] = []
@@ -152,8 +156,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
         # Unpickling / deepcopy keep only defaults, state and param_groups (torch's __getstate__):
         # the engine is rebuilt at the next step.
         on_nonfinite = state.get("_on_nonfinite", "raise")
+        workspace_limit = state.get("_workspace_limit", -1)
         super().__setstate__(state)
         self._on_nonfinite = on_nonfinite
+        self._workspace_limit = workspace_limit
         self._engine, self._engine_key, self._engine_params, self._engine_groups = None, None, [], []
         self._engine_states = []
         self._engine_cuda = False
@@ -165,6 +171,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> Dict[str, Any]:
         state = super().__getstate__()
         state["_on_nonfinite"] = self._on_nonfinite
+        state["_workspace_limit"] = self._workspace_limit
         state["_steps_skipped"] = self._steps_skipped
         return state
 
@@ -344,7 +351,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         device = params_with_grad[0][2][0][1].device
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"dion3: parameters are on '{device}'; dion3 runs on cpu and cuda")
-        engine = _C.Engine(device.type, device.index or 0, self._on_nonfinite)
+        engine = _C.Engine(device.type, device.index or 0, self._on_nonfinite, self._workspace_limit)
         new_state: Dict[torch.Tensor, Dict[str, Any]] = {}
         engine_params, engine_groups, steps, adamw_check = [], [], [], []
         for gi, group, members in params_with_grad:
@@ -398,6 +405,7 @@ class Dion3(_EngineOptimizer):
     feedback and NorMuon normalization (SPEC.md §1). Same constructor as the reference
     `dion.Dion3`; extra, explicit arguments: orthogonalizer ('auto'|'standard'|'gram', onto which
     use_gram_newton_schulz maps), scale_lr_by_fraction, on_nonfinite ('raise'|'skip'),
+    workspace_limit (bytes of orthogonalization workspace; None = the engine's default),
     momentum_dtype, iteration_dtype, coefficients and restarts.
     use_triton is accepted and ignored (the engine has its own kernels)."""
 
@@ -411,6 +419,7 @@ class Dion3(_EngineOptimizer):
                  use_gram_newton_schulz: bool = False, newton_schulz_func=None,
                  selection_scope: str = "local", *, orthogonalizer: str = "auto",
                  scale_lr_by_fraction: bool = False, on_nonfinite: str = "raise",
+                 workspace_limit: Optional[int] = None,
                  momentum_dtype: Optional[torch.dtype] = None, iteration_dtype: Optional[torch.dtype] = None,
                  coefficients: Optional[Sequence[Tuple[float, float, float]]] = None,
                  restarts: Optional[Sequence[int]] = None, cautious_wd: bool = False, nesterov: bool = False):
@@ -423,7 +432,7 @@ class Dion3(_EngineOptimizer):
             scale_lr_by_fraction=scale_lr_by_fraction, momentum_dtype=momentum_dtype,
             iteration_dtype=iteration_dtype, coefficients=coefficients, restarts=restarts,
             cautious_wd=cautious_wd, nesterov=nesterov)
-        super().__init__(params, distributed_mesh, defaults, on_nonfinite)
+        super().__init__(params, distributed_mesh, defaults, on_nonfinite, workspace_limit)
 
 
 class NorMuon(_EngineOptimizer):
@@ -439,6 +448,7 @@ class NorMuon(_EngineOptimizer):
                  adjust_lr: Optional[str] = "spectral_norm", flatten: bool = False,
                  use_gram_newton_schulz: bool = False, use_triton: bool = False, use_polar_express: bool = True,
                  newton_schulz_func=None, *, orthogonalizer: str = "auto", on_nonfinite: str = "raise",
+                 workspace_limit: Optional[int] = None,
                  momentum_dtype: Optional[torch.dtype] = None, iteration_dtype: Optional[torch.dtype] = None,
                  coefficients: Optional[Sequence[Tuple[float, float, float]]] = None,
                  restarts: Optional[Sequence[int]] = None, fraction: float = 0.25,
@@ -452,7 +462,7 @@ class NorMuon(_EngineOptimizer):
             scale_lr_by_fraction=scale_lr_by_fraction, momentum_dtype=momentum_dtype,
             iteration_dtype=iteration_dtype, coefficients=coefficients, restarts=restarts,
             cautious_wd=cautious_wd, nesterov=nesterov)
-        super().__init__(params, distributed_mesh, defaults, on_nonfinite)
+        super().__init__(params, distributed_mesh, defaults, on_nonfinite, workspace_limit)
 
 
 class Muon(_EngineOptimizer):
@@ -467,7 +477,7 @@ class Muon(_EngineOptimizer):
                  epsilon: float = 1e-8, nesterov: bool = False, adjust_lr: Optional[str] = "spectral_norm",
                  flatten: bool = False, use_gram_newton_schulz: bool = False, use_triton: bool = False,
                  use_polar_express: bool = True, newton_schulz_func=None, *, orthogonalizer: str = "auto",
-                 on_nonfinite: str = "raise", momentum_dtype: Optional[torch.dtype] = None,
+                 on_nonfinite: str = "raise", workspace_limit: Optional[int] = None, momentum_dtype: Optional[torch.dtype] = None,
                  iteration_dtype: Optional[torch.dtype] = None,
                  coefficients: Optional[Sequence[Tuple[float, float, float]]] = None,
                  restarts: Optional[Sequence[int]] = None, muon_beta2: float = 0.95, fraction: float = 0.25,
@@ -481,4 +491,4 @@ class Muon(_EngineOptimizer):
             scale_lr_by_fraction=scale_lr_by_fraction, momentum_dtype=momentum_dtype,
             iteration_dtype=iteration_dtype, coefficients=coefficients, restarts=restarts,
             cautious_wd=cautious_wd, nesterov=nesterov)
-        super().__init__(params, distributed_mesh, defaults, on_nonfinite)
+        super().__init__(params, distributed_mesh, defaults, on_nonfinite, workspace_limit)

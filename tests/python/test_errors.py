@@ -42,6 +42,7 @@ def test_fraction_out_of_range(device, fraction):
     ("on_nonfinite", "ignore", "'on_nonfinite' must be 'raise' or 'skip'"),
     ("coefficients", [(1.0, 2.0)], r"\(a, b, c\) triples"),
     ("restarts", [7], "'restarts' positions must lie"),
+    ("workspace_limit", -5, "'workspace_limit' must be a byte count"),
 ])
 def test_bad_hyper_parameters(device, field, value, pattern):
     with pytest.raises(ValueError, match=pattern):

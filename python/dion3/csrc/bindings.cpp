@@ -123,10 +123,12 @@ class TorchCudaAllocator final : public dion3::Allocator {
 // One dion3::Optimizer on one device, with the tensors it points into kept alive.
 class Engine {
  public:
-  Engine(const std::string& device_type, int device_index, const std::string& on_nonfinite)
+  Engine(const std::string& device_type, int device_index, const std::string& on_nonfinite,
+         int64_t workspace_limit)
       : device_index_(device_index) {
     dion3::OptimizerOptions options;
     options.on_nonfinite = dion3::parse_nonfinite(on_nonfinite);
+    if (workspace_limit >= 0) options.workspace_limit = static_cast<std::size_t>(workspace_limit);
     std::unique_ptr<dion3::Backend> backend;
     if (device_type == "cpu") {
       backend = dion3::make_cpu_backend();
@@ -319,8 +321,8 @@ PYBIND11_MODULE(_C, m) {
   });
 
   py::class_<Engine>(m, "Engine")
-      .def(py::init<const std::string&, int, const std::string&>(), py::arg("device_type"),
-           py::arg("device_index"), py::arg("on_nonfinite"))
+      .def(py::init<const std::string&, int, const std::string&, int64_t>(), py::arg("device_type"),
+           py::arg("device_index"), py::arg("on_nonfinite"), py::arg("workspace_limit") = -1)
       .def("add_group", &Engine::add_group)
       .def("update_group", &Engine::update_group)
       .def("add_param", &Engine::add_param)
