@@ -39,8 +39,8 @@ def run(args, cls_name, fraction):
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     mats, vecs = model_shapes(args.model, args.layers)
-    g = torch.Generator(device="cpu").manual_seed(0)
-    params_m = [torch.nn.Parameter(torch.randn(s, generator=g).to(device, dtype) * 0.02) for s in mats]
+    torch.manual_seed(0)  # weights drawn on the device itself: llama-7b is 6.5e9 numbers
+    params_m = [torch.nn.Parameter(torch.randn(s, device=device, dtype=dtype) * 0.02) for s in mats]
     params_v = [torch.nn.Parameter(torch.ones(s, device=device, dtype=dtype)) for s in vecs]
     for p in params_m + params_v:
         p.grad = torch.randn_like(p) * 1e-3
