@@ -37,10 +37,18 @@ def extension():
     from torch.utils import cpp_extension
 
     cuda = want_cuda()
-    sources = rel("src/core/*.cpp") + rel("src/cpu/*.cpp") + rel("python/dion3/csrc/*.cpp")
+    sources = rel("src/core/*.cpp") + rel("src/cpu/*.cpp") + rel("src/comm/*.cpp") + rel("python/dion3/csrc/*.cpp")
     cxx = ["-O3", "-g0", "-std=c++20", "-Wno-unused-parameter"]  # -g0: no debug info (faster CI build)
     define_macros = []
-    libraries = ["openblas"]
+    # The BLAS: OpenBLAS by default; DION3_BLAS names another library (e.g. "blas") and
+    # DION3_BLAS_DIR a prefix holding its include/ and lib/ (a machine without OpenBLAS).
+    libraries = [os.environ.get("DION3_BLAS", "openblas")]
+    blas_dir = os.environ.get("DION3_BLAS_DIR")
+    include_dirs = [os.path.join(ROOT, "include"), os.path.join(ROOT, "src")]
+    library_dirs = []
+    if blas_dir:
+        include_dirs.append(os.path.join(blas_dir, "include"))
+        library_dirs.append(os.path.join(blas_dir, "lib"))
     if cuda:
         sources = [s for s in sources if os.path.basename(s) != "no_cuda.cpp"]
         sources += rel("src/cuda/*.cu") + rel("src/cuda/*.cpp")
@@ -50,11 +58,11 @@ def extension():
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
         nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
         return cpp_extension.CUDAExtension(
-            "dion3._C", sources, include_dirs=[os.path.join(ROOT, "include"), os.path.join(ROOT, "src")],
+            "dion3._C", sources, include_dirs=include_dirs, library_dirs=library_dirs,
             define_macros=define_macros, libraries=libraries,
             extra_compile_args={"cxx": cxx, "nvcc": nvcc})
     return cpp_extension.CppExtension(
-        "dion3._C", sources, include_dirs=[os.path.join(ROOT, "include"), os.path.join(ROOT, "src")],
+        "dion3._C", sources, include_dirs=include_dirs, library_dirs=library_dirs,
         define_macros=define_macros, libraries=libraries, extra_compile_args={"cxx": cxx})
 
 

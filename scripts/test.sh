@@ -10,3 +10,4 @@ BUILD_DIR=${DION3_BUILD_DIR:-$ROOT/build}
 
 scripts/setup.sh
 ctest --test-dir "$BUILD_DIR" --output-on-failure
+scripts/test-python.sh
