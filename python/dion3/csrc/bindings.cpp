@@ -301,40 +301,83 @@ bool cuda_built() {
 #endif
 }
 
+
+
+// Sets the Python exception matching a dion3::Error.
+void set_python_error(const dion3::Error& e) {
+  switch (e.status()) {
+    case dion3::Status::InvalidArgument: PyErr_SetString(PyExc_ValueError, e.what()); break;
+    case dion3::Status::NonFinite: PyErr_SetString(g_nonfinite_error, e.what()); break;
+    case dion3::Status::Unsupported: PyErr_SetString(PyExc_NotImplementedError, e.what()); break;
+    default: PyErr_SetString(PyExc_RuntimeError, e.what()); break;
+  }
+}
+
+// Every entry point turns dion3::Error into its Python exception itself and leaves through
+// py::error_already_set, which pybind11's dispatcher handles before any registered exception
+// translator. On the H200 image (torch 2.11) the first dion3::Error that reached the translator
+// list crashed the interpreter; this path does not depend on that list.
+template <class R, class C, class... A>
+auto guarded(R (C::*f)(A...)) {
+  return [f](C& self, A... a) -> R {
+    try {
+      return (self.*f)(std::forward<A>(a)...);
+    } catch (const dion3::Error& e) {
+      set_python_error(e);
+      throw py::error_already_set();
+    }
+  };
+}
+template <class R, class C, class... A>
+auto guarded(R (C::*f)(A...) const) {
+  return [f](const C& self, A... a) -> R {
+    try {
+      return (self.*f)(std::forward<A>(a)...);
+    } catch (const dion3::Error& e) {
+      set_python_error(e);
+      throw py::error_already_set();
+    }
+  };
+}
+template <class R, class... A>
+auto guarded(R (*f)(A...)) {
+  return [f](A... a) -> R {
+    try {
+      return f(std::forward<A>(a)...);
+    } catch (const dion3::Error& e) {
+      set_python_error(e);
+      throw py::error_already_set();
+    }
+  };
+}
+
+std::unique_ptr<Engine> make_engine(const std::string& device_type, int device_index,
+                                    const std::string& on_nonfinite, int64_t workspace_limit) {
+  return std::make_unique<Engine>(device_type, device_index, on_nonfinite, workspace_limit);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "dion3 engine binding (internal; use dion3.Dion3 / NorMuon / Muon)";
   g_nonfinite_error = PyErr_NewException("dion3._C.NonFiniteError", PyExc_FloatingPointError, nullptr);
   m.attr("NonFiniteError") = py::handle(g_nonfinite_error);
-  py::register_exception_translator([](std::exception_ptr p) {
-    try {
-      if (p) std::rethrow_exception(p);
-    } catch (const dion3::Error& e) {
-      switch (e.status()) {
-        case dion3::Status::InvalidArgument: PyErr_SetString(PyExc_ValueError, e.what()); break;
-        case dion3::Status::NonFinite: PyErr_SetString(g_nonfinite_error, e.what()); break;
-        case dion3::Status::Unsupported: PyErr_SetString(PyExc_NotImplementedError, e.what()); break;
-        default: PyErr_SetString(PyExc_RuntimeError, e.what()); break;
-      }
-    }
-  });
 
   py::class_<Engine>(m, "Engine")
-      .def(py::init<const std::string&, int, const std::string&, int64_t>(), py::arg("device_type"),
-           py::arg("device_index"), py::arg("on_nonfinite"), py::arg("workspace_limit") = -1)
-      .def("add_group", &Engine::add_group)
-      .def("update_group", &Engine::update_group)
-      .def("add_param", &Engine::add_param)
-      .def("watch", &Engine::watch)
-      .def("set_param_steps", &Engine::set_param_steps)
-      .def("step", &Engine::step)
-      .def("step_async", &Engine::step_async)
-      .def("plan", &Engine::plan)
-      .def_property_readonly("num_params", &Engine::num_params)
-      .def_property_readonly("num_groups", &Engine::num_groups)
-      .def_property_readonly("steps_taken", &Engine::steps_taken)
-      .def_property_readonly("steps_skipped", &Engine::steps_skipped);
-  m.def("validate_group", &validate_group, "Raise ValueError if a normalised group config is invalid");
+      .def(py::init(guarded(&make_engine)), py::arg("device_type"), py::arg("device_index"),
+           py::arg("on_nonfinite"), py::arg("workspace_limit") = -1)
+      .def("add_group", guarded(&Engine::add_group))
+      .def("update_group", guarded(&Engine::update_group))
+      .def("add_param", guarded(&Engine::add_param))
+      .def("watch", guarded(&Engine::watch))
+      .def("set_param_steps", guarded(&Engine::set_param_steps))
+      .def("step", guarded(&Engine::step))
+      .def("step_async", guarded(&Engine::step_async))
+      .def("plan", guarded(&Engine::plan))
+      .def_property_readonly("num_params", guarded(&Engine::num_params))
+      .def_property_readonly("num_groups", guarded(&Engine::num_groups))
+      .def_property_readonly("steps_taken", guarded(&Engine::steps_taken))
+      .def_property_readonly("steps_skipped", guarded(&Engine::steps_skipped));
+  m.def("validate_group", guarded(&validate_group), "Raise ValueError if a normalised group config is invalid");
   m.def("cuda_built", &cuda_built, "Whether this build has the CUDA backend");
 }
