@@ -1,6 +1,7 @@
 # cmake/cuda.cmake — the CUDA backend of dion3 (included by the top-level CMakeLists when
 # -DDION3_CUDA=ON): enables CUDA, adds src/cuda/*.cu to target `dion3`, links cuBLAS/cuBLASLt,
-# and builds the CUDA benchmark programs (bench/cuda_*.cu).
+# and builds the CUDA benchmark programs (bench/cuda_*.cu; dion3-cuda-sym-bench compares the
+# fused symmetric kernel sym_wgmma.cu with cuBLAS).
 #
 # Architectures: Hopper's sm_90a by default (wgmma needs the "a" target, written with -gencode,
 # see .library HOPPER.md). Override with -DDION3_CUDA_GENCODE="-gencode=..." or with
@@ -29,6 +30,7 @@ set(DION3_CUDA_SOURCES
   ${CMAKE_CURRENT_SOURCE_DIR}/src/cuda/step_kernels.cu
   ${CMAKE_CURRENT_SOURCE_DIR}/src/cuda/elementwise_kernels.cu
   ${CMAKE_CURRENT_SOURCE_DIR}/src/cuda/symmetric.cu
+  ${CMAKE_CURRENT_SOURCE_DIR}/src/cuda/sym_wgmma.cu
 )
 target_sources(dion3 PRIVATE ${DION3_CUDA_SOURCES})
 separate_arguments(_dion3_gencode UNIX_COMMAND "${DION3_CUDA_GENCODE}")
@@ -49,6 +51,13 @@ if(DION3_BENCH)
   target_include_directories(dion3-cuda-bench PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/src)
   target_link_libraries(dion3-cuda-bench PRIVATE dion3 CUDA::cudart)
   dion3_cuda_target(dion3-cuda-bench)
+endif()
+
+if(DION3_BENCH)
+  add_executable(dion3-cuda-sym-bench ${CMAKE_CURRENT_SOURCE_DIR}/bench/cuda_sym_bench.cu)
+  target_include_directories(dion3-cuda-sym-bench PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/src)
+  target_link_libraries(dion3-cuda-sym-bench PRIVATE dion3 CUDA::cudart)
+  dion3_cuda_target(dion3-cuda-sym-bench)
 endif()
 
 if(DION3_BENCH)

@@ -1,7 +1,8 @@
 // cuda_backend.cu — the CUDA implementation of dion3::Backend: stream, cuBLAS handle and
 // workspace, default stream-ordered allocator, per-megabatch device pointer tables, and the
 // dispatch of every backend op to the kernels in step_kernels.cu, elementwise_kernels.cu and
-// symmetric.cu. Nothing here synchronises with the host except read_flag and host copies.
+// symmetric.cu (gram/sym_product: the fused sm_90a kernel of sym_wgmma.cu where it pays, else
+// the cuBLAS tile schedule). Nothing here synchronises with the host except read_flag and host copies.
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -92,6 +93,7 @@ class CudaBackend final : public Backend {
     DION3_CUBLAS_CHECK(cublasSetWorkspace(handle_, cublas_ws_.get(), kCublasWorkspace));
     if (const char* t = std::getenv("DION3_SYM_TILE")) sym_.tile = std::atoll(t);
     if (const char* e = std::getenv("DION3_SYM_DISABLE")) sym_.enabled = std::atoi(e) == 0;
+    if (const char* e = std::getenv("DION3_SYM_KERNEL")) kernel_env_ = std::atoi(e) != 0;
   }
   ~CudaBackend() override {
     cudaStreamSynchronize(stream_);
@@ -254,7 +256,12 @@ class CudaBackend final : public Backend {
   void gram(MatrixView X, MatrixView C) override {
     if (C.rows != X.rows || C.cols != X.rows || C.batch != X.batch)
       fail("gram: C must be batch x rows x rows of X");
-    const int64_t p = X.rows, tile = tile_for(p);
+    const int64_t p = X.rows;
+    if (use_kernel(X, X, nullptr, C)) {
+      launch_sym_wgmma(X, X, 1.0f, 0.0f, nullptr, 0.0f, C, stream_);
+      return;
+    }
+    const int64_t tile = tile_for(p);
     if (tile >= p) {
       // One full GEMM; the mirror makes C exactly symmetric (the products that read C next
       // take its rows for its columns).
@@ -273,8 +280,13 @@ class CudaBackend final : public Backend {
     if (A.rows != p || A.cols != p || B.rows != p || B.cols != p || C.cols != p)
       fail("sym_product: A, B and C must be square and of one size");
     if (C.data == A.data || C.data == B.data) fail("sym_product: C must not alias A or B");
-    const int64_t tile = tile_for(p);
     const bool has_d = D != nullptr && D->data != nullptr && beta != 0.0f;
+    if (use_kernel(A, B, has_d ? D : nullptr, C)) {
+      // Fused: C = alpha·A·B + beta·D + gamma·I from the lower triangle, mirrored.
+      launch_sym_wgmma(A, B, alpha, beta, has_d ? D : nullptr, gamma, C, stream_);
+      return;
+    }
+    const int64_t tile = tile_for(p);
     if (has_d) launch_sym_prepare(*D, beta, gamma, C, tile, stream_);
     const float gemm_beta = has_d ? 1.0f : 0.0f;
     // Row-major C = A·B, and B symmetric: A·B = A·Bᵀ, the "T,N" form of the tile schedule.
@@ -304,6 +316,22 @@ class CudaBackend final : public Backend {
 
   // --- knobs -------------------------------------------------------------------------------
   SymmetricOptions sym_{};
+  bool kernel_env_ = true;
+  bool use_kernel(const MatrixView& A, const MatrixView& B, const MatrixView* D,
+                  const MatrixView& C) const {
+    if (!sym_.enabled || sym_.kernel == 0 || !kernel_env_ || C.batch == 0 || C.rows == 0 ||
+        !sym_wgmma_supported(A, B, D, C))
+      return false;
+    return sym_.kernel == 1 || kernel_pays(C.rows, A.cols);
+  }
+  // Where the fused kernel beat the path it replaces on the H200 (bench/results/
+  // 2026-11-30-*-sym.md, dion3-cuda-sym-bench): p <= 2048 (1.04-1.16x the cuBLAS tile schedule,
+  // 1.5-1.7x the full GEMM used below p = 1536) and p = 4096 (1.01-1.15x); it lost at p = 2752
+  // (0.91-0.96x: a ragged last tile row) and p = 8192 (0.73-0.95x).
+  static bool kernel_pays(int64_t p, int64_t k) {
+    (void)k;
+    return p <= 2048 || (p <= 4096 && p % 256 == 0);
+  }
   int64_t tile_for(int64_t p) const {
     if (!sym_.enabled) return p;
     int64_t t = sym_.tile;

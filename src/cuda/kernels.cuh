@@ -1,5 +1,6 @@
 // kernels.cuh — host-side launchers of the CUDA backend's kernels (step_kernels.cu,
-// elementwise_kernels.cu, symmetric.cu). Every launcher enqueues on `stream` and never syncs.
+// elementwise_kernels.cu, symmetric.cu, sym_wgmma.cu). Every launcher enqueues on `stream` and
+// never syncs.
 #pragma once
 
 #include <cublas_v2.h>
@@ -52,6 +53,18 @@ void launch_mirror_lower(const MatrixView& C, float gamma, bool mirror, cudaStre
 std::size_t sym_ptr_scratch_bytes(int64_t batch, int64_t p, int64_t tile);
 void sym_lower_gemm(cublasHandle_t h, cudaStream_t s, const MatrixView& A, const MatrixView& B,
                     float alpha, float beta, const MatrixView& C, int64_t tile, void* ptr_scratch);
+// One sm_90a kernel for the same products with the epilogue fused (sym_wgmma.cu): every
+// element of C = alpha * A * B^T + beta * D + gamma * I is computed from the lower triangle
+// (r >= c; D is read there only, and may alias C) and written to (r, c) and (c, r).
+// fp16/bf16 A and B (ld and batch stride multiples of 8 elements, 16-byte aligned), C and D of
+// fp32 or the operands' dtype. sym_wgmma_supported() says whether it runs here (a Hopper
+// sm_90 device and these operands); D may be null.
+bool sym_wgmma_supported(const MatrixView& A, const MatrixView& B, const MatrixView* D,
+                         const MatrixView& C);
+// skip_epilogue (benchmarks only): compute the tiles but store nothing.
+void launch_sym_wgmma(const MatrixView& A, const MatrixView& B, float alpha, float beta,
+                      const MatrixView* D, float gamma, const MatrixView& C, cudaStream_t s,
+                      bool skip_epilogue = false);
 // Full C = alpha * op(A) * op(B) + beta * C through cublasGemmStridedBatchedEx (row-major views).
 void cublas_gemm(cublasHandle_t h, bool trans_a, bool trans_b, float alpha, const MatrixView& A,
                  const MatrixView& B, float beta, const MatrixView& C);

@@ -293,7 +293,9 @@ INSTANTIATE_TEST_SUITE_P(Cases, Gemm,
                                            GemmCase{DType::F16, DType::F32, true, false}));
 
 // ---- gram / sym_product: full GEMM and lower-triangle tile schedules ---------------------------
-struct SymCase { DType dt; int64_t p, q, tile; };  // tile 0: full GEMM
+// tile 0: full GEMM; kernel: the fused sm_90a kernel where it supports the operands (else the
+// automatic path), otherwise the tile schedule on cuBLAS.
+struct SymCase { DType dt; int64_t p, q, tile; bool kernel = false; };
 class Symmetric : public ct::CudaTest, public ::testing::WithParamInterface<SymCase> {};
 
 bool exactly_symmetric(const std::vector<float>& v, int64_t batch, int64_t p) {
@@ -306,7 +308,7 @@ bool exactly_symmetric(const std::vector<float>& v, int64_t batch, int64_t p) {
 
 TEST_P(Symmetric, GramAndSymProductMatchCpu) {
   const SymCase c = GetParam();
-  dion3::cuda::set_symmetric_options(*gpu, {c.tile > 0, c.tile});
+  dion3::cuda::set_symmetric_options(*gpu, {c.tile > 0 || c.kernel, c.tile, c.kernel ? 1 : 0});
   std::mt19937_64 rng(41 + c.p);
   const int64_t b = 3;
   Twin X(*gpu, c.dt, b, c.p, c.q), R(*gpu, c.dt, b, c.p, c.p);
@@ -344,10 +346,15 @@ INSTANTIATE_TEST_SUITE_P(Cases, Symmetric,
                          ::testing::Values(SymCase{DType::F32, 96, 200, 0}, SymCase{DType::F32, 200, 300, 64},
                                            SymCase{DType::F32, 256, 300, 64}, SymCase{DType::F16, 256, 512, 64},
                                            SymCase{DType::BF16, 200, 512, 48}, SymCase{DType::F16, 130, 260, 128},
-                                           SymCase{DType::F16, 512, 1024, 128}),
+                                           SymCase{DType::F16, 512, 1024, 128},
+                                           // fused kernel: ragged p and q, k below one k-block, several
+                                           // tile rows; q = 300 (rows not 16-byte aligned) falls back
+                                           SymCase{DType::F16, 200, 520, 0, true}, SymCase{DType::BF16, 200, 520, 0, true},
+                                           SymCase{DType::F16, 520, 1000, 0, true}, SymCase{DType::BF16, 384, 40, 0, true},
+                                           SymCase{DType::BF16, 1000, 64, 0, true}, SymCase{DType::F16, 96, 300, 0, true}),
                          [](const auto& i) {
                            return std::string(dn(i.param.dt)) + "_p" + std::to_string(i.param.p) + "_t" +
-                                  std::to_string(i.param.tile);
+                                  std::to_string(i.param.tile) + (i.param.kernel ? "_kernel" : "");
                          });
 
 // ---- AdamW / Lion -------------------------------------------------------------------------------

@@ -1,0 +1,310 @@
+// bench/cuda_sym_bench.cu — dion3-cuda-sym-bench: the symmetric products (gram C = X·Xᵀ and
+// sym_product C = 2·R·R − R) three ways in one run, same inputs: one full cuBLAS GEMM (+ the
+// mirror pass), the lower-triangle tile schedule on cuBLAS (+ prepare/mirror passes, best of
+// tiles 256/512), and the fused sm_90a kernel (sym_wgmma.cu). First a correctness table: the
+// fused kernel against the cuBLAS tile schedule (itself tested against the CPU backend) on
+// ragged and batched shapes, output poisoned with NaN beforehand. Times are CUDA-event medians
+// after warm-up; markdown on stdout and --out FILE.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_backend.hpp"
+#include "cuda/kernels.cuh"
+#include "dion3/backend.hpp"
+
+namespace {
+
+using dion3::DType;
+using dion3::MatrixView;
+
+#define CK(x)                                                              \
+  do {                                                                     \
+    cudaError_t e_ = (x);                                                  \
+    if (e_ != cudaSuccess) {                                               \
+      std::fprintf(stderr, "%s failed: %s\n", #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                        \
+    }                                                                      \
+  } while (0)
+
+template <class T>
+__global__ void fill_kernel(T* p, int64_t n, uint64_t seed, float scale) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint64_t z = (static_cast<uint64_t>(i) + seed) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const float u = static_cast<float>(z >> 40) * (1.0f / 16777216.0f) - 0.5f;
+    p[i] = static_cast<T>(u * scale);
+  }
+}
+
+void fill(void* p, DType dt, int64_t n, uint64_t seed, float scale, cudaStream_t s) {
+  if (dt == DType::F32) fill_kernel<float><<<4096, 256, 0, s>>>(static_cast<float*>(p), n, seed, scale);
+  else if (dt == DType::F16) fill_kernel<__half><<<4096, 256, 0, s>>>(static_cast<__half*>(p), n, seed, scale);
+  else fill_kernel<__nv_bfloat16><<<4096, 256, 0, s>>>(static_cast<__nv_bfloat16*>(p), n, seed, scale);
+  CK(cudaGetLastError());
+}
+
+float to_float(const void* p, DType dt, int64_t i) {
+  if (dt == DType::F32) return static_cast<const float*>(p)[i];
+  if (dt == DType::F16) return __half2float(static_cast<const __half*>(p)[i]);
+  return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+}
+
+std::vector<float> download(const MatrixView& v, cudaStream_t s) {
+  const int64_t n = v.batch * v.rows * v.cols;  // contiguous views only
+  std::vector<char> raw(n * dion3::dtype_size(v.dtype));
+  CK(cudaStreamSynchronize(s));
+  CK(cudaMemcpy(raw.data(), v.data, raw.size(), cudaMemcpyDeviceToHost));
+  std::vector<float> out(n);
+  for (int64_t i = 0; i < n; ++i) out[i] = to_float(raw.data(), v.dtype, i);
+  return out;
+}
+
+template <class F>
+double median_ms(cudaStream_t s, int warmup, int iters, F&& f) {
+  for (int i = 0; i < warmup; ++i) f();
+  std::vector<double> t;
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  for (int i = 0; i < iters; ++i) {
+    CK(cudaEventRecord(a, s));
+    f();
+    CK(cudaEventRecord(b, s));
+    CK(cudaEventSynchronize(b));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms);
+  }
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+struct Out {
+  std::ostringstream md;
+  void line(const std::string& s) {
+    std::printf("%s\n", s.c_str());
+    std::fflush(stdout);
+    md << s << "\n";
+  }
+};
+
+std::string fmt(const char* f, ...) {
+  char buf[512];
+  va_list ap;
+  va_start(ap, f);
+  std::vsnprintf(buf, sizeof buf, f, ap);
+  va_end(ap);
+  return buf;
+}
+
+const char* dn(DType t) { return t == DType::F32 ? "f32" : t == DType::F16 ? "f16" : "bf16"; }
+
+struct Case { int op; DType in, out; int64_t b, p, q; };  // op 0 gram, 1 sym_product
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string out_path;
+  bool quick = false;
+  int iters = 10;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--out" && i + 1 < argc) out_path = argv[++i];
+    else if (a == "--quick") quick = true;
+    else if (a == "--iters" && i + 1 < argc) iters = std::atoi(argv[++i]);
+    else {
+      std::fprintf(stderr, "usage: dion3-cuda-sym-bench [--out FILE] [--quick] [--iters N]\n");
+      return 2;
+    }
+  }
+  auto be = dion3::make_cuda_backend(0);
+  cudaStream_t s = static_cast<cudaStream_t>(dion3::cuda::backend_stream(*be));
+  cudaDeviceProp prop{};
+  CK(cudaGetDeviceProperties(&prop, 0));
+  Out o;
+  o.line(fmt("Device: %s, %d SMs, %.0f MB L2", prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6));
+  o.line("");
+  using dion3::cuda::set_symmetric_options;
+  int failures = 0;
+
+  // ---- 1. correctness: fused kernel vs the cuBLAS tile schedule ------------------------------
+  o.line("## Fused symmetric kernel: correctness against the cuBLAS tile schedule");
+  o.line("");
+  o.line("gram, then sym_product C = 2·R·R − 1.5·R (D aliasing neither), C = R·Z + 3·I, and C = 0.5·R·Z + 0.25·C + I "
+         "(D aliasing C). err = max |kernel − ref| / max |ref|; C poisoned with NaN before the kernel.");
+  o.line("");
+  o.line("| in | C | b | p | q | kernel runs | gram err | 2RR-1.5R err | RZ+3I err | aliased err | symmetric | result |");
+  o.line("|---|---|---|---|---|---|---|---|---|---|---|---|");
+  const std::vector<Case> checks = {
+      {0, DType::F16, DType::F16, 3, 200, 520}, {0, DType::BF16, DType::BF16, 3, 200, 520},
+      {0, DType::F16, DType::F32, 2, 520, 1000}, {0, DType::BF16, DType::F32, 2, 384, 40},
+      {0, DType::F16, DType::F16, 1, 1000, 64}, {0, DType::BF16, DType::BF16, 5, 129, 136},
+      {0, DType::F16, DType::F16, 2, 1536, 2048}, {0, DType::BF16, DType::BF16, 1, 2752, 1024}};
+  for (const Case& c : checks) {
+    const int64_t b = c.b, p = c.p, q = c.q;
+    const int64_t ein = dion3::dtype_size(c.in), eout = dion3::dtype_size(c.out);
+    dion3::DeviceBuffer X(be->allocator(), b * p * q * ein), R(be->allocator(), b * p * p * ein),
+        Z(be->allocator(), b * p * p * ein), C1(be->allocator(), b * p * p * eout),
+        C2(be->allocator(), b * p * p * eout);
+    MatrixView Xv = MatrixView::contiguous(X.get(), c.in, b, p, q);
+    MatrixView Rv = MatrixView::contiguous(R.get(), c.in, b, p, p);
+    MatrixView Zv = MatrixView::contiguous(Z.get(), c.in, b, p, p);
+    MatrixView C1v = MatrixView::contiguous(C1.get(), c.out, b, p, p);
+    MatrixView C2v = MatrixView::contiguous(C2.get(), c.out, b, p, p);
+    MatrixView C1o = C1v, C2o = C2v;  // the aliased D
+    fill(X.get(), c.in, b * p * q, 11 + p, 2.0f / std::sqrt(static_cast<float>(q)), s);
+    set_symmetric_options(*be, {true, 64, 0});
+    be->gram(Xv, Rv);                                                       // a symmetric R
+    be->sym_product(2.0f, Rv, Rv, -1.0f, &Rv, 0.0f, Zv);                    // a symmetric Z
+    bool runs = true;  // every kernel call of this case ran the kernel (not the fallback)
+    auto kern = [&](const MatrixView& A, const MatrixView& B, const MatrixView* D, const MatrixView& C) {
+      const bool ok = dion3::cuda::sym_wgmma_supported(A, B, D, C);
+      runs = runs && ok;
+      return ok;
+    };
+    double err[4] = {0, 0, 0, 0};
+    bool sym_ok = true, nan_free = true;
+    for (int k = 0; k < 4; ++k) {
+      for (int which = 0; which < 2; ++which) {
+        set_symmetric_options(*be, {true, 64, 0});
+        MatrixView Cv = which == 0 ? C1v : C2v;
+        if (k < 3) CK(cudaMemsetAsync(Cv.data, 0xFF, b * p * p * eout, s));  // NaN
+        if (k == 3 && which == 0)  // both start from the reference's C (the aliased D)
+          CK(cudaMemcpyAsync(C2v.data, C1v.data, b * p * p * eout, cudaMemcpyDeviceToDevice, s));
+        if (k == 0) {
+          // gram of X into C (C may be fp32)
+          if (which == 1 && kern(Xv, Xv, nullptr, Cv)) dion3::cuda::launch_sym_wgmma(Xv, Xv, 1.0f, 0.0f, nullptr, 0.0f, Cv, s);
+          else be->gram(Xv, Cv);
+        } else if (k == 1) {
+          if (c.out != c.in) {
+            // D must have C's dtype: use C = 2·R·R + 3·I instead
+            if (which == 1 && kern(Rv, Rv, nullptr, Cv)) dion3::cuda::launch_sym_wgmma(Rv, Rv, 2.0f, 0.0f, nullptr, 3.0f, Cv, s);
+            else be->sym_product(2.0f, Rv, Rv, 0.0f, nullptr, 3.0f, Cv);
+          } else {
+            if (which == 1 && kern(Rv, Rv, &Rv, Cv)) dion3::cuda::launch_sym_wgmma(Rv, Rv, 2.0f, -1.5f, &Rv, 0.0f, Cv, s);
+            else be->sym_product(2.0f, Rv, Rv, -1.5f, &Rv, 0.0f, Cv);
+          }
+        } else if (k == 2) {
+          if (which == 1 && kern(Rv, Zv, nullptr, Cv)) dion3::cuda::launch_sym_wgmma(Rv, Zv, 1.0f, 0.0f, nullptr, 3.0f, Cv, s);
+          else be->sym_product(1.0f, Rv, Zv, 0.0f, nullptr, 3.0f, Cv);
+        } else {
+          MatrixView& Dv = which == 0 ? C1o : C2o;
+          if (which == 1 && kern(Rv, Zv, &Dv, Cv)) dion3::cuda::launch_sym_wgmma(Rv, Zv, 0.5f, 0.25f, &Dv, 1.0f, Cv, s);
+          else be->sym_product(0.5f, Rv, Zv, 0.25f, &Dv, 1.0f, Cv);
+        }
+        CK(cudaGetLastError());
+      }
+      // k == 3 reads C1 (ref) and C2 (kernel), which both hold the k == 2 result beforehand.
+      const auto ref = download(C1v, s), got = download(C2v, s);
+      double mx = 0, md = 0;
+      for (std::size_t i = 0; i < ref.size(); ++i) {
+        mx = std::max(mx, static_cast<double>(std::fabs(ref[i])));
+        const double d = std::fabs(static_cast<double>(ref[i]) - got[i]);
+        if (!(d == d)) nan_free = false;
+        else md = std::max(md, d);
+      }
+      err[k] = md / std::max(mx, 1e-30);
+      for (int64_t bb = 0; bb < b && sym_ok; ++bb)
+        for (int64_t r = 0; r < p && sym_ok; ++r)
+          for (int64_t cc = 0; cc < r; ++cc)
+            if (got[bb * p * p + r * p + cc] != got[bb * p * p + cc * p + r]) { sym_ok = false; break; }
+    }
+    const double tol = c.out == DType::F32 ? 2e-3 : (c.out == DType::F16 ? 4e-3 : 2e-2);
+    const bool ok = nan_free && sym_ok && err[0] <= tol && err[1] <= 2 * tol && err[2] <= 2 * tol && err[3] <= 2 * tol;
+    if (!ok) ++failures;
+    o.line(fmt("| %s | %s | %lld | %lld | %lld | %s | %.2e | %.2e | %.2e | %.2e | %s | %s |", dn(c.in), dn(c.out),
+               (long long)b, (long long)p, (long long)q, runs ? "yes" : "partly (fallback)", err[0], err[1], err[2], err[3],
+               sym_ok ? "yes" : "NO", ok ? "pass" : (nan_free ? "FAIL" : "FAIL (NaN: unwritten)")));
+  }
+  o.line("");
+
+  // ---- 2. timing ------------------------------------------------------------------------------
+  struct Shape { int op; DType dt; int64_t b, p, q; };
+  std::vector<Shape> shapes;
+  if (quick) {
+    shapes = {{0, DType::F16, 8, 4096, 11008}, {1, DType::F16, 8, 4096, 4096}};
+  } else {
+    for (auto sh : std::vector<Shape>{{0, DType::F16, 8, 4096, 11008}, {0, DType::F16, 8, 4096, 4096},
+                                      {0, DType::F16, 32, 1024, 4096}, {0, DType::F16, 64, 2752, 4096},
+                                      {0, DType::F16, 16, 2048, 8192}, {0, DType::F16, 4, 8192, 8192},
+                                      {0, DType::BF16, 8, 4096, 4096},
+                                      {1, DType::F16, 8, 4096, 4096}, {1, DType::F16, 32, 1024, 1024},
+                                      {1, DType::F16, 64, 2752, 2752}, {1, DType::F16, 16, 2048, 2048},
+                                      {1, DType::F16, 4, 8192, 8192}, {1, DType::BF16, 8, 4096, 4096}})
+      shapes.push_back(sh);
+  }
+  o.line("## Symmetric products: full cuBLAS GEMM vs cuBLAS tile schedule vs fused sm_90a kernel");
+  o.line("");
+  o.line("Same inputs, C in the input dtype. eff. TFLOP/s counts the full GEMM's 2·p²·q FLOPs; real TFLOP/s counts "
+         "the lower triangle's p·(p+1)·q. Each time includes the prepare/mirror passes of that path; the last column is the "
+         "fused kernel with its stores left out.");
+  o.line("");
+  o.line("| op | dt | b | p | q | full ms | full eff. TFLOP/s | tiled ms (tile) | tiled real TFLOP/s | kernel ms | "
+         "kernel real TFLOP/s | kernel vs full | kernel vs tiled | kernel main loop only ms (real TFLOP/s) |");
+  o.line("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+  for (const Shape& sh : shapes) {
+    const int64_t q = sh.op == 0 ? sh.q : sh.p, es = dion3::dtype_size(sh.dt);
+    dion3::DeviceBuffer X(be->allocator(), sh.b * sh.p * q * es), C(be->allocator(), sh.b * sh.p * sh.p * es),
+        R(be->allocator(), sh.op == 1 ? sh.b * sh.p * sh.p * es : 16);
+    MatrixView Xv = MatrixView::contiguous(X.get(), sh.dt, sh.b, sh.p, q);
+    MatrixView Cv = MatrixView::contiguous(C.get(), sh.dt, sh.b, sh.p, sh.p);
+    MatrixView Rv = MatrixView::contiguous(R.get(), sh.dt, sh.b, sh.p, sh.p);
+    fill(X.get(), sh.dt, sh.b * sh.p * q, 1, 2.0f / std::sqrt(static_cast<float>(q)), s);
+    if (sh.op == 1) {
+      set_symmetric_options(*be, {true, 0, 0});
+      be->gram(Xv, Rv);
+    }
+    auto run = [&] {
+      if (sh.op == 0) be->gram(Xv, Cv);
+      else be->sym_product(2.0f, Rv, Rv, -1.0f, &Rv, 0.0f, Cv);
+    };
+    const double flops = 2.0 * sh.b * sh.p * sh.p * q, real = static_cast<double>(sh.b) * sh.p * (sh.p + 1) * q;
+    set_symmetric_options(*be, {false, 0, 0});
+    const double full = median_ms(s, 2, iters, run);
+    double tiled = 1e30;
+    int64_t best_tile = 0;
+    for (int64_t t : {256, 512}) {
+      if (t >= sh.p) continue;
+      set_symmetric_options(*be, {true, t, 0});
+      const double ms = median_ms(s, 2, iters, run);
+      if (ms < tiled) { tiled = ms; best_tile = t; }
+    }
+    set_symmetric_options(*be, {true, 0, 1});
+    const MatrixView& A = sh.op == 0 ? Xv : Rv;
+    const bool runs = dion3::cuda::sym_wgmma_supported(A, A, nullptr, Cv);
+    const double kern = median_ms(s, 2, iters, run);
+    // The kernel's main loop alone (no stores): what the epilogue costs.
+    const double mainloop = !runs ? 0.0 : median_ms(s, 2, iters, [&] {
+      if (sh.op == 0) dion3::cuda::launch_sym_wgmma(Xv, Xv, 1.0f, 0.0f, nullptr, 0.0f, Cv, s, true);
+      else dion3::cuda::launch_sym_wgmma(Rv, Rv, 2.0f, -1.0f, &Rv, 0.0f, Cv, s, true);
+    });
+    o.line(fmt("| %s | %s | %lld | %lld | %lld | %.3f | %.0f | %.3f (%lld) | %.0f | %.3f%s | %.0f | %.2fx | %.2fx | %.3f (%.0f) |",
+               sh.op == 0 ? "gram" : "sym_product", dn(sh.dt), (long long)sh.b, (long long)sh.p, (long long)q, full,
+               flops / full / 1e9, tiled, (long long)best_tile, real / tiled / 1e9, kern, runs ? "" : " (fallback)",
+               real / kern / 1e9, full / kern, tiled / kern, mainloop, mainloop > 0 ? real / mainloop / 1e9 : 0.0));
+  }
+  set_symmetric_options(*be, {true, 0, -1});
+  o.line("");
+  o.line(fmt("correctness failures: %d", failures));
+  if (!out_path.empty()) {
+    std::ofstream f(out_path);
+    f << o.md.str();
+  }
+  return failures == 0 ? 0 : 1;
+}
