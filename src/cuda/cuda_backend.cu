@@ -325,12 +325,12 @@ class CudaBackend final : public Backend {
     return sym_.kernel == 1 || kernel_pays(C.rows, A.cols);
   }
   // Where the fused kernel beat the path it replaces on the H200 (bench/results/
-  // 2026-11-30-*-sym.md, dion3-cuda-sym-bench): p <= 2048 (1.04-1.16x the cuBLAS tile schedule,
-  // 1.5-1.7x the full GEMM used below p = 1536) and p = 4096 (1.01-1.15x); it lost at p = 2752
-  // (0.91-0.96x: a ragged last tile row) and p = 8192 (0.73-0.95x).
+  // 2026-11-30-4125a7d-sym.md): p <= 2048, 1.04-1.16x the cuBLAS tile schedule and 1.5-1.7x the
+  // full GEMM used below p = 1536. At p = 4096 it was a wash (1.01-1.05x per product, 0.96-0.98x
+  // in whole Gram NS runs), at p = 2752 and 8192 it lost (0.91-0.96x, 0.73-0.95x).
   static bool kernel_pays(int64_t p, int64_t k) {
     (void)k;
-    return p <= 2048 || (p <= 4096 && p % 256 == 0);
+    return p <= 2048;
   }
   int64_t tile_for(int64_t p) const {
     if (!sym_.enabled) return p;
