@@ -2,7 +2,7 @@
 #include "dion3/config.hpp"
 
 #include <cmath>
-#include <sstream>
+#include <cstdio>
 
 #include "dion3/error.hpp"
 
@@ -10,10 +10,12 @@ namespace dion3 {
 
 namespace {
 
+// Formats without iostreams: no locale facets are touched (the PyTorch extension on the H200
+// image crashed inside ostream's locale code).
 std::string num(double v) {
-  std::ostringstream os;
-  os << v;
-  return os.str();
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", v);
+  return buf;
 }
 
 void require_nonnegative(const char* field, double v) {

@@ -1,7 +1,6 @@
 // view.cpp — dtype/device names and sizes, shape helpers for TensorView and MatrixView.
 #include "dion3/view.hpp"
 
-#include <sstream>
 
 #include "dion3/error.hpp"
 
@@ -44,11 +43,9 @@ int64_t TensorView::numel() const {
 std::string TensorView::shape_str() const { return shape_string(shape); }
 
 std::string shape_string(const std::vector<int64_t>& shape) {
-  std::ostringstream os;
-  os << "[";
-  for (std::size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
-  os << "]";
-  return os.str();
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
 }
 
 MatrixView MatrixView::at(int64_t b) const {

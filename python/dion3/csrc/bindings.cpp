@@ -54,7 +54,8 @@ at::ScalarType to_scalar_type(const std::string& name) {
 dion3::TensorView view_of(const at::Tensor& t, const std::string& who) {
   if (!t.is_contiguous())
     throw dion3::Error(dion3::Status::InvalidArgument,
-                       who + " is not contiguous (strides " + c10::str(t.strides()) +
+                       who + " is not contiguous (strides " +
+                           dion3::shape_string(std::vector<int64_t>(t.strides().begin(), t.strides().end())) +
                            "); dion3 needs contiguous tensors");
   dion3::TensorView v;
   v.data = t.data_ptr();
