@@ -94,7 +94,7 @@ class Reference:
 
     def __init__(self, params, **group):
         self.opts = dict(DEFAULTS, **group)
-        self.w = [p.detach().double().clone() for p in params]
+        self.w = [p.detach().double().cpu().clone() for p in params]  # the reference runs on the CPU
         self.state = [dict(step=0) for _ in params]
 
     def _orth(self, U):
@@ -104,7 +104,7 @@ class Reference:
 
     def step(self, grads):
         for i, g in enumerate(grads):
-            self._step_one(i, g.detach().double())
+            self._step_one(i, g.detach().double().cpu())
 
     def _step_one(self, i, G):
         o, W, st = self.opts, self.w[i], self.state[i]
