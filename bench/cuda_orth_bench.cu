@@ -19,84 +19,20 @@
 #include <string>
 #include <vector>
 
+#include "cuda_bench_common.cuh"
 #include "cuda/cuda_backend.hpp"
 #include "dion3/backend.hpp"
 #include "dion3/orthogonalize.hpp"
 
 namespace {
 
+using bench::fill;
+using bench::fmt;
+using bench::median_ms;
+using bench::Out;
+
 using dion3::DType;
 using dion3::MatrixView;
-
-#define CK(x)                                                                        \
-  do {                                                                               \
-    cudaError_t e_ = (x);                                                            \
-    if (e_ != cudaSuccess) {                                                         \
-      std::fprintf(stderr, "%s failed: %s\n", #x, cudaGetErrorString(e_));           \
-      std::exit(1);                                                                  \
-    }                                                                                \
-  } while (0)
-
-template <class T>
-__global__ void fill_kernel(T* p, int64_t n, uint64_t seed, float scale) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    uint64_t z = (static_cast<uint64_t>(i) + seed) * 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    const float u = static_cast<float>(z >> 40) * (1.0f / 16777216.0f) - 0.5f;  // uniform
-    p[i] = static_cast<T>(u * scale);
-  }
-}
-
-void fill(void* p, DType dt, int64_t n, uint64_t seed, float scale, cudaStream_t s) {
-  const int grid = 4096;
-  if (dt == DType::F32) fill_kernel<float><<<grid, 256, 0, s>>>(static_cast<float*>(p), n, seed, scale);
-  else if (dt == DType::F16) fill_kernel<__half><<<grid, 256, 0, s>>>(static_cast<__half*>(p), n, seed, scale);
-  else fill_kernel<__nv_bfloat16><<<grid, 256, 0, s>>>(static_cast<__nv_bfloat16*>(p), n, seed, scale);
-  CK(cudaGetLastError());
-}
-
-template <class F>
-double median_ms(cudaStream_t s, int warmup, int iters, F&& f) {
-  for (int i = 0; i < warmup; ++i) f();
-  std::vector<double> t;
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  for (int i = 0; i < iters; ++i) {
-    CK(cudaEventRecord(a, s));
-    f();
-    CK(cudaEventRecord(b, s));
-    CK(cudaEventSynchronize(b));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms);
-  }
-  CK(cudaEventDestroy(a));
-  CK(cudaEventDestroy(b));
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
-
-struct Out {
-  std::ostringstream md;
-  void line(const std::string& s) {
-    std::printf("%s\n", s.c_str());
-    std::fflush(stdout);
-    md << s << "\n";
-  }
-};
-
-std::string fmt(const char* f, ...) {
-  char buf[512];
-  va_list ap;
-  va_start(ap, f);
-  std::vsnprintf(buf, sizeof buf, f, ap);
-  va_end(ap);
-  return buf;
-}
 
 struct Shape { int64_t b, p, q; };
 

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_bench_common.cuh"
 #include "cuda/cuda_backend.hpp"
 #include "dion3/backend.hpp"
 #include "dion3/optimizer.hpp"
@@ -32,34 +33,7 @@
 
 namespace {
 
-#define CK(x)                                                                        \
-  do {                                                                               \
-    cudaError_t e_ = (x);                                                            \
-    if (e_ != cudaSuccess) {                                                         \
-      std::fprintf(stderr, "%s failed: %s\n", #x, cudaGetErrorString(e_));           \
-      std::exit(1);                                                                  \
-    }                                                                                \
-  } while (0)
-
-__global__ void fill_bf16(__nv_bfloat16* p, int64_t n, uint64_t seed, float scale) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    uint64_t z = (static_cast<uint64_t>(i) + seed) * 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    p[i] = __float2bfloat16((static_cast<float>(z >> 40) * (1.0f / 16777216.0f) - 0.5f) * scale);
-  }
-}
-
-std::string fmt(const char* f, ...) {
-  char buf[512];
-  va_list ap;
-  va_start(ap, f);
-  std::vsnprintf(buf, sizeof buf, f, ap);
-  va_end(ap);
-  return buf;
-}
+using bench::fmt;
 
 struct Variant {
   std::string label;
@@ -251,8 +225,8 @@ int main(int argc, char** argv) {
       void *w, *g;
       CK(cudaMalloc(&w, n * 2));
       CK(cudaMalloc(&g, n * 2));
-      fill_bf16<<<2048, 256>>>(static_cast<__nv_bfloat16*>(w), n, 2 * i + 1, 0.04f);
-      fill_bf16<<<2048, 256>>>(static_cast<__nv_bfloat16*>(g), n, 2 * i + 2, 2e-3f);
+      bench::fill(w, dion3::DType::BF16, n, 2 * i + 1, 0.04f, nullptr);
+      bench::fill(g, dion3::DType::BF16, n, 2 * i + 2, 2e-3f, nullptr);
       W.push_back(w);
       G.push_back(g);
     }

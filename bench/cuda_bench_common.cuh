@@ -1,0 +1,95 @@
+// bench/cuda_bench_common.cuh — what the CUDA benchmark programs share: a CUDA error check that
+// exits, a deterministic device-side fill (hash of the index, uniform in [-scale/2, scale/2]),
+// CUDA-event median timing, printf-style formatting and a markdown sink that also echoes to
+// stdout. Header-only; each program is its own translation unit.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "dion3/view.hpp"
+
+#define CK(x)                                                              \
+  do {                                                                     \
+    cudaError_t e_ = (x);                                                  \
+    if (e_ != cudaSuccess) {                                               \
+      std::fprintf(stderr, "%s failed: %s\n", #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                        \
+    }                                                                      \
+  } while (0)
+
+namespace bench {
+
+template <class T>
+__global__ void fill_kernel(T* p, int64_t n, uint64_t seed, float scale) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint64_t z = (static_cast<uint64_t>(i) + seed) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const float u = static_cast<float>(z >> 40) * (1.0f / 16777216.0f) - 0.5f;
+    p[i] = static_cast<T>(u * scale);
+  }
+}
+
+inline void fill(void* p, dion3::DType dt, int64_t n, uint64_t seed, float scale, cudaStream_t s) {
+  if (dt == dion3::DType::F32) fill_kernel<float><<<4096, 256, 0, s>>>(static_cast<float*>(p), n, seed, scale);
+  else if (dt == dion3::DType::F16) fill_kernel<__half><<<4096, 256, 0, s>>>(static_cast<__half*>(p), n, seed, scale);
+  else fill_kernel<__nv_bfloat16><<<4096, 256, 0, s>>>(static_cast<__nv_bfloat16*>(p), n, seed, scale);
+  CK(cudaGetLastError());
+}
+
+// Median of `iters` CUDA-event timings of f() on stream s, after `warmup` untimed calls.
+template <class F>
+double median_ms(cudaStream_t s, int warmup, int iters, F&& f) {
+  for (int i = 0; i < warmup; ++i) f();
+  std::vector<double> t;
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  for (int i = 0; i < iters; ++i) {
+    CK(cudaEventRecord(a, s));
+    f();
+    CK(cudaEventRecord(b, s));
+    CK(cudaEventSynchronize(b));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms);
+  }
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// Lines of a markdown report, echoed to stdout as they come.
+struct Out {
+  std::ostringstream md;
+  void line(const std::string& s) {
+    std::printf("%s\n", s.c_str());
+    std::fflush(stdout);
+    md << s << "\n";
+  }
+};
+
+inline std::string fmt(const char* f, ...) {
+  char buf[512];
+  va_list ap;
+  va_start(ap, f);
+  std::vsnprintf(buf, sizeof buf, f, ap);
+  va_end(ap);
+  return buf;
+}
+
+}  // namespace bench
