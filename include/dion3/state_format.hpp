@@ -1,0 +1,19 @@
+// dion3/state_format.hpp — optimizer state as one self-describing byte buffer (for checkpoints
+// of native trainers and the C API): magic "DION3ST", format version, step counters, then per
+// parameter its name, step and tensors (name, dtype, shape, bytes), and an FNV-1a hash of all
+// of it. parse_state() checks everything (hash, bounds, shapes against byte counts, trailing
+// bytes) and throws dion3::Error naming what is wrong; Optimizer::import_state() then checks
+// the result against the optimizer's own parameters.
+#pragma once
+
+#include <cstddef>
+
+#include "dion3/optimizer.hpp"
+
+namespace dion3 {
+
+// Writes the buffer to `out` and returns its size; with out == nullptr only the size.
+std::size_t serialize_state(const OptimizerState& state, unsigned char* out);
+OptimizerState parse_state(const unsigned char* buffer, std::size_t size);
+
+}  // namespace dion3
