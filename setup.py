@@ -38,7 +38,7 @@ def extension():
 
     cuda = want_cuda()
     sources = rel("src/core/*.cpp") + rel("src/cpu/*.cpp") + rel("src/comm/*.cpp") + rel("python/dion3/csrc/*.cpp")
-    cxx = ["-O3", "-g0", "-std=c++20", "-Wno-unused-parameter"]  # -g0: no debug info (faster CI build)
+    cxx = ["-O3", "-g0", "-std=c++20", "-fno-math-errno", "-Wno-unused-parameter"]  # -g0: no debug info (faster CI build)
     define_macros = []
     # The BLAS: OpenBLAS by default; DION3_BLAS names another library (e.g. "blas") and
     # DION3_BLAS_DIR a prefix holding its include/ and lib/ (a machine without OpenBLAS).

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <initializer_list>
 #include <numeric>
 
 #include "cpu/cpu_numeric.hpp"
@@ -43,6 +44,13 @@ MatrixView cols_slice(const MatrixView& v, int64_t c0) {
   return s;
 }
 
+bool all_f32(std::initializer_list<MatrixView> views) {
+  for (const MatrixView& v : views)
+    if (v.dtype != DType::F32) return false;
+  return true;
+}
+float* f32(const MatrixView& v) { return static_cast<float*>(v.data); }
+
 bool skipped(const int* skip) { return skip && *skip != 0; }
 
 void check(bool ok, const char* what) {
@@ -75,10 +83,27 @@ class CpuBackend final : public Backend {
   void finish_step(const int* flag, int64_t* counters) override { ++counters[*flag ? 1 : 0]; }
 
   void check_finite(std::span<const MatrixView> xs, int* flag) override {
+    // fp32 rows are tested in place: exponent bits all ones means Inf or NaN (vectorizes).
+    auto row_finite_f32 = [](const float* p, int64_t n) {
+      uint32_t bad = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        uint32_t b;
+        std::memcpy(&b, p + j, 4);
+        bad |= static_cast<uint32_t>((b & 0x7f800000u) == 0x7f800000u);
+      }
+      return bad == 0;
+    };
     std::vector<float> buf(kChunk);
     for (const MatrixView& v : xs)
       for (int64_t b = 0; b < v.batch; ++b)
-        for (int64_t r = 0; r < v.rows; ++r)
+        for (int64_t r = 0; r < v.rows; ++r) {
+          if (v.dtype == DType::F32) {
+            if (!row_finite_f32(reinterpret_cast<const float*>(cpu::elem_ptr(v, b, r)), v.cols)) {
+              *flag = 1;
+              return;
+            }
+            continue;
+          }
           for (int64_t c0 = 0; c0 < v.cols; c0 += kChunk) {
             const MatrixView part = cols_slice(v, c0);
             load_row(part, b, r, buf.data());
@@ -88,6 +113,7 @@ class CpuBackend final : public Backend {
                 return;
               }
           }
+        }
   }
 
   void accumulate(const MatrixSet& set, float decay, float* scores, const int* skip) override {
@@ -282,8 +308,19 @@ class CpuBackend final : public Backend {
     if (skipped(skip)) return;
     const float decay = 1.0f - h.lr * h.weight_decay;
     const double t = adamw_step_number(h, *h.applied_steps);
-    const float bias_correction1 = static_cast<float>(1.0 - std::pow(static_cast<double>(h.beta1), t));
-    const float bias_correction2 = static_cast<float>(1.0 - std::pow(static_cast<double>(h.beta2), t));
+    const float bc1 = static_cast<float>(1.0 - std::pow(static_cast<double>(h.beta1), t));
+    const float bc2 = static_cast<float>(1.0 - std::pow(static_cast<double>(h.beta2), t));
+    auto update = [&](float* w, const float* g, float* m, float* v, int64_t n) {
+      for (int64_t j = 0; j < n; ++j) {
+        m[j] += (1.0f - h.beta1) * (g[j] - m[j]);
+        v[j] += (1.0f - h.beta2) * (g[j] * g[j] - v[j]);
+        w[j] = w[j] * decay - h.lr * (m[j] / bc1) / (std::sqrt(v[j] / bc2) + h.epsilon);
+      }
+    };
+    if (all_f32({e.weight, e.grad, e.exp_avg, e.exp_avg_sq})) {  // in place, no copies
+      update(f32(e.weight), f32(e.grad), f32(e.exp_avg), f32(e.exp_avg_sq), e.weight.cols);
+      return;
+    }
     std::vector<float> w(kChunk), g(kChunk), m(kChunk), v(kChunk);
     for (int64_t c0 = 0; c0 < e.weight.cols; c0 += kChunk) {
       const MatrixView W = cols_slice(e.weight, c0), G = cols_slice(e.grad, c0);
@@ -292,13 +329,7 @@ class CpuBackend final : public Backend {
       load_row(G, 0, 0, g.data());
       load_row(M, 0, 0, m.data());
       load_row(V, 0, 0, v.data());
-      for (int64_t j = 0; j < W.cols; ++j) {
-        m[j] += (1.0f - h.beta1) * (g[j] - m[j]);
-        v[j] += (1.0f - h.beta2) * (g[j] * g[j] - v[j]);
-        const float mhat = m[j] / bias_correction1;
-        const float vhat = v[j] / bias_correction2;
-        w[j] = w[j] * decay - h.lr * mhat / (std::sqrt(vhat) + h.epsilon);
-      }
+      update(w.data(), g.data(), m.data(), v.data(), W.cols);
       store_row(W, 0, 0, w.data());
       store_row(M, 0, 0, m.data());
       store_row(V, 0, 0, v.data());
@@ -308,18 +339,25 @@ class CpuBackend final : public Backend {
   void lion(const ElementwiseParam& e, const LionParams& h, const int* skip) override {
     if (skipped(skip)) return;
     const float decay = 1.0f - h.lr * h.weight_decay;
+    auto update = [&](float* w, const float* g, float* m, int64_t n) {
+      for (int64_t j = 0; j < n; ++j) {
+        const float c = m[j] + (1.0f - h.beta1) * (g[j] - m[j]);
+        const float u = static_cast<float>((c > 0.0f) - (c < 0.0f));
+        m[j] += (1.0f - h.beta2) * (g[j] - m[j]);
+        w[j] = w[j] * decay - h.lr * u;
+      }
+    };
+    if (all_f32({e.weight, e.grad, e.exp_avg})) {
+      update(f32(e.weight), f32(e.grad), f32(e.exp_avg), e.weight.cols);
+      return;
+    }
     std::vector<float> w(kChunk), g(kChunk), m(kChunk);
     for (int64_t c0 = 0; c0 < e.weight.cols; c0 += kChunk) {
       const MatrixView W = cols_slice(e.weight, c0), G = cols_slice(e.grad, c0), M = cols_slice(e.exp_avg, c0);
       load_row(W, 0, 0, w.data());
       load_row(G, 0, 0, g.data());
       load_row(M, 0, 0, m.data());
-      for (int64_t j = 0; j < W.cols; ++j) {
-        const float c = m[j] + (1.0f - h.beta1) * (g[j] - m[j]);
-        const float u = static_cast<float>((c > 0.0f) - (c < 0.0f));
-        m[j] += (1.0f - h.beta2) * (g[j] - m[j]);
-        w[j] = w[j] * decay - h.lr * u;
-      }
+      update(w.data(), g.data(), m.data(), W.cols);
       store_row(W, 0, 0, w.data());
       store_row(M, 0, 0, m.data());
     }
