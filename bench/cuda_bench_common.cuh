@@ -92,4 +92,35 @@ inline std::string fmt(const char* f, ...) {
   return buf;
 }
 
+// The options every CUDA benchmark takes: --out FILE (markdown copy), --quick, --iters N.
+struct Args {
+  std::string out_path;
+  bool quick = false;
+  int iters = 10;
+};
+
+// Parses Args; on anything else prints the usage line and exits with status 2.
+inline Args parse_args(int argc, char** argv, const char* program) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string s = argv[i];
+    if (s == "--out" && i + 1 < argc) a.out_path = argv[++i];
+    else if (s == "--quick") a.quick = true;
+    else if (s == "--iters" && i + 1 < argc) a.iters = std::atoi(argv[++i]);
+    else {
+      std::fprintf(stderr, "usage: %s [--out FILE] [--quick] [--iters N]\n", program);
+      std::exit(2);
+    }
+  }
+  return a;
+}
+
+// The report's first line: which GPU the numbers come from.
+inline void device_line(Out& o, int device = 0) {
+  cudaDeviceProp prop{};
+  CK(cudaGetDeviceProperties(&prop, device));
+  o.line(fmt("Device: %s, %d SMs, %.0f MB L2", prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6));
+  o.line("");
+}
+
 }  // namespace bench

@@ -57,26 +57,14 @@ struct Case { int op; DType in, out; int64_t b, p, q; };  // op 0 gram, 1 sym_pr
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string out_path;
-  bool quick = false;
-  int iters = 10;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--out" && i + 1 < argc) out_path = argv[++i];
-    else if (a == "--quick") quick = true;
-    else if (a == "--iters" && i + 1 < argc) iters = std::atoi(argv[++i]);
-    else {
-      std::fprintf(stderr, "usage: dion3-cuda-sym-bench [--out FILE] [--quick] [--iters N]\n");
-      return 2;
-    }
-  }
+  const bench::Args args = bench::parse_args(argc, argv, "dion3-cuda-sym-bench");
+  const std::string& out_path = args.out_path;
+  const bool quick = args.quick;
+  const int iters = args.iters;
   auto be = dion3::make_cuda_backend(0);
   cudaStream_t s = static_cast<cudaStream_t>(dion3::cuda::backend_stream(*be));
-  cudaDeviceProp prop{};
-  CK(cudaGetDeviceProperties(&prop, 0));
   Out o;
-  o.line(fmt("Device: %s, %d SMs, %.0f MB L2", prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6));
-  o.line("");
+  bench::device_line(o);
   using dion3::cuda::set_symmetric_options;
   int failures = 0;
 

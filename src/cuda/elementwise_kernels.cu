@@ -26,12 +26,10 @@ __global__ void sumsq_partial_kernel(const T* __restrict__ x, int64_t rows, int6
   if (threadIdx.x == 0) partial[b * gridDim.x + blockIdx.x] = acc;
 }
 
-template <class TI, class TO>
-__global__ void scale_by_norm_kernel(const TI* __restrict__ x, int64_t rows, int64_t cols, int64_t ld,
-                                     int64_t bstride, TO* __restrict__ y, int64_t ldy, int64_t bstride_y,
-                                     const float* __restrict__ partial, int nparts, float eps) {
+// 1 / (||x_b||_F + eps) from the per-block partial sums of squares of matrix b, for every
+// thread of the block (the first warp reduces, the block waits on shared memory).
+__device__ __forceinline__ float inverse_norm(const float* __restrict__ partial, int nparts, int64_t b, float eps) {
   __shared__ float s_inv;
-  const int64_t b = blockIdx.y;
   if (threadIdx.x < 32) {
     float a = 0.0f;
     for (int j = threadIdx.x; j < nparts; j += 32) a += partial[b * nparts + j];
@@ -39,7 +37,15 @@ __global__ void scale_by_norm_kernel(const TI* __restrict__ x, int64_t rows, int
     if (threadIdx.x == 0) s_inv = 1.0f / (sqrtf(a) + eps);
   }
   __syncthreads();
-  const float inv = s_inv;  // multiply by the reciprocal, as the CPU reference does
+  return s_inv;
+}
+
+template <class TI, class TO>
+__global__ void scale_by_norm_kernel(const TI* __restrict__ x, int64_t rows, int64_t cols, int64_t ld,
+                                     int64_t bstride, TO* __restrict__ y, int64_t ldy, int64_t bstride_y,
+                                     const float* __restrict__ partial, int nparts, float eps) {
+  const int64_t b = blockIdx.y;
+  const float inv = inverse_norm(partial, nparts, b, eps);  // multiply by it, as the CPU reference does
   const TI* xb = x + b * bstride;
   TO* yb = y + b * bstride_y;
   const int64_t total = rows * cols;
@@ -73,16 +79,8 @@ __global__ void sumsq_flat_kernel(const T* __restrict__ x, int64_t n4, int64_t b
 template <class TI, class TO>
 __global__ void scale_flat_kernel(const TI* __restrict__ x, int64_t n4, int64_t bstride, TO* __restrict__ y,
                                   int64_t bstride_y, const float* __restrict__ partial, int nparts, float eps) {
-  __shared__ float s_inv;
   const int64_t b = blockIdx.y;
-  if (threadIdx.x < 32) {
-    float a = 0.0f;
-    for (int j = threadIdx.x; j < nparts; j += 32) a += partial[b * nparts + j];
-    for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-    if (threadIdx.x == 0) s_inv = 1.0f / (sqrtf(a) + eps);
-  }
-  __syncthreads();
-  const float inv = s_inv;
+  const float inv = inverse_norm(partial, nparts, b, eps);
   const Pack4<TI>* xb = reinterpret_cast<const Pack4<TI>*>(x + b * bstride);
   Pack4<TO>* yb = reinterpret_cast<Pack4<TO>*>(y + b * bstride_y);
   for (int64_t q = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; q < n4;

@@ -21,22 +21,8 @@ using dion3::GroupConfig;
 using t3::Harness;
 using t3::Rng;
 
-double weight_tol(DType dt, double max_w, double max_delta) {
-  switch (dt) {
-    case DType::BF16:
-      return 3.0 * 0x1.0p-8 * max_w + 1e-2 * max_delta;
-    case DType::F16:
-      return 3.0 * 0x1.0p-11 * max_w + 1e-2 * max_delta;
-    default:  // see test_dion3.cpp
-      return 4.0 * 0x1.0p-24 * max_w + 1e-4 * max_delta;
-  }
-}
-
-double max_change(const std::vector<double>& W, const std::vector<double>& W0) {
-  double d = 0;
-  for (size_t i = 0; i < W.size(); ++i) d = std::max(d, std::fabs(W[i] - W0[i]));
-  return d;
-}
+using t3::max_change;
+using t3::weight_tol;
 
 // ---------------------------------------------------------------------------------------------
 struct MatrixCase {

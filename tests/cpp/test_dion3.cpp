@@ -29,21 +29,7 @@ using dion3::OrthMethod;
 using t3::Harness;
 using t3::Rng;
 
-// Tolerance on weights after several steps, relative to the largest weight and to the largest
-// total change. fp32: the library's orthogonalization runs in fp32 (~1e-5 relative on O, see
-// test_orthogonalize), storage rounding is mirrored by the reference. 16-bit weights: the
-// library and the reference may round a weight to neighbouring values now and then (the fp32
-// vs float64 update lands near a rounding boundary), so allow a few ulps of the largest weight.
-double weight_tol(DType dt, double max_w, double max_delta) {
-  switch (dt) {
-    case DType::BF16:
-      return 3.0 * 0x1.0p-8 * max_w + 1e-2 * max_delta;
-    case DType::F16:
-      return 3.0 * 0x1.0p-11 * max_w + 1e-2 * max_delta;
-    default:
-      return 4.0 * 0x1.0p-24 * max_w + 1e-4 * max_delta;
-  }
-}
+using t3::weight_tol;
 
 double state_rel_tol(DType dt) { return dt == DType::F32 ? 1e-5 : dt == DType::F16 ? 2e-3 : 1.6e-2; }
 
@@ -93,9 +79,7 @@ TEST_P(Dion3VsReference, SeveralSteps) {
     // A near-tie in the reference makes the comparison ill-posed, not the library wrong.
     ASSERT_GT(rep.gap, 1e-5) << "near tie in the reference's selection at step " << step << "; change the seed";
     ASSERT_TRUE(h.opt.step());
-    double max_delta = 0;
-    for (size_t i = 0; i < W.size(); ++i) max_delta = std::max(max_delta, std::fabs(W[i] - W0[i]));
-    const double tol = weight_tol(c.dtype, t3::max_abs(W), max_delta);
+    const double tol = weight_tol(c.dtype, t3::max_abs(W), t3::max_change(W, W0));
     EXPECT_LE(t3::max_abs_diff(p.w.values(), W), tol) << "weights after step " << step + 1;
     worst = std::max(worst, t3::max_abs_diff(p.w.values(), W) / tol);
     EXPECT_LE(t3::rel_max_diff(t3::state_values(h.opt, p.index, "momentum"), M), state_rel_tol(mdt))
@@ -276,10 +260,8 @@ TEST(Dion3, FullFractionEqualsNorMuon) {
     ASSERT_TRUE(a.opt.step());
     ASSERT_TRUE(b.opt.step());
   }
-  double max_delta = 0;
   const auto Wa = pa.w.values(), Wb = pb.w.values();
-  for (size_t i = 0; i < Wa.size(); ++i) max_delta = std::max(max_delta, std::fabs(Wb[i] - W0[i]));
-  EXPECT_LE(t3::max_abs_diff(Wa, Wb), 1e-5 * max_delta + 1e-7);
+  EXPECT_LE(t3::max_abs_diff(Wa, Wb), 1e-5 * t3::max_change(Wb, W0) + 1e-7);
   // Dion3 stores mu*(M + G) where NorMuon stores mu*M + G: the same sequence scaled by mu.
   const auto Ma = t3::state_values(a.opt, pa.index, "momentum"), Mb = t3::state_values(b.opt, pb.index, "momentum");
   std::vector<double> Mb_mu(Mb);
@@ -571,9 +553,7 @@ TEST(Dion3, GradientInAnotherDtypeIsCastToTheMomentumDtype) {
     ASSERT_GT(ref::dion3_step(W, M, v, gb.values(), m, n, hyper).gap, 1e-5);
     ASSERT_TRUE(h.opt.step());
   }
-  double max_delta = 0;
-  for (size_t i = 0; i < W.size(); ++i) max_delta = std::max(max_delta, std::fabs(W[i] - W0[i]));
-  EXPECT_LE(t3::max_abs_diff(p.w.values(), W), weight_tol(DType::BF16, t3::max_abs(W), max_delta));
+  EXPECT_LE(t3::max_abs_diff(p.w.values(), W), weight_tol(DType::BF16, t3::max_abs(W), t3::max_change(W, W0)));
   EXPECT_LE(t3::rel_max_diff(t3::state_values(h.opt, p.index, "momentum"), M), state_rel_tol(DType::BF16));
 }
 

@@ -418,4 +418,21 @@ ref::ElemHyper elem_hyper(const dion3::GroupConfig& g, DType param_dtype) {
   return h;
 }
 
+double max_change(const std::vector<double>& W, const std::vector<double>& W0) {
+  double d = 0;
+  for (size_t i = 0; i < W.size(); ++i) d = std::max(d, std::fabs(W[i] - W0[i]));
+  return d;
+}
+
+double weight_tol(DType dt, double max_w, double max_delta) {
+  switch (dt) {
+    case DType::BF16:
+      return 3.0 * 0x1.0p-8 * max_w + 1e-2 * max_delta;
+    case DType::F16:
+      return 3.0 * 0x1.0p-11 * max_w + 1e-2 * max_delta;
+    default:
+      return 4.0 * 0x1.0p-24 * max_w + 1e-4 * max_delta;
+  }
+}
+
 }  // namespace t3

@@ -75,6 +75,14 @@ std::vector<double> singular_values(const ref::Mat& X, int rows, int cols);
 
 double max_abs(const std::vector<double>& a);
 double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b);
+// Largest |W - W0|: how far a run moved the weights.
+double max_change(const std::vector<double>& W, const std::vector<double>& W0);
+// Tolerance on weights after several steps, relative to the largest weight and to the largest
+// total change. fp32: the library's orthogonalization runs in fp32 (~1e-5 relative on O, see
+// test_orthogonalize), storage rounding is mirrored by the reference. 16-bit weights: the
+// library and the reference may round a weight to neighbouring values now and then (the fp32
+// vs float64 update lands near a rounding boundary), so allow a few ulps of the largest weight.
+double weight_tol(DType dt, double max_w, double max_delta);
 // max|a-b| / max|b|
 double rel_max_diff(const std::vector<double>& a, const std::vector<double>& b);
 // ||a-b||_F / ||b||_F
