@@ -78,9 +78,10 @@ int main(int argc, char** argv) {
   o.line("|---|---|---|---|---|---|---|---|---|---|---|---|");
   const std::vector<Case> checks = {
       {0, DType::F16, DType::F16, 3, 200, 520}, {0, DType::BF16, DType::BF16, 3, 200, 520},
-      {0, DType::F16, DType::F32, 2, 520, 1000}, {0, DType::BF16, DType::F32, 2, 384, 40},
+      {0, DType::F16, DType::F16, 2, 520, 1000}, {0, DType::BF16, DType::BF16, 2, 384, 40},
       {0, DType::F16, DType::F16, 1, 1000, 64}, {0, DType::BF16, DType::BF16, 5, 129, 136},
-      {0, DType::F16, DType::F16, 2, 1536, 2048}, {0, DType::BF16, DType::BF16, 1, 2752, 1024}};
+      {0, DType::F16, DType::F16, 2, 1536, 2048}, {0, DType::BF16, DType::BF16, 1, 2752, 1024},
+      {0, DType::F16, DType::F16, 3, 1376, 512}, {0, DType::F16, DType::F16, 2, 72, 4096}};
   for (const Case& c : checks) {
     const int64_t b = c.b, p = c.p, q = c.q;
     const int64_t ein = dion3::dtype_size(c.in), eout = dion3::dtype_size(c.out);
@@ -171,7 +172,9 @@ int main(int argc, char** argv) {
                                       {0, DType::BF16, 8, 4096, 4096},
                                       {1, DType::F16, 8, 4096, 4096}, {1, DType::F16, 32, 1024, 1024},
                                       {1, DType::F16, 64, 2752, 2752}, {1, DType::F16, 16, 2048, 2048},
-                                      {1, DType::F16, 4, 8192, 8192}, {1, DType::BF16, 8, 4096, 4096}})
+                                      {1, DType::F16, 4, 8192, 8192}, {1, DType::BF16, 8, 4096, 4096},
+                                      {0, DType::F16, 32, 512, 2048}, {1, DType::F16, 32, 512, 512},
+                                      {0, DType::BF16, 16, 2048, 2048}, {1, DType::BF16, 16, 2048, 2048}})
       shapes.push_back(sh);
   }
   o.line("## Symmetric products: full cuBLAS GEMM vs cuBLAS tile schedule vs fused sm_90a kernel");

@@ -55,10 +55,10 @@ void sym_lower_gemm(cublasHandle_t h, cudaStream_t s, const MatrixView& A, const
                     float alpha, float beta, const MatrixView& C, int64_t tile, void* ptr_scratch);
 // One sm_90a kernel for the same products with the epilogue fused (sym_wgmma.cu): every
 // element of C = alpha * A * B^T + beta * D + gamma * I is computed from the lower triangle
-// (r >= c; D is read there only, and may alias C) and written to (r, c) and (c, r).
-// fp16/bf16 A and B (ld and batch stride multiples of 8 elements, 16-byte aligned), C and D of
-// fp32 or the operands' dtype. sym_wgmma_supported() says whether it runs here (a Hopper
-// sm_90 device and these operands); D may be null.
+// (D is read there and in the diagonal blocks only, and may alias C) and written to (r, c) and
+// (c, r), so C is exactly symmetric. A, B, C and D all fp16 or all bf16, TMA-addressable (16-byte
+// aligned, ld and batch stride multiples of 8 elements). sym_wgmma_supported() says whether it
+// runs here (a Hopper sm_90 device and these operands); D may be null.
 bool sym_wgmma_supported(const MatrixView& A, const MatrixView& B, const MatrixView* D,
                          const MatrixView& C);
 // skip_epilogue (benchmarks only): compute the tiles but store nothing.

@@ -1,26 +1,37 @@
 // sym_wgmma.cu — the symmetric products (X·Xᵀ and sym·sym) as one Hopper (sm_90a) kernel:
 // only the lower-triangle output tiles of C = alpha·A·Bᵀ + beta·D + gamma·I are computed
-// (A, B: batches of p x k row-major fp16/bf16 matrices, "K-contiguous" both), with fp32
-// accumulation, and each tile's epilogue writes C[r][c] and its mirror C[c][r] directly, so no
-// prepare or mirror pass is needed. Persistent grid (one CTA per SM), linearized triangular
-// schedule over 128 x 256 tiles (tile t -> (matrix, row block i, column block j <= i/2)),
-// TMA loads (128-byte swizzle) into a 4-stage mbarrier pipeline fed by one producer warp, and
-// two consumer warpgroups issuing wgmma m64n256k16 from shared memory.
+// (A, B: batches of p x k row-major fp16/bf16 matrices, "K-contiguous" both; C and D in the
+// same dtype), with fp32 accumulation. Persistent grid (one CTA per SM), linearized triangular
+// schedule over 128 x 256 tiles (tile t -> (matrix, row block i, column block j <= i/2)), TMA
+// loads (128-byte swizzle) into a 3-stage mbarrier pipeline fed by one producer warp, and two
+// consumer warpgroups issuing wgmma m64n256k16 from shared memory, each owning 64 rows.
+//
+// Epilogue, per consumer warpgroup, in 64 x 64 blocks (one 128-byte-swizzled TMA box each):
+// D's blocks are prefetched by TMA into the warpgroup's staging buffer during the main loop;
+// the result is written there with stmatrix and stored by TMA, strictly lower blocks twice
+// (as is, and transposed with stmatrix.trans into the mirrored upper block), the diagonal block
+// once, made exactly symmetric in shared memory. The stores run asynchronously under the next
+// tile's main loop. Every element of C comes from its lower-triangle value, so C is exactly
+// symmetric; D is read in the lower triangle (and the diagonal blocks) only and may alias C.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
 #include <cmath>
 #include <mutex>
-#include <type_traits>
 
 #include "cuda/kernels.cuh"
 
 namespace dion3::cuda {
 namespace {
 
-constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4, kThreads = 384;
+constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 3, kThreads = 384;
 constexpr int kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2;  // 16 KiB, 32 KiB per stage
-constexpr int kSmemBytes = kStages * (kABytes + kBBytes) + 1024 /*align*/ + 256 /*barriers*/;
+constexpr int kEB = 64;                                 // epilogue block edge: one TMA box
+constexpr int kEBBytes = kEB * kEB * 2;                 // 8 KiB
+constexpr int kStagingBytes = (kBN / kEB) * kEBBytes;   // per consumer warpgroup: 64 x 256
+constexpr int kSmemBytes =
+    kStages * (kABytes + kBBytes) + 2 * kStagingBytes + 1024 /*align*/ + 256 /*barriers*/;
+static_assert(kSmemBytes <= 232448, "shared memory of one sm_90 CTA");
 
 #define DION3_WGMMA_REGS "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}"
 #define DION3_WGMMA_OUTS "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
@@ -86,6 +97,51 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, u
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
 }
+// TMA store of one box from shared memory; the bulk-group bookkeeping is the caller's.
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void* src, int c0, int c1,
+                                             int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Until every committed store has finished reading shared memory (the staging is free again).
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+// Generic-proxy shared-memory writes made visible to the TMA unit (the async proxy).
+__device__ __forceinline__ void fence_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+// Barrier of one consumer warpgroup (ids 1, 2; id 0 is __syncthreads).
+__device__ __forceinline__ void warpgroup_sync(int id) {
+  asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+template <bool kTrans>
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
+                                            uint32_t r3) {
+  if constexpr (kTrans)
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
+                 "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+  else
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0),
+                 "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+}
+// Byte offset of element (row, col) in a 64 x 64 block stored with the 128-byte swizzle
+// (16-byte chunk c of row r sits at chunk c ^ (r % 8)); blocks are 1024-byte aligned.
+__device__ __forceinline__ uint32_t swz(int row, int col) {
+  return static_cast<uint32_t>(row * 128 + ((((col >> 3) ^ row) & 7) << 4) + (col & 7) * 2);
+}
 // Shared-memory matrix descriptor: K-major tile, rows of 128 bytes, 128-byte swizzle (8-row
 // atoms of 1024 bytes: stride byte offset 1024, leading byte offset unused).
 __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
@@ -94,15 +150,12 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
 }
 
 struct SymParams {
-  void* c;
-  const void* d;        // null: no beta·D term
-  int64_t ldc, ldd, sc, sd;
   float alpha, beta, gamma;
   int p, kblocks;
-  int a_batched, b_batched;
+  int a_batched, b_batched, d_batched;
+  int has_d;
   int tiles_per_mat;    // S(T): lower-triangle 128x256 tiles of one matrix
   int total_tiles;
-  int vec2;             // C and D rows allow 2-element stores and loads
   int skip_epilogue;    // benchmarks only: no stores (times the main loop alone)
 };
 
@@ -111,33 +164,47 @@ __device__ __forceinline__ int tiles_before(int i) {
   const int m = i >> 1;
   return (i & 1) ? (m + 1) * (m + 1) : m * (m + 1);
 }
-
-template <class T> struct Pair;
-template <> struct Pair<float> { using type = float2; };
-template <> struct Pair<__half> { using type = __half2; };
-template <> struct Pair<__nv_bfloat16> { using type = __nv_bfloat162; };
-
-template <class Tout>
-__device__ __forceinline__ void store_pair(Tout* p, float a, float b) {
-  typename Pair<Tout>::type v;
-  if constexpr (std::is_same_v<Tout, float>) v = make_float2(a, b);
-  else if constexpr (std::is_same_v<Tout, __half>) v = __floats2half2_rn(a, b);
-  else v = __floats2bfloat162_rn(a, b);
-  *reinterpret_cast<typename Pair<Tout>::type*>(p) = v;
+// Tile t -> (matrix b, 128-row block i, 256-column block j <= i/2).
+__device__ __forceinline__ void decode_tile(int t, int tpm, int& b, int& i, int& j) {
+  b = t / tpm;
+  const int l = t - b * tpm;
+  i = static_cast<int>(2.0f * sqrtf(static_cast<float>(l)));
+  while (i > 0 && tiles_before(i) > l) --i;
+  while (tiles_before(i + 1) <= l) ++i;
+  j = l - tiles_before(i);
 }
 
-template <bool kBF16, class Tout>
+template <bool kBF16>
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
+  if constexpr (kBF16) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+template <bool kBF16>
+__device__ __forceinline__ float2 unpack2(uint32_t u) {
+  if constexpr (kBF16) return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
+  else return __half22float2(*reinterpret_cast<const __half2*>(&u));
+}
+
+template <bool kBF16>
 __global__ void __launch_bounds__(kThreads, 1)
-    sym_wgmma_kernel(const __grid_constant__ CUtensorMap tmA,
-                     const __grid_constant__ CUtensorMap tmB, const SymParams prm) {
+    sym_wgmma_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
+                     const __grid_constant__ CUtensorMap tmC, const __grid_constant__ CUtensorMap tmD,
+                     const SymParams prm) {
 #if defined(DION3_SM90A)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   uint8_t* sA = smem;
   uint8_t* sB = smem + kStages * kABytes;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * (kABytes + kBBytes));
+  uint8_t* sOut = smem + kStages * (kABytes + kBBytes);  // two staging buffers of 4 blocks
+  uint64_t* full = reinterpret_cast<uint64_t*>(sOut + 2 * kStagingBytes);
   uint64_t* empty = full + kStages;
+  uint64_t* dfull = empty + kStages;  // per consumer warpgroup: its D blocks have landed
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -145,6 +212,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(&full[s], 1);
       mbar_init(&empty[s], 8);  // one arrival per consumer warp
     }
+    mbar_init(&dfull[0], 1);
+    mbar_init(&dfull[1], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   }
@@ -152,16 +221,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int tpm = prm.tiles_per_mat;
   if (wg == 0) {
-    // Producer warpgroup: one thread issues every TMA load.
+    // Producer warpgroup: one thread issues every TMA load of A and B.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
     if (threadIdx.x == 0) {
       uint32_t it = 0;
       for (int t = blockIdx.x; t < prm.total_tiles; t += gridDim.x) {
-        const int b = t / tpm, l = t - b * tpm;
-        int i = static_cast<int>(2.0f * sqrtf(static_cast<float>(l)));
-        while (i > 0 && tiles_before(i) > l) --i;
-        while (tiles_before(i + 1) <= l) ++i;
-        const int j = l - tiles_before(i);
+        int b, i, j;
+        decode_tile(t, tpm, b, i, j);
         const int ba = prm.a_batched ? b : 0, bb = prm.b_batched ? b : 0;
         for (int kb = 0; kb < prm.kblocks; ++kb, ++it) {
           const int s = it % kStages;
@@ -172,102 +238,171 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-  } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-    const int cw = wg - 1;  // rows cw*64 .. cw*64+63 of the tile
-    const int warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
-    float acc[128];
-    uint32_t it = 0;
-    const int p = prm.p;
-    for (int t = blockIdx.x; t < prm.total_tiles; t += gridDim.x) {
-      const int b = t / tpm, l = t - b * tpm;
-      int i = static_cast<int>(2.0f * sqrtf(static_cast<float>(l)));
-      while (i > 0 && tiles_before(i) > l) --i;
-      while (tiles_before(i + 1) <= l) ++i;
-      const int j = l - tiles_before(i);
-      int prev = -1;
-      for (int kb = 0; kb < prm.kblocks; ++kb, ++it) {
-        const int s = it % kStages;
-        mbar_wait(&full[s], (it / kStages) & 1);
-        const uint32_t a0 = smem_u32(sA + s * kABytes + cw * 64 * 128);
-        const uint32_t b0 = smem_u32(sB + s * kBBytes);
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  const int cw = wg - 1;  // rows cw*64 .. cw*64+63 of the tile
+  const int warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
+  const bool leader = (threadIdx.x & 127) == 0;
+  uint8_t* staging = sOut + cw * kStagingBytes;
+  const uint32_t stage_u32 = smem_u32(staging);
+  // This lane's row address for ldmatrix/stmatrix x4 over the warp's 16 rows and a pair of
+  // 8-column chunks (n8, n8 + 1): matrix m = lane / 8 is (rows + 8·(m & 1), chunk n8 + m / 2).
+  const int mrow = 16 * warp + 8 * ((lane >> 3) & 1) + (lane & 7);
+  const int mchunk = lane >> 4;
+  const int dk = prm.kblocks > 1 ? 1 : 0;  // main-loop step that issues the D prefetch
+  float acc[128];
+  uint32_t it = 0, dphase = 0;
+  const int p = prm.p;
+  for (int t = blockIdx.x; t < prm.total_tiles; t += gridDim.x) {
+    int b, i, j;
+    decode_tile(t, tpm, b, i, j);
+    const int R = 2 * i + cw;                  // this warpgroup's 64-row block
+    const bool rows_in = R * kEB < p;
+    const int nblk = min(4, R - 4 * j + 1);    // blocks 4j .. 4j+nblk-1 are on or below the diagonal
+    const int kd = R - 4 * j;                  // the diagonal block, if kd < 4
+    const bool load_d = prm.has_d && rows_in && !prm.skip_epilogue;
+    int prev = -1;
+    for (int kb = 0; kb < prm.kblocks; ++kb, ++it) {
+      const int s = it % kStages;
+      mbar_wait(&full[s], (it / kStages) & 1);
+      const uint32_t a0 = smem_u32(sA + s * kABytes + cw * 64 * 128);
+      const uint32_t b0 = smem_u32(sB + s * kBBytes);
+      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-        for (int k = 0; k < kBK / 16; ++k)
-          wgmma_m64n256k16<kBF16>(acc, smem_desc(a0 + k * 32), smem_desc(b0 + k * 32),
-                                  (kb > 0 || k > 0) ? 1 : 0);
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-        fence_acc(acc);
-        if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
-        prev = s;
+      for (int k = 0; k < kBK / 16; ++k)
+        wgmma_m64n256k16<kBF16>(acc, smem_desc(a0 + k * 32), smem_desc(b0 + k * 32),
+                                (kb > 0 || k > 0) ? 1 : 0);
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      if (kb == dk && load_d && leader) {
+        // Prefetch D's blocks of this tile into the staging buffer once the previous tile's
+        // stores have read it.
+        bulk_wait_read();
+        mbar_expect_tx(&dfull[cw], nblk * kEBBytes);
+        const int bd = prm.d_batched ? b : 0;
+        for (int k = 0; k < nblk; ++k)
+          tma_load_3d(staging + k * kEBBytes, &tmD, &dfull[cw], (4 * j + k) * kEB, R * kEB, bd);
       }
-      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
       fence_acc(acc);
       if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+      prev = s;
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    fence_acc(acc);
+    if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
 
-      if (prm.skip_epilogue) {  // keep the accumulators live, store nothing
-        float x = 0.0f;
+    if (prm.skip_epilogue) {  // keep the accumulators live, store nothing
+      float x = 0.0f;
 #pragma unroll
-        for (int n = 0; n < 128; ++n) x += acc[n];
-        if (x == 1234.5f) static_cast<float*>(prm.c)[0] = x;
-        continue;
-      }
-      // Epilogue: element (r, c) with r >= c; C[r][c] = v and C[c][r] = v.
-      Tout* C = static_cast<Tout*>(prm.c) + b * prm.sc;
-      const Tout* D = prm.d ? static_cast<const Tout*>(prm.d) + b * prm.sd : nullptr;
-      const int r0 = i * kBM + cw * 64 + warp * 16 + (lane >> 2);
-      const int c0 = j * kBN + (lane & 3) * 2;
-      // Columns in chunks of 8 x 8: the chunk's D values are loaded first (independent loads in
-      // flight together; D may alias C, so no load may pass an earlier store), then stored.
+      for (int n = 0; n < 128; ++n) x += acc[n];
+      if (x == 1234.5f) acc[0] = x * 2.0f;
+      continue;
+    }
+    if (!rows_in) continue;
+    if (load_d) {
+      mbar_wait(&dfull[cw], dphase);
+      dphase ^= 1;
+    } else {
+      if (leader) bulk_wait_read();
+      warpgroup_sync(1 + cw);
+    }
+    // 1. v = alpha·acc + beta·D (+ gamma on the diagonal), packed in pairs into the low half of
+    //    acc (to save registers): slot 2·n8 + h holds row 16·warp + 8·h + lane/4, columns
+    //    8·n8 + 2·(lane%4) + {0, 1} of the 64 x 256 rows; a slot is written only after every
+    //    accumulator it overlays was read. Strictly lower blocks go straight back to the staging
+    //    buffer (each warp touches only its own 16 rows, where it just read D).
 #pragma unroll
-      for (int n0 = 0; n0 < 32; n0 += 8) {
-        float dv[8][2][2];
+    for (int k = 0; k < 4; ++k) {
+      if (k >= nblk) continue;
 #pragma unroll
-        for (int n = 0; n < 8; ++n) {
+      for (int n8 = 8 * k; n8 < 8 * k + 8; n8 += 2) {
+        const uint32_t addr = stage_u32 + k * kEBBytes + swz(mrow, 8 * ((n8 + mchunk) & 7));
+        uint32_t dv[4] = {0u, 0u, 0u, 0u}, v[4];
+        if (load_d) ldmatrix_x4(dv, addr);
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            dv[n][h][0] = 0.0f;
-            dv[n][h][1] = 0.0f;
-            const int r = r0 + 8 * h, c = c0 + 8 * (n0 + n);
-            if (D == nullptr || r >= p || c > r) continue;
-            const Tout* drow = D + static_cast<int64_t>(r) * prm.ldd;
-            if (c + 1 <= r && prm.vec2) {
-              const auto d2 = *reinterpret_cast<const typename Pair<Tout>::type*>(drow + c);
-              dv[n][h][0] = to_f32(d2.x);
-              dv[n][h][1] = to_f32(d2.y);
-            } else {
-              dv[n][h][0] = to_f32(drow[c]);
-              if (c + 1 <= r) dv[n][h][1] = to_f32(drow[c + 1]);
-            }
+        for (int m = 0; m < 4; ++m) {
+          const int nn = n8 + (m >> 1), h = m & 1;
+          const float2 d2 = unpack2<kBF16>(dv[m]);
+          float v0 = prm.alpha * acc[4 * nn + 2 * h] + prm.beta * d2.x;
+          float v1 = prm.alpha * acc[4 * nn + 2 * h + 1] + prm.beta * d2.y;
+          if (k == kd) {
+            const int rl = 16 * warp + 8 * h + (lane >> 2), cl = 8 * (nn & 7) + 2 * (lane & 3);
+            if (rl == cl) v0 += prm.gamma;
+            if (rl == cl + 1) v1 += prm.gamma;
           }
+          v[m] = pack2<kBF16>(v0, v1);
         }
 #pragma unroll
-        for (int n = 0; n < 8; ++n) {
+        for (int m = 0; m < 4; ++m) acc[2 * n8 + m] = __uint_as_float(v[m]);
+        if (k != kd) stmatrix_x4<false>(addr, v[0], v[1], v[2], v[3]);
+      }
+    }
+#define DION3_VP(s) __float_as_uint(acc[s])
+    // 2. The diagonal block, exactly symmetric: its transpose first (written across warps, so
+    //    after every warp's D reads), then the lower half (and the diagonal) as computed.
+    if (kd < 4) {
+      warpgroup_sync(1 + cw);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (k != kd) continue;
+#pragma unroll
+        for (int n8 = 8 * k; n8 < 8 * k + 8; n8 += 2) {
+          const uint32_t addr = stage_u32 + k * kEBBytes + swz(8 * ((n8 + mchunk) & 7) + (lane & 7),
+                                                               8 * (2 * warp + ((lane >> 3) & 1)));
+          stmatrix_x4<true>(addr, DION3_VP(2 * n8), DION3_VP(2 * n8 + 1), DION3_VP(2 * n8 + 2), DION3_VP(2 * n8 + 3));
+        }
+      }
+      warpgroup_sync(1 + cw);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (k != kd) continue;
+#pragma unroll
+        for (int nn = 8 * k; nn < 8 * k + 8; ++nn) {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const int r = r0 + 8 * h, c = c0 + 8 * (n0 + n);
-            if (r >= p || c > r) continue;
-            const int a = 4 * (n0 + n) + 2 * h;
-            float v0 = prm.alpha * acc[a] + prm.beta * dv[n][h][0];
-            float v1 = prm.alpha * acc[a + 1] + prm.beta * dv[n][h][1];
-            const bool two = c + 1 <= r;
-            if (r == c) v0 += prm.gamma;
-            if (r == c + 1) v1 += prm.gamma;
-            Tout* row = C + static_cast<int64_t>(r) * prm.ldc;
-            if (two && prm.vec2) {
-              store_pair(row + c, v0, v1);
-            } else {
-              row[c] = from_f32<Tout>(v0);
-              if (two) row[c + 1] = from_f32<Tout>(v1);
-            }
-            if (c < r) C[static_cast<int64_t>(c) * prm.ldc + r] = from_f32<Tout>(v0);
-            if (two && c + 1 < r) C[static_cast<int64_t>(c + 1) * prm.ldc + r] = from_f32<Tout>(v1);
+            const int rl = 16 * warp + 8 * h + (lane >> 2), cl = 8 * (nn & 7) + 2 * (lane & 3);
+            const uint32_t u = DION3_VP(2 * nn + h);
+            const uint32_t addr = stage_u32 + k * kEBBytes + swz(rl, cl);
+            if (cl <= rl) asm volatile("st.shared.b16 [%0], %1;" ::"r"(addr), "h"(static_cast<unsigned short>(u & 0xFFFF)) : "memory");
+            if (cl + 1 <= rl)
+              asm volatile("st.shared.b16 [%0], %1;" ::"r"(addr + 2), "h"(static_cast<unsigned short>(u >> 16)) : "memory");
           }
         }
       }
     }
+    // 3. Store the blocks on or below the diagonal, as they are.
+    fence_async_smem();
+    warpgroup_sync(1 + cw);
+    if (leader) {
+      for (int k = 0; k < nblk; ++k) tma_store_3d(&tmC, staging + k * kEBBytes, (4 * j + k) * kEB, R * kEB, b);
+      bulk_commit();
+      bulk_wait_read();
+    }
+    // 4. The strictly lower blocks again, transposed, into their mirrored upper blocks.
+    const int nlow = min(nblk, kd);
+    if (nlow > 0) {
+      warpgroup_sync(1 + cw);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (k >= nlow) continue;
+#pragma unroll
+        for (int n8 = 8 * k; n8 < 8 * k + 8; n8 += 2) {
+          const uint32_t addr = stage_u32 + k * kEBBytes + swz(8 * ((n8 + mchunk) & 7) + (lane & 7),
+                                                               8 * (2 * warp + ((lane >> 3) & 1)));
+          stmatrix_x4<true>(addr, DION3_VP(2 * n8), DION3_VP(2 * n8 + 1), DION3_VP(2 * n8 + 2), DION3_VP(2 * n8 + 3));
+        }
+      }
+      fence_async_smem();
+      warpgroup_sync(1 + cw);
+      if (leader) {
+        for (int k = 0; k < nlow; ++k) tma_store_3d(&tmC, staging + k * kEBBytes, R * kEB, (4 * j + k) * kEB, b);
+        bulk_commit();
+      }
+    }
   }
+#undef DION3_VP
+  if (leader) bulk_wait_all();
 #endif
 }
 
@@ -341,21 +476,25 @@ int sm_count_and_check(int* device_out = nullptr) {
   return g_sms[dev];
 }
 
-template <bool kBF16, class Tout>
-void launch_typed(const CUtensorMap& ma, const CUtensorMap& mb, const SymParams& prm, int grid,
-                  int dev, cudaStream_t s) {
-  constexpr uint32_t bit = 1u << ((kBF16 ? 2 : 0) + (std::is_same_v<Tout, float> ? 1 : 0));
+template <bool kBF16>
+void launch_typed(const CUtensorMap (&maps)[4], const SymParams& prm, int grid, int dev, cudaStream_t s) {
+  constexpr uint32_t bit = 1u << (kBF16 ? 1 : 0);
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     if (!(g_smem_set[dev] & bit)) {
-      DION3_CUDA_CHECK(cudaFuncSetAttribute(sym_wgmma_kernel<kBF16, Tout>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            kSmemBytes));
+      DION3_CUDA_CHECK(cudaFuncSetAttribute(sym_wgmma_kernel<kBF16>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
       g_smem_set[dev] |= bit;
     }
   }
-  sym_wgmma_kernel<kBF16, Tout><<<grid, kThreads, kSmemBytes, s>>>(ma, mb, prm);
+  sym_wgmma_kernel<kBF16><<<grid, kThreads, kSmemBytes, s>>>(maps[0], maps[1], maps[2], maps[3], prm);
   DION3_CUDA_LAUNCH_CHECK();
+}
+
+// A TMA-addressable operand: 16-byte aligned base, rows and matrices 16-byte multiples apart.
+bool tma_ok(const MatrixView& v) {
+  if (!aligned16(v.data) || (v.ld * 2) % 16 != 0) return false;
+  return v.batch > 1 ? (v.batch_stride * 2) % 16 == 0 : (v.rows * v.ld * 2) % 16 == 0;
 }
 
 }  // namespace
@@ -364,19 +503,16 @@ bool sym_wgmma_supported(const MatrixView& A, const MatrixView& B, const MatrixV
                          const MatrixView& C) {
   if (sm_count_and_check() <= 0) return false;
   if (A.dtype != B.dtype || (A.dtype != DType::F16 && A.dtype != DType::BF16)) return false;
-  if (C.dtype != DType::F32 && C.dtype != A.dtype) return false;
+  if (C.dtype != A.dtype) return false;
   if (D && (D->dtype != C.dtype || D->rows != C.rows || D->cols != C.cols ||
-            (D->batch != C.batch && D->batch != 1)))
+            (D->batch != C.batch && D->batch != 1) || !tma_ok(*D)))
     return false;
   const int64_t p = C.rows, k = A.cols;
   if (p <= 0 || k <= 0 || C.cols != p || A.rows != p || B.rows != p || B.cols != k) return false;
   if (p > (int64_t{1} << 30) || k > (int64_t{1} << 30) || C.batch > (int64_t{1} << 30)) return false;
-  for (const MatrixView* v : {&A, &B}) {
-    if (v->batch != C.batch && v->batch != 1) return false;
-    if (!aligned16(v->data) || (v->ld * 2) % 16 != 0) return false;
-    if (v->batch > 1 && (v->batch_stride * 2) % 16 != 0) return false;
-    if (v->batch == 1 && (v->rows * v->ld * 2) % 16 != 0) return false;
-  }
+  for (const MatrixView* v : {&A, &B})
+    if ((v->batch != C.batch && v->batch != 1) || !tma_ok(*v)) return false;
+  if (!tma_ok(C)) return false;
   const int64_t tiles = (p + kBM - 1) / kBM;
   const int64_t m = tiles / 2;
   const int64_t tpm = (tiles & 1) ? (m + 1) * (m + 1) : m * (m + 1);
@@ -391,41 +527,26 @@ void launch_sym_wgmma(const MatrixView& A, const MatrixView& B, float alpha, flo
   const int64_t p = C.rows, batch = C.batch;
   if (batch == 0 || p == 0) return;
   SymParams prm{};
-  prm.c = C.data;
-  prm.d = D ? D->data : nullptr;
-  prm.ldc = C.ld;
-  prm.sc = C.batch > 1 ? C.batch_stride : 0;
-  prm.ldd = D ? D->ld : 0;
-  prm.sd = D && D->batch > 1 ? D->batch_stride : 0;
+  prm.has_d = D != nullptr && beta != 0.0f;
   prm.alpha = alpha;
-  prm.beta = D ? beta : 0.0f;
+  prm.beta = prm.has_d ? beta : 0.0f;
   prm.gamma = gamma;
   prm.skip_epilogue = skip_epilogue ? 1 : 0;
   prm.p = static_cast<int>(p);
   prm.kblocks = static_cast<int>((A.cols + kBK - 1) / kBK);
   prm.a_batched = A.batch > 1;
   prm.b_batched = B.batch > 1;
+  prm.d_batched = prm.has_d && D->batch > 1;
   const int tiles = static_cast<int>((p + kBM - 1) / kBM), m = tiles / 2;
   prm.tiles_per_mat = (tiles & 1) ? (m + 1) * (m + 1) : m * (m + 1);
   prm.total_tiles = static_cast<int>(prm.tiles_per_mat * batch);
-  const std::size_t es = dtype_size(C.dtype);
-  prm.vec2 = (C.ld % 2 == 0) && (reinterpret_cast<uintptr_t>(C.data) % (2 * es) == 0) &&
-             (prm.sc % 2 == 0) &&
-             (!D || ((D->ld % 2 == 0) && (reinterpret_cast<uintptr_t>(D->data) % (2 * es) == 0) &&
-                     (prm.sd % 2 == 0)));
-  const CUtensorMap ma = make_map(A, kBM), mb = make_map(B, kBN);
+  const CUtensorMap mc = make_map(C, kEB);
+  const CUtensorMap maps[4] = {make_map(A, kBM), make_map(B, kBN), mc, prm.has_d ? make_map(*D, kEB) : mc};
   int dev = 0;
   const int sms = sm_count_and_check(&dev);
   const int grid = static_cast<int>(std::min<int64_t>(sms, prm.total_tiles));
-  const bool bf = A.dtype == DType::BF16;
-  if (C.dtype == DType::F32) {
-    if (bf) launch_typed<true, float>(ma, mb, prm, grid, dev, s);
-    else launch_typed<false, float>(ma, mb, prm, grid, dev, s);
-  } else if (bf) {
-    launch_typed<true, __nv_bfloat16>(ma, mb, prm, grid, dev, s);
-  } else {
-    launch_typed<false, __half>(ma, mb, prm, grid, dev, s);
-  }
+  if (A.dtype == DType::BF16) launch_typed<true>(maps, prm, grid, dev, s);
+  else launch_typed<false>(maps, prm, grid, dev, s);
 }
 
 }  // namespace dion3::cuda
