@@ -14,7 +14,7 @@ namespace dion3 {
 namespace {
 constexpr int kWide = 2;
 constexpr float kNormEps = 1e-7f;
-// p x p scratch matrices each method needs: A, B (standard); R, Z, Q, RZ, T (Gram).
+// p x p scratch matrices each method needs: A, B (standard); R, W, Q, RW, T (Gram).
 int squares_of(OrthMethod m) { return m == OrthMethod::Gram ? 5 : 2; }
 
 bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
@@ -149,8 +149,10 @@ void Orthogonalizer::standard(MatrixView X) {
 }
 
 void Orthogonalizer::gram(MatrixView X) {
+  // Every product after Z = b R + c R^2 takes Z through W = Z + a I (Q Z + a Q = Q W,
+  // R Z + a R = R W, Z RZ + a RZ = W RZ), so W is formed directly, in the product's epilogue.
   MatrixView X2 = wide(1);
-  MatrixView R = square(0), Z = square(1), Q = square(2), RZ = square(3), T = square(4);
+  MatrixView R = square(0), W = square(1), Q = square(2), RW = square(3), T = square(4);
   const int steps = static_cast<int>(cfg_.coefficients.size());
   const std::size_t bytes = static_cast<std::size_t>(batch_ * p_ * q_) * dtype_size(dtype_);
   backend_.gram(X, R);
@@ -164,16 +166,17 @@ void Orthogonalizer::gram(MatrixView X) {
       std::swap(X.data, X2.data);
       backend_.gram(X, R);
     }
-    backend_.sym_product(c, R, R, b, &R, 0.0f, Z);  // Z = b R + c R^2
+    backend_.sym_product(c, R, R, b, &R, a, W);  // W = b R + c R^2 + a I
     if (t == 0 || restart) {
-      backend_.add_identity(Z, a, Q);  // Q = Z + a I
+      std::swap(Q.data, W.data);  // Q = W (no copy: W's buffer becomes Q's)
     } else {
-      backend_.sym_product(1.0f, Q, Z, a, &Q, 0.0f, T);  // Q = Q Z + a Q
+      backend_.sym_product(1.0f, Q, W, 0.0f, nullptr, 0.0f, T);  // Q = Q W
       std::swap(Q.data, T.data);
     }
     if (t < steps - 1 && !contains(cfg_.restarts, t + 1)) {
-      backend_.sym_product(1.0f, R, Z, a, &R, 0.0f, RZ);   // RZ = R Z + a R
-      backend_.sym_product(1.0f, Z, RZ, a, &RZ, 0.0f, R);  // R = Z RZ + a RZ
+      const MatrixView& w = (t == 0 || restart) ? Q : W;
+      backend_.sym_product(1.0f, R, w, 0.0f, nullptr, 0.0f, RW);  // RW = R W
+      backend_.sym_product(1.0f, w, RW, 0.0f, nullptr, 0.0f, R);  // R = W RW
     }
   }
   backend_.gemm(false, false, 1.0f, Q, X, 0.0f, X2);  // X = Q X

@@ -325,13 +325,10 @@ class CudaBackend final : public Backend {
     return sym_.kernel == 1 || kernel_pays(C.rows, A.cols);
   }
   // Where the fused kernel beat the path it replaces on the H200 (bench/results/
-  // 2026-11-30-4125a7d-sym.md): p <= 2048, 1.04-1.16x the cuBLAS tile schedule and 1.5-1.7x the
-  // full GEMM used below p = 1536. At p = 4096 it was a wash (1.01-1.05x per product, 0.96-0.98x
-  // in whole Gram NS runs), at p = 2752 and 8192 it lost (0.91-0.96x, 0.73-0.95x).
-  static bool kernel_pays(int64_t p, int64_t k) {
-    (void)k;
-    return p <= 2048;
-  }
+  // 2026-11-30-f4dcd26-sym.md): every sym_product (k = p; 1.05-1.85x the cuBLAS tile schedule,
+  // p = 512 to 8192), and X·Xᵀ while k < 2p (0.98-1.21x); for longer rows cuBLAS's main loop is
+  // faster (kernel 0.86-0.96x at k = 2.7-4 p).
+  static bool kernel_pays(int64_t p, int64_t k) { return k < 2 * p; }
   int64_t tile_for(int64_t p) const {
     if (!sym_.enabled) return p;
     int64_t t = sym_.tile;
