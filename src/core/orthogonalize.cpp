@@ -140,9 +140,8 @@ void Orthogonalizer::standard(MatrixView X) {
   for (const Coefficients& k : cfg_.coefficients) {
     const float a = static_cast<float>(k[0]), b = static_cast<float>(k[1]), c = static_cast<float>(k[2]);
     backend_.gram(X, A);                              // A = X X^T
-    backend_.sym_product(c, A, A, b, &A, 0.0f, B);   // B = b A + c A^2
-    backend_.copy(X2.data, X.data, bytes);
-    backend_.gemm(false, false, 1.0f, B, X, a, X2);  // X2 = a X + B X
+    backend_.sym_product(c, A, A, b, &A, a, B);       // B = b A + c A^2 + a I
+    backend_.gemm(false, false, 1.0f, B, X, 0.0f, X2);  // X2 = B X = a X + (b A + c A^2) X
     std::swap(X.data, X2.data);
   }
   if (X.data != wide(0).data) backend_.copy(wide(0).data, X.data, bytes);
