@@ -230,7 +230,7 @@ class CudaBackend final : public Backend {
     float* scr = static_cast<float*>(
         scratch_.get(*alloc_, apply_update_scratch_floats(n_of(set), k) * sizeof(float)));
     launch_apply_update(table(set), n_of(set), set.rows(), set.cols(), set.wdt, idx, k, O, p, scr, skip,
-                        stream_, set.vec);
+                        stream_);
   }
 
   // --- orthogonalization primitives ----------------------------------------------------------

@@ -27,7 +27,7 @@ void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int6
 int64_t apply_update_scratch_floats(int64_t nmats, int64_t k);
 void launch_apply_update(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType wdt,
                          const int32_t* idx, int64_t k, const MatrixView& O, const UpdateParams& p,
-                         float* scratch, const int* skip, cudaStream_t s, bool vec);
+                         float* scratch, const int* skip, cudaStream_t s);  // alignment checked per row
 void launch_check_finite(std::span<const MatrixView> xs, int* flag, cudaStream_t s);
 void launch_finish_step(const int* flag, int64_t* counters, cudaStream_t s);
 

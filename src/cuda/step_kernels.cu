@@ -507,8 +507,7 @@ int64_t apply_update_scratch_floats(int64_t nmats, int64_t k) { return 2 * nmats
 // k*cols*sizeof(O)) (unselected rows are not touched when decay == 1 or under cautious decay).
 void launch_apply_update(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType wdt,
                          const int32_t* idx, int64_t k, const MatrixView& O, const UpdateParams& p,
-                         float* scratch, const int* skip, cudaStream_t s, bool vec) {
-  (void)vec;
+                         float* scratch, const int* skip, cudaStream_t s) {
   if (nmats == 0 || rows == 0) return;
   if (cols > INT32_MAX) fail("apply_update: rows longer than 2^31 - 1 elements");
   const int64_t obs = O.batch > 1 ? O.batch_stride : k * O.ld;

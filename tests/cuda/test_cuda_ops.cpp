@@ -399,3 +399,91 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, Elementwise,
                          [](const auto& i) { return std::string(dn(i.param.w)) + "_" + dn(i.param.s) + "_" + std::to_string(i.param.n); });
 
 }  // namespace
+
+// ---- large shapes: 16-byte vector paths, unaligned rows, ragged tails, multi-step row search ----
+namespace {
+struct BigUpd { DType w, o; int64_t rows, cols, k; bool normuon, cautious; };
+class ApplyUpdateBig : public ct::CudaTest, public ::testing::WithParamInterface<BigUpd> {};
+TEST_P(ApplyUpdateBig, MatchesCpu) {
+  const BigUpd c = GetParam();
+  std::mt19937_64 rng(19);
+  const int64_t n = 3;
+  SetTwin s(*cpu, *gpu, n, c.rows, c.cols, c.w, c.w, DType::F32, rng);
+  std::vector<int32_t> idx;
+  for (int64_t i = 0; i < n; ++i) {
+    std::vector<int32_t> all(c.rows);
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), rng);
+    std::sort(all.begin(), all.begin() + c.k);
+    idx.insert(idx.end(), all.begin(), all.begin() + c.k);
+  }
+  dion3::DeviceBuffer didx(gpu->allocator(), idx.size() * 4);
+  gpu->copy_from_host(didx.get(), idx.data(), idx.size() * 4);
+  Twin O(*gpu, c.o, n, c.k, c.cols);
+  O.fill_normal(rng, 0.05f);
+  dion3::UpdateParams p;
+  p.lr = 0.02f; p.weight_decay = 0.1f; p.adjusted_lr = 0.03f; p.normuon = c.normuon; p.beta2 = 0.95f;
+  p.cautious_wd = c.cautious;
+  cpu->apply_update(*s.hs, idx.data(), c.k, O.hview(), p, nullptr);
+  gpu->apply_update(*s.ds, didx.as<int32_t>(), c.k, O.dview(), p, nullptr);
+  EXPECT_LE(ct::rel_max_diff(s.w.device_values(), s.w.host_values()), storage_tol(c.w));
+  EXPECT_LE(ct::rel_max_diff(s.v.device_values(), s.v.host_values()), 1e-5);
+}
+INSTANTIATE_TEST_SUITE_P(Cases, ApplyUpdateBig,
+                         ::testing::Values(BigUpd{DType::BF16, DType::F32, 300, 4100, 100, true, false},
+                                           BigUpd{DType::BF16, DType::F16, 1500, 37, 1100, true, false},
+                                           BigUpd{DType::F32, DType::F16, 700, 4097, 33, false, true},
+                                           BigUpd{DType::F16, DType::BF16, 2000, 1032, 1999, true, true},
+                                           BigUpd{DType::BF16, DType::F16, 4096, 264, 1024, true, false}));
+
+struct BigGather { DType m, out; int64_t rows, cols, k; float sm, sg, decay; };
+class GatherBig : public ct::CudaTest, public ::testing::WithParamInterface<BigGather> {};
+TEST_P(GatherBig, MatchesCpu) {
+  const BigGather c = GetParam();
+  std::mt19937_64 rng(23);
+  const int64_t n = 3;
+  SetTwin s(*cpu, *gpu, n, c.rows, c.cols, DType::F32, DType::BF16, c.m, rng);
+  std::vector<int32_t> idx;
+  for (int64_t i = 0; i < n; ++i) {
+    std::vector<int32_t> all(c.rows);
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), rng);
+    std::sort(all.begin(), all.begin() + c.k);
+    idx.insert(idx.end(), all.begin(), all.begin() + c.k);
+  }
+  dion3::DeviceBuffer didx(gpu->allocator(), idx.size() * 4);
+  gpu->copy_from_host(didx.get(), idx.data(), idx.size() * 4);
+  Twin out(*gpu, c.out, n, c.k, c.cols);
+  cpu->gather_rows(*s.hs, idx.data(), c.k, c.sm, c.sg, c.decay, out.hview(), nullptr);
+  gpu->gather_rows(*s.ds, didx.as<int32_t>(), c.k, c.sm, c.sg, c.decay, out.dview(), nullptr);
+  EXPECT_LE(ct::rel_max_diff(out.device_values(), out.host_values()), storage_tol(c.out));
+  EXPECT_LE(ct::rel_max_diff(s.m.device_values(), s.m.host_values()), storage_tol(c.m));
+}
+INSTANTIATE_TEST_SUITE_P(Cases, GatherBig,
+                         ::testing::Values(BigGather{DType::BF16, DType::F32, 200, 4100, 77, 1.0f, 0.0f, 0.95f},
+                                           BigGather{DType::BF16, DType::F16, 200, 4097, 50, 0.9f, 1.0f, 1.0f},
+                                           BigGather{DType::F32, DType::BF16, 100, 1030, 40, 0.9f, 1.0f, 0.9f},
+                                           BigGather{DType::F16, DType::F32, 100, 2048, 99, 1.0f, 0.0f, 0.5f}));
+
+struct BigIdent { DType x, c; int64_t b, p; };
+class AddIdentityBig : public ct::CudaTest, public ::testing::WithParamInterface<BigIdent> {};
+TEST_P(AddIdentityBig, ExactlyCpu) {
+  const BigIdent c = GetParam();
+  std::mt19937_64 rng(29);
+  Twin x(*gpu, c.x, c.b, c.p, c.p), y(*gpu, c.c, c.b, c.p, c.p);
+  x.fill_normal(rng);
+  y.fill_value(3.0f);
+  cpu->add_identity(x.hview(), 2.5f, y.hview());
+  gpu->add_identity(x.dview(), 2.5f, y.dview());
+  EXPECT_EQ(y.device_values(), y.host_values());
+  if (c.x == c.c) {
+    cpu->add_identity(x.hview(), -1.0f, x.hview());
+    gpu->add_identity(x.dview(), -1.0f, x.dview());
+    EXPECT_EQ(x.device_values(), x.host_values());
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Cases, AddIdentityBig,
+                         ::testing::Values(BigIdent{DType::F16, DType::F16, 3, 64}, BigIdent{DType::F32, DType::F32, 2, 68},
+                                           BigIdent{DType::F16, DType::F16, 2, 36}, BigIdent{DType::BF16, DType::BF16, 2, 1000},
+                                           BigIdent{DType::F32, DType::F16, 2, 200}, BigIdent{DType::F16, DType::F16, 1, 2752}));
+}  // namespace
