@@ -325,10 +325,11 @@ class CudaBackend final : public Backend {
     return sym_.kernel == 1 || kernel_pays(C.rows, A.cols);
   }
   // Where the fused kernel beat the path it replaces on the H200 (bench/results/
-  // 2026-11-30-f4dcd26-sym.md): every sym_product (k = p; 1.05-1.85x the cuBLAS tile schedule,
-  // p = 512 to 8192), and X·Xᵀ while k < 2p (0.98-1.21x); for longer rows cuBLAS's main loop is
-  // faster (kernel 0.86-0.96x at k = 2.7-4 p).
-  static bool kernel_pays(int64_t p, int64_t k) { return k < 2 * p; }
+  // 2026-11-30-f4dcd26-sym.md, 2026-11-30-beba5ae.md): every sym_product (k = p; 1.05-1.85x the
+  // cuBLAS tile schedule, p = 512 to 8192); X·Xᵀ below p = 1536, where the alternative is one full
+  // GEMM (1.04-1.4x in whole steps), and above it while k < 2p (0.98-1.21x); for longer rows
+  // cuBLAS's tiles are faster (kernel 0.86-0.90x at k = 2.7-4 p).
+  static bool kernel_pays(int64_t p, int64_t k) { return p < 1536 || k < 2 * p; }
   int64_t tile_for(int64_t p) const {
     if (!sym_.enabled) return p;
     int64_t t = sym_.tile;
