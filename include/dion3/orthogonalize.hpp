@@ -32,6 +32,12 @@ class Orthogonalizer {
   // Bytes of workspace a (batch, rows, cols) problem needs with this config on this backend.
   static std::size_t required_workspace(const Backend& backend, const OrthConfig& cfg, int64_t batch,
                                         int64_t rows, int64_t cols);
+  // Byte offset inside that workspace where an input of in_bytes may lie during run(): the part
+  // run() writes only after it has read its input (behind X; behind X and its partner when the
+  // input is transposed), 256-byte aligned. kNoInputRoom where the input does not fit there.
+  static constexpr std::size_t kNoInputRoom = ~std::size_t{0};
+  static std::size_t input_offset(const Backend& backend, const OrthConfig& cfg, int64_t batch, int64_t rows,
+                                  int64_t cols, std::size_t in_bytes);
   // in: batch x rows x cols, contiguous, any float dtype (normalised in fp32, SPEC §2).
   // out: same shape, contiguous, any float dtype. in and out may be the same memory.
   void run(MatrixView in, MatrixView out);

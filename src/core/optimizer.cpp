@@ -255,16 +255,26 @@ void Optimizer::Impl::build_plan() {
     std::size_t momentum_bytes = 0;
     for (const Megabatch& mb : megabatches)
       momentum_bytes += static_cast<std::size_t>(mb.members.size() * mb.rows * mb.cols) * dtype_size(mb.momentum_dtype);
-    limit = std::max(std::size_t{512} << 20, momentum_bytes / 4);
+    limit = std::max(std::size_t{1} << 30, momentum_bytes / 4);
   }
   std::size_t arena_bytes = 0;
   for (Megabatch& mb : megabatches) {
     const GroupConfig& g = groups[mb.group];
     const auto n = static_cast<int64_t>(mb.members.size());
-    auto need = [&](int64_t count) {
-      return align_up(static_cast<std::size_t>(count * mb.k * mb.cols) * sizeof(float)) +
-             Orthogonalizer::required_workspace(*backend, g.orth, count, mb.k, mb.cols);
+    // Arena layout of a chunk of `count` members: the fp32 update rows U are read only by the
+    // orthogonalizer's first pass, so they lie inside its workspace where they fit there.
+    auto layout = [&](int64_t count, Chunk* c) {
+      const std::size_t u = align_up(static_cast<std::size_t>(count * mb.k * mb.cols) * sizeof(float));
+      const std::size_t ws = Orthogonalizer::required_workspace(*backend, g.orth, count, mb.k, mb.cols);
+      const std::size_t in_ws = Orthogonalizer::input_offset(*backend, g.orth, count, mb.k, mb.cols, u);
+      const bool inside = in_ws != Orthogonalizer::kNoInputRoom;
+      if (c) {
+        c->update_offset = inside ? in_ws : 0;
+        c->orth_offset = inside ? 0 : u;
+      }
+      return inside ? align_up(ws) : u + align_up(ws);
     };
+    auto need = [&](int64_t count) { return layout(count, nullptr); };
     int64_t chunk = n;
     while (chunk > 1 && need(chunk) > limit) chunk = (chunk + 1) / 2;
     mb.chunk_bytes = need(chunk);
@@ -278,19 +288,20 @@ void Optimizer::Impl::build_plan() {
       Chunk c;
       c.first = first;
       c.count = std::min(chunk, n - first);
+      layout(c.count, &c);
       c.set = backend->new_matrix_set();
       mb.chunks.push_back(std::move(c));
     }
   }
   arena = DeviceBuffer(alloc, arena_bytes);
-  // Orthogonalizers are planned on the arena, behind the chunk's update buffer.
+  // Orthogonalizers are planned on the arena (Chunk::orth_offset).
   for (Megabatch& mb : megabatches) {
     const GroupConfig& g = groups[mb.group];
     for (Chunk& c : mb.chunks) {
       for (auto& o : mb.orths)
         if (o->batch() == c.count) c.orth = o.get();
       if (c.orth) continue;
-      char* ws = arena.as<char>() + align_up(static_cast<std::size_t>(c.count * mb.k * mb.cols) * sizeof(float));
+      char* ws = arena.as<char>() + c.orth_offset;
       mb.orths.push_back(std::make_unique<Orthogonalizer>(*backend, g.orth, c.count, mb.k, mb.cols, ws));
       c.orth = mb.orths.back().get();
     }
@@ -398,7 +409,7 @@ void Optimizer::Impl::enqueue_step() {
     for (Chunk& c : mb.chunks) {
       c.set->mats.assign(mb.set->mats.begin() + c.first, mb.set->mats.begin() + c.first + c.count);
       be.refresh(*c.set);
-      MatrixView U = MatrixView::contiguous(s.arena.get(), DType::F32, c.count, mb.k, mb.cols);
+      MatrixView U = MatrixView::contiguous(s.arena.as<char>() + c.update_offset, DType::F32, c.count, mb.k, mb.cols);
       const int32_t* rows = dion3 ? idx + c.first * mb.k : nullptr;
       if (dion3) be.gather_rows(*c.set, rows, mb.k, 1.0f, 0.0f, mu, U, flag);  // U = M[S]; M[S] *= mu
       else if (g.nesterov) be.gather_rows(*c.set, nullptr, mb.k, mu, 1.0f, 1.0f, U, flag);  // U = mu M + G

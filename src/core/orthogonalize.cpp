@@ -63,6 +63,19 @@ std::size_t Orthogonalizer::required_workspace(const Backend& backend, const Ort
   return static_cast<std::size_t>(batch * (kWide * p * q + squares_of(method) * p * p)) * dtype_size(dtype);
 }
 
+std::size_t Orthogonalizer::input_offset(const Backend& backend, const OrthConfig& cfg, int64_t batch,
+                                         int64_t rows, int64_t cols, std::size_t in_bytes) {
+  const OrthMethod method = choose_orth_method(backend, cfg, rows, cols);
+  const DType dtype = cfg.iteration_dtype.value_or(backend.default_iteration_dtype(method == OrthMethod::Gram));
+  const int64_t p = std::min(rows, cols), q = std::max(rows, cols);
+  const std::size_t wide = static_cast<std::size_t>(batch * p * q) * dtype_size(dtype);
+  // run() first normalises the input into X = wide(0), or, transposed, into wide(1) and then
+  // wide(0); everything behind those is written only afterwards.
+  const std::size_t offset = ((rows > cols ? 2 : 1) * wide + 255) / 256 * 256;
+  const std::size_t total = required_workspace(backend, cfg, batch, rows, cols);
+  return offset + in_bytes <= total ? offset : kNoInputRoom;
+}
+
 Orthogonalizer::Orthogonalizer(Backend& backend, const OrthConfig& cfg, int64_t batch, int64_t rows,
                                int64_t cols, void* workspace)
     : backend_(backend), cfg_(cfg), batch_(batch) {

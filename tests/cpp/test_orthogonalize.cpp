@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 
 #include "dion3/backend.hpp"
@@ -168,6 +169,39 @@ TEST(Orthogonalize, InPlaceRunEqualsOutOfPlace) {
     o.run(a.matrix(1, rr, cc), a.matrix(1, rr, cc));
     EXPECT_EQ(a.bytes, b.bytes) << rr << "x" << cc;
   }
+}
+
+// The engine keeps its fp32 update rows inside the orthogonalizer's workspace where
+// input_offset() finds room: the result must equal a run from a separate input.
+TEST(Orthogonalize, InputInsideTheWorkspaceEqualsASeparateInput) {
+  Rng rng(13);
+  auto be = dion3::make_cpu_backend();
+  int placed = 0;
+  for (OrthMethod m : {OrthMethod::Standard, OrthMethod::Gram})
+    for (auto [r, c] : {std::pair{24, 24}, std::pair{16, 40}, std::pair{40, 16}, std::pair{8, 96}}) {
+      const int B = 2;
+      const OrthConfig cfg = config(m, DType::F16);
+      const std::size_t in_bytes = static_cast<std::size_t>(B * r * c) * sizeof(float);
+      const std::size_t off = dion3::Orthogonalizer::input_offset(*be, cfg, B, r, c, in_bytes);
+      const std::size_t ws = dion3::Orthogonalizer::required_workspace(*be, cfg, B, r, c);
+      if (off == dion3::Orthogonalizer::kNoInputRoom) {
+        EXPECT_FALSE(m == OrthMethod::Standard && r == c) << "a square standard run always has room";
+        continue;
+      }
+      ASSERT_LE(off + in_bytes, ws);
+      EXPECT_EQ(off % 256, 0u);
+      ++placed;
+      const ref::Mat X = t3::gaussian(B * r, c, rng);
+      const auto want = lib_orth(cfg, B, r, c, X);
+      std::vector<unsigned char> arena(ws);
+      dion3::Orthogonalizer o(*be, cfg, B, r, c, arena.data());
+      t3::Buffer in(DType::F32, {B, r, c}, X), out(DType::F32, {B, r, c});
+      std::memcpy(arena.data() + off, in.bytes.data(), in_bytes);
+      dion3::MatrixView inside = dion3::MatrixView::contiguous(arena.data() + off, DType::F32, B, r, c);
+      o.run(inside, out.matrix(B, r, c));
+      EXPECT_EQ(out.values(), want) << (m == OrthMethod::Gram ? "gram " : "standard ") << r << "x" << c;
+    }
+  EXPECT_GE(placed, 3);
 }
 
 TEST(Orthogonalize, Bf16InputAndOutput) {
