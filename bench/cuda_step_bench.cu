@@ -275,7 +275,7 @@ int main(int argc, char** argv) {
                      ws, meth.c_str()));
             line("");
             line(fmt("Step %.2f ms (median of %d, unprofiled); the profiled ops sum to %.2f ms (mean of %d steps; "
-                     "events around every backend op). GB/s: bytes each phase must move (bf16 W/G/M, fp32 U, O in "
+                     "events around every backend op). GB/s: bytes each phase must move (bf16 W/G/M and U, O in "
                      "the iteration dtype) over its time.",
                      step_ms, iters, sum_ms, prof_steps));
             line("");
@@ -301,7 +301,7 @@ int main(int argc, char** argv) {
                 orth += get(sh, o);
                 ops += fmt(" %.2f |", get(sh, o));
               }
-              const double gbs_acc = n * R * C * 6 / (acc * 1e6), gbs_gat = n * K * C * 8 / (gat * 1e6);
+              const double gbs_acc = n * R * C * 6 / (acc * 1e6), gbs_gat = n * K * C * 6 / (gat * 1e6);  // M rows read + rescaled, U (bf16) written
               // update: W read+written (all rows), O read twice (NorMuon row sums, update) in its dtype.
               const double o_bytes = static_cast<double>(dion3::dtype_size(m.iteration_dtype));
               const double gbs_upd = (n * R * C * 4 + n * K * C * 2 * o_bytes) / (upd * 1e6);

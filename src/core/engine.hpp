@@ -35,7 +35,7 @@ struct Chunk {
   int64_t first = 0, count = 0;  // members [first, first + count)
   std::unique_ptr<MatrixSet> set;
   Orthogonalizer* orth = nullptr;
-  std::size_t update_offset = 0, orth_offset = 0;  // in the arena: the fp32 update rows U, the orth workspace
+  std::size_t update_offset = 0, orth_offset = 0;  // in the arena: the update rows U, the orth workspace
 };
 
 // Parameters of one group sharing (matrix shape, dtypes): one batched pipeline per step.

@@ -34,6 +34,13 @@ bool same_plan(const GroupConfig& a, const GroupConfig& b) {
 
 std::size_t align_up(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
 
+// dtype of the gathered update rows U handed to the orthogonalizer: Dion3 gathers momentum
+// rows unchanged, so the momentum dtype holds them exactly (half the bytes of fp32 for bf16
+// momentum); Muon/NorMuon may mix in the gradient (Nesterov), so fp32.
+DType update_rows_dtype(const GroupConfig& g, DType momentum_dtype) {
+  return g.algorithm == Algorithm::Dion3 ? momentum_dtype : DType::F32;
+}
+
 std::string group_error(int g, const std::string& what) { return "group " + std::to_string(g) + ": " + what; }
 
 }  // namespace
@@ -261,10 +268,11 @@ void Optimizer::Impl::build_plan() {
   for (Megabatch& mb : megabatches) {
     const GroupConfig& g = groups[mb.group];
     const auto n = static_cast<int64_t>(mb.members.size());
-    // Arena layout of a chunk of `count` members: the fp32 update rows U are read only by the
+    // Arena layout of a chunk of `count` members: the update rows U are read only by the
     // orthogonalizer's first pass, so they lie inside its workspace where they fit there.
     auto layout = [&](int64_t count, Chunk* c) {
-      const std::size_t u = align_up(static_cast<std::size_t>(count * mb.k * mb.cols) * sizeof(float));
+      const std::size_t u = align_up(static_cast<std::size_t>(count * mb.k * mb.cols) *
+                                     dtype_size(update_rows_dtype(g, mb.momentum_dtype)));
       const std::size_t ws = Orthogonalizer::required_workspace(*backend, g.orth, count, mb.k, mb.cols);
       const std::size_t in_ws = Orthogonalizer::input_offset(*backend, g.orth, count, mb.k, mb.cols, u);
       const bool inside = in_ws != Orthogonalizer::kNoInputRoom;
@@ -409,7 +417,8 @@ void Optimizer::Impl::enqueue_step() {
     for (Chunk& c : mb.chunks) {
       c.set->mats.assign(mb.set->mats.begin() + c.first, mb.set->mats.begin() + c.first + c.count);
       be.refresh(*c.set);
-      MatrixView U = MatrixView::contiguous(s.arena.as<char>() + c.update_offset, DType::F32, c.count, mb.k, mb.cols);
+      MatrixView U = MatrixView::contiguous(s.arena.as<char>() + c.update_offset,
+                                            update_rows_dtype(g, mb.momentum_dtype), c.count, mb.k, mb.cols);
       const int32_t* rows = dion3 ? idx + c.first * mb.k : nullptr;
       if (dion3) be.gather_rows(*c.set, rows, mb.k, 1.0f, 0.0f, mu, U, flag);  // U = M[S]; M[S] *= mu
       else if (g.nesterov) be.gather_rows(*c.set, nullptr, mb.k, mu, 1.0f, 1.0f, U, flag);  // U = mu M + G
