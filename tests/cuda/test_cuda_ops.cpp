@@ -104,6 +104,19 @@ INSTANTIATE_TEST_SUITE_P(Shapes, SelectRows,
                                            SelCase{5, 11008, 2752, 0}, SelCase{3, 11008, 2752, 40},
                                            SelCase{2, 4096, 512, 3}));
 
+// n sets of k distinct rows of `rows`, each ascending (what select_rows hands on), concatenated.
+std::vector<int32_t> random_row_sets(int64_t n, int64_t rows, int64_t k, std::mt19937_64& rng) {
+  std::vector<int32_t> idx;
+  for (int64_t i = 0; i < n; ++i) {
+    std::vector<int32_t> all(rows);
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), rng);
+    std::sort(all.begin(), all.begin() + k);
+    idx.insert(idx.end(), all.begin(), all.begin() + k);
+  }
+  return idx;
+}
+
 // ---- gather_rows ------------------------------------------------------------------------------
 struct GatherCase { DType m, out; bool with_idx; float sm, sg, decay; };
 class GatherRows : public ct::CudaTest, public ::testing::WithParamInterface<GatherCase> {};
@@ -113,14 +126,7 @@ TEST_P(GatherRows, MatchesCpu) {
   std::mt19937_64 rng(5);
   const int64_t n = 3, rows = 40, cols = 130, k = c.with_idx ? 11 : rows;
   SetTwin s(*cpu, *gpu, n, rows, cols, DType::F32, DType::F32, c.m, rng);
-  std::vector<int32_t> idx;
-  for (int64_t i = 0; i < n; ++i) {
-    std::vector<int32_t> all(rows);
-    std::iota(all.begin(), all.end(), 0);
-    std::shuffle(all.begin(), all.end(), rng);
-    std::sort(all.begin(), all.begin() + k);
-    idx.insert(idx.end(), all.begin(), all.begin() + k);
-  }
+  const std::vector<int32_t> idx = random_row_sets(n, rows, k, rng);
   dion3::DeviceBuffer didx(gpu->allocator(), idx.size() * 4);
   gpu->copy_from_host(didx.get(), idx.data(), idx.size() * 4);
   Twin out(*gpu, c.out, n, k, cols);
@@ -409,14 +415,7 @@ TEST_P(ApplyUpdateBig, MatchesCpu) {
   std::mt19937_64 rng(19);
   const int64_t n = 3;
   SetTwin s(*cpu, *gpu, n, c.rows, c.cols, c.w, c.w, DType::F32, rng);
-  std::vector<int32_t> idx;
-  for (int64_t i = 0; i < n; ++i) {
-    std::vector<int32_t> all(c.rows);
-    std::iota(all.begin(), all.end(), 0);
-    std::shuffle(all.begin(), all.end(), rng);
-    std::sort(all.begin(), all.begin() + c.k);
-    idx.insert(idx.end(), all.begin(), all.begin() + c.k);
-  }
+  const std::vector<int32_t> idx = random_row_sets(n, c.rows, c.k, rng);
   dion3::DeviceBuffer didx(gpu->allocator(), idx.size() * 4);
   gpu->copy_from_host(didx.get(), idx.data(), idx.size() * 4);
   Twin O(*gpu, c.o, n, c.k, c.cols);
@@ -443,14 +442,7 @@ TEST_P(GatherBig, MatchesCpu) {
   std::mt19937_64 rng(23);
   const int64_t n = 3;
   SetTwin s(*cpu, *gpu, n, c.rows, c.cols, DType::F32, DType::BF16, c.m, rng);
-  std::vector<int32_t> idx;
-  for (int64_t i = 0; i < n; ++i) {
-    std::vector<int32_t> all(c.rows);
-    std::iota(all.begin(), all.end(), 0);
-    std::shuffle(all.begin(), all.end(), rng);
-    std::sort(all.begin(), all.begin() + c.k);
-    idx.insert(idx.end(), all.begin(), all.begin() + c.k);
-  }
+  const std::vector<int32_t> idx = random_row_sets(n, c.rows, c.k, rng);
   dion3::DeviceBuffer didx(gpu->allocator(), idx.size() * 4);
   gpu->copy_from_host(didx.get(), idx.data(), idx.size() * 4);
   Twin out(*gpu, c.out, n, c.k, c.cols);
