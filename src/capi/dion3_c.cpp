@@ -139,8 +139,9 @@ dion3::GroupConfig to_config(const dion3_group_config* c) {
   return g;
 }
 
+// Every field of c from g (throws where g holds more steps or restarts than the C struct).
 void from_config(const dion3::GroupConfig& g, dion3_group_config* c) {
-  dion3_group_config_default(c);
+  std::memset(c, 0, sizeof *c);
   c->algorithm = static_cast<int32_t>(g.algorithm);
   c->lr = g.lr;
   c->fraction = g.fraction;
@@ -248,30 +249,8 @@ dion3_status dion3_set_stream(dion3_optimizer* opt, void* cuda_stream) {
 
 void dion3_group_config_default(dion3_group_config* c) {
   if (!c) return;
-  std::memset(c, 0, sizeof *c);
-  const dion3::GroupConfig d;  // the C++ defaults are the single source of truth
-  c->algorithm = static_cast<int32_t>(d.algorithm);
-  c->lr = d.lr;
-  c->fraction = d.fraction;
-  c->mu = d.mu;
-  c->muon_beta2 = d.muon_beta2;
-  c->betas[0] = d.betas[0];
-  c->betas[1] = d.betas[1];
-  c->weight_decay = d.weight_decay;
-  c->epsilon = d.epsilon;
-  c->adjust_lr = static_cast<int32_t>(d.adjust_lr);
-  c->flatten = d.flatten;
-  c->nesterov = d.nesterov;
-  c->cautious_wd = d.cautious_wd;
-  c->scale_lr_by_fraction = d.scale_lr_by_fraction;
-  c->momentum_dtype = -1;
-  c->orth_method = static_cast<int32_t>(d.orth.method);
-  c->orth_coefficients = DION3_COEFF_POLAR_EXPRESS;
-  c->orth_num_custom = 0;
-  c->orth_num_restarts = static_cast<int32_t>(d.orth.restarts.size());
-  for (size_t i = 0; i < d.orth.restarts.size() && i < DION3_MAX_ORTH_RESTARTS; ++i)
-    c->orth_restarts[i] = d.orth.restarts[i];
-  c->orth_iteration_dtype = -1;
+  // The C++ defaults are the single source of truth (Polar Express, one restart: they fit).
+  from_config(dion3::GroupConfig{}, c);
 }
 
 dion3_status dion3_add_group(dion3_optimizer* opt, const dion3_group_config* cfg, int* group_index) {
