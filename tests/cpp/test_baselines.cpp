@@ -103,24 +103,14 @@ TEST(Muon, FirstStepIsTheTextbookUpdate) {
 }
 
 TEST(Muon, NesterovChangesOnlyTheOrthogonalizedInput) {
-  const int m = 16, n = 32;
-  Rng ra(4), rb(4);
   GroupConfig g;
   g.algorithm = Algorithm::Muon;
   GroupConfig gn = g;
   gn.nesterov = true;
-  Harness a, b;
-  t3::HostParam& pa = a.add(a.opt.add_group(g), "w", DType::F32, {m, n}, ra);
-  t3::HostParam& pb = b.add(b.opt.add_group(gn), "w", DType::F32, {m, n}, rb);
-  for (int s = 0; s < 2; ++s) {
-    a.randomize_grads(ra);
-    pb.g.bytes = pa.g.bytes;
-    a.opt.step();
-    b.opt.step();
-  }
+  const auto t = t3::twin_run(g, gn, 16, 32, 4, 2);
   // Same momentum (Nesterov does not change the stored state), different weights.
-  EXPECT_EQ(t3::state_values(a.opt, pa.index, "momentum"), t3::state_values(b.opt, pb.index, "momentum"));
-  EXPECT_NE(pa.w.bytes, pb.w.bytes);
+  EXPECT_EQ(t3::state_values(t->a.opt, t->pa->index, "momentum"), t3::state_values(t->b.opt, t->pb->index, "momentum"));
+  EXPECT_NE(t->pa->w.bytes, t->pb->w.bytes);
 }
 
 TEST(Muon, CautiousWeightDecayOnlyWhereUpdateAndWeightAgree) {
@@ -262,20 +252,12 @@ TEST(Lion, ZeroGradientAndMomentumGiveOnlyWeightDecay) {
 
 TEST(NorMuon, ScaleLrByFractionOnlyAffectsDion3Groups) {
   // The opt-in scaling is Dion3's (lr / sqrt(f)); a NorMuon group ignores it.
-  const int m = 16, n = 32;
-  Rng ra(9), rb(9);
   GroupConfig ga, gb;
   ga.algorithm = gb.algorithm = Algorithm::NorMuon;
   ga.scale_lr_by_fraction = true;
   ga.fraction = 0.25;
-  Harness a, b;
-  t3::HostParam& pa = a.add(a.opt.add_group(ga), "w", DType::F32, {m, n}, ra);
-  t3::HostParam& pb = b.add(b.opt.add_group(gb), "w", DType::F32, {m, n}, rb);
-  a.randomize_grads(ra);
-  pb.g.bytes = pa.g.bytes;
-  a.opt.step();
-  b.opt.step();
-  EXPECT_EQ(pa.w.bytes, pb.w.bytes);
+  const auto t = t3::twin_run(ga, gb, 16, 32, 9, 1);
+  EXPECT_EQ(t->pa->w.bytes, t->pb->w.bytes);
 }
 
 }  // namespace

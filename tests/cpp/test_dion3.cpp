@@ -244,24 +244,14 @@ TEST(Dion3, UnselectedRowsMoveOnlyByWeightDecay) {
 }
 
 TEST(Dion3, FullFractionEqualsNorMuon) {
-  const int m = 24, n = 40;
-  Rng rng(6);
-  Harness a, b;
   GroupConfig ga = plain(1.0, 0.01), gb = plain(1.0, 0.01);
   gb.algorithm = dion3::Algorithm::NorMuon;
-  t3::HostParam& pa = a.add(a.opt.add_group(ga), "w", DType::F32, {m, n}, rng);
-  Rng rng2(6);
-  t3::HostParam& pb = b.add(b.opt.add_group(gb), "w", DType::F32, {m, n}, rng2);
-  ASSERT_EQ(pa.w.bytes, pb.w.bytes);
-  const auto W0 = pa.w.values();
-  for (int step = 0; step < 4; ++step) {
-    a.randomize_grads(rng);
-    pb.g.bytes = pa.g.bytes;
-    ASSERT_TRUE(a.opt.step());
-    ASSERT_TRUE(b.opt.step());
-  }
+  const auto t = t3::twin_run(ga, gb, 24, 40, 6, 4);
+  ASSERT_TRUE(t->all_applied);
+  const Harness &a = t->a, &b = t->b;
+  const t3::HostParam &pa = *t->pa, &pb = *t->pb;
   const auto Wa = pa.w.values(), Wb = pb.w.values();
-  EXPECT_LE(t3::max_abs_diff(Wa, Wb), 1e-5 * t3::max_change(Wb, W0) + 1e-7);
+  EXPECT_LE(t3::max_abs_diff(Wa, Wb), 1e-5 * t3::max_change(Wb, t->w0) + 1e-7);
   // Dion3 stores mu*(M + G) where NorMuon stores mu*M + G: the same sequence scaled by mu.
   const auto Ma = t3::state_values(a.opt, pa.index, "momentum"), Mb = t3::state_values(b.opt, pb.index, "momentum");
   std::vector<double> Mb_mu(Mb);
@@ -274,37 +264,19 @@ TEST(Dion3, FullFractionEqualsNorMuon) {
 TEST(Dion3, ScaleLrByFractionEqualsAScaledLr) {
   // lr / sqrt(1/4) = 2 lr exactly in binary, so both runs must agree bit for bit, including
   // the weight decay, which uses the base lr (SPEC §1 step 7).
-  const int m = 16, n = 32;
-  Rng ra(7), rb(7);
-  Harness a, b;
   GroupConfig ga = plain(0.25, 0.1), gb = plain(0.25, 0.1);
   ga.lr = 0.01;
   ga.scale_lr_by_fraction = true;
   gb.lr = 0.02;
-  t3::HostParam& pa = a.add(a.opt.add_group(ga), "w", DType::F32, {m, n}, ra);
-  t3::HostParam& pb = b.add(b.opt.add_group(gb), "w", DType::F32, {m, n}, rb);
-  for (int step = 0; step < 3; ++step) {
-    a.randomize_grads(ra);
-    pb.g.bytes = pa.g.bytes;
-    a.opt.step();
-    b.opt.step();
-  }
-  EXPECT_EQ(pa.w.bytes, pb.w.bytes);
+  const auto t = t3::twin_run(ga, gb, 16, 32, 7, 3);
+  EXPECT_EQ(t->pa->w.bytes, t->pb->w.bytes);
 }
 
 TEST(Dion3, ScaleLrByFractionIsOffByDefault) {
-  const int m = 16, n = 32;
-  Rng ra(8), rb(8);
-  Harness a, b;
   GroupConfig ga = plain(0.25, 0.1), gb = plain(0.25, 0.1);
   gb.scale_lr_by_fraction = false;
-  t3::HostParam& pa = a.add(a.opt.add_group(ga), "w", DType::F32, {m, n}, ra);
-  t3::HostParam& pb = b.add(b.opt.add_group(gb), "w", DType::F32, {m, n}, rb);
-  a.randomize_grads(ra);
-  pb.g.bytes = pa.g.bytes;
-  a.opt.step();
-  b.opt.step();
-  EXPECT_EQ(pa.w.bytes, pb.w.bytes);
+  const auto t = t3::twin_run(ga, gb, 16, 32, 8, 1);
+  EXPECT_EQ(t->pa->w.bytes, t->pb->w.bytes);
 }
 
 TEST(Dion3, LearningRateEditsTakeEffectAtTheNextStep) {

@@ -342,6 +342,22 @@ void Harness::randomize_grads(Rng& rng, double gscale) {
     for (int64_t i = 0; i < p->g.numel(); ++i) p->g.set(i, gscale * rng.normal());
 }
 
+std::unique_ptr<TwinRun> twin_run(const dion3::GroupConfig& ga, const dion3::GroupConfig& gb, int m, int n,
+                                  uint64_t seed, int steps) {
+  auto t = std::make_unique<TwinRun>();
+  Rng ra(seed), rb(seed);
+  t->pa = &t->a.add(t->a.opt.add_group(ga), "w", DType::F32, {m, n}, ra);
+  t->pb = &t->b.add(t->b.opt.add_group(gb), "w", DType::F32, {m, n}, rb);
+  t->w0 = t->pa->w.values();
+  for (int s = 0; s < steps; ++s) {
+    t->a.randomize_grads(ra);
+    t->pb->g.bytes = t->pa->g.bytes;
+    t->all_applied = t->a.opt.step() && t->all_applied;
+    t->all_applied = t->b.opt.step() && t->all_applied;
+  }
+  return t;
+}
+
 std::vector<unsigned char> snapshot(const dion3::Optimizer& opt, std::vector<HostParam*> params) {
   std::vector<unsigned char> out;
   for (HostParam* p : params) out.insert(out.end(), p->w.bytes.begin(), p->w.bytes.end());

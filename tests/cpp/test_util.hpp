@@ -112,6 +112,19 @@ struct Harness {
   void randomize_grads(Rng& rng, double gscale = 1.0);
 };
 
+// Two single-parameter optimizers (groups ga and gb, one m x n fp32 weight each, the same
+// initial weights from `seed`) stepped `steps` times on the same fresh gradients: for tests that
+// two configurations agree (or differ) exactly where they should.
+struct TwinRun {
+  Harness a, b;
+  HostParam* pa = nullptr;
+  HostParam* pb = nullptr;
+  std::vector<double> w0;  // the initial weights
+  bool all_applied = true;  // every step() of both returned true
+};
+std::unique_ptr<TwinRun> twin_run(const dion3::GroupConfig& ga, const dion3::GroupConfig& gb, int m, int n,
+                                  uint64_t seed, int steps);
+
 // All weight bytes followed by all state bytes (state_views order), for "unchanged" checks.
 std::vector<unsigned char> snapshot(const dion3::Optimizer& opt, std::vector<HostParam*> params);
 // The named state tensor of a parameter as doubles (fails the test if missing).
