@@ -21,6 +21,11 @@ def grads_for(shapes, step, seed=100):
     return [torch.randn(s, generator=g) for s in shapes]
 
 
+def set_grads(params, grads, device):
+    for p, g in zip(params, grads):
+        p.grad = g.to(device)
+
+
 def exact_orth(device):
     """Options that make the CUDA backend orthogonalize in fp32 (its default is fp16/bf16), so
     results can be compared tightly; the CPU backend is fp32 already."""
@@ -39,8 +44,7 @@ def run_pair(cls, shapes, device, group_opts, ctor=None, ref_opts=None, steps=ST
     opt = cls([dict(params=params, **group_opts)], **kw)
     for t in range(steps):
         gs = grads_for(shapes, t)
-        for p, g in zip(params, gs):
-            p.grad = g.to(device)
+        set_grads(params, gs, device)
         opt.step()
         ref.step(gs)
         for i, (p, w) in enumerate(zip(params, ref.w)):
@@ -106,8 +110,7 @@ def test_dion3_fraction_one_is_normuon(device):
     b = dion3.NorMuon(pb, lr=0.03, **exact_orth(device))
     for t in range(STEPS):
         for ps in (pa, pb):
-            for p, g in zip(ps, grads_for(shapes, t)):
-                p.grad = g.to(device)
+            set_grads(ps, grads_for(shapes, t), device)
         a.step()
         b.step()
     for x, y in zip(pa, pb):
@@ -135,8 +138,7 @@ def test_adamw_matches_torch(device):
     theirs = torch.optim.AdamW(pb, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     for t in range(STEPS + 2):
         for ps in (pa, pb):
-            for p, g in zip(ps, grads_for(shapes, t)):
-                p.grad = g.to(device)
+            set_grads(ps, grads_for(shapes, t), device)
         ours.step()
         theirs.step()
         for x, y in zip(pa, pb):
@@ -156,8 +158,7 @@ def test_mixed_groups_in_one_optimizer(device):
     opt = dion3.Dion3([dict(params=pm), dict(params=pv, algorithm="lion", lr=1e-3)], lr=0.02, **exact_orth(device))
     for t in range(STEPS):
         gm, gv = grads_for(shapes_m, t), grads_for(shapes_v, t, seed=7)
-        for p, g in zip(pm + pv, gm + gv):
-            p.grad = g.to(device)
+        set_grads(pm + pv, gm + gv, device)
         opt.step()
         rm.step(gm)
         rv.step(gv)
@@ -207,8 +208,7 @@ def test_small_workspace_limit_gives_the_same_result(device):
     b = dion3.Dion3(pb, **exact_orth(device))
     for t in range(3):
         for ps in (pa, pb):
-            for p, g in zip(ps, grads_for(shapes, t)):
-                p.grad = g.to(device)
+            set_grads(ps, grads_for(shapes, t), device)
         a.step()
         b.step()
     for x, y in zip(pa, pb):
