@@ -155,6 +155,18 @@ class ProfilingBackend final : public dion3::Backend {
   std::vector<Rec> recs_;
 };
 
+// Registers every matrix of `shapes` in group g: bf16 weights W[i] and gradients G[i] on the GPU.
+void add_matrices(dion3::Optimizer& opt, int g, const std::vector<dion3::bench::MatrixShape>& shapes,
+                  const std::vector<void*>& W, const std::vector<void*>& G) {
+  for (std::size_t i = 0; i < shapes.size(); ++i) {
+    dion3::ParamSpec spec;
+    spec.name = shapes[i].name;
+    spec.weight = {W[i], dion3::DType::BF16, dion3::Device::CUDA, 0, {shapes[i].rows, shapes[i].cols}};
+    spec.grad = {G[i], dion3::DType::BF16, dion3::Device::CUDA, 0, {shapes[i].rows, shapes[i].cols}};
+    opt.add_param(g, spec);
+  }
+}
+
 double used_bytes() {
   size_t free_b = 0, total = 0;
   CK(cudaDeviceSynchronize());
@@ -245,14 +257,7 @@ int main(int argc, char** argv) {
             cfg.fraction = frac;
             if (meth == "gram") cfg.orth.method = dion3::OrthMethod::Gram;
             else if (meth == "standard") cfg.orth.method = dion3::OrthMethod::Standard;
-            const int g = opt.add_group(cfg);
-            for (std::size_t i = 0; i < shapes.size(); ++i) {
-              dion3::ParamSpec spec;
-              spec.name = shapes[i].name;
-              spec.weight = {W[i], dion3::DType::BF16, dion3::Device::CUDA, 0, {shapes[i].rows, shapes[i].cols}};
-              spec.grad = {G[i], dion3::DType::BF16, dion3::Device::CUDA, 0, {shapes[i].rows, shapes[i].cols}};
-              opt.add_param(g, spec);
-            }
+            add_matrices(opt, opt.add_group(cfg), shapes, W, G);
             for (int i = 0; i < 2; ++i) opt.step();
             std::vector<double> t;
             for (int i = 0; i < iters; ++i) {
@@ -345,14 +350,7 @@ int main(int argc, char** argv) {
         dion3::GroupConfig cfg;
         cfg.algorithm = v.algo;
         cfg.fraction = v.fraction;
-        const int g = opt.add_group(cfg);
-        for (std::size_t i = 0; i < shapes.size(); ++i) {
-          dion3::ParamSpec spec;
-          spec.name = shapes[i].name;
-          spec.weight = {W[i], dion3::DType::BF16, dion3::Device::CUDA, 0, {shapes[i].rows, shapes[i].cols}};
-          spec.grad = {G[i], dion3::DType::BF16, dion3::Device::CUDA, 0, {shapes[i].rows, shapes[i].cols}};
-          opt.add_param(g, spec);
-        }
+        add_matrices(opt, opt.add_group(cfg), shapes, W, G);
         opt.step();
         first_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         const double after = used_bytes();
