@@ -1,7 +1,10 @@
 // orthogonalize.cpp — standard and Gram Newton–Schulz (SPEC §2) over backend primitives.
 //
-// Buffers live in one workspace allocated at planning time, in the iteration dtype:
-// two wide p x q matrices (X and a ping-pong partner) and five p x p squares.
+// Buffers live in one workspace allocated at planning time, in the iteration dtype: wide p x q
+// matrices (X and a ping-pong partner) followed by p x p squares. Gram NS needs two wides and
+// four squares (R, W, Q and one scratch: at most four are live at any product). Standard NS needs
+// two wides and two squares, or, when p == q, one wide and two squares: X's next value goes
+// into the square A, dead once B is formed, and the buffers rotate.
 #include "dion3/orthogonalize.hpp"
 
 #include <algorithm>
@@ -12,10 +15,11 @@
 namespace dion3 {
 
 namespace {
-constexpr int kWide = 2;
 constexpr float kNormEps = 1e-7f;
-// p x p scratch matrices each method needs: A, B (standard); R, W, Q, RW, T (Gram).
-int squares_of(OrthMethod m) { return m == OrthMethod::Gram ? 5 : 2; }
+// p x p scratch matrices each method needs: A, B (standard); R, W, Q, S (Gram).
+int squares_of(OrthMethod m) { return m == OrthMethod::Gram ? 4 : 2; }
+// p x q matrices: X and its partner, except square standard runs (the partner is A's square).
+int wides_of(OrthMethod m, int64_t p, int64_t q) { return m == OrthMethod::Standard && p == q ? 1 : 2; }
 
 bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
 }  // namespace
@@ -60,7 +64,8 @@ std::size_t Orthogonalizer::required_workspace(const Backend& backend, const Ort
   const OrthMethod method = choose_orth_method(backend, cfg, rows, cols);
   const DType dtype = cfg.iteration_dtype.value_or(backend.default_iteration_dtype(method == OrthMethod::Gram));
   const int64_t p = std::min(rows, cols), q = std::max(rows, cols);
-  return static_cast<std::size_t>(batch * (kWide * p * q + squares_of(method) * p * p)) * dtype_size(dtype);
+  return static_cast<std::size_t>(batch * (wides_of(method, p, q) * p * q + squares_of(method) * p * p)) *
+         dtype_size(dtype);
 }
 
 std::size_t Orthogonalizer::input_offset(const Backend& backend, const OrthConfig& cfg, int64_t batch,
@@ -102,8 +107,9 @@ MatrixView Orthogonalizer::wide(int slot) const {
 }
 
 MatrixView Orthogonalizer::square(int slot) const {
+  const int64_t wides = wides_of(method_, p_, q_);
   char* base = workspace_ +
-               static_cast<std::size_t>(kWide * batch_ * p_ * q_ + slot * batch_ * p_ * p_) * dtype_size(dtype_);
+               static_cast<std::size_t>(wides * batch_ * p_ * q_ + slot * batch_ * p_ * p_) * dtype_size(dtype_);
   return MatrixView::contiguous(base, dtype_, batch_, p_, p_);
 }
 
@@ -148,13 +154,16 @@ MatrixView Orthogonalizer::run(MatrixView in) {
 }
 
 void Orthogonalizer::standard(MatrixView X) {
-  MatrixView X2 = wide(1), A = square(0), B = square(1);
+  const bool square_x = p_ == q_;  // X's partner is A's square (no wide(1))
+  MatrixView X2 = square_x ? X : wide(1), A = square(0), B = square(1);
   const std::size_t bytes = static_cast<std::size_t>(batch_ * p_ * q_) * dtype_size(dtype_);
   for (const Coefficients& k : cfg_.coefficients) {
     const float a = static_cast<float>(k[0]), b = static_cast<float>(k[1]), c = static_cast<float>(k[2]);
-    backend_.gram(X, A);                              // A = X X^T
-    backend_.sym_product(c, A, A, b, &A, a, B);       // B = b A + c A^2 + a I
+    backend_.gram(X, A);                         // A = X X^T
+    backend_.sym_product(c, A, A, b, &A, a, B);  // B = b A + c A^2 + a I
+    if (square_x) X2.data = A.data;              // A is dead from here on
     backend_.gemm(false, false, 1.0f, B, X, 0.0f, X2);  // X2 = B X = a X + (b A + c A^2) X
+    if (square_x) A.data = X.data;               // the old X becomes the next A
     std::swap(X.data, X2.data);
   }
   if (X.data != wide(0).data) backend_.copy(wide(0).data, X.data, bytes);
@@ -164,7 +173,8 @@ void Orthogonalizer::gram(MatrixView X) {
   // Every product after Z = b R + c R^2 takes Z through W = Z + a I (Q Z + a Q = Q W,
   // R Z + a R = R W, Z RZ + a RZ = W RZ), so W is formed directly, in the product's epilogue.
   MatrixView X2 = wide(1);
-  MatrixView R = square(0), W = square(1), Q = square(2), RW = square(3), T = square(4);
+  // S holds Q W before it becomes Q, and R W: the old Q is dead once Q W is formed.
+  MatrixView R = square(0), W = square(1), Q = square(2), S = square(3);
   const int steps = static_cast<int>(cfg_.coefficients.size());
   const std::size_t bytes = static_cast<std::size_t>(batch_ * p_ * q_) * dtype_size(dtype_);
   backend_.gram(X, R);
@@ -182,13 +192,13 @@ void Orthogonalizer::gram(MatrixView X) {
     if (t == 0 || restart) {
       std::swap(Q.data, W.data);  // Q = W (no copy: W's buffer becomes Q's)
     } else {
-      backend_.sym_product(1.0f, Q, W, 0.0f, nullptr, 0.0f, T);  // Q = Q W
-      std::swap(Q.data, T.data);
+      backend_.sym_product(1.0f, Q, W, 0.0f, nullptr, 0.0f, S);  // Q = Q W
+      std::swap(Q.data, S.data);
     }
     if (t < steps - 1 && !contains(cfg_.restarts, t + 1)) {
       const MatrixView& w = (t == 0 || restart) ? Q : W;
-      backend_.sym_product(1.0f, R, w, 0.0f, nullptr, 0.0f, RW);  // RW = R W
-      backend_.sym_product(1.0f, w, RW, 0.0f, nullptr, 0.0f, R);  // R = W RW
+      backend_.sym_product(1.0f, R, w, 0.0f, nullptr, 0.0f, S);  // S = R W
+      backend_.sym_product(1.0f, w, S, 0.0f, nullptr, 0.0f, R);  // R = W S
     }
   }
   backend_.gemm(false, false, 1.0f, Q, X, 0.0f, X2);  // X = Q X

@@ -235,6 +235,20 @@ TEST(Orthogonalize, PlanningIntrospection) {
   EXPECT_EQ(dion3::choose_orth_method(*be, config(OrthMethod::Standard), 8, 96), OrthMethod::Standard);
 }
 
+// Workspace is only the buffers live at once (in elements of the iteration dtype): Gram NS two
+// p x q and four p x p; standard NS two p x q and two p x p, or three p x p when p == q.
+TEST(Orthogonalize, WorkspaceHoldsOnlyTheLiveBuffers) {
+  auto be = dion3::make_cpu_backend();
+  auto elems = [&](OrthMethod m, int r, int c) {
+    return dion3::Orthogonalizer::required_workspace(*be, config(m, DType::F16), 3, r, c) / (3 * 2);
+  };
+  EXPECT_EQ(elems(OrthMethod::Gram, 16, 40), 2u * 16 * 40 + 4u * 16 * 16);
+  EXPECT_EQ(elems(OrthMethod::Gram, 40, 16), 2u * 16 * 40 + 4u * 16 * 16);
+  EXPECT_EQ(elems(OrthMethod::Standard, 16, 40), 2u * 16 * 40 + 2u * 16 * 16);
+  EXPECT_EQ(elems(OrthMethod::Standard, 24, 24), 3u * 24 * 24);
+  EXPECT_EQ(elems(OrthMethod::Gram, 24, 24), 6u * 24 * 24);
+}
+
 TEST(Orthogonalize, RejectsAMismatchedInput) {
   auto be = dion3::make_cpu_backend();
   dion3::Orthogonalizer o(*be, config(OrthMethod::Standard), 1, 8, 16);
