@@ -4,7 +4,8 @@
 // same dtype), with fp32 accumulation. Persistent grid (one CTA per SM), linearized triangular
 // schedule over 128 x 256 tiles (tile t -> (matrix, row block i, column block j <= i/2)), TMA
 // loads (128-byte swizzle) into a 3-stage mbarrier pipeline fed by one producer warp, and two
-// consumer warpgroups issuing wgmma m64n256k16 from shared memory, each owning 64 rows.
+// consumer warpgroups issuing wgmma m64nNk16 from shared memory, each owning 64 rows: N = 256,
+// narrower on diagonal tiles (only the 64-column blocks on or below the diagonal).
 //
 // Epilogue, per consumer warpgroup, in 64 x 64 blocks (one 128-byte-swizzled TMA box each):
 // D's blocks are prefetched by TMA into the warpgroup's staging buffer during the main loop;
@@ -20,6 +21,7 @@
 #include <mutex>
 
 #include "cuda/kernels.cuh"
+#include "cuda/wgmma_m64.cuh"
 
 namespace dion3::cuda {
 namespace {
@@ -32,29 +34,6 @@ constexpr int kStagingBytes = (kBN / kEB) * kEBBytes;   // per consumer warpgrou
 constexpr int kSmemBytes =
     kStages * (kABytes + kBBytes) + 2 * kStagingBytes + 1024 /*align*/ + 256 /*barriers*/;
 static_assert(kSmemBytes <= 232448, "shared memory of one sm_90 CTA");
-
-#define DION3_WGMMA_REGS "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}"
-#define DION3_WGMMA_OUTS "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-
-template <bool kBF16>
-__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, uint64_t db,
-                                                 int scale_d) {
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  if constexpr (kBF16) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " DION3_WGMMA_REGS
-                 ", %128, %129, p, 1, 1, 0, 0;\n}\n"
-                 : DION3_WGMMA_OUTS
-                 : "l"(da), "l"(db), "r"(scale_d));
-  } else {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 " DION3_WGMMA_REGS
-                 ", %128, %129, p, 1, 1, 0, 0;\n}\n"
-                 : DION3_WGMMA_OUTS
-                 : "l"(da), "l"(db), "r"(scale_d));
-  }
-#endif
-}
 
 __device__ __forceinline__ void fence_acc(float (&d)[128]) {
 #pragma unroll
@@ -147,6 +126,28 @@ __device__ __forceinline__ uint32_t swz(int row, int col) {
 __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) |
          (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
+}
+
+// One 64-deep k-block of a warpgroup's 64 x N product (N = 64·kBlocks), accumulating unless
+// `first`.
+template <bool kBF16, int kN>
+__device__ __forceinline__ void mma_kblock(float (&acc)[128], uint32_t a0, uint32_t b0, bool first) {
+#pragma unroll
+  for (int k = 0; k < kBK / 16; ++k)
+    wgmma_m64k16<kBF16, kN>(acc, smem_desc(a0 + k * 32), smem_desc(b0 + k * 32), (!first || k > 0) ? 1 : 0);
+}
+// Only the 64-column blocks a warpgroup stores are computed: on a diagonal tile the blocks above
+// the diagonal, and blocks past column p, are left out (ncols < 4), and a warpgroup whose rows
+// lie past p computes nothing (ncols == 0).
+template <bool kBF16>
+__device__ __forceinline__ void mma_kblock(float (&acc)[128], int ncols, uint32_t a0, uint32_t b0, bool first) {
+  switch (ncols) {
+    case 4: mma_kblock<kBF16, 256>(acc, a0, b0, first); break;
+    case 3: mma_kblock<kBF16, 192>(acc, a0, b0, first); break;
+    case 2: mma_kblock<kBF16, 128>(acc, a0, b0, first); break;
+    case 1: mma_kblock<kBF16, 64>(acc, a0, b0, first); break;
+    default: break;
+  }
 }
 
 struct SymParams {
@@ -261,6 +262,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bool rows_in = R * kEB < p;
     const int nblk = min(4, R - 4 * j + 1);    // blocks 4j .. 4j+nblk-1 are on or below the diagonal
     const int kd = R - 4 * j;                  // the diagonal block, if kd < 4
+    const int ncols = rows_in ? min(nblk, (p - 4 * j * kEB + kEB - 1) / kEB) : 0;  // blocks computed
     const bool load_d = prm.has_d && rows_in && !prm.skip_epilogue;
     int prev = -1;
     for (int kb = 0; kb < prm.kblocks; ++kb, ++it) {
@@ -269,10 +271,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t a0 = smem_u32(sA + s * kABytes + cw * 64 * 128);
       const uint32_t b0 = smem_u32(sB + s * kBBytes);
       asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-      for (int k = 0; k < kBK / 16; ++k)
-        wgmma_m64n256k16<kBF16>(acc, smem_desc(a0 + k * 32), smem_desc(b0 + k * 32),
-                                (kb > 0 || k > 0) ? 1 : 0);
+      mma_kblock<kBF16>(acc, ncols, a0, b0, kb == 0);
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
       if (kb == dk && load_d && leader) {
         // Prefetch D's blocks of this tile into the staging buffer once the previous tile's
