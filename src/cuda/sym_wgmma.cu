@@ -54,19 +54,21 @@ __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
                "r"(bytes) : "memory");
 }
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+// Arrive by the threads where `pred` holds: a predicated instruction, not a branch (a branch
+// around it inside the main loop makes ptxas serialize the wgmma instructions).
+__device__ __forceinline__ void mbar_arrive_if(uint64_t* bar, bool pred) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(
+                   smem_u32(bar)),
+               "r"(static_cast<int>(pred))
+               : "memory");
 }
+// The retry loop lives inside the asm, so the compiler sees no divergent control flow here.
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(smem_u32(bar)), "r"(parity)
-        : "memory");
-  } while (!done);
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT_%=:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
 }
 __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, uint64_t* bar,
                                             int c0, int c1, int c2) {
@@ -128,26 +130,46 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
          (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
 }
 
-// One 64-deep k-block of a warpgroup's 64 x N product (N = 64·kBlocks), accumulating unless
-// `first`.
-template <bool kBF16, int kN>
-__device__ __forceinline__ void mma_kblock(float (&acc)[128], uint32_t a0, uint32_t b0, bool first) {
+// One 64-deep k-block of a warpgroup's 64 x kN product: four k16 steps, the first of them starting
+// a new sum where kFirst (the tile's first k-block). kN == 0: nothing (rows past p).
+template <bool kBF16, int kN, bool kFirst>
+__device__ __forceinline__ void mma_kblock(float (&acc)[128], uint32_t a0, uint32_t b0) {
+  if constexpr (kN > 0) {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    wgmma_m64k16<kBF16, kN, !kFirst>(acc, smem_desc(a0), smem_desc(b0));
 #pragma unroll
-  for (int k = 0; k < kBK / 16; ++k)
-    wgmma_m64k16<kBF16, kN>(acc, smem_desc(a0 + k * 32), smem_desc(b0 + k * 32), (!first || k > 0) ? 1 : 0);
-}
-// Only the 64-column blocks a warpgroup stores are computed: on a diagonal tile the blocks above
-// the diagonal, and blocks past column p, are left out (ncols < 4), and a warpgroup whose rows
-// lie past p computes nothing (ncols == 0).
-template <bool kBF16>
-__device__ __forceinline__ void mma_kblock(float (&acc)[128], int ncols, uint32_t a0, uint32_t b0, bool first) {
-  switch (ncols) {
-    case 4: mma_kblock<kBF16, 256>(acc, a0, b0, first); break;
-    case 3: mma_kblock<kBF16, 192>(acc, a0, b0, first); break;
-    case 2: mma_kblock<kBF16, 128>(acc, a0, b0, first); break;
-    case 1: mma_kblock<kBF16, 64>(acc, a0, b0, first); break;
-    default: break;
+    for (int k = 1; k < kBK / 16; ++k) wgmma_m64k16<kBF16, kN, true>(acc, smem_desc(a0 + k * 32), smem_desc(b0 + k * 32));
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
   }
+}
+
+// A warpgroup's part of one tile's main loop: kblocks k-blocks through the stage ring (`it`
+// counts k-blocks over the whole kernel), one wgmma group in flight behind the one being issued,
+// each stage released (one arrival per warp, from the `signal` lane) once its products finished.
+// prefetch_d() runs after the second k-block's products are issued (the first's, if only one).
+// The first k-block is peeled so that its products start new sums.
+template <bool kBF16, int kN, class PrefetchD>
+__device__ __forceinline__ void tile_mainloop(float (&acc)[128], const uint8_t* sA, const uint8_t* sB, uint64_t* full,
+                                              uint64_t* empty, uint32_t& it, int kblocks, bool signal,
+                                              PrefetchD&& prefetch_d) {
+  int s = it % kStages;
+  mbar_wait(&full[s], (it / kStages) & 1);
+  mma_kblock<kBF16, kN, true>(acc, smem_u32(sA + s * kABytes), smem_u32(sB + s * kBBytes));
+  if (kblocks == 1) prefetch_d();
+  int prev = s;
+  ++it;
+  for (int kb = 1; kb < kblocks; ++kb, ++it) {
+    s = it % kStages;
+    mbar_wait(&full[s], (it / kStages) & 1);
+    mma_kblock<kBF16, kN, false>(acc, smem_u32(sA + s * kABytes), smem_u32(sB + s * kBBytes));
+    if (kb == 1) prefetch_d();
+    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+    mbar_arrive_if(&empty[prev], signal);
+    prev = s;
+  }
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  fence_acc(acc);
+  mbar_arrive_if(&empty[prev], signal);
 }
 
 struct SymParams {
@@ -207,7 +229,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* empty = full + kStages;
   uint64_t* dfull = empty + kStages;  // per consumer warpgroup: its D blocks have landed
 
-  const int wg = threadIdx.x / 128;
+  // The warpgroup index, broadcast so that the compiler knows it is warp-uniform.
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
@@ -251,7 +274,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   // 8-column chunks (n8, n8 + 1): matrix m = lane / 8 is (rows + 8·(m & 1), chunk n8 + m / 2).
   const int mrow = 16 * warp + 8 * ((lane >> 3) & 1) + (lane & 7);
   const int mchunk = lane >> 4;
-  const int dk = prm.kblocks > 1 ? 1 : 0;  // main-loop step that issues the D prefetch
   float acc[128];
   uint32_t it = 0, dphase = 0;
   const int p = prm.p;
@@ -264,32 +286,26 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int kd = R - 4 * j;                  // the diagonal block, if kd < 4
     const int ncols = rows_in ? min(nblk, (p - 4 * j * kEB + kEB - 1) / kEB) : 0;  // blocks computed
     const bool load_d = prm.has_d && rows_in && !prm.skip_epilogue;
-    int prev = -1;
-    for (int kb = 0; kb < prm.kblocks; ++kb, ++it) {
-      const int s = it % kStages;
-      mbar_wait(&full[s], (it / kStages) & 1);
-      const uint32_t a0 = smem_u32(sA + s * kABytes + cw * 64 * 128);
-      const uint32_t b0 = smem_u32(sB + s * kBBytes);
-      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-      mma_kblock<kBF16>(acc, ncols, a0, b0, kb == 0);
-      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-      if (kb == dk && load_d && leader) {
-        // Prefetch D's blocks of this tile into the staging buffer once the previous tile's
-        // stores have read it.
+    // Prefetch D's blocks of this tile into the staging buffer once the previous tile's stores
+    // have read it.
+    auto prefetch_d = [&] {
+      if (load_d && leader) {
         bulk_wait_read();
         mbar_expect_tx(&dfull[cw], nblk * kEBBytes);
         const int bd = prm.d_batched ? b : 0;
         for (int k = 0; k < nblk; ++k)
           tma_load_3d(staging + k * kEBBytes, &tmD, &dfull[cw], (4 * j + k) * kEB, R * kEB, bd);
       }
-      asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-      fence_acc(acc);
-      if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
-      prev = s;
+    };
+    const uint8_t* sA_rows = sA + cw * 64 * 128;
+    const bool signal = lane == 0;
+    switch (ncols) {
+      case 4: tile_mainloop<kBF16, 256>(acc, sA_rows, sB, full, empty, it, prm.kblocks, signal, prefetch_d); break;
+      case 3: tile_mainloop<kBF16, 192>(acc, sA_rows, sB, full, empty, it, prm.kblocks, signal, prefetch_d); break;
+      case 2: tile_mainloop<kBF16, 128>(acc, sA_rows, sB, full, empty, it, prm.kblocks, signal, prefetch_d); break;
+      case 1: tile_mainloop<kBF16, 64>(acc, sA_rows, sB, full, empty, it, prm.kblocks, signal, prefetch_d); break;
+      default: tile_mainloop<kBF16, 0>(acc, sA_rows, sB, full, empty, it, prm.kblocks, signal, prefetch_d); break;
     }
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    fence_acc(acc);
-    if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
 
     if (prm.skip_epilogue) {  // keep the accumulators live, store nothing
       float x = 0.0f;
