@@ -26,8 +26,15 @@
 namespace dion3::cuda {
 namespace {
 
-constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 3, kThreads = 384;
-constexpr int kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2;  // 16 KiB, 32 KiB per stage
+#ifndef DION3_SYM_BK
+#define DION3_SYM_BK 64
+#endif
+constexpr int kBM = 128, kBN = 256, kBK = DION3_SYM_BK, kStages = kBK == 64 ? 3 : 6;
+// Two consumer warpgroups (warps 0-7) and one producer warp (warp 8): without a producer
+// warpgroup every thread may hold 224 registers, which the wgmma pipeline of the consumers needs.
+constexpr int kThreads = 288;
+constexpr int kRowBytes = kBK * 2;  // one operand row of a stage: 128 or 64 bytes (the swizzle width)
+constexpr int kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2;
 constexpr int kEB = 64;                                 // epilogue block edge: one TMA box
 constexpr int kEBBytes = kEB * kEB * 2;                 // 8 KiB
 constexpr int kStagingBytes = (kBN / kEB) * kEBBytes;   // per consumer warpgroup: 64 x 256
@@ -126,8 +133,9 @@ __device__ __forceinline__ uint32_t swz(int row, int col) {
 // Shared-memory matrix descriptor: K-major tile, rows of 128 bytes, 128-byte swizzle (8-row
 // atoms of 1024 bytes: stride byte offset 1024, leading byte offset unused).
 __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
+  constexpr uint64_t layout = kRowBytes == 128 ? 1 : 2;  // 128- or 64-byte swizzle
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) |
-         (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
+         (uint64_t{8 * kRowBytes >> 4} << 32) | (layout << 62);
 }
 
 // One 64-deep k-block of a warpgroup's 64 x kN product: four k16 steps, the first of them starting
@@ -143,24 +151,36 @@ __device__ __forceinline__ void mma_kblock(float (&acc)[128], uint32_t a0, uint3
   }
 }
 
-// A warpgroup's part of one tile's main loop: kblocks k-blocks through the stage ring (`it`
-// counts k-blocks over the whole kernel), one wgmma group in flight behind the one being issued,
+// Position in the ring of stages: the stage index and the parity of its mbarrier phase.
+struct StageRing {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void next() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+// A warpgroup's part of one tile's main loop: kblocks k-blocks through the stage ring (which
+// carries on across the kernel's tiles), one wgmma group in flight behind the one being issued,
 // each stage released (one arrival per warp, from the `signal` lane) once its products finished.
 // prefetch_d() runs after the second k-block's products are issued (the first's, if only one).
 // The first k-block is peeled so that its products start new sums.
 template <bool kBF16, int kN, class PrefetchD>
 __device__ __forceinline__ void tile_mainloop(float (&acc)[128], const uint8_t* sA, const uint8_t* sB, uint64_t* full,
-                                              uint64_t* empty, uint32_t& it, int kblocks, bool signal,
+                                              uint64_t* empty, StageRing& ring, int kblocks, bool signal,
                                               PrefetchD&& prefetch_d) {
-  int s = it % kStages;
-  mbar_wait(&full[s], (it / kStages) & 1);
+  int s = ring.stage;
+  mbar_wait(&full[s], ring.phase);
   mma_kblock<kBF16, kN, true>(acc, smem_u32(sA + s * kABytes), smem_u32(sB + s * kBBytes));
   if (kblocks == 1) prefetch_d();
   int prev = s;
-  ++it;
-  for (int kb = 1; kb < kblocks; ++kb, ++it) {
-    s = it % kStages;
-    mbar_wait(&full[s], (it / kStages) & 1);
+  ring.next();
+  for (int kb = 1; kb < kblocks; ++kb, ring.next()) {
+    s = ring.stage;
+    mbar_wait(&full[s], ring.phase);
     mma_kblock<kBF16, kN, false>(acc, smem_u32(sA + s * kABytes), smem_u32(sB + s * kBBytes));
     if (kb == 1) prefetch_d();
     asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
@@ -214,7 +234,7 @@ __device__ __forceinline__ float2 unpack2(uint32_t u) {
 }
 
 template <bool kBF16>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __maxnreg__(224)
     sym_wgmma_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
                      const __grid_constant__ CUtensorMap tmC, const __grid_constant__ CUtensorMap tmD,
                      const SymParams prm) {
@@ -244,18 +264,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   const int tpm = prm.tiles_per_mat;
-  if (wg == 0) {
-    // Producer warpgroup: one thread issues every TMA load of A and B.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    if (threadIdx.x == 0) {
-      uint32_t it = 0;
+  if (wg == 2) {
+    // Producer warp: one thread issues every TMA load of A and B.
+    if (threadIdx.x == 256) {
+      StageRing ring;
       for (int t = blockIdx.x; t < prm.total_tiles; t += gridDim.x) {
         int b, i, j;
         decode_tile(t, tpm, b, i, j);
         const int ba = prm.a_batched ? b : 0, bb = prm.b_batched ? b : 0;
-        for (int kb = 0; kb < prm.kblocks; ++kb, ++it) {
-          const int s = it % kStages;
-          mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
+        for (int kb = 0; kb < prm.kblocks; ++kb, ring.next()) {
+          const int s = ring.stage;
+          mbar_wait(&empty[s], ring.phase ^ 1);
           mbar_expect_tx(&full[s], kABytes + kBBytes);
           tma_load_3d(sA + s * kABytes, &tmA, &full[s], kb * kBK, i * kBM, ba);
           tma_load_3d(sB + s * kBBytes, &tmB, &full[s], kb * kBK, j * kBN, bb);
@@ -264,8 +283,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-  const int cw = wg - 1;  // rows cw*64 .. cw*64+63 of the tile
+  const int cw = wg;  // rows cw*64 .. cw*64+63 of the tile
   const int warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
   const bool leader = (threadIdx.x & 127) == 0;
   uint8_t* staging = sOut + cw * kStagingBytes;
@@ -275,7 +293,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int mrow = 16 * warp + 8 * ((lane >> 3) & 1) + (lane & 7);
   const int mchunk = lane >> 4;
   float acc[128];
-  uint32_t it = 0, dphase = 0;
+  StageRing ring;
+  uint32_t dphase = 0;
   const int p = prm.p;
   for (int t = blockIdx.x; t < prm.total_tiles; t += gridDim.x) {
     int b, i, j;
@@ -297,14 +316,14 @@ __global__ void __launch_bounds__(kThreads, 1)
           tma_load_3d(staging + k * kEBBytes, &tmD, &dfull[cw], (4 * j + k) * kEB, R * kEB, bd);
       }
     };
-    const uint8_t* sA_rows = sA + cw * 64 * 128;
+    const uint8_t* sA_rows = sA + cw * 64 * kRowBytes;
     const bool signal = lane == 0;
     switch (ncols) {
-      case 4: tile_mainloop<kBF16, 256>(acc, sA_rows, sB, full, empty, it, prm.kblocks, signal, prefetch_d); break;
-      case 3: tile_mainloop<kBF16, 192>(acc, sA_rows, sB, full, empty, it, prm.kblocks, signal, prefetch_d); break;
-      case 2: tile_mainloop<kBF16, 128>(acc, sA_rows, sB, full, empty, it, prm.kblocks, signal, prefetch_d); break;
-      case 1: tile_mainloop<kBF16, 64>(acc, sA_rows, sB, full, empty, it, prm.kblocks, signal, prefetch_d); break;
-      default: tile_mainloop<kBF16, 0>(acc, sA_rows, sB, full, empty, it, prm.kblocks, signal, prefetch_d); break;
+      case 4: tile_mainloop<kBF16, 256>(acc, sA_rows, sB, full, empty, ring, prm.kblocks, signal, prefetch_d); break;
+      case 3: tile_mainloop<kBF16, 192>(acc, sA_rows, sB, full, empty, ring, prm.kblocks, signal, prefetch_d); break;
+      case 2: tile_mainloop<kBF16, 128>(acc, sA_rows, sB, full, empty, ring, prm.kblocks, signal, prefetch_d); break;
+      case 1: tile_mainloop<kBF16, 64>(acc, sA_rows, sB, full, empty, ring, prm.kblocks, signal, prefetch_d); break;
+      default: tile_mainloop<kBF16, 0>(acc, sA_rows, sB, full, empty, ring, prm.kblocks, signal, prefetch_d); break;
     }
 
     if (prm.skip_epilogue) {  // keep the accumulators live, store nothing
@@ -437,7 +456,7 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
   return fn;
 }
 
-CUtensorMap make_map(const MatrixView& v, int box_rows) {
+CUtensorMap make_map(const MatrixView& v, int box_cols, int box_rows) {
   const int64_t es = 2;
   const int64_t nb = v.batch > 1 ? v.batch : 1;
   cuuint64_t dims[3] = {static_cast<cuuint64_t>(v.cols), static_cast<cuuint64_t>(v.rows),
@@ -445,13 +464,13 @@ CUtensorMap make_map(const MatrixView& v, int box_rows) {
   const int64_t bstride = v.batch > 1 ? v.batch_stride : v.rows * v.ld;
   cuuint64_t strides[2] = {static_cast<cuuint64_t>(v.ld * es),
                            static_cast<cuuint64_t>(bstride * es)};
-  cuuint32_t box[3] = {static_cast<cuuint32_t>(kBK), static_cast<cuuint32_t>(box_rows), 1};
+  cuuint32_t box[3] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows), 1};
   cuuint32_t estr[3] = {1, 1, 1};
   CUtensorMap m{};
   const CUresult r = encode_fn()(
       &m, v.dtype == DType::BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
       3, const_cast<void*>(v.data), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      box_cols * 2 == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) fail("sym_wgmma: cuTensorMapEncodeTiled failed (" + std::to_string(int(r)) + ")");
   return m;
@@ -555,8 +574,9 @@ void launch_sym_wgmma(const MatrixView& A, const MatrixView& B, float alpha, flo
   const int tiles = static_cast<int>((p + kBM - 1) / kBM), m = tiles / 2;
   prm.tiles_per_mat = (tiles & 1) ? (m + 1) * (m + 1) : m * (m + 1);
   prm.total_tiles = static_cast<int>(prm.tiles_per_mat * batch);
-  const CUtensorMap mc = make_map(C, kEB);
-  const CUtensorMap maps[4] = {make_map(A, kBM), make_map(B, kBN), mc, prm.has_d ? make_map(*D, kEB) : mc};
+  const CUtensorMap mc = make_map(C, kEB, kEB);
+  const CUtensorMap maps[4] = {make_map(A, kBK, kBM), make_map(B, kBK, kBN), mc,
+                               prm.has_d ? make_map(*D, kEB, kEB) : mc};
   int dev = 0;
   const int sms = sm_count_and_check(&dev);
   const int grid = static_cast<int>(std::min<int64_t>(sms, prm.total_tiles));
