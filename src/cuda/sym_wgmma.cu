@@ -26,14 +26,12 @@
 namespace dion3::cuda {
 namespace {
 
-#ifndef DION3_SYM_BK
-#define DION3_SYM_BK 64
-#endif
-constexpr int kBM = 128, kBN = 256, kBK = DION3_SYM_BK, kStages = kBK == 64 ? 3 : 6;
+// Measured on the H200 against 32-deep k-blocks in 6 stages (the same bytes in flight): those were
+// 5-20% slower, so the pipeline is not latency-bound (bench/results/2026-12-01-5827c87-sym.md).
+constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 3;
 // Two consumer warpgroups (warps 0-7) and one producer warp (warp 8): without a producer
 // warpgroup every thread may hold 224 registers, which the wgmma pipeline of the consumers needs.
 constexpr int kThreads = 288;
-constexpr int kRowBytes = kBK * 2;  // one operand row of a stage: 128 or 64 bytes (the swizzle width)
 constexpr int kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2;
 constexpr int kEB = 64;                                 // epilogue block edge: one TMA box
 constexpr int kEBBytes = kEB * kEB * 2;                 // 8 KiB
@@ -133,9 +131,8 @@ __device__ __forceinline__ uint32_t swz(int row, int col) {
 // Shared-memory matrix descriptor: K-major tile, rows of 128 bytes, 128-byte swizzle (8-row
 // atoms of 1024 bytes: stride byte offset 1024, leading byte offset unused).
 __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-  constexpr uint64_t layout = kRowBytes == 128 ? 1 : 2;  // 128- or 64-byte swizzle
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) |
-         (uint64_t{8 * kRowBytes >> 4} << 32) | (layout << 62);
+         (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
 }
 
 // One 64-deep k-block of a warpgroup's 64 x kN product: four k16 steps, the first of them starting
@@ -316,7 +313,7 @@ __global__ void __maxnreg__(224)
           tma_load_3d(staging + k * kEBBytes, &tmD, &dfull[cw], (4 * j + k) * kEB, R * kEB, bd);
       }
     };
-    const uint8_t* sA_rows = sA + cw * 64 * kRowBytes;
+    const uint8_t* sA_rows = sA + cw * 64 * 128;
     const bool signal = lane == 0;
     switch (ncols) {
       case 4: tile_mainloop<kBF16, 256>(acc, sA_rows, sB, full, empty, ring, prm.kblocks, signal, prefetch_d); break;
@@ -456,7 +453,7 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
   return fn;
 }
 
-CUtensorMap make_map(const MatrixView& v, int box_cols, int box_rows) {
+CUtensorMap make_map(const MatrixView& v, int box_rows) {
   const int64_t es = 2;
   const int64_t nb = v.batch > 1 ? v.batch : 1;
   cuuint64_t dims[3] = {static_cast<cuuint64_t>(v.cols), static_cast<cuuint64_t>(v.rows),
@@ -464,13 +461,13 @@ CUtensorMap make_map(const MatrixView& v, int box_cols, int box_rows) {
   const int64_t bstride = v.batch > 1 ? v.batch_stride : v.rows * v.ld;
   cuuint64_t strides[2] = {static_cast<cuuint64_t>(v.ld * es),
                            static_cast<cuuint64_t>(bstride * es)};
-  cuuint32_t box[3] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows), 1};
+  cuuint32_t box[3] = {64, static_cast<cuuint32_t>(box_rows), 1};  // 64 columns: 128 bytes
   cuuint32_t estr[3] = {1, 1, 1};
   CUtensorMap m{};
   const CUresult r = encode_fn()(
       &m, v.dtype == DType::BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
       3, const_cast<void*>(v.data), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      box_cols * 2 == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) fail("sym_wgmma: cuTensorMapEncodeTiled failed (" + std::to_string(int(r)) + ")");
   return m;
@@ -574,9 +571,9 @@ void launch_sym_wgmma(const MatrixView& A, const MatrixView& B, float alpha, flo
   const int tiles = static_cast<int>((p + kBM - 1) / kBM), m = tiles / 2;
   prm.tiles_per_mat = (tiles & 1) ? (m + 1) * (m + 1) : m * (m + 1);
   prm.total_tiles = static_cast<int>(prm.tiles_per_mat * batch);
-  const CUtensorMap mc = make_map(C, kEB, kEB);
-  const CUtensorMap maps[4] = {make_map(A, kBK, kBM), make_map(B, kBK, kBN), mc,
-                               prm.has_d ? make_map(*D, kEB, kEB) : mc};
+  static_assert(kBK == 64 && kEB == 64, "every tensor map box is 64 columns wide");
+  const CUtensorMap mc = make_map(C, kEB);
+  const CUtensorMap maps[4] = {make_map(A, kBM), make_map(B, kBN), mc, prm.has_d ? make_map(*D, kEB) : mc};
   int dev = 0;
   const int sms = sm_count_and_check(&dev);
   const int grid = static_cast<int>(std::min<int64_t>(sms, prm.total_tiles));
