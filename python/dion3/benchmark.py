@@ -3,7 +3,9 @@
 # it takes to return (host_ms; step() waits for its non-finite verdict), the time spent in the
 # engine call inside it (the difference is the Python-side overhead, as a share of the step), and
 # the host launch time of the engine's synchronisation-free step (launch_ms).
-# Not a test: it asserts nothing and prints one JSON line per configuration.
+# `--optimizers torch.AdamW` times PyTorch's own AdamW (fused on CUDA) on the same parameters:
+# the AdamW baseline issue 3 quotes. Not a test: it asserts nothing and prints one JSON line per
+# configuration.
 from __future__ import annotations
 
 import argparse
@@ -36,7 +38,7 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def run(args, cls_name, fraction):
+def make_params(args):
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     mats, vecs = model_shapes(args.model, args.layers)
@@ -45,6 +47,33 @@ def run(args, cls_name, fraction):
     params_v = [torch.nn.Parameter(torch.ones(s, device=device, dtype=dtype)) for s in vecs]
     for p in params_m + params_v:
         p.grad = torch.randn_like(p) * 1e-3
+    return device, params_m, params_v
+
+
+def run_torch_adamw(args):
+    device, params_m, params_v = make_params(args)
+    fused = device.type == "cuda"
+    opt = torch.optim.AdamW(params_m + params_v, lr=1e-3, weight_decay=0.01, fused=fused)
+    for _ in range(args.warmup):
+        opt.step()
+    step_ms = []
+    for _ in range(args.steps):
+        sync(device)
+        t0 = time.perf_counter()
+        opt.step()
+        sync(device)
+        step_ms.append((time.perf_counter() - t0) * 1e3)
+    return {
+        "optimizer": "torch.optim.AdamW" + (" (fused)" if fused else ""), "model": args.model,
+        "layers": args.layers or MODELS[args.model][0], "device": str(device), "dtype": args.dtype,
+        "matrices": len(params_m), "vectors": len(params_v), "step_ms": round(statistics.median(step_ms), 3),
+    }
+
+
+def run(args, cls_name, fraction):
+    if cls_name == "torch.AdamW":
+        return run_torch_adamw(args)
+    device, params_m, params_v = make_params(args)
     cls = getattr(dion3, cls_name)
     kw = dict(fraction=fraction) if cls_name == "Dion3" else {}
     opt = cls([dict(params=params_m), dict(params=params_v, algorithm="adamw", lr=1e-3)], lr=0.01,
@@ -98,7 +127,7 @@ def run(args, cls_name, fraction):
     return {
         "optimizer": cls_name, "fraction": fraction if cls_name == "Dion3" else None,
         "model": args.model, "layers": args.layers or MODELS[args.model][0], "device": str(device),
-        "dtype": args.dtype, "matrices": len(mats), "vectors": len(vecs),
+        "dtype": args.dtype, "matrices": len(params_m), "vectors": len(params_v),
         "step_ms": round(med(step_ms), 3), "host_ms": round(med(host_ms), 3),
         "engine_host_ms": round(med(inside_ms), 3),
         "launch_ms": round(med(launch_ms), 3),
