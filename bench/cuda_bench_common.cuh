@@ -97,6 +97,7 @@ struct Args {
   std::string out_path;
   bool quick = false;
   int iters = 10;
+  std::string only;  // --only TEXT: just the timing rows whose label contains TEXT (profiling one shape)
 };
 
 // Parses Args; on anything else prints the usage line and exits with status 2.
@@ -107,8 +108,9 @@ inline Args parse_args(int argc, char** argv, const char* program) {
     if (s == "--out" && i + 1 < argc) a.out_path = argv[++i];
     else if (s == "--quick") a.quick = true;
     else if (s == "--iters" && i + 1 < argc) a.iters = std::atoi(argv[++i]);
+    else if (s == "--only" && i + 1 < argc) a.only = argv[++i];
     else {
-      std::fprintf(stderr, "usage: %s [--out FILE] [--quick] [--iters N]\n", program);
+      std::fprintf(stderr, "usage: %s [--out FILE] [--quick] [--iters N] [--only TEXT]\n", program);
       std::exit(2);
     }
   }

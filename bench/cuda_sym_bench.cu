@@ -68,97 +68,99 @@ int main(int argc, char** argv) {
   using dion3::cuda::set_symmetric_options;
   int failures = 0;
 
-  // ---- 1. correctness: fused kernel vs the cuBLAS tile schedule ------------------------------
-  o.line("## Fused symmetric kernel: correctness against the cuBLAS tile schedule");
-  o.line("");
-  o.line("gram, then sym_product C = 2·R·R − 1.5·R (D aliasing neither), C = R·Z + 3·I, and C = 0.5·R·Z + 0.25·C + I "
-         "(D aliasing C). err = max |kernel − ref| / max |ref|; C poisoned with NaN before the kernel.");
-  o.line("");
-  o.line("| in | C | b | p | q | kernel runs | gram err | 2RR-1.5R err | RZ+3I err | aliased err | symmetric | result |");
-  o.line("|---|---|---|---|---|---|---|---|---|---|---|---|");
-  const std::vector<Case> checks = {
-      {0, DType::F16, DType::F16, 3, 200, 520}, {0, DType::BF16, DType::BF16, 3, 200, 520},
-      {0, DType::F16, DType::F16, 2, 520, 1000}, {0, DType::BF16, DType::BF16, 2, 384, 40},
-      {0, DType::F16, DType::F16, 1, 1000, 64}, {0, DType::BF16, DType::BF16, 5, 129, 136},
-      {0, DType::F16, DType::F16, 2, 1536, 2048}, {0, DType::BF16, DType::BF16, 1, 2752, 1024},
-      {0, DType::F16, DType::F16, 3, 1376, 512}, {0, DType::F16, DType::F16, 2, 72, 4096}};
-  for (const Case& c : checks) {
-    const int64_t b = c.b, p = c.p, q = c.q;
-    const int64_t ein = dion3::dtype_size(c.in), eout = dion3::dtype_size(c.out);
-    dion3::DeviceBuffer X(be->allocator(), b * p * q * ein), R(be->allocator(), b * p * p * ein),
-        Z(be->allocator(), b * p * p * ein), C1(be->allocator(), b * p * p * eout),
-        C2(be->allocator(), b * p * p * eout);
-    MatrixView Xv = MatrixView::contiguous(X.get(), c.in, b, p, q);
-    MatrixView Rv = MatrixView::contiguous(R.get(), c.in, b, p, p);
-    MatrixView Zv = MatrixView::contiguous(Z.get(), c.in, b, p, p);
-    MatrixView C1v = MatrixView::contiguous(C1.get(), c.out, b, p, p);
-    MatrixView C2v = MatrixView::contiguous(C2.get(), c.out, b, p, p);
-    MatrixView C1o = C1v, C2o = C2v;  // the aliased D
-    fill(X.get(), c.in, b * p * q, 11 + p, 2.0f / std::sqrt(static_cast<float>(q)), s);
-    set_symmetric_options(*be, {true, 64, 0});
-    be->gram(Xv, Rv);                                                       // a symmetric R
-    be->sym_product(2.0f, Rv, Rv, -1.0f, &Rv, 0.0f, Zv);                    // a symmetric Z
-    bool runs = true;  // every kernel call of this case ran the kernel (not the fallback)
-    auto kern = [&](const MatrixView& A, const MatrixView& B, const MatrixView* D, const MatrixView& C) {
-      const bool ok = dion3::cuda::sym_wgmma_supported(A, B, D, C);
-      runs = runs && ok;
-      return ok;
-    };
-    double err[4] = {0, 0, 0, 0};
-    bool sym_ok = true, nan_free = true;
-    for (int k = 0; k < 4; ++k) {
-      for (int which = 0; which < 2; ++which) {
-        set_symmetric_options(*be, {true, 64, 0});
-        MatrixView Cv = which == 0 ? C1v : C2v;
-        if (k < 3) CK(cudaMemsetAsync(Cv.data, 0xFF, b * p * p * eout, s));  // NaN
-        if (k == 3 && which == 0)  // both start from the reference's C (the aliased D)
-          CK(cudaMemcpyAsync(C2v.data, C1v.data, b * p * p * eout, cudaMemcpyDeviceToDevice, s));
-        if (k == 0) {
-          // gram of X into C (C may be fp32)
-          if (which == 1 && kern(Xv, Xv, nullptr, Cv)) dion3::cuda::launch_sym_wgmma(Xv, Xv, 1.0f, 0.0f, nullptr, 0.0f, Cv, s);
-          else be->gram(Xv, Cv);
-        } else if (k == 1) {
-          if (c.out != c.in) {
-            // D must have C's dtype: use C = 2·R·R + 3·I instead
-            if (which == 1 && kern(Rv, Rv, nullptr, Cv)) dion3::cuda::launch_sym_wgmma(Rv, Rv, 2.0f, 0.0f, nullptr, 3.0f, Cv, s);
-            else be->sym_product(2.0f, Rv, Rv, 0.0f, nullptr, 3.0f, Cv);
+  if (args.only.empty()) {  // the correctness table, unless profiling one shape
+    // ---- 1. correctness: fused kernel vs the cuBLAS tile schedule ------------------------------
+    o.line("## Fused symmetric kernel: correctness against the cuBLAS tile schedule");
+    o.line("");
+    o.line("gram, then sym_product C = 2·R·R − 1.5·R (D aliasing neither), C = R·Z + 3·I, and C = 0.5·R·Z + 0.25·C + I "
+           "(D aliasing C). err = max |kernel − ref| / max |ref|; C poisoned with NaN before the kernel.");
+    o.line("");
+    o.line("| in | C | b | p | q | kernel runs | gram err | 2RR-1.5R err | RZ+3I err | aliased err | symmetric | result |");
+    o.line("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    const std::vector<Case> checks = {
+        {0, DType::F16, DType::F16, 3, 200, 520}, {0, DType::BF16, DType::BF16, 3, 200, 520},
+        {0, DType::F16, DType::F16, 2, 520, 1000}, {0, DType::BF16, DType::BF16, 2, 384, 40},
+        {0, DType::F16, DType::F16, 1, 1000, 64}, {0, DType::BF16, DType::BF16, 5, 129, 136},
+        {0, DType::F16, DType::F16, 2, 1536, 2048}, {0, DType::BF16, DType::BF16, 1, 2752, 1024},
+        {0, DType::F16, DType::F16, 3, 1376, 512}, {0, DType::F16, DType::F16, 2, 72, 4096}};
+    for (const Case& c : checks) {
+      const int64_t b = c.b, p = c.p, q = c.q;
+      const int64_t ein = dion3::dtype_size(c.in), eout = dion3::dtype_size(c.out);
+      dion3::DeviceBuffer X(be->allocator(), b * p * q * ein), R(be->allocator(), b * p * p * ein),
+          Z(be->allocator(), b * p * p * ein), C1(be->allocator(), b * p * p * eout),
+          C2(be->allocator(), b * p * p * eout);
+      MatrixView Xv = MatrixView::contiguous(X.get(), c.in, b, p, q);
+      MatrixView Rv = MatrixView::contiguous(R.get(), c.in, b, p, p);
+      MatrixView Zv = MatrixView::contiguous(Z.get(), c.in, b, p, p);
+      MatrixView C1v = MatrixView::contiguous(C1.get(), c.out, b, p, p);
+      MatrixView C2v = MatrixView::contiguous(C2.get(), c.out, b, p, p);
+      MatrixView C1o = C1v, C2o = C2v;  // the aliased D
+      fill(X.get(), c.in, b * p * q, 11 + p, 2.0f / std::sqrt(static_cast<float>(q)), s);
+      set_symmetric_options(*be, {true, 64, 0});
+      be->gram(Xv, Rv);                                                       // a symmetric R
+      be->sym_product(2.0f, Rv, Rv, -1.0f, &Rv, 0.0f, Zv);                    // a symmetric Z
+      bool runs = true;  // every kernel call of this case ran the kernel (not the fallback)
+      auto kern = [&](const MatrixView& A, const MatrixView& B, const MatrixView* D, const MatrixView& C) {
+        const bool ok = dion3::cuda::sym_wgmma_supported(A, B, D, C);
+        runs = runs && ok;
+        return ok;
+      };
+      double err[4] = {0, 0, 0, 0};
+      bool sym_ok = true, nan_free = true;
+      for (int k = 0; k < 4; ++k) {
+        for (int which = 0; which < 2; ++which) {
+          set_symmetric_options(*be, {true, 64, 0});
+          MatrixView Cv = which == 0 ? C1v : C2v;
+          if (k < 3) CK(cudaMemsetAsync(Cv.data, 0xFF, b * p * p * eout, s));  // NaN
+          if (k == 3 && which == 0)  // both start from the reference's C (the aliased D)
+            CK(cudaMemcpyAsync(C2v.data, C1v.data, b * p * p * eout, cudaMemcpyDeviceToDevice, s));
+          if (k == 0) {
+            // gram of X into C (C may be fp32)
+            if (which == 1 && kern(Xv, Xv, nullptr, Cv)) dion3::cuda::launch_sym_wgmma(Xv, Xv, 1.0f, 0.0f, nullptr, 0.0f, Cv, s);
+            else be->gram(Xv, Cv);
+          } else if (k == 1) {
+            if (c.out != c.in) {
+              // D must have C's dtype: use C = 2·R·R + 3·I instead
+              if (which == 1 && kern(Rv, Rv, nullptr, Cv)) dion3::cuda::launch_sym_wgmma(Rv, Rv, 2.0f, 0.0f, nullptr, 3.0f, Cv, s);
+              else be->sym_product(2.0f, Rv, Rv, 0.0f, nullptr, 3.0f, Cv);
+            } else {
+              if (which == 1 && kern(Rv, Rv, &Rv, Cv)) dion3::cuda::launch_sym_wgmma(Rv, Rv, 2.0f, -1.5f, &Rv, 0.0f, Cv, s);
+              else be->sym_product(2.0f, Rv, Rv, -1.5f, &Rv, 0.0f, Cv);
+            }
+          } else if (k == 2) {
+            if (which == 1 && kern(Rv, Zv, nullptr, Cv)) dion3::cuda::launch_sym_wgmma(Rv, Zv, 1.0f, 0.0f, nullptr, 3.0f, Cv, s);
+            else be->sym_product(1.0f, Rv, Zv, 0.0f, nullptr, 3.0f, Cv);
           } else {
-            if (which == 1 && kern(Rv, Rv, &Rv, Cv)) dion3::cuda::launch_sym_wgmma(Rv, Rv, 2.0f, -1.5f, &Rv, 0.0f, Cv, s);
-            else be->sym_product(2.0f, Rv, Rv, -1.5f, &Rv, 0.0f, Cv);
+            MatrixView& Dv = which == 0 ? C1o : C2o;
+            if (which == 1 && kern(Rv, Zv, &Dv, Cv)) dion3::cuda::launch_sym_wgmma(Rv, Zv, 0.5f, 0.25f, &Dv, 1.0f, Cv, s);
+            else be->sym_product(0.5f, Rv, Zv, 0.25f, &Dv, 1.0f, Cv);
           }
-        } else if (k == 2) {
-          if (which == 1 && kern(Rv, Zv, nullptr, Cv)) dion3::cuda::launch_sym_wgmma(Rv, Zv, 1.0f, 0.0f, nullptr, 3.0f, Cv, s);
-          else be->sym_product(1.0f, Rv, Zv, 0.0f, nullptr, 3.0f, Cv);
-        } else {
-          MatrixView& Dv = which == 0 ? C1o : C2o;
-          if (which == 1 && kern(Rv, Zv, &Dv, Cv)) dion3::cuda::launch_sym_wgmma(Rv, Zv, 0.5f, 0.25f, &Dv, 1.0f, Cv, s);
-          else be->sym_product(0.5f, Rv, Zv, 0.25f, &Dv, 1.0f, Cv);
+          CK(cudaGetLastError());
         }
-        CK(cudaGetLastError());
+        // k == 3 reads C1 (ref) and C2 (kernel), which both hold the k == 2 result beforehand.
+        const auto ref = download(C1v, s), got = download(C2v, s);
+        double mx = 0, md = 0;
+        for (std::size_t i = 0; i < ref.size(); ++i) {
+          mx = std::max(mx, static_cast<double>(std::fabs(ref[i])));
+          const double d = std::fabs(static_cast<double>(ref[i]) - got[i]);
+          if (!(d == d)) nan_free = false;
+          else md = std::max(md, d);
+        }
+        err[k] = md / std::max(mx, 1e-30);
+        for (int64_t bb = 0; bb < b && sym_ok; ++bb)
+          for (int64_t r = 0; r < p && sym_ok; ++r)
+            for (int64_t cc = 0; cc < r; ++cc)
+              if (got[bb * p * p + r * p + cc] != got[bb * p * p + cc * p + r]) { sym_ok = false; break; }
       }
-      // k == 3 reads C1 (ref) and C2 (kernel), which both hold the k == 2 result beforehand.
-      const auto ref = download(C1v, s), got = download(C2v, s);
-      double mx = 0, md = 0;
-      for (std::size_t i = 0; i < ref.size(); ++i) {
-        mx = std::max(mx, static_cast<double>(std::fabs(ref[i])));
-        const double d = std::fabs(static_cast<double>(ref[i]) - got[i]);
-        if (!(d == d)) nan_free = false;
-        else md = std::max(md, d);
-      }
-      err[k] = md / std::max(mx, 1e-30);
-      for (int64_t bb = 0; bb < b && sym_ok; ++bb)
-        for (int64_t r = 0; r < p && sym_ok; ++r)
-          for (int64_t cc = 0; cc < r; ++cc)
-            if (got[bb * p * p + r * p + cc] != got[bb * p * p + cc * p + r]) { sym_ok = false; break; }
+      const double tol = c.out == DType::F32 ? 2e-3 : (c.out == DType::F16 ? 4e-3 : 2e-2);
+      const bool ok = nan_free && sym_ok && err[0] <= tol && err[1] <= 2 * tol && err[2] <= 2 * tol && err[3] <= 2 * tol;
+      if (!ok) ++failures;
+      o.line(fmt("| %s | %s | %lld | %lld | %lld | %s | %.2e | %.2e | %.2e | %.2e | %s | %s |", dn(c.in), dn(c.out),
+                 (long long)b, (long long)p, (long long)q, runs ? "yes" : "partly (fallback)", err[0], err[1], err[2], err[3],
+                 sym_ok ? "yes" : "NO", ok ? "pass" : (nan_free ? "FAIL" : "FAIL (NaN: unwritten)")));
     }
-    const double tol = c.out == DType::F32 ? 2e-3 : (c.out == DType::F16 ? 4e-3 : 2e-2);
-    const bool ok = nan_free && sym_ok && err[0] <= tol && err[1] <= 2 * tol && err[2] <= 2 * tol && err[3] <= 2 * tol;
-    if (!ok) ++failures;
-    o.line(fmt("| %s | %s | %lld | %lld | %lld | %s | %.2e | %.2e | %.2e | %.2e | %s | %s |", dn(c.in), dn(c.out),
-               (long long)b, (long long)p, (long long)q, runs ? "yes" : "partly (fallback)", err[0], err[1], err[2], err[3],
-               sym_ok ? "yes" : "NO", ok ? "pass" : (nan_free ? "FAIL" : "FAIL (NaN: unwritten)")));
+    o.line("");
   }
-  o.line("");
 
   // ---- 2. timing ------------------------------------------------------------------------------
   struct Shape { int op; DType dt; int64_t b, p, q; };
@@ -187,6 +189,9 @@ int main(int argc, char** argv) {
          "kernel real TFLOP/s | kernel vs full | kernel vs tiled | kernel main loop only ms (real TFLOP/s) |");
   o.line("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
   for (const Shape& sh : shapes) {
+    const std::string label = fmt("%s %s %lldx%lldx%lld", sh.op == 0 ? "gram" : "sym_product", dn(sh.dt), (long long)sh.b,
+                                  (long long)sh.p, (long long)sh.q);
+    if (!args.only.empty() && label.find(args.only) == std::string::npos) continue;
     const int64_t q = sh.op == 0 ? sh.q : sh.p, es = dion3::dtype_size(sh.dt);
     dion3::DeviceBuffer X(be->allocator(), sh.b * sh.p * q * es), C(be->allocator(), sh.b * sh.p * sh.p * es),
         R(be->allocator(), sh.op == 1 ? sh.b * sh.p * sh.p * es : 16);
