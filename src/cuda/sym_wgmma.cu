@@ -18,7 +18,6 @@
 #include <cudaTypedefs.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <mutex>
 
 #include "cuda/kernels.cuh"
@@ -198,7 +197,6 @@ struct SymParams {
   int tiles_per_mat;    // S(T): lower-triangle 128x256 tiles of one matrix
   int total_tiles;
   int skip_epilogue;    // benchmarks only: no stores (times the main loop alone)
-  int prefetch;         // k-blocks of L2 prefetch ahead of the loads (0: none)
 };
 
 // Tiles before row block i: sum_{k<i} (k/2 + 1).
@@ -216,37 +214,6 @@ __device__ __forceinline__ void decode_tile(int t, int tpm, int& b, int& i, int&
   j = l - tiles_before(i);
 }
 
-// L2 prefetch of one box (no shared memory, no completion to wait for).
-__device__ __forceinline__ void tma_prefetch_3d(const CUtensorMap* map, int c0, int c1, int c2) {
-  asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(c0), "r"(c1), "r"(c2)
-               : "memory");
-}
-// A CTA's stream of (tile, k-block) pairs, walked ahead of its loads to prefetch into L2.
-struct TileCursor {
-  int t, kb, b = 0, i = 0, j = 0;
-  const int total, tpm, kblocks, a_batched, b_batched;
-  // At the pair `ahead` places after (tile `first`, k-block 0).
-  __device__ TileCursor(const SymParams& p, int first, int ahead)
-      : t(first + ahead / p.kblocks * static_cast<int>(gridDim.x)), kb(ahead % p.kblocks), total(p.total_tiles),
-        tpm(p.tiles_per_mat), kblocks(p.kblocks), a_batched(p.a_batched), b_batched(p.b_batched) {
-    if (t < total) decode_tile(t, tpm, b, i, j);
-  }
-  __device__ void prefetch(const CUtensorMap* tmA, const CUtensorMap* tmB) const {
-    if (t >= total) return;
-    tma_prefetch_3d(tmA, kb * kBK, i * kBM, a_batched ? b : 0);
-    tma_prefetch_3d(tmB, kb * kBK, j * kBN, b_batched ? b : 0);
-  }
-  __device__ void advance() {
-    if (++kb == kblocks) {
-      kb = 0;
-      t += gridDim.x;
-      if (t < total) decode_tile(t, tpm, b, i, j);
-    }
-  }
-};
-
 template <bool kBF16>
 __device__ __forceinline__ uint32_t pack2(float a, float b) {
   if constexpr (kBF16) {
@@ -261,32 +228,6 @@ template <bool kBF16>
 __device__ __forceinline__ float2 unpack2(uint32_t u) {
   if constexpr (kBF16) return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
   else return __half22float2(*reinterpret_cast<const __half2*>(&u));
-}
-
-// The producer warp's one thread: every TMA load of A and B, and an L2 prefetch of the operand
-// boxes `prm.prefetch` k-blocks further along the CTA's stream of (tile, k-block) pairs, so that
-// the loads find their data in L2 rather than waiting on DRAM. (ptxas' wgmma pipelining of the
-// consumers reacts to this code's shape: keep cuda.sym_wgmma_not_serialized green after edits.)
-__device__ __forceinline__ void produce(const CUtensorMap& tmA, const CUtensorMap& tmB, const SymParams& prm, uint8_t* sA,
-                                   uint8_t* sB, uint64_t* full, uint64_t* empty) {
-  TileCursor ahead(prm, blockIdx.x, prm.prefetch);  // the first pairs go unprefetched
-  StageRing ring;
-  for (int t = blockIdx.x; t < prm.total_tiles; t += gridDim.x) {
-    int b, i, j;
-    decode_tile(t, prm.tiles_per_mat, b, i, j);
-    const int ba = prm.a_batched ? b : 0, bb = prm.b_batched ? b : 0;
-    for (int kb = 0; kb < prm.kblocks; ++kb, ring.next()) {
-      const int s = ring.stage;
-      mbar_wait(&empty[s], ring.phase ^ 1);
-      mbar_expect_tx(&full[s], kABytes + kBBytes);
-      tma_load_3d(sA + s * kABytes, &tmA, &full[s], kb * kBK, i * kBM, ba);
-      tma_load_3d(sB + s * kBBytes, &tmB, &full[s], kb * kBK, j * kBN, bb);
-      if (prm.prefetch > 0) {
-        ahead.prefetch(&tmA, &tmB);
-        ahead.advance();
-      }
-    }
-  }
 }
 
 template <bool kBF16>
@@ -321,7 +262,22 @@ __global__ void __maxnreg__(224)
 
   const int tpm = prm.tiles_per_mat;
   if (wg == 2) {
-    if (threadIdx.x == 256) produce(tmA, tmB, prm, sA, sB, full, empty);
+    // Producer warp: one thread issues every TMA load of A and B.
+    if (threadIdx.x == 256) {
+      StageRing ring;
+      for (int t = blockIdx.x; t < prm.total_tiles; t += gridDim.x) {
+        int b, i, j;
+        decode_tile(t, tpm, b, i, j);
+        const int ba = prm.a_batched ? b : 0, bb = prm.b_batched ? b : 0;
+        for (int kb = 0; kb < prm.kblocks; ++kb, ring.next()) {
+          const int s = ring.stage;
+          mbar_wait(&empty[s], ring.phase ^ 1);
+          mbar_expect_tx(&full[s], kABytes + kBBytes);
+          tma_load_3d(sA + s * kABytes, &tmA, &full[s], kb * kBK, i * kBM, ba);
+          tma_load_3d(sB + s * kBBytes, &tmB, &full[s], kb * kBK, j * kBN, bb);
+        }
+      }
+    }
     return;
   }
   const int cw = wg;  // rows cw*64 .. cw*64+63 of the tile
@@ -607,7 +563,6 @@ void launch_sym_wgmma(const MatrixView& A, const MatrixView& B, float alpha, flo
   prm.beta = prm.has_d ? beta : 0.0f;
   prm.gamma = gamma;
   prm.skip_epilogue = skip_epilogue ? 1 : 0;
-  prm.prefetch = std::getenv("DION3_SYM_PREFETCH") ? std::atoi(std::getenv("DION3_SYM_PREFETCH")) : 4;  // EXPERIMENT
   prm.p = static_cast<int>(p);
   prm.kblocks = static_cast<int>((A.cols + kBK - 1) / kBK);
   prm.a_batched = A.batch > 1;
