@@ -83,7 +83,7 @@ int main(int argc, char** argv) {
       std::string all;
       for (int64_t t : tiles) {
         if (t >= sh.p) continue;
-        dion3::cuda::set_symmetric_options(*be, {true, t, 0});  // the cuBLAS tile schedule
+        dion3::cuda::set_symmetric_options(*be, {true, t, false});  // the cuBLAS tile schedule
         const double ms = median_ms(s, 2, iters, run);
         all += fmt("%s%lld:%.3f", all.empty() ? "" : " ", static_cast<long long>(t), ms);
         if (ms < best) { best = ms; best_tile = t; }

@@ -356,7 +356,7 @@ int main(int argc, char** argv) {
         cfg.algorithm = v.algo;
         cfg.fraction = v.fraction;
         if (v.plain_cublas) {
-          dion3::cuda::set_symmetric_options(opt.backend(), {false, 0, 0});
+          dion3::cuda::set_symmetric_options(opt.backend(), {false, 0, false});
           cfg.orth.method = dion3::OrthMethod::Standard;
           cfg.orth.iteration_dtype = dion3::DType::BF16;
         }

@@ -96,7 +96,7 @@ int main(int argc, char** argv) {
       MatrixView C2v = MatrixView::contiguous(C2.get(), c.out, b, p, p);
       MatrixView C1o = C1v, C2o = C2v;  // the aliased D
       fill(X.get(), c.in, b * p * q, 11 + p, 2.0f / std::sqrt(static_cast<float>(q)), s);
-      set_symmetric_options(*be, {true, 64, 0});
+      set_symmetric_options(*be, {true, 64, false});
       be->gram(Xv, Rv);                                                       // a symmetric R
       be->sym_product(2.0f, Rv, Rv, -1.0f, &Rv, 0.0f, Zv);                    // a symmetric Z
       bool runs = true;  // every kernel call of this case ran the kernel (not the fallback)
@@ -109,7 +109,7 @@ int main(int argc, char** argv) {
       bool sym_ok = true, nan_free = true;
       for (int k = 0; k < 4; ++k) {
         for (int which = 0; which < 2; ++which) {
-          set_symmetric_options(*be, {true, 64, 0});
+          set_symmetric_options(*be, {true, 64, false});
           MatrixView Cv = which == 0 ? C1v : C2v;
           if (k < 3) CK(cudaMemsetAsync(Cv.data, 0xFF, b * p * p * eout, s));  // NaN
           if (k == 3 && which == 0)  // both start from the reference's C (the aliased D)
@@ -200,7 +200,7 @@ int main(int argc, char** argv) {
     MatrixView Rv = MatrixView::contiguous(R.get(), sh.dt, sh.b, sh.p, sh.p);
     fill(X.get(), sh.dt, sh.b * sh.p * q, 1, 2.0f / std::sqrt(static_cast<float>(q)), s);
     if (sh.op == 1) {
-      set_symmetric_options(*be, {true, 0, 0});
+      set_symmetric_options(*be, {true, 0, false});
       be->gram(Xv, Rv);
     }
     auto run = [&] {
@@ -208,17 +208,17 @@ int main(int argc, char** argv) {
       else be->sym_product(2.0f, Rv, Rv, -1.0f, &Rv, 0.0f, Cv);
     };
     const double flops = 2.0 * sh.b * sh.p * sh.p * q, real = static_cast<double>(sh.b) * sh.p * (sh.p + 1) * q;
-    set_symmetric_options(*be, {false, 0, 0});
+    set_symmetric_options(*be, {false, 0, false});
     const double full = median_ms(s, 2, iters, run);
     double tiled = 1e30;
     int64_t best_tile = 0;
     for (int64_t t : {256, 512}) {
       if (t >= sh.p) continue;
-      set_symmetric_options(*be, {true, t, 0});
+      set_symmetric_options(*be, {true, t, false});
       const double ms = median_ms(s, 2, iters, run);
       if (ms < tiled) { tiled = ms; best_tile = t; }
     }
-    set_symmetric_options(*be, {true, 0, 1});
+    set_symmetric_options(*be, {true, 0, true});
     const MatrixView& A = sh.op == 0 ? Xv : Rv;
     const bool runs = dion3::cuda::sym_wgmma_supported(A, A, nullptr, Cv);
     const double kern = median_ms(s, 2, iters, run);
@@ -232,7 +232,7 @@ int main(int argc, char** argv) {
                flops / full / 1e9, tiled, (long long)best_tile, real / tiled / 1e9, kern, runs ? "" : " (fallback)",
                real / kern / 1e9, full / kern, tiled / kern, mainloop, mainloop > 0 ? real / mainloop / 1e9 : 0.0));
   }
-  set_symmetric_options(*be, {true, 0, -1});
+  set_symmetric_options(*be, {true, 0, true});
   o.line("");
   o.line(fmt("correctness failures: %d", failures));
   if (!out_path.empty()) {

@@ -319,17 +319,15 @@ class CudaBackend final : public Backend {
   bool kernel_env_ = true;
   bool use_kernel(const MatrixView& A, const MatrixView& B, const MatrixView* D,
                   const MatrixView& C) const {
-    if (!sym_.enabled || sym_.kernel == 0 || !kernel_env_ || C.batch == 0 || C.rows == 0 ||
+    if (!sym_.enabled || !sym_.kernel || !kernel_env_ || C.batch == 0 || C.rows == 0 ||
         !sym_wgmma_supported(A, B, D, C))
       return false;
-    return sym_.kernel == 1 || kernel_pays(C.rows, A.cols);
+    // Since its wgmma pipeline is no longer serialized (b41b979), the kernel is at least as fast as
+    // the path it replaces on every shape measured on the H200: sym_product 1.16-1.82x the cuBLAS
+    // tile schedule, X·Xᵀ 1.11-1.53x, and 0.98-1.02x at k = 2.7p (bench/results/
+    // 2026-11-30-b41b979-sym.md, 2026-12-01-5827c87-sym.md), so it runs wherever it applies.
+    return true;
   }
-  // Where the fused kernel beat the path it replaces on the H200 (bench/results/
-  // 2026-11-30-f4dcd26-sym.md, 2026-11-30-beba5ae.md): every sym_product (k = p; 1.05-1.85x the
-  // cuBLAS tile schedule, p = 512 to 8192); X·Xᵀ below p = 1536, where the alternative is one full
-  // GEMM (1.04-1.4x in whole steps), and above it while k < 2p (0.98-1.21x); for longer rows
-  // cuBLAS's tiles are faster (kernel 0.86-0.90x at k = 2.7-4 p).
-  static bool kernel_pays(int64_t p, int64_t k) { return p < 1536 || k < 2 * p; }
   int64_t tile_for(int64_t p) const {
     if (!sym_.enabled) return p;
     int64_t t = sym_.tile;

@@ -12,10 +12,9 @@ namespace dion3::cuda {
 struct SymmetricOptions {
   bool enabled = true;  // false: gram/sym_product run as one full cuBLAS GEMM per matrix
   int64_t tile = 0;     // tile edge of the lower-triangle schedule; 0 = automatic by size
-  // With enabled, the fused sm_90a lower-triangle kernel (sym_wgmma.cu) where it supports the
-  // operands: 1 always, 0 never (the tile schedule on cuBLAS), -1 by shape (the H200
-  // measurements). DION3_SYM_KERNEL=0 turns it off.
-  int kernel = -1;
+  // With enabled: true, the fused sm_90a lower-triangle kernel (sym_wgmma.cu) wherever it supports
+  // the operands; false, the tile schedule on cuBLAS. DION3_SYM_KERNEL=0 turns it off.
+  bool kernel = true;
 };
 
 // Throws dion3::Error(InvalidArgument) if `backend` is not a CUDA backend.

@@ -314,7 +314,7 @@ bool exactly_symmetric(const std::vector<float>& v, int64_t batch, int64_t p) {
 
 TEST_P(Symmetric, GramAndSymProductMatchCpu) {
   const SymCase c = GetParam();
-  dion3::cuda::set_symmetric_options(*gpu, {c.tile > 0 || c.kernel, c.tile, c.kernel ? 1 : 0});
+  dion3::cuda::set_symmetric_options(*gpu, {c.tile > 0 || c.kernel, c.tile, c.kernel});
   std::mt19937_64 rng(41 + c.p);
   const int64_t b = 3;
   Twin X(*gpu, c.dt, b, c.p, c.q), R(*gpu, c.dt, b, c.p, c.p);
