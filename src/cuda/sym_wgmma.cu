@@ -547,7 +547,7 @@ int sm_count_and_check(int* device_out = nullptr) {
 }
 
 template <bool kBF16>
-void launch_typed(const CUtensorMap (&maps)[4], const SymParams& prm, int dev, int sms, cudaStream_t s) {
+void launch_typed(const CUtensorMap (&maps)[4], const SymParams& prm, int dev, cudaStream_t s) {
   constexpr uint32_t bit = 1u << (kBF16 ? 1 : 0);
   cudaLaunchConfig_t cfg{};
   cudaLaunchAttribute cluster{};
@@ -566,17 +566,9 @@ void launch_typed(const CUtensorMap (&maps)[4], const SymParams& prm, int dev, i
     if (!(g_smem_set[dev] & bit)) {
       DION3_CUDA_CHECK(cudaFuncSetAttribute(sym_wgmma_kernel<kBF16>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-      DION3_CUDA_CHECK(cudaFuncSetAttribute(sym_wgmma_kernel<kBF16>,
-                                            cudaFuncAttributePreferredSharedMemoryCarveout, 100));
-      // Persistent clusters: as many as can be resident at once (the GPCs' SM counts decide);
-      // where the driver cannot say, one per two SMs.
+      // Persistent clusters: as many as can be resident at once (the GPCs' SM counts decide).
       cfg.gridDim = dim3(2 * kMaxClusters);
-      int resident = 0;
-      if (cudaOccupancyMaxActiveClusters(&resident, sym_wgmma_kernel<kBF16>, &cfg) != cudaSuccess) {
-        (void)cudaGetLastError();
-        resident = 0;
-      }
-      g_clusters[dev][kBF16 ? 1 : 0] = resident > 0 ? resident : sms / 2;
+      DION3_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&g_clusters[dev][kBF16 ? 1 : 0], sym_wgmma_kernel<kBF16>, &cfg));
       g_smem_set[dev] |= bit;
     }
     clusters = g_clusters[dev][kBF16 ? 1 : 0];
@@ -639,9 +631,9 @@ void launch_sym_wgmma(const MatrixView& A, const MatrixView& B, float alpha, flo
   // B in boxes of 128 rows: each CTA of a cluster loads one half of the 256-row block.
   const CUtensorMap maps[4] = {make_map(A, kBM), make_map(B, kBM), mc, prm.has_d ? make_map(*D, kEB) : mc};
   int dev = 0;
-  const int sms = sm_count_and_check(&dev);
-  if (A.dtype == DType::BF16) launch_typed<true>(maps, prm, dev, sms, s);
-  else launch_typed<false>(maps, prm, dev, sms, s);
+  sm_count_and_check(&dev);
+  if (A.dtype == DType::BF16) launch_typed<true>(maps, prm, dev, s);
+  else launch_typed<false>(maps, prm, dev, s);
 }
 
 }  // namespace dion3::cuda
