@@ -1,13 +1,11 @@
 // sym_wgmma.cu — the symmetric products (X·Xᵀ and sym·sym) as one Hopper (sm_90a) kernel:
 // only the lower-triangle output tiles of C = alpha·A·Bᵀ + beta·D + gamma·I are computed
 // (A, B: batches of p x k row-major fp16/bf16 matrices, "K-contiguous" both; C and D in the
-// same dtype), with fp32 accumulation. Persistent grid of two-CTA clusters over 128 x 256 tiles
-// of the lower triangle: a cluster takes the tiles (2m, j) and (2m + 1, j) (row blocks of 128,
-// column block j <= m of 256), which share B's block j; each CTA loads its own A rows and one
-// half of that B block, multicast to both (TMA, 128-byte swizzle), into a 3-stage mbarrier
-// pipeline fed by one producer warp. Two consumer warpgroups issue wgmma m64nNk16 from shared
-// memory, each owning 64 rows: N = 256, narrower on diagonal tiles (only the 64-column blocks
-// on or below the diagonal).
+// same dtype), with fp32 accumulation. Persistent grid (one CTA per SM), linearized triangular
+// schedule over 128 x 256 tiles (tile t -> (matrix, row block i, column block j <= i/2)), TMA
+// loads (128-byte swizzle) into a 3-stage mbarrier pipeline fed by one producer warp, and two
+// consumer warpgroups issuing wgmma m64nNk16 from shared memory, each owning 64 rows: N = 256,
+// narrower on diagonal tiles (only the 64-column blocks on or below the diagonal).
 //
 // Epilogue, per consumer warpgroup, in 64 x 64 blocks (one 128-byte-swizzled TMA box each):
 // D's blocks are prefetched by TMA into the warpgroup's staging buffer during the main loop;
@@ -31,9 +29,8 @@ namespace {
 // Measured on the H200 against 32-deep k-blocks in 6 stages (the same bytes in flight): those were
 // 5-20% slower, so the pipeline is not latency-bound (bench/results/2026-12-01-5827c87-sym.md).
 constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 3;
-// Two consumer warpgroups (warps 0-7) and one producer warp (warp 8). Nine warps put three on one
-// of the SM's four register-file quarters (16384 each), so a thread may hold at most 168
-// registers (__maxnreg__ below; the launch fails with more, measured on the H200).
+// Two consumer warpgroups (warps 0-7) and one producer warp (warp 8): without a producer
+// warpgroup every thread may hold 224 registers, which the wgmma pipeline of the consumers needs.
 constexpr int kThreads = 288;
 constexpr int kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2;
 constexpr int kEB = 64;                                 // epilogue block edge: one TMA box
@@ -84,36 +81,6 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, u
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(smem_u32(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2)
-      : "memory");
-}
-// As tma_load_3d, the box landing at the same offset of both CTAs of the cluster (and their
-// mbarriers at the same offset receiving the bytes).
-__device__ __forceinline__ void tma_load_3d_pair(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
-                                                 int c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "h"(uint16_t{3})
-      : "memory");
-}
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-// Every thread of both CTAs of the cluster, with release/acquire of their shared memory.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// Arrive on the mbarrier at `bar`'s offset in both CTAs of the cluster, by the threads where
-// `pred` holds (predicated, not branched: see mbar_arrive_if).
-__device__ __forceinline__ void mbar_arrive_pair_if(uint64_t* bar, bool pred) {
-  asm volatile(
-      "{\n.reg .pred p;\n.reg .b32 r0, r1;\nsetp.ne.b32 p, %1, 0;\n"
-      "mapa.shared::cluster.u32 r0, %0, 0;\nmapa.shared::cluster.u32 r1, %0, 1;\n"
-      "@p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [r0];\n"
-      "@p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [r1];\n}\n" ::"r"(smem_u32(bar)),
-      "r"(static_cast<int>(pred))
       : "memory");
 }
 // TMA store of one box from shared memory; the bulk-group bookkeeping is the caller's.
@@ -214,12 +181,12 @@ __device__ __forceinline__ void tile_mainloop(float (&acc)[128], const uint8_t* 
     mma_kblock<kBF16, kN, false>(acc, smem_u32(sA + s * kABytes), smem_u32(sB + s * kBBytes));
     if (kb == 1) prefetch_d();
     asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-    mbar_arrive_pair_if(&empty[prev], signal);
+    mbar_arrive_if(&empty[prev], signal);
     prev = s;
   }
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
   fence_acc(acc);
-  mbar_arrive_pair_if(&empty[prev], signal);
+  mbar_arrive_if(&empty[prev], signal);
 }
 
 struct SymParams {
@@ -227,20 +194,24 @@ struct SymParams {
   int p, kblocks;
   int a_batched, b_batched, d_batched;
   int has_d;
-  int pairs_per_mat;    // work units of one matrix: (row-block pair m, column block j <= m)
-  int total_pairs;
+  int tiles_per_mat;    // S(T): lower-triangle 128x256 tiles of one matrix
+  int total_tiles;
   int skip_epilogue;    // benchmarks only: no stores (times the main loop alone)
 };
 
-// Work unit u -> (matrix b, row-block pair m, 256-column block j <= m): the tiles (2m, j) and
-// (2m + 1, j), one per CTA of a cluster, which share their B block j. Units before pair m: m(m+1)/2.
-__device__ __forceinline__ void decode_pair(int u, int ppm, int& b, int& m, int& j) {
-  b = u / ppm;
-  const int l = u - b * ppm;
-  m = static_cast<int>((sqrtf(8.0f * static_cast<float>(l) + 1.0f) - 1.0f) * 0.5f);
-  while (m > 0 && m * (m + 1) / 2 > l) --m;
-  while ((m + 1) * (m + 2) / 2 <= l) ++m;
-  j = l - m * (m + 1) / 2;
+// Tiles before row block i: sum_{k<i} (k/2 + 1).
+__device__ __forceinline__ int tiles_before(int i) {
+  const int m = i >> 1;
+  return (i & 1) ? (m + 1) * (m + 1) : m * (m + 1);
+}
+// Tile t -> (matrix b, 128-row block i, 256-column block j <= i/2).
+__device__ __forceinline__ void decode_tile(int t, int tpm, int& b, int& i, int& j) {
+  b = t / tpm;
+  const int l = t - b * tpm;
+  i = static_cast<int>(2.0f * sqrtf(static_cast<float>(l)));
+  while (i > 0 && tiles_before(i) > l) --i;
+  while (tiles_before(i + 1) <= l) ++i;
+  j = l - tiles_before(i);
 }
 
 template <bool kBF16>
@@ -260,7 +231,7 @@ __device__ __forceinline__ float2 unpack2(uint32_t u) {
 }
 
 template <bool kBF16>
-__global__ void __maxnreg__(168)
+__global__ void __maxnreg__(224)
     sym_wgmma_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
                      const __grid_constant__ CUtensorMap tmC, const __grid_constant__ CUtensorMap tmD,
                      const SymParams prm) {
@@ -280,40 +251,33 @@ __global__ void __maxnreg__(168)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 16);  // one arrival per consumer warp of either CTA (both read stage s's B)
+      mbar_init(&empty[s], 8);  // one arrival per consumer warp
     }
     mbar_init(&dfull[0], 1);
     mbar_init(&dfull[1], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   }
-  cluster_sync();  // the peer's barriers exist before any multicast or remote arrival reaches them
+  __syncthreads();
 
-  // A cluster of two CTAs takes work units (pairs of row blocks sharing a column block): CTA
-  // rank r computes row block 2m + r, loads its own A and half of the shared B (rows 128·r ..
-  // 128·r + 127 of the 256), and multicasts that half to both CTAs.
-  const int rank = static_cast<int>(cluster_rank());
-  const int cluster = blockIdx.x >> 1, clusters = gridDim.x >> 1;
-  const int ppm = prm.pairs_per_mat;
+  const int tpm = prm.tiles_per_mat;
   if (wg == 2) {
-    // Producer warp: one thread issues every TMA load.
+    // Producer warp: one thread issues every TMA load of A and B.
     if (threadIdx.x == 256) {
       StageRing ring;
-      for (int u = cluster; u < prm.total_pairs; u += clusters) {
-        int b, m, j;
-        decode_pair(u, ppm, b, m, j);
-        const int i = 2 * m + rank;
+      for (int t = blockIdx.x; t < prm.total_tiles; t += gridDim.x) {
+        int b, i, j;
+        decode_tile(t, tpm, b, i, j);
         const int ba = prm.a_batched ? b : 0, bb = prm.b_batched ? b : 0;
         for (int kb = 0; kb < prm.kblocks; ++kb, ring.next()) {
           const int s = ring.stage;
-          mbar_wait(&empty[s], ring.phase ^ 1);  // both CTAs' consumers are done with stage s
+          mbar_wait(&empty[s], ring.phase ^ 1);
           mbar_expect_tx(&full[s], kABytes + kBBytes);
           tma_load_3d(sA + s * kABytes, &tmA, &full[s], kb * kBK, i * kBM, ba);
-          tma_load_3d_pair(sB + s * kBBytes + rank * (kBBytes / 2), &tmB, &full[s], kb * kBK, j * kBN + rank * kBM, bb);
+          tma_load_3d(sB + s * kBBytes, &tmB, &full[s], kb * kBK, j * kBN, bb);
         }
       }
     }
-    cluster_sync();  // see the end of the kernel
     return;
   }
   const int cw = wg;  // rows cw*64 .. cw*64+63 of the tile
@@ -329,10 +293,9 @@ __global__ void __maxnreg__(168)
   StageRing ring;
   uint32_t dphase = 0;
   const int p = prm.p;
-  for (int u = cluster; u < prm.total_pairs; u += clusters) {
-    int b, m, j;
-    decode_pair(u, ppm, b, m, j);
-    const int i = 2 * m + rank;
+  for (int t = blockIdx.x; t < prm.total_tiles; t += gridDim.x) {
+    int b, i, j;
+    decode_tile(t, tpm, b, i, j);
     const int R = 2 * i + cw;                  // this warpgroup's 64-row block
     const bool rows_in = R * kEB < p;
     const int nblk = min(4, R - 4 * j + 1);    // blocks 4j .. 4j+nblk-1 are on or below the diagonal
@@ -471,7 +434,6 @@ __global__ void __maxnreg__(168)
   }
 #undef DION3_VP
   if (leader) bulk_wait_all();
-  cluster_sync();  // neither CTA leaves while the other may still arrive on its barriers
 #endif
 }
 
@@ -521,8 +483,6 @@ std::mutex g_mutex;
 int g_sms[kMaxDevices];
 bool g_sms_known[kMaxDevices];
 uint32_t g_smem_set[kMaxDevices];  // bit per instantiation
-int g_clusters[kMaxDevices][2];    // per instantiation: clusters resident at once
-constexpr int kMaxClusters = 512;  // the grid asked about when counting them
 
 int sm_count_and_check(int* device_out = nullptr) {
   int dev = 0;
@@ -548,43 +508,17 @@ int sm_count_and_check(int* device_out = nullptr) {
 }
 
 template <bool kBF16>
-void launch_typed(const CUtensorMap (&maps)[4], const SymParams& prm, int dev, int sms, cudaStream_t s) {
+void launch_typed(const CUtensorMap (&maps)[4], const SymParams& prm, int grid, int dev, cudaStream_t s) {
   constexpr uint32_t bit = 1u << (kBF16 ? 1 : 0);
-  cudaLaunchConfig_t cfg{};
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = 2;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = kSmemBytes;
-  cfg.stream = s;
-  cfg.attrs = &cluster;
-  cfg.numAttrs = 1;
-  int clusters = 0;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     if (!(g_smem_set[dev] & bit)) {
       DION3_CUDA_CHECK(cudaFuncSetAttribute(sym_wgmma_kernel<kBF16>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-      DION3_CUDA_CHECK(cudaFuncSetAttribute(sym_wgmma_kernel<kBF16>,
-                                            cudaFuncAttributePreferredSharedMemoryCarveout, 100));
-      // Persistent clusters: as many as can be resident at once (the GPCs' SM counts decide);
-      // where the driver cannot say, one per two SMs.
-      cfg.gridDim = dim3(2 * kMaxClusters);
-      int resident = 0;
-      if (cudaOccupancyMaxActiveClusters(&resident, sym_wgmma_kernel<kBF16>, &cfg) != cudaSuccess) {
-        (void)cudaGetLastError();
-        resident = 0;
-      }
-      g_clusters[dev][kBF16 ? 1 : 0] = resident > 0 ? resident : sms / 2;
       g_smem_set[dev] |= bit;
     }
-    clusters = g_clusters[dev][kBF16 ? 1 : 0];
   }
-  if (clusters <= 0) fail("sym_wgmma: no cluster of two CTAs fits on this device", Status::Unsupported);
-  cfg.gridDim = dim3(2 * static_cast<unsigned>(std::min<int64_t>(clusters, prm.total_pairs)));
-  DION3_CUDA_CHECK(cudaLaunchKernelEx(&cfg, sym_wgmma_kernel<kBF16>, maps[0], maps[1], maps[2], maps[3], prm));
+  sym_wgmma_kernel<kBF16><<<grid, kThreads, kSmemBytes, s>>>(maps[0], maps[1], maps[2], maps[3], prm);
   DION3_CUDA_LAUNCH_CHECK();
 }
 
@@ -610,8 +544,10 @@ bool sym_wgmma_supported(const MatrixView& A, const MatrixView& B, const MatrixV
   for (const MatrixView* v : {&A, &B})
     if ((v->batch != C.batch && v->batch != 1) || !tma_ok(*v)) return false;
   if (!tma_ok(C)) return false;
-  const int64_t pairs = (p + 2 * kBM - 1) / (2 * kBM);
-  if (pairs * (pairs + 1) / 2 * C.batch > (int64_t{1} << 30)) return false;
+  const int64_t tiles = (p + kBM - 1) / kBM;
+  const int64_t m = tiles / 2;
+  const int64_t tpm = (tiles & 1) ? (m + 1) * (m + 1) : m * (m + 1);
+  if (tpm * C.batch > (int64_t{1} << 30)) return false;
   return true;
 }
 
@@ -632,17 +568,17 @@ void launch_sym_wgmma(const MatrixView& A, const MatrixView& B, float alpha, flo
   prm.a_batched = A.batch > 1;
   prm.b_batched = B.batch > 1;
   prm.d_batched = prm.has_d && D->batch > 1;
-  const int pairs = static_cast<int>((p + 2 * kBM - 1) / (2 * kBM));  // row-block pairs
-  prm.pairs_per_mat = pairs * (pairs + 1) / 2;
-  prm.total_pairs = static_cast<int>(prm.pairs_per_mat * batch);
+  const int tiles = static_cast<int>((p + kBM - 1) / kBM), m = tiles / 2;
+  prm.tiles_per_mat = (tiles & 1) ? (m + 1) * (m + 1) : m * (m + 1);
+  prm.total_tiles = static_cast<int>(prm.tiles_per_mat * batch);
   static_assert(kBK == 64 && kEB == 64, "every tensor map box is 64 columns wide");
   const CUtensorMap mc = make_map(C, kEB);
-  // B in boxes of 128 rows: each CTA of a cluster loads one half of the 256-row block.
-  const CUtensorMap maps[4] = {make_map(A, kBM), make_map(B, kBM), mc, prm.has_d ? make_map(*D, kEB) : mc};
+  const CUtensorMap maps[4] = {make_map(A, kBM), make_map(B, kBN), mc, prm.has_d ? make_map(*D, kEB) : mc};
   int dev = 0;
   const int sms = sm_count_and_check(&dev);
-  if (A.dtype == DType::BF16) launch_typed<true>(maps, prm, dev, sms, s);
-  else launch_typed<false>(maps, prm, dev, sms, s);
+  const int grid = static_cast<int>(std::min<int64_t>(sms, prm.total_tiles));
+  if (A.dtype == DType::BF16) launch_typed<true>(maps, prm, grid, dev, s);
+  else launch_typed<false>(maps, prm, grid, dev, s);
 }
 
 }  // namespace dion3::cuda
