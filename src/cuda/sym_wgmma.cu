@@ -29,8 +29,11 @@ namespace {
 // Measured on the H200 against 32-deep k-blocks in 6 stages (the same bytes in flight): those were
 // 5-20% slower, so the pipeline is not latency-bound (bench/results/2026-12-01-5827c87-sym.md).
 constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 3;
-// Two consumer warpgroups (warps 0-7) and one producer warp (warp 8): without a producer
-// warpgroup every thread may hold 224 registers, which the wgmma pipeline of the consumers needs.
+// Two consumer warpgroups (warps 0-7) and one producer warp (warp 8), no setmaxnreg. Nine warps
+// put three on one of the SM's four register-file quarters (16384 registers each), so no thread
+// may hold more than 168 registers or the launch fails (probed on the H200: 163 launches, 183 not).
+// __maxnreg__(224) below leaves ptxas room to keep the wgmma pipeline (it then picks 163; capped at
+// 168 it spills); the CTest cuda.sym_wgmma_ptxas fails if it ever picks more than 168.
 constexpr int kThreads = 288;
 constexpr int kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2;
 constexpr int kEB = 64;                                 // epilogue block edge: one TMA box
