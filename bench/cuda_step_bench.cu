@@ -3,9 +3,10 @@
 // gradients filled on the device (a 7B set is too large to fill from the host quickly).
 // Rows: AdamW, Muon as issue 3 defines its baseline (standard NS in bf16 on full cuBLAS GEMMs),
 // Muon, NorMuon, Dion3 at f = 1, 1/2, 1/4, 1/8 (library defaults: auto method, symmetric
-// kernels); each with its median step time, the ratios to both Muons and AdamW of the same run, a roofline floor (max of FLOPs really performed
-// / 790 TFLOP/s and the bytes a step must move / 4.3 TB/s), the time from constructing the
-// optimizer to the end of its first step, and the device memory it holds beyond its state.
+// kernels); each with its median step time, the ratios to both Muons and AdamW of the same run,
+// a roofline floor (max of FLOPs really performed / 790 TFLOP/s and the bytes a step must move /
+// 4.3 TB/s), the time from constructing the optimizer to the end of its first step, and the
+// device memory it holds beyond its state.
 // --profile: where the time of one step goes — per megabatch and phase (accumulate, select,
 // gather, orthogonalization ops, update), timed with CUDA events around every backend op, with
 // the achieved bandwidth of the memory-bound phases; for several workspace limits and methods.
@@ -41,7 +42,7 @@ struct Variant {
   dion3::Algorithm algo;
   double fraction;
   // Issue 3's Muon baseline: standard NS in bf16 on full cuBLAS GEMMs (no Gram NS, no symmetric
-  // kernels), where the plain rows use the library's defaults (auto method, symmetric kernels).
+  // kernels); the other rows use the library's defaults (auto method, symmetric kernels).
   bool plain_cublas = false;
 };
 

@@ -317,16 +317,14 @@ class CudaBackend final : public Backend {
   // --- knobs -------------------------------------------------------------------------------
   SymmetricOptions sym_{};
   bool kernel_env_ = true;
+  // The fused kernel wherever it applies: since its wgmma pipeline is no longer serialized
+  // (b41b979) it is at least as fast as the path it replaces on every shape measured on the H200:
+  // sym_product 1.16-1.82x the cuBLAS tile schedule, X·Xᵀ 1.11-1.53x, and 0.98-1.02x at k = 2.7p
+  // (bench/results/2026-11-30-b41b979-sym.md, 2026-12-01-5827c87-sym.md).
   bool use_kernel(const MatrixView& A, const MatrixView& B, const MatrixView* D,
                   const MatrixView& C) const {
-    if (!sym_.enabled || !sym_.kernel || !kernel_env_ || C.batch == 0 || C.rows == 0 ||
-        !sym_wgmma_supported(A, B, D, C))
-      return false;
-    // Since its wgmma pipeline is no longer serialized (b41b979), the kernel is at least as fast as
-    // the path it replaces on every shape measured on the H200: sym_product 1.16-1.82x the cuBLAS
-    // tile schedule, X·Xᵀ 1.11-1.53x, and 0.98-1.02x at k = 2.7p (bench/results/
-    // 2026-11-30-b41b979-sym.md, 2026-12-01-5827c87-sym.md), so it runs wherever it applies.
-    return true;
+    return sym_.enabled && sym_.kernel && kernel_env_ && C.batch > 0 && C.rows > 0 &&
+           sym_wgmma_supported(A, B, D, C);
   }
   int64_t tile_for(int64_t p) const {
     if (!sym_.enabled) return p;
