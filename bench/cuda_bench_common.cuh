@@ -1,7 +1,8 @@
 // bench/cuda_bench_common.cuh — what the CUDA benchmark programs share: a CUDA error check that
 // exits, a deterministic device-side fill (hash of the index, uniform in [-scale/2, scale/2]),
-// CUDA-event median timing, printf-style formatting and a markdown sink that also echoes to
-// stdout. Header-only; each program is its own translation unit.
+// CUDA-event median timing, printf-style formatting, a markdown sink that also echoes to stdout,
+// and the session of the kernel benches (arguments, backend, stream, report). Header-only; each
+// program is its own translation unit.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -13,10 +14,14 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "cuda/cuda_backend.hpp"
+#include "dion3/backend.hpp"
 #include "dion3/view.hpp"
 
 #define CK(x)                                                              \
@@ -124,5 +129,23 @@ inline void device_line(Out& o, int device = 0) {
   o.line(fmt("Device: %s, %d SMs, %.0f MB L2", prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6));
   o.line("");
 }
+
+// A kernel bench's run: its arguments, one CUDA backend on device 0 and that backend's stream,
+// and the markdown report (the device line first); save() writes the report to --out, if given.
+struct Session {
+  Args args;
+  std::unique_ptr<dion3::Backend> be;
+  cudaStream_t s;
+  Out o;
+  Session(int argc, char** argv, const char* program)
+      : args(parse_args(argc, argv, program)),
+        be(dion3::make_cuda_backend(0)),
+        s(static_cast<cudaStream_t>(dion3::cuda::backend_stream(*be))) {
+    device_line(o);
+  }
+  void save() const {
+    if (!args.out_path.empty()) std::ofstream(args.out_path) << o.md.str();
+  }
+};
 
 }  // namespace bench

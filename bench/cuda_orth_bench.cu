@@ -14,7 +14,6 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -39,14 +38,13 @@ struct Shape { int64_t b, p, q; };
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bench::Args args = bench::parse_args(argc, argv, "dion3-cuda-bench");
-  const std::string& out_path = args.out_path;
+  bench::Session session(argc, argv, "dion3-cuda-bench");
+  const bench::Args& args = session.args;
   const bool quick = args.quick;
   const int iters = args.iters;
-  auto be = dion3::make_cuda_backend(0);
-  cudaStream_t s = static_cast<cudaStream_t>(dion3::cuda::backend_stream(*be));
-  Out o;
-  bench::device_line(o);
+  auto& be = session.be;
+  const cudaStream_t s = session.s;
+  Out& o = session.o;
 
   // ---- 1. symmetric products vs full cuBLAS GEMM ---------------------------------------------
   const std::vector<Shape> gram_shapes = quick ? std::vector<Shape>{{8, 4096, 11008}}
@@ -131,9 +129,6 @@ int main(int argc, char** argv) {
   }
   o.line("");
   o.line(fmt("symmetric_cost_factor() reported by the backend: %.3f", be->symmetric_cost_factor()));
-  if (!out_path.empty()) {
-    std::ofstream f(out_path);
-    f << o.md.str();
-  }
+  session.save();
   return 0;
 }

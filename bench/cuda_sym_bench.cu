@@ -14,7 +14,6 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -57,14 +56,13 @@ struct Case { int op; DType in, out; int64_t b, p, q; };  // op 0 gram, 1 sym_pr
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bench::Args args = bench::parse_args(argc, argv, "dion3-cuda-sym-bench");
-  const std::string& out_path = args.out_path;
+  bench::Session session(argc, argv, "dion3-cuda-sym-bench");
+  const bench::Args& args = session.args;
   const bool quick = args.quick;
   const int iters = args.iters;
-  auto be = dion3::make_cuda_backend(0);
-  cudaStream_t s = static_cast<cudaStream_t>(dion3::cuda::backend_stream(*be));
-  Out o;
-  bench::device_line(o);
+  auto& be = session.be;
+  const cudaStream_t s = session.s;
+  Out& o = session.o;
   using dion3::cuda::set_symmetric_options;
   int failures = 0;
 
@@ -235,9 +233,6 @@ int main(int argc, char** argv) {
   set_symmetric_options(*be, {true, 0, true});
   o.line("");
   o.line(fmt("correctness failures: %d", failures));
-  if (!out_path.empty()) {
-    std::ofstream f(out_path);
-    f << o.md.str();
-  }
+  session.save();
   return failures == 0 ? 0 : 1;
 }
