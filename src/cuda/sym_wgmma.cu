@@ -233,6 +233,19 @@ __device__ __forceinline__ float2 unpack2(uint32_t u) {
   else return __half22float2(*reinterpret_cast<const __half2*>(&u));
 }
 
+// The transpose of this warpgroup's 64 x 64 results of block k (packed in acc's slots 16k ..
+// 16k + 15, see the epilogue) into the 128-byte-swizzled staging block at `block` (stmatrix.trans).
+// k must be known at compile time (an unrolled loop), so that acc stays in registers.
+__device__ __forceinline__ void store_block_transposed(const float (&acc)[128], uint32_t block, int k, int warp,
+                                                       int lane) {
+#pragma unroll
+  for (int n8 = 8 * k; n8 < 8 * k + 8; n8 += 2) {
+    const uint32_t addr = block + swz(8 * ((n8 + (lane >> 4)) & 7) + (lane & 7), 8 * (2 * warp + ((lane >> 3) & 1)));
+    stmatrix_x4<true>(addr, __float_as_uint(acc[2 * n8]), __float_as_uint(acc[2 * n8 + 1]),
+                      __float_as_uint(acc[2 * n8 + 2]), __float_as_uint(acc[2 * n8 + 3]));
+  }
+}
+
 template <bool kBF16>
 __global__ void __maxnreg__(224)
     sym_wgmma_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
@@ -380,12 +393,7 @@ __global__ void __maxnreg__(224)
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         if (k != kd) continue;
-#pragma unroll
-        for (int n8 = 8 * k; n8 < 8 * k + 8; n8 += 2) {
-          const uint32_t addr = stage_u32 + k * kEBBytes + swz(8 * ((n8 + mchunk) & 7) + (lane & 7),
-                                                               8 * (2 * warp + ((lane >> 3) & 1)));
-          stmatrix_x4<true>(addr, DION3_VP(2 * n8), DION3_VP(2 * n8 + 1), DION3_VP(2 * n8 + 2), DION3_VP(2 * n8 + 3));
-        }
+        store_block_transposed(acc, stage_u32 + k * kEBBytes, k, warp, lane);
       }
       warpgroup_sync(1 + cw);
 #pragma unroll
@@ -420,12 +428,7 @@ __global__ void __maxnreg__(224)
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         if (k >= nlow) continue;
-#pragma unroll
-        for (int n8 = 8 * k; n8 < 8 * k + 8; n8 += 2) {
-          const uint32_t addr = stage_u32 + k * kEBBytes + swz(8 * ((n8 + mchunk) & 7) + (lane & 7),
-                                                               8 * (2 * warp + ((lane >> 3) & 1)));
-          stmatrix_x4<true>(addr, DION3_VP(2 * n8), DION3_VP(2 * n8 + 1), DION3_VP(2 * n8 + 2), DION3_VP(2 * n8 + 3));
-        }
+        store_block_transposed(acc, stage_u32 + k * kEBBytes, k, warp, lane);
       }
       fence_async_smem();
       warpgroup_sync(1 + cw);
