@@ -1,9 +1,7 @@
-// bench/cuda_orth_bench.cu — dion3-cuda-bench: the CUDA backend's orthogonalization numbers.
-//
-// 1. Symmetric products (X·Xᵀ and sym·sym) on the lower-triangle tile schedule, for several
-//    tile edges, against one full cuBLAS GEMM of the same size (same run, same inputs).
-// 2. Orthogonalization of batches (SPEC §2 effective TFLOP/s): standard NS on cuBLAS bf16,
-//    Gram NS (fp16) on full GEMMs, Gram NS on the symmetric tile schedule.
+// bench/cuda_orth_bench.cu — dion3-cuda-bench: the CUDA backend's orthogonalization numbers:
+// batches (SPEC §2 effective TFLOP/s) by standard NS on cuBLAS bf16, Gram NS (fp16) on full
+// GEMMs, and Gram NS on the symmetric products (the fused kernel where it runs). The symmetric
+// products alone are dion3-cuda-sym-bench's.
 // Times are CUDA-event medians after warm-up; output is markdown (stdout and --out FILE).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -46,55 +44,7 @@ int main(int argc, char** argv) {
   const cudaStream_t s = session.s;
   Out& o = session.o;
 
-  // ---- 1. symmetric products vs full cuBLAS GEMM ---------------------------------------------
-  const std::vector<Shape> gram_shapes = quick ? std::vector<Shape>{{8, 4096, 11008}}
-                                               : std::vector<Shape>{{8, 4096, 11008}, {8, 4096, 4096}, {32, 1024, 4096},
-                                                                    {64, 2752, 4096}, {16, 2048, 8192}, {4, 8192, 8192}};
-  const std::vector<int64_t> tiles = {256, 384, 512, 768, 1024, 2048};
-  o.line("## Symmetric kernels vs one full cuBLAS GEMM (fp16 in, fp32 accumulate)");
-  o.line("");
-  o.line("Gram C = X·Xᵀ (batch b of p×q) and sym_product C = 2·R·R − R (b of p×p). TFLOP/s counts the full GEMM's "
-         "2·p²·q FLOPs (effective); speed-up = full time / tiled time.");
-  o.line("");
-  o.line("| op | b | p | q | full ms | full TFLOP/s | best tile | tiled ms | eff. TFLOP/s | speed-up | all tiles (ms) |");
-  o.line("|---|---|---|---|---|---|---|---|---|---|---|");
-  for (int op = 0; op < 2; ++op) {
-    for (const Shape& sh : gram_shapes) {
-      const int64_t q = op == 0 ? sh.q : sh.p;
-      if (op == 1 && (sh.q == sh.p && sh.p == 4096 && sh.b == 8)) continue;  // same p as the first row
-      dion3::DeviceBuffer X(be->allocator(), sh.b * sh.p * q * 2), C(be->allocator(), sh.b * sh.p * sh.p * 2),
-          R(be->allocator(), op == 1 ? sh.b * sh.p * sh.p * 2 : 16);
-      MatrixView Xv = MatrixView::contiguous(X.get(), DType::F16, sh.b, sh.p, q);
-      MatrixView Cv = MatrixView::contiguous(C.get(), DType::F16, sh.b, sh.p, sh.p);
-      MatrixView Rv = MatrixView::contiguous(R.get(), DType::F16, sh.b, sh.p, sh.p);
-      fill(X.get(), DType::F16, sh.b * sh.p * q, 1, 2.0f / std::sqrt(static_cast<float>(q)), s);
-      if (op == 1) be->gram(Xv, Rv);  // a real symmetric operand
-      auto run = [&] {
-        if (op == 0) be->gram(Xv, Cv);
-        else be->sym_product(2.0f, Rv, Rv, -1.0f, &Rv, 0.0f, Cv);
-      };
-      const double flops = 2.0 * sh.b * sh.p * sh.p * q;
-      dion3::cuda::set_symmetric_options(*be, {false, 0});
-      const double full = median_ms(s, 2, iters, run);
-      double best = 1e30;
-      int64_t best_tile = 0;
-      std::string all;
-      for (int64_t t : tiles) {
-        if (t >= sh.p) continue;
-        dion3::cuda::set_symmetric_options(*be, {true, t, false});  // the cuBLAS tile schedule
-        const double ms = median_ms(s, 2, iters, run);
-        all += fmt("%s%lld:%.3f", all.empty() ? "" : " ", static_cast<long long>(t), ms);
-        if (ms < best) { best = ms; best_tile = t; }
-      }
-      o.line(fmt("| %s | %lld | %lld | %lld | %.3f | %.0f | %lld | %.3f | %.0f | %.2fx | %s |", op == 0 ? "gram" : "sym_product",
-                 (long long)sh.b, (long long)sh.p, (long long)q, full, flops / full / 1e9, (long long)best_tile, best,
-                 flops / best / 1e9, full / best, all.c_str()));
-    }
-  }
-  dion3::cuda::set_symmetric_options(*be, {true, 0});
-  o.line("");
-
-  // ---- 2. orthogonalization ------------------------------------------------------------------
+  // ---- orthogonalization ---------------------------------------------------------------------
   const std::vector<Shape> orth_shapes = quick ? std::vector<Shape>{{8, 4096, 11008}}
                                                : std::vector<Shape>{{8, 4096, 4096}, {8, 4096, 11008}, {32, 1024, 4096},
                                                                     {64, 2752, 4096}, {16, 1024, 11008}};
@@ -115,7 +65,7 @@ int main(int argc, char** argv) {
       cfg.method = m;
       cfg.iteration_dtype = dt;
       dion3::Orthogonalizer orth(*be, cfg, sh.b, sh.p, sh.q);
-      return median_ms(s, 2, std::max(3, iters / 2), [&] { orth.run(iv, ov); });
+      return median_ms(s, 2, iters, [&] { orth.run(iv, ov); });
     };
     const double st = time_cfg(dion3::OrthMethod::Standard, DType::BF16, false);
     const double gf = time_cfg(dion3::OrthMethod::Gram, DType::F16, false);
