@@ -30,12 +30,14 @@ namespace {
 // Measured on the H200 against 32-deep k-blocks in 6 stages (the same bytes in flight): those were
 // 5-20% slower, so the pipeline is not latency-bound (bench/results/2026-12-01-5827c87-sym.md).
 constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 3;
-// Two consumer warpgroups (warps 0-7) and one producer warp (warp 8), no setmaxnreg. Nine warps
-// put three on one of the SM's four register-file quarters (16384 registers each), so no thread
-// may hold more than 168 registers or the launch fails (probed on the H200: 163 launches, 183 not).
-// __maxnreg__(224) below leaves ptxas room to keep the wgmma pipeline (it then picks 163; capped at
-// 168 it spills); the CTest cuda.sym_wgmma_ptxas fails if it ever picks more than 168.
-constexpr int kThreads = 288;
+// Two consumer warpgroups (0, 1) and a producer warpgroup (2, one thread of which issues the
+// loads). A block launches with at most 168 registers per thread (12 warps, three on each of the
+// SM's four register-file quarters of 16384; probed on the H200 with 9 warps: 163 launched, 183
+// not); then the producer gives registers back (setmaxnreg.dec 40) and the consumers take them
+// (setmaxnreg.inc 232): 128 accumulators and room for ptxas to keep the wgmma pipeline. (With 288
+// threads at 163 registers each, small changes made ptxas serialize the wgmma.) The CTest
+// cuda.sym_wgmma_ptxas checks both.
+constexpr int kThreads = 384;
 // A stage holds one k-block: A's 128 rows, then B's 256 rows (rows of 128 bytes, 1024-byte aligned).
 constexpr int kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2, kStageBytes = kABytes + kBBytes;
 constexpr int kEB = 64;                                 // epilogue block edge: one TMA box
@@ -199,7 +201,7 @@ struct SymParams {
   int p, kblocks;
   int a_batched, b_batched, d_batched;
   int has_d;
-  int same_ab;          // A and B are one operand (X·Xᵀ, R·R): see operands_in_stage
+  int same_ab;          // A and B are one operand (X·Xᵀ, R·R): see stage_load
   int row_blocks;       // 128-row blocks of one matrix (= its diagonal tiles)
   int offdiag_per_mat;  // its tiles strictly below the diagonal
   int offdiag_tiles;    // ... of all matrices
@@ -236,16 +238,20 @@ __device__ __forceinline__ void decode_tile(int t, const SymParams& prm, int& b,
   j = l - offdiag_before(i);
 }
 
+// What a tile loads into a stage: A's 128 rows at offset 0 and B's 256 rows at kABytes, except on
+// a diagonal tile where A and B are one operand (same_ab), whose A rows are B rows: with i even,
+// the only B rows the tile reads (its first 128) are its A rows, so it loads A alone; with i odd,
+// its A rows are B's last 128, so it loads B alone.
+enum class StageLoad { Both, AOnly, BOnly };
+__device__ __forceinline__ StageLoad stage_load(int i, int j, bool same_ab) {
+  if (!same_ab || j != (i >> 1)) return StageLoad::Both;
+  return (i & 1) ? StageLoad::BOnly : StageLoad::AOnly;
+}
 // Where warpgroup cw finds its operands in stage 0 of the ring (shared address `stage0`): its 64
-// A rows at a0, the tile's B rows at b0. Tiles load both, except a diagonal tile with i even where
-// A and B are one operand (same_ab, a_only): the only B rows it reads (its first 128) are its A
-// rows, so only A is loaded and B is read from there. (The same for i odd, whose A rows are B's
-// last 128, would move a0, which makes ptxas serialize the wgmma: C7511.)
-__device__ __forceinline__ bool a_only(int i, int j, bool same_ab) { return same_ab && !(i & 1) && j == (i >> 1); }
-__device__ __forceinline__ void operands_in_stage(int i, int j, int cw, bool same_ab, uint32_t stage0, uint32_t& a0,
-                                                  uint32_t& b0) {
-  a0 = stage0 + cw * 64 * 128;
-  b0 = a_only(i, j, same_ab) ? stage0 : stage0 + kABytes;
+// A rows at a0, the tile's B rows at b0.
+__device__ __forceinline__ void operands_in_stage(StageLoad load, int cw, uint32_t stage0, uint32_t& a0, uint32_t& b0) {
+  b0 = load == StageLoad::AOnly ? stage0 : stage0 + kABytes;
+  a0 = (load == StageLoad::BOnly ? b0 + kBM * 128 : stage0) + cw * 64 * 128;
 }
 
 template <bool kBF16>
@@ -278,7 +284,7 @@ __device__ __forceinline__ void store_block_transposed(const float (&acc)[128], 
 }
 
 template <bool kBF16>
-__global__ void __maxnreg__(224)
+__global__ void __launch_bounds__(kThreads, 1)
     sym_wgmma_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
                      const __grid_constant__ CUtensorMap tmC, const __grid_constant__ CUtensorMap tmD,
                      const SymParams prm) {
@@ -306,6 +312,7 @@ __global__ void __maxnreg__(224)
   __syncthreads();
 
   if (wg == 2) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     // Producer warp: one thread issues every TMA load of A and B.
     if (threadIdx.x == 256) {
       StageRing ring;
@@ -313,19 +320,21 @@ __global__ void __maxnreg__(224)
         int b, i, j;
         decode_tile(t, prm, b, i, j);
         const int ba = prm.a_batched ? b : 0, bb = prm.b_batched ? b : 0;
-        const bool only_a = a_only(i, j, prm.same_ab);  // see operands_in_stage
+        const StageLoad load = stage_load(i, j, prm.same_ab);
+        const int bytes = load == StageLoad::AOnly ? kABytes : load == StageLoad::BOnly ? kBBytes : kStageBytes;
         for (int kb = 0; kb < prm.kblocks; ++kb, ring.next()) {
           const int s = ring.stage;
           uint8_t* stage = smem + s * kStageBytes;
           mbar_wait(&empty[s], ring.phase ^ 1);
-          mbar_expect_tx(&full[s], only_a ? kABytes : kStageBytes);
-          tma_load_3d(stage, &tmA, &full[s], kb * kBK, i * kBM, ba);
-          if (!only_a) tma_load_3d(stage + kABytes, &tmB, &full[s], kb * kBK, j * kBN, bb);
+          mbar_expect_tx(&full[s], bytes);
+          if (load != StageLoad::BOnly) tma_load_3d(stage, &tmA, &full[s], kb * kBK, i * kBM, ba);
+          if (load != StageLoad::AOnly) tma_load_3d(stage + kABytes, &tmB, &full[s], kb * kBK, j * kBN, bb);
         }
       }
     }
     return;
   }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
   const int cw = wg;  // rows cw*64 .. cw*64+63 of the tile
   const int warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
   const bool leader = (threadIdx.x & 127) == 0;
@@ -361,7 +370,7 @@ __global__ void __maxnreg__(224)
     };
     // This warpgroup's 64 A rows and the B rows in stage 0 (operands_in_stage).
     uint32_t a0, b0;
-    operands_in_stage(i, j, cw, prm.same_ab, smem_u32(smem), a0, b0);
+    operands_in_stage(stage_load(i, j, prm.same_ab), cw, smem_u32(smem), a0, b0);
     const bool signal = lane == 0;
     switch (ncols) {
       case 4: tile_mainloop<kBF16, 256>(acc, a0, b0, full, empty, ring, prm.kblocks, signal, prefetch_d); break;

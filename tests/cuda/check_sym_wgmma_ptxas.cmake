@@ -1,8 +1,8 @@
 # check_sym_wgmma_ptxas.cmake — compiles the fused symmetric kernel (src/cuda/sym_wgmma.cu) for
 # sm_90a with ptxas' verbose report and fails where ptxas says it serialized the wgmma
 # instructions (C7510-C7520 "Potential Performance Loss": that costs the kernel about a fifth of
-# its speed and shows in no other output), or where the kernel uses more than 168 registers (its
-# 288-thread blocks then fail to launch). Needs no GPU. Run by ctest (cmake -P) with
+# its speed and shows in no other output), or where the kernel launches with more than 168 registers
+# per thread (its 384-thread blocks then fail to launch). Needs no GPU. Run by ctest (cmake -P) with
 #   -DNVCC=<nvcc> -DSOURCE=<sym_wgmma.cu> -DINCLUDES="<dir>;<dir>" -DGENCODE=<-gencode=...>
 set(_inc "")
 foreach(d IN LISTS INCLUDES)
@@ -26,7 +26,7 @@ endif()
 foreach(r IN LISTS _regs)
   string(REGEX MATCH "[0-9]+" n "${r}")
   if(n GREATER 168)
-    message(FATAL_ERROR "sym_wgmma kernel uses ${n} registers: a 288-thread block cannot launch above 168")
+    message(FATAL_ERROR "sym_wgmma kernel uses ${n} registers: a 384-thread block cannot launch above 168")
   endif()
 endforeach()
 message(STATUS "wgmma pipelines intact, registers within 168 (${_regs})")
