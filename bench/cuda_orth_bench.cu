@@ -1,7 +1,8 @@
 // bench/cuda_orth_bench.cu — dion3-cuda-bench: the CUDA backend's orthogonalization numbers:
 // batches (SPEC §2 effective TFLOP/s) by standard NS on cuBLAS bf16, Gram NS (fp16) on full
-// GEMMs, and Gram NS on the symmetric products (the fused kernel where it runs). The symmetric
-// products alone are dion3-cuda-sym-bench's.
+// GEMMs, and Gram NS on the symmetric products (the fused kernel where it runs), then where the
+// time of the first and the last goes, per backend op. The symmetric products alone are
+// dion3-cuda-sym-bench's.
 // Times are CUDA-event medians after warm-up; output is markdown (stdout and --out FILE).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "cuda_bench_common.cuh"
+#include "profiling_backend.cuh"
 #include "cuda/cuda_backend.hpp"
 #include "dion3/backend.hpp"
 #include "dion3/orthogonalize.hpp"
@@ -53,6 +55,12 @@ int main(int argc, char** argv) {
   o.line("| batch | standard NS bf16 (ms / TFLOP/s) | Gram NS fp16, full GEMMs | Gram NS fp16, symmetric tiles | "
          "Gram-sym / standard | Gram-sym / Gram-full | auto picks |");
   o.line("|---|---|---|---|---|---|---|");
+  // Where the time goes: one more run of the baseline and of Gram NS per shape, through a
+  // profiling backend (its own CUDA backend and stream), after two unprofiled runs.
+  std::unique_ptr<dion3::Backend> prof_inner = dion3::make_cuda_backend(0);
+  dion3::Backend& prof_cuda = *prof_inner;
+  bench::ProfilingBackend prof(std::move(prof_inner));
+  std::vector<std::string> profile_rows;
   for (const Shape& sh : orth_shapes) {
     dion3::DeviceBuffer in(be->allocator(), sh.b * sh.p * sh.q * 4), out(be->allocator(), sh.b * sh.p * sh.q * 4);
     MatrixView iv = MatrixView::contiguous(in.get(), DType::F32, sh.b, sh.p, sh.q);
@@ -70,6 +78,27 @@ int main(int argc, char** argv) {
     const double st = time_cfg(dion3::OrthMethod::Standard, DType::BF16, false);
     const double gf = time_cfg(dion3::OrthMethod::Gram, DType::F16, false);
     const double gs = time_cfg(dion3::OrthMethod::Gram, DType::F16, true);
+    for (const bool gram : {false, true}) {
+      dion3::cuda::set_symmetric_options(prof_cuda, {gram, 0});
+      dion3::OrthConfig cfg;
+      cfg.method = gram ? dion3::OrthMethod::Gram : dion3::OrthMethod::Standard;
+      cfg.iteration_dtype = gram ? DType::F16 : DType::BF16;
+      dion3::Orthogonalizer orth(prof, cfg, sh.b, sh.p, sh.q);
+      for (int i = 0; i < 2; ++i) orth.run(iv, ov);
+      prof.enabled = true;
+      orth.run(iv, ov);
+      prof.enabled = false;
+      prof.collect();
+      auto op = [&](const char* name) { return prof.totals[{"all", name}]; };
+      double sum = 0;
+      for (const auto& [key, ms] : prof.totals) sum += ms;
+      profile_rows.push_back(fmt("| (%lld, %lld, %lld) | %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |",
+                                 (long long)sh.b, (long long)sh.p, (long long)sh.q,
+                                 gram ? "Gram NS fp16, symmetric" : "standard NS bf16, full GEMMs", sum,
+                                 op("orth.normalize"), op("orth.gram"), op("orth.sym_product"), op("orth.gemm"),
+                                 op("orth.convert") + op("orth.transpose"), op("orth.copy") + op("orth.add_identity")));
+      prof.totals.clear();
+    }
     dion3::cuda::set_symmetric_options(*be, {true, 0});
     dion3::OrthConfig auto_cfg;
     const auto pick = dion3::choose_orth_method(*be, auto_cfg, sh.p, sh.q);
@@ -77,6 +106,12 @@ int main(int argc, char** argv) {
                (long long)sh.p, (long long)sh.q, st, eff / st / 1e9, gf, eff / gf / 1e9, gs, eff / gs / 1e9, st / gs,
                gf / gs, pick == dion3::OrthMethod::Gram ? "gram" : "standard"));
   }
+  o.line("");
+  o.line("### Where the time goes (ms, one run each; CUDA events around every backend op)");
+  o.line("");
+  o.line("| batch | method | sum | normalize | X·Xᵀ (gram) | sym_product | gemm | convert / transpose | copy / add_identity |");
+  o.line("|---|---|---|---|---|---|---|---|---|");
+  for (const std::string& row : profile_rows) o.line(row);
   o.line("");
   o.line(fmt("symmetric_cost_factor() reported by the backend: %.3f", be->symmetric_cost_factor()));
   session.save();

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "cuda_bench_common.cuh"
+#include "profiling_backend.cuh"
 #include "cuda/cuda_backend.hpp"
 #include "dion3/backend.hpp"
 #include "dion3/optimizer.hpp"
@@ -44,120 +45,6 @@ struct Variant {
   // Issue 3's Muon baseline: standard NS in bf16 on full cuBLAS GEMMs (no Gram NS, no symmetric
   // kernels); the other rows use the library's defaults (auto method, symmetric kernels).
   bool plain_cublas = false;
-};
-
-// Phase profiler: a Backend that forwards every op to the CUDA backend and brackets it with
-// CUDA events on the backend's stream, attributing the time to (megabatch shape, op). The engine
-// calls refresh(set) before a megabatch's (and each chunk's) ops, which names the shape.
-class ProfilingBackend final : public dion3::Backend {
- public:
-  explicit ProfilingBackend(std::unique_ptr<dion3::Backend> inner) : in_(std::move(inner)) {
-    stream_ = static_cast<cudaStream_t>(dion3::cuda::backend_stream(*in_));
-  }
-  ~ProfilingBackend() override {
-    for (auto& e : pool_) cudaEventDestroy(e);
-  }
-  struct Rec {
-    std::string shape, op;
-    int a, b;
-  };
-  bool enabled = false;
-  // (shape, op) -> ms, summed over the recorded ops since the last clear().
-  std::map<std::pair<std::string, std::string>, double> totals;
-  void collect() {
-    CK(cudaStreamSynchronize(stream_));
-    for (const Rec& r : recs_) {
-      float ms = 0;
-      CK(cudaEventElapsedTime(&ms, pool_[r.a], pool_[r.b]));
-      totals[{r.shape, r.op}] += ms;
-    }
-    recs_.clear();
-    used_ = 0;
-  }
-  dion3::Device device() const override { return in_->device(); }
-  dion3::Allocator& allocator() override { return in_->allocator(); }
-  void set_stream(void* s) override { in_->set_stream(s); stream_ = static_cast<cudaStream_t>(s); }
-  void fill_zero(void* p, std::size_t b) override { shape_ = "all"; wrap("other", [&] { in_->fill_zero(p, b); }); }
-  void copy_to_host(void* d, const void* s, std::size_t b) override { in_->copy_to_host(d, s, b); }
-  void copy_from_host(void* d, const void* s, std::size_t b) override { in_->copy_from_host(d, s, b); }
-  void copy(void* d, const void* s, std::size_t b) override { wrap("orth.copy", [&] { in_->copy(d, s, b); }); }
-  int read_flag(const int* f) override { return in_->read_flag(f); }
-  void finish_step(const int* f, int64_t* c) override { shape_ = "all"; wrap("other", [&] { in_->finish_step(f, c); }); }
-  std::unique_ptr<dion3::MatrixSet> new_matrix_set() override { return in_->new_matrix_set(); }
-  void refresh(dion3::MatrixSet& set) override {
-    shape_ = fmt("%lldx%lld", (long long)set.rows(), (long long)set.cols());
-    wrap("refresh", [&] { in_->refresh(set); });
-  }
-  void check_finite(std::span<const dion3::MatrixView> xs, int* flag) override {
-    shape_ = "all";
-    wrap("check_finite", [&] { in_->check_finite(xs, flag); });
-  }
-  void accumulate(const dion3::MatrixSet& s, float d, float* sc, const int* k) override {
-    wrap("accumulate", [&] { in_->accumulate(s, d, sc, k); });
-  }
-  void select_rows(const float* s, int64_t c, int64_t m, int64_t k, int32_t* i, const int* sk) override {
-    wrap("select", [&] { in_->select_rows(s, c, m, k, i, sk); });
-  }
-  void gather_rows(const dion3::MatrixSet& s, const int32_t* i, int64_t k, float a, float b, float d,
-                   dion3::MatrixView o, const int* sk) override {
-    wrap("gather", [&] { in_->gather_rows(s, i, k, a, b, d, o, sk); });
-  }
-  void apply_update(const dion3::MatrixSet& s, const int32_t* i, int64_t k, dion3::MatrixView o,
-                    const dion3::UpdateParams& p, const int* sk) override {
-    wrap("update", [&] { in_->apply_update(s, i, k, o, p, sk); });
-  }
-  void normalize(dion3::MatrixView i, dion3::MatrixView o, float e) override {
-    wrap("orth.normalize", [&] { in_->normalize(i, o, e); });
-  }
-  void convert(dion3::MatrixView i, dion3::MatrixView o, bool t) override {
-    wrap(t ? "orth.transpose" : "orth.convert", [&] { in_->convert(i, o, t); });
-  }
-  void gemm(bool ta, bool tb, float al, dion3::MatrixView A, dion3::MatrixView B, float be,
-            dion3::MatrixView C) override {
-    wrap("orth.gemm", [&] { in_->gemm(ta, tb, al, A, B, be, C); });
-  }
-  void gram(dion3::MatrixView X, dion3::MatrixView C) override { wrap("orth.gram", [&] { in_->gram(X, C); }); }
-  void sym_product(float al, dion3::MatrixView A, dion3::MatrixView B, float be, const dion3::MatrixView* D,
-                   float g, dion3::MatrixView C) override {
-    wrap("orth.sym_product", [&] { in_->sym_product(al, A, B, be, D, g, C); });
-  }
-  void add_identity(dion3::MatrixView X, float g, dion3::MatrixView C) override {
-    wrap("orth.add_identity", [&] { in_->add_identity(X, g, C); });
-  }
-  double symmetric_cost_factor() const override { return in_->symmetric_cost_factor(); }
-  dion3::DType default_iteration_dtype(bool g) const override { return in_->default_iteration_dtype(g); }
-  void adamw(const dion3::ElementwiseParam& p, const dion3::AdamWParams& h, const int* s) override {
-    wrap("adamw", [&] { in_->adamw(p, h, s); });
-  }
-  void lion(const dion3::ElementwiseParam& p, const dion3::LionParams& h, const int* s) override {
-    wrap("lion", [&] { in_->lion(p, h, s); });
-  }
-
- private:
-  int event() {
-    if (used_ == pool_.size()) {
-      cudaEvent_t e;
-      CK(cudaEventCreate(&e));
-      pool_.push_back(e);
-    }
-    return static_cast<int>(used_++);
-  }
-  template <class F>
-  void wrap(const char* op, F&& f) {
-    if (!enabled) return f();
-    const int a = event();
-    CK(cudaEventRecord(pool_[a], stream_));
-    f();
-    const int b = event();
-    CK(cudaEventRecord(pool_[b], stream_));
-    recs_.push_back({shape_, op, a, b});
-  }
-  std::unique_ptr<dion3::Backend> in_;
-  cudaStream_t stream_;
-  std::string shape_ = "all";
-  std::vector<cudaEvent_t> pool_;
-  std::size_t used_ = 0;
-  std::vector<Rec> recs_;
 };
 
 // Registers every matrix of `shapes` in group g: bf16 weights W[i] and gradients G[i] on the GPU.
@@ -255,8 +142,8 @@ int main(int argc, char** argv) {
           for (const std::string& meth : prof_methods) {
             dion3::OptimizerOptions oo;
             oo.workspace_limit = ws << 20;
-            auto pb_owned = std::make_unique<ProfilingBackend>(dion3::make_cuda_backend(0));
-            ProfilingBackend* pb = pb_owned.get();
+            auto pb_owned = std::make_unique<bench::ProfilingBackend>(dion3::make_cuda_backend(0));
+            bench::ProfilingBackend* pb = pb_owned.get();
             dion3::Optimizer opt(std::move(pb_owned), oo);
             dion3::GroupConfig cfg;
             cfg.algorithm = dion3::Algorithm::Dion3;
