@@ -109,8 +109,8 @@ __device__ __forceinline__ void mbar_arrive_both_if(uint64_t* bar, bool pred) {
   asm volatile(
       "{\n.reg .pred p;\n.reg .b32 r0, r1;\nsetp.ne.b32 p, %1, 0;\n"
       "mapa.shared::cluster.u32 r0, %0, 0;\nmapa.shared::cluster.u32 r1, %0, 1;\n"
-      "@p mbarrier.arrive.shared::cluster.b64 _, [r0];\n"
-      "@p mbarrier.arrive.shared::cluster.b64 _, [r1];\n}\n" ::"r"(smem_u32(bar)),
+      "@p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [r0];\n"
+      "@p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [r1];\n}\n" ::"r"(smem_u32(bar)),
       "r"(static_cast<int>(pred))
       : "memory");
 }
