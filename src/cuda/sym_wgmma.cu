@@ -1,13 +1,12 @@
 // sym_wgmma.cu — the symmetric products (X·Xᵀ and sym·sym) as one Hopper (sm_90a) kernel:
 // only the lower-triangle output tiles of C = alpha·A·Bᵀ + beta·D + gamma·I are computed
 // (A, B: batches of p x k row-major fp16/bf16 matrices, "K-contiguous" both; C and D in the
-// same dtype), with fp32 accumulation. Persistent grid of two-CTA clusters over the 128 x 256
-// tiles of the lower triangle: a cluster takes the tiles (2m, j) and (2m + 1, j), which share B's
-// 256-row block j (off-diagonal pairs first, see decode_unit); each CTA loads its own A rows and
-// one half of that B block, multicast to both (TMA, 128-byte swizzle), into a 3-stage mbarrier
-// pipeline fed by one producer thread. Two consumer warpgroups issue wgmma m64nNk16 from shared
-// memory, each owning 64 rows: N = 256, narrower on diagonal tiles (only the 64-column blocks on
-// or below the diagonal).
+// same dtype), with fp32 accumulation. Persistent grid (one CTA per SM), linearized triangular
+// schedule over 128 x 256 tiles (tile t -> (matrix, row block i, column block j <= i/2);
+// off-diagonal tiles first, see decode_tile), TMA loads (128-byte swizzle) into a 3-stage
+// mbarrier pipeline fed by one producer warp, and two consumer warpgroups issuing wgmma m64nNk16
+// from shared memory, each owning 64 rows: N = 256, narrower on diagonal tiles (only the
+// 64-column blocks on or below the diagonal).
 //
 // Epilogue, per consumer warpgroup, in 64 x 64 blocks (one 128-byte-swizzled TMA box each):
 // D's blocks are prefetched by TMA into the warpgroup's staging buffer during the main loop;
@@ -67,6 +66,14 @@ __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
                "r"(bytes) : "memory");
 }
+// Arrive by the threads where `pred` holds: a predicated instruction, not a branch (a branch
+// around it inside the main loop makes ptxas serialize the wgmma instructions).
+__device__ __forceinline__ void mbar_arrive_if(uint64_t* bar, bool pred) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(
+                   smem_u32(bar)),
+               "r"(static_cast<int>(pred))
+               : "memory");
+}
 // The retry loop lives inside the asm, so the compiler sees no divergent control flow here.
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   asm volatile(
@@ -81,37 +88,6 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, u
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(smem_u32(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2)
-      : "memory");
-}
-// As tma_load_3d, the box landing at the same offset in both CTAs of the cluster, whose mbarriers
-// at `bar`'s offset both receive its bytes.
-__device__ __forceinline__ void tma_load_3d_both(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
-                                                 int c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "h"(uint16_t{3})
-      : "memory");
-}
-__device__ __forceinline__ int cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return static_cast<int>(r);
-}
-// Every thread of both CTAs of the cluster, releasing and acquiring their shared memory.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// Arrive on the mbarrier at `bar`'s offset in both CTAs of the cluster, by the threads where
-// `pred` holds: a predicated instruction, not a branch (a branch around it inside the main loop
-// makes ptxas serialize the wgmma instructions).
-__device__ __forceinline__ void mbar_arrive_both_if(uint64_t* bar, bool pred) {
-  asm volatile(
-      "{\n.reg .pred p;\n.reg .b32 r0, r1;\nsetp.ne.b32 p, %1, 0;\n"
-      "mapa.shared::cluster.u32 r0, %0, 0;\nmapa.shared::cluster.u32 r1, %0, 1;\n"
-      "@p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [r0];\n"
-      "@p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [r1];\n}\n" ::"r"(smem_u32(bar)),
-      "r"(static_cast<int>(pred))
       : "memory");
 }
 // TMA store of one box from shared memory; the bulk-group bookkeeping is the caller's.
@@ -193,8 +169,7 @@ struct StageRing {
 
 // A warpgroup's part of one tile's main loop: kblocks k-blocks through the stage ring (which
 // carries on across the kernel's tiles), one wgmma group in flight behind the one being issued,
-// each stage released (one arrival per warp, from the `signal` lane, on the stage's empty barrier
-// in both CTAs of the cluster: both fill it) once its products finished.
+// each stage released (one arrival per warp, from the `signal` lane) once its products finished.
 // prefetch_d() runs after the second k-block's products are issued (the first's, if only one).
 // The first k-block is peeled so that its products start new sums.
 template <bool kBF16, int kN, class PrefetchD>
@@ -213,12 +188,12 @@ __device__ __forceinline__ void tile_mainloop(float (&acc)[128], uint32_t a0, ui
     mma_kblock<kBF16, kN, false>(acc, a0 + s * kStageBytes, b0 + s * kStageBytes);
     if (kb == 1) prefetch_d();
     asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-    mbar_arrive_both_if(&empty[prev], signal);
+    mbar_arrive_if(&empty[prev], signal);
     prev = s;
   }
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
   fence_acc(acc);
-  mbar_arrive_both_if(&empty[prev], signal);
+  mbar_arrive_if(&empty[prev], signal);
 }
 
 struct SymParams {
@@ -226,50 +201,57 @@ struct SymParams {
   int p, kblocks;
   int a_batched, b_batched, d_batched;
   int has_d;
-  int same_ab;          // A and B are one operand (X·Xᵀ, R·R): see a_from_b
-  int pair_rows;        // pairs of 128-row blocks of one matrix (the last one may be half)
-  int offdiag_per_mat;  // work units of one matrix strictly below the diagonal
-  int offdiag_units;    // ... of all matrices
-  int total_units;
+  int same_ab;          // A and B are one operand (X·Xᵀ, R·R): see stage_load
+  int row_blocks;       // 128-row blocks of one matrix (= its diagonal tiles)
+  int offdiag_per_mat;  // its tiles strictly below the diagonal
+  int offdiag_tiles;    // ... of all matrices
+  int total_tiles;
   int skip_epilogue;    // benchmarks only: no stores (times the main loop alone)
 };
 
-// Off-diagonal units before pair row m: sum_{k<m} k.
-__device__ __forceinline__ int offdiag_before(int m) { return m * (m - 1) / 2; }
+// Tiles before row block i: sum_{k<i} (k/2 + 1), of which i are diagonal tiles.
+__device__ __forceinline__ int tiles_before(int i) {
+  const int m = i >> 1;
+  return (i & 1) ? (m + 1) * (m + 1) : m * (m + 1);
+}
+__device__ __forceinline__ int offdiag_before(int i) { return tiles_before(i) - i; }
 
-// The schedule, over work units of a two-CTA cluster: unit u -> (matrix b, pair row m, 256-column
-// block j <= m), the tiles (2m, j) and (2m + 1, j) (CTA rank r takes row block 2m + r), which
-// share B's block j. First every unit strictly below the diagonal (j < m), matrix by matrix, row
-// by row; then the diagonal units (j == m), which do less work. Off-diagonal units all cost the
-// same, so the persistent clusters stay in step along k and share each k-block of a matrix in
-// L2; interleaving the cheaper diagonal tiles let them drift apart (H200, X·Xᵀ 8 x 4096 x 11008
-// without clusters: L2 hit rate 63% -> 77%, DRAM reads 5.4 -> 2.2 GB;
-// bench/results/2026-12-01-e2552a3-tile-order.md).
-__device__ __forceinline__ void decode_unit(int u, const SymParams& prm, int& b, int& m, int& j) {
-  if (u >= prm.offdiag_units) {
-    const int v = u - prm.offdiag_units;
-    b = v / prm.pair_rows;
-    m = v - b * prm.pair_rows;
-    j = m;
+// The schedule: tile t -> (matrix b, 128-row block i, 256-column block j <= i/2). First every
+// tile strictly below the diagonal (j < i/2), matrix by matrix, row by row; then the diagonal
+// tiles (j == i/2), which do less work. Off-diagonal tiles all cost the same, so the persistent
+// CTAs stay in step along k and share each k-block of a matrix in L2; interleaving the cheaper
+// diagonal tiles let CTAs drift apart (H200, X·Xᵀ 8 x 4096 x 11008: L2 hit rate 63% -> 77%,
+// DRAM reads 5.4 -> 2.2 GB, 2.49 -> 2.32-2.36 ms; bench/results/2026-12-01-e2552a3-tile-order.md).
+__device__ __forceinline__ void decode_tile(int t, const SymParams& prm, int& b, int& i, int& j) {
+  if (t >= prm.offdiag_tiles) {
+    const int u = t - prm.offdiag_tiles;
+    b = u / prm.row_blocks;
+    i = u - b * prm.row_blocks;
+    j = i >> 1;
     return;
   }
-  b = u / prm.offdiag_per_mat;
-  const int l = u - b * prm.offdiag_per_mat;
-  m = static_cast<int>(sqrtf(2.0f * static_cast<float>(l))) + 1;
-  while (m > 1 && offdiag_before(m) > l) --m;
-  while (offdiag_before(m + 1) <= l) ++m;
-  j = l - offdiag_before(m);
+  b = t / prm.offdiag_per_mat;
+  const int l = t - b * prm.offdiag_per_mat;
+  i = static_cast<int>(2.0f * sqrtf(static_cast<float>(l))) + 1;
+  while (i > 0 && offdiag_before(i) > l) --i;
+  while (offdiag_before(i + 1) <= l) ++i;
+  j = l - offdiag_before(i);
 }
 
-// A stage holds A's 128 rows at offset 0 and B's 256-row block at kABytes, each CTA of the cluster
-// loading its A and one 128-row half of B (rank r: rows 128·r ..), multicast to both. On a
-// diagonal unit where A and B are one operand (same_ab), CTA r's A rows are exactly that half of B,
-// so A is not loaded and is read from B's half r.
-__device__ __forceinline__ bool a_from_b(int m, int j, bool same_ab) { return same_ab && j == m; }
-__device__ __forceinline__ void operands_in_stage(bool from_b, int rank, int cw, uint32_t stage0, uint32_t& a0,
-                                                  uint32_t& b0) {
-  b0 = stage0 + kABytes;
-  a0 = (from_b ? b0 + rank * (kBBytes / 2) : stage0) + cw * 64 * 128;
+// What a tile loads into a stage: A's 128 rows at offset 0 and B's 256 rows at kABytes, except on
+// a diagonal tile where A and B are one operand (same_ab), whose A rows are B rows: with i even,
+// the only B rows the tile reads (its first 128) are its A rows, so it loads A alone; with i odd,
+// its A rows are B's last 128, so it loads B alone.
+enum class StageLoad { Both, AOnly, BOnly };
+__device__ __forceinline__ StageLoad stage_load(int i, int j, bool same_ab) {
+  if (!same_ab || j != (i >> 1)) return StageLoad::Both;
+  return (i & 1) ? StageLoad::BOnly : StageLoad::AOnly;
+}
+// Where warpgroup cw finds its operands in stage 0 of the ring (shared address `stage0`): its 64
+// A rows at a0, the tile's B rows at b0.
+__device__ __forceinline__ void operands_in_stage(StageLoad load, int cw, uint32_t stage0, uint32_t& a0, uint32_t& b0) {
+  b0 = load == StageLoad::AOnly ? stage0 : stage0 + kABytes;
+  a0 = (load == StageLoad::BOnly ? b0 + kBM * 128 : stage0) + cw * 64 * 128;
 }
 
 template <bool kBF16>
@@ -320,39 +302,36 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 16);  // one arrival per consumer warp of either CTA (both read stage s's B)
+      mbar_init(&empty[s], 8);  // one arrival per consumer warp
     }
     mbar_init(&dfull[0], 1);
     mbar_init(&dfull[1], 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   }
-  cluster_sync();  // the peer's barriers exist before any multicast or remote arrival reaches them
+  __syncthreads();
 
-  const int rank = cluster_rank();
-  const int cluster = blockIdx.x >> 1, clusters = gridDim.x >> 1;
   if (wg == 2) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-    // Producer warp: one thread issues every TMA load of this CTA: its A rows and its half of B.
+    // Producer warp: one thread issues every TMA load of A and B.
     if (threadIdx.x == 256) {
       StageRing ring;
-      for (int u = cluster; u < prm.total_units; u += clusters) {
-        int b, m, j;
-        decode_unit(u, prm, b, m, j);
-        const int i = 2 * m + rank;
+      for (int t = blockIdx.x; t < prm.total_tiles; t += gridDim.x) {
+        int b, i, j;
+        decode_tile(t, prm, b, i, j);
         const int ba = prm.a_batched ? b : 0, bb = prm.b_batched ? b : 0;
-        const bool from_b = a_from_b(m, j, prm.same_ab);
+        const StageLoad load = stage_load(i, j, prm.same_ab);
+        const int bytes = load == StageLoad::AOnly ? kABytes : load == StageLoad::BOnly ? kBBytes : kStageBytes;
         for (int kb = 0; kb < prm.kblocks; ++kb, ring.next()) {
           const int s = ring.stage;
           uint8_t* stage = smem + s * kStageBytes;
-          mbar_wait(&empty[s], ring.phase ^ 1);  // both CTAs' consumers are done with stage s
-          mbar_expect_tx(&full[s], from_b ? kBBytes : kStageBytes);
-          if (!from_b) tma_load_3d(stage, &tmA, &full[s], kb * kBK, i * kBM, ba);
-          tma_load_3d_both(stage + kABytes + rank * (kBBytes / 2), &tmB, &full[s], kb * kBK, j * kBN + rank * kBM, bb);
+          mbar_wait(&empty[s], ring.phase ^ 1);
+          mbar_expect_tx(&full[s], bytes);
+          if (load != StageLoad::BOnly) tma_load_3d(stage, &tmA, &full[s], kb * kBK, i * kBM, ba);
+          if (load != StageLoad::AOnly) tma_load_3d(stage + kABytes, &tmB, &full[s], kb * kBK, j * kBN, bb);
         }
       }
     }
-    cluster_sync();  // see the end of the kernel
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
@@ -369,10 +348,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   StageRing ring;
   uint32_t dphase = 0;
   const int p = prm.p;
-  for (int u = cluster; u < prm.total_units; u += clusters) {
-    int b, m, j;
-    decode_unit(u, prm, b, m, j);
-    const int i = 2 * m + rank;                // this CTA's 128-row block
+  for (int t = blockIdx.x; t < prm.total_tiles; t += gridDim.x) {
+    int b, i, j;
+    decode_tile(t, prm, b, i, j);
     const int R = 2 * i + cw;                  // this warpgroup's 64-row block
     const bool rows_in = R * kEB < p;
     const int nblk = min(4, R - 4 * j + 1);    // blocks 4j .. 4j+nblk-1 are on or below the diagonal
@@ -392,7 +370,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
     // This warpgroup's 64 A rows and the B rows in stage 0 (operands_in_stage).
     uint32_t a0, b0;
-    operands_in_stage(a_from_b(m, j, prm.same_ab), rank, cw, smem_u32(smem), a0, b0);
+    operands_in_stage(stage_load(i, j, prm.same_ab), cw, smem_u32(smem), a0, b0);
     const bool signal = lane == 0;
     switch (ncols) {
       case 4: tile_mainloop<kBF16, 256>(acc, a0, b0, full, empty, ring, prm.kblocks, signal, prefetch_d); break;
@@ -503,7 +481,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 #undef DION3_VP
   if (leader) bulk_wait_all();
-  cluster_sync();  // neither CTA leaves while the other may still arrive on its barriers
 #endif
 }
 
@@ -553,7 +530,6 @@ std::mutex g_mutex;
 int g_sms[kMaxDevices];
 bool g_sms_known[kMaxDevices];
 uint32_t g_smem_set[kMaxDevices];  // bit per instantiation
-int g_clusters[kMaxDevices][2];    // per instantiation: two-CTA clusters resident at once
 
 int sm_count_and_check(int* device_out = nullptr) {
   int dev = 0;
@@ -579,40 +555,17 @@ int sm_count_and_check(int* device_out = nullptr) {
 }
 
 template <bool kBF16>
-void launch_typed(const CUtensorMap (&maps)[4], const SymParams& prm, int dev, int sms, cudaStream_t s) {
+void launch_typed(const CUtensorMap (&maps)[4], const SymParams& prm, int grid, int dev, cudaStream_t s) {
   constexpr uint32_t bit = 1u << (kBF16 ? 1 : 0);
-  cudaLaunchConfig_t cfg{};
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = 2;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = kSmemBytes;
-  cfg.stream = s;
-  cfg.attrs = &cluster;
-  cfg.numAttrs = 1;
-  int clusters = 0;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     if (!(g_smem_set[dev] & bit)) {
       DION3_CUDA_CHECK(cudaFuncSetAttribute(sym_wgmma_kernel<kBF16>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-      // Persistent clusters: as many as can be resident at once (the GPCs' SM counts decide);
-      // where the driver cannot say, one per two SMs.
-      cfg.gridDim = dim3(sms);
-      int resident = 0;
-      if (cudaOccupancyMaxActiveClusters(&resident, sym_wgmma_kernel<kBF16>, &cfg) != cudaSuccess) {
-        (void)cudaGetLastError();
-        resident = 0;
-      }
-      g_clusters[dev][kBF16 ? 1 : 0] = resident > 0 ? resident : sms / 2;
       g_smem_set[dev] |= bit;
     }
-    clusters = g_clusters[dev][kBF16 ? 1 : 0];
   }
-  cfg.gridDim = dim3(2 * static_cast<unsigned>(std::min(clusters, prm.total_units)));
-  DION3_CUDA_CHECK(cudaLaunchKernelEx(&cfg, sym_wgmma_kernel<kBF16>, maps[0], maps[1], maps[2], maps[3], prm));
+  sym_wgmma_kernel<kBF16><<<grid, kThreads, kSmemBytes, s>>>(maps[0], maps[1], maps[2], maps[3], prm);
   DION3_CUDA_LAUNCH_CHECK();
 }
 
@@ -638,8 +591,10 @@ bool sym_wgmma_supported(const MatrixView& A, const MatrixView& B, const MatrixV
   for (const MatrixView* v : {&A, &B})
     if ((v->batch != C.batch && v->batch != 1) || !tma_ok(*v)) return false;
   if (!tma_ok(C)) return false;
-  const int64_t pairs = (p + 2 * kBM - 1) / (2 * kBM);
-  if (pairs * (pairs + 1) / 2 * C.batch > (int64_t{1} << 30)) return false;
+  const int64_t tiles = (p + kBM - 1) / kBM;
+  const int64_t m = tiles / 2;
+  const int64_t tpm = (tiles & 1) ? (m + 1) * (m + 1) : m * (m + 1);
+  if (tpm * C.batch > (int64_t{1} << 30)) return false;
   return true;
 }
 
@@ -661,19 +616,20 @@ void launch_sym_wgmma(const MatrixView& A, const MatrixView& B, float alpha, flo
   prm.b_batched = B.batch > 1;
   prm.same_ab = A.data == B.data && A.ld == B.ld && A.batch == B.batch && A.batch_stride == B.batch_stride;
   prm.d_batched = prm.has_d && D->batch > 1;
-  const int pairs = static_cast<int>((p + 2 * kBM - 1) / (2 * kBM));
-  prm.pair_rows = pairs;
-  prm.offdiag_per_mat = pairs * (pairs - 1) / 2;
-  prm.offdiag_units = static_cast<int>(prm.offdiag_per_mat * batch);
-  prm.total_units = static_cast<int>((prm.offdiag_per_mat + pairs) * batch);
+  const int tiles = static_cast<int>((p + kBM - 1) / kBM), m = tiles / 2;
+  const int tiles_per_mat = (tiles & 1) ? (m + 1) * (m + 1) : m * (m + 1);
+  prm.row_blocks = tiles;
+  prm.offdiag_per_mat = tiles_per_mat - tiles;
+  prm.offdiag_tiles = static_cast<int>(prm.offdiag_per_mat * batch);
+  prm.total_tiles = static_cast<int>(tiles_per_mat * batch);
   static_assert(kBK == 64 && kEB == 64, "every tensor map box is 64 columns wide");
   const CUtensorMap mc = make_map(C, kEB);
-  // B in boxes of 128 rows: each CTA of a cluster loads one half of the 256-row block.
-  const CUtensorMap maps[4] = {make_map(A, kBM), make_map(B, kBM), mc, prm.has_d ? make_map(*D, kEB) : mc};
+  const CUtensorMap maps[4] = {make_map(A, kBM), make_map(B, kBN), mc, prm.has_d ? make_map(*D, kEB) : mc};
   int dev = 0;
   const int sms = sm_count_and_check(&dev);
-  if (A.dtype == DType::BF16) launch_typed<true>(maps, prm, dev, sms, s);
-  else launch_typed<false>(maps, prm, dev, sms, s);
+  const int grid = static_cast<int>(std::min<int64_t>(sms, prm.total_tiles));
+  if (A.dtype == DType::BF16) launch_typed<true>(maps, prm, grid, dev, s);
+  else launch_typed<false>(maps, prm, grid, dev, s);
 }
 
 }  // namespace dion3::cuda
