@@ -4,7 +4,7 @@
 // same dtype), with fp32 accumulation. Persistent grid (one CTA per SM), linearized triangular
 // schedule over 128 x 256 tiles (tile t -> (matrix, row block i, column block j <= i/2);
 // off-diagonal tiles first, see decode_tile), TMA loads (128-byte swizzle) into a 3-stage
-// mbarrier pipeline fed by one producer warp, and two consumer warpgroups issuing wgmma m64nNk16
+// mbarrier pipeline fed by one producer thread, and two consumer warpgroups issuing wgmma m64nNk16
 // from shared memory, each owning 64 rows: N = 256, narrower on diagonal tiles (only the
 // 64-column blocks on or below the diagonal).
 //
@@ -28,7 +28,9 @@ namespace dion3::cuda {
 namespace {
 
 // Measured on the H200 against 32-deep k-blocks in 6 stages (the same bytes in flight): those were
-// 5-20% slower, so the pipeline is not latency-bound (bench/results/2026-12-01-5827c87-sym.md).
+// 5-20% slower, so the pipeline is not latency-bound (bench/results/2026-12-01-5827c87-sym.md); a
+// fourth 64-deep stage gained nothing and two stages lost a quarter of the main loop's speed
+// (2026-12-01-f462aed-kernel-experiments.md, 2026-12-01-5b4fea7-epilogue-staging.md).
 constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 3;
 // Two consumer warpgroups (0, 1) and a producer warpgroup (2, one thread of which issues the
 // loads). A block launches with at most 168 registers per thread (12 warps, three on each of the
@@ -313,7 +315,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (wg == 2) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-    // Producer warp: one thread issues every TMA load of A and B.
+    // Producer warpgroup: one thread issues every TMA load of A and B.
     if (threadIdx.x == 256) {
       StageRing ring;
       for (int t = blockIdx.x; t < prm.total_tiles; t += gridDim.x) {
