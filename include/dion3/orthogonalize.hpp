@@ -53,8 +53,10 @@ class Orthogonalizer {
   std::size_t workspace_bytes() const { return bytes_; }
 
  private:
-  void standard(MatrixView X);
-  void gram(MatrixView X);
+  // Each iterates on X (in wide(0)) and returns where its result is: wide(0), wide(1) or, for
+  // square standard NS, the square X shares with A. No copy back to wide(0).
+  MatrixView standard(MatrixView X);
+  MatrixView gram(MatrixView X);
   MatrixView square(int slot) const;  // p x p scratch matrices
   MatrixView wide(int slot) const;    // p x q scratch matrices
 

@@ -141,22 +141,20 @@ MatrixView Orthogonalizer::run(MatrixView in) {
   } else {
     backend_.normalize(in, X, kNormEps);
   }
-  if (method_ == OrthMethod::Gram) gram(X);
-  else standard(X);
-  // Both methods leave their result in wide(0); wide(1) is free again.
-  if (!transposed_) return wide(0);
-  MatrixView T = wide(1);
+  const MatrixView result = method_ == OrthMethod::Gram ? gram(X) : standard(X);
+  if (!transposed_) return result;
+  // Transposed, p < q, so both methods have two wides: the result is in one, the other is free.
+  MatrixView T = wide(result.data == wide(0).data ? 1 : 0);
   T.rows = rows;
   T.cols = cols;
   T.ld = cols;
-  backend_.convert(wide(0), T, true);
+  backend_.convert(result, T, true);
   return T;
 }
 
-void Orthogonalizer::standard(MatrixView X) {
+MatrixView Orthogonalizer::standard(MatrixView X) {
   const bool square_x = p_ == q_;  // X's partner is A's square (no wide(1))
   MatrixView X2 = square_x ? X : wide(1), A = square(0), B = square(1);
-  const std::size_t bytes = static_cast<std::size_t>(batch_ * p_ * q_) * dtype_size(dtype_);
   for (const Coefficients& k : cfg_.coefficients) {
     const float a = static_cast<float>(k[0]), b = static_cast<float>(k[1]), c = static_cast<float>(k[2]);
     backend_.gram(X, A);                         // A = X X^T
@@ -166,17 +164,16 @@ void Orthogonalizer::standard(MatrixView X) {
     if (square_x) A.data = X.data;               // the old X becomes the next A
     std::swap(X.data, X2.data);
   }
-  if (X.data != wide(0).data) backend_.copy(wide(0).data, X.data, bytes);
+  return X;
 }
 
-void Orthogonalizer::gram(MatrixView X) {
+MatrixView Orthogonalizer::gram(MatrixView X) {
   // Every product after Z = b R + c R^2 takes Z through W = Z + a I (Q Z + a Q = Q W,
   // R Z + a R = R W, Z RZ + a RZ = W RZ), so W is formed directly, in the product's epilogue.
   MatrixView X2 = wide(1);
   // S holds Q W before it becomes Q, and R W: the old Q is dead once Q W is formed.
   MatrixView R = square(0), W = square(1), Q = square(2), S = square(3);
   const int steps = static_cast<int>(cfg_.coefficients.size());
-  const std::size_t bytes = static_cast<std::size_t>(batch_ * p_ * q_) * dtype_size(dtype_);
   backend_.gram(X, R);
   for (int t = 0; t < steps; ++t) {
     const float a = static_cast<float>(cfg_.coefficients[t][0]);
@@ -202,7 +199,7 @@ void Orthogonalizer::gram(MatrixView X) {
     }
   }
   backend_.gemm(false, false, 1.0f, Q, X, 0.0f, X2);  // X = Q X
-  if (X2.data != wide(0).data) backend_.copy(wide(0).data, X2.data, bytes);
+  return X2;
 }
 
 }  // namespace dion3
