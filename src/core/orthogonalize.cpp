@@ -22,6 +22,24 @@ int squares_of(OrthMethod m) { return m == OrthMethod::Gram ? 4 : 2; }
 int wides_of(OrthMethod m, int64_t p, int64_t q) { return m == OrthMethod::Standard && p == q ? 1 : 2; }
 
 bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
+
+// What a (rows, cols) problem resolves to with this config on this backend: the method, the
+// iteration dtype, and p <= q.
+struct Plan {
+  OrthMethod method;
+  DType dtype;
+  int64_t p, q;
+  std::size_t wide_bytes(int64_t batch) const { return static_cast<std::size_t>(batch * p * q) * dtype_size(dtype); }
+  std::size_t workspace_bytes(int64_t batch) const {
+    return static_cast<std::size_t>(batch * (wides_of(method, p, q) * p * q + squares_of(method) * p * p)) *
+           dtype_size(dtype);
+  }
+};
+Plan plan_of(const Backend& backend, const OrthConfig& cfg, int64_t rows, int64_t cols) {
+  const OrthMethod method = choose_orth_method(backend, cfg, rows, cols);
+  return {method, cfg.iteration_dtype.value_or(backend.default_iteration_dtype(method == OrthMethod::Gram)),
+          std::min(rows, cols), std::max(rows, cols)};
+}
 }  // namespace
 
 double effective_ns_flops(int64_t batch, int64_t rows, int64_t cols, int steps) {
@@ -61,24 +79,16 @@ OrthMethod choose_orth_method(const Backend& backend, const OrthConfig& cfg, int
 
 std::size_t Orthogonalizer::required_workspace(const Backend& backend, const OrthConfig& cfg, int64_t batch,
                                                int64_t rows, int64_t cols) {
-  const OrthMethod method = choose_orth_method(backend, cfg, rows, cols);
-  const DType dtype = cfg.iteration_dtype.value_or(backend.default_iteration_dtype(method == OrthMethod::Gram));
-  const int64_t p = std::min(rows, cols), q = std::max(rows, cols);
-  return static_cast<std::size_t>(batch * (wides_of(method, p, q) * p * q + squares_of(method) * p * p)) *
-         dtype_size(dtype);
+  return plan_of(backend, cfg, rows, cols).workspace_bytes(batch);
 }
 
 std::size_t Orthogonalizer::input_offset(const Backend& backend, const OrthConfig& cfg, int64_t batch,
                                          int64_t rows, int64_t cols, std::size_t in_bytes) {
-  const OrthMethod method = choose_orth_method(backend, cfg, rows, cols);
-  const DType dtype = cfg.iteration_dtype.value_or(backend.default_iteration_dtype(method == OrthMethod::Gram));
-  const int64_t p = std::min(rows, cols), q = std::max(rows, cols);
-  const std::size_t wide = static_cast<std::size_t>(batch * p * q) * dtype_size(dtype);
+  const Plan plan = plan_of(backend, cfg, rows, cols);
   // run() first normalises the input into X = wide(0), or, transposed, into wide(1) and then
   // wide(0); everything behind those is written only afterwards.
-  const std::size_t offset = ((rows > cols ? 2 : 1) * wide + 255) / 256 * 256;
-  const std::size_t total = required_workspace(backend, cfg, batch, rows, cols);
-  return offset + in_bytes <= total ? offset : kNoInputRoom;
+  const std::size_t offset = ((rows > cols ? 2 : 1) * plan.wide_bytes(batch) + 255) / 256 * 256;
+  return offset + in_bytes <= plan.workspace_bytes(batch) ? offset : kNoInputRoom;
 }
 
 Orthogonalizer::Orthogonalizer(Backend& backend, const OrthConfig& cfg, int64_t batch, int64_t rows,
@@ -89,11 +99,12 @@ Orthogonalizer::Orthogonalizer(Backend& backend, const OrthConfig& cfg, int64_t 
     fail("orthogonalize needs a non-empty batch of matrices, got batch " + std::to_string(batch) + " of " +
          std::to_string(rows) + "x" + std::to_string(cols));
   transposed_ = rows > cols;
-  p_ = std::min(rows, cols);
-  q_ = std::max(rows, cols);
-  method_ = choose_orth_method(backend, cfg_, rows, cols);
-  dtype_ = cfg_.iteration_dtype.value_or(backend.default_iteration_dtype(method_ == OrthMethod::Gram));
-  bytes_ = required_workspace(backend, cfg_, batch, rows, cols);
+  const Plan plan = plan_of(backend, cfg_, rows, cols);
+  p_ = plan.p;
+  q_ = plan.q;
+  method_ = plan.method;
+  dtype_ = plan.dtype;
+  bytes_ = plan.workspace_bytes(batch);
   if (!workspace) {
     owned_ = DeviceBuffer(backend.allocator(), bytes_);
     workspace = owned_.get();
