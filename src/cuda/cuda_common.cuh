@@ -56,11 +56,13 @@ template <> __device__ __forceinline__ float from_f32<float>(float x) { return x
 template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
-// Four consecutive elements, loaded/stored as one 8- or 16-byte access.
-template <class T>
-struct alignas(4 * sizeof(T)) Pack4 {
-  T v[4];
+// V consecutive elements, loaded/stored as one access of V * sizeof(T) bytes (at most 16).
+template <class T, int V>
+struct alignas(V * sizeof(T)) PackV {
+  T v[V];
 };
+template <class T>
+using Pack4 = PackV<T, 4>;
 inline bool aligned4(const void* p, std::size_t elem) {
   return (reinterpret_cast<std::uintptr_t>(p) % (4 * elem)) == 0;
 }

@@ -214,11 +214,6 @@ __global__ void lion_kernel(TW* __restrict__ w, const TG* __restrict__ g, TS* __
 // 3.6-4.0 TB/s.
 constexpr int kPrepWarps = 8;  // rows per block
 
-template <class T, int V>
-struct alignas(V * sizeof(T)) PackV {
-  T v[V];
-};
-
 // Elements [j0, j0 + V*ng) of row r: c = beta*d (0 without D), plus gamma on the diagonal. D may
 // alias C: each group is read before it is written, by the same thread.
 template <int V, class TD, class TC>

@@ -186,11 +186,6 @@ constexpr int group_of() {
 // Groups per lane loaded before any is stored, for groups of `bytes` loaded bytes.
 constexpr int unroll_for(std::size_t bytes) { return std::clamp(static_cast<int>(96 / bytes), 1, 4); }
 
-template <class T, int V>
-struct alignas(V * sizeof(T)) PackV {
-  T v[V];
-};
-
 template <int V, class T>
 __device__ __forceinline__ bool group_aligned(const T* p) {
   return reinterpret_cast<uintptr_t>(p) % (V * sizeof(T)) == 0;
