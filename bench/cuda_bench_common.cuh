@@ -1,7 +1,7 @@
 // bench/cuda_bench_common.cuh — what the CUDA benchmark programs share: a CUDA error check that
 // exits, a deterministic device-side fill (hash of the index, uniform in [-scale/2, scale/2]),
-// CUDA-event median timing, printf-style formatting, a markdown sink that also echoes to stdout,
-// and the session of the kernel benches (arguments, backend, stream, report). Header-only; each
+// CUDA-event median timing of candidates in turn, printf-style formatting, a markdown sink that
+// also echoes to stdout, and the session of the kernel benches (arguments, backend, stream, report). Header-only; each
 // program is its own translation unit.
 #pragma once
 
@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -55,27 +56,38 @@ inline void fill(void* p, dion3::DType dt, int64_t n, uint64_t seed, float scale
   CK(cudaGetLastError());
 }
 
-// Median of `iters` CUDA-event timings of f() on stream s, after `warmup` untimed calls.
-template <class F>
-double median_ms(cudaStream_t s, int warmup, int iters, F&& f) {
-  for (int i = 0; i < warmup; ++i) f();
-  std::vector<double> t;
+// Medians of `iters` CUDA-event timings of each candidate, after `warmup` untimed calls of each,
+// the candidates timed in turn (f0, f1, ..., f0, f1, ...): a drift of the clocks or the power
+// state during the run reaches every candidate alike, so the ratios between them hold steadier
+// than those of medians taken one candidate after the other (cuBLAS on one shape measured
+// 3.96-4.73 ms across runs that way while the kernel timed after it held within 4%).
+inline std::vector<double> interleaved_medians(cudaStream_t s, int warmup, int iters,
+                                               const std::vector<std::function<void()>>& fs) {
+  for (int i = 0; i < warmup; ++i)
+    for (const auto& f : fs) f();
+  std::vector<std::vector<double>> t(fs.size());
   cudaEvent_t a, b;
   CK(cudaEventCreate(&a));
   CK(cudaEventCreate(&b));
   for (int i = 0; i < iters; ++i) {
-    CK(cudaEventRecord(a, s));
-    f();
-    CK(cudaEventRecord(b, s));
-    CK(cudaEventSynchronize(b));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms);
+    for (std::size_t c = 0; c < fs.size(); ++c) {
+      CK(cudaEventRecord(a, s));
+      fs[c]();
+      CK(cudaEventRecord(b, s));
+      CK(cudaEventSynchronize(b));
+      float ms = 0;
+      CK(cudaEventElapsedTime(&ms, a, b));
+      t[c].push_back(ms);
+    }
   }
   CK(cudaEventDestroy(a));
   CK(cudaEventDestroy(b));
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  std::vector<double> med;
+  for (auto& v : t) {
+    std::sort(v.begin(), v.end());
+    med.push_back(v[v.size() / 2]);
+  }
+  return med;
 }
 
 // Lines of a markdown report, echoed to stdout as they come.

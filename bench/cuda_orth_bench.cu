@@ -3,7 +3,8 @@
 // GEMMs, and Gram NS on the symmetric products (the fused kernel where it runs), then where the
 // time of the first and the last goes, per backend op. The symmetric products alone are
 // dion3-cuda-sym-bench's.
-// Times are CUDA-event medians after warm-up; output is markdown (stdout and --out FILE).
+// Times are CUDA-event medians after warm-up, the three ways timed in turn; output is markdown
+// (stdout and --out FILE).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -13,6 +14,8 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -27,7 +30,6 @@ namespace {
 
 using bench::fill;
 using bench::fmt;
-using bench::median_ms;
 using bench::Out;
 
 using dion3::DType;
@@ -74,14 +76,23 @@ int main(int argc, char** argv) {
     MatrixView ov = MatrixView::contiguous(out.get(), DType::F32, sh.b, sh.p, sh.q);
     fill(in.get(), DType::F32, sh.b * sh.p * sh.q, 7, 1.0f, s);
     const double eff = dion3::effective_ns_flops(sh.b, sh.p, sh.q, 5);
-    auto time_cfg = [&](dion3::OrthMethod m, DType dt, bool sym) {
-      dion3::cuda::set_symmetric_options(*be, {sym, 0});
-      dion3::Orthogonalizer orth(*be, orth_config(m, dt), sh.b, sh.p, sh.q);
-      return median_ms(s, 2, iters, [&] { orth.run(iv, ov); });
-    };
-    const double st = time_cfg(dion3::OrthMethod::Standard, DType::BF16, false);
-    const double gf = time_cfg(dion3::OrthMethod::Gram, DType::F16, false);
-    const double gs = time_cfg(dion3::OrthMethod::Gram, DType::F16, true);
+    // The three ways, timed in turn (bench::interleaved_medians), each with its own workspace.
+    struct Way { dion3::OrthMethod method; DType dtype; bool sym; };
+    const Way ways[] = {{dion3::OrthMethod::Standard, DType::BF16, false},
+                        {dion3::OrthMethod::Gram, DType::F16, false},
+                        {dion3::OrthMethod::Gram, DType::F16, true}};
+    std::vector<std::unique_ptr<dion3::Orthogonalizer>> orths;
+    std::vector<std::function<void()>> cands;
+    for (const Way& w : ways) {
+      orths.push_back(std::make_unique<dion3::Orthogonalizer>(*be, orth_config(w.method, w.dtype), sh.b, sh.p, sh.q));
+      cands.push_back([&, w, orth = orths.back().get()] {
+        dion3::cuda::set_symmetric_options(*be, {w.sym, 0});
+        orth->run(iv, ov);
+      });
+    }
+    const std::vector<double> ms = bench::interleaved_medians(s, 2, iters, cands);
+    orths.clear();
+    const double st = ms[0], gf = ms[1], gs = ms[2];
     for (const bool gram : {false, true}) {
       dion3::cuda::set_symmetric_options(prof_cuda, {gram, 0});
       const auto cfg = gram ? orth_config(dion3::OrthMethod::Gram, DType::F16)

@@ -4,7 +4,7 @@
 // tiles 256/512), and the fused sm_90a kernel (sym_wgmma.cu). First a correctness table: the
 // fused kernel against the cuBLAS tile schedule (itself tested against the CPU backend) on
 // ragged and batched shapes, output poisoned with NaN beforehand. Times are CUDA-event medians
-// after warm-up; markdown on stdout and --out FILE.
+// after warm-up, the three ways (and the kernel without stores) timed in turn; markdown on stdout and --out FILE.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -27,7 +27,6 @@ namespace {
 
 using bench::fill;
 using bench::fmt;
-using bench::median_ms;
 using bench::Out;
 
 using dion3::DType;
@@ -206,25 +205,41 @@ int main(int argc, char** argv) {
       else be->sym_product(2.0f, Rv, Rv, -1.0f, &Rv, 0.0f, Cv);
     };
     const double flops = 2.0 * sh.b * sh.p * sh.p * q, real = static_cast<double>(sh.b) * sh.p * (sh.p + 1) * q;
-    set_symmetric_options(*be, {false, 0, false});
-    const double full = median_ms(s, 2, iters, run);
-    double tiled = 1e30;
-    int64_t best_tile = 0;
-    for (int64_t t : {256, 512}) {
-      if (t >= sh.p) continue;
-      set_symmetric_options(*be, {true, t, false});
-      const double ms = median_ms(s, 2, iters, run);
-      if (ms < tiled) { tiled = ms; best_tile = t; }
-    }
-    set_symmetric_options(*be, {true, 0, true});
+    // The candidates, timed in turn: one full GEMM, the cuBLAS tile schedules, the fused kernel,
+    // and the kernel's main loop alone (no stores: what the epilogue costs).
     const MatrixView& A = sh.op == 0 ? Xv : Rv;
     const bool runs = dion3::cuda::sym_wgmma_supported(A, A, nullptr, Cv);
-    const double kern = median_ms(s, 2, iters, run);
-    // The kernel's main loop alone (no stores): what the epilogue costs.
-    const double mainloop = !runs ? 0.0 : median_ms(s, 2, iters, [&] {
-      if (sh.op == 0) dion3::cuda::launch_sym_wgmma(Xv, Xv, 1.0f, 0.0f, nullptr, 0.0f, Cv, s, true);
-      else dion3::cuda::launch_sym_wgmma(Rv, Rv, 2.0f, -1.0f, &Rv, 0.0f, Cv, s, true);
+    std::vector<std::function<void()>> cands{[&] {
+      set_symmetric_options(*be, {false, 0, false});
+      run();
+    }};
+    std::vector<int64_t> tiles;
+    for (int64_t t : {256, 512}) {
+      if (t >= sh.p) continue;
+      tiles.push_back(t);
+      cands.push_back([&, t] {
+        set_symmetric_options(*be, {true, t, false});
+        run();
+      });
+    }
+    cands.push_back([&] {
+      set_symmetric_options(*be, {true, 0, true});
+      run();
     });
+    if (runs)
+      cands.push_back([&] {
+        if (sh.op == 0) dion3::cuda::launch_sym_wgmma(Xv, Xv, 1.0f, 0.0f, nullptr, 0.0f, Cv, s, true);
+        else dion3::cuda::launch_sym_wgmma(Rv, Rv, 2.0f, -1.0f, &Rv, 0.0f, Cv, s, true);
+      });
+    const std::vector<double> ms = bench::interleaved_medians(s, 2, iters, cands);
+    const double full = ms[0], kern = ms[1 + tiles.size()], mainloop = runs ? ms.back() : 0.0;
+    double tiled = 1e30;
+    int64_t best_tile = 0;
+    for (std::size_t c = 0; c < tiles.size(); ++c)
+      if (ms[1 + c] < tiled) {
+        tiled = ms[1 + c];
+        best_tile = tiles[c];
+      }
     o.line(fmt("| %s | %s | %lld | %lld | %lld | %.3f | %.0f | %.3f (%lld) | %.0f | %.3f%s | %.0f | %.2fx | %.2fx | %.3f (%.0f) |",
                sh.op == 0 ? "gram" : "sym_product", dn(sh.dt), (long long)sh.b, (long long)sh.p, (long long)q, full,
                flops / full / 1e9, tiled, (long long)best_tile, real / tiled / 1e9, kern, runs ? "" : " (fallback)",
