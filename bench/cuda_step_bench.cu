@@ -4,8 +4,9 @@
 // Rows: AdamW, Muon as issue 3 defines its baseline (standard NS in bf16 on full cuBLAS GEMMs),
 // Muon, NorMuon, Dion3 at f = 1, 1/2, 1/4, 1/8 (library defaults: auto method, symmetric
 // kernels); each with its median step time, the ratios to both Muons and AdamW of the same run,
-// a roofline floor (max of FLOPs really performed / 790 TFLOP/s and the bytes a step must move /
-// 4.3 TB/s), the time from constructing the optimizer to the end of its first step, and the
+// a roofline floor (max of FLOPs really performed — the symmetric products counted by the tiles
+// they compute, dion3::cuda::symmetric_flop_fraction — / 790 TFLOP/s and the bytes a step must
+// move / 4.3 TB/s), the time from constructing the optimizer to the end of its first step, and the
 // device memory it holds beyond its state.
 // --profile: where the time of one step goes — per megabatch and phase (accumulate, select,
 // gather, orthogonalization ops, update), timed with CUDA events around every backend op, with
@@ -259,10 +260,11 @@ int main(int argc, char** argv) {
                    : v.algo == dion3::Algorithm::Muon ? 2.0 * s.rows * s.cols
                                                        : 2.0 * s.rows * s.cols + 4.0 * s.rows;
         beyond = (after - base - state) / (1024.0 * 1024 * 1024);
-        const double sym = v.plain_cublas ? 1.0 : opt.backend().symmetric_cost_factor();
         for (const auto& m : opt.plan()) {
           if (!dion3::is_matrix_algorithm(m.algorithm)) continue;
           const int64_t p = std::min(m.selected_rows, m.cols), q = std::max(m.selected_rows, m.cols);
+          // The symmetric products' FLOPs as performed (their tiles), not the cost model's factor.
+          const double sym = dion3::cuda::symmetric_flop_fraction(opt.backend(), p);
           flops += m.method == dion3::OrthMethod::Gram ? dion3::gram_ns_flops(m.count, p, q, 5, 1, sym)
                                                        : dion3::standard_ns_flops(m.count, p, q, 5, sym);
           methods += fmt("%s%lldx%lld:%s", methods.empty() ? "" : " ", (long long)m.selected_rows, (long long)m.cols,

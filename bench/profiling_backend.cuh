@@ -70,15 +70,15 @@ class ProfilingBackend final : public dion3::Backend {
     wrap("select", [&] { in_->select_rows(s, c, m, k, i, sk); });
   }
   void gather_rows(const dion3::MatrixSet& s, const int32_t* i, int64_t k, float a, float b, float d,
-                   dion3::MatrixView o, const int* sk) override {
-    wrap("gather", [&] { in_->gather_rows(s, i, k, a, b, d, o, sk); });
+                   dion3::MatrixView o, float* ss, const int* sk) override {
+    wrap("gather", [&] { in_->gather_rows(s, i, k, a, b, d, o, ss, sk); });
   }
   void apply_update(const dion3::MatrixSet& s, const int32_t* i, int64_t k, dion3::MatrixView o,
                     const dion3::UpdateParams& p, const int* sk) override {
     wrap("update", [&] { in_->apply_update(s, i, k, o, p, sk); });
   }
-  void normalize(dion3::MatrixView i, dion3::MatrixView o, float e) override {
-    wrap("orth.normalize", [&] { in_->normalize(i, o, e); });
+  void normalize(dion3::MatrixView i, dion3::MatrixView o, float e, const float* ss) override {
+    wrap("orth.normalize", [&] { in_->normalize(i, o, e, ss); });
   }
   void convert(dion3::MatrixView i, dion3::MatrixView o, bool t) override {
     wrap(t ? "orth.transpose" : "orth.convert", [&] { in_->convert(i, o, t); });

@@ -115,16 +115,19 @@ class Backend {
                            const int* skip) = 0;
   // out[i] (k x cols) = scale_m*M_i[idx_i] + scale_g*G_i[idx_i], then M_i[idx_i] *= decay.
   // idx == null selects all rows in order (k == rows). out is contiguous, any float dtype.
+  // row_sumsq, if not null: [i*k + s] = the sum of squares of out[i]'s row s as stored (rounded
+  // to out's dtype), for normalize (spares it a pass over out).
   virtual void gather_rows(const MatrixSet& set, const int32_t* idx, int64_t k, float scale_m,
-                           float scale_g, float decay, MatrixView out, const int* skip) = 0;
+                           float scale_g, float decay, MatrixView out, float* row_sumsq, const int* skip) = 0;
   // Per matrix i with rows idx_i (null = all): optional NorMuon normalisation of O_i with the
   // variance rows idx_i, then W_i *= (1 - lr*wd) on all rows and W_i[idx_i] -= lr' * O_i.
   virtual void apply_update(const MatrixSet& set, const int32_t* idx, int64_t k, MatrixView O,
                             const UpdateParams& p, const int* skip) = 0;
 
   // --- orthogonalization primitives (contiguous batches, fp32 accumulation) -------------
-  // out[b] = in[b] / (||in[b]||_F + eps), rounded to out.dtype.
-  virtual void normalize(MatrixView in, MatrixView out, float eps) = 0;
+  // out[b] = in[b] / (||in[b]||_F + eps), rounded to out.dtype. With row_sumsq (in.batch x in.rows,
+  // each row's sum of squares, as gather_rows gives them) ||in[b]||_F comes from those sums.
+  virtual void normalize(MatrixView in, MatrixView out, float eps, const float* row_sumsq) = 0;
   // out = in (or in^T when `transpose`), converting between any float dtypes.
   virtual void convert(MatrixView in, MatrixView out, bool transpose) = 0;
   // C = alpha*op(A)*op(B) + beta*C.

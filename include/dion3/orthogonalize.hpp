@@ -44,7 +44,9 @@ class Orthogonalizer {
   // As above, but leaves the result in the workspace, in the iteration dtype, and returns a
   // view of it (batch x rows x cols, contiguous), valid until the next run on this workspace.
   // Saves the final conversion pass when the caller can read the iteration dtype directly.
-  MatrixView run(MatrixView in);
+  // in_row_sumsq, if not null: the sums of squares of in's rows (batch x rows, as
+  // Backend::gather_rows gives them), which spare the normalisation a pass over in.
+  MatrixView run(MatrixView in, const float* in_row_sumsq = nullptr);
 
   OrthMethod method() const { return method_; }
   DType iteration_dtype() const { return dtype_; }

@@ -49,6 +49,7 @@ struct Megabatch {
   std::vector<std::unique_ptr<Orthogonalizer>> orths;  // one per distinct chunk size
   DeviceBuffer scores;   // members x rows fp32
   DeviceBuffer indices;  // members x k int32
+  DeviceBuffer row_sumsq;  // members x k fp32: the gathered rows' sums of squares (normalize's)
   std::size_t chunk_bytes = 0;  // arena bytes the largest chunk needs
 };
 

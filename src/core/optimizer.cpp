@@ -292,6 +292,7 @@ void Optimizer::Impl::build_plan() {
       mb.scores = DeviceBuffer(alloc, static_cast<std::size_t>(n * mb.rows) * sizeof(float));
       mb.indices = DeviceBuffer(alloc, static_cast<std::size_t>(n * mb.k) * sizeof(int32_t));
     }
+    mb.row_sumsq = DeviceBuffer(alloc, static_cast<std::size_t>(n * mb.k) * sizeof(float));
     for (int64_t first = 0; first < n; first += chunk) {
       Chunk c;
       c.first = first;
@@ -420,11 +421,13 @@ void Optimizer::Impl::enqueue_step() {
       MatrixView U = MatrixView::contiguous(s.arena.as<char>() + c.update_offset,
                                             update_rows_dtype(g, mb.momentum_dtype), c.count, mb.k, mb.cols);
       const int32_t* rows = dion3 ? idx + c.first * mb.k : nullptr;
-      if (dion3) be.gather_rows(*c.set, rows, mb.k, 1.0f, 0.0f, mu, U, flag);  // U = M[S]; M[S] *= mu
-      else if (g.nesterov) be.gather_rows(*c.set, nullptr, mb.k, mu, 1.0f, 1.0f, U, flag);  // U = mu M + G
-      else be.gather_rows(*c.set, nullptr, mb.k, 1.0f, 0.0f, 1.0f, U, flag);                 // U = M
-      // The update reads the orthogonalizer's result in its iteration dtype (no conversion pass).
-      const MatrixView O = c.orth->run(U);
+      float* ss = mb.row_sumsq.as<float>() + c.first * mb.k;  // U's row sums of squares
+      if (dion3) be.gather_rows(*c.set, rows, mb.k, 1.0f, 0.0f, mu, U, ss, flag);  // U = M[S]; M[S] *= mu
+      else if (g.nesterov) be.gather_rows(*c.set, nullptr, mb.k, mu, 1.0f, 1.0f, U, ss, flag);  // U = mu M + G
+      else be.gather_rows(*c.set, nullptr, mb.k, 1.0f, 0.0f, 1.0f, U, ss, flag);                 // U = M
+      // The update reads the orthogonalizer's result in its iteration dtype (no conversion pass);
+      // U's norm comes from the row sums (no pass over U before the normalising one).
+      const MatrixView O = c.orth->run(U, ss);
       be.apply_update(*c.set, rows, mb.k, O, up, flag);
     }
   }

@@ -134,7 +134,7 @@ void Orthogonalizer::run(MatrixView in, MatrixView out) {
   backend_.convert(result, out, false);
 }
 
-MatrixView Orthogonalizer::run(MatrixView in) {
+MatrixView Orthogonalizer::run(MatrixView in, const float* in_row_sumsq) {
   const int64_t rows = transposed_ ? q_ : p_, cols = transposed_ ? p_ : q_;
   auto same_shape = [&](const MatrixView& v) { return v.batch == batch_ && v.rows == rows && v.cols == cols; };
   if (!same_shape(in))
@@ -147,10 +147,10 @@ MatrixView Orthogonalizer::run(MatrixView in) {
     tmp.rows = rows;
     tmp.cols = cols;
     tmp.ld = cols;
-    backend_.normalize(in, tmp, kNormEps);
+    backend_.normalize(in, tmp, kNormEps, in_row_sumsq);
     backend_.convert(tmp, X, true);
   } else {
-    backend_.normalize(in, X, kNormEps);
+    backend_.normalize(in, X, kNormEps, in_row_sumsq);
   }
   const MatrixView result = method_ == OrthMethod::Gram ? gram(X) : standard(X);
   if (!transposed_) return result;

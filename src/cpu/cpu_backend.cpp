@@ -156,7 +156,7 @@ class CpuBackend final : public Backend {
   }
 
   void gather_rows(const MatrixSet& set, const int32_t* idx, int64_t k, float scale_m, float scale_g,
-                   float decay, MatrixView out, const int* skip) override {
+                   float decay, MatrixView out, float* row_sumsq, const int* skip) override {
     if (skipped(skip)) return;
     const int64_t cols = set.cols();
     check(out.rows == k && out.cols == cols && out.batch == static_cast<int64_t>(set.mats.size()),
@@ -170,6 +170,14 @@ class CpuBackend final : public Backend {
         if (scale_g != 0.0f) load_row(p.grad, 0, r, g.data());
         for (int64_t c = 0; c < cols; ++c) u[c] = scale_m * m[c] + (scale_g != 0.0f ? scale_g * g[c] : 0.0f);
         store_row(out, i, j, u.data());
+        if (row_sumsq) {  // of the values as stored
+          double ss = 0.0;
+          for (int64_t c = 0; c < cols; ++c) {
+            const double v = cpu::round_to(out.dtype, u[c]);
+            ss += v * v;
+          }
+          row_sumsq[i * k + j] = static_cast<float>(ss);
+        }
         if (decay != 1.0f) {
           for (int64_t c = 0; c < cols; ++c) m[c] *= decay;
           store_row(p.momentum, 0, r, m.data());
@@ -207,13 +215,16 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void normalize(MatrixView in, MatrixView out, float eps) override {
+  void normalize(MatrixView in, MatrixView out, float eps, const float* row_sumsq) override {
     check(in.batch == out.batch && in.rows == out.rows && in.cols == out.cols, "normalize shapes");
     std::vector<float> x;
     for (int64_t b = 0; b < in.batch; ++b) {
       load_matrix(in, b, x);
       double ss = 0.0;
-      for (float v : x) ss += static_cast<double>(v) * v;
+      if (row_sumsq)
+        for (int64_t r = 0; r < in.rows; ++r) ss += row_sumsq[b * in.rows + r];
+      else
+        for (float v : x) ss += static_cast<double>(v) * v;
       const float inv = static_cast<float>(1.0 / (std::sqrt(ss) + eps));
       for (float& v : x) v *= inv;
       store_matrix(out, b, x.data());

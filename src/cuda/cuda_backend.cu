@@ -3,6 +3,7 @@
 // dispatch of every backend op to the kernels in step_kernels.cu, elementwise_kernels.cu and
 // symmetric.cu (gram/sym_product: the fused sm_90a kernel of sym_wgmma.cu where it pays, else
 // the cuBLAS tile schedule). Nothing here synchronises with the host except read_flag and host copies.
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -210,14 +211,14 @@ class CudaBackend final : public Backend {
   }
 
   void gather_rows(const MatrixSet& base, const int32_t* idx, int64_t k, float scale_m, float scale_g,
-                   float decay, MatrixView out, const int* skip) override {
+                   float decay, MatrixView out, float* row_sumsq, const int* skip) override {
     const auto& set = ready(base);
     if (idx == nullptr && k != set.rows()) fail("gather_rows: idx == null needs k == rows");
     if (out.rows != k || out.cols != set.cols() || out.batch != n_of(set))
       fail("gather_rows: out must be " + std::to_string(n_of(set)) + " x " + std::to_string(k) + " x " +
            std::to_string(set.cols()));
     launch_gather_rows(table(set), n_of(set), set.rows(), set.cols(), set.mdt, set.gdt, idx, k, scale_m,
-                       scale_g, decay, out, skip, stream_, set.vec);
+                       scale_g, decay, out, row_sumsq, skip, stream_, set.vec);
   }
 
   void apply_update(const MatrixSet& base, const int32_t* idx, int64_t k, MatrixView O,
@@ -234,9 +235,9 @@ class CudaBackend final : public Backend {
   }
 
   // --- orthogonalization primitives ----------------------------------------------------------
-  void normalize(MatrixView in, MatrixView out, float eps) override {
+  void normalize(MatrixView in, MatrixView out, float eps, const float* row_sumsq) override {
     float* scr = static_cast<float*>(scratch_.get(*alloc_, normalize_scratch_floats(in.batch) * sizeof(float)));
-    launch_normalize(in, out, eps, scr, stream_);
+    launch_normalize(in, out, eps, row_sumsq, scr, stream_);
   }
   void convert(MatrixView in, MatrixView out, bool transpose) override {
     if (transpose) launch_transpose(in, out, stream_);
@@ -326,6 +327,15 @@ class CudaBackend final : public Backend {
     return sym_.enabled && sym_.kernel && kernel_env_ && C.batch > 0 && C.rows > 0 &&
            sym_wgmma_supported(A, B, D, C);
   }
+  // See dion3::cuda::symmetric_flop_fraction.
+  double flop_fraction(int64_t p) const {
+    if (!sym_.enabled || p <= 0) return 1.0;
+    if (sym_.kernel && kernel_env_ && sym_wgmma_available()) return sym_wgmma_flop_fraction(p);
+    const int64_t t = tile_for(p);
+    double lower = 0.0;  // the lower-triangle tiles (i, j <= i) of the tile schedule
+    for (int64_t i = 0; i * t < p; ++i) lower += static_cast<double>(std::min(t, p - i * t)) * std::min((i + 1) * t, p);
+    return lower / (static_cast<double>(p) * p);
+  }
   int64_t tile_for(int64_t p) const {
     if (!sym_.enabled) return p;
     int64_t t = sym_.tile;
@@ -375,6 +385,7 @@ void set_symmetric_options(Backend& backend, const SymmetricOptions& options) { 
 SymmetricOptions symmetric_options(Backend& backend) { return as_cuda(backend).sym_; }
 void* backend_stream(Backend& backend) { return as_cuda(backend).stream(); }
 int64_t symmetric_tile_for(Backend& backend, int64_t p) { return as_cuda(backend).tile_for(p); }
+double symmetric_flop_fraction(Backend& backend, int64_t p) { return as_cuda(backend).flop_fraction(p); }
 
 }  // namespace cuda
 

@@ -1,5 +1,6 @@
 // elementwise_kernels.cu — memory-bound kernels of the CUDA backend: Frobenius normalisation
-// (deterministic two-pass reduction), batched transpose with dtype conversion, fused AdamW and
+// (deterministic two-pass reduction, or one pass over the matrix from its rows' sums of squares
+// as gather_rows gives them), batched transpose with dtype conversion, fused AdamW and
 // Lion, and the helpers of the symmetric products (scaled-add prologue, mirror of the lower
 // triangle with a diagonal shift).
 #include "cuda/kernels.cuh"
@@ -24,6 +25,17 @@ __global__ void sumsq_partial_kernel(const T* __restrict__ x, int64_t rows, int6
   }
   acc = block_sum(acc, red);
   if (threadIdx.x == 0) partial[b * gridDim.x + blockIdx.x] = acc;
+}
+
+// Matrix b's sum of squares from its rows' (row_sumsq[b*rows ...], gather_rows'), one block per
+// matrix, summed in a fixed order: the one partial sum that scale_*_kernel then reads.
+__global__ void sum_row_sumsq_kernel(const float* __restrict__ row_sumsq, int64_t rows, float* __restrict__ partial) {
+  __shared__ float red[32];
+  const int64_t b = blockIdx.x;
+  float acc = 0.0f;
+  for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) acc += row_sumsq[b * rows + r];
+  acc = block_sum(acc, red);
+  if (threadIdx.x == 0) partial[b] = acc;
 }
 
 // 1 / (||x_b||_F + eps) from the per-block partial sums of squares of matrix b, for every
@@ -311,37 +323,41 @@ unsigned grid_for(int64_t n, int threads, unsigned cap = 4096) {
 
 int64_t normalize_scratch_floats(int64_t batch) { return batch * kNormBlocks; }
 
-void launch_normalize(const MatrixView& in, const MatrixView& out, float eps, float* scratch,
-                      cudaStream_t s) {
+void launch_normalize(const MatrixView& in, const MatrixView& out, float eps, const float* row_sumsq,
+                      float* scratch, cudaStream_t s) {
   if (in.batch == 0 || in.rows * in.cols == 0) return;
   if (out.batch != in.batch || out.rows != in.rows || out.cols != in.cols)
     fail("normalize: out has a different shape than in");
   const unsigned nb = static_cast<unsigned>(in.batch);
-  if (flat4(in) && flat4(out)) {
-    const int64_t n4 = in.rows * in.cols / 4;
+  const bool flat = flat4(in) && flat4(out);
+  // First pass: each matrix's sum of squares as partial sums in scratch, from its rows' sums
+  // where given (one partial), else from the elements (kNormBlocks partials).
+  const int nparts = row_sumsq ? 1 : kNormBlocks;
+  if (row_sumsq) {
+    sum_row_sumsq_kernel<<<nb, 256, 0, s>>>(row_sumsq, in.rows, scratch);
+  } else {
     DION3_DISPATCH_FLOAT(in.dtype, TI, [&] {
-      sumsq_flat_kernel<TI><<<dim3(kNormBlocks, nb), 256, 0, s>>>(static_cast<const TI*>(in.data), n4,
-                                                                  in.rows * in.cols, scratch);
-      DION3_CUDA_LAUNCH_CHECK();
-      const unsigned gx = grid_for(n4, 256, 1024);
-      DION3_DISPATCH_FLOAT(out.dtype, TO, [&] {
-        scale_flat_kernel<TI, TO><<<dim3(gx, nb), 256, 0, s>>>(static_cast<const TI*>(in.data), n4, in.rows * in.cols,
-                                                               static_cast<TO*>(out.data), out.rows * out.cols,
-                                                               scratch, kNormBlocks, eps);
-      });
+      if (flat)
+        sumsq_flat_kernel<TI><<<dim3(kNormBlocks, nb), 256, 0, s>>>(static_cast<const TI*>(in.data),
+                                                                    in.rows * in.cols / 4, in.rows * in.cols, scratch);
+      else
+        sumsq_partial_kernel<TI><<<dim3(kNormBlocks, nb), 256, 0, s>>>(
+            static_cast<const TI*>(in.data), in.rows, in.cols, in.ld, bstride_of(in), scratch);
     });
-    DION3_CUDA_LAUNCH_CHECK();
-    return;
   }
+  DION3_CUDA_LAUNCH_CHECK();
   DION3_DISPATCH_FLOAT(in.dtype, TI, [&] {
-    sumsq_partial_kernel<TI><<<dim3(kNormBlocks, nb), 256, 0, s>>>(
-        static_cast<const TI*>(in.data), in.rows, in.cols, in.ld, bstride_of(in), scratch);
-    DION3_CUDA_LAUNCH_CHECK();
-    const unsigned gx = grid_for(in.rows * in.cols, 256, 1024);
     DION3_DISPATCH_FLOAT(out.dtype, TO, [&] {
-      scale_by_norm_kernel<TI, TO><<<dim3(gx, nb), 256, 0, s>>>(
-          static_cast<const TI*>(in.data), in.rows, in.cols, in.ld, bstride_of(in),
-          static_cast<TO*>(out.data), out.ld, bstride_of(out), scratch, kNormBlocks, eps);
+      if (flat) {
+        const int64_t n4 = in.rows * in.cols / 4;
+        scale_flat_kernel<TI, TO><<<dim3(grid_for(n4, 256, 1024), nb), 256, 0, s>>>(
+            static_cast<const TI*>(in.data), n4, in.rows * in.cols, static_cast<TO*>(out.data), out.rows * out.cols,
+            scratch, nparts, eps);
+      } else {
+        scale_by_norm_kernel<TI, TO><<<dim3(grid_for(in.rows * in.cols, 256, 1024), nb), 256, 0, s>>>(
+            static_cast<const TI*>(in.data), in.rows, in.cols, in.ld, bstride_of(in),
+            static_cast<TO*>(out.data), out.ld, bstride_of(out), scratch, nparts, eps);
+      }
     });
   });
   DION3_CUDA_LAUNCH_CHECK();

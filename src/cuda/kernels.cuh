@@ -21,8 +21,8 @@ void launch_select_rows(const float* scores, int64_t count, int64_t m, int64_t k
                         const int* skip, cudaStream_t s);
 void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
                         DType gdt, const int32_t* idx, int64_t k, float scale_m, float scale_g,
-                        float decay, const MatrixView& out, const int* skip, cudaStream_t s,
-                        bool vec);  // vec: as launch_accumulate's (out is checked here)
+                        float decay, const MatrixView& out, float* row_sumsq, const int* skip, cudaStream_t s,
+                        bool vec);  // vec: as launch_accumulate's (out is checked here); row_sumsq may be null
 // scratch: at least apply_update_scratch_floats(nmats, k) floats.
 int64_t apply_update_scratch_floats(int64_t nmats, int64_t k);
 void launch_apply_update(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType wdt,
@@ -33,8 +33,9 @@ void launch_finish_step(const int* flag, int64_t* counters, cudaStream_t s);
 
 // --- element-wise kernels (elementwise_kernels.cu) ---------------------------------------
 int64_t normalize_scratch_floats(int64_t batch);
-void launch_normalize(const MatrixView& in, const MatrixView& out, float eps, float* scratch,
-                      cudaStream_t s);
+// row_sumsq: null, or in's rows' sums of squares (gather_rows'), which spare the first pass.
+void launch_normalize(const MatrixView& in, const MatrixView& out, float eps, const float* row_sumsq,
+                      float* scratch, cudaStream_t s);
 void launch_transpose(const MatrixView& in, const MatrixView& out, cudaStream_t s);
 void launch_convert(const MatrixView& in, const MatrixView& out, cudaStream_t s);  // same shape
 void launch_adamw(const ElementwiseParam& p, const AdamWParams& h, const int* skip, cudaStream_t s);
@@ -61,6 +62,10 @@ void sym_lower_gemm(cublasHandle_t h, cudaStream_t s, const MatrixView& A, const
 // runs here (a Hopper sm_90 device and these operands); D may be null.
 bool sym_wgmma_supported(const MatrixView& A, const MatrixView& B, const MatrixView* D,
                          const MatrixView& C);
+bool sym_wgmma_available();  // a Hopper sm_90 device is current
+// The multiply-adds the kernel performs for a p x p output, over a full GEMM's: the 64-column
+// blocks on or below the diagonal of each 128-row block, padding included.
+double sym_wgmma_flop_fraction(int64_t p);
 // skip_epilogue (benchmarks only): compute the tiles but store nothing.
 void launch_sym_wgmma(const MatrixView& A, const MatrixView& B, float alpha, float beta,
                       const MatrixView* D, float gamma, const MatrixView& C, cudaStream_t s,

@@ -128,11 +128,13 @@ __global__ void select_rows_kernel(const float* __restrict__ scores, int64_t m, 
 }
 
 // ---- gather_rows: out[i][s] = scale_m*M[idx[s]] + scale_g*G[idx[s]]; M[idx[s]] *= decay ----
+// With row_sumsq, also the sum of squares of out[i][s] as stored (the block's fixed-order sum).
 template <class TM, class TG, class TO, bool VEC>
 __global__ void gather_rows_kernel(const DeviceMat* __restrict__ mats, int64_t cols,
                                    const int32_t* __restrict__ idx, int64_t k, float scale_m,
                                    float scale_g, float decay, TO* __restrict__ out, int64_t out_ld,
-                                   int64_t out_bstride, const int* skip) {
+                                   int64_t out_bstride, float* __restrict__ row_sumsq, const int* skip) {
+  __shared__ float red[32];
   if (skipped(skip)) return;
   const int64_t s = blockIdx.x, i = blockIdx.y;
   const DeviceMat d = mats[i];
@@ -141,6 +143,7 @@ __global__ void gather_rows_kernel(const DeviceMat* __restrict__ mats, int64_t c
   const TG* g = static_cast<const TG*>(d.g) + r * d.ldg;
   TO* o = out + i * out_bstride + s * out_ld;
   const bool use_g = scale_g != 0.0f, do_decay = decay != 1.0f;
+  float ss = 0.0f;
   if constexpr (VEC) {
     // 4 elements per access (8-16 bytes): the scalar loop reached ~2.2 TB/s.
     for (int64_t j = 4 * threadIdx.x; j < cols; j += 4 * blockDim.x) {
@@ -155,18 +158,26 @@ __global__ void gather_rows_kernel(const DeviceMat* __restrict__ mats, int64_t c
         if (use_g) u += scale_g * to_f32(gp.v[e]);
         op.v[e] = from_f32<TO>(u);
         mp.v[e] = from_f32<TM>(decay * mv);
+        const float stored = to_f32(op.v[e]);
+        ss += stored * stored;
       }
       *reinterpret_cast<Pack4<TO>*>(o + j) = op;
       if (do_decay) *reinterpret_cast<Pack4<TM>*>(m + j) = mp;
     }
-    return;
+  } else {
+    for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+      const float mv = to_f32(m[j]);
+      float u = scale_m * mv;
+      if (use_g) u += scale_g * to_f32(g[j]);
+      const TO ov = from_f32<TO>(u);
+      o[j] = ov;
+      if (do_decay) m[j] = from_f32<TM>(decay * mv);
+      ss += to_f32(ov) * to_f32(ov);
+    }
   }
-  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
-    const float mv = to_f32(m[j]);
-    float u = scale_m * mv;
-    if (use_g) u += scale_g * to_f32(g[j]);
-    o[j] = from_f32<TO>(u);
-    if (do_decay) m[j] = from_f32<TM>(decay * mv);
+  if (row_sumsq) {  // uniform across the block
+    ss = block_sum(ss, red);
+    if (threadIdx.x == 0) row_sumsq[i * k + s] = ss;
   }
 }
 
@@ -474,7 +485,8 @@ void launch_select_rows(const float* scores, int64_t count, int64_t m, int64_t k
 
 void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
                         DType gdt, const int32_t* idx, int64_t k, float scale_m, float scale_g,
-                        float decay, const MatrixView& out, const int* skip, cudaStream_t s, bool vec) {
+                        float decay, const MatrixView& out, float* row_sumsq, const int* skip, cudaStream_t s,
+                        bool vec) {
   (void)rows;
   if (nmats == 0 || k == 0) return;
   dim3 grid(static_cast<unsigned>(k), static_cast<unsigned>(nmats));
@@ -486,10 +498,10 @@ void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int6
         auto* o = static_cast<TO*>(out.data);
         if (vo)
           gather_rows_kernel<TM, TG, TO, true><<<grid, kRowThreads, 0, s>>>(mats, cols, idx, k, scale_m, scale_g,
-                                                                            decay, o, out.ld, obs, skip);
+                                                                            decay, o, out.ld, obs, row_sumsq, skip);
         else
           gather_rows_kernel<TM, TG, TO, false><<<grid, kRowThreads, 0, s>>>(mats, cols, idx, k, scale_m, scale_g,
-                                                                             decay, o, out.ld, obs, skip);
+                                                                             decay, o, out.ld, obs, row_sumsq, skip);
       });
     });
   });

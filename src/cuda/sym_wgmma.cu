@@ -18,6 +18,7 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
+#include <algorithm>
 #include <cmath>
 #include <mutex>
 
@@ -578,6 +579,15 @@ bool tma_ok(const MatrixView& v) {
 }
 
 }  // namespace
+
+bool sym_wgmma_available() { return sm_count_and_check() > 0; }
+
+double sym_wgmma_flop_fraction(int64_t p) {
+  const int64_t col_blocks = (p + kEB - 1) / kEB;
+  double computed = 0.0;
+  for (int64_t i = 0; i * kBM < p; ++i) computed += static_cast<double>(kBM) * kEB * std::min((i + 1) * (kBM / kEB), col_blocks);
+  return computed / (static_cast<double>(p) * p);
+}
 
 bool sym_wgmma_supported(const MatrixView& A, const MatrixView& B, const MatrixView* D,
                          const MatrixView& C) {

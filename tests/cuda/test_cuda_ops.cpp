@@ -117,6 +117,17 @@ std::vector<int32_t> random_row_sets(int64_t n, int64_t rows, int64_t k, std::mt
   return idx;
 }
 
+// Sums of squares of each row of a (rows x cols)-row-major array of values, in double.
+std::vector<float> row_sums_of_squares(const std::vector<float>& v, int64_t cols) {
+  std::vector<float> s;
+  for (std::size_t r = 0; r * cols < v.size(); ++r) {
+    double a = 0.0;
+    for (int64_t c = 0; c < cols; ++c) a += static_cast<double>(v[r * cols + c]) * v[r * cols + c];
+    s.push_back(static_cast<float>(a));
+  }
+  return s;
+}
+
 // ---- gather_rows ------------------------------------------------------------------------------
 struct GatherCase { DType m, out; bool with_idx; float sm, sg, decay; };
 class GatherRows : public ct::CudaTest, public ::testing::WithParamInterface<GatherCase> {};
@@ -129,11 +140,17 @@ TEST_P(GatherRows, MatchesCpu) {
   const std::vector<int32_t> idx = random_row_sets(n, rows, k, rng);
   dion3::DeviceBuffer didx(gpu->allocator(), idx.size() * 4);
   gpu->copy_from_host(didx.get(), idx.data(), idx.size() * 4);
-  Twin out(*gpu, c.out, n, k, cols);
-  cpu->gather_rows(*s.hs, c.with_idx ? idx.data() : nullptr, k, c.sm, c.sg, c.decay, out.hview(), nullptr);
-  gpu->gather_rows(*s.ds, c.with_idx ? didx.as<int32_t>() : nullptr, k, c.sm, c.sg, c.decay, out.dview(), nullptr);
+  Twin out(*gpu, c.out, n, k, cols), ss(*gpu, DType::F32, n, k, 1);
+  ss.fill_value(-1.0f);
+  cpu->gather_rows(*s.hs, c.with_idx ? idx.data() : nullptr, k, c.sm, c.sg, c.decay, out.hview(),
+                   static_cast<float*>(ss.hview().data), nullptr);
+  gpu->gather_rows(*s.ds, c.with_idx ? didx.as<int32_t>() : nullptr, k, c.sm, c.sg, c.decay, out.dview(),
+                   static_cast<float*>(ss.dview().data), nullptr);
   EXPECT_LE(ct::rel_max_diff(out.device_values(), out.host_values()), storage_tol(c.out));
   EXPECT_LE(ct::rel_max_diff(s.m.device_values(), s.m.host_values()), storage_tol(c.m));
+  // The row sums are of the rows as stored, on both backends.
+  EXPECT_LE(ct::rel_max_diff(ss.host_values(), row_sums_of_squares(out.host_values(), cols)), 1e-6);
+  EXPECT_LE(ct::rel_max_diff(ss.device_values(), row_sums_of_squares(out.device_values(), cols)), 1e-5);
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, GatherRows,
@@ -185,7 +202,8 @@ TEST_F(CudaOps, SkipFlagLeavesEverythingUntouched) {
   out.fill_value(7.0f);
   gpu->accumulate(*s.ds, 0.5f, scores.as<float>(), flag.as<int>());
   gpu->select_rows(scores.as<float>(), 2, 20, 5, idx.as<int32_t>(), flag.as<int>());
-  gpu->gather_rows(*s.ds, nullptr, 20, 1.0f, 0.0f, 0.5f, Twin(*gpu, DType::F32, 2, 20, 64).dview(), flag.as<int>());
+  gpu->gather_rows(*s.ds, nullptr, 20, 1.0f, 0.0f, 0.5f, Twin(*gpu, DType::F32, 2, 20, 64).dview(), nullptr,
+                   flag.as<int>());
   dion3::UpdateParams p{0.1f, 0.1f, 0.1f, true, 0.9f, false};
   gpu->apply_update(*s.ds, idx.as<int32_t>(), 5, out.dview(), p, flag.as<int>());
   Twin e(*gpu, DType::BF16, 1, 1, 100), eg(*gpu, DType::BF16, 1, 1, 100), ea(*gpu, DType::F32, 1, 1, 100),
@@ -243,9 +261,17 @@ TEST_P(Conversions, NormalizeConvertTranspose) {
   Twin x(*gpu, c.in, 3, 45, 77);
   x.fill_normal(rng, 3.0f);
   Twin y(*gpu, c.out, 3, 45, 77), t(*gpu, c.out, 3, 77, 45), z(*gpu, c.out, 3, 45, 77);
-  cpu->normalize(x.hview(), y.hview(), 1e-7f);
-  gpu->normalize(x.dview(), y.dview(), 1e-7f);
+  cpu->normalize(x.hview(), y.hview(), 1e-7f, nullptr);
+  gpu->normalize(x.dview(), y.dview(), 1e-7f, nullptr);
   EXPECT_LE(ct::rel_max_diff(y.device_values(), y.host_values()), storage_tol(c.out));
+  // From the rows' sums of squares (gather_rows'): the same result, on both backends.
+  Twin ss(*gpu, DType::F32, 3, 45, 1), y2(*gpu, c.out, 3, 45, 77);
+  ss.set_host(row_sums_of_squares(x.host_values(), 77));
+  ss.upload();
+  cpu->normalize(x.hview(), y2.hview(), 1e-7f, static_cast<const float*>(ss.hview().data));
+  gpu->normalize(x.dview(), y2.dview(), 1e-7f, static_cast<const float*>(ss.dview().data));
+  EXPECT_LE(ct::rel_max_diff(y2.host_values(), y.host_values()), storage_tol(c.out));
+  EXPECT_LE(ct::rel_max_diff(y2.device_values(), y.host_values()), storage_tol(c.out));
   cpu->convert(x.hview(), t.hview(), true);
   gpu->convert(x.dview(), t.dview(), true);
   EXPECT_EQ(t.device_values(), t.host_values());
@@ -445,11 +471,14 @@ TEST_P(GatherBig, MatchesCpu) {
   const std::vector<int32_t> idx = random_row_sets(n, c.rows, c.k, rng);
   dion3::DeviceBuffer didx(gpu->allocator(), idx.size() * 4);
   gpu->copy_from_host(didx.get(), idx.data(), idx.size() * 4);
-  Twin out(*gpu, c.out, n, c.k, c.cols);
-  cpu->gather_rows(*s.hs, idx.data(), c.k, c.sm, c.sg, c.decay, out.hview(), nullptr);
-  gpu->gather_rows(*s.ds, didx.as<int32_t>(), c.k, c.sm, c.sg, c.decay, out.dview(), nullptr);
+  Twin out(*gpu, c.out, n, c.k, c.cols), ss(*gpu, DType::F32, n, c.k, 1);
+  ss.fill_value(-1.0f);
+  cpu->gather_rows(*s.hs, idx.data(), c.k, c.sm, c.sg, c.decay, out.hview(), nullptr, nullptr);
+  gpu->gather_rows(*s.ds, didx.as<int32_t>(), c.k, c.sm, c.sg, c.decay, out.dview(),
+                   static_cast<float*>(ss.dview().data), nullptr);
   EXPECT_LE(ct::rel_max_diff(out.device_values(), out.host_values()), storage_tol(c.out));
   EXPECT_LE(ct::rel_max_diff(s.m.device_values(), s.m.host_values()), storage_tol(c.m));
+  EXPECT_LE(ct::rel_max_diff(ss.device_values(), row_sums_of_squares(out.device_values(), c.cols)), 1e-5);
 }
 INSTANTIATE_TEST_SUITE_P(Cases, GatherBig,
                          ::testing::Values(BigGather{DType::BF16, DType::F32, 200, 4100, 77, 1.0f, 0.0f, 0.95f},
