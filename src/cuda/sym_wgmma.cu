@@ -10,11 +10,10 @@
 //
 // Epilogue, per consumer warpgroup, in 64 x 64 blocks (one 128-byte-swizzled TMA box each):
 // D's blocks are prefetched by TMA into the warpgroup's staging buffer during the main loop;
-// the result is written there with stmatrix and stored by TMA, strictly lower blocks twice: as
-// is, and, while the next tile's second k-block runs, transposed in place in shared memory
-// (ldmatrix.trans / stmatrix) and stored into the mirrored upper block; the diagonal block once,
-// made exactly symmetric in shared memory. The stores run asynchronously under the next tile's
-// main loop. Every element of C comes from its lower-triangle value, so C is exactly
+// the result is written there with stmatrix and stored by TMA, strictly lower blocks twice
+// (as is, and transposed with stmatrix.trans into the mirrored upper block), the diagonal block
+// once, made exactly symmetric in shared memory. The stores run asynchronously under the next
+// tile's main loop. Every element of C comes from its lower-triangle value, so C is exactly
 // symmetric; D is read in the lower triangle (and the diagonal blocks) only and may alias C.
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -116,18 +115,11 @@ __device__ __forceinline__ void fence_async_smem() {
 __device__ __forceinline__ void warpgroup_sync(int id) {
   asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory");
 }
-template <bool kTrans = false>
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  if constexpr (kTrans)
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-  else
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
 }
 template <bool kTrans>
 __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
@@ -181,24 +173,23 @@ struct StageRing {
 // A warpgroup's part of one tile's main loop: kblocks k-blocks through the stage ring (which
 // carries on across the kernel's tiles), one wgmma group in flight behind the one being issued,
 // each stage released (one arrival per warp, from the `signal` lane) once its products finished.
-// at_second() runs while the second k-block's products are in flight (after the first's, if only
-// one): the previous tile's mirrored stores and this tile's D prefetch. The first k-block is
-// peeled so that its products start new sums.
-template <bool kBF16, int kN, class AtSecond>
+// prefetch_d() runs after the second k-block's products are issued (the first's, if only one).
+// The first k-block is peeled so that its products start new sums.
+template <bool kBF16, int kN, class PrefetchD>
 __device__ __forceinline__ void tile_mainloop(float (&acc)[128], uint32_t a0, uint32_t b0, uint64_t* full,
                                               uint64_t* empty, StageRing& ring, int kblocks, bool signal,
-                                              AtSecond&& at_second) {
+                                              PrefetchD&& prefetch_d) {
   int s = ring.stage;
   mbar_wait(&full[s], ring.phase);
   mma_kblock<kBF16, kN, true>(acc, a0 + s * kStageBytes, b0 + s * kStageBytes);
-  if (kblocks == 1) at_second();
+  if (kblocks == 1) prefetch_d();
   int prev = s;
   ring.next();
   for (int kb = 1; kb < kblocks; ++kb, ring.next()) {
     s = ring.stage;
     mbar_wait(&full[s], ring.phase);
     mma_kblock<kBF16, kN, false>(acc, a0 + s * kStageBytes, b0 + s * kStageBytes);
-    if (kb == 1) at_second();
+    if (kb == 1) prefetch_d();
     asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
     mbar_arrive_if(&empty[prev], signal);
     prev = s;
@@ -295,32 +286,6 @@ __device__ __forceinline__ void store_block_transposed(const float (&acc)[128], 
   }
 }
 
-// Transposes the 64 x 64 staged block at `block` in place (128-byte-swizzled rows), by the
-// warpgroup's four warps: each reads 16 of its 64 8x8 tiles transposed (ldmatrix.trans), and
-// after the barrier writes each to the mirrored tile position (stmatrix).
-__device__ __forceinline__ void transpose_block_in_place(uint32_t block, int cw, int warp, int lane) {
-  uint32_t r[4][4];
-  const int row = lane & 7, m = lane >> 3;
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int tile = 16 * q + 4 * warp + m, a = tile >> 3, c = tile & 7;
-    ldmatrix_x4<true>(r[q], block + swz(8 * a + row, 8 * c));
-  }
-  warpgroup_sync(1 + cw);
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int tile = 16 * q + 4 * warp + m, a = tile >> 3, c = tile & 7;
-    stmatrix_x4<false>(block + swz(8 * c + row, 8 * a), r[q][0], r[q][1], r[q][2], r[q][3]);
-  }
-}
-
-// A warpgroup's strictly lower blocks of a finished tile, still in its staging buffer as stored:
-// their mirrored stores (transposed in place, then by TMA) run under the next tile's second
-// k-block. Matrix b, 64-row block R, 256-column block j, blocks 0..nlow-1.
-struct PendingMirror {
-  int nlow = 0, b = 0, R = 0, j = 0;
-};
-
 template <bool kBF16>
 __global__ void __launch_bounds__(kThreads, 1)
     sym_wgmma_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
@@ -386,25 +351,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   StageRing ring;
   uint32_t dphase = 0;
   const int p = prm.p;
-  PendingMirror pend;
-  // The previous tile's mirrored stores: once its first stores have read the staging buffer, its
-  // strictly lower blocks there are transposed in place and stored into the upper triangle.
-  auto store_mirror = [&] {
-    if (pend.nlow == 0) return;
-    if (leader) bulk_wait_read();
-    warpgroup_sync(1 + cw);
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      if (k < pend.nlow) transpose_block_in_place(stage_u32 + k * kEBBytes, cw, warp, lane);
-    fence_async_smem();
-    warpgroup_sync(1 + cw);
-    if (leader) {
-      for (int k = 0; k < pend.nlow; ++k)
-        tma_store_3d(&tmC, staging + k * kEBBytes, pend.R * kEB, (4 * pend.j + k) * kEB, pend.b);
-      bulk_commit();
-    }
-    pend.nlow = 0;
-  };
   for (int t = blockIdx.x; t < prm.total_tiles; t += gridDim.x) {
     int b, i, j;
     decode_tile(t, prm, b, i, j);
@@ -414,10 +360,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int kd = R - 4 * j;                  // the diagonal block, if kd < 4
     const int ncols = rows_in ? min(nblk, (p - 4 * j * kEB + kEB - 1) / kEB) : 0;  // blocks computed
     const bool load_d = prm.has_d && rows_in && !prm.skip_epilogue;
-    // Under the second k-block: the previous tile's mirrored stores, then D's blocks of this tile
-    // into the staging buffer once those stores have read it.
-    auto at_second = [&] {
-      store_mirror();
+    // Prefetch D's blocks of this tile into the staging buffer once the previous tile's stores
+    // have read it.
+    auto prefetch_d = [&] {
       if (load_d && leader) {
         bulk_wait_read();
         mbar_expect_tx(&dfull[cw], nblk * kEBBytes);
@@ -431,11 +376,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     operands_in_stage(stage_load(i, j, prm.same_ab), cw, smem_u32(smem), a0, b0);
     const bool signal = lane == 0;
     switch (ncols) {
-      case 4: tile_mainloop<kBF16, 256>(acc, a0, b0, full, empty, ring, prm.kblocks, signal, at_second); break;
-      case 3: tile_mainloop<kBF16, 192>(acc, a0, b0, full, empty, ring, prm.kblocks, signal, at_second); break;
-      case 2: tile_mainloop<kBF16, 128>(acc, a0, b0, full, empty, ring, prm.kblocks, signal, at_second); break;
-      case 1: tile_mainloop<kBF16, 64>(acc, a0, b0, full, empty, ring, prm.kblocks, signal, at_second); break;
-      default: tile_mainloop<kBF16, 0>(acc, a0, b0, full, empty, ring, prm.kblocks, signal, at_second); break;
+      case 4: tile_mainloop<kBF16, 256>(acc, a0, b0, full, empty, ring, prm.kblocks, signal, prefetch_d); break;
+      case 3: tile_mainloop<kBF16, 192>(acc, a0, b0, full, empty, ring, prm.kblocks, signal, prefetch_d); break;
+      case 2: tile_mainloop<kBF16, 128>(acc, a0, b0, full, empty, ring, prm.kblocks, signal, prefetch_d); break;
+      case 1: tile_mainloop<kBF16, 64>(acc, a0, b0, full, empty, ring, prm.kblocks, signal, prefetch_d); break;
+      default: tile_mainloop<kBF16, 0>(acc, a0, b0, full, empty, ring, prm.kblocks, signal, prefetch_d); break;
     }
 
     if (prm.skip_epilogue) {  // keep the accumulators live, store nothing
@@ -518,15 +463,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (leader) {
       for (int k = 0; k < nblk; ++k) tma_store_3d(&tmC, staging + k * kEBBytes, (4 * j + k) * kEB, R * kEB, b);
       bulk_commit();
+      bulk_wait_read();
     }
-    // 4. The strictly lower blocks again, transposed, into their mirrored upper blocks: under the
-    //    next tile's main loop (store_mirror).
-    pend.nlow = max(0, min(nblk, kd));
-    pend.b = b;
-    pend.R = R;
-    pend.j = j;
+    // 4. The strictly lower blocks again, transposed, into their mirrored upper blocks.
+    const int nlow = min(nblk, kd);
+    if (nlow > 0) {
+      warpgroup_sync(1 + cw);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (k >= nlow) continue;
+        store_block_transposed(acc, stage_u32 + k * kEBBytes, k, warp, lane);
+      }
+      fence_async_smem();
+      warpgroup_sync(1 + cw);
+      if (leader) {
+        for (int k = 0; k < nlow; ++k) tma_store_3d(&tmC, staging + k * kEBBytes, R * kEB, (4 * j + k) * kEB, b);
+        bulk_commit();
+      }
+    }
   }
-  store_mirror();
 #undef DION3_VP
   if (leader) bulk_wait_all();
 #endif
