@@ -97,10 +97,12 @@ class ProfilingBackend final : public dion3::Backend {
   }
   double symmetric_cost_factor() const override { return in_->symmetric_cost_factor(); }
   dion3::DType default_iteration_dtype(bool g) const override { return in_->default_iteration_dtype(g); }
-  void adamw(const dion3::ElementwiseParam& p, const dion3::AdamWParams& h, const int* s) override {
+  void adamw(std::span<const dion3::ElementwiseParam> p, std::span<const dion3::AdamWParams> h,
+             const int* s) override {
     wrap("adamw", [&] { in_->adamw(p, h, s); });
   }
-  void lion(const dion3::ElementwiseParam& p, const dion3::LionParams& h, const int* s) override {
+  void lion(std::span<const dion3::ElementwiseParam> p, std::span<const dion3::LionParams> h,
+            const int* s) override {
     wrap("lion", [&] { in_->lion(p, h, s); });
   }
 

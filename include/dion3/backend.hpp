@@ -147,8 +147,10 @@ class Backend {
   virtual DType default_iteration_dtype(bool gram) const = 0;
 
   // --- element-wise optimizers ----------------------------------------------------------
-  virtual void adamw(const ElementwiseParam& p, const AdamWParams& h, const int* skip) = 0;
-  virtual void lion(const ElementwiseParam& p, const LionParams& h, const int* skip) = 0;
+  // Parameter ps[i] with hyperparameters hs[i] (ps.size() == hs.size()), all in as few launches
+  // as their dtypes allow: a model's many small vectors cost one launch, not one each.
+  virtual void adamw(std::span<const ElementwiseParam> ps, std::span<const AdamWParams> hs, const int* skip) = 0;
+  virtual void lion(std::span<const ElementwiseParam> ps, std::span<const LionParams> hs, const int* skip) = 0;
 };
 
 // The CPU backend (always built). Threads come from the BLAS.

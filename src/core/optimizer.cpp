@@ -432,7 +432,11 @@ void Optimizer::Impl::enqueue_step() {
     }
   }
 
-  // 4. Element-wise parameters.
+  // 4. Element-wise parameters: all AdamW ones in one call, all Lion ones in another (the backend
+  //    batches them into as few launches as their dtypes allow).
+  std::vector<ElementwiseParam> adamw_ps, lion_ps;
+  std::vector<AdamWParams> adamw_hs;
+  std::vector<LionParams> lion_hs;
   for (Param& p : s.params) {
     const GroupConfig& g = s.groups[p.group];
     if (is_matrix_algorithm(g.algorithm) || p.weight.numel() == 0) continue;
@@ -444,12 +448,15 @@ void Optimizer::Impl::enqueue_step() {
     const float b1 = static_cast<float>(g.betas[0]), b2 = static_cast<float>(g.betas[1]);
     if (g.algorithm == Algorithm::AdamW) {
       e.exp_avg_sq = flat_of(p.state[1].second);
-      AdamWParams h{lr, b1, b2, wd, static_cast<float>(g.epsilon), s.counters.as<int64_t>(), p.step_offset};
-      be.adamw(e, h, flag);
+      adamw_ps.push_back(e);
+      adamw_hs.push_back({lr, b1, b2, wd, static_cast<float>(g.epsilon), s.counters.as<int64_t>(), p.step_offset});
     } else {
-      be.lion(e, LionParams{lr, b1, b2, wd}, flag);
+      lion_ps.push_back(e);
+      lion_hs.push_back({lr, b1, b2, wd});
     }
   }
+  if (!adamw_ps.empty()) be.adamw(adamw_ps, adamw_hs, flag);
+  if (!lion_ps.empty()) be.lion(lion_ps, lion_hs, flag);
   be.finish_step(flag, s.counters.as<int64_t>());
 }
 

@@ -315,8 +315,20 @@ class CpuBackend final : public Backend {
 
   DType default_iteration_dtype(bool) const override { return DType::F32; }
 
-  void adamw(const ElementwiseParam& e, const AdamWParams& h, const int* skip) override {
+  void adamw(std::span<const ElementwiseParam> ps, std::span<const AdamWParams> hs, const int* skip) override {
+    check(ps.size() == hs.size(), "adamw: one set of hyperparameters per parameter");
     if (skipped(skip)) return;
+    for (std::size_t i = 0; i < ps.size(); ++i) adamw_one(ps[i], hs[i]);
+  }
+
+  void lion(std::span<const ElementwiseParam> ps, std::span<const LionParams> hs, const int* skip) override {
+    check(ps.size() == hs.size(), "lion: one set of hyperparameters per parameter");
+    if (skipped(skip)) return;
+    for (std::size_t i = 0; i < ps.size(); ++i) lion_one(ps[i], hs[i]);
+  }
+
+ private:
+  void adamw_one(const ElementwiseParam& e, const AdamWParams& h) {
     const float decay = 1.0f - h.lr * h.weight_decay;
     const double t = adamw_step_number(h, *h.applied_steps);
     const float bc1 = static_cast<float>(1.0 - std::pow(static_cast<double>(h.beta1), t));
@@ -347,8 +359,7 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void lion(const ElementwiseParam& e, const LionParams& h, const int* skip) override {
-    if (skipped(skip)) return;
+  void lion_one(const ElementwiseParam& e, const LionParams& h) {
     const float decay = 1.0f - h.lr * h.weight_decay;
     auto update = [&](float* w, const float* g, float* m, int64_t n) {
       for (int64_t j = 0; j < n; ++j) {
@@ -374,7 +385,6 @@ class CpuBackend final : public Backend {
     }
   }
 
- private:
   static void mirror_lower(float* c, int64_t p) {
     for (int64_t r = 0; r < p; ++r)
       for (int64_t s = r + 1; s < p; ++s) c[r * p + s] = c[s * p + r];

@@ -308,11 +308,11 @@ class CudaBackend final : public Backend {
   DType default_iteration_dtype(bool gram) const override { return gram ? DType::F16 : DType::BF16; }
 
   // --- element-wise optimizers ---------------------------------------------------------------
-  void adamw(const ElementwiseParam& p, const AdamWParams& h, const int* skip) override {
-    launch_adamw(p, h, skip, stream_);
+  void adamw(std::span<const ElementwiseParam> ps, std::span<const AdamWParams> hs, const int* skip) override {
+    launch_adamw(ps, hs, skip, stream_);
   }
-  void lion(const ElementwiseParam& p, const LionParams& h, const int* skip) override {
-    launch_lion(p, h, skip, stream_);
+  void lion(std::span<const ElementwiseParam> ps, std::span<const LionParams> hs, const int* skip) override {
+    launch_lion(ps, hs, skip, stream_);
   }
 
   // --- knobs -------------------------------------------------------------------------------

@@ -1,8 +1,12 @@
 // elementwise_kernels.cu — memory-bound kernels of the CUDA backend: Frobenius normalisation
 // (deterministic two-pass reduction, or one pass over the matrix from its rows' sums of squares
-// as gather_rows gives them), batched transpose with dtype conversion, fused AdamW and
+// as gather_rows gives them), batched transpose with dtype conversion, multi-tensor fused AdamW and
 // Lion, and the helpers of the symmetric products (scaled-add prologue, mirror of the lower
 // triangle with a diagonal shift).
+#include <algorithm>
+#include <tuple>
+#include <vector>
+
 #include "cuda/kernels.cuh"
 
 namespace dion3::cuda {
@@ -162,19 +166,41 @@ struct AdamWElem {
   }
 };
 
-// VEC: 4 elements per access (n % 4 == 0, every pointer 4-element aligned).
-template <class TW, class TG, class TS, bool VEC>
-__global__ void adamw_kernel(TW* __restrict__ w, const TG* __restrict__ g, TS* __restrict__ m,
-                             TS* __restrict__ v, int64_t n, AdamWParams h, const int* skip) {
+// Multi-tensor AdamW and Lion: one launch updates up to kMultiTensors parameters of one dtype
+// combination, blockIdx.y picking the parameter (its pointers, size and hyperparameters ride in
+// the kernel's parameter space). vec[i]: 4 elements per access (n % 4 == 0, every pointer
+// 4-element aligned).
+constexpr int kMultiTensors = 32;  // ~2.7 KB of the 4 KB parameter space with AdamW's
+template <class H>
+struct MultiTensor {
+  void* w[kMultiTensors];
+  const void* g[kMultiTensors];
+  void* m[kMultiTensors];
+  void* v[kMultiTensors];  // AdamW's second moment
+  int64_t n[kMultiTensors];
+  H h[kMultiTensors];
+  bool vec[kMultiTensors];
+};
+
+template <class TW, class TG, class TS>
+__global__ void adamw_kernel(const __grid_constant__ MultiTensor<AdamWParams> t, const int* skip) {
   if (skipped(skip)) return;
-  const float decay = 1.0f - h.lr * h.weight_decay;
-  // Bias correction from the device step counter (as the CPU backend: double pow, float result).
-  const double t = adamw_step_number(h, *h.applied_steps);
-  const float bc1 = static_cast<float>(1.0 - pow(static_cast<double>(h.beta1), t));
-  const float bc2 = static_cast<float>(1.0 - pow(static_cast<double>(h.beta2), t));
+  const int i = blockIdx.y;
+  const AdamWParams& h = t.h[i];
+  const int64_t n = t.n[i];
+  TW* __restrict__ w = static_cast<TW*>(t.w[i]);
+  const TG* __restrict__ g = static_cast<const TG*>(t.g[i]);
+  TS* __restrict__ m = static_cast<TS*>(t.m[i]);
+  TS* __restrict__ v = static_cast<TS*>(t.v[i]);
   const int64_t start = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  if constexpr (VEC) {
+  if (start >= n) return;  // blocks past a smaller parameter's end
+  const float decay = 1.0f - h.lr * h.weight_decay;
+  // Bias correction from the device step counter (as the CPU backend: double pow, float result).
+  const double tt = adamw_step_number(h, *h.applied_steps);
+  const float bc1 = static_cast<float>(1.0 - pow(static_cast<double>(h.beta1), tt));
+  const float bc2 = static_cast<float>(1.0 - pow(static_cast<double>(h.beta2), tt));
+  if (t.vec[i]) {
     for (int64_t q = start; 4 * q < n; q += stride) {
       Pack4<TW> wp = reinterpret_cast<const Pack4<TW>*>(w)[q];
       const Pack4<TG> gp = reinterpret_cast<const Pack4<TG>*>(g)[q];
@@ -192,21 +218,26 @@ __global__ void adamw_kernel(TW* __restrict__ w, const TG* __restrict__ g, TS* _
       reinterpret_cast<Pack4<TS>*>(m)[q] = mp;
       reinterpret_cast<Pack4<TS>*>(v)[q] = vp;
     }
-  } else {
-    for (int64_t e = start; e < n; e += stride) {
-      float wv = to_f32(w[e]), mv = to_f32(m[e]), vv = to_f32(v[e]);
-      AdamWElem::apply(wv, to_f32(g[e]), mv, vv, h, decay, bc1, bc2);
-      m[e] = from_f32<TS>(mv);
-      v[e] = from_f32<TS>(vv);
-      w[e] = from_f32<TW>(wv);
-    }
+    return;
+  }
+  for (int64_t e = start; e < n; e += stride) {
+    float wv = to_f32(w[e]), mv = to_f32(m[e]), vv = to_f32(v[e]);
+    AdamWElem::apply(wv, to_f32(g[e]), mv, vv, h, decay, bc1, bc2);
+    m[e] = from_f32<TS>(mv);
+    v[e] = from_f32<TS>(vv);
+    w[e] = from_f32<TW>(wv);
   }
 }
 
 template <class TW, class TG, class TS>
-__global__ void lion_kernel(TW* __restrict__ w, const TG* __restrict__ g, TS* __restrict__ m, int64_t n,
-                            LionParams h, const int* skip) {
+__global__ void lion_kernel(const __grid_constant__ MultiTensor<LionParams> t, const int* skip) {
   if (skipped(skip)) return;
+  const int i = blockIdx.y;
+  const LionParams& h = t.h[i];
+  const int64_t n = t.n[i];
+  TW* __restrict__ w = static_cast<TW*>(t.w[i]);
+  const TG* __restrict__ g = static_cast<const TG*>(t.g[i]);
+  TS* __restrict__ m = static_cast<TS*>(t.m[i]);
   const float decay = 1.0f - h.lr * h.weight_decay;
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -408,40 +439,88 @@ void launch_convert(const MatrixView& in, const MatrixView& out, cudaStream_t s)
   DION3_CUDA_LAUNCH_CHECK();
 }
 
-void launch_adamw(const ElementwiseParam& p, const AdamWParams& h, const int* skip, cudaStream_t s) {
-  const int64_t n = p.weight.batch * p.weight.rows * p.weight.cols;
-  if (n == 0) return;
-  if (p.exp_avg.dtype != p.exp_avg_sq.dtype) fail("adamw: exp_avg and exp_avg_sq dtypes differ");
-  DION3_DISPATCH_FLOAT(p.weight.dtype, TW, [&] {
-    DION3_DISPATCH_FLOAT(p.grad.dtype, TG, [&] {
-      DION3_DISPATCH_FLOAT(p.exp_avg.dtype, TS, [&] {
-        const bool vec = n % 4 == 0 && aligned4(p.weight.data, sizeof(TW)) && aligned4(p.grad.data, sizeof(TG)) &&
-                         aligned4(p.exp_avg.data, sizeof(TS)) && aligned4(p.exp_avg_sq.data, sizeof(TS));
-        auto* w = static_cast<TW*>(p.weight.data);
-        auto* g = static_cast<const TG*>(p.grad.data);
-        auto* m = static_cast<TS*>(p.exp_avg.data);
-        auto* v = static_cast<TS*>(p.exp_avg_sq.data);
-        if (vec) adamw_kernel<TW, TG, TS, true><<<grid_for(n / 4, 256), 256, 0, s>>>(w, g, m, v, n, h, skip);
-        else adamw_kernel<TW, TG, TS, false><<<grid_for(n, 256), 256, 0, s>>>(w, g, m, v, n, h, skip);
+namespace {
+// A parameter of at least this many elements gets a launch of its own, sized for it; smaller
+// ones share launches (a launch's grid covers its largest parameter).
+constexpr int64_t kOwnLaunch = int64_t{1} << 20;
+
+int64_t numel_of(const ElementwiseParam& p) { return p.weight.batch * p.weight.rows * p.weight.cols; }
+
+// Fills MultiTensor tables with the parameters of one dtype combination and launches `launch`
+// on each: the large ones one per table, the small ones kMultiTensors per table.
+template <class H, class Launch>
+void for_each_table(std::span<const ElementwiseParam> ps, std::span<const H> hs, const char* what, Launch&& launch) {
+  if (ps.size() != hs.size()) fail(std::string(what) + ": one set of hyperparameters per parameter");
+  std::vector<std::size_t> order(ps.size());
+  for (std::size_t i = 0; i < ps.size(); ++i) order[i] = i;
+  auto key = [&](std::size_t i) {
+    return std::tuple(static_cast<int>(ps[i].weight.dtype), static_cast<int>(ps[i].grad.dtype),
+                      static_cast<int>(ps[i].exp_avg.dtype), numel_of(ps[i]) >= kOwnLaunch);
+  };
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return key(a) < key(b); });
+  MultiTensor<H> t{};
+  int used = 0;
+  int64_t max_n = 0;
+  std::size_t first = 0;  // a parameter of this table, for its dtypes
+  auto flush = [&] {
+    if (used > 0 && max_n > 0) launch(t, used, max_n, ps[first]);
+    t = MultiTensor<H>{};
+    used = 0;
+    max_n = 0;
+  };
+  for (std::size_t o = 0; o < order.size(); ++o) {
+    const std::size_t i = order[o];
+    const ElementwiseParam& p = ps[i];
+    const int64_t n = numel_of(p);
+    if (n == 0) continue;
+    if (used > 0 && (key(i) != key(first) || used == kMultiTensors || n >= kOwnLaunch)) flush();
+    if (used == 0) first = i;
+    t.w[used] = p.weight.data;
+    t.g[used] = p.grad.data;
+    t.m[used] = p.exp_avg.data;
+    t.v[used] = p.exp_avg_sq.data;
+    t.n[used] = n;
+    t.h[used] = hs[i];
+    t.vec[used] = n % 4 == 0 && aligned4(p.weight.data, dtype_size(p.weight.dtype)) &&
+                  aligned4(p.grad.data, dtype_size(p.grad.dtype)) && aligned4(p.exp_avg.data, dtype_size(p.exp_avg.dtype)) &&
+                  (!p.exp_avg_sq.data || aligned4(p.exp_avg_sq.data, dtype_size(p.exp_avg_sq.dtype)));
+    max_n = std::max(max_n, n);
+    ++used;
+  }
+  flush();
+}
+}  // namespace
+
+void launch_adamw(std::span<const ElementwiseParam> ps, std::span<const AdamWParams> hs, const int* skip,
+                  cudaStream_t s) {
+  for (const ElementwiseParam& p : ps)
+    if (p.exp_avg.dtype != p.exp_avg_sq.dtype) fail("adamw: exp_avg and exp_avg_sq dtypes differ");
+  for_each_table(ps, hs, "adamw", [&](const MultiTensor<AdamWParams>& t, int used, int64_t max_n,
+                                      const ElementwiseParam& p) {
+    DION3_DISPATCH_FLOAT(p.weight.dtype, TW, [&] {
+      DION3_DISPATCH_FLOAT(p.grad.dtype, TG, [&] {
+        DION3_DISPATCH_FLOAT(p.exp_avg.dtype, TS, [&] {
+          adamw_kernel<TW, TG, TS><<<dim3(grid_for(max_n / 4 + 1, 256), used), 256, 0, s>>>(t, skip);
+        });
       });
     });
+    DION3_CUDA_LAUNCH_CHECK();
   });
-  DION3_CUDA_LAUNCH_CHECK();
 }
 
-void launch_lion(const ElementwiseParam& p, const LionParams& h, const int* skip, cudaStream_t s) {
-  const int64_t n = p.weight.batch * p.weight.rows * p.weight.cols;
-  if (n == 0) return;
-  DION3_DISPATCH_FLOAT(p.weight.dtype, TW, [&] {
-    DION3_DISPATCH_FLOAT(p.grad.dtype, TG, [&] {
-      DION3_DISPATCH_FLOAT(p.exp_avg.dtype, TS, [&] {
-        lion_kernel<TW, TG, TS><<<grid_for(n, 256), 256, 0, s>>>(
-            static_cast<TW*>(p.weight.data), static_cast<const TG*>(p.grad.data),
-            static_cast<TS*>(p.exp_avg.data), n, h, skip);
+void launch_lion(std::span<const ElementwiseParam> ps, std::span<const LionParams> hs, const int* skip,
+                 cudaStream_t s) {
+  for_each_table(ps, hs, "lion", [&](const MultiTensor<LionParams>& t, int used, int64_t max_n,
+                                     const ElementwiseParam& p) {
+    DION3_DISPATCH_FLOAT(p.weight.dtype, TW, [&] {
+      DION3_DISPATCH_FLOAT(p.grad.dtype, TG, [&] {
+        DION3_DISPATCH_FLOAT(p.exp_avg.dtype, TS, [&] {
+          lion_kernel<TW, TG, TS><<<dim3(grid_for(max_n, 256), used), 256, 0, s>>>(t, skip);
+        });
       });
     });
+    DION3_CUDA_LAUNCH_CHECK();
   });
-  DION3_CUDA_LAUNCH_CHECK();
 }
 
 void launch_sym_prepare(const MatrixView& D, float beta, float gamma, const MatrixView& C,

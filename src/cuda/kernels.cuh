@@ -38,8 +38,12 @@ void launch_normalize(const MatrixView& in, const MatrixView& out, float eps, co
                       float* scratch, cudaStream_t s);
 void launch_transpose(const MatrixView& in, const MatrixView& out, cudaStream_t s);
 void launch_convert(const MatrixView& in, const MatrixView& out, cudaStream_t s);  // same shape
-void launch_adamw(const ElementwiseParam& p, const AdamWParams& h, const int* skip, cudaStream_t s);
-void launch_lion(const ElementwiseParam& p, const LionParams& h, const int* skip, cudaStream_t s);
+// Multi-tensor: ps[i] with hs[i]; one launch per dtype combination and per kMultiTensors small
+// tensors, one per large tensor.
+void launch_adamw(std::span<const ElementwiseParam> ps, std::span<const AdamWParams> hs, const int* skip,
+                  cudaStream_t s);
+void launch_lion(std::span<const ElementwiseParam> ps, std::span<const LionParams> hs, const int* skip,
+                 cudaStream_t s);
 // C[r][c] = beta*D[r][c] + gamma*(r==c) for every (r, c) with c < (r/tile + 1)*tile (the
 // lower-triangle tiles, diagonal tiles whole; tile = p: everything). D may alias C.
 void launch_sym_prepare(const MatrixView& D, float beta, float gamma, const MatrixView& C,

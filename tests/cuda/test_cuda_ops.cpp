@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <numeric>
 
 #include "cuda/cuda_backend.hpp"
@@ -212,8 +213,10 @@ TEST_F(CudaOps, SkipFlagLeavesEverythingUntouched) {
   dion3::ElementwiseParam ep{e.dview(), eg.dview(), ea.dview(), eb.dview()};
   dion3::DeviceBuffer steps(gpu->allocator(), sizeof(int64_t));
   gpu->fill_zero(steps.get(), sizeof(int64_t));
-  gpu->adamw(ep, dion3::AdamWParams{0.1f, 0.9f, 0.95f, 0.1f, 1e-8f, steps.as<int64_t>(), 0}, flag.as<int>());
-  gpu->lion(ep, dion3::LionParams{0.1f, 0.9f, 0.95f, 0.1f}, flag.as<int>());
+  const dion3::AdamWParams ah{0.1f, 0.9f, 0.95f, 0.1f, 1e-8f, steps.as<int64_t>(), 0};
+  const dion3::LionParams lh{0.1f, 0.9f, 0.95f, 0.1f};
+  gpu->adamw({&ep, 1}, {&ah, 1}, flag.as<int>());
+  gpu->lion({&ep, 1}, {&lh, 1}, flag.as<int>());
   EXPECT_EQ(s.w.device_values(), w0);
   EXPECT_EQ(s.m.device_values(), m0);
   EXPECT_EQ(s.v.device_values(), v0);
@@ -411,18 +414,70 @@ TEST_P(Elementwise, AdamWAndLionMatchCpu) {
   const dion3::AdamWParams ah{0.01f, 0.9f, 0.95f, 0.1f, 1e-8f, &host_steps, 0};
   dion3::AdamWParams ad = ah;
   ad.applied_steps = dev_steps.as<int64_t>();
-  cpu->adamw(hp, ah, nullptr);
-  gpu->adamw(dp, ad, nullptr);
+  cpu->adamw({&hp, 1}, {&ah, 1}, nullptr);
+  gpu->adamw({&dp, 1}, {&ad, 1}, nullptr);
   const double tw = storage_tol(c.w), ts = storage_tol(c.s);
   EXPECT_LE(ct::rel_max_diff(w.device_values(), w.host_values()), tw);
   EXPECT_LE(ct::rel_max_diff(m.device_values(), m.host_values()), ts);
   EXPECT_LE(ct::rel_max_diff(v.device_values(), v.host_values()), ts);
   w.upload(); m.upload();
   const dion3::LionParams lh{0.01f, 0.9f, 0.99f, 0.1f};
-  cpu->lion(hp, lh, nullptr);
-  gpu->lion(dp, lh, nullptr);
+  cpu->lion({&hp, 1}, {&lh, 1}, nullptr);
+  gpu->lion({&dp, 1}, {&lh, 1}, nullptr);
   EXPECT_LE(ct::rel_max_diff(w.device_values(), w.host_values()), tw);
   EXPECT_LE(ct::rel_max_diff(m.device_values(), m.host_values()), ts);
+}
+
+// Many parameters in one call: two dtype combinations, sizes from 1 element to past the
+// own-launch threshold (2^20), more than one launch's table (32), each with its own
+// hyperparameters and step offset; CPU and CUDA must agree on every one.
+TEST_F(CudaOps, MultiTensorAdamWAndLionMatchCpu) {
+  std::mt19937_64 rng(77);
+  const int64_t sizes[] = {1, 3, 4, 5, 64, 130, 4096, 10007, (int64_t{1} << 20) + 4};
+  struct Param { std::unique_ptr<Twin> w, g, m, v; };
+  std::vector<Param> params;
+  std::vector<dion3::ElementwiseParam> hp, dp;
+  std::vector<dion3::AdamWParams> ah, ad;
+  std::vector<dion3::LionParams> lh;
+  const int64_t host_steps = 4;
+  dion3::DeviceBuffer dev_steps(gpu->allocator(), sizeof(int64_t));
+  gpu->copy_from_host(dev_steps.get(), &host_steps, sizeof(int64_t));
+  for (int i = 0; i < 41; ++i) {
+    const int64_t n = sizes[i % 9];
+    const DType wd = i % 2 ? DType::BF16 : DType::F32, sd = wd;
+    Param p{std::make_unique<Twin>(*gpu, wd, 1, 1, n), std::make_unique<Twin>(*gpu, wd, 1, 1, n),
+            std::make_unique<Twin>(*gpu, sd, 1, 1, n), std::make_unique<Twin>(*gpu, sd, 1, 1, n)};
+    p.w->fill_normal(rng);
+    p.g->fill_normal(rng);
+    p.m->fill_normal(rng, 0.1f);
+    std::vector<float> vv = ct::normal_values(rng, n, 0.1f);
+    for (auto& x : vv) x *= x;
+    p.v->set_host(vv);
+    p.v->upload();
+    hp.push_back({p.w->hview(), p.g->hview(), p.m->hview(), p.v->hview()});
+    dp.push_back({p.w->dview(), p.g->dview(), p.m->dview(), p.v->dview()});
+    const float lr = 0.001f * (1 + i % 5), wdk = 0.01f * (i % 3);
+    ah.push_back({lr, 0.9f, 0.95f - 0.01f * (i % 4), wdk, 1e-8f, &host_steps, i % 3});
+    ad.push_back(ah.back());
+    ad.back().applied_steps = dev_steps.as<int64_t>();
+    lh.push_back({lr, 0.9f, 0.99f, wdk});
+    params.push_back(std::move(p));
+  }
+  cpu->adamw(hp, ah, nullptr);
+  gpu->adamw(dp, ad, nullptr);
+  for (const Param& p : params) {
+    ASSERT_LE(ct::rel_max_diff(p.w->device_values(), p.w->host_values()), storage_tol(p.w->dtype)) << p.w->cols;
+    ASSERT_LE(ct::rel_max_diff(p.m->device_values(), p.m->host_values()), storage_tol(p.m->dtype)) << p.w->cols;
+    ASSERT_LE(ct::rel_max_diff(p.v->device_values(), p.v->host_values()), storage_tol(p.v->dtype)) << p.w->cols;
+    p.w->upload();  // both backends go on from the CPU's values
+    p.m->upload();
+  }
+  cpu->lion(hp, lh, nullptr);
+  gpu->lion(dp, lh, nullptr);
+  for (const Param& p : params) {
+    ASSERT_LE(ct::rel_max_diff(p.w->device_values(), p.w->host_values()), storage_tol(p.w->dtype)) << p.w->cols;
+    ASSERT_LE(ct::rel_max_diff(p.m->device_values(), p.m->host_values()), storage_tol(p.m->dtype)) << p.w->cols;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, Elementwise,
