@@ -204,6 +204,37 @@ TEST(Orthogonalize, InputInsideTheWorkspaceEqualsASeparateInput) {
   EXPECT_GE(placed, 3);
 }
 
+// The engine hands the orthogonalizer its input's row sums of squares (gathered with the rows),
+// which spare the normalisation its own pass: the result is the one it gets summing them itself.
+TEST(Orthogonalize, GivenRowSumsOfSquaresGiveTheSameResult) {
+  Rng rng(14);
+  auto be = dion3::make_cpu_backend();
+  for (OrthMethod m : {OrthMethod::Standard, OrthMethod::Gram})
+    for (auto [r, c] : {std::pair{16, 40}, std::pair{40, 16}, std::pair{24, 24}}) {
+      const int B = 2;
+      t3::Buffer in(DType::F32, {B, r, c}, t3::gaussian(B * r, c, rng));
+      const std::vector<double> x = in.values();
+      std::vector<float> ss(static_cast<std::size_t>(B * r));
+      for (int i = 0; i < B * r; ++i) {
+        double a = 0.0;
+        for (int j = 0; j < c; ++j) a += x[i * c + j] * x[i * c + j];
+        ss[i] = static_cast<float>(a);
+      }
+      dion3::Orthogonalizer own(*be, config(m), B, r, c), given(*be, config(m), B, r, c);
+      const dion3::MatrixView a = own.run(in.matrix(B, r, c)), b = given.run(in.matrix(B, r, c), ss.data());
+      ASSERT_EQ(a.dtype, DType::F32);
+      const float* pa = static_cast<const float*>(a.data);
+      const float* pb = static_cast<const float*>(b.data);
+      double worst = 0.0, scale = 0.0;
+      for (int i = 0; i < B * r * c; ++i) {
+        worst = std::max(worst, std::abs(static_cast<double>(pa[i]) - pb[i]));
+        scale = std::max(scale, std::abs(static_cast<double>(pa[i])));
+      }
+      EXPECT_LT(worst, 1e-5 * scale) << (m == OrthMethod::Gram ? "gram " : "standard ") << r << "x" << c;
+      EXPECT_GT(scale, 0.0);
+    }
+}
+
 TEST(Orthogonalize, Bf16InputAndOutput) {
   Rng rng(12);
   const int r = 16, c = 48;
