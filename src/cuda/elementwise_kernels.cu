@@ -99,13 +99,22 @@ __global__ void scale_flat_kernel(const TI* __restrict__ x, int64_t n4, int64_t 
   const float inv = inverse_norm(partial, nparts, b, eps);
   const Pack4<TI>* xb = reinterpret_cast<const Pack4<TI>*>(x + b * bstride);
   Pack4<TO>* yb = reinterpret_cast<Pack4<TO>*>(y + b * bstride_y);
-  for (int64_t q = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; q < n4;
-       q += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const Pack4<TI> v = xb[q];
-    Pack4<TO> o;
+  // Four packs loaded before any is stored (one at a time reached ~3.3 TB/s on gpt-1b's batches).
+  constexpr int U = 4;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t q0 = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; q0 < n4; q0 += U * stride) {
+    Pack4<TI> v[U];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) o.v[e] = from_f32<TO>(to_f32(v.v[e]) * inv);
-    yb[q] = o;
+    for (int u = 0; u < U; ++u)
+      if (q0 + u * stride < n4) v[u] = xb[q0 + u * stride];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (q0 + u * stride >= n4) continue;
+      Pack4<TO> o;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o.v[e] = from_f32<TO>(to_f32(v[u].v[e]) * inv);
+      yb[q0 + u * stride] = o;
+    }
   }
 }
 

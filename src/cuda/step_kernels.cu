@@ -15,7 +15,8 @@
 namespace dion3::cuda {
 namespace {
 
-constexpr int kRowThreads = 256;
+constexpr int kRowThreads = 256;  // block-per-row kernels
+constexpr int kRowWarps = 4;      // warp-per-row kernels: rows per block
 
 template <class T>
 __device__ __forceinline__ const T* row_ptr(const void* base, int64_t ld, int64_t r) {
@@ -128,15 +129,19 @@ __global__ void select_rows_kernel(const float* __restrict__ scores, int64_t m, 
 }
 
 // ---- gather_rows: out[i][s] = scale_m*M[idx[s]] + scale_g*G[idx[s]]; M[idx[s]] *= decay ----
-// With row_sumsq, also the sum of squares of out[i][s] as stored (the block's fixed-order sum).
+// One warp per gathered row. With VEC each lane moves 4-element packs, four of them loaded before
+// any is stored (a block per row, one pack in flight per thread, reached 3.3-3.7 TB/s on gpt-1b's
+// 2048-column rows). With row_sumsq, also the sum of squares of the row as stored (each lane's
+// sum in a fixed order, then a fixed shuffle tree: reproducible).
 template <class TM, class TG, class TO, bool VEC>
-__global__ void gather_rows_kernel(const DeviceMat* __restrict__ mats, int64_t cols,
-                                   const int32_t* __restrict__ idx, int64_t k, float scale_m,
-                                   float scale_g, float decay, TO* __restrict__ out, int64_t out_ld,
-                                   int64_t out_bstride, float* __restrict__ row_sumsq, const int* skip) {
-  __shared__ float red[32];
+__global__ void __launch_bounds__(32 * kRowWarps)
+    gather_rows_kernel(const DeviceMat* __restrict__ mats, int64_t cols, const int32_t* __restrict__ idx, int64_t k,
+                       float scale_m, float scale_g, float decay, TO* __restrict__ out, int64_t out_ld,
+                       int64_t out_bstride, float* __restrict__ row_sumsq, const int* skip) {
   if (skipped(skip)) return;
-  const int64_t s = blockIdx.x, i = blockIdx.y;
+  const int lane = threadIdx.x & 31;
+  const int64_t s = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5), i = blockIdx.y;
+  if (s >= k) return;
   const DeviceMat d = mats[i];
   const int64_t r = idx ? idx[i * k + s] : s;
   TM* m = static_cast<TM*>(d.m) + r * d.ldm;
@@ -145,39 +150,55 @@ __global__ void gather_rows_kernel(const DeviceMat* __restrict__ mats, int64_t c
   const bool use_g = scale_g != 0.0f, do_decay = decay != 1.0f;
   float ss = 0.0f;
   if constexpr (VEC) {
-    // 4 elements per access (8-16 bytes): the scalar loop reached ~2.2 TB/s.
-    for (int64_t j = 4 * threadIdx.x; j < cols; j += 4 * blockDim.x) {
-      Pack4<TM> mp = *reinterpret_cast<const Pack4<TM>*>(m + j);
-      Pack4<TG> gp;
-      if (use_g) gp = *reinterpret_cast<const Pack4<TG>*>(g + j);
-      Pack4<TO> op;
+    constexpr int U = 4;
+    const int64_t n4 = cols / 4;
+    Pack4<TM>* m4 = reinterpret_cast<Pack4<TM>*>(m);
+    const Pack4<TG>* g4 = reinterpret_cast<const Pack4<TG>*>(g);
+    Pack4<TO>* o4 = reinterpret_cast<Pack4<TO>*>(o);
+    for (int64_t q0 = lane; q0 < n4; q0 += 32 * U) {
+      Pack4<TM> mp[U];
+      Pack4<TG> gp[U];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float mv = to_f32(mp.v[e]);
-        float u = scale_m * mv;
-        if (use_g) u += scale_g * to_f32(gp.v[e]);
-        op.v[e] = from_f32<TO>(u);
-        mp.v[e] = from_f32<TM>(decay * mv);
-        const float stored = to_f32(op.v[e]);
-        ss += stored * stored;
+      for (int u = 0; u < U; ++u) {
+        const int64_t q = q0 + 32 * u;
+        if (q < n4) {
+          mp[u] = m4[q];
+          if (use_g) gp[u] = g4[q];
+        }
       }
-      *reinterpret_cast<Pack4<TO>*>(o + j) = op;
-      if (do_decay) *reinterpret_cast<Pack4<TM>*>(m + j) = mp;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t q = q0 + 32 * u;
+        if (q >= n4) continue;
+        Pack4<TO> op;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float mv = to_f32(mp[u].v[e]);
+          float v = scale_m * mv;
+          if (use_g) v += scale_g * to_f32(gp[u].v[e]);
+          op.v[e] = from_f32<TO>(v);
+          mp[u].v[e] = from_f32<TM>(decay * mv);
+          const float stored = to_f32(op.v[e]);
+          ss += stored * stored;
+        }
+        o4[q] = op;
+        if (do_decay) m4[q] = mp[u];
+      }
     }
   } else {
-    for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+    for (int64_t j = lane; j < cols; j += 32) {
       const float mv = to_f32(m[j]);
-      float u = scale_m * mv;
-      if (use_g) u += scale_g * to_f32(g[j]);
-      const TO ov = from_f32<TO>(u);
+      float v = scale_m * mv;
+      if (use_g) v += scale_g * to_f32(g[j]);
+      const TO ov = from_f32<TO>(v);
       o[j] = ov;
       if (do_decay) m[j] = from_f32<TM>(decay * mv);
       ss += to_f32(ov) * to_f32(ov);
     }
   }
-  if (row_sumsq) {  // uniform across the block
-    ss = block_sum(ss, red);
-    if (threadIdx.x == 0) row_sumsq[i * k + s] = ss;
+  if (row_sumsq) {
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    if (lane == 0) row_sumsq[i * k + s] = ss;
   }
 }
 
@@ -188,7 +209,6 @@ __global__ void gather_rows_kernel(const DeviceMat* __restrict__ mats, int64_t c
 // (~64-96 bytes) before it stores any, so independent accesses are in flight per thread. On
 // llama-7b shapes (H200, bf16 W) the block-per-row kernel with one 4-element access in flight
 // per thread reached 3.1-3.5 TB/s, this one 4.05-4.2 TB/s.
-constexpr int kRowWarps = 4;  // rows per block
 
 template <class... T>
 constexpr int group_of() {
@@ -230,50 +250,46 @@ __device__ __forceinline__ int64_t warp_find(const int32_t* __restrict__ id, int
 // inv = 1/(sqrt(v)+1e-8). Pass 2: per matrix, the Frobenius rescale factor. Pass 3: decay all
 // rows, subtract the scaled update from the selected ones. O is read twice (passes 1 and 3):
 // the rescale needs every row's sum before any row is updated.
+// One warp per selected row (kRowWarps rows per block), four 4-element packs per lane in
+// flight; each lane sums its elements in a fixed order, then a fixed shuffle tree (reproducible).
 template <class TO>
-__global__ void normuon_rows_kernel(const DeviceMat* __restrict__ mats, int64_t cols,
-                                    const int32_t* __restrict__ idx, int64_t k,
-                                    const TO* __restrict__ O, int64_t o_ld, int64_t o_bstride, bool vec,
-                                    float beta2, float* __restrict__ rowsq, float* __restrict__ inv,
-                                    const int* skip) {
+__global__ void __launch_bounds__(32 * kRowWarps)
+    normuon_rows_kernel(const DeviceMat* __restrict__ mats, int64_t cols, const int32_t* __restrict__ idx, int64_t k,
+                        const TO* __restrict__ O, int64_t o_ld, int64_t o_bstride, bool vec, float beta2,
+                        float* __restrict__ rowsq, float* __restrict__ inv, const int* skip) {
   if (skipped(skip)) return;
-  __shared__ float red[32];
-  const int64_t s = blockIdx.x, i = blockIdx.y;
+  const int lane = threadIdx.x & 31;
+  const int64_t s = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5), i = blockIdx.y;
+  if (s >= k) return;
   const TO* o = O + i * o_bstride + s * o_ld;
   // The variance element is fetched up front, so its latency overlaps the row's loads.
-  float* v = nullptr;
-  float v_old = 0.0f;
-  if (threadIdx.x == 0) {
-    v = mats[i].v + (idx ? idx[i * k + s] : s);
-    v_old = *v;
-  }
+  float* v = mats[i].v + (idx ? idx[i * k + s] : s);
+  const float v_old = lane == 0 ? *v : 0.0f;
   float acc = 0.0f;
   if (vec) {
-    // Four 4-element packs loaded before any is summed; each thread adds its elements in the
-    // same order as a one-pack-per-iteration loop would (the sums do not depend on the unrolling).
     constexpr int U = 4;
     const Pack4<TO>* o4 = reinterpret_cast<const Pack4<TO>*>(o);
-    const int64_t n4 = cols / 4, bd = blockDim.x;
-    for (int64_t q0 = threadIdx.x; q0 < n4; q0 += U * bd) {
+    const int64_t n4 = cols / 4;
+    for (int64_t q0 = lane; q0 < n4; q0 += 32 * U) {
       Pack4<TO> p[U];
 #pragma unroll
       for (int u = 0; u < U; ++u)
-        if (q0 + u * bd < n4) p[u] = o4[q0 + u * bd];
+        if (q0 + 32 * u < n4) p[u] = o4[q0 + 32 * u];
 #pragma unroll
       for (int u = 0; u < U; ++u)
-        if (q0 + u * bd < n4) {
+        if (q0 + 32 * u < n4) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc += to_f32(p[u].v[e]) * to_f32(p[u].v[e]);
         }
     }
   } else {
-    for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+    for (int64_t j = lane; j < cols; j += 32) {
       const float x = to_f32(o[j]);
       acc += x * x;
     }
   }
-  acc = block_sum(acc, red);
-  if (threadIdx.x == 0) {
+  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (lane == 0) {
     const float nv = beta2 * v_old + (1.0f - beta2) * (acc / static_cast<float>(cols));
     *v = nv;
     rowsq[i * k + s] = acc;
@@ -489,7 +505,7 @@ void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int6
                         bool vec) {
   (void)rows;
   if (nmats == 0 || k == 0) return;
-  dim3 grid(static_cast<unsigned>(k), static_cast<unsigned>(nmats));
+  dim3 grid(ceil_div_u(k, kRowWarps), static_cast<unsigned>(nmats));
   const int64_t obs = out.batch > 1 ? out.batch_stride : k * out.ld;
   const bool vo = vec && out.ld % 4 == 0 && obs % 4 == 0 && aligned4(out.data, dtype_size(out.dtype));
   DION3_DISPATCH_FLOAT(mdt, TM, [&] {
@@ -497,10 +513,10 @@ void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int6
       DION3_DISPATCH_FLOAT(out.dtype, TO, [&] {
         auto* o = static_cast<TO*>(out.data);
         if (vo)
-          gather_rows_kernel<TM, TG, TO, true><<<grid, kRowThreads, 0, s>>>(mats, cols, idx, k, scale_m, scale_g,
+          gather_rows_kernel<TM, TG, TO, true><<<grid, 32 * kRowWarps, 0, s>>>(mats, cols, idx, k, scale_m, scale_g,
                                                                             decay, o, out.ld, obs, row_sumsq, skip);
         else
-          gather_rows_kernel<TM, TG, TO, false><<<grid, kRowThreads, 0, s>>>(mats, cols, idx, k, scale_m, scale_g,
+          gather_rows_kernel<TM, TG, TO, false><<<grid, 32 * kRowWarps, 0, s>>>(mats, cols, idx, k, scale_m, scale_g,
                                                                              decay, o, out.ld, obs, row_sumsq, skip);
       });
     });
@@ -526,8 +542,8 @@ void launch_apply_update(const DeviceMat* mats, int64_t nmats, int64_t rows, int
     const TO* o = static_cast<const TO*>(O.data);
     if (p.normuon && k > 0) {
       const bool o4 = cols % 4 == 0 && O.ld % 4 == 0 && obs % 4 == 0 && aligned4(O.data, sizeof(TO));
-      normuon_rows_kernel<TO><<<dim3(static_cast<unsigned>(k), static_cast<unsigned>(nmats)), kRowThreads, 0, s>>>(
-          mats, cols, idx, k, o, O.ld, obs, o4, p.beta2, rowsq, inv, skip);
+      normuon_rows_kernel<TO><<<dim3(ceil_div_u(k, kRowWarps), static_cast<unsigned>(nmats)), 32 * kRowWarps,
+                                0, s>>>(mats, cols, idx, k, o, O.ld, obs, o4, p.beta2, rowsq, inv, skip);
       DION3_CUDA_LAUNCH_CHECK();
       normuon_factor_kernel<<<static_cast<unsigned>(nmats), 256, 0, s>>>(k, rowsq, inv, factor, skip);
       DION3_CUDA_LAUNCH_CHECK();
@@ -566,7 +582,10 @@ void launch_check_finite(std::span<const MatrixView> xs, int* flag, cudaStream_t
       max_total = std::max(max_total, f.total);
     }
     if (max_total == 0) continue;
-    const unsigned gx = std::min<unsigned>(ceil_div_u(max_total, 256 * 8), 1024);
+    // Blocks per view: each thread reads 8 16-byte words where the view is large enough (two
+    // rounds of four loads in flight); one word each left blocks too short-lived (gpt-1b's 96
+    // matrices: ~3.9 TB/s).
+    const unsigned gx = std::min<unsigned>(ceil_div_u(max_total, 256 * 8 * 8), 1024);
     check_finite_kernel<<<dim3(gx, static_cast<unsigned>(n)), 256, 0, s>>>(args, flag);
     DION3_CUDA_LAUNCH_CHECK();
   }
