@@ -582,10 +582,7 @@ void launch_check_finite(std::span<const MatrixView> xs, int* flag, cudaStream_t
       max_total = std::max(max_total, f.total);
     }
     if (max_total == 0) continue;
-    // Blocks per view: each thread reads 8 16-byte words where the view is large enough (two
-    // rounds of four loads in flight); one word each left blocks too short-lived (gpt-1b's 96
-    // matrices: ~3.9 TB/s).
-    const unsigned gx = std::min<unsigned>(ceil_div_u(max_total, 256 * 8 * 8), 1024);
+    const unsigned gx = std::min<unsigned>(ceil_div_u(max_total, 256 * 8), 1024);
     check_finite_kernel<<<dim3(gx, static_cast<unsigned>(n)), 256, 0, s>>>(args, flag);
     DION3_CUDA_LAUNCH_CHECK();
   }
