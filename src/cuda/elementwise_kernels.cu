@@ -190,17 +190,26 @@ struct MultiTensor {
   H h[kMultiTensors];
   bool vec[kMultiTensors];
 };
+// Parameter i of a table, typed.
+template <class TW, class TG, class TS, class H>
+struct TableEntry {
+  TW* __restrict__ w;
+  const TG* __restrict__ g;
+  TS* __restrict__ m;
+  TS* __restrict__ v;
+  int64_t n;
+  const H& h;
+};
+template <class TW, class TG, class TS, class H>
+__device__ __forceinline__ TableEntry<TW, TG, TS, H> entry(const MultiTensor<H>& t, int i) {
+  return {static_cast<TW*>(t.w[i]), static_cast<const TG*>(t.g[i]), static_cast<TS*>(t.m[i]),
+          static_cast<TS*>(t.v[i]), t.n[i], t.h[i]};
+}
 
 template <class TW, class TG, class TS>
 __global__ void adamw_kernel(const __grid_constant__ MultiTensor<AdamWParams> t, const int* skip) {
   if (skipped(skip)) return;
-  const int i = blockIdx.y;
-  const AdamWParams& h = t.h[i];
-  const int64_t n = t.n[i];
-  TW* __restrict__ w = static_cast<TW*>(t.w[i]);
-  const TG* __restrict__ g = static_cast<const TG*>(t.g[i]);
-  TS* __restrict__ m = static_cast<TS*>(t.m[i]);
-  TS* __restrict__ v = static_cast<TS*>(t.v[i]);
+  const auto [w, g, m, v, n, h] = entry<TW, TG, TS>(t, blockIdx.y);
   const int64_t start = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   if (start >= n) return;  // blocks past a smaller parameter's end
@@ -209,7 +218,7 @@ __global__ void adamw_kernel(const __grid_constant__ MultiTensor<AdamWParams> t,
   const double tt = adamw_step_number(h, *h.applied_steps);
   const float bc1 = static_cast<float>(1.0 - pow(static_cast<double>(h.beta1), tt));
   const float bc2 = static_cast<float>(1.0 - pow(static_cast<double>(h.beta2), tt));
-  if (t.vec[i]) {
+  if (t.vec[blockIdx.y]) {
     for (int64_t q = start; 4 * q < n; q += stride) {
       Pack4<TW> wp = reinterpret_cast<const Pack4<TW>*>(w)[q];
       const Pack4<TG> gp = reinterpret_cast<const Pack4<TG>*>(g)[q];
@@ -241,12 +250,7 @@ __global__ void adamw_kernel(const __grid_constant__ MultiTensor<AdamWParams> t,
 template <class TW, class TG, class TS>
 __global__ void lion_kernel(const __grid_constant__ MultiTensor<LionParams> t, const int* skip) {
   if (skipped(skip)) return;
-  const int i = blockIdx.y;
-  const LionParams& h = t.h[i];
-  const int64_t n = t.n[i];
-  TW* __restrict__ w = static_cast<TW*>(t.w[i]);
-  const TG* __restrict__ g = static_cast<const TG*>(t.g[i]);
-  TS* __restrict__ m = static_cast<TS*>(t.m[i]);
+  const auto [w, g, m, v, n, h] = entry<TW, TG, TS>(t, blockIdx.y);
   const float decay = 1.0f - h.lr * h.weight_decay;
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
