@@ -188,7 +188,10 @@ class CudaBackend final : public Backend {
     if (set->table.bytes() < n * sizeof(DeviceMat)) set->table = DeviceBuffer(*alloc_, n * sizeof(DeviceMat));
     set->vec = vec_of(*set);
     std::memcpy(set->host, next.data(), n * sizeof(DeviceMat));
-    set->uploaded_table = std::move(next);
+    // A captured copy runs only when the graph is replayed: the device table is known only after
+    // an eager one.
+    if (cap == cudaStreamCaptureStatusNone) set->uploaded_table = std::move(next);
+    else set->uploaded_table.clear();
     DION3_CUDA_CHECK(cudaMemcpyAsync(set->table.get(), set->host, n * sizeof(DeviceMat),
                                      cudaMemcpyHostToDevice, stream_));
     if (cap == cudaStreamCaptureStatusNone) {
