@@ -90,18 +90,22 @@ struct DeviceMat {
   int64_t ldw, ldg, ldm;
 };
 
+// Warp-wide sum (all 32 lanes); result valid in every lane. Fixed order: reproducible.
+__device__ __forceinline__ float warp_sum(float x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
 // Block-wide sum (blockDim.x a multiple of 32, <= 1024); result valid in every thread.
 // Fixed reduction order, so results are bitwise reproducible.
 __device__ __forceinline__ float block_sum(float x, float* smem32) {
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  x = warp_sum(x);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   __syncthreads();  // smem32 may still be read by a previous call
   if (lane == 0) smem32[warp] = x;
   __syncthreads();
   const int nw = (blockDim.x + 31) >> 5;
-  float y = lane < nw ? smem32[lane] : 0.0f;
-  for (int o = 16; o > 0; o >>= 1) y += __shfl_xor_sync(0xffffffffu, y, o);
-  return y;
+  return warp_sum(lane < nw ? smem32[lane] : 0.0f);
 }
 
 }  // namespace dion3::cuda

@@ -49,7 +49,7 @@ __device__ __forceinline__ float inverse_norm(const float* __restrict__ partial,
   if (threadIdx.x < 32) {
     float a = 0.0f;
     for (int j = threadIdx.x; j < nparts; j += 32) a += partial[b * nparts + j];
-    for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+    a = warp_sum(a);
     if (threadIdx.x == 0) s_inv = 1.0f / (sqrtf(a) + eps);
   }
   __syncthreads();

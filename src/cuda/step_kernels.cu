@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(32 * kRowWarps)
     }
   }
   if (row_sumsq) {
-    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    ss = warp_sum(ss);
     if (lane == 0) row_sumsq[i * k + s] = ss;
   }
 }
@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(32 * kRowWarps)
       acc += x * x;
     }
   }
-  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  acc = warp_sum(acc);
   if (lane == 0) {
     const float nv = beta2 * v_old + (1.0f - beta2) * (acc / static_cast<float>(cols));
     *v = nv;
