@@ -65,16 +65,20 @@ def test_runs_on_a_side_stream():
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and dion3.cuda_built()), reason="needs CUDA")
 def test_cuda_graph_capture_of_step():
-    # Matrix groups only: the host-side step counter of AdamW groups would be frozen in a graph.
-    ps = [nn.Parameter(torch.randn(64, 32, device="cuda")) for _ in range(3)]
+    # Matrices, and vectors in AdamW and Lion groups (their bias correction reads the step count
+    # on the device, so replays stay right; many small ones share a multi-tensor launch).
+    shapes = [(64, 32)] * 3 + [(32,)] * 5 + [(7,)] * 3
+    ps = [nn.Parameter(torch.randn(*s, device="cuda")) for s in shapes]
     qs = [nn.Parameter(p.detach().clone()) for p in ps]
     grads = [torch.randn_like(p) for p in ps]
     for p, g in zip(ps, grads):
         p.grad = g
     for q, g in zip(qs, grads):
         q.grad = g.clone()
-    opt = dion3.Dion3(ps, on_nonfinite="skip")
-    eager = dion3.Dion3(qs, on_nonfinite="skip")
+    groups = lambda xs: [dict(params=xs[:3]), dict(params=xs[3:8], algorithm="adamw"),  # noqa: E731
+                         dict(params=xs[8:], algorithm="lion", lr=1e-3)]
+    opt = dion3.Dion3(groups(ps), on_nonfinite="skip")
+    eager = dion3.Dion3(groups(qs), on_nonfinite="skip")
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -92,6 +96,7 @@ def test_cuda_graph_capture_of_step():
         assert torch.allclose(p, q, atol=1e-6)
     # Replays advance the step counters on the device; state_dict() folds them in.
     assert opt.state_dict()["state"][0]["step"] == 4 == eager.state[qs[0]]["step"]
+    assert opt.state_dict()["state"][3]["step"] == 4 == eager.state[qs[3]]["step"]  # an AdamW vector
     assert opt.steps_skipped == 0
 
 
