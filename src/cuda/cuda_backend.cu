@@ -6,9 +6,9 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <vector>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "cuda/cuda_backend.hpp"
 #include "cuda/kernels.cuh"
@@ -165,15 +165,14 @@ class CudaBackend final : public Backend {
                           pm.weight.ld ? pm.weight.ld : pm.weight.cols, pm.grad.ld ? pm.grad.ld : pm.grad.cols,
                           pm.momentum.ld ? pm.momentum.ld : pm.momentum.cols};
     }
+    set->vec = vec_of(*set);
     cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
     DION3_CUDA_CHECK(cudaStreamIsCapturing(stream_, &cap));
     // The table on the device already holds these entries (the usual case from one step to the
     // next): no copy. Under capture the copy is always recorded, so that the graph carries it.
     if (cap == cudaStreamCaptureStatusNone && set->uploaded_count == n && set->uploaded_table.size() == n &&
-        std::memcmp(set->uploaded_table.data(), next.data(), n * sizeof(DeviceMat)) == 0) {
-      set->vec = vec_of(*set);
+        std::memcmp(set->uploaded_table.data(), next.data(), n * sizeof(DeviceMat)) == 0)
       return;
-    }
     // The staging buffer may still be read by the previous upload: wait for it (it is
     // normally long done), except under capture where events cannot be waited on.
     if (set->pending && cap == cudaStreamCaptureStatusNone) {
@@ -186,7 +185,6 @@ class CudaBackend final : public Backend {
       set->host_cap = n;
     }
     if (set->table.bytes() < n * sizeof(DeviceMat)) set->table = DeviceBuffer(*alloc_, n * sizeof(DeviceMat));
-    set->vec = vec_of(*set);
     std::memcpy(set->host, next.data(), n * sizeof(DeviceMat));
     // A captured copy runs only when the graph is replayed: the device table is known only after
     // an eager one.
