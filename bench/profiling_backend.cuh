@@ -63,8 +63,8 @@ class ProfilingBackend final : public dion3::Backend {
     shape_ = "all";
     wrap("check_finite", [&] { in_->check_finite(xs, flag); });
   }
-  void accumulate(const dion3::MatrixSet& s, float d, float* sc, const int* k) override {
-    wrap("accumulate", [&] { in_->accumulate(s, d, sc, k); });
+  void accumulate(const dion3::MatrixSet& s, float d, float* sc, float* ss, const int* k) override {
+    wrap("accumulate", [&] { in_->accumulate(s, d, sc, ss, k); });
   }
   void select_rows(const float* s, int64_t c, int64_t m, int64_t k, int32_t* i, const int* sk) override {
     wrap("select", [&] { in_->select_rows(s, c, m, k, i, sk); });
@@ -72,7 +72,11 @@ class ProfilingBackend final : public dion3::Backend {
   void gather_rows(const dion3::MatrixSet& s, const int32_t* i, int64_t k, float a, float b, float d,
                    dion3::MatrixView o, float* ss, const int* sk) override {
     wrap("gather", [&] { in_->gather_rows(s, i, k, a, b, d, o, ss, sk); });
+  }  void gather_normalized(const dion3::MatrixSet& s, const int32_t* i, int64_t k, float d, const float* ss,
+                         float eps, dion3::MatrixView o, const int* sk) override {
+    wrap("gather", [&] { in_->gather_normalized(s, i, k, d, ss, eps, o, sk); });
   }
+
   void apply_update(const dion3::MatrixSet& s, const int32_t* i, int64_t k, dion3::MatrixView o,
                     const dion3::UpdateParams& p, const int* sk) override {
     wrap("update", [&] { in_->apply_update(s, i, k, o, p, sk); });

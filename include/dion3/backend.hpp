@@ -107,8 +107,10 @@ class Backend {
   // *flag |= 1 if any element of any view is NaN or Inf.
   virtual void check_finite(std::span<const MatrixView> xs, int* flag) = 0;
   // M = decay*M + G for each matrix; if scores != null, scores[i*rows + r] = sum_j |M_i[r,j]|
-  // taken after the update.
-  virtual void accumulate(const MatrixSet& set, float decay, float* scores, const int* skip) = 0;
+  // taken after the update; if row_sumsq != null, row_sumsq[i*rows + r] = sum_j M_i[r,j]^2 (both
+  // of the values as stored).
+  virtual void accumulate(const MatrixSet& set, float decay, float* scores, float* row_sumsq,
+                          const int* skip) = 0;
   // For each of `count` score vectors of length m: the k rows of largest score, ties to the
   // lower index, written to idx[i*k ...] in ascending row order.
   virtual void select_rows(const float* scores, int64_t count, int64_t m, int64_t k, int32_t* idx,
@@ -119,6 +121,11 @@ class Backend {
   // to out's dtype), for normalize (spares it a pass over out).
   virtual void gather_rows(const MatrixSet& set, const int32_t* idx, int64_t k, float scale_m,
                            float scale_g, float decay, MatrixView out, float* row_sumsq, const int* skip) = 0;
+  // out[i] (k x cols) = M_i[idx_i] / (sqrt(sum_s row_sumsq[i*rows + idx_i[s]]) + eps), rounded to
+  // out's dtype, then M_i[idx_i] *= decay: the gather and the normalisation of SPEC §2 in one
+  // pass, with the row sums of squares accumulate() gave. out is contiguous, any float dtype.
+  virtual void gather_normalized(const MatrixSet& set, const int32_t* idx, int64_t k, float decay,
+                                 const float* row_sumsq, float eps, MatrixView out, const int* skip) = 0;
   // Per matrix i with rows idx_i (null = all): optional NorMuon normalisation of O_i with the
   // variance rows idx_i, then W_i *= (1 - lr*wd) on all rows and W_i[idx_i] -= lr' * O_i.
   virtual void apply_update(const MatrixSet& set, const int32_t* idx, int64_t k, MatrixView O,

@@ -47,6 +47,13 @@ class Orthogonalizer {
   // in_row_sumsq, if not null: the sums of squares of in's rows (batch x rows, as
   // Backend::gather_rows gives them), which spare the normalisation a pass over in.
   MatrixView run(MatrixView in, const float* in_row_sumsq = nullptr);
+  // For callers that normalise while they gather (Backend::gather_normalized, with eps =
+  // kNormEps): where non-transposed runs (rows <= cols) iterate, in the iteration dtype. Write
+  // the normalised input there and call run_normalized(), which returns as run(in) does; the
+  // normalising pass over the input is gone.
+  static constexpr float kNormEps = 1e-7f;
+  MatrixView normalized_input() const;
+  MatrixView run_normalized();
 
   OrthMethod method() const { return method_; }
   DType iteration_dtype() const { return dtype_; }

@@ -49,7 +49,10 @@ struct Megabatch {
   std::vector<std::unique_ptr<Orthogonalizer>> orths;  // one per distinct chunk size
   DeviceBuffer scores;   // members x rows fp32
   DeviceBuffer indices;  // members x k int32
-  DeviceBuffer row_sumsq;  // members x k fp32: the gathered rows' sums of squares (normalize's)
+  // Row sums of squares (fp32) for the normalisation: members x rows of M from accumulate when
+  // the gather normalises (gathers_normalized), else members x k of the gathered rows U.
+  DeviceBuffer row_sumsq;
+  bool gathers_normalized = false;  // Dion3 with k <= cols: Backend::gather_normalized
   std::size_t chunk_bytes = 0;  // arena bytes the largest chunk needs
 };
 

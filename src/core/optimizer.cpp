@@ -269,10 +269,14 @@ void Optimizer::Impl::build_plan() {
     const GroupConfig& g = groups[mb.group];
     const auto n = static_cast<int64_t>(mb.members.size());
     // Arena layout of a chunk of `count` members: the update rows U are read only by the
-    // orthogonalizer's first pass, so they lie inside its workspace where they fit there.
+    // orthogonalizer's first pass, so they lie inside its workspace where they fit there (and
+    // take no room when the gather writes the orthogonalizer's normalised input itself).
+    mb.gathers_normalized = g.algorithm == Algorithm::Dion3 && mb.k <= mb.cols;
     auto layout = [&](int64_t count, Chunk* c) {
-      const std::size_t u = align_up(static_cast<std::size_t>(count * mb.k * mb.cols) *
-                                     dtype_size(update_rows_dtype(g, mb.momentum_dtype)));
+      const std::size_t u = mb.gathers_normalized
+                                ? 0
+                                : align_up(static_cast<std::size_t>(count * mb.k * mb.cols) *
+                                           dtype_size(update_rows_dtype(g, mb.momentum_dtype)));
       const std::size_t ws = Orthogonalizer::required_workspace(*backend, g.orth, count, mb.k, mb.cols);
       const std::size_t in_ws = Orthogonalizer::input_offset(*backend, g.orth, count, mb.k, mb.cols, u);
       const bool inside = in_ws != Orthogonalizer::kNoInputRoom;
@@ -292,7 +296,8 @@ void Optimizer::Impl::build_plan() {
       mb.scores = DeviceBuffer(alloc, static_cast<std::size_t>(n * mb.rows) * sizeof(float));
       mb.indices = DeviceBuffer(alloc, static_cast<std::size_t>(n * mb.k) * sizeof(int32_t));
     }
-    mb.row_sumsq = DeviceBuffer(alloc, static_cast<std::size_t>(n * mb.k) * sizeof(float));
+    mb.row_sumsq = DeviceBuffer(alloc, static_cast<std::size_t>(n * (mb.gathers_normalized ? mb.rows : mb.k)) *
+                                           sizeof(float));
     for (int64_t first = 0; first < n; first += chunk) {
       Chunk c;
       c.first = first;
@@ -334,7 +339,7 @@ std::vector<MegabatchInfo> Optimizer::plan() {
     info.selected_rows = mb.k;
     info.method = mb.chunks.front().orth->method();
     info.iteration_dtype = mb.chunks.front().orth->iteration_dtype();
-    info.workspace_bytes = mb.chunk_bytes + mb.scores.bytes() + mb.indices.bytes();
+    info.workspace_bytes = mb.chunk_bytes + mb.scores.bytes() + mb.indices.bytes() + mb.row_sumsq.bytes();
     info.chunk = mb.chunks.front().count;
     out.push_back(info);
   }
@@ -408,26 +413,36 @@ void Optimizer::Impl::enqueue_step() {
     const bool dion3 = g.algorithm == Algorithm::Dion3;
     float* scores = mb.scores.as<float>();
     int32_t* idx = mb.indices.as<int32_t>();
+    float* row_sumsq = mb.row_sumsq.as<float>();
     if (dion3) {
-      be.accumulate(*mb.set, 1.0f, scores, flag);         // M += G, row l1 scores
+      // M += G, row l1 scores (and sums of squares, for the normalisation in the gather)
+      be.accumulate(*mb.set, 1.0f, scores, mb.gathers_normalized ? row_sumsq : nullptr, flag);
       be.select_rows(scores, n, mb.rows, mb.k, idx, flag);  // S = top-k rows
     } else {
-      be.accumulate(*mb.set, mu, nullptr, flag);  // M = mu M + G
+      be.accumulate(*mb.set, mu, nullptr, nullptr, flag);  // M = mu M + G
     }
     up.normuon = g.algorithm != Algorithm::Muon;
     for (Chunk& c : mb.chunks) {
       c.set->mats.assign(mb.set->mats.begin() + c.first, mb.set->mats.begin() + c.first + c.count);
       be.refresh(*c.set);
-      MatrixView U = MatrixView::contiguous(s.arena.as<char>() + c.update_offset,
-                                            update_rows_dtype(g, mb.momentum_dtype), c.count, mb.k, mb.cols);
       const int32_t* rows = dion3 ? idx + c.first * mb.k : nullptr;
-      float* ss = mb.row_sumsq.as<float>() + c.first * mb.k;  // U's row sums of squares
-      if (dion3) be.gather_rows(*c.set, rows, mb.k, 1.0f, 0.0f, mu, U, ss, flag);  // U = M[S]; M[S] *= mu
-      else if (g.nesterov) be.gather_rows(*c.set, nullptr, mb.k, mu, 1.0f, 1.0f, U, ss, flag);  // U = mu M + G
-      else be.gather_rows(*c.set, nullptr, mb.k, 1.0f, 0.0f, 1.0f, U, ss, flag);                 // U = M
-      // The update reads the orthogonalizer's result in its iteration dtype (no conversion pass);
-      // U's norm comes from the row sums (no pass over U before the normalising one).
-      const MatrixView O = c.orth->run(U, ss);
+      MatrixView O;
+      if (mb.gathers_normalized) {
+        // X = M[S] / ||M[S]||, straight into the orthogonalizer's buffer; M[S] *= mu.
+        be.gather_normalized(*c.set, rows, mb.k, mu, row_sumsq + c.first * mb.rows, Orthogonalizer::kNormEps,
+                             c.orth->normalized_input(), flag);
+        O = c.orth->run_normalized();
+      } else {
+        MatrixView U = MatrixView::contiguous(s.arena.as<char>() + c.update_offset,
+                                              update_rows_dtype(g, mb.momentum_dtype), c.count, mb.k, mb.cols);
+        float* ss = row_sumsq + c.first * mb.k;  // U's row sums of squares
+        if (dion3) be.gather_rows(*c.set, rows, mb.k, 1.0f, 0.0f, mu, U, ss, flag);  // U = M[S]; M[S] *= mu
+        else if (g.nesterov) be.gather_rows(*c.set, nullptr, mb.k, mu, 1.0f, 1.0f, U, ss, flag);  // U = mu M + G
+        else be.gather_rows(*c.set, nullptr, mb.k, 1.0f, 0.0f, 1.0f, U, ss, flag);                 // U = M
+        // U's norm comes from the row sums (no pass over U before the normalising one).
+        O = c.orth->run(U, ss);
+      }
+      // The update reads the orthogonalizer's result in its iteration dtype (no conversion pass).
       be.apply_update(*c.set, rows, mb.k, O, up, flag);
     }
   }

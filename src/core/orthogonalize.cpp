@@ -15,7 +15,6 @@
 namespace dion3 {
 
 namespace {
-constexpr float kNormEps = 1e-7f;
 // p x p scratch matrices each method needs: A, B (standard); R, W, Q, S (Gram).
 int squares_of(OrthMethod m) { return m == OrthMethod::Gram ? 4 : 2; }
 // p x q matrices: X and its partner, except square standard runs (the partner is A's square).
@@ -142,18 +141,17 @@ MatrixView Orthogonalizer::run(MatrixView in, const float* in_row_sumsq) {
          std::to_string(cols) + " but got input " + std::to_string(in.batch) + "x" + std::to_string(in.rows) +
          "x" + std::to_string(in.cols));
   MatrixView X = wide(0);
-  if (transposed_) {
-    MatrixView tmp = wide(1);
-    tmp.rows = rows;
-    tmp.cols = cols;
-    tmp.ld = cols;
-    backend_.normalize(in, tmp, kNormEps, in_row_sumsq);
-    backend_.convert(tmp, X, true);
-  } else {
+  if (!transposed_) {
     backend_.normalize(in, X, kNormEps, in_row_sumsq);
+    return run_normalized();
   }
+  MatrixView tmp = wide(1);
+  tmp.rows = rows;
+  tmp.cols = cols;
+  tmp.ld = cols;
+  backend_.normalize(in, tmp, kNormEps, in_row_sumsq);
+  backend_.convert(tmp, X, true);
   const MatrixView result = method_ == OrthMethod::Gram ? gram(X) : standard(X);
-  if (!transposed_) return result;
   // Transposed, p < q, so both methods have two wides: the result is in one, the other is free.
   MatrixView T = wide(result.data == wide(0).data ? 1 : 0);
   T.rows = rows;
@@ -161,6 +159,16 @@ MatrixView Orthogonalizer::run(MatrixView in, const float* in_row_sumsq) {
   T.ld = cols;
   backend_.convert(result, T, true);
   return T;
+}
+
+MatrixView Orthogonalizer::normalized_input() const {
+  if (transposed_) fail("orthogonalize: a transposed run (rows > cols) normalises its input itself");
+  return wide(0);
+}
+
+MatrixView Orthogonalizer::run_normalized() {
+  const MatrixView X = normalized_input();
+  return method_ == OrthMethod::Gram ? gram(X) : standard(X);
 }
 
 MatrixView Orthogonalizer::standard(MatrixView X) {

@@ -116,7 +116,7 @@ class CpuBackend final : public Backend {
         }
   }
 
-  void accumulate(const MatrixSet& set, float decay, float* scores, const int* skip) override {
+  void accumulate(const MatrixSet& set, float decay, float* scores, float* row_sumsq, const int* skip) override {
     if (skipped(skip)) return;
     std::vector<float> m, g;
     const int64_t rows = set.rows();
@@ -129,12 +129,15 @@ class CpuBackend final : public Backend {
         load_row(p.grad, 0, r, g.data());
         for (int64_t j = 0; j < p.momentum.cols; ++j) m[j] = decay * m[j] + g[j];
         store_row(p.momentum, 0, r, m.data());
-        if (scores) {
-          // Score what is stored: the rounded momentum, as a device kernel reading M back would.
-          double s = 0.0;
-          for (int64_t j = 0; j < p.momentum.cols; ++j) s += std::fabs(cpu::round_to(p.momentum.dtype, m[j]));
-          scores[i * rows + r] = static_cast<float>(s);
+        // Score what is stored: the rounded momentum, as a device kernel reading M back would.
+        double l1 = 0.0, sq = 0.0;
+        for (int64_t j = 0; j < p.momentum.cols; ++j) {
+          const double v = cpu::round_to(p.momentum.dtype, m[j]);
+          l1 += std::fabs(v);
+          sq += v * v;
         }
+        if (scores) scores[i * rows + r] = static_cast<float>(l1);
+        if (row_sumsq) row_sumsq[i * rows + r] = static_cast<float>(sq);
       }
     }
   }
@@ -180,6 +183,32 @@ class CpuBackend final : public Backend {
         }
         if (decay != 1.0f) {
           for (int64_t c = 0; c < cols; ++c) m[c] *= decay;
+          store_row(p.momentum, 0, r, m.data());
+        }
+      }
+    }
+  }
+
+  void gather_normalized(const MatrixSet& set, const int32_t* idx, int64_t k, float decay, const float* row_sumsq,
+                         float eps, MatrixView out, const int* skip) override {
+    if (skipped(skip)) return;
+    const int64_t rows = set.rows(), cols = set.cols();
+    check(out.rows == k && out.cols == cols && out.batch == static_cast<int64_t>(set.mats.size()),
+          "gather_normalized output shape");
+    std::vector<float> m(cols);
+    for (std::size_t i = 0; i < set.mats.size(); ++i) {
+      const ParamMatrix& p = set.mats[i];
+      double ss = 0.0;
+      for (int64_t j = 0; j < k; ++j) ss += row_sumsq[i * rows + (idx ? idx[i * k + j] : j)];
+      const float inv = static_cast<float>(1.0 / (std::sqrt(ss) + eps));
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t r = idx ? idx[i * k + j] : j;
+        load_row(p.momentum, 0, r, m.data());
+        std::vector<float> x(m);
+        for (float& v : x) v *= inv;
+        store_row(out, i, j, x.data());
+        if (decay != 1.0f) {
+          for (float& v : m) v *= decay;
           store_row(p.momentum, 0, r, m.data());
         }
       }

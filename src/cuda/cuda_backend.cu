@@ -205,9 +205,9 @@ class CudaBackend final : public Backend {
     launch_check_finite(xs, flag, stream_);
   }
 
-  void accumulate(const MatrixSet& base, float decay, float* scores, const int* skip) override {
+  void accumulate(const MatrixSet& base, float decay, float* scores, float* row_sumsq, const int* skip) override {
     const auto& set = ready(base);
-    launch_accumulate(table(set), n_of(set), set.rows(), set.cols(), set.mdt, set.gdt, decay, scores,
+    launch_accumulate(table(set), n_of(set), set.rows(), set.cols(), set.mdt, set.gdt, decay, scores, row_sumsq,
                       skip, stream_, set.vec);
   }
 
@@ -219,12 +219,18 @@ class CudaBackend final : public Backend {
   void gather_rows(const MatrixSet& base, const int32_t* idx, int64_t k, float scale_m, float scale_g,
                    float decay, MatrixView out, float* row_sumsq, const int* skip) override {
     const auto& set = ready(base);
-    if (idx == nullptr && k != set.rows()) fail("gather_rows: idx == null needs k == rows");
-    if (out.rows != k || out.cols != set.cols() || out.batch != n_of(set))
-      fail("gather_rows: out must be " + std::to_string(n_of(set)) + " x " + std::to_string(k) + " x " +
-           std::to_string(set.cols()));
+    check_gather_shape(set, idx, k, out, "gather_rows");
     launch_gather_rows(table(set), n_of(set), set.rows(), set.cols(), set.mdt, set.gdt, idx, k, scale_m,
-                       scale_g, decay, out, row_sumsq, skip, stream_, set.vec);
+                       scale_g, decay, nullptr, out, row_sumsq, skip, stream_, set.vec);
+  }
+
+  void gather_normalized(const MatrixSet& base, const int32_t* idx, int64_t k, float decay, const float* row_sumsq,
+                         float eps, MatrixView out, const int* skip) override {
+    const auto& set = ready(base);
+    check_gather_shape(set, idx, k, out, "gather_normalized");
+    float* scr = static_cast<float*>(scratch_.get(*alloc_, n_of(set) * sizeof(float)));
+    launch_gather_normalized(table(set), n_of(set), set.rows(), set.cols(), set.mdt, idx, k, decay, row_sumsq, eps,
+                             out, scr, skip, stream_, set.vec);
   }
 
   void apply_update(const MatrixSet& base, const int32_t* idx, int64_t k, MatrixView O,
@@ -380,6 +386,13 @@ class CudaBackend final : public Backend {
     return *set;
   }
   static int64_t n_of(const CudaMatrixSet& s) { return static_cast<int64_t>(s.mats.size()); }
+  static void check_gather_shape(const CudaMatrixSet& set, const int32_t* idx, int64_t k, const MatrixView& out,
+                                 const char* op) {
+    if (idx == nullptr && k != set.rows()) fail(std::string(op) + ": idx == null needs k == rows");
+    if (out.rows != k || out.cols != set.cols() || out.batch != n_of(set))
+      fail(std::string(op) + ": out must be " + std::to_string(n_of(set)) + " x " + std::to_string(k) + " x " +
+           std::to_string(set.cols()));
+  }
   static const DeviceMat* table(const CudaMatrixSet& s) { return s.table.as<const DeviceMat>(); }
 
   int device_;

@@ -23,17 +23,19 @@ __device__ __forceinline__ const T* row_ptr(const void* base, int64_t ld, int64_
   return static_cast<const T*>(base) + r * ld;
 }
 
-// ---- accumulate: M = decay*M + G; scores[r] = sum_j |M[r, j]| (of the rounded values) --------
+// ---- accumulate: M = decay*M + G; scores[r] = sum_j |M[r, j]|, row_sumsq[r] = sum_j M[r, j]^2
+// (of the rounded values) ----------------------------------------------------------------------
 template <class TM, class TG, bool VEC>
 __global__ void accumulate_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols,
-                                  float decay, float* __restrict__ scores, const int* skip) {
+                                  float decay, float* __restrict__ scores, float* __restrict__ row_sumsq,
+                                  const int* skip) {
   if (skipped(skip)) return;
   __shared__ float red[32];
   const int64_t r = blockIdx.x, i = blockIdx.y;
   const DeviceMat d = mats[i];
   TM* m = static_cast<TM*>(d.m) + r * d.ldm;
   const TG* g = static_cast<const TG*>(d.g) + r * d.ldg;
-  float acc = 0.0f;
+  float acc = 0.0f, sq = 0.0f;
   if constexpr (VEC) {
     // 4 elements per access: more bytes in flight per thread (the kernel is bandwidth-bound).
     for (int64_t j = 4 * threadIdx.x; j < cols; j += 4 * blockDim.x) {
@@ -42,7 +44,9 @@ __global__ void accumulate_kernel(const DeviceMat* __restrict__ mats, int64_t ro
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         mp.v[e] = from_f32<TM>(decay * to_f32(mp.v[e]) + to_f32(gp.v[e]));
-        acc += fabsf(to_f32(mp.v[e]));
+        const float v = to_f32(mp.v[e]);
+        acc += fabsf(v);
+        sq += v * v;
       }
       *reinterpret_cast<Pack4<TM>*>(m + j) = mp;
     }
@@ -50,12 +54,18 @@ __global__ void accumulate_kernel(const DeviceMat* __restrict__ mats, int64_t ro
     for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
       const TM nv = from_f32<TM>(decay * to_f32(m[j]) + to_f32(g[j]));
       m[j] = nv;
-      acc += fabsf(to_f32(nv));
+      const float v = to_f32(nv);
+      acc += fabsf(v);
+      sq += v * v;
     }
   }
   if (scores != nullptr) {
     acc = block_sum(acc, red);
     if (threadIdx.x == 0) scores[i * rows + r] = acc;
+  }
+  if (row_sumsq != nullptr) {
+    sq = block_sum(sq, red);
+    if (threadIdx.x == 0) row_sumsq[i * rows + r] = sq;
   }
 }
 
@@ -128,7 +138,22 @@ __global__ void select_rows_kernel(const float* __restrict__ scores, int64_t m, 
   }
 }
 
-// ---- gather_rows: out[i][s] = scale_m*M[idx[s]] + scale_g*G[idx[s]]; M[idx[s]] *= decay ----
+// ---- gather_normalized's scale: inv[i] = 1 / (sqrt(sum_s row_sumsq[i*rows + idx[i*k + s]]) + eps),
+// one block per matrix, summed in a fixed order --------------------------------------------------
+__global__ void selected_inverse_norm_kernel(const int32_t* __restrict__ idx, int64_t k, int64_t rows,
+                                             const float* __restrict__ row_sumsq, float eps,
+                                             float* __restrict__ inv, const int* skip) {
+  if (skipped(skip)) return;
+  __shared__ float red[32];
+  const int64_t i = blockIdx.x;
+  float acc = 0.0f;
+  for (int64_t s = threadIdx.x; s < k; s += blockDim.x) acc += row_sumsq[i * rows + (idx ? idx[i * k + s] : s)];
+  acc = block_sum(acc, red);
+  if (threadIdx.x == 0) inv[i] = 1.0f / (sqrtf(acc) + eps);
+}
+
+// ---- gather_rows: out[i][s] = c_i*(scale_m*M[idx[s]] + scale_g*G[idx[s]]); M[idx[s]] *= decay,
+// with c_i = matrix_scale[i] (gather_normalized's inverse norms) or 1 ----
 // One warp per gathered row. With VEC each lane moves 4-element packs, four of them loaded before
 // any is stored (a block per row, one pack in flight per thread, reached 3.3-3.7 TB/s on gpt-1b's
 // 2048-column rows). With row_sumsq, also the sum of squares of the row as stored (each lane's
@@ -136,13 +161,18 @@ __global__ void select_rows_kernel(const float* __restrict__ scores, int64_t m, 
 template <class TM, class TG, class TO, bool VEC>
 __global__ void __launch_bounds__(32 * kRowWarps)
     gather_rows_kernel(const DeviceMat* __restrict__ mats, int64_t cols, const int32_t* __restrict__ idx, int64_t k,
-                       float scale_m, float scale_g, float decay, TO* __restrict__ out, int64_t out_ld,
-                       int64_t out_bstride, float* __restrict__ row_sumsq, const int* skip) {
+                       float scale_m, float scale_g, float decay, const float* __restrict__ matrix_scale,
+                       TO* __restrict__ out, int64_t out_ld, int64_t out_bstride, float* __restrict__ row_sumsq,
+                       const int* skip) {
   if (skipped(skip)) return;
   const int lane = threadIdx.x & 31;
   const int64_t s = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5), i = blockIdx.y;
   if (s >= k) return;
   const DeviceMat d = mats[i];
+  if (matrix_scale) {
+    scale_m *= matrix_scale[i];
+    scale_g *= matrix_scale[i];
+  }
   const int64_t r = idx ? idx[i * k + s] : s;
   TM* m = static_cast<TM*>(d.m) + r * d.ldm;
   const TG* g = static_cast<const TG*>(d.g) + r * d.ldg;
@@ -404,14 +434,30 @@ __global__ void __launch_bounds__(32 * kRowWarps)
 }
 
 // ---- check_finite -------------------------------------------------------------------------
-constexpr int kFiniteViews = 64;
+// Contiguous 16-byte-aligned views (gradients, in practice all of them) are read as one flat
+// sequence of 16-byte words: every block checks kFiniteChunk words of one view, eight loads in
+// flight per thread, so big and small views alike keep the memory system busy. (A grid of 1024
+// blocks per view, strided, reached 3.5 TB/s on gpt-1b's 128 gradients.) Other views take the
+// element-wise kernel.
+constexpr int kFiniteThreads = 256, kFiniteWordsPerThread = 8, kFiniteSegments = 64;
+constexpr int64_t kFiniteChunk = kFiniteThreads * kFiniteWordsPerThread;
+struct FiniteSegment {
+  const uint4* words;
+  int64_t nwords, tail;  // whole 16-byte words, then elements after them
+  int dtype;             // 0 f32, 1 f16, 2 bf16
+};
+struct FiniteSegments {
+  FiniteSegment seg[kFiniteSegments];
+  int64_t first_block[kFiniteSegments];  // ascending; segment s owns blocks [first_block[s], first_block[s+1])
+  int count;
+};
 struct FiniteView {
   const void* data;
   int64_t batch, rows, cols, ld, bstride, total;
   int dtype;
 };
-struct FiniteArgs {
-  FiniteView v[kFiniteViews];
+struct FiniteViews {
+  FiniteView v[kFiniteSegments];
 };
 
 // True when no element of the 16 bytes is Inf/NaN (exponent bits all ones), read bitwise.
@@ -432,40 +478,54 @@ __device__ __forceinline__ bool words_finite(const uint4 w) {
 }
 
 template <class T>
+__device__ bool chunk_finite(const FiniteSegment& sg, int64_t chunk) {
+  uint4 w[kFiniteWordsPerThread];
+  const int64_t base = chunk * kFiniteChunk + threadIdx.x;
+#pragma unroll
+  for (int u = 0; u < kFiniteWordsPerThread; ++u) {
+    const int64_t q = base + u * kFiniteThreads;
+    w[u] = q < sg.nwords ? __ldg(sg.words + q) : make_uint4(0, 0, 0, 0);
+  }
+  bool ok = true;
+#pragma unroll
+  for (int u = 0; u < kFiniteWordsPerThread; ++u) ok &= words_finite<T>(w[u]);
+  if ((chunk + 1) * kFiniteChunk >= sg.nwords && threadIdx.x < sg.tail)
+    ok &= isfinite(to_f32(reinterpret_cast<const T*>(sg.words + sg.nwords)[threadIdx.x]));
+  return ok;
+}
+
+__global__ void __launch_bounds__(kFiniteThreads) check_finite_flat_kernel(const __grid_constant__ FiniteSegments a,
+                                                                           int* flag) {
+  int lo = 0, hi = a.count - 1;  // the last segment starting at or before this block
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (a.first_block[mid] <= static_cast<int64_t>(blockIdx.x)) lo = mid;
+    else hi = mid - 1;
+  }
+  const FiniteSegment& sg = a.seg[lo];
+  const int64_t chunk = blockIdx.x - a.first_block[lo];
+  bool ok;
+  switch (sg.dtype) {
+    case 0: ok = chunk_finite<float>(sg, chunk); break;
+    case 1: ok = chunk_finite<__half>(sg, chunk); break;
+    default: ok = chunk_finite<__nv_bfloat16>(sg, chunk); break;
+  }
+  if (__syncthreads_or(!ok) && threadIdx.x == 0) atomicOr(flag, 1);
+}
+
+template <class T>
 __device__ bool view_finite(const FiniteView& fv) {
   const T* p = static_cast<const T*>(fv.data);
   bool ok = true;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const bool contiguous = fv.ld == fv.cols && (fv.batch == 1 || fv.bstride == fv.rows * fv.cols);
-  if (contiguous && (reinterpret_cast<uintptr_t>(p) & 15) == 0) {
-    // 16-byte loads, 4 in flight per thread (the check was ~0.9 TB/s with 2-byte loads).
-    constexpr int kPer = 16 / sizeof(T);
-    const int64_t nw = fv.total / kPer;
-    const uint4* w = reinterpret_cast<const uint4*>(p);
-    int64_t q = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-    for (; q + 3 * stride < nw; q += 4 * stride) {
-      const uint4 a = __ldg(w + q), b = __ldg(w + q + stride), c = __ldg(w + q + 2 * stride),
-                  d = __ldg(w + q + 3 * stride);
-      ok &= words_finite<T>(a) & words_finite<T>(b) & words_finite<T>(c) & words_finite<T>(d);
-    }
-    for (; q < nw; q += stride) ok &= words_finite<T>(__ldg(w + q));
-    for (int64_t e = nw * kPer + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < fv.total;
-         e += stride)
-      ok &= isfinite(to_f32(p[e]));
-    return ok;
-  }
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < fv.total; e += stride) {
-    int64_t off = e;
-    if (!contiguous) {
-      const int64_t c = e % fv.cols, rr = e / fv.cols;
-      off = (rr / fv.rows) * fv.bstride + (rr % fv.rows) * fv.ld + c;
-    }
-    ok &= isfinite(to_f32(p[off]));
+    const int64_t c = e % fv.cols, rr = e / fv.cols;
+    ok &= isfinite(to_f32(p[(rr / fv.rows) * fv.bstride + (rr % fv.rows) * fv.ld + c]));
   }
   return ok;
 }
 
-__global__ void check_finite_kernel(const __grid_constant__ FiniteArgs args, int* flag) {
+__global__ void check_finite_kernel(const __grid_constant__ FiniteViews args, int* flag) {
   const FiniteView& fv = args.v[blockIdx.y];
   bool ok = true;
   switch (fv.dtype) {
@@ -479,13 +539,18 @@ __global__ void check_finite_kernel(const __grid_constant__ FiniteArgs args, int
 }  // namespace
 
 void launch_accumulate(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
-                       DType gdt, float decay, float* scores, const int* skip, cudaStream_t s, bool vec) {
+                       DType gdt, float decay, float* scores, float* row_sumsq, const int* skip, cudaStream_t s,
+                       bool vec) {
   if (nmats == 0 || rows == 0) return;
   dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(nmats));
   DION3_DISPATCH_FLOAT(mdt, TM, [&] {
     DION3_DISPATCH_FLOAT(gdt, TG, [&] {
-      if (vec) accumulate_kernel<TM, TG, true><<<grid, kRowThreads, 0, s>>>(mats, rows, cols, decay, scores, skip);
-      else accumulate_kernel<TM, TG, false><<<grid, kRowThreads, 0, s>>>(mats, rows, cols, decay, scores, skip);
+      if (vec)
+        accumulate_kernel<TM, TG, true>
+            <<<grid, kRowThreads, 0, s>>>(mats, rows, cols, decay, scores, row_sumsq, skip);
+      else
+        accumulate_kernel<TM, TG, false>
+            <<<grid, kRowThreads, 0, s>>>(mats, rows, cols, decay, scores, row_sumsq, skip);
     });
   });
   DION3_CUDA_LAUNCH_CHECK();
@@ -501,8 +566,8 @@ void launch_select_rows(const float* scores, int64_t count, int64_t m, int64_t k
 
 void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
                         DType gdt, const int32_t* idx, int64_t k, float scale_m, float scale_g,
-                        float decay, const MatrixView& out, float* row_sumsq, const int* skip, cudaStream_t s,
-                        bool vec) {
+                        float decay, const float* matrix_scale, const MatrixView& out, float* row_sumsq,
+                        const int* skip, cudaStream_t s, bool vec) {
   (void)rows;
   if (nmats == 0 || k == 0) return;
   dim3 grid(ceil_div_u(k, kRowWarps), static_cast<unsigned>(nmats));
@@ -514,14 +579,27 @@ void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int6
         auto* o = static_cast<TO*>(out.data);
         if (vo)
           gather_rows_kernel<TM, TG, TO, true><<<grid, 32 * kRowWarps, 0, s>>>(mats, cols, idx, k, scale_m, scale_g,
-                                                                            decay, o, out.ld, obs, row_sumsq, skip);
+                                                                            decay, matrix_scale, o, out.ld, obs,
+                                                                            row_sumsq, skip);
         else
           gather_rows_kernel<TM, TG, TO, false><<<grid, 32 * kRowWarps, 0, s>>>(mats, cols, idx, k, scale_m, scale_g,
-                                                                             decay, o, out.ld, obs, row_sumsq, skip);
+                                                                             decay, matrix_scale, o, out.ld, obs,
+                                                                             row_sumsq, skip);
       });
     });
   });
   DION3_CUDA_LAUNCH_CHECK();
+}
+
+void launch_gather_normalized(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
+                              const int32_t* idx, int64_t k, float decay, const float* row_sumsq, float eps,
+                              const MatrixView& out, float* scratch, const int* skip, cudaStream_t s, bool vec) {
+  if (nmats == 0 || k == 0) return;
+  selected_inverse_norm_kernel<<<static_cast<unsigned>(nmats), 256, 0, s>>>(idx, k, rows, row_sumsq, eps, scratch,
+                                                                            skip);
+  DION3_CUDA_LAUNCH_CHECK();
+  launch_gather_rows(mats, nmats, rows, cols, mdt, mdt, idx, k, 1.0f, 0.0f, decay, scratch, out, nullptr, skip, s,
+                     vec);
 }
 
 int64_t apply_update_scratch_floats(int64_t nmats, int64_t k) { return 2 * nmats * k + nmats; }
@@ -559,33 +637,55 @@ void launch_apply_update(const DeviceMat* mats, int64_t nmats, int64_t rows, int
 }
 
 void launch_check_finite(std::span<const MatrixView> xs, int* flag, cudaStream_t s) {
-  for (std::size_t base = 0; base < xs.size(); base += kFiniteViews) {
-    FiniteArgs args{};
-    const std::size_t n = std::min<std::size_t>(kFiniteViews, xs.size() - base);
-    int64_t max_total = 0;
-    for (std::size_t j = 0; j < n; ++j) {
-      const MatrixView& x = xs[base + j];
-      FiniteView& f = args.v[j];
-      f.data = x.data;
-      f.batch = x.batch;
-      f.rows = x.rows;
-      f.cols = x.cols;
-      f.ld = x.ld ? x.ld : x.cols;
-      f.bstride = x.batch_stride;
-      f.total = x.batch * x.rows * x.cols;
-      switch (x.dtype) {
-        case DType::F32: f.dtype = 0; break;
-        case DType::F16: f.dtype = 1; break;
-        case DType::BF16: f.dtype = 2; break;
-        default: fail(std::string("check_finite: unsupported dtype ") + dtype_name(x.dtype));
-      }
-      max_total = std::max(max_total, f.total);
+  auto code_of = [](DType t) {
+    switch (t) {
+      case DType::F32: return 0;
+      case DType::F16: return 1;
+      case DType::BF16: return 2;
+      default: fail(std::string("check_finite: unsupported dtype ") + dtype_name(t));
     }
-    if (max_total == 0) continue;
-    const unsigned gx = std::min<unsigned>(ceil_div_u(max_total, 256 * 8), 1024);
-    check_finite_kernel<<<dim3(gx, static_cast<unsigned>(n)), 256, 0, s>>>(args, flag);
+  };
+  FiniteSegments flat{};
+  int64_t blocks = 0;
+  auto flush_flat = [&] {
+    if (flat.count == 0) return;
+    check_finite_flat_kernel<<<static_cast<unsigned>(blocks), kFiniteThreads, 0, s>>>(flat, flag);
     DION3_CUDA_LAUNCH_CHECK();
+    flat = FiniteSegments{};
+    blocks = 0;
+  };
+  FiniteViews strided{};
+  int nstrided = 0;
+  int64_t max_total = 0;
+  auto flush_strided = [&] {
+    if (nstrided == 0) return;
+    const unsigned gx = std::min<unsigned>(ceil_div_u(max_total, 256 * 8), 1024);
+    check_finite_kernel<<<dim3(gx, static_cast<unsigned>(nstrided)), 256, 0, s>>>(strided, flag);
+    DION3_CUDA_LAUNCH_CHECK();
+    strided = FiniteViews{};
+    nstrided = 0;
+    max_total = 0;
+  };
+  for (const MatrixView& x : xs) {
+    const int code = code_of(x.dtype);
+    const int64_t total = x.batch * x.rows * x.cols, ld = x.ld ? x.ld : x.cols;
+    if (total == 0) continue;
+    const bool contiguous = ld == x.cols && (x.batch == 1 || x.batch_stride == x.rows * x.cols);
+    if (contiguous && reinterpret_cast<uintptr_t>(x.data) % 16 == 0) {
+      const int64_t per = 16 / static_cast<int64_t>(dtype_size(x.dtype));
+      FiniteSegment& sg = flat.seg[flat.count];
+      sg = FiniteSegment{static_cast<const uint4*>(x.data), total / per, total % per, code};
+      flat.first_block[flat.count++] = blocks;
+      blocks += std::max<int64_t>(1, (sg.nwords + kFiniteChunk - 1) / kFiniteChunk);
+      if (flat.count == kFiniteSegments) flush_flat();
+    } else {
+      strided.v[nstrided++] = FiniteView{x.data, x.batch, x.rows, x.cols, ld, x.batch_stride, total, code};
+      max_total = std::max(max_total, total);
+      if (nstrided == kFiniteSegments) flush_strided();
+    }
   }
+  flush_flat();
+  flush_strided();
 }
 
 

@@ -235,6 +235,45 @@ TEST(Orthogonalize, GivenRowSumsOfSquaresGiveTheSameResult) {
     }
 }
 
+// Dion3's engine gathers the selected momentum rows already normalised, with the row sums of
+// squares accumulate gave (Backend::gather_normalized): the same input as gathering them and
+// normalising in a second pass, and the same error-feedback decay of the gathered rows.
+TEST(Orthogonalize, GatherNormalizedIsGatherThenNormalize) {
+  Rng rng(15);
+  auto be = dion3::make_cpu_backend();
+  const int n = 2, rows = 12, cols = 20, k = 5;
+  const float decay = 0.9f, eps = dion3::Orthogonalizer::kNormEps;
+  for (DType mdt : {DType::F32, DType::BF16}) {
+    t3::Buffer w(DType::F32, {n, rows, cols}), g(DType::F32, {n, rows, cols}, t3::gaussian(n * rows, cols, rng));
+    t3::Buffer m1(mdt, {n, rows, cols}, t3::gaussian(n * rows, cols, rng)), m2 = m1;
+    auto set_of = [&](t3::Buffer& m) {
+      auto set = be->new_matrix_set();
+      for (int i = 0; i < n; ++i) {
+        dion3::ParamMatrix pm;
+        pm.weight = w.matrix(n, rows, cols).at(i);
+        pm.grad = g.matrix(n, rows, cols).at(i);
+        pm.momentum = m.matrix(n, rows, cols).at(i);
+        set->mats.push_back(pm);
+      }
+      be->refresh(*set);
+      return set;
+    };
+    auto s1 = set_of(m1), s2 = set_of(m2);
+    std::vector<float> scores(n * rows), ss(n * rows);
+    be->accumulate(*s1, 1.0f, scores.data(), ss.data(), nullptr);
+    be->accumulate(*s2, 1.0f, nullptr, nullptr, nullptr);
+    const std::vector<int32_t> idx = {0, 3, 4, 8, 11, 1, 2, 5, 6, 7};
+    t3::Buffer fused(DType::F32, {n, k, cols}), u(DType::F32, {n, k, cols}), two(DType::F32, {n, k, cols});
+    be->gather_normalized(*s1, idx.data(), k, decay, ss.data(), eps, fused.matrix(n, k, cols), nullptr);
+    be->gather_rows(*s2, idx.data(), k, 1.0f, 0.0f, decay, u.matrix(n, k, cols), nullptr, nullptr);
+    be->normalize(u.matrix(n, k, cols), two.matrix(n, k, cols), eps, nullptr);
+    const std::vector<double> a = fused.values(), b = two.values();
+    for (std::size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 1e-6) << dion3::dtype_name(mdt) << " " << i;
+    EXPECT_EQ(m1.values(), m2.values()) << dion3::dtype_name(mdt);
+    EXPECT_NE(m1.values(), t3::Buffer(mdt, {n, rows, cols}).values());
+  }
+}
+
 TEST(Orthogonalize, Bf16InputAndOutput) {
   Rng rng(12);
   const int r = 16, c = 48;

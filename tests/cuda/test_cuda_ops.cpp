@@ -1,5 +1,5 @@
 // tests/cuda/test_cuda_ops.cpp — every CUDA backend op against the CPU backend on the same
-// inputs: accumulate + scores, select_rows (ties), gather_rows, apply_update (NorMuon, cautious
+// inputs: accumulate + scores, select_rows (ties), gather_rows, gather_normalized, apply_update (NorMuon, cautious
 // decay), check_finite, skip flags, normalize, convert, add_identity, gemm, gram and
 // sym_product (full and lower-triangle tile schedules, ragged tiles), AdamW and Lion.
 #include <gtest/gtest.h>
@@ -10,6 +10,7 @@
 #include <numeric>
 
 #include "cuda/cuda_backend.hpp"
+#include "dion3/orthogonalize.hpp"
 #include "cuda_test_util.hpp"
 
 namespace {
@@ -55,6 +56,17 @@ struct SetTwin {
 
 double storage_tol(DType t) { return t == DType::F32 ? 1e-5 : 2.0 * ct::ulp_of(t); }
 
+// Sums of squares of each row of a (rows x cols)-row-major array of values, in double.
+std::vector<float> row_sums_of_squares(const std::vector<float>& v, int64_t cols) {
+  std::vector<float> s;
+  for (std::size_t r = 0; r * cols < v.size(); ++r) {
+    double a = 0.0;
+    for (int64_t c = 0; c < cols; ++c) a += static_cast<double>(v[r * cols + c]) * v[r * cols + c];
+    s.push_back(static_cast<float>(a));
+  }
+  return s;
+}
+
 // ---- accumulate -----------------------------------------------------------------------------
 struct AccCase { DType m, g; int64_t cols = 300; };  // cols % 4 == 0: vectorised path
 class Accumulate : public ct::CudaTest, public ::testing::WithParamInterface<AccCase> {};
@@ -65,11 +77,16 @@ TEST_P(Accumulate, MatchesCpu) {
   SetTwin s(*cpu, *gpu, 3, 37, c.cols, DType::F32, c.g, c.m, rng);
   std::vector<float> hsc(3 * 37), dsc_h(3 * 37);
   dion3::DeviceBuffer dsc(gpu->allocator(), hsc.size() * 4);
-  cpu->accumulate(*s.hs, 0.9f, hsc.data(), nullptr);
-  gpu->accumulate(*s.ds, 0.9f, dsc.as<float>(), nullptr);
+  Twin ss(*gpu, DType::F32, 3, 37, 1);
+  ss.fill_value(-1.0f);
+  cpu->accumulate(*s.hs, 0.9f, hsc.data(), static_cast<float*>(ss.hview().data), nullptr);
+  gpu->accumulate(*s.ds, 0.9f, dsc.as<float>(), static_cast<float*>(ss.dview().data), nullptr);
   gpu->copy_to_host(dsc_h.data(), dsc.get(), hsc.size() * 4);
   EXPECT_LE(ct::rel_max_diff(s.m.device_values(), s.m.host_values()), storage_tol(c.m));
   EXPECT_LE(ct::rel_max_diff(dsc_h, hsc), 1e-4);  // fp32 tree sum vs the CPU's double sum
+  // Row sums of squares of M as stored, on both backends.
+  EXPECT_LE(ct::rel_max_diff(ss.host_values(), row_sums_of_squares(s.m.host_values(), c.cols)), 1e-6);
+  EXPECT_LE(ct::rel_max_diff(ss.device_values(), row_sums_of_squares(s.m.device_values(), c.cols)), 1e-5);
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, Accumulate,
@@ -118,17 +135,6 @@ std::vector<int32_t> random_row_sets(int64_t n, int64_t rows, int64_t k, std::mt
   return idx;
 }
 
-// Sums of squares of each row of a (rows x cols)-row-major array of values, in double.
-std::vector<float> row_sums_of_squares(const std::vector<float>& v, int64_t cols) {
-  std::vector<float> s;
-  for (std::size_t r = 0; r * cols < v.size(); ++r) {
-    double a = 0.0;
-    for (int64_t c = 0; c < cols; ++c) a += static_cast<double>(v[r * cols + c]) * v[r * cols + c];
-    s.push_back(static_cast<float>(a));
-  }
-  return s;
-}
-
 // ---- gather_rows ------------------------------------------------------------------------------
 struct GatherCase { DType m, out; bool with_idx; float sm, sg, decay; };
 class GatherRows : public ct::CudaTest, public ::testing::WithParamInterface<GatherCase> {};
@@ -159,6 +165,52 @@ INSTANTIATE_TEST_SUITE_P(Cases, GatherRows,
                                            GatherCase{DType::BF16, DType::F32, true, 1.0f, 0.0f, 0.95f},
                                            GatherCase{DType::BF16, DType::F16, false, 0.95f, 1.0f, 1.0f},
                                            GatherCase{DType::F32, DType::BF16, false, 1.0f, 0.0f, 1.0f}));
+
+// ---- gather_normalized ------------------------------------------------------------------------
+// Against the CPU backend, and against gather_rows + normalize on the device itself, with the row
+// sums of squares that accumulate gives.
+struct GatherNormCase { DType m, out; bool with_idx; int64_t rows, cols, k; float decay; };
+class GatherNormalized : public ct::CudaTest, public ::testing::WithParamInterface<GatherNormCase> {};
+
+TEST_P(GatherNormalized, MatchesCpuAndGatherThenNormalize) {
+  const GatherNormCase c = GetParam();
+  std::mt19937_64 rng(31);
+  const int64_t n = 3, k = c.with_idx ? c.k : c.rows;
+  SetTwin s(*cpu, *gpu, n, c.rows, c.cols, DType::F32, DType::F32, c.m, rng);
+  SetTwin t(*cpu, *gpu, n, c.rows, c.cols, DType::F32, DType::F32, c.m, rng);  // the two-pass path's
+  t.m.set_host(s.m.host_values());
+  t.m.upload();
+  const std::vector<int32_t> idx = random_row_sets(n, c.rows, k, rng);
+  dion3::DeviceBuffer didx(gpu->allocator(), idx.size() * 4);
+  gpu->copy_from_host(didx.get(), idx.data(), idx.size() * 4);
+  Twin ss(*gpu, DType::F32, n, c.rows, 1);
+  ss.set_host(row_sums_of_squares(s.m.host_values(), c.cols));
+  ss.upload();
+  const float eps = dion3::Orthogonalizer::kNormEps;
+  Twin out(*gpu, c.out, n, k, c.cols);
+  out.fill_value(7.0f);
+  const int32_t* hidx = c.with_idx ? idx.data() : nullptr;
+  const int32_t* di = c.with_idx ? didx.as<int32_t>() : nullptr;
+  cpu->gather_normalized(*s.hs, hidx, k, c.decay, static_cast<const float*>(ss.hview().data), eps, out.hview(),
+                         nullptr);
+  gpu->gather_normalized(*s.ds, di, k, c.decay, static_cast<const float*>(ss.dview().data), eps, out.dview(),
+                         nullptr);
+  EXPECT_LE(ct::rel_max_diff(out.device_values(), out.host_values()), storage_tol(c.out));
+  EXPECT_LE(ct::rel_max_diff(s.m.device_values(), s.m.host_values()), storage_tol(c.m));
+  // Two passes on the device: U = M[S] in fp32 (exact), then normalize.
+  Twin u(*gpu, DType::F32, n, k, c.cols), two(*gpu, c.out, n, k, c.cols);
+  gpu->gather_rows(*t.ds, di, k, 1.0f, 0.0f, c.decay, u.dview(), nullptr, nullptr);
+  gpu->normalize(u.dview(), two.dview(), eps, nullptr);
+  EXPECT_LE(ct::rel_max_diff(out.device_values(), two.device_values()), storage_tol(c.out));
+  EXPECT_EQ(s.m.device_values(), t.m.device_values());
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, GatherNormalized,
+    ::testing::Values(GatherNormCase{DType::BF16, DType::F16, true, 40, 128, 11, 0.95f},
+                      GatherNormCase{DType::BF16, DType::BF16, true, 300, 2048, 75, 0.9f},
+                      GatherNormCase{DType::F32, DType::F32, false, 40, 130, 40, 0.95f},
+                      GatherNormCase{DType::F16, DType::F16, true, 64, 97, 64, 1.0f}));
 
 // ---- apply_update -----------------------------------------------------------------------------
 struct UpdCase { DType w; bool with_idx, normuon, cautious; };
@@ -201,7 +253,9 @@ TEST_F(CudaOps, SkipFlagLeavesEverythingUntouched) {
   const auto w0 = s.w.device_values(), m0 = s.m.device_values(), v0 = s.v.device_values();
   Twin out(*gpu, DType::F32, 2, 5, 64);
   out.fill_value(7.0f);
-  gpu->accumulate(*s.ds, 0.5f, scores.as<float>(), flag.as<int>());
+  gpu->accumulate(*s.ds, 0.5f, scores.as<float>(), nullptr, flag.as<int>());
+  gpu->gather_normalized(*s.ds, nullptr, 20, 0.5f, scores.as<float>(), 1e-7f, Twin(*gpu, DType::F32, 2, 20, 64).dview(),
+                         flag.as<int>());
   gpu->select_rows(scores.as<float>(), 2, 20, 5, idx.as<int32_t>(), flag.as<int>());
   gpu->gather_rows(*s.ds, nullptr, 20, 1.0f, 0.0f, 0.5f, Twin(*gpu, DType::F32, 2, 20, 64).dview(), nullptr,
                    flag.as<int>());
@@ -252,6 +306,19 @@ TEST_F(CudaOps, CheckFinite) {
   std::vector<MatrixView> many(150, c.dview());
   many.push_back(b.dview());
   EXPECT_EQ(run(many), 1);
+  // Contiguous views are read as 16-byte words: a NaN in a middle chunk of a long view, and in
+  // the elements after a view's last whole word (135 bf16 = 16 words + 7), still count.
+  bv[99999] = 0.5f;
+  bv[50001] = NAN;
+  b.set_host(bv); b.upload();
+  EXPECT_EQ(run({c.dview(), b.dview()}), 1);
+  EXPECT_EQ(run(std::vector<MatrixView>(70, c.dview())), 0);
+  for (int at : {127, 128, 134}) {
+    std::vector<float> cv(135, 1.0f);
+    cv[at] = INFINITY;
+    c.set_host(cv); c.upload();
+    EXPECT_EQ(run({a.dview().at(0), c.dview()}), 1) << at;
+  }
 }
 
 // ---- normalize / convert / add_identity -------------------------------------------------------
