@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "dion3/error.hpp"
 #include "dion3/view.hpp"
@@ -69,6 +70,37 @@ inline bool aligned4(const void* p, std::size_t elem) {
 
 __device__ __forceinline__ bool skipped(const int* skip) { return skip != nullptr && *skip != 0; }
 
+// Programmatic dependent launch (sm_90). A kernel started by launch_pdl() may be scheduled while
+// the previous kernel on its stream drains (its blocks take SMs as they free up and do their
+// set-up meanwhile), so it must call pdl_wait() before it first touches global memory:
+// griddepcontrol.wait returns once the previous kernel has completed and its writes are visible.
+// pdl_wait() then lets the stream's next kernel be scheduled in turn. Elsewhere it is a no-op.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// kernel<<<grid, block, smem, s>>>(args...) with programmatic stream serialization: the gap
+// between kernels (launch latency, the previous kernel's tail) overlaps this one's start. The
+// kernel must call pdl_wait() first (see above).
+template <class... Params, class... Args>
+void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem, cudaStream_t s,
+                Args&&... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  DION3_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
 inline cudaDataType_t cuda_dtype(DType t) {
   switch (t) {
     case DType::F32: return CUDA_R_32F;
@@ -96,16 +128,20 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-// Block-wide sum (blockDim.x a multiple of 32, <= 1024); result valid in every thread.
-// Fixed reduction order, so results are bitwise reproducible.
-__device__ __forceinline__ float block_sum(float x, float* smem32) {
+// Two sums at once, in the same order as two warp_sum calls.
+__device__ __forceinline__ float2 warp_sum(float2 x) { return make_float2(warp_sum(x.x), warp_sum(x.y)); }
+
+// Block-wide sum of a float or a float2 (blockDim.x a multiple of 32, <= 1024); result valid in
+// every thread. Fixed reduction order, so results are bitwise reproducible.
+template <class V>
+__device__ __forceinline__ V block_sum(V x, V* smem32) {
   x = warp_sum(x);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   __syncthreads();  // smem32 may still be read by a previous call
   if (lane == 0) smem32[warp] = x;
   __syncthreads();
   const int nw = (blockDim.x + 31) >> 5;
-  return warp_sum(lane < nw ? smem32[lane] : 0.0f);
+  return warp_sum(lane < nw ? smem32[lane] : V{});
 }
 
 }  // namespace dion3::cuda

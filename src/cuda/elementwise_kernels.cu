@@ -208,6 +208,7 @@ __device__ __forceinline__ TableEntry<TW, TG, TS, H> entry(const MultiTensor<H>&
 
 template <class TW, class TG, class TS>
 __global__ void adamw_kernel(const __grid_constant__ MultiTensor<AdamWParams> t, const int* skip) {
+  pdl_wait();
   if (skipped(skip)) return;
   const auto [w, g, m, v, n, h] = entry<TW, TG, TS>(t, blockIdx.y);
   const int64_t start = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
@@ -249,6 +250,7 @@ __global__ void adamw_kernel(const __grid_constant__ MultiTensor<AdamWParams> t,
 
 template <class TW, class TG, class TS>
 __global__ void lion_kernel(const __grid_constant__ MultiTensor<LionParams> t, const int* skip) {
+  pdl_wait();
   if (skipped(skip)) return;
   const auto [w, g, m, v, n, h] = entry<TW, TG, TS>(t, blockIdx.y);
   const float decay = 1.0f - h.lr * h.weight_decay;
@@ -513,7 +515,7 @@ void launch_adamw(std::span<const ElementwiseParam> ps, std::span<const AdamWPar
     DION3_DISPATCH_FLOAT(p.weight.dtype, TW, [&] {
       DION3_DISPATCH_FLOAT(p.grad.dtype, TG, [&] {
         DION3_DISPATCH_FLOAT(p.exp_avg.dtype, TS, [&] {
-          adamw_kernel<TW, TG, TS><<<dim3(grid_for(max_n / 4 + 1, 256), used), 256, 0, s>>>(t, skip);
+          launch_pdl(adamw_kernel<TW, TG, TS>, dim3(grid_for(max_n / 4 + 1, 256), used), 256, 0, s, t, skip);
         });
       });
     });
@@ -528,7 +530,7 @@ void launch_lion(std::span<const ElementwiseParam> ps, std::span<const LionParam
     DION3_DISPATCH_FLOAT(p.weight.dtype, TW, [&] {
       DION3_DISPATCH_FLOAT(p.grad.dtype, TG, [&] {
         DION3_DISPATCH_FLOAT(p.exp_avg.dtype, TS, [&] {
-          lion_kernel<TW, TG, TS><<<dim3(grid_for(max_n, 256), used), 256, 0, s>>>(t, skip);
+          launch_pdl(lion_kernel<TW, TG, TS>, dim3(grid_for(max_n, 256), used), 256, 0, s, t, skip);
         });
       });
     });

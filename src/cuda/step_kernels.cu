@@ -1,7 +1,8 @@
 // step_kernels.cu — fused kernels of the matrix step (SPEC §1): momentum accumulate with row-ℓ1
 // scores, batched top-k row selection (radix select, ties to the lower index), row gather with
 // error-feedback decay, NorMuon normalisation + weight decay + scatter update, and the
-// non-finite check. Every kernel honours the device `skip` flag and never syncs with the host.
+// non-finite check. Every kernel honours the device `skip` flag and never syncs with the host;
+// each is launched with launch_pdl() and starts with pdl_wait() (cuda_common.cuh).
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
@@ -29,8 +30,9 @@ template <class TM, class TG, bool VEC>
 __global__ void accumulate_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols,
                                   float decay, float* __restrict__ scores, float* __restrict__ row_sumsq,
                                   const int* skip) {
+  pdl_wait();
   if (skipped(skip)) return;
-  __shared__ float red[32];
+  __shared__ float2 red[32];
   const int64_t r = blockIdx.x, i = blockIdx.y;
   const DeviceMat d = mats[i];
   TM* m = static_cast<TM*>(d.m) + r * d.ldm;
@@ -59,13 +61,11 @@ __global__ void accumulate_kernel(const DeviceMat* __restrict__ mats, int64_t ro
       sq += v * v;
     }
   }
-  if (scores != nullptr) {
-    acc = block_sum(acc, red);
-    if (threadIdx.x == 0) scores[i * rows + r] = acc;
-  }
-  if (row_sumsq != nullptr) {
-    sq = block_sum(sq, red);
-    if (threadIdx.x == 0) row_sumsq[i * rows + r] = sq;
+  if (scores == nullptr && row_sumsq == nullptr) return;
+  const float2 sums = block_sum(make_float2(acc, sq), red);  // one reduction for both
+  if (threadIdx.x == 0) {
+    if (scores) scores[i * rows + r] = sums.x;
+    if (row_sumsq) row_sumsq[i * rows + r] = sums.y;
   }
 }
 
@@ -80,6 +80,7 @@ __device__ __forceinline__ uint32_t order_key(float f) {
 
 __global__ void select_rows_kernel(const float* __restrict__ scores, int64_t m, int64_t k,
                                    int32_t* __restrict__ idx, const int* skip) {
+  pdl_wait();
   if (skipped(skip)) return;
   using Scan = cub::BlockScan<int, kSelectThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
@@ -143,6 +144,7 @@ __global__ void select_rows_kernel(const float* __restrict__ scores, int64_t m, 
 __global__ void selected_inverse_norm_kernel(const int32_t* __restrict__ idx, int64_t k, int64_t rows,
                                              const float* __restrict__ row_sumsq, float eps,
                                              float* __restrict__ inv, const int* skip) {
+  pdl_wait();
   if (skipped(skip)) return;
   __shared__ float red[32];
   const int64_t i = blockIdx.x;
@@ -164,20 +166,19 @@ __global__ void __launch_bounds__(32 * kRowWarps)
                        float scale_m, float scale_g, float decay, const float* __restrict__ matrix_scale,
                        TO* __restrict__ out, int64_t out_ld, int64_t out_bstride, float* __restrict__ row_sumsq,
                        const int* skip) {
+  pdl_wait();
   if (skipped(skip)) return;
   const int lane = threadIdx.x & 31;
   const int64_t s = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5), i = blockIdx.y;
   if (s >= k) return;
   const DeviceMat d = mats[i];
-  if (matrix_scale) {
-    scale_m *= matrix_scale[i];
-    scale_g *= matrix_scale[i];
-  }
   const int64_t r = idx ? idx[i * k + s] : s;
   TM* m = static_cast<TM*>(d.m) + r * d.ldm;
   const TG* g = static_cast<const TG*>(d.g) + r * d.ldg;
   TO* o = out + i * out_bstride + s * out_ld;
   const bool use_g = scale_g != 0.0f, do_decay = decay != 1.0f;
+  // Applied after the loads (a branch on it would hold them back behind this one).
+  const float c = matrix_scale ? matrix_scale[i] : 1.0f;
   float ss = 0.0f;
   if constexpr (VEC) {
     constexpr int U = 4;
@@ -206,7 +207,7 @@ __global__ void __launch_bounds__(32 * kRowWarps)
           const float mv = to_f32(mp[u].v[e]);
           float v = scale_m * mv;
           if (use_g) v += scale_g * to_f32(gp[u].v[e]);
-          op.v[e] = from_f32<TO>(v);
+          op.v[e] = from_f32<TO>(c * v);
           mp[u].v[e] = from_f32<TM>(decay * mv);
           const float stored = to_f32(op.v[e]);
           ss += stored * stored;
@@ -220,7 +221,7 @@ __global__ void __launch_bounds__(32 * kRowWarps)
       const float mv = to_f32(m[j]);
       float v = scale_m * mv;
       if (use_g) v += scale_g * to_f32(g[j]);
-      const TO ov = from_f32<TO>(v);
+      const TO ov = from_f32<TO>(c * v);
       o[j] = ov;
       if (do_decay) m[j] = from_f32<TM>(decay * mv);
       ss += to_f32(ov) * to_f32(ov);
@@ -287,6 +288,7 @@ __global__ void __launch_bounds__(32 * kRowWarps)
     normuon_rows_kernel(const DeviceMat* __restrict__ mats, int64_t cols, const int32_t* __restrict__ idx, int64_t k,
                         const TO* __restrict__ O, int64_t o_ld, int64_t o_bstride, bool vec, float beta2,
                         float* __restrict__ rowsq, float* __restrict__ inv, const int* skip) {
+  pdl_wait();
   if (skipped(skip)) return;
   const int lane = threadIdx.x & 31;
   const int64_t s = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5), i = blockIdx.y;
@@ -330,18 +332,18 @@ __global__ void __launch_bounds__(32 * kRowWarps)
 __global__ void normuon_factor_kernel(int64_t k, const float* __restrict__ rowsq,
                                       float* __restrict__ inv, float* __restrict__ factor,
                                       const int* skip) {
+  pdl_wait();
   if (skipped(skip)) return;
-  __shared__ float red[32];
+  __shared__ float2 red[32];
   const int64_t i = blockIdx.x;
-  float a = 0.0f, b = 0.0f;
+  float2 ab = make_float2(0.0f, 0.0f);
   for (int64_t s = threadIdx.x; s < k; s += blockDim.x) {
     const float q = rowsq[i * k + s], w = inv[i * k + s];
-    a += q;
-    b += q * w * w;
+    ab.x += q;
+    ab.y += q * w * w;
   }
-  a = block_sum(a, red);
-  b = block_sum(b, red);
-  if (threadIdx.x == 0) factor[i] = sqrtf(a) / fmaxf(sqrtf(b), 1e-8f);
+  ab = block_sum(ab, red);
+  if (threadIdx.x == 0) factor[i] = sqrtf(ab.x) / fmaxf(sqrtf(ab.y), 1e-8f);
 }
 
 struct UpdateArgs {
@@ -415,6 +417,7 @@ __global__ void __launch_bounds__(32 * kRowWarps)
                        int64_t k, const TO* __restrict__ O, int64_t o_ld, int64_t o_bstride, float decay, float lr_upd,
                        bool cautious, const float* __restrict__ inv, const float* __restrict__ factor,
                        const int* skip) {
+  pdl_wait();
   if (skipped(skip)) return;
   const int lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5), i = blockIdx.y;
@@ -496,6 +499,7 @@ __device__ bool chunk_finite(const FiniteSegment& sg, int64_t chunk) {
 
 __global__ void __launch_bounds__(kFiniteThreads) check_finite_flat_kernel(const __grid_constant__ FiniteSegments a,
                                                                            int* flag) {
+  pdl_wait();
   int lo = 0, hi = a.count - 1;  // the last segment starting at or before this block
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
@@ -526,6 +530,7 @@ __device__ bool view_finite(const FiniteView& fv) {
 }
 
 __global__ void check_finite_kernel(const __grid_constant__ FiniteViews args, int* flag) {
+  pdl_wait();
   const FiniteView& fv = args.v[blockIdx.y];
   bool ok = true;
   switch (fv.dtype) {
@@ -546,11 +551,11 @@ void launch_accumulate(const DeviceMat* mats, int64_t nmats, int64_t rows, int64
   DION3_DISPATCH_FLOAT(mdt, TM, [&] {
     DION3_DISPATCH_FLOAT(gdt, TG, [&] {
       if (vec)
-        accumulate_kernel<TM, TG, true>
-            <<<grid, kRowThreads, 0, s>>>(mats, rows, cols, decay, scores, row_sumsq, skip);
+        launch_pdl(accumulate_kernel<TM, TG, true>, grid, kRowThreads, 0, s, mats, rows, cols, decay, scores,
+                   row_sumsq, skip);
       else
-        accumulate_kernel<TM, TG, false>
-            <<<grid, kRowThreads, 0, s>>>(mats, rows, cols, decay, scores, row_sumsq, skip);
+        launch_pdl(accumulate_kernel<TM, TG, false>, grid, kRowThreads, 0, s, mats, rows, cols, decay, scores,
+                   row_sumsq, skip);
     });
   });
   DION3_CUDA_LAUNCH_CHECK();
@@ -560,8 +565,7 @@ void launch_select_rows(const float* scores, int64_t count, int64_t m, int64_t k
                         const int* skip, cudaStream_t s) {
   if (count == 0 || k == 0) return;
   if (k > m) fail("select_rows: k = " + std::to_string(k) + " exceeds m = " + std::to_string(m));
-  select_rows_kernel<<<static_cast<unsigned>(count), kSelectThreads, 0, s>>>(scores, m, k, idx, skip);
-  DION3_CUDA_LAUNCH_CHECK();
+  launch_pdl(select_rows_kernel, static_cast<unsigned>(count), kSelectThreads, 0, s, scores, m, k, idx, skip);
 }
 
 void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
@@ -578,13 +582,11 @@ void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int6
       DION3_DISPATCH_FLOAT(out.dtype, TO, [&] {
         auto* o = static_cast<TO*>(out.data);
         if (vo)
-          gather_rows_kernel<TM, TG, TO, true><<<grid, 32 * kRowWarps, 0, s>>>(mats, cols, idx, k, scale_m, scale_g,
-                                                                            decay, matrix_scale, o, out.ld, obs,
-                                                                            row_sumsq, skip);
+          launch_pdl(gather_rows_kernel<TM, TG, TO, true>, grid, 32 * kRowWarps, 0, s, mats, cols, idx, k, scale_m,
+                     scale_g, decay, matrix_scale, o, out.ld, obs, row_sumsq, skip);
         else
-          gather_rows_kernel<TM, TG, TO, false><<<grid, 32 * kRowWarps, 0, s>>>(mats, cols, idx, k, scale_m, scale_g,
-                                                                             decay, matrix_scale, o, out.ld, obs,
-                                                                             row_sumsq, skip);
+          launch_pdl(gather_rows_kernel<TM, TG, TO, false>, grid, 32 * kRowWarps, 0, s, mats, cols, idx, k, scale_m,
+                     scale_g, decay, matrix_scale, o, out.ld, obs, row_sumsq, skip);
       });
     });
   });
@@ -595,9 +597,8 @@ void launch_gather_normalized(const DeviceMat* mats, int64_t nmats, int64_t rows
                               const int32_t* idx, int64_t k, float decay, const float* row_sumsq, float eps,
                               const MatrixView& out, float* scratch, const int* skip, cudaStream_t s, bool vec) {
   if (nmats == 0 || k == 0) return;
-  selected_inverse_norm_kernel<<<static_cast<unsigned>(nmats), 256, 0, s>>>(idx, k, rows, row_sumsq, eps, scratch,
-                                                                            skip);
-  DION3_CUDA_LAUNCH_CHECK();
+  launch_pdl(selected_inverse_norm_kernel, static_cast<unsigned>(nmats), 256, 0, s, idx, k, rows, row_sumsq, eps,
+             scratch, skip);
   launch_gather_rows(mats, nmats, rows, cols, mdt, mdt, idx, k, 1.0f, 0.0f, decay, scratch, out, nullptr, skip, s,
                      vec);
 }
@@ -620,17 +621,15 @@ void launch_apply_update(const DeviceMat* mats, int64_t nmats, int64_t rows, int
     const TO* o = static_cast<const TO*>(O.data);
     if (p.normuon && k > 0) {
       const bool o4 = cols % 4 == 0 && O.ld % 4 == 0 && obs % 4 == 0 && aligned4(O.data, sizeof(TO));
-      normuon_rows_kernel<TO><<<dim3(ceil_div_u(k, kRowWarps), static_cast<unsigned>(nmats)), 32 * kRowWarps,
-                                0, s>>>(mats, cols, idx, k, o, O.ld, obs, o4, p.beta2, rowsq, inv, skip);
-      DION3_CUDA_LAUNCH_CHECK();
-      normuon_factor_kernel<<<static_cast<unsigned>(nmats), 256, 0, s>>>(k, rowsq, inv, factor, skip);
-      DION3_CUDA_LAUNCH_CHECK();
+      launch_pdl(normuon_rows_kernel<TO>, dim3(ceil_div_u(k, kRowWarps), static_cast<unsigned>(nmats)),
+                 32 * kRowWarps, 0, s, mats, cols, idx, k, o, O.ld, obs, o4, p.beta2, rowsq, inv, skip);
+      launch_pdl(normuon_factor_kernel, static_cast<unsigned>(nmats), 256, 0, s, k, rowsq, inv, factor, skip);
     }
     DION3_DISPATCH_FLOAT(wdt, TW, [&] {
       const dim3 grid(ceil_div_u(rows, kRowWarps), static_cast<unsigned>(nmats));
       const float* iv = p.normuon && k > 0 ? inv : nullptr;
-      update_rows_kernel<TW, TO><<<grid, 32 * kRowWarps, 0, s>>>(mats, rows, cols, idx, k, o, O.ld, obs, decay,
-                                                                 p.adjusted_lr, p.cautious_wd, iv, factor, skip);
+      launch_pdl(update_rows_kernel<TW, TO>, grid, 32 * kRowWarps, 0, s, mats, rows, cols, idx, k, o, O.ld, obs,
+                 decay, p.adjusted_lr, p.cautious_wd, iv, factor, skip);
     });
   });
   DION3_CUDA_LAUNCH_CHECK();
@@ -649,8 +648,7 @@ void launch_check_finite(std::span<const MatrixView> xs, int* flag, cudaStream_t
   int64_t blocks = 0;
   auto flush_flat = [&] {
     if (flat.count == 0) return;
-    check_finite_flat_kernel<<<static_cast<unsigned>(blocks), kFiniteThreads, 0, s>>>(flat, flag);
-    DION3_CUDA_LAUNCH_CHECK();
+    launch_pdl(check_finite_flat_kernel, static_cast<unsigned>(blocks), kFiniteThreads, 0, s, flat, flag);
     flat = FiniteSegments{};
     blocks = 0;
   };
@@ -660,8 +658,7 @@ void launch_check_finite(std::span<const MatrixView> xs, int* flag, cudaStream_t
   auto flush_strided = [&] {
     if (nstrided == 0) return;
     const unsigned gx = std::min<unsigned>(ceil_div_u(max_total, 256 * 8), 1024);
-    check_finite_kernel<<<dim3(gx, static_cast<unsigned>(nstrided)), 256, 0, s>>>(strided, flag);
-    DION3_CUDA_LAUNCH_CHECK();
+    launch_pdl(check_finite_kernel, dim3(gx, static_cast<unsigned>(nstrided)), 256, 0, s, strided, flag);
     strided = FiniteViews{};
     nstrided = 0;
     max_total = 0;
@@ -690,11 +687,13 @@ void launch_check_finite(std::span<const MatrixView> xs, int* flag, cudaStream_t
 
 
 // One thread: the step's verdict into the applied / dropped counters (see Backend::finish_step).
-__global__ void finish_step_kernel(const int* flag, int64_t* counters) { ++counters[*flag ? 1 : 0]; }
+__global__ void finish_step_kernel(const int* flag, int64_t* counters) {
+  pdl_wait();
+  ++counters[*flag ? 1 : 0];
+}
 
 void launch_finish_step(const int* flag, int64_t* counters, cudaStream_t s) {
-  finish_step_kernel<<<1, 1, 0, s>>>(flag, counters);
-  DION3_CUDA_LAUNCH_CHECK();
+  launch_pdl(finish_step_kernel, 1, 1, 0, s, flag, counters);
 }
 
 }  // namespace dion3::cuda

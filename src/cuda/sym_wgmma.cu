@@ -313,6 +313,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   }
   __syncthreads();
+  pdl_wait();  // the set-up above may overlap the previous kernel's tail; its outputs are read below
 
   if (wg == 2) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
@@ -568,8 +569,7 @@ void launch_typed(const CUtensorMap (&maps)[4], const SymParams& prm, int grid, 
       g_smem_set[dev] |= bit;
     }
   }
-  sym_wgmma_kernel<kBF16><<<grid, kThreads, kSmemBytes, s>>>(maps[0], maps[1], maps[2], maps[3], prm);
-  DION3_CUDA_LAUNCH_CHECK();
+  launch_pdl(sym_wgmma_kernel<kBF16>, grid, kThreads, kSmemBytes, s, maps[0], maps[1], maps[2], maps[3], prm);
 }
 
 // A TMA-addressable operand: 16-byte aligned base, rows and matrices 16-byte multiples apart.
