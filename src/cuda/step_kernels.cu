@@ -89,7 +89,11 @@ __global__ void __launch_bounds__(32 * kRowWarps)
 }
 
 // ---- select_rows: per score vector, the k largest (ties: lower index), ascending output ----
-constexpr int kSelectThreads = 512;
+// One block per vector. A radix select finds the k-th largest key 8 bits at a time; each pass
+// builds a histogram with warp-aggregated shared atomics (scores of one magnitude share a top
+// byte, and per-lane atomics on one bin serialised 32-fold) and finds its bin with one scan.
+// Then one pass writes the rows: the keys above the k-th, and the first of those equal to it.
+constexpr int kSelectThreads = 1024;
 
 __device__ __forceinline__ uint32_t order_key(float f) {
   // Monotone map of floats to unsigned integers (larger float -> larger key).
@@ -97,64 +101,67 @@ __device__ __forceinline__ uint32_t order_key(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-__global__ void select_rows_kernel(const float* __restrict__ scores, int64_t m, int64_t k,
-                                   int32_t* __restrict__ idx, const int* skip) {
+__global__ void __launch_bounds__(kSelectThreads)
+    select_rows_kernel(const float* __restrict__ scores, int64_t m, int64_t k, int32_t* __restrict__ idx,
+                       const int* skip) {
   pdl_wait();
   if (skipped(skip)) return;
   using Scan = cub::BlockScan<int, kSelectThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ int hist[256];
-  __shared__ uint32_t s_prefix, s_mask;
+  __shared__ uint32_t s_prefix;
   __shared__ int s_need;
-  __shared__ int s_base_eq, s_base_out;
   const float* s = scores + blockIdx.x * m;
   int32_t* out = idx + blockIdx.x * k;
+  const int t = threadIdx.x, lane = t & 31;
 
-  if (threadIdx.x == 0) { s_prefix = 0; s_mask = 0; s_need = static_cast<int>(k); }
-  // Radix select of the k-th largest key, 8 bits at a time from the top.
+  uint32_t prefix = 0, mask = 0;
+  int need = static_cast<int>(k);  // of the keys matching prefix, how many are still to take
   for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
+    if (t < 256) hist[t] = 0;
     __syncthreads();
-    const uint32_t prefix = s_prefix, mask = s_mask;
-    for (int64_t r = threadIdx.x; r < m; r += blockDim.x) {
-      const uint32_t key = order_key(s[r]);
-      if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      int need = s_need, b = 255;
-      for (; b > 0; --b) {
-        if (hist[b] >= need) break;
-        need -= hist[b];
+    for (int64_t r0 = 0; r0 < m; r0 += kSelectThreads) {  // same trip count in every lane (the warp votes)
+      const int64_t r = r0 + t;
+      const uint32_t key = r < m ? order_key(__ldg(s + r)) : 0u;
+      const bool counts = r < m && (key & mask) == prefix;
+      const unsigned active = __ballot_sync(0xffffffffu, counts);
+      if (counts) {
+        const uint32_t bin = (key >> shift) & 255u;
+        const unsigned same = __match_any_sync(active, bin);
+        if (lane == __ffs(same) - 1) atomicAdd(&hist[bin], __popc(same));
       }
-      s_need = need;
-      s_prefix = prefix | (static_cast<uint32_t>(b) << shift);
-      s_mask = mask | (255u << shift);
     }
     __syncthreads();
+    // Bins from the top: the one in which the running count reaches `need`.
+    const int c = t < 256 ? hist[255 - t] : 0;
+    int before;
+    Scan(scan_tmp).ExclusiveSum(c, before);
+    if (t < 256 && before < need && need <= before + c) {
+      s_need = need - before;
+      s_prefix = prefix | (static_cast<uint32_t>(255 - t) << shift);
+    }
+    __syncthreads();
+    need = s_need;
+    prefix = s_prefix;
+    mask |= 255u << shift;
   }
-  // Keys > T are all taken; of the keys == T, the first `need` in index order.
-  const uint32_t T = s_prefix;
-  const int need = s_need;
-  if (threadIdx.x == 0) { s_base_eq = 0; s_base_out = 0; }
-  __syncthreads();
-  for (int64_t c0 = 0; c0 < m; c0 += blockDim.x) {
-    const int64_t r = c0 + threadIdx.x;
-    uint32_t key = 0;
-    if (r < m) key = order_key(s[r]);
-    const int is_eq = (r < m && key == T) ? 1 : 0;
-    int eq_rank, eq_total;
-    Scan(scan_tmp).ExclusiveSum(is_eq, eq_rank, eq_total);
-    const int base_eq = s_base_eq;
-    const int sel = (r < m) && (key > T || (is_eq && base_eq + eq_rank < need)) ? 1 : 0;
-    __syncthreads();
-    int pos, sel_total;
-    Scan(scan_tmp).ExclusiveSum(sel, pos, sel_total);
-    const int base_out = s_base_out;
-    if (sel) out[base_out + pos] = static_cast<int32_t>(r);
-    __syncthreads();
-    if (threadIdx.x == 0) { s_base_eq = base_eq + eq_total; s_base_out = base_out + sel_total; }
-    __syncthreads();
+  // Keys > T are all taken; of the keys == T, the first `need` in index order. One scan per
+  // chunk counts both: equal keys in the high 16 bits, greater ones in the low (a chunk has
+  // kSelectThreads < 2^16 rows).
+  const uint32_t T = prefix;
+  int base_eq = 0, base_out = 0;
+  for (int64_t r0 = 0; r0 < m; r0 += kSelectThreads) {
+    const int64_t r = r0 + t;
+    const uint32_t key = r < m ? order_key(__ldg(s + r)) : 0u;
+    const int gt = r < m && key > T, eq = r < m && key == T;
+    int before, total;
+    Scan(scan_tmp).ExclusiveSum((eq << 16) | gt, before, total);
+    const int rem = max(0, need - base_eq);  // equal keys still to take
+    const int eq_before = before >> 16;
+    if (gt || (eq && eq_before < rem)) out[base_out + (before & 0xFFFF) + min(eq_before, rem)] = static_cast<int32_t>(r);
+    base_out += (total & 0xFFFF) + min(total >> 16, rem);
+    base_eq += total >> 16;
+    __syncthreads();  // scan_tmp is used again
   }
 }
 
