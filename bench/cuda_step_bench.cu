@@ -73,6 +73,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> models = {"gpt-1b", "llama-7b"};
   int iters = 5, warmup = 1;
   std::string out_path;
+  std::string only;  // --only LABEL: just the optimizer rows whose label contains LABEL
   bool profile = false;
   std::vector<double> prof_fractions = {0.25};
   std::vector<std::size_t> prof_ws_mib = {512};
@@ -102,8 +103,9 @@ int main(int argc, char** argv) {
     else if (a == "--iters" && i + 1 < argc) iters = std::atoi(argv[++i]);
     else if (a == "--warmup" && i + 1 < argc) warmup = std::atoi(argv[++i]);
     else if (a == "--out" && i + 1 < argc) out_path = argv[++i];
+    else if (a == "--only" && i + 1 < argc) only = argv[++i];
     else {
-      std::fprintf(stderr, "usage: dion3-cuda-step-bench [--model NAME] [--iters N] [--warmup N] [--out FILE]\n"
+      std::fprintf(stderr, "usage: dion3-cuda-step-bench [--model NAME] [--iters N] [--warmup N] [--out FILE] [--only LABEL]\n"
                            "       [--profile [--fractions 0.25,...] [--workspace-mib 512,...] [--methods auto,gram,standard]]\n");
       return 2;
     }
@@ -235,6 +237,7 @@ int main(int argc, char** argv) {
     line("|---|---|---|---|---|---|---|---|---|---|");
     double muon_ms = 0, plain_muon_ms = 0, adamw_ms = 0;
     for (const Variant& v : variants) {
+      if (v.label.find(only) == std::string::npos) continue;
       const double base = used_bytes();
       const auto t0 = std::chrono::steady_clock::now();
       double first_s = 0, median_ms = 0, beyond = 0, flops = 0;
