@@ -195,17 +195,16 @@ class CpuBackend final : public Backend {
     const int64_t rows = set.rows(), cols = set.cols();
     check(out.rows == k && out.cols == cols && out.batch == static_cast<int64_t>(set.mats.size()),
           "gather_normalized output shape");
-    std::vector<float> m(cols);
+    std::vector<float> m(cols), x(cols);
     for (std::size_t i = 0; i < set.mats.size(); ++i) {
       const ParamMatrix& p = set.mats[i];
       double ss = 0.0;
       for (int64_t j = 0; j < k; ++j) ss += row_sumsq[i * rows + (idx ? idx[i * k + j] : j)];
-      const float inv = static_cast<float>(1.0 / (std::sqrt(ss) + eps));
+      const float inv = static_cast<float>(1.0 / (std::sqrt(ss) + eps));  // multiplied, as normalize does
       for (int64_t j = 0; j < k; ++j) {
         const int64_t r = idx ? idx[i * k + j] : j;
         load_row(p.momentum, 0, r, m.data());
-        std::vector<float> x(m);
-        for (float& v : x) v *= inv;
+        for (int64_t c = 0; c < cols; ++c) x[c] = m[c] * inv;
         store_row(out, i, j, x.data());
         if (decay != 1.0f) {
           for (float& v : m) v *= decay;
