@@ -17,13 +17,6 @@ namespace dion3::cuda {
 namespace {
 
 constexpr int kRowWarps = 4;      // warp-per-row kernels: rows per block
-// 4-element packs of T a lane of the gather or the NorMuon row sums loads before it uses any:
-// 64 bytes in flight per lane (four 8-byte packs of 16-bit elements held the gather at
-// 3.4-3.6 TB/s on gpt-1b).
-template <class T>
-constexpr int packs_in_flight() {
-  return 64 / (4 * static_cast<int>(sizeof(T)));
-}
 
 template <class T>
 __device__ __forceinline__ const T* row_ptr(const void* base, int64_t ld, int64_t r) {
@@ -33,9 +26,8 @@ __device__ __forceinline__ const T* row_ptr(const void* base, int64_t ld, int64_
 // ---- accumulate: M = decay*M + G; scores[r] = sum_j |M[r, j]|, row_sumsq[r] = sum_j M[r, j]^2
 // (of the rounded values) ----------------------------------------------------------------------
 // One warp per row; with VEC each lane loads four 4-element packs of M and of G before it
-// stores any (on gpt-1b's 2048-column rows 4.1-4.3 TB/s; a block per row, one pack in flight per
-// thread, reached 3.9-4.0). Each lane sums in a fixed order, then a fixed shuffle tree:
-// reproducible.
+// stores any (a block per row, one pack in flight per thread, reached 3.9-4.0 TB/s on gpt-1b's
+// 2048-column rows). Each lane sums in a fixed order, then a fixed shuffle tree: reproducible.
 template <class TM, class TG, bool VEC>
 __global__ void __launch_bounds__(32 * kRowWarps)
     accumulate_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols, float decay,
@@ -190,10 +182,10 @@ __global__ void selected_inverse_norm_kernel(const int32_t* __restrict__ idx, in
 
 // ---- gather_rows: out[i][s] = c_i*(scale_m*M[idx[s]] + scale_g*G[idx[s]]); M[idx[s]] *= decay,
 // with c_i = matrix_scale[i] (gather_normalized's inverse norms) or 1 ----
-// One warp per gathered row. With VEC each lane moves 4-element packs, packs_in_flight() of them
-// loaded before any is stored (a block per row, one pack in flight per thread, reached 3.3-3.7
-// TB/s on gpt-1b's 2048-column rows). With row_sumsq, also the sum of squares of the row as
-// stored (each lane's sum in a fixed order, then a fixed shuffle tree: reproducible).
+// One warp per gathered row. With VEC each lane moves 4-element packs, four of them loaded before
+// any is stored (a block per row, one pack in flight per thread, reached 3.3-3.7 TB/s on gpt-1b's
+// 2048-column rows). With row_sumsq, also the sum of squares of the row as stored (each lane's
+// sum in a fixed order, then a fixed shuffle tree: reproducible).
 template <class TM, class TG, class TO, bool VEC>
 __global__ void __launch_bounds__(32 * kRowWarps)
     gather_rows_kernel(const DeviceMat* __restrict__ mats, int64_t cols, const int32_t* __restrict__ idx, int64_t k,
@@ -215,7 +207,7 @@ __global__ void __launch_bounds__(32 * kRowWarps)
   const float c = matrix_scale ? matrix_scale[i] : 1.0f;
   float ss = 0.0f;
   if constexpr (VEC) {
-    constexpr int U = packs_in_flight<TM>();
+    constexpr int U = 4;
     const int64_t n4 = cols / 4;
     Pack4<TM>* m4 = reinterpret_cast<Pack4<TM>*>(m);
     const Pack4<TG>* g4 = reinterpret_cast<const Pack4<TG>*>(g);
@@ -333,7 +325,7 @@ __global__ void __launch_bounds__(32 * kRowWarps)
   const float v_old = lane == 0 ? *v : 0.0f;
   float acc = 0.0f;
   if (vec) {
-    constexpr int U = packs_in_flight<TO>();
+    constexpr int U = 4;
     const Pack4<TO>* o4 = reinterpret_cast<const Pack4<TO>*>(o);
     const int64_t n4 = cols / 4;
     for (int64_t q0 = lane; q0 < n4; q0 += 32 * U) {
