@@ -18,6 +18,21 @@ namespace {
 
 constexpr int kRowWarps = 4;      // warp-per-row kernels: rows per block
 
+// A lane's U packs of one row of M (and of G, with_g), packs q0, q0 + 32, ... below n4, all
+// loaded before any is used: the bytes in flight of the warp-per-row accumulate and gather.
+template <int U, class TM, class TG>
+__device__ __forceinline__ void load_row_packs(const Pack4<TM>* m4, const Pack4<TG>* g4, int64_t q0, int64_t n4,
+                                               bool with_g, Pack4<TM> (&mp)[U], Pack4<TG> (&gp)[U]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int64_t q = q0 + 32 * u;
+    if (q < n4) {
+      mp[u] = m4[q];
+      if (with_g) gp[u] = g4[q];
+    }
+  }
+}
+
 template <class T>
 __device__ __forceinline__ const T* row_ptr(const void* base, int64_t ld, int64_t r) {
   return static_cast<const T*>(base) + r * ld;
@@ -53,14 +68,7 @@ __global__ void __launch_bounds__(32 * kRowWarps)
     for (int64_t q0 = lane; q0 < n4; q0 += 32 * U) {
       Pack4<TM> mp[U];
       Pack4<TG> gp[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int64_t q = q0 + 32 * u;
-        if (q < n4) {
-          mp[u] = m4[q];
-          gp[u] = g4[q];
-        }
-      }
+      load_row_packs(m4, g4, q0, n4, true, mp, gp);
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int64_t q = q0 + 32 * u;
@@ -215,14 +223,7 @@ __global__ void __launch_bounds__(32 * kRowWarps)
     for (int64_t q0 = lane; q0 < n4; q0 += 32 * U) {
       Pack4<TM> mp[U];
       Pack4<TG> gp[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int64_t q = q0 + 32 * u;
-        if (q < n4) {
-          mp[u] = m4[q];
-          if (use_g) gp[u] = g4[q];
-        }
-      }
+      load_row_packs(m4, g4, q0, n4, use_g, mp, gp);
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int64_t q = q0 + 32 * u;
