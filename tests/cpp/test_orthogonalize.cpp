@@ -327,6 +327,25 @@ TEST(Orthogonalize, RejectsAMismatchedInput) {
   EXPECT_THAT(msg, ::testing::HasSubstr("8x16"));
 }
 
+// The entry for callers that normalise as they gather: X written into normalized_input(), then
+// run_normalized(), is run(in) to the bit; a transposed plan has no such entry.
+TEST(Orthogonalize, RunNormalizedIsRunOnTheNormalisedInput) {
+  Rng rng(16);
+  auto be = dion3::make_cpu_backend();
+  for (OrthMethod m : {OrthMethod::Standard, OrthMethod::Gram}) {
+    const int B = 2, r = 16, c = 40;
+    t3::Buffer in(DType::F32, {B, r, c}, t3::gaussian(B * r, c, rng));
+    dion3::Orthogonalizer whole(*be, config(m), B, r, c), split(*be, config(m), B, r, c);
+    const dion3::MatrixView a = whole.run(in.matrix(B, r, c));
+    be->normalize(in.matrix(B, r, c), split.normalized_input(), dion3::Orthogonalizer::kNormEps, nullptr);
+    const dion3::MatrixView b = split.run_normalized();
+    ASSERT_EQ(a.dtype, b.dtype);
+    EXPECT_EQ(std::memcmp(a.data, b.data, static_cast<std::size_t>(B * r * c) * dion3::dtype_size(a.dtype)), 0);
+  }
+  dion3::Orthogonalizer tall(*be, config(OrthMethod::Gram), 1, 40, 16);
+  EXPECT_THAT(t3::error_of([&] { (void)tall.normalized_input(); }), ::testing::HasSubstr("transposed"));
+}
+
 TEST(Orthogonalize, RejectsAnEmptyProblem) {
   auto be = dion3::make_cpu_backend();
   dion3::Status st = dion3::Status::Ok;
