@@ -18,24 +18,27 @@ namespace {
 
 constexpr int kRowWarps = 4;      // warp-per-row kernels: rows per block
 
-// A lane's U packs of one row of M (and of G, with_g), packs q0, q0 + 32, ... below n4, all
-// loaded before any is used: the bytes in flight of the warp-per-row accumulate and gather.
-template <int U, class TM, class TG>
-__device__ __forceinline__ void load_row_packs(const Pack4<TM>* m4, const Pack4<TG>* g4, int64_t q0, int64_t n4,
-                                               bool with_g, Pack4<TM> (&mp)[U], Pack4<TG> (&gp)[U]) {
+// One row of M (and of G, with_g) in 4-element packs, the warp-per-row way of the accumulate and
+// the gather: each lane loads its next U packs (q = lane, lane + 32, ... below n4) before it hands
+// any to visit(q, m_pack, g_pack), so U packs of each array are in flight per lane.
+template <int U, class TM, class TG, class Visit>
+__device__ __forceinline__ void for_row_packs(const Pack4<TM>* m4, const Pack4<TG>* g4, int64_t n4, int lane,
+                                              bool with_g, Visit&& visit) {
+  for (int64_t q0 = lane; q0 < n4; q0 += 32 * U) {
+    Pack4<TM> mp[U];
+    Pack4<TG> gp[U];
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int64_t q = q0 + 32 * u;
-    if (q < n4) {
-      mp[u] = m4[q];
-      if (with_g) gp[u] = g4[q];
+    for (int u = 0; u < U; ++u) {
+      const int64_t q = q0 + 32 * u;
+      if (q < n4) {
+        mp[u] = m4[q];
+        if (with_g) gp[u] = g4[q];
+      }
     }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (q0 + 32 * u < n4) visit(q0 + 32 * u, mp[u], gp[u]);
   }
-}
-
-template <class T>
-__device__ __forceinline__ const T* row_ptr(const void* base, int64_t ld, int64_t r) {
-  return static_cast<const T*>(base) + r * ld;
 }
 
 // ---- accumulate: M = decay*M + G; scores[r] = sum_j |M[r, j]|, row_sumsq[r] = sum_j M[r, j]^2
@@ -61,26 +64,16 @@ __global__ void __launch_bounds__(32 * kRowWarps)
     sums.y += v * v;
   };
   if constexpr (VEC) {
-    constexpr int U = 4;
-    const int64_t n4 = cols / 4;
     Pack4<TM>* m4 = reinterpret_cast<Pack4<TM>*>(m);
-    const Pack4<TG>* g4 = reinterpret_cast<const Pack4<TG>*>(g);
-    for (int64_t q0 = lane; q0 < n4; q0 += 32 * U) {
-      Pack4<TM> mp[U];
-      Pack4<TG> gp[U];
-      load_row_packs(m4, g4, q0, n4, true, mp, gp);
+    for_row_packs<4>(m4, reinterpret_cast<const Pack4<TG>*>(g), cols / 4, lane, true,
+                     [&](int64_t q, Pack4<TM>& mp, const Pack4<TG>& gp) {
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int64_t q = q0 + 32 * u;
-        if (q >= n4) continue;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          mp[u].v[e] = from_f32<TM>(decay * to_f32(mp[u].v[e]) + to_f32(gp[u].v[e]));
-          add(to_f32(mp[u].v[e]));
-        }
-        m4[q] = mp[u];
-      }
-    }
+                       for (int e = 0; e < 4; ++e) {
+                         mp.v[e] = from_f32<TM>(decay * to_f32(mp.v[e]) + to_f32(gp.v[e]));
+                         add(to_f32(mp.v[e]));
+                       }
+                       m4[q] = mp;
+                     });
   } else {
     for (int64_t j = lane; j < cols; j += 32) {
       const TM nv = from_f32<TM>(decay * to_f32(m[j]) + to_f32(g[j]));
@@ -215,34 +208,24 @@ __global__ void __launch_bounds__(32 * kRowWarps)
   const float c = matrix_scale ? matrix_scale[i] : 1.0f;
   float ss = 0.0f;
   if constexpr (VEC) {
-    constexpr int U = 4;
-    const int64_t n4 = cols / 4;
     Pack4<TM>* m4 = reinterpret_cast<Pack4<TM>*>(m);
-    const Pack4<TG>* g4 = reinterpret_cast<const Pack4<TG>*>(g);
     Pack4<TO>* o4 = reinterpret_cast<Pack4<TO>*>(o);
-    for (int64_t q0 = lane; q0 < n4; q0 += 32 * U) {
-      Pack4<TM> mp[U];
-      Pack4<TG> gp[U];
-      load_row_packs(m4, g4, q0, n4, use_g, mp, gp);
+    for_row_packs<4>(m4, reinterpret_cast<const Pack4<TG>*>(g), cols / 4, lane, use_g,
+                     [&](int64_t q, Pack4<TM>& mp, const Pack4<TG>& gp) {
+                       Pack4<TO> op;
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int64_t q = q0 + 32 * u;
-        if (q >= n4) continue;
-        Pack4<TO> op;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float mv = to_f32(mp[u].v[e]);
-          float v = scale_m * mv;
-          if (use_g) v += scale_g * to_f32(gp[u].v[e]);
-          op.v[e] = from_f32<TO>(c * v);
-          mp[u].v[e] = from_f32<TM>(decay * mv);
-          const float stored = to_f32(op.v[e]);
-          ss += stored * stored;
-        }
-        o4[q] = op;
-        if (do_decay) m4[q] = mp[u];
-      }
-    }
+                       for (int e = 0; e < 4; ++e) {
+                         const float mv = to_f32(mp.v[e]);
+                         float v = scale_m * mv;
+                         if (use_g) v += scale_g * to_f32(gp.v[e]);
+                         op.v[e] = from_f32<TO>(c * v);
+                         mp.v[e] = from_f32<TM>(decay * mv);
+                         const float stored = to_f32(op.v[e]);
+                         ss += stored * stored;
+                       }
+                       o4[q] = op;
+                       if (do_decay) m4[q] = mp;
+                     });
   } else {
     for (int64_t j = lane; j < cols; j += 32) {
       const float mv = to_f32(m[j]);
