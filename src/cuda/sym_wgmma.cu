@@ -3,7 +3,7 @@
 // (A, B: batches of p x k row-major fp16/bf16 matrices, "K-contiguous" both; C and D in the
 // same dtype), with fp32 accumulation. Persistent grid (one CTA per SM), linearized triangular
 // schedule over 128 x 256 tiles (tile t -> (matrix, row block i, column block j <= i/2);
-// off-diagonal tiles first, see decode_tile), TMA loads (128-byte swizzle) into a 3-stage
+// the costly tiles first, see decode_tile), TMA loads (128-byte swizzle) into a 3-stage
 // mbarrier pipeline fed by one producer thread, and two consumer warpgroups issuing wgmma m64nNk16
 // from shared memory, each owning 64 rows: N = 256, narrower on diagonal tiles (only the
 // 64-column blocks on or below the diagonal).
@@ -205,40 +205,52 @@ struct SymParams {
   int a_batched, b_batched, d_batched;
   int has_d;
   int same_ab;          // A and B are one operand (X·Xᵀ, R·R): see stage_load
-  int row_blocks;       // 128-row blocks of one matrix (= its diagonal tiles)
-  int offdiag_per_mat;  // its tiles strictly below the diagonal
-  int offdiag_tiles;    // ... of all matrices
+  int full_per_mat;     // tiles of one matrix in the first group of the schedule (see decode_tile)
+  int full_tiles;       // ... of all matrices
+  int even_diag_per_mat;  // its diagonal tiles on even row blocks (the second group)
   int total_tiles;
   int skip_epilogue;    // benchmarks only: no stores (times the main loop alone)
 };
 
-// Tiles before row block i: sum_{k<i} (k/2 + 1), of which i are diagonal tiles.
-__device__ __forceinline__ int tiles_before(int i) {
-  const int m = i >> 1;
-  return (i & 1) ? (m + 1) * (m + 1) : m * (m + 1);
+// Integer square root of l >= 0.
+__device__ __forceinline__ int isqrt(int l) {
+  int m = static_cast<int>(sqrtf(static_cast<float>(l)));
+  while (m > 0 && m * m > l) --m;
+  while ((m + 1) * (m + 1) <= l) ++m;
+  return m;
 }
-__device__ __forceinline__ int offdiag_before(int i) { return tiles_before(i) - i; }
 
-// The schedule: tile t -> (matrix b, 128-row block i, 256-column block j <= i/2). First every
-// tile strictly below the diagonal (j < i/2), matrix by matrix, row by row; then the diagonal
-// tiles (j == i/2), which do less work. Off-diagonal tiles all cost the same, so the persistent
-// CTAs stay in step along k and share each k-block of a matrix in L2; interleaving the cheaper
-// diagonal tiles let CTAs drift apart (H200, X·Xᵀ 8 x 4096 x 11008: L2 hit rate 63% -> 77%,
-// DRAM reads 5.4 -> 2.2 GB, 2.49 -> 2.32-2.36 ms; bench/results/2026-12-01-e2552a3-tile-order.md).
+// The schedule: tile t -> (matrix b, 128-row block i, 256-column block j <= i/2), in two groups,
+// each matrix by matrix and row by row. The first holds every tile that costs a whole or nearly
+// a whole tile of tensor-core work: those strictly below the diagonal (j < i/2, 8 of 8 64-column
+// blocks) and the diagonal tiles of odd row blocks (7 of 8); the second, the diagonal tiles of
+// even row blocks (3 of 8). The persistent CTAs take tiles round robin, so the costly ones come
+// first and the cheap ones fill the last round: H200 profile of gpt-1b, where the tiles of one
+// kernel span two to nine rounds. Tiles of equal cost keep the CTAs in step along k, so they
+// share each k-block of a matrix in L2 (interleaving the cheap diagonal tiles let CTAs drift
+// apart: H200, X·Xᵀ 8 x 4096 x 11008, L2 hit rate 63% -> 77%, DRAM reads 5.4 -> 2.2 GB;
+// bench/results/2026-12-01-e2552a3-tile-order.md).
+// Row block i holds i/2 tiles of the first group when even, i/2 + 1 when odd, so 2m rows hold
+// m² of them and 2m + 1 rows m² + m.
 __device__ __forceinline__ void decode_tile(int t, const SymParams& prm, int& b, int& i, int& j) {
-  if (t >= prm.offdiag_tiles) {
-    const int u = t - prm.offdiag_tiles;
-    b = u / prm.row_blocks;
-    i = u - b * prm.row_blocks;
-    j = i >> 1;
+  if (t >= prm.full_tiles) {
+    const int u = t - prm.full_tiles;
+    b = u / prm.even_diag_per_mat;
+    const int e = u - b * prm.even_diag_per_mat;
+    i = 2 * e;
+    j = e;
     return;
   }
-  b = t / prm.offdiag_per_mat;
-  const int l = t - b * prm.offdiag_per_mat;
-  i = static_cast<int>(2.0f * sqrtf(static_cast<float>(l))) + 1;
-  while (i > 0 && offdiag_before(i) > l) --i;
-  while (offdiag_before(i + 1) <= l) ++i;
-  j = l - offdiag_before(i);
+  b = t / prm.full_per_mat;
+  const int l = t - b * prm.full_per_mat;
+  const int m = isqrt(l);
+  if (l >= m * (m + 1)) {
+    i = 2 * m + 1;
+    j = l - m * (m + 1);
+  } else {
+    i = 2 * m;
+    j = l - m * m;
+  }
 }
 
 // What a tile loads into a stage: A's 128 rows at offset 0 and B's 256 rows at kABytes, except on
@@ -630,9 +642,9 @@ void launch_sym_wgmma(const MatrixView& A, const MatrixView& B, float alpha, flo
   prm.d_batched = prm.has_d && D->batch > 1;
   const int tiles = static_cast<int>((p + kBM - 1) / kBM), m = tiles / 2;
   const int tiles_per_mat = (tiles & 1) ? (m + 1) * (m + 1) : m * (m + 1);
-  prm.row_blocks = tiles;
-  prm.offdiag_per_mat = tiles_per_mat - tiles;
-  prm.offdiag_tiles = static_cast<int>(prm.offdiag_per_mat * batch);
+  prm.even_diag_per_mat = (tiles + 1) / 2;
+  prm.full_per_mat = tiles_per_mat - prm.even_diag_per_mat;
+  prm.full_tiles = static_cast<int>(prm.full_per_mat * batch);
   prm.total_tiles = static_cast<int>(tiles_per_mat * batch);
   static_assert(kBK == 64 && kEB == 64, "every tensor map box is 64 columns wide");
   const CUtensorMap mc = make_map(C, kEB);
