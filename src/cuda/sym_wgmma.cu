@@ -8,13 +8,14 @@
 // from shared memory, each owning 64 rows: N = 256, narrower on diagonal tiles (only the
 // 64-column blocks on or below the diagonal).
 //
-// Epilogue, per consumer warpgroup, in 64 x 64 blocks (one 128-byte-swizzled TMA box each):
-// D's blocks are prefetched by TMA into the warpgroup's staging buffer during the main loop;
-// the result is written there with stmatrix and stored by TMA, strictly lower blocks twice
-// (as is, and transposed with stmatrix.trans into the mirrored upper block), the diagonal block
-// once, made exactly symmetric in shared memory. The stores run asynchronously under the next
-// tile's main loop. Every element of C comes from its lower-triangle value, so C is exactly
-// symmetric; D is read in the lower triangle (and the diagonal blocks) only and may alias C.
+// Epilogue, per consumer warpgroup, in 64 x 64 blocks (one 128-byte-swizzled TMA box each): the
+// warpgroup writes its results into its staging buffer (stmatrix, with D's blocks read from
+// there), and a helper warp of the producer warpgroup finishes the tile while the consumers run
+// the next main loop: it makes the diagonal block exactly symmetric, stores the blocks by TMA,
+// transposes the strictly lower ones in place and stores them into their mirrored upper blocks,
+// then prefetches D's blocks of the warpgroup's next tile. Every element of C comes from its
+// lower-triangle value, so C is exactly symmetric; D is read in the lower triangle (and the
+// diagonal blocks) only and may alias C.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
@@ -33,8 +34,8 @@ namespace {
 // fourth 64-deep stage gained nothing and two stages lost a quarter of the main loop's speed
 // (2026-12-01-f462aed-kernel-experiments.md, 2026-12-01-5b4fea7-epilogue-staging.md).
 constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 3;
-// Two consumer warpgroups (0, 1) and a producer warpgroup (2, one thread of which issues the
-// loads). A block launches with at most 168 registers per thread (12 warps, three on each of the
+// Two consumer warpgroups (0, 1) and a producer warpgroup (2: one thread issues the loads, warps
+// 1 and 2 are the consumers' epilogue helpers). A block launches with at most 168 registers per thread (12 warps, three on each of the
 // SM's four register-file quarters of 16384; probed on the H200 with 9 warps: 163 launched, 183
 // not); then the producer gives registers back (setmaxnreg.dec 40) and the consumers take them
 // (setmaxnreg.inc 232): 128 accumulators and room for ptxas to keep the wgmma pipeline. (With 288
@@ -111,15 +112,18 @@ __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wa
 __device__ __forceinline__ void fence_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
-// Barrier of one consumer warpgroup (ids 1, 2; id 0 is __syncthreads).
-__device__ __forceinline__ void warpgroup_sync(int id) {
-  asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory");
-}
+template <bool kTrans>
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
+  if constexpr (kTrans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
 }
 template <bool kTrans>
 __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
@@ -168,28 +172,33 @@ struct StageRing {
       phase ^= 1;
     }
   }
+  // Until every consumer warp has released the stage used last (and so every earlier one).
+  __device__ __forceinline__ void wait_released(uint64_t* empty) const {
+    mbar_wait(&empty[stage == 0 ? kStages - 1 : stage - 1], stage == 0 ? phase ^ 1 : phase);
+  }
 };
+// Where consumer warpgroup cw puts the transposed block k of the CTA's last tile: the pipeline
+// stages, free by then (see the consumers' epilogue).
+__device__ __forceinline__ uint8_t* mirror_base(uint8_t* smem, int cw, int k) {
+  return smem + (4 * cw + k) * kEBBytes;
+}
 
 // A warpgroup's part of one tile's main loop: kblocks k-blocks through the stage ring (which
 // carries on across the kernel's tiles), one wgmma group in flight behind the one being issued,
 // each stage released (one arrival per warp, from the `signal` lane) once its products finished.
-// prefetch_d() runs after the second k-block's products are issued (the first's, if only one).
 // The first k-block is peeled so that its products start new sums.
-template <bool kBF16, int kN, class PrefetchD>
+template <bool kBF16, int kN>
 __device__ __forceinline__ void tile_mainloop(float (&acc)[128], uint32_t a0, uint32_t b0, uint64_t* full,
-                                              uint64_t* empty, StageRing& ring, int kblocks, bool signal,
-                                              PrefetchD&& prefetch_d) {
+                                              uint64_t* empty, StageRing& ring, int kblocks, bool signal) {
   int s = ring.stage;
   mbar_wait(&full[s], ring.phase);
   mma_kblock<kBF16, kN, true>(acc, a0 + s * kStageBytes, b0 + s * kStageBytes);
-  if (kblocks == 1) prefetch_d();
   int prev = s;
   ring.next();
   for (int kb = 1; kb < kblocks; ++kb, ring.next()) {
     s = ring.stage;
     mbar_wait(&full[s], ring.phase);
     mma_kblock<kBF16, kN, false>(acc, a0 + s * kStageBytes, b0 + s * kStageBytes);
-    if (kb == 1) prefetch_d();
     asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
     mbar_arrive_if(&empty[prev], signal);
     prev = s;
@@ -203,7 +212,6 @@ struct SymParams {
   float alpha, beta, gamma;
   int p, kblocks;
   int a_batched, b_batched, d_batched;
-  int has_d;
   int same_ab;          // A and B are one operand (X·Xᵀ, R·R): see stage_load
   int full_per_mat;     // tiles of one matrix in the first group of the schedule (see decode_tile)
   int full_tiles;       // ... of all matrices
@@ -285,9 +293,57 @@ __device__ __forceinline__ float2 unpack2(uint32_t u) {
   else return __half22float2(*reinterpret_cast<const __half2*>(&u));
 }
 
-// The transpose of this warpgroup's 64 x 64 results of block k (packed in acc's slots 16k ..
-// 16k + 15, see the epilogue) into the 128-byte-swizzled staging block at `block` (stmatrix.trans).
-// k must be known at compile time (an unrolled loop), so that acc stays in registers.
+// ---- the epilogue ---------------------------------------------------------------------------
+// A consumer warpgroup packs its 64 x 256 results into its staging buffer as they are, blocks on
+// or below the diagonal only (stage_block), and hands the buffer to its helper warp, one of the
+// producer warpgroup's, which makes the diagonal block exactly symmetric, stores the blocks by TMA,
+// transposes the strictly lower ones in place and stores them mirrored, then refills the buffer
+// with D's blocks of the warpgroup's next tile. Meanwhile the consumers run the next main loop.
+
+// v = alpha·acc + beta·D (+ gamma on the diagonal) for 64-column block k of the warpgroup's rows,
+// written to the 128-byte-swizzled staging block at `block` (where D's block was prefetched).
+// Slot 4·nn + 2·h + {0, 1} of acc holds row 16·warp + 8·h + lane/4, columns 8·nn + 2·(lane%4) +
+// {0, 1} (the wgmma m64nNk16 fragment). kKeep: also leave v packed in pairs in the low half of
+// acc (slot 2·n8 + m holds what stmatrix wrote from register m for chunk pair n8; every slot is
+// written only after the accumulators it overlays were read), for store_block_transposed. k must
+// be known at compile time (an unrolled loop, blocks in ascending order), so that acc stays in
+// registers.
+template <bool kBF16, bool kHasD, bool kDiag, bool kKeep>
+__device__ __forceinline__ void stage_block(float (&acc)[128], int k, uint32_t block, const SymParams& prm, int mrow,
+                                            int mchunk, int warp, int lane) {
+#pragma unroll
+  for (int n8 = 8 * k; n8 < 8 * k + 8; n8 += 2) {
+    const uint32_t addr = block + swz(mrow, 8 * ((n8 + mchunk) & 7));
+    uint32_t dv[4], v[4];
+    if constexpr (kHasD) ldmatrix_x4<false>(dv, addr);
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int nn = n8 + (m >> 1), h = m & 1;
+      float v0, v1;
+      if constexpr (kHasD) {
+        const float2 d2 = unpack2<kBF16>(dv[m]);
+        v0 = prm.alpha * acc[4 * nn + 2 * h] + prm.beta * d2.x;
+        v1 = prm.alpha * acc[4 * nn + 2 * h + 1] + prm.beta * d2.y;
+      } else {
+        v0 = prm.alpha * acc[4 * nn + 2 * h];
+        v1 = prm.alpha * acc[4 * nn + 2 * h + 1];
+      }
+      if constexpr (kDiag) {
+        const int rl = 16 * warp + 8 * h + (lane >> 2), cl = 8 * (nn & 7) + 2 * (lane & 3);
+        if (rl == cl) v0 += prm.gamma;
+        if (rl == cl + 1) v1 += prm.gamma;
+      }
+      v[m] = pack2<kBF16>(v0, v1);
+    }
+    if constexpr (kKeep) {
+#pragma unroll
+      for (int m = 0; m < 4; ++m) acc[2 * n8 + m] = __uint_as_float(v[m]);
+    }
+    stmatrix_x4<false>(addr, v[0], v[1], v[2], v[3]);
+  }
+}
+// The transpose of block k's values that stage_block<..., kKeep> left packed in acc, written
+// with stmatrix.trans into the 128-byte-swizzled block at `block`.
 __device__ __forceinline__ void store_block_transposed(const float (&acc)[128], uint32_t block, int k, int warp,
                                                        int lane) {
 #pragma unroll
@@ -298,7 +354,97 @@ __device__ __forceinline__ void store_block_transposed(const float (&acc)[128], 
   }
 }
 
-template <bool kBF16>
+// The helper warp moves 8 x 8 sub-blocks of a 64 x 64 staging block four at a time: lanes 8m ..
+// 8m + 7 load sub-block (I, J) (byte m of a group word holds 8·I + J) transposed, row lane % 8
+// each, and store it at (J, I). kGroups groups at once, all loads before all stores (their
+// sub-blocks are disjoint), so that the shared-memory round trips overlap.
+template <int kGroups>
+__device__ __forceinline__ void move_transposed(uint32_t block, const uint32_t* groups, int lane) {
+  uint32_t x[kGroups][4], dst[kGroups];
+#pragma unroll
+  for (int q = 0; q < kGroups; ++q) {
+    const int sub = static_cast<int>((groups[q] >> (8 * (lane >> 3))) & 0xFF), r = lane & 7;
+    const int I = sub >> 3, J = sub & 7;
+    ldmatrix_x4<true>(x[q], block + swz(8 * I + r, 8 * J));
+    dst[q] = block + swz(8 * J + r, 8 * I);
+  }
+#pragma unroll
+  for (int q = 0; q < kGroups; ++q) stmatrix_x4<false>(dst[q], x[q][0], x[q][1], x[q][2], x[q][3]);
+}
+constexpr uint32_t sub_at(int I, int J, int slot) { return static_cast<uint32_t>(8 * I + J) << (8 * slot); }
+// Group g of a whole block's transpose: groups 0-13 swap two mirrored pairs of sub-blocks each
+// (the 28 pairs I < J in row order), groups 14 and 15 transpose the diagonal sub-blocks in place.
+constexpr uint32_t transpose_group(int g) {
+  uint32_t v = 0;
+  if (g >= 14) {
+    for (int m = 0; m < 4; ++m) v |= sub_at(4 * (g - 14) + m, 4 * (g - 14) + m, m);
+    return v;
+  }
+  int q = 0;
+  for (int I = 0; I < 8; ++I)
+    for (int J = I + 1; J < 8; ++J, ++q)
+      if (q / 2 == g) v |= sub_at(I, J, 2 * (q % 2)) | sub_at(J, I, 2 * (q % 2) + 1);
+  return v;
+}
+// Group g (0-6) of the 28 sub-blocks strictly below a block's diagonal, in row order.
+constexpr uint32_t lower_group(int g) {
+  uint32_t v = 0;
+  int q = 0;
+  for (int I = 0; I < 8; ++I)
+    for (int J = 0; J < I; ++J, ++q)
+      if (q / 4 == g) v |= sub_at(I, J, q % 4);
+  return v;
+}
+// The groups as tables, read two per iteration of a loop that is not unrolled: the helper warps
+// run with 40 registers (setmaxnreg); four groups at once spilled.
+__constant__ uint32_t kTransposeGroups[16] = {
+    transpose_group(0), transpose_group(1), transpose_group(2),   transpose_group(3),
+    transpose_group(4), transpose_group(5), transpose_group(6),   transpose_group(7),
+    transpose_group(8), transpose_group(9), transpose_group(10),  transpose_group(11),
+    transpose_group(12), transpose_group(13), transpose_group(14), transpose_group(15)};
+__constant__ uint32_t kLowerGroups[7] = {lower_group(0), lower_group(1), lower_group(2), lower_group(3),
+                                         lower_group(4), lower_group(5), lower_group(6)};
+__device__ __forceinline__ void transpose_block(uint32_t block, int lane) {
+#pragma unroll 1
+  for (int g = 0; g < 16; g += 2) move_transposed<2>(block, kTransposeGroups + g, lane);
+}
+// The diagonal block made exactly symmetric: its upper triangle replaced by the transpose of its
+// lower one (sub-blocks below the diagonal mirrored; on the diagonal sub-blocks, elementwise).
+__device__ __forceinline__ void symmetrize_block(uint32_t block, int lane) {
+#pragma unroll 1
+  for (int g = 0; g < 6; g += 2) move_transposed<2>(block, kLowerGroups + g, lane);
+  move_transposed<1>(block, kLowerGroups + 6, lane);
+  const int row = lane >> 2, c0 = 2 * (lane & 3);  // this lane's two elements of each 8 x 8 fragment
+  const uint32_t keep = (c0 <= row ? 0x0000FFFFu : 0u) | (c0 + 1 <= row ? 0xFFFF0000u : 0u);
+#pragma unroll 1
+  for (int half = 0; half < 2; ++half) {
+    const int I = 4 * half + (lane >> 3);
+    const uint32_t addr = block + swz(8 * I + (lane & 7), 8 * I);
+    uint32_t n[4], t[4];
+    ldmatrix_x4<false>(n, addr);
+    ldmatrix_x4<true>(t, addr);
+    stmatrix_x4<false>(addr, (n[0] & keep) | (t[0] & ~keep), (n[1] & keep) | (t[1] & ~keep),
+                       (n[2] & keep) | (t[2] & ~keep), (n[3] & keep) | (t[3] & ~keep));
+  }
+}
+
+// One tile's blocks as seen by consumer warpgroup cw: its 64-row block R, the blocks 4j ..
+// 4j + nblk - 1 on or below the diagonal, the diagonal block kd (if kd < 4), the strictly lower
+// ones (nlow), and whether its rows exist at all.
+struct TileRows {
+  int b, i, j, R, nblk, kd, nlow;
+  bool rows_in;
+  __device__ __forceinline__ TileRows(int t, const SymParams& prm, int cw) {
+    decode_tile(t, prm, b, i, j);
+    R = 2 * i + cw;
+    rows_in = R * kEB < prm.p;
+    nblk = min(4, R - 4 * j + 1);
+    kd = R - 4 * j;
+    nlow = min(nblk, kd);
+  }
+};
+
+template <bool kBF16, bool kHasD>
 __global__ void __launch_bounds__(kThreads, 1)
     sym_wgmma_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
                      const __grid_constant__ CUtensorMap tmC, const __grid_constant__ CUtensorMap tmD,
@@ -310,7 +456,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* sOut = smem + kStages * kStageBytes;  // two staging buffers of 4 blocks
   uint64_t* full = reinterpret_cast<uint64_t*>(sOut + 2 * kStagingBytes);
   uint64_t* empty = full + kStages;
-  uint64_t* dfull = empty + kStages;  // per consumer warpgroup: its D blocks have landed
+  uint64_t* ready = empty + kStages;  // per consumer warpgroup: its staging buffer is free (and holds D)
+  uint64_t* staged = ready + 2;       // per consumer warpgroup: its results are in the staging buffer
 
   // The warpgroup index, broadcast so that the compiler knows it is warp-uniform.
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
@@ -319,18 +466,23 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(&full[s], 1);
       mbar_init(&empty[s], 8);  // one arrival per consumer warp
     }
-    mbar_init(&dfull[0], 1);
-    mbar_init(&dfull[1], 1);
+    for (int c = 0; c < 2; ++c) {
+      mbar_init(&ready[c], 1);
+      mbar_init(&staged[c], 128);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   }
   __syncthreads();
   pdl_wait();  // the set-up above may overlap the previous kernel's tail; its outputs are read below
 
+  const int lane = threadIdx.x & 31;
   if (wg == 2) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-    // Producer warpgroup: one thread issues every TMA load of A and B.
-    if (threadIdx.x == 256) {
+    const int warp = (threadIdx.x / 32) & 3;
+    if (warp == 0) {
+      // The producer: one thread issues every TMA load of A and B.
+      if (lane != 0) return;
       StageRing ring;
       for (int t = blockIdx.x; t < prm.total_tiles; t += gridDim.x) {
         int b, i, j;
@@ -347,53 +499,95 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (load != StageLoad::AOnly) tma_load_3d(stage + kABytes, &tmB, &full[s], kb * kBK, j * kBN, bb);
         }
       }
+      return;
     }
+    if (warp == 3 || prm.skip_epilogue) return;
+    // Warps 1 and 2: the helpers of consumer warpgroups 0 and 1 (see "the epilogue" above).
+    const int cw = warp - 1;
+    uint8_t* staging = sOut + cw * kStagingBytes;
+    const uint32_t stage_u32 = smem_u32(staging);
+    auto next_tile = [&](int t) {  // the next tile from t on where this warpgroup has rows
+      for (; t < prm.total_tiles; t += gridDim.x)
+        if (TileRows(t, prm, cw).rows_in) return t;
+      return prm.total_tiles;
+    };
+    // Hand the staging buffer to the consumers for tile t: with D's blocks in it, or as it is.
+    auto refill = [&](int t) {
+      if (lane != 0) return;
+      if constexpr (kHasD) {
+        const TileRows tr(t, prm, cw);
+        mbar_expect_tx(&ready[cw], tr.nblk * kEBBytes);
+        const int bd = prm.d_batched ? tr.b : 0;
+        for (int k = 0; k < tr.nblk; ++k)
+          tma_load_3d(staging + k * kEBBytes, &tmD, &ready[cw], (4 * tr.j + k) * kEB, tr.R * kEB, bd);
+      } else {
+        mbar_arrive_if(&ready[cw], true);
+      }
+    };
+    uint32_t sphase = 0;
+    int t = next_tile(blockIdx.x);
+    if (t < prm.total_tiles) refill(t);
+    while (t < prm.total_tiles) {
+      const TileRows tr(t, prm, cw);
+      mbar_wait(&staged[cw], sphase);
+      sphase ^= 1;
+      if (tr.kd < 4) symmetrize_block(stage_u32 + tr.kd * kEBBytes, lane);
+      fence_async_smem();
+      __syncwarp();
+      const bool last = t + static_cast<int>(gridDim.x) >= prm.total_tiles;  // mirrored blocks at mirror_base
+      if (lane == 0) {
+        for (int k = 0; k < tr.nblk; ++k) tma_store_3d(&tmC, staging + k * kEBBytes, (4 * tr.j + k) * kEB, tr.R * kEB, tr.b);
+        if (last)
+          for (int k = 0; k < tr.nlow; ++k)
+            tma_store_3d(&tmC, mirror_base(smem, cw, k), tr.R * kEB, (4 * tr.j + k) * kEB, tr.b);
+        bulk_commit();
+      }
+      if (tr.nlow > 0 && !last) {
+        if (lane == 0) bulk_wait_read();
+        __syncwarp();
+        for (int k = 0; k < tr.nlow; ++k)
+          transpose_block(stage_u32 + k * kEBBytes, lane);
+        fence_async_smem();
+        __syncwarp();
+        if (lane == 0) {
+          for (int k = 0; k < tr.nlow; ++k)
+            tma_store_3d(&tmC, staging + k * kEBBytes, tr.R * kEB, (4 * tr.j + k) * kEB, tr.b);
+          bulk_commit();
+        }
+      }
+      if (lane == 0) bulk_wait_read();
+      __syncwarp();
+      t = next_tile(t + gridDim.x);
+      if (t < prm.total_tiles) refill(t);
+    }
+    if (lane == 0) bulk_wait_all();
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
   const int cw = wg;  // rows cw*64 .. cw*64+63 of the tile
-  const int warp = (threadIdx.x / 32) & 3, lane = threadIdx.x & 31;
-  const bool leader = (threadIdx.x & 127) == 0;
-  uint8_t* staging = sOut + cw * kStagingBytes;
-  const uint32_t stage_u32 = smem_u32(staging);
+  const int warp = (threadIdx.x / 32) & 3;
+  const uint32_t stage_u32 = smem_u32(sOut + cw * kStagingBytes);
   // This lane's row address for ldmatrix/stmatrix x4 over the warp's 16 rows and a pair of
   // 8-column chunks (n8, n8 + 1): matrix m = lane / 8 is (rows + 8·(m & 1), chunk n8 + m / 2).
   const int mrow = 16 * warp + 8 * ((lane >> 3) & 1) + (lane & 7);
   const int mchunk = lane >> 4;
   float acc[128];
   StageRing ring;
-  uint32_t dphase = 0;
+  uint32_t rphase = 0;
   const int p = prm.p;
   for (int t = blockIdx.x; t < prm.total_tiles; t += gridDim.x) {
-    int b, i, j;
-    decode_tile(t, prm, b, i, j);
-    const int R = 2 * i + cw;                  // this warpgroup's 64-row block
-    const bool rows_in = R * kEB < p;
-    const int nblk = min(4, R - 4 * j + 1);    // blocks 4j .. 4j+nblk-1 are on or below the diagonal
-    const int kd = R - 4 * j;                  // the diagonal block, if kd < 4
-    const int ncols = rows_in ? min(nblk, (p - 4 * j * kEB + kEB - 1) / kEB) : 0;  // blocks computed
-    const bool load_d = prm.has_d && rows_in && !prm.skip_epilogue;
-    // Prefetch D's blocks of this tile into the staging buffer once the previous tile's stores
-    // have read it.
-    auto prefetch_d = [&] {
-      if (load_d && leader) {
-        bulk_wait_read();
-        mbar_expect_tx(&dfull[cw], nblk * kEBBytes);
-        const int bd = prm.d_batched ? b : 0;
-        for (int k = 0; k < nblk; ++k)
-          tma_load_3d(staging + k * kEBBytes, &tmD, &dfull[cw], (4 * j + k) * kEB, R * kEB, bd);
-      }
-    };
+    const TileRows tr(t, prm, cw);
+    const int ncols = tr.rows_in ? min(tr.nblk, (p - 4 * tr.j * kEB + kEB - 1) / kEB) : 0;  // blocks computed
     // This warpgroup's 64 A rows and the B rows in stage 0 (operands_in_stage).
     uint32_t a0, b0;
-    operands_in_stage(stage_load(i, j, prm.same_ab), cw, smem_u32(smem), a0, b0);
+    operands_in_stage(stage_load(tr.i, tr.j, prm.same_ab), cw, smem_u32(smem), a0, b0);
     const bool signal = lane == 0;
     switch (ncols) {
-      case 4: tile_mainloop<kBF16, 256>(acc, a0, b0, full, empty, ring, prm.kblocks, signal, prefetch_d); break;
-      case 3: tile_mainloop<kBF16, 192>(acc, a0, b0, full, empty, ring, prm.kblocks, signal, prefetch_d); break;
-      case 2: tile_mainloop<kBF16, 128>(acc, a0, b0, full, empty, ring, prm.kblocks, signal, prefetch_d); break;
-      case 1: tile_mainloop<kBF16, 64>(acc, a0, b0, full, empty, ring, prm.kblocks, signal, prefetch_d); break;
-      default: tile_mainloop<kBF16, 0>(acc, a0, b0, full, empty, ring, prm.kblocks, signal, prefetch_d); break;
+      case 4: tile_mainloop<kBF16, 256>(acc, a0, b0, full, empty, ring, prm.kblocks, signal); break;
+      case 3: tile_mainloop<kBF16, 192>(acc, a0, b0, full, empty, ring, prm.kblocks, signal); break;
+      case 2: tile_mainloop<kBF16, 128>(acc, a0, b0, full, empty, ring, prm.kblocks, signal); break;
+      case 1: tile_mainloop<kBF16, 64>(acc, a0, b0, full, empty, ring, prm.kblocks, signal); break;
+      default: tile_mainloop<kBF16, 0>(acc, a0, b0, full, empty, ring, prm.kblocks, signal); break;
     }
 
     if (prm.skip_epilogue) {  // keep the accumulators live, store nothing
@@ -403,100 +597,36 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (x == 1234.5f) acc[0] = x * 2.0f;
       continue;
     }
-    if (!rows_in) continue;
-    if (load_d) {
-      mbar_wait(&dfull[cw], dphase);
-      dphase ^= 1;
+    if (!tr.rows_in) continue;
+    mbar_wait(&ready[cw], rphase);
+    rphase ^= 1;
+    if (t + static_cast<int>(gridDim.x) < prm.total_tiles) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (k >= tr.nblk) continue;
+        if (k == tr.kd) stage_block<kBF16, kHasD, true, false>(acc, k, stage_u32 + k * kEBBytes, prm, mrow, mchunk, warp, lane);
+        else stage_block<kBF16, kHasD, false, false>(acc, k, stage_u32 + k * kEBBytes, prm, mrow, mchunk, warp, lane);
+      }
     } else {
-      if (leader) bulk_wait_read();
-      warpgroup_sync(1 + cw);
-    }
-    // 1. v = alpha·acc + beta·D (+ gamma on the diagonal), packed in pairs into the low half of
-    //    acc (to save registers): slot 2·n8 + h holds row 16·warp + 8·h + lane/4, columns
-    //    8·n8 + 2·(lane%4) + {0, 1} of the 64 x 256 rows; a slot is written only after every
-    //    accumulator it overlays was read. Strictly lower blocks go straight back to the staging
-    //    buffer (each warp touches only its own 16 rows, where it just read D).
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      if (k >= nblk) continue;
-#pragma unroll
-      for (int n8 = 8 * k; n8 < 8 * k + 8; n8 += 2) {
-        const uint32_t addr = stage_u32 + k * kEBBytes + swz(mrow, 8 * ((n8 + mchunk) & 7));
-        uint32_t dv[4] = {0u, 0u, 0u, 0u}, v[4];
-        if (load_d) ldmatrix_x4(dv, addr);
-#pragma unroll
-        for (int m = 0; m < 4; ++m) {
-          const int nn = n8 + (m >> 1), h = m & 1;
-          const float2 d2 = unpack2<kBF16>(dv[m]);
-          float v0 = prm.alpha * acc[4 * nn + 2 * h] + prm.beta * d2.x;
-          float v1 = prm.alpha * acc[4 * nn + 2 * h + 1] + prm.beta * d2.y;
-          if (k == kd) {
-            const int rl = 16 * warp + 8 * h + (lane >> 2), cl = 8 * (nn & 7) + 2 * (lane & 3);
-            if (rl == cl) v0 += prm.gamma;
-            if (rl == cl + 1) v1 += prm.gamma;
-          }
-          v[m] = pack2<kBF16>(v0, v1);
-        }
-#pragma unroll
-        for (int m = 0; m < 4; ++m) acc[2 * n8 + m] = __uint_as_float(v[m]);
-        if (k != kd) stmatrix_x4<false>(addr, v[0], v[1], v[2], v[3]);
-      }
-    }
-#define DION3_VP(s) __float_as_uint(acc[s])
-    // 2. The diagonal block, exactly symmetric: its transpose first (written across warps, so
-    //    after every warp's D reads), then the lower half (and the diagonal) as computed.
-    if (kd < 4) {
-      warpgroup_sync(1 + cw);
+      // The CTA's last tile: nothing is loaded into the pipeline stages any more, so once both
+      // warpgroups have released the last one, the transposed blocks go there (mirror_base),
+      // written from registers, and the helper only stores.
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        if (k != kd) continue;
-        store_block_transposed(acc, stage_u32 + k * kEBBytes, k, warp, lane);
+        if (k >= tr.nblk) continue;
+        if (k == tr.kd) stage_block<kBF16, kHasD, true, true>(acc, k, stage_u32 + k * kEBBytes, prm, mrow, mchunk, warp, lane);
+        else stage_block<kBF16, kHasD, false, true>(acc, k, stage_u32 + k * kEBBytes, prm, mrow, mchunk, warp, lane);
       }
-      warpgroup_sync(1 + cw);
+      ring.wait_released(empty);
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        if (k != kd) continue;
-#pragma unroll
-        for (int nn = 8 * k; nn < 8 * k + 8; ++nn) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int rl = 16 * warp + 8 * h + (lane >> 2), cl = 8 * (nn & 7) + 2 * (lane & 3);
-            const uint32_t u = DION3_VP(2 * nn + h);
-            const uint32_t addr = stage_u32 + k * kEBBytes + swz(rl, cl);
-            if (cl <= rl) asm volatile("st.shared.b16 [%0], %1;" ::"r"(addr), "h"(static_cast<unsigned short>(u & 0xFFFF)) : "memory");
-            if (cl + 1 <= rl)
-              asm volatile("st.shared.b16 [%0], %1;" ::"r"(addr + 2), "h"(static_cast<unsigned short>(u >> 16)) : "memory");
-          }
-        }
+        if (k >= tr.nlow) continue;
+        store_block_transposed(acc, smem_u32(mirror_base(smem, cw, k)), k, warp, lane);
       }
     }
-    // 3. Store the blocks on or below the diagonal, as they are.
     fence_async_smem();
-    warpgroup_sync(1 + cw);
-    if (leader) {
-      for (int k = 0; k < nblk; ++k) tma_store_3d(&tmC, staging + k * kEBBytes, (4 * j + k) * kEB, R * kEB, b);
-      bulk_commit();
-      bulk_wait_read();
-    }
-    // 4. The strictly lower blocks again, transposed, into their mirrored upper blocks.
-    const int nlow = min(nblk, kd);
-    if (nlow > 0) {
-      warpgroup_sync(1 + cw);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        if (k >= nlow) continue;
-        store_block_transposed(acc, stage_u32 + k * kEBBytes, k, warp, lane);
-      }
-      fence_async_smem();
-      warpgroup_sync(1 + cw);
-      if (leader) {
-        for (int k = 0; k < nlow; ++k) tma_store_3d(&tmC, staging + k * kEBBytes, R * kEB, (4 * j + k) * kEB, b);
-        bulk_commit();
-      }
-    }
+    mbar_arrive_if(&staged[cw], true);
   }
-#undef DION3_VP
-  if (leader) bulk_wait_all();
 #endif
 }
 
@@ -570,18 +700,18 @@ int sm_count_and_check(int* device_out = nullptr) {
   return g_sms[dev];
 }
 
-template <bool kBF16>
+template <bool kBF16, bool kHasD>
 void launch_typed(const CUtensorMap (&maps)[4], const SymParams& prm, int grid, int dev, cudaStream_t s) {
-  constexpr uint32_t bit = 1u << (kBF16 ? 1 : 0);
+  constexpr uint32_t bit = 1u << ((kBF16 ? 2 : 0) + (kHasD ? 1 : 0));
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     if (!(g_smem_set[dev] & bit)) {
-      DION3_CUDA_CHECK(cudaFuncSetAttribute(sym_wgmma_kernel<kBF16>,
+      DION3_CUDA_CHECK(cudaFuncSetAttribute(sym_wgmma_kernel<kBF16, kHasD>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
       g_smem_set[dev] |= bit;
     }
   }
-  launch_pdl(sym_wgmma_kernel<kBF16>, grid, kThreads, kSmemBytes, s, maps[0], maps[1], maps[2], maps[3], prm);
+  launch_pdl(sym_wgmma_kernel<kBF16, kHasD>, grid, kThreads, kSmemBytes, s, maps[0], maps[1], maps[2], maps[3], prm);
 }
 
 // A TMA-addressable operand: 16-byte aligned base, rows and matrices 16-byte multiples apart.
@@ -629,9 +759,9 @@ void launch_sym_wgmma(const MatrixView& A, const MatrixView& B, float alpha, flo
   const int64_t p = C.rows, batch = C.batch;
   if (batch == 0 || p == 0) return;
   SymParams prm{};
-  prm.has_d = D != nullptr && beta != 0.0f;
+  const bool has_d = D != nullptr && beta != 0.0f;
   prm.alpha = alpha;
-  prm.beta = prm.has_d ? beta : 0.0f;
+  prm.beta = has_d ? beta : 0.0f;
   prm.gamma = gamma;
   prm.skip_epilogue = skip_epilogue ? 1 : 0;
   prm.p = static_cast<int>(p);
@@ -639,7 +769,7 @@ void launch_sym_wgmma(const MatrixView& A, const MatrixView& B, float alpha, flo
   prm.a_batched = A.batch > 1;
   prm.b_batched = B.batch > 1;
   prm.same_ab = A.data == B.data && A.ld == B.ld && A.batch == B.batch && A.batch_stride == B.batch_stride;
-  prm.d_batched = prm.has_d && D->batch > 1;
+  prm.d_batched = has_d && D->batch > 1;
   const int tiles = static_cast<int>((p + kBM - 1) / kBM), m = tiles / 2;
   const int tiles_per_mat = (tiles & 1) ? (m + 1) * (m + 1) : m * (m + 1);
   prm.even_diag_per_mat = (tiles + 1) / 2;
@@ -648,12 +778,18 @@ void launch_sym_wgmma(const MatrixView& A, const MatrixView& B, float alpha, flo
   prm.total_tiles = static_cast<int>(tiles_per_mat * batch);
   static_assert(kBK == 64 && kEB == 64, "every tensor map box is 64 columns wide");
   const CUtensorMap mc = make_map(C, kEB);
-  const CUtensorMap maps[4] = {make_map(A, kBM), make_map(B, kBN), mc, prm.has_d ? make_map(*D, kEB) : mc};
+  const CUtensorMap maps[4] = {make_map(A, kBM), make_map(B, kBN), mc, has_d ? make_map(*D, kEB) : mc};
   int dev = 0;
   const int sms = sm_count_and_check(&dev);
   const int grid = static_cast<int>(std::min<int64_t>(sms, prm.total_tiles));
-  if (A.dtype == DType::BF16) launch_typed<true>(maps, prm, grid, dev, s);
-  else launch_typed<false>(maps, prm, grid, dev, s);
+  // The one dtype (and D or not) dispatch of the kernel.
+  if (A.dtype == DType::BF16) {
+    if (has_d) launch_typed<true, true>(maps, prm, grid, dev, s);
+    else launch_typed<true, false>(maps, prm, grid, dev, s);
+  } else {
+    if (has_d) launch_typed<false, true>(maps, prm, grid, dev, s);
+    else launch_typed<false, false>(maps, prm, grid, dev, s);
+  }
 }
 
 }  // namespace dion3::cuda
