@@ -24,6 +24,7 @@
 #include <mutex>
 
 #include "cuda/kernels.cuh"
+#include "cuda/sm90_async.cuh"
 #include "cuda/wgmma_m64.cuh"
 
 namespace dion3::cuda {
@@ -35,12 +36,12 @@ namespace {
 // (2026-12-01-f462aed-kernel-experiments.md, 2026-12-01-5b4fea7-epilogue-staging.md).
 constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 3;
 // Two consumer warpgroups (0, 1) and a producer warpgroup (2: one thread issues the loads, warps
-// 1 and 2 are the consumers' epilogue helpers). A block launches with at most 168 registers per thread (12 warps, three on each of the
-// SM's four register-file quarters of 16384; probed on the H200 with 9 warps: 163 launched, 183
-// not); then the producer gives registers back (setmaxnreg.dec 40) and the consumers take them
-// (setmaxnreg.inc 232): 128 accumulators and room for ptxas to keep the wgmma pipeline. (With 288
-// threads at 163 registers each, small changes made ptxas serialize the wgmma.) The CTest
-// cuda.sym_wgmma_ptxas checks both.
+// 1 and 2 are the consumers' epilogue helpers). A block launches with at most 168 registers per
+// thread (12 warps, three on each of the SM's four register-file quarters of 16384; probed on the
+// H200 with 9 warps: 163 launched, 183 not); then the producer warpgroup gives registers back
+// (setmaxnreg.dec 40) and the consumers take them (setmaxnreg.inc 232): 128 accumulators and room
+// for ptxas to keep the wgmma pipeline. (With 288 threads at 163 registers each, small changes
+// made ptxas serialize the wgmma.) The CTest cuda.sym_wgmma_ptxas checks both.
 constexpr int kThreads = 384;
 // A stage holds one k-block: A's 128 rows, then B's 256 rows (rows of 128 bytes, 1024-byte aligned).
 constexpr int kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2, kStageBytes = kABytes + kBBytes;
@@ -59,95 +60,6 @@ __device__ __forceinline__ void fence_acc(float (&d)[128]) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define DION3_SM90A 1
 #endif
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
-               "r"(bytes) : "memory");
-}
-// Arrive by the threads where `pred` holds: a predicated instruction, not a branch (a branch
-// around it inside the main loop makes ptxas serialize the wgmma instructions).
-__device__ __forceinline__ void mbar_arrive_if(uint64_t* bar, bool pred) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(
-                   smem_u32(bar)),
-               "r"(static_cast<int>(pred))
-               : "memory");
-}
-// The retry loop lives inside the asm, so the compiler sees no divergent control flow here.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred p;\nWAIT_%=:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, uint64_t* bar,
-                                            int c0, int c1, int c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2)
-      : "memory");
-}
-// TMA store of one box from shared memory; the bulk-group bookkeeping is the caller's.
-__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void* src, int c0, int c1,
-                                             int c2) {
-  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-// Until every committed store has finished reading shared memory (the staging is free again).
-__device__ __forceinline__ void bulk_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-}
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-// Generic-proxy shared-memory writes made visible to the TMA unit (the async proxy).
-__device__ __forceinline__ void fence_async_smem() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-template <bool kTrans>
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  if constexpr (kTrans)
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-  else
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-}
-template <bool kTrans>
-__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
-                                            uint32_t r3) {
-  if constexpr (kTrans)
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
-                 "r"(r0), "r"(r1), "r"(r2), "r"(r3)
-                 : "memory");
-  else
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0),
-                 "r"(r1), "r"(r2), "r"(r3)
-                 : "memory");
-}
-// Byte offset of element (row, col) in a 64 x 64 block stored with the 128-byte swizzle
-// (16-byte chunk c of row r sits at chunk c ^ (r % 8)); blocks are 1024-byte aligned.
-__device__ __forceinline__ uint32_t swz(int row, int col) {
-  return static_cast<uint32_t>(row * 128 + ((((col >> 3) ^ row) & 7) << 4) + (col & 7) * 2);
-}
-// Shared-memory matrix descriptor: K-major tile, rows of 128 bytes, 128-byte swizzle (8-row
-// atoms of 1024 bytes: stride byte offset 1024, leading byte offset unused).
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) |
-         (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
-}
 
 // One 64-deep k-block of a warpgroup's 64 x kN product: four k16 steps, the first of them starting
 // a new sum where kFirst (the tile's first k-block). kN == 0: nothing (rows past p).
