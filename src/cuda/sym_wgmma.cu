@@ -39,7 +39,8 @@ constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 3;
 // 1 and 2 are the consumers' epilogue helpers). A block launches with at most 168 registers per
 // thread (12 warps, three on each of the SM's four register-file quarters of 16384; probed on the
 // H200 with 9 warps: 163 launched, 183 not); then the producer warpgroup gives registers back
-// (setmaxnreg.dec 40) and the consumers take them (setmaxnreg.inc 232): 128 accumulators and room
+// (setmaxnreg.dec 40) and the consumers take them (setmaxnreg.inc 232, exactly what was freed of
+// the block's 384 x 168: asking for more makes the inc wait forever): 128 accumulators and room
 // for ptxas to keep the wgmma pipeline. (With 288 threads at 163 registers each, small changes
 // made ptxas serialize the wgmma.) The CTest cuda.sym_wgmma_ptxas checks both.
 constexpr int kThreads = 384;
