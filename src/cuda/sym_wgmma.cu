@@ -212,6 +212,8 @@ __device__ __forceinline__ float2 unpack2(uint32_t u) {
 // producer warpgroup's, which makes the diagonal block exactly symmetric, stores the blocks by TMA,
 // transposes the strictly lower ones in place and stores them mirrored, then refills the buffer
 // with D's blocks of the warpgroup's next tile. Meanwhile the consumers run the next main loop.
+// On a CTA's last tile the consumers write the transposed blocks themselves, from registers, into
+// the pipeline stages (free by then), and the helper only stores.
 
 // v = alpha·acc + beta·D (+ gamma on the diagonal) for 64-column block k of the warpgroup's rows,
 // written to the 128-byte-swizzled staging block at `block` (where D's block was prefetched).
@@ -356,6 +358,18 @@ struct TileRows {
     nlow = min(nblk, kd);
   }
 };
+
+// stage_block for every block of the warpgroup's part of the tile (the diagonal one with gamma).
+template <bool kBF16, bool kHasD, bool kKeep>
+__device__ __forceinline__ void stage_blocks(float (&acc)[128], const TileRows& tr, uint32_t staging,
+                                             const SymParams& prm, int mrow, int mchunk, int warp, int lane) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    if (k >= tr.nblk) continue;
+    if (k == tr.kd) stage_block<kBF16, kHasD, true, kKeep>(acc, k, staging + k * kEBBytes, prm, mrow, mchunk, warp, lane);
+    else stage_block<kBF16, kHasD, false, kKeep>(acc, k, staging + k * kEBBytes, prm, mrow, mchunk, warp, lane);
+  }
+}
 
 template <bool kBF16, bool kHasD>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -514,22 +528,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_wait(&ready[cw], rphase);
     rphase ^= 1;
     if (t + static_cast<int>(gridDim.x) < prm.total_tiles) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        if (k >= tr.nblk) continue;
-        if (k == tr.kd) stage_block<kBF16, kHasD, true, false>(acc, k, stage_u32 + k * kEBBytes, prm, mrow, mchunk, warp, lane);
-        else stage_block<kBF16, kHasD, false, false>(acc, k, stage_u32 + k * kEBBytes, prm, mrow, mchunk, warp, lane);
-      }
+      stage_blocks<kBF16, kHasD, false>(acc, tr, stage_u32, prm, mrow, mchunk, warp, lane);
     } else {
       // The CTA's last tile: nothing is loaded into the pipeline stages any more, so once both
       // warpgroups have released the last one, the transposed blocks go there (mirror_base),
       // written from registers, and the helper only stores.
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        if (k >= tr.nblk) continue;
-        if (k == tr.kd) stage_block<kBF16, kHasD, true, true>(acc, k, stage_u32 + k * kEBBytes, prm, mrow, mchunk, warp, lane);
-        else stage_block<kBF16, kHasD, false, true>(acc, k, stage_u32 + k * kEBBytes, prm, mrow, mchunk, warp, lane);
-      }
+      stage_blocks<kBF16, kHasD, true>(acc, tr, stage_u32, prm, mrow, mchunk, warp, lane);
       ring.wait_released(empty);
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
