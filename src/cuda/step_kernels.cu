@@ -18,9 +18,10 @@ namespace {
 
 constexpr int kRowWarps = 4;      // warp-per-row kernels: rows per block
 
-// One row of M (and of G, with_g) in 4-element packs, the warp-per-row way of the accumulate and
-// the gather: each lane loads its next U packs (q = lane, lane + 32, ... below n4) before it hands
-// any to visit(q, m_pack, g_pack), so U packs of each array are in flight per lane.
+// One row of M (and of G, with_g) in 4-element packs, the warp-per-row way of the accumulate, the
+// gather and the NorMuon row sums (there M is a row of O): each lane loads its next U packs
+// (q = lane, lane + 32, ... below n4) before it hands any to visit(q, m_pack, g_pack), so U packs
+// of each array are in flight per lane.
 template <int U, class TM, class TG, class Visit>
 __device__ __forceinline__ void for_row_packs(const Pack4<TM>* m4, const Pack4<TG>* g4, int64_t n4, int lane,
                                               bool with_g, Visit&& visit) {
@@ -309,21 +310,11 @@ __global__ void __launch_bounds__(32 * kRowWarps)
   const float v_old = lane == 0 ? *v : 0.0f;
   float acc = 0.0f;
   if (vec) {
-    constexpr int U = 4;
     const Pack4<TO>* o4 = reinterpret_cast<const Pack4<TO>*>(o);
-    const int64_t n4 = cols / 4;
-    for (int64_t q0 = lane; q0 < n4; q0 += 32 * U) {
-      Pack4<TO> p[U];
+    for_row_packs<4>(o4, o4, cols / 4, lane, false, [&](int64_t, const Pack4<TO>& p, const Pack4<TO>&) {
 #pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (q0 + 32 * u < n4) p[u] = o4[q0 + 32 * u];
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (q0 + 32 * u < n4) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc += to_f32(p[u].v[e]) * to_f32(p[u].v[e]);
-        }
-    }
+      for (int e = 0; e < 4; ++e) acc += to_f32(p.v[e]) * to_f32(p.v[e]);
+    });
   } else {
     for (int64_t j = lane; j < cols; j += 32) {
       const float x = to_f32(o[j]);
