@@ -1,0 +1,172 @@
+// bench/cuda_overlap_probe.cu — dion3-cuda-overlap-probe: would a step gain from running two
+// megabatches' work on two streams? Times pairs of gpt-1b Dion3 f = 1/4 workloads, each pair
+// one after the other and side by side (fork/join through events, the second stream at normal,
+// low and high priority): Gram NS chains at p = 512 (64 x 512 x 2048 and 16 x 512 x 8192),
+// standard NS on 16 x 2048 x 2048, and a memory-bound stand-in (a device copy of the bytes one
+// megabatch's accumulate moves). Interleaved CUDA-event medians; markdown on stdout and --out.
+#include <cuda_runtime.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cuda_bench_common.cuh"
+#include "cuda/cuda_backend.hpp"
+#include "dion3/backend.hpp"
+#include "dion3/orthogonalize.hpp"
+
+namespace {
+
+using dion3::DType;
+using dion3::MatrixView;
+
+struct Work {
+  std::string name;
+  std::function<void()> run;  // enqueues on its backend's current stream
+};
+
+dion3::OrthConfig config(dion3::OrthMethod m, DType dt) {
+  dion3::OrthConfig c;
+  c.method = m;
+  c.iteration_dtype = dt;
+  return c;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bench::Args args = bench::parse_args(argc, argv, "dion3-cuda-overlap-probe");
+  bench::Out o;
+  bench::device_line(o);
+  int least = 0, greatest = 0;
+  CK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  cudaStream_t sa, sb_normal, sb_low, sb_high;
+  CK(cudaStreamCreateWithFlags(&sa, cudaStreamNonBlocking));
+  CK(cudaStreamCreateWithFlags(&sb_normal, cudaStreamNonBlocking));
+  CK(cudaStreamCreateWithPriority(&sb_low, cudaStreamNonBlocking, least));
+  CK(cudaStreamCreateWithPriority(&sb_high, cudaStreamNonBlocking, greatest));
+  std::unique_ptr<dion3::Backend> be_a = dion3::make_cuda_backend(0, sa);
+  std::unique_ptr<dion3::Backend> be_b = dion3::make_cuda_backend(0, sb_normal);
+
+  // Inputs in bf16 as the step gathers them (k x n, k <= n), one per workload.
+  struct Input {
+    dion3::DeviceBuffer buf;
+    MatrixView view;
+  };
+  auto input = [&](dion3::Backend& be, int64_t b, int64_t p, int64_t q, uint64_t seed) {
+    Input in{dion3::DeviceBuffer(be.allocator(), b * p * q * 2), {}};
+    in.view = MatrixView::contiguous(in.buf.get(), DType::BF16, b, p, q);
+    bench::fill(in.buf.get(), DType::BF16, b * p * q, seed, 1.0f, sa);
+    return in;
+  };
+  Input x1 = input(*be_a, 64, 512, 2048, 1), x3 = input(*be_a, 16, 2048, 2048, 3);
+  Input x2 = input(*be_b, 16, 512, 8192, 2);
+  dion3::Orthogonalizer g1(*be_a, config(dion3::OrthMethod::Gram, DType::F16), 64, 512, 2048);
+  dion3::Orthogonalizer s3(*be_a, config(dion3::OrthMethod::Standard, DType::BF16), 16, 2048, 2048);
+  dion3::Orthogonalizer g2(*be_b, config(dion3::OrthMethod::Gram, DType::F16), 16, 512, 8192);
+  const std::size_t copy_bytes = std::size_t{268435456} * 2;  // one megabatch's momentum, bf16
+  dion3::DeviceBuffer c_src(be_b->allocator(), copy_bytes), c_dst(be_b->allocator(), copy_bytes);
+  CK(cudaMemsetAsync(c_src.get(), 0, copy_bytes, sa));
+  CK(cudaStreamSynchronize(sa));
+
+  cudaStream_t sb = sb_normal;
+  const Work w1{"Gram NS 64x512x2048", [&] { g1.run(x1.view); }};
+  const Work w3{"standard NS 16x2048x2048", [&] { s3.run(x3.view); }};
+  const Work w2{"Gram NS 16x512x8192", [&] { g2.run(x2.view); }};
+  const Work wm{"copy 0.54 GB", [&] { CK(cudaMemcpyAsync(c_dst.get(), c_src.get(), copy_bytes, cudaMemcpyDeviceToDevice, sb)); }};
+
+  cudaEvent_t fork, join;
+  CK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+  CK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+  auto on_b = [&](cudaStream_t s) {
+    sb = s;
+    be_b->set_stream(s);
+  };
+  // a on stream A, b on stream B; `together`: b starts with a, else after it. Joined back on A.
+  auto pair = [&](const Work& a, const Work& b, cudaStream_t s, bool together) {
+    return [&, s, together] {
+      on_b(s);
+      if (together) {
+        CK(cudaEventRecord(fork, sa));
+        CK(cudaStreamWaitEvent(s, fork));
+        a.run();
+        b.run();
+      } else {
+        a.run();
+        CK(cudaEventRecord(fork, sa));
+        CK(cudaStreamWaitEvent(s, fork));
+        b.run();
+      }
+      CK(cudaEventRecord(join, s));
+      CK(cudaStreamWaitEvent(sa, join));
+    };
+  };
+  auto alone = [&](const Work& w, bool is_b) {
+    return [&, is_b] {
+      if (!is_b) {
+        w.run();
+        return;
+      }
+      on_b(sb_normal);
+      CK(cudaEventRecord(fork, sa));
+      CK(cudaStreamWaitEvent(sb_normal, fork));
+      w.run();
+      CK(cudaEventRecord(join, sb_normal));
+      CK(cudaStreamWaitEvent(sa, join));
+    };
+  };
+
+  o.line("## Two workloads on two streams (ms, medians of " + std::to_string(args.iters) + ", interleaved)");
+  o.line("");
+  o.line("| A | B | A alone | B alone | one after the other | side by side | B low priority | B high priority | "
+         "best side by side / one after the other |");
+  o.line("|---|---|---|---|---|---|---|---|---|");
+  const std::vector<std::pair<const Work*, const Work*>> pairs = {{&w1, &w2}, {&w3, &w2}, {&w3, &wm}, {&w1, &wm}};
+  for (const auto& [a, b] : pairs) {
+    const std::vector<double> t = bench::interleaved_medians(
+        sa, 2, args.iters,
+        {alone(*a, false), alone(*b, true), pair(*a, *b, sb_normal, false), pair(*a, *b, sb_normal, true),
+         pair(*a, *b, sb_low, true), pair(*a, *b, sb_high, true)});
+    const double best = std::min({t[3], t[4], t[5]});
+    o.line(bench::fmt("| %s | %s | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.2fx |", a->name.c_str(), b->name.c_str(),
+                      t[0], t[1], t[2], t[3], t[4], t[5], best / t[2]));
+  }
+
+  // One megabatch's chunk split in two halves, each on its own stream and its own half of the
+  // workspace (the same bytes as the whole chunk): the halves side by side against the whole.
+  o.line("");
+  o.line("## One batch against its two halves on two streams (ms, medians of " + std::to_string(args.iters) + ")");
+  o.line("");
+  o.line("| batch | method | whole | halves one after the other | halves side by side | side by side / whole |");
+  o.line("|---|---|---|---|---|---|");
+  struct Split { int64_t b, p, q; dion3::OrthMethod m; DType dt; const char* name; };
+  const std::vector<Split> splits = {
+      {64, 512, 2048, dion3::OrthMethod::Gram, DType::F16, "Gram fp16"},
+      {16, 512, 8192, dion3::OrthMethod::Gram, DType::F16, "Gram fp16"},
+      {16, 2048, 2048, dion3::OrthMethod::Standard, DType::BF16, "standard bf16"},
+      {128, 1024, 4096, dion3::OrthMethod::Gram, DType::F16, "Gram fp16"},
+      {32, 1024, 11008, dion3::OrthMethod::Gram, DType::F16, "Gram fp16"},
+      {16, 2752, 4096, dion3::OrthMethod::Gram, DType::F16, "Gram fp16"}};
+  on_b(sb_normal);
+  for (const Split& sp : splits) {
+    Input whole_in = input(*be_a, sp.b, sp.p, sp.q, 11);
+    const int64_t h = sp.b / 2;
+    MatrixView lo = whole_in.view, hi = whole_in.view;
+    lo.batch = hi.batch = h;
+    hi.data = static_cast<char*>(whole_in.buf.get()) + static_cast<std::size_t>(h * sp.p * sp.q) * 2;
+    dion3::Orthogonalizer whole(*be_a, config(sp.m, sp.dt), sp.b, sp.p, sp.q);
+    dion3::Orthogonalizer half_a(*be_a, config(sp.m, sp.dt), h, sp.p, sp.q);
+    dion3::Orthogonalizer half_b(*be_b, config(sp.m, sp.dt), h, sp.p, sp.q);
+    CK(cudaDeviceSynchronize());
+    const Work wa{"a", [&] { half_a.run(lo); }}, wb{"b", [&] { half_b.run(hi); }};
+    const std::vector<double> t = bench::interleaved_medians(
+        sa, 2, args.iters, {[&] { whole.run(whole_in.view); }, pair(wa, wb, sb_normal, false), pair(wa, wb, sb_normal, true)});
+    o.line(bench::fmt("| (%lld, %lld, %lld) | %s | %.3f | %.3f | %.3f | %.2fx |", static_cast<long long>(sp.b),
+                      static_cast<long long>(sp.p), static_cast<long long>(sp.q), sp.name, t[0], t[1], t[2], t[2] / t[0]));
+    CK(cudaDeviceSynchronize());
+  }
+  CK(cudaStreamSynchronize(sa));
+  if (!args.out_path.empty()) std::ofstream(args.out_path) << o.md.str();
+  return 0;
+}
