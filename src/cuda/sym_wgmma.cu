@@ -226,11 +226,18 @@ __device__ __forceinline__ float2 unpack2(uint32_t u) {
 template <bool kBF16, bool kHasD, bool kDiag, bool kKeep>
 __device__ __forceinline__ void stage_block(float (&acc)[128], int k, uint32_t block, const SymParams& prm, int mrow,
                                             int mchunk, int warp, int lane) {
+  // D's four fragments of the block are loaded before any is used (the asm's memory clobbers keep
+  // every ldmatrix behind the stmatrix before it, which serialised their latencies).
+  uint32_t dv_all[4][4];
+  if constexpr (kHasD) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) ldmatrix_x4<false>(dv_all[c], block + swz(mrow, 8 * ((8 * k + 2 * c + mchunk) & 7)));
+  }
 #pragma unroll
   for (int n8 = 8 * k; n8 < 8 * k + 8; n8 += 2) {
     const uint32_t addr = block + swz(mrow, 8 * ((n8 + mchunk) & 7));
-    uint32_t dv[4], v[4];
-    if constexpr (kHasD) ldmatrix_x4<false>(dv, addr);
+    uint32_t v[4];
+    const uint32_t(&dv)[4] = dv_all[(n8 - 8 * k) / 2];
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
       const int nn = n8 + (m >> 1), h = m & 1;
