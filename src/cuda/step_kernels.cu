@@ -95,6 +95,9 @@ __global__ void __launch_bounds__(32 * kRowWarps)
 // builds a histogram with warp-aggregated shared atomics (scores of one magnitude share a top
 // byte, and per-lane atomics on one bin serialised 32-fold) and finds its bin with one scan.
 // Then one pass writes the rows: the keys above the k-th, and the first of those equal to it.
+// With kCached > 0 (vectors of at most kCached * kSelectThreads scores) each thread reads its keys
+// once into registers; with 0 every pass reads them again from L2 (any length). Eight is the most
+// that fits: at 1024 threads a thread has 64 registers, and 16 cached keys spilled.
 constexpr int kSelectThreads = 1024;
 
 __device__ __forceinline__ uint32_t order_key(float f) {
@@ -103,6 +106,7 @@ __device__ __forceinline__ uint32_t order_key(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+template <int kCached>
 __global__ void __launch_bounds__(kSelectThreads)
     select_rows_kernel(const float* __restrict__ scores, int64_t m, int64_t k, int32_t* __restrict__ idx,
                        const int* skip) {
@@ -116,15 +120,30 @@ __global__ void __launch_bounds__(kSelectThreads)
   const float* s = scores + blockIdx.x * m;
   int32_t* out = idx + blockIdx.x * k;
   const int t = threadIdx.x, lane = t & 31;
+  // Chunk u holds rows u * kSelectThreads + t; every thread runs all chunks (the warps vote).
+  const int64_t chunks = kCached > 0 ? kCached : (m + kSelectThreads - 1) / kSelectThreads;
+  uint32_t cached[kCached > 0 ? kCached : 1];
+  if constexpr (kCached > 0) {
+#pragma unroll
+    for (int u = 0; u < kCached; ++u) {
+      const int64_t r = static_cast<int64_t>(u) * kSelectThreads + t;
+      cached[u] = r < m ? order_key(__ldg(s + r)) : 0u;
+    }
+  }
+  auto key_at = [&](int u, int64_t r) -> uint32_t {
+    if constexpr (kCached > 0) return cached[u];
+    else return r < m ? order_key(__ldg(s + r)) : 0u;
+  };
 
   uint32_t prefix = 0, mask = 0;
   int need = static_cast<int>(k);  // of the keys matching prefix, how many are still to take
   for (int shift = 24; shift >= 0; shift -= 8) {
     if (t < 256) hist[t] = 0;
     __syncthreads();
-    for (int64_t r0 = 0; r0 < m; r0 += kSelectThreads) {  // same trip count in every lane (the warp votes)
-      const int64_t r = r0 + t;
-      const uint32_t key = r < m ? order_key(__ldg(s + r)) : 0u;
+#pragma unroll
+    for (int u = 0; u < chunks; ++u) {
+      const int64_t r = static_cast<int64_t>(u) * kSelectThreads + t;
+      const uint32_t key = key_at(u, r);
       const bool counts = r < m && (key & mask) == prefix;
       const unsigned active = __ballot_sync(0xffffffffu, counts);
       if (counts) {
@@ -152,9 +171,10 @@ __global__ void __launch_bounds__(kSelectThreads)
   // kSelectThreads < 2^16 rows).
   const uint32_t T = prefix;
   int base_eq = 0, base_out = 0;
-  for (int64_t r0 = 0; r0 < m; r0 += kSelectThreads) {
-    const int64_t r = r0 + t;
-    const uint32_t key = r < m ? order_key(__ldg(s + r)) : 0u;
+#pragma unroll
+  for (int u = 0; u < chunks; ++u) {
+    const int64_t r = static_cast<int64_t>(u) * kSelectThreads + t;
+    const uint32_t key = key_at(u, r);
     const int gt = r < m && key > T, eq = r < m && key == T;
     int before, total;
     Scan(scan_tmp).ExclusiveSum((eq << 16) | gt, before, total);
@@ -566,7 +586,12 @@ void launch_select_rows(const float* scores, int64_t count, int64_t m, int64_t k
                         const int* skip, cudaStream_t s) {
   if (count == 0 || k == 0) return;
   if (k > m) fail("select_rows: k = " + std::to_string(k) + " exceeds m = " + std::to_string(m));
-  launch_pdl(select_rows_kernel, static_cast<unsigned>(count), kSelectThreads, 0, s, scores, m, k, idx, skip);
+  const unsigned grid = static_cast<unsigned>(count);
+  const int64_t chunks = (m + kSelectThreads - 1) / kSelectThreads;
+  if (chunks <= 2) launch_pdl(select_rows_kernel<2>, grid, kSelectThreads, 0, s, scores, m, k, idx, skip);
+  else if (chunks <= 4) launch_pdl(select_rows_kernel<4>, grid, kSelectThreads, 0, s, scores, m, k, idx, skip);
+  else if (chunks <= 8) launch_pdl(select_rows_kernel<8>, grid, kSelectThreads, 0, s, scores, m, k, idx, skip);
+  else launch_pdl(select_rows_kernel<0>, grid, kSelectThreads, 0, s, scores, m, k, idx, skip);
 }
 
 void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,

@@ -120,7 +120,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, SelectRows,
                                            SelCase{4, 1000, 1000, 0}, SelCase{3, 1000, 333, 5},
                                            SelCase{2, 777, 100, 2}, SelCase{2, 513, 1, 1},
                                            SelCase{5, 11008, 2752, 0}, SelCase{3, 11008, 2752, 40},
-                                           SelCase{2, 4096, 512, 3}));
+                                           SelCase{2, 4096, 512, 3}, SelCase{3, 8192, 2048, 0},
+                                           SelCase{2, 5000, 1000, 7}, SelCase{2, 2049, 700, 0}));
 
 // n sets of k distinct rows of `rows`, each ascending (what select_rows hands on), concatenated.
 std::vector<int32_t> random_row_sets(int64_t n, int64_t rows, int64_t k, std::mt19937_64& rng) {
