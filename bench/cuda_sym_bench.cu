@@ -94,8 +94,8 @@ int main(int argc, char** argv) {
       MatrixView C1o = C1v, C2o = C2v;  // the aliased D
       fill(X.get(), c.in, b * p * q, 11 + p, 2.0f / std::sqrt(static_cast<float>(q)), s);
       set_symmetric_options(*be, {true, 64, false});
-      be->gram(Xv, Rv);                                                       // a symmetric R
-      be->sym_product(2.0f, Rv, Rv, -1.0f, &Rv, 0.0f, Zv);                    // a symmetric Z
+      be->gram(Xv, Rv, false);                                              // a symmetric R
+      be->sym_product(2.0f, Rv, Rv, -1.0f, &Rv, 0.0f, Zv, false, false);  // a symmetric Z
       bool runs = true;  // every kernel call of this case ran the kernel (not the fallback)
       auto kern = [&](const MatrixView& A, const MatrixView& B, const MatrixView* D, const MatrixView& C) {
         const bool ok = dion3::cuda::sym_wgmma_supported(A, B, D, C);
@@ -114,23 +114,23 @@ int main(int argc, char** argv) {
           if (k == 0) {
             // gram of X into C (C may be fp32)
             if (which == 1 && kern(Xv, Xv, nullptr, Cv)) dion3::cuda::launch_sym_wgmma(Xv, Xv, 1.0f, 0.0f, nullptr, 0.0f, Cv, s);
-            else be->gram(Xv, Cv);
+            else be->gram(Xv, Cv, false);
           } else if (k == 1) {
             if (c.out != c.in) {
               // D must have C's dtype: use C = 2·R·R + 3·I instead
               if (which == 1 && kern(Rv, Rv, nullptr, Cv)) dion3::cuda::launch_sym_wgmma(Rv, Rv, 2.0f, 0.0f, nullptr, 3.0f, Cv, s);
-              else be->sym_product(2.0f, Rv, Rv, 0.0f, nullptr, 3.0f, Cv);
+              else be->sym_product(2.0f, Rv, Rv, 0.0f, nullptr, 3.0f, Cv, false, false);
             } else {
               if (which == 1 && kern(Rv, Rv, &Rv, Cv)) dion3::cuda::launch_sym_wgmma(Rv, Rv, 2.0f, -1.5f, &Rv, 0.0f, Cv, s);
-              else be->sym_product(2.0f, Rv, Rv, -1.5f, &Rv, 0.0f, Cv);
+              else be->sym_product(2.0f, Rv, Rv, -1.5f, &Rv, 0.0f, Cv, false, false);
             }
           } else if (k == 2) {
             if (which == 1 && kern(Rv, Zv, nullptr, Cv)) dion3::cuda::launch_sym_wgmma(Rv, Zv, 1.0f, 0.0f, nullptr, 3.0f, Cv, s);
-            else be->sym_product(1.0f, Rv, Zv, 0.0f, nullptr, 3.0f, Cv);
+            else be->sym_product(1.0f, Rv, Zv, 0.0f, nullptr, 3.0f, Cv, false, false);
           } else {
             MatrixView& Dv = which == 0 ? C1o : C2o;
             if (which == 1 && kern(Rv, Zv, &Dv, Cv)) dion3::cuda::launch_sym_wgmma(Rv, Zv, 0.5f, 0.25f, &Dv, 1.0f, Cv, s);
-            else be->sym_product(0.5f, Rv, Zv, 0.25f, &Dv, 1.0f, Cv);
+            else be->sym_product(0.5f, Rv, Zv, 0.25f, &Dv, 1.0f, Cv, false, false);
           }
           CK(cudaGetLastError());
         }
@@ -180,12 +180,15 @@ int main(int argc, char** argv) {
   o.line("## Symmetric products: full cuBLAS GEMM vs cuBLAS tile schedule vs fused sm_90a kernel");
   o.line("");
   o.line("Same inputs, C in the input dtype. eff. TFLOP/s counts the full GEMM's 2·p²·q FLOPs; real TFLOP/s counts "
-         "the lower triangle's p·(p+1)·q. Each time includes the prepare/mirror passes of that path; the last column is the "
-         "fused kernel with its stores left out.");
+         "the lower triangle's p·(p+1)·q. Each time includes the prepare/mirror passes of that path. \"banded\": the "
+         "fused kernel writing C banded (mirrored only in the diagonal 256 x 256 blocks) and, for sym_product, reading "
+         "its operands so (their upper blocks transposed from the lower ones); the last column is the fused kernel with "
+         "its stores left out.");
   o.line("");
   o.line("| op | dt | b | p | q | full ms | full eff. TFLOP/s | tiled ms (tile) | tiled real TFLOP/s | kernel ms | "
-         "kernel real TFLOP/s | kernel vs full | kernel vs tiled | kernel main loop only ms (real TFLOP/s) |");
-  o.line("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+         "kernel real TFLOP/s | kernel vs full | kernel vs tiled | banded ms (real TFLOP/s) | "
+         "kernel main loop only ms (real TFLOP/s) |");
+  o.line("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
   for (const Shape& sh : shapes) {
     const std::string label = fmt("%s %s %lldx%lldx%lld", sh.op == 0 ? "gram" : "sym_product", dn(sh.dt), (long long)sh.b,
                                   (long long)sh.p, (long long)sh.q);
@@ -199,11 +202,11 @@ int main(int argc, char** argv) {
     fill(X.get(), sh.dt, sh.b * sh.p * q, 1, 2.0f / std::sqrt(static_cast<float>(q)), s);
     if (sh.op == 1) {
       set_symmetric_options(*be, {true, 0, false});
-      be->gram(Xv, Rv);
+      be->gram(Xv, Rv, false);
     }
     auto run = [&] {
-      if (sh.op == 0) be->gram(Xv, Cv);
-      else be->sym_product(2.0f, Rv, Rv, -1.0f, &Rv, 0.0f, Cv);
+      if (sh.op == 0) be->gram(Xv, Cv, false);
+      else be->sym_product(2.0f, Rv, Rv, -1.0f, &Rv, 0.0f, Cv, false, false);
     };
     const double flops = 2.0 * sh.b * sh.p * sh.p * q, real = static_cast<double>(sh.b) * sh.p * (sh.p + 1) * q;
     // The candidates, timed in turn: one full GEMM, the cuBLAS tile schedules, the fused kernel,
@@ -228,12 +231,18 @@ int main(int argc, char** argv) {
       run();
     });
     if (runs)
+      cands.push_back([&] {  // banded (R is full, which a banded read takes as well)
+        if (sh.op == 0) dion3::cuda::launch_sym_wgmma(Xv, Xv, 1.0f, 0.0f, nullptr, 0.0f, Cv, s, false, true);
+        else dion3::cuda::launch_sym_wgmma(Rv, Rv, 2.0f, -1.0f, &Rv, 0.0f, Cv, s, true, true);
+      });
+    if (runs)
       cands.push_back([&] {
-        if (sh.op == 0) dion3::cuda::launch_sym_wgmma(Xv, Xv, 1.0f, 0.0f, nullptr, 0.0f, Cv, s, true);
-        else dion3::cuda::launch_sym_wgmma(Rv, Rv, 2.0f, -1.0f, &Rv, 0.0f, Cv, s, true);
+        if (sh.op == 0) dion3::cuda::launch_sym_wgmma(Xv, Xv, 1.0f, 0.0f, nullptr, 0.0f, Cv, s, false, false, true);
+        else dion3::cuda::launch_sym_wgmma(Rv, Rv, 2.0f, -1.0f, &Rv, 0.0f, Cv, s, false, false, true);
       });
     const std::vector<double> ms = bench::interleaved_medians(s, 2, iters, cands);
     const double full = ms[0], kern = ms[1 + tiles.size()], mainloop = runs ? ms.back() : 0.0;
+    const double banded = runs ? ms[ms.size() - 2] : 0.0;
     double tiled = 1e30;
     int64_t best_tile = 0;
     for (std::size_t c = 0; c < tiles.size(); ++c)
@@ -241,10 +250,12 @@ int main(int argc, char** argv) {
         tiled = ms[1 + c];
         best_tile = tiles[c];
       }
-    o.line(fmt("| %s | %s | %lld | %lld | %lld | %.3f | %.0f | %.3f (%lld) | %.0f | %.3f%s | %.0f | %.2fx | %.2fx | %.3f (%.0f) |",
+    o.line(fmt("| %s | %s | %lld | %lld | %lld | %.3f | %.0f | %.3f (%lld) | %.0f | %.3f%s | %.0f | %.2fx | %.2fx | "
+               "%.3f (%.0f) | %.3f (%.0f) |",
                sh.op == 0 ? "gram" : "sym_product", dn(sh.dt), (long long)sh.b, (long long)sh.p, (long long)q, full,
                flops / full / 1e9, tiled, (long long)best_tile, real / tiled / 1e9, kern, runs ? "" : " (fallback)",
-               real / kern / 1e9, full / kern, tiled / kern, mainloop, mainloop > 0 ? real / mainloop / 1e9 : 0.0));
+               real / kern / 1e9, full / kern, tiled / kern, banded, banded > 0 ? real / banded / 1e9 : 0.0, mainloop,
+               mainloop > 0 ? real / mainloop / 1e9 : 0.0));
   }
   set_symmetric_options(*be, {true, 0, true});
   o.line("");

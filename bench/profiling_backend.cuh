@@ -91,10 +91,13 @@ class ProfilingBackend final : public dion3::Backend {
             dion3::MatrixView C) override {
     wrap("orth.gemm", [&] { in_->gemm(ta, tb, al, A, B, be, C); });
   }
-  void gram(dion3::MatrixView X, dion3::MatrixView C) override { wrap("orth.gram", [&] { in_->gram(X, C); }); }
+  bool symmetric_banded(dion3::DType dt, int64_t p) const override { return in_->symmetric_banded(dt, p); }
+  void gram(dion3::MatrixView X, dion3::MatrixView C, bool bo) override {
+    wrap("orth.gram", [&] { in_->gram(X, C, bo); });
+  }
   void sym_product(float al, dion3::MatrixView A, dion3::MatrixView B, float be, const dion3::MatrixView* D,
-                   float g, dion3::MatrixView C) override {
-    wrap("orth.sym_product", [&] { in_->sym_product(al, A, B, be, D, g, C); });
+                   float g, dion3::MatrixView C, bool bi, bool bo) override {
+    wrap("orth.sym_product", [&] { in_->sym_product(al, A, B, be, D, g, C, bi, bo); });
   }
   void add_identity(dion3::MatrixView X, float g, dion3::MatrixView C) override {
     wrap("orth.add_identity", [&] { in_->add_identity(X, g, C); });

@@ -140,12 +140,22 @@ class Backend {
   // C = alpha*op(A)*op(B) + beta*C.
   virtual void gemm(bool trans_a, bool trans_b, float alpha, MatrixView A, MatrixView B,
                     float beta, MatrixView C) = 0;
-  // C = X*X^T (symmetric; both triangles written).
-  virtual void gram(MatrixView X, MatrixView C) = 0;
+  // Symmetric p x p results may be kept "banded" where symmetric_banded(dtype, p): the lower
+  // triangle and the diagonal blocks of some band width stored, the rest of the upper triangle
+  // not (the CUDA kernel then skips most of its mirrored stores). A banded matrix may only be
+  // read by sym_product with banded_in (as A, B or D); gemm, convert and the host need full ones.
+  virtual bool symmetric_banded(DType dtype, int64_t p) const {
+    (void)dtype;
+    (void)p;
+    return false;
+  }
+  // C = X*X^T (symmetric; both triangles written, or banded with banded_out).
+  virtual void gram(MatrixView X, MatrixView C, bool banded_out) = 0;
   // C = alpha*A*B + beta*D + gamma*I, for A, B, D symmetric and commuting (so A*B is
-  // symmetric); D may be null. C must not alias A or B; it may alias D.
+  // symmetric); D may be null. C must not alias A or B; it may alias D. banded_in: A, B and D
+  // may be banded; banded_out: C may be written banded.
   virtual void sym_product(float alpha, MatrixView A, MatrixView B, float beta, const MatrixView* D,
-                           float gamma, MatrixView C) = 0;
+                           float gamma, MatrixView C, bool banded_in, bool banded_out) = 0;
   // C = X + gamma*I (square matrices; C may alias X).
   virtual void add_identity(MatrixView X, float gamma, MatrixView C) = 0;
   // Cost of a symmetric product relative to the full GEMM of the same size (1 = no savings).

@@ -300,7 +300,7 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void gram(MatrixView X, MatrixView C) override {
+  void gram(MatrixView X, MatrixView C, bool /*banded_out: always full here*/) override {
     const int64_t p = X.rows, q = X.cols;
     check(C.rows == p && C.cols == p && C.batch == X.batch, "gram shapes");
     std::vector<float> sx, c(static_cast<std::size_t>(p * p));
@@ -313,8 +313,9 @@ class CpuBackend final : public Backend {
   }
 
   void sym_product(float alpha, MatrixView A, MatrixView B, float beta, const MatrixView* D, float gamma,
-                   MatrixView C) override {
+                   MatrixView C, bool banded_in, bool /*banded_out: always full here*/) override {
     const int64_t p = C.rows;
+    check(!banded_in, "sym_product: banded operands (this backend never makes them)");
     check(A.rows == p && A.cols == p && B.rows == p && B.cols == p && C.cols == p, "sym_product shapes");
     std::vector<float> sa, sb, sd, t(static_cast<std::size_t>(p * p));
     for (int64_t b = 0; b < C.batch; ++b) {

@@ -266,12 +266,19 @@ class CudaBackend final : public Backend {
     cublas_gemm(handle_, trans_a, trans_b, alpha, A, B, beta, C);
   }
 
-  void gram(MatrixView X, MatrixView C) override {
+  // Banded results where the fused kernel makes and reads them: the whole chain of products of
+  // one orthogonalizer then runs on it (the cuBLAS tile schedule below needs full operands).
+  bool symmetric_banded(DType dtype, int64_t p) const override {
+    return sym_.enabled && sym_.kernel && kernel_env_ && sym_wgmma_available() &&
+           (dtype == DType::F16 || dtype == DType::BF16) && p > kSymBand && p % 8 == 0;
+  }
+
+  void gram(MatrixView X, MatrixView C, bool banded_out) override {
     if (C.rows != X.rows || C.cols != X.rows || C.batch != X.batch)
       fail("gram: C must be batch x rows x rows of X");
     const int64_t p = X.rows;
     if (use_kernel(X, X, nullptr, C)) {
-      launch_sym_wgmma(X, X, 1.0f, 0.0f, nullptr, 0.0f, C, stream_);
+      launch_sym_wgmma(X, X, 1.0f, 0.0f, nullptr, 0.0f, C, stream_, false, banded_out);
       return;
     }
     const int64_t tile = tile_for(p);
@@ -288,17 +295,18 @@ class CudaBackend final : public Backend {
   }
 
   void sym_product(float alpha, MatrixView A, MatrixView B, float beta, const MatrixView* D,
-                   float gamma, MatrixView C) override {
+                   float gamma, MatrixView C, bool banded_in, bool banded_out) override {
     const int64_t p = C.rows;
     if (A.rows != p || A.cols != p || B.rows != p || B.cols != p || C.cols != p)
       fail("sym_product: A, B and C must be square and of one size");
     if (C.data == A.data || C.data == B.data) fail("sym_product: C must not alias A or B");
     const bool has_d = D != nullptr && D->data != nullptr && beta != 0.0f;
     if (use_kernel(A, B, has_d ? D : nullptr, C)) {
-      // Fused: C = alpha·A·B + beta·D + gamma·I from the lower triangle, mirrored.
-      launch_sym_wgmma(A, B, alpha, beta, has_d ? D : nullptr, gamma, C, stream_);
+      // Fused: C = alpha·A·B + beta·D + gamma·I from the lower triangle, mirrored (or banded).
+      launch_sym_wgmma(A, B, alpha, beta, has_d ? D : nullptr, gamma, C, stream_, banded_in, banded_out);
       return;
     }
+    if (banded_in) fail("sym_product: banded operands need the fused kernel, which does not run on these");
     const int64_t tile = tile_for(p);
     if (has_d) launch_sym_prepare(*D, beta, gamma, C, tile, stream_);
     const float gemm_beta = has_d ? 1.0f : 0.0f;

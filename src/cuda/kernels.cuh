@@ -75,10 +75,15 @@ bool sym_wgmma_available();  // a Hopper sm_90 device is current
 // The multiply-adds the kernel performs for a p x p output, over a full GEMM's: the 64-column
 // blocks on or below the diagonal of each 128-row block, padding included.
 double sym_wgmma_flop_fraction(int64_t p);
+// Banded symmetric matrices (square, p x p): the lower triangle and the diagonal 256 x 256 blocks
+// are stored, the rest of the upper triangle is not (kSymBand). banded_in: A and B are symmetric
+// and banded (their upper blocks are read transposed from the lower ones); banded_out: C is
+// written banded (its mirrored stores outside the diagonal blocks are left out).
 // skip_epilogue (benchmarks only): compute the tiles but store nothing.
+constexpr int64_t kSymBand = 256;
 void launch_sym_wgmma(const MatrixView& A, const MatrixView& B, float alpha, float beta,
                       const MatrixView* D, float gamma, const MatrixView& C, cudaStream_t s,
-                      bool skip_epilogue = false);
+                      bool banded_in = false, bool banded_out = false, bool skip_epilogue = false);
 // Full C = alpha * op(A) * op(B) + beta * C through cublasGemmStridedBatchedEx (row-major views).
 void cublas_gemm(cublasHandle_t h, bool trans_a, bool trans_b, float alpha, const MatrixView& A,
                  const MatrixView& B, float beta, const MatrixView& C);

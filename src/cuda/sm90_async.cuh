@@ -98,5 +98,13 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) |
          (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
 }
+// The same for an MN-major tile (wgmma's transposed operand): rows of 64 M (or N) elements, one
+// row per k, 128-byte swizzle; 8-row groups along k 1024 bytes apart (stride byte offset), the
+// 64-element chunks along M or N 8 KiB apart (leading byte offset: 64 x 64 blocks back to back).
+// A k16 step starts 16 rows (2048 bytes) further on.
+__device__ __forceinline__ uint64_t smem_desc_mn(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (uint64_t{8192 >> 4} << 16) |
+         (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
+}
 
 }  // namespace dion3::cuda

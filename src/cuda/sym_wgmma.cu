@@ -16,12 +16,21 @@
 // then prefetches D's blocks of the warpgroup's next tile. Every element of C comes from its
 // lower-triangle value, so C is exactly symmetric; D is read in the lower triangle (and the
 // diagonal blocks) only and may alias C.
+//
+// Banded matrices (kernels.cuh): with banded_out the mirrored stores are left out except on the
+// diagonal 256 x 256 blocks (tiles j == i/2), which saves half the stores and all the helper's
+// transposes of the other tiles; with banded_in (a template parameter, kBandedIn) A and B are such
+// matrices, and the k-blocks past a row block's diagonal 256 x 256 block are loaded as the 64 x 64
+// blocks below the diagonal and fed to wgmma transposed (MN-major). The chained products of Gram
+// NS run banded; only what cuBLAS reads next is written whole (H200: X·Xᵀ and p = 2048 products
+// 4-6% faster, bench/results/2026-12-01-99c0e4e-banded.md).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
 #include <algorithm>
 #include <cmath>
 #include <mutex>
+#include <type_traits>
 
 #include "cuda/kernels.cuh"
 #include "cuda/sm90_async.cuh"
@@ -63,14 +72,19 @@ __device__ __forceinline__ void fence_acc(float (&d)[128]) {
 #endif
 
 // One 64-deep k-block of a warpgroup's 64 x kN product: four k16 steps, the first of them starting
-// a new sum where kFirst (the tile's first k-block). kN == 0: nothing (rows past p).
-template <bool kBF16, int kN, bool kFirst>
+// a new sum where kFirst (the tile's first k-block). kN == 0: nothing (rows past p). kTA / kTB: that
+// operand's stage holds 64 x 64 blocks transposed (MN-major: a banded input's upper blocks, read
+// from their lower mirror images); a k16 step is then 16 rows on instead of 32 bytes along a row.
+template <bool kBF16, int kN, bool kFirst, bool kTA = false, bool kTB = false>
 __device__ __forceinline__ void mma_kblock(float (&acc)[128], uint32_t a0, uint32_t b0) {
   if constexpr (kN > 0) {
+    auto desc = [](bool mn, uint32_t addr, int k) {
+      return mn ? smem_desc_mn(addr + k * 2048) : smem_desc(addr + k * 32);
+    };
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-    wgmma_m64k16<kBF16, kN, !kFirst>(acc, smem_desc(a0), smem_desc(b0));
+    wgmma_m64k16<kBF16, kN, !kFirst, kTA, kTB>(acc, desc(kTA, a0, 0), desc(kTB, b0, 0));
 #pragma unroll
-    for (int k = 1; k < kBK / 16; ++k) wgmma_m64k16<kBF16, kN, true>(acc, smem_desc(a0 + k * 32), smem_desc(b0 + k * 32));
+    for (int k = 1; k < kBK / 16; ++k) wgmma_m64k16<kBF16, kN, true, kTA, kTB>(acc, desc(kTA, a0, k), desc(kTB, b0, k));
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
   }
 }
@@ -100,21 +114,37 @@ __device__ __forceinline__ uint8_t* mirror_base(uint8_t* smem, int cw, int k) {
 // carries on across the kernel's tiles), one wgmma group in flight behind the one being issued,
 // each stage released (one arrival per warp, from the `signal` lane) once its products finished.
 // The first k-block is peeled so that its products start new sums.
-template <bool kBF16, int kN>
+// With kBandedIn, k-blocks [1, kb_tb) read both operands K-major, [kb_tb, kb_ta) B transposed and
+// [kb_ta, kblocks) both (see TileSplit); the first k-block is always K-major. (A template
+// parameter: the three loops cost the kernel without banded inputs 3-12% where they were there
+// at run time only, H200.)
+template <bool kBF16, int kN, bool kBandedIn>
 __device__ __forceinline__ void tile_mainloop(float (&acc)[128], uint32_t a0, uint32_t b0, uint64_t* full,
-                                              uint64_t* empty, StageRing& ring, int kblocks, bool signal) {
+                                              uint64_t* empty, StageRing& ring, int kblocks, int kb_tb, int kb_ta,
+                                              bool signal) {
   int s = ring.stage;
   mbar_wait(&full[s], ring.phase);
   mma_kblock<kBF16, kN, true>(acc, a0 + s * kStageBytes, b0 + s * kStageBytes);
   int prev = s;
   ring.next();
-  for (int kb = 1; kb < kblocks; ++kb, ring.next()) {
-    s = ring.stage;
-    mbar_wait(&full[s], ring.phase);
-    mma_kblock<kBF16, kN, false>(acc, a0 + s * kStageBytes, b0 + s * kStageBytes);
-    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-    mbar_arrive_if(&empty[prev], signal);
-    prev = s;
+  int kb = 1;
+  auto run = [&](auto ta, auto tb, int kb_end) {
+    for (; kb < kb_end; ++kb, ring.next()) {
+      s = ring.stage;
+      mbar_wait(&full[s], ring.phase);
+      mma_kblock<kBF16, kN, false, decltype(ta)::value, decltype(tb)::value>(acc, a0 + s * kStageBytes,
+                                                                               b0 + s * kStageBytes);
+      asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+      mbar_arrive_if(&empty[prev], signal);
+      prev = s;
+    }
+  };
+  if constexpr (kBandedIn) {
+    run(std::false_type{}, std::false_type{}, kb_tb);
+    run(std::false_type{}, std::true_type{}, kb_ta);
+    run(std::true_type{}, std::true_type{}, kblocks);
+  } else {
+    run(std::false_type{}, std::false_type{}, kblocks);
   }
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
   fence_acc(acc);
@@ -131,6 +161,8 @@ struct SymParams {
   int even_diag_per_mat;  // its diagonal tiles on even row blocks (the second group)
   int total_tiles;
   int skip_epilogue;    // benchmarks only: no stores (times the main loop alone)
+  int banded_in;        // A and B are symmetric and banded (see launch_sym_wgmma): upper blocks read transposed
+  int banded_out;       // C banded: no mirrored stores outside the diagonal 256 x 256 blocks
 };
 
 // Integer square root of l >= 0.
@@ -189,6 +221,19 @@ __device__ __forceinline__ void operands_in_stage(StageLoad load, int cw, uint32
   b0 = load == StageLoad::AOnly ? stage0 : stage0 + kABytes;
   a0 = (load == StageLoad::BOnly ? b0 + kBM * 128 : stage0) + cw * 64 * 128;
 }
+
+// Where a tile's k-blocks switch to transposed reads of banded operands (SymParams::banded_in): a
+// banded matrix holds its lower triangle and its diagonal 256 x 256 blocks whole, so B's rows
+// (256-row block j) are stored up to k-block 4j + 3 and A's (128-row block i, inside 256-row block
+// i/2) up to 4(i/2) + 3; past those their 64 x 64 blocks are loaded from the mirror images below
+// the diagonal, transposed. Never before k-block 4 (a tile's first k-block is K-major).
+struct TileSplit {
+  int kb_tb, kb_ta;  // first k-block with B, with A transposed (kblocks: none)
+  __device__ __forceinline__ TileSplit(int i, int j, const SymParams& prm) {
+    kb_tb = prm.banded_in ? min(4 * j + 4, prm.kblocks) : prm.kblocks;
+    kb_ta = prm.banded_in ? min(4 * (i >> 1) + 4, prm.kblocks) : prm.kblocks;
+  }
+};
 
 template <bool kBF16>
 __device__ __forceinline__ uint32_t pack2(float a, float b) {
@@ -364,6 +409,9 @@ struct TileRows {
     kd = R - 4 * j;
     nlow = min(nblk, kd);
   }
+  // Whether the strictly lower blocks are also stored mirrored: always for a full C, and for a
+  // banded one on the diagonal 256 x 256 blocks (kd < 4) only.
+  __device__ __forceinline__ bool mirrored(const SymParams& prm) const { return !prm.banded_out || kd < 4; }
 };
 
 // stage_block for every block of the warpgroup's part of the tile (the diagonal one with gamma).
@@ -378,10 +426,11 @@ __device__ __forceinline__ void stage_blocks(float (&acc)[128], const TileRows& 
   }
 }
 
-template <bool kBF16, bool kHasD>
+template <bool kBF16, bool kHasD, bool kBandedIn>
 __global__ void __launch_bounds__(kThreads, 1)
     sym_wgmma_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
                      const __grid_constant__ CUtensorMap tmC, const __grid_constant__ CUtensorMap tmD,
+                     const __grid_constant__ CUtensorMap tmA64, const __grid_constant__ CUtensorMap tmB64,
                      const SymParams prm) {
 #if defined(DION3_SM90A)
   extern __shared__ uint8_t smem_raw[];
@@ -424,13 +473,24 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int ba = prm.a_batched ? b : 0, bb = prm.b_batched ? b : 0;
         const StageLoad load = stage_load(i, j, prm.same_ab);
         const int bytes = load == StageLoad::AOnly ? kABytes : load == StageLoad::BOnly ? kBBytes : kStageBytes;
+        const TileSplit split(i, j, prm);
         for (int kb = 0; kb < prm.kblocks; ++kb, ring.next()) {
           const int s = ring.stage;
           uint8_t* stage = smem + s * kStageBytes;
           mbar_wait(&empty[s], ring.phase ^ 1);
           mbar_expect_tx(&full[s], bytes);
-          if (load != StageLoad::BOnly) tma_load_3d(stage, &tmA, &full[s], kb * kBK, i * kBM, ba);
-          if (load != StageLoad::AOnly) tma_load_3d(stage + kABytes, &tmB, &full[s], kb * kBK, j * kBN, bb);
+          // Transposed: the 64 x 64 block (kb, r) for each 64-row block r of the operand, in place of (r, kb).
+          if (load != StageLoad::BOnly) {
+            if (!kBandedIn || kb < split.kb_ta) tma_load_3d(stage, &tmA, &full[s], kb * kBK, i * kBM, ba);
+            else
+              for (int h = 0; h < 2; ++h) tma_load_3d(stage + h * kEBBytes, &tmA64, &full[s], (2 * i + h) * kEB, kb * kBK, ba);
+          }
+          if (load != StageLoad::AOnly) {
+            if (!kBandedIn || kb < split.kb_tb) tma_load_3d(stage + kABytes, &tmB, &full[s], kb * kBK, j * kBN, bb);
+            else
+              for (int c = 0; c < 4; ++c)
+                tma_load_3d(stage + kABytes + c * kEBBytes, &tmB64, &full[s], (4 * j + c) * kEB, kb * kBK, bb);
+          }
         }
       }
       return;
@@ -469,14 +529,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       fence_async_smem();
       __syncwarp();
       const bool last = t + static_cast<int>(gridDim.x) >= prm.total_tiles;  // mirrored blocks at mirror_base
+      const bool mirror = tr.mirrored(prm);
       if (lane == 0) {
         for (int k = 0; k < tr.nblk; ++k) tma_store_3d(&tmC, staging + k * kEBBytes, (4 * tr.j + k) * kEB, tr.R * kEB, tr.b);
-        if (last)
+        if (last && mirror)
           for (int k = 0; k < tr.nlow; ++k)
             tma_store_3d(&tmC, mirror_base(smem, cw, k), tr.R * kEB, (4 * tr.j + k) * kEB, tr.b);
         bulk_commit();
       }
-      if (tr.nlow > 0 && !last) {
+      if (tr.nlow > 0 && !last && mirror) {
         if (lane == 0) bulk_wait_read();
         __syncwarp();
         for (int k = 0; k < tr.nlow; ++k)
@@ -516,12 +577,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint32_t a0, b0;
     operands_in_stage(stage_load(tr.i, tr.j, prm.same_ab), cw, smem_u32(smem), a0, b0);
     const bool signal = lane == 0;
+    const TileSplit sp(tr.i, tr.j, prm);
     switch (ncols) {
-      case 4: tile_mainloop<kBF16, 256>(acc, a0, b0, full, empty, ring, prm.kblocks, signal); break;
-      case 3: tile_mainloop<kBF16, 192>(acc, a0, b0, full, empty, ring, prm.kblocks, signal); break;
-      case 2: tile_mainloop<kBF16, 128>(acc, a0, b0, full, empty, ring, prm.kblocks, signal); break;
-      case 1: tile_mainloop<kBF16, 64>(acc, a0, b0, full, empty, ring, prm.kblocks, signal); break;
-      default: tile_mainloop<kBF16, 0>(acc, a0, b0, full, empty, ring, prm.kblocks, signal); break;
+      case 4: tile_mainloop<kBF16, 256, kBandedIn>(acc, a0, b0, full, empty, ring, prm.kblocks, sp.kb_tb, sp.kb_ta, signal); break;
+      case 3: tile_mainloop<kBF16, 192, kBandedIn>(acc, a0, b0, full, empty, ring, prm.kblocks, sp.kb_tb, sp.kb_ta, signal); break;
+      case 2: tile_mainloop<kBF16, 128, kBandedIn>(acc, a0, b0, full, empty, ring, prm.kblocks, sp.kb_tb, sp.kb_ta, signal); break;
+      case 1: tile_mainloop<kBF16, 64, kBandedIn>(acc, a0, b0, full, empty, ring, prm.kblocks, sp.kb_tb, sp.kb_ta, signal); break;
+      default: tile_mainloop<kBF16, 0, kBandedIn>(acc, a0, b0, full, empty, ring, prm.kblocks, sp.kb_tb, sp.kb_ta, signal); break;
     }
 
     if (prm.skip_epilogue) {  // keep the accumulators live, store nothing
@@ -534,7 +596,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (!tr.rows_in) continue;
     mbar_wait(&ready[cw], rphase);
     rphase ^= 1;
-    if (t + static_cast<int>(gridDim.x) < prm.total_tiles) {
+    if (t + static_cast<int>(gridDim.x) < prm.total_tiles || !tr.mirrored(prm)) {
       stage_blocks<kBF16, kHasD, false>(acc, tr, stage_u32, prm, mrow, mchunk, warp, lane);
     } else {
       // The CTA's last tile: nothing is loaded into the pipeline stages any more, so once both
@@ -624,18 +686,19 @@ int sm_count_and_check(int* device_out = nullptr) {
   return g_sms[dev];
 }
 
-template <bool kBF16, bool kHasD>
-void launch_typed(const CUtensorMap (&maps)[4], const SymParams& prm, int grid, int dev, cudaStream_t s) {
-  constexpr uint32_t bit = 1u << ((kBF16 ? 2 : 0) + (kHasD ? 1 : 0));
+template <bool kBF16, bool kHasD, bool kBandedIn>
+void launch_typed(const CUtensorMap (&maps)[6], const SymParams& prm, int grid, int dev, cudaStream_t s) {
+  constexpr uint32_t bit = 1u << ((kBF16 ? 4 : 0) + (kHasD ? 2 : 0) + (kBandedIn ? 1 : 0));
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     if (!(g_smem_set[dev] & bit)) {
-      DION3_CUDA_CHECK(cudaFuncSetAttribute(sym_wgmma_kernel<kBF16, kHasD>,
+      DION3_CUDA_CHECK(cudaFuncSetAttribute(sym_wgmma_kernel<kBF16, kHasD, kBandedIn>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
       g_smem_set[dev] |= bit;
     }
   }
-  launch_pdl(sym_wgmma_kernel<kBF16, kHasD>, grid, kThreads, kSmemBytes, s, maps[0], maps[1], maps[2], maps[3], prm);
+  launch_pdl(sym_wgmma_kernel<kBF16, kHasD, kBandedIn>, grid, kThreads, kSmemBytes, s, maps[0], maps[1], maps[2], maps[3],
+             maps[4], maps[5], prm);
 }
 
 // A TMA-addressable operand: 16-byte aligned base, rows and matrices 16-byte multiples apart.
@@ -678,9 +741,11 @@ bool sym_wgmma_supported(const MatrixView& A, const MatrixView& B, const MatrixV
 
 void launch_sym_wgmma(const MatrixView& A, const MatrixView& B, float alpha, float beta,
                       const MatrixView* D, float gamma, const MatrixView& C, cudaStream_t s,
-                      bool skip_epilogue) {
+                      bool banded_in, bool banded_out, bool skip_epilogue) {
+  static_assert(kSymBand == kBN, "a banded matrix's diagonal blocks are the schedule's 256-column blocks");
   if (!sym_wgmma_supported(A, B, D, C)) fail("sym_wgmma: unsupported operands", Status::Unsupported);
   const int64_t p = C.rows, batch = C.batch;
+  if (banded_in && A.cols != p) fail("sym_wgmma: banded operands must be square");
   if (batch == 0 || p == 0) return;
   SymParams prm{};
   const bool has_d = D != nullptr && beta != 0.0f;
@@ -688,6 +753,8 @@ void launch_sym_wgmma(const MatrixView& A, const MatrixView& B, float alpha, flo
   prm.beta = has_d ? beta : 0.0f;
   prm.gamma = gamma;
   prm.skip_epilogue = skip_epilogue ? 1 : 0;
+  prm.banded_in = banded_in ? 1 : 0;
+  prm.banded_out = banded_out ? 1 : 0;
   prm.p = static_cast<int>(p);
   prm.kblocks = static_cast<int>((A.cols + kBK - 1) / kBK);
   prm.a_batched = A.batch > 1;
@@ -702,17 +769,24 @@ void launch_sym_wgmma(const MatrixView& A, const MatrixView& B, float alpha, flo
   prm.total_tiles = static_cast<int>(tiles_per_mat * batch);
   static_assert(kBK == 64 && kEB == 64, "every tensor map box is 64 columns wide");
   const CUtensorMap mc = make_map(C, kEB);
-  const CUtensorMap maps[4] = {make_map(A, kBM), make_map(B, kBN), mc, has_d ? make_map(*D, kEB) : mc};
+  // The 64-row maps of A and B: their transposed blocks (banded_in); otherwise unused.
+  const CUtensorMap ma = make_map(A, kBM), mb = make_map(B, kBN);
+  const CUtensorMap maps[6] = {ma, mb, mc, has_d ? make_map(*D, kEB) : mc, banded_in ? make_map(A, kEB) : ma,
+                               banded_in ? make_map(B, kEB) : mb};
   int dev = 0;
   const int sms = sm_count_and_check(&dev);
   const int grid = static_cast<int>(std::min<int64_t>(sms, prm.total_tiles));
-  // The one dtype (and D or not) dispatch of the kernel.
+  // The one dtype (D or not, banded inputs or not) dispatch of the kernel.
+  auto go = [&](auto bf16, auto hd) {
+    if (banded_in) launch_typed<decltype(bf16)::value, decltype(hd)::value, true>(maps, prm, grid, dev, s);
+    else launch_typed<decltype(bf16)::value, decltype(hd)::value, false>(maps, prm, grid, dev, s);
+  };
   if (A.dtype == DType::BF16) {
-    if (has_d) launch_typed<true, true>(maps, prm, grid, dev, s);
-    else launch_typed<true, false>(maps, prm, grid, dev, s);
+    if (has_d) go(std::true_type{}, std::true_type{});
+    else go(std::true_type{}, std::false_type{});
   } else {
-    if (has_d) launch_typed<false, true>(maps, prm, grid, dev, s);
-    else launch_typed<false, false>(maps, prm, grid, dev, s);
+    if (has_d) go(std::false_type{}, std::true_type{});
+    else go(std::false_type{}, std::false_type{});
   }
 }
 

@@ -1,5 +1,6 @@
 // wgmma_m64.cuh — the Hopper wgmma.mma_async m64nNk16 instructions (fp16/bf16 in, fp32
-// accumulate, both operands from shared memory through descriptors) for N = 64, 128, 192, 256,
+// accumulate, both operands from shared memory through descriptors, each K-major or MN-major)
+// for N = 64, 128, 192, 256,
 // over one 128-register accumulator array: N = 64·n uses registers 0 .. 32·n − 1, which hold the
 // first N columns of the m64n256 fragment layout, so a narrower product leaves the layout of the
 // columns it computes unchanged. kAccumulate = false starts a new sum (D = A·B, the registers
@@ -29,29 +30,31 @@ namespace dion3::cuda {
 #define DION3_ACC64_RW DION3_ACC32AT_RW(0), DION3_ACC32AT_RW(32)
 #define DION3_ACC96_RW DION3_ACC64_RW, DION3_ACC32AT_RW(64)
 #define DION3_ACC128_RW DION3_ACC96_RW, DION3_ACC32AT_RW(96)
-// One instruction: n accumulator registers, N columns, type T, the descriptors' operand names
-// DESC ("%n, %n+1"), scale-d S (0: new sum, 1: add).
-#define DION3_WGMMA(n, N, T, S, MODE, DESC)                                                                  \
-  asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." #T "." #T " " DION3_R##n ", " DESC ", " #S \
-               ", 1, 1, 0, 0;\n"                                                                             \
-               : DION3_ACC##n##_##MODE                                                                    \
-               : "l"(da), "l"(db))
+// One instruction: n accumulator registers, N columns, type T, the operand names of the two
+// descriptors DESC ("%n, %n+1") and of the two transpose immediates TR ("%n+2, %n+3"), scale-d S
+// (0: new sum, 1: add).
+#define DION3_WGMMA(n, N, T, S, MODE, DESC, TR)                                                                \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." #T "." #T " " DION3_R##n ", " DESC ", " #S  \
+               ", 1, 1, " TR ";\n"                                                                            \
+               : DION3_ACC##n##_##MODE                                                                       \
+               : "l"(da), "l"(db), "n"(kTransA ? 1 : 0), "n"(kTransB ? 1 : 0))
 
-template <bool kBF16, int kN, bool kAccumulate>
+// kTransA / kTransB: that operand is MN-major in shared memory (smem_desc_mn), else K-major.
+template <bool kBF16, int kN, bool kAccumulate, bool kTransA = false, bool kTransB = false>
 __device__ __forceinline__ void wgmma_m64k16(float (&d)[128], uint64_t da, uint64_t db) {
   static_assert(kN == 64 || kN == 128 || kN == 192 || kN == 256, "wgmma m64nNk16: N in {64, 128, 192, 256}");
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define DION3_WGMMA_N(n, N, DESC)                                             \
-  if constexpr (kN == N) {                                                    \
-    if constexpr (kBF16 && kAccumulate) DION3_WGMMA(n, N, bf16, 1, RW, DESC); \
-    else if constexpr (kBF16) DION3_WGMMA(n, N, bf16, 0, W, DESC);           \
-    else if constexpr (kAccumulate) DION3_WGMMA(n, N, f16, 1, RW, DESC);     \
-    else DION3_WGMMA(n, N, f16, 0, W, DESC);                                 \
+#define DION3_WGMMA_N(n, N, DESC, TR)                                             \
+  if constexpr (kN == N) {                                                        \
+    if constexpr (kBF16 && kAccumulate) DION3_WGMMA(n, N, bf16, 1, RW, DESC, TR); \
+    else if constexpr (kBF16) DION3_WGMMA(n, N, bf16, 0, W, DESC, TR);           \
+    else if constexpr (kAccumulate) DION3_WGMMA(n, N, f16, 1, RW, DESC, TR);     \
+    else DION3_WGMMA(n, N, f16, 0, W, DESC, TR);                                 \
   }
-  DION3_WGMMA_N(32, 64, "%32, %33")
-  DION3_WGMMA_N(64, 128, "%64, %65")
-  DION3_WGMMA_N(96, 192, "%96, %97")
-  DION3_WGMMA_N(128, 256, "%128, %129")
+  DION3_WGMMA_N(32, 64, "%32, %33", "%34, %35")
+  DION3_WGMMA_N(64, 128, "%64, %65", "%66, %67")
+  DION3_WGMMA_N(96, 192, "%96, %97", "%98, %99")
+  DION3_WGMMA_N(128, 256, "%128, %129", "%130, %131")
 #undef DION3_WGMMA_N
 #endif
 }

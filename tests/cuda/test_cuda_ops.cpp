@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <numeric>
 
@@ -416,8 +417,8 @@ TEST_P(Symmetric, GramAndSymProductMatchCpu) {
   const int64_t b = 3;
   Twin X(*gpu, c.dt, b, c.p, c.q), R(*gpu, c.dt, b, c.p, c.p);
   X.fill_normal(rng, 1.0f / std::sqrt(static_cast<float>(c.q)));
-  cpu->gram(X.hview(), R.hview());
-  gpu->gram(X.dview(), R.dview());
+  cpu->gram(X.hview(), R.hview(), false);
+  gpu->gram(X.dview(), R.dview(), false);
   const double tol = c.dt == DType::F32 ? 1e-5 : 2.0 * ct::ulp_of(c.dt);
   const auto Rd = R.device_values();
   EXPECT_LE(ct::rel_max_diff(Rd, R.host_values()), tol);
@@ -427,21 +428,21 @@ TEST_P(Symmetric, GramAndSymProductMatchCpu) {
   // Z = b R + c R^2 (D aliases neither), then Q = Q Z + a Q with gamma, then D == C aliasing.
   Twin Z(*gpu, c.dt, b, c.p, c.p), Q(*gpu, c.dt, b, c.p, c.p);
   MatrixView Rh = R.hview(), Rdv = R.dview();
-  cpu->sym_product(2.0f, R.hview(), R.hview(), -1.5f, &Rh, 0.0f, Z.hview());
-  gpu->sym_product(2.0f, R.dview(), R.dview(), -1.5f, &Rdv, 0.0f, Z.dview());
+  cpu->sym_product(2.0f, R.hview(), R.hview(), -1.5f, &Rh, 0.0f, Z.hview(), false, false);
+  gpu->sym_product(2.0f, R.dview(), R.dview(), -1.5f, &Rdv, 0.0f, Z.dview(), false, false);
   auto Zd = Z.device_values();
   EXPECT_LE(ct::rel_max_diff(Zd, Z.host_values()), 2 * tol);
   EXPECT_TRUE(exactly_symmetric(Zd, b, c.p));
   Z.upload();
-  cpu->sym_product(1.0f, R.hview(), Z.hview(), 0.0f, nullptr, 3.0f, Q.hview());
-  gpu->sym_product(1.0f, R.dview(), Z.dview(), 0.0f, nullptr, 3.0f, Q.dview());
+  cpu->sym_product(1.0f, R.hview(), Z.hview(), 0.0f, nullptr, 3.0f, Q.hview(), false, false);
+  gpu->sym_product(1.0f, R.dview(), Z.dview(), 0.0f, nullptr, 3.0f, Q.dview(), false, false);
   auto Qd = Q.device_values();
   EXPECT_LE(ct::rel_max_diff(Qd, Q.host_values()), 2 * tol);
   EXPECT_TRUE(exactly_symmetric(Qd, b, c.p));
   Q.upload();
   MatrixView Qh = Q.hview(), Qdv = Q.dview();
-  cpu->sym_product(0.5f, R.hview(), Z.hview(), 0.25f, &Qh, 1.0f, Q.hview());
-  gpu->sym_product(0.5f, R.dview(), Z.dview(), 0.25f, &Qdv, 1.0f, Q.dview());
+  cpu->sym_product(0.5f, R.hview(), Z.hview(), 0.25f, &Qh, 1.0f, Q.hview(), false, false);
+  gpu->sym_product(0.5f, R.dview(), Z.dview(), 0.25f, &Qdv, 1.0f, Q.dview(), false, false);
   EXPECT_LE(ct::rel_max_diff(Q.device_values(), Q.host_values()), 2 * tol);
 }
 
@@ -459,6 +460,61 @@ INSTANTIATE_TEST_SUITE_P(Cases, Symmetric,
                            return std::string(dn(i.param.dt)) + "_p" + std::to_string(i.param.p) + "_t" +
                                   std::to_string(i.param.tile) + (i.param.kernel ? "_kernel" : "");
                          });
+
+// ---- banded symmetric products (the fused kernel) ---------------------------------------------
+// The chain gram -> W = 2R² - 1.5R + 0.5I -> S = R W -> Q = W S + 3I run twice on the GPU: with
+// full intermediates, and with banded ones (lower triangle + diagonal 256 x 256 blocks; the upper
+// blocks read transposed) and a full Q. The stored parts must agree with the full run exactly
+// (same products, same order), and Q everywhere.
+struct BandCase { DType dt; int64_t p, q; };
+class Banded : public ct::CudaTest, public ::testing::WithParamInterface<BandCase> {};
+
+TEST_P(Banded, ChainMatchesFull) {
+  const BandCase c = GetParam();
+  if (!gpu->symmetric_banded(c.dt, c.p)) GTEST_SKIP() << "no fused sm_90a kernel here";
+  std::mt19937_64 rng(77 + c.p);
+  const int64_t b = 2, p = c.p;
+  Twin X(*gpu, c.dt, b, p, c.q);
+  X.fill_normal(rng, 1.0f / std::sqrt(static_cast<float>(c.q)));
+  std::vector<float> full[4], band[4];
+  for (int banded = 0; banded < 2; ++banded) {
+    Twin R(*gpu, c.dt, b, p, p), W(*gpu, c.dt, b, p, p), S(*gpu, c.dt, b, p, p), Q(*gpu, c.dt, b, p, p);
+    for (Twin* t : {&R, &W, &S, &Q}) {  // poison: a banded run must not read what it did not store
+      t->fill_value(std::numeric_limits<float>::quiet_NaN());
+      t->upload();
+    }
+    const bool bd = banded == 1;
+    MatrixView Rd = R.dview();
+    gpu->gram(X.dview(), R.dview(), bd);
+    gpu->sym_product(2.0f, R.dview(), R.dview(), -1.5f, &Rd, 0.5f, W.dview(), bd, bd);
+    gpu->sym_product(1.0f, R.dview(), W.dview(), 0.0f, nullptr, 0.0f, S.dview(), bd, bd);
+    gpu->sym_product(1.0f, W.dview(), S.dview(), 0.0f, nullptr, 3.0f, Q.dview(), bd, false);
+    std::vector<float>* out = bd ? band : full;
+    out[0] = R.device_values();
+    out[1] = W.device_values();
+    out[2] = S.device_values();
+    out[3] = Q.device_values();
+  }
+  const int64_t band_w = 256;  // kSymBand (src/cuda/kernels.cuh)
+  for (int m = 0; m < 4; ++m) {
+    int64_t bad = 0;
+    for (int64_t i = 0; i < b; ++i)
+      for (int64_t r = 0; r < p; ++r)
+        for (int64_t col = 0; col < p; ++col) {
+          const bool stored = m == 3 || col <= r || col / band_w == r / band_w;
+          const std::size_t e = static_cast<std::size_t>((i * p + r) * p + col);
+          if (stored && full[m][e] != band[m][e]) ++bad;
+        }
+    EXPECT_EQ(bad, 0) << "matrix " << m << " (R, W, S, Q)";
+  }
+  EXPECT_TRUE(exactly_symmetric(band[3], b, p));
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, Banded,
+                         ::testing::Values(BandCase{DType::F16, 520, 1000}, BandCase{DType::BF16, 1000, 64},
+                                           BandCase{DType::F16, 1376, 512}, BandCase{DType::BF16, 2048, 2048},
+                                           BandCase{DType::F16, 264, 300}),
+                         [](const auto& i) { return std::string(dn(i.param.dt)) + "_p" + std::to_string(i.param.p); });
 
 // ---- AdamW / Lion -------------------------------------------------------------------------------
 struct EwCase { DType w, s; int64_t n = 10008; };  // n % 4 == 0: vectorised AdamW
