@@ -75,7 +75,6 @@ class Orthogonalizer {
   bool transposed_;
   OrthMethod method_;
   DType dtype_;
-  bool banded_ = false;     // symmetric intermediates kept banded (Backend::symmetric_banded)
   DeviceBuffer owned_;      // when the caller gave no workspace
   char* workspace_ = nullptr;
   std::size_t bytes_ = 0;

@@ -104,7 +104,6 @@ Orthogonalizer::Orthogonalizer(Backend& backend, const OrthConfig& cfg, int64_t 
   method_ = plan.method;
   dtype_ = plan.dtype;
   bytes_ = plan.workspace_bytes(batch);
-  banded_ = backend.symmetric_banded(dtype_, p_);
   if (!workspace) {
     owned_ = DeviceBuffer(backend.allocator(), bytes_);
     workspace = owned_.get();
@@ -175,10 +174,12 @@ MatrixView Orthogonalizer::run_normalized() {
 MatrixView Orthogonalizer::standard(MatrixView X) {
   const bool square_x = p_ == q_;  // X's partner is A's square (no wide(1))
   MatrixView X2 = square_x ? X : wide(1), A = square(0), B = square(1);
+  // Asked at every run: the backend's symmetric path may change between runs (its options).
+  const bool banded = backend_.symmetric_banded(dtype_, p_);
   for (const Coefficients& k : cfg_.coefficients) {
     const float a = static_cast<float>(k[0]), b = static_cast<float>(k[1]), c = static_cast<float>(k[2]);
-    backend_.gram(X, A, banded_);                                // A = X X^T
-    backend_.sym_product(c, A, A, b, &A, a, B, banded_, false);  // B = b A + c A^2 + a I (full: gemm reads it)
+    backend_.gram(X, A, banded);                                // A = X X^T
+    backend_.sym_product(c, A, A, b, &A, a, B, banded, false);  // B = b A + c A^2 + a I (full: gemm reads it)
     if (square_x) X2.data = A.data;              // A is dead from here on
     backend_.gemm(false, false, 1.0f, B, X, 0.0f, X2);  // X2 = B X = a X + (b A + c A^2) X
     if (square_x) A.data = X.data;               // the old X becomes the next A
@@ -194,9 +195,10 @@ MatrixView Orthogonalizer::gram(MatrixView X) {
   // S holds Q W before it becomes Q, and R W: the old Q is dead once Q W is formed.
   MatrixView R = square(0), W = square(1), Q = square(2), S = square(3);
   const int steps = static_cast<int>(cfg_.coefficients.size());
+  const bool banded = backend_.symmetric_banded(dtype_, p_);  // asked at every run, as in standard()
   // Only a Q that the next gemm reads (X = Q X at a restart or at the end) must be full; the rest
   // are read by symmetric products alone, so they may be banded.
-  backend_.gram(X, R, banded_);
+  backend_.gram(X, R, banded);
   for (int t = 0; t < steps; ++t) {
     const float a = static_cast<float>(cfg_.coefficients[t][0]);
     const float b = static_cast<float>(cfg_.coefficients[t][1]);
@@ -205,21 +207,21 @@ MatrixView Orthogonalizer::gram(MatrixView X) {
     if (restart && t > 0) {  // X = Q X; R = X X^T; Q = I
       backend_.gemm(false, false, 1.0f, Q, X, 0.0f, X2);
       std::swap(X.data, X2.data);
-      backend_.gram(X, R, banded_);
+      backend_.gram(X, R, banded);
     }
     const bool q_to_gemm = t == steps - 1 || contains(cfg_.restarts, t + 1);
     const bool w_is_q = t == 0 || restart;
-    backend_.sym_product(c, R, R, b, &R, a, W, banded_, banded_ && !(w_is_q && q_to_gemm));  // W = b R + c R^2 + a I
+    backend_.sym_product(c, R, R, b, &R, a, W, banded, banded && !(w_is_q && q_to_gemm));  // W = b R + c R^2 + a I
     if (w_is_q) {
       std::swap(Q.data, W.data);  // Q = W (no copy: W's buffer becomes Q's)
     } else {
-      backend_.sym_product(1.0f, Q, W, 0.0f, nullptr, 0.0f, S, banded_, banded_ && !q_to_gemm);  // Q = Q W
+      backend_.sym_product(1.0f, Q, W, 0.0f, nullptr, 0.0f, S, banded, banded && !q_to_gemm);  // Q = Q W
       std::swap(Q.data, S.data);
     }
     if (t < steps - 1 && !contains(cfg_.restarts, t + 1)) {
       const MatrixView& w = w_is_q ? Q : W;
-      backend_.sym_product(1.0f, R, w, 0.0f, nullptr, 0.0f, S, banded_, banded_);  // S = R W
-      backend_.sym_product(1.0f, w, S, 0.0f, nullptr, 0.0f, R, banded_, banded_);  // R = W S
+      backend_.sym_product(1.0f, R, w, 0.0f, nullptr, 0.0f, S, banded, banded);  // S = R W
+      backend_.sym_product(1.0f, w, S, 0.0f, nullptr, 0.0f, R, banded, banded);  // R = W S
     }
   }
   backend_.gemm(false, false, 1.0f, Q, X, 0.0f, X2);  // X = Q X

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <vector>
 
 #include "cuda/cuda_backend.hpp"
 #include "cuda_test_util.hpp"
@@ -66,12 +67,39 @@ INSTANTIATE_TEST_SUITE_P(
                       OrthCase{OrthMethod::Gram, DType::F16, 4, 256, 1024, 64},
                       OrthCase{OrthMethod::Gram, DType::F16, 4, 256, 1024, 0},
                       OrthCase{OrthMethod::Standard, DType::BF16, 4, 256, 1024, 0},
-                      OrthCase{OrthMethod::Standard, DType::BF16, 4, 256, 1024, 128}),
+                      OrthCase{OrthMethod::Standard, DType::BF16, 4, 256, 1024, 128},
+                      // p > 256: the fused kernel's banded intermediates (where it runs)
+                      OrthCase{OrthMethod::Gram, DType::F16, 2, 520, 1040, 64},
+                      OrthCase{OrthMethod::Standard, DType::BF16, 2, 520, 520, 64}),
     [](const auto& i) {
       return std::string(i.param.method == OrthMethod::Gram ? "gram" : "standard") + "_" +
              dion3::dtype_name(i.param.dt) + "_" + std::to_string(i.param.rows) + "x" +
              std::to_string(i.param.cols) + "_t" + std::to_string(i.param.tile);
     });
+
+// Whether intermediates are banded is decided at every run, so the backend's symmetric path may
+// change between two runs of one orthogonalizer (benchmarks do that): fused kernel, cuBLAS tiles,
+// fused kernel again.
+class OrthPathChange : public ct::CudaTest {};
+
+TEST_F(OrthPathChange, SymmetricPathMayChangeBetweenRuns) {
+  std::mt19937_64 rng(5);
+  dion3::OrthConfig cfg;
+  cfg.method = OrthMethod::Gram;
+  cfg.iteration_dtype = DType::F16;
+  Twin in(*gpu, DType::F32, 2, 520, 1040), out(*gpu, DType::F32, 2, 520, 1040);
+  in.fill_normal(rng);
+  dion3::Orthogonalizer o(*gpu, cfg, 2, 520, 1040);
+  std::vector<std::vector<float>> results;
+  for (bool kernel : {true, false, true}) {
+    dion3::cuda::set_symmetric_options(*gpu, {true, 64, kernel});
+    o.run(in.dview(), out.dview());
+    results.push_back(out.device_values());
+  }
+  dion3::cuda::set_symmetric_options(*gpu, {});
+  EXPECT_EQ(results[0], results[2]);
+  EXPECT_LE(ct::rel_fro_diff(results[1], results[0]), 3e-2);
+}
 
 // The whole orthogonalization (normalize, symmetric tile schedule, cuBLAS) captured in a CUDA
 // graph on a user stream must replay to the eager result, bit for bit.
