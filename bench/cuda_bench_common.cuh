@@ -23,6 +23,7 @@
 
 #include "cuda/cuda_backend.hpp"
 #include "dion3/backend.hpp"
+#include "dion3/config.hpp"
 #include "dion3/view.hpp"
 
 #define CK(x)                                                              \
@@ -88,6 +89,14 @@ inline std::vector<double> interleaved_medians(cudaStream_t s, int warmup, int i
     med.push_back(v[v.size() / 2]);
   }
   return med;
+}
+
+// An orthogonalization config with the method and iteration dtype fixed (the rest default).
+inline dion3::OrthConfig orth_config(dion3::OrthMethod method, dion3::DType iteration_dtype) {
+  dion3::OrthConfig cfg;
+  cfg.method = method;
+  cfg.iteration_dtype = iteration_dtype;
+  return cfg;
 }
 
 // Lines of a markdown report, echoed to stdout as they come.

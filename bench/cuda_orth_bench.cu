@@ -37,12 +37,7 @@ using dion3::MatrixView;
 
 struct Shape { int64_t b, p, q; };
 
-dion3::OrthConfig orth_config(dion3::OrthMethod method, DType iteration_dtype) {
-  dion3::OrthConfig cfg;
-  cfg.method = method;
-  cfg.iteration_dtype = iteration_dtype;
-  return cfg;
-}
+using bench::orth_config;
 
 }  // namespace
 

@@ -26,12 +26,7 @@ struct Work {
   std::function<void()> run;  // enqueues on its backend's current stream
 };
 
-dion3::OrthConfig config(dion3::OrthMethod m, DType dt) {
-  dion3::OrthConfig c;
-  c.method = m;
-  c.iteration_dtype = dt;
-  return c;
-}
+using bench::orth_config;
 
 }  // namespace
 
@@ -62,9 +57,9 @@ int main(int argc, char** argv) {
   };
   Input x1 = input(*be_a, 64, 512, 2048, 1), x3 = input(*be_a, 16, 2048, 2048, 3);
   Input x2 = input(*be_b, 16, 512, 8192, 2);
-  dion3::Orthogonalizer g1(*be_a, config(dion3::OrthMethod::Gram, DType::F16), 64, 512, 2048);
-  dion3::Orthogonalizer s3(*be_a, config(dion3::OrthMethod::Standard, DType::BF16), 16, 2048, 2048);
-  dion3::Orthogonalizer g2(*be_b, config(dion3::OrthMethod::Gram, DType::F16), 16, 512, 8192);
+  dion3::Orthogonalizer g1(*be_a, orth_config(dion3::OrthMethod::Gram, DType::F16), 64, 512, 2048);
+  dion3::Orthogonalizer s3(*be_a, orth_config(dion3::OrthMethod::Standard, DType::BF16), 16, 2048, 2048);
+  dion3::Orthogonalizer g2(*be_b, orth_config(dion3::OrthMethod::Gram, DType::F16), 16, 512, 8192);
   const std::size_t copy_bytes = std::size_t{268435456} * 2;  // one megabatch's momentum, bf16
   dion3::DeviceBuffer c_src(be_b->allocator(), copy_bytes), c_dst(be_b->allocator(), copy_bytes);
   CK(cudaMemsetAsync(c_src.get(), 0, copy_bytes, sa));
@@ -155,9 +150,9 @@ int main(int argc, char** argv) {
     MatrixView lo = whole_in.view, hi = whole_in.view;
     lo.batch = hi.batch = h;
     hi.data = static_cast<char*>(whole_in.buf.get()) + static_cast<std::size_t>(h * sp.p * sp.q) * 2;
-    dion3::Orthogonalizer whole(*be_a, config(sp.m, sp.dt), sp.b, sp.p, sp.q);
-    dion3::Orthogonalizer half_a(*be_a, config(sp.m, sp.dt), h, sp.p, sp.q);
-    dion3::Orthogonalizer half_b(*be_b, config(sp.m, sp.dt), h, sp.p, sp.q);
+    dion3::Orthogonalizer whole(*be_a, orth_config(sp.m, sp.dt), sp.b, sp.p, sp.q);
+    dion3::Orthogonalizer half_a(*be_a, orth_config(sp.m, sp.dt), h, sp.p, sp.q);
+    dion3::Orthogonalizer half_b(*be_b, orth_config(sp.m, sp.dt), h, sp.p, sp.q);
     CK(cudaDeviceSynchronize());
     const Work wa{"a", [&] { half_a.run(lo); }}, wb{"b", [&] { half_b.run(hi); }};
     const std::vector<double> t = bench::interleaved_medians(
