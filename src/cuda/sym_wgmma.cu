@@ -161,7 +161,6 @@ struct SymParams {
   int even_diag_per_mat;  // its diagonal tiles on even row blocks (the second group)
   int total_tiles;
   int skip_epilogue;    // benchmarks only: no stores (times the main loop alone)
-  int banded_in;        // A and B are symmetric and banded (see launch_sym_wgmma): upper blocks read transposed
   int banded_out;       // C banded: no mirrored stores outside the diagonal 256 x 256 blocks
 };
 
@@ -222,7 +221,7 @@ __device__ __forceinline__ void operands_in_stage(StageLoad load, int cw, uint32
   a0 = (load == StageLoad::BOnly ? b0 + kBM * 128 : stage0) + cw * 64 * 128;
 }
 
-// Where a tile's k-blocks switch to transposed reads of banded operands (SymParams::banded_in): a
+// Where a tile's k-blocks switch to transposed reads of banded operands (kernels with kBandedIn): a
 // banded matrix holds its lower triangle and its diagonal 256 x 256 blocks whole, so B's rows
 // (256-row block j) are stored up to k-block 4j + 3 and A's (128-row block i, inside 256-row block
 // i/2) up to 4(i/2) + 3; past those their 64 x 64 blocks are loaded from the mirror images below
@@ -230,8 +229,8 @@ __device__ __forceinline__ void operands_in_stage(StageLoad load, int cw, uint32
 struct TileSplit {
   int kb_tb, kb_ta;  // first k-block with B, with A transposed (kblocks: none)
   __device__ __forceinline__ TileSplit(int i, int j, const SymParams& prm) {
-    kb_tb = prm.banded_in ? min(4 * j + 4, prm.kblocks) : prm.kblocks;
-    kb_ta = prm.banded_in ? min(4 * (i >> 1) + 4, prm.kblocks) : prm.kblocks;
+    kb_tb = min(4 * j + 4, prm.kblocks);
+    kb_ta = min(4 * (i >> 1) + 4, prm.kblocks);
   }
 };
 
@@ -753,7 +752,6 @@ void launch_sym_wgmma(const MatrixView& A, const MatrixView& B, float alpha, flo
   prm.beta = has_d ? beta : 0.0f;
   prm.gamma = gamma;
   prm.skip_epilogue = skip_epilogue ? 1 : 0;
-  prm.banded_in = banded_in ? 1 : 0;
   prm.banded_out = banded_out ? 1 : 0;
   prm.p = static_cast<int>(p);
   prm.kblocks = static_cast<int>((A.cols + kBK - 1) / kBK);
