@@ -52,6 +52,10 @@ class ProfilingBackend final : public dion3::Backend {
   void copy_to_host(void* d, const void* s, std::size_t b) override { in_->copy_to_host(d, s, b); }
   void copy_from_host(void* d, const void* s, std::size_t b) override { in_->copy_from_host(d, s, b); }
   void copy(void* d, const void* s, std::size_t b) override { wrap("orth.copy", [&] { in_->copy(d, s, b); }); }
+  void copy_2d(void* d, std::size_t dp, const void* s, std::size_t sp, std::size_t w, std::size_t h) override {
+    wrap("exchange.copy", [&] { in_->copy_2d(d, dp, s, sp, w, h); });
+  }
+  void* stream() const override { return in_->stream(); }
   int read_flag(const int* f) override { return in_->read_flag(f); }
   void finish_step(const int* f, int64_t* c) override { shape_ = "all"; wrap("other", [&] { in_->finish_step(f, c); }); }
   std::unique_ptr<dion3::MatrixSet> new_matrix_set() override { return in_->new_matrix_set(); }
@@ -65,6 +69,10 @@ class ProfilingBackend final : public dion3::Backend {
   }
   void accumulate(const dion3::MatrixSet& s, float d, float* sc, float* ss, const int* k) override {
     wrap("accumulate", [&] { in_->accumulate(s, d, sc, ss, k); });
+  }
+  void remap_rows(const int32_t* in, int64_t c, int64_t ki, int64_t lo, int64_t hi, int64_t ko, int32_t* out,
+                  const int* sk) override {
+    wrap("select", [&] { in_->remap_rows(in, c, ki, lo, hi, ko, out, sk); });
   }
   void select_rows(const float* s, int64_t c, int64_t m, int64_t k, int32_t* i, const int* sk) override {
     wrap("select", [&] { in_->select_rows(s, c, m, k, i, sk); });

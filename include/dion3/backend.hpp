@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <span>
 #include <vector>
@@ -27,6 +28,12 @@ class Allocator {
   virtual void* allocate(std::size_t bytes) = 0;
   virtual void deallocate(void* ptr, std::size_t bytes) = 0;
 };
+
+// Row index lists (selections) may hold padding: an entry >= the matrices' row count stands for
+// a row of zeros. Sharded layouts send a fixed number of rows per matrix and pad the rest, so
+// every rank's collective has the same size without a host round trip for the real counts.
+// Lists stay ascending, with the padding last.
+inline constexpr int32_t kPadRow = std::numeric_limits<int32_t>::max();
 
 // One matrix of a matrix parameter, as a megabatch sees it (each view has batch == 1).
 struct ParamMatrix {
@@ -91,12 +98,19 @@ class Backend {
   virtual Device device() const = 0;
   virtual Allocator& allocator() = 0;
   virtual void set_stream(void* stream) { (void)stream; }
+  // The stream every op is enqueued on (CUDA), null on the CPU: communicators order their
+  // collectives on it.
+  virtual void* stream() const { return nullptr; }
 
   // --- memory --------------------------------------------------------------------------
   virtual void fill_zero(void* ptr, std::size_t bytes) = 0;
   virtual void copy_to_host(void* host_dst, const void* src, std::size_t bytes) = 0;
   virtual void copy_from_host(void* dst, const void* host_src, std::size_t bytes) = 0;
   virtual void copy(void* dst, const void* src, std::size_t bytes) = 0;
+  // `height` rows of `width` bytes from src (rows `src_pitch` bytes apart) to dst (rows
+  // `dst_pitch` apart): the block permutations around a collective.
+  virtual void copy_2d(void* dst, std::size_t dst_pitch, const void* src, std::size_t src_pitch,
+                       std::size_t width, std::size_t height) = 0;
   virtual int read_flag(const int* flag) = 0;  // synchronises
   // Ends a step: counters[0] += 1 when *flag == 0 (the step was applied), else counters[1] += 1.
   virtual void finish_step(const int* flag, int64_t* counters) = 0;
@@ -115,8 +129,14 @@ class Backend {
   // lower index, written to idx[i*k ...] in ascending row order.
   virtual void select_rows(const float* scores, int64_t count, int64_t m, int64_t k, int32_t* idx,
                            const int* skip) = 0;
+  // For each of `count` ascending lists in[i*k_in ...]: its entries e with lo <= e < hi, as
+  // e - lo, then kPadRow up to k_out entries (out[i*k_out ...]). A shard's part of a selection
+  // made on the whole matrix, or a short shard's selection padded to the common row count.
+  virtual void remap_rows(const int32_t* in, int64_t count, int64_t k_in, int64_t lo, int64_t hi,
+                          int64_t k_out, int32_t* out, const int* skip) = 0;
   // out[i] (k x cols) = scale_m*M_i[idx_i] + scale_g*G_i[idx_i], then M_i[idx_i] *= decay.
-  // idx == null selects all rows in order (k == rows). out is contiguous, any float dtype.
+  // idx == null selects all rows in order (k == rows). out is contiguous, any float dtype; with
+  // out.data == null only the decay is applied. Padding entries of idx give zero rows.
   // row_sumsq, if not null: [i*k + s] = the sum of squares of out[i]'s row s as stored (rounded
   // to out's dtype), for normalize (spares it a pass over out).
   virtual void gather_rows(const MatrixSet& set, const int32_t* idx, int64_t k, float scale_m,
@@ -124,10 +144,12 @@ class Backend {
   // out[i] (k x cols) = M_i[idx_i] / (sqrt(sum_s row_sumsq[i*rows + idx_i[s]]) + eps), rounded to
   // out's dtype, then M_i[idx_i] *= decay: the gather and the normalisation of SPEC §2 in one
   // pass, with the row sums of squares accumulate() gave. out is contiguous, any float dtype.
+  // Padding entries of idx give zero rows.
   virtual void gather_normalized(const MatrixSet& set, const int32_t* idx, int64_t k, float decay,
                                  const float* row_sumsq, float eps, MatrixView out, const int* skip) = 0;
   // Per matrix i with rows idx_i (null = all): optional NorMuon normalisation of O_i with the
   // variance rows idx_i, then W_i *= (1 - lr*wd) on all rows and W_i[idx_i] -= lr' * O_i.
+  // Rows of O at padding entries of idx are ignored (neither normalised nor applied).
   virtual void apply_update(const MatrixSet& set, const int32_t* idx, int64_t k, MatrixView O,
                             const UpdateParams& p, const int* skip) = 0;
 

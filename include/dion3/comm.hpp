@@ -1,30 +1,73 @@
-// dion3/comm.hpp — the narrow communicator the distributed layouts (SPEC §3) will use.
+// dion3/comm.hpp — the narrow communicator the distributed layouts (SPEC §3) run on.
 //
-// Megabatched Dion3 needs exactly two collectives over contiguous device buffers: an
-// all-gather (replicated/DDP layout: every rank orthogonalizes a slice of the batch) and an
-// all-to-all (row-sharded/FSDP2 layout: selected rows travel to the matrix's owner rank and
-// back). Implementations: the in-process loopback below (a single rank, for unit tests and
-// single-device runs); c10d and raw NCCL arrive with the distributed-layout issue.
+// Megabatched Dion3 needs three collectives over contiguous buffers in the backend's memory:
+// all-gather (replicated/DDP layout: every rank orthogonalizes a slice of the batch and gets the
+// others' results back; global-scope scores), all-to-all (row-sharded/FSDP2 layout: selected
+// rows travel to their matrix's owner rank and back) and an all-reduce-max of a few ints (every
+// rank takes the same skip/raise decision on a non-finite gradient).
+//
+// Collectives are asynchronous: a call starts one after the work already enqueued on `stream`
+// (CUDA; null on the CPU) and returns a request; wait() orders its completion before the work
+// enqueued afterwards — a stream wait on CUDA (no host synchronisation), a blocking wait on the
+// CPU. Every rank must start the same collectives in the same order. `label` names the
+// collective and the megabatch; failures and timeouts are raised as dion3::Error carrying it.
+//
+// Implementations: loopback (one rank; unit tests, world size 1), MPI (native trainers on CPUs,
+// when built with MPI), NCCL (native trainers on GPUs, CUDA builds) and, in the PyTorch binding,
+// torch.distributed process groups (NCCL or gloo: the user's own group).
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
+#include <string>
+
+#include "dion3/view.hpp"
 
 namespace dion3 {
+
+class CommRequest {
+ public:
+  virtual ~CommRequest() = default;
+  // Completion ordered before later work on the stream the collective was started on. Throws
+  // dion3::Error (Status::Internal) naming the collective on failure or timeout.
+  virtual void wait() = 0;
+};
 
 class Communicator {
  public:
   virtual ~Communicator() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  // recv holds size() blocks of `block_bytes`; block r comes from rank r's `send`.
-  virtual void all_gather(const void* send, void* recv, std::size_t block_bytes) = 0;
-  // send and recv hold size() blocks of `block_bytes`; block r of send goes to rank r, and
-  // block r of recv comes from rank r.
-  virtual void all_to_all(const void* send, void* recv, std::size_t block_bytes) = 0;
+  // Where the buffers handed to the collectives live.
+  virtual Device device() const = 0;
+  // recv holds size() blocks of block_bytes; block r comes from rank r's send.
+  virtual std::unique_ptr<CommRequest> all_gather(const void* send, void* recv, std::size_t block_bytes,
+                                                  void* stream, const std::string& label) = 0;
+  // send and recv hold size() blocks of block_bytes: block r of send goes to rank r, block r of
+  // recv comes from rank r. send and recv must not overlap.
+  virtual std::unique_ptr<CommRequest> all_to_all(const void* send, void* recv, std::size_t block_bytes,
+                                                  void* stream, const std::string& label) = 0;
+  // data[i] = max over ranks of data[i], in place.
+  virtual std::unique_ptr<CommRequest> all_reduce_max(int32_t* data, std::size_t count, void* stream,
+                                                      const std::string& label) = 0;
+  // Short description for messages ("MPI, 4 ranks").
+  virtual std::string describe() const = 0;
 };
 
-// One rank talking to itself: collectives are copies (host memory).
-std::unique_ptr<Communicator> make_loopback_communicator();
+// One rank talking to itself: collectives are copies. device: where its buffers live (CPU, or
+// CUDA with stream-ordered copies in CUDA builds).
+std::shared_ptr<Communicator> make_loopback_communicator(Device device = Device::CPU);
+
+// MPI (CPU buffers) over a duplicate of `mpi_comm`, a pointer to an MPI_Comm (MPI_COMM_WORLD if
+// null). MPI must be initialised. Throws Status::Unsupported in builds without MPI.
+// timeout_seconds: how long wait() lets a collective run before it raises (0 = no limit).
+std::shared_ptr<Communicator> make_mpi_communicator(const void* mpi_comm = nullptr, double timeout_seconds = 600.0);
+bool mpi_built();
+
+// NCCL (CUDA buffers) over an initialised ncclComm_t (not owned) whose rank uses `device`.
+// Collectives run on a stream of the communicator's own, ordered after and before the caller's
+// stream with events. Throws Status::Unsupported in builds without CUDA.
+std::shared_ptr<Communicator> make_nccl_communicator(void* nccl_comm, int device, double timeout_seconds = 600.0);
 
 }  // namespace dion3

@@ -19,12 +19,16 @@ enum class AdjustLR : int { SpectralNorm = 0, RmsNorm = 1, None = 2 };
 // Auto picks, per shape, the cheaper of the two by the backend's cost model (SPEC §2).
 enum class OrthMethod : int { Auto = 0, Standard = 1, Gram = 2 };
 enum class NonFinitePolicy : int { Raise = 0, Skip = 1 };
+// Row selection of row-sharded Dion3 (SPEC §3): each shard picks its own top rows (Local), or
+// the exact single-device top-k of the whole matrix (Global: one more collective, more rows sent).
+enum class SelectionScope : int { Local = 0, Global = 1 };
 
 const char* algorithm_name(Algorithm a);
 Algorithm parse_algorithm(const std::string& name);  // "dion3"/"nordion2", "normuon", "muon", "adamw", "lion"
 AdjustLR parse_adjust_lr(const std::string& name);   // "spectral_norm", "rms_norm", "none"
 OrthMethod parse_orth_method(const std::string& name);  // "auto", "standard", "gram"
 NonFinitePolicy parse_nonfinite(const std::string& name);  // "raise", "skip"
+SelectionScope parse_selection_scope(const std::string& name);  // "local", "global"
 bool is_matrix_algorithm(Algorithm a);
 
 using Coefficients = std::array<double, 3>;  // (a, b, c) of one quintic step
@@ -58,6 +62,7 @@ struct GroupConfig {
   bool cautious_wd = false;   // Muon / NorMuon: decay only where update and weight agree in sign
   bool scale_lr_by_fraction = false;  // Dion3: use lr / sqrt(fraction) (the paper's scaling law)
   std::optional<DType> momentum_dtype;  // nullopt = the parameter's dtype
+  SelectionScope selection_scope = SelectionScope::Local;  // row-sharded Dion3 only
   OrthConfig orth;
 
   void validate() const;  // throws dion3::Error naming the offending field

@@ -19,10 +19,26 @@
 #include <vector>
 
 #include "dion3/backend.hpp"
+#include "dion3/comm.hpp"
 #include "dion3/config.hpp"
 #include "dion3/view.hpp"
 
 namespace dion3 {
+
+// How a parameter is laid out across the ranks of a communicator (SPEC §3).
+enum class Layout : int {
+  Local = 0,       // one device owns it whole; no communication
+  Replicated = 1,  // every rank holds the same whole tensor (DDP): ranks split the orthogonalization
+  RowShard = 2,    // rank r holds rows [r*c, min((r+1)*c, m)) of an m-row matrix, c = ceil(m/P)
+                   // (FSDP2's Shard(0)); the weight view is that shard, possibly empty
+};
+const char* layout_name(Layout l);
+
+struct ParamLayout {
+  Layout kind = Layout::Local;
+  std::shared_ptr<Communicator> comm;  // Replicated / RowShard: the ranks the parameter spans
+  int64_t global_rows = 0;             // RowShard: m, the rows of the whole matrix
+};
 
 struct ParamSpec {
   std::string name;
@@ -32,6 +48,7 @@ struct ParamSpec {
   // and zero-filled. Matrix algorithms: "momentum" (weight's shape) and "variance" (fp32,
   // one entry per matrix row). AdamW: "exp_avg", "exp_avg_sq"; Lion: "exp_avg".
   std::vector<std::pair<std::string, TensorView>> state;
+  ParamLayout layout;  // matrix algorithms; element-wise ones step the local tensor as it is
 };
 
 // A host copy of one state tensor.
@@ -77,6 +94,16 @@ struct MegabatchInfo {
   DType iteration_dtype = DType::F32;
   std::size_t workspace_bytes = 0;  // arena bytes its largest chunk uses
   int64_t chunk = 0;                 // matrices per orthogonalization call
+  // Distribution (SPEC §3): the layout, ranks, the matrices this rank orthogonalizes, the rows
+  // each rank sends per matrix (row-sharded), and per step the collective rounds and the bytes
+  // this rank sends in them (what a benchmark reports).
+  Layout layout = Layout::Local;
+  int ranks = 1;
+  int64_t owned = 0;
+  int64_t piece_rows = 0;
+  int64_t orth_rows = 0;  // rows of each matrix the orthogonalizer sees
+  int rounds = 0;
+  std::size_t bytes_sent = 0;
 };
 
 class Optimizer {

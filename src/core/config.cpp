@@ -63,6 +63,12 @@ OrthMethod parse_orth_method(const std::string& name) {
   fail("'orthogonalizer' must be 'auto', 'standard' or 'gram'; got '" + name + "'");
 }
 
+SelectionScope parse_selection_scope(const std::string& name) {
+  if (name == "local") return SelectionScope::Local;
+  if (name == "global") return SelectionScope::Global;
+  fail("'selection_scope' must be 'local' or 'global'; got '" + name + "'");
+}
+
 NonFinitePolicy parse_nonfinite(const std::string& name) {
   if (name == "raise") return NonFinitePolicy::Raise;
   if (name == "skip") return NonFinitePolicy::Skip;

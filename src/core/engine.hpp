@@ -4,6 +4,7 @@
 
 #include <array>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -25,6 +26,7 @@ struct Param {
   std::vector<DeviceBuffer> owned;                          // engine-allocated state memory
   // Steps applied to this parameter = optimizer's applied steps - step_offset (AdamW's t).
   int64_t step_offset = 0;
+  ParamLayout layout;  // RowShard: rows is this rank's shard, layout.global_rows the matrix's
 
   const TensorView* find_state(const std::string& key) const;
 };
@@ -38,10 +40,24 @@ struct Chunk {
   std::size_t update_offset = 0, orth_offset = 0;  // in the arena: the update rows U, the orth workspace
 };
 
-// Parameters of one group sharing (matrix shape, dtypes): one batched pipeline per step.
+// Parameters of one group sharing (matrix shape, dtypes, layout): one batched pipeline per step,
+// run as three stages (Optimizer::Impl::prepare / orthogonalize / apply) so that one megabatch's
+// collective is in flight while another computes.
+//
+// Distributed layouts (SPEC §3), with N members, P ranks and block = ceil(N / P): rank r
+// orthogonalizes members [r*block, min((r+1)*block, N)).
+//  - Replicated: every rank accumulates and selects all N; it gathers and orthogonalizes its own
+//    block into `send` (block x k x cols), one all-gather fills `recv` (P*block x k x cols), and
+//    every rank applies all N. Error feedback of the others' rows: `ef_sets`.
+//  - RowShard: every rank selects `piece` rows of its shard of each member (kPadRow-padded in
+//    piece_idx) and gathers them into `send` ([owner][member][piece][cols], i.e. member order);
+//    one all-to-all gives `recv` ([source rank][member of my block][piece][cols]), permuted into
+//    the orthogonalizer's input (member x P*piece x cols); the results are permuted into `send`
+//    ([destination rank][member][piece][cols]) and one all-to-all returns them to `recv` in
+//    member order, where apply_update reads each rank's own rows.
 struct Megabatch {
   int group = 0;
-  int64_t rows = 0, cols = 0, k = 0;
+  int64_t rows = 0, cols = 0, k = 0;  // rows: of the local matrices (a shard under RowShard)
   DType weight_dtype = DType::F32, grad_dtype = DType::F32, momentum_dtype = DType::F32;
   std::vector<std::pair<int, int64_t>> members;  // (param index, matrix index in param)
   std::unique_ptr<MatrixSet> set;                // every member: accumulate and select
@@ -54,6 +70,26 @@ struct Megabatch {
   DeviceBuffer row_sumsq;
   bool gathers_normalized = false;  // Dion3 with k <= cols: Backend::gather_normalized
   std::size_t chunk_bytes = 0;  // arena bytes the largest chunk needs
+
+  // Distribution (see above). Local: ranks 1, block N, no buffers.
+  Layout layout = Layout::Local;
+  Communicator* comm = nullptr;
+  int ranks = 1, rank = 0;
+  int64_t global_rows = 0;    // m of the whole matrix
+  int64_t piece = 0;          // RowShard: rows each rank contributes per member
+  int64_t orth_rows = 0;      // rows per member the orthogonalizer sees (k, or ranks * piece)
+  int64_t block = 0, owned_first = 0, owned_count = 0;
+  bool global_scope = false;  // RowShard Dion3 with selection_scope = Global
+  DType update_dtype = DType::F32;  // of the gathered rows U
+  DType orth_dtype = DType::F32;    // of the orthogonalizer's result O
+  DeviceBuffer send, recv;
+  DeviceBuffer piece_idx;   // RowShard: N x piece local row indices
+  DeviceBuffer score_send, score_recv, all_scores;  // global scope
+  std::vector<std::pair<int64_t, std::unique_ptr<MatrixSet>>> ef_sets;  // Replicated Dion3
+  std::unique_ptr<CommRequest> inflight;
+  std::string label;  // "megabatch 2 (4096x11008 bf16, row-sharded over 8 ranks)"
+  int rounds = 0;             // collective rounds per step
+  std::size_t bytes_sent = 0;  // bytes this rank sends per step
 };
 
 struct Optimizer::Impl {
@@ -78,9 +114,17 @@ struct Optimizer::Impl {
   std::vector<StateSpec> state_specs(const Param& p) const;
   std::string describe(int param) const;  // "parameter 3 'mlp.up.weight'"
   void build_plan();
+  void plan_distribution(Megabatch& mb, int index);
+  void check_plans_agree();
   std::array<int64_t, 2> read_counters() const;
   void validate_for_step();
   void enqueue_step();
+  // The step's stages (see Megabatch).
+  void agree_on_flag(int* flag);
+  void prepare(Megabatch& mb, int* flag);
+  void orthogonalize(Megabatch& mb, int* flag);
+  void apply(Megabatch& mb, int* flag);
+  UpdateParams update_params(const Megabatch& mb) const;
 };
 
 }  // namespace dion3

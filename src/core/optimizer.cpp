@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <tuple>
 
@@ -29,7 +30,7 @@ bool same_structure(const GroupConfig& a, const GroupConfig& b) {
 bool same_plan(const GroupConfig& a, const GroupConfig& b) {
   return same_structure(a, b) && a.fraction == b.fraction && a.orth.method == b.orth.method &&
          a.orth.coefficients == b.orth.coefficients && a.orth.restarts == b.orth.restarts &&
-         a.orth.iteration_dtype == b.orth.iteration_dtype;
+         a.orth.iteration_dtype == b.orth.iteration_dtype && a.selection_scope == b.selection_scope;
 }
 
 std::size_t align_up(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
@@ -43,7 +44,29 @@ DType update_rows_dtype(const GroupConfig& g, DType momentum_dtype) {
 
 std::string group_error(int g, const std::string& what) { return "group " + std::to_string(g) + ": " + what; }
 
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Selected rows of an m-row matrix (SPEC §1 step 2).
+int64_t selected_rows(double fraction, int64_t m) {
+  return std::max<int64_t>(1, static_cast<int64_t>(std::ceil(fraction * static_cast<double>(m))));
+}
+
+char* byte_offset(const DeviceBuffer& b, std::size_t offset) { return b.as<char>() + offset; }
+
+void comm_wait(std::unique_ptr<CommRequest> request) {
+  if (request) request->wait();
+}
+
 }  // namespace
+
+const char* layout_name(Layout l) {
+  switch (l) {
+    case Layout::Local: return "local";
+    case Layout::Replicated: return "replicated";
+    case Layout::RowShard: return "row-sharded";
+  }
+  return "unknown";
+}
 
 const TensorView* Param::find_state(const std::string& key) const {
   for (const auto& [name, view] : state)
@@ -133,23 +156,51 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
   p.weight = spec.weight;
   p.grad = spec.grad;
   p.step_offset = s.read_counters()[0];  // AdamW's t starts at 1 for a parameter added late
+  p.layout = spec.layout;
   const auto& shape = spec.weight.shape;
+  const ParamLayout& L = spec.layout;
+  if (L.kind != Layout::Local && !L.comm)
+    fail(who + " has a " + layout_name(L.kind) + " layout but no communicator");
+  if (L.kind == Layout::Local && L.comm)
+    fail(who + " has a communicator but a local layout; give it a replicated or row-sharded layout");
+  if (L.comm && L.comm->device() != device)
+    fail(who + ": its communicator (" + L.comm->describe() + ") moves " + device_name(L.comm->device()) +
+         " buffers but this optimizer runs on " + device_name(device));
   if (is_matrix_algorithm(g.algorithm)) {
     if (shape.size() < 2)
       fail(who + " has shape " + spec.weight.shape_str() + " but " +
            (g.algorithm == Algorithm::Dion3 ? "Dion3" : g.algorithm == Algorithm::Muon ? "Muon" : "NorMuon") +
            " needs a matrix; put 1-D tensors in an 'adamw' or 'lion' group");
+    int64_t trailing = 1;
+    for (std::size_t d = 1; d < shape.size(); ++d) trailing *= shape[d];
     if (g.flatten || shape.size() == 2) {
       p.count = 1;
       p.rows = shape[0];
-      p.cols = spec.weight.numel() / std::max<int64_t>(shape[0], 1);
+      p.cols = trailing;
     } else {
+      if (L.kind == Layout::RowShard)
+        fail(who + " has shape " + spec.weight.shape_str() + ": a row-sharded parameter must be a matrix "
+             "(or use flatten=True, which treats it as (dim0, rest))");
       p.rows = shape[shape.size() - 2];
       p.cols = shape.back();
       p.count = spec.weight.numel() / std::max<int64_t>(p.rows * p.cols, 1);
     }
-    if (p.rows < 1 || p.cols < 1 || p.count < 1)
+    if (L.kind == Layout::RowShard) {
+      const int64_t m = L.global_rows, P = L.comm->size(), r = L.comm->rank();
+      if (m < 1 || p.cols < 1)
+        fail(who + " is row-sharded with " + std::to_string(m) + " rows and " + std::to_string(p.cols) +
+             " columns; a matrix needs rows and columns");
+      const int64_t c = ceil_div(m, P);
+      const int64_t first = std::min(m, r * c), want = std::min(c, m - first);
+      if (p.rows != want)
+        fail(who + " is row-sharded over " + std::to_string(P) + " ranks (" + L.comm->describe() + ") with " +
+             std::to_string(m) + " rows, so rank " + std::to_string(r) + " must hold rows [" + std::to_string(first) +
+             ", " + std::to_string(first + want) + ") (" + std::to_string(want) +
+             " rows: contiguous chunks of ceil(m/P), as FSDP2's Shard(0)), but its shard has shape " +
+             spec.weight.shape_str());
+    } else if (p.rows < 1 || p.cols < 1 || p.count < 1) {
       fail(who + " has shape " + spec.weight.shape_str() + " with an empty dimension; a matrix needs rows and columns");
+    }
   }
 
   // State: validate the caller's tensors first, then allocate the missing ones.
@@ -231,31 +282,43 @@ std::vector<std::pair<std::string, TensorView>> Optimizer::state_views(int param
 
 void Optimizer::Impl::build_plan() {
   megabatches.clear();
-  using Key = std::tuple<int, int64_t, int64_t, int, int, int>;
+  // Communicators are keyed by their order of first appearance, never by address: every rank
+  // must build its megabatches (and so start its collectives) in the same order.
+  std::vector<const Communicator*> comms;
+  auto comm_index = [&](const Communicator* c) -> int {
+    if (!c) return -1;
+    for (std::size_t i = 0; i < comms.size(); ++i)
+      if (comms[i] == c) return static_cast<int>(i);
+    comms.push_back(c);
+    return static_cast<int>(comms.size()) - 1;
+  };
+  using Key = std::tuple<int, int64_t, int64_t, int, int, int, int, int>;
   std::map<Key, std::size_t> index;
   for (int i = 0; i < static_cast<int>(params.size()); ++i) {
     const Param& p = params[i];
     const GroupConfig& g = groups[p.group];
+    const int ci = comm_index(p.layout.comm.get());
     if (!is_matrix_algorithm(g.algorithm)) continue;
     const DType mom = state_specs(p)[0].dtype;
-    const Key key{p.group, p.rows, p.cols, static_cast<int>(p.weight.dtype), static_cast<int>(p.grad.dtype),
-                  static_cast<int>(mom)};
+    const int64_t m = p.layout.kind == Layout::RowShard ? p.layout.global_rows : p.rows;
+    const Key key{p.group, m, p.cols, static_cast<int>(p.weight.dtype), static_cast<int>(p.grad.dtype),
+                  static_cast<int>(mom), static_cast<int>(p.layout.kind), ci};
     auto [it, fresh] = index.try_emplace(key, megabatches.size());
     if (fresh) {
       Megabatch mb;
       mb.group = p.group;
       mb.rows = p.rows;
       mb.cols = p.cols;
+      mb.global_rows = m;
       mb.weight_dtype = p.weight.dtype;
       mb.grad_dtype = p.grad.dtype;
       mb.momentum_dtype = mom;
-      mb.k = g.algorithm == Algorithm::Dion3
-                 ? std::max<int64_t>(1, static_cast<int64_t>(std::ceil(g.fraction * static_cast<double>(p.rows))))
-                 : p.rows;
       megabatches.push_back(std::move(mb));
     }
     for (int64_t j = 0; j < p.count; ++j) megabatches[it->second].members.emplace_back(i, j);
   }
+  for (std::size_t i = 0; i < megabatches.size(); ++i) plan_distribution(megabatches[i], static_cast<int>(i));
+
   Allocator& alloc = backend->allocator();
   std::size_t limit = options.workspace_limit;
   if (limit == 0) {  // automatic (OptimizerOptions::workspace_limit)
@@ -271,14 +334,14 @@ void Optimizer::Impl::build_plan() {
     // Arena layout of a chunk of `count` members: the update rows U are read only by the
     // orthogonalizer's first pass, so they lie inside its workspace where they fit there (and
     // take no room when the gather writes the orthogonalizer's normalised input itself).
-    mb.gathers_normalized = g.algorithm == Algorithm::Dion3 && mb.k <= mb.cols;
+    mb.gathers_normalized = g.algorithm == Algorithm::Dion3 && mb.layout != Layout::RowShard && mb.k <= mb.cols;
     auto layout = [&](int64_t count, Chunk* c) {
       const std::size_t u = mb.gathers_normalized
                                 ? 0
-                                : align_up(static_cast<std::size_t>(count * mb.k * mb.cols) *
-                                           dtype_size(update_rows_dtype(g, mb.momentum_dtype)));
-      const std::size_t ws = Orthogonalizer::required_workspace(*backend, g.orth, count, mb.k, mb.cols);
-      const std::size_t in_ws = Orthogonalizer::input_offset(*backend, g.orth, count, mb.k, mb.cols, u);
+                                : align_up(static_cast<std::size_t>(count * mb.orth_rows * mb.cols) *
+                                           dtype_size(mb.update_dtype));
+      const std::size_t ws = Orthogonalizer::required_workspace(*backend, g.orth, count, mb.orth_rows, mb.cols);
+      const std::size_t in_ws = Orthogonalizer::input_offset(*backend, g.orth, count, mb.orth_rows, mb.cols, u);
       const bool inside = in_ws != Orthogonalizer::kNoInputRoom;
       if (c) {
         c->update_offset = inside ? in_ws : 0;
@@ -287,21 +350,25 @@ void Optimizer::Impl::build_plan() {
       return inside ? align_up(ws) : u + align_up(ws);
     };
     auto need = [&](int64_t count) { return layout(count, nullptr); };
-    int64_t chunk = n;
+    int64_t chunk = std::max<int64_t>(mb.owned_count, 1);
     while (chunk > 1 && need(chunk) > limit) chunk = (chunk + 1) / 2;
-    mb.chunk_bytes = need(chunk);
+    mb.chunk_bytes = mb.owned_count > 0 ? need(chunk) : 0;
     arena_bytes = std::max(arena_bytes, mb.chunk_bytes);
     mb.set = backend->new_matrix_set();
     if (g.algorithm == Algorithm::Dion3) {
-      mb.scores = DeviceBuffer(alloc, static_cast<std::size_t>(n * mb.rows) * sizeof(float));
-      mb.indices = DeviceBuffer(alloc, static_cast<std::size_t>(n * mb.k) * sizeof(int32_t));
+      mb.scores = DeviceBuffer(alloc, static_cast<std::size_t>(n * std::max<int64_t>(mb.rows, 1)) * sizeof(float));
+      const int64_t listed = mb.global_scope                   ? selected_rows(g.fraction, mb.global_rows)
+                             : mb.layout == Layout::RowShard ? mb.rows  // before padding to `piece`
+                                                             : mb.k;
+      mb.indices = DeviceBuffer(alloc, static_cast<std::size_t>(n * std::max<int64_t>(listed, 1)) * sizeof(int32_t));
     }
-    mb.row_sumsq = DeviceBuffer(alloc, static_cast<std::size_t>(n * (mb.gathers_normalized ? mb.rows : mb.k)) *
-                                           sizeof(float));
-    for (int64_t first = 0; first < n; first += chunk) {
+    if (mb.layout != Layout::RowShard)
+      mb.row_sumsq = DeviceBuffer(alloc, static_cast<std::size_t>(n * (mb.gathers_normalized ? mb.rows : mb.k)) *
+                                             sizeof(float));
+    for (int64_t first = mb.owned_first; first < mb.owned_first + mb.owned_count; first += chunk) {
       Chunk c;
       c.first = first;
-      c.count = std::min(chunk, n - first);
+      c.count = std::min(chunk, mb.owned_first + mb.owned_count - first);
       layout(c.count, &c);
       c.set = backend->new_matrix_set();
       mb.chunks.push_back(std::move(c));
@@ -316,12 +383,135 @@ void Optimizer::Impl::build_plan() {
         if (o->batch() == c.count) c.orth = o.get();
       if (c.orth) continue;
       char* ws = arena.as<char>() + c.orth_offset;
-      mb.orths.push_back(std::make_unique<Orthogonalizer>(*backend, g.orth, c.count, mb.k, mb.cols, ws));
+      mb.orths.push_back(std::make_unique<Orthogonalizer>(*backend, g.orth, c.count, mb.orth_rows, mb.cols, ws));
       c.orth = mb.orths.back().get();
+      if (c.orth->iteration_dtype() != mb.orth_dtype)
+        fail("internal: the orthogonalizer's dtype differs from the exchange's", Status::Internal);
     }
   }
   planned = groups;
   plan_valid = true;
+  check_plans_agree();
+}
+
+void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
+  const Param& first = params[mb.members.front().first];
+  const GroupConfig& g = groups[mb.group];
+  const auto n = static_cast<int64_t>(mb.members.size());
+  const bool dion3 = g.algorithm == Algorithm::Dion3;
+  Allocator& alloc = backend->allocator();
+  mb.layout = first.layout.kind;
+  mb.comm = first.layout.comm.get();
+  mb.ranks = mb.comm ? mb.comm->size() : 1;
+  mb.rank = mb.comm ? mb.comm->rank() : 0;
+  mb.update_dtype = update_rows_dtype(g, mb.momentum_dtype);
+  const int64_t P = mb.ranks, m = mb.global_rows;
+  mb.k = dion3 ? selected_rows(g.fraction, m) : m;
+  mb.orth_rows = mb.k;
+  mb.block = mb.layout == Layout::Local ? n : ceil_div(n, P);
+  mb.owned_first = std::min(n, mb.rank * mb.block);
+  mb.owned_count = std::min(mb.block, n - mb.owned_first);
+  char label[160];
+  std::snprintf(label, sizeof(label), "megabatch %d (%lld x %lldx%lld %s, %s over %d ranks)", index,
+                static_cast<long long>(n), static_cast<long long>(m), static_cast<long long>(mb.cols),
+                dtype_name(mb.weight_dtype), layout_name(mb.layout), mb.ranks);
+  mb.label = label;
+  mb.rounds = 0;
+  mb.bytes_sent = 0;
+  if (mb.layout == Layout::RowShard) {
+    const int64_t c = ceil_div(m, P);
+    mb.global_scope = dion3 && g.selection_scope == SelectionScope::Global;
+    mb.piece = !dion3 ? c : mb.global_scope ? std::min(mb.k, c) : selected_rows(g.fraction, c);
+    mb.k = mb.piece;  // rows per member in the local index lists
+    mb.orth_rows = P * mb.piece;
+  }
+  // The orthogonalizer's result dtype, decided from the shape alone so that every rank agrees
+  // (a rank that orthogonalizes nothing has no orthogonalizer to ask).
+  const OrthMethod method = choose_orth_method(*backend, g.orth, mb.orth_rows, mb.cols);
+  mb.orth_dtype = g.orth.iteration_dtype.value_or(backend->default_iteration_dtype(method == OrthMethod::Gram));
+  const std::size_t es_u = dtype_size(mb.update_dtype), es_o = dtype_size(mb.orth_dtype);
+  if (mb.layout == Layout::Replicated) {
+    const std::size_t slot = static_cast<std::size_t>(mb.k * mb.cols) * es_o;
+    mb.send = DeviceBuffer(alloc, std::max<std::size_t>(mb.block * slot, 1));
+    mb.recv = DeviceBuffer(alloc, std::max<std::size_t>(P * mb.block * slot, 1));
+    mb.rounds = 1;
+    mb.bytes_sent = (P - 1) * mb.block * slot;
+    if (dion3) {  // error feedback on the members other ranks orthogonalize
+      for (auto [lo, hi] : {std::pair<int64_t, int64_t>{0, mb.owned_first},
+                            std::pair<int64_t, int64_t>{mb.owned_first + mb.owned_count, n}})
+        if (hi > lo) {
+          mb.ef_sets.emplace_back(lo, backend->new_matrix_set());
+          mb.ef_sets.back().second->mats.resize(static_cast<std::size_t>(hi - lo));
+        }
+    }
+  } else if (mb.layout == Layout::RowShard) {
+    const std::size_t slot = static_cast<std::size_t>(mb.piece * mb.cols) * std::max(es_u, es_o);
+    mb.send = DeviceBuffer(alloc, std::max<std::size_t>(P * mb.block * slot, 1));
+    mb.recv = DeviceBuffer(alloc, std::max<std::size_t>(P * mb.block * slot, 1));
+    mb.piece_idx = DeviceBuffer(alloc, static_cast<std::size_t>(n * mb.piece) * sizeof(int32_t));
+    mb.rounds = 2;
+    mb.bytes_sent = (P - 1) * mb.block * static_cast<std::size_t>(mb.piece * mb.cols) * (es_u + es_o);
+    if (!dion3 || mb.rows == 0) {
+      // Fixed lists: every row of the shard in order (Muon / NorMuon), then padding.
+      std::vector<int32_t> idx(static_cast<std::size_t>(n * mb.piece), kPadRow);
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t r = 0; r < (dion3 ? 0 : mb.rows); ++r) idx[i * mb.piece + r] = static_cast<int32_t>(r);
+      backend->copy_from_host(mb.piece_idx.get(), idx.data(), idx.size() * sizeof(int32_t));
+    }
+    if (mb.global_scope) {
+      // Each rank's scores padded to c rows with -1 (below any real score, so never selected).
+      std::vector<float> pad(static_cast<std::size_t>(n * ceil_div(m, P)), -1.0f);
+      mb.score_send = DeviceBuffer(alloc, pad.size() * sizeof(float));
+      backend->copy_from_host(mb.score_send.get(), pad.data(), pad.size() * sizeof(float));
+      mb.score_recv = DeviceBuffer(alloc, P * pad.size() * sizeof(float));
+      mb.all_scores = DeviceBuffer(alloc, P * pad.size() * sizeof(float));
+      mb.rounds += 1;
+      mb.bytes_sent += (P - 1) * pad.size() * sizeof(float);
+    }
+  }
+}
+
+// Every rank must have planned the same megabatches in the same order, or their collectives
+// would pair up wrongly (or hang): compare digests across each communicator before any step.
+void Optimizer::Impl::check_plans_agree() {
+  std::vector<Communicator*> comms;
+  for (const Param& p : params)
+    if (p.layout.comm && std::find(comms.begin(), comms.end(), p.layout.comm.get()) == comms.end())
+      comms.push_back(p.layout.comm.get());
+  for (Communicator* comm : comms) {
+    uint64_t h = 1469598103934665603ull;  // FNV-1a over the plan's numbers
+    auto mix = [&h](int64_t v) {
+      for (int b = 0; b < 8; ++b) {
+        h ^= static_cast<uint64_t>(v >> (8 * b)) & 0xff;
+        h *= 1099511628211ull;
+      }
+    };
+    int64_t count = 0;
+    for (const Megabatch& mb : megabatches) {
+      if (mb.comm != comm) continue;
+      ++count;
+      for (int64_t v : {static_cast<int64_t>(mb.members.size()), mb.global_rows, mb.cols, mb.piece, mb.k,
+                        static_cast<int64_t>(mb.layout), static_cast<int64_t>(mb.weight_dtype),
+                        static_cast<int64_t>(mb.momentum_dtype), static_cast<int64_t>(mb.orth_dtype),
+                        static_cast<int64_t>(groups[mb.group].algorithm)})
+        mix(v);
+    }
+    for (const Param& p : params)
+      if (p.layout.comm.get() == comm) mix(p.weight.numel() > 0 ? 1 : 0), mix(static_cast<int64_t>(p.layout.kind));
+    const int P = comm->size();
+    const uint64_t mine[2] = {h, static_cast<uint64_t>(count)};
+    DeviceBuffer buf(backend->allocator(), sizeof(mine) * (P + 1));
+    backend->copy_from_host(buf.get(), mine, sizeof(mine));
+    comm->all_gather(buf.get(), buf.as<char>() + sizeof(mine), sizeof(mine), backend->stream(), "plan check")->wait();
+    std::vector<uint64_t> all(2 * static_cast<std::size_t>(P));
+    backend->copy_to_host(all.data(), buf.as<char>() + sizeof(mine), all.size() * sizeof(uint64_t));
+    for (int r = 0; r < P; ++r)
+      if (all[2 * r] != all[0] || all[2 * r + 1] != all[1])
+        fail("the ranks of " + comm->describe() + " planned different steps (rank 0: " + std::to_string(all[1]) +
+             " distributed megabatches, rank " + std::to_string(r) + ": " + std::to_string(all[2 * r + 1]) +
+             "; or their shapes, dtypes, groups or layouts differ): every rank must register the same "
+             "parameters, in the same order, with the same groups and global shapes");
+  }
 }
 
 std::vector<MegabatchInfo> Optimizer::plan() {
@@ -329,18 +519,29 @@ std::vector<MegabatchInfo> Optimizer::plan() {
   if (!s.plan_valid) s.build_plan();
   std::vector<MegabatchInfo> out;
   for (const Megabatch& mb : s.megabatches) {
+    const GroupConfig& g = s.groups[mb.group];
     MegabatchInfo info;
     info.group = mb.group;
-    info.algorithm = s.groups[mb.group].algorithm;
-    info.rows = mb.rows;
+    info.algorithm = g.algorithm;
+    info.rows = mb.global_rows;
     info.cols = mb.cols;
     info.dtype = mb.weight_dtype;
     info.count = static_cast<int64_t>(mb.members.size());
-    info.selected_rows = mb.k;
-    info.method = mb.chunks.front().orth->method();
-    info.iteration_dtype = mb.chunks.front().orth->iteration_dtype();
-    info.workspace_bytes = mb.chunk_bytes + mb.scores.bytes() + mb.indices.bytes() + mb.row_sumsq.bytes();
-    info.chunk = mb.chunks.front().count;
+    info.selected_rows = mb.layout == Layout::RowShard && !mb.global_scope ? mb.piece * mb.ranks : mb.k;
+    if (mb.global_scope) info.selected_rows = selected_rows(g.fraction, mb.global_rows);
+    info.method = choose_orth_method(*s.backend, g.orth, mb.orth_rows, mb.cols);
+    info.iteration_dtype = mb.orth_dtype;
+    info.workspace_bytes = mb.chunk_bytes + mb.scores.bytes() + mb.indices.bytes() + mb.row_sumsq.bytes() +
+                           mb.send.bytes() + mb.recv.bytes() + mb.piece_idx.bytes() + mb.score_send.bytes() +
+                           mb.score_recv.bytes() + mb.all_scores.bytes();
+    info.chunk = mb.chunks.empty() ? 0 : mb.chunks.front().count;
+    info.layout = mb.layout;
+    info.ranks = mb.ranks;
+    info.owned = mb.owned_count;
+    info.piece_rows = mb.piece;
+    info.orth_rows = mb.orth_rows;
+    info.rounds = mb.rounds;
+    info.bytes_sent = mb.bytes_sent;
     out.push_back(info);
   }
   return out;
@@ -378,76 +579,215 @@ void Optimizer::Impl::validate_for_step() {
   s.state_created = true;
 }
 
+UpdateParams Optimizer::Impl::update_params(const Megabatch& mb) const {
+  const GroupConfig& g = groups[mb.group];
+  UpdateParams up;
+  up.lr = static_cast<float>(g.base_lr());
+  up.weight_decay = static_cast<float>(g.weight_decay);
+  up.adjusted_lr = static_cast<float>(g.adjusted_lr(mb.global_rows, mb.cols));  // the whole matrix's shape
+  up.beta2 = static_cast<float>(g.muon_beta2);
+  up.cautious_wd = g.cautious_wd;
+  up.normuon = g.algorithm != Algorithm::Muon;
+  return up;
+}
+
+// Every rank takes the same decision on a non-finite gradient: the flag is the maximum over the
+// ranks of every communicator, before anything is written.
+void Optimizer::Impl::agree_on_flag(int* flag) {
+  std::vector<Communicator*> seen;
+  for (const Param& p : params) {
+    Communicator* c = p.layout.comm.get();
+    if (!c || std::find(seen.begin(), seen.end(), c) != seen.end()) continue;
+    seen.push_back(c);
+    c->all_reduce_max(flag, 1, backend->stream(), "the non-finite gradient check")->wait();
+  }
+}
+
+// Stage 1: momentum, scores and selection; for row-sharded megabatches also the gather of the
+// selected rows and the start of the forward all-to-all.
+void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
+  Backend& be = *backend;
+  const GroupConfig& g = groups[mb.group];
+  mb.set->mats.clear();
+  for (const auto& [pi, j] : mb.members) {
+    Param& p = params[pi];
+    ParamMatrix pm;
+    pm.weight = matrix_of(p.weight, p.weight.dtype, j, p.rows, p.cols);
+    pm.grad = matrix_of(p.grad, p.grad.dtype, j, p.rows, p.cols);
+    pm.momentum = matrix_of(p.state[0].second, mb.momentum_dtype, j, p.rows, p.cols);
+    if (p.state.size() > 1) pm.variance = static_cast<float*>(p.state[1].second.data) + j * p.rows;
+    mb.set->mats.push_back(pm);
+  }
+  be.refresh(*mb.set);
+  const auto n = static_cast<int64_t>(mb.members.size());
+  const float mu = static_cast<float>(g.mu);
+  const bool dion3 = g.algorithm == Algorithm::Dion3;
+  float* scores = mb.scores.as<float>();
+  int32_t* idx = mb.indices.as<int32_t>();
+  if (mb.layout != Layout::RowShard) {
+    if (dion3) {
+      // M += G, row l1 scores (and sums of squares, for the normalisation in the gather)
+      be.accumulate(*mb.set, 1.0f, scores, mb.gathers_normalized ? mb.row_sumsq.as<float>() : nullptr, flag);
+      be.select_rows(scores, n, mb.rows, mb.k, idx, flag);  // S = top-k rows
+    } else {
+      be.accumulate(*mb.set, mu, nullptr, nullptr, flag);  // M = mu M + G
+    }
+    return;
+  }
+
+  // Row-sharded: this rank's `piece` rows of each member, in member order, into `send`.
+  const int64_t P = mb.ranks, c = ceil_div(mb.global_rows, P), shard_first = std::min(mb.global_rows, mb.rank * c);
+  int32_t* piece_idx = mb.piece_idx.as<int32_t>();
+  if (dion3) {
+    be.accumulate(*mb.set, 1.0f, scores, nullptr, flag);
+    if (mb.global_scope) {
+      // Every rank gathers every shard's scores and selects the whole matrix's top k (the
+      // single-device selection), then keeps the rows that fall in its shard.
+      const std::size_t fs = sizeof(float);
+      if (mb.rows > 0) be.copy_2d(mb.score_send.get(), c * fs, scores, mb.rows * fs, mb.rows * fs, n);
+      comm_wait(mb.comm->all_gather(mb.score_send.get(), mb.score_recv.get(), n * c * fs, be.stream(),
+                                    "the score all-gather of " + mb.label));
+      for (int64_t r = 0; r < P; ++r)
+        be.copy_2d(mb.all_scores.as<float>() + r * c, P * c * fs, mb.score_recv.as<float>() + r * n * c, c * fs,
+                   c * fs, n);
+      const int64_t kg = selected_rows(g.fraction, mb.global_rows);
+      be.select_rows(mb.all_scores.as<float>(), n, P * c, kg, idx, flag);
+      be.remap_rows(idx, n, kg, shard_first, shard_first + mb.rows, mb.piece, piece_idx, flag);
+    } else if (mb.rows >= mb.piece) {
+      be.select_rows(scores, n, mb.rows, mb.piece, piece_idx, flag);
+    } else if (mb.rows > 0) {  // a short shard: all its rows, then padding
+      be.select_rows(scores, n, mb.rows, mb.rows, idx, flag);
+      be.remap_rows(idx, n, mb.rows, 0, mb.rows, mb.piece, piece_idx, flag);
+    }
+  } else {
+    be.accumulate(*mb.set, mu, nullptr, nullptr, flag);
+  }
+  const std::size_t es_u = dtype_size(mb.update_dtype);
+  const std::size_t slot = static_cast<std::size_t>(mb.piece * mb.cols) * es_u;
+  if (mb.rows > 0) {
+    const MatrixView U = MatrixView::contiguous(mb.send.get(), mb.update_dtype, n, mb.piece, mb.cols);
+    if (dion3) be.gather_rows(*mb.set, piece_idx, mb.piece, 1.0f, 0.0f, mu, U, nullptr, flag);  // U; M[S] *= mu
+    else if (g.nesterov) be.gather_rows(*mb.set, piece_idx, mb.piece, mu, 1.0f, 1.0f, U, nullptr, flag);
+    else be.gather_rows(*mb.set, piece_idx, mb.piece, 1.0f, 0.0f, 1.0f, U, nullptr, flag);
+  } else {
+    be.fill_zero(mb.send.get(), n * slot);  // an empty shard sends rows of zeros
+  }
+  mb.inflight = mb.comm->all_to_all(mb.send.get(), mb.recv.get(), mb.block * slot, be.stream(),
+                                    "the forward all-to-all of " + mb.label);
+}
+
+// Stage 2: orthogonalize this rank's members. Local megabatches also apply their update here,
+// chunk by chunk; distributed ones start the collective that returns the results.
+void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
+  Backend& be = *backend;
+  const GroupConfig& g = groups[mb.group];
+  const float mu = static_cast<float>(g.mu);
+  const bool dion3 = g.algorithm == Algorithm::Dion3;
+  int32_t* idx = mb.indices.as<int32_t>();
+  float* row_sumsq = mb.row_sumsq.as<float>();
+  const std::size_t es_o = dtype_size(mb.orth_dtype), es_u = dtype_size(mb.update_dtype);
+  if (mb.layout == Layout::RowShard) {
+    comm_wait(std::move(mb.inflight));
+    const int64_t P = mb.ranks;
+    const std::size_t in_slot = static_cast<std::size_t>(mb.piece * mb.cols) * es_u;
+    const std::size_t out_slot = static_cast<std::size_t>(mb.piece * mb.cols) * es_o;
+    for (Chunk& c : mb.chunks) {
+      const int64_t jl = c.first - mb.owned_first;
+      // [source rank][member][piece] -> [member][source rank * piece]: each member's rows stacked.
+      const MatrixView U = MatrixView::contiguous(arena.as<char>() + c.update_offset, mb.update_dtype, c.count,
+                                                  mb.orth_rows, mb.cols);
+      for (int64_t r = 0; r < P; ++r)
+        be.copy_2d(static_cast<char*>(U.data) + r * in_slot, P * in_slot,
+                   byte_offset(mb.recv, (r * mb.block + jl) * in_slot), in_slot, in_slot, c.count);
+      const MatrixView O = c.orth->run(U);
+      for (int64_t r = 0; r < P; ++r)
+        be.copy_2d(byte_offset(mb.send, (r * mb.block + jl) * out_slot), out_slot,
+                   static_cast<const char*>(O.data) + r * out_slot, P * out_slot, out_slot, c.count);
+    }
+    mb.inflight = mb.comm->all_to_all(mb.send.get(), mb.recv.get(), mb.block * out_slot, be.stream(),
+                                      "the return all-to-all of " + mb.label);
+    return;
+  }
+
+  const UpdateParams up = update_params(mb);
+  for (Chunk& c : mb.chunks) {
+    c.set->mats.assign(mb.set->mats.begin() + c.first, mb.set->mats.begin() + c.first + c.count);
+    be.refresh(*c.set);
+    const int32_t* rows = dion3 ? idx + c.first * mb.k : nullptr;
+    MatrixView O;
+    if (mb.gathers_normalized) {
+      // X = M[S] / ||M[S]||, straight into the orthogonalizer's buffer; M[S] *= mu.
+      be.gather_normalized(*c.set, rows, mb.k, mu, row_sumsq + c.first * mb.rows, Orthogonalizer::kNormEps,
+                           c.orth->normalized_input(), flag);
+      O = c.orth->run_normalized();
+    } else {
+      MatrixView U = MatrixView::contiguous(arena.as<char>() + c.update_offset, mb.update_dtype, c.count, mb.k,
+                                            mb.cols);
+      float* ss = row_sumsq + c.first * mb.k;  // U's row sums of squares
+      if (dion3) be.gather_rows(*c.set, rows, mb.k, 1.0f, 0.0f, mu, U, ss, flag);  // U = M[S]; M[S] *= mu
+      else if (g.nesterov) be.gather_rows(*c.set, nullptr, mb.k, mu, 1.0f, 1.0f, U, ss, flag);  // U = mu M + G
+      else be.gather_rows(*c.set, nullptr, mb.k, 1.0f, 0.0f, 1.0f, U, ss, flag);                 // U = M
+      // U's norm comes from the row sums (no pass over U before the normalising one).
+      O = c.orth->run(U, ss);
+    }
+    if (mb.layout == Layout::Local) {
+      // The update reads the orthogonalizer's result in its iteration dtype (no conversion pass).
+      be.apply_update(*c.set, rows, mb.k, O, up, flag);
+    } else {  // Replicated: this rank's results into its all-gather block
+      const std::size_t slot = static_cast<std::size_t>(mb.k * mb.cols) * es_o;
+      be.copy(byte_offset(mb.send, (c.first - mb.owned_first) * slot), O.data, c.count * slot);
+    }
+  }
+  if (mb.layout == Layout::Replicated) {
+    // Error feedback on the rows other ranks orthogonalized (every rank keeps the whole momentum).
+    for (auto& [first, set] : mb.ef_sets) {
+      std::copy(mb.set->mats.begin() + first, mb.set->mats.begin() + first + static_cast<int64_t>(set->mats.size()),
+                set->mats.begin());
+      be.refresh(*set);
+      be.gather_rows(*set, idx + first * mb.k, mb.k, 1.0f, 0.0f, mu, MatrixView{}, nullptr, flag);
+    }
+    const std::size_t slot = static_cast<std::size_t>(mb.k * mb.cols) * es_o;
+    mb.inflight = mb.comm->all_gather(mb.send.get(), mb.recv.get(), mb.block * slot, be.stream(),
+                                      "the all-gather of " + mb.label);
+  }
+}
+
+// Stage 3: distributed megabatches apply the returned results to the rows this rank holds.
+void Optimizer::Impl::apply(Megabatch& mb, int* flag) {
+  if (mb.layout == Layout::Local) return;
+  comm_wait(std::move(mb.inflight));
+  const auto n = static_cast<int64_t>(mb.members.size());
+  const bool dion3 = groups[mb.group].algorithm == Algorithm::Dion3;
+  if (mb.rows == 0) return;  // an empty shard
+  if (mb.layout == Layout::Replicated) {
+    const MatrixView O = MatrixView::contiguous(mb.recv.get(), mb.orth_dtype, n, mb.k, mb.cols);
+    backend->apply_update(*mb.set, dion3 ? mb.indices.as<int32_t>() : nullptr, mb.k, O, update_params(mb), flag);
+  } else {
+    const MatrixView O = MatrixView::contiguous(mb.recv.get(), mb.orth_dtype, n, mb.piece, mb.cols);
+    backend->apply_update(*mb.set, mb.piece_idx.as<int32_t>(), mb.piece, O, update_params(mb), flag);
+  }
+}
+
 void Optimizer::Impl::enqueue_step() {
   Impl& s = *this;
   Backend& be = *s.backend;
-  // 2. Non-finite gradients raise a device flag that every mutating op below obeys.
+  // 1. Non-finite gradients raise a device flag that every mutating op below obeys; distributed
+  //    runs agree on it across ranks first.
   int* flag = s.flag.as<int>();
   be.fill_zero(flag, sizeof(int));
   std::vector<MatrixView> grads;
   for (const Param& p : s.params) grads.push_back(flat_of(p.grad));
   be.check_finite(grads, flag);
+  agree_on_flag(flag);
 
-  // 3. Matrix megabatches.
-  for (Megabatch& mb : s.megabatches) {
-    const GroupConfig& g = s.groups[mb.group];
-    mb.set->mats.clear();
-    for (const auto& [pi, j] : mb.members) {
-      Param& p = s.params[pi];
-      ParamMatrix pm;
-      pm.weight = matrix_of(p.weight, p.weight.dtype, j, p.rows, p.cols);
-      pm.grad = matrix_of(p.grad, p.grad.dtype, j, p.rows, p.cols);
-      pm.momentum = matrix_of(p.state[0].second, mb.momentum_dtype, j, p.rows, p.cols);
-      if (p.state.size() > 1) pm.variance = static_cast<float*>(p.state[1].second.data) + j * p.rows;
-      mb.set->mats.push_back(pm);
-    }
-    be.refresh(*mb.set);
-    const auto n = static_cast<int64_t>(mb.members.size());
-    UpdateParams up;
-    up.lr = static_cast<float>(g.base_lr());
-    up.weight_decay = static_cast<float>(g.weight_decay);
-    up.adjusted_lr = static_cast<float>(g.adjusted_lr(mb.rows, mb.cols));
-    up.beta2 = static_cast<float>(g.muon_beta2);
-    up.cautious_wd = g.cautious_wd;
-    const float mu = static_cast<float>(g.mu);
-    const bool dion3 = g.algorithm == Algorithm::Dion3;
-    float* scores = mb.scores.as<float>();
-    int32_t* idx = mb.indices.as<int32_t>();
-    float* row_sumsq = mb.row_sumsq.as<float>();
-    if (dion3) {
-      // M += G, row l1 scores (and sums of squares, for the normalisation in the gather)
-      be.accumulate(*mb.set, 1.0f, scores, mb.gathers_normalized ? row_sumsq : nullptr, flag);
-      be.select_rows(scores, n, mb.rows, mb.k, idx, flag);  // S = top-k rows
-    } else {
-      be.accumulate(*mb.set, mu, nullptr, nullptr, flag);  // M = mu M + G
-    }
-    up.normuon = g.algorithm != Algorithm::Muon;
-    for (Chunk& c : mb.chunks) {
-      c.set->mats.assign(mb.set->mats.begin() + c.first, mb.set->mats.begin() + c.first + c.count);
-      be.refresh(*c.set);
-      const int32_t* rows = dion3 ? idx + c.first * mb.k : nullptr;
-      MatrixView O;
-      if (mb.gathers_normalized) {
-        // X = M[S] / ||M[S]||, straight into the orthogonalizer's buffer; M[S] *= mu.
-        be.gather_normalized(*c.set, rows, mb.k, mu, row_sumsq + c.first * mb.rows, Orthogonalizer::kNormEps,
-                             c.orth->normalized_input(), flag);
-        O = c.orth->run_normalized();
-      } else {
-        MatrixView U = MatrixView::contiguous(s.arena.as<char>() + c.update_offset,
-                                              update_rows_dtype(g, mb.momentum_dtype), c.count, mb.k, mb.cols);
-        float* ss = row_sumsq + c.first * mb.k;  // U's row sums of squares
-        if (dion3) be.gather_rows(*c.set, rows, mb.k, 1.0f, 0.0f, mu, U, ss, flag);  // U = M[S]; M[S] *= mu
-        else if (g.nesterov) be.gather_rows(*c.set, nullptr, mb.k, mu, 1.0f, 1.0f, U, ss, flag);  // U = mu M + G
-        else be.gather_rows(*c.set, nullptr, mb.k, 1.0f, 0.0f, 1.0f, U, ss, flag);                 // U = M
-        // U's norm comes from the row sums (no pass over U before the normalising one).
-        O = c.orth->run(U, ss);
-      }
-      // The update reads the orthogonalizer's result in its iteration dtype (no conversion pass).
-      be.apply_update(*c.set, rows, mb.k, O, up, flag);
-    }
-  }
+  // 2. Matrix megabatches, stage by stage across all of them: every forward collective is
+  //    started before the first orthogonalization waits for its own, and each return collective
+  //    is in flight while the next megabatch orthogonalizes.
+  for (Megabatch& mb : s.megabatches) prepare(mb, flag);
+  for (Megabatch& mb : s.megabatches) orthogonalize(mb, flag);
+  for (Megabatch& mb : s.megabatches) apply(mb, flag);
 
-  // 4. Element-wise parameters: all AdamW ones in one call, all Lion ones in another (the backend
+  // 3. Element-wise parameters: all AdamW ones in one call, all Lion ones in another (the backend
   //    batches them into as few launches as their dtypes allow).
   std::vector<ElementwiseParam> adamw_ps, lion_ps;
   std::vector<AdamWParams> adamw_hs;
@@ -497,7 +837,8 @@ bool Optimizer::step() {
         fail(s.describe(i) + " has a non-finite gradient (NaN or Inf); the step was not applied "
              "(on_nonfinite='raise'; use 'skip' to drop such steps)", Status::NonFinite);
     }
-    fail("a gradient is non-finite; the step was not applied", Status::NonFinite);
+    fail("a gradient on another rank is non-finite (NaN or Inf); the step was not applied on any rank "
+         "(on_nonfinite='raise'; use 'skip' to drop such steps)", Status::NonFinite);
   }
   return false;
 }

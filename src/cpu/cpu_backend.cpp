@@ -79,6 +79,11 @@ class CpuBackend final : public Backend {
   void copy_to_host(void* dst, const void* src, std::size_t bytes) override { std::memcpy(dst, src, bytes); }
   void copy_from_host(void* dst, const void* src, std::size_t bytes) override { std::memcpy(dst, src, bytes); }
   void copy(void* dst, const void* src, std::size_t bytes) override { std::memmove(dst, src, bytes); }
+  void copy_2d(void* dst, std::size_t dst_pitch, const void* src, std::size_t src_pitch, std::size_t width,
+               std::size_t height) override {
+    for (std::size_t r = 0; r < height; ++r)
+      std::memmove(static_cast<char*>(dst) + r * dst_pitch, static_cast<const char*>(src) + r * src_pitch, width);
+  }
   int read_flag(const int* flag) override { return *flag; }
   void finish_step(const int* flag, int64_t* counters) override { ++counters[*flag ? 1 : 0]; }
 
@@ -158,22 +163,43 @@ class CpuBackend final : public Backend {
     }
   }
 
+  void remap_rows(const int32_t* in, int64_t count, int64_t k_in, int64_t lo, int64_t hi, int64_t k_out,
+                  int32_t* out, const int* skip) override {
+    if (skipped(skip)) return;
+    for (int64_t i = 0; i < count; ++i) {
+      int64_t n = 0;
+      for (int64_t j = 0; j < k_in; ++j) {
+        const int64_t e = in[i * k_in + j];
+        if (e >= lo && e < hi && n < k_out) out[i * k_out + n++] = static_cast<int32_t>(e - lo);
+      }
+      for (; n < k_out; ++n) out[i * k_out + n] = kPadRow;
+    }
+  }
+
   void gather_rows(const MatrixSet& set, const int32_t* idx, int64_t k, float scale_m, float scale_g,
                    float decay, MatrixView out, float* row_sumsq, const int* skip) override {
     if (skipped(skip)) return;
-    const int64_t cols = set.cols();
-    check(out.rows == k && out.cols == cols && out.batch == static_cast<int64_t>(set.mats.size()),
+    const int64_t rows = set.rows(), cols = set.cols();
+    check(!out.data || (out.rows == k && out.cols == cols && out.batch == static_cast<int64_t>(set.mats.size())),
           "gather_rows output shape");
     std::vector<float> m(cols), g(cols), u(cols);
     for (std::size_t i = 0; i < set.mats.size(); ++i) {
       const ParamMatrix& p = set.mats[i];
       for (int64_t j = 0; j < k; ++j) {
         const int64_t r = idx ? idx[i * k + j] : j;
+        if (r >= rows) {  // padding
+          if (out.data) {
+            std::fill(u.begin(), u.end(), 0.0f);
+            store_row(out, i, j, u.data());
+          }
+          if (row_sumsq) row_sumsq[i * k + j] = 0.0f;
+          continue;
+        }
         load_row(p.momentum, 0, r, m.data());
         if (scale_g != 0.0f) load_row(p.grad, 0, r, g.data());
         for (int64_t c = 0; c < cols; ++c) u[c] = scale_m * m[c] + (scale_g != 0.0f ? scale_g * g[c] : 0.0f);
-        store_row(out, i, j, u.data());
-        if (row_sumsq) {  // of the values as stored
+        if (out.data) store_row(out, i, j, u.data());
+        if (row_sumsq && out.data) {  // of the values as stored
           double ss = 0.0;
           for (int64_t c = 0; c < cols; ++c) {
             const double v = cpu::round_to(out.dtype, u[c]);
@@ -199,10 +225,18 @@ class CpuBackend final : public Backend {
     for (std::size_t i = 0; i < set.mats.size(); ++i) {
       const ParamMatrix& p = set.mats[i];
       double ss = 0.0;
-      for (int64_t j = 0; j < k; ++j) ss += row_sumsq[i * rows + (idx ? idx[i * k + j] : j)];
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t r = idx ? idx[i * k + j] : j;
+        if (r < rows) ss += row_sumsq[i * rows + r];
+      }
       const float inv = static_cast<float>(1.0 / (std::sqrt(ss) + eps));  // multiplied, as normalize does
       for (int64_t j = 0; j < k; ++j) {
         const int64_t r = idx ? idx[i * k + j] : j;
+        if (r >= rows) {  // padding
+          std::fill(x.begin(), x.end(), 0.0f);
+          store_row(out, i, j, x.data());
+          continue;
+        }
         load_row(p.momentum, 0, r, m.data());
         for (int64_t c = 0; c < cols; ++c) x[c] = m[c] * inv;
         store_row(out, i, j, x.data());
@@ -225,9 +259,12 @@ class CpuBackend final : public Backend {
     for (std::size_t i = 0; i < set.mats.size(); ++i) {
       const ParamMatrix& pm = set.mats[i];
       load_matrix(O, i, o);
-      if (p.normuon) normuon_normalize(o, k, cols, pm.variance, idx ? idx + i * k : nullptr, p.beta2);
+      if (p.normuon) normuon_normalize(o, k, rows, cols, pm.variance, idx ? idx + i * k : nullptr, p.beta2);
       std::fill(target.begin(), target.end(), -1);
-      for (int64_t j = 0; j < k; ++j) target[idx ? idx[i * k + j] : j] = j;
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t r = idx ? idx[i * k + j] : j;
+        if (r < rows) target[r] = j;
+      }
       for (int64_t r = 0; r < rows; ++r) {
         const float* u = target[r] >= 0 ? o.data() + target[r] * cols : nullptr;
         if (!u && decay == 1.0f) continue;
@@ -422,12 +459,17 @@ class CpuBackend final : public Backend {
   // kernels on the GPU do.
   static void symmetrize(float* c, int64_t p) { mirror_lower(c, p); }
 
-  // NorMuon (SPEC §1 step 6) on k rows of an update, in fp32, updating variance[rows].
-  static void normuon_normalize(std::vector<float>& o, int64_t k, int64_t cols, float* variance,
+  // NorMuon (SPEC §1 step 6) on k rows of an update, in fp32, updating variance[rows]. Padding
+  // rows (index >= m) take no part.
+  static void normuon_normalize(std::vector<float>& o, int64_t k, int64_t m, int64_t cols, float* variance,
                                 const int32_t* rows, float beta2) {
     double norm_o = 0.0, norm_n = 0.0;
-    for (float x : o) norm_o += static_cast<double>(x) * x;
     for (int64_t j = 0; j < k; ++j) {
+      if (rows && rows[j] >= m) continue;
+      for (int64_t c = 0; c < cols; ++c) norm_o += static_cast<double>(o[j * cols + c]) * o[j * cols + c];
+    }
+    for (int64_t j = 0; j < k; ++j) {
+      if (rows && rows[j] >= m) continue;
       float* row = o.data() + j * cols;
       double ss = 0.0;
       for (int64_t c = 0; c < cols; ++c) ss += static_cast<double>(row[c]) * row[c];

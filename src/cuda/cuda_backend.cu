@@ -114,7 +114,7 @@ class CudaBackend final : public Backend {
     DION3_CUBLAS_CHECK(cublasSetStream(handle_, stream_));
     if (own_alloc_) own_alloc_->set_stream(stream_);
   }
-  cudaStream_t stream() const { return stream_; }
+  void* stream() const override { return stream_; }
 
   // --- memory ----------------------------------------------------------------------------
   void fill_zero(void* ptr, std::size_t bytes) override {
@@ -132,6 +132,12 @@ class CudaBackend final : public Backend {
   }
   void copy(void* dst, const void* src, std::size_t bytes) override {
     if (bytes) DION3_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+  }
+  void copy_2d(void* dst, std::size_t dst_pitch, const void* src, std::size_t src_pitch, std::size_t width,
+               std::size_t height) override {
+    if (!width || !height) return;
+    DION3_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, height, cudaMemcpyDeviceToDevice,
+                                       stream_));
   }
   int read_flag(const int* flag) override {
     int v = 0;
@@ -214,6 +220,11 @@ class CudaBackend final : public Backend {
   void select_rows(const float* scores, int64_t count, int64_t m, int64_t k, int32_t* idx,
                    const int* skip) override {
     launch_select_rows(scores, count, m, k, idx, skip, stream_);
+  }
+
+  void remap_rows(const int32_t* in, int64_t count, int64_t k_in, int64_t lo, int64_t hi, int64_t k_out,
+                  int32_t* out, const int* skip) override {
+    launch_remap_rows(in, count, k_in, lo, hi, k_out, out, skip, stream_);
   }
 
   void gather_rows(const MatrixSet& base, const int32_t* idx, int64_t k, float scale_m, float scale_g,
@@ -397,7 +408,7 @@ class CudaBackend final : public Backend {
   static void check_gather_shape(const CudaMatrixSet& set, const int32_t* idx, int64_t k, const MatrixView& out,
                                  const char* op) {
     if (idx == nullptr && k != set.rows()) fail(std::string(op) + ": idx == null needs k == rows");
-    if (out.rows != k || out.cols != set.cols() || out.batch != n_of(set))
+    if (out.data && (out.rows != k || out.cols != set.cols() || out.batch != n_of(set)))
       fail(std::string(op) + ": out must be " + std::to_string(n_of(set)) + " x " + std::to_string(k) + " x " +
            std::to_string(set.cols()));
   }

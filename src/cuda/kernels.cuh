@@ -33,6 +33,8 @@ int64_t apply_update_scratch_floats(int64_t nmats, int64_t k);
 void launch_apply_update(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType wdt,
                          const int32_t* idx, int64_t k, const MatrixView& O, const UpdateParams& p,
                          float* scratch, const int* skip, cudaStream_t s);  // alignment checked per row
+void launch_remap_rows(const int32_t* in, int64_t count, int64_t k_in, int64_t lo, int64_t hi, int64_t k_out,
+                       int32_t* out, const int* skip, cudaStream_t s);
 void launch_check_finite(std::span<const MatrixView> xs, int* flag, cudaStream_t s);
 void launch_finish_step(const int* flag, int64_t* counters, cudaStream_t s);
 

@@ -197,7 +197,10 @@ __global__ void selected_inverse_norm_kernel(const int32_t* __restrict__ idx, in
   __shared__ float red[32];
   const int64_t i = blockIdx.x;
   float acc = 0.0f;
-  for (int64_t s = threadIdx.x; s < k; s += blockDim.x) acc += row_sumsq[i * rows + (idx ? idx[i * k + s] : s)];
+  for (int64_t s = threadIdx.x; s < k; s += blockDim.x) {
+    const int64_t r = idx ? idx[i * k + s] : s;
+    if (r < rows) acc += row_sumsq[i * rows + r];  // padding entries count nothing
+  }
   acc = block_sum(acc, red);
   if (threadIdx.x == 0) inv[i] = 1.0f / (sqrtf(acc) + eps);
 }
@@ -210,7 +213,7 @@ __global__ void selected_inverse_norm_kernel(const int32_t* __restrict__ idx, in
 // sum in a fixed order, then a fixed shuffle tree: reproducible).
 template <class TM, class TG, class TO, bool VEC>
 __global__ void __launch_bounds__(32 * kRowWarps)
-    gather_rows_kernel(const DeviceMat* __restrict__ mats, int64_t cols, const int32_t* __restrict__ idx, int64_t k,
+    gather_rows_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols, const int32_t* __restrict__ idx, int64_t k,
                        float scale_m, float scale_g, float decay, const float* __restrict__ matrix_scale,
                        TO* __restrict__ out, int64_t out_ld, int64_t out_bstride, float* __restrict__ row_sumsq,
                        const int* skip) {
@@ -219,11 +222,17 @@ __global__ void __launch_bounds__(32 * kRowWarps)
   const int lane = threadIdx.x & 31;
   const int64_t s = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5), i = blockIdx.y;
   if (s >= k) return;
-  const DeviceMat d = mats[i];
   const int64_t r = idx ? idx[i * k + s] : s;
+  TO* o = out ? out + i * out_bstride + s * out_ld : nullptr;  // null: only the decay
+  if (r >= rows) {  // padding: a zero row
+    if (o)
+      for (int64_t j = lane; j < cols; j += 32) o[j] = from_f32<TO>(0.0f);
+    if (row_sumsq && lane == 0) row_sumsq[i * k + s] = 0.0f;
+    return;
+  }
+  const DeviceMat d = mats[i];
   TM* m = static_cast<TM*>(d.m) + r * d.ldm;
   const TG* g = static_cast<const TG*>(d.g) + r * d.ldg;
-  TO* o = out + i * out_bstride + s * out_ld;
   const bool use_g = scale_g != 0.0f, do_decay = decay != 1.0f;
   // Applied after the loads (a branch on it would hold them back behind this one).
   const float c = matrix_scale ? matrix_scale[i] : 1.0f;
@@ -244,7 +253,7 @@ __global__ void __launch_bounds__(32 * kRowWarps)
                          const float stored = to_f32(op.v[e]);
                          ss += stored * stored;
                        }
-                       o4[q] = op;
+                       if (o4) o4[q] = op;
                        if (do_decay) m4[q] = mp;
                      });
   } else {
@@ -253,7 +262,7 @@ __global__ void __launch_bounds__(32 * kRowWarps)
       float v = scale_m * mv;
       if (use_g) v += scale_g * to_f32(g[j]);
       const TO ov = from_f32<TO>(c * v);
-      o[j] = ov;
+      if (o) o[j] = ov;
       if (do_decay) m[j] = from_f32<TM>(decay * mv);
       ss += to_f32(ov) * to_f32(ov);
     }
@@ -316,7 +325,7 @@ __device__ __forceinline__ int64_t warp_find(const int32_t* __restrict__ id, int
 // flight; each lane sums its elements in a fixed order, then a fixed shuffle tree (reproducible).
 template <class TO>
 __global__ void __launch_bounds__(32 * kRowWarps)
-    normuon_rows_kernel(const DeviceMat* __restrict__ mats, int64_t cols, const int32_t* __restrict__ idx, int64_t k,
+    normuon_rows_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols, const int32_t* __restrict__ idx, int64_t k,
                         const TO* __restrict__ O, int64_t o_ld, int64_t o_bstride, bool vec, float beta2,
                         float* __restrict__ rowsq, float* __restrict__ inv, const int* skip) {
   pdl_wait();
@@ -325,8 +334,13 @@ __global__ void __launch_bounds__(32 * kRowWarps)
   const int64_t s = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5), i = blockIdx.y;
   if (s >= k) return;
   const TO* o = O + i * o_bstride + s * o_ld;
+  const int64_t r = idx ? idx[i * k + s] : s;
+  if (r >= rows) {  // padding: no part in the norms, never applied
+    if (lane == 0) rowsq[i * k + s] = inv[i * k + s] = 0.0f;
+    return;
+  }
   // The variance element is fetched up front, so its latency overlaps the row's loads.
-  float* v = mats[i].v + (idx ? idx[i * k + s] : s);
+  float* v = mats[i].v + r;
   const float v_old = lane == 0 ? *v : 0.0f;
   float acc = 0.0f;
   if (vec) {
@@ -598,7 +612,6 @@ void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int6
                         DType gdt, const int32_t* idx, int64_t k, float scale_m, float scale_g,
                         float decay, const float* matrix_scale, const MatrixView& out, float* row_sumsq,
                         const int* skip, cudaStream_t s, bool vec) {
-  (void)rows;
   if (nmats == 0 || k == 0) return;
   dim3 grid(ceil_div_u(k, kRowWarps), static_cast<unsigned>(nmats));
   const int64_t obs = out.batch > 1 ? out.batch_stride : k * out.ld;
@@ -608,10 +621,10 @@ void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int6
       DION3_DISPATCH_FLOAT(out.dtype, TO, [&] {
         auto* o = static_cast<TO*>(out.data);
         if (vo)
-          launch_pdl(gather_rows_kernel<TM, TG, TO, true>, grid, 32 * kRowWarps, 0, s, mats, cols, idx, k, scale_m,
+          launch_pdl(gather_rows_kernel<TM, TG, TO, true>, grid, 32 * kRowWarps, 0, s, mats, rows, cols, idx, k, scale_m,
                      scale_g, decay, matrix_scale, o, out.ld, obs, row_sumsq, skip);
         else
-          launch_pdl(gather_rows_kernel<TM, TG, TO, false>, grid, 32 * kRowWarps, 0, s, mats, cols, idx, k, scale_m,
+          launch_pdl(gather_rows_kernel<TM, TG, TO, false>, grid, 32 * kRowWarps, 0, s, mats, rows, cols, idx, k, scale_m,
                      scale_g, decay, matrix_scale, o, out.ld, obs, row_sumsq, skip);
       });
     });
@@ -648,7 +661,7 @@ void launch_apply_update(const DeviceMat* mats, int64_t nmats, int64_t rows, int
     if (p.normuon && k > 0) {
       const bool o4 = cols % 4 == 0 && O.ld % 4 == 0 && obs % 4 == 0 && aligned4(O.data, sizeof(TO));
       launch_pdl(normuon_rows_kernel<TO>, dim3(ceil_div_u(k, kRowWarps), static_cast<unsigned>(nmats)),
-                 32 * kRowWarps, 0, s, mats, cols, idx, k, o, O.ld, obs, o4, p.beta2, rowsq, inv, skip);
+                 32 * kRowWarps, 0, s, mats, rows, cols, idx, k, o, O.ld, obs, o4, p.beta2, rowsq, inv, skip);
       launch_pdl(normuon_factor_kernel, static_cast<unsigned>(nmats), 256, 0, s, k, rowsq, inv, factor, skip);
     }
     DION3_DISPATCH_FLOAT(wdt, TW, [&] {
@@ -711,6 +724,46 @@ void launch_check_finite(std::span<const MatrixView> xs, int* flag, cudaStream_t
   flush_strided();
 }
 
+
+// ---- remap_rows: one block per list; the list is ascending, so the entries in [lo, hi) are one
+// run, found by two binary searches ------------------------------------------------------------
+__device__ __forceinline__ int64_t lower_bound_i32(const int32_t* a, int64_t n, int64_t x) {
+  int64_t lo = 0;
+  while (n > 0) {
+    const int64_t half = n / 2;
+    if (a[lo + half] < x) {
+      lo += half + 1;
+      n -= half + 1;
+    } else {
+      n = half;
+    }
+  }
+  return lo;
+}
+
+__global__ void remap_rows_kernel(const int32_t* __restrict__ in, int64_t k_in, int64_t lo, int64_t hi,
+                                  int64_t k_out, int32_t* __restrict__ out, const int* skip) {
+  pdl_wait();
+  if (skipped(skip)) return;
+  __shared__ int64_t run[2];
+  const int32_t* a = in + blockIdx.x * k_in;
+  if (threadIdx.x == 0) {
+    run[0] = lower_bound_i32(a, k_in, lo);
+    run[1] = lower_bound_i32(a, k_in, hi);
+  }
+  __syncthreads();
+  const int64_t first = run[0], n = min(run[1] - run[0], k_out);
+  int32_t* o = out + blockIdx.x * k_out;
+  for (int64_t t = threadIdx.x; t < k_out; t += blockDim.x)
+    o[t] = t < n ? static_cast<int32_t>(a[first + t] - lo) : kPadRow;
+}
+
+void launch_remap_rows(const int32_t* in, int64_t count, int64_t k_in, int64_t lo, int64_t hi, int64_t k_out,
+                       int32_t* out, const int* skip, cudaStream_t s) {
+  if (count == 0 || k_out == 0) return;
+  launch_pdl(remap_rows_kernel, static_cast<unsigned>(count), 256, 0, s, in, k_in, lo, hi, k_out, out, skip);
+  DION3_CUDA_LAUNCH_CHECK();
+}
 
 // One thread: the step's verdict into the applied / dropped counters (see Backend::finish_step).
 __global__ void finish_step_kernel(const int* flag, int64_t* counters) {

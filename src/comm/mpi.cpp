@@ -1,0 +1,143 @@
+// mpi.cpp — the MPI Communicator (CPU buffers), for native trainers on CPUs: non-blocking
+// MPI_Iallgather / MPI_Ialltoall / MPI_Iallreduce on a duplicate of the caller's communicator,
+// waited with a deadline so that a rank that never joins surfaces as an error naming the
+// collective instead of a hang. Built when CMake finds MPI (DION3_HAVE_MPI); otherwise the
+// factory says so.
+#include "dion3/comm.hpp"
+#include "dion3/error.hpp"
+
+#ifdef DION3_HAVE_MPI
+#include <mpi.h>
+
+#include <chrono>
+#include <climits>
+#include <thread>
+
+namespace dion3 {
+namespace {
+
+void check_mpi(int rc, const std::string& what) {
+  if (rc == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  fail(what + ": MPI error: " + std::string(text, static_cast<std::size_t>(len)), Status::Internal);
+}
+
+int checked_count(std::size_t bytes, const std::string& label) {
+  if (bytes > static_cast<std::size_t>(INT_MAX))
+    fail(label + ": a block of " + std::to_string(bytes) + " bytes exceeds MPI's int count; lower "
+         "workspace_limit or shard over more ranks", Status::Unsupported);
+  return static_cast<int>(bytes);
+}
+
+class MpiRequest final : public CommRequest {
+ public:
+  MpiRequest(MPI_Request req, std::string label, double timeout)
+      : req_(req), label_(std::move(label)), timeout_(timeout) {}
+  ~MpiRequest() override {
+    // A request dropped without wait() (an exception unwound the step) must still complete
+    // before its buffers are reused.
+    if (req_ != MPI_REQUEST_NULL) MPI_Wait(&req_, MPI_STATUS_IGNORE);
+  }
+  void wait() override {
+    if (req_ == MPI_REQUEST_NULL) return;
+    if (timeout_ <= 0) {
+      check_mpi(MPI_Wait(&req_, MPI_STATUS_IGNORE), label_);
+      return;
+    }
+    const auto start = std::chrono::steady_clock::now();
+    for (int spins = 0;; ++spins) {
+      int done = 0;
+      check_mpi(MPI_Test(&req_, &done, MPI_STATUS_IGNORE), label_);
+      if (done) return;
+      const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (waited > timeout_) {
+        // The request cannot be cancelled portably (collectives); forget it so the destructor
+        // does not wait forever.
+        req_ = MPI_REQUEST_NULL;
+        fail(label_ + ": timed out after " + std::to_string(static_cast<int>(timeout_)) +
+                 " s (another rank did not join this collective)",
+             Status::Internal);
+      }
+      if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+ private:
+  MPI_Request req_;
+  std::string label_;
+  double timeout_;
+};
+
+class MpiCommunicator final : public Communicator {
+ public:
+  MpiCommunicator(MPI_Comm comm, double timeout) : timeout_(timeout) {
+    int init = 0;
+    MPI_Initialized(&init);
+    if (!init) fail("make_mpi_communicator: MPI is not initialised (call MPI_Init first)");
+    check_mpi(MPI_Comm_dup(comm, &comm_), "MPI_Comm_dup");
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+  }
+  ~MpiCommunicator() override {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Comm_free(&comm_);
+  }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  Device device() const override { return Device::CPU; }
+  std::string describe() const override { return "MPI, " + std::to_string(size_) + " ranks"; }
+
+  std::unique_ptr<CommRequest> all_gather(const void* send, void* recv, std::size_t bytes, void*,
+                                          const std::string& label) override {
+    const int n = checked_count(bytes, label);
+    MPI_Request r;
+    check_mpi(MPI_Iallgather(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_, &r), label);
+    return std::make_unique<MpiRequest>(r, label, timeout_);
+  }
+  std::unique_ptr<CommRequest> all_to_all(const void* send, void* recv, std::size_t bytes, void*,
+                                          const std::string& label) override {
+    const int n = checked_count(bytes, label);
+    MPI_Request r;
+    check_mpi(MPI_Ialltoall(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_, &r), label);
+    return std::make_unique<MpiRequest>(r, label, timeout_);
+  }
+  std::unique_ptr<CommRequest> all_reduce_max(int32_t* data, std::size_t count, void*,
+                                              const std::string& label) override {
+    MPI_Request r;
+    check_mpi(MPI_Iallreduce(MPI_IN_PLACE, data, checked_count(count, label), MPI_INT32_T, MPI_MAX, comm_, &r),
+              label);
+    return std::make_unique<MpiRequest>(r, label, timeout_);
+  }
+
+ private:
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0, size_ = 1;
+  double timeout_;
+};
+
+}  // namespace
+
+std::shared_ptr<Communicator> make_mpi_communicator(const void* mpi_comm, double timeout_seconds) {
+  const MPI_Comm comm = mpi_comm ? *static_cast<const MPI_Comm*>(mpi_comm) : MPI_COMM_WORLD;
+  return std::make_shared<MpiCommunicator>(comm, timeout_seconds);
+}
+bool mpi_built() { return true; }
+
+}  // namespace dion3
+
+#else  // no MPI in this build
+
+namespace dion3 {
+
+std::shared_ptr<Communicator> make_mpi_communicator(const void*, double) {
+  fail("this build of dion3 has no MPI communicator; install an MPI (libopenmpi-dev) and rebuild",
+       Status::Unsupported);
+}
+bool mpi_built() { return false; }
+
+}  // namespace dion3
+
+#endif

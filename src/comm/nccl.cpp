@@ -1,0 +1,131 @@
+// nccl.cpp — the NCCL Communicator (CUDA buffers), for native trainers on GPUs. Collectives run
+// on the communicator's own stream: it waits for an event recorded on the caller's stream, and
+// wait() makes the caller's stream wait for an event recorded after the collective — stream
+// ordering both ways, no host synchronisation. All-to-all is a group of send/recv pairs.
+// Errors NCCL reports asynchronously (a peer that failed) are checked at every start and wait.
+// Built when CMake finds NCCL (DION3_HAVE_NCCL); otherwise the factory says so.
+#include "dion3/comm.hpp"
+#include "dion3/error.hpp"
+
+#ifdef DION3_HAVE_NCCL
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+namespace dion3 {
+namespace {
+
+void check_cuda(cudaError_t e, const std::string& what) {
+  if (e != cudaSuccess) fail(what + ": CUDA error " + cudaGetErrorString(e), Status::Internal);
+}
+void check_nccl(ncclResult_t r, const std::string& what) {
+  if (r != ncclSuccess && r != ncclInProgress) fail(what + ": NCCL error " + ncclGetErrorString(r), Status::Internal);
+}
+
+class NcclCommunicator;
+
+class NcclRequest final : public CommRequest {
+ public:
+  NcclRequest(cudaEvent_t done, cudaStream_t caller, ncclComm_t comm, std::string label)
+      : done_(done), caller_(caller), comm_(comm), label_(std::move(label)) {}
+  void wait() override {
+    ncclResult_t async = ncclSuccess;
+    check_nccl(ncclCommGetAsyncError(comm_, &async), label_);
+    check_nccl(async, label_);
+    check_cuda(cudaStreamWaitEvent(caller_, done_, 0), label_);
+  }
+
+ private:
+  cudaEvent_t done_;  // owned by the communicator (a ring of events)
+  cudaStream_t caller_;
+  ncclComm_t comm_;
+  std::string label_;
+};
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(ncclComm_t comm, int device) : comm_(comm), device_(device) {
+    check_nccl(ncclCommUserRank(comm_, &rank_), "ncclCommUserRank");
+    check_nccl(ncclCommCount(comm_, &size_), "ncclCommCount");
+    int current = 0;
+    check_cuda(cudaGetDevice(&current), "cudaGetDevice");
+    check_cuda(cudaSetDevice(device_), "cudaSetDevice");
+    check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    for (auto& e : events_) check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+    check_cuda(cudaSetDevice(current), "cudaSetDevice");
+  }
+  ~NcclCommunicator() override {
+    cudaStreamSynchronize(stream_);
+    for (auto e : events_) cudaEventDestroy(e);
+    cudaStreamDestroy(stream_);
+  }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  Device device() const override { return Device::CUDA; }
+  std::string describe() const override { return "NCCL, " + std::to_string(size_) + " ranks"; }
+
+  std::unique_ptr<CommRequest> all_gather(const void* send, void* recv, std::size_t bytes, void* stream,
+                                          const std::string& label) override {
+    return run(stream, label, [&] { check_nccl(ncclAllGather(send, recv, bytes, ncclChar, comm_, stream_), label); });
+  }
+  std::unique_ptr<CommRequest> all_to_all(const void* send, void* recv, std::size_t bytes, void* stream,
+                                          const std::string& label) override {
+    return run(stream, label, [&] {
+      check_nccl(ncclGroupStart(), label);
+      for (int r = 0; r < size_; ++r) {
+        check_nccl(ncclSend(static_cast<const char*>(send) + r * bytes, bytes, ncclChar, r, comm_, stream_), label);
+        check_nccl(ncclRecv(static_cast<char*>(recv) + r * bytes, bytes, ncclChar, r, comm_, stream_), label);
+      }
+      check_nccl(ncclGroupEnd(), label);
+    });
+  }
+  std::unique_ptr<CommRequest> all_reduce_max(int32_t* data, std::size_t count, void* stream,
+                                              const std::string& label) override {
+    return run(stream, label,
+               [&] { check_nccl(ncclAllReduce(data, data, count, ncclInt32, ncclMax, comm_, stream_), label); });
+  }
+
+ private:
+  template <class F>
+  std::unique_ptr<CommRequest> run(void* stream, const std::string& label, F&& launch) {
+    auto caller = static_cast<cudaStream_t>(stream);
+    ncclResult_t async = ncclSuccess;
+    check_nccl(ncclCommGetAsyncError(comm_, &async), label);
+    check_nccl(async, label);
+    // Events are reused round-robin; a ring longer than the collectives one step keeps in flight.
+    cudaEvent_t ready = events_[next_++ % kEvents], done = events_[next_++ % kEvents];
+    check_cuda(cudaEventRecord(ready, caller), label);
+    check_cuda(cudaStreamWaitEvent(stream_, ready, 0), label);
+    launch();
+    check_cuda(cudaEventRecord(done, stream_), label);
+    return std::make_unique<NcclRequest>(done, caller, comm_, label);
+  }
+
+  static constexpr int kEvents = 256;
+  ncclComm_t comm_;
+  int device_, rank_ = 0, size_ = 1;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t events_[kEvents] = {};
+  unsigned next_ = 0;
+};
+
+}  // namespace
+
+std::shared_ptr<Communicator> make_nccl_communicator(void* nccl_comm, int device, double) {
+  if (!nccl_comm) fail("make_nccl_communicator: null ncclComm_t");
+  return std::make_shared<NcclCommunicator>(static_cast<ncclComm_t>(nccl_comm), device);
+}
+
+}  // namespace dion3
+
+#else  // no NCCL in this build
+
+namespace dion3 {
+
+std::shared_ptr<Communicator> make_nccl_communicator(void*, int, double) {
+  fail("this build of dion3 has no NCCL communicator; build with -DDION3_CUDA=ON where NCCL is installed",
+       Status::Unsupported);
+}
+
+}  // namespace dion3
+
+#endif
