@@ -97,6 +97,17 @@ typedef enum dion3_nonfinite_policy {
   DION3_NONFINITE_SKIP = 1   /* the step is dropped (*applied = 0), nothing modified */
 } dion3_nonfinite_policy;
 
+/* Row selection of row-sharded Dion3 (SPEC.md §3): each shard's own top rows, or the whole
+ * matrix's exact top k (one more collective, more rows sent). */
+typedef enum dion3_selection_scope { DION3_SCOPE_LOCAL = 0, DION3_SCOPE_GLOBAL = 1 } dion3_selection_scope;
+
+/* How a parameter spans the ranks of a communicator (SPEC.md §3). */
+typedef enum dion3_layout_kind {
+  DION3_LAYOUT_LOCAL = 0,      /* one device owns it whole (default) */
+  DION3_LAYOUT_REPLICATED = 1, /* every rank holds the same tensor (DDP) */
+  DION3_LAYOUT_ROW_SHARD = 2   /* rank r holds rows [r*c, min((r+1)*c, m)), c = ceil(m/P) */
+} dion3_layout_kind;
+
 /* ---- plain structs --------------------------------------------------------------------- */
 
 /* A contiguous, row-major tensor owned by the caller. */
@@ -134,6 +145,7 @@ typedef struct dion3_group_config {
   int32_t orth_num_restarts;    /* default 1 */
   int32_t orth_restarts[DION3_MAX_ORTH_RESTARTS]; /* default {2} (Gram NS restart steps) */
   int32_t orth_iteration_dtype; /* dion3_dtype, or -1 = the backend's choice (default) */
+  int32_t selection_scope;      /* dion3_selection_scope: row-sharded Dion3; default LOCAL */
 } dion3_group_config;
 
 /* One megabatch of the plan (all same-shape matrices of a group orthogonalized together). */
@@ -150,6 +162,16 @@ typedef struct dion3_megabatch_info {
 } dion3_megabatch_info;
 
 typedef struct dion3_optimizer dion3_optimizer; /* opaque */
+typedef struct dion3_comm dion3_comm;           /* opaque: a communicator over some ranks */
+
+/* A distributed parameter: its layout, the communicator of the ranks it spans, and for
+ * DION3_LAYOUT_ROW_SHARD the rows of the whole matrix (the weight tensor is this rank's shard,
+ * possibly with 0 rows). */
+typedef struct dion3_layout {
+  int32_t kind;        /* dion3_layout_kind */
+  int64_t global_rows; /* ROW_SHARD: m */
+  dion3_comm* comm;    /* REPLICATED / ROW_SHARD; not owned, must outlive the optimizer */
+} dion3_layout;
 
 /* ---- library ---------------------------------------------------------------------------- */
 
@@ -175,6 +197,19 @@ void dion3_destroy(dion3_optimizer* opt);
 /* Re-bind the CUDA stream the optimizer enqueues on (no-op for CPU). */
 dion3_status dion3_set_stream(dion3_optimizer* opt, void* cuda_stream);
 
+/* ---- communicators (distributed layouts) ------------------------------------------------ */
+
+/* MPI over a duplicate of *mpi_comm (an MPI_Comm*; NULL = MPI_COMM_WORLD), CPU buffers. MPI
+ * must be initialised. timeout_seconds: a collective running longer fails the step with
+ * DION3_INTERNAL naming it (0 = no limit). DION3_UNSUPPORTED in builds without MPI. */
+dion3_status dion3_comm_create_mpi(dion3_comm** out, const void* mpi_comm, double timeout_seconds);
+/* NCCL over an initialised ncclComm_t (not owned) whose rank uses CUDA device `device`.
+ * DION3_UNSUPPORTED in builds without NCCL. */
+dion3_status dion3_comm_create_nccl(dion3_comm** out, void* nccl_comm, int device);
+/* NULL is allowed. Destroy after every optimizer that uses it. */
+void dion3_comm_destroy(dion3_comm* comm);
+dion3_status dion3_comm_rank(const dion3_comm* comm, int* rank, int* size);
+
 /* ---- groups and parameters ------------------------------------------------------------- */
 
 void dion3_group_config_default(dion3_group_config* cfg);
@@ -190,6 +225,12 @@ dion3_status dion3_set_lr(dion3_optimizer* opt, int group, double lr);
  * first step. param_index may be NULL. */
 dion3_status dion3_add_param(dion3_optimizer* opt, int group, const char* name,
                              const dion3_tensor* weight, const dion3_tensor* grad, int* param_index);
+/* dion3_add_param for a distributed parameter (layout NULL = local). Every rank must register
+ * the same parameters in the same order with the same global shapes; dion3_step checks that
+ * across ranks before the first step. */
+dion3_status dion3_add_param_layout(dion3_optimizer* opt, int group, const char* name,
+                                    const dion3_tensor* weight, const dion3_tensor* grad,
+                                    const dion3_layout* layout, int* param_index);
 /* Re-binds the gradient of a parameter (same shape and dtype as the weight). */
 dion3_status dion3_set_grad(dion3_optimizer* opt, int param, const dion3_tensor* grad);
 dion3_status dion3_num_params(const dion3_optimizer* opt, int* count);

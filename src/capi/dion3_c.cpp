@@ -5,6 +5,7 @@
 // binary format of dion3/state_format.hpp, parsed and checked completely before the engine's
 // import_state() is called.
 #include "dion3/dion3.h"
+#include "dion3/comm.hpp"
 
 #include <cstring>
 #include <limits>
@@ -24,6 +25,10 @@ struct dion3_optimizer {
   dion3::Optimizer engine;
   explicit dion3_optimizer(std::unique_ptr<dion3::Backend> backend, dion3::OptimizerOptions o)
       : engine(std::move(backend), o) {}
+};
+
+struct dion3_comm {
+  std::shared_ptr<dion3::Communicator> comm;
 };
 
 namespace {
@@ -136,6 +141,7 @@ dion3::GroupConfig to_config(const dion3_group_config* c) {
                                              ", expected -1 or a dtype");
   if (c->orth_iteration_dtype >= 0)
     g.orth.iteration_dtype = to_dtype(c->orth_iteration_dtype, "group config: orth_iteration_dtype");
+  g.selection_scope = to_enum<dion3::SelectionScope>(c->selection_scope, 0, 1, "group config: selection_scope");
   return g;
 }
 
@@ -158,6 +164,7 @@ void from_config(const dion3::GroupConfig& g, dion3_group_config* c) {
   c->scale_lr_by_fraction = g.scale_lr_by_fraction;
   c->momentum_dtype = g.momentum_dtype ? static_cast<int32_t>(*g.momentum_dtype) : -1;
   c->orth_method = static_cast<int32_t>(g.orth.method);
+  c->selection_scope = static_cast<int32_t>(g.selection_scope);
   if (g.orth.coefficients == dion3::polar_express_coefficients()) {
     c->orth_coefficients = DION3_COEFF_POLAR_EXPRESS;
   } else if (g.orth.coefficients == dion3::you_coefficients()) {
@@ -299,6 +306,12 @@ dion3_status dion3_set_lr(dion3_optimizer* opt, int group, double lr) {
 
 dion3_status dion3_add_param(dion3_optimizer* opt, int group, const char* name,
                              const dion3_tensor* weight, const dion3_tensor* grad, int* param_index) {
+  return dion3_add_param_layout(opt, group, name, weight, grad, nullptr, param_index);
+}
+
+dion3_status dion3_add_param_layout(dion3_optimizer* opt, int group, const char* name,
+                                    const dion3_tensor* weight, const dion3_tensor* grad,
+                                    const dion3_layout* layout, int* param_index) {
   return guard([&] {
     checked(opt, "optimizer");
     checked(name, "parameter name");
@@ -308,8 +321,40 @@ dion3_status dion3_add_param(dion3_optimizer* opt, int group, const char* name,
     spec.name = n;
     spec.weight = to_view(weight, "parameter '" + n + "': weight");
     if (grad) spec.grad = to_view(grad, "parameter '" + n + "': grad");  // else bound later
+    if (layout) {
+      spec.layout.kind = to_enum<dion3::Layout>(layout->kind, 0, 2, "parameter '" + n + "': layout kind");
+      spec.layout.global_rows = layout->global_rows;
+      if (layout->comm) spec.layout.comm = layout->comm->comm;
+    }
     int p = opt->engine.add_param(group, spec);
     if (param_index) *param_index = p;
+  });
+}
+
+dion3_status dion3_comm_create_mpi(dion3_comm** out, const void* mpi_comm, double timeout_seconds) {
+  return guard([&] {
+    checked(out, "out");
+    *out = nullptr;
+    require(timeout_seconds >= 0, "timeout_seconds must be >= 0");
+    *out = new dion3_comm{dion3::make_mpi_communicator(mpi_comm, timeout_seconds)};
+  });
+}
+
+dion3_status dion3_comm_create_nccl(dion3_comm** out, void* nccl_comm, int device) {
+  return guard([&] {
+    checked(out, "out");
+    *out = nullptr;
+    *out = new dion3_comm{dion3::make_nccl_communicator(nccl_comm, device)};
+  });
+}
+
+void dion3_comm_destroy(dion3_comm* comm) { delete comm; }
+
+dion3_status dion3_comm_rank(const dion3_comm* comm, int* rank, int* size) {
+  return guard([&] {
+    checked(comm, "communicator");
+    if (rank) *rank = comm->comm->rank();
+    if (size) *size = comm->comm->size();
   });
 }
 

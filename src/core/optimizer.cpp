@@ -497,7 +497,7 @@ void Optimizer::Impl::check_plans_agree() {
         mix(v);
     }
     for (const Param& p : params)
-      if (p.layout.comm.get() == comm) mix(p.weight.numel() > 0 ? 1 : 0), mix(static_cast<int64_t>(p.layout.kind));
+      if (p.layout.comm.get() == comm) mix(static_cast<int64_t>(p.layout.kind));
     const int P = comm->size();
     const uint64_t mine[2] = {h, static_cast<uint64_t>(count)};
     DeviceBuffer buf(backend->allocator(), sizeof(mine) * (P + 1));

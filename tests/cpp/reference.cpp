@@ -294,6 +294,65 @@ std::vector<int> all_rows(int m) {
 }
 }  // namespace
 
+namespace {
+// NorMuon on the rows of O (k x n, rows[i] ascending) shard by shard: each shard's rows get their
+// own Frobenius rescale (SPEC §3).
+Mat normuon_per_shard(const Mat& O, int n, Vec& v, const std::vector<int>& rows, int c, const MatrixHyper& h) {
+  Mat Ot(O.size());
+  std::size_t i = 0;
+  while (i < rows.size()) {
+    std::size_t e = i;
+    while (e < rows.size() && rows[e] / c == rows[i] / c) ++e;
+    const int k = static_cast<int>(e - i);
+    const Mat part(O.begin() + static_cast<long>(i * n), O.begin() + static_cast<long>(e * n));
+    const std::vector<int> part_rows(rows.begin() + static_cast<long>(i), rows.begin() + static_cast<long>(e));
+    const Mat normed = normuon(part, k, n, v, part_rows, h);
+    std::copy(normed.begin(), normed.end(), Ot.begin() + static_cast<long>(i * n));
+    i = e;
+  }
+  return Ot;
+}
+}  // namespace
+
+std::vector<int> dion3_step_sharded(Mat& W, Mat& M, Vec& v, const Mat& G, int m, int n, const MatrixHyper& h,
+                                    int ranks, Scope scope) {
+  for (size_t i = 0; i < M.size(); ++i) M[i] = round_to(M[i] + G[i], h.m_store);
+  const int c = (m + ranks - 1) / ranks;
+  std::vector<int> selected;
+  if (scope == Scope::Global) {
+    selected = select_rows(M, m, n, static_cast<int>(selected_count(h.fraction, m))).selected;
+  } else {
+    const int k_loc = static_cast<int>(std::ceil(h.fraction * c));
+    for (int r = 0; r < ranks; ++r) {
+      const int a = std::min(m, r * c), b = std::min(m, a + c);
+      if (b == a) continue;
+      const Mat shard(M.begin() + static_cast<long>(a) * n, M.begin() + static_cast<long>(b) * n);
+      for (int i : select_rows(shard, b - a, n, std::min(k_loc, b - a)).selected) selected.push_back(a + i);
+    }
+  }
+  const int k = static_cast<int>(selected.size());
+  Mat U(static_cast<size_t>(k) * n);
+  for (int i = 0; i < k; ++i)
+    for (int j = 0; j < n; ++j) U[static_cast<size_t>(i) * n + j] = M[static_cast<size_t>(selected[i]) * n + j];
+  for (int r : selected)
+    for (int j = 0; j < n; ++j) {
+      double& x = M[static_cast<size_t>(r) * n + j];
+      x = round_to(h.mu * x, h.m_store);
+    }
+  const Mat O = orth(U, k, n, h);
+  const Mat Ot = normuon_per_shard(O, n, v, selected, c, h);
+  const double lr = base_lr(h.lr, h.fraction, h.scale_lr_by_fraction);
+  apply(W, m, n, Ot, selected, lr, adjusted_lr(lr, h.adjust, m, n), h.weight_decay, h.w_store);
+  return selected;
+}
+
+void normuon_step_sharded(Mat& W, Mat& M, Vec& v, const Mat& G, int m, int n, const MatrixHyper& h, int ranks) {
+  const Mat O = muon_direction(M, G, m, n, h);
+  const std::vector<int> rows = all_rows(m);
+  const Mat Ot = normuon_per_shard(O, n, v, rows, (m + ranks - 1) / ranks, h);
+  apply(W, m, n, Ot, rows, h.lr, adjusted_lr(h.lr, h.adjust, m, n), h.weight_decay, h.w_store);
+}
+
 void normuon_step(Mat& W, Mat& M, Vec& v, const Mat& G, int m, int n, const MatrixHyper& h) {
   const Mat O = muon_direction(M, G, m, n, h);
   const std::vector<int> rows = all_rows(m);

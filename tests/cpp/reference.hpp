@@ -84,6 +84,17 @@ void normuon_step(Mat& W, Mat& M, Vec& v, const Mat& G, int m, int n, const Matr
 // Muon: M <- mu*M + G; U = M (Nesterov: mu*M + G); W <- W(1 - lr*wd) - lr'*orth(U).
 void muon_step(Mat& W, Mat& M, const Mat& G, int m, int n, const MatrixHyper& h);
 
+// SPEC §3, row-sharded: the m rows are split over P ranks in contiguous chunks of c = ceil(m/P)
+// (the last short or empty). Local scope: each shard selects its own ceil(f*c) top rows (all of
+// them when it holds fewer); global scope: the whole matrix's top ceil(f*m) rows. The selected
+// rows are orthogonalized together as one matrix (shard by shard, ascending), and NorMuon's
+// Frobenius rescale runs on each shard's rows separately. Returns the selected rows.
+enum class Scope { Local, Global };
+std::vector<int> dion3_step_sharded(Mat& W, Mat& M, Vec& v, const Mat& G, int m, int n, const MatrixHyper& h,
+                                    int ranks, Scope scope);
+// NorMuon row-sharded: every row orthogonalized together, the rescale per shard.
+void normuon_step_sharded(Mat& W, Mat& M, Vec& v, const Mat& G, int m, int n, const MatrixHyper& h, int ranks);
+
 struct ElemHyper {
   double lr = 0.01;
   double beta1 = 0.9;
