@@ -15,6 +15,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from . import _C
+from . import distributed as _dist
 
 NonFiniteError = _C.NonFiniteError
 
@@ -86,6 +87,7 @@ def _engine_config(group: Dict[str, Any]) -> Dict[str, Any]:
         "coefficients": [tuple(float(x) for x in step) for step in coefficients],
         "restarts": [int(r) for r in restarts],
         "iteration_dtype": _dtype_name(group.get("iteration_dtype")),
+        "selection_scope": str(group.get("selection_scope", "local")),
     }
     return cfg
 
@@ -119,11 +121,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, distributed_mesh, defaults: Dict[str, Any], on_nonfinite: str,
                  workspace_limit: Optional[int] = None):
-        if distributed_mesh is not None:
-            raise NotImplementedError(
-                f"dion3: {self._name}(distributed_mesh=...) is not supported yet: this build runs "
-                "single-device optimizers only (distributed layouts are planned). Pass "
-                "distributed_mesh=None.")
+        _dist.check_mesh(distributed_mesh, self._name)
+        self._mesh = distributed_mesh
         if on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"dion3: 'on_nonfinite' must be 'raise' or 'skip'; got {on_nonfinite!r}")
         if defaults.get("newton_schulz_func") is not None:
@@ -148,6 +147,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._engine_groups: List[int] = []
         self._steps_skipped = 0
         self._dirty = True
+        self._dtensors = False  # the engine's parameters include DTensor shards
+        self._unregistered: List[torch.Tensor] = []  # parameters without a gradient at the last rebuild
         super().__init__(params, defaults)
 
     # ---- torch.optim.Optimizer protocol ---------------------------------------------------
@@ -157,9 +158,13 @@ class _EngineOptimizer(torch.optim.Optimizer):
         # the engine is rebuilt at the next step.
         on_nonfinite = state.get("_on_nonfinite", "raise")
         workspace_limit = state.get("_workspace_limit", -1)
+        mesh = state.get("_mesh")
         super().__setstate__(state)
         self._on_nonfinite = on_nonfinite
         self._workspace_limit = workspace_limit
+        self._mesh = mesh
+        self._dtensors = False
+        self._unregistered = []
         self._engine, self._engine_key, self._engine_params, self._engine_groups = None, None, [], []
         self._engine_states = []
         self._engine_cuda = False
@@ -173,6 +178,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         state["_on_nonfinite"] = self._on_nonfinite
         state["_workspace_limit"] = self._workspace_limit
         state["_steps_skipped"] = self._steps_skipped
+        state["_mesh"] = self._mesh
         return state
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
@@ -182,7 +188,22 @@ class _EngineOptimizer(torch.optim.Optimizer):
         except Exception:
             self.param_groups.pop()  # nothing half-added
             raise
+        # State exists from construction (as the reference's): every rank holds the same state
+        # keys whatever got a gradient, and torch.distributed.checkpoint finds nothing to create.
+        group = self.param_groups[-1]
+        for p in group["params"]:
+            if not self.state.get(p):
+                self.state[p] = self._zero_state(group, p)
         self._dirty = True
+
+    def _zero_state(self, group: Dict[str, Any], p: torch.Tensor) -> Dict[str, Any]:
+        st: Dict[str, Any] = {}
+        for name, dtype, shape in _state_shapes(group, p):
+            t = _dist.zeros_like_layout(p, shape, dtype)
+            t._dion3_initial = True  # made here, not given: may be remade if the group's settings change
+            st[name] = t
+        st["step"] = 0
+        return st
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         # torch casts floating state to each parameter's dtype; dion3 keeps fp32 variance (and an
@@ -199,7 +220,16 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 continue
             mine = self.state[p]
             for key, value in st.items():
-                if isinstance(value, torch.Tensor):
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if _dist.is_dtensor(p) and not _dist.is_dtensor(value):
+                    # A single-device (full) checkpoint loaded into a sharded run: keep this rank's part.
+                    mine[key] = _dist.local_part(value.to(dtype=value.dtype), p)
+                elif _dist.is_dtensor(value) and not _dist.is_dtensor(p):
+                    mine[key] = value.full_tensor().detach().to(device=p.device, dtype=value.dtype, copy=True)
+                elif _dist.is_dtensor(value):
+                    mine[key] = value.detach().to(dtype=value.dtype, copy=True)
+                else:
                     mine[key] = value.detach().to(device=p.device, dtype=value.dtype, copy=True)
         for i, g in enumerate(self.param_groups):
             for k, v in self.defaults.items():  # groups saved by an older version may lack new keys
@@ -230,13 +260,13 @@ class _EngineOptimizer(torch.optim.Optimizer):
         if self._engine_cuda and torch.cuda.is_current_stream_capturing():
             # CUDA-graph capture: the engine's capture-safe step (no host synchronisation). Step
             # counters then advance on the device only; _sync_counters() brings them back.
-            if engine.step_async() < 0:
+            if self._run_engine(engine, True) < 0:
                 raise RuntimeError("dion3: the parameters with gradients (or their storage) changed "
                                    "since the last step; run one eager step before capturing")
             self._counters_pending = True
             return loss
         # The engine reads each parameter's .grad itself (no per-parameter Python work per step).
-        status = engine.step()
+        status = self._run_engine(engine, False)
         if status < 0:  # the set of parameters with gradients changed, or a weight moved (p.data = ...)
             self._rebuild(key)
             engine = self._engine
@@ -244,7 +274,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 return loss
             for i, gi in enumerate(self._engine_groups):
                 engine.update_group(i, _engine_config(self.param_groups[gi]))
-            status = engine.step()
+            status = self._run_engine(engine, False)
             if status < 0:
                 raise RuntimeError("dion3: internal error: the engine still asks for a rebuild")
         if status > 0:
@@ -255,6 +285,19 @@ class _EngineOptimizer(torch.optim.Optimizer):
             self._steps_skipped += 1
             self._skipped_seen += 1
         return loss
+
+    def _run_engine(self, engine, asynchronous: bool) -> int:
+        """The engine's step; -1 asks for a rebuild (the set of parameters with gradients changed)."""
+        if self._dtensors:
+            # DTensor gradients live on the DTensor, not on the local shard the engine holds: hand
+            # the engine this step's local gradients.
+            if any(p.grad is not None for p in self._unregistered):
+                return -1
+            grads = [_dist.local(p.grad) for p in self._engine_params]
+            if any(g is None for g in grads):
+                return -1
+            return engine.step_async_with(grads) if asynchronous else engine.step_with(grads)
+        return engine.step_async() if asynchronous else engine.step()
 
     def _sync_counters(self) -> None:
         """Fold the steps the engine applied or dropped without us seeing them (replays of a
@@ -326,6 +369,17 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 algo = {"muon": "Muon", "normuon": "NorMuon"}.get(group["algorithm"], "Dion3")
                 raise ValueError(f"dion3: {who} has shape {list(p.shape)} but {algo} needs a matrix; put "
                                  "1-D tensors in an 'adamw' or 'lion' group")
+        # Layouts: every rank sees the same metadata, so every rank raises alike, before any step.
+        meshes = []
+        for j, p in enumerate(group["params"]):
+            who = f"parameter {j} '{self._param_name(group, gi, j)}' of group {gi}"
+            _dist.layout_of(p, self._mesh, who, matrix, bool(group["flatten"]))
+            if _dist.is_dtensor(p) and not any(p.device_mesh is m for m in meshes):
+                meshes.append(p.device_mesh)
+        if len(meshes) > 1:
+            raise ValueError(f"dion3: parameter group {gi} holds parameters on {len(meshes)} different device "
+                             f"meshes ({', '.join(str(m) for m in meshes)}); put each mesh's parameters in a "
+                             "group (or an optimizer) of their own")
         # Across groups: one device per optimizer (one engine, so nothing is ever half-stepped).
         first = next((p for g in self.param_groups for p in g["params"]), None)
         if first is not None and device is not None and device != first.device:
@@ -354,27 +408,39 @@ class _EngineOptimizer(torch.optim.Optimizer):
         engine = _C.Engine(device.type, device.index or 0, self._on_nonfinite, self._workspace_limit)
         new_state: Dict[torch.Tensor, Dict[str, Any]] = {}
         engine_params, engine_groups, steps, adamw_check = [], [], [], []
+        dtensors = False
         for gi, group, members in params_with_grad:
             ei = engine.add_group(_engine_config(group))
             engine_groups.append(gi)
+            matrix = group["algorithm"] in MATRIX_ALGORITHMS
             for j, p in members:
+                name_j = self._param_name(group, gi, j)
                 old = self.state.get(p, {})
                 st = {}
                 for name, dtype, shape in _state_shapes(group, p):
                     t = old.get(name)
-                    if t is None:
-                        t = torch.zeros(shape, dtype=dtype, device=p.device)
+                    # Zero state made at construction for settings (momentum_dtype, flatten, the
+                    # algorithm) changed before the parameter's first step is made again.
+                    if t is None or (getattr(t, "_dion3_initial", False) and not old.get("step", 0) and
+                                     (t.dtype != dtype or tuple(t.shape) != tuple(shape))):
+                        t = _dist.zeros_like_layout(p, shape, dtype)
                     st[name] = t
                 if p.grad.device != p.device:
-                    raise ValueError(f"dion3: parameter '{self._param_name(group, gi, j)}' is on "
+                    raise ValueError(f"dion3: parameter '{name_j}' is on "
                                      f"{p.device} but its gradient is on {p.grad.device}")
-                engine.add_param(ei, self._param_name(group, gi, j), p, st)
+                layout = _dist.layout_of(p, self._mesh, f"parameter '{name_j}'", matrix, bool(group["flatten"]))
+                is_dt = _dist.is_dtensor(p)
+                dtensors |= is_dt
+                engine.add_param(ei, name_j, _dist.local(p), {k: _dist.local(t) for k, t in st.items()},
+                                 layout.kind, layout.group, layout.global_rows,
+                                 _dist.local(p.grad) if is_dt else None)
                 st["step"] = int(old.get("step", 0))
                 new_state[p] = st
                 engine_params.append(p)
                 steps.append(st["step"])
                 adamw_check.append((group, p))
-        engine.watch([p for g in self.param_groups for p in g["params"] if p.grad is None])
+        unregistered = [p for g in self.param_groups for p in g["params"] if p.grad is None]
+        engine.watch([p for p in unregistered if not _dist.is_dtensor(p)])
         # Only AdamW's bias correction reads the engine's per-parameter counters; restoring them
         # costs a host round trip of the state (the engine has no cheaper setter yet), so it is
         # done only when an AdamW parameter resumes.
@@ -393,6 +459,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._engine_states = [self.state[p] for p in engine_params]
         self._engine_groups = engine_groups
         self._engine_key = key
+        self._dtensors = dtensors
+        self._unregistered = unregistered if dtensors else []
         self._dirty = False
 
 

@@ -83,8 +83,8 @@ def test_bad_add_param_group_is_not_added(device):
     assert len(opt.param_groups) == 1
 
 
-def test_distributed_mesh_not_supported_yet(device):
-    with pytest.raises(NotImplementedError, match="distributed_mesh"):
+def test_distributed_mesh_of_the_wrong_type(device):
+    with pytest.raises(TypeError, match="distributed_mesh.*ProcessGroup.*DeviceMesh"):
         dion3.Dion3([mat(device)], distributed_mesh=object())
 
 

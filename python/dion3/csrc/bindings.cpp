@@ -107,6 +107,7 @@ dion3::GroupConfig group_config(const py::dict& d) {
   }
   c.orth.restarts = py::cast<std::vector<int>>(d["restarts"]);
   c.orth.iteration_dtype = optional_dtype(d, "iteration_dtype");
+  c.selection_scope = dion3::parse_selection_scope(py::cast<std::string>(d["selection_scope"]));
   return c;
 }
 
@@ -120,6 +121,109 @@ class TorchCudaAllocator final : public dion3::Allocator {
   void deallocate(void* ptr, std::size_t) override { c10::cuda::CUDACachingAllocator::raw_delete(ptr); }
 };
 #endif
+
+// torch.distributed as a dion3::Communicator: the collectives run on the user's own process
+// group (NCCL on GPUs, gloo on CPUs) through the public torch.distributed functions, with
+// async_op=True; the engine's buffers are wrapped as byte tensors without copies. The engine
+// steps with the GIL released, so each call takes it back for the Python call only. On CUDA,
+// torch orders the collective after the current stream (the engine's) and Work.wait() makes
+// that stream wait for it: no host synchronisation.
+class TorchRequest final : public dion3::CommRequest {
+ public:
+  TorchRequest(py::object work, std::string label) : work_(std::move(work)), label_(std::move(label)) {}
+  ~TorchRequest() override {
+    py::gil_scoped_acquire gil;
+    work_ = py::object();
+  }
+  void wait() override {
+    py::gil_scoped_acquire gil;
+    try {
+      work_.attr("wait")();
+    } catch (py::error_already_set& e) {
+      throw dion3::Error(dion3::Status::Internal, label_ + " failed: " + e.what());
+    }
+  }
+
+ private:
+  py::object work_;
+  std::string label_;
+};
+
+class TorchCommunicator final : public dion3::Communicator {
+ public:
+  TorchCommunicator(py::object group, dion3::Device device, int device_index)
+      : group_(std::move(group)), device_(device), device_index_(device_index) {
+    dist_ = py::module_::import("torch.distributed");
+    rank_ = py::cast<int>(dist_.attr("get_rank")(group_));
+    size_ = py::cast<int>(dist_.attr("get_world_size")(group_));
+    backend_ = py::str(dist_.attr("get_backend")(group_));
+  }
+  ~TorchCommunicator() override {
+    py::gil_scoped_acquire gil;
+    group_ = py::object();
+    dist_ = py::object();
+  }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  dion3::Device device() const override { return device_; }
+  std::string describe() const override {
+    return "torch.distributed " + backend_ + " group, " + std::to_string(size_) + " ranks";
+  }
+
+  std::unique_ptr<dion3::CommRequest> all_gather(const void* send, void* recv, std::size_t bytes, void*,
+                                                 const std::string& label) override {
+    return call(label, [&] {
+      return dist_.attr("all_gather_into_tensor")(bytes_of(recv, size_ * bytes), bytes_of(send, bytes),
+                                                  py::arg("group") = group_, py::arg("async_op") = true);
+    });
+  }
+  std::unique_ptr<dion3::CommRequest> all_to_all(const void* send, void* recv, std::size_t bytes, void*,
+                                                 const std::string& label) override {
+    return call(label, [&] {
+      return dist_.attr("all_to_all_single")(bytes_of(recv, size_ * bytes), bytes_of(send, size_ * bytes),
+                                             py::arg("group") = group_, py::arg("async_op") = true);
+    });
+  }
+  std::unique_ptr<dion3::CommRequest> all_reduce_max(int32_t* data, std::size_t count, void*,
+                                                     const std::string& label) override {
+    return call(label, [&] {
+      at::Tensor t = at::from_blob(data, {static_cast<int64_t>(count)}, options(at::kInt));
+      return dist_.attr("all_reduce")(t, py::arg("op") = dist_.attr("ReduceOp").attr("MAX"),
+                                      py::arg("group") = group_, py::arg("async_op") = true);
+    });
+  }
+
+ private:
+  at::TensorOptions options(at::ScalarType t) const {
+    auto o = at::TensorOptions().dtype(t);
+    return device_ == dion3::Device::CUDA ? o.device(at::kCUDA, device_index_) : o.device(at::kCPU);
+  }
+  at::Tensor bytes_of(const void* p, std::size_t bytes) const {
+    return at::from_blob(const_cast<void*>(p), {static_cast<int64_t>(bytes)}, options(at::kByte));
+  }
+  template <class F>
+  std::unique_ptr<dion3::CommRequest> call(const std::string& label, F&& start) {
+    py::gil_scoped_acquire gil;
+    try {
+      return std::make_unique<TorchRequest>(start(), label);
+    } catch (py::error_already_set& e) {
+      throw dion3::Error(dion3::Status::Internal, label + " could not start: " + e.what());
+    }
+  }
+
+  py::object group_, dist_;
+  dion3::Device device_;
+  int device_index_ = 0;
+  int rank_ = 0, size_ = 1;
+  std::string backend_;
+};
+
+dion3::Layout parse_layout(const std::string& kind) {
+  if (kind == "local") return dion3::Layout::Local;
+  if (kind == "replicated") return dion3::Layout::Replicated;
+  if (kind == "row_shard") return dion3::Layout::RowShard;
+  throw dion3::Error(dion3::Status::InvalidArgument, "unknown layout '" + kind + "'");
+}
 
 // One dion3::Optimizer on one device, with the tensors it points into kept alive.
 class Engine {
@@ -154,12 +258,20 @@ class Engine {
   // Hyper-parameters are re-read before every step, so schedules that edit the group dict work.
   void update_group(int index, const py::dict& cfg) { opt_->group(index) = group_config(cfg); }
 
-  // Registers a parameter; its gradient (weight.grad()) is read again before every step.
-  int add_param(int group, const std::string& name, const at::Tensor& weight, const py::dict& state) {
-    const at::Tensor grad = contiguous_grad(weight);
+  // Registers a parameter; its gradient (weight.grad(), or the one given, for DTensor shards whose
+  // gradient lives on the DTensor) is read again before every step. layout: "local",
+  // "replicated" or "row_shard" over `process_group` (a torch.distributed group), global_rows:
+  // the whole matrix's rows (row_shard).
+  int add_param(int group, const std::string& name, const at::Tensor& weight, const py::dict& state,
+                const std::string& layout, const py::object& process_group, int64_t global_rows,
+                const std::optional<at::Tensor>& given_grad) {
+    const at::Tensor grad = given_grad ? contiguous(*given_grad) : contiguous_grad(weight);
     if (!grad.defined())
       throw dion3::Error(dion3::Status::InvalidArgument, "parameter '" + name + "' has no gradient");
     dion3::ParamSpec spec;
+    spec.layout.kind = parse_layout(layout);
+    spec.layout.global_rows = global_rows;
+    if (!process_group.is_none()) spec.layout.comm = communicator(process_group, weight);
     spec.name = name;
     spec.weight = view_of(weight, "parameter '" + name + "'");
     spec.grad = view_of(grad, "the gradient of parameter '" + name + "'");
@@ -200,22 +312,30 @@ class Engine {
   // (applied), 0 (skipped: a gradient was not finite under on_nonfinite="skip"), or -1 (the
   // caller must rebuild the engine: a weight's storage moved, or the set of parameters with a
   // gradient changed; nothing was changed). Doing this here keeps per-parameter work out of Python.
-  int step() { return run(false); }
+  int step() { return run(false, nullptr); }
+  // The same with this step's gradients given in registration order (DTensor parameters: the
+  // local shards of their gradients).
+  int step_with(const std::vector<at::Tensor>& grads) { return run(false, &grads); }
+  int step_async_with(const std::vector<at::Tensor>& grads) { return run(true, &grads); }
 
   // The capture-safe step (Optimizer::step_async): enqueued on the current stream with no host
   // synchronisation; a non-finite gradient drops the step on the device. Returns 2 (enqueued)
   // or -1 (rebuild needed, as for step()).
-  int step_async() { return run(true); }
+  int step_async() { return run(true, nullptr); }
 
  private:
-  int run(bool async) {
+  int run(bool async, const std::vector<at::Tensor>* given) {
     const int n = opt_->num_params();
+    if (given && static_cast<int>(given->size()) != n)
+      throw dion3::Error(dion3::Status::InvalidArgument, "step: " + std::to_string(given->size()) +
+                                                              " gradients for " + std::to_string(n) + " parameters");
     for (const at::Tensor& w : watched_)
       if (w.grad().defined()) return -1;
     for (int i = 0; i < n; ++i)
-      if (weights_[i].data_ptr() != weight_ptrs_[i] || !weights_[i].grad().defined()) return -1;
+      if (weights_[i].data_ptr() != weight_ptrs_[i] || !(given ? (*given)[i].defined() : weights_[i].grad().defined()))
+        return -1;
     for (int i = 0; i < n; ++i) {
-      at::Tensor g = contiguous_grad(weights_[i]);
+      at::Tensor g = given ? contiguous((*given)[i]) : contiguous_grad(weights_[i]);
       if (!g.is_same(grads_[i]) || g.data_ptr() != grads_[i].data_ptr()) {
         opt_->set_grad(i, view_of(g, "the gradient of " + opt_->param_name(i)));
         grads_[i] = std::move(g);
@@ -247,6 +367,13 @@ class Engine {
       d["method"] = mb.method == dion3::OrthMethod::Gram ? "gram" : "standard";
       d["iteration_dtype"] = dion3::dtype_name(mb.iteration_dtype);
       d["workspace_bytes"] = mb.workspace_bytes;
+      d["layout"] = dion3::layout_name(mb.layout);
+      d["ranks"] = mb.ranks;
+      d["owned"] = mb.owned;
+      d["piece_rows"] = mb.piece_rows;
+      d["orth_rows"] = mb.orth_rows;
+      d["rounds"] = mb.rounds;
+      d["bytes_sent"] = mb.bytes_sent;
       out.append(d);
     }
     return out;
@@ -273,10 +400,19 @@ class Engine {
 #endif
   };
 
-  static at::Tensor contiguous_grad(const at::Tensor& weight) {
-    at::Tensor g = weight.grad();
+  static at::Tensor contiguous(at::Tensor g) {
     if (g.defined() && !g.is_contiguous()) g = g.contiguous();
     return g;
+  }
+  static at::Tensor contiguous_grad(const at::Tensor& weight) { return contiguous(weight.grad()); }
+
+  // One communicator per process group, shared by every parameter on it.
+  std::shared_ptr<dion3::Communicator> communicator(const py::object& group, const at::Tensor& weight) {
+    for (auto& [g, c] : comms_)
+      if (g.is(group)) return c;
+    const dion3::Device device = weight.is_cuda() ? dion3::Device::CUDA : dion3::Device::CPU;
+    comms_.emplace_back(group, std::make_shared<TorchCommunicator>(group, device, device_index_));
+    return comms_.back().second;
   }
 
   int device_index_ = 0;
@@ -290,6 +426,7 @@ class Engine {
   std::vector<std::vector<at::Tensor>> held_;  // weights and state tensors the engine points into
   std::vector<at::Tensor> grads_;              // the gradients bound for the current step
   std::vector<at::Tensor> watched_;            // parameters without a gradient at build time
+  std::vector<std::pair<py::object, std::shared_ptr<dion3::Communicator>>> comms_;
 };
 
 void validate_group(const py::dict& cfg) { group_config(cfg).validate(); }
@@ -369,7 +506,11 @@ PYBIND11_MODULE(_C, m) {
            py::arg("on_nonfinite"), py::arg("workspace_limit") = -1)
       .def("add_group", guarded(&Engine::add_group))
       .def("update_group", guarded(&Engine::update_group))
-      .def("add_param", guarded(&Engine::add_param))
+      .def("add_param", guarded(&Engine::add_param), py::arg("group"), py::arg("name"), py::arg("weight"),
+           py::arg("state"), py::arg("layout") = "local", py::arg("process_group") = py::none(),
+           py::arg("global_rows") = 0, py::arg("grad") = std::nullopt)
+      .def("step_with", guarded(&Engine::step_with))
+      .def("step_async_with", guarded(&Engine::step_async_with))
       .def("watch", guarded(&Engine::watch))
       .def("set_param_steps", guarded(&Engine::set_param_steps))
       .def("step", guarded(&Engine::step))

@@ -1,0 +1,193 @@
+# distributed.py — how dion3's PyTorch front end maps a parameter onto the engine's layouts
+# (SPEC §3): from `distributed_mesh` (None, a ProcessGroup for DDP, or a DeviceMesh for FSDP2 /
+# HSDP) and, for DTensor parameters, their mesh and placements. Also the DTensor plumbing the
+# optimizer state needs: local shards of state tensors, state created as DTensors with the
+# parameter's placements (what torch.distributed.checkpoint expects), and the local part of a
+# full tensor loaded from a single-device checkpoint.
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+try:  # DTensor moved from torch.distributed._tensor to torch.distributed.tensor in 2.4
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # pragma: no cover - older torch
+    from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore
+
+try:
+    from torch.distributed.device_mesh import DeviceMesh
+except ImportError:  # pragma: no cover - torch without device meshes
+    DeviceMesh = None  # type: ignore
+
+
+def is_dtensor(t: Any) -> bool:
+    return isinstance(t, DTensor)
+
+
+def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The local shard of a DTensor (the tensor itself otherwise)."""
+    if t is None:
+        return None
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """What the engine is told about one parameter."""
+
+    kind: str  # "local", "replicated" or "row_shard"
+    group: Any = None  # the torch.distributed process group it spans
+    global_rows: int = 0  # row_shard: the whole matrix's rows
+
+
+LOCAL = ParamLayout("local")
+
+
+def check_mesh(mesh: Any, name: str) -> None:
+    """Refuses anything but None, a ProcessGroup or a DeviceMesh (on every rank alike)."""
+    if mesh is None:
+        return
+    if isinstance(mesh, dist.ProcessGroup):
+        return
+    if DeviceMesh is not None and isinstance(mesh, DeviceMesh):
+        if mesh.ndim not in (1, 2):
+            raise ValueError(f"dion3: {name}(distributed_mesh=...) takes a 1-D DeviceMesh (FSDP2) or a 2-D "
+                             f"(replicate, shard) one (HSDP); got a {mesh.ndim}-D mesh")
+        return
+    raise TypeError(f"dion3: {name}(distributed_mesh=...) must be None, a ProcessGroup (DDP) or a DeviceMesh "
+                    f"(FSDP2 / HSDP); got {type(mesh).__name__}")
+
+
+def _same_mesh(a: Any, b: Any) -> bool:
+    return a is b or (a.device_type == b.device_type and a.mesh.shape == b.mesh.shape
+                      and torch.equal(a.mesh, b.mesh))
+
+
+def _mesh_matches(mesh: Any, pmesh: Any, shard_dim: Optional[int]) -> bool:
+    """distributed_mesh is the parameter's mesh, or (HSDP) the sub-mesh of its sharded dim."""
+    if _same_mesh(mesh, pmesh):
+        return True
+    if shard_dim is not None and mesh.ndim == 1 and pmesh.ndim == 2:
+        names = pmesh.mesh_dim_names
+        if names is not None:
+            return _same_mesh(mesh, pmesh[names[shard_dim]])
+        return sorted(dist.get_process_group_ranks(mesh.get_group())) == sorted(
+            dist.get_process_group_ranks(pmesh.get_group(shard_dim)))
+    return False
+
+
+def layout_of(p: torch.Tensor, mesh: Any, who: str, matrix: bool, flatten: bool) -> ParamLayout:
+    """The engine layout of parameter p under distributed_mesh `mesh`; ValueError /
+    NotImplementedError naming the parameter where it cannot be served. Decided from metadata
+    that is the same on every rank, so every rank raises alike."""
+    if mesh is None:
+        if is_dtensor(p):
+            raise ValueError(f"dion3: {who} is a DTensor (placements {list(p.placements)}) but distributed_mesh "
+                             "is None; pass the DeviceMesh it lives on (FSDP2: the mesh given to fully_shard)")
+        return LOCAL
+    if isinstance(mesh, dist.ProcessGroup):
+        if is_dtensor(p):
+            raise ValueError(f"dion3: {who} is a DTensor but distributed_mesh is a ProcessGroup (the DDP layout, "
+                             "replicated parameters); pass the parameter's DeviceMesh instead")
+        return ParamLayout("replicated", mesh, int(p.shape[0]) if p.dim() else 0)
+    # A DeviceMesh.
+    if not is_dtensor(p):
+        # A plain tensor next to sharded ones: every rank holds the same copy (DDP-style).
+        group = mesh.get_group(mesh.ndim - 1)
+        return ParamLayout("replicated", group, int(p.shape[0]) if p.dim() else 0)
+    pmesh, placements = p.device_mesh, tuple(p.placements)
+    if any(not (pl.is_shard() or pl.is_replicate()) for pl in placements):
+        raise ValueError(f"dion3: {who} has placements {list(placements)}; dion3 steps Shard and Replicate "
+                         "placements only (a Partial gradient must be reduced first)")
+    shard_dims = [i for i, pl in enumerate(placements) if pl.is_shard()]
+    if len(shard_dims) > 1:
+        raise NotImplementedError(
+            f"dion3: {who} is sharded on {len(shard_dims)} mesh dimensions ({list(placements)}, e.g. FSDP2 + "
+            "tensor parallel); this build steps one sharded mesh dimension (Shard(0)) per parameter")
+    shard_dim = shard_dims[0] if shard_dims else None
+    if not _mesh_matches(mesh, pmesh, shard_dim):
+        raise ValueError(f"dion3: {who} lives on {pmesh} but distributed_mesh is {mesh}; pass the mesh given to "
+                         "fully_shard (or, for HSDP, its shard sub-mesh)")
+    if shard_dim is None:
+        return ParamLayout("replicated", pmesh.get_group(pmesh.ndim - 1), int(p.shape[0]) if p.dim() else 0)
+    tensor_dim = placements[shard_dim].dim
+    group = pmesh.get_group(shard_dim)
+    if not matrix:
+        return ParamLayout("replicated", group, 0)  # element-wise: the shard is stepped as it is
+    if tensor_dim != 0:
+        raise NotImplementedError(
+            f"dion3: {who} is sharded on tensor dimension {tensor_dim} (Shard({tensor_dim})); this build "
+            "steps row shards (Shard(0), FSDP2's default) of matrix parameters")
+    if p.dim() != 2 and not flatten:
+        raise NotImplementedError(f"dion3: {who} has shape {list(p.shape)} and is row-sharded; use flatten=True "
+                                  "(dim0, rest) for sharded tensors of more than two dimensions")
+    return ParamLayout("row_shard", group, int(p.shape[0]))
+
+
+def zeros_like_layout(p: torch.Tensor, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero state tensor for p: plain, or a DTensor with p's mesh and placements whose global
+    shape is `shape` (the momentum: p's shape; the variance: its rows)."""
+    if not is_dtensor(p):
+        return torch.zeros(shape, dtype=dtype, device=p.device)
+    local_shape = _local_shape(shape, p.device_mesh, tuple(p.placements))
+    lt = torch.zeros(local_shape, dtype=dtype, device=p.to_local().device)
+    return DTensor.from_local(lt, p.device_mesh, _placements_for(shape, p.placements), run_check=False,
+                              shape=torch.Size(shape), stride=_contiguous_stride(shape))
+
+
+def _placements_for(shape: Tuple[int, ...], placements) -> Tuple:
+    # A state tensor of fewer dimensions (the per-row variance) keeps Shard(0) and drops others.
+    out = []
+    for pl in placements:
+        if pl.is_shard() and pl.dim >= len(shape):
+            out.append(Replicate())
+        else:
+            out.append(pl)
+    return tuple(out)
+
+
+def _contiguous_stride(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= int(s)
+    return tuple(reversed(stride))
+
+
+def _chunk(size: int, parts: int, index: int) -> Tuple[int, int]:
+    """(start, length) of chunk `index` of `size` split as torch.chunk does (ceil-sized, the last
+    ones short or empty): DTensor's Shard layout."""
+    c = -(-size // parts) if parts else size
+    start = min(size, index * c)
+    return start, max(0, min(c, size - start))
+
+
+def _local_shape(shape: Tuple[int, ...], mesh: Any, placements) -> Tuple[int, ...]:
+    out = list(shape)
+    for mdim, pl in enumerate(_placements_for(shape, placements)):
+        if pl.is_shard():
+            _, n = _chunk(out[pl.dim], mesh.size(mdim), mesh.get_local_rank(mdim))
+            out[pl.dim] = n
+    return tuple(out)
+
+
+def local_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a full (unsharded) tensor, as a DTensor placed like `like` (a DTensor
+    parameter or state tensor): loading a single-device checkpoint into a sharded run."""
+    shape = tuple(full.shape)
+    mesh, placements = like.device_mesh, _placements_for(shape, like.placements)
+    part = full
+    for mdim, pl in enumerate(placements):
+        if pl.is_shard():
+            start, n = _chunk(part.shape[pl.dim], mesh.size(mdim), mesh.get_local_rank(mdim))
+            part = part.narrow(pl.dim, start, n)
+    lt = part.detach().to(device=like.to_local().device, copy=True).contiguous()
+    return DTensor.from_local(lt, mesh, placements, run_check=False, shape=torch.Size(shape),
+                              stride=_contiguous_stride(shape))
+
+
+__all__ = ["DTensor", "Shard", "Replicate", "ParamLayout", "LOCAL", "check_mesh", "layout_of", "local",
+           "is_dtensor", "zeros_like_layout", "local_part"]
