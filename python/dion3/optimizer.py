@@ -156,9 +156,11 @@ class _EngineOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state: Dict[str, Any]) -> None:
         # Unpickling / deepcopy keep only defaults, state and param_groups (torch's __getstate__):
         # the engine is rebuilt at the next step.
-        on_nonfinite = state.get("_on_nonfinite", "raise")
-        workspace_limit = state.get("_workspace_limit", -1)
-        mesh = state.get("_mesh")
+        # torch's load_state_dict also comes through here, with only state and param_groups: keep
+        # this optimizer's own settings then.
+        on_nonfinite = state.get("_on_nonfinite", getattr(self, "_on_nonfinite", "raise"))
+        workspace_limit = state.get("_workspace_limit", getattr(self, "_workspace_limit", -1))
+        mesh = state.get("_mesh", getattr(self, "_mesh", None))
         super().__setstate__(state)
         self._on_nonfinite = on_nonfinite
         self._workspace_limit = workspace_limit

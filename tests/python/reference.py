@@ -83,6 +83,22 @@ def normuon(O, v_rows, beta2):
     return Ot, v_new
 
 
+def top_rows(M, k):
+    """The k rows of largest l1 score (ties: lower index), ascending (SPEC §1 step 2)."""
+    order = torch.sort(-M.abs().sum(dim=1), stable=True).indices
+    return torch.sort(order[:k]).values
+
+
+def normuon_per_shard(O, v_rows, rows, c, beta2):
+    """NorMuon on O's rows shard by shard (rows[i] // c): each shard's own Frobenius rescale."""
+    Ot, v_new = torch.empty_like(O), torch.empty_like(v_rows)
+    shard = rows // c
+    for s in torch.unique(shard):
+        sel = shard == s
+        Ot[sel], v_new[sel] = normuon(O[sel], v_rows[sel], beta2)
+    return Ot, v_new
+
+
 DEFAULTS = dict(algorithm="dion3", lr=0.01, fraction=0.25, mu=0.95, muon_beta2=0.95, betas=(0.9, 0.95),
                 weight_decay=0.01, epsilon=1e-8, adjust_lr="spectral_norm", flatten=False, nesterov=False,
                 cautious_wd=False, scale_lr_by_fraction=False, coefficients=None, use_polar_express=True,
@@ -135,24 +151,31 @@ class Reference:
         base = lr / math.sqrt(o["fraction"]) if (algo in ("dion3", "nordion2") and o["scale_lr_by_fraction"]) else lr
         lr_adj = adjusted_lr(base, m_rows, n, o["adjust_lr"])
         mu = o["mu"]
+        # SPEC §3 row sharding over `ranks` (contiguous chunks of c = ceil(m / ranks) rows): the
+        # local scope selects ceil(f * c) rows per shard; NorMuon's rescale runs per shard.
+        ranks = o.get("ranks", 1)
+        c = -(-m_rows // ranks)
         for b in range(count):
             if algo in ("dion3", "nordion2"):
                 M[b] += Gm[b]
                 k = max(1, math.ceil(o["fraction"] * m_rows))
-                scores = M[b].abs().sum(dim=1)
-                order = torch.sort(-scores, stable=True).indices  # ties: lower row index first
-                S = torch.sort(order[:k]).values
+                if ranks > 1 and o.get("selection_scope", "local") == "local":
+                    k_loc = max(1, math.ceil(o["fraction"] * c))
+                    S = torch.cat([lo + top_rows(M[b][lo:lo + c], min(k_loc, M[b][lo:lo + c].shape[0]))
+                                   for lo in range(0, m_rows, c)])
+                else:
+                    S = top_rows(M[b], k)
                 U = M[b][S].clone()
                 M[b][S] = mu * M[b][S]
                 O = self._orth(U)
-                Ot, V[b][S] = normuon(O, V[b][S], o["muon_beta2"])
+                Ot, V[b][S] = normuon_per_shard(O, V[b][S], S, c, o["muon_beta2"])
             else:
                 M[b] = mu * M[b] + Gm[b]
                 U = mu * M[b] + Gm[b] if o["nesterov"] else M[b].clone()
                 S = torch.arange(m_rows)
                 O = self._orth(U)
                 if algo == "normuon":
-                    Ot, V[b] = normuon(O, V[b], o["muon_beta2"])
+                    Ot, V[b] = normuon_per_shard(O, V[b], S, c, o["muon_beta2"])
                 else:
                     Ot = O
             # scale_lr_by_fraction scales η itself, so the decoupled decay uses the scaled η too.

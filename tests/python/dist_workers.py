@@ -1,0 +1,300 @@
+# dist_workers.py — the bodies of the multi-process tests (test_distributed.py), run in every rank
+# of a gloo process group on the CPU. Each compares the distributed run with the same rules
+# computed in one process: the single-process dion3 optimizer (DDP: equal bit for bit) or the
+# float64 transcription of SPEC §3 (reference.py with ranks=P: per-shard selection and NorMuon
+# rescale). Not collected by pytest (no test_ prefix).
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import dion3
+from reference import Reference
+
+# Several matrices per megabatch (3 is not a multiple of 2 or 4), a tall one, uneven shards (10
+# rows) and one that leaves a rank empty on 4 ranks (3 rows).
+SHAPES = [(24, 40), (24, 40), (24, 40), (48, 20), (10, 16), (3, 12)]
+RTOL = 2e-5
+
+
+def run(rank, world, tmp, name, args):
+    """Entry point of a spawned rank: init gloo, run the named check, report failures in a file."""
+    try:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), world), rank=rank,
+                                world_size=world)
+        torch.set_num_threads(1)
+        globals()[name](rank, world, tmp, *args)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - everything goes to the parent
+        with open(os.path.join(tmp, f"error.{rank}"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def close(a, b, what, rtol=RTOL):
+    a, b = a.double(), b.double()
+    err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+    assert err <= rtol, f"{what}: max relative difference {err:.3g} > {rtol:g}"
+
+
+def full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def grads_for(shapes, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
+# ---- layouts --------------------------------------------------------------------------------
+
+def ddp(rank, world, opt_cls, **kw):
+    """DDP (replicated parameters, distributed_mesh = ProcessGroup) equals the single-process run."""
+    torch.manual_seed(0)
+    ws = [nn.Parameter(torch.randn(s) * 0.05) for s in SHAPES]
+    single = [nn.Parameter(w.detach().clone()) for w in ws]
+    opt = opt_cls(ws, distributed_mesh=dist.group.WORLD, **kw)
+    ref = opt_cls(single, **kw)
+    for step in range(3):
+        for w, s, g in zip(ws, single, grads_for(SHAPES, step)):
+            w.grad, s.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+        for i, (w, s) in enumerate(zip(ws, single)):
+            assert torch.equal(w, s), f"DDP {opt_cls.__name__}: parameter {i} differs from one process at step {step}"
+    plan = opt.plan()
+    assert all(mb["layout"] == "replicated" and mb["ranks"] == world for mb in plan), plan
+
+
+def sharded_params(mesh, placements, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    fulls = [torch.randn(s, generator=g) * 0.05 for s in SHAPES]
+    return fulls, [nn.Parameter(distribute_tensor(f.clone(), mesh, placements)) for f in fulls]
+
+
+def fsdp(rank, world, mesh, placements, shard_ranks, opt_cls, algorithm, pass_mesh=None, **kw):
+    """Row-sharded DTensors (FSDP2's Shard(0)) equal SPEC §3's rule computed in one process."""
+    fulls, ps = sharded_params(mesh, placements)
+    opt = opt_cls(ps, distributed_mesh=pass_mesh or mesh, lr=0.02, **kw)
+    ref = Reference(fulls, algorithm=algorithm, lr=0.02, ranks=shard_ranks, **kw)
+    for step in range(3):
+        gs = grads_for(SHAPES, 100 + step)
+        for p, g in zip(ps, gs):
+            p.grad = distribute_tensor(g, mesh, placements)
+        opt.step()
+        ref.step(gs)
+        for i, (p, w) in enumerate(zip(ps, ref.w)):
+            close(full(p), w, f"{algorithm} {kw} parameter {i} {tuple(w.shape)} at step {step}")
+    for p in ps:  # state tensors are DTensors placed like their parameter
+        st = opt.state[p]
+        assert isinstance(st["momentum"], DTensor) and st["momentum"].placements == p.placements
+        assert tuple(st["variance"].shape) == (p.shape[0],)
+
+
+def nonfinite(rank, world, mesh):
+    """A NaN in one rank's shard: every rank skips (or raises) and nothing moves anywhere."""
+    for policy in ("skip", "raise"):
+        fulls, ps = sharded_params(mesh, [Shard(0)], seed=5)
+        opt = dion3.Dion3(ps, distributed_mesh=mesh, on_nonfinite=policy)
+        gs = grads_for(SHAPES, 7)
+        for p, g in zip(ps, gs):
+            p.grad = distribute_tensor(g, mesh, [Shard(0)])
+        if rank == world - 1:
+            ps[0].grad.to_local()[0, 0] = float("nan")
+        before = [p.to_local().clone() for p in ps]
+        if policy == "skip":
+            opt.step()
+            assert opt.steps_skipped == 1, f"rank {rank}: the step was not skipped"
+        else:
+            try:
+                opt.step()
+                raise AssertionError(f"rank {rank}: no NonFiniteError")
+            except dion3.NonFiniteError as e:
+                assert ("another rank" in str(e)) == (rank != world - 1), str(e)
+        for p, b in zip(ps, before):
+            assert torch.equal(p.to_local(), b), f"rank {rank} moved its shard ({policy})"
+        assert all(not opt.state[p]["momentum"].to_local().any() for p in ps)
+
+
+def refusals(rank, world, mesh):
+    """Bad layouts are refused on every rank, before anything is written."""
+    p = nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(1)]))
+    try:
+        dion3.Dion3([p], distributed_mesh=mesh)
+        raise AssertionError("Shard(1) accepted")
+    except NotImplementedError as e:
+        assert "Shard(1)" in str(e), str(e)
+    q = nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(0)]))
+    try:
+        dion3.Dion3([q])  # no mesh for a DTensor
+        raise AssertionError("a DTensor without distributed_mesh accepted")
+    except ValueError as e:
+        assert "distributed_mesh" in str(e), str(e)
+    try:
+        dion3.Dion3([q], distributed_mesh=dist.group.WORLD)
+        raise AssertionError("a DTensor with a ProcessGroup accepted")
+    except ValueError as e:
+        assert "DeviceMesh" in str(e), str(e)
+    if world >= 4:
+        other = init_device_mesh("cpu", (2, world // 2))
+        r = nn.Parameter(distribute_tensor(torch.randn(8, 6), other, [Replicate(), Shard(0)]))
+        try:
+            dion3.Dion3([r], distributed_mesh=mesh)
+            raise AssertionError("a parameter on another mesh accepted")
+        except ValueError as e:
+            assert "lives on" in str(e), str(e)
+
+
+def fully_sharded_model(rank, world, mesh):
+    """A real FSDP2 model (fully_shard) trained on identical batches on every rank equals one
+    process running the reference rule with ranks=world on the same model."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 10, bias=False))
+    single = nn.Sequential(nn.Linear(16, 32, bias=False), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 10, bias=False))
+    single.load_state_dict(model.state_dict())
+    for layer in (model[0], model[3]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    groups = dion3.param_groups(model)
+    opt = dion3.Dion3(groups, distributed_mesh=mesh, lr=0.02)
+    mats = [p for p in single.parameters() if p.dim() == 2]
+    vecs = [p for p in single.parameters() if p.dim() < 2]
+    elem_group = next(g for g in groups if g["algorithm"] == "adamw")
+    ref_m = Reference(mats, lr=0.02, ranks=world)
+    ref_v = Reference(vecs, algorithm="adamw", lr=elem_group.get("lr", 0.02),
+                      weight_decay=elem_group.get("weight_decay", 0.01))
+    for step in range(3):
+        g = torch.Generator().manual_seed(50 + step)
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
+        nn.functional.cross_entropy(model(x), y).backward()
+        single.zero_grad()
+        nn.functional.cross_entropy(single(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        ref_m.step([p.grad for p in mats])
+        ref_v.step([p.grad for p in vecs])
+        with torch.no_grad():  # the single model follows the reference's weights
+            for p, w in zip(mats, ref_m.w):
+                p.copy_(w)
+            for p, w in zip(vecs, ref_v.w):
+                p.copy_(w)
+        for (name, p), (_, q) in zip(model.named_parameters(), single.named_parameters()):
+            close(full(p.detach()), q.detach(), f"fully_shard model {name} at step {step}", rtol=1e-4)
+
+
+def layouts(rank, world, tmp):
+    mesh = init_device_mesh("cpu", (world,))
+    ddp(rank, world, dion3.Dion3)
+    ddp(rank, world, dion3.NorMuon)
+    for kw in (dict(), dict(selection_scope="global"), dict(fraction=0.5)):
+        fsdp(rank, world, mesh, [Shard(0)], world, dion3.Dion3, "dion3", **kw)
+    fsdp(rank, world, mesh, [Shard(0)], world, dion3.NorMuon, "normuon")
+    if world == 4:  # HSDP: (replicate 2, shard 2), given as the 2-D mesh or its shard sub-mesh
+        hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        fsdp(rank, world, hsdp, [Replicate(), Shard(0)], 2, dion3.Dion3, "dion3")
+        fsdp(rank, world, hsdp, [Replicate(), Shard(0)], 2, dion3.Dion3, "dion3", pass_mesh=hsdp["shard"])
+    nonfinite(rank, world, mesh)
+    refusals(rank, world, mesh)
+    fully_sharded_model(rank, world, mesh)
+
+
+# ---- checkpoints ------------------------------------------------------------------------------
+
+def _model_and_opt(mesh, seed=11):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(12, 24, bias=False), nn.ReLU(), nn.Linear(24, 7))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = dion3.Dion3(dion3.param_groups(model), distributed_mesh=mesh, lr=0.02)
+    return model, opt
+
+
+def _train(model, opt, steps, seed):
+    for step in range(steps):
+        g = torch.Generator().manual_seed(seed + step)
+        x = torch.randn(6, 12, generator=g)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _full_state(opt):
+    sd = opt.state_dict()
+    return {(pid, k): full(v).clone() for pid, st in sd["state"].items() for k, v in st.items()
+            if isinstance(v, torch.Tensor)}
+
+
+def checkpoint_save(rank, world, tmp):
+    """DCP round trip on `world` ranks: save, go on, then a fresh model and optimizer loaded from
+    the checkpoint go on the same way, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    mesh = init_device_mesh("cpu", (world,))
+    model, opt = _model_and_opt(mesh)
+    _train(model, opt, 2, seed=0)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(tmp, "ckpt"))
+    saved = _full_state(opt)
+    if rank == 0:
+        torch.save(saved, os.path.join(tmp, "saved_state.pt"))
+    _train(model, opt, 2, seed=10)
+    after = [full(p.detach()).clone() for p in model.parameters()]
+
+    model2, opt2 = _model_and_opt(mesh, seed=99)  # other initial weights: the load must replace them
+    msd2, osd2 = get_state_dict(model2, opt2)
+    state = {"model": msd2, "optim": osd2}
+    dcp.load(state, checkpoint_id=os.path.join(tmp, "ckpt"))
+    set_state_dict(model2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    loaded = _full_state(opt2)
+    assert loaded.keys() == saved.keys()
+    for key in saved:
+        assert torch.equal(loaded[key], saved[key]), f"state {key} after dcp.load"
+    _train(model2, opt2, 2, seed=10)
+    for i, (p, a) in enumerate(zip(model2.parameters(), after)):
+        assert torch.equal(full(p.detach()), a), f"parameter {i} after resuming differs"
+
+
+def checkpoint_reshard(rank, world, tmp):
+    """The checkpoint saved on 4 ranks loads on `world` ranks (resharded), and a single-device
+    state_dict loads into the sharded optimizer and comes back equal."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    mesh = init_device_mesh("cpu", (world,))
+    model, opt = _model_and_opt(mesh, seed=5)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=os.path.join(tmp, "ckpt"))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    saved = torch.load(os.path.join(tmp, "saved_state.pt"))
+    loaded = _full_state(opt)
+    for key in saved:
+        assert torch.equal(loaded[key], saved[key]), f"state {key} resharded from 4 to {world} ranks"
+    _train(model, opt, 1, seed=20)  # and it steps
+
+    # Single device -> sharded -> back.
+    torch.manual_seed(7)
+    single = nn.Sequential(nn.Linear(12, 24, bias=False), nn.ReLU(), nn.Linear(24, 7))
+    sopt = dion3.Dion3(dion3.param_groups(single), lr=0.02)
+    _train(single, sopt, 2, seed=30)
+    single_sd = sopt.state_dict()
+    model3, opt3 = _model_and_opt(mesh, seed=7)
+    opt3.load_state_dict(single_sd)
+    back = _full_state(opt3)
+    for pid, st in single_sd["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(back[(pid, k)], v), f"single-device state {pid}/{k} after the round trip"
