@@ -80,7 +80,26 @@ struct OptimizerOptions {
   // f = 1/4 ran its 11008x4096 megabatch 2 matrices at a time under 512 MiB, ~16 ms slower;
   // gpt-1b at f = 1/4 split every megabatch in two under 512 MiB: 10.85 ms against 9.75 ms).
   std::size_t workspace_limit = 0;
+  // Same-shape matrices share one batched orthogonalization and, when distributed, one collective
+  // round per direction (SPEC §3). false: every matrix is its own megabatch (one round each), for
+  // benchmarks that measure what megabatching saves.
+  bool megabatch = true;
 };
+
+// The per-step communication of one megabatch of `count` m x n matrices over `ranks` ranks,
+// decided from the shapes alone: the engine plans with it, and benchmarks project rank counts
+// they cannot run. update_dtype: of the gathered rows sent forward; orth_dtype: of the results
+// sent back.
+struct ExchangePlan {
+  int64_t block = 0;      // matrices each rank orthogonalizes (ceil(count / ranks))
+  int64_t k = 0;          // rows selected per matrix (per shard for row-sharded local scope)
+  int64_t piece = 0;      // row-sharded: rows each rank sends per matrix
+  int64_t orth_rows = 0;  // rows of each matrix the orthogonalizer sees
+  int rounds = 0;         // collective rounds per step
+  std::size_t bytes_sent = 0;  // bytes one rank sends per step ((P - 1) blocks per round)
+};
+ExchangePlan exchange_plan(Layout layout, const GroupConfig& group, int64_t count, int64_t rows, int64_t cols,
+                           int ranks, DType update_dtype, DType orth_dtype);
 
 // What one megabatch is: for introspection, benchmarks and tests.
 struct MegabatchInfo {

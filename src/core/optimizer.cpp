@@ -292,7 +292,8 @@ void Optimizer::Impl::build_plan() {
     comms.push_back(c);
     return static_cast<int>(comms.size()) - 1;
   };
-  using Key = std::tuple<int, int64_t, int64_t, int, int, int, int, int>;
+  // The last two fields single a matrix out when megabatching is off.
+  using Key = std::tuple<int, int64_t, int64_t, int, int, int, int, int, int, int64_t>;
   std::map<Key, std::size_t> index;
   for (int i = 0; i < static_cast<int>(params.size()); ++i) {
     const Param& p = params[i];
@@ -301,21 +302,24 @@ void Optimizer::Impl::build_plan() {
     if (!is_matrix_algorithm(g.algorithm)) continue;
     const DType mom = state_specs(p)[0].dtype;
     const int64_t m = p.layout.kind == Layout::RowShard ? p.layout.global_rows : p.rows;
-    const Key key{p.group, m, p.cols, static_cast<int>(p.weight.dtype), static_cast<int>(p.grad.dtype),
-                  static_cast<int>(mom), static_cast<int>(p.layout.kind), ci};
-    auto [it, fresh] = index.try_emplace(key, megabatches.size());
-    if (fresh) {
-      Megabatch mb;
-      mb.group = p.group;
-      mb.rows = p.rows;
-      mb.cols = p.cols;
-      mb.global_rows = m;
-      mb.weight_dtype = p.weight.dtype;
-      mb.grad_dtype = p.grad.dtype;
-      mb.momentum_dtype = mom;
-      megabatches.push_back(std::move(mb));
+    for (int64_t j = 0; j < p.count; ++j) {
+      const Key key{p.group, m, p.cols, static_cast<int>(p.weight.dtype), static_cast<int>(p.grad.dtype),
+                    static_cast<int>(mom), static_cast<int>(p.layout.kind), ci, options.megabatch ? -1 : i,
+                    options.megabatch ? -1 : j};
+      auto [it, fresh] = index.try_emplace(key, megabatches.size());
+      if (fresh) {
+        Megabatch mb;
+        mb.group = p.group;
+        mb.rows = p.rows;
+        mb.cols = p.cols;
+        mb.global_rows = m;
+        mb.weight_dtype = p.weight.dtype;
+        mb.grad_dtype = p.grad.dtype;
+        mb.momentum_dtype = mom;
+        megabatches.push_back(std::move(mb));
+      }
+      megabatches[it->second].members.emplace_back(i, j);
     }
-    for (int64_t j = 0; j < p.count; ++j) megabatches[it->second].members.emplace_back(i, j);
   }
   for (std::size_t i = 0; i < megabatches.size(); ++i) plan_distribution(megabatches[i], static_cast<int>(i));
 
@@ -394,6 +398,37 @@ void Optimizer::Impl::build_plan() {
   check_plans_agree();
 }
 
+ExchangePlan exchange_plan(Layout layout, const GroupConfig& g, int64_t count, int64_t m, int64_t cols, int ranks,
+                           DType update_dtype, DType orth_dtype) {
+  ExchangePlan x;
+  const bool dion3 = g.algorithm == Algorithm::Dion3;
+  const int64_t P = layout == Layout::Local ? 1 : ranks;
+  x.k = dion3 ? selected_rows(g.fraction, m) : m;
+  x.orth_rows = x.k;
+  x.block = layout == Layout::Local ? count : ceil_div(count, P);
+  const std::size_t es_u = dtype_size(update_dtype), es_o = dtype_size(orth_dtype);
+  if (layout == Layout::Replicated) {
+    // One all-gather of every rank's block of results.
+    x.rounds = 1;
+    x.bytes_sent = static_cast<std::size_t>((P - 1) * x.block * x.k * cols) * es_o;
+  } else if (layout == Layout::RowShard) {
+    // Selected rows to the owner and back: two all-to-alls of `piece` rows per matrix and rank;
+    // the global scope first all-gathers every shard's row scores.
+    const int64_t c = ceil_div(m, P);
+    const bool global = dion3 && g.selection_scope == SelectionScope::Global;
+    x.piece = !dion3 ? c : global ? std::min(x.k, c) : selected_rows(g.fraction, c);
+    x.k = x.piece;
+    x.orth_rows = P * x.piece;
+    x.rounds = 2;
+    x.bytes_sent = static_cast<std::size_t>((P - 1) * x.block * x.piece * cols) * (es_u + es_o);
+    if (global) {
+      x.rounds += 1;
+      x.bytes_sent += static_cast<std::size_t>((P - 1) * count * c) * sizeof(float);
+    }
+  }
+  return x;
+}
+
 void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
   const Param& first = params[mb.members.front().first];
   const GroupConfig& g = groups[mb.group];
@@ -406,9 +441,19 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
   mb.rank = mb.comm ? mb.comm->rank() : 0;
   mb.update_dtype = update_rows_dtype(g, mb.momentum_dtype);
   const int64_t P = mb.ranks, m = mb.global_rows;
-  mb.k = dion3 ? selected_rows(g.fraction, m) : m;
-  mb.orth_rows = mb.k;
-  mb.block = mb.layout == Layout::Local ? n : ceil_div(n, P);
+  mb.global_scope = mb.layout == Layout::RowShard && dion3 && g.selection_scope == SelectionScope::Global;
+  // The exchange's row counts decide the orthogonalizer's shape, and so its result dtype (decided
+  // from the shape alone so that every rank agrees, even one that orthogonalizes nothing).
+  const ExchangePlan shape = exchange_plan(mb.layout, g, n, m, mb.cols, mb.ranks, mb.update_dtype, DType::F32);
+  const OrthMethod method = choose_orth_method(*backend, g.orth, shape.orth_rows, mb.cols);
+  mb.orth_dtype = g.orth.iteration_dtype.value_or(backend->default_iteration_dtype(method == OrthMethod::Gram));
+  const ExchangePlan x = exchange_plan(mb.layout, g, n, m, mb.cols, mb.ranks, mb.update_dtype, mb.orth_dtype);
+  mb.k = x.k;
+  mb.piece = x.piece;
+  mb.orth_rows = x.orth_rows;
+  mb.block = x.block;
+  mb.rounds = x.rounds;
+  mb.bytes_sent = x.bytes_sent;
   mb.owned_first = std::min(n, mb.rank * mb.block);
   mb.owned_count = std::min(mb.block, n - mb.owned_first);
   char label[160];
@@ -416,26 +461,11 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
                 static_cast<long long>(n), static_cast<long long>(m), static_cast<long long>(mb.cols),
                 dtype_name(mb.weight_dtype), layout_name(mb.layout), mb.ranks);
   mb.label = label;
-  mb.rounds = 0;
-  mb.bytes_sent = 0;
-  if (mb.layout == Layout::RowShard) {
-    const int64_t c = ceil_div(m, P);
-    mb.global_scope = dion3 && g.selection_scope == SelectionScope::Global;
-    mb.piece = !dion3 ? c : mb.global_scope ? std::min(mb.k, c) : selected_rows(g.fraction, c);
-    mb.k = mb.piece;  // rows per member in the local index lists
-    mb.orth_rows = P * mb.piece;
-  }
-  // The orthogonalizer's result dtype, decided from the shape alone so that every rank agrees
-  // (a rank that orthogonalizes nothing has no orthogonalizer to ask).
-  const OrthMethod method = choose_orth_method(*backend, g.orth, mb.orth_rows, mb.cols);
-  mb.orth_dtype = g.orth.iteration_dtype.value_or(backend->default_iteration_dtype(method == OrthMethod::Gram));
   const std::size_t es_u = dtype_size(mb.update_dtype), es_o = dtype_size(mb.orth_dtype);
   if (mb.layout == Layout::Replicated) {
     const std::size_t slot = static_cast<std::size_t>(mb.k * mb.cols) * es_o;
     mb.send = DeviceBuffer(alloc, std::max<std::size_t>(mb.block * slot, 1));
     mb.recv = DeviceBuffer(alloc, std::max<std::size_t>(P * mb.block * slot, 1));
-    mb.rounds = 1;
-    mb.bytes_sent = (P - 1) * mb.block * slot;
     if (dion3) {  // error feedback on the members other ranks orthogonalize
       for (auto [lo, hi] : {std::pair<int64_t, int64_t>{0, mb.owned_first},
                             std::pair<int64_t, int64_t>{mb.owned_first + mb.owned_count, n}})
@@ -449,8 +479,6 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
     mb.send = DeviceBuffer(alloc, std::max<std::size_t>(P * mb.block * slot, 1));
     mb.recv = DeviceBuffer(alloc, std::max<std::size_t>(P * mb.block * slot, 1));
     mb.piece_idx = DeviceBuffer(alloc, static_cast<std::size_t>(n * mb.piece) * sizeof(int32_t));
-    mb.rounds = 2;
-    mb.bytes_sent = (P - 1) * mb.block * static_cast<std::size_t>(mb.piece * mb.cols) * (es_u + es_o);
     if (!dion3 || mb.rows == 0) {
       // Fixed lists: every row of the shard in order (Muon / NorMuon), then padding.
       std::vector<int32_t> idx(static_cast<std::size_t>(n * mb.piece), kPadRow);
@@ -465,8 +493,6 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
       backend->copy_from_host(mb.score_send.get(), pad.data(), pad.size() * sizeof(float));
       mb.score_recv = DeviceBuffer(alloc, P * pad.size() * sizeof(float));
       mb.all_scores = DeviceBuffer(alloc, P * pad.size() * sizeof(float));
-      mb.rounds += 1;
-      mb.bytes_sent += (P - 1) * pad.size() * sizeof(float);
     }
   }
 }

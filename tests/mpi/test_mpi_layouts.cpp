@@ -71,6 +71,7 @@ struct Case {
   std::vector<std::pair<int, int>> shapes;  // one parameter per entry; equal shapes share a megabatch
   double fraction = 0.25;
   int steps = 3;
+  bool megabatch = true;  // false: one collective round per matrix
 };
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
@@ -94,7 +95,9 @@ TEST_P(Layouts, EqualTheSingleProcessRule) {
   const GroupConfig g = config_of(c);
   const ref::MatrixHyper hyper = t3::matrix_hyper(g, DType::F32);
 
-  dion3::Optimizer opt(dion3::make_cpu_backend());
+  dion3::OptimizerOptions options;
+  options.megabatch = c.megabatch;
+  dion3::Optimizer opt(dion3::make_cpu_backend(), options);
   const int gi = opt.add_group(g);
   // The single-process engine the replicated layout must equal bit for bit.
   dion3::Optimizer single(dion3::make_cpu_backend());
@@ -127,6 +130,8 @@ TEST_P(Layouts, EqualTheSingleProcessRule) {
     ps.push_back(std::move(d));
   }
 
+  // Megabatches: one per shape (4 here), or one per matrix.
+  EXPECT_EQ(opt.plan().size(), c.megabatch ? 4u : c.shapes.size());
   for (int step = 0; step < c.steps; ++step) {
     for (std::size_t i = 0; i < ps.size(); ++i) {
       DistParam& d = ps[i];
@@ -145,7 +150,9 @@ TEST_P(Layouts, EqualTheSingleProcessRule) {
       }
     }
     ASSERT_TRUE(opt.step());
-    if (c.layout == Layout::Replicated) ASSERT_TRUE(single.step());
+    if (c.layout == Layout::Replicated) {
+      ASSERT_TRUE(single.step());
+    }
     for (std::size_t i = 0; i < ps.size(); ++i) {
       DistParam& d = ps[i];
       const std::vector<double> want = rows_of(d.W, d.n, d.shard);
@@ -157,9 +164,10 @@ TEST_P(Layouts, EqualTheSingleProcessRule) {
                   1e-5)
             << "momentum: rank " << rank << ", parameter " << i << ", step " << step + 1;
       }
-      if (c.layout == Layout::Replicated)
+      if (c.layout == Layout::Replicated) {
         EXPECT_EQ(d.local->w.bytes, single_params[i]->w.bytes)
             << "replicated run differs from the single-process engine: rank " << rank << ", parameter " << i;
+      }
     }
   }
 }
@@ -179,7 +187,11 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"rows_dion3_half", Layout::RowShard, Algorithm::Dion3, dion3::SelectionScope::Local,
                            kShapes, 0.5},
                       Case{"rows_normuon", Layout::RowShard, Algorithm::NorMuon, dion3::SelectionScope::Local,
-                           kShapes}),
+                           kShapes},
+                      Case{"rows_dion3_per_matrix", Layout::RowShard, Algorithm::Dion3,
+                           dion3::SelectionScope::Local, kShapes, 0.25, 3, false},
+                      Case{"ddp_dion3_per_matrix", Layout::Replicated, Algorithm::Dion3,
+                           dion3::SelectionScope::Local, kShapes, 0.25, 3, false}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 // A non-finite gradient in one rank's shard: every rank drops the step (skip) or raises
