@@ -56,6 +56,14 @@ class ProfilingBackend final : public dion3::Backend {
     wrap("exchange.copy", [&] { in_->copy_2d(d, dp, s, sp, w, h); });
   }
   void* stream() const override { return in_->stream(); }
+  void copy_rows(void* d, std::size_t dp, const int32_t* di, const void* s, std::size_t sp, const int32_t* si,
+                 std::size_t w, int64_t n) override {
+    wrap("exchange.copy", [&] { in_->copy_rows(d, dp, di, s, sp, si, w, n); });
+  }
+  void selection_slots(const int32_t* i, int64_t n, int64_t k, int64_t c, int64_t p, int64_t b, int64_t f, int32_t* o,
+                       const int* sk) override {
+    wrap("select", [&] { in_->selection_slots(i, n, k, c, p, b, f, o, sk); });
+  }
   int read_flag(const int* f) override { return in_->read_flag(f); }
   void finish_step(const int* f, int64_t* c) override { shape_ = "all"; wrap("other", [&] { in_->finish_step(f, c); }); }
   std::unique_ptr<dion3::MatrixSet> new_matrix_set() override { return in_->new_matrix_set(); }

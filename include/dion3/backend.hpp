@@ -111,6 +111,11 @@ class Backend {
   // `dst_pitch` apart): the block permutations around a collective.
   virtual void copy_2d(void* dst, std::size_t dst_pitch, const void* src, std::size_t src_pitch,
                        std::size_t width, std::size_t height) = 0;
+  // Row i (i < rows) of `width` bytes: dst row dst_idx[i] = src row src_idx[i] (null index:
+  // i), rows `dst_pitch` / `src_pitch` bytes apart. Compacts the rows a selection spread over
+  // padded blocks, and spreads them back.
+  virtual void copy_rows(void* dst, std::size_t dst_pitch, const int32_t* dst_idx, const void* src,
+                         std::size_t src_pitch, const int32_t* src_idx, std::size_t width, int64_t rows) = 0;
   virtual int read_flag(const int* flag) = 0;  // synchronises
   // Ends a step: counters[0] += 1 when *flag == 0 (the step was applied), else counters[1] += 1.
   virtual void finish_step(const int* flag, int64_t* counters) = 0;
@@ -134,6 +139,12 @@ class Backend {
   // made on the whole matrix, or a short shard's selection padded to the common row count.
   virtual void remap_rows(const int32_t* in, int64_t count, int64_t k_in, int64_t lo, int64_t hi,
                           int64_t k_out, int32_t* out, const int* skip) = 0;
+  // Where the selected rows of `count` matrices lie in a row-sharded exchange buffer: selection
+  // i (idx[i*k ...], ascending rows of the whole matrix, shards of c rows) puts its row t, of
+  // shard s = idx/c, at slot row ((s*block + first_slot + i)*piece + t - start_s), start_s = the
+  // selection's first entry in shard s. out[i*k + t] = that slot row.
+  virtual void selection_slots(const int32_t* idx, int64_t count, int64_t k, int64_t c, int64_t piece,
+                               int64_t block, int64_t first_slot, int32_t* out, const int* skip) = 0;
   // out[i] (k x cols) = scale_m*M_i[idx_i] + scale_g*G_i[idx_i], then M_i[idx_i] *= decay.
   // idx == null selects all rows in order (k == rows). out is contiguous, any float dtype; with
   // out.data == null only the decay is applied. Padding entries of idx give zero rows.

@@ -85,6 +85,7 @@ struct Megabatch {
   DeviceBuffer send, recv;
   DeviceBuffer piece_idx;   // RowShard: N x piece local row indices
   DeviceBuffer score_send, score_recv, all_scores;  // global scope
+  DeviceBuffer slots;  // global scope: exchange-buffer rows of the selected rows (Backend::selection_slots)
   std::vector<std::pair<int64_t, std::unique_ptr<MatrixSet>>> ef_sets;  // Replicated Dion3
   std::unique_ptr<CommRequest> inflight;
   std::string label;  // "megabatch 2 (4096x11008 bf16, row-sharded over 8 ranks)"

@@ -365,6 +365,7 @@ void Optimizer::Impl::build_plan() {
                              : mb.layout == Layout::RowShard ? mb.rows  // before padding to `piece`
                                                              : mb.k;
       mb.indices = DeviceBuffer(alloc, static_cast<std::size_t>(n * std::max<int64_t>(listed, 1)) * sizeof(int32_t));
+      if (mb.global_scope) backend->fill_zero(mb.indices.get(), mb.indices.bytes());  // see Megabatch::slots
     }
     if (mb.layout != Layout::RowShard)
       mb.row_sumsq = DeviceBuffer(alloc, static_cast<std::size_t>(n * (mb.gathers_normalized ? mb.rows : mb.k)) *
@@ -417,8 +418,9 @@ ExchangePlan exchange_plan(Layout layout, const GroupConfig& g, int64_t count, i
     const int64_t c = ceil_div(m, P);
     const bool global = dion3 && g.selection_scope == SelectionScope::Global;
     x.piece = !dion3 ? c : global ? std::min(x.k, c) : selected_rows(g.fraction, c);
+    // Global scope: the owner compacts the k selected rows out of the padded pieces.
+    x.orth_rows = global ? x.k : P * x.piece;
     x.k = x.piece;
-    x.orth_rows = P * x.piece;
     x.rounds = 2;
     x.bytes_sent = static_cast<std::size_t>((P - 1) * x.block * x.piece * cols) * (es_u + es_o);
     if (global) {
@@ -493,6 +495,10 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
       backend->copy_from_host(mb.score_send.get(), pad.data(), pad.size() * sizeof(float));
       mb.score_recv = DeviceBuffer(alloc, P * pad.size() * sizeof(float));
       mb.all_scores = DeviceBuffer(alloc, P * pad.size() * sizeof(float));
+      // Slot rows of the compaction; the selection starts valid (zeros), as copy_rows reads it
+      // whatever the step's verdict.
+      mb.slots = DeviceBuffer(alloc, static_cast<std::size_t>(std::max<int64_t>(mb.owned_count, 1) * mb.orth_rows) *
+                                         sizeof(int32_t));
     }
   }
 }
@@ -719,9 +725,21 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
     const std::size_t out_slot = static_cast<std::size_t>(mb.piece * mb.cols) * es_o;
     for (Chunk& c : mb.chunks) {
       const int64_t jl = c.first - mb.owned_first;
-      // [source rank][member][piece] -> [member][source rank * piece]: each member's rows stacked.
       const MatrixView U = MatrixView::contiguous(arena.as<char>() + c.update_offset, mb.update_dtype, c.count,
                                                   mb.orth_rows, mb.cols);
+      if (mb.global_scope) {
+        // The k selected rows of each member, compacted out of the ranks' padded pieces, and
+        // their results put back where each rank reads its own.
+        const std::size_t row_u = mb.cols * es_u, row_o = mb.cols * es_o;
+        int32_t* slots = mb.slots.as<int32_t>();
+        be.selection_slots(idx + c.first * mb.orth_rows, c.count, mb.orth_rows, ceil_div(mb.global_rows, P),
+                           mb.piece, mb.block, jl, slots, nullptr);
+        be.copy_rows(U.data, row_u, nullptr, mb.recv.get(), row_u, slots, row_u, c.count * mb.orth_rows);
+        const MatrixView O = c.orth->run(U);
+        be.copy_rows(mb.send.get(), row_o, slots, O.data, row_o, nullptr, row_o, c.count * mb.orth_rows);
+        continue;
+      }
+      // [source rank][member][piece] -> [member][source rank * piece]: each member's rows stacked.
       for (int64_t r = 0; r < P; ++r)
         be.copy_2d(static_cast<char*>(U.data) + r * in_slot, P * in_slot,
                    byte_offset(mb.recv, (r * mb.block + jl) * in_slot), in_slot, in_slot, c.count);

@@ -163,6 +163,27 @@ class CpuBackend final : public Backend {
     }
   }
 
+  void copy_rows(void* dst, std::size_t dst_pitch, const int32_t* dst_idx, const void* src, std::size_t src_pitch,
+                 const int32_t* src_idx, std::size_t width, int64_t rows) override {
+    for (int64_t i = 0; i < rows; ++i)
+      std::memcpy(static_cast<char*>(dst) + (dst_idx ? dst_idx[i] : i) * dst_pitch,
+                  static_cast<const char*>(src) + (src_idx ? src_idx[i] : i) * src_pitch, width);
+  }
+
+  void selection_slots(const int32_t* idx, int64_t count, int64_t k, int64_t c, int64_t piece, int64_t block,
+                       int64_t first_slot, int32_t* out, const int* skip) override {
+    if (skipped(skip)) return;
+    for (int64_t i = 0; i < count; ++i) {
+      const int32_t* g = idx + i * k;
+      int64_t start = 0, shard = -1;
+      for (int64_t t = 0; t < k; ++t) {
+        const int64_t s = g[t] / c;
+        if (s != shard) shard = s, start = t;
+        out[i * k + t] = static_cast<int32_t>((s * block + first_slot + i) * piece + t - start);
+      }
+    }
+  }
+
   void remap_rows(const int32_t* in, int64_t count, int64_t k_in, int64_t lo, int64_t hi, int64_t k_out,
                   int32_t* out, const int* skip) override {
     if (skipped(skip)) return;

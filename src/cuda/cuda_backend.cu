@@ -222,6 +222,14 @@ class CudaBackend final : public Backend {
     launch_select_rows(scores, count, m, k, idx, skip, stream_);
   }
 
+  void copy_rows(void* dst, std::size_t dst_pitch, const int32_t* dst_idx, const void* src, std::size_t src_pitch,
+                 const int32_t* src_idx, std::size_t width, int64_t rows) override {
+    launch_copy_rows(dst, dst_pitch, dst_idx, src, src_pitch, src_idx, width, rows, stream_);
+  }
+  void selection_slots(const int32_t* idx, int64_t count, int64_t k, int64_t c, int64_t piece, int64_t block,
+                       int64_t first_slot, int32_t* out, const int* skip) override {
+    launch_selection_slots(idx, count, k, c, piece, block, first_slot, out, skip, stream_);
+  }
   void remap_rows(const int32_t* in, int64_t count, int64_t k_in, int64_t lo, int64_t hi, int64_t k_out,
                   int32_t* out, const int* skip) override {
     launch_remap_rows(in, count, k_in, lo, hi, k_out, out, skip, stream_);

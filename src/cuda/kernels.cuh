@@ -35,6 +35,11 @@ void launch_apply_update(const DeviceMat* mats, int64_t nmats, int64_t rows, int
                          float* scratch, const int* skip, cudaStream_t s);  // alignment checked per row
 void launch_remap_rows(const int32_t* in, int64_t count, int64_t k_in, int64_t lo, int64_t hi, int64_t k_out,
                        int32_t* out, const int* skip, cudaStream_t s);
+void launch_selection_slots(const int32_t* idx, int64_t count, int64_t k, int64_t c, int64_t piece, int64_t block,
+                            int64_t first_slot, int32_t* out, const int* skip, cudaStream_t s);
+void launch_copy_rows(void* dst, std::size_t dst_pitch, const int32_t* dst_idx, const void* src,
+                      std::size_t src_pitch, const int32_t* src_idx, std::size_t width, int64_t rows,
+                      cudaStream_t s);
 void launch_check_finite(std::span<const MatrixView> xs, int* flag, cudaStream_t s);
 void launch_finish_step(const int* flag, int64_t* counters, cudaStream_t s);
 

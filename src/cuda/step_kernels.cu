@@ -765,6 +765,58 @@ void launch_remap_rows(const int32_t* in, int64_t count, int64_t k_in, int64_t l
   DION3_CUDA_LAUNCH_CHECK();
 }
 
+// ---- selection_slots: one block per selection, one thread per entry; start_s by binary search --
+__global__ void selection_slots_kernel(const int32_t* __restrict__ idx, int64_t k, int64_t c, int64_t piece,
+                                       int64_t block, int64_t first_slot, int32_t* __restrict__ out,
+                                       const int* skip) {
+  pdl_wait();
+  if (skipped(skip)) return;
+  const int64_t i = blockIdx.x;
+  const int32_t* g = idx + i * k;
+  for (int64_t t = threadIdx.x; t < k; t += blockDim.x) {
+    const int64_t s = g[t] / c;
+    const int64_t start = lower_bound_i32(g, k, s * c);
+    out[i * k + t] = static_cast<int32_t>((s * block + first_slot + i) * piece + t - start);
+  }
+}
+
+void launch_selection_slots(const int32_t* idx, int64_t count, int64_t k, int64_t c, int64_t piece, int64_t block,
+                            int64_t first_slot, int32_t* out, const int* skip, cudaStream_t s) {
+  if (count == 0 || k == 0) return;
+  launch_pdl(selection_slots_kernel, static_cast<unsigned>(count), 256, 0, s, idx, k, c, piece, block, first_slot,
+             out, skip);
+  DION3_CUDA_LAUNCH_CHECK();
+}
+
+// ---- copy_rows: one block per row; 16-byte words where every address allows it ---------------
+template <class W>
+__global__ void copy_rows_kernel(char* __restrict__ dst, std::size_t dst_pitch, const int32_t* __restrict__ dst_idx,
+                                 const char* __restrict__ src, std::size_t src_pitch,
+                                 const int32_t* __restrict__ src_idx, std::size_t words) {
+  pdl_wait();
+  const int64_t i = blockIdx.x;
+  W* d = reinterpret_cast<W*>(dst + (dst_idx ? dst_idx[i] : i) * dst_pitch);
+  const W* q = reinterpret_cast<const W*>(src + (src_idx ? src_idx[i] : i) * src_pitch);
+  for (std::size_t e = threadIdx.x; e < words; e += blockDim.x) d[e] = q[e];
+}
+
+void launch_copy_rows(void* dst, std::size_t dst_pitch, const int32_t* dst_idx, const void* src,
+                      std::size_t src_pitch, const int32_t* src_idx, std::size_t width, int64_t rows,
+                      cudaStream_t s) {
+  if (rows == 0 || width == 0) return;
+  const bool wide = width % 16 == 0 && dst_pitch % 16 == 0 && src_pitch % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(dst) % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0;
+  auto* d = static_cast<char*>(dst);
+  auto* q = static_cast<const char*>(src);
+  if (wide)
+    launch_pdl(copy_rows_kernel<uint4>, static_cast<unsigned>(rows), 256, 0, s, d, dst_pitch, dst_idx, q, src_pitch,
+               src_idx, width / 16);
+  else
+    launch_pdl(copy_rows_kernel<char>, static_cast<unsigned>(rows), 256, 0, s, d, dst_pitch, dst_idx, q, src_pitch,
+               src_idx, width);
+  DION3_CUDA_LAUNCH_CHECK();
+}
+
 // One thread: the step's verdict into the applied / dropped counters (see Backend::finish_step).
 __global__ void finish_step_kernel(const int* flag, int64_t* counters) {
   pdl_wait();
