@@ -120,7 +120,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
     _name = "Dion3"
 
     def __init__(self, params, distributed_mesh, defaults: Dict[str, Any], on_nonfinite: str,
-                 workspace_limit: Optional[int] = None):
+                 workspace_limit: Optional[int] = None, megabatch: bool = True):
         _dist.check_mesh(distributed_mesh, self._name)
         self._mesh = distributed_mesh
         if on_nonfinite not in ("raise", "skip"):
@@ -137,6 +137,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             raise ValueError(f"dion3: 'workspace_limit' must be a byte count >= 0 or None; got {workspace_limit!r}")
         self._on_nonfinite = on_nonfinite
         self._workspace_limit = -1 if workspace_limit is None else workspace_limit
+        self._megabatch = bool(megabatch)
         self._engine = None
         self._engine_key = None
         self._engine_params: List[torch.Tensor] = []
@@ -161,10 +162,12 @@ class _EngineOptimizer(torch.optim.Optimizer):
         on_nonfinite = state.get("_on_nonfinite", getattr(self, "_on_nonfinite", "raise"))
         workspace_limit = state.get("_workspace_limit", getattr(self, "_workspace_limit", -1))
         mesh = state.get("_mesh", getattr(self, "_mesh", None))
+        megabatch = state.get("_megabatch", getattr(self, "_megabatch", True))
         super().__setstate__(state)
         self._on_nonfinite = on_nonfinite
         self._workspace_limit = workspace_limit
         self._mesh = mesh
+        self._megabatch = megabatch
         self._dtensors = False
         self._unregistered = []
         self._engine, self._engine_key, self._engine_params, self._engine_groups = None, None, [], []
@@ -181,6 +184,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         state["_workspace_limit"] = self._workspace_limit
         state["_steps_skipped"] = self._steps_skipped
         state["_mesh"] = self._mesh
+        state["_megabatch"] = self._megabatch
         return state
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
@@ -407,7 +411,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         device = params_with_grad[0][2][0][1].device
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"dion3: parameters are on '{device}'; dion3 runs on cpu and cuda")
-        engine = _C.Engine(device.type, device.index or 0, self._on_nonfinite, self._workspace_limit)
+        engine = _C.Engine(device.type, device.index or 0, self._on_nonfinite, self._workspace_limit,
+                           getattr(self, "_megabatch", True))
         new_state: Dict[torch.Tensor, Dict[str, Any]] = {}
         engine_params, engine_groups, steps, adamw_check = [], [], [], []
         dtensors = False
@@ -476,6 +481,7 @@ class Dion3(_EngineOptimizer):
     `dion.Dion3`; extra, explicit arguments: orthogonalizer ('auto'|'standard'|'gram', onto which
     use_gram_newton_schulz maps), scale_lr_by_fraction, on_nonfinite ('raise'|'skip'),
     workspace_limit (bytes of orthogonalization workspace; None = the engine's default),
+    megabatch (False: one collective round per matrix instead of per shape group, for benchmarks),
     momentum_dtype, iteration_dtype, coefficients and restarts.
     use_triton is accepted and ignored (the engine has its own kernels)."""
 
@@ -492,7 +498,8 @@ class Dion3(_EngineOptimizer):
                  workspace_limit: Optional[int] = None,
                  momentum_dtype: Optional[torch.dtype] = None, iteration_dtype: Optional[torch.dtype] = None,
                  coefficients: Optional[Sequence[Tuple[float, float, float]]] = None,
-                 restarts: Optional[Sequence[int]] = None, cautious_wd: bool = False, nesterov: bool = False):
+                 restarts: Optional[Sequence[int]] = None, cautious_wd: bool = False, nesterov: bool = False,
+                 megabatch: bool = True):
         defaults = _defaults(
             algorithm=self._default_algorithm, lr=lr, fraction=fraction, mu=mu, muon_beta2=muon_beta2,
             betas=tuple(betas), weight_decay=weight_decay, epsilon=epsilon, adjust_lr=adjust_lr,
@@ -502,7 +509,7 @@ class Dion3(_EngineOptimizer):
             scale_lr_by_fraction=scale_lr_by_fraction, momentum_dtype=momentum_dtype,
             iteration_dtype=iteration_dtype, coefficients=coefficients, restarts=restarts,
             cautious_wd=cautious_wd, nesterov=nesterov)
-        super().__init__(params, distributed_mesh, defaults, on_nonfinite, workspace_limit)
+        super().__init__(params, distributed_mesh, defaults, on_nonfinite, workspace_limit, megabatch)
 
 
 class NorMuon(_EngineOptimizer):
@@ -522,7 +529,7 @@ class NorMuon(_EngineOptimizer):
                  momentum_dtype: Optional[torch.dtype] = None, iteration_dtype: Optional[torch.dtype] = None,
                  coefficients: Optional[Sequence[Tuple[float, float, float]]] = None,
                  restarts: Optional[Sequence[int]] = None, fraction: float = 0.25,
-                 scale_lr_by_fraction: bool = False):
+                 scale_lr_by_fraction: bool = False, megabatch: bool = True):
         defaults = _defaults(
             algorithm=self._default_algorithm, lr=lr, fraction=fraction, mu=mu, muon_beta2=muon_beta2,
             betas=tuple(betas), weight_decay=weight_decay, epsilon=epsilon, adjust_lr=adjust_lr,
@@ -532,7 +539,7 @@ class NorMuon(_EngineOptimizer):
             scale_lr_by_fraction=scale_lr_by_fraction, momentum_dtype=momentum_dtype,
             iteration_dtype=iteration_dtype, coefficients=coefficients, restarts=restarts,
             cautious_wd=cautious_wd, nesterov=nesterov)
-        super().__init__(params, distributed_mesh, defaults, on_nonfinite, workspace_limit)
+        super().__init__(params, distributed_mesh, defaults, on_nonfinite, workspace_limit, megabatch)
 
 
 class Muon(_EngineOptimizer):
@@ -551,7 +558,7 @@ class Muon(_EngineOptimizer):
                  iteration_dtype: Optional[torch.dtype] = None,
                  coefficients: Optional[Sequence[Tuple[float, float, float]]] = None,
                  restarts: Optional[Sequence[int]] = None, muon_beta2: float = 0.95, fraction: float = 0.25,
-                 scale_lr_by_fraction: bool = False):
+                 scale_lr_by_fraction: bool = False, megabatch: bool = True):
         defaults = _defaults(
             algorithm=self._default_algorithm, lr=lr, fraction=fraction, mu=mu, muon_beta2=muon_beta2,
             betas=tuple(betas), weight_decay=weight_decay, epsilon=epsilon, adjust_lr=adjust_lr,
@@ -561,4 +568,4 @@ class Muon(_EngineOptimizer):
             scale_lr_by_fraction=scale_lr_by_fraction, momentum_dtype=momentum_dtype,
             iteration_dtype=iteration_dtype, coefficients=coefficients, restarts=restarts,
             cautious_wd=cautious_wd, nesterov=nesterov)
-        super().__init__(params, distributed_mesh, defaults, on_nonfinite, workspace_limit)
+        super().__init__(params, distributed_mesh, defaults, on_nonfinite, workspace_limit, megabatch)

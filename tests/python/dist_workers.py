@@ -25,6 +25,11 @@ RTOL = 2e-5
 
 def run(rank, world, tmp, name, args):
     """Entry point of a spawned rank: init gloo, run the named check, report failures in a file."""
+    import faulthandler
+
+    # A crash (not an exception) leaves its stack here for the parent to show.
+    fault = open(os.path.join(tmp, f"fault.{rank}"), "w")
+    faulthandler.enable(file=fault)
     try:
         dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), world), rank=rank,
                                 world_size=world)

@@ -27,7 +27,7 @@ def launch(world, name, tmp, *args):
 
     tmp = str(tmp)
     for f in os.listdir(tmp):
-        if f.startswith("error.") or f == "store":
+        if f.startswith(("error.", "fault.")) or f == "store":
             os.remove(os.path.join(tmp, f))
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=dist_workers.run, args=(r, world, tmp, name, args)) for r in range(world)]
@@ -49,7 +49,14 @@ def launch(world, name, tmp, *args):
                 errors.append(f"--- rank {r} ---\n{f.read()}")
     assert not errors, "\n".join(errors)
     assert not hung, f"ranks {hung} still running after {LAUNCH_TIMEOUT} s"
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    crashed = [r for r, p in enumerate(procs) if p.exitcode != 0]
+    faults = []
+    for r in crashed:
+        path = os.path.join(tmp, f"fault.{r}")
+        if os.path.exists(path):
+            with open(path) as f:
+                faults.append(f"--- rank {r} (exit code {procs[r].exitcode}) ---\n{f.read()}")
+    assert not crashed, "\n".join(faults) or [p.exitcode for p in procs]
     print(f"[ {name} on {world} ranks: {time.time() - start:.1f} s ]")
 
 

@@ -229,10 +229,11 @@ dion3::Layout parse_layout(const std::string& kind) {
 class Engine {
  public:
   Engine(const std::string& device_type, int device_index, const std::string& on_nonfinite,
-         int64_t workspace_limit)
+         int64_t workspace_limit, bool megabatch)
       : device_index_(device_index) {
     dion3::OptimizerOptions options;
     options.on_nonfinite = dion3::parse_nonfinite(on_nonfinite);
+    options.megabatch = megabatch;
     if (workspace_limit >= 0) options.workspace_limit = static_cast<std::size_t>(workspace_limit);
     std::unique_ptr<dion3::Backend> backend;
     if (device_type == "cpu") {
@@ -490,8 +491,8 @@ auto guarded(R (*f)(A...)) {
 }
 
 std::unique_ptr<Engine> make_engine(const std::string& device_type, int device_index,
-                                    const std::string& on_nonfinite, int64_t workspace_limit) {
-  return std::make_unique<Engine>(device_type, device_index, on_nonfinite, workspace_limit);
+                                    const std::string& on_nonfinite, int64_t workspace_limit, bool megabatch) {
+  return std::make_unique<Engine>(device_type, device_index, on_nonfinite, workspace_limit, megabatch);
 }
 
 }  // namespace
@@ -503,7 +504,7 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<Engine>(m, "Engine")
       .def(py::init(guarded(&make_engine)), py::arg("device_type"), py::arg("device_index"),
-           py::arg("on_nonfinite"), py::arg("workspace_limit") = -1)
+           py::arg("on_nonfinite"), py::arg("workspace_limit") = -1, py::arg("megabatch") = true)
       .def("add_group", guarded(&Engine::add_group))
       .def("update_group", guarded(&Engine::update_group))
       .def("add_param", guarded(&Engine::add_param), py::arg("group"), py::arg("name"), py::arg("weight"),

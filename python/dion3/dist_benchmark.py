@@ -1,0 +1,117 @@
+# dist_benchmark.py — `torchrun --nproc-per-node P -m dion3.dist_benchmark`: dion3's distributed
+# layouts (SPEC §3) through torch.distributed, timed and counted. On every rank it builds a
+# model's matrices in each layout — DDP (plain replicated tensors, distributed_mesh = the process
+# group) and FSDP2 row shards (DTensors with Shard(0), local and global selection scope) — once
+# megabatched and once with one collective per matrix, steps them, and prints on rank 0, per
+# layout: the median step time of the slowest rank, the collective rounds and the bytes each rank
+# sends per step (from the engine's plan), and the megabatched/per-matrix ratio measured in the
+# same run. gloo on CPU tensors, NCCL on GPUs. Not a test: it asserts nothing.
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import dion3
+from dion3.benchmark import MODELS, model_shapes
+
+MODELS_WITH_SMALL = dict(MODELS, **{"gpt-small": (12, 768, 4 * 768)})
+
+
+def shapes_of(name: str, layers: int):
+    if name == "gpt-small":
+        n_layers, d, mlp = MODELS_WITH_SMALL[name]
+        return ([(d, d)] * 4 + [(mlp, d), (d, mlp)]) * (layers or n_layers)
+    return model_shapes(name, layers)[0]
+
+
+def build(layout, shapes, device, dtype, mesh):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    params, grads = [], []
+    gen = torch.Generator().manual_seed(0)
+    for s in shapes:
+        w = (torch.randn(s, generator=gen) * 0.02).to(dtype)
+        g = torch.randn(s, generator=gen).to(dtype)
+        if layout == "ddp":
+            p = torch.nn.Parameter(w.to(device))
+            p.grad = g.to(device)
+        else:
+            p = torch.nn.Parameter(distribute_tensor(w.to(device), mesh, [Shard(0)]))
+            p.grad = distribute_tensor(g.to(device), mesh, [Shard(0)])
+        params.append(p)
+    return params
+
+
+def time_steps(opt, iters, device):
+    opt.step()  # plan, workspace, first collectives
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = torch.tensor([1e3 * (time.perf_counter() - t0)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank
+        times.append(t.item())
+    return statistics.median(times)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="gpt-small", choices=sorted(MODELS_WITH_SMALL))
+    ap.add_argument("--layers", type=int, default=2, help="first N layers (default 2)")
+    ap.add_argument("--fraction", type=float, default=0.25)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    ap.add_argument("--layouts", default="ddp,fsdp,fsdp-global")
+    args = ap.parse_args(argv)
+
+    cuda = torch.cuda.is_available() and os.environ.get("DION3_BENCH_DEVICE", "") != "cpu"
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world,))
+    shapes = shapes_of(args.model, args.layers)
+    if rank == 0:
+        print(f"dion3.dist_benchmark: {args.model}, {args.layers} layers ({len(shapes)} matrices), Dion3 "
+              f"f = {args.fraction:g}, {device.type} {str(dtype).replace('torch.', '')}, {world} ranks "
+              f"({backend}), median of {args.iters} steps (slowest rank)\n")
+        print("| layout | collectives | megabatches | rounds/step | MiB sent/rank/step | step ms | "
+              "megabatched vs per matrix |\n|---|---|---|---|---|---|---|")
+    for layout in args.layouts.split(","):
+        per = None
+        for megabatch in (False, True):
+            params = build(layout, shapes, device, dtype, mesh)
+            scope = "global" if layout == "fsdp-global" else "local"
+            opt = dion3.Dion3(params, distributed_mesh=dist.group.WORLD if layout == "ddp" else mesh,
+                              fraction=args.fraction, selection_scope=scope, megabatch=megabatch)
+            ms = time_steps(opt, args.iters, device)
+            plan = opt.plan()
+            rounds = sum(mb["rounds"] for mb in plan)
+            sent = sum(mb["bytes_sent"] for mb in plan) / 2**20
+            if rank == 0:
+                ratio = f"{per / ms:.2f}x faster" if megabatch else ""
+                print(f"| {layout} | {'megabatched' if megabatch else 'one per matrix'} | {len(plan)} | {rounds} | "
+                      f"{sent:.2f} | {ms:.2f} | {ratio} |", flush=True)
+            per = ms
+            del opt, params
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
