@@ -17,8 +17,8 @@
 #include <cstring>
 #include <map>
 #include <memory>
-#include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "dion3/backend.hpp"
@@ -47,12 +47,13 @@ Usage: mpirun -np P dion3-dist-bench [options]        (without mpirun: one rank)
        dion3-dist-bench --project [--ranks LIST] [--models LIST]
 
   --model NAME       gpt-small (default), gpt-1b, llama-7b
-  --layers N         first N layers of the model (default 2)
+  --layers N         first N layers of the model (default 2; 0: all)
   --fraction F       Dion3 fraction (default 1/4)
   --iters N          timed steps per configuration, median reported (default 5)
   --device cpu|cuda  cpu: MPI communicator; cuda: NCCL, one GPU per rank (default cpu)
   --dtype f32|bf16   weights, gradients and momentum (default f32 on cpu, bf16 on cuda)
   --layouts LIST     from local,ddp,rows,rows-global (default: all; local only on cuda)
+  --repeat N         run the layout list N times in a row (clock drift shows as spread)
   --project          print the per-rank rounds and bytes for --models at --ranks (no run)
   --ranks LIST       rank counts of --project (default 8,32,256)
   --models LIST      models of --project (default gpt-1b,llama-7b)
@@ -66,6 +67,7 @@ struct Options {
   std::string device = "cpu";
   std::string dtype;
   std::vector<std::string> layouts;
+  int repeat = 1;
   bool project = false;
   std::vector<int> ranks = {8, 32, 256};
   std::vector<std::string> models = {"gpt-1b", "llama-7b"};
@@ -108,12 +110,13 @@ Options parse(int argc, char** argv) {
       std::fputs(kUsage, stdout);
       std::exit(0);
     } else if (a == "--model") o.model = value();
-    else if (a == "--layers") o.layers = std::max(1, std::atoi(value().c_str()));
+    else if (a == "--layers") o.layers = std::max(0, std::atoi(value().c_str()));
     else if (a == "--fraction") o.fraction = parse_fraction(value());
     else if (a == "--iters") o.iters = std::max(1, std::atoi(value().c_str()));
     else if (a == "--device") o.device = value();
     else if (a == "--dtype") o.dtype = value();
     else if (a == "--layouts") o.layouts = split(value());
+    else if (a == "--repeat") o.repeat = std::max(1, std::atoi(value().c_str()));
     else if (a == "--project") o.project = true;
     else if (a == "--ranks") {
       o.ranks.clear();
@@ -204,12 +207,18 @@ uint16_t to_bf16(float f) {
   return static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
-// Host values of one matrix (full), deterministic per (seed, index).
+// Host values of one matrix (full), uniform in [-scale, scale], deterministic per seed (splitmix64:
+// billions of values for the large models in seconds).
 std::vector<float> values(int64_t rows, int64_t cols, uint64_t seed, float scale) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> nd(0.0f, scale);
   std::vector<float> v(static_cast<std::size_t>(rows * cols));
-  for (auto& x : v) x = nd(rng);
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull;
+  for (auto& e : v) {
+    uint64_t z = (x += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    e = scale * (static_cast<float>(z >> 40) * (2.0f / 16777216.0f) - 1.0f);
+  }
   return v;
 }
 
@@ -242,15 +251,21 @@ Run run_layout(const Options& o, const World& w, const std::vector<MatrixShape>&
       first = std::min<int64_t>(s.rows, w.rank * c);
       rows = std::min<int64_t>(c, s.rows - first);
     }
+    // Matrices of one shape share their values (a timing does not depend on them), so large
+    // models are set up in seconds.
+    static std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, uint64_t, int>, std::vector<unsigned char>> cache;
     auto upload = [&](uint64_t seed, float scale) {
-      const auto full = values(s.rows, s.cols, seed, scale);
-      std::vector<unsigned char> bytes(static_cast<std::size_t>(rows * s.cols) * es);
-      for (int64_t e = 0; e < rows * s.cols; ++e) {
-        const float v = full[static_cast<std::size_t>(first * s.cols + e)];
-        if (dt == dion3::DType::F32) std::memcpy(&bytes[e * 4], &v, 4);
-        else {
-          const uint16_t b = to_bf16(v);
-          std::memcpy(&bytes[e * 2], &b, 2);
+      auto& bytes = cache[{s.rows, s.cols, first, rows, seed, static_cast<int>(dt)}];
+      if (bytes.empty() && rows * s.cols > 0) {
+        const auto full = values(s.rows, s.cols, seed, scale);
+        bytes.resize(static_cast<std::size_t>(rows * s.cols) * es);
+        for (int64_t e = 0; e < rows * s.cols; ++e) {
+          const float v = full[static_cast<std::size_t>(first * s.cols + e)];
+          if (dt == dion3::DType::F32) std::memcpy(&bytes[e * 4], &v, 4);
+          else {
+            const uint16_t b = to_bf16(v);
+            std::memcpy(&bytes[e * 2], &b, 2);
+          }
         }
       }
       memory.emplace_back(be->allocator(), std::max<std::size_t>(bytes.size(), 1));
@@ -260,8 +275,8 @@ Run run_layout(const Options& o, const World& w, const std::vector<MatrixShape>&
     dion3::ParamSpec spec;
     spec.name = s.name;
     const auto dev = cuda ? dion3::Device::CUDA : dion3::Device::CPU;
-    spec.weight = dion3::TensorView{upload(2 * i + 1, 0.02f), dt, dev, 0, {rows, s.cols}};
-    spec.grad = dion3::TensorView{upload(2 * i + 2, 1.0f), dt, dev, 0, {rows, s.cols}};
+    spec.weight = dion3::TensorView{upload(1, 0.02f), dt, dev, 0, {rows, s.cols}};
+    spec.grad = dion3::TensorView{upload(2, 1.0f), dt, dev, 0, {rows, s.cols}};
     if (layout != "local") {
       spec.layout.kind = layout == "ddp" ? dion3::Layout::Replicated : dion3::Layout::RowShard;
       spec.layout.comm = w.comm;
@@ -299,6 +314,7 @@ int run(const Options& o, World& w) {
                 "megabatched vs per matrix |\n|---|---|---|---|---|---|---|\n");
   }
   double local_ms = 0;
+  for (int rep = 0; rep < o.repeat; ++rep)
   for (const auto& layout : o.layouts) {
     Run per;
     for (bool megabatch : {false, true}) {

@@ -40,10 +40,12 @@ target_compile_options(dion3 PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${_dion3_gencode
 target_compile_definitions(dion3 PUBLIC DION3_HAVE_CUDA=1)
 target_link_libraries(dion3 PUBLIC CUDA::cudart CUDA::cublas CUDA::cublasLt)
 # NCCL for the native GPU communicator (src/comm/nccl.cpp), where the toolkit or the system has it.
-find_path(DION3_NCCL_INCLUDE nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} /usr/include)
-find_library(DION3_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR} /usr/lib/x86_64-linux-gnu)
+# DION3_NCCL_ROOT: a prefix with include/nccl.h and lib/libnccl.so[.2] (e.g. the nvidia-nccl wheel's).
+find_path(DION3_NCCL_INCLUDE nccl.h HINTS ${DION3_NCCL_ROOT}/include ${CUDAToolkit_INCLUDE_DIRS} /usr/include)
+find_library(DION3_NCCL_LIBRARY NAMES nccl libnccl.so.2
+             HINTS ${DION3_NCCL_ROOT}/lib ${CUDAToolkit_LIBRARY_DIR} /usr/lib/x86_64-linux-gnu)
 if(DION3_NCCL_INCLUDE AND DION3_NCCL_LIBRARY)
-  target_include_directories(dion3 PRIVATE ${DION3_NCCL_INCLUDE})
+  target_include_directories(dion3 PUBLIC ${DION3_NCCL_INCLUDE})
   target_link_libraries(dion3 PUBLIC ${DION3_NCCL_LIBRARY})
   target_compile_definitions(dion3 PUBLIC DION3_HAVE_NCCL=1)
   message(STATUS "dion3: NCCL communicator (${DION3_NCCL_LIBRARY})")

@@ -32,17 +32,17 @@ def shapes_of(name: str, layers: int):
 def build(layout, shapes, device, dtype, mesh):
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    params, grads = [], []
-    gen = torch.Generator().manual_seed(0)
+    params = []
+    gen = torch.Generator(device=device).manual_seed(0)  # the same values on every rank
     for s in shapes:
-        w = (torch.randn(s, generator=gen) * 0.02).to(dtype)
-        g = torch.randn(s, generator=gen).to(dtype)
-        if layout == "ddp":
-            p = torch.nn.Parameter(w.to(device))
-            p.grad = g.to(device)
+        w = (torch.randn(s, generator=gen, device=device) * 0.02).to(dtype)
+        g = torch.randn(s, generator=gen, device=device).to(dtype)
+        if layout in ("ddp", "local"):
+            p = torch.nn.Parameter(w)
+            p.grad = g
         else:
-            p = torch.nn.Parameter(distribute_tensor(w.to(device), mesh, [Shard(0)]))
-            p.grad = distribute_tensor(g.to(device), mesh, [Shard(0)])
+            p = torch.nn.Parameter(distribute_tensor(w, mesh, [Shard(0)]))
+            p.grad = distribute_tensor(g, mesh, [Shard(0)])
         params.append(p)
     return params
 
@@ -67,11 +67,13 @@ def time_steps(opt, iters, device):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="gpt-small", choices=sorted(MODELS_WITH_SMALL))
-    ap.add_argument("--layers", type=int, default=2, help="first N layers (default 2)")
+    ap.add_argument("--layers", type=int, default=2, help="first N layers (default 2; 0: all)")
     ap.add_argument("--fraction", type=float, default=0.25)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
-    ap.add_argument("--layouts", default="ddp,fsdp,fsdp-global")
+    ap.add_argument("--layouts", default="ddp,fsdp,fsdp-global",
+                    help="from local (single-device path, the baseline), ddp, fsdp, fsdp-global")
+    ap.add_argument("--repeat", type=int, default=1, help="run the layout list N times in a row")
     args = ap.parse_args(argv)
 
     cuda = torch.cuda.is_available() and os.environ.get("DION3_BENCH_DEVICE", "") != "cpu"
@@ -93,21 +95,30 @@ def main(argv=None):
               f"({backend}), median of {args.iters} steps (slowest rank)\n")
         print("| layout | collectives | megabatches | rounds/step | MiB sent/rank/step | step ms | "
               "megabatched vs per matrix |\n|---|---|---|---|---|---|---|")
-    for layout in args.layouts.split(","):
+    local_ms = None
+    for layout in args.layouts.split(",") * args.repeat:
         per = None
-        for megabatch in (False, True):
+        for megabatch in ((True,) if layout == "local" else (False, True)):
             params = build(layout, shapes, device, dtype, mesh)
             scope = "global" if layout == "fsdp-global" else "local"
-            opt = dion3.Dion3(params, distributed_mesh=dist.group.WORLD if layout == "ddp" else mesh,
-                              fraction=args.fraction, selection_scope=scope, megabatch=megabatch)
+            where = None if layout == "local" else dist.group.WORLD if layout == "ddp" else mesh
+            opt = dion3.Dion3(params, distributed_mesh=where, fraction=args.fraction, selection_scope=scope,
+                              megabatch=megabatch)
             ms = time_steps(opt, args.iters, device)
             plan = opt.plan()
             rounds = sum(mb["rounds"] for mb in plan)
             sent = sum(mb["bytes_sent"] for mb in plan) / 2**20
+            if layout == "local":
+                local_ms = ms
             if rank == 0:
-                ratio = f"{per / ms:.2f}x faster" if megabatch else ""
-                print(f"| {layout} | {'megabatched' if megabatch else 'one per matrix'} | {len(plan)} | {rounds} | "
-                      f"{sent:.2f} | {ms:.2f} | {ratio} |", flush=True)
+                notes = []
+                if megabatch and per is not None:
+                    notes.append(f"{per / ms:.2f}x faster")
+                if layout != "local" and local_ms and megabatch:
+                    notes.append(f"{100 * (ms / local_ms - 1):+.1f}% vs single-device")
+                kind = "none" if layout == "local" else "megabatched" if megabatch else "one per matrix"
+                print(f"| {layout} | {kind} | {len(plan)} | {rounds} | {sent:.2f} | {ms:.2f} | {'; '.join(notes)} |",
+                      flush=True)
             per = ms
             del opt, params
     dist.destroy_process_group()

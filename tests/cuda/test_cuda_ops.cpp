@@ -687,3 +687,126 @@ INSTANTIATE_TEST_SUITE_P(Cases, AddIdentityBig,
                                            BigIdent{DType::F16, DType::F16, 2, 36}, BigIdent{DType::BF16, DType::BF16, 2, 1000},
                                            BigIdent{DType::F32, DType::F16, 2, 200}, BigIdent{DType::F16, DType::F16, 1, 2752}));
 }  // namespace
+
+// ---- the distributed layouts' ops: padding rows, remap_rows, selection_slots, copy_rows, copy_2d,
+// the decay-only gather ---------------------------------------------------------------------------
+namespace {
+
+// Ascending selections of k_real rows per matrix, then padding up to k.
+std::vector<int32_t> padded_rows(int64_t n, int64_t rows, int64_t k_real, int64_t k, std::mt19937_64& rng) {
+  std::vector<int32_t> out;
+  for (int64_t i = 0; i < n; ++i) {
+    std::vector<int32_t> all(rows);
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), rng);
+    std::vector<int32_t> sel(all.begin(), all.begin() + k_real);
+    std::sort(sel.begin(), sel.end());
+    for (int64_t j = 0; j < k; ++j) out.push_back(j < k_real ? sel[j] : dion3::kPadRow);
+  }
+  return out;
+}
+
+dion3::DeviceBuffer upload_ints(dion3::Backend& gpu, const std::vector<int32_t>& v) {
+  dion3::DeviceBuffer b(gpu.allocator(), std::max<std::size_t>(v.size() * 4, 4));
+  if (!v.empty()) gpu.copy_from_host(b.get(), v.data(), v.size() * 4);
+  return b;
+}
+std::vector<int32_t> download_ints(dion3::Backend& gpu, const dion3::DeviceBuffer& b, std::size_t n) {
+  std::vector<int32_t> v(n);
+  if (n) gpu.copy_to_host(v.data(), b.get(), n * 4);
+  return v;
+}
+
+}  // namespace
+
+TEST_F(CudaOps, PaddedGatherUpdateAndDecayOnlyGatherMatchCpu) {
+  std::mt19937_64 rng(77);
+  const int64_t n = 3, rows = 37, cols = 132, k_real = 9, k = 12;
+  for (DType mdt : {DType::F32, DType::BF16}) {
+    SetTwin s(*cpu, *gpu, n, rows, cols, DType::BF16, DType::F32, mdt, rng);
+    const auto idx = padded_rows(n, rows, k_real, k, rng);
+    auto didx = upload_ints(*gpu, idx);
+    Twin out(*gpu, DType::F32, n, k, cols), ss(*gpu, DType::F32, n, k, 1);
+    out.fill_value(5.0f);
+    ss.fill_value(-1.0f);
+    cpu->gather_rows(*s.hs, idx.data(), k, 1.0f, 0.0f, 0.9f, out.hview(), static_cast<float*>(ss.hview().data), nullptr);
+    gpu->gather_rows(*s.ds, didx.as<int32_t>(), k, 1.0f, 0.0f, 0.9f, out.dview(), static_cast<float*>(ss.dview().data),
+                     nullptr);
+    const auto got = out.device_values();
+    EXPECT_LE(ct::rel_max_diff(got, out.host_values()), storage_tol(DType::F32)) << dn(mdt);
+    EXPECT_LE(ct::rel_max_diff(s.m.device_values(), s.m.host_values()), storage_tol(mdt)) << dn(mdt);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = k_real; j < k; ++j) {
+        EXPECT_EQ(ss.device_values()[i * k + j], 0.0f);
+        for (int64_t c = 0; c < cols; ++c) ASSERT_EQ(got[(i * k + j) * cols + c], 0.0f) << "padding row not zero";
+      }
+    // The decay-only gather (no output) scales the same rows.
+    cpu->gather_rows(*s.hs, idx.data(), k, 1.0f, 0.0f, 0.5f, MatrixView{}, nullptr, nullptr);
+    gpu->gather_rows(*s.ds, didx.as<int32_t>(), k, 1.0f, 0.0f, 0.5f, MatrixView{}, nullptr, nullptr);
+    EXPECT_LE(ct::rel_max_diff(s.m.device_values(), s.m.host_values()), storage_tol(mdt)) << dn(mdt);
+    // gather_normalized with padding.
+    Twin rs(*gpu, DType::F32, n, rows, 1);
+    rs.set_host(row_sums_of_squares(s.m.host_values(), cols));
+    rs.upload();
+    Twin xn(*gpu, DType::F16, n, k, cols);
+    cpu->gather_normalized(*s.hs, idx.data(), k, 1.0f, static_cast<const float*>(rs.hview().data), 1e-7f, xn.hview(),
+                           nullptr);
+    gpu->gather_normalized(*s.ds, didx.as<int32_t>(), k, 1.0f, static_cast<const float*>(rs.dview().data), 1e-7f,
+                           xn.dview(), nullptr);
+    EXPECT_LE(ct::rel_max_diff(xn.device_values(), xn.host_values()), storage_tol(DType::F16)) << dn(mdt);
+    // apply_update ignores the padding rows of O (filled with garbage here).
+    Twin O(*gpu, DType::BF16, n, k, cols);
+    O.fill_normal(rng, 0.05f);
+    dion3::UpdateParams p;
+    p.lr = 0.02f; p.weight_decay = 0.1f; p.adjusted_lr = 0.03f; p.normuon = true; p.beta2 = 0.95f;
+    cpu->apply_update(*s.hs, idx.data(), k, O.hview(), p, nullptr);
+    gpu->apply_update(*s.ds, didx.as<int32_t>(), k, O.dview(), p, nullptr);
+    EXPECT_LE(ct::rel_max_diff(s.w.device_values(), s.w.host_values()), storage_tol(DType::BF16)) << dn(mdt);
+    EXPECT_LE(ct::rel_max_diff(s.v.device_values(), s.v.host_values()), 1e-5) << dn(mdt);
+  }
+}
+
+TEST_F(CudaOps, RemapRowsAndSelectionSlotsExactlyCpu) {
+  std::mt19937_64 rng(8);
+  const int64_t n = 5, m = 103, k = 26, P = 4, c = (m + P - 1) / P, piece = std::min(k, c), block = 2;
+  const auto sel = padded_rows(n, m, k, k, rng);
+  auto dsel = upload_ints(*gpu, sel);
+  for (int64_t r = 0; r < P; ++r) {
+    const int64_t lo = r * c, hi = std::min(m, lo + c);
+    std::vector<int32_t> want(n * piece);
+    cpu->remap_rows(sel.data(), n, k, lo, hi, piece, want.data(), nullptr);
+    dion3::DeviceBuffer out(gpu->allocator(), want.size() * 4);
+    gpu->remap_rows(dsel.as<int32_t>(), n, k, lo, hi, piece, out.as<int32_t>(), nullptr);
+    EXPECT_EQ(download_ints(*gpu, out, want.size()), want) << "shard " << r;
+  }
+  std::vector<int32_t> want(n * k);
+  cpu->selection_slots(sel.data(), n, k, c, piece, block, 1, want.data(), nullptr);
+  dion3::DeviceBuffer out(gpu->allocator(), want.size() * 4);
+  gpu->selection_slots(dsel.as<int32_t>(), n, k, c, piece, block, 1, out.as<int32_t>(), nullptr);
+  EXPECT_EQ(download_ints(*gpu, out, want.size()), want);
+}
+
+TEST_F(CudaOps, CopyRowsAndCopy2dExactlyCpu) {
+  std::mt19937_64 rng(4);
+  for (std::size_t width : {std::size_t{256}, std::size_t{90}}) {  // 16-byte words, and bytes
+    const int64_t rows = 19;
+    const std::size_t pitch = width + 32;
+    std::vector<unsigned char> src(rows * pitch), dst_h(rows * pitch, 0), dst_d(rows * pitch, 0);
+    for (auto& b : src) b = static_cast<unsigned char>(rng());
+    std::vector<int32_t> perm(rows);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    dion3::DeviceBuffer dsrc(gpu->allocator(), src.size()), ddst(gpu->allocator(), src.size());
+    gpu->copy_from_host(dsrc.get(), src.data(), src.size());
+    gpu->fill_zero(ddst.get(), src.size());
+    auto dperm = upload_ints(*gpu, perm);
+    cpu->copy_rows(dst_h.data(), pitch, perm.data(), src.data(), pitch, nullptr, width, rows);
+    gpu->copy_rows(ddst.get(), pitch, dperm.as<int32_t>(), dsrc.get(), pitch, nullptr, width, rows);
+    gpu->copy_to_host(dst_d.data(), ddst.get(), dst_d.size());
+    EXPECT_EQ(dst_d, dst_h) << "copy_rows, width " << width;
+    cpu->copy_2d(dst_h.data(), pitch, src.data() + 16, pitch, width - 16, rows);
+    gpu->copy_2d(ddst.get(), pitch, dsrc.as<char>() + 16, pitch, width - 16, rows);
+    gpu->copy_to_host(dst_d.data(), ddst.get(), dst_d.size());
+    EXPECT_EQ(dst_d, dst_h) << "copy_2d, width " << width;
+  }
+}
