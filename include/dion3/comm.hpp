@@ -41,7 +41,8 @@ class Communicator {
   virtual int size() const = 0;
   // Where the buffers handed to the collectives live.
   virtual Device device() const = 0;
-  // recv holds size() blocks of block_bytes; block r comes from rank r's send.
+  // recv holds size() blocks of block_bytes; block r comes from rank r's send. send may be this
+  // rank's own block of recv (in place).
   virtual std::unique_ptr<CommRequest> all_gather(const void* send, void* recv, std::size_t block_bytes,
                                                   void* stream, const std::string& label) = 0;
   // send and recv hold size() blocks of block_bytes: block r of send goes to rank r, block r of

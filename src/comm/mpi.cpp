@@ -94,7 +94,9 @@ class MpiCommunicator final : public Communicator {
                                           const std::string& label) override {
     const int n = checked_count(bytes, label);
     MPI_Request r;
-    check_mpi(MPI_Iallgather(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_, &r), label);
+    // In place when send is this rank's block of recv (MPI forbids overlapping buffers otherwise).
+    const bool in_place = send == static_cast<const char*>(recv) + static_cast<std::size_t>(rank_) * bytes;
+    check_mpi(MPI_Iallgather(in_place ? MPI_IN_PLACE : send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_, &r), label);
     return std::make_unique<MpiRequest>(r, label, timeout_);
   }
   std::unique_ptr<CommRequest> all_to_all(const void* send, void* recv, std::size_t bytes, void*,

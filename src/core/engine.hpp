@@ -45,16 +45,20 @@ struct Chunk {
 // collective is in flight while another computes.
 //
 // Distributed layouts (SPEC §3), with N members, P ranks and block = ceil(N / P): rank r
-// orthogonalizes members [r*block, min((r+1)*block, N)).
-//  - Replicated: every rank accumulates and selects all N; it gathers and orthogonalizes its own
-//    block into `send` (block x k x cols), one all-gather fills `recv` (P*block x k x cols), and
-//    every rank applies all N. Error feedback of the others' rows: `ef_sets`.
+// orthogonalizes members [r*block, min((r+1)*block, N)), its own block; the others travel.
+//  - Replicated: every rank accumulates and selects all N. It orthogonalizes its own block and
+//    applies it at once, copies the results into its slot of `recv` (P*block x k x cols, member
+//    order), and one in-place all-gather fills the other slots, which it applies last. Error
+//    feedback of the others' rows happens without gathering them.
 //  - RowShard: every rank selects `piece` rows of its shard of each member (kPadRow-padded in
-//    piece_idx) and gathers them into `send` ([owner][member][piece][cols], i.e. member order);
-//    one all-to-all gives `recv` ([source rank][member of my block][piece][cols]), permuted into
-//    the orthogonalizer's input (member x P*piece x cols); the results are permuted into `send`
-//    ([destination rank][member][piece][cols]) and one all-to-all returns them to `recv` in
-//    member order, where apply_update reads each rank's own rows.
+//    piece_idx). The others' pieces go into `send` ([owner][member][piece][cols], i.e. member
+//    order); one all-to-all gives `recv` ([source rank][member of my block][piece][cols]),
+//    permuted into the orthogonalizer's input (member x P*piece x cols), where the rank gathers
+//    its own pieces directly. Its own rows of the results are applied at once; the others are
+//    permuted into `send` ([destination rank][member][piece][cols]) and one all-to-all returns
+//    them to `recv` in member order. Over one rank nothing is exchanged. Global scope: the
+//    selection spans the whole matrix, every piece goes through the exchange, and the owner
+//    compacts the k selected rows (Backend::selection_slots).
 struct Megabatch {
   int group = 0;
   int64_t rows = 0, cols = 0, k = 0;  // rows: of the local matrices (a shard under RowShard)
@@ -86,7 +90,9 @@ struct Megabatch {
   DeviceBuffer piece_idx;   // RowShard: N x piece local row indices
   DeviceBuffer score_send, score_recv, all_scores;  // global scope
   DeviceBuffer slots;  // global scope: exchange-buffer rows of the selected rows (Backend::selection_slots)
-  std::vector<std::pair<int64_t, std::unique_ptr<MatrixSet>>> ef_sets;  // Replicated Dion3
+  // The members other ranks orthogonalize, as (first member, set) ranges before and after the
+  // rank's own block: their rows travel through the exchange; the own block's never do.
+  std::vector<std::pair<int64_t, std::unique_ptr<MatrixSet>>> others;
   std::unique_ptr<CommRequest> inflight;
   std::string label;  // "megabatch 2 (4096x11008 bf16, row-sharded over 8 ranks)"
   int rounds = 0;             // collective rounds per step

@@ -338,7 +338,10 @@ void Optimizer::Impl::build_plan() {
     // Arena layout of a chunk of `count` members: the update rows U are read only by the
     // orthogonalizer's first pass, so they lie inside its workspace where they fit there (and
     // take no room when the gather writes the orthogonalizer's normalised input itself).
-    mb.gathers_normalized = g.algorithm == Algorithm::Dion3 && mb.layout != Layout::RowShard && mb.k <= mb.cols;
+    // Row-sharded megabatches normalise after the exchange (the norm spans every rank's rows),
+    // except over one rank, where the rank's rows are the whole input.
+    mb.gathers_normalized = g.algorithm == Algorithm::Dion3 && (mb.layout != Layout::RowShard || mb.ranks == 1) &&
+                            mb.orth_rows <= mb.cols;
     auto layout = [&](int64_t count, Chunk* c) {
       const std::size_t u = mb.gathers_normalized
                                 ? 0
@@ -367,7 +370,7 @@ void Optimizer::Impl::build_plan() {
       mb.indices = DeviceBuffer(alloc, static_cast<std::size_t>(n * std::max<int64_t>(listed, 1)) * sizeof(int32_t));
       if (mb.global_scope) backend->fill_zero(mb.indices.get(), mb.indices.bytes());  // see Megabatch::slots
     }
-    if (mb.layout != Layout::RowShard)
+    if (mb.gathers_normalized || mb.layout != Layout::RowShard)
       mb.row_sumsq = DeviceBuffer(alloc, static_cast<std::size_t>(n * (mb.gathers_normalized ? mb.rows : mb.k)) *
                                              sizeof(float));
     for (int64_t first = mb.owned_first; first < mb.owned_first + mb.owned_count; first += chunk) {
@@ -416,7 +419,8 @@ ExchangePlan exchange_plan(Layout layout, const GroupConfig& g, int64_t count, i
     // Selected rows to the owner and back: two all-to-alls of `piece` rows per matrix and rank;
     // the global scope first all-gathers every shard's row scores.
     const int64_t c = ceil_div(m, P);
-    const bool global = dion3 && g.selection_scope == SelectionScope::Global;
+    // Over one rank the whole matrix is the shard: both scopes select the same rows.
+    const bool global = dion3 && g.selection_scope == SelectionScope::Global && P > 1;
     x.piece = !dion3 ? c : global ? std::min(x.k, c) : selected_rows(g.fraction, c);
     // Global scope: the owner compacts the k selected rows out of the padded pieces.
     x.orth_rows = global ? x.k : P * x.piece;
@@ -428,6 +432,7 @@ ExchangePlan exchange_plan(Layout layout, const GroupConfig& g, int64_t count, i
       x.bytes_sent += static_cast<std::size_t>((P - 1) * count * c) * sizeof(float);
     }
   }
+  if (P == 1) x.rounds = 0;  // a rank alone exchanges nothing
   return x;
 }
 
@@ -443,7 +448,8 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
   mb.rank = mb.comm ? mb.comm->rank() : 0;
   mb.update_dtype = update_rows_dtype(g, mb.momentum_dtype);
   const int64_t P = mb.ranks, m = mb.global_rows;
-  mb.global_scope = mb.layout == Layout::RowShard && dion3 && g.selection_scope == SelectionScope::Global;
+  mb.global_scope =
+      mb.layout == Layout::RowShard && dion3 && g.selection_scope == SelectionScope::Global && mb.ranks > 1;
   // The exchange's row counts decide the orthogonalizer's shape, and so its result dtype (decided
   // from the shape alone so that every rank agrees, even one that orthogonalizes nothing).
   const ExchangePlan shape = exchange_plan(mb.layout, g, n, m, mb.cols, mb.ranks, mb.update_dtype, DType::F32);
@@ -464,22 +470,24 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
                 dtype_name(mb.weight_dtype), layout_name(mb.layout), mb.ranks);
   mb.label = label;
   const std::size_t es_u = dtype_size(mb.update_dtype), es_o = dtype_size(mb.orth_dtype);
-  if (mb.layout == Layout::Replicated) {
+  if (mb.layout != Layout::Local) {  // the members other ranks orthogonalize
+    for (auto [lo, hi] : {std::pair<int64_t, int64_t>{0, mb.owned_first},
+                          std::pair<int64_t, int64_t>{mb.owned_first + mb.owned_count, n}})
+      if (hi > lo) {
+        mb.others.emplace_back(lo, backend->new_matrix_set());
+        mb.others.back().second->mats.resize(static_cast<std::size_t>(hi - lo));
+      }
+  }
+  // Exchange buffers only where something leaves the rank.
+  if (mb.layout == Layout::Replicated && P > 1) {
     const std::size_t slot = static_cast<std::size_t>(mb.k * mb.cols) * es_o;
-    mb.send = DeviceBuffer(alloc, std::max<std::size_t>(mb.block * slot, 1));
-    mb.recv = DeviceBuffer(alloc, std::max<std::size_t>(P * mb.block * slot, 1));
-    if (dion3) {  // error feedback on the members other ranks orthogonalize
-      for (auto [lo, hi] : {std::pair<int64_t, int64_t>{0, mb.owned_first},
-                            std::pair<int64_t, int64_t>{mb.owned_first + mb.owned_count, n}})
-        if (hi > lo) {
-          mb.ef_sets.emplace_back(lo, backend->new_matrix_set());
-          mb.ef_sets.back().second->mats.resize(static_cast<std::size_t>(hi - lo));
-        }
-    }
+    mb.recv = DeviceBuffer(alloc, P * mb.block * slot);  // all-gathered in place
   } else if (mb.layout == Layout::RowShard) {
     const std::size_t slot = static_cast<std::size_t>(mb.piece * mb.cols) * std::max(es_u, es_o);
-    mb.send = DeviceBuffer(alloc, std::max<std::size_t>(P * mb.block * slot, 1));
-    mb.recv = DeviceBuffer(alloc, std::max<std::size_t>(P * mb.block * slot, 1));
+    if (P > 1) {
+      mb.send = DeviceBuffer(alloc, P * mb.block * slot);
+      mb.recv = DeviceBuffer(alloc, P * mb.block * slot);
+    }
     mb.piece_idx = DeviceBuffer(alloc, static_cast<std::size_t>(n * mb.piece) * sizeof(int32_t));
     if (!dion3 || mb.rows == 0) {
       // Fixed lists: every row of the shard in order (Muon / NorMuon), then padding.
@@ -635,8 +643,27 @@ void Optimizer::Impl::agree_on_flag(int* flag) {
   }
 }
 
-// Stage 1: momentum, scores and selection; for row-sharded megabatches also the gather of the
-// selected rows and the start of the forward all-to-all.
+namespace {
+
+// The rows Dion3 / Muon / NorMuon hand to the orthogonalizer, with error feedback where the
+// algorithm has it (SPEC §1 steps 3-4, Muon's momentum or its Nesterov mix).
+void gather_update_rows(Backend& be, const GroupConfig& g, const MatrixSet& set, const int32_t* idx, int64_t k,
+                        MatrixView out, float* row_sumsq, const int* flag) {
+  const float mu = static_cast<float>(g.mu);
+  if (g.algorithm == Algorithm::Dion3) be.gather_rows(set, idx, k, 1.0f, 0.0f, mu, out, row_sumsq, flag);
+  else if (g.nesterov) be.gather_rows(set, idx, k, mu, 1.0f, 1.0f, out, row_sumsq, flag);
+  else be.gather_rows(set, idx, k, 1.0f, 0.0f, 1.0f, out, row_sumsq, flag);
+}
+
+// `count` matrices of rows x cols at `data`, `stride` elements apart.
+MatrixView strided(void* data, DType dtype, int64_t count, int64_t rows, int64_t cols, int64_t stride) {
+  return MatrixView{data, dtype, count, rows, cols, cols, stride};
+}
+
+}  // namespace
+
+// Stage 1: momentum, scores and selection; for row-sharded megabatches over several ranks also
+// the gather of the rows other ranks orthogonalize and the start of the forward all-to-all.
 void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
   Backend& be = *backend;
   const GroupConfig& g = groups[mb.group];
@@ -651,15 +678,21 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
     mb.set->mats.push_back(pm);
   }
   be.refresh(*mb.set);
+  for (auto& [first, set] : mb.others) {
+    std::copy(mb.set->mats.begin() + first, mb.set->mats.begin() + first + static_cast<int64_t>(set->mats.size()),
+              set->mats.begin());
+    be.refresh(*set);
+  }
   const auto n = static_cast<int64_t>(mb.members.size());
   const float mu = static_cast<float>(g.mu);
   const bool dion3 = g.algorithm == Algorithm::Dion3;
   float* scores = mb.scores.as<float>();
   int32_t* idx = mb.indices.as<int32_t>();
+  float* row_sumsq = mb.gathers_normalized ? mb.row_sumsq.as<float>() : nullptr;
   if (mb.layout != Layout::RowShard) {
     if (dion3) {
       // M += G, row l1 scores (and sums of squares, for the normalisation in the gather)
-      be.accumulate(*mb.set, 1.0f, scores, mb.gathers_normalized ? mb.row_sumsq.as<float>() : nullptr, flag);
+      be.accumulate(*mb.set, 1.0f, scores, row_sumsq, flag);
       be.select_rows(scores, n, mb.rows, mb.k, idx, flag);  // S = top-k rows
     } else {
       be.accumulate(*mb.set, mu, nullptr, nullptr, flag);  // M = mu M + G
@@ -667,11 +700,11 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
     return;
   }
 
-  // Row-sharded: this rank's `piece` rows of each member, in member order, into `send`.
+  // Row-sharded: `piece` rows of this rank's shard of each member.
   const int64_t P = mb.ranks, c = ceil_div(mb.global_rows, P), shard_first = std::min(mb.global_rows, mb.rank * c);
   int32_t* piece_idx = mb.piece_idx.as<int32_t>();
   if (dion3) {
-    be.accumulate(*mb.set, 1.0f, scores, nullptr, flag);
+    be.accumulate(*mb.set, 1.0f, scores, row_sumsq, flag);
     if (mb.global_scope) {
       // Every rank gathers every shard's scores and selects the whole matrix's top k (the
       // single-device selection), then keeps the rows that fall in its shard.
@@ -694,22 +727,26 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
   } else {
     be.accumulate(*mb.set, mu, nullptr, nullptr, flag);
   }
-  const std::size_t es_u = dtype_size(mb.update_dtype);
-  const std::size_t slot = static_cast<std::size_t>(mb.piece * mb.cols) * es_u;
-  if (mb.rows > 0) {
-    const MatrixView U = MatrixView::contiguous(mb.send.get(), mb.update_dtype, n, mb.piece, mb.cols);
-    if (dion3) be.gather_rows(*mb.set, piece_idx, mb.piece, 1.0f, 0.0f, mu, U, nullptr, flag);  // U; M[S] *= mu
-    else if (g.nesterov) be.gather_rows(*mb.set, piece_idx, mb.piece, mu, 1.0f, 1.0f, U, nullptr, flag);
-    else be.gather_rows(*mb.set, piece_idx, mb.piece, 1.0f, 0.0f, 1.0f, U, nullptr, flag);
-  } else {
-    be.fill_zero(mb.send.get(), n * slot);  // an empty shard sends rows of zeros
-  }
+  if (P == 1) return;  // nothing leaves the rank
+  // The pieces other ranks orthogonalize (global scope: every piece, the owner compacts them)
+  // into `send`, in member order; padding rows (a short or empty shard) are zeros.
+  const std::size_t slot = static_cast<std::size_t>(mb.piece * mb.cols) * dtype_size(mb.update_dtype);
+  auto gather_into_send = [&](const MatrixSet& set, int64_t first) {
+    const auto count = static_cast<int64_t>(set.mats.size());
+    gather_update_rows(be, g, set, piece_idx + first * mb.piece, mb.piece,
+                       MatrixView::contiguous(byte_offset(mb.send, first * slot), mb.update_dtype, count, mb.piece,
+                                              mb.cols),
+                       nullptr, flag);
+  };
+  if (mb.global_scope) gather_into_send(*mb.set, 0);
+  else
+    for (auto& [first, set] : mb.others) gather_into_send(*set, first);
   mb.inflight = mb.comm->all_to_all(mb.send.get(), mb.recv.get(), mb.block * slot, be.stream(),
                                     "the forward all-to-all of " + mb.label);
 }
 
-// Stage 2: orthogonalize this rank's members. Local megabatches also apply their update here,
-// chunk by chunk; distributed ones start the collective that returns the results.
+// Stage 2: orthogonalize this rank's members and apply them; distributed megabatches also start
+// the collective that takes the results to the ranks that hold the others.
 void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
   Backend& be = *backend;
   const GroupConfig& g = groups[mb.group];
@@ -718,97 +755,117 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
   int32_t* idx = mb.indices.as<int32_t>();
   float* row_sumsq = mb.row_sumsq.as<float>();
   const std::size_t es_o = dtype_size(mb.orth_dtype), es_u = dtype_size(mb.update_dtype);
-  if (mb.layout == Layout::RowShard) {
-    comm_wait(std::move(mb.inflight));
-    const int64_t P = mb.ranks;
-    const std::size_t in_slot = static_cast<std::size_t>(mb.piece * mb.cols) * es_u;
-    const std::size_t out_slot = static_cast<std::size_t>(mb.piece * mb.cols) * es_o;
-    for (Chunk& c : mb.chunks) {
-      const int64_t jl = c.first - mb.owned_first;
-      const MatrixView U = MatrixView::contiguous(arena.as<char>() + c.update_offset, mb.update_dtype, c.count,
-                                                  mb.orth_rows, mb.cols);
-      if (mb.global_scope) {
-        // The k selected rows of each member, compacted out of the ranks' padded pieces, and
-        // their results put back where each rank reads its own.
-        const std::size_t row_u = mb.cols * es_u, row_o = mb.cols * es_o;
-        int32_t* slots = mb.slots.as<int32_t>();
-        be.selection_slots(idx + c.first * mb.orth_rows, c.count, mb.orth_rows, ceil_div(mb.global_rows, P),
-                           mb.piece, mb.block, jl, slots, nullptr);
-        be.copy_rows(U.data, row_u, nullptr, mb.recv.get(), row_u, slots, row_u, c.count * mb.orth_rows);
-        const MatrixView O = c.orth->run(U);
-        be.copy_rows(mb.send.get(), row_o, slots, O.data, row_o, nullptr, row_o, c.count * mb.orth_rows);
-        continue;
-      }
-      // [source rank][member][piece] -> [member][source rank * piece]: each member's rows stacked.
-      for (int64_t r = 0; r < P; ++r)
-        be.copy_2d(static_cast<char*>(U.data) + r * in_slot, P * in_slot,
-                   byte_offset(mb.recv, (r * mb.block + jl) * in_slot), in_slot, in_slot, c.count);
-      const MatrixView O = c.orth->run(U);
-      for (int64_t r = 0; r < P; ++r)
-        be.copy_2d(byte_offset(mb.send, (r * mb.block + jl) * out_slot), out_slot,
-                   static_cast<const char*>(O.data) + r * out_slot, P * out_slot, out_slot, c.count);
-    }
-    mb.inflight = mb.comm->all_to_all(mb.send.get(), mb.recv.get(), mb.block * out_slot, be.stream(),
-                                      "the return all-to-all of " + mb.label);
-    return;
-  }
-
   const UpdateParams up = update_params(mb);
+  const int64_t P = mb.ranks;
+  const bool row_shard = mb.layout == Layout::RowShard;
+  if (row_shard && P > 1) comm_wait(std::move(mb.inflight));
+  const int32_t* piece_idx = mb.piece_idx.as<int32_t>();
+  // Rows per member in the index lists the chunk's gather and update read.
+  const int64_t listed = row_shard ? mb.piece : mb.k;
+  const std::size_t in_slot = static_cast<std::size_t>(listed * mb.cols) * es_u;
+  const std::size_t out_slot = static_cast<std::size_t>(listed * mb.cols) * es_o;
+
   for (Chunk& c : mb.chunks) {
     c.set->mats.assign(mb.set->mats.begin() + c.first, mb.set->mats.begin() + c.first + c.count);
     be.refresh(*c.set);
-    const int32_t* rows = dion3 ? idx + c.first * mb.k : nullptr;
+    const int64_t jl = c.first - mb.owned_first;
+    const int32_t* rows = row_shard ? piece_idx + c.first * mb.piece : dion3 ? idx + c.first * mb.k : nullptr;
     MatrixView O;
     if (mb.gathers_normalized) {
       // X = M[S] / ||M[S]||, straight into the orthogonalizer's buffer; M[S] *= mu.
-      be.gather_normalized(*c.set, rows, mb.k, mu, row_sumsq + c.first * mb.rows, Orthogonalizer::kNormEps,
+      be.gather_normalized(*c.set, rows, listed, mu, row_sumsq + c.first * mb.rows, Orthogonalizer::kNormEps,
                            c.orth->normalized_input(), flag);
       O = c.orth->run_normalized();
     } else {
-      MatrixView U = MatrixView::contiguous(arena.as<char>() + c.update_offset, mb.update_dtype, c.count, mb.k,
-                                            mb.cols);
-      float* ss = row_sumsq + c.first * mb.k;  // U's row sums of squares
-      if (dion3) be.gather_rows(*c.set, rows, mb.k, 1.0f, 0.0f, mu, U, ss, flag);  // U = M[S]; M[S] *= mu
-      else if (g.nesterov) be.gather_rows(*c.set, nullptr, mb.k, mu, 1.0f, 1.0f, U, ss, flag);  // U = mu M + G
-      else be.gather_rows(*c.set, nullptr, mb.k, 1.0f, 0.0f, 1.0f, U, ss, flag);                 // U = M
-      // U's norm comes from the row sums (no pass over U before the normalising one).
-      O = c.orth->run(U, ss);
+      const MatrixView U = MatrixView::contiguous(arena.as<char>() + c.update_offset, mb.update_dtype, c.count,
+                                                  mb.orth_rows, mb.cols);
+      if (!row_shard) {
+        float* ss = row_sumsq + c.first * mb.k;  // U's row sums of squares, for its norm
+        gather_update_rows(be, g, *c.set, rows, mb.k, U, ss, flag);
+        O = c.orth->run(U, ss);
+      } else if (mb.global_scope) {
+        // The k selected rows of each member, compacted out of the ranks' padded pieces.
+        be.selection_slots(idx + c.first * mb.orth_rows, c.count, mb.orth_rows, ceil_div(mb.global_rows, P),
+                           mb.piece, mb.block, jl, mb.slots.as<int32_t>(), nullptr);
+        be.copy_rows(U.data, mb.cols * es_u, nullptr, mb.recv.get(), mb.cols * es_u, mb.slots.as<int32_t>(),
+                     mb.cols * es_u, c.count * mb.orth_rows);
+        O = c.orth->run(U);
+      } else {
+        // Each member's rows stacked by rank: the others' pieces from `recv` ([rank][member]
+        // [piece]), this rank's gathered in place.
+        for (int64_t r = 0; r < P; ++r) {
+          if (r == mb.rank) continue;
+          be.copy_2d(static_cast<char*>(U.data) + r * in_slot, P * in_slot,
+                     byte_offset(mb.recv, (r * mb.block + jl) * in_slot), in_slot, in_slot, c.count);
+        }
+        gather_update_rows(be, g, *c.set, rows, mb.piece,
+                           strided(static_cast<char*>(U.data) + mb.rank * in_slot, mb.update_dtype, c.count, mb.piece,
+                                   mb.cols, mb.orth_rows * mb.cols),
+                           nullptr, flag);
+        O = c.orth->run(U);
+      }
     }
-    if (mb.layout == Layout::Local) {
-      // The update reads the orthogonalizer's result in its iteration dtype (no conversion pass).
-      be.apply_update(*c.set, rows, mb.k, O, up, flag);
-    } else {  // Replicated: this rank's results into its all-gather block
-      const std::size_t slot = static_cast<std::size_t>(mb.k * mb.cols) * es_o;
-      be.copy(byte_offset(mb.send, (c.first - mb.owned_first) * slot), O.data, c.count * slot);
+    if (!row_shard) {
+      be.apply_update(*c.set, rows, mb.k, O, up, flag);  // reads O in its iteration dtype
+      if (mb.layout == Layout::Replicated && P > 1)  // this rank's slot of the all-gather
+        be.copy(byte_offset(mb.recv, c.first * out_slot), O.data, c.count * out_slot);
+      continue;
+    }
+    if (mb.global_scope) {
+      // The results back where each rank reads its rows; this rank's own from `send` at once.
+      be.copy_rows(mb.send.get(), mb.cols * es_o, mb.slots.as<int32_t>(), O.data, mb.cols * es_o, nullptr,
+                   mb.cols * es_o, c.count * mb.orth_rows);
+      if (mb.rows > 0)
+        be.apply_update(*c.set, rows, mb.piece,
+                        MatrixView::contiguous(byte_offset(mb.send, (mb.rank * mb.block + jl) * out_slot),
+                                               mb.orth_dtype, c.count, mb.piece, mb.cols),
+                        up, flag);
+      continue;
+    }
+    if (mb.rows > 0)  // this rank's rows of the results, applied from the orthogonalizer's buffer
+      be.apply_update(*c.set, rows, mb.piece,
+                      mb.gathers_normalized ? O
+                                            : strided(static_cast<char*>(O.data) + mb.rank * out_slot, mb.orth_dtype,
+                                                      c.count, mb.piece, mb.cols, mb.orth_rows * mb.cols),
+                      up, flag);
+    for (int64_t r = 0; r < P; ++r) {
+      if (r == mb.rank) continue;
+      be.copy_2d(byte_offset(mb.send, (r * mb.block + jl) * out_slot), out_slot,
+                 static_cast<const char*>(O.data) + r * out_slot, P * out_slot, out_slot, c.count);
     }
   }
-  if (mb.layout == Layout::Replicated) {
-    // Error feedback on the rows other ranks orthogonalized (every rank keeps the whole momentum).
-    for (auto& [first, set] : mb.ef_sets) {
-      std::copy(mb.set->mats.begin() + first, mb.set->mats.begin() + first + static_cast<int64_t>(set->mats.size()),
-                set->mats.begin());
-      be.refresh(*set);
+  if (mb.layout == Layout::Replicated && dion3) {
+    // Error feedback on the rows other ranks orthogonalize (every rank keeps the whole momentum).
+    for (auto& [first, set] : mb.others)
       be.gather_rows(*set, idx + first * mb.k, mb.k, 1.0f, 0.0f, mu, MatrixView{}, nullptr, flag);
-    }
+  }
+  if (P == 1) return;
+  if (mb.layout == Layout::Replicated) {
     const std::size_t slot = static_cast<std::size_t>(mb.k * mb.cols) * es_o;
-    mb.inflight = mb.comm->all_gather(mb.send.get(), mb.recv.get(), mb.block * slot, be.stream(),
-                                      "the all-gather of " + mb.label);
+    mb.inflight = mb.comm->all_gather(byte_offset(mb.recv, mb.owned_first * slot), mb.recv.get(), mb.block * slot,
+                                      be.stream(), "the all-gather of " + mb.label);
+  } else if (row_shard) {
+    mb.inflight = mb.comm->all_to_all(mb.send.get(), mb.recv.get(), mb.block * out_slot, be.stream(),
+                                      "the return all-to-all of " + mb.label);
   }
 }
 
-// Stage 3: distributed megabatches apply the returned results to the rows this rank holds.
+// Stage 3: apply the results other ranks computed to the rows this rank holds.
 void Optimizer::Impl::apply(Megabatch& mb, int* flag) {
-  if (mb.layout == Layout::Local) return;
+  if (mb.layout == Layout::Local || mb.ranks == 1) return;
   comm_wait(std::move(mb.inflight));
-  const auto n = static_cast<int64_t>(mb.members.size());
-  const bool dion3 = groups[mb.group].algorithm == Algorithm::Dion3;
   if (mb.rows == 0) return;  // an empty shard
-  if (mb.layout == Layout::Replicated) {
-    const MatrixView O = MatrixView::contiguous(mb.recv.get(), mb.orth_dtype, n, mb.k, mb.cols);
-    backend->apply_update(*mb.set, dion3 ? mb.indices.as<int32_t>() : nullptr, mb.k, O, update_params(mb), flag);
-  } else {
-    const MatrixView O = MatrixView::contiguous(mb.recv.get(), mb.orth_dtype, n, mb.piece, mb.cols);
-    backend->apply_update(*mb.set, mb.piece_idx.as<int32_t>(), mb.piece, O, update_params(mb), flag);
+  const bool dion3 = groups[mb.group].algorithm == Algorithm::Dion3;
+  const bool row_shard = mb.layout == Layout::RowShard;
+  const int64_t listed = row_shard ? mb.piece : mb.k;
+  const std::size_t slot = static_cast<std::size_t>(listed * mb.cols) * dtype_size(mb.orth_dtype);
+  for (auto& [first, set] : mb.others) {
+    const int32_t* rows = row_shard ? mb.piece_idx.as<int32_t>() + first * mb.piece
+                          : dion3   ? mb.indices.as<int32_t>() + first * mb.k
+                                    : nullptr;
+    const MatrixView O = MatrixView::contiguous(byte_offset(mb.recv, first * slot), mb.orth_dtype,
+                                                static_cast<int64_t>(set->mats.size()), listed, mb.cols);
+    backend->apply_update(*set, rows, listed, O, update_params(mb), flag);
   }
 }
 
