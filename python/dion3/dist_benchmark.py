@@ -58,7 +58,7 @@ def time_steps(opt, iters, device):
         opt.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        t = torch.tensor([1e3 * (time.perf_counter() - t0)], dtype=torch.float64)
+        t = torch.tensor([1e3 * (time.perf_counter() - t0)], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank
         times.append(t.item())
     return statistics.median(times)
