@@ -60,6 +60,9 @@ struct UpdateParams {
   bool normuon = false;      // apply the NorMuon row normalisation with variance
   float beta2 = 0.95f;
   bool cautious_wd = false;
+  // Column-sharded weights: O holds whole rows (O.cols >= the weights' cols); the NorMuon
+  // statistics span all of O's columns and the weights take columns [o_col_offset, + cols).
+  int64_t o_col_offset = 0;
 };
 
 // A flat element-wise parameter (AdamW / Lion); views are 1 x numel.
@@ -160,7 +163,8 @@ class Backend {
                                  const float* row_sumsq, float eps, MatrixView out, const int* skip) = 0;
   // Per matrix i with rows idx_i (null = all): optional NorMuon normalisation of O_i with the
   // variance rows idx_i, then W_i *= (1 - lr*wd) on all rows and W_i[idx_i] -= lr' * O_i.
-  // Rows of O at padding entries of idx are ignored (neither normalised nor applied).
+  // Rows of O at padding entries of idx are ignored (neither normalised nor applied). O may be
+  // wider than the weights (UpdateParams::o_col_offset).
   virtual void apply_update(const MatrixSet& set, const int32_t* idx, int64_t k, MatrixView O,
                             const UpdateParams& p, const int* skip) = 0;
 

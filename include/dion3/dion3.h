@@ -105,7 +105,8 @@ typedef enum dion3_selection_scope { DION3_SCOPE_LOCAL = 0, DION3_SCOPE_GLOBAL =
 typedef enum dion3_layout_kind {
   DION3_LAYOUT_LOCAL = 0,      /* one device owns it whole (default) */
   DION3_LAYOUT_REPLICATED = 1, /* every rank holds the same tensor (DDP) */
-  DION3_LAYOUT_ROW_SHARD = 2   /* rank r holds rows [r*c, min((r+1)*c, m)), c = ceil(m/P) */
+  DION3_LAYOUT_ROW_SHARD = 2, /* rank r holds rows [r*c, min((r+1)*c, m)), c = ceil(m/P) */
+  DION3_LAYOUT_COL_SHARD = 3  /* rank r holds columns [r*c, min((r+1)*c, n)), c = ceil(n/P) */
 } dion3_layout_kind;
 
 /* ---- plain structs --------------------------------------------------------------------- */
@@ -164,13 +165,14 @@ typedef struct dion3_megabatch_info {
 typedef struct dion3_optimizer dion3_optimizer; /* opaque */
 typedef struct dion3_comm dion3_comm;           /* opaque: a communicator over some ranks */
 
-/* A distributed parameter: its layout, the communicator of the ranks it spans, and for
- * DION3_LAYOUT_ROW_SHARD the rows of the whole matrix (the weight tensor is this rank's shard,
- * possibly with 0 rows). */
+/* A distributed parameter: its layout, the communicator of the ranks it spans, and the rows
+ * (ROW_SHARD) or columns (COL_SHARD) of the whole matrix; the weight tensor is this rank's
+ * shard, possibly empty. */
 typedef struct dion3_layout {
   int32_t kind;        /* dion3_layout_kind */
   int64_t global_rows; /* ROW_SHARD: m */
-  dion3_comm* comm;    /* REPLICATED / ROW_SHARD; not owned, must outlive the optimizer */
+  dion3_comm* comm;    /* REPLICATED / ROW_SHARD / COL_SHARD; not owned, must outlive the optimizer */
+  int64_t global_cols; /* COL_SHARD: n */
 } dion3_layout;
 
 /* ---- library ---------------------------------------------------------------------------- */

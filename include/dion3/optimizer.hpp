@@ -31,6 +31,9 @@ enum class Layout : int {
   Replicated = 1,  // every rank holds the same whole tensor (DDP): ranks split the orthogonalization
   RowShard = 2,    // rank r holds rows [r*c, min((r+1)*c, m)) of an m-row matrix, c = ceil(m/P)
                    // (FSDP2's Shard(0)); the weight view is that shard, possibly empty
+  ColShard = 3,    // rank r holds columns [r*c, min((r+1)*c, n)) of every row, c = ceil(n/P)
+                   // (Shard(1), e.g. tensor parallel's row-wise split); selection and NorMuon
+                   // see whole rows, as on one device
 };
 const char* layout_name(Layout l);
 
@@ -38,6 +41,7 @@ struct ParamLayout {
   Layout kind = Layout::Local;
   std::shared_ptr<Communicator> comm;  // Replicated / RowShard: the ranks the parameter spans
   int64_t global_rows = 0;             // RowShard: m, the rows of the whole matrix
+  int64_t global_cols = 0;             // ColShard: n, the columns of the whole matrix
 };
 
 struct ParamSpec {
@@ -95,6 +99,7 @@ struct ExchangePlan {
   int64_t k = 0;          // rows selected per matrix (per shard for row-sharded local scope)
   int64_t piece = 0;      // row-sharded: rows each rank sends per matrix
   int64_t orth_rows = 0;  // rows of each matrix the orthogonalizer sees
+  int64_t orth_cols = 0;  // and its columns (column-sharded: the ranks' blocks side by side)
   int rounds = 0;         // collective rounds per step
   std::size_t bytes_sent = 0;  // bytes one rank sends per step ((P - 1) blocks per round)
 };
@@ -121,6 +126,7 @@ struct MegabatchInfo {
   int64_t owned = 0;
   int64_t piece_rows = 0;
   int64_t orth_rows = 0;  // rows of each matrix the orthogonalizer sees
+  int64_t orth_cols = 0;  // and its columns (column-sharded: the ranks' blocks side by side)
   int rounds = 0;
   std::size_t bytes_sent = 0;
 };

@@ -38,9 +38,10 @@ def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 class ParamLayout:
     """What the engine is told about one parameter."""
 
-    kind: str  # "local", "replicated" or "row_shard"
+    kind: str  # "local", "replicated", "row_shard" or "col_shard"
     group: Any = None  # the torch.distributed process group it spans
     global_rows: int = 0  # row_shard: the whole matrix's rows
+    global_cols: int = 0  # col_shard: the whole matrix's columns
 
 
 LOCAL = ParamLayout("local")
@@ -117,14 +118,16 @@ def layout_of(p: torch.Tensor, mesh: Any, who: str, matrix: bool, flatten: bool)
     group = pmesh.get_group(shard_dim)
     if not matrix:
         return ParamLayout("replicated", group, 0)  # element-wise: the shard is stepped as it is
-    if tensor_dim != 0:
-        raise NotImplementedError(
-            f"dion3: {who} is sharded on tensor dimension {tensor_dim} (Shard({tensor_dim})); this build "
-            "steps row shards (Shard(0), FSDP2's default) of matrix parameters")
     if p.dim() != 2 and not flatten:
-        raise NotImplementedError(f"dion3: {who} has shape {list(p.shape)} and is row-sharded; use flatten=True "
+        raise NotImplementedError(f"dion3: {who} has shape {list(p.shape)} and is sharded; use flatten=True "
                                   "(dim0, rest) for sharded tensors of more than two dimensions")
-    return ParamLayout("row_shard", group, int(p.shape[0]))
+    if tensor_dim == 0:
+        return ParamLayout("row_shard", group, int(p.shape[0]))
+    if tensor_dim == 1 and p.dim() == 2:
+        return ParamLayout("col_shard", group, int(p.shape[0]), int(p.shape[1]))
+    raise NotImplementedError(
+        f"dion3: {who} with shape {list(p.shape)} is sharded on tensor dimension {tensor_dim} "
+        f"(Shard({tensor_dim})); dion3 steps row (Shard(0)) and column (Shard(1)) shards of matrices")
 
 
 def zeros_like_layout(p: torch.Tensor, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -439,7 +439,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 is_dt = _dist.is_dtensor(p)
                 dtensors |= is_dt
                 engine.add_param(ei, name_j, _dist.local(p), {k: _dist.local(t) for k, t in st.items()},
-                                 layout.kind, layout.group, layout.global_rows,
+                                 layout.kind, layout.group, layout.global_rows, layout.global_cols,
                                  _dist.local(p.grad) if is_dt else None)
                 st["step"] = int(old.get("step", 0))
                 new_state[p] = st

@@ -322,8 +322,9 @@ dion3_status dion3_add_param_layout(dion3_optimizer* opt, int group, const char*
     spec.weight = to_view(weight, "parameter '" + n + "': weight");
     if (grad) spec.grad = to_view(grad, "parameter '" + n + "': grad");  // else bound later
     if (layout) {
-      spec.layout.kind = to_enum<dion3::Layout>(layout->kind, 0, 2, "parameter '" + n + "': layout kind");
+      spec.layout.kind = to_enum<dion3::Layout>(layout->kind, 0, 3, "parameter '" + n + "': layout kind");
       spec.layout.global_rows = layout->global_rows;
+      spec.layout.global_cols = layout->global_cols;
       if (layout->comm) spec.layout.comm = layout->comm->comm;
     }
     int p = opt->engine.add_param(group, spec);

@@ -59,6 +59,12 @@ struct Chunk {
 //    them to `recv` in member order. Over one rank nothing is exchanged. Global scope: the
 //    selection spans the whole matrix, every piece goes through the exchange, and the owner
 //    compacts the k selected rows (Backend::selection_slots).
+//  - ColShard: every rank holds all rows of its columns. Partial row scores are all-gathered and
+//    summed (every rank selects the same rows); the others' column pieces of the selected rows go
+//    through `send` / `recv` ([rank][member][k][ceil(n/P)]) to the owner, which places them side
+//    by side (its own gathered in place), orthogonalizes, applies its columns at once and copies
+//    the whole result rows into its slot of an in-place all-gather in `send`: NorMuon and the
+//    update of the others see whole rows, as on one device.
 struct Megabatch {
   int group = 0;
   int64_t rows = 0, cols = 0, k = 0;  // rows: of the local matrices (a shard under RowShard)
@@ -80,6 +86,8 @@ struct Megabatch {
   Communicator* comm = nullptr;
   int ranks = 1, rank = 0;
   int64_t global_rows = 0;    // m of the whole matrix
+  int64_t global_cols = 0;    // n of the whole matrix (cols is the local count under ColShard)
+  int64_t orth_cols = 0;      // columns per member the orthogonalizer sees (ColShard: ranks * ceil(n/ranks))
   int64_t piece = 0;          // RowShard: rows each rank contributes per member
   int64_t orth_rows = 0;      // rows per member the orthogonalizer sees (k, or ranks * piece)
   int64_t block = 0, owned_first = 0, owned_count = 0;
@@ -89,6 +97,7 @@ struct Megabatch {
   DeviceBuffer send, recv;
   DeviceBuffer piece_idx;   // RowShard: N x piece local row indices
   DeviceBuffer score_send, score_recv, all_scores;  // global scope
+  DeviceBuffer ones;   // ColShard: P ones, to sum the ranks' partial row scores with one GEMM
   DeviceBuffer slots;  // global scope: exchange-buffer rows of the selected rows (Backend::selection_slots)
   // The members other ranks orthogonalize, as (first member, set) ranges before and after the
   // rank's own block: their rows travel through the exchange; the own block's never do.

@@ -64,6 +64,7 @@ const char* layout_name(Layout l) {
     case Layout::Local: return "local";
     case Layout::Replicated: return "replicated";
     case Layout::RowShard: return "row-sharded";
+    case Layout::ColShard: return "column-sharded";
   }
   return "unknown";
 }
@@ -178,9 +179,9 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
       p.rows = shape[0];
       p.cols = trailing;
     } else {
-      if (L.kind == Layout::RowShard)
-        fail(who + " has shape " + spec.weight.shape_str() + ": a row-sharded parameter must be a matrix "
-             "(or use flatten=True, which treats it as (dim0, rest))");
+      if (L.kind == Layout::RowShard || L.kind == Layout::ColShard)
+        fail(who + " has shape " + spec.weight.shape_str() + ": a " + layout_name(L.kind) +
+             " parameter must be a matrix (or use flatten=True, which treats it as (dim0, rest))");
       p.rows = shape[shape.size() - 2];
       p.cols = shape.back();
       p.count = spec.weight.numel() / std::max<int64_t>(p.rows * p.cols, 1);
@@ -197,6 +198,19 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
              std::to_string(m) + " rows, so rank " + std::to_string(r) + " must hold rows [" + std::to_string(first) +
              ", " + std::to_string(first + want) + ") (" + std::to_string(want) +
              " rows: contiguous chunks of ceil(m/P), as FSDP2's Shard(0)), but its shard has shape " +
+             spec.weight.shape_str());
+    } else if (L.kind == Layout::ColShard) {
+      const int64_t n = L.global_cols, P = L.comm->size(), r = L.comm->rank();
+      if (p.rows < 1 || n < 1)
+        fail(who + " is column-sharded with " + std::to_string(p.rows) + " rows and " + std::to_string(n) +
+             " columns; a matrix needs rows and columns");
+      const int64_t c = ceil_div(n, P);
+      const int64_t first = std::min(n, r * c), want = std::min(c, n - first);
+      if (p.cols != want)
+        fail(who + " is column-sharded over " + std::to_string(P) + " ranks (" + L.comm->describe() + ") with " +
+             std::to_string(n) + " columns, so rank " + std::to_string(r) + " must hold columns [" +
+             std::to_string(first) + ", " + std::to_string(first + want) + ") (" + std::to_string(want) +
+             " columns: contiguous chunks of ceil(n/P), as Shard(1)), but its shard has shape " +
              spec.weight.shape_str());
     } else if (p.rows < 1 || p.cols < 1 || p.count < 1) {
       fail(who + " has shape " + spec.weight.shape_str() + " with an empty dimension; a matrix needs rows and columns");
@@ -302,8 +316,9 @@ void Optimizer::Impl::build_plan() {
     if (!is_matrix_algorithm(g.algorithm)) continue;
     const DType mom = state_specs(p)[0].dtype;
     const int64_t m = p.layout.kind == Layout::RowShard ? p.layout.global_rows : p.rows;
+    const int64_t n = p.layout.kind == Layout::ColShard ? p.layout.global_cols : p.cols;
     for (int64_t j = 0; j < p.count; ++j) {
-      const Key key{p.group, m, p.cols, static_cast<int>(p.weight.dtype), static_cast<int>(p.grad.dtype),
+      const Key key{p.group, m, n, static_cast<int>(p.weight.dtype), static_cast<int>(p.grad.dtype),
                     static_cast<int>(mom), static_cast<int>(p.layout.kind), ci, options.megabatch ? -1 : i,
                     options.megabatch ? -1 : j};
       auto [it, fresh] = index.try_emplace(key, megabatches.size());
@@ -313,6 +328,7 @@ void Optimizer::Impl::build_plan() {
         mb.rows = p.rows;
         mb.cols = p.cols;
         mb.global_rows = m;
+        mb.global_cols = n;
         mb.weight_dtype = p.weight.dtype;
         mb.grad_dtype = p.grad.dtype;
         mb.momentum_dtype = mom;
@@ -340,15 +356,17 @@ void Optimizer::Impl::build_plan() {
     // take no room when the gather writes the orthogonalizer's normalised input itself).
     // Row-sharded megabatches normalise after the exchange (the norm spans every rank's rows),
     // except over one rank, where the rank's rows are the whole input.
-    mb.gathers_normalized = g.algorithm == Algorithm::Dion3 && (mb.layout != Layout::RowShard || mb.ranks == 1) &&
-                            mb.orth_rows <= mb.cols;
+    const bool sharded = mb.layout == Layout::RowShard || mb.layout == Layout::ColShard;
+    mb.gathers_normalized = g.algorithm == Algorithm::Dion3 && (!sharded || mb.ranks == 1) &&
+                            mb.orth_rows <= mb.orth_cols;
     auto layout = [&](int64_t count, Chunk* c) {
       const std::size_t u = mb.gathers_normalized
                                 ? 0
-                                : align_up(static_cast<std::size_t>(count * mb.orth_rows * mb.cols) *
+                                : align_up(static_cast<std::size_t>(count * mb.orth_rows * mb.orth_cols) *
                                            dtype_size(mb.update_dtype));
-      const std::size_t ws = Orthogonalizer::required_workspace(*backend, g.orth, count, mb.orth_rows, mb.cols);
-      const std::size_t in_ws = Orthogonalizer::input_offset(*backend, g.orth, count, mb.orth_rows, mb.cols, u);
+      const std::size_t ws = Orthogonalizer::required_workspace(*backend, g.orth, count, mb.orth_rows, mb.orth_cols);
+      const std::size_t in_ws =
+          Orthogonalizer::input_offset(*backend, g.orth, count, mb.orth_rows, mb.orth_cols, u);
       const bool inside = in_ws != Orthogonalizer::kNoInputRoom;
       if (c) {
         c->update_offset = inside ? in_ws : 0;
@@ -370,7 +388,7 @@ void Optimizer::Impl::build_plan() {
       mb.indices = DeviceBuffer(alloc, static_cast<std::size_t>(n * std::max<int64_t>(listed, 1)) * sizeof(int32_t));
       if (mb.global_scope) backend->fill_zero(mb.indices.get(), mb.indices.bytes());  // see Megabatch::slots
     }
-    if (mb.gathers_normalized || mb.layout != Layout::RowShard)
+    if (mb.gathers_normalized || !sharded)
       mb.row_sumsq = DeviceBuffer(alloc, static_cast<std::size_t>(n * (mb.gathers_normalized ? mb.rows : mb.k)) *
                                              sizeof(float));
     for (int64_t first = mb.owned_first; first < mb.owned_first + mb.owned_count; first += chunk) {
@@ -391,7 +409,8 @@ void Optimizer::Impl::build_plan() {
         if (o->batch() == c.count) c.orth = o.get();
       if (c.orth) continue;
       char* ws = arena.as<char>() + c.orth_offset;
-      mb.orths.push_back(std::make_unique<Orthogonalizer>(*backend, g.orth, c.count, mb.orth_rows, mb.cols, ws));
+      mb.orths.push_back(
+          std::make_unique<Orthogonalizer>(*backend, g.orth, c.count, mb.orth_rows, mb.orth_cols, ws));
       c.orth = mb.orths.back().get();
       if (c.orth->iteration_dtype() != mb.orth_dtype)
         fail("internal: the orthogonalizer's dtype differs from the exchange's", Status::Internal);
@@ -409,6 +428,7 @@ ExchangePlan exchange_plan(Layout layout, const GroupConfig& g, int64_t count, i
   const int64_t P = layout == Layout::Local ? 1 : ranks;
   x.k = dion3 ? selected_rows(g.fraction, m) : m;
   x.orth_rows = x.k;
+  x.orth_cols = cols;
   x.block = layout == Layout::Local ? count : ceil_div(count, P);
   const std::size_t es_u = dtype_size(update_dtype), es_o = dtype_size(orth_dtype);
   if (layout == Layout::Replicated) {
@@ -431,6 +451,16 @@ ExchangePlan exchange_plan(Layout layout, const GroupConfig& g, int64_t count, i
       x.rounds += 1;
       x.bytes_sent += static_cast<std::size_t>((P - 1) * count * c) * sizeof(float);
     }
+  } else if (layout == Layout::ColShard) {
+    // Row scores summed over the ranks' columns (Dion3: an all-gather of partial scores), each
+    // rank's columns of the selected rows to the owner (all-to-all), whole result rows back to
+    // every rank (all-gather): selection and NorMuon see whole rows.
+    const int64_t c = ceil_div(cols, P);
+    x.orth_cols = P * c;
+    x.rounds = dion3 ? 3 : 2;
+    x.bytes_sent = static_cast<std::size_t>((P - 1) * x.block * x.k) *
+                   (static_cast<std::size_t>(c) * es_u + static_cast<std::size_t>(cols) * es_o);
+    if (dion3) x.bytes_sent += static_cast<std::size_t>((P - 1) * count * m) * sizeof(float);
   }
   if (P == 1) x.rounds = 0;  // a rank alone exchanges nothing
   return x;
@@ -452,13 +482,15 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
       mb.layout == Layout::RowShard && dion3 && g.selection_scope == SelectionScope::Global && mb.ranks > 1;
   // The exchange's row counts decide the orthogonalizer's shape, and so its result dtype (decided
   // from the shape alone so that every rank agrees, even one that orthogonalizes nothing).
-  const ExchangePlan shape = exchange_plan(mb.layout, g, n, m, mb.cols, mb.ranks, mb.update_dtype, DType::F32);
-  const OrthMethod method = choose_orth_method(*backend, g.orth, shape.orth_rows, mb.cols);
+  const int64_t ncols = mb.global_cols;
+  const ExchangePlan shape = exchange_plan(mb.layout, g, n, m, ncols, mb.ranks, mb.update_dtype, DType::F32);
+  const OrthMethod method = choose_orth_method(*backend, g.orth, shape.orth_rows, shape.orth_cols);
   mb.orth_dtype = g.orth.iteration_dtype.value_or(backend->default_iteration_dtype(method == OrthMethod::Gram));
-  const ExchangePlan x = exchange_plan(mb.layout, g, n, m, mb.cols, mb.ranks, mb.update_dtype, mb.orth_dtype);
+  const ExchangePlan x = exchange_plan(mb.layout, g, n, m, ncols, mb.ranks, mb.update_dtype, mb.orth_dtype);
   mb.k = x.k;
   mb.piece = x.piece;
   mb.orth_rows = x.orth_rows;
+  mb.orth_cols = x.orth_cols;
   mb.block = x.block;
   mb.rounds = x.rounds;
   mb.bytes_sent = x.bytes_sent;
@@ -466,7 +498,7 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
   mb.owned_count = std::min(mb.block, n - mb.owned_first);
   char label[160];
   std::snprintf(label, sizeof(label), "megabatch %d (%lld x %lldx%lld %s, %s over %d ranks)", index,
-                static_cast<long long>(n), static_cast<long long>(m), static_cast<long long>(mb.cols),
+                static_cast<long long>(n), static_cast<long long>(m), static_cast<long long>(ncols),
                 dtype_name(mb.weight_dtype), layout_name(mb.layout), mb.ranks);
   mb.label = label;
   const std::size_t es_u = dtype_size(mb.update_dtype), es_o = dtype_size(mb.orth_dtype);
@@ -479,7 +511,22 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
       }
   }
   // Exchange buffers only where something leaves the rank.
-  if (mb.layout == Layout::Replicated && P > 1) {
+  if (mb.layout == Layout::ColShard && P > 1) {
+    // send: the forward pieces, then (in place) the all-gathered whole result rows; recv: the
+    // forward pieces of this rank's block.
+    const int64_t c = ceil_div(ncols, P);
+    const std::size_t piece = static_cast<std::size_t>(mb.k * c) * es_u;
+    const std::size_t rows = static_cast<std::size_t>(mb.k * ncols) * es_o;
+    mb.send = DeviceBuffer(alloc, P * mb.block * std::max(piece, rows));
+    mb.recv = DeviceBuffer(alloc, P * mb.block * piece);
+    if (dion3) {
+      const std::vector<float> ones(static_cast<std::size_t>(P), 1.0f);
+      mb.ones = DeviceBuffer(alloc, ones.size() * sizeof(float));
+      backend->copy_from_host(mb.ones.get(), ones.data(), ones.size() * sizeof(float));
+      mb.score_recv = DeviceBuffer(alloc, static_cast<std::size_t>(P * n * m) * sizeof(float));
+      mb.all_scores = DeviceBuffer(alloc, static_cast<std::size_t>(n * m) * sizeof(float));
+    }
+  } else if (mb.layout == Layout::Replicated && P > 1) {
     const std::size_t slot = static_cast<std::size_t>(mb.k * mb.cols) * es_o;
     mb.recv = DeviceBuffer(alloc, P * mb.block * slot);  // all-gathered in place
   } else if (mb.layout == Layout::RowShard) {
@@ -530,7 +577,7 @@ void Optimizer::Impl::check_plans_agree() {
     for (const Megabatch& mb : megabatches) {
       if (mb.comm != comm) continue;
       ++count;
-      for (int64_t v : {static_cast<int64_t>(mb.members.size()), mb.global_rows, mb.cols, mb.piece, mb.k,
+      for (int64_t v : {static_cast<int64_t>(mb.members.size()), mb.global_rows, mb.global_cols, mb.piece, mb.k,
                         static_cast<int64_t>(mb.layout), static_cast<int64_t>(mb.weight_dtype),
                         static_cast<int64_t>(mb.momentum_dtype), static_cast<int64_t>(mb.orth_dtype),
                         static_cast<int64_t>(groups[mb.group].algorithm)})
@@ -564,12 +611,12 @@ std::vector<MegabatchInfo> Optimizer::plan() {
     info.group = mb.group;
     info.algorithm = g.algorithm;
     info.rows = mb.global_rows;
-    info.cols = mb.cols;
+    info.cols = mb.global_cols;
     info.dtype = mb.weight_dtype;
     info.count = static_cast<int64_t>(mb.members.size());
     info.selected_rows = mb.layout == Layout::RowShard && !mb.global_scope ? mb.piece * mb.ranks : mb.k;
     if (mb.global_scope) info.selected_rows = selected_rows(g.fraction, mb.global_rows);
-    info.method = choose_orth_method(*s.backend, g.orth, mb.orth_rows, mb.cols);
+    info.method = choose_orth_method(*s.backend, g.orth, mb.orth_rows, mb.orth_cols);
     info.iteration_dtype = mb.orth_dtype;
     info.workspace_bytes = mb.chunk_bytes + mb.scores.bytes() + mb.indices.bytes() + mb.row_sumsq.bytes() +
                            mb.send.bytes() + mb.recv.bytes() + mb.piece_idx.bytes() + mb.score_send.bytes() +
@@ -580,6 +627,7 @@ std::vector<MegabatchInfo> Optimizer::plan() {
     info.owned = mb.owned_count;
     info.piece_rows = mb.piece;
     info.orth_rows = mb.orth_rows;
+    info.orth_cols = mb.orth_cols;
     info.rounds = mb.rounds;
     info.bytes_sent = mb.bytes_sent;
     out.push_back(info);
@@ -624,7 +672,8 @@ UpdateParams Optimizer::Impl::update_params(const Megabatch& mb) const {
   UpdateParams up;
   up.lr = static_cast<float>(g.base_lr());
   up.weight_decay = static_cast<float>(g.weight_decay);
-  up.adjusted_lr = static_cast<float>(g.adjusted_lr(mb.global_rows, mb.cols));  // the whole matrix's shape
+  up.adjusted_lr = static_cast<float>(g.adjusted_lr(mb.global_rows, mb.global_cols));  // the whole matrix's shape
+  if (mb.layout == Layout::ColShard) up.o_col_offset = std::min(mb.global_cols, mb.rank * ceil_div(mb.global_cols, mb.ranks));
   up.beta2 = static_cast<float>(g.muon_beta2);
   up.cautious_wd = g.cautious_wd;
   up.normuon = g.algorithm != Algorithm::Muon;
@@ -689,6 +738,39 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
   float* scores = mb.scores.as<float>();
   int32_t* idx = mb.indices.as<int32_t>();
   float* row_sumsq = mb.gathers_normalized ? mb.row_sumsq.as<float>() : nullptr;
+  if (mb.layout == Layout::ColShard && mb.ranks > 1) {
+    const int64_t P = mb.ranks;
+    if (dion3) {
+      // Row l1 scores over this rank's columns, summed over the ranks (one GEMM with a row of
+      // ones, the same arithmetic on every rank, so every rank selects the same rows).
+      be.accumulate(*mb.set, 1.0f, scores, nullptr, flag);
+      const std::size_t bytes = static_cast<std::size_t>(n * mb.rows) * sizeof(float);
+      comm_wait(mb.comm->all_gather(scores, mb.score_recv.get(), bytes, be.stream(),
+                                    "the score all-gather of " + mb.label));
+      be.gemm(false, false, 1.0f, MatrixView::contiguous(mb.ones.get(), DType::F32, 1, 1, P),
+              MatrixView::contiguous(mb.score_recv.get(), DType::F32, 1, P, n * mb.rows), 0.0f,
+              MatrixView::contiguous(mb.all_scores.get(), DType::F32, 1, 1, n * mb.rows));
+      be.select_rows(mb.all_scores.as<float>(), n, mb.rows, mb.k, idx, flag);
+    } else {
+      be.accumulate(*mb.set, mu, nullptr, nullptr, flag);
+    }
+    // The others' columns of the selected rows into `send` ([owner][member][k][c], member
+    // order), zero-padded to c columns.
+    const int64_t c = ceil_div(mb.global_cols, P);
+    const std::size_t slot = static_cast<std::size_t>(mb.k * c) * dtype_size(mb.update_dtype);
+    if (mb.cols < c) be.fill_zero(mb.send.get(), n * slot);
+    for (auto& [first, set] : mb.others) {
+      const auto count = static_cast<int64_t>(set->mats.size());
+      if (mb.cols > 0)
+        gather_update_rows(be, g, *set, dion3 ? idx + first * mb.k : nullptr, mb.k,
+                           MatrixView{byte_offset(mb.send, first * slot), mb.update_dtype, count, mb.k, mb.cols, c,
+                                      mb.k * c},
+                           nullptr, flag);
+    }
+    mb.inflight = mb.comm->all_to_all(mb.send.get(), mb.recv.get(), mb.block * slot, be.stream(),
+                                      "the forward all-to-all of " + mb.label);
+    return;
+  }
   if (mb.layout != Layout::RowShard) {
     if (dion3) {
       // M += G, row l1 scores (and sums of squares, for the normalisation in the gather)
@@ -758,7 +840,8 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
   const UpdateParams up = update_params(mb);
   const int64_t P = mb.ranks;
   const bool row_shard = mb.layout == Layout::RowShard;
-  if (row_shard && P > 1) comm_wait(std::move(mb.inflight));
+  const bool col_shard = mb.layout == Layout::ColShard && P > 1;
+  if ((row_shard || col_shard) && P > 1) comm_wait(std::move(mb.inflight));
   const int32_t* piece_idx = mb.piece_idx.as<int32_t>();
   // Rows per member in the index lists the chunk's gather and update read.
   const int64_t listed = row_shard ? mb.piece : mb.k;
@@ -778,8 +861,25 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
       O = c.orth->run_normalized();
     } else {
       const MatrixView U = MatrixView::contiguous(arena.as<char>() + c.update_offset, mb.update_dtype, c.count,
-                                                  mb.orth_rows, mb.cols);
-      if (!row_shard) {
+                                                  mb.orth_rows, mb.orth_cols);
+      if (col_shard) {
+        // Each member's selected rows, the ranks' column blocks side by side (this rank's
+        // gathered in place); columns past n stay zero.
+        const int64_t cc = ceil_div(mb.global_cols, P);
+        const std::size_t piece = static_cast<std::size_t>(cc) * es_u;
+        if (P * cc != mb.global_cols || mb.cols < cc) be.fill_zero(U.data, c.count * mb.orth_rows * mb.orth_cols * es_u);
+        for (int64_t r = 0; r < P; ++r) {
+          if (r == mb.rank) continue;
+          be.copy_2d(static_cast<char*>(U.data) + r * piece, P * piece,
+                     byte_offset(mb.recv, (r * mb.block + jl) * mb.k * piece), piece, piece, c.count * mb.k);
+        }
+        if (mb.cols > 0)
+          gather_update_rows(be, g, *c.set, rows, mb.k,
+                             MatrixView{static_cast<char*>(U.data) + mb.rank * piece, mb.update_dtype, c.count, mb.k,
+                                        mb.cols, mb.orth_cols, mb.k * mb.orth_cols},
+                             nullptr, flag);
+        O = c.orth->run(U);
+      } else if (!row_shard) {
         float* ss = row_sumsq + c.first * mb.k;  // U's row sums of squares, for its norm
         gather_update_rows(be, g, *c.set, rows, mb.k, U, ss, flag);
         O = c.orth->run(U, ss);
@@ -804,6 +904,16 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
                            nullptr, flag);
         O = c.orth->run(U);
       }
+    }
+    if (col_shard) {
+      // Whole rows (n of the orthogonalizer's columns): this rank's columns applied at once, the
+      // rows copied into this rank's slot of the all-gather.
+      const MatrixView whole{O.data, mb.orth_dtype, c.count, mb.k, mb.global_cols, mb.orth_cols,
+                             mb.k * mb.orth_cols};
+      if (mb.cols > 0) be.apply_update(*c.set, rows, mb.k, whole, up, flag);
+      be.copy_2d(byte_offset(mb.send, c.first * mb.k * mb.global_cols * es_o), mb.global_cols * es_o, O.data,
+                 mb.orth_cols * es_o, mb.global_cols * es_o, c.count * mb.k);
+      continue;
     }
     if (!row_shard) {
       be.apply_update(*c.set, rows, mb.k, O, up, flag);  // reads O in its iteration dtype
@@ -840,7 +950,11 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
       be.gather_rows(*set, idx + first * mb.k, mb.k, 1.0f, 0.0f, mu, MatrixView{}, nullptr, flag);
   }
   if (P == 1) return;
-  if (mb.layout == Layout::Replicated) {
+  if (col_shard) {
+    const std::size_t slot = static_cast<std::size_t>(mb.k * mb.global_cols) * es_o;
+    mb.inflight = mb.comm->all_gather(byte_offset(mb.send, mb.owned_first * slot), mb.send.get(), mb.block * slot,
+                                      be.stream(), "the all-gather of " + mb.label);
+  } else if (mb.layout == Layout::Replicated) {
     const std::size_t slot = static_cast<std::size_t>(mb.k * mb.cols) * es_o;
     mb.inflight = mb.comm->all_gather(byte_offset(mb.recv, mb.owned_first * slot), mb.recv.get(), mb.block * slot,
                                       be.stream(), "the all-gather of " + mb.label);
@@ -855,16 +969,19 @@ void Optimizer::Impl::apply(Megabatch& mb, int* flag) {
   if (mb.layout == Layout::Local || mb.ranks == 1) return;
   comm_wait(std::move(mb.inflight));
   if (mb.rows == 0) return;  // an empty shard
+  if (mb.cols == 0) return;  // an empty column shard
   const bool dion3 = groups[mb.group].algorithm == Algorithm::Dion3;
   const bool row_shard = mb.layout == Layout::RowShard;
   const int64_t listed = row_shard ? mb.piece : mb.k;
-  const std::size_t slot = static_cast<std::size_t>(listed * mb.cols) * dtype_size(mb.orth_dtype);
+  // ColShard: whole rows, in `send` (the all-gather's buffer).
+  const DeviceBuffer& results = mb.layout == Layout::ColShard ? mb.send : mb.recv;
+  const std::size_t slot = static_cast<std::size_t>(listed * mb.global_cols) * dtype_size(mb.orth_dtype);
   for (auto& [first, set] : mb.others) {
     const int32_t* rows = row_shard ? mb.piece_idx.as<int32_t>() + first * mb.piece
                           : dion3   ? mb.indices.as<int32_t>() + first * mb.k
                                     : nullptr;
-    const MatrixView O = MatrixView::contiguous(byte_offset(mb.recv, first * slot), mb.orth_dtype,
-                                                static_cast<int64_t>(set->mats.size()), listed, mb.cols);
+    const MatrixView O = MatrixView::contiguous(byte_offset(results, first * slot), mb.orth_dtype,
+                                                static_cast<int64_t>(set->mats.size()), listed, mb.global_cols);
     backend->apply_update(*set, rows, listed, O, update_params(mb), flag);
   }
 }

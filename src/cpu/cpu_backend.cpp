@@ -273,21 +273,22 @@ class CpuBackend final : public Backend {
                     const UpdateParams& p, const int* skip) override {
     if (skipped(skip)) return;
     const int64_t rows = set.rows(), cols = set.cols();
-    check(O.rows == k && O.cols == cols, "apply_update update shape");
+    check(O.rows == k && O.cols >= p.o_col_offset + cols, "apply_update update shape");
+    const int64_t ocols = O.cols;
     const float decay = 1.0f - p.lr * p.weight_decay;
     std::vector<float> o, w(cols);
     std::vector<int64_t> target(rows, -1);  // weight row -> row of O, or -1
     for (std::size_t i = 0; i < set.mats.size(); ++i) {
       const ParamMatrix& pm = set.mats[i];
       load_matrix(O, i, o);
-      if (p.normuon) normuon_normalize(o, k, rows, cols, pm.variance, idx ? idx + i * k : nullptr, p.beta2);
+      if (p.normuon) normuon_normalize(o, k, rows, ocols, pm.variance, idx ? idx + i * k : nullptr, p.beta2);
       std::fill(target.begin(), target.end(), -1);
       for (int64_t j = 0; j < k; ++j) {
         const int64_t r = idx ? idx[i * k + j] : j;
         if (r < rows) target[r] = j;
       }
       for (int64_t r = 0; r < rows; ++r) {
-        const float* u = target[r] >= 0 ? o.data() + target[r] * cols : nullptr;
+        const float* u = target[r] >= 0 ? o.data() + target[r] * ocols + p.o_col_offset : nullptr;
         if (!u && decay == 1.0f) continue;
         load_row(pm.weight, 0, r, w.data());
         for (int64_t c = 0; c < cols; ++c) {

@@ -256,7 +256,7 @@ class CudaBackend final : public Backend {
                     const UpdateParams& p, const int* skip) override {
     const auto& set = ready(base);
     if (idx == nullptr && k != set.rows()) fail("apply_update: idx == null needs k == rows");
-    if (O.rows != k || O.cols != set.cols() || O.batch != n_of(set))
+    if (O.rows != k || O.cols < p.o_col_offset + set.cols() || O.batch != n_of(set))
       fail("apply_update: O must be " + std::to_string(n_of(set)) + " x " + std::to_string(k) + " x " +
            std::to_string(set.cols()));
     float* scr = static_cast<float*>(

@@ -658,17 +658,17 @@ void launch_apply_update(const DeviceMat* mats, int64_t nmats, int64_t rows, int
   const float decay = 1.0f - p.lr * p.weight_decay;
   DION3_DISPATCH_FLOAT(O.dtype, TO, [&] {
     const TO* o = static_cast<const TO*>(O.data);
-    if (p.normuon && k > 0) {
-      const bool o4 = cols % 4 == 0 && O.ld % 4 == 0 && obs % 4 == 0 && aligned4(O.data, sizeof(TO));
+    if (p.normuon && k > 0) {  // statistics over all of O's columns (whole rows when column-sharded)
+      const bool o4 = O.cols % 4 == 0 && O.ld % 4 == 0 && obs % 4 == 0 && aligned4(O.data, sizeof(TO));
       launch_pdl(normuon_rows_kernel<TO>, dim3(ceil_div_u(k, kRowWarps), static_cast<unsigned>(nmats)),
-                 32 * kRowWarps, 0, s, mats, rows, cols, idx, k, o, O.ld, obs, o4, p.beta2, rowsq, inv, skip);
+                 32 * kRowWarps, 0, s, mats, rows, O.cols, idx, k, o, O.ld, obs, o4, p.beta2, rowsq, inv, skip);
       launch_pdl(normuon_factor_kernel, static_cast<unsigned>(nmats), 256, 0, s, k, rowsq, inv, factor, skip);
     }
     DION3_DISPATCH_FLOAT(wdt, TW, [&] {
       const dim3 grid(ceil_div_u(rows, kRowWarps), static_cast<unsigned>(nmats));
       const float* iv = p.normuon && k > 0 ? inv : nullptr;
-      launch_pdl(update_rows_kernel<TW, TO>, grid, 32 * kRowWarps, 0, s, mats, rows, cols, idx, k, o, O.ld, obs,
-                 decay, p.adjusted_lr, p.cautious_wd, iv, factor, skip);
+      launch_pdl(update_rows_kernel<TW, TO>, grid, 32 * kRowWarps, 0, s, mats, rows, cols, idx, k,
+                 o + p.o_col_offset, O.ld, obs, decay, p.adjusted_lr, p.cautious_wd, iv, factor, skip);
     });
   });
   DION3_CUDA_LAUNCH_CHECK();

@@ -54,10 +54,19 @@ std::vector<double> rows_of(const std::vector<double>& full, int n, Shard s) {
   return {full.begin() + static_cast<long>(s.first) * n, full.begin() + static_cast<long>(s.first + s.count) * n};
 }
 
+// Rows `r` and columns `c` of a row-major matrix with n columns.
+std::vector<double> part_of(const std::vector<double>& full, int n, Shard r, Shard c) {
+  std::vector<double> out;
+  for (int i = r.first; i < r.first + r.count; ++i)
+    for (int j = c.first; j < c.first + c.count; ++j) out.push_back(full[static_cast<std::size_t>(i) * n + j]);
+  return out;
+}
+
 // One distributed matrix parameter: full reference copies and this rank's registered buffers.
 struct DistParam {
   int m, n;
-  Shard shard;
+  Shard shard;                   // rows held here
+  Shard cols{0, 0};              // columns held here
   ref::Mat W, M;  // reference state of the whole matrix
   ref::Vec v;
   std::unique_ptr<t3::HostParam> local;  // what this rank registers
@@ -114,13 +123,15 @@ TEST_P(Layouts, EqualTheSingleProcessRule) {
     d.M.assign(static_cast<std::size_t>(d.m) * d.n, 0.0);
     d.v.assign(d.m, 0.0);
     d.shard = c.layout == Layout::RowShard ? shard_of(d.m, P, rank) : Shard{0, d.m};
+    d.cols = c.layout == Layout::ColShard ? shard_of(d.n, P, rank) : Shard{0, d.n};
     const std::string name = "layer" + std::to_string(i) + ".weight";
-    d.local = std::make_unique<t3::HostParam>(name, DType::F32, std::vector<int64_t>{d.shard.count, d.n});
-    d.local->w.assign(rows_of(d.W, d.n, d.shard));
+    d.local = std::make_unique<t3::HostParam>(name, DType::F32, std::vector<int64_t>{d.shard.count, d.cols.count});
+    d.local->w.assign(part_of(d.W, d.n, d.shard, d.cols));
     dion3::ParamSpec spec = d.local->spec();
     spec.layout.kind = c.layout;
     spec.layout.comm = comm;
     spec.layout.global_rows = d.m;
+    spec.layout.global_cols = d.n;
     d.local->index = opt.add_param(gi, spec);
     if (c.layout == Layout::Replicated) {
       single_params.push_back(std::make_unique<t3::HostParam>(name, DType::F32, std::vector<int64_t>{d.m, d.n}));
@@ -130,13 +141,16 @@ TEST_P(Layouts, EqualTheSingleProcessRule) {
     ps.push_back(std::move(d));
   }
 
-  // Megabatches: one per shape (4 here), or one per matrix.
-  EXPECT_EQ(opt.plan().size(), c.megabatch ? 4u : c.shapes.size());
+  // Megabatches: one per shape, or one per matrix.
+  std::vector<std::pair<int, int>> distinct = c.shapes;
+  std::sort(distinct.begin(), distinct.end());
+  distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+  EXPECT_EQ(opt.plan().size(), c.megabatch ? distinct.size() : c.shapes.size());
   for (int step = 0; step < c.steps; ++step) {
     for (std::size_t i = 0; i < ps.size(); ++i) {
       DistParam& d = ps[i];
       const ref::Mat G = t3::gaussian(d.m, d.n, rng);
-      d.local->g.assign(rows_of(G, d.n, d.shard));
+      d.local->g.assign(part_of(G, d.n, d.shard, d.cols));
       if (c.layout == Layout::Replicated) single_params[i]->g.assign(G);
       if (c.layout == Layout::RowShard && c.algorithm == Algorithm::Dion3) {
         ref::dion3_step_sharded(d.W, d.M, d.v, G, d.m, d.n, hyper, P,
@@ -155,12 +169,13 @@ TEST_P(Layouts, EqualTheSingleProcessRule) {
     }
     for (std::size_t i = 0; i < ps.size(); ++i) {
       DistParam& d = ps[i];
-      const std::vector<double> want = rows_of(d.W, d.n, d.shard);
+      const std::vector<double> want = part_of(d.W, d.n, d.shard, d.cols);
       const double tol = t3::weight_tol(DType::F32, t3::max_abs(d.W), 0.02 * (step + 1));
       EXPECT_LE(t3::max_abs_diff(d.local->w.values(), want), tol)
           << "rank " << rank << ", parameter " << i << " (" << d.m << "x" << d.n << "), step " << step + 1;
-      if (d.shard.count > 0) {
-        EXPECT_LE(t3::rel_max_diff(t3::state_values(opt, d.local->index, "momentum"), rows_of(d.M, d.n, d.shard)),
+      if (d.shard.count > 0 && d.cols.count > 0) {
+        EXPECT_LE(t3::rel_max_diff(t3::state_values(opt, d.local->index, "momentum"),
+                                   part_of(d.M, d.n, d.shard, d.cols)),
                   1e-5)
             << "momentum: rank " << rank << ", parameter " << i << ", step " << step + 1;
       }
@@ -175,6 +190,8 @@ TEST_P(Layouts, EqualTheSingleProcessRule) {
 // Shapes: several matrices per megabatch (not a multiple of the ranks), a wide and a tall one,
 // uneven shards (10 rows) and shards that leave a rank empty (3 rows on 4 ranks).
 const std::vector<std::pair<int, int>> kShapes = {{24, 40}, {24, 40}, {24, 40}, {48, 20}, {10, 16}, {3, 12}};
+// Column shards: uneven (18 columns) and one that leaves a rank without columns (3 on 4 ranks).
+const std::vector<std::pair<int, int>> kColShapes = {{24, 40}, {24, 40}, {24, 40}, {40, 18}, {12, 3}};
 
 INSTANTIATE_TEST_SUITE_P(
     Mpi, Layouts,
@@ -191,7 +208,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"rows_dion3_per_matrix", Layout::RowShard, Algorithm::Dion3,
                            dion3::SelectionScope::Local, kShapes, 0.25, 3, false},
                       Case{"ddp_dion3_per_matrix", Layout::Replicated, Algorithm::Dion3,
-                           dion3::SelectionScope::Local, kShapes, 0.25, 3, false}),
+                           dion3::SelectionScope::Local, kShapes, 0.25, 3, false},
+                      Case{"cols_dion3", Layout::ColShard, Algorithm::Dion3, dion3::SelectionScope::Local, kColShapes},
+                      Case{"cols_normuon", Layout::ColShard, Algorithm::NorMuon, dion3::SelectionScope::Local,
+                           kColShapes}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 // A non-finite gradient in one rank's shard: every rank drops the step (skip) or raises
@@ -284,7 +304,7 @@ TEST(CApi, RowShardedParameterThroughTheCApi) {
   }
   dion3_tensor wt = {w.data(), DION3_F32, DION3_DEVICE_CPU, 0, 2, {s.count, cols}};
   dion3_tensor gt = {gr.data(), DION3_F32, DION3_DEVICE_CPU, 0, 2, {s.count, cols}};
-  dion3_layout layout = {DION3_LAYOUT_ROW_SHARD, m, comm};
+  dion3_layout layout = {DION3_LAYOUT_ROW_SHARD, m, comm, 0};
   ASSERT_EQ(dion3_add_param_layout(opt, g, "w", &wt, &gt, &layout, nullptr), DION3_OK) << dion3_last_error();
   int applied = 0;
   ASSERT_EQ(dion3_step(opt, &applied), DION3_OK) << dion3_last_error();

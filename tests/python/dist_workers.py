@@ -78,19 +78,20 @@ def ddp(rank, world, opt_cls, **kw):
     assert all(mb["layout"] == "replicated" and mb["ranks"] == world for mb in plan), plan
 
 
-def sharded_params(mesh, placements, seed=0):
+def sharded_params(mesh, placements, seed=0, shapes=None):
     g = torch.Generator().manual_seed(seed)
-    fulls = [torch.randn(s, generator=g) * 0.05 for s in SHAPES]
+    fulls = [torch.randn(s, generator=g) * 0.05 for s in shapes or SHAPES]
     return fulls, [nn.Parameter(distribute_tensor(f.clone(), mesh, placements)) for f in fulls]
 
 
-def fsdp(rank, world, mesh, placements, shard_ranks, opt_cls, algorithm, pass_mesh=None, **kw):
-    """Row-sharded DTensors (FSDP2's Shard(0)) equal SPEC §3's rule computed in one process."""
-    fulls, ps = sharded_params(mesh, placements)
+def fsdp(rank, world, mesh, placements, shard_ranks, opt_cls, algorithm, pass_mesh=None, shapes=None, **kw):
+    """Row-sharded DTensors (FSDP2's Shard(0)) equal SPEC §3's rule computed in one process;
+    column-sharded ones (Shard(1)) the single-device rule (shard_ranks=1)."""
+    fulls, ps = sharded_params(mesh, placements, shapes=shapes)
     opt = opt_cls(ps, distributed_mesh=pass_mesh or mesh, lr=0.02, **kw)
     ref = Reference(fulls, algorithm=algorithm, lr=0.02, ranks=shard_ranks, **kw)
     for step in range(3):
-        gs = grads_for(SHAPES, 100 + step)
+        gs = grads_for(shapes or SHAPES, 100 + step)
         for p, g in zip(ps, gs):
             p.grad = distribute_tensor(g, mesh, placements)
         opt.step()
@@ -101,6 +102,10 @@ def fsdp(rank, world, mesh, placements, shard_ranks, opt_cls, algorithm, pass_me
         st = opt.state[p]
         assert isinstance(st["momentum"], DTensor) and st["momentum"].placements == p.placements
         assert tuple(st["variance"].shape) == (p.shape[0],)
+
+
+# Column shards: uneven (18 columns) and, on 4 ranks, one rank without columns (3).
+COL_SHAPES = [(24, 40), (24, 40), (24, 40), (40, 18), (12, 3)]
 
 
 def nonfinite(rank, world, mesh):
@@ -130,12 +135,12 @@ def nonfinite(rank, world, mesh):
 
 def refusals(rank, world, mesh):
     """Bad layouts are refused on every rank, before anything is written."""
-    p = nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(1)]))
+    p = nn.Parameter(distribute_tensor(torch.randn(2, 8, 6), mesh, [Shard(2)]))
     try:
-        dion3.Dion3([p], distributed_mesh=mesh)
-        raise AssertionError("Shard(1) accepted")
+        dion3.Dion3([p], distributed_mesh=mesh, flatten=True)
+        raise AssertionError("Shard(2) accepted")
     except NotImplementedError as e:
-        assert "Shard(1)" in str(e), str(e)
+        assert "Shard(2)" in str(e), str(e)
     q = nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(0)]))
     try:
         dion3.Dion3([q])  # no mesh for a DTensor
@@ -203,6 +208,8 @@ def layouts(rank, world, tmp):
     for kw in (dict(), dict(selection_scope="global"), dict(fraction=0.5)):
         fsdp(rank, world, mesh, [Shard(0)], world, dion3.Dion3, "dion3", **kw)
     fsdp(rank, world, mesh, [Shard(0)], world, dion3.NorMuon, "normuon")
+    fsdp(rank, world, mesh, [Shard(1)], 1, dion3.Dion3, "dion3", shapes=COL_SHAPES)
+    fsdp(rank, world, mesh, [Shard(1)], 1, dion3.NorMuon, "normuon", shapes=COL_SHAPES)
     if world == 4:  # HSDP: (replicate 2, shard 2), given as the 2-D mesh or its shard sub-mesh
         hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         fsdp(rank, world, hsdp, [Replicate(), Shard(0)], 2, dion3.Dion3, "dion3")

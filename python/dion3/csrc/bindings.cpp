@@ -222,6 +222,7 @@ dion3::Layout parse_layout(const std::string& kind) {
   if (kind == "local") return dion3::Layout::Local;
   if (kind == "replicated") return dion3::Layout::Replicated;
   if (kind == "row_shard") return dion3::Layout::RowShard;
+  if (kind == "col_shard") return dion3::Layout::ColShard;
   throw dion3::Error(dion3::Status::InvalidArgument, "unknown layout '" + kind + "'");
 }
 
@@ -261,17 +262,18 @@ class Engine {
 
   // Registers a parameter; its gradient (weight.grad(), or the one given, for DTensor shards whose
   // gradient lives on the DTensor) is read again before every step. layout: "local",
-  // "replicated" or "row_shard" over `process_group` (a torch.distributed group), global_rows:
-  // the whole matrix's rows (row_shard).
+  // "replicated", "row_shard" or "col_shard" over `process_group` (a torch.distributed group);
+  // global_rows / global_cols: the whole matrix's rows (row_shard) / columns (col_shard).
   int add_param(int group, const std::string& name, const at::Tensor& weight, const py::dict& state,
                 const std::string& layout, const py::object& process_group, int64_t global_rows,
-                const std::optional<at::Tensor>& given_grad) {
+                int64_t global_cols, const std::optional<at::Tensor>& given_grad) {
     const at::Tensor grad = given_grad ? contiguous(*given_grad) : contiguous_grad(weight);
     if (!grad.defined())
       throw dion3::Error(dion3::Status::InvalidArgument, "parameter '" + name + "' has no gradient");
     dion3::ParamSpec spec;
     spec.layout.kind = parse_layout(layout);
     spec.layout.global_rows = global_rows;
+    spec.layout.global_cols = global_cols;
     if (!process_group.is_none()) spec.layout.comm = communicator(process_group, weight);
     spec.name = name;
     spec.weight = view_of(weight, "parameter '" + name + "'");
@@ -373,6 +375,7 @@ class Engine {
       d["owned"] = mb.owned;
       d["piece_rows"] = mb.piece_rows;
       d["orth_rows"] = mb.orth_rows;
+      d["orth_cols"] = mb.orth_cols;
       d["rounds"] = mb.rounds;
       d["bytes_sent"] = mb.bytes_sent;
       out.append(d);
@@ -509,7 +512,7 @@ PYBIND11_MODULE(_C, m) {
       .def("update_group", guarded(&Engine::update_group))
       .def("add_param", guarded(&Engine::add_param), py::arg("group"), py::arg("name"), py::arg("weight"),
            py::arg("state"), py::arg("layout") = "local", py::arg("process_group") = py::none(),
-           py::arg("global_rows") = 0, py::arg("grad") = std::nullopt)
+           py::arg("global_rows") = 0, py::arg("global_cols") = 0, py::arg("grad") = std::nullopt)
       .def("step_with", guarded(&Engine::step_with))
       .def("step_async_with", guarded(&Engine::step_async_with))
       .def("watch", guarded(&Engine::watch))
