@@ -27,7 +27,7 @@ JOBS=${JOBS:-2}
 log() { printf '[setup] %s\n' "$*" >&2; }
 
 # --- system packages ---------------------------------------------------------------------------
-PACKAGES=(cmake ninja-build g++ libopenblas-dev libgtest-dev googletest python3-venv)
+PACKAGES=(cmake ninja-build g++ libopenblas-dev libgtest-dev googletest python3-venv libopenmpi-dev openmpi-bin)
 if command -v dpkg-query >/dev/null 2>&1; then
   missing=()
   for p in "${PACKAGES[@]}"; do
