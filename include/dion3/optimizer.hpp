@@ -42,6 +42,12 @@ struct ParamLayout {
   std::shared_ptr<Communicator> comm;  // Replicated / RowShard: the ranks the parameter spans
   int64_t global_rows = 0;             // RowShard: m, the rows of the whole matrix
   int64_t global_cols = 0;             // ColShard: n, the columns of the whole matrix
+  // RowShard with rows cut otherwise than in ceil(m/P) chunks in rank order (FSDP2 over tensor
+  // parallel's column-wise split cuts twice, rank-major over another mesh dimension): this rank's
+  // first row, and the largest shard's rows (the same on every rank). -1 / 0: the standard cut.
+  // Local selection only.
+  int64_t row_offset = -1;
+  int64_t row_chunk = 0;
 };
 
 struct ParamSpec {
@@ -103,8 +109,9 @@ struct ExchangePlan {
   int rounds = 0;         // collective rounds per step
   std::size_t bytes_sent = 0;  // bytes one rank sends per step ((P - 1) blocks per round)
 };
+// row_chunk: rows of the largest row shard where the cut is not the standard one (ParamLayout).
 ExchangePlan exchange_plan(Layout layout, const GroupConfig& group, int64_t count, int64_t rows, int64_t cols,
-                           int ranks, DType update_dtype, DType orth_dtype);
+                           int ranks, DType update_dtype, DType orth_dtype, int64_t row_chunk = 0);
 
 // What one megabatch is: for introspection, benchmarks and tests.
 struct MegabatchInfo {

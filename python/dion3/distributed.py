@@ -42,6 +42,8 @@ class ParamLayout:
     group: Any = None  # the torch.distributed process group it spans
     global_rows: int = 0  # row_shard: the whole matrix's rows
     global_cols: int = 0  # col_shard: the whole matrix's columns
+    row_offset: int = -1  # row_shard cut otherwise than ceil(m/P) in rank order: this rank's first row
+    row_chunk: int = 0  # ... and the largest shard's rows
 
 
 LOCAL = ParamLayout("local")
@@ -62,19 +64,19 @@ def check_mesh(mesh: Any, name: str) -> None:
                     f"(FSDP2 / HSDP); got {type(mesh).__name__}")
 
 
-def _same_mesh(a: Any, b: Any) -> bool:
+def same_mesh(a: Any, b: Any) -> bool:
     return a is b or (a.device_type == b.device_type and a.mesh.shape == b.mesh.shape
                       and torch.equal(a.mesh, b.mesh))
 
 
 def _mesh_matches(mesh: Any, pmesh: Any, shard_dim: Optional[int]) -> bool:
     """distributed_mesh is the parameter's mesh, or (HSDP) the sub-mesh of its sharded dim."""
-    if _same_mesh(mesh, pmesh):
+    if same_mesh(mesh, pmesh):
         return True
     if shard_dim is not None and mesh.ndim == 1 and pmesh.ndim == 2:
         names = pmesh.mesh_dim_names
         if names is not None:
-            return _same_mesh(mesh, pmesh[names[shard_dim]])
+            return same_mesh(mesh, pmesh[names[shard_dim]])
         return sorted(dist.get_process_group_ranks(mesh.get_group())) == sorted(
             dist.get_process_group_ranks(pmesh.get_group(shard_dim)))
     return False
@@ -100,14 +102,15 @@ def layout_of(p: torch.Tensor, mesh: Any, who: str, matrix: bool, flatten: bool)
         group = mesh.get_group(mesh.ndim - 1)
         return ParamLayout("replicated", group, int(p.shape[0]) if p.dim() else 0)
     pmesh, placements = p.device_mesh, tuple(p.placements)
-    if any(not (pl.is_shard() or pl.is_replicate()) for pl in placements):
+    if any(not (_is_shard(pl) or pl.is_replicate()) for pl in placements):
         raise ValueError(f"dion3: {who} has placements {list(placements)}; dion3 steps Shard and Replicate "
                          "placements only (a Partial gradient must be reduced first)")
-    shard_dims = [i for i, pl in enumerate(placements) if pl.is_shard()]
+    shard_dims = [i for i, pl in enumerate(placements) if _is_shard(pl)]
     if len(shard_dims) > 1:
-        raise NotImplementedError(
-            f"dion3: {who} is sharded on {len(shard_dims)} mesh dimensions ({list(placements)}, e.g. FSDP2 + "
-            "tensor parallel); this build steps one sharded mesh dimension (Shard(0)) per parameter")
+        if not same_mesh(mesh, pmesh):
+            raise ValueError(f"dion3: {who} lives on {pmesh} but distributed_mesh is {mesh}; for parameters sharded "
+                             "on several mesh dimensions pass that whole mesh")
+        return _multi_dim_layout(p, pmesh, placements, shard_dims, who, matrix, flatten)
     shard_dim = shard_dims[0] if shard_dims else None
     if not _mesh_matches(mesh, pmesh, shard_dim):
         raise ValueError(f"dion3: {who} lives on {pmesh} but distributed_mesh is {mesh}; pass the mesh given to "
@@ -130,6 +133,43 @@ def layout_of(p: torch.Tensor, mesh: Any, who: str, matrix: bool, flatten: bool)
         f"(Shard({tensor_dim})); dion3 steps row (Shard(0)) and column (Shard(1)) shards of matrices")
 
 
+def _is_shard(pl) -> bool:
+    # FSDP2 over tensor parallel places _StridedShard, which some torch versions do not count as
+    # a Shard; it cuts a tensor dimension all the same (`dim`).
+    return pl.is_shard() or (type(pl).__name__ == "_StridedShard" and hasattr(pl, "dim"))
+
+
+_GROUPS: dict = {}  # flattened process groups by their ranks (new_group is collective: made once)
+
+
+def _flat_group(mesh) -> Any:
+    ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+    if ranks not in _GROUPS:
+        _GROUPS[ranks] = dist.new_group(list(ranks))
+    return _GROUPS[ranks]
+
+
+def _multi_dim_layout(p, pmesh, placements, shard_dims, who, matrix, flatten) -> ParamLayout:
+    """A parameter sharded on several mesh dimensions: FSDP2 over tensor parallel."""
+    dims = {placements[i].dim for i in shard_dims}
+    if not matrix:
+        return ParamLayout("replicated", _flat_group(pmesh), 0)  # element-wise: the block as it is
+    if dims == {0} and len(shard_dims) == pmesh.ndim and (p.dim() == 2 or flatten):
+        # Rows cut twice (FSDP2's _StridedShard over ColwiseParallel's Shard(0)): every rank holds
+        # contiguous rows, though not in rank order. A row shard over all the mesh's ranks; the
+        # largest shard is the first, ceil(ceil(m/a)/b) = ceil(m/(a*b)) rows.
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offset = compute_local_shape_and_global_offset(p.shape, pmesh, placements)
+        m = int(p.shape[0])
+        chunk = -(-m // pmesh.size())
+        return ParamLayout("row_shard", _flat_group(pmesh), m, 0, int(offset[0]), chunk)
+    raise NotImplementedError(
+        f"dion3: {who} is sharded on {len(shard_dims)} mesh dimensions ({list(placements)}); this build steps "
+        "rows cut over several dimensions (FSDP2 over ColwiseParallel) but not row and column blocks "
+        "(FSDP2 over RowwiseParallel)")
+
+
 def zeros_like_layout(p: torch.Tensor, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero state tensor for p: plain, or a DTensor with p's mesh and placements whose global
     shape is `shape` (the momentum: p's shape; the variance: its rows)."""
@@ -145,7 +185,7 @@ def _placements_for(shape: Tuple[int, ...], placements) -> Tuple:
     # A state tensor of fewer dimensions (the per-row variance) keeps Shard(0) and drops others.
     out = []
     for pl in placements:
-        if pl.is_shard() and pl.dim >= len(shape):
+        if _is_shard(pl) and pl.dim >= len(shape):
             out.append(Replicate())
         else:
             out.append(pl)
@@ -170,6 +210,10 @@ def _chunk(size: int, parts: int, index: int) -> Tuple[int, int]:
 
 def _local_shape(shape: Tuple[int, ...], mesh: Any, placements) -> Tuple[int, ...]:
     out = list(shape)
+    if any(type(pl).__name__ == "_StridedShard" for pl in placements):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        return tuple(compute_local_shape_and_global_offset(torch.Size(shape), mesh, _placements_for(shape, placements))[0])
     for mdim, pl in enumerate(_placements_for(shape, placements)):
         if pl.is_shard():
             _, n = _chunk(out[pl.dim], mesh.size(mdim), mesh.get_local_rank(mdim))
@@ -193,4 +237,4 @@ def local_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["DTensor", "Shard", "Replicate", "ParamLayout", "LOCAL", "check_mesh", "layout_of", "local",
-           "is_dtensor", "zeros_like_layout", "local_part"]
+           "is_dtensor", "same_mesh", "zeros_like_layout", "local_part"]

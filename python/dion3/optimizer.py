@@ -380,7 +380,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         for j, p in enumerate(group["params"]):
             who = f"parameter {j} '{self._param_name(group, gi, j)}' of group {gi}"
             _dist.layout_of(p, self._mesh, who, matrix, bool(group["flatten"]))
-            if _dist.is_dtensor(p) and not any(p.device_mesh is m for m in meshes):
+            if _dist.is_dtensor(p) and not any(_dist.same_mesh(p.device_mesh, m) for m in meshes):
                 meshes.append(p.device_mesh)
         if len(meshes) > 1:
             raise ValueError(f"dion3: parameter group {gi} holds parameters on {len(meshes)} different device "
@@ -440,7 +440,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 dtensors |= is_dt
                 engine.add_param(ei, name_j, _dist.local(p), {k: _dist.local(t) for k, t in st.items()},
                                  layout.kind, layout.group, layout.global_rows, layout.global_cols,
-                                 _dist.local(p.grad) if is_dt else None)
+                                 layout.row_offset, layout.row_chunk, _dist.local(p.grad) if is_dt else None)
                 st["step"] = int(old.get("step", 0))
                 new_state[p] = st
                 engine_params.append(p)

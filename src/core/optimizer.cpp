@@ -186,7 +186,19 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
       p.cols = shape.back();
       p.count = spec.weight.numel() / std::max<int64_t>(p.rows * p.cols, 1);
     }
-    if (L.kind == Layout::RowShard) {
+    if (L.kind == Layout::RowShard && L.row_offset >= 0) {
+      const int64_t m = L.global_rows, P = L.comm->size();
+      if (m < 1 || p.cols < 1)
+        fail(who + " is row-sharded with " + std::to_string(m) + " rows and " + std::to_string(p.cols) +
+             " columns; a matrix needs rows and columns");
+      if (L.row_chunk < 1 || L.row_chunk * P < m || p.rows > L.row_chunk || L.row_offset + p.rows > m)
+        fail(who + " holds rows [" + std::to_string(L.row_offset) + ", " + std::to_string(L.row_offset + p.rows) +
+             ") of " + std::to_string(m) + " with shards of at most " + std::to_string(L.row_chunk) + " rows over " +
+             std::to_string(P) + " ranks: not a cut of the matrix into contiguous shards");
+      if (g.algorithm == Algorithm::Dion3 && g.selection_scope == SelectionScope::Global)
+        fail(who + ": selection_scope 'global' needs the standard cut (ceil(m/P) rows in rank order); this "
+             "parameter is cut otherwise (e.g. FSDP2 over tensor parallel): use 'local'");
+    } else if (L.kind == Layout::RowShard) {
       const int64_t m = L.global_rows, P = L.comm->size(), r = L.comm->rank();
       if (m < 1 || p.cols < 1)
         fail(who + " is row-sharded with " + std::to_string(m) + " rows and " + std::to_string(p.cols) +
@@ -307,7 +319,7 @@ void Optimizer::Impl::build_plan() {
     return static_cast<int>(comms.size()) - 1;
   };
   // The last two fields single a matrix out when megabatching is off.
-  using Key = std::tuple<int, int64_t, int64_t, int, int, int, int, int, int, int64_t>;
+  using Key = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, int, int, int64_t>;
   std::map<Key, std::size_t> index;
   for (int i = 0; i < static_cast<int>(params.size()); ++i) {
     const Param& p = params[i];
@@ -317,8 +329,10 @@ void Optimizer::Impl::build_plan() {
     const DType mom = state_specs(p)[0].dtype;
     const int64_t m = p.layout.kind == Layout::RowShard ? p.layout.global_rows : p.rows;
     const int64_t n = p.layout.kind == Layout::ColShard ? p.layout.global_cols : p.cols;
+    // A non-standard row cut is its own megabatch (its pieces are sized by its largest shard).
+    const int64_t chunk = p.layout.kind == Layout::RowShard ? p.layout.row_chunk : 0;
     for (int64_t j = 0; j < p.count; ++j) {
-      const Key key{p.group, m, n, static_cast<int>(p.weight.dtype), static_cast<int>(p.grad.dtype),
+      const Key key{p.group, m, n, chunk, static_cast<int>(p.weight.dtype), static_cast<int>(p.grad.dtype),
                     static_cast<int>(mom), static_cast<int>(p.layout.kind), ci, options.megabatch ? -1 : i,
                     options.megabatch ? -1 : j};
       auto [it, fresh] = index.try_emplace(key, megabatches.size());
@@ -422,7 +436,7 @@ void Optimizer::Impl::build_plan() {
 }
 
 ExchangePlan exchange_plan(Layout layout, const GroupConfig& g, int64_t count, int64_t m, int64_t cols, int ranks,
-                           DType update_dtype, DType orth_dtype) {
+                           DType update_dtype, DType orth_dtype, int64_t row_chunk) {
   ExchangePlan x;
   const bool dion3 = g.algorithm == Algorithm::Dion3;
   const int64_t P = layout == Layout::Local ? 1 : ranks;
@@ -438,7 +452,7 @@ ExchangePlan exchange_plan(Layout layout, const GroupConfig& g, int64_t count, i
   } else if (layout == Layout::RowShard) {
     // Selected rows to the owner and back: two all-to-alls of `piece` rows per matrix and rank;
     // the global scope first all-gathers every shard's row scores.
-    const int64_t c = ceil_div(m, P);
+    const int64_t c = row_chunk > 0 ? row_chunk : ceil_div(m, P);
     // Over one rank the whole matrix is the shard: both scopes select the same rows.
     const bool global = dion3 && g.selection_scope == SelectionScope::Global && P > 1;
     x.piece = !dion3 ? c : global ? std::min(x.k, c) : selected_rows(g.fraction, c);
@@ -483,10 +497,15 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
   // The exchange's row counts decide the orthogonalizer's shape, and so its result dtype (decided
   // from the shape alone so that every rank agrees, even one that orthogonalizes nothing).
   const int64_t ncols = mb.global_cols;
-  const ExchangePlan shape = exchange_plan(mb.layout, g, n, m, ncols, mb.ranks, mb.update_dtype, DType::F32);
+  const int64_t chunk = mb.layout == Layout::RowShard ? first.layout.row_chunk : 0;
+  if (mb.global_scope && first.layout.row_offset >= 0)
+    fail(group_error(mb.group, "selection_scope 'global' needs the standard row cut (ceil(m/P) rows in rank "
+                               "order); '" + first.name + "' is cut otherwise (e.g. FSDP2 over tensor parallel): use 'local'"));
+  const ExchangePlan shape =
+      exchange_plan(mb.layout, g, n, m, ncols, mb.ranks, mb.update_dtype, DType::F32, chunk);
   const OrthMethod method = choose_orth_method(*backend, g.orth, shape.orth_rows, shape.orth_cols);
   mb.orth_dtype = g.orth.iteration_dtype.value_or(backend->default_iteration_dtype(method == OrthMethod::Gram));
-  const ExchangePlan x = exchange_plan(mb.layout, g, n, m, ncols, mb.ranks, mb.update_dtype, mb.orth_dtype);
+  const ExchangePlan x = exchange_plan(mb.layout, g, n, m, ncols, mb.ranks, mb.update_dtype, mb.orth_dtype, chunk);
   mb.k = x.k;
   mb.piece = x.piece;
   mb.orth_rows = x.orth_rows;

@@ -201,6 +201,55 @@ def fully_sharded_model(rank, world, mesh):
             close(full(p.detach()), q.detach(), f"fully_shard model {name} at step {step}", rtol=1e-4)
 
 
+def tensor_parallel(rank, world, mesh2d):
+    """FSDP2 over ColwiseParallel (rows cut twice, over both mesh dimensions) equals SPEC §3's
+    local rule with that cut; FSDP2 over RowwiseParallel (row and column blocks) is refused."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    dp, tp = mesh2d.size(0), mesh2d.size(1)
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(16, 30, bias=False), nn.Linear(16, 45, bias=False))
+    fulls = [p.detach().clone() for p in model.parameters()]
+    parallelize_module(model, mesh2d["tp"], {"0": ColwiseParallel(), "1": ColwiseParallel()})
+    fully_shard(model, mesh=mesh2d["dp"])
+    ps = list(model.parameters())
+    opt = dion3.Dion3(ps, distributed_mesh=mesh2d, lr=0.02)
+
+    def two_level(m):  # tensor parallel's chunks, each cut again by FSDP2
+        out = []
+        ct = -(-m // tp)
+        for t in range(tp):
+            lo_t, n_t = t * ct, max(0, min(ct, m - t * ct))
+            cd = -(-n_t // dp)
+            out += [(lo_t + d * cd, max(0, min(cd, n_t - d * cd))) for d in range(dp)]
+        return out
+
+    ref = Reference(fulls, lr=0.02, row_shards=two_level)
+    for step in range(3):
+        gs = grads_for([tuple(f.shape) for f in fulls], 300 + step)
+        for p, g in zip(ps, gs):
+            shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            local = g[offset[0]:offset[0] + shape[0]].clone()
+            p.grad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                        stride=p.stride())
+        opt.step()
+        ref.step(gs)
+        for i, (p, w) in enumerate(zip(ps, ref.w)):
+            close(full(p.detach()), w, f"FSDP2 over ColwiseParallel, parameter {i} at step {step}")
+    assert all(mb["layout"] == "row-sharded" and mb["ranks"] == world for mb in opt.plan()), opt.plan()
+
+    rowwise = nn.Sequential(nn.Linear(30, 16, bias=False))
+    parallelize_module(rowwise, mesh2d["tp"], {"0": RowwiseParallel()})
+    fully_shard(rowwise, mesh=mesh2d["dp"])
+    try:
+        dion3.Dion3(list(rowwise.parameters()), distributed_mesh=mesh2d)
+        raise AssertionError("FSDP2 over RowwiseParallel accepted")
+    except NotImplementedError as e:
+        assert "RowwiseParallel" in str(e), str(e)
+
+
 def layouts(rank, world, tmp):
     mesh = init_device_mesh("cpu", (world,))
     ddp(rank, world, dion3.Dion3)
@@ -214,6 +263,7 @@ def layouts(rank, world, tmp):
         hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         fsdp(rank, world, hsdp, [Replicate(), Shard(0)], 2, dion3.Dion3, "dion3")
         fsdp(rank, world, hsdp, [Replicate(), Shard(0)], 2, dion3.Dion3, "dion3", pass_mesh=hsdp["shard"])
+        tensor_parallel(rank, world, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
     nonfinite(rank, world, mesh)
     refusals(rank, world, mesh)
     fully_sharded_model(rank, world, mesh)

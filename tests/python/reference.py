@@ -89,10 +89,10 @@ def top_rows(M, k):
     return torch.sort(order[:k]).values
 
 
-def normuon_per_shard(O, v_rows, rows, c, beta2):
-    """NorMuon on O's rows shard by shard (rows[i] // c): each shard's own Frobenius rescale."""
+def normuon_per_shard(O, v_rows, shard, beta2):
+    """NorMuon on O's rows shard by shard (shard[i]: row i's shard): each shard's own Frobenius
+    rescale."""
     Ot, v_new = torch.empty_like(O), torch.empty_like(v_rows)
-    shard = rows // c
     for s in torch.unique(shard):
         sel = shard == s
         Ot[sel], v_new[sel] = normuon(O[sel], v_rows[sel], beta2)
@@ -153,29 +153,37 @@ class Reference:
         mu = o["mu"]
         # SPEC §3 row sharding over `ranks` (contiguous chunks of c = ceil(m / ranks) rows): the
         # local scope selects ceil(f * c) rows per shard; NorMuon's rescale runs per shard.
+        # `row_shards(m)` gives another cut as (first row, rows) per shard (FSDP2 over tensor
+        # parallel cuts rows twice); the largest shard sizes every shard's selection.
         ranks = o.get("ranks", 1)
         c = -(-m_rows // ranks)
+        shards = o["row_shards"](m_rows) if o.get("row_shards") else [(lo, min(c, m_rows - lo))
+                                                                      for lo in range(0, m_rows, c)]
+        c = max(n for _, n in shards)
+        shard_of_row = torch.empty(m_rows, dtype=torch.long)
+        for i, (lo, n) in enumerate(shards):
+            shard_of_row[lo:lo + n] = i
         for b in range(count):
             if algo in ("dion3", "nordion2"):
                 M[b] += Gm[b]
                 k = max(1, math.ceil(o["fraction"] * m_rows))
-                if ranks > 1 and o.get("selection_scope", "local") == "local":
+                if len(shards) > 1 and o.get("selection_scope", "local") == "local":
                     k_loc = max(1, math.ceil(o["fraction"] * c))
-                    S = torch.cat([lo + top_rows(M[b][lo:lo + c], min(k_loc, M[b][lo:lo + c].shape[0]))
-                                   for lo in range(0, m_rows, c)])
+                    S = torch.sort(torch.cat([lo + top_rows(M[b][lo:lo + n], min(k_loc, n))
+                                              for lo, n in shards if n > 0])).values
                 else:
                     S = top_rows(M[b], k)
                 U = M[b][S].clone()
                 M[b][S] = mu * M[b][S]
                 O = self._orth(U)
-                Ot, V[b][S] = normuon_per_shard(O, V[b][S], S, c, o["muon_beta2"])
+                Ot, V[b][S] = normuon_per_shard(O, V[b][S], shard_of_row[S], o["muon_beta2"])
             else:
                 M[b] = mu * M[b] + Gm[b]
                 U = mu * M[b] + Gm[b] if o["nesterov"] else M[b].clone()
                 S = torch.arange(m_rows)
                 O = self._orth(U)
                 if algo == "normuon":
-                    Ot, V[b] = normuon_per_shard(O, V[b], S, c, o["muon_beta2"])
+                    Ot, V[b] = normuon_per_shard(O, V[b], shard_of_row[S], o["muon_beta2"])
                 else:
                     Ot = O
             # scale_lr_by_fraction scales η itself, so the decoupled decay uses the scaled η too.

@@ -266,7 +266,8 @@ class Engine {
   // global_rows / global_cols: the whole matrix's rows (row_shard) / columns (col_shard).
   int add_param(int group, const std::string& name, const at::Tensor& weight, const py::dict& state,
                 const std::string& layout, const py::object& process_group, int64_t global_rows,
-                int64_t global_cols, const std::optional<at::Tensor>& given_grad) {
+                int64_t global_cols, int64_t row_offset, int64_t row_chunk,
+                const std::optional<at::Tensor>& given_grad) {
     const at::Tensor grad = given_grad ? contiguous(*given_grad) : contiguous_grad(weight);
     if (!grad.defined())
       throw dion3::Error(dion3::Status::InvalidArgument, "parameter '" + name + "' has no gradient");
@@ -274,6 +275,8 @@ class Engine {
     spec.layout.kind = parse_layout(layout);
     spec.layout.global_rows = global_rows;
     spec.layout.global_cols = global_cols;
+    spec.layout.row_offset = row_offset;
+    spec.layout.row_chunk = row_chunk;
     if (!process_group.is_none()) spec.layout.comm = communicator(process_group, weight);
     spec.name = name;
     spec.weight = view_of(weight, "parameter '" + name + "'");
@@ -512,7 +515,8 @@ PYBIND11_MODULE(_C, m) {
       .def("update_group", guarded(&Engine::update_group))
       .def("add_param", guarded(&Engine::add_param), py::arg("group"), py::arg("name"), py::arg("weight"),
            py::arg("state"), py::arg("layout") = "local", py::arg("process_group") = py::none(),
-           py::arg("global_rows") = 0, py::arg("global_cols") = 0, py::arg("grad") = std::nullopt)
+           py::arg("global_rows") = 0, py::arg("global_cols") = 0, py::arg("row_offset") = -1,
+           py::arg("row_chunk") = 0, py::arg("grad") = std::nullopt)
       .def("step_with", guarded(&Engine::step_with))
       .def("step_async_with", guarded(&Engine::step_async_with))
       .def("watch", guarded(&Engine::watch))
