@@ -106,7 +106,8 @@ typedef enum dion3_layout_kind {
   DION3_LAYOUT_LOCAL = 0,      /* one device owns it whole (default) */
   DION3_LAYOUT_REPLICATED = 1, /* every rank holds the same tensor (DDP) */
   DION3_LAYOUT_ROW_SHARD = 2, /* rank r holds rows [r*c, min((r+1)*c, m)), c = ceil(m/P) */
-  DION3_LAYOUT_COL_SHARD = 3  /* rank r holds columns [r*c, min((r+1)*c, n)), c = ceil(n/P) */
+  DION3_LAYOUT_COL_SHARD = 3, /* rank r holds columns [r*c, min((r+1)*c, n)), c = ceil(n/P) */
+  DION3_LAYOUT_BLOCK = 4      /* rows cut over comm as ROW_SHARD, columns over col_comm as COL_SHARD */
 } dion3_layout_kind;
 
 /* ---- plain structs --------------------------------------------------------------------- */
@@ -172,7 +173,8 @@ typedef struct dion3_layout {
   int32_t kind;        /* dion3_layout_kind */
   int64_t global_rows; /* ROW_SHARD: m */
   dion3_comm* comm;    /* REPLICATED / ROW_SHARD / COL_SHARD; not owned, must outlive the optimizer */
-  int64_t global_cols; /* COL_SHARD: n */
+  int64_t global_cols; /* COL_SHARD, BLOCK: n */
+  dion3_comm* col_comm; /* BLOCK: the ranks the columns are cut over; NULL otherwise */
 } dion3_layout;
 
 /* ---- library ---------------------------------------------------------------------------- */

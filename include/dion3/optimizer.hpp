@@ -34,6 +34,9 @@ enum class Layout : int {
   ColShard = 3,    // rank r holds columns [r*c, min((r+1)*c, n)) of every row, c = ceil(n/P)
                    // (Shard(1), e.g. tensor parallel's row-wise split); selection and NorMuon
                    // see whole rows, as on one device
+  Block = 4,       // rows cut over `comm` as RowShard and columns over `col_comm` as ColShard
+                   // (FSDP2 over tensor parallel's row-wise split): the row-sharded rule over
+                   // `comm`, with whole rows
 };
 const char* layout_name(Layout l);
 
@@ -48,6 +51,7 @@ struct ParamLayout {
   // Local selection only.
   int64_t row_offset = -1;
   int64_t row_chunk = 0;
+  std::shared_ptr<Communicator> col_comm;  // Block: the ranks the columns are cut over
 };
 
 struct ParamSpec {
@@ -110,8 +114,10 @@ struct ExchangePlan {
   std::size_t bytes_sent = 0;  // bytes one rank sends per step ((P - 1) blocks per round)
 };
 // row_chunk: rows of the largest row shard where the cut is not the standard one (ParamLayout).
+// col_ranks: Block's column communicator size.
 ExchangePlan exchange_plan(Layout layout, const GroupConfig& group, int64_t count, int64_t rows, int64_t cols,
-                           int ranks, DType update_dtype, DType orth_dtype, int64_t row_chunk = 0);
+                           int ranks, DType update_dtype, DType orth_dtype, int64_t row_chunk = 0,
+                           int col_ranks = 1);
 
 // What one megabatch is: for introspection, benchmarks and tests.
 struct MegabatchInfo {

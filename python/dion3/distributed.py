@@ -44,6 +44,7 @@ class ParamLayout:
     global_cols: int = 0  # col_shard: the whole matrix's columns
     row_offset: int = -1  # row_shard cut otherwise than ceil(m/P) in rank order: this rank's first row
     row_chunk: int = 0  # ... and the largest shard's rows
+    col_group: Any = None  # block: the process group the columns are cut over
 
 
 LOCAL = ParamLayout("local")
@@ -164,10 +165,18 @@ def _multi_dim_layout(p, pmesh, placements, shard_dims, who, matrix, flatten) ->
         m = int(p.shape[0])
         chunk = -(-m // pmesh.size())
         return ParamLayout("row_shard", _flat_group(pmesh), m, 0, int(offset[0]), chunk)
+    if (len(shard_dims) == 2 and sorted(dims) == [0, 1] and p.dim() == 2
+            and all(type(placements[i]).__name__ != "_StridedShard" for i in shard_dims)):
+        # Row and column blocks (FSDP2's Shard(0) over RowwiseParallel's Shard(1)).
+        row_dim = next(i for i in shard_dims if placements[i].dim == 0)
+        col_dim = next(i for i in shard_dims if placements[i].dim == 1)
+        if pmesh.ndim != 2:
+            raise NotImplementedError(f"dion3: {who}: row and column blocks on a {pmesh.ndim}-D mesh")
+        return ParamLayout("block", pmesh.get_group(row_dim), int(p.shape[0]), int(p.shape[1]),
+                           col_group=pmesh.get_group(col_dim))
     raise NotImplementedError(
-        f"dion3: {who} is sharded on {len(shard_dims)} mesh dimensions ({list(placements)}); this build steps "
-        "rows cut over several dimensions (FSDP2 over ColwiseParallel) but not row and column blocks "
-        "(FSDP2 over RowwiseParallel)")
+        f"dion3: {who} with shape {list(p.shape)} is sharded as {list(placements)}; dion3 steps rows cut over "
+        "mesh dimensions (FSDP2 over ColwiseParallel) and row x column blocks (FSDP2 over RowwiseParallel)")
 
 
 def zeros_like_layout(p: torch.Tensor, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -440,7 +440,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 dtensors |= is_dt
                 engine.add_param(ei, name_j, _dist.local(p), {k: _dist.local(t) for k, t in st.items()},
                                  layout.kind, layout.group, layout.global_rows, layout.global_cols,
-                                 layout.row_offset, layout.row_chunk, _dist.local(p.grad) if is_dt else None)
+                                 layout.row_offset, layout.row_chunk, layout.col_group,
+                                 _dist.local(p.grad) if is_dt else None)
                 st["step"] = int(old.get("step", 0))
                 new_state[p] = st
                 engine_params.append(p)

@@ -322,7 +322,8 @@ dion3_status dion3_add_param_layout(dion3_optimizer* opt, int group, const char*
     spec.weight = to_view(weight, "parameter '" + n + "': weight");
     if (grad) spec.grad = to_view(grad, "parameter '" + n + "': grad");  // else bound later
     if (layout) {
-      spec.layout.kind = to_enum<dion3::Layout>(layout->kind, 0, 3, "parameter '" + n + "': layout kind");
+      spec.layout.kind = to_enum<dion3::Layout>(layout->kind, 0, 4, "parameter '" + n + "': layout kind");
+      if (layout->col_comm) spec.layout.col_comm = layout->col_comm->comm;
       spec.layout.global_rows = layout->global_rows;
       spec.layout.global_cols = layout->global_cols;
       if (layout->comm) spec.layout.comm = layout->comm->comm;

@@ -65,6 +65,12 @@ struct Chunk {
 //    by side (its own gathered in place), orthogonalizes, applies its columns at once and copies
 //    the whole result rows into its slot of an in-place all-gather in `send`: NorMuon and the
 //    update of the others see whole rows, as on one device.
+//  - Block: rows cut over `comm` (as RowShard), columns over `col_comm`. Partial row scores are
+//    summed over the column ranks; each rank's pieces of its block are all-gathered over them
+//    (`colbuf`) into whole-width pieces (`send`), which then take the RowShard exchange over the
+//    row ranks; results come back whole-width (`back` -> `recv`), so NorMuon sees whole rows and
+//    each rank updates its columns. Every column rank of a row group orthogonalizes the same
+//    matrices.
 struct Megabatch {
   int group = 0;
   int64_t rows = 0, cols = 0, k = 0;  // rows: of the local matrices (a shard under RowShard)
@@ -85,6 +91,8 @@ struct Megabatch {
   Layout layout = Layout::Local;
   Communicator* comm = nullptr;
   int ranks = 1, rank = 0;
+  Communicator* col_comm = nullptr;  // Block: the column ranks
+  int col_ranks = 1, col_rank = 0;
   int64_t global_rows = 0;    // m of the whole matrix
   int64_t global_cols = 0;    // n of the whole matrix (cols is the local count under ColShard)
   int64_t orth_cols = 0;      // columns per member the orthogonalizer sees (ColShard: ranks * ceil(n/ranks))
@@ -97,6 +105,7 @@ struct Megabatch {
   DeviceBuffer send, recv;
   DeviceBuffer piece_idx;   // RowShard: N x piece local row indices
   DeviceBuffer score_send, score_recv, all_scores;  // global scope
+  DeviceBuffer colbuf, back;  // Block: the column ranks' pieces; the results for other row ranks
   DeviceBuffer ones;   // ColShard: P ones, to sum the ranks' partial row scores with one GEMM
   DeviceBuffer slots;  // global scope: exchange-buffer rows of the selected rows (Backend::selection_slots)
   // The members other ranks orthogonalize, as (first member, set) ranges before and after the
@@ -140,6 +149,8 @@ struct Optimizer::Impl {
   void prepare(Megabatch& mb, int* flag);
   void orthogonalize(Megabatch& mb, int* flag);
   void apply(Megabatch& mb, int* flag);
+  void prepare_block(Megabatch& mb, int* flag);
+  void orthogonalize_block(Megabatch& mb, int* flag);
   UpdateParams update_params(const Megabatch& mb) const;
 };
 

@@ -65,6 +65,7 @@ const char* layout_name(Layout l) {
     case Layout::Replicated: return "replicated";
     case Layout::RowShard: return "row-sharded";
     case Layout::ColShard: return "column-sharded";
+    case Layout::Block: return "block-sharded";
   }
   return "unknown";
 }
@@ -164,9 +165,12 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
     fail(who + " has a " + layout_name(L.kind) + " layout but no communicator");
   if (L.kind == Layout::Local && L.comm)
     fail(who + " has a communicator but a local layout; give it a replicated or row-sharded layout");
-  if (L.comm && L.comm->device() != device)
-    fail(who + ": its communicator (" + L.comm->describe() + ") moves " + device_name(L.comm->device()) +
-         " buffers but this optimizer runs on " + device_name(device));
+  for (const Communicator* c : {L.comm.get(), L.col_comm.get()})
+    if (c && c->device() != device)
+      fail(who + ": its communicator (" + c->describe() + ") moves " + device_name(c->device()) +
+           " buffers but this optimizer runs on " + device_name(device));
+  if ((L.kind == Layout::Block) != static_cast<bool>(L.col_comm))
+    fail(who + ": a block-sharded layout needs a column communicator, and only it takes one");
   if (is_matrix_algorithm(g.algorithm)) {
     if (shape.size() < 2)
       fail(who + " has shape " + spec.weight.shape_str() + " but " +
@@ -179,14 +183,29 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
       p.rows = shape[0];
       p.cols = trailing;
     } else {
-      if (L.kind == Layout::RowShard || L.kind == Layout::ColShard)
+      if (L.kind == Layout::RowShard || L.kind == Layout::ColShard || L.kind == Layout::Block)
         fail(who + " has shape " + spec.weight.shape_str() + ": a " + layout_name(L.kind) +
              " parameter must be a matrix (or use flatten=True, which treats it as (dim0, rest))");
       p.rows = shape[shape.size() - 2];
       p.cols = shape.back();
       p.count = spec.weight.numel() / std::max<int64_t>(p.rows * p.cols, 1);
     }
-    if (L.kind == Layout::RowShard && L.row_offset >= 0) {
+    if (L.kind == Layout::Block) {
+      // Rows cut over comm and columns over col_comm, each in ceil chunks in rank order.
+      auto check_cut = [&](const char* what, int64_t held, int64_t total, const Communicator& c) {
+        const int64_t chunk = ceil_div(std::max<int64_t>(total, 1), c.size());
+        const int64_t first = std::min(total, c.rank() * chunk), want = std::min(chunk, total - first);
+        if (total < 1 || held != want)
+          fail(who + " is block-sharded: its " + what + " are cut over " + c.describe() + " into ceil(" +
+               std::to_string(total) + "/" + std::to_string(c.size()) + ") chunks, so rank " +
+               std::to_string(c.rank()) + " must hold " + std::to_string(want) + " of them, but its block has shape " +
+               spec.weight.shape_str());
+      };
+      check_cut("rows", p.rows, L.global_rows, *L.comm);
+      check_cut("columns", p.cols, L.global_cols, *L.col_comm);
+      if (g.algorithm == Algorithm::Dion3 && g.selection_scope == SelectionScope::Global)
+        fail(who + ": selection_scope 'global' is not available for block-sharded parameters; use 'local'");
+    } else if (L.kind == Layout::RowShard && L.row_offset >= 0) {
       const int64_t m = L.global_rows, P = L.comm->size();
       if (m < 1 || p.cols < 1)
         fail(who + " is row-sharded with " + std::to_string(m) + " rows and " + std::to_string(p.cols) +
@@ -319,21 +338,24 @@ void Optimizer::Impl::build_plan() {
     return static_cast<int>(comms.size()) - 1;
   };
   // The last two fields single a matrix out when megabatching is off.
-  using Key = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, int, int, int64_t>;
+  using Key = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, int, int, int, int64_t>;
   std::map<Key, std::size_t> index;
   for (int i = 0; i < static_cast<int>(params.size()); ++i) {
     const Param& p = params[i];
     const GroupConfig& g = groups[p.group];
     const int ci = comm_index(p.layout.comm.get());
+    const int cci = comm_index(p.layout.col_comm.get());
     if (!is_matrix_algorithm(g.algorithm)) continue;
     const DType mom = state_specs(p)[0].dtype;
-    const int64_t m = p.layout.kind == Layout::RowShard ? p.layout.global_rows : p.rows;
-    const int64_t n = p.layout.kind == Layout::ColShard ? p.layout.global_cols : p.cols;
+    const bool row_cut = p.layout.kind == Layout::RowShard || p.layout.kind == Layout::Block;
+    const bool col_cut = p.layout.kind == Layout::ColShard || p.layout.kind == Layout::Block;
+    const int64_t m = row_cut ? p.layout.global_rows : p.rows;
+    const int64_t n = col_cut ? p.layout.global_cols : p.cols;
     // A non-standard row cut is its own megabatch (its pieces are sized by its largest shard).
     const int64_t chunk = p.layout.kind == Layout::RowShard ? p.layout.row_chunk : 0;
     for (int64_t j = 0; j < p.count; ++j) {
       const Key key{p.group, m, n, chunk, static_cast<int>(p.weight.dtype), static_cast<int>(p.grad.dtype),
-                    static_cast<int>(mom), static_cast<int>(p.layout.kind), ci, options.megabatch ? -1 : i,
+                    static_cast<int>(mom), static_cast<int>(p.layout.kind), ci, cci, options.megabatch ? -1 : i,
                     options.megabatch ? -1 : j};
       auto [it, fresh] = index.try_emplace(key, megabatches.size());
       if (fresh) {
@@ -370,7 +392,7 @@ void Optimizer::Impl::build_plan() {
     // take no room when the gather writes the orthogonalizer's normalised input itself).
     // Row-sharded megabatches normalise after the exchange (the norm spans every rank's rows),
     // except over one rank, where the rank's rows are the whole input.
-    const bool sharded = mb.layout == Layout::RowShard || mb.layout == Layout::ColShard;
+    const bool sharded = mb.layout == Layout::RowShard || mb.layout == Layout::ColShard || mb.layout == Layout::Block;
     mb.gathers_normalized = g.algorithm == Algorithm::Dion3 && (!sharded || mb.ranks == 1) &&
                             mb.orth_rows <= mb.orth_cols;
     auto layout = [&](int64_t count, Chunk* c) {
@@ -436,7 +458,7 @@ void Optimizer::Impl::build_plan() {
 }
 
 ExchangePlan exchange_plan(Layout layout, const GroupConfig& g, int64_t count, int64_t m, int64_t cols, int ranks,
-                           DType update_dtype, DType orth_dtype, int64_t row_chunk) {
+                           DType update_dtype, DType orth_dtype, int64_t row_chunk, int col_ranks) {
   ExchangePlan x;
   const bool dion3 = g.algorithm == Algorithm::Dion3;
   const int64_t P = layout == Layout::Local ? 1 : ranks;
@@ -477,6 +499,20 @@ ExchangePlan exchange_plan(Layout layout, const GroupConfig& g, int64_t count, i
     if (dion3) x.bytes_sent += static_cast<std::size_t>((P - 1) * count * m) * sizeof(float);
   }
   if (P == 1) x.rounds = 0;  // a rank alone exchanges nothing
+  if (layout == Layout::Block) {
+    // Row scores summed over the column ranks (Dion3), each rank's block of its pieces gathered
+    // over the column ranks into whole-width pieces, then the row-sharded exchange of those over
+    // the row ranks (every column rank of a row group runs it alike).
+    const int64_t c = ceil_div(m, P), Pc = col_ranks, cc = ceil_div(cols, Pc);
+    x.piece = dion3 ? selected_rows(g.fraction, c) : c;
+    x.k = x.piece;
+    x.orth_rows = P * x.piece;
+    x.orth_cols = Pc * cc;
+    x.rounds = (P > 1 ? 2 : 0) + (Pc > 1 ? (dion3 ? 2 : 1) : 0);
+    x.bytes_sent = static_cast<std::size_t>((P - 1) * x.block * x.piece * x.orth_cols) * (es_u + es_o) +
+                   static_cast<std::size_t>((Pc - 1) * count * x.piece * cc) * es_u;
+    if (dion3) x.bytes_sent += static_cast<std::size_t>((Pc - 1) * count * c) * sizeof(float);
+  }
   return x;
 }
 
@@ -490,6 +526,9 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
   mb.comm = first.layout.comm.get();
   mb.ranks = mb.comm ? mb.comm->size() : 1;
   mb.rank = mb.comm ? mb.comm->rank() : 0;
+  mb.col_comm = first.layout.col_comm.get();
+  mb.col_ranks = mb.col_comm ? mb.col_comm->size() : 1;
+  mb.col_rank = mb.col_comm ? mb.col_comm->rank() : 0;
   mb.update_dtype = update_rows_dtype(g, mb.momentum_dtype);
   const int64_t P = mb.ranks, m = mb.global_rows;
   mb.global_scope =
@@ -502,10 +541,11 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
     fail(group_error(mb.group, "selection_scope 'global' needs the standard row cut (ceil(m/P) rows in rank "
                                "order); '" + first.name + "' is cut otherwise (e.g. FSDP2 over tensor parallel): use 'local'"));
   const ExchangePlan shape =
-      exchange_plan(mb.layout, g, n, m, ncols, mb.ranks, mb.update_dtype, DType::F32, chunk);
+      exchange_plan(mb.layout, g, n, m, ncols, mb.ranks, mb.update_dtype, DType::F32, chunk, mb.col_ranks);
   const OrthMethod method = choose_orth_method(*backend, g.orth, shape.orth_rows, shape.orth_cols);
   mb.orth_dtype = g.orth.iteration_dtype.value_or(backend->default_iteration_dtype(method == OrthMethod::Gram));
-  const ExchangePlan x = exchange_plan(mb.layout, g, n, m, ncols, mb.ranks, mb.update_dtype, mb.orth_dtype, chunk);
+  const ExchangePlan x =
+      exchange_plan(mb.layout, g, n, m, ncols, mb.ranks, mb.update_dtype, mb.orth_dtype, chunk, mb.col_ranks);
   mb.k = x.k;
   mb.piece = x.piece;
   mb.orth_rows = x.orth_rows;
@@ -530,7 +570,33 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
       }
   }
   // Exchange buffers only where something leaves the rank.
-  if (mb.layout == Layout::ColShard && P > 1) {
+  if (mb.layout == Layout::Block) {
+    const int64_t Pc = mb.col_ranks, cc = ceil_div(ncols, Pc);
+    mb.piece_idx = DeviceBuffer(alloc, static_cast<std::size_t>(n * mb.piece) * sizeof(int32_t));
+    if (!dion3 || mb.rows == 0) {  // fixed lists, as for RowShard
+      std::vector<int32_t> idx(static_cast<std::size_t>(n * mb.piece), kPadRow);
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t r = 0; r < (dion3 ? 0 : mb.rows); ++r) idx[i * mb.piece + r] = static_cast<int32_t>(r);
+      backend->copy_from_host(mb.piece_idx.get(), idx.data(), idx.size() * sizeof(int32_t));
+    }
+    // colbuf: every column rank's block of every member's pieces (all-gathered in place); send:
+    // whole-width pieces, member order; recv: the forward pieces of this rank's block; back: the
+    // results for the other row ranks.
+    mb.colbuf = DeviceBuffer(alloc, static_cast<std::size_t>(Pc * n * mb.piece * cc) * es_u);
+    const std::size_t slot = static_cast<std::size_t>(mb.piece * mb.orth_cols);
+    mb.send = DeviceBuffer(alloc, P * mb.block * slot * es_u);
+    if (P > 1) {
+      mb.recv = DeviceBuffer(alloc, P * mb.block * slot * std::max(es_u, es_o));
+      mb.back = DeviceBuffer(alloc, P * mb.block * slot * es_o);
+    }
+    if (dion3 && Pc > 1) {
+      const std::vector<float> ones(static_cast<std::size_t>(Pc), 1.0f);
+      mb.ones = DeviceBuffer(alloc, ones.size() * sizeof(float));
+      backend->copy_from_host(mb.ones.get(), ones.data(), ones.size() * sizeof(float));
+      mb.score_recv = DeviceBuffer(alloc, static_cast<std::size_t>(Pc * n * std::max<int64_t>(mb.rows, 1)) * sizeof(float));
+      mb.all_scores = DeviceBuffer(alloc, static_cast<std::size_t>(n * std::max<int64_t>(mb.rows, 1)) * sizeof(float));
+    }
+  } else if (mb.layout == Layout::ColShard && P > 1) {
     // send: the forward pieces, then (in place) the all-gathered whole result rows; recv: the
     // forward pieces of this rank's block.
     const int64_t c = ceil_div(ncols, P);
@@ -582,8 +648,8 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
 void Optimizer::Impl::check_plans_agree() {
   std::vector<Communicator*> comms;
   for (const Param& p : params)
-    if (p.layout.comm && std::find(comms.begin(), comms.end(), p.layout.comm.get()) == comms.end())
-      comms.push_back(p.layout.comm.get());
+    for (Communicator* c : {p.layout.comm.get(), p.layout.col_comm.get()})
+      if (c && std::find(comms.begin(), comms.end(), c) == comms.end()) comms.push_back(c);
   for (Communicator* comm : comms) {
     uint64_t h = 1469598103934665603ull;  // FNV-1a over the plan's numbers
     auto mix = [&h](int64_t v) {
@@ -594,7 +660,7 @@ void Optimizer::Impl::check_plans_agree() {
     };
     int64_t count = 0;
     for (const Megabatch& mb : megabatches) {
-      if (mb.comm != comm) continue;
+      if (mb.comm != comm && mb.col_comm != comm) continue;
       ++count;
       for (int64_t v : {static_cast<int64_t>(mb.members.size()), mb.global_rows, mb.global_cols, mb.piece, mb.k,
                         static_cast<int64_t>(mb.layout), static_cast<int64_t>(mb.weight_dtype),
@@ -603,7 +669,7 @@ void Optimizer::Impl::check_plans_agree() {
         mix(v);
     }
     for (const Param& p : params)
-      if (p.layout.comm.get() == comm) mix(static_cast<int64_t>(p.layout.kind));
+      if (p.layout.comm.get() == comm || p.layout.col_comm.get() == comm) mix(static_cast<int64_t>(p.layout.kind));
     const int P = comm->size();
     const uint64_t mine[2] = {h, static_cast<uint64_t>(count)};
     DeviceBuffer buf(backend->allocator(), sizeof(mine) * (P + 1));
@@ -693,6 +759,8 @@ UpdateParams Optimizer::Impl::update_params(const Megabatch& mb) const {
   up.weight_decay = static_cast<float>(g.weight_decay);
   up.adjusted_lr = static_cast<float>(g.adjusted_lr(mb.global_rows, mb.global_cols));  // the whole matrix's shape
   if (mb.layout == Layout::ColShard) up.o_col_offset = std::min(mb.global_cols, mb.rank * ceil_div(mb.global_cols, mb.ranks));
+  if (mb.layout == Layout::Block)
+    up.o_col_offset = std::min(mb.global_cols, mb.col_rank * ceil_div(mb.global_cols, mb.col_ranks));
   up.beta2 = static_cast<float>(g.muon_beta2);
   up.cautious_wd = g.cautious_wd;
   up.normuon = g.algorithm != Algorithm::Muon;
@@ -703,12 +771,12 @@ UpdateParams Optimizer::Impl::update_params(const Megabatch& mb) const {
 // ranks of every communicator, before anything is written.
 void Optimizer::Impl::agree_on_flag(int* flag) {
   std::vector<Communicator*> seen;
-  for (const Param& p : params) {
-    Communicator* c = p.layout.comm.get();
-    if (!c || std::find(seen.begin(), seen.end(), c) != seen.end()) continue;
-    seen.push_back(c);
-    c->all_reduce_max(flag, 1, backend->stream(), "the non-finite gradient check")->wait();
-  }
+  for (const Param& p : params)
+    for (Communicator* c : {p.layout.comm.get(), p.layout.col_comm.get()}) {
+      if (!c || std::find(seen.begin(), seen.end(), c) != seen.end()) continue;
+      seen.push_back(c);
+      c->all_reduce_max(flag, 1, backend->stream(), "the non-finite gradient check")->wait();
+    }
 }
 
 namespace {
@@ -757,6 +825,10 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
   float* scores = mb.scores.as<float>();
   int32_t* idx = mb.indices.as<int32_t>();
   float* row_sumsq = mb.gathers_normalized ? mb.row_sumsq.as<float>() : nullptr;
+  if (mb.layout == Layout::Block) {
+    prepare_block(mb, flag);
+    return;
+  }
   if (mb.layout == Layout::ColShard && mb.ranks > 1) {
     const int64_t P = mb.ranks;
     if (dion3) {
@@ -849,6 +921,10 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
 // Stage 2: orthogonalize this rank's members and apply them; distributed megabatches also start
 // the collective that takes the results to the ranks that hold the others.
 void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
+  if (mb.layout == Layout::Block) {
+    orthogonalize_block(mb, flag);
+    return;
+  }
   Backend& be = *backend;
   const GroupConfig& g = groups[mb.group];
   const float mu = static_cast<float>(g.mu);
@@ -990,19 +1066,109 @@ void Optimizer::Impl::apply(Megabatch& mb, int* flag) {
   if (mb.rows == 0) return;  // an empty shard
   if (mb.cols == 0) return;  // an empty column shard
   const bool dion3 = groups[mb.group].algorithm == Algorithm::Dion3;
-  const bool row_shard = mb.layout == Layout::RowShard;
+  const bool row_shard = mb.layout == Layout::RowShard || mb.layout == Layout::Block;
   const int64_t listed = row_shard ? mb.piece : mb.k;
-  // ColShard: whole rows, in `send` (the all-gather's buffer).
+  // ColShard: whole rows, in `send` (the all-gather's buffer). Block: whole-width rows, padded.
   const DeviceBuffer& results = mb.layout == Layout::ColShard ? mb.send : mb.recv;
-  const std::size_t slot = static_cast<std::size_t>(listed * mb.global_cols) * dtype_size(mb.orth_dtype);
+  const int64_t width = mb.layout == Layout::Block ? mb.orth_cols : mb.global_cols;
+  const std::size_t slot = static_cast<std::size_t>(listed * width) * dtype_size(mb.orth_dtype);
   for (auto& [first, set] : mb.others) {
     const int32_t* rows = row_shard ? mb.piece_idx.as<int32_t>() + first * mb.piece
                           : dion3   ? mb.indices.as<int32_t>() + first * mb.k
                                     : nullptr;
-    const MatrixView O = MatrixView::contiguous(byte_offset(results, first * slot), mb.orth_dtype,
-                                                static_cast<int64_t>(set->mats.size()), listed, mb.global_cols);
+    const MatrixView O{byte_offset(results, first * slot), mb.orth_dtype, static_cast<int64_t>(set->mats.size()),
+                       listed, mb.global_cols, width, listed * width};
     backend->apply_update(*set, rows, listed, O, update_params(mb), flag);
   }
+}
+
+// Block (see Megabatch): stage 1. The column ranks of a row group hold the same rows, so they
+// select alike; their collectives involve only them.
+void Optimizer::Impl::prepare_block(Megabatch& mb, int* flag) {
+  Backend& be = *backend;
+  const GroupConfig& g = groups[mb.group];
+  const auto n = static_cast<int64_t>(mb.members.size());
+  const bool dion3 = g.algorithm == Algorithm::Dion3;
+  const int64_t Pc = mb.col_ranks, cc = ceil_div(mb.global_cols, Pc), W = mb.orth_cols;
+  const std::size_t es_u = dtype_size(mb.update_dtype);
+  int32_t* piece_idx = mb.piece_idx.as<int32_t>();
+  if (dion3) {
+    float* scores = mb.scores.as<float>();
+    be.accumulate(*mb.set, 1.0f, scores, nullptr, flag);
+    if (Pc > 1 && mb.rows > 0) {  // row scores over this rank's columns, summed over the column ranks
+      comm_wait(mb.col_comm->all_gather(scores, mb.score_recv.get(), static_cast<std::size_t>(n * mb.rows) * 4,
+                                        be.stream(), "the score all-gather of " + mb.label));
+      be.gemm(false, false, 1.0f, MatrixView::contiguous(mb.ones.get(), DType::F32, 1, 1, Pc),
+              MatrixView::contiguous(mb.score_recv.get(), DType::F32, 1, Pc, n * mb.rows), 0.0f,
+              MatrixView::contiguous(mb.all_scores.get(), DType::F32, 1, 1, n * mb.rows));
+      scores = mb.all_scores.as<float>();
+    }
+    int32_t* idx = mb.indices.as<int32_t>();
+    if (mb.rows >= mb.piece) {
+      be.select_rows(scores, n, mb.rows, mb.piece, piece_idx, flag);
+    } else if (mb.rows > 0) {
+      be.select_rows(scores, n, mb.rows, mb.rows, idx, flag);
+      be.remap_rows(idx, n, mb.rows, 0, mb.rows, mb.piece, piece_idx, flag);
+    }
+  } else {
+    be.accumulate(*mb.set, static_cast<float>(g.mu), nullptr, nullptr, flag);
+  }
+  // This rank's columns of every member's pieces, into its block of colbuf (zero-padded to cc).
+  const std::size_t block = static_cast<std::size_t>(n * mb.piece * cc) * es_u;
+  char* mine = byte_offset(mb.colbuf, mb.col_rank * block);
+  if (mb.cols < cc) be.fill_zero(mine, block);
+  if (mb.cols > 0)
+    gather_update_rows(be, g, *mb.set, piece_idx, mb.piece,
+                       MatrixView{mine, mb.update_dtype, n, mb.piece, mb.cols, cc, mb.piece * cc}, nullptr, flag);
+  if (Pc > 1)
+    comm_wait(mb.col_comm->all_gather(mine, mb.colbuf.get(), block, be.stream(),
+                                      "the column all-gather of " + mb.label));
+  // Whole-width pieces, member order: the row exchange's `send`.
+  for (int64_t t = 0; t < Pc; ++t)
+    be.copy_2d(mb.send.as<char>() + t * cc * es_u, W * es_u, byte_offset(mb.colbuf, t * block), cc * es_u, cc * es_u,
+               n * mb.piece);
+  if (mb.ranks > 1)
+    mb.inflight = mb.comm->all_to_all(mb.send.get(), mb.recv.get(),
+                                      mb.block * static_cast<std::size_t>(mb.piece * W) * es_u, be.stream(),
+                                      "the forward all-to-all of " + mb.label);
+}
+
+// Block: stage 2. Each member's whole-width pieces stacked by row rank, orthogonalized; this
+// rank's rows applied at once (its columns), the others' sent back whole-width.
+void Optimizer::Impl::orthogonalize_block(Megabatch& mb, int* flag) {
+  Backend& be = *backend;
+  const int64_t P = mb.ranks, W = mb.orth_cols;
+  if (P > 1) comm_wait(std::move(mb.inflight));
+  const std::size_t es_u = dtype_size(mb.update_dtype), es_o = dtype_size(mb.orth_dtype);
+  const std::size_t in_slot = static_cast<std::size_t>(mb.piece * W) * es_u;
+  const std::size_t out_slot = static_cast<std::size_t>(mb.piece * W) * es_o;
+  const UpdateParams up = update_params(mb);
+  for (Chunk& c : mb.chunks) {
+    c.set->mats.assign(mb.set->mats.begin() + c.first, mb.set->mats.begin() + c.first + c.count);
+    be.refresh(*c.set);
+    const int64_t jl = c.first - mb.owned_first;
+    const MatrixView U = MatrixView::contiguous(arena.as<char>() + c.update_offset, mb.update_dtype, c.count,
+                                                mb.orth_rows, W);
+    for (int64_t r = 0; r < P; ++r) {
+      const char* from = r == mb.rank ? byte_offset(mb.send, (r * mb.block + jl) * in_slot)
+                                      : byte_offset(mb.recv, (r * mb.block + jl) * in_slot);
+      be.copy_2d(static_cast<char*>(U.data) + r * in_slot, P * in_slot, from, in_slot, in_slot, c.count);
+    }
+    const MatrixView O = c.orth->run(U);
+    if (mb.rows > 0 && mb.cols > 0)
+      be.apply_update(*c.set, mb.piece_idx.as<int32_t>() + c.first * mb.piece, mb.piece,
+                      MatrixView{static_cast<char*>(O.data) + mb.rank * out_slot, mb.orth_dtype, c.count, mb.piece,
+                                 mb.global_cols, W, mb.orth_rows * W},
+                      up, flag);
+    for (int64_t r = 0; r < P; ++r) {
+      if (r == mb.rank) continue;
+      be.copy_2d(byte_offset(mb.back, (r * mb.block + jl) * out_slot), out_slot,
+                 static_cast<const char*>(O.data) + r * out_slot, P * out_slot, out_slot, c.count);
+    }
+  }
+  if (P > 1)
+    mb.inflight = mb.comm->all_to_all(mb.back.get(), mb.recv.get(), mb.block * out_slot, be.stream(),
+                                      "the return all-to-all of " + mb.label);
 }
 
 void Optimizer::Impl::enqueue_step() {

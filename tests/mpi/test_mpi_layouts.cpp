@@ -214,6 +214,71 @@ INSTANTIATE_TEST_SUITE_P(
                            kColShapes}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
+// Row and column blocks (FSDP2 over tensor parallel's row-wise split): rows cut over one
+// communicator, columns over another; the row-sharded rule over the row ranks, whole rows.
+TEST(Block, RowAndColumnBlocksEqualTheRowShardedRule) {
+  const int P = world_size(), rank = world_rank();
+  std::vector<std::pair<int, int>> grids = {{P, 1}, {1, P}};
+  if (P == 4) grids.push_back({2, 2});
+  for (auto [dp, tp] : grids) {
+    for (Algorithm algo : {Algorithm::Dion3, Algorithm::NorMuon}) {
+      const int d = rank / tp, t = rank % tp;
+      MPI_Comm rows_comm, cols_comm;
+      MPI_Comm_split(MPI_COMM_WORLD, t, d, &rows_comm);  // the ranks holding the same columns
+      MPI_Comm_split(MPI_COMM_WORLD, d, t, &cols_comm);  // the ranks holding the same rows
+      auto row_comm = dion3::make_mpi_communicator(&rows_comm, 60.0);
+      auto col_comm = dion3::make_mpi_communicator(&cols_comm, 60.0);
+      GroupConfig g;
+      g.algorithm = algo;
+      g.lr = 0.02;
+      const ref::MatrixHyper hyper = t3::matrix_hyper(g, DType::F32);
+      dion3::Optimizer opt(dion3::make_cpu_backend());
+      const int gi = opt.add_group(g);
+      Rng rng(808);
+      std::vector<DistParam> ps;
+      for (auto [m, n] : std::vector<std::pair<int, int>>{{24, 40}, {24, 40}, {30, 18}, {3, 7}}) {
+        DistParam q;
+        q.m = m;
+        q.n = n;
+        q.W = t3::gaussian(m, n, rng, 0.05);
+        q.M.assign(static_cast<std::size_t>(m) * n, 0.0);
+        q.v.assign(m, 0.0);
+        q.shard = shard_of(m, dp, d);
+        q.cols = shard_of(n, tp, t);
+        q.local = std::make_unique<t3::HostParam>("b" + std::to_string(ps.size()), DType::F32,
+                                                  std::vector<int64_t>{q.shard.count, q.cols.count});
+        q.local->w.assign(part_of(q.W, n, q.shard, q.cols));
+        dion3::ParamSpec spec = q.local->spec();
+        spec.layout.kind = Layout::Block;
+        spec.layout.comm = row_comm;
+        spec.layout.col_comm = col_comm;
+        spec.layout.global_rows = m;
+        spec.layout.global_cols = n;
+        q.local->index = opt.add_param(gi, spec);
+        ps.push_back(std::move(q));
+      }
+      for (int step = 0; step < 3; ++step) {
+        for (auto& q : ps) {
+          const ref::Mat G = t3::gaussian(q.m, q.n, rng);
+          q.local->g.assign(part_of(G, q.n, q.shard, q.cols));
+          if (algo == Algorithm::Dion3) ref::dion3_step_sharded(q.W, q.M, q.v, G, q.m, q.n, hyper, dp, ref::Scope::Local);
+          else ref::normuon_step_sharded(q.W, q.M, q.v, G, q.m, q.n, hyper, dp);
+        }
+        ASSERT_TRUE(opt.step());
+        for (std::size_t i = 0; i < ps.size(); ++i) {
+          auto& q = ps[i];
+          const double tol = t3::weight_tol(DType::F32, t3::max_abs(q.W), 0.02 * (step + 1));
+          EXPECT_LE(t3::max_abs_diff(q.local->w.values(), part_of(q.W, q.n, q.shard, q.cols)), tol)
+              << "grid " << dp << "x" << tp << ", " << dion3::algorithm_name(algo) << ", rank " << rank << ", parameter "
+              << i << ", step " << step + 1;
+        }
+      }
+      MPI_Comm_free(&rows_comm);
+      MPI_Comm_free(&cols_comm);
+    }
+  }
+}
+
 // A non-finite gradient in one rank's shard: every rank drops the step (skip) or raises
 // (raise), and no rank's weights or state move.
 TEST(Faults, NonFiniteOnOneRankIsDecidedByAll) {
@@ -304,7 +369,7 @@ TEST(CApi, RowShardedParameterThroughTheCApi) {
   }
   dion3_tensor wt = {w.data(), DION3_F32, DION3_DEVICE_CPU, 0, 2, {s.count, cols}};
   dion3_tensor gt = {gr.data(), DION3_F32, DION3_DEVICE_CPU, 0, 2, {s.count, cols}};
-  dion3_layout layout = {DION3_LAYOUT_ROW_SHARD, m, comm, 0};
+  dion3_layout layout = {DION3_LAYOUT_ROW_SHARD, m, comm, 0, nullptr};
   ASSERT_EQ(dion3_add_param_layout(opt, g, "w", &wt, &gt, &layout, nullptr), DION3_OK) << dion3_last_error();
   int applied = 0;
   ASSERT_EQ(dion3_step(opt, &applied), DION3_OK) << dion3_last_error();

@@ -203,7 +203,8 @@ def fully_sharded_model(rank, world, mesh):
 
 def tensor_parallel(rank, world, mesh2d):
     """FSDP2 over ColwiseParallel (rows cut twice, over both mesh dimensions) equals SPEC §3's
-    local rule with that cut; FSDP2 over RowwiseParallel (row and column blocks) is refused."""
+    local rule with that cut; FSDP2 over RowwiseParallel (row and column blocks) the row-sharded
+    rule over the data-parallel dimension, with whole rows."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -240,14 +241,32 @@ def tensor_parallel(rank, world, mesh2d):
             close(full(p.detach()), w, f"FSDP2 over ColwiseParallel, parameter {i} at step {step}")
     assert all(mb["layout"] == "row-sharded" and mb["ranks"] == world for mb in opt.plan()), opt.plan()
 
-    rowwise = nn.Sequential(nn.Linear(30, 16, bias=False))
-    parallelize_module(rowwise, mesh2d["tp"], {"0": RowwiseParallel()})
+    # FSDP2 over RowwiseParallel: rows by dp, columns by tp: the row-sharded rule over dp.
+    torch.manual_seed(5)
+    rowwise = nn.Sequential(nn.Linear(30, 16, bias=False), nn.Linear(7, 3, bias=False))
+    fulls = [p.detach().clone() for p in rowwise.parameters()]
+    parallelize_module(rowwise, mesh2d["tp"], {"0": RowwiseParallel(), "1": RowwiseParallel()})
     fully_shard(rowwise, mesh=mesh2d["dp"])
-    try:
-        dion3.Dion3(list(rowwise.parameters()), distributed_mesh=mesh2d)
-        raise AssertionError("FSDP2 over RowwiseParallel accepted")
-    except NotImplementedError as e:
-        assert "RowwiseParallel" in str(e), str(e)
+    ps = list(rowwise.parameters())
+    for algo, cls in (("dion3", dion3.Dion3), ("normuon", dion3.NorMuon)):
+        for p, f in zip(ps, fulls):
+            with torch.no_grad():
+                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                p.to_local().copy_(f[offset[0]:offset[0] + shape[0], offset[1]:offset[1] + shape[1]])
+        opt = cls(ps, distributed_mesh=mesh2d, lr=0.02)
+        ref = Reference(fulls, algorithm=algo, lr=0.02, ranks=dp)
+        for step in range(3):
+            gs = grads_for([tuple(f.shape) for f in fulls], 400 + step)
+            for p, g in zip(ps, gs):
+                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                local = g[offset[0]:offset[0] + shape[0], offset[1]:offset[1] + shape[1]].clone()
+                p.grad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                            stride=p.stride())
+            opt.step()
+            ref.step(gs)
+            for i, (p, w) in enumerate(zip(ps, ref.w)):
+                close(full(p.detach()), w, f"FSDP2 over RowwiseParallel ({algo}), parameter {i} at step {step}")
+        assert all(mb["layout"] == "block-sharded" for mb in opt.plan()), opt.plan()
 
 
 def layouts(rank, world, tmp):

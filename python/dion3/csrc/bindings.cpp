@@ -223,6 +223,7 @@ dion3::Layout parse_layout(const std::string& kind) {
   if (kind == "replicated") return dion3::Layout::Replicated;
   if (kind == "row_shard") return dion3::Layout::RowShard;
   if (kind == "col_shard") return dion3::Layout::ColShard;
+  if (kind == "block") return dion3::Layout::Block;
   throw dion3::Error(dion3::Status::InvalidArgument, "unknown layout '" + kind + "'");
 }
 
@@ -266,7 +267,7 @@ class Engine {
   // global_rows / global_cols: the whole matrix's rows (row_shard) / columns (col_shard).
   int add_param(int group, const std::string& name, const at::Tensor& weight, const py::dict& state,
                 const std::string& layout, const py::object& process_group, int64_t global_rows,
-                int64_t global_cols, int64_t row_offset, int64_t row_chunk,
+                int64_t global_cols, int64_t row_offset, int64_t row_chunk, const py::object& col_process_group,
                 const std::optional<at::Tensor>& given_grad) {
     const at::Tensor grad = given_grad ? contiguous(*given_grad) : contiguous_grad(weight);
     if (!grad.defined())
@@ -278,6 +279,7 @@ class Engine {
     spec.layout.row_offset = row_offset;
     spec.layout.row_chunk = row_chunk;
     if (!process_group.is_none()) spec.layout.comm = communicator(process_group, weight);
+    if (!col_process_group.is_none()) spec.layout.col_comm = communicator(col_process_group, weight);
     spec.name = name;
     spec.weight = view_of(weight, "parameter '" + name + "'");
     spec.grad = view_of(grad, "the gradient of parameter '" + name + "'");
@@ -516,7 +518,7 @@ PYBIND11_MODULE(_C, m) {
       .def("add_param", guarded(&Engine::add_param), py::arg("group"), py::arg("name"), py::arg("weight"),
            py::arg("state"), py::arg("layout") = "local", py::arg("process_group") = py::none(),
            py::arg("global_rows") = 0, py::arg("global_cols") = 0, py::arg("row_offset") = -1,
-           py::arg("row_chunk") = 0, py::arg("grad") = std::nullopt)
+           py::arg("row_chunk") = 0, py::arg("col_process_group") = py::none(), py::arg("grad") = std::nullopt)
       .def("step_with", guarded(&Engine::step_with))
       .def("step_async_with", guarded(&Engine::step_async_with))
       .def("watch", guarded(&Engine::watch))
