@@ -92,7 +92,13 @@ std::vector<std::vector<std::vector<double>>> run_rank(int device, Layout layout
     spec.name = "w" + std::to_string(i);
     spec.weight = {p->w, DType::F32, dion3::Device::CUDA, device, {p->rows, p->n}};
     spec.grad = {p->g, DType::F32, dion3::Device::CUDA, device, {p->rows, p->n}};
-    if (layout != Layout::Local) spec.layout = {layout, comm, p->m};
+    if (layout != Layout::Local) {
+      spec.layout.kind = layout;
+      spec.layout.comm = comm;
+      spec.layout.global_rows = p->m;
+      spec.layout.global_cols = p->n;
+      if (layout == Layout::Block) spec.layout.col_comm = comm;  // one rank cuts neither rows nor columns
+    }
     opt.add_param(gi, spec);
     ps.push_back(std::move(p));
   }
@@ -123,7 +129,7 @@ class CudaLayouts : public ::testing::Test {
   }
 };
 
-// World size 1 through the distributed path equals the single-device path.
+// World size 1 through the distributed path equals the single-device path (every layout).
 TEST_F(CudaLayouts, WorldSizeOneEqualsSingleDevice) {
   std::vector<std::pair<std::string, std::shared_ptr<dion3::Communicator>>> comms = {
       {"loopback", dion3::make_loopback_communicator(dion3::Device::CUDA)}};
@@ -137,6 +143,13 @@ TEST_F(CudaLayouts, WorldSizeOneEqualsSingleDevice) {
   for (auto& [name, comm] : comms) {
     const auto ddp = run_rank(0, Layout::Replicated, dion3::SelectionScope::Local, comm, 0, 1, 3);
     EXPECT_EQ(ddp, local) << name << ": replicated at world size 1 must equal the single-device path bit for bit";
+    for (Layout cut : {Layout::ColShard, Layout::Block}) {
+      const auto got = run_rank(0, cut, dion3::SelectionScope::Local, comm, 0, 1, 3);
+      for (std::size_t s = 0; s < got.size(); ++s)
+        for (std::size_t i = 0; i < got[s].size(); ++i)
+          EXPECT_LE(rel_diff(got[s][i], local[s][i]), 1e-5) << name << " " << dion3::layout_name(cut) << ", step " << s
+                                                           << ", param " << i;
+    }
     for (auto scope : {dion3::SelectionScope::Local, dion3::SelectionScope::Global}) {
       const auto rows = run_rank(0, Layout::RowShard, scope, comm, 0, 1, 3);
       for (std::size_t s = 0; s < rows.size(); ++s)
