@@ -8,10 +8,12 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "dion3/comm.hpp"
@@ -309,6 +311,26 @@ TEST(Faults, NonFiniteOnOneRankIsDecidedByAll) {
     }
     EXPECT_EQ(t3::snapshot(h.opt, {p.get()}), before) << "rank " << rank << " changed its shard";
   }
+}
+
+// A collective another rank joins too late surfaces as an error naming it, not as a hang.
+TEST(Faults, CollectiveTimeoutNamesTheCollective) {
+  const int rank = world_rank();
+  auto comm = dion3::make_mpi_communicator(nullptr, 0.5);
+  int32_t value = rank;  // stays alive until the late ranks have joined (the barrier below)
+  if (rank == 0) {
+    dion3::Status st = dion3::Status::Ok;
+    const std::string what = t3::error_of(
+        [&] { comm->all_reduce_max(&value, 1, nullptr, "the forward all-to-all of megabatch 7")->wait(); }, &st);
+    EXPECT_EQ(st, dion3::Status::Internal);
+    EXPECT_NE(what.find("the forward all-to-all of megabatch 7"), std::string::npos) << what;
+    EXPECT_NE(what.find("timed out"), std::string::npos) << what;
+  } else {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    comm->all_reduce_max(&value, 1, nullptr, "late")->wait();
+    EXPECT_EQ(value, world_size() - 1);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);  // rank 0's abandoned request completes here
 }
 
 // Ranks that registered different parameters get the same clear error at the step, not a hang.

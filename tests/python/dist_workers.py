@@ -290,7 +290,7 @@ def layouts(rank, world, tmp):
 
 # ---- checkpoints ------------------------------------------------------------------------------
 
-def _model_and_opt(mesh, seed=11):
+def _model_and_opt(mesh, seed=11):  # FSDP2
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(seed)
@@ -317,35 +317,62 @@ def _full_state(opt):
             if isinstance(v, torch.Tensor)}
 
 
-def checkpoint_save(rank, world, tmp):
-    """DCP round trip on `world` ranks: save, go on, then a fresh model and optimizer loaded from
-    the checkpoint go on the same way, bit for bit."""
+def _ddp_model_and_opt(seed=11):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(12, 24, bias=False), nn.ReLU(), nn.Linear(24, 7))
+    return model, dion3.Dion3(dion3.param_groups(model), distributed_mesh=dist.group.WORLD, lr=0.02)
+
+
+def _tp_model_and_opt(mesh2d, seed=11):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(12, 26, bias=False), nn.ReLU(), nn.Linear(26, 12, bias=False))
+    parallelize_module(model, mesh2d["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh2d["dp"])
+    return model, dion3.Dion3(list(model.parameters()), distributed_mesh=mesh2d, lr=0.02)
+
+
+def _resume_bit_for_bit(make, path):
+    """Train, save, train on; a fresh model and optimizer (other weights) loaded from the
+    checkpoint train on the same way, bit for bit, with equal state."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    mesh = init_device_mesh("cpu", (world,))
-    model, opt = _model_and_opt(mesh)
+    model, opt = make(11)
     _train(model, opt, 2, seed=0)
     msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(tmp, "ckpt"))
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
     saved = _full_state(opt)
-    if rank == 0:
-        torch.save(saved, os.path.join(tmp, "saved_state.pt"))
     _train(model, opt, 2, seed=10)
     after = [full(p.detach()).clone() for p in model.parameters()]
-
-    model2, opt2 = _model_and_opt(mesh, seed=99)  # other initial weights: the load must replace them
+    model2, opt2 = make(99)
     msd2, osd2 = get_state_dict(model2, opt2)
     state = {"model": msd2, "optim": osd2}
-    dcp.load(state, checkpoint_id=os.path.join(tmp, "ckpt"))
+    dcp.load(state, checkpoint_id=path)
     set_state_dict(model2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
     loaded = _full_state(opt2)
     assert loaded.keys() == saved.keys()
     for key in saved:
-        assert torch.equal(loaded[key], saved[key]), f"state {key} after dcp.load"
+        assert torch.equal(loaded[key], saved[key]), f"state {key} after dcp.load ({path})"
     _train(model2, opt2, 2, seed=10)
     for i, (p, a) in enumerate(zip(model2.parameters(), after)):
-        assert torch.equal(full(p.detach()), a), f"parameter {i} after resuming differs"
+        assert torch.equal(full(p.detach()), a), f"parameter {i} after resuming differs ({path})"
+    return saved
+
+
+def checkpoint_save(rank, world, tmp):
+    """DCP round trips on `world` ranks that resume bit for bit: FSDP2 (its checkpoint is kept for
+    checkpoint_reshard), DDP and FSDP2 over tensor parallel."""
+    mesh = init_device_mesh("cpu", (world,))
+    saved = _resume_bit_for_bit(lambda seed: _model_and_opt(mesh, seed), os.path.join(tmp, "ckpt"))
+    if rank == 0:
+        torch.save(saved, os.path.join(tmp, "saved_state.pt"))
+    _resume_bit_for_bit(_ddp_model_and_opt, os.path.join(tmp, "ckpt-ddp"))
+    if world == 4:
+        mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        _resume_bit_for_bit(lambda seed: _tp_model_and_opt(mesh2d, seed), os.path.join(tmp, "ckpt-tp"))
 
 
 def checkpoint_reshard(rank, world, tmp):
