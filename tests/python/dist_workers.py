@@ -201,12 +201,21 @@ def fully_sharded_model(rank, world, mesh):
             close(full(p.detach()), q.detach(), f"fully_shard model {name} at step {step}", rtol=1e-4)
 
 
+def _placed_like(full_tensor, p):
+    """This rank's block of a full 2-D tensor, as a DTensor placed like p (any placements, the
+    _StridedShard of FSDP2 over tensor parallel included)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    local = full_tensor[offset[0]:offset[0] + shape[0], offset[1]:offset[1] + shape[1]].clone()
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
 def tensor_parallel(rank, world, mesh2d):
     """FSDP2 over ColwiseParallel (rows cut twice, over both mesh dimensions) equals SPEC §3's
     local rule with that cut; FSDP2 over RowwiseParallel (row and column blocks) the row-sharded
     rule over the data-parallel dimension, with whole rows."""
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     dp, tp = mesh2d.size(0), mesh2d.size(1)
@@ -231,10 +240,7 @@ def tensor_parallel(rank, world, mesh2d):
     for step in range(3):
         gs = grads_for([tuple(f.shape) for f in fulls], 300 + step)
         for p, g in zip(ps, gs):
-            shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-            local = g[offset[0]:offset[0] + shape[0]].clone()
-            p.grad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                        stride=p.stride())
+            p.grad = _placed_like(g, p)
         opt.step()
         ref.step(gs)
         for i, (p, w) in enumerate(zip(ps, ref.w)):
@@ -251,17 +257,13 @@ def tensor_parallel(rank, world, mesh2d):
     for algo, cls in (("dion3", dion3.Dion3), ("normuon", dion3.NorMuon)):
         for p, f in zip(ps, fulls):
             with torch.no_grad():
-                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-                p.to_local().copy_(f[offset[0]:offset[0] + shape[0], offset[1]:offset[1] + shape[1]])
+                p.to_local().copy_(_placed_like(f, p).to_local())
         opt = cls(ps, distributed_mesh=mesh2d, lr=0.02)
         ref = Reference(fulls, algorithm=algo, lr=0.02, ranks=dp)
         for step in range(3):
             gs = grads_for([tuple(f.shape) for f in fulls], 400 + step)
             for p, g in zip(ps, gs):
-                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-                local = g[offset[0]:offset[0] + shape[0], offset[1]:offset[1] + shape[1]].clone()
-                p.grad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                            stride=p.stride())
+                p.grad = _placed_like(g, p)
             opt.step()
             ref.step(gs)
             for i, (p, w) in enumerate(zip(ps, ref.w)):
