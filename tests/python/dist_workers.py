@@ -152,8 +152,15 @@ def refusals(rank, world, mesh):
         raise AssertionError("a DTensor with a ProcessGroup accepted")
     except ValueError as e:
         assert "DeviceMesh" in str(e), str(e)
+    two = [q, nn.Parameter(distribute_tensor(torch.randn(8, 6), init_device_mesh("cpu", (world,)), [Shard(0)]))]
     if world >= 4:
         other = init_device_mesh("cpu", (2, world // 2))
+        two[1] = nn.Parameter(distribute_tensor(torch.randn(8, 6), other, [Replicate(), Shard(0)]))
+        try:
+            dion3.Dion3(two, distributed_mesh=mesh)
+            raise AssertionError("parameters on two meshes in one group accepted")
+        except ValueError as e:
+            assert "lives on" in str(e) or "different device meshes" in str(e), str(e)
         r = nn.Parameter(distribute_tensor(torch.randn(8, 6), other, [Replicate(), Shard(0)]))
         try:
             dion3.Dion3([r], distributed_mesh=mesh)
@@ -325,6 +332,16 @@ def _ddp_model_and_opt(seed=11):
     return model, dion3.Dion3(dion3.param_groups(model), distributed_mesh=dist.group.WORLD, lr=0.02)
 
 
+def _colwise_model_and_opt(mesh, seed=11):
+    """Column-sharded weights (Shard(1)): tensor parallel's row-wise split alone."""
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(12, 24, bias=False), nn.ReLU(), nn.Linear(24, 7, bias=False))
+    parallelize_module(model, mesh, {"2": RowwiseParallel(input_layouts=Replicate())})
+    return model, dion3.Dion3(list(model.parameters()), distributed_mesh=mesh, lr=0.02)
+
+
 def _tp_model_and_opt(mesh2d, seed=11):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -372,9 +389,12 @@ def checkpoint_save(rank, world, tmp):
     if rank == 0:
         torch.save(saved, os.path.join(tmp, "saved_state.pt"))
     _resume_bit_for_bit(_ddp_model_and_opt, os.path.join(tmp, "ckpt-ddp"))
+    _resume_bit_for_bit(lambda seed: _colwise_model_and_opt(mesh, seed), os.path.join(tmp, "ckpt-cols"))
     if world == 4:
         mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         _resume_bit_for_bit(lambda seed: _tp_model_and_opt(mesh2d, seed), os.path.join(tmp, "ckpt-tp"))
+        hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        _resume_bit_for_bit(lambda seed: _model_and_opt(hsdp, seed), os.path.join(tmp, "ckpt-hsdp"))
 
 
 def checkpoint_reshard(rank, world, tmp):

@@ -296,3 +296,13 @@ def test_load_state_dict_missing_group_keys_take_defaults(device):
     assert opt2.param_groups[0]["orthogonalizer"] == "gram"
     opt2.step()
     assert opt2.state[p]["step"] == 2
+
+
+def test_state_exists_from_construction_and_for_groups_added_later(device):
+    a = nn.Parameter(torch.randn(8, 4, device=device))
+    b = nn.Parameter(torch.randn(6, device=device))
+    opt = dion3.Dion3([a])
+    assert opt.state[a]["step"] == 0 and opt.state[a]["momentum"].shape == a.shape
+    opt.add_param_group(dict(params=[b], algorithm="adamw"))
+    assert set(opt.state[b]) == {"exp_avg", "exp_avg_sq", "step"} and opt.state[b]["step"] == 0
+    assert len(opt.state_dict()["state"]) == 2  # the same keys whatever got a gradient
