@@ -54,6 +54,11 @@ class Communicator {
                                                       const std::string& label) = 0;
   // Short description for messages ("MPI, 4 ranks").
   virtual std::string describe() const = 0;
+  // Returns once every collective started so far has finished, or raises naming the oldest that
+  // did not within the communicator's timeout. Optimizer::step calls it before it reads the step's
+  // verdict, so a rank that never joins a stream-ordered collective surfaces as an error instead
+  // of a hang. Communicators whose wait() blocks (MPI, gloo) have nothing left to do here.
+  virtual void settle() {}
 };
 
 // One rank talking to itself: collectives are copies. device: where its buffers live (CPU, or
@@ -68,7 +73,8 @@ bool mpi_built();
 
 // NCCL (CUDA buffers) over an initialised ncclComm_t (not owned) whose rank uses `device`.
 // Collectives run on a stream of the communicator's own, ordered after and before the caller's
-// stream with events. Throws Status::Unsupported in builds without CUDA.
+// stream with events. A collective unfinished after timeout_seconds at settle() aborts the
+// ncclComm_t and raises. Throws Status::Unsupported in builds without NCCL.
 std::shared_ptr<Communicator> make_nccl_communicator(void* nccl_comm, int device, double timeout_seconds = 600.0);
 
 }  // namespace dion3

@@ -2,7 +2,8 @@
 // on the communicator's own stream: it waits for an event recorded on the caller's stream, and
 // wait() makes the caller's stream wait for an event recorded after the collective — stream
 // ordering both ways, no host synchronisation. All-to-all is a group of send/recv pairs.
-// Errors NCCL reports asynchronously (a peer that failed) are checked at every start and wait.
+// Errors NCCL reports asynchronously (a peer that failed) are checked at every start and wait;
+// settle() turns a collective that never finishes into an error (and aborts the communicator).
 // Built when CMake finds NCCL (DION3_HAVE_NCCL); otherwise the factory says so.
 #include "dion3/comm.hpp"
 #include "dion3/error.hpp"
@@ -10,6 +11,10 @@
 #ifdef DION3_HAVE_NCCL
 #include <cuda_runtime.h>
 #include <nccl.h>
+
+#include <chrono>
+#include <thread>
+#include <vector>
 
 namespace dion3 {
 namespace {
@@ -43,7 +48,7 @@ class NcclRequest final : public CommRequest {
 
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(ncclComm_t comm, int device) : comm_(comm), device_(device) {
+  NcclCommunicator(ncclComm_t comm, int device, double timeout) : comm_(comm), device_(device), timeout_(timeout) {
     check_nccl(ncclCommUserRank(comm_, &rank_), "ncclCommUserRank");
     check_nccl(ncclCommCount(comm_, &size_), "ncclCommCount");
     int current = 0;
@@ -62,6 +67,31 @@ class NcclCommunicator final : public Communicator {
   int size() const override { return size_; }
   Device device() const override { return Device::CUDA; }
   std::string describe() const override { return "NCCL, " + std::to_string(size_) + " ranks"; }
+
+  // Polls the collectives' completion events; past the timeout the communicator is aborted (its
+  // kernels then end, so no later synchronisation hangs) and the oldest unfinished one is named.
+  void settle() override {
+    using Clock = std::chrono::steady_clock;
+    for (const Pending& p : pending_) {
+      for (;;) {
+        const cudaError_t e = cudaEventQuery(p.done);
+        if (e == cudaSuccess) break;
+        if (e != cudaErrorNotReady) check_cuda(e, p.label);
+        ncclResult_t async = ncclSuccess;
+        check_nccl(ncclCommGetAsyncError(comm_, &async), p.label);
+        check_nccl(async, p.label);
+        if (timeout_ > 0 && std::chrono::duration<double>(Clock::now() - p.start).count() > timeout_) {
+          ncclCommAbort(comm_);
+          pending_.clear();
+          fail(p.label + ": timed out after " + std::to_string(static_cast<int>(timeout_)) +
+                   " s (another rank did not join this collective); the NCCL communicator was aborted",
+               Status::Internal);
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+      }
+    }
+    pending_.clear();
+  }
 
   std::unique_ptr<CommRequest> all_gather(const void* send, void* recv, std::size_t bytes, void* stream,
                                           const std::string& label) override {
@@ -97,12 +127,24 @@ class NcclCommunicator final : public Communicator {
     check_cuda(cudaStreamWaitEvent(stream_, ready, 0), label);
     launch();
     check_cuda(cudaEventRecord(done, stream_), label);
+    // Steps that never settle (step_async, graph capture) keep only the collectives whose events
+    // the ring has not handed out again.
+    if (pending_.size() >= kEvents / 2) pending_.erase(pending_.begin());
+    pending_.push_back({done, label, std::chrono::steady_clock::now()});
     return std::make_unique<NcclRequest>(done, caller, comm_, label);
   }
+
+  struct Pending {
+    cudaEvent_t done;
+    std::string label;
+    std::chrono::steady_clock::time_point start;
+  };
+  std::vector<Pending> pending_;  // started since the last settle()
 
   static constexpr int kEvents = 256;
   ncclComm_t comm_;
   int device_, rank_ = 0, size_ = 1;
+  double timeout_;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t events_[kEvents] = {};
   unsigned next_ = 0;
@@ -110,9 +152,9 @@ class NcclCommunicator final : public Communicator {
 
 }  // namespace
 
-std::shared_ptr<Communicator> make_nccl_communicator(void* nccl_comm, int device, double) {
+std::shared_ptr<Communicator> make_nccl_communicator(void* nccl_comm, int device, double timeout_seconds) {
   if (!nccl_comm) fail("make_nccl_communicator: null ncclComm_t");
-  return std::make_shared<NcclCommunicator>(static_cast<ncclComm_t>(nccl_comm), device);
+  return std::make_shared<NcclCommunicator>(static_cast<ncclComm_t>(nccl_comm), device, timeout_seconds);
 }
 
 }  // namespace dion3

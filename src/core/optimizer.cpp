@@ -1229,6 +1229,14 @@ bool Optimizer::step() {
   s.validate_for_step();
   s.enqueue_step();
   int* flag = s.flag.as<int>();
+  // Collectives that never finish raise here, naming themselves, instead of hanging the verdict.
+  std::vector<Communicator*> settled;
+  for (const Param& p : s.params)
+    for (Communicator* c : {p.layout.comm.get(), p.layout.col_comm.get()})
+      if (c && std::find(settled.begin(), settled.end(), c) == settled.end()) {
+        settled.push_back(c);
+        c->settle();
+      }
   // The verdict: one host synchronisation.
   if (be.read_flag(flag) == 0) return true;
   if (s.options.on_nonfinite == NonFinitePolicy::Raise) {

@@ -296,7 +296,9 @@ TEST(Faults, NonFiniteOnOneRankIsDecidedByAll) {
     auto p = std::make_unique<t3::HostParam>("w", DType::F32, std::vector<int64_t>{s.count, 24});
     p->w.assign(rows_of(t3::gaussian(16, 24, rng), 24, s));
     dion3::ParamSpec spec = p->spec();
-    spec.layout = {Layout::RowShard, comm, 16};
+    spec.layout.kind = Layout::RowShard;
+    spec.layout.comm = comm;
+    spec.layout.global_rows = 16;
     p->index = h.opt.add_param(gi, spec);
     p->g.assign(rows_of(t3::gaussian(16, 24, rng), 24, s));
     if (rank == P - 1 && s.count > 0) p->g.set(0, std::nan(""));
@@ -344,7 +346,8 @@ TEST(Faults, MismatchedPlansFailOnEveryRank) {
   for (int i = 0; i < count; ++i) {
     ps.push_back(std::make_unique<t3::HostParam>("w" + std::to_string(i), DType::F32, std::vector<int64_t>{8, 8}));
     dion3::ParamSpec spec = ps.back()->spec();
-    spec.layout = {Layout::Replicated, comm, 0};
+    spec.layout.kind = Layout::Replicated;
+    spec.layout.comm = comm;
     h.opt.add_param(gi, spec);
   }
   const std::string what = t3::error_of([&] { h.opt.step(); });
@@ -358,7 +361,9 @@ TEST(Faults, WrongShardIsRefusedWithTheRowsItShouldHold) {
   const int gi = h.opt.add_group(GroupConfig{});
   t3::HostParam p("attn.weight", DType::F32, {5, 8});  // never a shard of 20 + P rows: ceil((20 + P) / P) != 5
   dion3::ParamSpec spec = p.spec();
-  spec.layout = {Layout::RowShard, comm, 20 + P};
+  spec.layout.kind = Layout::RowShard;
+  spec.layout.comm = comm;
+  spec.layout.global_rows = 20 + P;
   const std::string what = t3::error_of([&] { h.opt.add_param(gi, spec); });
   EXPECT_NE(what.find("must hold rows"), std::string::npos) << "rank " << rank << ": " << what;
 }
