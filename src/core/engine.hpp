@@ -4,6 +4,7 @@
 
 #include <array>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -128,7 +129,9 @@ struct Optimizer::Impl {
   DeviceBuffer flag;   // one int: a gradient was non-finite this step
   DeviceBuffer arena;  // workspace shared by all chunks (their work is ordered on one stream)
   DeviceBuffer counters;  // int64 [steps applied, steps dropped], on the device
-  bool state_created = false;
+  // The structural settings (algorithm, flatten, momentum_dtype) each group had when its first
+  // parameter's state was sized; empty for groups without parameters. See structure_error().
+  std::vector<std::optional<GroupConfig>> structure;
 
   // Names the expected state tensors of a parameter (name, dtype, shape).
   struct StateSpec {
@@ -138,6 +141,9 @@ struct Optimizer::Impl {
   };
   std::vector<StateSpec> state_specs(const Param& p) const;
   std::string describe(int param) const;  // "parameter 3 'mlp.up.weight'"
+  // The one place that decides whether group g's structure may change: never once its
+  // parameters' state is sized by it. Empty when the group may go on as configured.
+  std::string structure_error(int g) const;
   void build_plan();
   void plan_distribution(Megabatch& mb, int index);
   void check_plans_agree();

@@ -76,6 +76,23 @@ const TensorView* Param::find_state(const std::string& key) const {
   return nullptr;
 }
 
+std::string Optimizer::Impl::structure_error(int g) const {
+  if (g >= static_cast<int>(structure.size()) || !structure[g] || same_structure(groups[g], *structure[g])) return {};
+  const GroupConfig& was = *structure[g];
+  const GroupConfig& now = groups[g];
+  std::string what;
+  if (now.algorithm != was.algorithm)
+    what = std::string("'algorithm' from ") + algorithm_name(was.algorithm) + " to " + algorithm_name(now.algorithm);
+  else if (now.flatten != was.flatten)
+    what = std::string("'flatten' from ") + (was.flatten ? "true" : "false") + " to " + (now.flatten ? "true" : "false");
+  else
+    what = std::string("'momentum_dtype' from ") + (was.momentum_dtype ? dtype_name(*was.momentum_dtype) : "the parameter's") +
+           " to " + (now.momentum_dtype ? dtype_name(*now.momentum_dtype) : "the parameter's");
+  return group_error(g, "cannot change " + what + ": the group's parameters already have state sized by it "
+                        "(algorithm, flatten and momentum_dtype are fixed once a group has parameters; put "
+                        "parameters that need others in a new group)");
+}
+
 std::string Optimizer::Impl::describe(int param) const {
   return "parameter " + std::to_string(param) + " '" + params[param].name + "'";
 }
@@ -147,6 +164,7 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
   if (group < 0 || group >= static_cast<int>(s.groups.size()))
     fail(who + " names group " + std::to_string(group) + " but the optimizer has " +
          std::to_string(s.groups.size()) + " groups");
+  if (const std::string e = s.structure_error(group); !e.empty()) fail(who + ": " + e);
   const GroupConfig& g = s.groups[group];
   const Device device = s.backend->device();
   check_tensor(who, "weight", spec.weight, device);
@@ -286,6 +304,8 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
     s.params.pop_back();
     throw;
   }
+  if (s.structure.size() <= static_cast<std::size_t>(group)) s.structure.resize(group + 1);
+  if (!s.structure[group]) s.structure[group] = g;  // its state is sized by these settings from now on
   s.plan_valid = false;
   return index;
 }
@@ -734,8 +754,7 @@ void Optimizer::Impl::validate_for_step() {
     } catch (const Error& e) {
       fail(group_error(g, std::string(e.what()).substr(7)));
     }
-    if (s.plan_valid && !same_structure(s.groups[g], s.planned[g]) && s.state_created)
-      fail(group_error(g, "'algorithm', 'flatten' and 'momentum_dtype' cannot change once state exists"));
+    if (const std::string e = s.structure_error(g); !e.empty()) fail(e);
   }
   for (int i = 0; i < static_cast<int>(s.params.size()); ++i) {
     const Param& p = s.params[i];
@@ -749,7 +768,6 @@ void Optimizer::Impl::validate_for_step() {
     for (const auto& [pi, j] : mb.members)
       if (s.params[pi].grad.dtype != mb.grad_dtype) s.plan_valid = false;
   if (!s.plan_valid) s.build_plan();
-  s.state_created = true;
 }
 
 UpdateParams Optimizer::Impl::update_params(const Megabatch& mb) const {

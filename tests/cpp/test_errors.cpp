@@ -8,8 +8,11 @@
 #include <ostream>
 
 #include <cmath>
+#include <functional>
 #include <limits>
+#include <vector>
 
+#include "dion3/dion3.h"
 #include "dion3/error.hpp"
 #include "dion3/optimizer.hpp"
 #include "test_util.hpp"
@@ -221,6 +224,69 @@ TEST(Errors, StructuralGroupEditsAfterStateExistsAreRejected) {
     EXPECT_THAT(msg, HasSubstr("'" + field + "'")) << field;
     EXPECT_EQ(t.snap(), before) << field;
   }
+}
+
+// The state of a group's parameters is sized when they are added: a structural edit before the
+// first step (or a parameter added after one) must be refused, not step on buffers of the old
+// size (a heap-buffer overflow in the CPU backend's accumulate before this was checked).
+TEST(Errors, StructuralGroupEditsBeforeTheFirstStepAreRejected) {
+  struct Edit {
+    Algorithm from;
+    std::function<void(GroupConfig&)> apply;
+    std::string field;
+  };
+  const std::vector<Edit> edits = {
+      {Algorithm::Dion3, [](GroupConfig& g) { g.momentum_dtype = DType::F32; }, "momentum_dtype"},
+      {Algorithm::Dion3, [](GroupConfig& g) { g.algorithm = Algorithm::AdamW; }, "algorithm"},
+      {Algorithm::Muon, [](GroupConfig& g) { g.algorithm = Algorithm::Dion3; }, "algorithm"},
+      {Algorithm::Lion, [](GroupConfig& g) { g.algorithm = Algorithm::AdamW; }, "algorithm"},
+      {Algorithm::Dion3, [](GroupConfig& g) { g.flatten = true; }, "flatten"},
+  };
+  for (const Edit& e : edits) {
+    Harness h;
+    Rng rng(3);
+    GroupConfig g;
+    g.algorithm = e.from;
+    const int gi = h.opt.add_group(g);
+    t3::HostParam& p = h.add(gi, "w", DType::BF16, {2, 64, 32}, rng);
+    h.randomize_grads(rng);
+    const auto before = t3::snapshot(h.opt, {&p});
+    e.apply(h.opt.group(gi));
+    Status st = Status::Ok;
+    const std::string msg = t3::error_of([&] { h.opt.step(); }, &st);
+    EXPECT_EQ(st, Status::InvalidArgument) << e.field;
+    EXPECT_THAT(msg, HasSubstr("cannot change '" + e.field + "'")) << msg;
+    EXPECT_EQ(t3::snapshot(h.opt, {&p}), before) << e.field;
+    // A parameter added to the edited group is refused too (its state would differ).
+    const std::string added = t3::error_of([&] { h.add(gi, "w2", DType::BF16, {8, 8}, rng); });
+    EXPECT_THAT(added, HasSubstr("cannot change '" + e.field + "'")) << added;
+    // Restoring the settings makes the group usable again.
+    h.opt.group(gi) = g;
+    EXPECT_NO_THROW(h.opt.step()) << e.field;
+  }
+}
+
+// The same through the C API, the reported case: bf16 256 x 256, momentum_dtype set to fp32.
+TEST(Errors, CApiMomentumDtypeEditBeforeTheFirstStepIsRefused) {
+  dion3_optimizer* opt = nullptr;
+  ASSERT_EQ(dion3_create(&opt, DION3_DEVICE_CPU, 0, nullptr, DION3_NONFINITE_RAISE), DION3_OK);
+  dion3_group_config cfg;
+  dion3_group_config_default(&cfg);
+  int g = -1;
+  ASSERT_EQ(dion3_add_group(opt, &cfg, &g), DION3_OK);
+  std::vector<uint16_t> w(256 * 256, 0x3f80), gr(256 * 256, 0x3c00);  // bf16 1.0 and 0.0078125
+  const std::vector<uint16_t> w0 = w;
+  dion3_tensor wt = {w.data(), DION3_BF16, DION3_DEVICE_CPU, 0, 2, {256, 256}};
+  dion3_tensor gt = {gr.data(), DION3_BF16, DION3_DEVICE_CPU, 0, 2, {256, 256}};
+  ASSERT_EQ(dion3_add_param(opt, g, "w", &wt, &gt, nullptr), DION3_OK);
+  cfg.momentum_dtype = DION3_F32;
+  ASSERT_EQ(dion3_set_group_config(opt, g, &cfg), DION3_OK);  // validated at the step
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(dion3_step(opt, nullptr), DION3_INVALID_ARGUMENT);
+    EXPECT_THAT(std::string(dion3_last_error()), HasSubstr("cannot change 'momentum_dtype'"));
+  }
+  EXPECT_EQ(w, w0);
+  dion3_destroy(opt);
 }
 
 TEST(Errors, TensorOnTheWrongDeviceOrWithoutData) {
