@@ -128,13 +128,31 @@ class TorchCudaAllocator final : public dion3::Allocator {
 // steps with the GIL released, so each call takes it back for the Python call only. On CUDA,
 // torch orders the collective after the current stream (the engine's) and Work.wait() makes
 // that stream wait for it: no host synchronisation.
+// Whether Python objects may still be released: an engine collected while the interpreter
+// shuts down (a reference cycle) must not take the GIL then (that aborts the process).
+bool python_alive() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsInitialized() && !Py_IsFinalizing();
+#else
+  return Py_IsInitialized() && !_Py_IsFinalizing();
+#endif
+}
+
+// Drops a Python reference from code that may run without the GIL.
+void release_object(py::object& o) {
+  if (!o) return;
+  if (!python_alive()) {
+    o.release();  // the interpreter is going away: leave it to it
+    return;
+  }
+  py::gil_scoped_acquire gil;
+  o = py::object();
+}
+
 class TorchRequest final : public dion3::CommRequest {
  public:
   TorchRequest(py::object work, std::string label) : work_(std::move(work)), label_(std::move(label)) {}
-  ~TorchRequest() override {
-    py::gil_scoped_acquire gil;
-    work_ = py::object();
-  }
+  ~TorchRequest() override { release_object(work_); }
   void wait() override {
     py::gil_scoped_acquire gil;
     try {
@@ -159,9 +177,8 @@ class TorchCommunicator final : public dion3::Communicator {
     backend_ = py::str(dist_.attr("get_backend")(group_));
   }
   ~TorchCommunicator() override {
-    py::gil_scoped_acquire gil;
-    group_ = py::object();
-    dist_ = py::object();
+    release_object(group_);
+    release_object(dist_);
   }
   int rank() const override { return rank_; }
   int size() const override { return size_; }
