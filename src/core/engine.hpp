@@ -156,6 +156,10 @@ struct Optimizer::Impl {
   void orthogonalize(Megabatch& mb, int* flag);
   void apply(Megabatch& mb, int* flag);
   void prepare_block(Megabatch& mb, int* flag);
+  void plan_piece_lists(Megabatch& mb, bool dion3);
+  void plan_score_sum(Megabatch& mb, int ranks);
+  const float* summed_scores(Megabatch& mb, Communicator& comm);
+  void select_pieces(Megabatch& mb, const float* scores, int* flag);
   void orthogonalize_block(Megabatch& mb, int* flag);
   UpdateParams update_params(const Megabatch& mb) const;
 };

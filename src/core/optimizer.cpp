@@ -592,13 +592,7 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
   // Exchange buffers only where something leaves the rank.
   if (mb.layout == Layout::Block) {
     const int64_t Pc = mb.col_ranks, cc = ceil_div(ncols, Pc);
-    mb.piece_idx = DeviceBuffer(alloc, static_cast<std::size_t>(n * mb.piece) * sizeof(int32_t));
-    if (!dion3 || mb.rows == 0) {  // fixed lists, as for RowShard
-      std::vector<int32_t> idx(static_cast<std::size_t>(n * mb.piece), kPadRow);
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t r = 0; r < (dion3 ? 0 : mb.rows); ++r) idx[i * mb.piece + r] = static_cast<int32_t>(r);
-      backend->copy_from_host(mb.piece_idx.get(), idx.data(), idx.size() * sizeof(int32_t));
-    }
+    plan_piece_lists(mb, dion3);
     // colbuf: every column rank's block of every member's pieces (all-gathered in place); send:
     // whole-width pieces, member order; recv: the forward pieces of this rank's block; back: the
     // results for the other row ranks.
@@ -609,13 +603,7 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
       mb.recv = DeviceBuffer(alloc, P * mb.block * slot * std::max(es_u, es_o));
       mb.back = DeviceBuffer(alloc, P * mb.block * slot * es_o);
     }
-    if (dion3 && Pc > 1) {
-      const std::vector<float> ones(static_cast<std::size_t>(Pc), 1.0f);
-      mb.ones = DeviceBuffer(alloc, ones.size() * sizeof(float));
-      backend->copy_from_host(mb.ones.get(), ones.data(), ones.size() * sizeof(float));
-      mb.score_recv = DeviceBuffer(alloc, static_cast<std::size_t>(Pc * n * std::max<int64_t>(mb.rows, 1)) * sizeof(float));
-      mb.all_scores = DeviceBuffer(alloc, static_cast<std::size_t>(n * std::max<int64_t>(mb.rows, 1)) * sizeof(float));
-    }
+    if (dion3 && Pc > 1) plan_score_sum(mb, static_cast<int>(Pc));
   } else if (mb.layout == Layout::ColShard && P > 1) {
     // send: the forward pieces, then (in place) the all-gathered whole result rows; recv: the
     // forward pieces of this rank's block.
@@ -624,13 +612,7 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
     const std::size_t rows = static_cast<std::size_t>(mb.k * ncols) * es_o;
     mb.send = DeviceBuffer(alloc, P * mb.block * std::max(piece, rows));
     mb.recv = DeviceBuffer(alloc, P * mb.block * piece);
-    if (dion3) {
-      const std::vector<float> ones(static_cast<std::size_t>(P), 1.0f);
-      mb.ones = DeviceBuffer(alloc, ones.size() * sizeof(float));
-      backend->copy_from_host(mb.ones.get(), ones.data(), ones.size() * sizeof(float));
-      mb.score_recv = DeviceBuffer(alloc, static_cast<std::size_t>(P * n * m) * sizeof(float));
-      mb.all_scores = DeviceBuffer(alloc, static_cast<std::size_t>(n * m) * sizeof(float));
-    }
+    if (dion3) plan_score_sum(mb, static_cast<int>(P));
   } else if (mb.layout == Layout::Replicated && P > 1) {
     const std::size_t slot = static_cast<std::size_t>(mb.k * mb.cols) * es_o;
     mb.recv = DeviceBuffer(alloc, P * mb.block * slot);  // all-gathered in place
@@ -640,14 +622,7 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
       mb.send = DeviceBuffer(alloc, P * mb.block * slot);
       mb.recv = DeviceBuffer(alloc, P * mb.block * slot);
     }
-    mb.piece_idx = DeviceBuffer(alloc, static_cast<std::size_t>(n * mb.piece) * sizeof(int32_t));
-    if (!dion3 || mb.rows == 0) {
-      // Fixed lists: every row of the shard in order (Muon / NorMuon), then padding.
-      std::vector<int32_t> idx(static_cast<std::size_t>(n * mb.piece), kPadRow);
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t r = 0; r < (dion3 ? 0 : mb.rows); ++r) idx[i * mb.piece + r] = static_cast<int32_t>(r);
-      backend->copy_from_host(mb.piece_idx.get(), idx.data(), idx.size() * sizeof(int32_t));
-    }
+    plan_piece_lists(mb, dion3);
     if (mb.global_scope) {
       // Each rank's scores padded to c rows with -1 (below any real score, so never selected).
       std::vector<float> pad(static_cast<std::size_t>(n * ceil_div(m, P)), -1.0f);
@@ -797,6 +772,58 @@ void Optimizer::Impl::agree_on_flag(int* flag) {
     }
 }
 
+// piece_idx of a row-cut megabatch; Muon / NorMuon (and an empty shard) keep fixed lists: every
+// row of the shard in order, then padding.
+void Optimizer::Impl::plan_piece_lists(Megabatch& mb, bool dion3) {
+  const auto n = static_cast<int64_t>(mb.members.size());
+  mb.piece_idx = DeviceBuffer(backend->allocator(), static_cast<std::size_t>(n * mb.piece) * sizeof(int32_t));
+  if (dion3 && mb.rows > 0) return;  // selected every step
+  std::vector<int32_t> idx(static_cast<std::size_t>(n * mb.piece), kPadRow);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t r = 0; r < (dion3 ? 0 : mb.rows); ++r) idx[i * mb.piece + r] = static_cast<int32_t>(r);
+  backend->copy_from_host(mb.piece_idx.get(), idx.data(), idx.size() * sizeof(int32_t));
+}
+
+// Buffers to sum partial row scores over `ranks` ranks (ColShard, Block).
+void Optimizer::Impl::plan_score_sum(Megabatch& mb, int ranks) {
+  Allocator& alloc = backend->allocator();
+  const std::size_t scores = static_cast<std::size_t>(mb.members.size() * std::max<int64_t>(mb.rows, 1));
+  const std::vector<float> ones(static_cast<std::size_t>(ranks), 1.0f);
+  mb.ones = DeviceBuffer(alloc, ones.size() * sizeof(float));
+  backend->copy_from_host(mb.ones.get(), ones.data(), ones.size() * sizeof(float));
+  mb.score_recv = DeviceBuffer(alloc, ranks * scores * sizeof(float));
+  mb.all_scores = DeviceBuffer(alloc, scores * sizeof(float));
+}
+
+// Row l1 scores over this rank's columns (mb.scores), summed over the ranks of `comm` that hold
+// the other columns: one GEMM with a row of ones, the same arithmetic on every rank, so every
+// rank selects the same rows.
+const float* Optimizer::Impl::summed_scores(Megabatch& mb, Communicator& comm) {
+  Backend& be = *backend;
+  const int64_t P = comm.size(), count = static_cast<int64_t>(mb.members.size()) * mb.rows;
+  comm_wait(comm.all_gather(mb.scores.get(), mb.score_recv.get(), static_cast<std::size_t>(count) * sizeof(float),
+                            be.stream(), "the score all-gather of " + mb.label));
+  be.gemm(false, false, 1.0f, MatrixView::contiguous(mb.ones.get(), DType::F32, 1, 1, P),
+          MatrixView::contiguous(mb.score_recv.get(), DType::F32, 1, P, count), 0.0f,
+          MatrixView::contiguous(mb.all_scores.get(), DType::F32, 1, 1, count));
+  return mb.all_scores.as<float>();
+}
+
+// Local selection of a row-cut megabatch into piece_idx: the shard's top `piece` rows, or all of
+// a short shard's rows then padding (an empty shard keeps its padding lists).
+void Optimizer::Impl::select_pieces(Megabatch& mb, const float* scores, int* flag) {
+  Backend& be = *backend;
+  const auto n = static_cast<int64_t>(mb.members.size());
+  int32_t* piece_idx = mb.piece_idx.as<int32_t>();
+  if (mb.rows >= mb.piece) {
+    be.select_rows(scores, n, mb.rows, mb.piece, piece_idx, flag);
+  } else if (mb.rows > 0) {
+    int32_t* idx = mb.indices.as<int32_t>();
+    be.select_rows(scores, n, mb.rows, mb.rows, idx, flag);
+    be.remap_rows(idx, n, mb.rows, 0, mb.rows, mb.piece, piece_idx, flag);
+  }
+}
+
 namespace {
 
 // The rows Dion3 / Muon / NorMuon hand to the orthogonalizer, with error feedback where the
@@ -853,13 +880,7 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
       // Row l1 scores over this rank's columns, summed over the ranks (one GEMM with a row of
       // ones, the same arithmetic on every rank, so every rank selects the same rows).
       be.accumulate(*mb.set, 1.0f, scores, nullptr, flag);
-      const std::size_t bytes = static_cast<std::size_t>(n * mb.rows) * sizeof(float);
-      comm_wait(mb.comm->all_gather(scores, mb.score_recv.get(), bytes, be.stream(),
-                                    "the score all-gather of " + mb.label));
-      be.gemm(false, false, 1.0f, MatrixView::contiguous(mb.ones.get(), DType::F32, 1, 1, P),
-              MatrixView::contiguous(mb.score_recv.get(), DType::F32, 1, P, n * mb.rows), 0.0f,
-              MatrixView::contiguous(mb.all_scores.get(), DType::F32, 1, 1, n * mb.rows));
-      be.select_rows(mb.all_scores.as<float>(), n, mb.rows, mb.k, idx, flag);
+      be.select_rows(summed_scores(mb, *mb.comm), n, mb.rows, mb.k, idx, flag);
     } else {
       be.accumulate(*mb.set, mu, nullptr, nullptr, flag);
     }
@@ -909,11 +930,8 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
       const int64_t kg = selected_rows(g.fraction, mb.global_rows);
       be.select_rows(mb.all_scores.as<float>(), n, P * c, kg, idx, flag);
       be.remap_rows(idx, n, kg, shard_first, shard_first + mb.rows, mb.piece, piece_idx, flag);
-    } else if (mb.rows >= mb.piece) {
-      be.select_rows(scores, n, mb.rows, mb.piece, piece_idx, flag);
-    } else if (mb.rows > 0) {  // a short shard: all its rows, then padding
-      be.select_rows(scores, n, mb.rows, mb.rows, idx, flag);
-      be.remap_rows(idx, n, mb.rows, 0, mb.rows, mb.piece, piece_idx, flag);
+    } else {
+      select_pieces(mb, scores, flag);
     }
   } else {
     be.accumulate(*mb.set, mu, nullptr, nullptr, flag);
@@ -1113,21 +1131,8 @@ void Optimizer::Impl::prepare_block(Megabatch& mb, int* flag) {
   if (dion3) {
     float* scores = mb.scores.as<float>();
     be.accumulate(*mb.set, 1.0f, scores, nullptr, flag);
-    if (Pc > 1 && mb.rows > 0) {  // row scores over this rank's columns, summed over the column ranks
-      comm_wait(mb.col_comm->all_gather(scores, mb.score_recv.get(), static_cast<std::size_t>(n * mb.rows) * 4,
-                                        be.stream(), "the score all-gather of " + mb.label));
-      be.gemm(false, false, 1.0f, MatrixView::contiguous(mb.ones.get(), DType::F32, 1, 1, Pc),
-              MatrixView::contiguous(mb.score_recv.get(), DType::F32, 1, Pc, n * mb.rows), 0.0f,
-              MatrixView::contiguous(mb.all_scores.get(), DType::F32, 1, 1, n * mb.rows));
-      scores = mb.all_scores.as<float>();
-    }
-    int32_t* idx = mb.indices.as<int32_t>();
-    if (mb.rows >= mb.piece) {
-      be.select_rows(scores, n, mb.rows, mb.piece, piece_idx, flag);
-    } else if (mb.rows > 0) {
-      be.select_rows(scores, n, mb.rows, mb.rows, idx, flag);
-      be.remap_rows(idx, n, mb.rows, 0, mb.rows, mb.piece, piece_idx, flag);
-    }
+    // Row scores over this rank's columns, summed over the column ranks.
+    select_pieces(mb, Pc > 1 && mb.rows > 0 ? summed_scores(mb, *mb.col_comm) : scores, flag);
   } else {
     be.accumulate(*mb.set, static_cast<float>(g.mu), nullptr, nullptr, flag);
   }
