@@ -38,6 +38,9 @@ const std::vector<Coefficients>& polar_express_coefficients();
 const std::vector<Coefficients>& you_coefficients();
 
 struct OrthConfig {
+  // validate() refuses coefficients that take a singular value in [0, 1] beyond this.
+  static constexpr double kMaxSingularValue = 8.0;
+
   OrthMethod method = OrthMethod::Auto;
   std::vector<Coefficients> coefficients = polar_express_coefficients();
   std::vector<int> restarts = {2};       // Gram NS restart positions (t > 0 take effect)

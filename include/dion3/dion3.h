@@ -218,15 +218,19 @@ dion3_status dion3_comm_rank(const dion3_comm* comm, int* rank, int* size);
 
 void dion3_group_config_default(dion3_group_config* cfg);
 dion3_status dion3_add_group(dion3_optimizer* opt, const dion3_group_config* cfg, int* group_index);
-/* Read and replace a group's configuration between steps (validated at the next step). */
+/* Read and replace a group's configuration between steps. The new one is validated first
+ * (nothing changes when it is refused); algorithm, flatten and momentum_dtype cannot change
+ * once the group has parameters. */
 dion3_status dion3_get_group_config(const dion3_optimizer* opt, int group, dion3_group_config* out);
 dion3_status dion3_set_group_config(dion3_optimizer* opt, int group, const dion3_group_config* cfg);
 /* Shortcut for learning-rate schedules. */
 dion3_status dion3_set_lr(dion3_optimizer* opt, int group, double lr);
 
-/* Registers a parameter (weight updated in place, grad read at every step). name is copied
- * and appears in error messages. grad may be NULL: bind it with dion3_set_grad before the
- * first step. param_index may be NULL. */
+/* Registers a parameter (weight updated in place, grad read at every step). name is copied,
+ * must be unique in the optimizer and appears in error messages. grad has the weight's shape
+ * and any float dtype (read as float32); it may be NULL: bind it with dion3_set_grad before the
+ * first step. A weight may not overlap another parameter's weight or any gradient (it would be
+ * updated twice, or read after it was written). param_index may be NULL. */
 dion3_status dion3_add_param(dion3_optimizer* opt, int group, const char* name,
                              const dion3_tensor* weight, const dion3_tensor* grad, int* param_index);
 /* dion3_add_param for a distributed parameter (layout NULL = local). Every rank must register
@@ -235,7 +239,8 @@ dion3_status dion3_add_param(dion3_optimizer* opt, int group, const char* name,
 dion3_status dion3_add_param_layout(dion3_optimizer* opt, int group, const char* name,
                                     const dion3_tensor* weight, const dion3_tensor* grad,
                                     const dion3_layout* layout, int* param_index);
-/* Re-binds the gradient of a parameter (same shape and dtype as the weight). */
+/* Re-binds the gradient of a parameter (the weight's shape, any float dtype, overlapping no
+ * weight). */
 dion3_status dion3_set_grad(dion3_optimizer* opt, int param, const dion3_tensor* grad);
 dion3_status dion3_num_params(const dion3_optimizer* opt, int* count);
 

@@ -30,7 +30,7 @@ struct TensorView {
   std::vector<int64_t> shape;
 
   int64_t numel() const;
-  std::size_t bytes() const { return static_cast<std::size_t>(numel()) * dtype_size(dtype); }
+  std::size_t bytes() const;  // numel() and bytes() throw when the count does not fit in int64
   std::string shape_str() const;
 };
 

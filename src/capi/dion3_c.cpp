@@ -283,14 +283,7 @@ dion3_status dion3_set_group_config(dion3_optimizer* opt, int group, const dion3
   return guard([&] {
     checked(opt, "optimizer");
     check_group(opt->engine, group);
-    dion3::GroupConfig g = to_config(cfg);
-    // Changing the algorithm would change the state a parameter needs: not an edit.
-    require(g.algorithm == opt->engine.group(group).algorithm,
-            "group " + std::to_string(group) + ": the algorithm of a group cannot change (" +
-                dion3::algorithm_name(opt->engine.group(group).algorithm) + " -> " +
-                dion3::algorithm_name(g.algorithm) + ")");
-    g.validate();
-    opt->engine.group(group) = g;
+    opt->engine.set_group(group, to_config(cfg));
   });
 }
 
@@ -298,9 +291,9 @@ dion3_status dion3_set_lr(dion3_optimizer* opt, int group, double lr) {
   return guard([&] {
     checked(opt, "optimizer");
     check_group(opt->engine, group);
-    require(lr >= 0.0 && lr < std::numeric_limits<double>::infinity(),
-            "group " + std::to_string(group) + ": lr must be finite and >= 0, got " + std::to_string(lr));
-    opt->engine.group(group).lr = lr;
+    dion3::GroupConfig g = opt->engine.group(group);
+    g.lr = lr;
+    opt->engine.set_group(group, g);
   });
 }
 

@@ -1,6 +1,7 @@
 // config.cpp — hyper-parameter parsing, validation and the learning-rate rules of SPEC §1.
 #include "dion3/config.hpp"
 
+#include <cfloat>
 #include <cmath>
 #include <cstdio>
 
@@ -23,8 +24,38 @@ void require_nonnegative(const char* field, double v) {
     fail(std::string("'") + field + "' must be a finite number >= 0, got " + num(v));
 }
 
+// Every backend applies hyper-parameters as float32: a value that is fine as a double but
+// overflows, or rounds to 0 or 1, in float32 would poison the weights, so the checks below are
+// made on the float32 value the step uses.
+float as_float(double v) { return static_cast<float>(v); }
+
+void require_float(const char* field, double v) {
+  if (!std::isfinite(as_float(v)))
+    fail(std::string("'") + field + "' = " + num(v) + " is not finite in float32, the precision the step uses");
+}
+
 void require_unit_interval(const char* field, double v) {
   if (!(v >= 0.0 && v < 1.0)) fail(std::string("'") + field + "' must lie in [0, 1), got " + num(v));
+  if (!(as_float(v) < 1.0f))
+    fail(std::string("'") + field + "' = " + num(v) + " rounds to 1 in float32, the precision the step uses; "
+         "it must lie in [0, 1) there");
+}
+
+// Largest |sigma| the quintic steps reach from any singular value in [0, 1] (the input of the
+// iteration is scaled so that its singular values lie there), sampled densely.
+double largest_singular_value_reached(const std::vector<Coefficients>& steps) {
+  constexpr int kSamples = 4096;
+  double worst = 0.0;
+  for (int i = 0; i <= kSamples; ++i) {
+    double x = static_cast<double>(i) / kSamples;
+    for (const Coefficients& c : steps) {
+      const double x2 = x * x;
+      x = x * (c[0] + x2 * (c[1] + x2 * c[2]));
+      if (!std::isfinite(x)) return x;
+      worst = std::max(worst, std::fabs(x));
+    }
+  }
+  return worst;
 }
 
 }  // namespace
@@ -102,7 +133,13 @@ void OrthConfig::validate() const {
   if (coefficients.empty()) fail("'coefficients' must hold at least one (a, b, c) step, got none");
   for (std::size_t i = 0; i < coefficients.size(); ++i)
     for (double v : coefficients[i])
-      if (!std::isfinite(v)) fail("'coefficients' step " + std::to_string(i) + " is not finite");
+      if (!std::isfinite(as_float(v)))
+        fail("'coefficients' step " + std::to_string(i) + " holds " + num(v) +
+             ", which is not finite in float32, the precision the step uses");
+  // Steps that blow singular values up overflow the low-precision iteration into Inf/NaN.
+  if (const double reach = largest_singular_value_reached(coefficients); !(reach <= kMaxSingularValue))
+    fail("'coefficients' take singular values in [0, 1] to " + num(reach) + " (more than " + num(kMaxSingularValue) +
+         "); Newton-Schulz steps must keep them near 1, or the iteration overflows");
   for (int r : restarts)
     if (r < 0 || r >= static_cast<int>(coefficients.size()))
       fail("'restarts' positions must lie in [0, " + std::to_string(coefficients.size()) +
@@ -114,8 +151,14 @@ void OrthConfig::validate() const {
 
 void GroupConfig::validate() const {
   require_nonnegative("lr", lr);
+  require_float("lr", lr);
   require_nonnegative("weight_decay", weight_decay);
+  require_float("weight_decay", weight_decay);
   if (!(epsilon > 0.0)) fail("'epsilon' must be > 0, got " + num(epsilon));
+  // A subnormal epsilon is flushed to zero by GPU arithmetic: 0/0 where a moment is zero.
+  if (!(as_float(epsilon) >= FLT_MIN) || !std::isfinite(as_float(epsilon)))
+    fail("'epsilon' = " + num(epsilon) + " is not a normal float32 number (it must lie in [" + num(FLT_MIN) + ", " +
+         num(FLT_MAX) + "], the precision the step uses)");
   if (is_matrix_algorithm(algorithm)) {
     if (!(fraction > 0.0 && fraction <= 1.0))
       fail("'fraction' must lie in (0, 1], got " + num(fraction));
@@ -129,6 +172,12 @@ void GroupConfig::validate() const {
     require_unit_interval("betas[0]", betas[0]);
     require_unit_interval("betas[1]", betas[1]);
   }
+  if (!std::isfinite(as_float(base_lr())))
+    fail("'lr' = " + num(lr) + " scaled by scale_lr_by_fraction (lr / sqrt(fraction = " + num(fraction) +
+         ")) is " + num(base_lr()) + ", which is not finite in float32, the precision the step uses");
+  if (!std::isfinite(as_float(base_lr()) * as_float(weight_decay)))
+    fail("the decay factor lr * weight_decay = " + num(base_lr()) + " * " + num(weight_decay) +
+         " is not finite in float32, the precision the step uses");
 }
 
 double GroupConfig::base_lr() const {

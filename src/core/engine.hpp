@@ -3,6 +3,7 @@
 #pragma once
 
 #include <array>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -132,6 +133,9 @@ struct Optimizer::Impl {
   // The structural settings (algorithm, flatten, momentum_dtype) each group had when its first
   // parameter's state was sized; empty for groups without parameters. See structure_error().
   std::vector<std::optional<GroupConfig>> structure;
+  // Memory a step writes (weights, state given by the caller), by start address: [start, end)
+  // and what it is. These ranges never overlap each other or any gradient (see memory_clash()).
+  std::map<std::uintptr_t, std::pair<std::uintptr_t, std::string>> written;
 
   // Names the expected state tensors of a parameter (name, dtype, shape).
   struct StateSpec {
@@ -144,6 +148,10 @@ struct Optimizer::Impl {
   // The one place that decides whether group g's structure may change: never once its
   // parameters' state is sized by it. Empty when the group may go on as configured.
   std::string structure_error(int g) const;
+  std::string structure_error(int g, const GroupConfig& candidate) const;  // were groups[g] = candidate
+  // What already registered memory [t.data, + t.bytes()) overlaps, if anything it must not: a
+  // written range (weights, state) for any role, and for a written role also every gradient.
+  std::string memory_clash(const TensorView& t, bool written_role) const;
   void build_plan();
   void plan_distribution(Megabatch& mb, int index);
   void check_plans_agree();

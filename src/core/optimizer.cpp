@@ -19,6 +19,12 @@ MatrixView matrix_of(const TensorView& t, DType dtype, int64_t index, int64_t ro
   return MatrixView::contiguous(base, dtype, 1, rows, cols);
 }
 
+std::string format_number(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", v);
+  return buf;
+}
+
 MatrixView flat_of(const TensorView& t) {
   return MatrixView::contiguous(t.data, t.dtype, 1, 1, t.numel());
 }
@@ -76,10 +82,11 @@ const TensorView* Param::find_state(const std::string& key) const {
   return nullptr;
 }
 
-std::string Optimizer::Impl::structure_error(int g) const {
-  if (g >= static_cast<int>(structure.size()) || !structure[g] || same_structure(groups[g], *structure[g])) return {};
+std::string Optimizer::Impl::structure_error(int g) const { return structure_error(g, groups[g]); }
+
+std::string Optimizer::Impl::structure_error(int g, const GroupConfig& now) const {
+  if (g >= static_cast<int>(structure.size()) || !structure[g] || same_structure(now, *structure[g])) return {};
   const GroupConfig& was = *structure[g];
-  const GroupConfig& now = groups[g];
   std::string what;
   if (now.algorithm != was.algorithm)
     what = std::string("'algorithm' from ") + algorithm_name(was.algorithm) + " to " + algorithm_name(now.algorithm);
@@ -146,7 +153,15 @@ void check_tensor(const std::string& who, const char* role, const TensorView& t,
          device_name(device));
   for (int64_t s : t.shape)
     if (s < 0) fail(who + " " + role + " has a negative dimension in shape " + t.shape_str());
-  if (!t.data && t.numel() > 0) fail(who + " " + role + " has a null data pointer");
+  std::size_t bytes = 0;
+  try {
+    bytes = t.bytes();
+  } catch (const Error& e) {
+    fail(who + " " + role + ": " + std::string(e.what()).substr(7));
+  }
+  if (!t.data && bytes > 0) fail(who + " " + role + " has a null data pointer");
+  if (t.data && reinterpret_cast<std::uintptr_t>(t.data) > UINTPTR_MAX - bytes)
+    fail(who + " " + role + " of " + std::to_string(bytes) + " bytes runs past the end of the address space");
 }
 
 void check_grad(const std::string& who, const TensorView& weight, const TensorView& grad, Device device) {
@@ -154,6 +169,29 @@ void check_grad(const std::string& who, const TensorView& weight, const TensorVi
   if (grad.shape != weight.shape)
     fail(who + " has weight shape " + weight.shape_str() + " but its gradient has shape " + grad.shape_str());
 }
+
+std::pair<std::uintptr_t, std::uintptr_t> memory_of(const TensorView& t) {
+  const auto a = reinterpret_cast<std::uintptr_t>(t.data);
+  return {a, a + t.bytes()};
+}
+
+}  // namespace
+
+std::string Optimizer::Impl::memory_clash(const TensorView& t, bool written_role) const {
+  const auto [a, b] = memory_of(t);
+  if (a == b) return {};
+  auto it = written.upper_bound(a);  // the first written range starting after a
+  if (it != written.end() && it->first < b) return it->second.second;
+  if (it != written.begin() && std::prev(it)->second.first > a) return std::prev(it)->second.second;
+  if (written_role)
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const auto [ga, gb] = memory_of(params[i].grad);
+      if (ga < b && a < gb) return "the gradient of " + describe(static_cast<int>(i));
+    }
+  return {};
+}
+
+namespace {
 
 }  // namespace
 
@@ -169,6 +207,35 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
   const Device device = s.backend->device();
   check_tensor(who, "weight", spec.weight, device);
   if (spec.grad.data || !spec.grad.shape.empty()) check_grad(who, spec.weight, spec.grad, device);
+  for (const Param& other : s.params)
+    if (other.name == spec.name)
+      fail(who + ": the optimizer already has a parameter named '" + spec.name + "'; names must be unique");
+  // A step writes weights and state: none may share memory with anything else registered, or
+  // it would be updated twice or read after it was written.
+  {
+    std::vector<std::pair<std::string, const TensorView*>> written_here = {{"weight", &spec.weight}};
+    for (const auto& [name, view] : spec.state) {
+      check_tensor(who, ("state '" + name + "'").c_str(), view, device);
+      written_here.emplace_back("state '" + name + "'", &view);
+    }
+    for (std::size_t i = 0; i < written_here.size(); ++i) {
+      const auto& [role, view] = written_here[i];
+      if (std::string c = s.memory_clash(*view, true); !c.empty())
+        fail(who + ": its " + role + " overlaps the memory of " + c);
+      const auto [a, b] = memory_of(*view);
+      if (spec.grad.data && a < b) {
+        const auto [ga, gb] = memory_of(spec.grad);
+        if (ga < b && a < gb) fail(who + ": its " + role + " overlaps its own gradient");
+      }
+      for (std::size_t j = 0; j < i; ++j) {
+        const auto [c, d] = memory_of(*written_here[j].second);
+        if (a < b && c < d && c < b && a < d) fail(who + ": its " + role + " overlaps its " + written_here[j].first);
+      }
+    }
+    if (spec.grad.data)
+      if (std::string c = s.memory_clash(spec.grad, false); !c.empty())
+        fail(who + ": its gradient overlaps the memory of " + c);
+  }
 
   Param p;
   p.name = spec.name;
@@ -306,6 +373,12 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
   }
   if (s.structure.size() <= static_cast<std::size_t>(group)) s.structure.resize(group + 1);
   if (!s.structure[group]) s.structure[group] = g;  // its state is sized by these settings from now on
+  auto remember = [&](const TensorView& t, const std::string& what) {
+    const auto [a, b] = memory_of(t);
+    if (a < b) s.written.emplace(a, std::make_pair(b, what));
+  };
+  remember(added.weight, "the weight of " + who);
+  for (const auto& [name, view] : spec.state) remember(view, "state '" + name + "' of " + who);
   s.plan_valid = false;
   return index;
 }
@@ -316,6 +389,8 @@ void Optimizer::set_grad(int param, const TensorView& grad) {
     fail("set_grad: no parameter " + std::to_string(param) + " (the optimizer has " +
          std::to_string(s.params.size()) + ")");
   check_grad(s.describe(param), s.params[param].weight, grad, s.backend->device());
+  if (std::string c = s.memory_clash(grad, false); !c.empty())
+    fail(s.describe(param) + ": its new gradient overlaps the memory of " + c);
   s.params[param].grad = grad;
 }
 
@@ -324,6 +399,16 @@ GroupConfig& Optimizer::group(int index) {
   return impl_->groups[index];
 }
 const GroupConfig& Optimizer::group(int index) const { return const_cast<Optimizer*>(this)->group(index); }
+void Optimizer::set_group(int index, const GroupConfig& config) {
+  group(index);  // the range check
+  try {
+    config.validate();
+  } catch (const Error& e) {
+    fail(group_error(index, std::string(e.what()).substr(7)));
+  }
+  if (const std::string e = impl_->structure_error(index, config); !e.empty()) fail(e);
+  impl_->groups[index] = config;
+}
 int Optimizer::num_groups() const { return static_cast<int>(impl_->groups.size()); }
 int Optimizer::num_params() const { return static_cast<int>(impl_->params.size()); }
 const std::string& Optimizer::param_name(int param) const {
@@ -743,6 +828,14 @@ void Optimizer::Impl::validate_for_step() {
     for (const auto& [pi, j] : mb.members)
       if (s.params[pi].grad.dtype != mb.grad_dtype) s.plan_valid = false;
   if (!s.plan_valid) s.build_plan();
+  // The learning rate a matrix update applies depends on its shape: it too must be a float32.
+  for (const Megabatch& mb : s.megabatches) {
+    const double lr = s.groups[mb.group].adjusted_lr(mb.global_rows, mb.global_cols);
+    if (!std::isfinite(static_cast<float>(lr)))
+      fail(group_error(mb.group, "the learning rate of its " + std::to_string(mb.global_rows) + " x " +
+                                     std::to_string(mb.global_cols) + " matrices after adjust_lr is " +
+                                     format_number(lr) + ", which is not finite in float32, the precision the step uses"));
+  }
 }
 
 UpdateParams Optimizer::Impl::update_params(const Megabatch& mb) const {

@@ -36,8 +36,19 @@ bool is_float_param_dtype(DType t) { return t == DType::F32 || t == DType::F16 |
 
 int64_t TensorView::numel() const {
   int64_t n = 1;
-  for (int64_t s : shape) n *= s;
+  for (int64_t s : shape) {
+    if (s < 0) fail("shape " + shape_string(shape) + " has a negative dimension");
+    if (__builtin_mul_overflow(n, s, &n)) fail("shape " + shape_string(shape) + " has more than 2^63 - 1 elements");
+  }
   return n;
+}
+
+std::size_t TensorView::bytes() const {
+  const int64_t n = numel();
+  int64_t b = 0;
+  if (__builtin_mul_overflow(n, static_cast<int64_t>(dtype_size(dtype)), &b))
+    fail("shape " + shape_string(shape) + " of " + dtype_name(dtype) + " spans more than 2^63 - 1 bytes");
+  return static_cast<std::size_t>(b);
 }
 
 std::string TensorView::shape_str() const { return shape_string(shape); }
