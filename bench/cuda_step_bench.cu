@@ -215,7 +215,7 @@ int main(int argc, char** argv) {
             }
             line(fmt("| all | | | | | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |", tot[0], tot[1], tot[2], tot[3], tot[4],
                      tot[5]));
-            line(fmt("| (check_finite %.2f, other %.2f) | | | | | | | | | | |", get("all", "check_finite"),
+            line(fmt("| (check_step %.2f, other %.2f) | | | | | | | | | | |", get("all", "check_step"),
                      get("all", "other")));
             line("");
             line("| megabatch | normalize | transpose | convert | gram | sym_product | gemm | copy | add_identity |");

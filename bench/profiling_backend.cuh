@@ -75,6 +75,10 @@ class ProfilingBackend final : public dion3::Backend {
     shape_ = "all";
     wrap("check_finite", [&] { in_->check_finite(xs, flag); });
   }
+  void check_step(std::span<const dion3::StepCheck> xs, int* flag) override {
+    shape_ = "all";
+    wrap("check_step", [&] { in_->check_step(xs, flag); });
+  }
   void accumulate(const dion3::MatrixSet& s, float d, float* sc, float* ss, const int* k) override {
     wrap("accumulate", [&] { in_->accumulate(s, d, sc, ss, k); });
   }

@@ -95,6 +95,34 @@ struct LionParams {
   float lr, beta1, beta2, weight_decay;
 };
 
+// One parameter's share of Backend::check_step: the state its step would store, evaluated
+// but not written. Views are flat (1 x n), all of one length.
+struct StepCheck {
+  enum Rule : int {
+    Momentum = 0,  // M' = a*M + G; with b != 0 also the Nesterov mix b*M' + G
+    AdamW = 1,     // exp_avg and exp_avg_sq of AdamWElem with beta1 = a, beta2 = b
+    Lion = 2,      // exp_avg' = M + (1 - b)*(G - M)
+  };
+  Rule rule = Momentum;
+  MatrixView grad;
+  MatrixView state;   // momentum / exp_avg
+  MatrixView state2;  // AdamW's exp_avg_sq
+  float a = 0.0f, b = 0.0f;
+};
+
+// The element-wise rules of AdamW and Lion, shared by every backend and by check_step so that
+// the check sees exactly the values the update stores. The second moment multiplies (1 - beta2)
+// into g before squaring: g*g overflows float32 from |g| ~ 2e19, this only from ~ 6e20.
+struct AdamWRule {
+  DION3_HOST_DEVICE static float exp_avg(float m, float g, float beta1) { return m + (1.0f - beta1) * (g - m); }
+  DION3_HOST_DEVICE static float exp_avg_sq(float v, float g, float beta2) {
+    return beta2 * v + ((1.0f - beta2) * g) * g;
+  }
+};
+struct LionRule {
+  DION3_HOST_DEVICE static float exp_avg(float m, float g, float beta2) { return m + (1.0f - beta2) * (g - m); }
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -128,6 +156,10 @@ class Backend {
   // --- step, parameter side ------------------------------------------------------------
   // *flag |= 1 if any element of any view is NaN or Inf.
   virtual void check_finite(std::span<const MatrixView> xs, int* flag) = 0;
+  // *flag |= 1 if any gradient element is NaN or Inf, or any state element the step would
+  // store (rounded to the state's dtype) would be: a finite gradient can still overflow the
+  // momentum or a second moment, and such a step must be dropped before anything is written.
+  virtual void check_step(std::span<const StepCheck> xs, int* flag) = 0;
   // M = decay*M + G for each matrix; if scores != null, scores[i*rows + r] = sum_j |M_i[r,j]|
   // taken after the update; if row_sumsq != null, row_sumsq[i*rows + r] = sum_j M_i[r,j]^2 (both
   // of the values as stored).

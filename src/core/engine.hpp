@@ -157,6 +157,7 @@ struct Optimizer::Impl {
   void check_plans_agree();
   std::array<int64_t, 2> read_counters() const;
   void validate_for_step();
+  StepCheck step_check(const Param& p) const;  // what check_step evaluates for p's step
   void enqueue_step();
   // The step's stages (see Megabatch).
   void agree_on_flag(int* flag);

@@ -1287,16 +1287,45 @@ void Optimizer::Impl::orthogonalize_block(Megabatch& mb, int* flag) {
                                       "the return all-to-all of " + mb.label);
 }
 
+StepCheck Optimizer::Impl::step_check(const Param& p) const {
+  const GroupConfig& g = groups[p.group];
+  StepCheck c;
+  c.grad = flat_of(p.grad);
+  c.state = flat_of(p.state[0].second);
+  switch (g.algorithm) {
+    case Algorithm::Dion3:  // M += G (the selected rows decay after they are read)
+      c.a = 1.0f;
+      break;
+    case Algorithm::NorMuon:
+    case Algorithm::Muon:
+      c.a = static_cast<float>(g.mu);
+      c.b = g.nesterov ? static_cast<float>(g.mu) : 0.0f;
+      break;
+    case Algorithm::AdamW:
+      c.rule = StepCheck::AdamW;
+      c.state2 = flat_of(p.state[1].second);
+      c.a = static_cast<float>(g.betas[0]);
+      c.b = static_cast<float>(g.betas[1]);
+      break;
+    case Algorithm::Lion:
+      c.rule = StepCheck::Lion;
+      c.b = static_cast<float>(g.betas[1]);
+      break;
+  }
+  return c;
+}
+
 void Optimizer::Impl::enqueue_step() {
   Impl& s = *this;
   Backend& be = *s.backend;
-  // 1. Non-finite gradients raise a device flag that every mutating op below obeys; distributed
+  // 1. Non-finite gradients, and finite ones that would overflow the state, raise a device flag that every mutating op below obeys; distributed
   //    runs agree on it across ranks first.
   int* flag = s.flag.as<int>();
   be.fill_zero(flag, sizeof(int));
-  std::vector<MatrixView> grads;
-  for (const Param& p : s.params) grads.push_back(flat_of(p.grad));
-  be.check_finite(grads, flag);
+  std::vector<StepCheck> checks;
+  for (const Param& p : s.params)
+    if (p.weight.numel() > 0) checks.push_back(step_check(p));
+  be.check_step(checks, flag);
   agree_on_flag(flag);
 
   // 2. Matrix megabatches, stage by stage across all of them: every forward collective is
@@ -1356,16 +1385,25 @@ bool Optimizer::step() {
   // The verdict: one host synchronisation.
   if (be.read_flag(flag) == 0) return true;
   if (s.options.on_nonfinite == NonFinitePolicy::Raise) {
+    const char* policy = "(on_nonfinite='raise'; use 'skip' to drop such steps)";
     for (int i = 0; i < num_params(); ++i) {
-      const MatrixView grad = flat_of(s.params[i].grad);
+      const Param& p = s.params[i];
+      if (p.weight.numel() == 0) continue;
+      const MatrixView grad = flat_of(p.grad);
       be.fill_zero(flag, sizeof(int));
       be.check_finite(std::span<const MatrixView>(&grad, 1), flag);
       if (be.read_flag(flag))
-        fail(s.describe(i) + " has a non-finite gradient (NaN or Inf); the step was not applied "
-             "(on_nonfinite='raise'; use 'skip' to drop such steps)", Status::NonFinite);
+        fail(s.describe(i) + " has a non-finite gradient (NaN or Inf); the step was not applied " + policy,
+             Status::NonFinite);
+      const StepCheck c = s.step_check(p);
+      be.check_step(std::span<const StepCheck>(&c, 1), flag);
+      if (be.read_flag(flag))
+        fail(s.describe(i) + " has a finite gradient too large for its " + dtype_name(c.state.dtype) + " " +
+             (c.rule == StepCheck::AdamW ? "moments" : "momentum") +
+             ": the step would make them non-finite, so it was not applied " + policy, Status::NonFinite);
     }
-    fail("a gradient on another rank is non-finite (NaN or Inf); the step was not applied on any rank "
-         "(on_nonfinite='raise'; use 'skip' to drop such steps)", Status::NonFinite);
+    fail(std::string("a gradient on another rank is non-finite (NaN or Inf) or would make its optimizer state "
+                     "non-finite; the step was not applied on any rank ") + policy, Status::NonFinite);
   }
   return false;
 }

@@ -121,6 +121,40 @@ class CpuBackend final : public Backend {
         }
   }
 
+  void check_step(std::span<const StepCheck> xs, int* flag) override {
+    std::vector<float> g(kChunk), m(kChunk), v(kChunk);
+    for (const StepCheck& x : xs)
+      for (int64_t c0 = 0; c0 < x.grad.cols; c0 += kChunk) {
+        const MatrixView G = cols_slice(x.grad, c0), S = cols_slice(x.state, c0);
+        load_row(G, 0, 0, g.data());
+        load_row(S, 0, 0, m.data());
+        bool ok = true;
+        const DType st = x.state.dtype;
+        switch (x.rule) {
+          case StepCheck::Momentum:
+            for (int64_t j = 0; j < G.cols; ++j) {
+              const float m1 = cpu::round_to(st, x.a * m[j] + g[j]);
+              ok &= std::isfinite(g[j]) && std::isfinite(m1) && (x.b == 0.0f || std::isfinite(x.b * m1 + g[j]));
+            }
+            break;
+          case StepCheck::AdamW:
+            load_row(cols_slice(x.state2, c0), 0, 0, v.data());
+            for (int64_t j = 0; j < G.cols; ++j)
+              ok &= std::isfinite(g[j]) && std::isfinite(cpu::round_to(st, AdamWRule::exp_avg(m[j], g[j], x.a))) &&
+                    std::isfinite(cpu::round_to(st, AdamWRule::exp_avg_sq(v[j], g[j], x.b)));
+            break;
+          case StepCheck::Lion:
+            for (int64_t j = 0; j < G.cols; ++j)
+              ok &= std::isfinite(g[j]) && std::isfinite(cpu::round_to(st, LionRule::exp_avg(m[j], g[j], x.b)));
+            break;
+        }
+        if (!ok) {
+          *flag = 1;
+          return;
+        }
+      }
+  }
+
   void accumulate(const MatrixSet& set, float decay, float* scores, float* row_sumsq, const int* skip) override {
     if (skipped(skip)) return;
     std::vector<float> m, g;
@@ -423,8 +457,8 @@ class CpuBackend final : public Backend {
     const float bc2 = static_cast<float>(1.0 - std::pow(static_cast<double>(h.beta2), t));
     auto update = [&](float* w, const float* g, float* m, float* v, int64_t n) {
       for (int64_t j = 0; j < n; ++j) {
-        m[j] += (1.0f - h.beta1) * (g[j] - m[j]);
-        v[j] += (1.0f - h.beta2) * (g[j] * g[j] - v[j]);
+        m[j] = AdamWRule::exp_avg(m[j], g[j], h.beta1);
+        v[j] = AdamWRule::exp_avg_sq(v[j], g[j], h.beta2);
         w[j] = w[j] * decay - h.lr * (m[j] / bc1) / (std::sqrt(v[j] / bc2) + h.epsilon);
       }
     };
@@ -453,7 +487,7 @@ class CpuBackend final : public Backend {
       for (int64_t j = 0; j < n; ++j) {
         const float c = m[j] + (1.0f - h.beta1) * (g[j] - m[j]);
         const float u = static_cast<float>((c > 0.0f) - (c < 0.0f));
-        m[j] += (1.0f - h.beta2) * (g[j] - m[j]);
+        m[j] = LionRule::exp_avg(m[j], g[j], h.beta2);
         w[j] = w[j] * decay - h.lr * u;
       }
     };

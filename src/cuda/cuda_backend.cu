@@ -210,6 +210,7 @@ class CudaBackend final : public Backend {
   void check_finite(std::span<const MatrixView> xs, int* flag) override {
     launch_check_finite(xs, flag, stream_);
   }
+  void check_step(std::span<const StepCheck> xs, int* flag) override { launch_check_step(xs, flag, stream_); }
 
   void accumulate(const MatrixSet& base, float decay, float* scores, float* row_sumsq, const int* skip) override {
     const auto& set = ready(base);

@@ -165,11 +165,11 @@ __global__ void convert_kernel(const TI* __restrict__ in, int64_t rows, int64_t 
 }
 
 struct AdamWElem {
-  // Same expression order as the CPU reference (unrounded moments, bias-corrected).
+  // The CPU backend's rules (unrounded moments, bias-corrected).
   __device__ __forceinline__ static void apply(float& w, float g, float& m, float& v, const AdamWParams& h,
                                                float decay, float bc1, float bc2) {
-    m = m + (1.0f - h.beta1) * (g - m);
-    v = v + (1.0f - h.beta2) * (g * g - v);
+    m = AdamWRule::exp_avg(m, g, h.beta1);
+    v = AdamWRule::exp_avg_sq(v, g, h.beta2);
     const float mhat = m / bc1, vhat = v / bc2;
     w = w * decay - h.lr * mhat / (sqrtf(vhat) + h.epsilon);
   }
@@ -260,7 +260,7 @@ __global__ void lion_kernel(const __grid_constant__ MultiTensor<LionParams> t, c
     const float mv = to_f32(m[e]);
     const float c = mv + (1.0f - h.beta1) * (gv - mv);
     const float u = c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : 0.0f);
-    m[e] = from_f32<TS>(mv + (1.0f - h.beta2) * (gv - mv));
+    m[e] = from_f32<TS>(LionRule::exp_avg(mv, gv, h.beta2));
     w[e] = from_f32<TW>(to_f32(w[e]) * decay - h.lr * u);
   }
 }

@@ -576,6 +576,80 @@ __global__ void check_finite_kernel(const __grid_constant__ FiniteViews args, in
   if (__syncthreads_or(!ok) && threadIdx.x == 0) atomicOr(flag, 1);
 }
 
+
+// ---- check_step ----------------------------------------------------------------------------
+// The state a step would store, evaluated and not written (Backend::check_step). Up to
+// kStepChecks parameters of one (gradient, state) dtype pair per launch, blockIdx.y picking the
+// parameter; each thread has kStepUnroll packs of 4 elements in flight.
+constexpr int kStepChecks = 32, kStepThreads = 256, kStepUnroll = 4;
+struct StepChecks {
+  const void* g[kStepChecks];
+  const void* s[kStepChecks];
+  const void* s2[kStepChecks];
+  int64_t n[kStepChecks];
+  float a[kStepChecks], b[kStepChecks];
+  int rule[kStepChecks];
+  bool vec[kStepChecks];  // n % 4 == 0 and every pointer 4-element aligned
+};
+
+// Whether one element's gradient and the state it would store (rounded to TS) are finite.
+template <class TS>
+__device__ __forceinline__ bool step_element_finite(int rule, float g, float m, float v, float a, float b) {
+  if (!isfinite(g)) return false;
+  switch (rule) {
+    case StepCheck::Momentum: {
+      const float m1 = to_f32(from_f32<TS>(a * m + g));  // as accumulate_kernel computes it
+      return isfinite(m1) && (b == 0.0f || isfinite(b * m1 + g));
+    }
+    case StepCheck::AdamW:
+      return isfinite(to_f32(from_f32<TS>(AdamWRule::exp_avg(m, g, a)))) &&
+             isfinite(to_f32(from_f32<TS>(AdamWRule::exp_avg_sq(v, g, b))));
+    default: return isfinite(to_f32(from_f32<TS>(LionRule::exp_avg(m, g, b))));
+  }
+}
+
+template <class TG, class TS>
+__global__ void __launch_bounds__(kStepThreads) check_step_kernel(const __grid_constant__ StepChecks t, int* flag) {
+  pdl_wait();
+  const int i = blockIdx.y;
+  const int64_t n = t.n[i];
+  const int rule = t.rule[i];
+  const float a = t.a[i], b = t.b[i];
+  const TG* __restrict__ g = static_cast<const TG*>(t.g[i]);
+  const TS* __restrict__ m = static_cast<const TS*>(t.s[i]);
+  const TS* __restrict__ v = static_cast<const TS*>(t.s2[i]);
+  const bool second = rule == StepCheck::AdamW;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t start = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  bool ok = true;
+  if (t.vec[i]) {
+    const int64_t n4 = n / 4;
+    for (int64_t q0 = start; q0 < n4; q0 += kStepUnroll * stride) {
+      Pack4<TG> gp[kStepUnroll];
+      Pack4<TS> mp[kStepUnroll], vp[kStepUnroll];
+#pragma unroll
+      for (int u = 0; u < kStepUnroll; ++u) {
+        const int64_t q = q0 + u * stride;
+        if (q < n4) {
+          gp[u] = reinterpret_cast<const Pack4<TG>*>(g)[q];
+          mp[u] = reinterpret_cast<const Pack4<TS>*>(m)[q];
+          if (second) vp[u] = reinterpret_cast<const Pack4<TS>*>(v)[q];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kStepUnroll; ++u)
+        if (q0 + u * stride < n4)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            ok &= step_element_finite<TS>(rule, to_f32(gp[u].v[e]), to_f32(mp[u].v[e]),
+                                          second ? to_f32(vp[u].v[e]) : 0.0f, a, b);
+    }
+  } else {
+    for (int64_t e = start; e < n; e += stride)
+      ok &= step_element_finite<TS>(rule, to_f32(g[e]), to_f32(m[e]), second ? to_f32(v[e]) : 0.0f, a, b);
+  }
+  if (__syncthreads_or(!ok) && threadIdx.x == 0) atomicOr(flag, 1);
+}
 }  // namespace
 
 void launch_accumulate(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
@@ -672,6 +746,56 @@ void launch_apply_update(const DeviceMat* mats, int64_t nmats, int64_t rows, int
     });
   });
   DION3_CUDA_LAUNCH_CHECK();
+}
+
+void launch_check_step(std::span<const StepCheck> xs, int* flag, cudaStream_t s) {
+  // One table per (gradient, state) dtype pair, launched when full and at the end.
+  struct Table {
+    DType gdt, sdt;
+    StepChecks t{};
+    int used = 0;
+    int64_t max_n = 0;
+  };
+  std::vector<Table> tables;
+  auto flush = [&](Table& tb) {
+    if (tb.used == 0) return;
+    const int64_t packs = tb.max_n / 4 + 1;
+    const unsigned gx = std::max(1u, std::min<unsigned>(ceil_div_u(packs, kStepThreads * kStepUnroll), 2048));
+    DION3_DISPATCH_FLOAT(tb.gdt, TG, [&] {
+      DION3_DISPATCH_FLOAT(tb.sdt, TS, [&] {
+        launch_pdl(check_step_kernel<TG, TS>, dim3(gx, static_cast<unsigned>(tb.used)), kStepThreads, 0, s, tb.t,
+                   flag);
+      });
+    });
+    DION3_CUDA_LAUNCH_CHECK();
+    tb.t = StepChecks{};
+    tb.used = 0;
+    tb.max_n = 0;
+  };
+  for (const StepCheck& x : xs) {
+    const int64_t n = x.grad.cols * x.grad.rows * x.grad.batch;
+    if (n == 0) continue;
+    if (x.rule == StepCheck::AdamW && x.state2.dtype != x.state.dtype)
+      fail("check_step: exp_avg and exp_avg_sq dtypes differ");
+    Table* tb = nullptr;
+    for (Table& t : tables)
+      if (t.gdt == x.grad.dtype && t.sdt == x.state.dtype) tb = &t;
+    if (!tb) tb = &tables.emplace_back(Table{x.grad.dtype, x.state.dtype});
+    const int u = tb->used++;
+    tb->t.g[u] = x.grad.data;
+    tb->t.s[u] = x.state.data;
+    tb->t.s2[u] = x.rule == StepCheck::AdamW ? x.state2.data : nullptr;
+    tb->t.n[u] = n;
+    tb->t.a[u] = x.a;
+    tb->t.b[u] = x.b;
+    tb->t.rule[u] = x.rule;
+    tb->t.vec[u] = n % 4 == 0 && aligned4(x.grad.data, dtype_size(x.grad.dtype)) &&
+                   aligned4(x.state.data, dtype_size(x.state.dtype)) &&
+                   (x.rule != StepCheck::AdamW || aligned4(x.state2.data, dtype_size(x.state2.dtype)));
+    tb->max_n = std::max(tb->max_n, n);
+    if (tb->used == kStepChecks) flush(*tb);
+  }
+  for (Table& t : tables) flush(t);
 }
 
 void launch_check_finite(std::span<const MatrixView> xs, int* flag, cudaStream_t s) {

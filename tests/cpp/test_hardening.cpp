@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -219,6 +220,112 @@ TEST(Hardening, CApiStructuralEditsAreRefusedWhenMadeAndChangeNothing) {
   EXPECT_EQ(dion3_step(opt, &applied), DION3_OK);
   EXPECT_EQ(applied, 1);
   dion3_destroy(opt);
+}
+
+
+// ---- finite gradients whose state would overflow ------------------------------------------
+
+// One parameter of `alg` (a matrix, or a vector for AdamW/Lion) whose gradient is filled with
+// `value` (alternating in sign with `alternate`, so that g - m can overflow for Lion).
+struct Overflow {
+  Harness h;
+  t3::HostParam* p = nullptr;
+  Overflow(Algorithm alg, DType dt, NonFinitePolicy policy, std::optional<DType> momentum = std::nullopt)
+      : h(options(policy)) {
+    Rng rng(5);
+    GroupConfig g;
+    g.algorithm = alg;
+    g.momentum_dtype = momentum;
+    g.fraction = 0.5;
+    if (alg == Algorithm::AdamW) g.betas = {0.9, 0.999};  // torch.optim.AdamW's
+    const int gi = h.opt.add_group(g);
+    const bool matrix = dion3::is_matrix_algorithm(alg);
+    p = &h.add(gi, "w", dt, matrix ? std::vector<int64_t>{8, 8} : std::vector<int64_t>{64}, rng);
+  }
+  static dion3::OptimizerOptions options(NonFinitePolicy policy) {
+    dion3::OptimizerOptions o;
+    o.on_nonfinite = policy;
+    return o;
+  }
+  void fill(double value, bool alternate = false) {
+    for (int64_t i = 0; i < p->g.numel(); ++i) p->g.set(i, alternate && i % 2 ? -value : value);
+  }
+  bool weights_finite() const {
+    for (double w : p->w.values())
+      if (!std::isfinite(w)) return false;
+    return true;
+  }
+};
+
+TEST(Hardening, AdamWSecondMomentOfALargeFiniteGradientStaysFinite) {
+  // |g| = 2e19: g*g overflows float32, (1 - beta2)*g*g does not; torch.optim.AdamW keeps such
+  // weights finite, and so must the step.
+  for (DType dt : {DType::F32, DType::BF16}) {
+    Overflow o(Algorithm::AdamW, dt, NonFinitePolicy::Raise);
+    o.fill(2e19);
+    EXPECT_TRUE(o.h.opt.step()) << dion3::dtype_name(dt);
+    EXPECT_TRUE(o.weights_finite()) << dion3::dtype_name(dt);
+  }
+}
+
+TEST(Hardening, StepsThatWouldOverflowTheStateAreDroppedWithNothingWritten) {
+  struct Case {
+    Algorithm alg;
+    DType dt;
+    std::optional<DType> momentum;
+    double g;
+    bool alternate;
+    int applied_before;  // steps that still fit before the one that overflows
+  };
+  const std::vector<Case> cases = {
+      {Algorithm::Dion3, DType::F32, std::nullopt, 2e38, false, 1},   // M = 2e38, then 4e38
+      {Algorithm::Dion3, DType::BF16, std::nullopt, 2e38, false, 1},
+      {Algorithm::Dion3, DType::F32, DType::F16, 4e4, false, 1},      // fp16 momentum: 8e4 > 65504
+      {Algorithm::NorMuon, DType::F32, std::nullopt, 2e38, false, 1},
+      {Algorithm::Muon, DType::F32, std::nullopt, 2e38, false, 1},
+      {Algorithm::AdamW, DType::F32, std::nullopt, 1e21, false, 0},   // (1 - beta2) g^2 = 1e39
+      {Algorithm::Lion, DType::F32, std::nullopt, 3.3e38, true, 1},   // then g - m = -1.05 g
+  };
+  for (const Case& c : cases)
+    for (NonFinitePolicy policy : {NonFinitePolicy::Raise, NonFinitePolicy::Skip}) {
+      const std::string what = std::string(dion3::algorithm_name(c.alg)) + " " + dion3::dtype_name(c.dt) +
+                               (policy == NonFinitePolicy::Raise ? " raise" : " skip");
+      Overflow o(c.alg, c.dt, policy, c.momentum);
+      o.fill(c.g, c.alternate);
+      for (int s = 0; s < c.applied_before; ++s) {
+        EXPECT_TRUE(o.h.opt.step()) << what;
+        o.fill(c.alternate ? -c.g : c.g, c.alternate);  // Lion: the next gradient opposes the momentum
+      }
+      ASSERT_TRUE(o.weights_finite()) << what;
+      const auto before = t3::snapshot(o.h.opt, o.h.all());
+      if (policy == NonFinitePolicy::Raise) {
+        Status st = Status::Ok;
+        EXPECT_THAT(t3::error_of([&] { o.h.opt.step(); }, &st), HasSubstr("too large for its")) << what;
+        EXPECT_EQ(st, Status::NonFinite) << what;
+      } else {
+        EXPECT_FALSE(o.h.opt.step()) << what;
+      }
+      EXPECT_EQ(t3::snapshot(o.h.opt, o.h.all()), before) << what;
+      EXPECT_TRUE(o.weights_finite()) << what;
+      // A normal gradient afterwards steps as usual.
+      o.fill(1e-3);
+      EXPECT_TRUE(o.h.opt.step()) << what;
+    }
+}
+
+TEST(Hardening, Float16AdamWUnderALargeGradientNeverWritesNonFiniteWeights) {
+  // g = 2000 with float16 state: the second moment climbs towards g^2 = 4e6 > 65504; the step
+  // that would round it to Inf is dropped, every other is applied.
+  Overflow o(Algorithm::AdamW, DType::F16, NonFinitePolicy::Skip);
+  int applied = 0, dropped = 0;
+  for (int s = 0; s < 40; ++s) {
+    o.fill(2000);
+    (o.h.opt.step() ? applied : dropped) += 1;
+    ASSERT_TRUE(o.weights_finite()) << "step " << s;
+  }
+  EXPECT_GT(applied, 0);
+  EXPECT_GT(dropped, 0);
+  EXPECT_EQ(o.h.opt.steps_skipped(), dropped);
 }
 
 }  // namespace

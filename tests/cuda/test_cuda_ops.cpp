@@ -323,6 +323,79 @@ TEST_F(CudaOps, CheckFinite) {
   }
 }
 
+// ---- check_step ---------------------------------------------------------------------------------
+// The flag agrees with the CPU backend's for every rule and dtype pair, with one element set
+// just below and just above the overflow edge, anywhere in a view (vectorised and not).
+TEST_F(CudaOps, CheckStepAgreesWithCpuAtTheOverflowEdge) {
+  std::mt19937_64 rng(9);
+  dion3::DeviceBuffer flag(gpu->allocator(), 4);
+  dion3::DeviceBuffer hflag(cpu->allocator(), 4);
+  using dion3::StepCheck;
+  struct Edge {
+    StepCheck::Rule rule;
+    float a, b;
+    float g, m, v;  // the planted element; m and v as stored
+    DType state;
+  };
+  const float big = 3.0e38f;
+  const std::vector<Edge> edges = {
+      {StepCheck::Momentum, 1.0f, 0.0f, 2e38f, 1.3e38f, 0, DType::F32},   // 3.3e38: fits
+      {StepCheck::Momentum, 1.0f, 0.0f, 2e38f, 1.5e38f, 0, DType::F32},   // 3.5e38: overflows
+      {StepCheck::Momentum, 0.95f, 0.95f, 1.7e38f, 1.7e38f, 0, DType::F32},  // Nesterov mix overflows
+      {StepCheck::Momentum, 1.0f, 0.0f, 3e4f, 3e4f, 0, DType::F16},      // 6e4: fits in fp16
+      {StepCheck::Momentum, 1.0f, 0.0f, 3e4f, 3.6e4f, 0, DType::F16},    // 6.6e4: does not
+      {StepCheck::Momentum, 1.0f, 0.0f, 2e38f, 1.4e38f, 0, DType::BF16},
+      {StepCheck::AdamW, 0.9f, 0.999f, 2e19f, 0, 0, DType::F32},         // g*g would overflow; this not
+      {StepCheck::AdamW, 0.9f, 0.999f, 7e20f, 0, 0, DType::F32},
+      {StepCheck::AdamW, 0.9f, 0.999f, 2000.0f, 0, 6.5e4f, DType::F16},  // v rounds to Inf
+      {StepCheck::Lion, 0.9f, 0.95f, -big, big, 0, DType::F32},
+      {StepCheck::Lion, 0.9f, 0.95f, 1.0f, big, 0, DType::F32},
+      {StepCheck::Momentum, 1.0f, 0.0f, NAN, 0, 0, DType::F32},
+  };
+  for (int64_t n : {int64_t{10000}, int64_t{10003}})
+    for (DType gdt : {DType::F32, DType::BF16})
+      for (const Edge& e : edges)
+        for (int64_t at : {int64_t{0}, n / 2 + 1, n - 1}) {
+          if (gdt == DType::BF16 && e.state == DType::F16) continue;
+          Twin g(*gpu, gdt, 1, 1, n), m(*gpu, e.state, 1, 1, n), v(*gpu, e.state, 1, 1, n);
+          std::vector<float> gv = ct::normal_values(rng, n), mv = ct::normal_values(rng, n), vv(n, 0.5f);
+          gv[at] = e.g;
+          mv[at] = e.m;
+          vv[at] = e.v;
+          g.set_host(gv), m.set_host(mv), v.set_host(vv);
+          g.upload(), m.upload(), v.upload();
+          StepCheck dc{e.rule, g.dview(), m.dview(), v.dview(), e.a, e.b};
+          StepCheck hc{e.rule, g.hview(), m.hview(), v.hview(), e.a, e.b};
+          gpu->fill_zero(flag.get(), 4);
+          gpu->check_step({&dc, 1}, flag.as<int>());
+          cpu->fill_zero(hflag.get(), 4);
+          cpu->check_step({&hc, 1}, hflag.as<int>());
+          EXPECT_EQ(gpu->read_flag(flag.as<int>()), cpu->read_flag(hflag.as<int>()))
+              << "rule " << e.rule << " g " << e.g << " m " << e.m << " n " << n << " at " << at;
+        }
+  // Many parameters in one call: more than a launch's table, one bad among them.
+  std::vector<Twin> gs, ms;
+  for (int i = 0; i < 70; ++i) {
+    gs.emplace_back(*gpu, DType::BF16, 1, 1, 64 + i);
+    ms.emplace_back(*gpu, DType::F32, 1, 1, 64 + i);
+  }
+  std::vector<StepCheck> cs;
+  for (int i = 0; i < 70; ++i) {
+    gs[i].fill_normal(rng), ms[i].fill_normal(rng);
+    cs.push_back(StepCheck{StepCheck::Momentum, gs[i].dview(), ms[i].dview(), {}, 0.95f, 0.0f});
+  }
+  gpu->fill_zero(flag.get(), 4);
+  gpu->check_step(cs, flag.as<int>());
+  EXPECT_EQ(gpu->read_flag(flag.as<int>()), 0);
+  std::vector<float> last = ms[66].host_values();
+  last[3] = 3.4e38f;
+  ms[66].set_host(last), ms[66].upload();
+  gs[66].set_host(std::vector<float>(gs[66].numel(), 1e37f)), gs[66].upload();
+  gpu->fill_zero(flag.get(), 4);
+  gpu->check_step(cs, flag.as<int>());
+  EXPECT_EQ(gpu->read_flag(flag.as<int>()), 1);
+}
+
 // ---- normalize / convert / add_identity -------------------------------------------------------
 struct ConvCase { DType in, out; };
 class Conversions : public ct::CudaTest, public ::testing::WithParamInterface<ConvCase> {};
