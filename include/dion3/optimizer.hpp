@@ -164,7 +164,8 @@ class Optimizer {
 
   // One optimizer step over every parameter, then one host synchronisation for the verdict.
   // Returns false when the step was dropped because a gradient was not finite and
-  // on_nonfinite == Skip. Throws dion3::Error(NonFinite) under Raise, with nothing modified.
+  // on_nonfinite == Skip. Throws dion3::Error(NonFinite) under Raise, with nothing modified
+  // (steps_skipped() included: it counts dropped steps, not raised ones).
   bool step();
   // The same step, only enqueued on the backend's stream: no host synchronisation, so it can
   // be captured in a CUDA graph and replayed. A non-finite gradient drops the step on the

@@ -296,6 +296,9 @@ static void test_nonfinite(void) {
   CHECK(applied == 0, "applied=%d after a raised step", applied);
   CHECK(memcmp(w_before, md.w, sizeof w_before) == 0 && memcmp(b_before, md.b, sizeof b_before) == 0,
         "weights changed by a refused step");
+  CHECK_OK(dion3_steps(md.opt, &taken, &skipped));
+  CHECK(taken == 1 && skipped == 0, "a raised step changed the counters: taken %lld skipped %lld",
+        (long long)taken, (long long)skipped);
   dion3_destroy(md.opt);
 
   /* skip: status 0, applied 0, counted, nothing modified; the next finite step applies */

@@ -391,6 +391,9 @@ TEST_P(NonFinite, RaiseThrowsAndChangesNothing) {
   EXPECT_THAT(msg, HasSubstr("'" + t.h.params[c.param]->name + "'"));
   EXPECT_EQ(t.snap(), before);
   EXPECT_EQ(t.h.opt.steps_taken(), 2);
+  // A raised step is not a skipped one: the counters, and so the exported state, are unchanged.
+  EXPECT_EQ(t.h.opt.steps_skipped(), 0);
+  EXPECT_EQ(t.h.opt.export_state().skipped, 0);
 }
 
 TEST_P(NonFinite, SkipReturnsFalseAndChangesNothing) {
@@ -426,6 +429,8 @@ TEST_P(NonFinite, ALaterFiniteStepIsNormal) {
     EXPECT_TRUE(t.h.opt.step());
     EXPECT_TRUE(control.h.opt.step());
     EXPECT_EQ(t.snap(), control.snap());
+    EXPECT_EQ(t.h.opt.steps_taken(), control.h.opt.steps_taken());
+    EXPECT_EQ(t.h.opt.steps_skipped(), policy == dion3::NonFinitePolicy::Skip ? 1 : 0);
   }
 }
 
