@@ -178,7 +178,9 @@ class Optimizer {
   // Views of a parameter's state tensors (in device memory).
   std::vector<std::pair<std::string, TensorView>> state_views(int param) const;
   OptimizerState export_state() const;
-  // Checks every tensor's name, dtype and shape before copying any of them.
+  // Checks every tensor's name, dtype and shape, its values (no NaN or Inf, no negative second
+  // moment: variance, exp_avg_sq) and the step counters (not negative, none that the next step
+  // would overflow) before copying any of them.
   void import_state(const OptimizerState& state);
 
   std::vector<MegabatchInfo> plan();
