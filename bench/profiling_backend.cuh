@@ -65,7 +65,10 @@ class ProfilingBackend final : public dion3::Backend {
     wrap("select", [&] { in_->selection_slots(i, n, k, c, p, b, f, o, sk); });
   }
   int read_flag(const int* f) override { return in_->read_flag(f); }
-  void finish_step(const int* f, int64_t* c) override { shape_ = "all"; wrap("other", [&] { in_->finish_step(f, c); }); }
+  void finish_step(const int* f, int64_t* c, bool count_dropped) override {
+    shape_ = "all";
+    wrap("other", [&] { in_->finish_step(f, c, count_dropped); });
+  }
   std::unique_ptr<dion3::MatrixSet> new_matrix_set() override { return in_->new_matrix_set(); }
   void refresh(dion3::MatrixSet& set) override {
     shape_ = fmt("%lldx%lld", (long long)set.rows(), (long long)set.cols());

@@ -148,8 +148,10 @@ class Backend {
   virtual void copy_rows(void* dst, std::size_t dst_pitch, const int32_t* dst_idx, const void* src,
                          std::size_t src_pitch, const int32_t* src_idx, std::size_t width, int64_t rows) = 0;
   virtual int read_flag(const int* flag) = 0;  // synchronises
-  // Ends a step: counters[0] += 1 when *flag == 0 (the step was applied), else counters[1] += 1.
-  virtual void finish_step(const int* flag, int64_t* counters) = 0;
+  // Ends a step: counters[0] += 1 when *flag == 0 (the step was applied), else counters[1] += 1
+  // if count_dropped. A step that is raised (on_nonfinite == Raise) is not counted: it changes
+  // nothing, counters included.
+  virtual void finish_step(const int* flag, int64_t* counters, bool count_dropped) = 0;
   virtual std::unique_ptr<MatrixSet> new_matrix_set() { return std::make_unique<MatrixSet>(); }
   virtual void refresh(MatrixSet& set) { (void)set; }
 

@@ -167,7 +167,8 @@ class Optimizer {
 
   // One optimizer step over every parameter, then one host synchronisation for the verdict.
   // Returns false when the step was dropped because a gradient was not finite and
-  // on_nonfinite == Skip. Throws dion3::Error(NonFinite) under Raise, with nothing modified.
+  // on_nonfinite == Skip. Throws dion3::Error(NonFinite) under Raise, with nothing modified
+  // (steps_skipped() included: it counts dropped steps, not raised ones).
   bool step();
   // The same step, only enqueued on the backend's stream: no host synchronisation, so it can
   // be captured in a CUDA graph and replayed. A non-finite gradient drops the step on the
@@ -180,7 +181,9 @@ class Optimizer {
   // Views of a parameter's state tensors (in device memory).
   std::vector<std::pair<std::string, TensorView>> state_views(int param) const;
   OptimizerState export_state() const;
-  // Checks every tensor's name, dtype and shape before copying any of them.
+  // Checks every tensor's name, dtype and shape, its values (no NaN or Inf, no negative second
+  // moment: variance, exp_avg_sq) and the step counters (not negative, none that the next step
+  // would overflow) before copying any of them.
   void import_state(const OptimizerState& state);
 
   std::vector<MegabatchInfo> plan();

@@ -9,10 +9,13 @@
 # hand-written schedules compose as with any torch optimizer.
 from __future__ import annotations
 
+import bisect
 import math
+import numbers
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as _torch_dist
 
 from . import _C
 from . import distributed as _dist
@@ -113,6 +116,44 @@ def _structure_key(group: Dict[str, Any]) -> Tuple:
     return (group["algorithm"], bool(group["flatten"]), _dtype_name(group.get("momentum_dtype")))
 
 
+# Running means of squares (NorMuon's row variance, AdamW's exp_avg_sq): never negative.
+_SECOND_MOMENTS = ("variance", "exp_avg_sq")
+# The engine counts steps in int64 and adds one per step: the largest count it can go on from.
+_MAX_STEP = 2**63 - 2
+
+
+def _step_count(value: Any, who: str) -> int:
+    """A saved step counter as an int; ValueError naming `who` when it is not a count the engine
+    can go on from (not an integer, negative, or one the next step would overflow)."""
+    v = value
+    if isinstance(v, torch.Tensor):
+        v = v.item() if v.numel() == 1 and not v.is_complex() and v.dtype != torch.bool else None
+    if isinstance(v, numbers.Real) and not isinstance(v, (bool, numbers.Integral)) and float(v).is_integer():
+        v = int(v)
+    if not isinstance(v, numbers.Integral) or isinstance(v, bool) or not 0 <= int(v) <= _MAX_STEP:
+        raise ValueError(f"dion3: load_state_dict: {who} has step {value!r}; a step counter must be an "
+                         f"integer in [0, 2**63 - 2]")
+    return int(v)
+
+
+def _bad_value(t: torch.Tensor, second_moment: bool) -> Optional[str]:
+    """The first value of a state tensor no optimizer run produces (NaN or Inf; a negative second
+    moment), described, or None. Such a value would poison every later step."""
+    if t.numel() == 0:
+        return None
+    flat = t.detach().reshape(-1)
+    bad = ~torch.isfinite(flat)
+    if second_moment:
+        bad |= flat < 0
+    if not bool(bad.any()):
+        return None
+    i = int(bad.nonzero()[0, 0])
+    v = float(flat[i])
+    text = "NaN" if math.isnan(v) else ("+Inf" if v > 0 else "-Inf") if math.isinf(v) else repr(v)
+    why = "a second moment cannot be negative" if math.isfinite(v) else "state values must be finite"
+    return f"{text} at element {i}; {why}"
+
+
 class _EngineOptimizer(torch.optim.Optimizer):
     """Common machinery of Dion3, NorMuon and Muon (not public)."""
 
@@ -150,6 +191,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._dirty = True
         self._dtensors = False  # the engine's parameters include DTensor shards
         self._unregistered: List[torch.Tensor] = []  # parameters without a gradient at the last rebuild
+        self._alias_index = None  # see _check_aliasing
         super().__init__(params, defaults)
 
     # ---- torch.optim.Optimizer protocol ---------------------------------------------------
@@ -170,6 +212,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._megabatch = megabatch
         self._dtensors = False
         self._unregistered = []
+        self._alias_index = None
         self._engine, self._engine_key, self._engine_params, self._engine_groups = None, None, [], []
         self._engine_states = []
         self._engine_cuda = False
@@ -191,6 +234,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         try:
             self._check_group(len(self.param_groups) - 1, self.param_groups[-1])
+            self._check_aliasing(len(self.param_groups) - 1)
         except Exception:
             self.param_groups.pop()  # nothing half-added
             raise
@@ -212,36 +256,130 @@ class _EngineOptimizer(torch.optim.Optimizer):
         return st
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        # torch casts floating state to each parameter's dtype; dion3 keeps fp32 variance (and an
-        # optional fp32 momentum) next to low-precision weights, so restore the saved dtypes.
-        saved_groups = state_dict["param_groups"]
+        # Everything is checked, and every state tensor made, before anything is replaced: a
+        # refused load leaves the optimizer as it was.
+        loaded = self._loaded_state(state_dict)
         super().load_state_dict(state_dict)
-        ids = {}
-        for g_saved, g in zip(saved_groups, self.param_groups):
-            for pid, p in zip(g_saved["params"], g["params"]):
-                ids[pid] = p
-        for pid, st in state_dict["state"].items():
-            p = ids.get(pid)
-            if p is None:
-                continue
-            mine = self.state[p]
-            for key, value in st.items():
-                if not isinstance(value, torch.Tensor):
-                    continue
-                if _dist.is_dtensor(p) and not _dist.is_dtensor(value):
-                    # A single-device (full) checkpoint loaded into a sharded run: keep this rank's part.
-                    mine[key] = _dist.local_part(value.to(dtype=value.dtype), p)
-                elif _dist.is_dtensor(value) and not _dist.is_dtensor(p):
-                    mine[key] = value.full_tensor().detach().to(device=p.device, dtype=value.dtype, copy=True)
-                elif _dist.is_dtensor(value):
-                    mine[key] = value.detach().to(dtype=value.dtype, copy=True)
-                else:
-                    mine[key] = value.detach().to(device=p.device, dtype=value.dtype, copy=True)
-        for i, g in enumerate(self.param_groups):
+        # torch casts floating state to each parameter's dtype; dion3 keeps fp32 variance (and an
+        # optional fp32 momentum) next to low-precision weights: put the checked tensors in.
+        for p, st in loaded.items():
+            self.state[p].update(st)
+        for g in self.param_groups:
             for k, v in self.defaults.items():  # groups saved by an older version may lack new keys
                 g.setdefault(k, v)
-            self._check_group(i, g)
         self._dirty = True
+
+    def _loaded_state(self, state_dict: Dict[str, Any]) -> Dict[torch.Tensor, Dict[str, Any]]:
+        """The state load_state_dict would give each parameter: every state tensor the group's
+        algorithm needs, of its shape, converted to its dtype (and this rank's part of it), finite,
+        second moments not negative, and a step counter. ValueError naming the parameter and the
+        tensor otherwise. Under a distributed mesh, ranks agree on the verdict (one tiny all-reduce
+        per mesh dimension), so that all refuse together."""
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError("dion3: load_state_dict needs a dict with 'state' and 'param_groups' "
+                             "(what state_dict() returns)")
+        saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"dion3: load_state_dict: the state_dict has {len(saved_groups)} parameter groups "
+                             f"but the optimizer has {len(self.param_groups)}")
+        # 1. What can be told from metadata alone (the same on every rank): groups, keys, shapes,
+        #    dtypes, layouts and step counters.
+        plan = []
+        for gi, (saved, mine) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(mine["params"]):
+                raise ValueError(f"dion3: load_state_dict: parameter group {gi} of the state_dict has "
+                                 f"{len(saved['params'])} parameters but the optimizer's has {len(mine['params'])}")
+            group = {k: v for k, v in saved.items() if k != "params"}  # as torch will set it
+            group["params"] = mine["params"]
+            if "param_names" in mine and "param_names" not in saved:
+                group["param_names"] = mine["param_names"]
+            for k, v in self.defaults.items():
+                group.setdefault(k, v)
+            self._check_group(gi, group)
+            for j, (pid, p) in enumerate(zip(saved["params"], mine["params"])):
+                who = f"parameter {j} '{self._param_name(group, gi, j)}' of group {gi}"
+                st = saved_state.get(pid)
+                if not isinstance(st, dict):
+                    raise ValueError(f"dion3: load_state_dict: {who} has no state in the state_dict")
+                if "step" not in st:
+                    raise ValueError(f"dion3: load_state_dict: {who} has no step counter ('step') in the "
+                                     "state_dict; it cannot be guessed (AdamW's bias correction reads it)")
+                step = _step_count(st["step"], who)
+                for name, dtype, shape in _state_shapes(group, p):
+                    value = st.get(name)
+                    what = f"{who}: state '{name}'"
+                    if value is None:
+                        raise ValueError(f"dion3: load_state_dict: {who} has no state '{name}' in the "
+                                         f"state_dict ({group['algorithm']} needs it)")
+                    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                        kind = _dtype_name(value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__
+                        raise ValueError(f"dion3: load_state_dict: {what} is {kind}, not a floating-point tensor")
+                    if tuple(value.shape) != tuple(shape):
+                        raise ValueError(f"dion3: load_state_dict: {what} has shape {list(value.shape)}, "
+                                         f"expected {list(shape)}")
+                    if _dist.is_dtensor(value) and _dist.is_dtensor(p):
+                        want = _dist._placements_for(tuple(shape), p.placements)
+                        if not _dist.same_mesh(value.device_mesh, p.device_mesh) or tuple(value.placements) != want:
+                            raise ValueError(f"dion3: load_state_dict: {what} is placed {list(value.placements)} "
+                                             f"on {value.device_mesh}, expected {list(want)} on {p.device_mesh} "
+                                             "(load a resharded checkpoint through torch.distributed.checkpoint)")
+                plan.append((p, who, group, st, step))
+        # 2. The tensors as this optimizer will hold them, and their values (rank-local for shards).
+        loaded: Dict[torch.Tensor, Dict[str, Any]] = {}
+        problem = None
+        for p, who, group, st, step in plan:
+            out: Dict[str, Any] = {"step": step}
+            for name, dtype, _ in _state_shapes(group, p):
+                value = st[name]
+                if _dist.is_dtensor(p) and not _dist.is_dtensor(value):
+                    # A single-device (full) checkpoint loaded into a sharded run: keep this rank's part.
+                    t = _dist.local_part(value, p)
+                    t = t if t.dtype == dtype else t.to(dtype=dtype)
+                elif _dist.is_dtensor(value) and not _dist.is_dtensor(p):
+                    t = value.full_tensor().detach().to(device=p.device, dtype=dtype, copy=True)
+                elif _dist.is_dtensor(value):
+                    t = value.detach().to(dtype=dtype, copy=True)
+                else:
+                    t = value.detach().to(device=p.device, dtype=dtype, copy=True)
+                if problem is None:
+                    bad = _bad_value(_dist.local(t), name in _SECOND_MOMENTS)
+                    if bad is not None:
+                        shard = " (this rank's shard)" if _dist.is_dtensor(t) else ""
+                        problem = (f"dion3: load_state_dict: {who}: state '{name}' ({_dtype_name(dtype)}){shard} "
+                                   f"holds {bad}; nothing was loaded")
+                out[name] = t
+            loaded[p] = out
+        self._agree_on_load(problem)
+        return loaded
+
+    def _agree_on_load(self, problem: Optional[str]) -> None:
+        """Raises `problem` (this rank's) or, under a distributed mesh, the refusal of another rank:
+        one all-reduce per mesh dimension of the highest refusing rank, so every rank refuses."""
+        groups: List[Any] = []
+        if isinstance(self._mesh, _torch_dist.ProcessGroup):
+            groups.append(self._mesh)
+        elif self._mesh is not None:
+            meshes = [self._mesh] + [p.device_mesh for g in self.param_groups for p in g["params"]
+                                     if _dist.is_dtensor(p)]
+            seen: List[Any] = []
+            for m in meshes:
+                if any(_dist.same_mesh(m, s) for s in seen):
+                    continue
+                seen.append(m)
+                groups.extend(m.get_group(d) for d in range(m.ndim))
+        if groups:
+            first = next((p for g in self.param_groups for p in g["params"]), None)
+            device = _dist.local(first).device if first is not None else torch.device("cpu")
+            flag = torch.tensor([_torch_dist.get_rank() + 1 if problem else 0], dtype=torch.int64, device=device)
+            for pg in groups:
+                _torch_dist.all_reduce(flag, op=_torch_dist.ReduceOp.MAX, group=pg)
+            refusing = int(flag.item()) - 1
+            if problem is None and refusing >= 0:
+                problem = (f"dion3: load_state_dict: rank {refusing} refused the state_dict (a state tensor "
+                           "there holds NaN/Inf or a negative second moment; its error names it); nothing was "
+                           "loaded on any rank")
+        if problem is not None:
+            raise ValueError(problem)
 
     # Dynamo does not trace into the step (the engine is an opaque C++ call): a compiled training
     # function that calls opt.step() gets a clean graph break instead of a warning.
@@ -393,12 +531,47 @@ class _EngineOptimizer(torch.optim.Optimizer):
                              f"{first.device}; one optimizer steps parameters of one device "
                              "(create one optimizer per device)")
 
+    def _check_aliasing(self, new_group: Optional[int] = None) -> None:
+        """Refuses a tensor that would be updated twice per step: the same parameter twice (in one
+        group or two), or parameters whose memory overlaps (views of one storage, tied weights
+        given as separate tensors). Tied weights given once are one parameter and fine.
+        new_group: check only that group against the others, which were checked when they were
+        added (add_param_group stays linear per group); None: all of them afresh."""
+        if new_group is None or self._alias_index is None:
+            spans, ids, groups = [], {}, range(len(self.param_groups))
+        else:  # copies: a refused group leaves the index as it was
+            spans, ids, groups = list(self._alias_index[0]), dict(self._alias_index[1]), [new_group]
+
+        def who(gi: int, j: int) -> str:
+            return f"parameter {j} '{self._param_name(self.param_groups[gi], gi, j)}' of group {gi}"
+
+        for gi in groups:
+            for j, p in enumerate(self.param_groups[gi]["params"]):
+                if id(p) in ids:
+                    raise ValueError(f"dion3: {who(gi, j)} is the same tensor as {who(*ids[id(p)])}; each "
+                                     "parameter may appear once in an optimizer (pass tied weights once)")
+                ids[id(p)] = (gi, j)
+                t = _dist.local(p)
+                if t.device.type == "meta" or t.numel() == 0 or t.data_ptr() == 0:
+                    continue  # no memory to share
+                span = (str(t.device), t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                # The spans so far are disjoint and sorted: only the two neighbours can overlap.
+                k = bisect.bisect_left(spans, span)
+                for other in spans[max(k - 1, 0):k + 1]:
+                    if other[0] == span[0] and other[1] < span[2] and span[1] < other[2]:
+                        raise ValueError(f"dion3: {who(gi, j)} shares memory with {who(other[3], other[4])} "
+                                         "(views of one tensor, or the same storage given twice); each would "
+                                         "be updated twice per step: optimize the tensor once")
+                spans.insert(k, span + (gi, j))
+        self._alias_index = (spans, ids)
+
     def _rebuild(self, key) -> None:
         """Register the parameters that have a gradient with a fresh engine."""
         self._sync_counters()
         self._engine = None
         self._engine_key = None
         params_with_grad = []
+        self._check_aliasing()  # storage may have been re-pointed (p.data = ...) since construction
         for gi, group in enumerate(self.param_groups):
             self._check_group(gi, group)
             members = [(j, p) for j, p in enumerate(group["params"]) if p.grad is not None]

@@ -158,7 +158,9 @@ struct Optimizer::Impl {
   std::array<int64_t, 2> read_counters() const;
   void validate_for_step();
   StepCheck step_check(const Param& p) const;  // what check_step evaluates for p's step
-  void enqueue_step();
+  // count_dropped: whether a step dropped for a non-finite gradient counts in steps_skipped (not
+  // when step() raises it).
+  void enqueue_step(bool count_dropped);
   // The step's stages (see Megabatch).
   void agree_on_flag(int* flag);
   void prepare(Megabatch& mb, int* flag);

@@ -1315,7 +1315,7 @@ StepCheck Optimizer::Impl::step_check(const Param& p) const {
   return c;
 }
 
-void Optimizer::Impl::enqueue_step() {
+void Optimizer::Impl::enqueue_step(bool count_dropped) {
   Impl& s = *this;
   Backend& be = *s.backend;
   // 1. Non-finite gradients, and finite ones that would overflow the state, raise a device flag that every mutating op below obeys; distributed
@@ -1360,19 +1360,19 @@ void Optimizer::Impl::enqueue_step() {
   }
   if (!adamw_ps.empty()) be.adamw(adamw_ps, adamw_hs, flag);
   if (!lion_ps.empty()) be.lion(lion_ps, lion_hs, flag);
-  be.finish_step(flag, s.counters.as<int64_t>());
+  be.finish_step(flag, s.counters.as<int64_t>(), count_dropped);
 }
 
 void Optimizer::step_async() {
   impl_->validate_for_step();
-  impl_->enqueue_step();
+  impl_->enqueue_step(true);  // nothing is raised here, so a dropped step is counted
 }
 
 bool Optimizer::step() {
   Impl& s = *impl_;
   Backend& be = *s.backend;
   s.validate_for_step();
-  s.enqueue_step();
+  s.enqueue_step(s.options.on_nonfinite == NonFinitePolicy::Skip);
   int* flag = s.flag.as<int>();
   // Collectives that never finish raise here, naming themselves, instead of hanging the verdict.
   std::vector<Communicator*> settled;

@@ -1,9 +1,48 @@
 // state.cpp — Optimizer::export_state / import_state: host copies of every state tensor, and
-// an import that checks every name, dtype and shape before it copies anything.
+// an import that checks every name, dtype, shape, value and counter before it copies anything.
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <sstream>
+
 #include "core/engine.hpp"
+#include "cpu/cpu_numeric.hpp"
 #include "dion3/error.hpp"
 
 namespace dion3 {
+namespace {
+
+// Second moments (NorMuon's row variance, AdamW's exp_avg_sq) are running means of squares.
+bool is_second_moment(const std::string& name) { return name == "variance" || name == "exp_avg_sq"; }
+
+// What no optimizer run can have produced in a state tensor, read in its stored dtype: the
+// first NaN or Inf, or a negative second moment ("" when every value is fine). Such a value
+// would poison every later step (NaN spreads, sqrt of a negative variance is NaN).
+std::string bad_value(const HostTensor& t, bool second_moment) {
+  const std::size_t n = t.data.size() / dtype_size(t.dtype);
+  const unsigned char* p = t.data.data();
+  for (std::size_t i = 0; i < n; ++i) {
+    float v = 0.0f;
+    uint16_t h = 0;
+    switch (t.dtype) {
+      case DType::F32: std::memcpy(&v, p + 4 * i, 4); break;
+      case DType::F16: std::memcpy(&h, p + 2 * i, 2); v = cpu::f16_to_float(h); break;
+      case DType::BF16: std::memcpy(&h, p + 2 * i, 2); v = cpu::bf16_to_float(h); break;
+      default: return "";  // state tensors are float; the dtype check has refused anything else
+    }
+    if (std::isfinite(v) && !(second_moment && v < 0.0f)) continue;
+    std::ostringstream os;
+    if (std::isnan(v)) os << "NaN";
+    else if (std::isinf(v)) os << (v > 0 ? "+Inf" : "-Inf");
+    else os << v;
+    os << " at element " << i
+       << (std::isfinite(v) ? "; a second moment cannot be negative" : "; state values must be finite");
+    return os.str();
+  }
+  return "";
+}
+
+}  // namespace
 
 OptimizerState Optimizer::export_state() const {
   const Impl& s = *impl_;
@@ -30,6 +69,16 @@ OptimizerState Optimizer::export_state() const {
 
 void Optimizer::import_state(const OptimizerState& state) {
   Impl& s = *impl_;
+  // The counters advance on the device by one per step: refuse values that are negative or
+  // would overflow (signed) at the next step.
+  for (const auto& [field, value] : {std::pair<const char*, int64_t>{"steps", state.steps},
+                                     std::pair<const char*, int64_t>{"skipped", state.skipped}}) {
+    if (value < 0) fail(std::string("import_state: step counter '") + field + "' is " + std::to_string(value) +
+                        "; step counters cannot be negative");
+    if (value == std::numeric_limits<int64_t>::max())
+      fail(std::string("import_state: step counter '") + field + "' is " + std::to_string(value) +
+           " (INT64_MAX); the next step would overflow it");
+  }
   if (state.params.size() != s.params.size())
     fail("import_state: the state holds " + std::to_string(state.params.size()) +
          " parameters but the optimizer has " + std::to_string(s.params.size()));
@@ -55,9 +104,10 @@ void Optimizer::import_state(const OptimizerState& state) {
       if (got.data.size() != want.bytes())
         fail("import_state: " + who + " state '" + name + "' holds " + std::to_string(got.data.size()) +
              " bytes, expected " + std::to_string(want.bytes()));
+      if (const std::string bad = bad_value(got, is_second_moment(name)); !bad.empty())
+        fail("import_state: " + who + " state '" + name + "' (" + dtype_name(got.dtype) + ") holds " + bad);
     }
   }
-  if (state.steps < 0 || state.skipped < 0) fail("import_state: negative step counters");
   // Everything checked: now copy.
   for (std::size_t i = 0; i < s.params.size(); ++i) {
     Param& p = s.params[i];

@@ -148,11 +148,16 @@ OptimizerState parse_state(const unsigned char* buf, std::size_t size) {
   require(version == kFormatVersion, "state buffer has format version " + std::to_string(version) +
                                          ", this build reads version " +
                                          std::to_string(kFormatVersion));
-  r.integer<uint32_t>("reserved");
+  // Reserved for a later version's flags: a buffer that sets any is not one this build can read.
+  const uint32_t reserved = r.integer<uint32_t>("reserved");
+  require(reserved == 0, "state buffer's reserved field (bytes 12..15) is " + std::to_string(reserved) +
+                             ", not 0; this build reads only buffers that leave it 0");
   OptimizerState st;
   st.steps = r.integer<int64_t>("steps");
   st.skipped = r.integer<int64_t>("skipped");
-  require(st.steps >= 0 && st.skipped >= 0, "state buffer has negative step counters");
+  require(st.steps >= 0, "state buffer's step counter 'steps' is negative (" + std::to_string(st.steps) + ")");
+  require(st.skipped >= 0,
+          "state buffer's step counter 'skipped' is negative (" + std::to_string(st.skipped) + ")");
   uint32_t nparams = r.integer<uint32_t>("parameter count");
   for (uint32_t i = 0; i < nparams; ++i) {
     ParamState ps;

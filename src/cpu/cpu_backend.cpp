@@ -85,7 +85,10 @@ class CpuBackend final : public Backend {
       std::memmove(static_cast<char*>(dst) + r * dst_pitch, static_cast<const char*>(src) + r * src_pitch, width);
   }
   int read_flag(const int* flag) override { return *flag; }
-  void finish_step(const int* flag, int64_t* counters) override { ++counters[*flag ? 1 : 0]; }
+  void finish_step(const int* flag, int64_t* counters, bool count_dropped) override {
+    if (!*flag) ++counters[0];
+    else if (count_dropped) ++counters[1];
+  }
 
   void check_finite(std::span<const MatrixView> xs, int* flag) override {
     // fp32 rows are tested in place: exponent bits all ones means Inf or NaN (vectorizes).

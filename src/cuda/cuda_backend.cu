@@ -145,7 +145,9 @@ class CudaBackend final : public Backend {
     return v;
   }
 
-  void finish_step(const int* flag, int64_t* counters) override { launch_finish_step(flag, counters, stream_); }
+  void finish_step(const int* flag, int64_t* counters, bool count_dropped) override {
+    launch_finish_step(flag, counters, count_dropped, stream_);
+  }
 
   std::unique_ptr<MatrixSet> new_matrix_set() override { return std::make_unique<CudaMatrixSet>(); }
 

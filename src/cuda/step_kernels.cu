@@ -942,13 +942,14 @@ void launch_copy_rows(void* dst, std::size_t dst_pitch, const int32_t* dst_idx, 
 }
 
 // One thread: the step's verdict into the applied / dropped counters (see Backend::finish_step).
-__global__ void finish_step_kernel(const int* flag, int64_t* counters) {
+__global__ void finish_step_kernel(const int* flag, int64_t* counters, int count_dropped) {
   pdl_wait();
-  ++counters[*flag ? 1 : 0];
+  if (!*flag) ++counters[0];
+  else if (count_dropped) ++counters[1];
 }
 
-void launch_finish_step(const int* flag, int64_t* counters, cudaStream_t s) {
-  launch_pdl(finish_step_kernel, 1, 1, 0, s, flag, counters);
+void launch_finish_step(const int* flag, int64_t* counters, bool count_dropped, cudaStream_t s) {
+  launch_pdl(finish_step_kernel, 1, 1, 0, s, flag, counters, static_cast<int>(count_dropped));
 }
 
 }  // namespace dion3::cuda

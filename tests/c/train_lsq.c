@@ -296,6 +296,9 @@ static void test_nonfinite(void) {
   CHECK(applied == 0, "applied=%d after a raised step", applied);
   CHECK(memcmp(w_before, md.w, sizeof w_before) == 0 && memcmp(b_before, md.b, sizeof b_before) == 0,
         "weights changed by a refused step");
+  CHECK_OK(dion3_steps(md.opt, &taken, &skipped));
+  CHECK(taken == 1 && skipped == 0, "a raised step changed the counters: taken %lld skipped %lld",
+        (long long)taken, (long long)skipped);
   dion3_destroy(md.opt);
 
   /* skip: status 0, applied 0, counted, nothing modified; the next finite step applies */
@@ -314,6 +317,14 @@ static void test_nonfinite(void) {
   CHECK(skipped == 1, "steps taken %lld skipped %lld", (long long)taken, (long long)skipped);
   model_step(&md, 1);
   dion3_destroy(md.opt);
+}
+
+/* Re-seals a state buffer edited in place: the FNV-1a hash of all but its last 8 bytes. */
+static void reseal(unsigned char* buf, size_t size) {
+  uint64_t h = 14695981039346656037ull;
+  size_t i;
+  for (i = 0; i + 8 < size; ++i) h = (h ^ buf[i]) * 1099511628211ull;
+  for (i = 0; i < 8; ++i) buf[size - 8 + i] = (unsigned char)(h >> (8 * i));
 }
 
 static void test_train_and_roundtrip(void) {
@@ -360,6 +371,26 @@ static void test_train_and_roundtrip(void) {
   buf[size / 2] ^= 0x5A;
   CHECK(dion3_import_state(b.opt, buf, size - 9) == DION3_INVALID_ARGUMENT, "truncated buffer accepted");
   CHECK(dion3_import_state(b.opt, "garbage", 8) == DION3_INVALID_ARGUMENT, "garbage accepted");
+  {
+    /* Well-sealed buffers with a set reserved field (bytes 12..15) or a step counter (bytes
+     * 16..23) the next step would overflow are refused too, naming the field. */
+    unsigned char* edited = (unsigned char*)malloc(size);
+    int64_t taken = -1;
+    memcpy(edited, buf, size);
+    edited[12] = 1;
+    reseal(edited, size);
+    CHECK(dion3_import_state(b.opt, edited, size) == DION3_INVALID_ARGUMENT, "reserved field 1 accepted");
+    CHECK(strstr(dion3_last_error(), "reserved") != NULL, "message: %s", dion3_last_error());
+    memcpy(edited, buf, size);
+    memset(edited + 16, 0xff, 7);
+    edited[23] = 0x7f; /* INT64_MAX */
+    reseal(edited, size);
+    CHECK(dion3_import_state(b.opt, edited, size) == DION3_INVALID_ARGUMENT, "steps = INT64_MAX accepted");
+    CHECK(strstr(dion3_last_error(), "'steps'") != NULL, "message: %s", dion3_last_error());
+    CHECK_OK(dion3_steps(b.opt, &taken, NULL));
+    CHECK(taken == 0, "a refused import changed the step counter to %lld", (long long)taken);
+    free(edited);
+  }
   {
     /* An optimizer whose parameter names differ refuses the buffer. */
     dion3_optimizer* other = NULL;

@@ -8,6 +8,7 @@
 #include <ostream>
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <vector>
@@ -318,6 +319,12 @@ TEST(Errors, ElementwiseGroupFields) {
 
 // ---------------------------------------------------------------------------------------------
 // import_state of a state that does not fit.
+void set_f32(dion3::HostTensor& t, std::size_t i, float v) {
+  ASSERT_EQ(t.dtype, DType::F32);
+  ASSERT_LE((i + 1) * 4, t.data.size());
+  std::memcpy(t.data.data() + 4 * i, &v, 4);
+}
+
 class BadImport : public ::testing::TestWithParam<int> {};
 
 TEST_P(BadImport, IsRejectedBeforeAnythingIsCopied) {
@@ -352,6 +359,38 @@ TEST_P(BadImport, IsRejectedBeforeAnythingIsCopied) {
       st.params[0].tensors[1].first = "second_moment";
       expect = "'second_moment'";
       break;
+    case 6:  // a NaN in the momentum
+      set_f32(st.params[0].tensors[0].second, 7, std::numeric_limits<float>::quiet_NaN());
+      expect = "'momentum' (float32) holds NaN at element 7";
+      break;
+    case 7:  // an Inf in AdamW's first moment
+      set_f32(st.params[1].tensors[0].second, 2, -std::numeric_limits<float>::infinity());
+      expect = "'exp_avg' (float32) holds -Inf at element 2";
+      break;
+    case 8:  // a negative second moment (AdamW)
+      set_f32(st.params[1].tensors[1].second, 5, -0.25f);
+      expect = "'exp_avg_sq' (float32) holds -0.25 at element 5; a second moment cannot be negative";
+      break;
+    case 9:  // a negative row variance (NorMuon normalisation)
+      set_f32(st.params[0].tensors[1].second, 3, -1e-3f);
+      expect = "'variance' (float32) holds -0.001 at element 3";
+      break;
+    case 10:  // a counter that the next step would overflow
+      st.steps = std::numeric_limits<int64_t>::max();
+      expect = "'steps' is 9223372036854775807 (INT64_MAX)";
+      break;
+    case 11:
+      st.skipped = std::numeric_limits<int64_t>::max();
+      expect = "'skipped' is 9223372036854775807 (INT64_MAX)";
+      break;
+    case 12:
+      st.skipped = -1;
+      expect = "'skipped' is -1";
+      break;
+    case 13:  // the last element of the last tensor: everything before it would be copied
+      set_f32(st.params[1].tensors[1].second, 15, std::numeric_limits<float>::infinity());
+      expect = "'exp_avg_sq' (float32) holds +Inf at element 15";
+      break;
   }
   Trained t;
   const auto before = t.snap();
@@ -365,7 +404,47 @@ TEST_P(BadImport, IsRejectedBeforeAnythingIsCopied) {
   EXPECT_EQ(t.h.opt.export_state().params[1].step, 2);
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, BadImport, ::testing::Range(0, 6));
+INSTANTIATE_TEST_SUITE_P(Cases, BadImport, ::testing::Range(0, 14));
+
+// Values are checked in the stored dtype: half-precision NaN, Inf and negative second moments
+// (bit patterns that have no fp32 counterpart in the buffer) are refused too.
+TEST(BadImport16, HalfPrecisionValuesAreCheckedAsStored) {
+  for (DType dt : {DType::BF16, DType::F16}) {
+    Rng rng(15);
+    Harness h;
+    GroupConfig ga;
+    ga.algorithm = Algorithm::AdamW;
+    const int d = h.opt.add_group(GroupConfig{}), a = h.opt.add_group(ga);
+    h.add(d, "w", dt, {8, 12}, rng);
+    h.add(a, "b", dt, {8}, rng);
+    h.randomize_grads(rng);
+    ASSERT_TRUE(h.opt.step());
+    const dion3::OptimizerState good = h.opt.export_state();
+    const uint16_t nan = dt == DType::BF16 ? 0x7FC0 : 0x7E00, inf = dt == DType::BF16 ? 0x7F80 : 0x7C00,
+                   minus_one = dt == DType::BF16 ? 0xBF80 : 0xBC00, minus_zero = 0x8000;
+    struct Case {
+      int param, tensor;
+      uint16_t bits;
+      std::string expect;
+    };
+    const std::string type = std::string("(") + dion3::dtype_name(dt) + ")";
+    for (const Case& c : {Case{0, 0, nan, "'momentum' " + type + " holds NaN at element 4"},
+                          Case{1, 0, inf, "'exp_avg' " + type + " holds +Inf at element 4"},
+                          Case{1, 1, minus_one, "'exp_avg_sq' " + type + " holds -1 at element 4"}}) {
+      dion3::OptimizerState st = good;
+      std::memcpy(st.params[c.param].tensors[c.tensor].second.data.data() + 8, &c.bits, 2);
+      const auto before = t3::snapshot(h.opt, h.all());
+      Status status = Status::Ok;
+      EXPECT_THAT(t3::error_of([&] { h.opt.import_state(st); }, &status), HasSubstr(c.expect));
+      EXPECT_EQ(status, Status::InvalidArgument);
+      EXPECT_EQ(t3::snapshot(h.opt, h.all()), before);
+    }
+    // -0 is not negative: a second moment of a zero gradient may be stored so.
+    dion3::OptimizerState st = good;
+    std::memcpy(st.params[1].tensors[1].second.data.data() + 8, &minus_zero, 2);
+    EXPECT_NO_THROW(h.opt.import_state(st));
+  }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Non-finite gradients.
@@ -392,6 +471,9 @@ TEST_P(NonFinite, RaiseThrowsAndChangesNothing) {
   EXPECT_THAT(msg, HasSubstr("'" + t.h.params[c.param]->name + "'"));
   EXPECT_EQ(t.snap(), before);
   EXPECT_EQ(t.h.opt.steps_taken(), 2);
+  // A raised step is not a skipped one: the counters, and so the exported state, are unchanged.
+  EXPECT_EQ(t.h.opt.steps_skipped(), 0);
+  EXPECT_EQ(t.h.opt.export_state().skipped, 0);
 }
 
 TEST_P(NonFinite, SkipReturnsFalseAndChangesNothing) {
@@ -427,6 +509,8 @@ TEST_P(NonFinite, ALaterFiniteStepIsNormal) {
     EXPECT_TRUE(t.h.opt.step());
     EXPECT_TRUE(control.h.opt.step());
     EXPECT_EQ(t.snap(), control.snap());
+    EXPECT_EQ(t.h.opt.steps_taken(), control.h.opt.steps_taken());
+    EXPECT_EQ(t.h.opt.steps_skipped(), policy == dion3::NonFinitePolicy::Skip ? 1 : 0);
   }
 }
 

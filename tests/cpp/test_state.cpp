@@ -268,3 +268,35 @@ TEST(StateFormat, RoundTripAndCorruption) {
       dion3::Error);
   EXPECT_THROW(dion3::parse_state(buf.data(), buf.size() - 9), dion3::Error);
 }
+
+// A buffer whose reserved field is set is refused, even with a valid hash: it was written by a
+// format this build does not know. The counters are checked field by field.
+TEST(StateFormat, ReservedFieldAndNegativeCountersAreRefused) {
+  t3::Rng rng(32);
+  t3::Harness h;
+  h.add(h.opt.add_group(dion3::GroupConfig{}), "w", dion3::DType::F32, {8, 12}, rng);
+  h.randomize_grads(rng);
+  ASSERT_TRUE(h.opt.step());
+  std::vector<unsigned char> buf(dion3::serialize_state(h.opt.export_state(), nullptr));
+  dion3::serialize_state(h.opt.export_state(), buf.data());
+  // Re-seals a buffer edited in place (the FNV-1a hash of everything before its last 8 bytes).
+  auto reseal = [](std::vector<unsigned char> b) {
+    uint64_t x = 14695981039346656037ull;
+    for (std::size_t i = 0; i + 8 < b.size(); ++i) x = (x ^ b[i]) * 1099511628211ull;
+    for (int i = 0; i < 8; ++i) b[b.size() - 8 + i] = static_cast<unsigned char>(x >> (8 * i));
+    return b;
+  };
+  ASSERT_NO_THROW(dion3::parse_state(reseal(buf).data(), buf.size()));  // reseal itself is right
+  auto error = [&](std::vector<unsigned char> b) {
+    return t3::error_of([&] { dion3::parse_state(b.data(), b.size()); });
+  };
+  std::vector<unsigned char> bad = buf;
+  bad[14] = 1;  // reserved: bytes 12..15
+  EXPECT_THAT(error(reseal(bad)), ::testing::HasSubstr("reserved field (bytes 12..15) is 65536"));
+  bad = buf;
+  bad[16 + 7] = 0x80;  // steps: bytes 16..23, sign bit
+  EXPECT_THAT(error(reseal(bad)), ::testing::HasSubstr("'steps' is negative"));
+  bad = buf;
+  bad[24 + 7] = 0xff;  // skipped: bytes 24..31
+  EXPECT_THAT(error(reseal(bad)), ::testing::HasSubstr("'skipped' is negative"));
+}

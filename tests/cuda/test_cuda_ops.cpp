@@ -394,6 +394,28 @@ TEST_F(CudaOps, CheckStepAgreesWithCpuAtTheOverflowEdge) {
   gpu->fill_zero(flag.get(), 4);
   gpu->check_step(cs, flag.as<int>());
   EXPECT_EQ(gpu->read_flag(flag.as<int>()), 1);
+// ---- finish_step ------------------------------------------------------------------------------
+// The verdict into the counters, as on the CPU: applied steps always count, dropped ones only
+// when asked (a step that Optimizer::step() raises counts nowhere).
+TEST_F(CudaOps, FinishStepCountsLikeCpu) {
+  dion3::DeviceBuffer flag(gpu->allocator(), sizeof(int)), counters(gpu->allocator(), 2 * sizeof(int64_t));
+  gpu->fill_zero(counters.get(), 2 * sizeof(int64_t));
+  int hflag = 0;
+  int64_t hcounters[2] = {0, 0};
+  for (int f : {0, 1}) {
+    for (bool count_dropped : {true, false}) {
+      gpu->copy_from_host(flag.get(), &f, sizeof(int));
+      gpu->finish_step(flag.as<int>(), counters.as<int64_t>(), count_dropped);
+      hflag = f;
+      cpu->finish_step(&hflag, hcounters, count_dropped);
+      int64_t got[2] = {-1, -1};
+      gpu->copy_to_host(got, counters.get(), sizeof(got));
+      EXPECT_EQ(got[0], hcounters[0]) << "flag " << f << " count_dropped " << count_dropped;
+      EXPECT_EQ(got[1], hcounters[1]) << "flag " << f << " count_dropped " << count_dropped;
+    }
+  }
+  EXPECT_EQ(hcounters[0], 2);  // two applied
+  EXPECT_EQ(hcounters[1], 1);  // one of the two dropped ones counted
 }
 
 // ---- normalize / convert / add_identity -------------------------------------------------------

@@ -10,6 +10,7 @@
 
 #include "cpu/cpu_numeric.hpp"
 #include "cuda_test_util.hpp"
+#include "dion3/error.hpp"
 #include "dion3/optimizer.hpp"
 
 namespace {
@@ -146,5 +147,39 @@ INSTANTIATE_TEST_SUITE_P(
                       StepCase{"muon_nesterov_cautious", Algorithm::Muon, 1.0, DType::F32, DType::F32, true, true},
                       StepCase{"muon_default_iter", Algorithm::Muon, 1.0, DType::F32, std::nullopt}),
     [](const auto& i) { return i.param.name; });
+
+// A non-finite gradient: step() under Raise throws and counts nothing (the exported state is
+// unchanged); under Skip it counts the dropped step; step_async() counts it whatever the policy.
+using CudaStep = ct::CudaTest;
+TEST_F(CudaStep, RaisedStepChangesNoCounter) {
+  for (auto policy : {dion3::NonFinitePolicy::Raise, dion3::NonFinitePolicy::Skip}) {
+    std::mt19937_64 rng(83);
+    dion3::OptimizerOptions o;
+    o.on_nonfinite = policy;
+    dion3::Optimizer opt(dion3::make_cuda_backend(0), o);
+    Twin w(*gpu, DType::F32, 1, 16, 24), gr(*gpu, DType::F32, 1, 16, 24);
+    w.fill_normal(rng, 0.5f);
+    gr.fill_normal(rng, 1.0f);
+    dion3::ParamSpec spec;
+    spec.name = "w";
+    spec.weight = {w.dev.get(), DType::F32, dion3::Device::CUDA, 0, {16, 24}};
+    spec.grad = {gr.dev.get(), DType::F32, dion3::Device::CUDA, 0, {16, 24}};
+    opt.add_param(opt.add_group(dion3::GroupConfig{}), spec);
+    ASSERT_TRUE(opt.step());
+    std::vector<float> gv = gr.host_values();
+    gv[3] = NAN;
+    gr.set_host(gv);
+    gr.upload();
+    const int64_t dropped = policy == dion3::NonFinitePolicy::Skip ? 1 : 0;
+    if (dropped) EXPECT_FALSE(opt.step());
+    else EXPECT_THROW(opt.step(), dion3::Error);
+    EXPECT_EQ(opt.steps_taken(), 1);
+    EXPECT_EQ(opt.steps_skipped(), dropped);
+    EXPECT_EQ(opt.export_state().skipped, dropped);
+    opt.step_async();
+    EXPECT_EQ(opt.steps_taken(), 1);
+    EXPECT_EQ(opt.steps_skipped(), dropped + 1);
+  }
+}
 
 }  // namespace

@@ -428,3 +428,60 @@ def checkpoint_reshard(rank, world, tmp):
         for k, v in st.items():
             if isinstance(v, torch.Tensor):
                 assert torch.equal(back[(pid, k)], v), f"single-device state {pid}/{k} after the round trip"
+    _refused_loads(rank, world, mesh)
+
+
+def _refused_loads(rank, world, mesh):
+    """A state_dict that is bad in one rank's part only is refused on every rank (that rank names
+    the tensor, the others name that rank) and changes nothing anywhere: FSDP2 state with a NaN in
+    one rank's shard, a single-device state_dict whose negative variance lies in rows only one rank
+    keeps, and DDP (replicated) state that differs on one rank."""
+    import copy
+
+    bad_rank = world - 1
+
+    def copied(sd, tensor=lambda v: v):
+        return {"state": {pid: {k: tensor(v) if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+                          for pid, st in sd["state"].items()},
+                "param_groups": copy.deepcopy(sd["param_groups"])}
+
+    def refused(opt, sd, what):
+        try:
+            opt.load_state_dict(sd)
+        except ValueError as e:
+            expect = what if rank == bad_rank else f"rank {bad_rank} refused the state_dict"
+            assert expect in str(e), f"rank {rank}: {e}"
+            return
+        raise AssertionError(f"rank {rank}: a state_dict with a bad {what} was loaded")
+
+    model, opt = _model_and_opt(mesh, seed=13)
+    _train(model, opt, 1, seed=40)
+    before = _full_state(opt)
+    sharded = copied(opt.state_dict())
+    m = sharded["state"][0]["momentum"]
+    local = m.to_local().clone()
+    if rank == bad_rank:
+        local.view(-1)[0] = float("nan")
+    sharded["state"][0]["momentum"] = DTensor.from_local(local, m.device_mesh, m.placements, run_check=False,
+                                                         shape=m.shape, stride=m.stride())
+    refused(opt, sharded, "state 'momentum' (float32) (this rank's shard) holds NaN at element 0")
+    single = copied(opt.state_dict(), lambda v: full(v).clone())
+    single["state"][0]["variance"][-1] = -1.0  # the last row: the last rank's shard
+    refused(opt, single, "state 'variance' (float32) (this rank's shard) holds -1.0")
+    after = _full_state(opt)
+    assert after.keys() == before.keys()
+    for key in before:
+        assert torch.equal(after[key], before[key]), f"rank {rank}: state {key} changed by a refused load"
+    _train(model, opt, 1, seed=41)  # and it steps
+
+    model, opt = _ddp_model_and_opt(seed=13)
+    _train(model, opt, 1, seed=40)
+    replicated = copied(opt.state_dict(), lambda v: v.clone())
+    if rank == bad_rank:
+        replicated["state"][1]["momentum"][0, 0] = float("inf")
+    before = _full_state(opt)
+    refused(opt, replicated, "state 'momentum' (float32) holds +Inf at element 0")
+    after = _full_state(opt)
+    for key in before:
+        assert torch.equal(after[key], before[key]), f"rank {rank}: DDP state {key} changed by a refused load"
+    _train(model, opt, 1, seed=41)

@@ -1,5 +1,7 @@
 # test_errors.py — every error path of the Python front end: each raises a clear error naming
 # what is wrong, and nothing (weights, state, groups) is changed by a call that fails.
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -234,3 +236,190 @@ def test_cuda_tensors_without_cuda_build():
     p.grad = torch.randn_like(p)
     with pytest.raises(NotImplementedError, match="no CUDA backend"):
         opt.step()
+
+
+# ---- load_state_dict: everything checked before anything is replaced ---------------------------
+
+def _trained(device, seed, dtype=torch.float32):
+    """A Dion3 matrix, a NorMuon matrix and an AdamW vector after two steps (state not zero)."""
+    torch.manual_seed(seed)
+    ps = [mat(device, 8, 6, dtype=dtype), mat(device, 6, 4, dtype=dtype),
+          nn.Parameter(torch.randn(5, device=device, dtype=dtype))]
+    opt = dion3.Dion3([dict(params=ps[:1]), dict(params=ps[1:2], algorithm="normuon"),
+                       dict(params=ps[2:], algorithm="adamw")])
+    for _ in range(2):
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    return ps, opt
+
+
+def _same_state_dict(a, b):
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for pid in a["state"]:
+        sa, sb = a["state"][pid], b["state"][pid]
+        assert sa.keys() == sb.keys(), pid
+        for k in sa:
+            if torch.is_tensor(sa[k]):
+                assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), (pid, k)
+            else:
+                assert sa[k] == sb[k], (pid, k)
+
+
+def _nan_at(t, i):
+    t.view(-1)[i] = float("nan")
+
+
+# (what to break in a state_dict saved by another optimizer, what the error says)
+BAD_LOADS = {
+    "missing_momentum": (lambda sd: sd["state"][0].pop("momentum"), "parameter 0 'group0.param0' of group 0 has no state 'momentum'"),
+    "missing_variance": (lambda sd: sd["state"][1].pop("variance"), "has no state 'variance'"),
+    "missing_step": (lambda sd: sd["state"][2].pop("step"), "'group2.param0' of group 2 has no step counter"),
+    "missing_entry": (lambda sd: sd["state"].pop(1), "'group1.param0' of group 1 has no state in the state_dict"),
+    "momentum_shape": (lambda sd: sd["state"][0].update(momentum=torch.zeros(6, 8)), r"state 'momentum' has shape \[6, 8\], expected \[8, 6\]"),
+    "variance_shape": (lambda sd: sd["state"][1].update(variance=torch.zeros(4)), r"state 'variance' has shape \[4\], expected \[6\]"),
+    "integer_state": (lambda sd: sd["state"][2].update(exp_avg=torch.zeros(5, dtype=torch.int32)), "state 'exp_avg' is int32, not a floating-point tensor"),
+    "nan_momentum": (lambda sd: _nan_at(sd["state"][0]["momentum"], 7), "state 'momentum' .* holds NaN at element 7; state values must be finite"),
+    "inf_exp_avg": (lambda sd: sd["state"][2]["exp_avg"].__setitem__(4, float("-inf")), "state 'exp_avg' .* holds -Inf at element 4"),
+    "negative_exp_avg_sq": (lambda sd: sd["state"][2]["exp_avg_sq"].__setitem__(1, -0.5), "state 'exp_avg_sq' .* holds -0.5 at element 1; a second moment cannot be negative"),
+    "negative_variance": (lambda sd: sd["state"][1]["variance"].__setitem__(3, -1e-3), "state 'variance' .* holds -0.001.* at element 3"),
+    "negative_step": (lambda sd: sd["state"][0].update(step=-1), "has step -1; a step counter must be an integer in"),
+    "step_would_overflow": (lambda sd: sd["state"][2].update(step=2**63 - 1), "has step 9223372036854775807"),
+    "fractional_step": (lambda sd: sd["state"][2].update(step=1.5), "has step 1.5"),
+    "bad_group_setting": (lambda sd: sd["param_groups"][1].update(lr=-1.0), "parameter group 1: 'lr' must be a finite number"),
+    "group_count": (lambda sd: sd["param_groups"].pop(), "the state_dict has 2 parameter groups but the optimizer has 3"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_LOADS))
+def test_refused_load_state_dict_changes_nothing(device, case):
+    import copy
+    _, src = _trained(device, seed=1)
+    sd = copy.deepcopy(src.state_dict())
+    breaker, pattern = BAD_LOADS[case]
+    breaker(sd)
+    ps, opt = _trained(device, seed=2)
+    before = copy.deepcopy(opt.state_dict())
+    control = copy.deepcopy(opt)
+    with pytest.raises(ValueError, match=pattern):
+        opt.load_state_dict(sd)
+    _same_state_dict(opt.state_dict(), before)
+    # ... and the next step is the one the optimizer would have taken without the attempt.
+    qs = [q for g in control.param_groups for q in g["params"]]
+    for p, q in zip(ps, qs):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    opt.step()
+    control.step()
+    for p, q in zip(ps, qs):
+        assert torch.equal(p, q)
+    _same_state_dict(opt.state_dict(), control.state_dict())
+
+
+def test_load_state_dict_checks_half_precision_values_as_stored(device):
+    import copy
+    _, src = _trained(device, seed=3, dtype=torch.bfloat16)
+    sd = copy.deepcopy(src.state_dict())
+    sd["state"][2]["exp_avg_sq"][0] = float("inf")
+    _, opt = _trained(device, seed=4, dtype=torch.bfloat16)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=r"state 'exp_avg_sq' \(bfloat16\) holds \+Inf at element 0"):
+        opt.load_state_dict(sd)
+    _same_state_dict(opt.state_dict(), before)
+
+
+def test_load_state_dict_casts_state_to_what_the_group_needs(device):
+    # fp32 state saved next to fp32 weights loads next to bf16 ones: momentum and AdamW moments
+    # follow the weights (as torch's optimizers do), the NorMuon variance stays fp32.
+    import copy
+    _, src = _trained(device, seed=5)
+    sd = copy.deepcopy(src.state_dict())
+    ps, opt = _trained(device, seed=6, dtype=torch.bfloat16)
+    opt.load_state_dict(sd)
+    assert opt.state[ps[0]]["momentum"].dtype == torch.bfloat16
+    assert opt.state[ps[1]]["variance"].dtype == torch.float32
+    assert opt.state[ps[2]]["exp_avg_sq"].dtype == torch.bfloat16
+    assert opt.state[ps[2]]["step"] == 2
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert opt.state[ps[2]]["step"] == 3
+
+
+def test_raised_step_counts_nowhere(device):
+    p = mat(device)
+    opt = dion3.Dion3([p])
+    p.grad = torch.randn_like(p)
+    opt.step()
+    p.grad[0, 0] = float("nan")
+    with pytest.raises(dion3.NonFiniteError):
+        opt.step()
+    # Not a skipped step: neither the front end's counter nor the engine's (which a captured
+    # CUDA graph's counters are folded from) moves.
+    assert opt.steps_skipped == 0 and opt._engine.steps_skipped == 0 and opt._engine.steps_taken == 1
+    assert opt.state[p]["step"] == 1
+
+
+# ---- a tensor optimized twice -----------------------------------------------------------------
+
+def test_same_parameter_twice_in_a_group(device):
+    p, q = mat(device), mat(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own "duplicate parameters" warning comes first
+        with pytest.raises(ValueError, match="parameter 2 'group0.param2' of group 0 is the same tensor as "
+                                             "parameter 0 'group0.param0' of group 0"):
+            dion3.Dion3([p, q, p])
+
+
+def test_same_parameter_in_two_groups(device):
+    p, q = mat(device), mat(device)
+    opt = dion3.Dion3([p])
+    with pytest.raises(ValueError, match="more than one parameter group"):  # torch's check
+        opt.add_param_group(dict(params=[q, p]))
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("how", ["overlapping_views", "same_storage_twice", "across_groups"])
+def test_parameters_sharing_memory_are_refused(device, how):
+    base = torch.randn(12, 4, device=device)
+    if how == "overlapping_views":
+        a, b = nn.Parameter(base[0:6]), nn.Parameter(base[4:10])
+    else:
+        a, b = nn.Parameter(base), nn.Parameter(base)  # two Parameters, one storage
+    if how == "across_groups":
+        opt = dion3.Dion3([mat(device), a])
+        with pytest.raises(ValueError, match="parameter 0 'group1.param0' of group 1 shares memory with "
+                                             "parameter 1 'group0.param1' of group 0"):
+            opt.add_param_group(dict(params=[b]))
+        assert len(opt.param_groups) == 1
+        return
+    with pytest.raises(ValueError, match="'group0.param1' of group 0 shares memory with .*'group0.param0'"):
+        dion3.Dion3([a, b])
+
+
+def test_disjoint_views_and_tied_weights_given_once_are_fine(device):
+    base = torch.randn(12, 4, device=device)
+    a, b = nn.Parameter(base[0:6]), nn.Parameter(base[6:12])  # adjacent, not overlapping
+    emb = nn.Embedding(10, 4).to(device)
+    head = nn.Linear(4, 10, bias=False).to(device)
+    head.weight = emb.weight  # tied: one parameter
+    model = nn.ModuleList([emb, head])
+    tied = list(model.parameters())
+    assert len(tied) == 1
+    opt = dion3.Dion3([a, b] + tied)
+    for p in [a, b] + tied:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert all(opt.state[p]["step"] == 1 for p in [a, b] + tied)
+
+
+def test_storage_shared_after_construction_is_refused_at_the_step(device):
+    a, b = mat(device), mat(device)
+    opt = dion3.Dion3([a, b])
+    a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+    opt.step()
+    b.data = a.data
+    with pytest.raises(ValueError, match="'group0.param1' of group 0 shares memory with .*'group0.param0'"):
+        opt.step()
+    assert opt.state[a]["step"] == 1
