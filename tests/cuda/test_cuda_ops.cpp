@@ -394,6 +394,8 @@ TEST_F(CudaOps, CheckStepAgreesWithCpuAtTheOverflowEdge) {
   gpu->fill_zero(flag.get(), 4);
   gpu->check_step(cs, flag.as<int>());
   EXPECT_EQ(gpu->read_flag(flag.as<int>()), 1);
+}
+
 // ---- finish_step ------------------------------------------------------------------------------
 // The verdict into the counters, as on the CPU: applied steps always count, dropped ones only
 // when asked (a step that Optimizer::step() raises counts nowhere).
