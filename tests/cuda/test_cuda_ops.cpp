@@ -390,7 +390,7 @@ TEST_F(CudaOps, CheckStepAgreesWithCpuAtTheOverflowEdge) {
   std::vector<float> last = ms[66].host_values();
   last[3] = 3.4e38f;
   ms[66].set_host(last), ms[66].upload();
-  gs[66].set_host(std::vector<float>(gs[66].numel(), 1e37f)), gs[66].upload();
+  gs[66].set_host(std::vector<float>(gs[66].numel(), 3e37f)), gs[66].upload();  // 0.95 * 3.4e38 + 3e37 > max
   gpu->fill_zero(flag.get(), 4);
   gpu->check_step(cs, flag.as<int>());
   EXPECT_EQ(gpu->read_flag(flag.as<int>()), 1);
