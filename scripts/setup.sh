@@ -27,7 +27,9 @@ JOBS=${JOBS:-2}
 log() { printf '[setup] %s\n' "$*" >&2; }
 
 # --- system packages ---------------------------------------------------------------------------
-PACKAGES=(cmake ninja-build g++ libopenblas-dev libgtest-dev googletest python3-venv libopenmpi-dev openmpi-bin)
+# clang and its compiler runtime (sanitizers, libFuzzer): the sanitizer job, scripts/test-sanitize.sh.
+PACKAGES=(cmake ninja-build g++ libopenblas-dev libgtest-dev googletest python3-venv libopenmpi-dev openmpi-bin
+          clang libclang-rt-dev)
 if command -v dpkg-query >/dev/null 2>&1; then
   missing=()
   for p in "${PACKAGES[@]}"; do

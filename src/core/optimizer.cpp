@@ -242,6 +242,10 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
   p.group = group;
   p.weight = spec.weight;
   p.grad = spec.grad;
+  // An empty weight needs no gradient. Unbound, its gradient is an empty view of the weight's
+  // shape: the default view has shape [], one element, which the step would read at address 0.
+  if (!p.grad.data && p.grad.shape.empty() && spec.weight.numel() == 0)
+    p.grad = TensorView{nullptr, spec.weight.dtype, device, spec.weight.device_index, spec.weight.shape};
   p.step_offset = s.read_counters()[0];  // AdamW's t starts at 1 for a parameter added late
   p.layout = spec.layout;
   const auto& shape = spec.weight.shape;

@@ -32,6 +32,7 @@ inline uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
+#ifdef __FLT16_MAX__
 inline float f16_to_float(uint16_t h) {
   _Float16 v;
   std::memcpy(&v, &h, 2);
@@ -44,6 +45,45 @@ inline uint16_t float_to_f16(float f) {
   std::memcpy(&h, &v, 2);
   return h;
 }
+#else
+// Compilers without _Float16 on this target (clang before 15 on x86-64, used by the sanitizer
+// and fuzzing builds): the same IEEE conversions in integer arithmetic, bit for bit.
+inline float f16_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13) | (mant ? 0x00400000u : 0u);  // NaN comes out quiet
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else {
+    const float v = static_cast<float>(mant) * 0x1p-24f;  // zero or subnormal: exact in fp32
+    std::memcpy(&bits, &v, 4);
+    bits |= sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t float_to_f16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  const uint32_t abs = bits & 0x7fffffffu;
+  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u | ((abs >> 13) & 0x3ffu));  // NaN
+  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520 rounds to Inf
+  // Round to nearest even: drop `shift` low bits of the 24-bit significand.
+  auto round_shift = [](uint32_t sig, uint32_t shift) {
+    const uint32_t r = sig >> shift, rem = sig & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    return r + ((rem > half || (rem == half && (r & 1u))) ? 1u : 0u);
+  };
+  const uint32_t e = abs >> 23, sig = (abs & 0x7fffffu) | 0x800000u;
+  if (e >= 113) return static_cast<uint16_t>(sign | round_shift((e - 112) << 23 | (sig & 0x7fffffu), 13));
+  if (e < 102) return sign;  // below half the smallest subnormal (2^-25): zero
+  return static_cast<uint16_t>(sign | round_shift(sig, 126 - e));  // subnormal (or the smallest normal)
+}
+#endif
 
 // Rounds a float to what `t` can hold (identity for fp32).
 inline float round_to(DType t, float f) {

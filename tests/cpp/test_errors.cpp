@@ -203,6 +203,28 @@ TEST(Errors, StepWithoutGroupsOrGradients) {
   EXPECT_TRUE(h.opt.step());
 }
 
+TEST(Errors, EmptyParameterStepsWithoutAGradient) {
+  // An empty weight has nothing to update, so step() asks no gradient of it; it used to read
+  // the unbound gradient as one element at address 0 (found by tests/fuzz).
+  for (const auto policy : {dion3::NonFinitePolicy::Raise, dion3::NonFinitePolicy::Skip}) {
+    Trained t(dion3::OptimizerOptions{policy});
+    dion3::ParamSpec spec;
+    spec.name = "empty.bias";
+    spec.weight = dion3::TensorView{nullptr, DType::F16, dion3::Device::CPU, 0, {0, 3}};
+    const int index = t.h.opt.add_param(t.a, spec);
+    Rng rng(9);
+    t.h.randomize_grads(rng);
+    EXPECT_TRUE(t.h.opt.step());
+    // The non-finite path looks at every parameter's gradient too.
+    t.h.params[0]->g.set(0, std::nan(""));
+    if (policy == dion3::NonFinitePolicy::Raise)
+      EXPECT_THAT(t3::error_of([&] { t.h.opt.step(); }), HasSubstr("mlp.up.weight"));
+    else
+      EXPECT_FALSE(t.h.opt.step());
+    EXPECT_EQ(t.h.opt.state_views(index).size(), 2u);
+  }
+}
+
 TEST(Errors, StructuralGroupEditsAfterStateExistsAreRejected) {
   for (int which = 0; which < 3; ++which) {
     Trained t;

@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
+#include "cpu/cpu_numeric.hpp"
 #include "reference.hpp"
 #include "test_util.hpp"
 
@@ -83,6 +85,39 @@ TEST(Reference, SixteenBitConversionsRoundToNearestEven) {
     if (((h >> 7) & 0xFF) != 0xFF) {
       ASSERT_EQ(t3::to_bf16_bits(t3::bf16_bits_to_float(h)), h) << std::hex << b;
     }
+  }
+}
+
+TEST(Reference, BackendHalfConversionsMatchTheHelpers) {
+  // The CPU backend's fp16 conversions (hardware _Float16, or integer code where the compiler
+  // lacks it, as clang 14 on x86-64 in the sanitizer build) round exactly as the helpers do.
+  for (uint32_t b = 0; b < 0x10000; ++b) {
+    const uint16_t h = static_cast<uint16_t>(b);
+    const float want = t3::f16_bits_to_float(h), got = dion3::cpu::f16_to_float(h);
+    ASSERT_TRUE(std::isnan(want) ? std::isnan(got) : got == want && std::signbit(got) == std::signbit(want))
+        << std::hex << b;
+  }
+  auto check = [](float f) {
+    const uint16_t want = t3::to_f16_bits(f), got = dion3::cpu::float_to_f16(f);
+    const bool nan = std::isnan(f);
+    ASSERT_TRUE(nan ? (got & 0x7C00) == 0x7C00 && (got & 0x3FF) != 0 : got == want) << std::hexfloat << f;
+  };
+  // Every float on either side of, and exactly at, each rounding boundary (the midpoint between
+  // neighbouring halves, subnormals and the overflow threshold included), then a sweep.
+  for (uint32_t h = 0; h < 0x7C00; ++h) {
+    const float lo = t3::f16_bits_to_float(static_cast<uint16_t>(h));
+    const float hi = h == 0x7BFF ? 65536.0f : t3::f16_bits_to_float(static_cast<uint16_t>(h + 1));
+    const float mid = lo + (hi - lo) / 2;  // exact: halves have 11 significant bits
+    for (float f : {lo, std::nextafter(mid, 0.0f), mid, std::nextafter(mid, INFINITY)}) {
+      check(f);
+      check(-f);
+    }
+  }
+  for (uint64_t b = 0; b < (uint64_t{1} << 32); b += 4099) {
+    float f;
+    const uint32_t u = static_cast<uint32_t>(b);
+    std::memcpy(&f, &u, 4);
+    check(f);
   }
 }
 
