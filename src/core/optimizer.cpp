@@ -153,6 +153,12 @@ void check_tensor(const std::string& who, const char* role, const TensorView& t,
          device_name(device));
   for (int64_t s : t.shape)
     if (s < 0) fail(who + " " + role + " has a negative dimension in shape " + t.shape_str());
+  // Products of some of the dimensions (rows x cols of a batched tensor) must fit as well, also
+  // where an empty dimension makes the whole count 0.
+  int64_t nonzero = 1;
+  for (int64_t s : t.shape)
+    if (s > 0 && __builtin_mul_overflow(nonzero, s, &nonzero))
+      fail(who + " " + role + " has shape " + t.shape_str() + ", whose dimensions multiply past 2^63 - 1");
   std::size_t bytes = 0;
   try {
     bytes = t.bytes();

@@ -118,6 +118,10 @@ TEST(Hardening, ElementCountsThatOverflowAreRefused) {
   // Elements that fit but bytes that do not.
   spec.weight.shape = {int64_t{1} << 61, 2};
   EXPECT_THAT(t3::error_of([&] { h.opt.add_param(gi, spec); }), HasSubstr("bytes"));
+  // No elements at all, but a batch of matrices whose rows x cols overflows.
+  spec.weight.shape = {0, int64_t{1} << 40, int64_t{1} << 40};
+  spec.grad = spec.weight;
+  EXPECT_THAT(t3::error_of([&] { h.opt.add_param(gi, spec); }), HasSubstr("multiply past 2^63 - 1"));
   EXPECT_EQ(h.opt.num_params(), 0);
 
   // The same through the C API.
