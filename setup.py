@@ -39,6 +39,9 @@ def extension():
     cuda = want_cuda()
     sources = rel("src/core/*.cpp") + rel("src/cpu/*.cpp") + rel("src/comm/*.cpp") + rel("python/dion3/csrc/*.cpp")
     cxx = ["-O3", "-g0", "-std=c++20", "-fno-math-errno", "-Wno-unused-parameter"]  # -g0: no debug info (faster CI build)
+    # The CPU backend's threads: OpenMP, the libgomp that PyTorch loads, so one pool serves both.
+    cxx.append("-fopenmp")
+    link_args = ["-fopenmp"]
     define_macros = []
     # The BLAS: OpenBLAS by default; DION3_BLAS names another library (e.g. "blas") and
     # DION3_BLAS_DIR a prefix holding its include/ and lib/ (a machine without OpenBLAS).
@@ -59,11 +62,12 @@ def extension():
         nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
         return cpp_extension.CUDAExtension(
             "dion3._C", sources, include_dirs=include_dirs, library_dirs=library_dirs,
-            define_macros=define_macros, libraries=libraries,
+            define_macros=define_macros, libraries=libraries, extra_link_args=link_args,
             extra_compile_args={"cxx": cxx, "nvcc": nvcc})
     return cpp_extension.CppExtension(
         "dion3._C", sources, include_dirs=include_dirs, library_dirs=library_dirs,
-        define_macros=define_macros, libraries=libraries, extra_compile_args={"cxx": cxx})
+        define_macros=define_macros, libraries=libraries, extra_link_args=link_args,
+        extra_compile_args={"cxx": cxx})
 
 
 def main():

@@ -80,7 +80,7 @@ method runs, so GFLOP/s compare like with like. Then, for the largest shape: sta
 Newton-Schulz alone (median ms, effective GFLOP/s, FLOPs really performed, speed-up, and the
 max relative difference of their outputs).
 
-Progress goes to stderr. CPU threads come from OpenBLAS (OPENBLAS_NUM_THREADS). On CUDA each
+Progress goes to stderr. CPU threads come from OpenMP (OMP_NUM_THREADS). On CUDA each
 step ends with one host synchronisation (the non-finite check), so wall time is device time.
 )";
 
@@ -611,8 +611,8 @@ int run(const Options& o) {
   std::printf("dion3-bench: %s, %zu matrices, %.2fM weights, device %s, dtype %s, warmup %d, iters %d, %s\n",
               workload.c_str(), shapes.size(), elems / 1e6, o.device.c_str(), o.dtype.c_str(), o.warmup,
               o.iters, o.schedule.c_str());
-  if (const char* th = std::getenv("OPENBLAS_NUM_THREADS"); th && o.device == "cpu")
-    std::printf("OPENBLAS_NUM_THREADS=%s\n", th);
+  if (const char* th = std::getenv("OMP_NUM_THREADS"); th && o.device == "cpu")
+    std::printf("OMP_NUM_THREADS=%s\n", th);
 
   Tensors t;
   t.dtype = dtype;

@@ -241,7 +241,10 @@ class Backend {
   virtual void lion(std::span<const ElementwiseParam> ps, std::span<const LionParams> hs, const int* skip) = 0;
 };
 
-// The CPU backend (always built). Threads come from the BLAS.
+// The CPU backend (always built). It works on the calling thread's OpenMP threads
+// (omp_get_max_threads(): OMP_NUM_THREADS, omp_set_num_threads; in PyTorch, the intra-op threads
+// that torch.set_num_threads sets), BLAS single-threaded inside them; results are the same
+// whatever the number of threads.
 std::unique_ptr<Backend> make_cpu_backend();
 // The CUDA backend; throws dion3::Error(Unsupported) when built without CUDA.
 std::unique_ptr<Backend> make_cuda_backend(int device_index = 0, void* stream = nullptr,

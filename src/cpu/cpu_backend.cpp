@@ -2,16 +2,19 @@
 //
 // GEMMs go through the system BLAS (cblas_sgemm / cblas_ssyrk, OpenBLAS in our builds);
 // everything else is plain loops in fp32 over rows loaded and stored by cpu_numeric.hpp. The
-// "device flag" of the interface is an ordinary int in host memory.
+// "device flag" of the interface is an ordinary int in host memory. Work is spread over the
+// calling thread's OpenMP team as cpu_parallel.hpp describes.
 #include <cblas.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <initializer_list>
 #include <numeric>
 
 #include "cpu/cpu_numeric.hpp"
+#include "cpu/cpu_parallel.hpp"
 #include "dion3/backend.hpp"
 #include "dion3/error.hpp"
 
@@ -69,6 +72,13 @@ F32Operand as_f32(const MatrixView& v, int64_t b, std::vector<float>& scratch) {
   load_matrix(v, b, scratch);
   return {scratch.data(), v.cols};
 }
+// Matrix b of an fp32 view, read or written in place.
+F32Operand in_place(const MatrixView& v, int64_t b) {
+  return {reinterpret_cast<const float*>(cpu::elem_ptr(v, b, 0)), v.ld};
+}
+float* rows_of(const MatrixView& v, int64_t b) {
+  return reinterpret_cast<float*>(const_cast<char*>(cpu::elem_ptr(v, b, 0)));
+}
 
 class CpuBackend final : public Backend {
  public:
@@ -101,33 +111,44 @@ class CpuBackend final : public Backend {
       }
       return bad == 0;
     };
-    std::vector<float> buf(kChunk);
+    std::vector<std::pair<const MatrixView*, cpu::Piece>> items;
     for (const MatrixView& v : xs)
-      for (int64_t b = 0; b < v.batch; ++b)
-        for (int64_t r = 0; r < v.rows; ++r) {
-          if (v.dtype == DType::F32) {
-            if (!row_finite_f32(reinterpret_cast<const float*>(cpu::elem_ptr(v, b, r)), v.cols)) {
-              *flag = 1;
-              return;
-            }
-            continue;
-          }
-          for (int64_t c0 = 0; c0 < v.cols; c0 += kChunk) {
-            const MatrixView part = cols_slice(v, c0);
-            load_row(part, b, r, buf.data());
-            for (int64_t j = 0; j < part.cols; ++j)
-              if (!std::isfinite(buf[j])) {
-                *flag = 1;
-                return;
-              }
-          }
+      for (const cpu::Piece& q : cpu::pieces(v.batch, v.rows, v.cols, kChunk)) items.emplace_back(&v, q);
+    std::atomic<bool> bad{false};
+    cpu::parallel_for(static_cast<int64_t>(items.size()), [] { return std::vector<float>(kChunk); },
+                      [&](std::vector<float>& buf, int64_t i) {
+      const MatrixView& v = *items[i].first;
+      const cpu::Piece& q = items[i].second;
+      for (int64_t r = q.r0; r < q.r1 && !bad.load(std::memory_order_relaxed); ++r) {
+        if (v.dtype == DType::F32) {
+          if (!row_finite_f32(reinterpret_cast<const float*>(cpu::elem_ptr(v, q.b, r)) + q.c0, q.c1 - q.c0))
+            bad = true;
+          continue;
         }
+        for (int64_t c0 = q.c0; c0 < q.c1; c0 += kChunk) {
+          const MatrixView part = cols_slice(v, c0);
+          load_row(part, q.b, r, buf.data());
+          for (int64_t j = 0; j < part.cols; ++j)
+            if (!std::isfinite(buf[j])) bad = true;
+        }
+      }
+    });
+    if (bad) *flag = 1;
   }
 
   void check_step(std::span<const StepCheck> xs, int* flag) override {
-    std::vector<float> g(kChunk), m(kChunk), v(kChunk);
+    std::vector<std::pair<const StepCheck*, cpu::Piece>> items;
     for (const StepCheck& x : xs)
-      for (int64_t c0 = 0; c0 < x.grad.cols; c0 += kChunk) {
+      for (const cpu::Piece& q : cpu::pieces(1, 1, x.grad.cols, kChunk)) items.emplace_back(&x, q);
+    struct Buffers {
+      std::vector<float> g = std::vector<float>(kChunk), m = std::vector<float>(kChunk), v = std::vector<float>(kChunk);
+    };
+    std::atomic<bool> bad{false};
+    cpu::parallel_for(static_cast<int64_t>(items.size()), [] { return Buffers{}; }, [&](Buffers& buf, int64_t i) {
+      const StepCheck& x = *items[i].first;
+      std::vector<float>&g = buf.g, &m = buf.m, &v = buf.v;
+      for (int64_t c0 = items[i].second.c0; c0 < items[i].second.c1 && !bad.load(std::memory_order_relaxed);
+           c0 += kChunk) {
         const MatrixView G = cols_slice(x.grad, c0), S = cols_slice(x.state, c0);
         load_row(G, 0, 0, g.data());
         load_row(S, 0, 0, m.data());
@@ -151,22 +172,26 @@ class CpuBackend final : public Backend {
               ok &= std::isfinite(g[j]) && std::isfinite(cpu::round_to(st, LionRule::exp_avg(m[j], g[j], x.b)));
             break;
         }
-        if (!ok) {
-          *flag = 1;
-          return;
-        }
+        if (!ok) bad = true;
       }
+    });
+    if (bad) *flag = 1;
   }
 
   void accumulate(const MatrixSet& set, float decay, float* scores, float* row_sumsq, const int* skip) override {
     if (skipped(skip)) return;
-    std::vector<float> m, g;
-    const int64_t rows = set.rows();
-    for (std::size_t i = 0; i < set.mats.size(); ++i) {
+    const int64_t rows = set.rows(), block = cpu::row_block(set.cols()), blocks = (rows + block - 1) / block;
+    struct Buffers {
+      std::vector<float> m, g;
+    };
+    cpu::parallel_for(static_cast<int64_t>(set.mats.size()) * blocks, [] { return Buffers{}; },
+                      [&](Buffers& buf, int64_t item) {
+      const int64_t i = item / blocks, r0 = item % blocks * block;
       const ParamMatrix& p = set.mats[i];
+      std::vector<float>&m = buf.m, &g = buf.g;
       m.resize(p.momentum.cols);
       g.resize(p.grad.cols);
-      for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t r = r0; r < std::min(rows, r0 + block); ++r) {
         load_row(p.momentum, 0, r, m.data());
         load_row(p.grad, 0, r, g.data());
         for (int64_t j = 0; j < p.momentum.cols; ++j) m[j] = decay * m[j] + g[j];
@@ -181,15 +206,14 @@ class CpuBackend final : public Backend {
         if (scores) scores[i * rows + r] = static_cast<float>(l1);
         if (row_sumsq) row_sumsq[i * rows + r] = static_cast<float>(sq);
       }
-    }
+    });
   }
 
   void select_rows(const float* scores, int64_t count, int64_t m, int64_t k, int32_t* idx,
                    const int* skip) override {
     if (skipped(skip)) return;
     check(k >= 1 && k <= m, "select_rows needs 1 <= k <= m");
-    std::vector<int32_t> order(m);
-    for (int64_t i = 0; i < count; ++i) {
+    cpu::parallel_for(count, [m] { return std::vector<int32_t>(m); }, [&](std::vector<int32_t>& order, int64_t i) {
       const float* s = scores + i * m;
       std::iota(order.begin(), order.end(), 0);
       // Larger score first; equal scores: lower row index first (SPEC §1 tie rule).
@@ -197,7 +221,7 @@ class CpuBackend final : public Backend {
       std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), better);
       std::sort(order.begin(), order.begin() + k);
       std::copy(order.begin(), order.begin() + k, idx + i * k);
-    }
+    });
   }
 
   void copy_rows(void* dst, std::size_t dst_pitch, const int32_t* dst_idx, const void* src, std::size_t src_pitch,
@@ -240,10 +264,16 @@ class CpuBackend final : public Backend {
     const int64_t rows = set.rows(), cols = set.cols();
     check(!out.data || (out.rows == k && out.cols == cols && out.batch == static_cast<int64_t>(set.mats.size())),
           "gather_rows output shape");
-    std::vector<float> m(cols), g(cols), u(cols);
-    for (std::size_t i = 0; i < set.mats.size(); ++i) {
+    const int64_t block = cpu::row_block(cols), blocks = (k + block - 1) / block;
+    struct Buffers {
+      std::vector<float> m, g, u;
+    };
+    const auto buffers = [cols] { return Buffers{std::vector<float>(cols), std::vector<float>(cols), std::vector<float>(cols)}; };
+    cpu::parallel_for(static_cast<int64_t>(set.mats.size()) * blocks, buffers, [&](Buffers& buf, int64_t item) {
+      const int64_t i = item / blocks, j0 = item % blocks * block;
       const ParamMatrix& p = set.mats[i];
-      for (int64_t j = 0; j < k; ++j) {
+      std::vector<float>&m = buf.m, &g = buf.g, &u = buf.u;
+      for (int64_t j = j0; j < std::min(k, j0 + block); ++j) {
         const int64_t r = idx ? idx[i * k + j] : j;
         if (r >= rows) {  // padding
           if (out.data) {
@@ -270,7 +300,7 @@ class CpuBackend final : public Backend {
           store_row(p.momentum, 0, r, m.data());
         }
       }
-    }
+    });
   }
 
   void gather_normalized(const MatrixSet& set, const int32_t* idx, int64_t k, float decay, const float* row_sumsq,
@@ -279,16 +309,27 @@ class CpuBackend final : public Backend {
     const int64_t rows = set.rows(), cols = set.cols();
     check(out.rows == k && out.cols == cols && out.batch == static_cast<int64_t>(set.mats.size()),
           "gather_normalized output shape");
-    std::vector<float> m(cols), x(cols);
-    for (std::size_t i = 0; i < set.mats.size(); ++i) {
-      const ParamMatrix& p = set.mats[i];
+    const int64_t count = static_cast<int64_t>(set.mats.size());
+    std::vector<float> invs(count);
+    for (int64_t i = 0; i < count; ++i) {
       double ss = 0.0;
       for (int64_t j = 0; j < k; ++j) {
         const int64_t r = idx ? idx[i * k + j] : j;
         if (r < rows) ss += row_sumsq[i * rows + r];
       }
-      const float inv = static_cast<float>(1.0 / (std::sqrt(ss) + eps));  // multiplied, as normalize does
-      for (int64_t j = 0; j < k; ++j) {
+      invs[i] = static_cast<float>(1.0 / (std::sqrt(ss) + eps));  // multiplied, as normalize does
+    }
+    const int64_t block = cpu::row_block(cols), blocks = (k + block - 1) / block;
+    struct Buffers {
+      std::vector<float> m, x;
+    };
+    const auto buffers = [cols] { return Buffers{std::vector<float>(cols), std::vector<float>(cols)}; };
+    cpu::parallel_for(count * blocks, buffers, [&](Buffers& buf, int64_t item) {
+      const int64_t i = item / blocks, j0 = item % blocks * block;
+      const ParamMatrix& p = set.mats[i];
+      const float inv = invs[i];
+      std::vector<float>&m = buf.m, &x = buf.x;
+      for (int64_t j = j0; j < std::min(k, j0 + block); ++j) {
         const int64_t r = idx ? idx[i * k + j] : j;
         if (r >= rows) {  // padding
           std::fill(x.begin(), x.end(), 0.0f);
@@ -303,7 +344,7 @@ class CpuBackend final : public Backend {
           store_row(p.momentum, 0, r, m.data());
         }
       }
-    }
+    });
   }
 
   void apply_update(const MatrixSet& set, const int32_t* idx, int64_t k, MatrixView O,
@@ -311,38 +352,58 @@ class CpuBackend final : public Backend {
     if (skipped(skip)) return;
     const int64_t rows = set.rows(), cols = set.cols();
     check(O.rows == k && O.cols >= p.o_col_offset + cols, "apply_update update shape");
-    const int64_t ocols = O.cols;
+    const int64_t ocols = O.cols, count = static_cast<int64_t>(set.mats.size());
     const float decay = 1.0f - p.lr * p.weight_decay;
-    std::vector<float> o, w(cols);
-    std::vector<int64_t> target(rows, -1);  // weight row -> row of O, or -1
-    for (std::size_t i = 0; i < set.mats.size(); ++i) {
-      const ParamMatrix& pm = set.mats[i];
-      load_matrix(O, i, o);
-      if (p.normuon) normuon_normalize(o, k, rows, ocols, pm.variance, idx ? idx + i * k : nullptr, p.beta2);
-      std::fill(target.begin(), target.end(), -1);
+    // Per matrix first: the row of O that updates each weight row (-1: none) and NorMuon's
+    // factors on O's rows; then the weight rows, in blocks.
+    std::vector<int32_t> target(static_cast<std::size_t>(count * rows), -1);
+    std::vector<float> row_factor(p.normuon ? count * k : 0), factor(count, 1.0f);
+    cpu::parallel_for(count, [] { return std::vector<float>(); }, [&](std::vector<float>& o, int64_t i) {
+      const int32_t* sel = idx ? idx + i * k : nullptr;
       for (int64_t j = 0; j < k; ++j) {
-        const int64_t r = idx ? idx[i * k + j] : j;
-        if (r < rows) target[r] = j;
+        const int64_t r = sel ? sel[j] : j;
+        if (r < rows) target[i * rows + r] = static_cast<int32_t>(j);
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* u = target[r] >= 0 ? o.data() + target[r] * ocols + p.o_col_offset : nullptr;
-        if (!u && decay == 1.0f) continue;
+      if (p.normuon) {
+        load_matrix(O, i, o);
+        factor[i] = normuon_factors(o, k, rows, ocols, set.mats[i].variance, sel, p.beta2, &row_factor[i * k]);
+      }
+    });
+    MatrixView U = O;  // the columns of O this set takes
+    U.data = static_cast<char*>(O.data) + static_cast<std::size_t>(p.o_col_offset) * O.elem_bytes();
+    U.cols = cols;
+    const int64_t block = cpu::row_block(cols), blocks = (rows + block - 1) / block;
+    struct Buffers {
+      std::vector<float> u, w;
+    };
+    const auto buffers = [cols] { return Buffers{std::vector<float>(cols), std::vector<float>(cols)}; };
+    cpu::parallel_for(count * blocks, buffers, [&](Buffers& buf, int64_t item) {
+      const int64_t i = item / blocks, r0 = item % blocks * block;
+      const ParamMatrix& pm = set.mats[i];
+      std::vector<float>&u = buf.u, &w = buf.w;
+      for (int64_t r = r0; r < std::min(rows, r0 + block); ++r) {
+        const int64_t j = target[i * rows + r];
+        if (j < 0 && decay == 1.0f) continue;
+        if (j >= 0) {
+          load_row(U, i, j, u.data());
+          if (p.normuon)
+            for (int64_t c = 0; c < cols; ++c) u[c] = u[c] * row_factor[i * k + j] * factor[i];
+        }
         load_row(pm.weight, 0, r, w.data());
         for (int64_t c = 0; c < cols; ++c) {
-          const float uc = u ? u[c] : 0.0f;
+          const float uc = j >= 0 ? u[c] : 0.0f;
           float d = decay;
           if (p.cautious_wd && !(uc * w[c] > 0.0f)) d = 1.0f;
           w[c] = w[c] * d - p.adjusted_lr * uc;
         }
         store_row(pm.weight, 0, r, w.data());
       }
-    }
+    });
   }
 
   void normalize(MatrixView in, MatrixView out, float eps, const float* row_sumsq) override {
     check(in.batch == out.batch && in.rows == out.rows && in.cols == out.cols, "normalize shapes");
-    std::vector<float> x;
-    for (int64_t b = 0; b < in.batch; ++b) {
+    cpu::parallel_for(in.batch, [] { return std::vector<float>(); }, [&](std::vector<float>& x, int64_t b) {
       load_matrix(in, b, x);
       double ss = 0.0;
       if (row_sumsq)
@@ -352,15 +413,18 @@ class CpuBackend final : public Backend {
       const float inv = static_cast<float>(1.0 / (std::sqrt(ss) + eps));
       for (float& v : x) v *= inv;
       store_matrix(out, b, x.data());
-    }
+    });
   }
 
   void convert(MatrixView in, MatrixView out, bool transpose) override {
     check(in.batch == out.batch && (transpose ? in.rows == out.cols && in.cols == out.rows
                                               : in.rows == out.rows && in.cols == out.cols),
           "convert shapes");
-    std::vector<float> x, t;
-    for (int64_t b = 0; b < in.batch; ++b) {
+    struct Buffers {
+      std::vector<float> x, t;
+    };
+    cpu::parallel_for(in.batch, [] { return Buffers{}; }, [&](Buffers& buf, int64_t b) {
+      std::vector<float>&x = buf.x, &t = buf.t;
       load_matrix(in, b, x);
       if (transpose) {
         t.resize(x.size());
@@ -369,7 +433,7 @@ class CpuBackend final : public Backend {
         x.swap(t);
       }
       store_matrix(out, b, x.data());
-    }
+    });
   }
 
   void gemm(bool trans_a, bool trans_b, float alpha, MatrixView A, MatrixView B, float beta,
@@ -379,33 +443,69 @@ class CpuBackend final : public Backend {
     check((trans_a ? A.cols : A.rows) == M && (trans_b ? B.rows : B.cols) == N &&
               (trans_b ? B.cols : B.rows) == K && A.batch == C.batch && B.batch == C.batch,
           "gemm shapes");
-    std::vector<float> sa, sb, sc;
-    for (int64_t b = 0; b < C.batch; ++b) {
-      F32Operand a = as_f32(A, b, sa), bb = as_f32(B, b, sb);
-      if (C.dtype == DType::F32 && A.data != C.data && B.data != C.data) {
-        auto* c = reinterpret_cast<float*>(const_cast<char*>(cpu::elem_ptr(C, b, 0)));
-        cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
-                    M, N, K, alpha, a.ptr, a.ld, bb.ptr, bb.ld, beta, c, C.ld);
-        continue;
-      }
-      if (beta != 0.0f) load_matrix(C, b, sc);
-      else sc.assign(static_cast<std::size_t>(M * N), 0.0f);
+    // Tiles of rows of C, one BLAS call each (cpu_parallel.hpp).
+    const int64_t rows = cpu::tile_rows(M, N * K), tiles = (M + rows - 1) / rows;
+    auto tile = [&](F32Operand a, F32Operand bb, float* c, int64_t ldc, int64_t t) {
+      const int64_t r0 = t * rows;
       cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
-                  M, N, K, alpha, a.ptr, a.ld, bb.ptr, bb.ld, beta, sc.data(), N);
-      store_matrix(C, b, sc.data());
+                  std::min(rows, M - r0), N, K, alpha, a.ptr + (trans_a ? r0 : r0 * a.ld), a.ld, bb.ptr, bb.ld, beta,
+                  c + r0 * ldc, ldc);
+    };
+    cpu::BlasSerial serial;
+    if (all_f32({A, B, C}) && A.data != C.data && B.data != C.data) {  // in place
+      cpu::parallel_for(C.batch * tiles, cpu::no_state, [&](cpu::NoState&, int64_t i) {
+        const int64_t b = i / tiles;
+        tile(in_place(A, b), in_place(B, b), rows_of(C, b), C.ld, i % tiles);
+      });
+      return;
     }
+    struct Buffers {
+      std::vector<float> a, b, c;
+    };
+    cpu::parallel_for(C.batch, [] { return Buffers{}; }, [&](Buffers& buf, int64_t b) {
+      const F32Operand a = as_f32(A, b, buf.a), bb = as_f32(B, b, buf.b);
+      if (beta != 0.0f) load_matrix(C, b, buf.c);
+      else buf.c.assign(static_cast<std::size_t>(M * N), 0.0f);
+      for (int64_t t = 0; t < tiles; ++t) tile(a, bb, buf.c.data(), N, t);
+      store_matrix(C, b, buf.c.data());
+    });
   }
 
   void gram(MatrixView X, MatrixView C, bool /*banded_out: always full here*/) override {
     const int64_t p = X.rows, q = X.cols;
     check(C.rows == p && C.cols == p && C.batch == X.batch, "gram shapes");
-    std::vector<float> sx, c(static_cast<std::size_t>(p * p));
-    for (int64_t b = 0; b < X.batch; ++b) {
-      F32Operand x = as_f32(X, b, sx);
-      cblas_ssyrk(CblasRowMajor, CblasLower, CblasNoTrans, p, q, 1.0f, x.ptr, x.ld, 0.0f, c.data(), p);
-      mirror_lower(c.data(), p);
-      store_matrix(C, b, c.data());
+    // Tiles of rows of the lower triangle: the block left of the diagonal a GEMM, the diagonal
+    // block a SYRK; then the upper triangle mirrored, by the same tiles.
+    const int64_t rows = cpu::tile_rows(p, (p + 1) / 2 * q), tiles = (p + rows - 1) / rows;
+    auto tile = [&](F32Operand x, float* c, int64_t ldc, int64_t t) {
+      const int64_t r0 = t * rows, m = std::min(rows, p - r0);
+      if (r0 > 0)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, r0, q, 1.0f, x.ptr + r0 * x.ld, x.ld, x.ptr, x.ld, 0.0f,
+                    c + r0 * ldc, ldc);
+      cblas_ssyrk(CblasRowMajor, CblasLower, CblasNoTrans, m, q, 1.0f, x.ptr + r0 * x.ld, x.ld, 0.0f,
+                  c + r0 * ldc + r0, ldc);
+    };
+    cpu::BlasSerial serial;
+    if (all_f32({X, C}) && X.data != C.data) {  // in place
+      cpu::parallel_for(X.batch * tiles, cpu::no_state, [&](cpu::NoState&, int64_t i) {
+        tile(in_place(X, i / tiles), rows_of(C, i / tiles), C.ld, i % tiles);
+      });
+      cpu::parallel_for(X.batch * tiles, cpu::no_state, [&](cpu::NoState&, int64_t i) {
+        const int64_t r0 = i % tiles * rows;
+        mirror_rows(rows_of(C, i / tiles), C.ld, p, r0, std::min(p, r0 + rows));
+      });
+      return;
     }
+    struct Buffers {
+      std::vector<float> x, c;
+    };
+    cpu::parallel_for(X.batch, [] { return Buffers{}; }, [&](Buffers& buf, int64_t b) {
+      const F32Operand x = as_f32(X, b, buf.x);
+      buf.c.resize(static_cast<std::size_t>(p * p));
+      for (int64_t t = 0; t < tiles; ++t) tile(x, buf.c.data(), p, t);
+      mirror_rows(buf.c.data(), p, p, 0, p);
+      store_matrix(C, b, buf.c.data());
+    });
   }
 
   void sym_product(float alpha, MatrixView A, MatrixView B, float beta, const MatrixView* D, float gamma,
@@ -413,29 +513,56 @@ class CpuBackend final : public Backend {
     const int64_t p = C.rows;
     check(!banded_in, "sym_product: banded operands (this backend never makes them)");
     check(A.rows == p && A.cols == p && B.rows == p && B.cols == p && C.cols == p, "sym_product shapes");
-    std::vector<float> sa, sb, sd, t(static_cast<std::size_t>(p * p));
-    for (int64_t b = 0; b < C.batch; ++b) {
-      F32Operand a = as_f32(A, b, sa), bb = as_f32(B, b, sb);
-      cblas_ssymm(CblasRowMajor, CblasLeft, CblasLower, p, p, alpha, a.ptr, a.ld, bb.ptr, bb.ld, 0.0f,
-                  t.data(), p);
-      if (D && beta != 0.0f) {
-        load_matrix(*D, b, sd);
-        for (std::size_t e = 0; e < t.size(); ++e) t[e] += beta * sd[e];
+    const bool with_d = D && beta != 0.0f;
+    // Tiles of columns of A*B, one SYMM call each, which also add beta*D + gamma*I to their part
+    // of the lower triangle; then the upper triangle mirrored from it (rounding in A*B can break
+    // exact symmetry: the lower triangle is kept, as the GPU's symmetric kernels do).
+    const int64_t cols = cpu::tile_rows(p, p * p), tiles = (p + cols - 1) / cols;
+    auto tile = [&](F32Operand a, F32Operand bb, const F32Operand* d, float* t, int64_t ldt, int64_t i) {
+      const int64_t c0 = i * cols, c1 = std::min(p, c0 + cols);
+      cblas_ssymm(CblasRowMajor, CblasLeft, CblasLower, p, c1 - c0, alpha, a.ptr, a.ld, bb.ptr + c0, bb.ld, 0.0f,
+                  t + c0, ldt);
+      for (int64_t r = c0; r < p; ++r) {
+        float* row = t + r * ldt;
+        if (d)
+          for (int64_t s = c0; s < std::min(c1, r + 1); ++s) row[s] += beta * d->ptr[r * d->ld + s];
+        if (r < c1) row[r] += gamma;
       }
-      for (int64_t r = 0; r < p; ++r) t[r * p + r] += gamma;
-      symmetrize(t.data(), p);
-      store_matrix(C, b, t.data());
+    };
+    cpu::BlasSerial serial;
+    if (all_f32({A, B, C}) && (!with_d || (D->dtype == DType::F32 && D->data != C.data)) && A.data != C.data &&
+        B.data != C.data) {  // in place
+      cpu::parallel_for(C.batch * tiles, cpu::no_state, [&](cpu::NoState&, int64_t i) {
+        const int64_t b = i / tiles;
+        const F32Operand d = with_d ? in_place(*D, b) : F32Operand{};
+        tile(in_place(A, b), in_place(B, b), with_d ? &d : nullptr, rows_of(C, b), C.ld, i % tiles);
+      });
+      cpu::parallel_for(C.batch * tiles, cpu::no_state, [&](cpu::NoState&, int64_t i) {
+        const int64_t r0 = i % tiles * cols;
+        mirror_rows(rows_of(C, i / tiles), C.ld, p, r0, std::min(p, r0 + cols));
+      });
+      return;
     }
+    struct Buffers {
+      std::vector<float> a, b, d, t;
+    };
+    cpu::parallel_for(C.batch, [] { return Buffers{}; }, [&](Buffers& buf, int64_t b) {
+      const F32Operand a = as_f32(A, b, buf.a), bb = as_f32(B, b, buf.b);
+      const F32Operand d = with_d ? as_f32(*D, b, buf.d) : F32Operand{};
+      buf.t.resize(static_cast<std::size_t>(p * p));
+      for (int64_t i = 0; i < tiles; ++i) tile(a, bb, with_d ? &d : nullptr, buf.t.data(), p, i);
+      mirror_rows(buf.t.data(), p, p, 0, p);
+      store_matrix(C, b, buf.t.data());
+    });
   }
 
   void add_identity(MatrixView X, float gamma, MatrixView C) override {
     check(X.rows == X.cols && C.rows == X.rows && C.cols == X.cols && C.batch == X.batch, "add_identity shapes");
-    std::vector<float> x;
-    for (int64_t b = 0; b < X.batch; ++b) {
+    cpu::parallel_for(X.batch, [] { return std::vector<float>(); }, [&](std::vector<float>& x, int64_t b) {
       load_matrix(X, b, x);
       for (int64_t r = 0; r < X.rows; ++r) x[r * X.cols + r] += gamma;
       store_matrix(C, b, x.data());
-    }
+    });
   }
 
   DType default_iteration_dtype(bool) const override { return DType::F32; }
@@ -443,17 +570,32 @@ class CpuBackend final : public Backend {
   void adamw(std::span<const ElementwiseParam> ps, std::span<const AdamWParams> hs, const int* skip) override {
     check(ps.size() == hs.size(), "adamw: one set of hyperparameters per parameter");
     if (skipped(skip)) return;
-    for (std::size_t i = 0; i < ps.size(); ++i) adamw_one(ps[i], hs[i]);
+    const auto items = elementwise_pieces(ps);
+    cpu::parallel_for(static_cast<int64_t>(items.size()), cpu::no_state, [&](cpu::NoState&, int64_t i) {
+      adamw_one(ps[items[i].first], hs[items[i].first], items[i].second.c0, items[i].second.c1);
+    });
   }
 
   void lion(std::span<const ElementwiseParam> ps, std::span<const LionParams> hs, const int* skip) override {
     check(ps.size() == hs.size(), "lion: one set of hyperparameters per parameter");
     if (skipped(skip)) return;
-    for (std::size_t i = 0; i < ps.size(); ++i) lion_one(ps[i], hs[i]);
+    const auto items = elementwise_pieces(ps);
+    cpu::parallel_for(static_cast<int64_t>(items.size()), cpu::no_state, [&](cpu::NoState&, int64_t i) {
+      lion_one(ps[items[i].first], hs[items[i].first], items[i].second.c0, items[i].second.c1);
+    });
   }
 
  private:
-  void adamw_one(const ElementwiseParam& e, const AdamWParams& h) {
+  // Pieces of element-wise parameters (one row each), as (parameter, piece).
+  static std::vector<std::pair<std::size_t, cpu::Piece>> elementwise_pieces(std::span<const ElementwiseParam> ps) {
+    std::vector<std::pair<std::size_t, cpu::Piece>> items;
+    for (std::size_t i = 0; i < ps.size(); ++i)
+      for (const cpu::Piece& q : cpu::pieces(1, 1, ps[i].weight.cols, kChunk)) items.emplace_back(i, q);
+    return items;
+  }
+
+  // Elements [c0, c1) of one parameter.
+  void adamw_one(const ElementwiseParam& e, const AdamWParams& h, int64_t c0, int64_t c1) {
     const float decay = 1.0f - h.lr * h.weight_decay;
     const double t = adamw_step_number(h, *h.applied_steps);
     const float bc1 = static_cast<float>(1.0 - std::pow(static_cast<double>(h.beta1), t));
@@ -466,13 +608,13 @@ class CpuBackend final : public Backend {
       }
     };
     if (all_f32({e.weight, e.grad, e.exp_avg, e.exp_avg_sq})) {  // in place, no copies
-      update(f32(e.weight), f32(e.grad), f32(e.exp_avg), f32(e.exp_avg_sq), e.weight.cols);
+      update(f32(e.weight) + c0, f32(e.grad) + c0, f32(e.exp_avg) + c0, f32(e.exp_avg_sq) + c0, c1 - c0);
       return;
     }
     std::vector<float> w(kChunk), g(kChunk), m(kChunk), v(kChunk);
-    for (int64_t c0 = 0; c0 < e.weight.cols; c0 += kChunk) {
-      const MatrixView W = cols_slice(e.weight, c0), G = cols_slice(e.grad, c0);
-      const MatrixView M = cols_slice(e.exp_avg, c0), V = cols_slice(e.exp_avg_sq, c0);
+    for (int64_t c = c0; c < c1; c += kChunk) {  // c0 and c1: multiples of kChunk, or the end
+      const MatrixView W = cols_slice(e.weight, c), G = cols_slice(e.grad, c);
+      const MatrixView M = cols_slice(e.exp_avg, c), V = cols_slice(e.exp_avg_sq, c);
       load_row(W, 0, 0, w.data());
       load_row(G, 0, 0, g.data());
       load_row(M, 0, 0, m.data());
@@ -484,7 +626,7 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void lion_one(const ElementwiseParam& e, const LionParams& h) {
+  void lion_one(const ElementwiseParam& e, const LionParams& h, int64_t c0, int64_t c1) {
     const float decay = 1.0f - h.lr * h.weight_decay;
     auto update = [&](float* w, const float* g, float* m, int64_t n) {
       for (int64_t j = 0; j < n; ++j) {
@@ -495,12 +637,12 @@ class CpuBackend final : public Backend {
       }
     };
     if (all_f32({e.weight, e.grad, e.exp_avg})) {
-      update(f32(e.weight), f32(e.grad), f32(e.exp_avg), e.weight.cols);
+      update(f32(e.weight) + c0, f32(e.grad) + c0, f32(e.exp_avg) + c0, c1 - c0);
       return;
     }
     std::vector<float> w(kChunk), g(kChunk), m(kChunk);
-    for (int64_t c0 = 0; c0 < e.weight.cols; c0 += kChunk) {
-      const MatrixView W = cols_slice(e.weight, c0), G = cols_slice(e.grad, c0), M = cols_slice(e.exp_avg, c0);
+    for (int64_t c = c0; c < c1; c += kChunk) {
+      const MatrixView W = cols_slice(e.weight, c), G = cols_slice(e.grad, c), M = cols_slice(e.exp_avg, c);
       load_row(W, 0, 0, w.data());
       load_row(G, 0, 0, g.data());
       load_row(M, 0, 0, m.data());
@@ -510,39 +652,39 @@ class CpuBackend final : public Backend {
     }
   }
 
-  static void mirror_lower(float* c, int64_t p) {
-    for (int64_t r = 0; r < p; ++r)
-      for (int64_t s = r + 1; s < p; ++s) c[r * p + s] = c[s * p + r];
+  // Rows [r0, r1) of a p x p matrix (leading dimension ld): the upper triangle from the lower.
+  static void mirror_rows(float* c, int64_t ld, int64_t p, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t s = r + 1; s < p; ++s) c[r * ld + s] = c[s * ld + r];
   }
-  // Rounding in A*B can break exact symmetry; keep the lower triangle, as the symmetric
-  // kernels on the GPU do.
-  static void symmetrize(float* c, int64_t p) { mirror_lower(c, p); }
 
-  // NorMuon (SPEC §1 step 6) on k rows of an update, in fp32, updating variance[rows]. Padding
+  // NorMuon (SPEC §1 step 6) on k rows of an update o, in fp32, updating variance[rows]: row j
+  // of the result is o's row j times row_factor[j], then times the factor returned. Padding
   // rows (index >= m) take no part.
-  static void normuon_normalize(std::vector<float>& o, int64_t k, int64_t m, int64_t cols, float* variance,
-                                const int32_t* rows, float beta2) {
+  static float normuon_factors(const std::vector<float>& o, int64_t k, int64_t m, int64_t cols, float* variance,
+                               const int32_t* rows, float beta2, float* row_factor) {
     double norm_o = 0.0, norm_n = 0.0;
     for (int64_t j = 0; j < k; ++j) {
       if (rows && rows[j] >= m) continue;
       for (int64_t c = 0; c < cols; ++c) norm_o += static_cast<double>(o[j * cols + c]) * o[j * cols + c];
     }
     for (int64_t j = 0; j < k; ++j) {
+      row_factor[j] = 1.0f;
       if (rows && rows[j] >= m) continue;
-      float* row = o.data() + j * cols;
+      const float* row = o.data() + j * cols;
       double ss = 0.0;
       for (int64_t c = 0; c < cols; ++c) ss += static_cast<double>(row[c]) * row[c];
       const float r = static_cast<float>(ss / static_cast<double>(cols));
       float& v = variance[rows ? rows[j] : j];
       v = beta2 * v + (1.0f - beta2) * r;
       const float inv = 1.0f / (std::sqrt(v) + 1e-8f);
+      row_factor[j] = inv;
       for (int64_t c = 0; c < cols; ++c) {
-        row[c] *= inv;
-        norm_n += static_cast<double>(row[c]) * row[c];
+        const float x = row[c] * inv;
+        norm_n += static_cast<double>(x) * x;
       }
     }
-    const float scale = static_cast<float>(std::sqrt(norm_o) / std::max(std::sqrt(norm_n), 1e-8));
-    for (float& x : o) x *= scale;
+    return static_cast<float>(std::sqrt(norm_o) / std::max(std::sqrt(norm_n), 1e-8));
   }
 
   CpuAllocator alloc_;

@@ -1,6 +1,11 @@
 # test_torch_integration.py — dion3 alongside PyTorch machinery: torch.compile'd models (and a
-# compiled training step that calls opt.step()), and, on CUDA, the current stream and CUDA-graph
-# capture of optimizer.step().
+# compiled training step that calls opt.step()), PyTorch's CPU threads, and, on CUDA, the current
+# stream and CUDA-graph capture of optimizer.step().
+import ctypes
+import os
+import re
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -139,3 +144,73 @@ def test_async_step_counters_fold_into_state(device):
     opt._engine.step_async()  # dropped on the device
     opt._counters_pending = True
     assert opt.steps_skipped == 1 and opt.state[ps[0]]["step"] == 3
+
+
+def _thread_ticks():
+    """CPU time (clock ticks) each thread of this process has used so far, by thread id."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # from field 3 (state) on
+        except OSError:
+            continue  # the thread has just ended
+        out[int(tid)] = int(fields[11]) + int(fields[12])  # utime + stime
+    return out
+
+
+def _openblas():
+    """The OpenBLAS that dion3 links, where it is one (its thread controls), else None."""
+    try:
+        lib = ctypes.CDLL("libopenblas.so.0")
+        lib.openblas_get_num_threads.restype = ctypes.c_int
+        return lib
+    except (OSError, AttributeError):
+        return None
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc/self/task")
+def test_cpu_step_keeps_to_torch_thread_count():
+    # dion3's CPU work runs on PyTorch's intra-op threads: under torch.set_num_threads(1) the step
+    # runs on the calling thread alone, with OpenBLAS's own thread pool (here at two threads) idle.
+    threads, blas = torch.get_num_threads(), _openblas()
+    blas_threads = blas.openblas_get_num_threads() if blas else 0
+    torch.set_num_threads(1)
+    if blas:
+        blas.openblas_set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(512, 512) * 0.02) for _ in range(4)]
+        opt = dion3.Dion3(params, lr=0.01, fraction=1.0)  # whole 512 x 512 products
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()  # buffers allocated, libraries warmed up
+        self_tid = threading.get_native_id()
+        before = _thread_ticks()
+        mine = others = 0
+        for _ in range(20):
+            opt.step()
+            now = _thread_ticks()
+            mine = now[self_tid] - before[self_tid]
+            others = sum(t - before.get(tid, 0) for tid, t in now.items() if tid != self_tid)
+            if mine >= 30:  # the calling thread has worked 0.3 s
+                break
+        assert mine >= 30, "the steps took too little time to tell"
+        assert others <= 2, f"other threads worked {others} ticks while the calling thread worked {mine}"
+        if blas:
+            assert blas.openblas_get_num_threads() == 2  # dion3 put OpenBLAS's setting back
+    finally:
+        torch.set_num_threads(threads)
+        if blas:
+            blas.openblas_set_num_threads(blas_threads)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+def test_one_openmp_runtime_serves_torch_and_dion3():
+    # One thread pool for both: dion3's extension uses the OpenMP runtime PyTorch loaded.
+    p = nn.Parameter(torch.randn(64, 32))
+    p.grad = torch.randn_like(p)
+    dion3.Dion3([p]).step()
+    with open("/proc/self/maps") as f:
+        runtimes = {line.split()[-1] for line in f if re.search(r"/lib(g|i)?omp[^/]*\.so", line)}
+    assert len(runtimes) == 1, runtimes

@@ -5,6 +5,7 @@
 // ATen plus torch's pybind11 casters only: torch/extension.h (the whole C++ frontend) doubles
 // the compile time of this file.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <memory>
@@ -366,6 +367,9 @@ class Engine {
         grads_[i] = std::move(g);
       }
     }
+    // The CPU backend works on this thread's OpenMP threads, PyTorch's intra-op pool; PyTorch sets
+    // their count in a thread when it first asks for it, which a thread new to PyTorch has not.
+    if (!cuda_) at::get_num_threads();
     Guard guard(*this);
     py::gil_scoped_release release;
     if (async) {
