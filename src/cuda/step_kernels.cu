@@ -578,78 +578,101 @@ __global__ void check_finite_kernel(const __grid_constant__ FiniteViews args, in
 
 
 // ---- check_step ----------------------------------------------------------------------------
-// The state a step would store, evaluated and not written (Backend::check_step). Up to
-// kStepChecks parameters of one (gradient, state) dtype pair per launch, blockIdx.y picking the
-// parameter; each thread has kStepUnroll packs of 4 elements in flight.
-constexpr int kStepChecks = 32, kStepThreads = 256, kStepUnroll = 4;
-struct StepChecks {
-  const void* g[kStepChecks];
-  const void* s[kStepChecks];
-  const void* s2[kStepChecks];
-  int64_t n[kStepChecks];
-  float a[kStepChecks], b[kStepChecks];
-  int rule[kStepChecks];
-  bool vec[kStepChecks];  // n % 4 == 0 and every pointer 4-element aligned
+// The state a step would store, evaluated and not written (Backend::check_step). Like
+// check_finite_flat_kernel, every block takes one chunk of one parameter (up to kStepSegments
+// parameters of one (gradient, state) dtype pair per launch), so big and small parameters keep
+// the memory system alike busy; threads read packs of 8 elements (16-byte loads of 16-bit data).
+constexpr int kStepThreads = 256, kStepPacksPerThread = 4, kStepSegments = 48;
+constexpr int64_t kStepChunk = int64_t{kStepThreads} * kStepPacksPerThread * 8;  // elements per block
+struct StepSegment {
+  const void* g;
+  const void* s;
+  const void* s2;
+  int64_t n;
+  float a, b;
+  int rule;
+  bool vec;  // n % 8 == 0 and every pointer aligned to 8 elements
+};
+struct StepSegments {
+  StepSegment seg[kStepSegments];
+  int64_t first_block[kStepSegments];  // ascending; segment s owns [first_block[s], first_block[s+1])
+  int count;
 };
 
-// Whether one element's gradient and the state it would store (rounded to TS) are finite.
+// Rounding a float32 x to T gives a finite value iff |x| < this (round to nearest even: the
+// halfway point above T's largest value rounds up to Inf). NaN compares false, so one test
+// also catches a NaN or Inf gradient, which makes x non-finite.
+template <class T>
+__device__ __forceinline__ float overflow_bound() {
+  if constexpr (std::is_same_v<T, __half>) return 65520.0f;
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __uint_as_float(0x7F7F8000u);
+  else return __uint_as_float(0x7F800000u);  // Inf: every finite float32
+}
+
+// Whether one element's new state (and gradient) is finite, by the rules the update kernels
+// use: accumulate_kernel's decay*m + g, AdamWRule, LionRule.
 template <class TS>
 __device__ __forceinline__ bool step_element_finite(int rule, float g, float m, float v, float a, float b) {
-  if (!isfinite(g)) return false;
+  const float bound = overflow_bound<TS>();
   switch (rule) {
     case StepCheck::Momentum: {
-      const float m1 = to_f32(from_f32<TS>(a * m + g));  // as accumulate_kernel computes it
-      return isfinite(m1) && (b == 0.0f || isfinite(b * m1 + g));
+      const float m1 = a * m + g;
+      if (!(fabsf(m1) < bound)) return false;
+      return b == 0.0f || fabsf(b * to_f32(from_f32<TS>(m1)) + g) < overflow_bound<float>();
     }
     case StepCheck::AdamW:
-      return isfinite(to_f32(from_f32<TS>(AdamWRule::exp_avg(m, g, a)))) &&
-             isfinite(to_f32(from_f32<TS>(AdamWRule::exp_avg_sq(v, g, b))));
-    default: return isfinite(to_f32(from_f32<TS>(LionRule::exp_avg(m, g, b))));
+      return fabsf(AdamWRule::exp_avg(m, g, a)) < bound && fabsf(AdamWRule::exp_avg_sq(v, g, b)) < bound;
+    default: return fabsf(LionRule::exp_avg(m, g, b)) < bound;
   }
 }
 
 template <class TG, class TS>
-__global__ void __launch_bounds__(kStepThreads) check_step_kernel(const __grid_constant__ StepChecks t, int* flag) {
+__global__ void __launch_bounds__(kStepThreads) check_step_kernel(const __grid_constant__ StepSegments a, int* flag) {
   pdl_wait();
-  const int i = blockIdx.y;
-  const int64_t n = t.n[i];
-  const int rule = t.rule[i];
-  const float a = t.a[i], b = t.b[i];
-  const TG* __restrict__ g = static_cast<const TG*>(t.g[i]);
-  const TS* __restrict__ m = static_cast<const TS*>(t.s[i]);
-  const TS* __restrict__ v = static_cast<const TS*>(t.s2[i]);
+  int lo = 0, hi = a.count - 1;  // the last segment starting at or before this block
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (a.first_block[mid] <= static_cast<int64_t>(blockIdx.x)) lo = mid;
+    else hi = mid - 1;
+  }
+  const StepSegment& sg = a.seg[lo];
+  const int64_t chunk = blockIdx.x - a.first_block[lo];
+  const int rule = sg.rule;
   const bool second = rule == StepCheck::AdamW;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t start = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const TG* __restrict__ g = static_cast<const TG*>(sg.g);
+  const TS* __restrict__ m = static_cast<const TS*>(sg.s);
+  const TS* __restrict__ v = static_cast<const TS*>(sg.s2);
   bool ok = true;
-  if (t.vec[i]) {
-    const int64_t n4 = n / 4;
-    for (int64_t q0 = start; q0 < n4; q0 += kStepUnroll * stride) {
-      Pack4<TG> gp[kStepUnroll];
-      Pack4<TS> mp[kStepUnroll], vp[kStepUnroll];
+  if (sg.vec) {
+    using PG = PackV<TG, 8>;
+    using PS = PackV<TS, 8>;
+    const int64_t npacks = sg.n / 8, base = chunk * (kStepChunk / 8) + threadIdx.x;
+    PG gp[kStepPacksPerThread];
+    PS mp[kStepPacksPerThread], vp[kStepPacksPerThread];
 #pragma unroll
-      for (int u = 0; u < kStepUnroll; ++u) {
-        const int64_t q = q0 + u * stride;
-        if (q < n4) {
-          gp[u] = reinterpret_cast<const Pack4<TG>*>(g)[q];
-          mp[u] = reinterpret_cast<const Pack4<TS>*>(m)[q];
-          if (second) vp[u] = reinterpret_cast<const Pack4<TS>*>(v)[q];
-        }
+    for (int u = 0; u < kStepPacksPerThread; ++u) {
+      const int64_t q = base + u * kStepThreads;
+      if (q < npacks) {
+        gp[u] = reinterpret_cast<const PG*>(g)[q];
+        mp[u] = reinterpret_cast<const PS*>(m)[q];
+        if (second) vp[u] = reinterpret_cast<const PS*>(v)[q];
       }
-#pragma unroll
-      for (int u = 0; u < kStepUnroll; ++u)
-        if (q0 + u * stride < n4)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            ok &= step_element_finite<TS>(rule, to_f32(gp[u].v[e]), to_f32(mp[u].v[e]),
-                                          second ? to_f32(vp[u].v[e]) : 0.0f, a, b);
     }
+#pragma unroll
+    for (int u = 0; u < kStepPacksPerThread; ++u)
+      if (base + u * kStepThreads < npacks)
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          ok &= step_element_finite<TS>(rule, to_f32(gp[u].v[e]), to_f32(mp[u].v[e]), second ? to_f32(vp[u].v[e]) : 0.0f,
+                                        sg.a, sg.b);
   } else {
-    for (int64_t e = start; e < n; e += stride)
-      ok &= step_element_finite<TS>(rule, to_f32(g[e]), to_f32(m[e]), second ? to_f32(v[e]) : 0.0f, a, b);
+    const int64_t end = (chunk + 1) * kStepChunk < sg.n ? (chunk + 1) * kStepChunk : sg.n;
+    for (int64_t e = chunk * kStepChunk + threadIdx.x; e < end; e += kStepThreads)
+      ok &= step_element_finite<TS>(rule, to_f32(g[e]), to_f32(m[e]), second ? to_f32(v[e]) : 0.0f, sg.a, sg.b);
   }
   if (__syncthreads_or(!ok) && threadIdx.x == 0) atomicOr(flag, 1);
 }
+
 }  // namespace
 
 void launch_accumulate(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
@@ -752,48 +775,38 @@ void launch_check_step(std::span<const StepCheck> xs, int* flag, cudaStream_t s)
   // One table per (gradient, state) dtype pair, launched when full and at the end.
   struct Table {
     DType gdt, sdt;
-    StepChecks t{};
-    int used = 0;
-    int64_t max_n = 0;
+    StepSegments t{};
+    int64_t blocks = 0;
   };
   std::vector<Table> tables;
   auto flush = [&](Table& tb) {
-    if (tb.used == 0) return;
-    const int64_t packs = tb.max_n / 4 + 1;
-    const unsigned gx = std::max(1u, std::min<unsigned>(ceil_div_u(packs, kStepThreads * kStepUnroll), 2048));
+    if (tb.t.count == 0) return;
     DION3_DISPATCH_FLOAT(tb.gdt, TG, [&] {
       DION3_DISPATCH_FLOAT(tb.sdt, TS, [&] {
-        launch_pdl(check_step_kernel<TG, TS>, dim3(gx, static_cast<unsigned>(tb.used)), kStepThreads, 0, s, tb.t,
-                   flag);
+        launch_pdl(check_step_kernel<TG, TS>, static_cast<unsigned>(tb.blocks), kStepThreads, 0, s, tb.t, flag);
       });
     });
     DION3_CUDA_LAUNCH_CHECK();
-    tb.t = StepChecks{};
-    tb.used = 0;
-    tb.max_n = 0;
+    tb.t = StepSegments{};
+    tb.blocks = 0;
   };
+  auto aligned8 = [](const void* p, DType t) { return reinterpret_cast<std::uintptr_t>(p) % (8 * dtype_size(t)) == 0; };
   for (const StepCheck& x : xs) {
     const int64_t n = x.grad.cols * x.grad.rows * x.grad.batch;
     if (n == 0) continue;
-    if (x.rule == StepCheck::AdamW && x.state2.dtype != x.state.dtype)
-      fail("check_step: exp_avg and exp_avg_sq dtypes differ");
+    const bool second = x.rule == StepCheck::AdamW;
+    if (second && x.state2.dtype != x.state.dtype) fail("check_step: exp_avg and exp_avg_sq dtypes differ");
     Table* tb = nullptr;
     for (Table& t : tables)
       if (t.gdt == x.grad.dtype && t.sdt == x.state.dtype) tb = &t;
     if (!tb) tb = &tables.emplace_back(Table{x.grad.dtype, x.state.dtype});
-    const int u = tb->used++;
-    tb->t.g[u] = x.grad.data;
-    tb->t.s[u] = x.state.data;
-    tb->t.s2[u] = x.rule == StepCheck::AdamW ? x.state2.data : nullptr;
-    tb->t.n[u] = n;
-    tb->t.a[u] = x.a;
-    tb->t.b[u] = x.b;
-    tb->t.rule[u] = x.rule;
-    tb->t.vec[u] = n % 4 == 0 && aligned4(x.grad.data, dtype_size(x.grad.dtype)) &&
-                   aligned4(x.state.data, dtype_size(x.state.dtype)) &&
-                   (x.rule != StepCheck::AdamW || aligned4(x.state2.data, dtype_size(x.state2.dtype)));
-    tb->max_n = std::max(tb->max_n, n);
-    if (tb->used == kStepChecks) flush(*tb);
+    const int u = tb->t.count++;
+    tb->t.seg[u] = StepSegment{x.grad.data, x.state.data, second ? x.state2.data : nullptr, n, x.a, x.b, x.rule,
+                               n % 8 == 0 && aligned8(x.grad.data, x.grad.dtype) && aligned8(x.state.data, x.state.dtype) &&
+                                   (!second || aligned8(x.state2.data, x.state2.dtype))};
+    tb->t.first_block[u] = tb->blocks;
+    tb->blocks += (n + kStepChunk - 1) / kStepChunk;
+    if (tb->t.count == kStepSegments) flush(*tb);
   }
   for (Table& t : tables) flush(t);
 }
