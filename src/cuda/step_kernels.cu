@@ -498,6 +498,18 @@ struct FiniteViews {
   FiniteView v[kFiniteSegments];
 };
 
+// The segment owning this block: the last one whose first block is at or before it
+// (first_block ascending, first_block[0] == 0).
+__device__ __forceinline__ int segment_of_block(const int64_t* first_block, int count) {
+  int lo = 0, hi = count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (first_block[mid] <= static_cast<int64_t>(blockIdx.x)) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
 // True when no element of the 16 bytes is Inf/NaN (exponent bits all ones), read bitwise.
 template <class T>
 __device__ __forceinline__ bool words_finite(const uint4 w) {
@@ -535,12 +547,7 @@ __device__ bool chunk_finite(const FiniteSegment& sg, int64_t chunk) {
 __global__ void __launch_bounds__(kFiniteThreads) check_finite_flat_kernel(const __grid_constant__ FiniteSegments a,
                                                                            int* flag) {
   pdl_wait();
-  int lo = 0, hi = a.count - 1;  // the last segment starting at or before this block
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (a.first_block[mid] <= static_cast<int64_t>(blockIdx.x)) lo = mid;
-    else hi = mid - 1;
-  }
+  const int lo = segment_of_block(a.first_block, a.count);
   const FiniteSegment& sg = a.seg[lo];
   const int64_t chunk = blockIdx.x - a.first_block[lo];
   bool ok;
@@ -629,12 +636,7 @@ __device__ __forceinline__ bool step_element_finite(int rule, float g, float m, 
 template <class TG, class TS>
 __global__ void __launch_bounds__(kStepThreads) check_step_kernel(const __grid_constant__ StepSegments a, int* flag) {
   pdl_wait();
-  int lo = 0, hi = a.count - 1;  // the last segment starting at or before this block
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (a.first_block[mid] <= static_cast<int64_t>(blockIdx.x)) lo = mid;
-    else hi = mid - 1;
-  }
+  const int lo = segment_of_block(a.first_block, a.count);
   const StepSegment& sg = a.seg[lo];
   const int64_t chunk = blockIdx.x - a.first_block[lo];
   const int rule = sg.rule;

@@ -291,12 +291,10 @@ TEST(Errors, StructuralGroupEditsBeforeTheFirstStepAreRejected) {
 
 // The same through the C API, the reported case: bf16 256 x 256, momentum_dtype set to fp32.
 TEST(Errors, CApiMomentumDtypeEditBeforeTheFirstStepIsRefused) {
-  dion3_optimizer* opt = nullptr;
-  ASSERT_EQ(dion3_create(&opt, DION3_DEVICE_CPU, 0, nullptr, DION3_NONFINITE_RAISE), DION3_OK);
-  dion3_group_config cfg;
-  dion3_group_config_default(&cfg);
-  int g = -1;
-  ASSERT_EQ(dion3_add_group(opt, &cfg, &g), DION3_OK);
+  t3::CApiOptimizer c;
+  dion3_optimizer* opt = c.opt;
+  dion3_group_config cfg = c.cfg;
+  const int g = c.group;
   std::vector<uint16_t> w(256 * 256, 0x3f80), gr(256 * 256, 0x3c00);  // bf16 1.0 and 0.0078125
   const std::vector<uint16_t> w0 = w;
   dion3_tensor wt = {w.data(), DION3_BF16, DION3_DEVICE_CPU, 0, 2, {256, 256}};
@@ -310,7 +308,6 @@ TEST(Errors, CApiMomentumDtypeEditBeforeTheFirstStepIsRefused) {
   int applied = 0;
   EXPECT_EQ(dion3_step(opt, &applied), DION3_OK);
   EXPECT_EQ(applied, 1);
-  dion3_destroy(opt);
 }
 
 TEST(Errors, TensorOnTheWrongDeviceOrWithoutData) {

@@ -125,19 +125,15 @@ TEST(Hardening, ElementCountsThatOverflowAreRefused) {
   EXPECT_EQ(h.opt.num_params(), 0);
 
   // The same through the C API.
-  dion3_optimizer* opt = nullptr;
-  ASSERT_EQ(dion3_create(&opt, DION3_DEVICE_CPU, 0, nullptr, DION3_NONFINITE_RAISE), DION3_OK);
-  dion3_group_config cfg;
-  dion3_group_config_default(&cfg);
-  int g = -1;
-  ASSERT_EQ(dion3_add_group(opt, &cfg, &g), DION3_OK);
+  t3::CApiOptimizer c;
+  dion3_optimizer* opt = c.opt;
+  const int g = c.group;
   dion3_tensor t = {dummy, DION3_F32, DION3_DEVICE_CPU, 0, 3, {(int64_t{1} << 62) + 1, 2, 2}};
   EXPECT_EQ(dion3_add_param(opt, g, "huge", &t, &t, nullptr), DION3_INVALID_ARGUMENT);
   EXPECT_THAT(std::string(dion3_last_error()), HasSubstr("2^63 - 1"));
   int n = -1;
   ASSERT_EQ(dion3_num_params(opt, &n), DION3_OK);
   EXPECT_EQ(n, 0);
-  dion3_destroy(opt);
 }
 
 TEST(Hardening, DuplicateNamesAreRefused) {
@@ -192,12 +188,10 @@ TEST(Hardening, SharedOrAliasedMemoryIsRefused) {
 }
 
 TEST(Hardening, CApiStructuralEditsAreRefusedWhenMadeAndChangeNothing) {
-  dion3_optimizer* opt = nullptr;
-  ASSERT_EQ(dion3_create(&opt, DION3_DEVICE_CPU, 0, nullptr, DION3_NONFINITE_RAISE), DION3_OK);
-  dion3_group_config cfg;
-  dion3_group_config_default(&cfg);
-  int g = -1;
-  ASSERT_EQ(dion3_add_group(opt, &cfg, &g), DION3_OK);
+  t3::CApiOptimizer c;
+  dion3_optimizer* opt = c.opt;
+  const dion3_group_config cfg = c.cfg;
+  const int g = c.group;
   std::vector<float> w(2 * 4 * 4, 1.0f), gr(2 * 4 * 4, 0.5f);
   dion3_tensor wt = {w.data(), DION3_F32, DION3_DEVICE_CPU, 0, 3, {2, 4, 4}};
   dion3_tensor gt = {gr.data(), DION3_F32, DION3_DEVICE_CPU, 0, 3, {2, 4, 4}};
@@ -223,7 +217,6 @@ TEST(Hardening, CApiStructuralEditsAreRefusedWhenMadeAndChangeNothing) {
   int applied = -1;
   EXPECT_EQ(dion3_step(opt, &applied), DION3_OK);
   EXPECT_EQ(applied, 1);
-  dion3_destroy(opt);
 }
 
 

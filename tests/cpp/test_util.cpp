@@ -1,6 +1,8 @@
 // tests/cpp/test_util.cpp — implementation of the shared test helpers (see test_util.hpp).
 #include "test_util.hpp"
 
+#include <stdexcept>
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -318,6 +320,14 @@ dion3::ParamSpec HostParam::spec() {
   s.weight = w.view();
   s.grad = g.view();
   return s;
+}
+
+CApiOptimizer::CApiOptimizer(int on_nonfinite) {
+  if (dion3_create(&opt, DION3_DEVICE_CPU, 0, nullptr, on_nonfinite) != DION3_OK)
+    throw std::runtime_error(std::string("dion3_create: ") + dion3_last_error());
+  dion3_group_config_default(&cfg);
+  if (dion3_add_group(opt, &cfg, &group) != DION3_OK)
+    throw std::runtime_error(std::string("dion3_add_group: ") + dion3_last_error());
 }
 
 Harness::Harness(dion3::OptimizerOptions o) : opt(dion3::make_cpu_backend(), o) {}

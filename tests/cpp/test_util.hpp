@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "dion3/dion3.h"
 #include "dion3/error.hpp"
 #include "dion3/optimizer.hpp"
 #include "dion3/view.hpp"
@@ -88,6 +89,18 @@ double rel_max_diff(const std::vector<double>& a, const std::vector<double>& b);
 // ||a-b||_F / ||b||_F
 double rel_fro_diff(const std::vector<double>& a, const std::vector<double>& b);
 std::vector<double> slice(const std::vector<double>& a, size_t begin, size_t count);
+
+// --- C API -------------------------------------------------------------------------------
+// A C API optimizer on the CPU with one group of default settings; destroyed with the struct.
+struct CApiOptimizer {
+  dion3_optimizer* opt = nullptr;
+  dion3_group_config cfg{};
+  int group = -1;
+  explicit CApiOptimizer(int on_nonfinite = DION3_NONFINITE_RAISE);
+  ~CApiOptimizer() { dion3_destroy(opt); }
+  CApiOptimizer(const CApiOptimizer&) = delete;
+  CApiOptimizer& operator=(const CApiOptimizer&) = delete;
+};
 
 // --- optimizer harness --------------------------------------------------------------------
 // A parameter with its weight and gradient buffers, registered into an Optimizer.
