@@ -16,7 +16,7 @@ BUILD_DIR=${DION3_ASAN_BUILD_DIR:-$ROOT/build-asan}
 FUZZ_SECONDS=${DION3_FUZZ_SECONDS:-30}
 JOBS=${JOBS:-2}
 
-log() { printf '[sanitize] %s\n' "$*" >&2; }
+log() { printf '[sanitize] %4ss %s\n' "$SECONDS" "$*" >&2; }
 
 for tool in clang clang++; do
   command -v "$tool" >/dev/null 2>&1 || { log "$tool not found: run scripts/setup.sh (it installs clang)"; exit 1; }
@@ -47,3 +47,4 @@ exclude=()
 if [ "$FUZZ_SECONDS" = 0 ]; then exclude=(-E '^fuzz\.(state|capi)$'); fi
 log "running the tests"
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS" "${exclude[@]}"
+log "done"
