@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import bisect
+import difflib
 import math
 import numbers
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -23,6 +24,17 @@ from . import distributed as _dist
 NonFiniteError = _C.NonFiniteError
 
 MATRIX_ALGORITHMS = ("dion3", "nordion2", "normuon", "muon")
+
+# Group keys that torch's learning-rate schedulers and SWA write into param groups: carried, unread.
+_SCHEDULER_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr"})
+# Other optimizers' names for settings dion3 has under another name.
+_KEY_ALIASES = {"eps": "epsilon", "momentum": "mu", "beta2": "muon_beta2", "rank_fraction": "fraction",
+                "nesterov_momentum": "nesterov", "adjust_learning_rate": "adjust_lr"}
+# The reference's group options that this engine does not implement yet, and what they would do.
+_NOT_IMPLEMENTED = {
+    "num_heads": "per-head orthogonalization of attention weights",
+    "split_sizes": "per-block orthogonalization of fused weights (e.g. QKV)",
+}
 ELEMENTWISE_ALGORITHMS = ("adamw", "lion")
 ALGORITHMS = MATRIX_ALGORITHMS + ELEMENTWISE_ALGORITHMS
 _ORTHOGONALIZERS = ("auto", "standard", "gram")
@@ -485,8 +497,28 @@ class _EngineOptimizer(torch.optim.Optimizer):
             return str(names[j])
         return f"group{gi}.param{j}"
 
+    def _check_keys(self, gi: int, group: Dict[str, Any]) -> None:
+        """A group key dion3 would silently ignore is refused when it is a likely mistake: a
+        misspelt setting (the nearest valid one is named), another optimizer's name for a setting,
+        or a reference option not implemented here. Keys far from any setting are carried untouched,
+        as torch.optim does (schedulers' keys, a user's own tags such as a layer index)."""
+        known = set(self.defaults) | {"params", "param_names"}
+        for key in group:
+            if key in known or key in _SCHEDULER_KEYS or not isinstance(key, str):
+                continue
+            where = f"dion3: parameter group {gi}"
+            if key in _NOT_IMPLEMENTED:
+                raise ValueError(f"{where}: '{key}' ({_NOT_IMPLEMENTED[key]}) is not implemented by dion3 yet; "
+                                 f"remove it, or split such weights into separate parameters")
+            if key in _KEY_ALIASES and _KEY_ALIASES[key] in known:
+                raise ValueError(f"{where}: unknown setting '{key}'; dion3 calls it '{_KEY_ALIASES[key]}'")
+            near = difflib.get_close_matches(key, sorted(known - {"params", "param_names"}), n=1, cutoff=0.75)
+            if near:
+                raise ValueError(f"{where}: unknown setting '{key}'; did you mean '{near[0]}'?")
+
     def _check_group(self, gi: int, group: Dict[str, Any]) -> None:
         """Everything that can be told before a step, so errors come before any change."""
+        self._check_keys(gi, group)
         try:
             cfg = _engine_config(group)
             _C.validate_group(cfg)

@@ -423,3 +423,38 @@ def test_storage_shared_after_construction_is_refused_at_the_step(device):
     with pytest.raises(ValueError, match="'group0.param1' of group 0 shares memory with .*'group0.param0'"):
         opt.step()
     assert opt.state[a]["step"] == 1
+
+
+@pytest.mark.parametrize("key, pattern", [
+    ("fractoin", r"unknown setting 'fractoin'; did you mean 'fraction'\?"),
+    ("weight_decya", r"unknown setting 'weight_decya'; did you mean 'weight_decay'\?"),
+    ("eps", r"unknown setting 'eps'; dion3 calls it 'epsilon'"),
+    ("momentum", r"dion3 calls it 'mu'"),
+    ("split_sizes", r"'split_sizes' \(per-block orthogonalization of fused weights.*\) is not implemented"),
+    ("num_heads", r"'num_heads' .* is not implemented"),
+])
+def test_group_keys_that_would_be_ignored_are_refused(device, key, pattern):
+    with pytest.raises(ValueError, match=r"parameter group 0: .*" + pattern):
+        dion3.Dion3([dict(params=[mat(device)], **{key: 1})])
+    opt = dion3.Dion3([mat(device)])
+    with pytest.raises(ValueError, match=r"parameter group 1: .*" + pattern):
+        opt.add_param_group(dict(params=[mat(device)], **{key: 1}))
+    assert len(opt.param_groups) == 1
+    # A key set on a group after construction is caught at the next step, before any change.
+    p = opt.param_groups[0]["params"][0]
+    p.grad = torch.ones_like(p)
+    before = p.detach().clone()
+    opt.param_groups[0][key] = 1
+    with pytest.raises(ValueError, match=pattern):
+        opt.step()
+    assert torch.equal(p.detach(), before)
+
+
+def test_scheduler_and_user_keys_are_carried(device):
+    p = mat(device)
+    opt = dion3.Dion3([dict(params=[p], layer_id=3, name="blocks.0")])
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.02, total_steps=4, cycle_momentum=False)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]["layer_id"] == 3 and "initial_lr" in opt.param_groups[0]
