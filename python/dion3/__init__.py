@@ -18,7 +18,17 @@ must be None for now.
 """
 import torch  # noqa: F401  (loads libc10/libtorch, which dion3._C links against)
 
-from . import _C
+try:
+    from . import _C
+except ImportError as e:  # else Python reports a "partially initialized module" (circular import)
+    import glob as _glob
+    import os as _os
+    _built = _glob.glob(_os.path.join(_os.path.dirname(__file__), "_C*"))
+    raise ImportError("dion3: the compiled extension dion3._C " +
+                      (f"does not load ({e})" if _built else "is missing") +
+                      "; build and install the package from the repository with `pip install "
+                      "--no-build-isolation .` (scripts/setup-python.sh does it), in the environment whose "
+                      "PyTorch it is built against") from None
 from .groups import param_groups
 from .optimizer import ALGORITHMS, Dion3, Muon, NonFiniteError, NorMuon
 

@@ -544,7 +544,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
             if matrix and p.dim() < 2:
                 algo = {"muon": "Muon", "normuon": "NorMuon"}.get(group["algorithm"], "Dion3")
                 raise ValueError(f"dion3: {who} has shape {list(p.shape)} but {algo} needs a matrix; put "
-                                 "1-D tensors in an 'adamw' or 'lion' group")
+                                 "1-D tensors in an 'adamw' or 'lion' group (dion3.param_groups(model) makes "
+                                 "such groups: matrices to {algo}, vectors, embeddings and the head to AdamW)")
         # Layouts: every rank sees the same metadata, so every rank raises alike, before any step.
         meshes = []
         for j, p in enumerate(group["params"]):

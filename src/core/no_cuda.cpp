@@ -5,7 +5,8 @@
 namespace dion3 {
 
 std::unique_ptr<Backend> make_cuda_backend(int, void*, Allocator*) {
-  fail("this build of dion3 has no CUDA backend; rebuild with -DDION3_CUDA=ON", Status::Unsupported);
+  fail("this build of dion3 has no CUDA backend; rebuild it with CUDA (CMake: -DDION3_CUDA=ON; the PyTorch "
+       "package: DION3_CUDA=1 pip install --no-build-isolation . on a machine with nvcc)", Status::Unsupported);
 }
 
 bool cuda_available() { return false; }

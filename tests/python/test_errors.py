@@ -458,3 +458,34 @@ def test_scheduler_and_user_keys_are_carried(device):
     opt.step()
     sched.step()
     assert opt.param_groups[0]["layer_id"] == 3 and "initial_lr" in opt.param_groups[0]
+
+
+def test_sparse_gradient_is_named(device):
+    emb = nn.Embedding(16, 8, sparse=True).to(device)
+    opt = dion3.Dion3([dict(params=[emb.weight], param_names=["emb.weight"])])
+    emb(torch.tensor([1, 2], device=device)).sum().backward()
+    assert emb.weight.grad.is_sparse
+    before = emb.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"'emb.weight'.*sparse; dion3 steps dense gradients only"):
+        opt.step()
+    assert torch.equal(emb.weight.detach(), before)
+
+
+def test_1d_error_suggests_param_groups(device):
+    model = nn.Linear(4, 4).to(device)
+    with pytest.raises(ValueError, match=r"dion3.param_groups\(model\)"):
+        dion3.Dion3(model.parameters())
+
+
+def test_missing_extension_is_reported_clearly(tmp_path):
+    # A copy of the package without its compiled extension, imported in a fresh interpreter.
+    import os
+    import shutil
+    import subprocess
+    import sys
+    src = os.path.dirname(dion3.__file__)
+    shutil.copytree(src, tmp_path / "dion3", ignore=shutil.ignore_patterns("_C*", "__pycache__"))
+    r = subprocess.run([sys.executable, "-c", "import dion3"], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode != 0
+    assert "compiled extension dion3._C is missing" in r.stderr
+    assert "circular import" not in r.stderr

@@ -287,7 +287,12 @@ class Engine {
                 const std::string& layout, const py::object& process_group, int64_t global_rows,
                 int64_t global_cols, int64_t row_offset, int64_t row_chunk, const py::object& col_process_group,
                 const std::optional<at::Tensor>& given_grad) {
-    const at::Tensor grad = given_grad ? contiguous(*given_grad) : contiguous_grad(weight);
+    at::Tensor grad;
+    try {
+      grad = given_grad ? contiguous(*given_grad) : contiguous_grad(weight);
+    } catch (const dion3::Error& e) {
+      throw dion3::Error(e.status(), "parameter '" + name + "': " + std::string(e.what()).substr(7));
+    }
     if (!grad.defined())
       throw dion3::Error(dion3::Status::InvalidArgument, "parameter '" + name + "' has no gradient");
     dion3::ParamSpec spec;
@@ -361,7 +366,12 @@ class Engine {
       if (weights_[i].data_ptr() != weight_ptrs_[i] || !(given ? (*given)[i].defined() : weights_[i].grad().defined()))
         return -1;
     for (int i = 0; i < n; ++i) {
-      at::Tensor g = given ? contiguous((*given)[i]) : contiguous_grad(weights_[i]);
+      at::Tensor g;
+      try {
+        g = given ? contiguous((*given)[i]) : contiguous_grad(weights_[i]);
+      } catch (const dion3::Error& e) {
+        throw dion3::Error(e.status(), "parameter '" + opt_->param_name(i) + "': " + std::string(e.what()).substr(7));
+      }
       if (!g.is_same(grads_[i]) || g.data_ptr() != grads_[i].data_ptr()) {
         opt_->set_grad(i, view_of(g, "the gradient of " + opt_->param_name(i)));
         grads_[i] = std::move(g);
@@ -431,6 +441,10 @@ class Engine {
   };
 
   static at::Tensor contiguous(at::Tensor g) {
+    if (g.defined() && g.layout() != at::kStrided)  // is_contiguous() itself throws on sparse tensors
+      throw dion3::Error(dion3::Status::InvalidArgument,
+                         std::string("a gradient is ") + (g.is_sparse() ? "sparse" : "not a dense (strided) tensor") +
+                             "; dion3 steps dense gradients only (for an embedding, nn.Embedding(sparse=False))");
     if (g.defined() && !g.is_contiguous()) g = g.contiguous();
     return g;
   }
