@@ -31,8 +31,9 @@ except ImportError as e:  # else Python reports a "partially initialized module"
                       "PyTorch it is built against") from None
 from .groups import param_groups
 from .optimizer import ALGORITHMS, Dion3, Muon, NonFiniteError, NorMuon
+from .polar import orthogonalize
 
-__all__ = ["Dion3", "NorMuon", "Muon", "NonFiniteError", "param_groups", "ALGORITHMS", "cuda_built"]
+__all__ = ["Dion3", "NorMuon", "Muon", "NonFiniteError", "param_groups", "orthogonalize", "ALGORITHMS", "cuda_built"]
 __version__ = "0.1.0"
 
 

@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -16,6 +17,7 @@
 #include "dion3/config.hpp"
 #include "dion3/error.hpp"
 #include "dion3/optimizer.hpp"
+#include "dion3/orthogonalize.hpp"
 
 #ifdef DION3_HAVE_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -475,6 +477,58 @@ class Engine {
 
 void validate_group(const py::dict& cfg) { group_config(cfg).validate(); }
 
+// The backend dion3.orthogonalize runs on for a device: one per device for the process (a CUDA
+// backend holds a cuBLAS handle), on the current stream at each call. Used with the GIL held.
+dion3::Backend& backend_for(const at::Tensor& x) {
+  if (x.is_cpu()) {
+    static std::unique_ptr<dion3::Backend> cpu = dion3::make_cpu_backend();
+    return *cpu;
+  }
+#ifdef DION3_HAVE_CUDA
+  if (x.is_cuda()) {
+    static TorchCudaAllocator allocator;
+    static std::map<int, std::unique_ptr<dion3::Backend>> cuda;
+    const int index = x.get_device();
+    c10::cuda::CUDAGuard guard(index);
+    auto& be = cuda[index];
+    const auto stream = at::cuda::getCurrentCUDAStream(index).stream();
+    if (!be) be = dion3::make_cuda_backend(index, stream, &allocator);
+    be->set_stream(stream);
+    return *be;
+  }
+#endif
+  if (x.is_cuda()) dion3::make_cuda_backend(x.get_device(), nullptr, nullptr);  // throws Unsupported
+  throw dion3::Error(dion3::Status::InvalidArgument,
+                     "orthogonalize: the tensor is on '" + x.device().str() + "'; dion3 runs on cpu and cuda");
+}
+
+// dion3.orthogonalize: the polar factor of each matrix of x (rows x cols, or batch x rows x cols)
+// by the group config's Newton-Schulz settings, into a new tensor of x's dtype.
+at::Tensor orthogonalize(const at::Tensor& x, const py::dict& cfg) {
+  dion3::GroupConfig g = group_config(cfg);
+  g.orth.validate();
+  if (x.layout() != at::kStrided)
+    throw dion3::Error(dion3::Status::InvalidArgument, "orthogonalize: the tensor must be dense (strided)");
+  if (x.dim() != 2 && x.dim() != 3)
+    throw dion3::Error(dion3::Status::InvalidArgument,
+                       "orthogonalize: expected a matrix or a batch of matrices (2 or 3 dimensions), got " +
+                           std::to_string(x.dim()));
+  const at::Tensor in = x.contiguous();
+  at::Tensor out = at::empty_like(in);
+  const dion3::TensorView v = view_of(in, "orthogonalize: the tensor");
+  if (!dion3::is_float_param_dtype(v.dtype))
+    throw dion3::Error(dion3::Status::InvalidArgument, std::string("orthogonalize: dtype ") +
+                                                           dion3::dtype_name(v.dtype) +
+                                                           " (expected float32, float16 or bfloat16)");
+  const int64_t batch = x.dim() == 3 ? x.size(0) : 1, rows = x.size(-2), cols = x.size(-1);
+  if (in.numel() == 0) return out;
+  dion3::Backend& be = backend_for(in);
+  dion3::Orthogonalizer o(be, g.orth, batch, rows, cols);
+  o.run(dion3::MatrixView::contiguous(in.data_ptr(), v.dtype, batch, rows, cols),
+        dion3::MatrixView::contiguous(out.data_ptr(), v.dtype, batch, rows, cols));
+  return out;
+}
+
 bool cuda_built() {
 #ifdef DION3_HAVE_CUDA
   return true;
@@ -566,5 +620,6 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("steps_taken", guarded(&Engine::steps_taken))
       .def_property_readonly("steps_skipped", guarded(&Engine::steps_skipped));
   m.def("validate_group", guarded(&validate_group), "Raise ValueError if a normalised group config is invalid");
+  m.def("orthogonalize", guarded(&orthogonalize), "Polar factor of each matrix (see dion3.orthogonalize)");
   m.def("cuda_built", &cuda_built, "Whether this build has the CUDA backend");
 }

@@ -1,0 +1,63 @@
+# test_orthogonalize.py — dion3.orthogonalize against the float64 transcription of SPEC §2
+# (reference.py), for both methods, wide and tall matrices, batches and the dtypes; and its errors.
+import pytest
+import torch
+
+import dion3
+import reference as ref
+
+TOL = {torch.float32: 2e-4, torch.bfloat16: 0.25, torch.float16: 0.05}  # max |diff| / max |ref|
+
+
+def reference_polar(X, method, coefficients=ref.POLAR_EXPRESS, restarts=(2,)):
+    f = ref.orth_gram if method == "gram" else ref.orth_standard
+    kw = dict(restarts=restarts) if method == "gram" else {}
+    return f(X.cpu(), coefficients, **kw) if X.dim() == 2 else torch.stack([f(x.cpu(), coefficients, **kw) for x in X])
+
+
+@pytest.mark.parametrize("method", ["standard", "gram"])
+@pytest.mark.parametrize("shape", [(24, 64), (64, 24), (3, 16, 40), (2, 32, 32)])
+def test_matches_the_float64_reference(device, method, shape):
+    g = torch.Generator().manual_seed(7)
+    X = torch.randn(shape, generator=g).to(device)
+    got = dion3.orthogonalize(X, method, iteration_dtype=torch.float32)
+    assert got.shape == X.shape and got.dtype == X.dtype and got.device == X.device
+    want = reference_polar(X.double(), method)
+    err = (got.double().cpu() - want).abs().max() / want.abs().max()
+    assert err < TOL[torch.float32], f"{method} {shape}: {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_inputs_and_iterations(device, dtype):
+    g = torch.Generator().manual_seed(8)
+    X = torch.randn(4, 32, 96, generator=g).to(device=device, dtype=dtype)
+    got = dion3.orthogonalize(X, "gram", iteration_dtype=dtype)
+    assert got.dtype == dtype
+    want = reference_polar(X.double(), "gram")
+    err = (got.double().cpu() - want).abs().max() / want.abs().max()
+    assert err < TOL[dtype], f"{dtype}: {err:.2e}"
+
+
+def test_coefficients_restarts_and_auto(device):
+    X = torch.randn(16, 48, generator=torch.Generator().manual_seed(9)).to(device)
+    you = dion3.orthogonalize(X, "standard", use_polar_express=False)
+    assert torch.allclose(you.double().cpu(), reference_polar(X.double(), "standard", ref.YOU), atol=2e-4)
+    norestart = dion3.orthogonalize(X, "gram", restarts=[])
+    assert torch.allclose(norestart.double().cpu(), reference_polar(X.double(), "gram", restarts=()), atol=2e-4)
+    auto = dion3.orthogonalize(X)  # either method: both equal the reference in exact arithmetic
+    assert torch.allclose(auto.double().cpu(), reference_polar(X.double(), "standard"), atol=2e-3)
+    # Singular values land in the Polar Express band around 1.
+    s = torch.linalg.svdvals(auto.double().cpu())
+    assert s.min() > 0.7 and s.max() < 1.3
+
+
+def test_errors(device):
+    with pytest.raises(ValueError, match="2 or 3 dimensions"):
+        dion3.orthogonalize(torch.randn(2, 2, 2, 2, device=device))
+    with pytest.raises(ValueError, match="float64"):
+        dion3.orthogonalize(torch.randn(4, 4, dtype=torch.float64, device=device))
+    with pytest.raises(ValueError, match="'orthogonalizer' must be"):
+        dion3.orthogonalize(torch.randn(4, 4, device=device), "svd")
+    with pytest.raises(ValueError, match="'coefficients'"):
+        dion3.orthogonalize(torch.randn(4, 4, device=device), coefficients=[(1e30, 0, 0)])
+    assert dion3.orthogonalize(torch.randn(0, 4, 4, device=device)).shape == (0, 4, 4)
