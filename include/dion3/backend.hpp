@@ -132,6 +132,10 @@ class Backend {
   // The stream every op is enqueued on (CUDA), null on the CPU: communicators order their
   // collectives on it.
   virtual void* stream() const { return nullptr; }
+  // A named range around the ops enqueued between push and pop, for the device's profiler
+  // (NVTX on CUDA); nothing by default.
+  virtual void range_push(const char* name) { (void)name; }
+  virtual void range_pop() {}
 
   // --- memory --------------------------------------------------------------------------
   virtual void fill_zero(void* ptr, std::size_t bytes) = 0;

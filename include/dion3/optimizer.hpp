@@ -84,15 +84,24 @@ struct OptimizerState {
   std::vector<ParamState> params;
 };
 
+// Named ranges around a step's phases and megabatches, for profilers. The CUDA backend always
+// marks them as NVTX ranges (Nsight Systems); a front end may add its own, e.g. the PyTorch
+// package's torch.profiler ranges. begin/end nest; names live until the matching end().
+class StepTracer {
+ public:
+  virtual ~StepTracer() = default;
+  virtual void begin(const char* name) = 0;
+  virtual void end() = 0;
+};
+
 struct OptimizerOptions {
   NonFinitePolicy on_nonfinite = NonFinitePolicy::Raise;
   // Workspace budget (bytes). Megabatches are orthogonalized in chunks of as many matrices as
   // fit (at least one); all chunks share one arena, so this bounds the optimizer's memory
   // beyond its state whatever the model size. 0 (the default) = automatic: the larger of
   // 1 GiB and a quarter of the matrix parameters' momentum bytes — small models keep a 1 GiB
-  // bound, large ones get batches big enough to fill the device (on an H200, llama-7b at
-  // f = 1/4 ran its 11008x4096 megabatch 2 matrices at a time under 512 MiB, ~16 ms slower;
-  // gpt-1b at f = 1/4 split every megabatch in two under 512 MiB: 10.85 ms against 9.75 ms).
+  // bound, large ones get batches big enough to fill the device (a tight budget splits big
+  // megabatches into several smaller, slower orthogonalizations).
   std::size_t workspace_limit = 0;
   // Same-shape matrices share one batched orthogonalization and, when distributed, one collective
   // round per direction (SPEC §3). false: every matrix is its own megabatch (one round each), for
@@ -169,6 +178,8 @@ class Optimizer {
   // Returns false when the step was dropped because a gradient was not finite and
   // on_nonfinite == Skip. Throws dion3::Error(NonFinite) under Raise, with nothing modified
   // (steps_skipped() included: it counts dropped steps, not raised ones).
+  // Ranges of every later step also go to `tracer` (null: none beyond the backend's own).
+  void set_tracer(std::shared_ptr<StepTracer> tracer);
   bool step();
   // The same step, only enqueued on the backend's stream: no host synchronisation, so it can
   // be captured in a CUDA graph and replayed. A non-finite gradient drops the step on the

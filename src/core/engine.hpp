@@ -136,6 +136,25 @@ struct Optimizer::Impl {
   // Memory a step writes (weights, state given by the caller), by start address: [start, end)
   // and what it is. These ranges never overlap each other or any gradient (see memory_clash()).
   std::map<std::uintptr_t, std::pair<std::uintptr_t, std::string>> written;
+  std::shared_ptr<StepTracer> tracer;  // see Optimizer::set_tracer
+
+  // A profiler range for the lifetime of the object (Backend::range_push and the tracer).
+  class Range {
+   public:
+    Range(const Impl& s, const char* name) : s_(s) {
+      s_.backend->range_push(name);
+      if (s_.tracer) s_.tracer->begin(name);
+    }
+    ~Range() {
+      if (s_.tracer) s_.tracer->end();
+      s_.backend->range_pop();
+    }
+    Range(const Range&) = delete;
+    Range& operator=(const Range&) = delete;
+
+   private:
+    const Impl& s_;
+  };
 
   // Names the expected state tensors of a parameter (name, dtype, shape).
   struct StateSpec {

@@ -1332,18 +1332,30 @@ void Optimizer::Impl::enqueue_step(bool count_dropped) {
   //    runs agree on it across ranks first.
   int* flag = s.flag.as<int>();
   be.fill_zero(flag, sizeof(int));
-  std::vector<StepCheck> checks;
-  for (const Param& p : s.params)
-    if (p.weight.numel() > 0) checks.push_back(step_check(p));
-  be.check_step(checks, flag);
-  agree_on_flag(flag);
+  const Range step_range(s, "dion3::step");
+  {
+    const Range r(s, "dion3::check");
+    std::vector<StepCheck> checks;
+    for (const Param& p : s.params)
+      if (p.weight.numel() > 0) checks.push_back(step_check(p));
+    be.check_step(checks, flag);
+    agree_on_flag(flag);
+  }
 
   // 2. Matrix megabatches, stage by stage across all of them: every forward collective is
   //    started before the first orthogonalization waits for its own, and each return collective
   //    is in flight while the next megabatch orthogonalizes.
-  for (Megabatch& mb : s.megabatches) prepare(mb, flag);
-  for (Megabatch& mb : s.megabatches) orthogonalize(mb, flag);
-  for (Megabatch& mb : s.megabatches) apply(mb, flag);
+  auto stage = [&](const char* name, void (Impl::*run)(Megabatch&, int*)) {
+    const Range r(s, name);
+    for (Megabatch& mb : s.megabatches) {
+      const Range m(s, mb.label.c_str());
+      (this->*run)(mb, flag);
+    }
+  };
+  stage("dion3::prepare", &Impl::prepare);  // momentum, scores, selection, gather, forward collectives
+  stage("dion3::orthogonalize", &Impl::orthogonalize);
+  stage("dion3::update", &Impl::apply);  // return collectives, NorMuon, weight update
+  const Range r(s, "dion3::elementwise");
 
   // 3. Element-wise parameters: all AdamW ones in one call, all Lion ones in another (the backend
   //    batches them into as few launches as their dtypes allow).
@@ -1372,6 +1384,8 @@ void Optimizer::Impl::enqueue_step(bool count_dropped) {
   if (!lion_ps.empty()) be.lion(lion_ps, lion_hs, flag);
   be.finish_step(flag, s.counters.as<int64_t>(), count_dropped);
 }
+
+void Optimizer::set_tracer(std::shared_ptr<StepTracer> tracer) { impl_->tracer = std::move(tracer); }
 
 void Optimizer::step_async() {
   impl_->validate_for_step();

@@ -214,3 +214,19 @@ def test_one_openmp_runtime_serves_torch_and_dion3():
     with open("/proc/self/maps") as f:
         runtimes = {line.split()[-1] for line in f if re.search(r"/lib(g|i)?omp[^/]*\.so", line)}
     assert len(runtimes) == 1, runtimes
+
+
+def test_step_phases_appear_in_torch_profiler():
+    torch.manual_seed(0)
+    w, b = torch.nn.Parameter(torch.randn(16, 32)), torch.nn.Parameter(torch.randn(16))
+    opt = dion3.Dion3([dict(params=[w]), dict(params=[b], algorithm="adamw")])
+    for p in (w, b):
+        p.grad = torch.randn_like(p)
+    opt.step()  # builds the engine outside the profiled step
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.step()
+    names = {e.name for e in prof.events()}
+    for phase in ("dion3::step", "dion3::check", "dion3::prepare", "dion3::orthogonalize", "dion3::update",
+                  "dion3::elementwise"):
+        assert phase in names, (phase, sorted(n for n in names if "dion3" in n or "megabatch" in n))
+    assert any(n.startswith("megabatch 0 (1 x 16x32") for n in names)

@@ -6,6 +6,7 @@
 // the compile time of this file.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <map>
@@ -113,6 +114,23 @@ dion3::GroupConfig group_config(const py::dict& d) {
   c.selection_scope = dion3::parse_selection_scope(py::cast<std::string>(d["selection_scope"]));
   return c;
 }
+
+// The engine's step ranges as torch.profiler ranges (record_function): free when no profiler is
+// active, since RecordFunction checks for callbacks when it is made.
+class TorchTracer final : public dion3::StepTracer {
+ public:
+  void begin(const char* name) override {
+    auto rf = std::make_unique<at::RecordFunction>(at::RecordScope::USER_SCOPE);
+    if (rf->isActive()) rf->before(std::string_view(name), c10::ArrayRef<const c10::IValue>{});
+    open_.push_back(std::move(rf));
+  }
+  void end() override {
+    if (!open_.empty()) open_.pop_back();  // ~RecordFunction ends the range
+  }
+
+ private:
+  std::vector<std::unique_ptr<at::RecordFunction>> open_;
+};
 
 #ifdef DION3_HAVE_CUDA
 // Workspace and engine-owned state from PyTorch's caching allocator (CUDA-graph capture needs it).
@@ -274,6 +292,7 @@ class Engine {
       throw dion3::Error(dion3::Status::InvalidArgument, "dion3 runs on cpu and cuda, not '" + device_type + "'");
     }
     opt_ = std::make_unique<dion3::Optimizer>(std::move(backend), options);
+    opt_->set_tracer(std::make_shared<TorchTracer>());
   }
 
   int add_group(const py::dict& cfg) { return opt_->add_group(group_config(cfg)); }
