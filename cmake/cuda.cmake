@@ -1,7 +1,7 @@
 # cmake/cuda.cmake — the CUDA backend of dion3 (included by the top-level CMakeLists when
-# -DDION3_CUDA=ON): enables CUDA, adds src/cuda/*.cu to target `dion3`, links cuBLAS/cuBLASLt,
-# and builds the CUDA benchmark programs (bench/cuda_*.cu; dion3-cuda-sym-bench compares the
-# fused symmetric kernel sym_wgmma.cu with cuBLAS).
+# -DDION3_CUDA=ON): enables CUDA, adds src/cuda/*.cu to the library's objects (`dion3_objects`),
+# links cuBLAS/cuBLASLt, and builds the CUDA benchmark programs (bench/cuda_*.cu;
+# dion3-cuda-sym-bench compares the fused symmetric kernel sym_wgmma.cu with cuBLAS).
 #
 # Architectures: Hopper's sm_90a by default (wgmma needs the "a" target, written with -gencode,
 # see .library HOPPER.md). Override with -DDION3_CUDA_GENCODE="-gencode=..." or with
@@ -32,22 +32,24 @@ set(DION3_CUDA_SOURCES
   ${CMAKE_CURRENT_SOURCE_DIR}/src/cuda/symmetric.cu
   ${CMAKE_CURRENT_SOURCE_DIR}/src/cuda/sym_wgmma.cu
 )
-target_sources(dion3 PRIVATE ${DION3_CUDA_SOURCES})
+target_sources(dion3_objects PRIVATE ${DION3_CUDA_SOURCES})
 separate_arguments(_dion3_gencode UNIX_COMMAND "${DION3_CUDA_GENCODE}")
-# `dion3` was created before this file ran, so it did not pick up CMAKE_CUDA_ARCHITECTURES.
-set_target_properties(dion3 PROPERTIES CUDA_ARCHITECTURES "${CMAKE_CUDA_ARCHITECTURES}")
-target_compile_options(dion3 PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${_dion3_gencode} ${_dion3_cuda_flags}>)
-target_compile_definitions(dion3 PUBLIC DION3_HAVE_CUDA=1)
-target_link_libraries(dion3 PUBLIC CUDA::cudart CUDA::cublas CUDA::cublasLt)
+# `dion3_objects` was created before this file ran, so it did not pick up CMAKE_CUDA_ARCHITECTURES.
+set_target_properties(dion3_objects PROPERTIES CUDA_ARCHITECTURES "${CMAKE_CUDA_ARCHITECTURES}")
+target_compile_options(dion3_objects PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${_dion3_gencode} ${_dion3_cuda_flags}>)
+target_compile_definitions(dion3_objects PUBLIC DION3_HAVE_CUDA=1)
+target_link_libraries(dion3_objects PUBLIC CUDA::cudart CUDA::cublas CUDA::cublasLt)
+list(APPEND DION3_LINK_DEPS CUDA::cudart CUDA::cublas CUDA::cublasLt)
 # NCCL for the native GPU communicator (src/comm/nccl.cpp), where the toolkit or the system has it.
 # DION3_NCCL_ROOT: a prefix with include/nccl.h and lib/libnccl.so[.2] (e.g. the nvidia-nccl wheel's).
 find_path(DION3_NCCL_INCLUDE nccl.h HINTS ${DION3_NCCL_ROOT}/include ${CUDAToolkit_INCLUDE_DIRS} /usr/include)
 find_library(DION3_NCCL_LIBRARY NAMES nccl libnccl.so.2
              HINTS ${DION3_NCCL_ROOT}/lib ${CUDAToolkit_LIBRARY_DIR} /usr/lib/x86_64-linux-gnu)
 if(DION3_NCCL_INCLUDE AND DION3_NCCL_LIBRARY)
-  target_include_directories(dion3 PUBLIC ${DION3_NCCL_INCLUDE})
-  target_link_libraries(dion3 PUBLIC ${DION3_NCCL_LIBRARY})
-  target_compile_definitions(dion3 PUBLIC DION3_HAVE_NCCL=1)
+  target_include_directories(dion3_objects PUBLIC ${DION3_NCCL_INCLUDE})
+  target_link_libraries(dion3_objects PUBLIC ${DION3_NCCL_LIBRARY})
+  list(APPEND DION3_LINK_DEPS ${DION3_NCCL_LIBRARY})
+  target_compile_definitions(dion3_objects PUBLIC DION3_HAVE_NCCL=1)
   message(STATUS "dion3: NCCL communicator (${DION3_NCCL_LIBRARY})")
 else()
   message(STATUS "dion3: no NCCL found; the NCCL communicator is not built")

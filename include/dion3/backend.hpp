@@ -16,13 +16,14 @@
 #include <span>
 #include <vector>
 
+#include "dion3/export.h"
 #include "dion3/view.hpp"
 
 namespace dion3 {
 
 // Device memory for workspace and engine-owned state. Injected so that front ends can lend
 // their own allocator (PyTorch's caching allocator, which CUDA-graph capture needs).
-class Allocator {
+class DION3_API Allocator {
  public:
   virtual ~Allocator() = default;
   virtual void* allocate(std::size_t bytes) = 0;
@@ -45,7 +46,7 @@ struct ParamMatrix {
 
 // The matrices of one megabatch. Backends may derive from it to keep device-side copies of
 // the pointer table; refresh() is called whenever `mats` changed.
-struct MatrixSet {
+struct DION3_API MatrixSet {
   virtual ~MatrixSet() = default;
   std::vector<ParamMatrix> mats;
   int64_t rows() const { return mats.empty() ? 0 : mats.front().weight.rows; }
@@ -123,7 +124,7 @@ struct LionRule {
   DION3_HOST_DEVICE static float exp_avg(float m, float g, float beta2) { return m + (1.0f - beta2) * (g - m); }
 };
 
-class Backend {
+class DION3_API Backend {
  public:
   virtual ~Backend() = default;
   virtual Device device() const = 0;
@@ -249,11 +250,11 @@ class Backend {
 // (omp_get_max_threads(): OMP_NUM_THREADS, omp_set_num_threads; in PyTorch, the intra-op threads
 // that torch.set_num_threads sets), BLAS single-threaded inside them; results are the same
 // whatever the number of threads.
-std::unique_ptr<Backend> make_cpu_backend();
+DION3_API std::unique_ptr<Backend> make_cpu_backend();
 // The CUDA backend; throws dion3::Error(Unsupported) when built without CUDA.
-std::unique_ptr<Backend> make_cuda_backend(int device_index = 0, void* stream = nullptr,
-                                           Allocator* allocator = nullptr);
-bool cuda_available();
+DION3_API std::unique_ptr<Backend> make_cuda_backend(int device_index = 0, void* stream = nullptr,
+                                                     Allocator* allocator = nullptr);
+DION3_API bool cuda_available();
 
 }  // namespace dion3
 

@@ -22,11 +22,12 @@
 #include <memory>
 #include <string>
 
+#include "dion3/export.h"
 #include "dion3/view.hpp"
 
 namespace dion3 {
 
-class CommRequest {
+class DION3_API CommRequest {
  public:
   virtual ~CommRequest() = default;
   // Completion ordered before later work on the stream the collective was started on. Throws
@@ -34,7 +35,7 @@ class CommRequest {
   virtual void wait() = 0;
 };
 
-class Communicator {
+class DION3_API Communicator {
  public:
   virtual ~Communicator() = default;
   virtual int rank() const = 0;
@@ -63,18 +64,18 @@ class Communicator {
 
 // One rank talking to itself: collectives are copies. device: where its buffers live (CPU, or
 // CUDA with stream-ordered copies in CUDA builds).
-std::shared_ptr<Communicator> make_loopback_communicator(Device device = Device::CPU);
+DION3_API std::shared_ptr<Communicator> make_loopback_communicator(Device device = Device::CPU);
 
 // MPI (CPU buffers) over a duplicate of `mpi_comm`, a pointer to an MPI_Comm (MPI_COMM_WORLD if
 // null). MPI must be initialised. Throws Status::Unsupported in builds without MPI.
 // timeout_seconds: how long wait() lets a collective run before it raises (0 = no limit).
-std::shared_ptr<Communicator> make_mpi_communicator(const void* mpi_comm = nullptr, double timeout_seconds = 600.0);
-bool mpi_built();
+DION3_API std::shared_ptr<Communicator> make_mpi_communicator(const void* mpi_comm = nullptr, double timeout_seconds = 600.0);
+DION3_API bool mpi_built();
 
 // NCCL (CUDA buffers) over an initialised ncclComm_t (not owned) whose rank uses `device`.
 // Collectives run on a stream of the communicator's own, ordered after and before the caller's
 // stream with events. A collective unfinished after timeout_seconds at settle() aborts the
 // ncclComm_t and raises. Throws Status::Unsupported in builds without NCCL.
-std::shared_ptr<Communicator> make_nccl_communicator(void* nccl_comm, int device, double timeout_seconds = 600.0);
+DION3_API std::shared_ptr<Communicator> make_nccl_communicator(void* nccl_comm, int device, double timeout_seconds = 600.0);
 
 }  // namespace dion3

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "dion3/export.h"
 #include "dion3/view.hpp"
 
 namespace dion3 {
@@ -23,21 +24,21 @@ enum class NonFinitePolicy : int { Raise = 0, Skip = 1 };
 // the exact single-device top-k of the whole matrix (Global: one more collective, more rows sent).
 enum class SelectionScope : int { Local = 0, Global = 1 };
 
-const char* algorithm_name(Algorithm a);
-Algorithm parse_algorithm(const std::string& name);  // "dion3"/"nordion2", "normuon", "muon", "adamw", "lion"
-AdjustLR parse_adjust_lr(const std::string& name);   // "spectral_norm", "rms_norm", "none"
-OrthMethod parse_orth_method(const std::string& name);  // "auto", "standard", "gram"
-NonFinitePolicy parse_nonfinite(const std::string& name);  // "raise", "skip"
-SelectionScope parse_selection_scope(const std::string& name);  // "local", "global"
-bool is_matrix_algorithm(Algorithm a);
+DION3_API const char* algorithm_name(Algorithm a);
+DION3_API Algorithm parse_algorithm(const std::string& name);  // "dion3"/"nordion2", "normuon", "muon", "adamw", "lion"
+DION3_API AdjustLR parse_adjust_lr(const std::string& name);   // "spectral_norm", "rms_norm", "none"
+DION3_API OrthMethod parse_orth_method(const std::string& name);  // "auto", "standard", "gram"
+DION3_API NonFinitePolicy parse_nonfinite(const std::string& name);  // "raise", "skip"
+DION3_API SelectionScope parse_selection_scope(const std::string& name);  // "local", "global"
+DION3_API bool is_matrix_algorithm(Algorithm a);
 
 using Coefficients = std::array<double, 3>;  // (a, b, c) of one quintic step
 
 // Polar Express with safety 1.05 (the default) and Muon's classic quintic ("You").
-const std::vector<Coefficients>& polar_express_coefficients();
-const std::vector<Coefficients>& you_coefficients();
+DION3_API const std::vector<Coefficients>& polar_express_coefficients();
+DION3_API const std::vector<Coefficients>& you_coefficients();
 
-struct OrthConfig {
+struct DION3_API OrthConfig {
   // validate() refuses coefficients that take a singular value in [0, 1] beyond this.
   static constexpr double kMaxSingularValue = 8.0;
 
@@ -50,7 +51,7 @@ struct OrthConfig {
   void validate() const;
 };
 
-struct GroupConfig {
+struct DION3_API GroupConfig {
   Algorithm algorithm = Algorithm::Dion3;
   double lr = 0.01;
   double fraction = 0.25;

@@ -36,6 +36,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "dion3/export.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -181,90 +183,90 @@ typedef struct dion3_layout {
 
 /* Message of the most recent failed call on this thread ("" if none). Never NULL; valid
  * until the next failing call on the same thread. */
-const char* dion3_last_error(void);
+DION3_API const char* dion3_last_error(void);
 /* "0.1.0" */
-const char* dion3_version(void);
+DION3_API const char* dion3_version(void);
 /* 1 if this build has a CUDA backend and a device is visible. */
-int dion3_cuda_available(void);
+DION3_API int dion3_cuda_available(void);
 /* Static name of a status code ("ok", "invalid argument", ...). */
-const char* dion3_status_name(int status);
+DION3_API const char* dion3_status_name(int status);
 
 /* ---- optimizer lifetime ---------------------------------------------------------------- */
 
 /* device: DION3_DEVICE_CPU or DION3_DEVICE_CUDA (device_index, cuda_stream = cudaStream_t or
  * NULL for the default stream; both ignored for CPU). on_nonfinite: dion3_nonfinite_policy.
  * A CUDA request in a build without CUDA returns DION3_UNSUPPORTED. */
-dion3_status dion3_create(dion3_optimizer** out, int device, int device_index, void* cuda_stream,
-                          int on_nonfinite);
+DION3_API dion3_status dion3_create(dion3_optimizer** out, int device, int device_index, void* cuda_stream,
+                                    int on_nonfinite);
 /* NULL is allowed. */
-void dion3_destroy(dion3_optimizer* opt);
+DION3_API void dion3_destroy(dion3_optimizer* opt);
 /* Re-bind the CUDA stream the optimizer enqueues on (no-op for CPU). */
-dion3_status dion3_set_stream(dion3_optimizer* opt, void* cuda_stream);
+DION3_API dion3_status dion3_set_stream(dion3_optimizer* opt, void* cuda_stream);
 
 /* ---- communicators (distributed layouts) ------------------------------------------------ */
 
 /* MPI over a duplicate of *mpi_comm (an MPI_Comm*; NULL = MPI_COMM_WORLD), CPU buffers. MPI
  * must be initialised. timeout_seconds: a collective running longer fails the step with
  * DION3_INTERNAL naming it (0 = no limit). DION3_UNSUPPORTED in builds without MPI. */
-dion3_status dion3_comm_create_mpi(dion3_comm** out, const void* mpi_comm, double timeout_seconds);
+DION3_API dion3_status dion3_comm_create_mpi(dion3_comm** out, const void* mpi_comm, double timeout_seconds);
 /* NCCL over an initialised ncclComm_t (not owned) whose rank uses CUDA device `device`.
  * DION3_UNSUPPORTED in builds without NCCL. */
-dion3_status dion3_comm_create_nccl(dion3_comm** out, void* nccl_comm, int device);
+DION3_API dion3_status dion3_comm_create_nccl(dion3_comm** out, void* nccl_comm, int device);
 /* NULL is allowed. Destroy after every optimizer that uses it. */
-void dion3_comm_destroy(dion3_comm* comm);
-dion3_status dion3_comm_rank(const dion3_comm* comm, int* rank, int* size);
+DION3_API void dion3_comm_destroy(dion3_comm* comm);
+DION3_API dion3_status dion3_comm_rank(const dion3_comm* comm, int* rank, int* size);
 
 /* ---- groups and parameters ------------------------------------------------------------- */
 
-void dion3_group_config_default(dion3_group_config* cfg);
-dion3_status dion3_add_group(dion3_optimizer* opt, const dion3_group_config* cfg, int* group_index);
+DION3_API void dion3_group_config_default(dion3_group_config* cfg);
+DION3_API dion3_status dion3_add_group(dion3_optimizer* opt, const dion3_group_config* cfg, int* group_index);
 /* Read and replace a group's configuration between steps. The new one is validated first
  * (nothing changes when it is refused); algorithm, flatten and momentum_dtype cannot change
  * once the group has parameters. */
-dion3_status dion3_get_group_config(const dion3_optimizer* opt, int group, dion3_group_config* out);
-dion3_status dion3_set_group_config(dion3_optimizer* opt, int group, const dion3_group_config* cfg);
+DION3_API dion3_status dion3_get_group_config(const dion3_optimizer* opt, int group, dion3_group_config* out);
+DION3_API dion3_status dion3_set_group_config(dion3_optimizer* opt, int group, const dion3_group_config* cfg);
 /* Shortcut for learning-rate schedules. */
-dion3_status dion3_set_lr(dion3_optimizer* opt, int group, double lr);
+DION3_API dion3_status dion3_set_lr(dion3_optimizer* opt, int group, double lr);
 
 /* Registers a parameter (weight updated in place, grad read at every step). name is copied,
  * must be unique in the optimizer and appears in error messages. grad has the weight's shape
  * and any float dtype (read as float32); it may be NULL: bind it with dion3_set_grad before the
  * first step. A weight may not overlap another parameter's weight or any gradient (it would be
  * updated twice, or read after it was written). param_index may be NULL. */
-dion3_status dion3_add_param(dion3_optimizer* opt, int group, const char* name,
-                             const dion3_tensor* weight, const dion3_tensor* grad, int* param_index);
+DION3_API dion3_status dion3_add_param(dion3_optimizer* opt, int group, const char* name,
+                                       const dion3_tensor* weight, const dion3_tensor* grad, int* param_index);
 /* dion3_add_param for a distributed parameter (layout NULL = local). Every rank must register
  * the same parameters in the same order with the same global shapes; dion3_step checks that
  * across ranks before the first step. */
-dion3_status dion3_add_param_layout(dion3_optimizer* opt, int group, const char* name,
-                                    const dion3_tensor* weight, const dion3_tensor* grad,
-                                    const dion3_layout* layout, int* param_index);
+DION3_API dion3_status dion3_add_param_layout(dion3_optimizer* opt, int group, const char* name,
+                                              const dion3_tensor* weight, const dion3_tensor* grad,
+                                              const dion3_layout* layout, int* param_index);
 /* Re-binds the gradient of a parameter (the weight's shape, any float dtype, overlapping no
  * weight). */
-dion3_status dion3_set_grad(dion3_optimizer* opt, int param, const dion3_tensor* grad);
-dion3_status dion3_num_params(const dion3_optimizer* opt, int* count);
+DION3_API dion3_status dion3_set_grad(dion3_optimizer* opt, int param, const dion3_tensor* grad);
+DION3_API dion3_status dion3_num_params(const dion3_optimizer* opt, int* count);
 
 /* ---- step -------------------------------------------------------------------------------- */
 
 /* One step over every parameter. *applied (may be NULL) is 1 if the step was applied and 0 if
  * it was skipped under DION3_NONFINITE_SKIP. Under RAISE a non-finite gradient returns
  * DION3_NON_FINITE; in both cases weights and state are untouched. */
-dion3_status dion3_step(dion3_optimizer* opt, int* applied);
+DION3_API dion3_status dion3_step(dion3_optimizer* opt, int* applied);
 /* Steps applied and skipped so far (either pointer may be NULL). */
-dion3_status dion3_steps(const dion3_optimizer* opt, int64_t* taken, int64_t* skipped);
+DION3_API dion3_status dion3_steps(const dion3_optimizer* opt, int64_t* taken, int64_t* skipped);
 
 /* The megabatch plan. Writes min(capacity, n) entries to out (out may be NULL when capacity
  * is 0) and the total n to *count. */
-dion3_status dion3_plan(dion3_optimizer* opt, dion3_megabatch_info* out, size_t capacity,
-                        size_t* count);
+DION3_API dion3_status dion3_plan(dion3_optimizer* opt, dion3_megabatch_info* out, size_t capacity,
+                                  size_t* count);
 
 /* ---- state --------------------------------------------------------------------------------- */
 
 /* Bytes of optimizer state (momentum, variance, exp_avg, ...) held in device memory. */
-dion3_status dion3_state_size(const dion3_optimizer* opt, size_t* bytes);
+DION3_API dion3_status dion3_state_size(const dion3_optimizer* opt, size_t* bytes);
 
 /* Size of the serialized state that dion3_export_state writes. */
-dion3_status dion3_export_size(const dion3_optimizer* opt, size_t* bytes);
+DION3_API dion3_status dion3_export_size(const dion3_optimizer* opt, size_t* bytes);
 /* Serializes the state into buf (capacity bytes). *written (may be NULL) receives the size.
  * A too-small buffer returns DION3_INVALID_ARGUMENT and writes nothing.
  * Format (all integers little-endian):
@@ -272,13 +274,13 @@ dion3_status dion3_export_size(const dion3_optimizer* opt, size_t* bytes);
  *   per param:  u32 len, name | i64 step | u32 ntensors
  *     per tensor: u32 len, name | i32 dtype | u32 ndim | i64 shape[ndim] | u64 nbytes | bytes
  *   u64 FNV-1a hash of everything before it. */
-dion3_status dion3_export_state(const dion3_optimizer* opt, void* buf, size_t capacity,
-                                size_t* written);
+DION3_API dion3_status dion3_export_state(const dion3_optimizer* opt, void* buf, size_t capacity,
+                                          size_t* written);
 /* Restores state written by dion3_export_state into an optimizer with the same parameters
  * (matched by name). The whole buffer is checked (format, hash, reserved field, names, dtypes,
  * shapes, values: no NaN/Inf and no negative second moment, step counters: none negative or
  * INT64_MAX) before anything changes; on failure the optimizer is untouched. */
-dion3_status dion3_import_state(dion3_optimizer* opt, const void* buf, size_t size);
+DION3_API dion3_status dion3_import_state(dion3_optimizer* opt, const void* buf, size_t size);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -7,6 +7,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "dion3/export.h"
+
 namespace dion3 {
 
 enum class Status : int {
@@ -17,7 +19,7 @@ enum class Status : int {
   Internal = 4,          // a backend failure (BLAS, CUDA, allocation)
 };
 
-class Error : public std::runtime_error {
+class DION3_API Error : public std::runtime_error {
  public:
   Error(Status status, const std::string& message)
       : std::runtime_error("dion3: " + message), status_(status) {}

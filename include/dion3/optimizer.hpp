@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "dion3/export.h"
 #include "dion3/backend.hpp"
 #include "dion3/comm.hpp"
 #include "dion3/config.hpp"
@@ -38,7 +39,7 @@ enum class Layout : int {
                    // (FSDP2 over tensor parallel's row-wise split): the row-sharded rule over
                    // `comm`, with whole rows
 };
-const char* layout_name(Layout l);
+DION3_API const char* layout_name(Layout l);
 
 struct ParamLayout {
   Layout kind = Layout::Local;
@@ -124,9 +125,9 @@ struct ExchangePlan {
 };
 // row_chunk: rows of the largest row shard where the cut is not the standard one (ParamLayout).
 // col_ranks: Block's column communicator size.
-ExchangePlan exchange_plan(Layout layout, const GroupConfig& group, int64_t count, int64_t rows, int64_t cols,
-                           int ranks, DType update_dtype, DType orth_dtype, int64_t row_chunk = 0,
-                           int col_ranks = 1);
+DION3_API ExchangePlan exchange_plan(Layout layout, const GroupConfig& group, int64_t count, int64_t rows,
+                                     int64_t cols, int ranks, DType update_dtype, DType orth_dtype,
+                                     int64_t row_chunk = 0, int col_ranks = 1);
 
 // What one megabatch is: for introspection, benchmarks and tests.
 struct MegabatchInfo {
@@ -153,7 +154,7 @@ struct MegabatchInfo {
   std::size_t bytes_sent = 0;
 };
 
-class Optimizer {
+class DION3_API Optimizer {
  public:
   explicit Optimizer(std::unique_ptr<Backend> backend, OptimizerOptions options = {});
   ~Optimizer();
@@ -202,7 +203,7 @@ class Optimizer {
   const OptimizerOptions& options() const;
 
  private:
-  struct Impl;
+  struct DION3_LOCAL Impl;
   std::unique_ptr<Impl> impl_;
 };
 

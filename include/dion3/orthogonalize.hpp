@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "dion3/export.h"
 #include "dion3/backend.hpp"
 #include "dion3/config.hpp"
 
@@ -15,14 +16,14 @@ namespace dion3 {
 
 // FLOPs of standard NS on a batch of p x q (p <= q) inputs, the "effective" convention of SPEC §2:
 // T*(4p^2 q + 2p^3) per matrix, no symmetry savings.
-double effective_ns_flops(int64_t batch, int64_t rows, int64_t cols, int steps);
+DION3_API double effective_ns_flops(int64_t batch, int64_t rows, int64_t cols, int steps);
 // FLOPs a method really performs (full GEMMs; symmetric products scaled by `sym_factor`).
-double standard_ns_flops(int64_t batch, int64_t p, int64_t q, int steps, double sym_factor);
-double gram_ns_flops(int64_t batch, int64_t p, int64_t q, int steps, int n_restarts, double sym_factor);
+DION3_API double standard_ns_flops(int64_t batch, int64_t p, int64_t q, int steps, double sym_factor);
+DION3_API double gram_ns_flops(int64_t batch, int64_t p, int64_t q, int steps, int n_restarts, double sym_factor);
 // The method `auto` resolves to for p x q (p <= q) on this backend (always standard when p == q).
-OrthMethod choose_orth_method(const Backend& backend, const OrthConfig& cfg, int64_t rows, int64_t cols);
+DION3_API OrthMethod choose_orth_method(const Backend& backend, const OrthConfig& cfg, int64_t rows, int64_t cols);
 
-class Orthogonalizer {
+class DION3_API Orthogonalizer {
  public:
   // With workspace == null the Orthogonalizer allocates its own; else it uses the caller's
   // memory (at least required_workspace() bytes, not owned), e.g. an arena shared by several

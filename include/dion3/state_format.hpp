@@ -8,12 +8,13 @@
 
 #include <cstddef>
 
+#include "dion3/export.h"
 #include "dion3/optimizer.hpp"
 
 namespace dion3 {
 
 // Writes the buffer to `out` and returns its size; with out == nullptr only the size.
-std::size_t serialize_state(const OptimizerState& state, unsigned char* out);
-OptimizerState parse_state(const unsigned char* buffer, std::size_t size);
+DION3_API std::size_t serialize_state(const OptimizerState& state, unsigned char* out);
+DION3_API OptimizerState parse_state(const unsigned char* buffer, std::size_t size);
 
 }  // namespace dion3

@@ -10,19 +10,21 @@
 #include <string>
 #include <vector>
 
+#include "dion3/export.h"
+
 namespace dion3 {
 
 enum class DType : int { F32 = 0, F16 = 1, BF16 = 2, F64 = 3, I32 = 4, I64 = 5 };
 enum class Device : int { CPU = 0, CUDA = 1 };
 
-std::size_t dtype_size(DType t);
-const char* dtype_name(DType t);
-const char* device_name(Device d);
+DION3_API std::size_t dtype_size(DType t);
+DION3_API const char* dtype_name(DType t);
+DION3_API const char* device_name(Device d);
 // The dtypes a parameter, gradient or optimizer state may have.
-bool is_float_param_dtype(DType t);
+DION3_API bool is_float_param_dtype(DType t);
 
 // A contiguous, row-major tensor owned by someone else.
-struct TensorView {
+struct DION3_API TensorView {
   void* data = nullptr;
   DType dtype = DType::F32;
   Device device = Device::CPU;
@@ -36,7 +38,7 @@ struct TensorView {
 
 // `batch` row-major matrices of rows x cols. Element (b, r, c) lives at
 // data + b*batch_stride + r*ld + c (in elements).
-struct MatrixView {
+struct DION3_API MatrixView {
   void* data = nullptr;
   DType dtype = DType::F32;
   int64_t batch = 1;
@@ -53,6 +55,6 @@ struct MatrixView {
   std::size_t elem_bytes() const { return dtype_size(dtype); }
 };
 
-std::string shape_string(const std::vector<int64_t>& shape);
+DION3_API std::string shape_string(const std::vector<int64_t>& shape);
 
 }  // namespace dion3
