@@ -22,6 +22,7 @@
 #include "dion3/backend.hpp"
 #include "dion3/comm.hpp"
 #include "dion3/config.hpp"
+#include "dion3/error.hpp"  // what every call throws
 #include "dion3/view.hpp"
 
 namespace dion3 {
