@@ -1,42 +1,85 @@
 # setup.py — builds dion3._C, the PyTorch extension: the C++ core (src/core, src/cpu), the CUDA
-# backend (src/cuda) when building with CUDA, and the binding (python/dion3/csrc).
+# backend (src/cuda) when building with CUDA, and the binding (python/dion3/csrc). Run through
+# pip (`pip install .`, see pyproject.toml), which uses the in-tree backend in tools/build-backend.
 #
 # The source lists are globbed from the tree so that they follow the CMake build without a second
-# hand-kept list. CUDA is on when DION3_CUDA=1, off when DION3_CUDA=0, and otherwise on when the
-# installed torch sees a GPU and nvcc is found. Objects go to build-py-ext/ (persistent, so a
-# rebuild is incremental under ninja); MAX_JOBS bounds the parallel compiles (default 2).
+# hand-kept list. Objects go to build-py-ext/ (persistent, so a rebuild is incremental under
+# ninja); MAX_JOBS bounds the parallel compiles (default 2). The CUDA backend is an explicit
+# choice, reported in the build output and in dion3/_build_info.py (`python -m dion3` prints it):
+#   DION3_CUDA=1      build it; fails when PyTorch has no CUDA or nvcc (CUDA_HOME) is not found
+#   DION3_CUDA=0      do not build it
+#   unset / auto      build it when nvcc is found and PyTorch sees a GPU; nvcc without a visible
+#                     GPU builds the CPU backend only and says so (DION3_CUDA=1 forces CUDA)
+# TORCH_CUDA_ARCH_LIST picks the GPU architectures (default 9.0a: Hopper, for wgmma).
 import glob
 import os
+import sys
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 os.environ.setdefault("MAX_JOBS", "2")
+DEFAULT_CUDA_ARCHS = "9.0a"
 
 
 def rel(pattern):
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
 
 
+def report(line):
+    # stderr: pip shows it with -v, and always when the build fails.
+    print(f"dion3 build: {line}", file=sys.stderr, flush=True)
+
+
+def import_torch():
+    try:
+        import torch
+    except ImportError as e:
+        raise SystemExit(
+            f"dion3: PyTorch is not importable by {sys.executable} ({e}); dion3 builds against the "
+            "installed PyTorch: install PyTorch first, then `pip install .`") from None
+    return torch
+
+
 def want_cuda():
-    import torch
+    """(build CUDA?, why) from DION3_CUDA, the PyTorch build, nvcc and the visible GPUs."""
+    torch = import_torch()
     from torch.utils import cpp_extension
 
-    flag = os.environ.get("DION3_CUDA", "auto").lower()
-    have_nvcc = cpp_extension.CUDA_HOME is not None and torch.version.cuda is not None
-    if flag in ("1", "on", "true", "yes"):
-        if not have_nvcc:
-            raise RuntimeError("DION3_CUDA=1 but torch has no CUDA or nvcc (CUDA_HOME) was not found")
-        return True
+    raw = os.environ.get("DION3_CUDA", "")
+    flag = raw.strip().lower()
+    if flag not in ("", "auto", "1", "on", "true", "yes", "0", "off", "false", "no"):
+        raise SystemExit(f"dion3: DION3_CUDA={raw!r} is not one of 1/on/true/yes, 0/off/false/no or auto")
+    label = f"DION3_CUDA={raw}" if raw else "DION3_CUDA unset"
     if flag in ("0", "off", "false", "no"):
-        return False
-    return have_nvcc and torch.cuda.is_available()
+        return False, label
+    if torch.version.cuda is None:
+        problem = f"the installed PyTorch {torch.__version__} has no CUDA"
+    elif cpp_extension.CUDA_HOME is None or not os.path.isfile(os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")):
+        problem = f"nvcc was not found (CUDA_HOME={cpp_extension.CUDA_HOME}; set CUDA_HOME or put nvcc on PATH)"
+    else:
+        problem = None
+    if flag in ("1", "on", "true", "yes"):
+        if problem:
+            raise SystemExit(f"dion3: DION3_CUDA={raw} but {problem}")
+        return True, label
+    if problem:
+        return False, f"{label} and {problem}"
+    if not torch.cuda.is_available():
+        report("*** nvcc found (CUDA_HOME=" + cpp_extension.CUDA_HOME + ") but PyTorch sees no GPU: "
+               "building the CPU backend only. DION3_CUDA=1 builds the CUDA backend anyway "
+               f"(TORCH_CUDA_ARCH_LIST picks the architectures, default {DEFAULT_CUDA_ARCHS}); "
+               "DION3_CUDA=0 silences this. ***")
+        return False, f"{label}, nvcc found but no GPU visible"
+    return True, f"{label}, nvcc found and a GPU visible"
 
 
-def extension():
+def extension(build_info):
     from torch.utils import cpp_extension
 
-    cuda = want_cuda()
+    torch = import_torch()
+    cuda, why = want_cuda()
     sources = rel("src/core/*.cpp") + rel("src/cpu/*.cpp") + rel("src/comm/*.cpp") + rel("python/dion3/csrc/*.cpp")
     cxx = ["-O3", "-g0", "-std=c++20", "-fno-math-errno", "-Wno-unused-parameter"]  # -g0: no debug info (faster CI build)
     # The CPU backend's threads: OpenMP, the libgomp that PyTorch loads, so one pool serves both.
@@ -58,24 +101,52 @@ def extension():
         define_macros.append(("DION3_HAVE_CUDA", "1"))
         libraries += ["cublas", "cublasLt"]
         # Hopper (sm_90a: wgmma) unless the caller chose architectures.
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
+        archs = os.environ["TORCH_CUDA_ARCH_LIST"]
+        report(f"backends: cpu, cuda (architectures {archs}; {why}); PyTorch {torch.__version__}, CUDA {torch.version.cuda}")
+        build_info.update(backends=("cpu", "cuda"), cuda_archs=archs, cuda_reason=why)
         nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
         return cpp_extension.CUDAExtension(
             "dion3._C", sources, include_dirs=include_dirs, library_dirs=library_dirs,
             define_macros=define_macros, libraries=libraries, extra_link_args=link_args,
             extra_compile_args={"cxx": cxx, "nvcc": nvcc})
+    report(f"backends: cpu ({why}); PyTorch {torch.__version__}")
+    build_info.update(backends=("cpu",), cuda_archs="", cuda_reason=why)
     return cpp_extension.CppExtension(
         "dion3._C", sources, include_dirs=include_dirs, library_dirs=library_dirs,
         define_macros=define_macros, libraries=libraries, extra_link_args=link_args,
         extra_compile_args={"cxx": cxx})
 
 
+class BuildPyWithInfo(build_py):
+    """build_py that also writes dion3/_build_info.py: what this build holds."""
+
+    build_info = {}
+
+    def run(self):
+        super().run()
+        if not self.dry_run and self.build_info:
+            path = os.path.join(self.build_lib, "dion3", "_build_info.py")
+            with open(path, "w") as f:
+                f.write("# Generated by setup.py: what this build of dion3 holds.\n")
+                for key, value in sorted(self.build_info.items()):
+                    f.write(f"{key.upper()} = {value!r}\n")
+
+
 def main():
+    if os.environ.get("DION3_SDIST_ONLY") == "1":
+        # An sdist (set by tools/build-backend): sources only, MANIFEST.in lists them; no PyTorch needed.
+        setup()
+        return
+    torch = import_torch()
     from torch.utils.cpp_extension import BuildExtension
 
+    info = BuildPyWithInfo.build_info
+    ext = extension(info)
+    info.update(torch_version=torch.__version__, torch_cuda=torch.version.cuda or "")
     setup(
-        ext_modules=[extension()],
-        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+        ext_modules=[ext],
+        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True), "build_py": BuildPyWithInfo},
         options={"build": {"build_base": os.path.join(ROOT, "build-py-ext")}},
     )
 

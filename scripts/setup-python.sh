@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # scripts/setup-python.sh — the repo-local Python environment for the PyTorch front end.
 #
-# Creates .venv (git-ignored) with PyTorch, numpy, pytest and the build tools, then builds and
-# installs dion3 from this tree into it. Idempotent: every step is skipped when its result is
-# already there, and the extension is rebuilt (incrementally, by ninja) only when a source file
-# changed since the last build. Environment knobs:
+# Creates .venv (git-ignored) with PyTorch, numpy, pytest and the build tools (setuptools, ninja,
+# build), then builds and installs dion3 from this tree into it. Idempotent: every step is skipped
+# when its result is already there, and the extension is rebuilt (incrementally, by ninja) only
+# when a source file changed since the last build. Environment knobs:
 #   DION3_VENV=path        use another virtualenv folder (default: <repo>/.venv)
 #   PYTHON=python3.x       interpreter that creates the virtualenv
 #   DION3_TORCH_SPEC=...   pip requirement for PyTorch (default: torch)
-#   DION3_CUDA=0|1         build the CUDA backend (default: when torch sees a GPU and nvcc exists)
+#   DION3_CUDA=0|1         build the CUDA backend (default: when torch sees a GPU and nvcc exists;
+#                          the build log and `python -m dion3` say what was built)
 #   MAX_JOBS=n             parallel compile jobs (default 2)
 set -euo pipefail
 
@@ -27,7 +28,8 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
-has_module() { "$PY" -c "import $1" >/dev/null 2>&1; }
+# From /: the repo root holds folders (build/) that would import as namespace packages.
+has_module() { (cd / && "$PY" -c "import $1") >/dev/null 2>&1; }
 
 if ! has_module torch; then
   # The CPU-only wheel index is much smaller (no CUDA runtime wheels); use it when it answers.
@@ -40,17 +42,24 @@ if ! has_module torch; then
     pip_install "$TORCH_SPEC"
   fi
 fi
-for mod in numpy pytest setuptools wheel ninja; do
+for mod in numpy pytest ninja build; do
   has_module "$mod" || { log "installing $mod"; pip_install "$mod"; }
 done
+# The package's metadata (an SPDX license expression) needs setuptools >= 77; a virtualenv may
+# come with an older one.
+if ! "$PY" -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 77)' >/dev/null 2>&1; then
+  log "installing setuptools>=77"
+  pip_install "setuptools>=77"
+fi
 
 # Rebuild only when a source file is newer than the stamp of the last successful build.
 STAMP="$VENV/.dion3-build-stamp"
 need_build=1
 if [ -f "$STAMP" ] && has_module dion3._C; then
   changed=$(find "$ROOT/src" "$ROOT/include" "$ROOT/python" "$ROOT/setup.py" "$ROOT/pyproject.toml" \
+              "$ROOT/VERSION" \
               -newer "$STAMP" -type f \( -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.hpp' \
-              -o -name '*.h' -o -name '*.py' -o -name '*.toml' \) -print -quit 2>/dev/null || true)
+              -o -name '*.h' -o -name '*.py' -o -name '*.toml' -o -name VERSION \) -print -quit 2>/dev/null || true)
   [ -z "$changed" ] && need_build=0
 fi
 if [ "$need_build" = 1 ]; then

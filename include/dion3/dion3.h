@@ -184,7 +184,7 @@ typedef struct dion3_layout {
 /* Message of the most recent failed call on this thread ("" if none). Never NULL; valid
  * until the next failing call on the same thread. */
 DION3_API const char* dion3_last_error(void);
-/* "0.1.0" */
+/* The library version, "major.minor.patch" (the repository's VERSION file). */
 DION3_API const char* dion3_version(void);
 /* 1 if this build has a CUDA backend and a device is visible. */
 DION3_API int dion3_cuda_available(void);

@@ -16,6 +16,8 @@ every step and never written. Parameters whose ``.grad`` is None are skipped. On
 parameters of one device (cpu, or one cuda device on the current stream). ``distributed_mesh``
 must be None for now.
 """
+from importlib import metadata as _metadata
+
 import torch  # noqa: F401  (loads libc10/libtorch, which dion3._C links against)
 
 try:
@@ -34,7 +36,8 @@ from .optimizer import ALGORITHMS, Dion3, Muon, NonFiniteError, NorMuon
 from .polar import orthogonalize
 
 __all__ = ["Dion3", "NorMuon", "Muon", "NonFiniteError", "param_groups", "orthogonalize", "ALGORITHMS", "cuda_built"]
-__version__ = "0.1.0"
+# The version has one home, the repository's VERSION file; the installed metadata carries it.
+__version__ = _metadata.version("dion3")
 
 
 def cuda_built() -> bool:

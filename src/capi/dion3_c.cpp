@@ -14,6 +14,11 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+
+// The build passes the version read from the VERSION file, its one home.
+#ifndef DION3_VERSION_STRING
+#error "DION3_VERSION_STRING is not defined: build with CMake (it reads the VERSION file)"
+#endif
 #include <vector>
 
 #include "dion3/config.hpp"
@@ -206,7 +211,7 @@ extern "C" {
 
 const char* dion3_last_error(void) { return g_last_error.c_str(); }
 
-const char* dion3_version(void) { return "0.1.0"; }
+const char* dion3_version(void) { return DION3_VERSION_STRING; }
 
 int dion3_cuda_available(void) {
   try {

@@ -8,7 +8,8 @@
  *     status 2 (raise) or a skipped step (skip) and leaves the weights untouched,
  *   - state export/import: an optimizer rebuilt from exported state continues bit-identically
  *     to the original; corrupted, truncated or mismatching buffers are refused and change
- *     nothing.
+ *     nothing,
+ *   - dion3_version() is the repository's VERSION file.
  * Exit status 0 on success; every failed check prints a line and the test fails at the end.
  */
 #include <math.h>
@@ -425,6 +426,8 @@ static void test_train_and_roundtrip(void) {
 
 int main(void) {
   printf("dion3 C API %s (API version %d)\n", dion3_version(), DION3_C_API_VERSION);
+  CHECK(strcmp(dion3_version(), DION3_EXPECTED_VERSION) == 0, "dion3_version() is \"%s\", VERSION says \"%s\"",
+        dion3_version(), DION3_EXPECTED_VERSION);
   make_problem();
   test_defaults();
   test_errors();
