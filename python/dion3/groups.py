@@ -2,12 +2,14 @@
 #
 # Matrix weights (>= 2-D) go to the optimizer's matrix algorithm (Dion3 / NorMuon / Muon);
 # embeddings, the LM head and every 1-D tensor (biases, norms) go to an element-wise algorithm
-# (AdamW by default). Shape alone cannot tell an LM head or an embedding table from a weight
-# matrix, so nn.Embedding modules and parameters whose name contains "lm_head" are recognised,
-# and both can be named explicitly; `overrides` sets any group option for parameters by name.
+# (AdamW by default), and the head learns at lr / sqrt(d_in), as the reference recommends. Shape
+# alone cannot tell an LM head or an embedding table from a weight matrix, so they are recognised
+# by explicit rules (see param_groups) and can be named; `overrides` sets any group option by name.
 from __future__ import annotations
 
 import fnmatch
+import math
+import warnings
 from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
@@ -38,15 +40,34 @@ def _ids_of(model: nn.Module, selector: _Selector, names: Dict[int, str]) -> Opt
     return out
 
 
+# The LM head by name, where the caller does not name it: a module called lm_head or embed_out
+# anywhere (Hugging Face, GPT-NeoX), or a top-level module called head or output (timm, Llama's
+# reference code). Deeper "output" / "head" modules are hidden layers (BERT's attention.output).
+_HEAD_ANYWHERE = ("lm_head", "embed_out")
+_HEAD_TOP_LEVEL = ("head", "output")
+
+
+def _is_head_name(name: str) -> bool:
+    parts = name.split(".")[:-1]  # the module path of the parameter
+    return bool(parts) and (parts[-1] in _HEAD_ANYWHERE or (len(parts) == 1 and parts[0] in _HEAD_TOP_LEVEL))
+
+
 def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selector = None,
                  overrides: Optional[Dict[str, Dict[str, Any]]] = None, *,
+                 lr: Optional[float] = None,
                  elementwise: str = "adamw", elementwise_options: Optional[Dict[str, Any]] = None,
                  ) -> List[Dict[str, Any]]:
     """Build parameter groups for dion3.Dion3 / NorMuon / Muon from a model.
 
     lm_head, embeddings: a module, a parameter, a parameter name (or module prefix, or glob) or a
-        list of them. Defaults: parameters whose name contains "lm_head", and all nn.Embedding
-        modules. They go to the element-wise algorithm, as do all tensors with fewer than 2 dims.
+        list of them. Defaults: the head is the weight (and bias) of a module named lm_head or
+        embed_out anywhere, or of a top-level module named head or output; embeddings are all
+        nn.Embedding modules. A head tied to an embedding (one Parameter used by both) is an
+        embedding. They go to the element-wise algorithm, as do all tensors with fewer than 2 dims.
+    lr: the optimizer's base learning rate. Given, the head's group gets lr / sqrt(d_in) (d_in: the
+        head weight's input dimension), the reference's recommendation; every other group keeps
+        the optimizer's lr. Not given while a head exists (and no elementwise_options lr): a warning,
+        and the head learns at the optimizer's lr.
     overrides: {name or glob: {group option: value}}, e.g. {"*.router.weight": {"algorithm":
         "adamw", "lr": 3e-4}}; the first matching pattern wins. Parameters with equal options share
         a group.
@@ -62,17 +83,26 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
         emb = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
     head = _ids_of(model, lm_head, names)
     if head is None:
-        head = {id(p) for n, p in named if "lm_head" in n}
+        head = {id(p) for n, p in named if _is_head_name(n)}
+        # A weight tied to an embedding appears once, under its first name: it stays an embedding.
+        head -= emb
     base_el = {"algorithm": elementwise, **(elementwise_options or {})}
     overrides = overrides or {}
     for pattern in overrides:
         if not any(n == pattern or fnmatch.fnmatchcase(n, pattern) for n, _ in named):
             raise ValueError(f"dion3.param_groups: override {pattern!r} matches no parameter of the model")
 
+    head_weights = [p for n, p in named if id(p) in head and p.dim() == 2]
+    if head_weights and lr is None and "lr" not in base_el:
+        warnings.warn("dion3.param_groups: pass lr= (the optimizer's learning rate) so that the LM head learns "
+                      "at lr / sqrt(d_in) as recommended; without it the head uses the optimizer's lr",
+                      stacklevel=2)
     groups: Dict[Any, Dict[str, Any]] = {}
     for name, p in named:
         if id(p) in head:
             role, opts = "lm_head", dict(base_el)
+            if lr is not None and "lr" not in opts and head_weights:
+                opts["lr"] = lr / math.sqrt(head_weights[0].shape[1])
         elif id(p) in emb:
             role, opts = "embedding", dict(base_el)
         elif p.dim() < 2:

@@ -50,3 +50,42 @@ def test_positional_call_like_the_reference():
     p = torch.nn.Parameter(torch.randn(8, 4))
     opt = dion3.Dion3([p], None, 0.02, 0.5)
     assert opt.param_groups[0]["lr"] == 0.02 and opt.param_groups[0]["fraction"] == 0.5
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, tie=False, head_name="lm_head"):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 16)
+        self.block = torch.nn.ModuleDict(dict(attn=torch.nn.Linear(16, 16), output=torch.nn.Linear(16, 16)))
+        self.norm = torch.nn.LayerNorm(16)
+        setattr(self, head_name, torch.nn.Linear(16, 50, bias=False))
+        if tie:
+            getattr(self, head_name).weight = self.embed.weight
+
+
+def _roles(groups):
+    return {n: g["role"] for g in groups for n in g["param_names"]}
+
+
+@pytest.mark.parametrize("head_name", ["lm_head", "embed_out", "head", "output"])
+def test_param_groups_find_the_head_and_scale_its_lr(head_name):
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        groups = dion3.param_groups(_Model(head_name=head_name), lr=0.02)
+    roles = _roles(groups)
+    assert roles[f"{head_name}.weight"] == "lm_head"
+    assert roles["block.output.weight"] == "matrix"  # a hidden layer named output stays a matrix
+    assert roles["embed.weight"] == "embedding" and roles["norm.weight"] == "vector"
+    head = next(g for g in groups if g["role"] == "lm_head")
+    assert head["lr"] == pytest.approx(0.02 / 4.0)  # d_in = 16
+    assert all("lr" not in g for g in groups if g["role"] != "lm_head")
+    dion3.Dion3(groups, lr=0.02)
+
+
+def test_param_groups_tied_head_is_an_embedding_and_lr_is_asked_for():
+    groups = dion3.param_groups(_Model(tie=True), lr=0.02)
+    roles = _roles(groups)
+    assert roles["embed.weight"] == "embedding" and "lm_head" not in roles.values()
+    with pytest.warns(UserWarning, match="pass lr="):
+        dion3.param_groups(_Model())

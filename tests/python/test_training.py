@@ -62,14 +62,14 @@ def test_tiny_model_loss_decreases(device, cls):
 
 def test_param_groups_roles():
     model = TinyLM()
-    groups = dion3.param_groups(model)
+    groups = dion3.param_groups(model, lr=0.01)
     roles = {g["role"]: g["param_names"] for g in groups}
     assert roles["matrix"] == ["up.weight", "down.weight"]
     assert roles["embedding"] == ["embed.weight"] and roles["lm_head"] == ["lm_head.weight"]
     assert set(roles["vector"]) == {"up.bias", "down.bias", "norm.weight", "norm.bias"}
     assert all(g.get("algorithm") == "adamw" for g in groups if g["role"] != "matrix")
     # explicit selectors and overrides
-    groups = dion3.param_groups(model, lm_head=model.lm_head, embeddings="embed",
+    groups = dion3.param_groups(model, lm_head=model.lm_head, embeddings="embed", lr=0.01,
                                 overrides={"down.weight": {"algorithm": "muon", "lr": 0.1}}, elementwise="lion")
     by_name = {n: g for g in groups for n in g["param_names"]}
     assert by_name["down.weight"]["algorithm"] == "muon" and by_name["down.weight"]["lr"] == 0.1
