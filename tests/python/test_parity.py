@@ -213,3 +213,36 @@ def test_small_workspace_limit_gives_the_same_result(device):
         b.step()
     for x, y in zip(pa, pb):
         assert torch.allclose(x, y, atol=1e-6)
+
+
+def test_expert_stacks_are_separate_matrices_megabatched_with_their_shape(device):
+    # [E, m, n] with flatten=False: E matrices, each its own top rows, lr adjustment and NorMuon
+    # rescale (the reference steps them one by one), in one megabatch with a 2-D weight of the
+    # same shape from another layer.
+    shapes = [(4, 16, 24), (16, 24), (2, 24, 16)]
+    opt, _, _ = run_pair(dion3.Dion3, shapes, device, dict(lr=0.02, fraction=0.25, weight_decay=0.1))
+    counts = {(mb["rows"], mb["cols"]): mb["count"] for mb in opt.plan()}
+    assert counts[(16, 24)] == 5 and counts[(24, 16)] == 2, opt.plan()
+
+
+def test_parameters_without_a_gradient_keep_weights_and_state(device):
+    # An expert that got no tokens this step (grad None) is left alone, its state kept and saved.
+    params = make_params([(16, 24), (16, 24), (8,)], device)
+    opt = dion3.Dion3([dict(params=params[:2], param_names=["expert0", "expert1"]),
+                       dict(params=params[2:], algorithm="adamw", param_names=["bias"])], lr=0.02)
+    set_grads(params, grads_for([(16, 24), (16, 24), (8,)], 0), device)
+    opt.step()
+    frozen = params[1]
+    w_before = frozen.detach().clone()
+    st_before = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[frozen].items()}
+    for t in range(1, 3):
+        frozen.grad = None
+        set_grads([params[0], params[2]], [g for i, g in enumerate(grads_for([(16, 24), (16, 24), (8,)], t)) if i != 1],
+                  device)
+        opt.step()
+    assert torch.equal(frozen.detach(), w_before)
+    for k, v in opt.state[frozen].items():
+        assert (torch.equal(v, st_before[k]) if torch.is_tensor(v) else v == st_before[k]), k
+    saved = opt.state_dict()["state"]
+    assert set(saved[1]) >= {"momentum", "variance", "step"} and saved[1]["step"] == 1
+    assert saved[0]["step"] == 3
