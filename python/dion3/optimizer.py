@@ -690,7 +690,9 @@ class Dion3(_EngineOptimizer):
     workspace_limit (bytes of orthogonalization workspace; None = the engine's default),
     megabatch (False: one collective round per matrix instead of per shape group, for benchmarks),
     momentum_dtype, iteration_dtype, coefficients and restarts.
-    use_triton is accepted and ignored (the engine has its own kernels)."""
+    use_triton and triton_post_ortho are accepted and ignored: they pick the reference's kernels,
+    not the result (the engine has its own). selection_scope defaults to "local" here, "global"
+    in the reference (see docs/distributed.md)."""
 
     _default_algorithm = "dion3"
     _name = "Dion3"
@@ -700,7 +702,7 @@ class Dion3(_EngineOptimizer):
                  weight_decay: float = 0.01, epsilon: float = 1e-8, adjust_lr: Optional[str] = "spectral_norm",
                  flatten: bool = False, use_triton: bool = False, use_polar_express: bool = True,
                  use_gram_newton_schulz: bool = False, newton_schulz_func=None,
-                 selection_scope: str = "local", *, orthogonalizer: str = "auto",
+                 triton_post_ortho: bool = False, selection_scope: str = "local", *, orthogonalizer: str = "auto",
                  scale_lr_by_fraction: bool = False, on_nonfinite: str = "raise",
                  workspace_limit: Optional[int] = None,
                  momentum_dtype: Optional[torch.dtype] = None, iteration_dtype: Optional[torch.dtype] = None,
@@ -710,7 +712,8 @@ class Dion3(_EngineOptimizer):
         defaults = _defaults(
             algorithm=self._default_algorithm, lr=lr, fraction=fraction, mu=mu, muon_beta2=muon_beta2,
             betas=tuple(betas), weight_decay=weight_decay, epsilon=epsilon, adjust_lr=adjust_lr,
-            flatten=flatten, use_triton=use_triton, use_polar_express=use_polar_express,
+            flatten=flatten, use_triton=use_triton, triton_post_ortho=triton_post_ortho,
+            use_polar_express=use_polar_express,
             use_gram_newton_schulz=use_gram_newton_schulz, newton_schulz_func=newton_schulz_func,
             selection_scope=selection_scope, orthogonalizer=orthogonalizer,
             scale_lr_by_fraction=scale_lr_by_fraction, momentum_dtype=momentum_dtype,

@@ -12,7 +12,7 @@ SPEC = {
                   ("muon_beta2", 0.95), ("betas", (0.9, 0.95)), ("weight_decay", 0.01), ("epsilon", 1e-8),
                   ("adjust_lr", "spectral_norm"), ("flatten", False), ("use_triton", False),
                   ("use_polar_express", True), ("use_gram_newton_schulz", False), ("newton_schulz_func", None),
-                  ("selection_scope", "local")],
+                  ("triton_post_ortho", False), ("selection_scope", "local")],
     dion3.NorMuon: [("distributed_mesh", None), ("lr", 0.01), ("mu", 0.95), ("muon_beta2", 0.95),
                     ("betas", (0.9, 0.95)), ("weight_decay", 0.01), ("cautious_wd", False), ("epsilon", 1e-8),
                     ("nesterov", False), ("adjust_lr", "spectral_norm"), ("flatten", False),

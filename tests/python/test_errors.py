@@ -96,11 +96,13 @@ def test_newton_schulz_func_not_supported(device):
 
 
 def test_reference_flags_accepted(device):
-    opt = dion3.Dion3([mat(device, 8, 64)], use_triton=True, use_gram_newton_schulz=True, use_polar_express=False)
+    opt = dion3.Dion3([mat(device, 8, 64)], use_triton=True, use_gram_newton_schulz=True, use_polar_express=False,
+                      triton_post_ortho=True)
     p = opt.param_groups[0]["params"][0]
     p.grad = torch.randn_like(p)
     opt.step()
     assert opt.plan()[0]["method"] == "gram"
+
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int32])
