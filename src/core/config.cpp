@@ -3,25 +3,17 @@
 
 #include <cfloat>
 #include <cmath>
-#include <cstdio>
 
+#include "core/format.hpp"
 #include "dion3/error.hpp"
 
 namespace dion3 {
 
 namespace {
 
-// Formats without iostreams: no locale facets are touched (the PyTorch extension on the H200
-// image crashed inside ostream's locale code).
-std::string num(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%g", v);
-  return buf;
-}
-
 void require_nonnegative(const char* field, double v) {
   if (!(v >= 0.0) || !std::isfinite(v))
-    fail(std::string("'") + field + "' must be a finite number >= 0, got " + num(v));
+    fail(std::string("'") + field + "' must be a finite number >= 0, got " + format_number(v));
 }
 
 // Every backend applies hyper-parameters as float32: a value that is fine as a double but
@@ -31,19 +23,19 @@ float as_float(double v) { return static_cast<float>(v); }
 
 void require_float(const char* field, double v) {
   if (!std::isfinite(as_float(v)))
-    fail(std::string("'") + field + "' = " + num(v) + " is not finite in float32, the precision the step uses");
+    fail(std::string("'") + field + "' = " + format_number(v) + " is not finite in float32, the precision the step uses");
 }
 
 void require_unit_interval(const char* field, double v) {
-  if (!(v >= 0.0 && v < 1.0)) fail(std::string("'") + field + "' must lie in [0, 1), got " + num(v));
+  if (!(v >= 0.0 && v < 1.0)) fail(std::string("'") + field + "' must lie in [0, 1), got " + format_number(v));
   if (!(as_float(v) < 1.0f))
-    fail(std::string("'") + field + "' = " + num(v) + " rounds to 1 in float32, the precision the step uses; "
+    fail(std::string("'") + field + "' = " + format_number(v) + " rounds to 1 in float32, the precision the step uses; "
          "it must lie in [0, 1) there");
 }
 
 // Largest |sigma| the quintic steps reach from any singular value in [0, 1] (the input of the
 // iteration is scaled so that its singular values lie there), sampled densely.
-double largest_singular_value_reached(const std::vector<Coefficients>& steps) {
+double sample_singular_values(const std::vector<Coefficients>& steps) {
   constexpr int kSamples = 4096;
   double worst = 0.0;
   for (int i = 0; i <= kSamples; ++i) {
@@ -56,6 +48,18 @@ double largest_singular_value_reached(const std::vector<Coefficients>& steps) {
     }
   }
   return worst;
+}
+
+// Groups are validated at every step (they may be edited between steps) while their
+// coefficients rarely change: the last answer is kept, per thread.
+double largest_singular_value_reached(const std::vector<Coefficients>& steps) {
+  thread_local std::vector<Coefficients> last_steps;
+  thread_local double last_reach = 0.0;
+  if (last_steps.empty() || steps != last_steps) {
+    last_reach = sample_singular_values(steps);
+    last_steps = steps;
+  }
+  return last_reach;
 }
 
 }  // namespace
@@ -134,11 +138,11 @@ void OrthConfig::validate() const {
   for (std::size_t i = 0; i < coefficients.size(); ++i)
     for (double v : coefficients[i])
       if (!std::isfinite(as_float(v)))
-        fail("'coefficients' step " + std::to_string(i) + " holds " + num(v) +
+        fail("'coefficients' step " + std::to_string(i) + " holds " + format_number(v) +
              ", which is not finite in float32, the precision the step uses");
   // Steps that blow singular values up overflow the low-precision iteration into Inf/NaN.
   if (const double reach = largest_singular_value_reached(coefficients); !(reach <= kMaxSingularValue))
-    fail("'coefficients' take singular values in [0, 1] to " + num(reach) + " (more than " + num(kMaxSingularValue) +
+    fail("'coefficients' take singular values in [0, 1] to " + format_number(reach) + " (more than " + format_number(kMaxSingularValue) +
          "); Newton-Schulz steps must keep them near 1, or the iteration overflows");
   for (int r : restarts)
     if (r < 0 || r >= static_cast<int>(coefficients.size()))
@@ -154,14 +158,14 @@ void GroupConfig::validate() const {
   require_float("lr", lr);
   require_nonnegative("weight_decay", weight_decay);
   require_float("weight_decay", weight_decay);
-  if (!(epsilon > 0.0)) fail("'epsilon' must be > 0, got " + num(epsilon));
+  if (!(epsilon > 0.0)) fail("'epsilon' must be > 0, got " + format_number(epsilon));
   // A subnormal epsilon is flushed to zero by GPU arithmetic: 0/0 where a moment is zero.
   if (!(as_float(epsilon) >= FLT_MIN) || !std::isfinite(as_float(epsilon)))
-    fail("'epsilon' = " + num(epsilon) + " is not a normal float32 number (it must lie in [" + num(FLT_MIN) + ", " +
-         num(FLT_MAX) + "], the precision the step uses)");
+    fail("'epsilon' = " + format_number(epsilon) + " is not a normal float32 number (it must lie in [" + format_number(FLT_MIN) + ", " +
+         format_number(FLT_MAX) + "], the precision the step uses)");
   if (is_matrix_algorithm(algorithm)) {
     if (!(fraction > 0.0 && fraction <= 1.0))
-      fail("'fraction' must lie in (0, 1], got " + num(fraction));
+      fail("'fraction' must lie in (0, 1], got " + format_number(fraction));
     require_unit_interval("mu", mu);
     require_unit_interval("muon_beta2", muon_beta2);
     if (momentum_dtype && !is_float_param_dtype(*momentum_dtype))
@@ -173,10 +177,10 @@ void GroupConfig::validate() const {
     require_unit_interval("betas[1]", betas[1]);
   }
   if (!std::isfinite(as_float(base_lr())))
-    fail("'lr' = " + num(lr) + " scaled by scale_lr_by_fraction (lr / sqrt(fraction = " + num(fraction) +
-         ")) is " + num(base_lr()) + ", which is not finite in float32, the precision the step uses");
+    fail("'lr' = " + format_number(lr) + " scaled by scale_lr_by_fraction (lr / sqrt(fraction = " + format_number(fraction) +
+         ")) is " + format_number(base_lr()) + ", which is not finite in float32, the precision the step uses");
   if (!std::isfinite(as_float(base_lr()) * as_float(weight_decay)))
-    fail("the decay factor lr * weight_decay = " + num(base_lr()) + " * " + num(weight_decay) +
+    fail("the decay factor lr * weight_decay = " + format_number(base_lr()) + " * " + format_number(weight_decay) +
          " is not finite in float32, the precision the step uses");
 }
 

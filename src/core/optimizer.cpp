@@ -8,6 +8,7 @@
 #include <tuple>
 
 #include "core/engine.hpp"
+#include "core/format.hpp"
 #include "dion3/error.hpp"
 
 namespace dion3 {
@@ -17,12 +18,6 @@ namespace {
 MatrixView matrix_of(const TensorView& t, DType dtype, int64_t index, int64_t rows, int64_t cols) {
   char* base = static_cast<char*>(t.data) + static_cast<std::size_t>(index * rows * cols) * dtype_size(dtype);
   return MatrixView::contiguous(base, dtype, 1, rows, cols);
-}
-
-std::string format_number(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%g", v);
-  return buf;
 }
 
 MatrixView flat_of(const TensorView& t) {

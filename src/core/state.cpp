@@ -3,9 +3,9 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <sstream>
 
 #include "core/engine.hpp"
+#include "core/format.hpp"
 #include "cpu/cpu_numeric.hpp"
 #include "dion3/error.hpp"
 
@@ -31,13 +31,9 @@ std::string bad_value(const HostTensor& t, bool second_moment) {
       default: return "";  // state tensors are float; the dtype check has refused anything else
     }
     if (std::isfinite(v) && !(second_moment && v < 0.0f)) continue;
-    std::ostringstream os;
-    if (std::isnan(v)) os << "NaN";
-    else if (std::isinf(v)) os << (v > 0 ? "+Inf" : "-Inf");
-    else os << v;
-    os << " at element " << i
-       << (std::isfinite(v) ? "; a second moment cannot be negative" : "; state values must be finite");
-    return os.str();
+    const std::string value = std::isnan(v) ? "NaN" : std::isinf(v) ? (v > 0 ? "+Inf" : "-Inf") : format_number(v);
+    return value + " at element " + std::to_string(i) +
+           (std::isfinite(v) ? "; a second moment cannot be negative" : "; state values must be finite");
   }
   return "";
 }

@@ -58,6 +58,19 @@ def grads_for(shapes, seed):
     return [torch.randn(s, generator=g) for s in shapes]
 
 
+def steps_match_reference(opt, ref, ps, shapes, seed, place, what, steps=3):
+    """Steps `opt` and the single-process float64 `ref` on the same full gradients (each placed on
+    its parameter by place(g, p)); every parameter equals the reference after every step."""
+    for step in range(steps):
+        gs = grads_for(shapes, seed + step)
+        for p, g in zip(ps, gs):
+            p.grad = place(g, p)
+        opt.step()
+        ref.step(gs)
+        for i, (p, w) in enumerate(zip(ps, ref.w)):
+            close(full(p.detach()), w, f"{what} parameter {i} {tuple(w.shape)} at step {step}")
+
+
 # ---- layouts --------------------------------------------------------------------------------
 
 def ddp(rank, world, opt_cls, **kw):
@@ -90,14 +103,8 @@ def fsdp(rank, world, mesh, placements, shard_ranks, opt_cls, algorithm, pass_me
     fulls, ps = sharded_params(mesh, placements, shapes=shapes)
     opt = opt_cls(ps, distributed_mesh=pass_mesh or mesh, lr=0.02, **kw)
     ref = Reference(fulls, algorithm=algorithm, lr=0.02, ranks=shard_ranks, **kw)
-    for step in range(3):
-        gs = grads_for(shapes or SHAPES, 100 + step)
-        for p, g in zip(ps, gs):
-            p.grad = distribute_tensor(g, mesh, placements)
-        opt.step()
-        ref.step(gs)
-        for i, (p, w) in enumerate(zip(ps, ref.w)):
-            close(full(p), w, f"{algorithm} {kw} parameter {i} {tuple(w.shape)} at step {step}")
+    steps_match_reference(opt, ref, ps, shapes or SHAPES, 100, lambda g, p: distribute_tensor(g, mesh, placements),
+                          f"{algorithm} {kw}")
     for p in ps:  # state tensors are DTensors placed like their parameter
         st = opt.state[p]
         assert isinstance(st["momentum"], DTensor) and st["momentum"].placements == p.placements
@@ -244,14 +251,8 @@ def tensor_parallel(rank, world, mesh2d):
         return out
 
     ref = Reference(fulls, lr=0.02, row_shards=two_level)
-    for step in range(3):
-        gs = grads_for([tuple(f.shape) for f in fulls], 300 + step)
-        for p, g in zip(ps, gs):
-            p.grad = _placed_like(g, p)
-        opt.step()
-        ref.step(gs)
-        for i, (p, w) in enumerate(zip(ps, ref.w)):
-            close(full(p.detach()), w, f"FSDP2 over ColwiseParallel, parameter {i} at step {step}")
+    steps_match_reference(opt, ref, ps, [tuple(f.shape) for f in fulls], 300, _placed_like,
+                          "FSDP2 over ColwiseParallel,")
     assert all(mb["layout"] == "row-sharded" and mb["ranks"] == world for mb in opt.plan()), opt.plan()
 
     # FSDP2 over RowwiseParallel: rows by dp, columns by tp: the row-sharded rule over dp.
@@ -267,14 +268,8 @@ def tensor_parallel(rank, world, mesh2d):
                 p.to_local().copy_(_placed_like(f, p).to_local())
         opt = cls(ps, distributed_mesh=mesh2d, lr=0.02)
         ref = Reference(fulls, algorithm=algo, lr=0.02, ranks=dp)
-        for step in range(3):
-            gs = grads_for([tuple(f.shape) for f in fulls], 400 + step)
-            for p, g in zip(ps, gs):
-                p.grad = _placed_like(g, p)
-            opt.step()
-            ref.step(gs)
-            for i, (p, w) in enumerate(zip(ps, ref.w)):
-                close(full(p.detach()), w, f"FSDP2 over RowwiseParallel ({algo}), parameter {i} at step {step}")
+        steps_match_reference(opt, ref, ps, [tuple(f.shape) for f in fulls], 400, _placed_like,
+                              f"FSDP2 over RowwiseParallel ({algo}),")
         assert all(mb["layout"] == "block-sharded" for mb in opt.plan()), opt.plan()
 
 

@@ -105,25 +105,27 @@ def build_sdist(sdist_directory, config_settings=None):
     return _backend().build_sdist(sdist_directory, config_settings)
 
 
-def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):
+def _require_extension_build():
+    """What building dion3._C needs: setuptools, and the PyTorch it compiles against."""
     _require_setuptools()
     _require_torch()
+
+
+def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):
+    _require_extension_build()
     return _backend().prepare_metadata_for_build_wheel(metadata_directory, config_settings)
 
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
-    _require_setuptools()
-    _require_torch()
+    _require_extension_build()
     return _backend().build_wheel(wheel_directory, config_settings, metadata_directory)
 
 
 def prepare_metadata_for_build_editable(metadata_directory, config_settings=None):
-    _require_setuptools()
-    _require_torch()
+    _require_extension_build()
     return _backend().prepare_metadata_for_build_editable(metadata_directory, config_settings)
 
 
 def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
-    _require_setuptools()
-    _require_torch()
+    _require_extension_build()
     return _backend().build_editable(wheel_directory, config_settings, metadata_directory)

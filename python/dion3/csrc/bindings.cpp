@@ -120,8 +120,11 @@ dion3::GroupConfig group_config(const py::dict& d) {
 class TorchTracer final : public dion3::StepTracer {
  public:
   void begin(const char* name) override {
-    auto rf = std::make_unique<at::RecordFunction>(at::RecordScope::USER_SCOPE);
-    if (rf->isActive()) rf->before(std::string_view(name), c10::ArrayRef<const c10::IValue>{});
+    std::unique_ptr<at::RecordFunction> rf;
+    if (at::hasCallbacks()) {  // no allocation per range when nothing observes them
+      rf = std::make_unique<at::RecordFunction>(at::RecordScope::USER_SCOPE);
+      if (rf->isActive()) rf->before(std::string_view(name), c10::ArrayRef<const c10::IValue>{});
+    }
     open_.push_back(std::move(rf));
   }
   void end() override {
