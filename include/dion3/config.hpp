@@ -67,6 +67,12 @@ struct DION3_API GroupConfig {
   bool scale_lr_by_fraction = false;  // Dion3: use lr / sqrt(fraction) (the paper's scaling law)
   std::optional<DType> momentum_dtype;  // nullopt = the parameter's dtype
   SelectionScope selection_scope = SelectionScope::Local;  // row-sharded Dion3 only
+  // Row blocks of one matrix, each orthogonalized as a matrix of its own (its own selection,
+  // NorMuon rescale and shape-adjusted lr), e.g. the query, key and value blocks of a fused QKV
+  // weight. split_sizes: the blocks' heights, summing to the rows of each matrix; num_heads = h:
+  // h blocks of equal height (attention heads). At most one of the two; empty / 0 or 1: none.
+  std::vector<int64_t> split_sizes;
+  int64_t num_heads = 0;
   OrthConfig orth;
 
   void validate() const;  // throws dion3::Error naming the offending field
@@ -74,6 +80,9 @@ struct DION3_API GroupConfig {
   double adjusted_lr(int64_t m, int64_t n) const;
   // Base lr after the opt-in fraction scaling.
   double base_lr() const;
+  // Heights of the row blocks of a matrix with `rows` rows: {rows} when the group splits nothing;
+  // throws dion3::Error naming split_sizes / num_heads when they do not cut `rows`.
+  std::vector<int64_t> row_blocks(int64_t rows) const;
 };
 
 }  // namespace dion3

@@ -46,6 +46,7 @@ extern "C" {
 #define DION3_MAX_DIMS 8
 #define DION3_MAX_ORTH_STEPS 16
 #define DION3_MAX_ORTH_RESTARTS 16
+#define DION3_MAX_SPLITS 64
 
 /* ---- enums (values are part of the ABI; structs store them as int32_t) ----------------- */
 
@@ -150,6 +151,11 @@ typedef struct dion3_group_config {
   int32_t orth_restarts[DION3_MAX_ORTH_RESTARTS]; /* default {2} (Gram NS restart steps) */
   int32_t orth_iteration_dtype; /* dion3_dtype, or -1 = the backend's choice (default) */
   int32_t selection_scope;      /* dion3_selection_scope: row-sharded Dion3; default LOCAL */
+  /* Row blocks orthogonalized as matrices of their own (fused QKV, attention heads); at most
+   * one of the two, both 0 by default: */
+  int32_t num_heads;            /* h blocks of equal height */
+  int32_t num_split_sizes;      /* blocks of heights split_sizes[0 .. num_split_sizes) */
+  int64_t split_sizes[DION3_MAX_SPLITS];
 } dion3_group_config;
 
 /* One megabatch of the plan (all same-shape matrices of a group orthogonalized together). */

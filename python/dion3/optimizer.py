@@ -30,11 +30,6 @@ _SCHEDULER_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "base_momentum", 
 # Other optimizers' names for settings dion3 has under another name.
 _KEY_ALIASES = {"eps": "epsilon", "momentum": "mu", "beta2": "muon_beta2", "rank_fraction": "fraction",
                 "nesterov_momentum": "nesterov", "adjust_learning_rate": "adjust_lr"}
-# The reference's group options that this engine does not implement yet, and what they would do.
-_NOT_IMPLEMENTED = {
-    "num_heads": "per-head orthogonalization of attention weights",
-    "split_sizes": "per-block orthogonalization of fused weights (e.g. QKV)",
-}
 ELEMENTWISE_ALGORITHMS = ("adamw", "lion")
 ALGORITHMS = MATRIX_ALGORITHMS + ELEMENTWISE_ALGORITHMS
 _ORTHOGONALIZERS = ("auto", "standard", "gram")
@@ -103,8 +98,33 @@ def _engine_config(group: Dict[str, Any]) -> Dict[str, Any]:
         "restarts": [int(r) for r in restarts],
         "iteration_dtype": _dtype_name(group.get("iteration_dtype")),
         "selection_scope": str(group.get("selection_scope", "local")),
+        "split_sizes": _split_sizes(group.get("split_sizes")),
+        "num_heads": _num_heads(group.get("num_heads")),
     }
     return cfg
+
+
+def _split_sizes(value) -> List[int]:
+    """A group's split_sizes as a list of ints ([] for None)."""
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) and not isinstance(value, torch.Size):
+        raise ValueError(f"dion3: 'split_sizes' must be a sequence of row counts, e.g. (q, kv, kv); got {value!r}")
+    out = []
+    for v in value:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise ValueError(f"dion3: 'split_sizes' must hold integers; got {value!r}")
+        out.append(int(v))
+    return out
+
+
+def _num_heads(value) -> int:
+    """A group's num_heads as an int (0 for None)."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"dion3: 'num_heads' must be a positive integer or None; got {value!r}")
+    return int(value)
 
 
 def _state_shapes(group: Dict[str, Any], p: torch.Tensor) -> List[Tuple[str, torch.dtype, Tuple[int, ...]]]:
@@ -507,9 +527,6 @@ class _EngineOptimizer(torch.optim.Optimizer):
             if key in known or key in _SCHEDULER_KEYS or not isinstance(key, str):
                 continue
             where = f"dion3: parameter group {gi}"
-            if key in _NOT_IMPLEMENTED:
-                raise ValueError(f"{where}: '{key}' ({_NOT_IMPLEMENTED[key]}) is not implemented by dion3 yet; "
-                                 f"remove it, or split such weights into separate parameters")
             if key in _KEY_ALIASES and _KEY_ALIASES[key] in known:
                 raise ValueError(f"{where}: unknown setting '{key}'; dion3 calls it '{_KEY_ALIASES[key]}'")
             near = difflib.get_close_matches(key, sorted(known - {"params", "param_names"}), n=1, cutoff=0.75)
@@ -546,6 +563,16 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"dion3: {who} has shape {list(p.shape)} but {algo} needs a matrix; put "
                                  "1-D tensors in an 'adamw' or 'lion' group (dion3.param_groups(model) makes "
                                  "such groups: matrices to {algo}, vectors, embeddings and the head to AdamW)")
+        if matrix and (cfg["split_sizes"] or cfg["num_heads"] > 1):
+            for j, p in enumerate(group["params"]):
+                rows = p.shape[0] if (group["flatten"] or p.dim() == 2) else p.shape[-2]
+                blocks = cfg["split_sizes"] or [rows // cfg["num_heads"]] * cfg["num_heads"]
+                if sum(blocks) != rows:
+                    what = (f"'split_sizes' {list(blocks)} sum to {sum(blocks)} rows" if cfg["split_sizes"] else
+                            f"'num_heads' = {cfg['num_heads']} does not divide them into heads of equal height")
+                    raise ValueError(f"dion3: parameter {j} '{self._param_name(group, gi, j)}' of group {gi} has "
+                                     f"{rows} rows per matrix but {what}; put parameters of other heights in a "
+                                     "group of their own")
         # Layouts: every rank sees the same metadata, so every rank raises alike, before any step.
         meshes = []
         for j, p in enumerate(group["params"]):
@@ -718,7 +745,7 @@ class Dion3(_EngineOptimizer):
             selection_scope=selection_scope, orthogonalizer=orthogonalizer,
             scale_lr_by_fraction=scale_lr_by_fraction, momentum_dtype=momentum_dtype,
             iteration_dtype=iteration_dtype, coefficients=coefficients, restarts=restarts,
-            cautious_wd=cautious_wd, nesterov=nesterov)
+            cautious_wd=cautious_wd, nesterov=nesterov, split_sizes=None, num_heads=None)
         super().__init__(params, distributed_mesh, defaults, on_nonfinite, workspace_limit, megabatch)
 
 
@@ -748,7 +775,7 @@ class NorMuon(_EngineOptimizer):
             selection_scope="local", orthogonalizer=orthogonalizer,
             scale_lr_by_fraction=scale_lr_by_fraction, momentum_dtype=momentum_dtype,
             iteration_dtype=iteration_dtype, coefficients=coefficients, restarts=restarts,
-            cautious_wd=cautious_wd, nesterov=nesterov)
+            cautious_wd=cautious_wd, nesterov=nesterov, split_sizes=None, num_heads=None)
         super().__init__(params, distributed_mesh, defaults, on_nonfinite, workspace_limit, megabatch)
 
 
@@ -777,5 +804,5 @@ class Muon(_EngineOptimizer):
             selection_scope="local", orthogonalizer=orthogonalizer,
             scale_lr_by_fraction=scale_lr_by_fraction, momentum_dtype=momentum_dtype,
             iteration_dtype=iteration_dtype, coefficients=coefficients, restarts=restarts,
-            cautious_wd=cautious_wd, nesterov=nesterov)
+            cautious_wd=cautious_wd, nesterov=nesterov, split_sizes=None, num_heads=None)
         super().__init__(params, distributed_mesh, defaults, on_nonfinite, workspace_limit, megabatch)

@@ -7,6 +7,8 @@
 #include "dion3/dion3.h"
 #include "dion3/comm.hpp"
 
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -147,6 +149,11 @@ dion3::GroupConfig to_config(const dion3_group_config* c) {
   if (c->orth_iteration_dtype >= 0)
     g.orth.iteration_dtype = to_dtype(c->orth_iteration_dtype, "group config: orth_iteration_dtype");
   g.selection_scope = to_enum<dion3::SelectionScope>(c->selection_scope, 0, 1, "group config: selection_scope");
+  g.num_heads = c->num_heads;
+  require(c->num_split_sizes >= 0 && c->num_split_sizes <= DION3_MAX_SPLITS,
+          "group config: num_split_sizes is " + std::to_string(c->num_split_sizes) + ", expected 0.." +
+              std::to_string(DION3_MAX_SPLITS));
+  g.split_sizes.assign(c->split_sizes, c->split_sizes + c->num_split_sizes);
   return g;
 }
 
@@ -170,6 +177,13 @@ void from_config(const dion3::GroupConfig& g, dion3_group_config* c) {
   c->momentum_dtype = g.momentum_dtype ? static_cast<int32_t>(*g.momentum_dtype) : -1;
   c->orth_method = static_cast<int32_t>(g.orth.method);
   c->selection_scope = static_cast<int32_t>(g.selection_scope);
+  require(g.num_heads <= INT32_MAX && g.split_sizes.size() <= DION3_MAX_SPLITS,
+          "group has " + std::to_string(g.split_sizes.size()) + " split_sizes or num_heads " +
+              std::to_string(g.num_heads) + "; the C API holds at most " + std::to_string(DION3_MAX_SPLITS) +
+              " blocks and a 32-bit head count");
+  c->num_heads = static_cast<int32_t>(g.num_heads);
+  c->num_split_sizes = static_cast<int32_t>(g.split_sizes.size());
+  std::copy(g.split_sizes.begin(), g.split_sizes.end(), c->split_sizes);
   if (g.orth.coefficients == dion3::polar_express_coefficients()) {
     c->orth_coefficients = DION3_COEFF_POLAR_EXPRESS;
   } else if (g.orth.coefficients == dion3::you_coefficients()) {

@@ -176,6 +176,14 @@ void GroupConfig::validate() const {
     require_unit_interval("betas[0]", betas[0]);
     require_unit_interval("betas[1]", betas[1]);
   }
+  for (int64_t s : split_sizes)
+    if (s < 1) fail("'split_sizes' must hold block heights >= 1, got " + std::to_string(s));
+  if (num_heads < 0) fail("'num_heads' must be >= 1 (or 0: none), got " + std::to_string(num_heads));
+  if (!split_sizes.empty() && num_heads > 1)
+    fail("'split_sizes' and 'num_heads' both cut the rows; give one of them");
+  if ((!split_sizes.empty() || num_heads > 1) && !is_matrix_algorithm(algorithm))
+    fail(std::string("'split_sizes' and 'num_heads' cut matrices into row blocks; ") + algorithm_name(algorithm) +
+         " steps element-wise and takes neither");
   if (!std::isfinite(as_float(base_lr())))
     fail("'lr' = " + format_number(lr) + " scaled by scale_lr_by_fraction (lr / sqrt(fraction = " + format_number(fraction) +
          ")) is " + format_number(base_lr()) + ", which is not finite in float32, the precision the step uses");
@@ -187,6 +195,25 @@ void GroupConfig::validate() const {
 double GroupConfig::base_lr() const {
   if (algorithm == Algorithm::Dion3 && scale_lr_by_fraction) return lr / std::sqrt(fraction);
   return lr;
+}
+
+std::vector<int64_t> GroupConfig::row_blocks(int64_t rows) const {
+  if (num_heads > 1) {
+    if (rows % num_heads != 0)
+      fail("'num_heads' = " + std::to_string(num_heads) + " does not divide the matrix's " + std::to_string(rows) +
+           " rows into heads of equal height");
+    return std::vector<int64_t>(static_cast<std::size_t>(num_heads), rows / num_heads);
+  }
+  if (split_sizes.empty()) return {rows};
+  int64_t sum = 0;
+  for (int64_t s : split_sizes) sum += s;
+  if (sum != rows) {
+    std::string list;
+    for (int64_t s : split_sizes) list += (list.empty() ? "" : ", ") + std::to_string(s);
+    fail("'split_sizes' [" + list + "] sum to " + std::to_string(sum) + " rows but the matrix has " +
+         std::to_string(rows));
+  }
+  return split_sizes;
 }
 
 double GroupConfig::adjusted_lr(int64_t m, int64_t n) const {

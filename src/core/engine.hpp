@@ -33,6 +33,15 @@ struct Param {
   const TensorView* find_state(const std::string& key) const;
 };
 
+// One matrix of a megabatch: matrix `matrix` of parameter `param`, or the row block of it that
+// starts at its local row `first_row` (GroupConfig::split_sizes / num_heads); the megabatch's
+// `rows` rows from there.
+struct Member {
+  int param = 0;
+  int64_t matrix = 0;
+  int64_t first_row = 0;
+};
+
 // A slice of a megabatch orthogonalized in one call, sized so that its workspace fits the
 // optimizer's workspace limit.
 struct Chunk {
@@ -77,7 +86,7 @@ struct Megabatch {
   int group = 0;
   int64_t rows = 0, cols = 0, k = 0;  // rows: of the local matrices (a shard under RowShard)
   DType weight_dtype = DType::F32, grad_dtype = DType::F32, momentum_dtype = DType::F32;
-  std::vector<std::pair<int, int64_t>> members;  // (param index, matrix index in param)
+  std::vector<Member> members;
   std::unique_ptr<MatrixSet> set;                // every member: accumulate and select
   std::vector<Chunk> chunks;                     // gather, orthogonalize, update
   std::vector<std::unique_ptr<Orthogonalizer>> orths;  // one per distinct chunk size
@@ -97,6 +106,9 @@ struct Megabatch {
   int col_ranks = 1, col_rank = 0;
   int64_t global_rows = 0;    // m of the whole matrix
   int64_t global_cols = 0;    // n of the whole matrix (cols is the local count under ColShard)
+  // RowShard cut otherwise than in ceil(m/P) chunks in rank order (ParamLayout::row_offset, or
+  // row blocks that straddle shards): the largest shard's rows; 0 for the standard cut.
+  int64_t row_chunk = 0;
   int64_t orth_cols = 0;      // columns per member the orthogonalizer sees (ColShard: ranks * ceil(n/ranks))
   int64_t piece = 0;          // RowShard: rows each rank contributes per member
   int64_t orth_rows = 0;      // rows per member the orthogonalizer sees (k, or ranks * piece)
@@ -163,6 +175,20 @@ struct Optimizer::Impl {
     std::vector<int64_t> shape;
   };
   std::vector<StateSpec> state_specs(const Param& p) const;
+  // How parameter i's matrices are cut into row blocks (GroupConfig::row_blocks) as this rank
+  // holds them. A block of a row-sharded matrix that lies within one rank's shard is that rank's
+  // alone (Local: orthogonalized where it lies, nothing exchanged; the other ranks do not see it);
+  // one that straddles shards is row-sharded with a cut of its own (row_chunk). Throws naming the
+  // parameter when the group's blocks do not fit its rows or layout.
+  struct RowBlock {
+    int64_t first_row = 0;     // this rank's first row of the block, in its local matrix
+    int64_t rows = 0;          // this rank's rows of it (0: a straddling block it holds none of)
+    int64_t global_rows = 0;   // the block's height
+    int64_t global_first = 0;  // the block's first row in the whole matrix
+    Layout layout = Layout::Local;
+    int64_t row_chunk = 0;     // RowShard: see Megabatch::row_chunk
+  };
+  std::vector<RowBlock> row_blocks(int i) const;
   std::string describe(int param) const;  // "parameter 3 'mlp.up.weight'"
   // The one place that decides whether group g's structure may change: never once its
   // parameters' state is sized by it. Empty when the group may go on as configured.

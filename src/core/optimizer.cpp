@@ -15,8 +15,9 @@ namespace dion3 {
 
 namespace {
 
-MatrixView matrix_of(const TensorView& t, DType dtype, int64_t index, int64_t rows, int64_t cols) {
-  char* base = static_cast<char*>(t.data) + static_cast<std::size_t>(index * rows * cols) * dtype_size(dtype);
+// Rows [first, first + rows) of t seen as a stack of rows of `cols` elements.
+MatrixView rows_of(const TensorView& t, DType dtype, int64_t first, int64_t rows, int64_t cols) {
+  char* base = static_cast<char*>(t.data) + static_cast<std::size_t>(first * cols) * dtype_size(dtype);
   return MatrixView::contiguous(base, dtype, 1, rows, cols);
 }
 
@@ -29,7 +30,8 @@ bool same_structure(const GroupConfig& a, const GroupConfig& b) {
   return a.algorithm == b.algorithm && a.flatten == b.flatten && a.momentum_dtype == b.momentum_dtype;
 }
 bool same_plan(const GroupConfig& a, const GroupConfig& b) {
-  return same_structure(a, b) && a.fraction == b.fraction && a.orth.method == b.orth.method &&
+  return same_structure(a, b) && a.fraction == b.fraction && a.split_sizes == b.split_sizes &&
+         a.num_heads == b.num_heads && a.orth.method == b.orth.method &&
          a.orth.coefficients == b.orth.coefficients && a.orth.restarts == b.orth.restarts &&
          a.orth.iteration_dtype == b.orth.iteration_dtype && a.selection_scope == b.selection_scope;
 }
@@ -342,6 +344,7 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
   s.params.push_back(std::move(p));
   Param& added = s.params.back();
   try {
+    if (is_matrix_algorithm(g.algorithm)) s.row_blocks(index);  // its group's row blocks must fit it
     const auto specs = s.state_specs(added);
     for (const auto& [name, view] : spec.state) {
       bool known = false;
@@ -435,7 +438,58 @@ std::vector<std::pair<std::string, TensorView>> Optimizer::state_views(int param
   return impl_->params[param].state;
 }
 
+std::vector<Optimizer::Impl::RowBlock> Optimizer::Impl::row_blocks(int i) const {
+  const Param& p = params[i];
+  const ParamLayout& L = p.layout;
+  const bool row_cut = L.kind == Layout::RowShard || L.kind == Layout::Block;
+  const int64_t M = row_cut ? L.global_rows : p.rows;
+  std::vector<int64_t> heights;
+  try {
+    heights = groups[p.group].row_blocks(M);
+  } catch (const Error& e) {
+    fail(describe(i) + " (group " + std::to_string(p.group) + "): " + std::string(e.what()).substr(7));
+  }
+  if (heights.size() == 1)
+    return {RowBlock{0, p.rows, M, 0, L.kind, L.kind == Layout::RowShard ? L.row_chunk : 0}};
+  if (L.kind == Layout::Block)
+    fail(describe(i) + ": split_sizes / num_heads are not available for block-sharded parameters (rows and "
+         "columns both cut); give the blocks as separate parameters");
+  std::vector<RowBlock> out;
+  int64_t b0 = 0;
+  if (L.kind != Layout::RowShard) {
+    for (int64_t s : heights) {
+      out.push_back(RowBlock{b0, s, s, b0, L.kind, 0});
+      b0 += s;
+    }
+    return out;
+  }
+  const int64_t P = L.comm->size(), r = L.comm->rank();
+  const bool standard = L.row_offset < 0;
+  const int64_t c = standard ? ceil_div(M, P) : L.row_chunk;
+  const int64_t R0 = standard ? std::min(M, r * c) : L.row_offset;  // this rank's first row
+  for (int64_t s : heights) {
+    const int64_t lo = std::max(b0, R0), hi = std::min(b0 + s, R0 + p.rows);
+    const int64_t held = std::max<int64_t>(hi - lo, 0);
+    if (standard && b0 / c == (b0 + s - 1) / c) {  // within shard b0 / c
+      if (b0 / c == r) out.push_back(RowBlock{b0 - R0, s, s, b0, Layout::Local, 0});
+    } else {
+      // Every rank's rows of the block, padded to the most any rank holds.
+      int64_t chunk = std::min(s, c);
+      if (standard) {
+        chunk = 0;
+        for (int64_t q = b0 / c; q <= (b0 + s - 1) / c; ++q)
+          chunk = std::max(chunk, std::min({b0 + s, (q + 1) * c, M}) - std::max(b0, q * c));
+      }
+      out.push_back(RowBlock{held ? lo - R0 : 0, held, s, b0, Layout::RowShard, chunk});
+    }
+    b0 += s;
+  }
+  return out;
+}
+
 void Optimizer::Impl::build_plan() {
+  for (int i = 0; i < static_cast<int>(params.size()); ++i)  // refuse before anything changes
+    if (is_matrix_algorithm(groups[params[i].group].algorithm)) row_blocks(i);
   megabatches.clear();
   // Communicators are keyed by their order of first appearance, never by address: every rank
   // must build its megabatches (and so start its collectives) in the same order.
@@ -447,8 +501,9 @@ void Optimizer::Impl::build_plan() {
     comms.push_back(c);
     return static_cast<int>(comms.size()) - 1;
   };
-  // The last two fields single a matrix out when megabatching is off.
-  using Key = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int, int, int, int, int64_t>;
+  // The last three fields single a matrix (block) out when megabatching is off.
+  using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, int, int, int, int,
+                         int64_t, int>;
   std::map<Key, std::size_t> index;
   for (int i = 0; i < static_cast<int>(params.size()); ++i) {
     const Param& p = params[i];
@@ -457,30 +512,39 @@ void Optimizer::Impl::build_plan() {
     const int cci = comm_index(p.layout.col_comm.get());
     if (!is_matrix_algorithm(g.algorithm)) continue;
     const DType mom = state_specs(p)[0].dtype;
-    const bool row_cut = p.layout.kind == Layout::RowShard || p.layout.kind == Layout::Block;
     const bool col_cut = p.layout.kind == Layout::ColShard || p.layout.kind == Layout::Block;
-    const int64_t m = row_cut ? p.layout.global_rows : p.rows;
     const int64_t n = col_cut ? p.layout.global_cols : p.cols;
-    // A non-standard row cut is its own megabatch (its pieces are sized by its largest shard).
-    const int64_t chunk = p.layout.kind == Layout::RowShard ? p.layout.row_chunk : 0;
+    const std::vector<RowBlock> blocks = row_blocks(i);
     for (int64_t j = 0; j < p.count; ++j) {
-      const Key key{p.group, m, n, chunk, static_cast<int>(p.weight.dtype), static_cast<int>(p.grad.dtype),
-                    static_cast<int>(mom), static_cast<int>(p.layout.kind), ci, cci, options.megabatch ? -1 : i,
-                    options.megabatch ? -1 : j};
-      auto [it, fresh] = index.try_emplace(key, megabatches.size());
-      if (fresh) {
-        Megabatch mb;
-        mb.group = p.group;
-        mb.rows = p.rows;
-        mb.cols = p.cols;
-        mb.global_rows = m;
-        mb.global_cols = n;
-        mb.weight_dtype = p.weight.dtype;
-        mb.grad_dtype = p.grad.dtype;
-        mb.momentum_dtype = mom;
-        megabatches.push_back(std::move(mb));
+      for (int b = 0; b < static_cast<int>(blocks.size()); ++b) {
+        const RowBlock& rb = blocks[b];
+        const bool local = rb.layout == Layout::Local;
+        // A row-sharded block's cut depends on where it lies in the whole matrix: blocks share a
+        // megabatch only where their cuts, and so their shards' rows, are the same.
+        const bool cut = rb.layout == Layout::RowShard;
+        const Key key{p.group, rb.global_rows, n, rb.row_chunk, cut ? p.layout.global_rows : -1,
+                      cut ? rb.global_first : -1, static_cast<int>(p.weight.dtype), static_cast<int>(p.grad.dtype),
+                      static_cast<int>(mom), static_cast<int>(rb.layout), local ? -1 : ci, local ? -1 : cci,
+                      options.megabatch ? -1 : i, options.megabatch ? -1 : j, options.megabatch ? -1 : b};
+        auto [it, fresh] = index.try_emplace(key, megabatches.size());
+        if (fresh) {
+          Megabatch mb;
+          mb.group = p.group;
+          mb.rows = rb.rows;
+          mb.cols = p.cols;
+          mb.global_rows = rb.global_rows;
+          mb.global_cols = n;
+          mb.row_chunk = rb.row_chunk;
+          mb.weight_dtype = p.weight.dtype;
+          mb.grad_dtype = p.grad.dtype;
+          mb.momentum_dtype = mom;
+          mb.layout = rb.layout;
+          mb.comm = local ? nullptr : p.layout.comm.get();
+          mb.col_comm = local ? nullptr : p.layout.col_comm.get();
+          megabatches.push_back(std::move(mb));
+        }
+        megabatches[it->second].members.push_back(Member{i, j, rb.first_row});
       }
-      megabatches[it->second].members.emplace_back(i, j);
     }
   }
   for (std::size_t i = 0; i < megabatches.size(); ++i) plan_distribution(megabatches[i], static_cast<int>(i));
@@ -627,16 +691,13 @@ ExchangePlan exchange_plan(Layout layout, const GroupConfig& g, int64_t count, i
 }
 
 void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
-  const Param& first = params[mb.members.front().first];
+  const Param& first = params[mb.members.front().param];
   const GroupConfig& g = groups[mb.group];
   const auto n = static_cast<int64_t>(mb.members.size());
   const bool dion3 = g.algorithm == Algorithm::Dion3;
   Allocator& alloc = backend->allocator();
-  mb.layout = first.layout.kind;
-  mb.comm = first.layout.comm.get();
   mb.ranks = mb.comm ? mb.comm->size() : 1;
   mb.rank = mb.comm ? mb.comm->rank() : 0;
-  mb.col_comm = first.layout.col_comm.get();
   mb.col_ranks = mb.col_comm ? mb.col_comm->size() : 1;
   mb.col_rank = mb.col_comm ? mb.col_comm->rank() : 0;
   mb.update_dtype = update_rows_dtype(g, mb.momentum_dtype);
@@ -646,10 +707,11 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
   // The exchange's row counts decide the orthogonalizer's shape, and so its result dtype (decided
   // from the shape alone so that every rank agrees, even one that orthogonalizes nothing).
   const int64_t ncols = mb.global_cols;
-  const int64_t chunk = mb.layout == Layout::RowShard ? first.layout.row_chunk : 0;
-  if (mb.global_scope && first.layout.row_offset >= 0)
+  const int64_t chunk = mb.row_chunk;
+  if (mb.global_scope && chunk > 0)
     fail(group_error(mb.group, "selection_scope 'global' needs the standard row cut (ceil(m/P) rows in rank "
-                               "order); '" + first.name + "' is cut otherwise (e.g. FSDP2 over tensor parallel): use 'local'"));
+                               "order); '" + first.name + "' is cut otherwise (FSDP2 over tensor parallel, or "
+                               "split_sizes / num_heads blocks that straddle shards): use 'local'"));
   const ExchangePlan shape =
       exchange_plan(mb.layout, g, n, m, ncols, mb.ranks, mb.update_dtype, DType::F32, chunk, mb.col_ranks);
   const OrthMethod method = choose_orth_method(*backend, g.orth, shape.orth_rows, shape.orth_cols);
@@ -830,8 +892,8 @@ void Optimizer::Impl::validate_for_step() {
   if (!s.plan_valid) s.build_plan();
   // Gradient dtypes are part of the megabatch key: re-plan if set_grad changed one.
   for (const Megabatch& mb : s.megabatches)
-    for (const auto& [pi, j] : mb.members)
-      if (s.params[pi].grad.dtype != mb.grad_dtype) s.plan_valid = false;
+    for (const Member& m : mb.members)
+      if (s.params[m.param].grad.dtype != mb.grad_dtype) s.plan_valid = false;
   if (!s.plan_valid) s.build_plan();
   // The learning rate a matrix update applies depends on its shape: it too must be a float32.
   for (const Megabatch& mb : s.megabatches) {
@@ -947,13 +1009,14 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
   Backend& be = *backend;
   const GroupConfig& g = groups[mb.group];
   mb.set->mats.clear();
-  for (const auto& [pi, j] : mb.members) {
-    Param& p = params[pi];
+  for (const Member& m : mb.members) {
+    Param& p = params[m.param];
+    const int64_t row = m.matrix * p.rows + m.first_row;  // the block's first row in the flattened rows
     ParamMatrix pm;
-    pm.weight = matrix_of(p.weight, p.weight.dtype, j, p.rows, p.cols);
-    pm.grad = matrix_of(p.grad, p.grad.dtype, j, p.rows, p.cols);
-    pm.momentum = matrix_of(p.state[0].second, mb.momentum_dtype, j, p.rows, p.cols);
-    if (p.state.size() > 1) pm.variance = static_cast<float*>(p.state[1].second.data) + j * p.rows;
+    pm.weight = rows_of(p.weight, p.weight.dtype, row, mb.rows, p.cols);
+    pm.grad = rows_of(p.grad, p.grad.dtype, row, mb.rows, p.cols);
+    pm.momentum = rows_of(p.state[0].second, mb.momentum_dtype, row, mb.rows, p.cols);
+    if (p.state.size() > 1) pm.variance = static_cast<float*>(p.state[1].second.data) + row;
     mb.set->mats.push_back(pm);
   }
   be.refresh(*mb.set);

@@ -338,6 +338,82 @@ TEST(Dion3, MegabatchEqualsSeparateOptimizers) {
   }
 }
 
+// Row blocks (split_sizes, num_heads) step exactly like the same rows given as separate
+// parameters: the same megabatches, the same arithmetic.
+TEST(Dion3, RowBlocksStepLikeSeparateParameters) {
+  const int64_t n = 32;
+  const std::vector<int64_t> split = {24, 8, 8};
+  for (bool heads : {false, true}) {
+    const std::vector<int64_t> heights = heads ? std::vector<int64_t>(5, 8) : split;
+    Harness fused, parts;
+    dion3::GroupConfig g = plain(0.25, 0.01);
+    if (heads) g.num_heads = 5;
+    else g.split_sizes = split;
+    const int fg = fused.opt.add_group(g);
+    const int pg = parts.opt.add_group(plain(0.25, 0.01));
+    Rng rng(12);
+    t3::HostParam& f = fused.add(fg, "qkv", DType::F32, {40, n}, rng);
+    int64_t row = 0;
+    for (int64_t h : heights) {
+      std::string name = "block";
+      name += std::to_string(row);
+      Rng dummy(0);
+      t3::HostParam& p = parts.add(pg, name, DType::F32, {h, n}, dummy);
+      std::memcpy(p.w.bytes.data(), f.w.bytes.data() + row * n * 4, static_cast<std::size_t>(h * n * 4));
+      row += h;
+    }
+    EXPECT_EQ(fused.opt.plan().size(), parts.opt.plan().size());
+    for (int step = 0; step < 3; ++step) {
+      fused.randomize_grads(rng);
+      row = 0;
+      for (auto& p : parts.params) {
+        std::memcpy(p->g.bytes.data(), f.g.bytes.data() + row * n * 4, p->g.bytes.size());
+        row += p->g.shape[0];
+      }
+      ASSERT_TRUE(fused.opt.step());
+      ASSERT_TRUE(parts.opt.step());
+    }
+    std::vector<unsigned char> joined;
+    for (auto& p : parts.params) joined.insert(joined.end(), p->w.bytes.begin(), p->w.bytes.end());
+    EXPECT_EQ(f.w.bytes, joined) << (heads ? "num_heads" : "split_sizes");
+  }
+}
+
+TEST(Dion3, RowBlocksThatDoNotFitAreRefusedNamingTheParameter) {
+  Harness h;
+  dion3::GroupConfig g = plain(0.25, 0.01);
+  g.split_sizes = {24, 8};
+  const int gi = h.opt.add_group(g);
+  Rng rng(1);
+  try {
+    h.add(gi, "qkv", DType::F32, {40, 32}, rng);
+    FAIL() << "accepted";
+  } catch (const dion3::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'qkv'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("sum to 32 rows but the matrix has 40"), std::string::npos) << e.what();
+  }
+  // The C API carries the blocks both ways.
+  dion3_group_config c;
+  dion3_group_config_default(&c);
+  EXPECT_EQ(c.num_heads, 0);
+  EXPECT_EQ(c.num_split_sizes, 0);
+  c.num_split_sizes = 3;
+  c.split_sizes[0] = 24;
+  c.split_sizes[1] = c.split_sizes[2] = 8;
+  dion3_optimizer* opt = nullptr;
+  ASSERT_EQ(dion3_create(&opt, DION3_DEVICE_CPU, 0, nullptr, DION3_NONFINITE_RAISE), DION3_OK);
+  int group = -1;
+  ASSERT_EQ(dion3_add_group(opt, &c, &group), DION3_OK) << dion3_last_error();
+  dion3_group_config back;
+  ASSERT_EQ(dion3_get_group_config(opt, group, &back), DION3_OK) << dion3_last_error();
+  EXPECT_EQ(back.num_split_sizes, 3);
+  EXPECT_EQ(back.split_sizes[0], 24);
+  c.num_heads = 5;  // both: refused
+  EXPECT_NE(dion3_add_group(opt, &c, &group), DION3_OK);
+  EXPECT_NE(std::string(dion3_last_error()).find("give one of them"), std::string::npos) << dion3_last_error();
+  dion3_destroy(opt);
+}
+
 // A workspace limit below one megabatch's need splits it into chunks that share one arena;
 // each matrix's math is unchanged, so the bytes equal the unchunked run's.
 TEST(Dion3, WorkspaceLimitChunksAMegabatchWithoutChangingResults) {

@@ -273,6 +273,50 @@ def tensor_parallel(rank, world, mesh2d):
         assert all(mb["layout"] == "block-sharded" for mb in opt.plan()), opt.plan()
 
 
+def row_blocks(rank, world, mesh):
+    """split_sizes / num_heads. DDP: bit for bit the single-process run. FSDP2 rows that do not
+    divide by the world size, cut across the blocks: a block within one rank's shard steps there
+    as on one device; one that straddles shards steps with the row-sharded rule over the ranks'
+    pieces of it (per-piece selection and NorMuon rescale), computed here block by block."""
+    M, n = 40, 32
+    for kw, heights in ((dict(split_sizes=(24, 8, 8)), (24, 8, 8)), (dict(num_heads=5), (8,) * 5)):
+        torch.manual_seed(0)
+        ws = [nn.Parameter(torch.randn(M, n) * 0.05) for _ in range(3)]
+        single = [nn.Parameter(w.detach().clone()) for w in ws]
+        opt = dion3.Dion3([dict(params=ws, **kw)], distributed_mesh=dist.group.WORLD)
+        one = dion3.Dion3([dict(params=single, **kw)])
+        for step in range(2):
+            for w, s1, g in zip(ws, single, grads_for([(M, n)] * 3, step)):
+                w.grad, s1.grad = g.clone(), g.clone()
+            opt.step()
+            one.step()
+            assert all(torch.equal(w, s1) for w, s1 in zip(ws, single)), f"DDP {kw} step {step}"
+        for algorithm in ("dion3", "normuon"):
+            fulls, ps = sharded_params(mesh, [Shard(0)], seed=5, shapes=[(M, n)] * 2)
+            opt = dion3.Dion3([dict(params=ps, algorithm=algorithm, **kw)], distributed_mesh=mesh, lr=0.02)
+            c = -(-M // world)
+            refs, b0 = [], 0
+            for s in heights:
+                pieces = [(max(b0, q * c) - b0, min(b0 + s, (q + 1) * c, M) - max(b0, q * c)) for q in range(world)]
+                pieces = [(lo, h) for lo, h in pieces if h > 0]
+                refs.append((b0, s, [Reference([f[b0:b0 + s]], algorithm=algorithm, lr=0.02, ranks=len(pieces),
+                                               row_shards=lambda m, pieces=pieces: pieces) for f in fulls]))
+                b0 += s
+            for step in range(3):
+                gs = grads_for([(M, n)] * 2, 200 + step)
+                for p, g in zip(ps, gs):
+                    p.grad = distribute_tensor(g, mesh, [Shard(0)])
+                opt.step()
+                for b0, s, rs in refs:
+                    for r, g in zip(rs, gs):
+                        r.step([g[b0:b0 + s]])
+                for i, p in enumerate(ps):
+                    want = torch.cat([rs[i].w[0] for _, _, rs in refs])
+                    close(full(p.detach()), want, f"FSDP2 {algorithm} {kw} parameter {i} at step {step}")
+            layouts = {mb["layout"] for mb in opt.plan()}
+            assert "row-sharded" in layouts, opt.plan()  # some block straddles shards on 2 and 4 ranks
+
+
 def layouts(rank, world, tmp):
     mesh = init_device_mesh("cpu", (world,))
     ddp(rank, world, dion3.Dion3)
@@ -287,6 +331,7 @@ def layouts(rank, world, tmp):
         fsdp(rank, world, hsdp, [Replicate(), Shard(0)], 2, dion3.Dion3, "dion3")
         fsdp(rank, world, hsdp, [Replicate(), Shard(0)], 2, dion3.Dion3, "dion3", pass_mesh=hsdp["shard"])
         tensor_parallel(rank, world, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+    row_blocks(rank, world, mesh)
     nonfinite(rank, world, mesh)
     refusals(rank, world, mesh)
     fully_sharded_model(rank, world, mesh)

@@ -112,6 +112,8 @@ dion3::GroupConfig group_config(const py::dict& d) {
   c.orth.restarts = py::cast<std::vector<int>>(d["restarts"]);
   c.orth.iteration_dtype = optional_dtype(d, "iteration_dtype");
   c.selection_scope = dion3::parse_selection_scope(py::cast<std::string>(d["selection_scope"]));
+  c.split_sizes = py::cast<std::vector<int64_t>>(d["split_sizes"]);
+  c.num_heads = py::cast<int64_t>(d["num_heads"]);
   return c;
 }
 
