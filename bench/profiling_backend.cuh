@@ -56,6 +56,7 @@ class ProfilingBackend final : public dion3::Backend {
     wrap("exchange.copy", [&] { in_->copy_2d(d, dp, s, sp, w, h); });
   }
   void* stream() const override { return in_->stream(); }
+  bool capturing() const override { return in_->capturing(); }
   void copy_rows(void* d, std::size_t dp, const int32_t* di, const void* s, std::size_t sp, const int32_t* si,
                  std::size_t w, int64_t n) override {
     wrap("exchange.copy", [&] { in_->copy_rows(d, dp, di, s, sp, si, w, n); });
@@ -82,7 +83,7 @@ class ProfilingBackend final : public dion3::Backend {
     shape_ = "all";
     wrap("check_step", [&] { in_->check_step(xs, flag); });
   }
-  void accumulate(const dion3::MatrixSet& s, float d, float* sc, float* ss, const int* k) override {
+  void accumulate(const dion3::MatrixSet& s, dion3::Hyper d, float* sc, float* ss, const int* k) override {
     wrap("accumulate", [&] { in_->accumulate(s, d, sc, ss, k); });
   }
   void remap_rows(const int32_t* in, int64_t c, int64_t ki, int64_t lo, int64_t hi, int64_t ko, int32_t* out,
@@ -92,10 +93,12 @@ class ProfilingBackend final : public dion3::Backend {
   void select_rows(const float* s, int64_t c, int64_t m, int64_t k, int32_t* i, const int* sk) override {
     wrap("select", [&] { in_->select_rows(s, c, m, k, i, sk); });
   }
-  void gather_rows(const dion3::MatrixSet& s, const int32_t* i, int64_t k, float a, float b, float d,
+  void gather_rows(const dion3::MatrixSet& s, const int32_t* i, int64_t k, dion3::Hyper a, dion3::Hyper b,
+                   dion3::Hyper d,
                    dion3::MatrixView o, float* ss, const int* sk) override {
     wrap("gather", [&] { in_->gather_rows(s, i, k, a, b, d, o, ss, sk); });
-  }  void gather_normalized(const dion3::MatrixSet& s, const int32_t* i, int64_t k, float d, const float* ss,
+  }
+  void gather_normalized(const dion3::MatrixSet& s, const int32_t* i, int64_t k, dion3::Hyper d, const float* ss,
                          float eps, dion3::MatrixView o, const int* sk) override {
     wrap("gather", [&] { in_->gather_normalized(s, i, k, d, ss, eps, o, sk); });
   }

@@ -53,13 +53,31 @@ struct DION3_API MatrixSet {
   int64_t cols() const { return mats.empty() ? 0 : mats.front().weight.cols; }
 };
 
+#if defined(__CUDACC__)
+#define DION3_HOST_DEVICE __host__ __device__
+#else
+#define DION3_HOST_DEVICE
+#endif
+
+// A hyper-parameter as an operation reads it: `value`, or, where `at` is set, the float there in
+// the backend's memory, read when the operation runs. The engine keeps its groups' values in one
+// such buffer and refreshes it between steps, so that a step captured in a CUDA graph follows a
+// schedule when it is replayed.
+struct Hyper {
+  float value = 0.0f;
+  const float* at = nullptr;
+  Hyper() = default;
+  Hyper(float v) : value(v) {}  // NOLINT(google-explicit-constructor): plain values convert
+  Hyper(float v, const float* where) : value(v), at(where) {}
+  DION3_HOST_DEVICE float get() const { return at ? *at : value; }
+};
+
 // Scalars of the matrix update (SPEC §1 steps 6–8, Muon/NorMuon variants).
 struct UpdateParams {
-  float lr = 0.0f;           // base lr: weight decay factor is (1 - lr*weight_decay)
-  float weight_decay = 0.0f;
-  float adjusted_lr = 0.0f;  // lr' of the orthogonalized update
+  Hyper decay = 1.0f;        // weight decay factor 1 - lr*weight_decay (lr: the base lr)
+  Hyper adjusted_lr = 0.0f;  // lr' of the orthogonalized update
   bool normuon = false;      // apply the NorMuon row normalisation with variance
-  float beta2 = 0.95f;
+  Hyper beta2 = 0.95f;
   bool cautious_wd = false;
   // Column-sharded weights: O holds whole rows (O.cols >= the weights' cols); the NorMuon
   // statistics span all of O's columns and the weights take columns [o_col_offset, + cols).
@@ -80,13 +98,15 @@ struct AdamWParams {
   // so that a captured step is still right when it is replayed.
   const int64_t* applied_steps;
   int64_t step_offset;
+  // If set: {lr, beta1, beta2, weight_decay, epsilon} in the backend's memory, read instead of
+  // the values above when the update runs (see Hyper).
+  const float* live = nullptr;
+  DION3_HOST_DEVICE AdamWParams resolved() const {
+    AdamWParams h = *this;
+    if (live) h = {live[0], live[1], live[2], live[3], live[4], applied_steps, step_offset, nullptr};
+    return h;
+  }
 };
-
-#if defined(__CUDACC__)
-#define DION3_HOST_DEVICE __host__ __device__
-#else
-#define DION3_HOST_DEVICE
-#endif
 
 // t of an AdamW step (see AdamWParams), for backends and tests.
 DION3_HOST_DEVICE inline double adamw_step_number(const AdamWParams& h, int64_t applied_steps) {
@@ -94,6 +114,10 @@ DION3_HOST_DEVICE inline double adamw_step_number(const AdamWParams& h, int64_t 
 }
 struct LionParams {
   float lr, beta1, beta2, weight_decay;
+  const float* live = nullptr;  // as AdamWParams::live: {lr, beta1, beta2, weight_decay}
+  DION3_HOST_DEVICE LionParams resolved() const {
+    return live ? LionParams{live[0], live[1], live[2], live[3], nullptr} : *this;
+  }
 };
 
 // One parameter's share of Backend::check_step: the state its step would store, evaluated
@@ -108,7 +132,7 @@ struct StepCheck {
   MatrixView grad;
   MatrixView state;   // momentum / exp_avg
   MatrixView state2;  // AdamW's exp_avg_sq
-  float a = 0.0f, b = 0.0f;
+  Hyper a = 0.0f, b = 0.0f;
 };
 
 // The element-wise rules of AdamW and Lion, shared by every backend and by check_step so that
@@ -133,6 +157,8 @@ class DION3_API Backend {
   // The stream every op is enqueued on (CUDA), null on the CPU: communicators order their
   // collectives on it.
   virtual void* stream() const { return nullptr; }
+  // Whether the stream is being captured into a CUDA graph (operations then run only on replay).
+  virtual bool capturing() const { return false; }
   // A named range around the ops enqueued between push and pop, for the device's profiler
   // (NVTX on CUDA); nothing by default.
   virtual void range_push(const char* name) { (void)name; }
@@ -170,7 +196,7 @@ class DION3_API Backend {
   // M = decay*M + G for each matrix; if scores != null, scores[i*rows + r] = sum_j |M_i[r,j]|
   // taken after the update; if row_sumsq != null, row_sumsq[i*rows + r] = sum_j M_i[r,j]^2 (both
   // of the values as stored).
-  virtual void accumulate(const MatrixSet& set, float decay, float* scores, float* row_sumsq,
+  virtual void accumulate(const MatrixSet& set, Hyper decay, float* scores, float* row_sumsq,
                           const int* skip) = 0;
   // For each of `count` score vectors of length m: the k rows of largest score, ties to the
   // lower index, written to idx[i*k ...] in ascending row order.
@@ -192,13 +218,13 @@ class DION3_API Backend {
   // out.data == null only the decay is applied. Padding entries of idx give zero rows.
   // row_sumsq, if not null: [i*k + s] = the sum of squares of out[i]'s row s as stored (rounded
   // to out's dtype), for normalize (spares it a pass over out).
-  virtual void gather_rows(const MatrixSet& set, const int32_t* idx, int64_t k, float scale_m,
-                           float scale_g, float decay, MatrixView out, float* row_sumsq, const int* skip) = 0;
+  virtual void gather_rows(const MatrixSet& set, const int32_t* idx, int64_t k, Hyper scale_m,
+                           Hyper scale_g, Hyper decay, MatrixView out, float* row_sumsq, const int* skip) = 0;
   // out[i] (k x cols) = M_i[idx_i] / (sqrt(sum_s row_sumsq[i*rows + idx_i[s]]) + eps), rounded to
   // out's dtype, then M_i[idx_i] *= decay: the gather and the normalisation of SPEC §2 in one
   // pass, with the row sums of squares accumulate() gave. out is contiguous, any float dtype.
   // Padding entries of idx give zero rows.
-  virtual void gather_normalized(const MatrixSet& set, const int32_t* idx, int64_t k, float decay,
+  virtual void gather_normalized(const MatrixSet& set, const int32_t* idx, int64_t k, Hyper decay,
                                  const float* row_sumsq, float eps, MatrixView out, const int* skip) = 0;
   // Per matrix i with rows idx_i (null = all): optional NorMuon normalisation of O_i with the
   // variance rows idx_i, then W_i *= (1 - lr*wd) on all rows and W_i[idx_i] -= lr' * O_i.

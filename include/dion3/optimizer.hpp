@@ -187,9 +187,21 @@ class DION3_API Optimizer {
   // be captured in a CUDA graph and replayed. A non-finite gradient drops the step on the
   // device whatever the policy (steps_skipped() counts it); nothing is raised.
   void step_async();
+  // Hyper-parameters (lr, weight decay, momentum, betas, epsilon, per group) are read by the
+  // step's operations from device memory that every step not being captured refreshes first. A
+  // step captured in a CUDA graph reads them when replayed: call this before each replay (outside
+  // the graph) so that it follows the groups' current values, e.g. an lr schedule. Throws when a
+  // group changed a setting the plan depends on (fraction, split_sizes, num_heads, the
+  // orthogonalizer): a replay cannot follow that, the step must be captured again.
+  void refresh_hyperparameters();
+  // Changes whenever the step's plan (megabatches, buffers) is rebuilt: a captured step is stale.
+  uint64_t plan_generation() const;
   // Counters kept on the device (reading them synchronises): steps applied, steps dropped.
   int64_t steps_taken() const;
   int64_t steps_skipped() const;
+  // The same two counters where the device keeps them (int64 [applied, dropped]), for front ends
+  // that copy them to the host without waiting (a step that never blocks the host).
+  const int64_t* device_counters() const;
 
   // Views of a parameter's state tensors (in device memory).
   std::vector<std::pair<std::string, TensorView>> state_views(int param) const;

@@ -31,6 +31,7 @@ except ImportError as e:  # else Python reports a "partially initialized module"
                       "; build and install the package from the repository with `pip install "
                       "--no-build-isolation .` (scripts/setup-python.sh does it), in the environment whose "
                       "PyTorch it is built against") from None
+from . import cuda_graph
 from .groups import param_groups
 from .optimizer import ALGORITHMS, Dion3, Muon, NonFiniteError, NorMuon
 from .polar import orthogonalize

@@ -193,7 +193,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
     _name = "Dion3"
 
     def __init__(self, params, distributed_mesh, defaults: Dict[str, Any], on_nonfinite: str,
-                 workspace_limit: Optional[int] = None, megabatch: bool = True):
+                 workspace_limit: Optional[int] = None, megabatch: bool = True, blocking: Optional[bool] = None):
         _dist.check_mesh(distributed_mesh, self._name)
         self._mesh = distributed_mesh
         if on_nonfinite not in ("raise", "skip"):
@@ -208,7 +208,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 f"dion3: 'selection_scope' must be 'local' or 'global'; got {defaults['selection_scope']!r}")
         if workspace_limit is not None and (not isinstance(workspace_limit, int) or workspace_limit < 0):
             raise ValueError(f"dion3: 'workspace_limit' must be a byte count >= 0 or None; got {workspace_limit!r}")
+        if blocking not in (None, True, False):
+            raise ValueError(f"dion3: 'blocking' must be True, False or None; got {blocking!r}")
         self._on_nonfinite = on_nonfinite
+        self._blocking = blocking
         self._workspace_limit = -1 if workspace_limit is None else workspace_limit
         self._megabatch = bool(megabatch)
         self._engine = None
@@ -218,6 +221,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._engine_cuda = False
         self._applied_seen = self._skipped_seen = 0  # engine counters already folded into state
         self._counters_pending = False
+        self._counters_copy = None  # (pinned host copy of the engine's counters, its CUDA event)
+        self._raised_pending = 0    # dropped steps a deferred on_nonfinite='raise' has yet to raise
         self._engine_groups: List[int] = []
         self._steps_skipped = 0
         self._dirty = True
@@ -237,7 +242,11 @@ class _EngineOptimizer(torch.optim.Optimizer):
         workspace_limit = state.get("_workspace_limit", getattr(self, "_workspace_limit", -1))
         mesh = state.get("_mesh", getattr(self, "_mesh", None))
         megabatch = state.get("_megabatch", getattr(self, "_megabatch", True))
+        blocking = state.get("_blocking", getattr(self, "_blocking", None))
         super().__setstate__(state)
+        self._blocking = blocking
+        self._counters_copy = None
+        self._raised_pending = 0
         self._on_nonfinite = on_nonfinite
         self._workspace_limit = workspace_limit
         self._mesh = mesh
@@ -260,6 +269,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         state["_steps_skipped"] = self._steps_skipped
         state["_mesh"] = self._mesh
         state["_megabatch"] = self._megabatch
+        state["_blocking"] = self._blocking
         return state
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
@@ -441,6 +451,26 @@ class _EngineOptimizer(torch.optim.Optimizer):
                                    "since the last step; run one eager step before capturing")
             self._counters_pending = True
             return loss
+        self._raise_deferred(poll=True)
+        if self._engine_cuda and not self._blocks():
+            # The step only enqueued: nothing waits for the GPU. Its verdict comes back through an
+            # asynchronous copy of the engine's counters (see _sync_counters).
+            if self._run_engine(engine, True) < 0:
+                self._rebuild(key)
+                if self._engine is None:
+                    return loss
+                for i, gi in enumerate(self._engine_groups):
+                    self._engine.update_group(i, _engine_config(self.param_groups[gi]))
+                if self._run_engine(self._engine, True) < 0:
+                    raise RuntimeError("dion3: internal error: the engine still asks for a rebuild")
+            # Counted as applied now (state[p]["step"] stays exact unless the step is dropped);
+            # a dropped step is taken back when its verdict arrives.
+            for st in self._engine_states:
+                st["step"] += 1
+            self._applied_seen += 1
+            self._counters_pending = True
+            self._copy_counters()
+            return loss
         # The engine reads each parameter's .grad itself (no per-parameter Python work per step).
         status = self._run_engine(engine, False)
         if status < 0:  # the set of parameters with gradients changed, or a weight moved (p.data = ...)
@@ -475,20 +505,82 @@ class _EngineOptimizer(torch.optim.Optimizer):
             return engine.step_async_with(grads) if asynchronous else engine.step_with(grads)
         return engine.step_async() if asynchronous else engine.step()
 
-    def _sync_counters(self) -> None:
-        """Fold the steps the engine applied or dropped without us seeing them (replays of a
-        captured CUDA graph) into state[p]["step"] and steps_skipped. Synchronises the device."""
+    def _blocks(self) -> bool:
+        """Whether step() waits for the GPU's verdict: blocking=None means yes under
+        on_nonfinite='raise' (the error comes from the step that met the bad gradient) and no
+        under 'skip' (nothing to report at once)."""
+        return self._on_nonfinite == "raise" if self._blocking is None else self._blocking
+
+    def _copy_counters(self) -> None:
+        """Start a copy of the engine's counters to pinned host memory (no wait)."""
+        if self._counters_copy is None or self._counters_copy[2] is not self._engine:
+            host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+            self._counters_copy = (host, torch.cuda.Event(), self._engine)
+        host, event, engine = self._counters_copy
+        host.copy_(engine.device_counters(), non_blocking=True)
+        event.record()
+
+    def _sync_counters(self, wait: bool = True) -> None:
+        """Fold the steps the engine applied or dropped without us seeing them (steps that did
+        not wait, replays of a captured CUDA graph) into state[p]["step"] and steps_skipped.
+        wait=False: only if the last asynchronous copy of the counters has arrived."""
         if not self._counters_pending or self._engine is None:
             return
-        applied, skipped = self._engine.steps_taken, self._engine.steps_skipped
+        if not wait:
+            copy = self._counters_copy
+            if copy is None or copy[2] is not self._engine or not copy[1].query():
+                return
+            applied, skipped = (int(v) for v in copy[0].tolist())
+            if applied + skipped != self._applied_seen + self._skipped_seen:
+                return  # not the verdict of every step counted so far (or replays since)
+        else:
+            applied, skipped = self._engine.steps_taken, self._engine.steps_skipped
         for st in self._engine_states:
             st["step"] += applied - self._applied_seen
-        self._steps_skipped += skipped - self._skipped_seen
+        dropped = skipped - self._skipped_seen
+        if self._on_nonfinite == "raise" and not self._blocks():
+            self._raised_pending += dropped  # raised, not skipped (as a blocking step would)
+        else:
+            self._steps_skipped += dropped
         self._applied_seen, self._skipped_seen = applied, skipped
         self._counters_pending = False
 
+    def _raise_deferred(self, poll: bool) -> None:
+        """Under on_nonfinite='raise' with blocking=False: raise for a step that was dropped."""
+        if self._on_nonfinite != "raise" or self._blocks():
+            return
+        self._sync_counters(wait=not poll)
+        if self._raised_pending:
+            n, self._raised_pending = self._raised_pending, 0
+            raise NonFiniteError(
+                f"dion3: {n} earlier step(s) met a non-finite gradient (NaN or Inf) or one that would make the "
+                "optimizer state non-finite, and were not applied (nothing written); on_nonfinite='raise' with "
+                "blocking=False reports it at the first call after the GPU finished them")
+
+    def check_nonfinite(self) -> None:
+        """Wait for the steps enqueued so far and raise NonFiniteError if one of them was dropped
+        (on_nonfinite='raise', blocking=False). Other settings: a no-op."""
+        self._raise_deferred(poll=False)
+
+    def _refresh_for_replay(self) -> None:
+        """Before replaying a captured step: push the groups' current values into the device memory
+        its kernels read (lr schedules, weight decay, momentum, betas). RuntimeError when the
+        engine was rebuilt or a setting its plan depends on changed: capture again."""
+        engine = self._engine
+        key = tuple((id(g), len(g["params"])) + _structure_key(g) for g in self.param_groups)
+        if engine is None or self._dirty or key != self._engine_key:
+            raise RuntimeError("dion3: the optimizer's parameters or groups changed since the capture; capture again")
+        for i, gi in enumerate(self._engine_groups):
+            engine.update_group(i, _engine_config(self.param_groups[gi]))
+        try:
+            engine.refresh_hyperparameters()
+        except ValueError as e:
+            raise RuntimeError(str(e)) from None
+        self._counters_pending = True
+
     def state_dict(self) -> Dict[str, Any]:
         self._sync_counters()
+        self._raise_deferred(poll=False)
         return super().state_dict()
 
     # ---- introspection ---------------------------------------------------------------------
@@ -716,6 +808,9 @@ class Dion3(_EngineOptimizer):
     use_gram_newton_schulz maps), scale_lr_by_fraction, on_nonfinite ('raise'|'skip'),
     workspace_limit (bytes of orthogonalization workspace; None = the engine's default),
     megabatch (False: one collective round per matrix instead of per shape group, for benchmarks),
+    blocking (CUDA: whether step() waits for the GPU's non-finite verdict; None = only under
+    on_nonfinite='raise'; with blocking=False a 'raise' is reported at a later step(),
+    state_dict() or check_nonfinite(), the bad step itself never applied; see docs/cuda-graphs.md),
     momentum_dtype, iteration_dtype, coefficients and restarts.
     use_triton and triton_post_ortho are accepted and ignored: they pick the reference's kernels,
     not the result (the engine has its own). selection_scope defaults to "local" here, "global"
@@ -735,7 +830,7 @@ class Dion3(_EngineOptimizer):
                  momentum_dtype: Optional[torch.dtype] = None, iteration_dtype: Optional[torch.dtype] = None,
                  coefficients: Optional[Sequence[Tuple[float, float, float]]] = None,
                  restarts: Optional[Sequence[int]] = None, cautious_wd: bool = False, nesterov: bool = False,
-                 megabatch: bool = True):
+                 megabatch: bool = True, blocking: Optional[bool] = None):
         defaults = _defaults(
             algorithm=self._default_algorithm, lr=lr, fraction=fraction, mu=mu, muon_beta2=muon_beta2,
             betas=tuple(betas), weight_decay=weight_decay, epsilon=epsilon, adjust_lr=adjust_lr,
@@ -746,7 +841,7 @@ class Dion3(_EngineOptimizer):
             scale_lr_by_fraction=scale_lr_by_fraction, momentum_dtype=momentum_dtype,
             iteration_dtype=iteration_dtype, coefficients=coefficients, restarts=restarts,
             cautious_wd=cautious_wd, nesterov=nesterov, split_sizes=None, num_heads=None)
-        super().__init__(params, distributed_mesh, defaults, on_nonfinite, workspace_limit, megabatch)
+        super().__init__(params, distributed_mesh, defaults, on_nonfinite, workspace_limit, megabatch, blocking)
 
 
 class NorMuon(_EngineOptimizer):
@@ -766,7 +861,7 @@ class NorMuon(_EngineOptimizer):
                  momentum_dtype: Optional[torch.dtype] = None, iteration_dtype: Optional[torch.dtype] = None,
                  coefficients: Optional[Sequence[Tuple[float, float, float]]] = None,
                  restarts: Optional[Sequence[int]] = None, fraction: float = 0.25,
-                 scale_lr_by_fraction: bool = False, megabatch: bool = True):
+                 scale_lr_by_fraction: bool = False, megabatch: bool = True, blocking: Optional[bool] = None):
         defaults = _defaults(
             algorithm=self._default_algorithm, lr=lr, fraction=fraction, mu=mu, muon_beta2=muon_beta2,
             betas=tuple(betas), weight_decay=weight_decay, epsilon=epsilon, adjust_lr=adjust_lr,
@@ -776,7 +871,7 @@ class NorMuon(_EngineOptimizer):
             scale_lr_by_fraction=scale_lr_by_fraction, momentum_dtype=momentum_dtype,
             iteration_dtype=iteration_dtype, coefficients=coefficients, restarts=restarts,
             cautious_wd=cautious_wd, nesterov=nesterov, split_sizes=None, num_heads=None)
-        super().__init__(params, distributed_mesh, defaults, on_nonfinite, workspace_limit, megabatch)
+        super().__init__(params, distributed_mesh, defaults, on_nonfinite, workspace_limit, megabatch, blocking)
 
 
 class Muon(_EngineOptimizer):
@@ -795,7 +890,7 @@ class Muon(_EngineOptimizer):
                  iteration_dtype: Optional[torch.dtype] = None,
                  coefficients: Optional[Sequence[Tuple[float, float, float]]] = None,
                  restarts: Optional[Sequence[int]] = None, muon_beta2: float = 0.95, fraction: float = 0.25,
-                 scale_lr_by_fraction: bool = False, megabatch: bool = True):
+                 scale_lr_by_fraction: bool = False, megabatch: bool = True, blocking: Optional[bool] = None):
         defaults = _defaults(
             algorithm=self._default_algorithm, lr=lr, fraction=fraction, mu=mu, muon_beta2=muon_beta2,
             betas=tuple(betas), weight_decay=weight_decay, epsilon=epsilon, adjust_lr=adjust_lr,
@@ -805,4 +900,4 @@ class Muon(_EngineOptimizer):
             scale_lr_by_fraction=scale_lr_by_fraction, momentum_dtype=momentum_dtype,
             iteration_dtype=iteration_dtype, coefficients=coefficients, restarts=restarts,
             cautious_wd=cautious_wd, nesterov=nesterov, split_sizes=None, num_heads=None)
-        super().__init__(params, distributed_mesh, defaults, on_nonfinite, workspace_limit, megabatch)
+        super().__init__(params, distributed_mesh, defaults, on_nonfinite, workspace_limit, megabatch, blocking)

@@ -126,6 +126,7 @@ struct Megabatch {
   // rank's own block: their rows travel through the exchange; the own block's never do.
   std::vector<std::pair<int64_t, std::unique_ptr<MatrixSet>>> others;
   std::unique_ptr<CommRequest> inflight;
+  int hyper_slot = 0;  // its adjusted lr in Optimizer::Impl::hyper
   std::string label;  // "megabatch 2 (4096x11008 bf16, row-sharded over 8 ranks)"
   int rounds = 0;             // collective rounds per step
   std::size_t bytes_sent = 0;  // bytes this rank sends per step
@@ -149,6 +150,14 @@ struct Optimizer::Impl {
   // and what it is. These ranges never overlap each other or any gradient (see memory_clash()).
   std::map<std::uintptr_t, std::pair<std::uintptr_t, std::string>> written;
   std::shared_ptr<StepTracer> tracer;  // see Optimizer::set_tracer
+  // Hyper-parameters as the step's operations read them (see Hyper): kGroupHyper floats per
+  // group, then each megabatch's adjusted lr, in device memory. upload_hyper() refreshes them
+  // before every step that is not being captured, so a captured step replays with the values of
+  // the last refresh (Optimizer::refresh_hyperparameters).
+  enum GroupHyper : int { kMu, kDecay, kMuonBeta2, kLr, kBeta1, kBeta2, kWeightDecay, kEpsilon, kGroupHyper };
+  DeviceBuffer hyper;
+  std::vector<float> hyper_uploaded;  // what `hyper` holds
+  uint64_t plan_generation = 0;       // counts build_plan() calls
 
   // A profiler range for the lifetime of the object (Backend::range_push and the tracer).
   class Range {
@@ -198,6 +207,10 @@ struct Optimizer::Impl {
   // written range (weights, state) for any role, and for a written role also every gradient.
   std::string memory_clash(const TensorView& t, bool written_role) const;
   void build_plan();
+  Hyper group_hyper(int g, GroupHyper which) const;
+  Hyper megabatch_lr(const Megabatch& mb) const;
+  std::vector<float> hyper_values() const;
+  void upload_hyper();
   void plan_distribution(Megabatch& mb, int index);
   void check_plans_agree();
   std::array<int64_t, 2> read_counters() const;

@@ -430,6 +430,7 @@ std::array<int64_t, 2> Optimizer::Impl::read_counters() const {
 }
 int64_t Optimizer::steps_taken() const { return impl_->read_counters()[0]; }
 int64_t Optimizer::steps_skipped() const { return impl_->read_counters()[1]; }
+const int64_t* Optimizer::device_counters() const { return impl_->counters.as<int64_t>(); }
 Backend& Optimizer::backend() { return *impl_->backend; }
 const OptimizerOptions& Optimizer::options() const { return impl_->options; }
 
@@ -626,9 +627,52 @@ void Optimizer::Impl::build_plan() {
         fail("internal: the orthogonalizer's dtype differs from the exchange's", Status::Internal);
     }
   }
+  for (std::size_t i = 0; i < megabatches.size(); ++i)
+    megabatches[i].hyper_slot = static_cast<int>(groups.size() * kGroupHyper + i);
+  hyper = DeviceBuffer(alloc, (groups.size() * kGroupHyper + megabatches.size()) * sizeof(float));
+  hyper_uploaded.clear();
+  ++plan_generation;
   planned = groups;
   plan_valid = true;
   check_plans_agree();
+}
+
+Hyper Optimizer::Impl::group_hyper(int g, GroupHyper which) const {
+  const float* at = hyper.as<float>() + g * kGroupHyper + which;
+  const GroupConfig& c = groups[g];
+  switch (which) {  // the value, for backends that read it on the host before the step runs
+    case kMu: return {static_cast<float>(c.mu), at};
+    case kDecay: return {1.0f - static_cast<float>(c.base_lr()) * static_cast<float>(c.weight_decay), at};
+    case kMuonBeta2: return {static_cast<float>(c.muon_beta2), at};
+    case kLr: return {static_cast<float>(c.lr), at};
+    case kBeta1: return {static_cast<float>(c.betas[0]), at};
+    case kBeta2: return {static_cast<float>(c.betas[1]), at};
+    case kWeightDecay: return {static_cast<float>(c.weight_decay), at};
+    case kEpsilon: return {static_cast<float>(c.epsilon), at};
+    default: break;
+  }
+  fail("internal: no such hyper-parameter slot", Status::Internal);
+}
+
+Hyper Optimizer::Impl::megabatch_lr(const Megabatch& mb) const {
+  return {static_cast<float>(groups[mb.group].adjusted_lr(mb.global_rows, mb.global_cols)),  // the whole matrix's shape
+          hyper.as<float>() + mb.hyper_slot};
+}
+
+std::vector<float> Optimizer::Impl::hyper_values() const {
+  std::vector<float> v(groups.size() * kGroupHyper + megabatches.size());
+  for (int g = 0; g < static_cast<int>(groups.size()); ++g)
+    for (int w = 0; w < kGroupHyper; ++w) v[g * kGroupHyper + w] = group_hyper(g, static_cast<GroupHyper>(w)).value;
+  for (const Megabatch& mb : megabatches) v[mb.hyper_slot] = megabatch_lr(mb).value;
+  return v;
+}
+
+void Optimizer::Impl::upload_hyper() {
+  if (backend->capturing()) return;  // a captured step reads what the last refresh left there
+  std::vector<float> v = hyper_values();
+  if (v == hyper_uploaded) return;
+  backend->copy_from_host(hyper.get(), v.data(), v.size() * sizeof(float));
+  hyper_uploaded = std::move(v);
 }
 
 ExchangePlan exchange_plan(Layout layout, const GroupConfig& g, int64_t count, int64_t m, int64_t cols, int ranks,
@@ -908,13 +952,12 @@ void Optimizer::Impl::validate_for_step() {
 UpdateParams Optimizer::Impl::update_params(const Megabatch& mb) const {
   const GroupConfig& g = groups[mb.group];
   UpdateParams up;
-  up.lr = static_cast<float>(g.base_lr());
-  up.weight_decay = static_cast<float>(g.weight_decay);
-  up.adjusted_lr = static_cast<float>(g.adjusted_lr(mb.global_rows, mb.global_cols));  // the whole matrix's shape
+  up.decay = group_hyper(mb.group, kDecay);
+  up.adjusted_lr = megabatch_lr(mb);
   if (mb.layout == Layout::ColShard) up.o_col_offset = std::min(mb.global_cols, mb.rank * ceil_div(mb.global_cols, mb.ranks));
   if (mb.layout == Layout::Block)
     up.o_col_offset = std::min(mb.global_cols, mb.col_rank * ceil_div(mb.global_cols, mb.col_ranks));
-  up.beta2 = static_cast<float>(g.muon_beta2);
+  up.beta2 = group_hyper(mb.group, kMuonBeta2);
   up.cautious_wd = g.cautious_wd;
   up.normuon = g.algorithm != Algorithm::Muon;
   return up;
@@ -988,9 +1031,8 @@ namespace {
 
 // The rows Dion3 / Muon / NorMuon hand to the orthogonalizer, with error feedback where the
 // algorithm has it (SPEC §1 steps 3-4, Muon's momentum or its Nesterov mix).
-void gather_update_rows(Backend& be, const GroupConfig& g, const MatrixSet& set, const int32_t* idx, int64_t k,
-                        MatrixView out, float* row_sumsq, const int* flag) {
-  const float mu = static_cast<float>(g.mu);
+void gather_update_rows(Backend& be, const GroupConfig& g, Hyper mu, const MatrixSet& set, const int32_t* idx,
+                        int64_t k, MatrixView out, float* row_sumsq, const int* flag) {
   if (g.algorithm == Algorithm::Dion3) be.gather_rows(set, idx, k, 1.0f, 0.0f, mu, out, row_sumsq, flag);
   else if (g.nesterov) be.gather_rows(set, idx, k, mu, 1.0f, 1.0f, out, row_sumsq, flag);
   else be.gather_rows(set, idx, k, 1.0f, 0.0f, 1.0f, out, row_sumsq, flag);
@@ -1026,7 +1068,7 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
     be.refresh(*set);
   }
   const auto n = static_cast<int64_t>(mb.members.size());
-  const float mu = static_cast<float>(g.mu);
+  const Hyper mu = group_hyper(mb.group, kMu);
   const bool dion3 = g.algorithm == Algorithm::Dion3;
   float* scores = mb.scores.as<float>();
   int32_t* idx = mb.indices.as<int32_t>();
@@ -1053,7 +1095,7 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
     for (auto& [first, set] : mb.others) {
       const auto count = static_cast<int64_t>(set->mats.size());
       if (mb.cols > 0)
-        gather_update_rows(be, g, *set, dion3 ? idx + first * mb.k : nullptr, mb.k,
+        gather_update_rows(be, g, mu, *set, dion3 ? idx + first * mb.k : nullptr, mb.k,
                            MatrixView{byte_offset(mb.send, first * slot), mb.update_dtype, count, mb.k, mb.cols, c,
                                       mb.k * c},
                            nullptr, flag);
@@ -1103,7 +1145,7 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
   const std::size_t slot = static_cast<std::size_t>(mb.piece * mb.cols) * dtype_size(mb.update_dtype);
   auto gather_into_send = [&](const MatrixSet& set, int64_t first) {
     const auto count = static_cast<int64_t>(set.mats.size());
-    gather_update_rows(be, g, set, piece_idx + first * mb.piece, mb.piece,
+    gather_update_rows(be, g, mu, set, piece_idx + first * mb.piece, mb.piece,
                        MatrixView::contiguous(byte_offset(mb.send, first * slot), mb.update_dtype, count, mb.piece,
                                               mb.cols),
                        nullptr, flag);
@@ -1124,7 +1166,7 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
   }
   Backend& be = *backend;
   const GroupConfig& g = groups[mb.group];
-  const float mu = static_cast<float>(g.mu);
+  const Hyper mu = group_hyper(mb.group, kMu);
   const bool dion3 = g.algorithm == Algorithm::Dion3;
   int32_t* idx = mb.indices.as<int32_t>();
   float* row_sumsq = mb.row_sumsq.as<float>();
@@ -1166,14 +1208,14 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
                      byte_offset(mb.recv, (r * mb.block + jl) * mb.k * piece), piece, piece, c.count * mb.k);
         }
         if (mb.cols > 0)
-          gather_update_rows(be, g, *c.set, rows, mb.k,
+          gather_update_rows(be, g, mu, *c.set, rows, mb.k,
                              MatrixView{static_cast<char*>(U.data) + mb.rank * piece, mb.update_dtype, c.count, mb.k,
                                         mb.cols, mb.orth_cols, mb.k * mb.orth_cols},
                              nullptr, flag);
         O = c.orth->run(U);
       } else if (!row_shard) {
         float* ss = row_sumsq + c.first * mb.k;  // U's row sums of squares, for its norm
-        gather_update_rows(be, g, *c.set, rows, mb.k, U, ss, flag);
+        gather_update_rows(be, g, mu, *c.set, rows, mb.k, U, ss, flag);
         O = c.orth->run(U, ss);
       } else if (mb.global_scope) {
         // The k selected rows of each member, compacted out of the ranks' padded pieces.
@@ -1190,7 +1232,7 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
           be.copy_2d(static_cast<char*>(U.data) + r * in_slot, P * in_slot,
                      byte_offset(mb.recv, (r * mb.block + jl) * in_slot), in_slot, in_slot, c.count);
         }
-        gather_update_rows(be, g, *c.set, rows, mb.piece,
+        gather_update_rows(be, g, mu, *c.set, rows, mb.piece,
                            strided(static_cast<char*>(U.data) + mb.rank * in_slot, mb.update_dtype, c.count, mb.piece,
                                    mb.cols, mb.orth_rows * mb.cols),
                            nullptr, flag);
@@ -1288,6 +1330,7 @@ void Optimizer::Impl::prepare_block(Megabatch& mb, int* flag) {
   const bool dion3 = g.algorithm == Algorithm::Dion3;
   const int64_t Pc = mb.col_ranks, cc = ceil_div(mb.global_cols, Pc), W = mb.orth_cols;
   const std::size_t es_u = dtype_size(mb.update_dtype);
+  const Hyper mu = group_hyper(mb.group, kMu);
   int32_t* piece_idx = mb.piece_idx.as<int32_t>();
   if (dion3) {
     float* scores = mb.scores.as<float>();
@@ -1295,14 +1338,14 @@ void Optimizer::Impl::prepare_block(Megabatch& mb, int* flag) {
     // Row scores over this rank's columns, summed over the column ranks.
     select_pieces(mb, Pc > 1 && mb.rows > 0 ? summed_scores(mb, *mb.col_comm) : scores, flag);
   } else {
-    be.accumulate(*mb.set, static_cast<float>(g.mu), nullptr, nullptr, flag);
+    be.accumulate(*mb.set, mu, nullptr, nullptr, flag);
   }
   // This rank's columns of every member's pieces, into its block of colbuf (zero-padded to cc).
   const std::size_t block = static_cast<std::size_t>(n * mb.piece * cc) * es_u;
   char* mine = byte_offset(mb.colbuf, mb.col_rank * block);
   if (mb.cols < cc) be.fill_zero(mine, block);
   if (mb.cols > 0)
-    gather_update_rows(be, g, *mb.set, piece_idx, mb.piece,
+    gather_update_rows(be, g, mu, *mb.set, piece_idx, mb.piece,
                        MatrixView{mine, mb.update_dtype, n, mb.piece, mb.cols, cc, mb.piece * cc}, nullptr, flag);
   if (Pc > 1)
     comm_wait(mb.col_comm->all_gather(mine, mb.colbuf.get(), block, be.stream(),
@@ -1366,18 +1409,18 @@ StepCheck Optimizer::Impl::step_check(const Param& p) const {
       break;
     case Algorithm::NorMuon:
     case Algorithm::Muon:
-      c.a = static_cast<float>(g.mu);
-      c.b = g.nesterov ? static_cast<float>(g.mu) : 0.0f;
+      c.a = group_hyper(p.group, kMu);
+      c.b = g.nesterov ? group_hyper(p.group, kMu) : Hyper(0.0f);
       break;
     case Algorithm::AdamW:
       c.rule = StepCheck::AdamW;
       c.state2 = flat_of(p.state[1].second);
-      c.a = static_cast<float>(g.betas[0]);
-      c.b = static_cast<float>(g.betas[1]);
+      c.a = group_hyper(p.group, kBeta1);
+      c.b = group_hyper(p.group, kBeta2);
       break;
     case Algorithm::Lion:
       c.rule = StepCheck::Lion;
-      c.b = static_cast<float>(g.betas[1]);
+      c.b = group_hyper(p.group, kBeta2);
       break;
   }
   return c;
@@ -1389,6 +1432,7 @@ void Optimizer::Impl::enqueue_step(bool count_dropped) {
   // 1. Non-finite gradients, and finite ones that would overflow the state, raise a device flag that every mutating op below obeys; distributed
   //    runs agree on it across ranks first.
   int* flag = s.flag.as<int>();
+  s.upload_hyper();
   be.fill_zero(flag, sizeof(int));
   const Range step_range(s, "dion3::step");
   {
@@ -1432,16 +1476,35 @@ void Optimizer::Impl::enqueue_step(bool count_dropped) {
     if (g.algorithm == Algorithm::AdamW) {
       e.exp_avg_sq = flat_of(p.state[1].second);
       adamw_ps.push_back(e);
-      adamw_hs.push_back({lr, b1, b2, wd, static_cast<float>(g.epsilon), s.counters.as<int64_t>(), p.step_offset});
+      adamw_hs.push_back({lr, b1, b2, wd, static_cast<float>(g.epsilon), s.counters.as<int64_t>(), p.step_offset,
+                          s.group_hyper(p.group, kLr).at});
     } else {
       lion_ps.push_back(e);
-      lion_hs.push_back({lr, b1, b2, wd});
+      lion_hs.push_back({lr, b1, b2, wd, s.group_hyper(p.group, kLr).at});
     }
   }
   if (!adamw_ps.empty()) be.adamw(adamw_ps, adamw_hs, flag);
   if (!lion_ps.empty()) be.lion(lion_ps, lion_hs, flag);
   be.finish_step(flag, s.counters.as<int64_t>(), count_dropped);
 }
+
+void Optimizer::refresh_hyperparameters() {
+  Impl& s = *impl_;
+  if (!s.plan_valid) fail("refresh_hyperparameters: no step has been planned yet (take one step first)");
+  for (int g = 0; g < num_groups(); ++g) {
+    try {
+      s.groups[g].validate();
+    } catch (const Error& e) {
+      fail(group_error(g, std::string(e.what()).substr(7)));
+    }
+    if (!same_plan(s.groups[g], s.planned[g]))
+      fail(group_error(g, "a setting the step's plan depends on changed (fraction, split_sizes, num_heads, the "
+                          "orthogonalizer or the structure); a captured step cannot follow it: capture the step again"));
+  }
+  s.upload_hyper();
+}
+
+uint64_t Optimizer::plan_generation() const { return impl_->plan_generation; }
 
 void Optimizer::set_tracer(std::shared_ptr<StepTracer> tracer) { impl_->tracer = std::move(tracer); }
 

@@ -154,22 +154,23 @@ class CpuBackend final : public Backend {
         load_row(S, 0, 0, m.data());
         bool ok = true;
         const DType st = x.state.dtype;
+        const float a = x.a.get(), b = x.b.get();
         switch (x.rule) {
           case StepCheck::Momentum:
             for (int64_t j = 0; j < G.cols; ++j) {
-              const float m1 = cpu::round_to(st, x.a * m[j] + g[j]);
-              ok &= std::isfinite(g[j]) && std::isfinite(m1) && (x.b == 0.0f || std::isfinite(x.b * m1 + g[j]));
+              const float m1 = cpu::round_to(st, a * m[j] + g[j]);
+              ok &= std::isfinite(g[j]) && std::isfinite(m1) && (b == 0.0f || std::isfinite(b * m1 + g[j]));
             }
             break;
           case StepCheck::AdamW:
             load_row(cols_slice(x.state2, c0), 0, 0, v.data());
             for (int64_t j = 0; j < G.cols; ++j)
-              ok &= std::isfinite(g[j]) && std::isfinite(cpu::round_to(st, AdamWRule::exp_avg(m[j], g[j], x.a))) &&
-                    std::isfinite(cpu::round_to(st, AdamWRule::exp_avg_sq(v[j], g[j], x.b)));
+              ok &= std::isfinite(g[j]) && std::isfinite(cpu::round_to(st, AdamWRule::exp_avg(m[j], g[j], a))) &&
+                    std::isfinite(cpu::round_to(st, AdamWRule::exp_avg_sq(v[j], g[j], b)));
             break;
           case StepCheck::Lion:
             for (int64_t j = 0; j < G.cols; ++j)
-              ok &= std::isfinite(g[j]) && std::isfinite(cpu::round_to(st, LionRule::exp_avg(m[j], g[j], x.b)));
+              ok &= std::isfinite(g[j]) && std::isfinite(cpu::round_to(st, LionRule::exp_avg(m[j], g[j], b)));
             break;
         }
         if (!ok) bad = true;
@@ -178,8 +179,9 @@ class CpuBackend final : public Backend {
     if (bad) *flag = 1;
   }
 
-  void accumulate(const MatrixSet& set, float decay, float* scores, float* row_sumsq, const int* skip) override {
+  void accumulate(const MatrixSet& set, Hyper decay_h, float* scores, float* row_sumsq, const int* skip) override {
     if (skipped(skip)) return;
+    const float decay = decay_h.get();
     const int64_t rows = set.rows(), block = cpu::row_block(set.cols()), blocks = (rows + block - 1) / block;
     struct Buffers {
       std::vector<float> m, g;
@@ -258,9 +260,10 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void gather_rows(const MatrixSet& set, const int32_t* idx, int64_t k, float scale_m, float scale_g,
-                   float decay, MatrixView out, float* row_sumsq, const int* skip) override {
+  void gather_rows(const MatrixSet& set, const int32_t* idx, int64_t k, Hyper scale_m_h, Hyper scale_g_h,
+                   Hyper decay_h, MatrixView out, float* row_sumsq, const int* skip) override {
     if (skipped(skip)) return;
+    const float scale_m = scale_m_h.get(), scale_g = scale_g_h.get(), decay = decay_h.get();
     const int64_t rows = set.rows(), cols = set.cols();
     check(!out.data || (out.rows == k && out.cols == cols && out.batch == static_cast<int64_t>(set.mats.size())),
           "gather_rows output shape");
@@ -303,9 +306,10 @@ class CpuBackend final : public Backend {
     });
   }
 
-  void gather_normalized(const MatrixSet& set, const int32_t* idx, int64_t k, float decay, const float* row_sumsq,
+  void gather_normalized(const MatrixSet& set, const int32_t* idx, int64_t k, Hyper decay_h, const float* row_sumsq,
                          float eps, MatrixView out, const int* skip) override {
     if (skipped(skip)) return;
+    const float decay = decay_h.get();
     const int64_t rows = set.rows(), cols = set.cols();
     check(out.rows == k && out.cols == cols && out.batch == static_cast<int64_t>(set.mats.size()),
           "gather_normalized output shape");
@@ -353,7 +357,7 @@ class CpuBackend final : public Backend {
     const int64_t rows = set.rows(), cols = set.cols();
     check(O.rows == k && O.cols >= p.o_col_offset + cols, "apply_update update shape");
     const int64_t ocols = O.cols, count = static_cast<int64_t>(set.mats.size());
-    const float decay = 1.0f - p.lr * p.weight_decay;
+    const float decay = p.decay.get(), adjusted_lr = p.adjusted_lr.get(), beta2 = p.beta2.get();
     // Per matrix first: the row of O that updates each weight row (-1: none) and NorMuon's
     // factors on O's rows; then the weight rows, in blocks.
     std::vector<int32_t> target(static_cast<std::size_t>(count * rows), -1);
@@ -366,7 +370,7 @@ class CpuBackend final : public Backend {
       }
       if (p.normuon) {
         load_matrix(O, i, o);
-        factor[i] = normuon_factors(o, k, rows, ocols, set.mats[i].variance, sel, p.beta2, &row_factor[i * k]);
+        factor[i] = normuon_factors(o, k, rows, ocols, set.mats[i].variance, sel, beta2, &row_factor[i * k]);
       }
     });
     MatrixView U = O;  // the columns of O this set takes
@@ -394,7 +398,7 @@ class CpuBackend final : public Backend {
           const float uc = j >= 0 ? u[c] : 0.0f;
           float d = decay;
           if (p.cautious_wd && !(uc * w[c] > 0.0f)) d = 1.0f;
-          w[c] = w[c] * d - p.adjusted_lr * uc;
+          w[c] = w[c] * d - adjusted_lr * uc;
         }
         store_row(pm.weight, 0, r, w.data());
       }
@@ -595,7 +599,8 @@ class CpuBackend final : public Backend {
   }
 
   // Elements [c0, c1) of one parameter.
-  void adamw_one(const ElementwiseParam& e, const AdamWParams& h, int64_t c0, int64_t c1) {
+  void adamw_one(const ElementwiseParam& e, const AdamWParams& given, int64_t c0, int64_t c1) {
+    const AdamWParams h = given.resolved();
     const float decay = 1.0f - h.lr * h.weight_decay;
     const double t = adamw_step_number(h, *h.applied_steps);
     const float bc1 = static_cast<float>(1.0 - std::pow(static_cast<double>(h.beta1), t));
@@ -626,7 +631,8 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void lion_one(const ElementwiseParam& e, const LionParams& h, int64_t c0, int64_t c1) {
+  void lion_one(const ElementwiseParam& e, const LionParams& given, int64_t c0, int64_t c1) {
+    const LionParams h = given.resolved();
     const float decay = 1.0f - h.lr * h.weight_decay;
     auto update = [&](float* w, const float* g, float* m, int64_t n) {
       for (int64_t j = 0; j < n; ++j) {

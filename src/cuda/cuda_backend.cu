@@ -117,6 +117,11 @@ class CudaBackend final : public Backend {
     if (own_alloc_) own_alloc_->set_stream(stream_);
   }
   void* stream() const override { return stream_; }
+  bool capturing() const override {
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    DION3_CUDA_CHECK(cudaStreamIsCapturing(stream_, &cap));
+    return cap != cudaStreamCaptureStatusNone;
+  }
   // NVTX costs a call into a stub when no tool (Nsight Systems) is attached.
   void range_push(const char* name) override { nvtxRangePushA(name); }
   void range_pop() override { nvtxRangePop(); }
@@ -219,7 +224,7 @@ class CudaBackend final : public Backend {
   }
   void check_step(std::span<const StepCheck> xs, int* flag) override { launch_check_step(xs, flag, stream_); }
 
-  void accumulate(const MatrixSet& base, float decay, float* scores, float* row_sumsq, const int* skip) override {
+  void accumulate(const MatrixSet& base, Hyper decay, float* scores, float* row_sumsq, const int* skip) override {
     const auto& set = ready(base);
     launch_accumulate(table(set), n_of(set), set.rows(), set.cols(), set.mdt, set.gdt, decay, scores, row_sumsq,
                       skip, stream_, set.vec);
@@ -243,15 +248,15 @@ class CudaBackend final : public Backend {
     launch_remap_rows(in, count, k_in, lo, hi, k_out, out, skip, stream_);
   }
 
-  void gather_rows(const MatrixSet& base, const int32_t* idx, int64_t k, float scale_m, float scale_g,
-                   float decay, MatrixView out, float* row_sumsq, const int* skip) override {
+  void gather_rows(const MatrixSet& base, const int32_t* idx, int64_t k, Hyper scale_m, Hyper scale_g,
+                   Hyper decay, MatrixView out, float* row_sumsq, const int* skip) override {
     const auto& set = ready(base);
     check_gather_shape(set, idx, k, out, "gather_rows");
     launch_gather_rows(table(set), n_of(set), set.rows(), set.cols(), set.mdt, set.gdt, idx, k, scale_m,
                        scale_g, decay, nullptr, out, row_sumsq, skip, stream_, set.vec);
   }
 
-  void gather_normalized(const MatrixSet& base, const int32_t* idx, int64_t k, float decay, const float* row_sumsq,
+  void gather_normalized(const MatrixSet& base, const int32_t* idx, int64_t k, Hyper decay, const float* row_sumsq,
                          float eps, MatrixView out, const int* skip) override {
     const auto& set = ready(base);
     check_gather_shape(set, idx, k, out, "gather_normalized");

@@ -210,7 +210,8 @@ template <class TW, class TG, class TS>
 __global__ void adamw_kernel(const __grid_constant__ MultiTensor<AdamWParams> t, const int* skip) {
   pdl_wait();
   if (skipped(skip)) return;
-  const auto [w, g, m, v, n, h] = entry<TW, TG, TS>(t, blockIdx.y);
+  const auto [w, g, m, v, n, given] = entry<TW, TG, TS>(t, blockIdx.y);
+  const AdamWParams h = given.resolved();
   const int64_t start = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   if (start >= n) return;  // blocks past a smaller parameter's end
@@ -252,7 +253,8 @@ template <class TW, class TG, class TS>
 __global__ void lion_kernel(const __grid_constant__ MultiTensor<LionParams> t, const int* skip) {
   pdl_wait();
   if (skipped(skip)) return;
-  const auto [w, g, m, v, n, h] = entry<TW, TG, TS>(t, blockIdx.y);
+  const auto [w, g, m, v, n, given] = entry<TW, TG, TS>(t, blockIdx.y);
+  const LionParams h = given.resolved();
   const float decay = 1.0f - h.lr * h.weight_decay;
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {

@@ -49,10 +49,11 @@ __device__ __forceinline__ void for_row_packs(const Pack4<TM>* m4, const Pack4<T
 // 2048-column rows). Each lane sums in a fixed order, then a fixed shuffle tree: reproducible.
 template <class TM, class TG, bool VEC>
 __global__ void __launch_bounds__(32 * kRowWarps)
-    accumulate_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols, float decay,
+    accumulate_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols, Hyper decay_h,
                       float* __restrict__ scores, float* __restrict__ row_sumsq, const int* skip) {
   pdl_wait();
   if (skipped(skip)) return;
+  const float decay = decay_h.get();
   const int lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5), i = blockIdx.y;
   if (r >= rows) return;
@@ -214,11 +215,12 @@ __global__ void selected_inverse_norm_kernel(const int32_t* __restrict__ idx, in
 template <class TM, class TG, class TO, bool VEC>
 __global__ void __launch_bounds__(32 * kRowWarps)
     gather_rows_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols, const int32_t* __restrict__ idx, int64_t k,
-                       float scale_m, float scale_g, float decay, const float* __restrict__ matrix_scale,
+                       Hyper scale_m_h, Hyper scale_g_h, Hyper decay_h, const float* __restrict__ matrix_scale,
                        TO* __restrict__ out, int64_t out_ld, int64_t out_bstride, float* __restrict__ row_sumsq,
                        const int* skip) {
   pdl_wait();
   if (skipped(skip)) return;
+  const float scale_m = scale_m_h.get(), scale_g = scale_g_h.get(), decay = decay_h.get();
   const int lane = threadIdx.x & 31;
   const int64_t s = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5), i = blockIdx.y;
   if (s >= k) return;
@@ -326,10 +328,11 @@ __device__ __forceinline__ int64_t warp_find(const int32_t* __restrict__ id, int
 template <class TO>
 __global__ void __launch_bounds__(32 * kRowWarps)
     normuon_rows_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols, const int32_t* __restrict__ idx, int64_t k,
-                        const TO* __restrict__ O, int64_t o_ld, int64_t o_bstride, bool vec, float beta2,
+                        const TO* __restrict__ O, int64_t o_ld, int64_t o_bstride, bool vec, Hyper beta2_h,
                         float* __restrict__ rowsq, float* __restrict__ inv, const int* skip) {
   pdl_wait();
   if (skipped(skip)) return;
+  const float beta2 = beta2_h.get();
   const int lane = threadIdx.x & 31;
   const int64_t s = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5), i = blockIdx.y;
   if (s >= k) return;
@@ -449,11 +452,12 @@ __device__ __forceinline__ void update_row(TW* w, const TO* o, int n, const Upda
 template <class TW, class TO>
 __global__ void __launch_bounds__(32 * kRowWarps)
     update_rows_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols, const int32_t* __restrict__ idx,
-                       int64_t k, const TO* __restrict__ O, int64_t o_ld, int64_t o_bstride, float decay, float lr_upd,
-                       bool cautious, const float* __restrict__ inv, const float* __restrict__ factor,
+                       int64_t k, const TO* __restrict__ O, int64_t o_ld, int64_t o_bstride, Hyper decay_h,
+                       Hyper lr_upd_h, bool cautious, const float* __restrict__ inv, const float* __restrict__ factor,
                        const int* skip) {
   pdl_wait();
   if (skipped(skip)) return;
+  const float decay = decay_h.get(), lr_upd = lr_upd_h.get();
   const int lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5), i = blockIdx.y;
   if (r >= rows) return;
@@ -597,6 +601,8 @@ struct StepSegment {
   const void* s2;
   int64_t n;
   float a, b;
+  const float* a_at;  // where set, a and b are read there (StepCheck's Hyper)
+  const float* b_at;
   int rule;
   bool vec;  // n % 8 == 0 and every pointer aligned to 8 elements
 };
@@ -640,6 +646,7 @@ __global__ void __launch_bounds__(kStepThreads) check_step_kernel(const __grid_c
   const StepSegment& sg = a.seg[lo];
   const int64_t chunk = blockIdx.x - a.first_block[lo];
   const int rule = sg.rule;
+  const float ca = sg.a_at ? *sg.a_at : sg.a, cb = sg.b_at ? *sg.b_at : sg.b;
   const bool second = rule == StepCheck::AdamW;
   const TG* __restrict__ g = static_cast<const TG*>(sg.g);
   const TS* __restrict__ m = static_cast<const TS*>(sg.s);
@@ -666,11 +673,11 @@ __global__ void __launch_bounds__(kStepThreads) check_step_kernel(const __grid_c
 #pragma unroll
         for (int e = 0; e < 8; ++e)
           ok &= step_element_finite<TS>(rule, to_f32(gp[u].v[e]), to_f32(mp[u].v[e]), second ? to_f32(vp[u].v[e]) : 0.0f,
-                                        sg.a, sg.b);
+                                        ca, cb);
   } else {
     const int64_t end = (chunk + 1) * kStepChunk < sg.n ? (chunk + 1) * kStepChunk : sg.n;
     for (int64_t e = chunk * kStepChunk + threadIdx.x; e < end; e += kStepThreads)
-      ok &= step_element_finite<TS>(rule, to_f32(g[e]), to_f32(m[e]), second ? to_f32(v[e]) : 0.0f, sg.a, sg.b);
+      ok &= step_element_finite<TS>(rule, to_f32(g[e]), to_f32(m[e]), second ? to_f32(v[e]) : 0.0f, ca, cb);
   }
   if (__syncthreads_or(!ok) && threadIdx.x == 0) atomicOr(flag, 1);
 }
@@ -678,7 +685,7 @@ __global__ void __launch_bounds__(kStepThreads) check_step_kernel(const __grid_c
 }  // namespace
 
 void launch_accumulate(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
-                       DType gdt, float decay, float* scores, float* row_sumsq, const int* skip, cudaStream_t s,
+                       DType gdt, Hyper decay, float* scores, float* row_sumsq, const int* skip, cudaStream_t s,
                        bool vec) {
   if (nmats == 0 || rows == 0) return;
   const dim3 grid(ceil_div_u(rows, kRowWarps), static_cast<unsigned>(nmats));
@@ -708,8 +715,8 @@ void launch_select_rows(const float* scores, int64_t count, int64_t m, int64_t k
 }
 
 void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
-                        DType gdt, const int32_t* idx, int64_t k, float scale_m, float scale_g,
-                        float decay, const float* matrix_scale, const MatrixView& out, float* row_sumsq,
+                        DType gdt, const int32_t* idx, int64_t k, Hyper scale_m, Hyper scale_g,
+                        Hyper decay, const float* matrix_scale, const MatrixView& out, float* row_sumsq,
                         const int* skip, cudaStream_t s, bool vec) {
   if (nmats == 0 || k == 0) return;
   dim3 grid(ceil_div_u(k, kRowWarps), static_cast<unsigned>(nmats));
@@ -732,7 +739,7 @@ void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int6
 }
 
 void launch_gather_normalized(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
-                              const int32_t* idx, int64_t k, float decay, const float* row_sumsq, float eps,
+                              const int32_t* idx, int64_t k, Hyper decay, const float* row_sumsq, float eps,
                               const MatrixView& out, float* scratch, const int* skip, cudaStream_t s, bool vec) {
   if (nmats == 0 || k == 0) return;
   launch_pdl(selected_inverse_norm_kernel, static_cast<unsigned>(nmats), 256, 0, s, idx, k, rows, row_sumsq, eps,
@@ -754,7 +761,6 @@ void launch_apply_update(const DeviceMat* mats, int64_t nmats, int64_t rows, int
   float* rowsq = scratch;
   float* inv = scratch + nmats * k;
   float* factor = scratch + 2 * nmats * k;
-  const float decay = 1.0f - p.lr * p.weight_decay;
   DION3_DISPATCH_FLOAT(O.dtype, TO, [&] {
     const TO* o = static_cast<const TO*>(O.data);
     if (p.normuon && k > 0) {  // statistics over all of O's columns (whole rows when column-sharded)
@@ -767,7 +773,7 @@ void launch_apply_update(const DeviceMat* mats, int64_t nmats, int64_t rows, int
       const dim3 grid(ceil_div_u(rows, kRowWarps), static_cast<unsigned>(nmats));
       const float* iv = p.normuon && k > 0 ? inv : nullptr;
       launch_pdl(update_rows_kernel<TW, TO>, grid, 32 * kRowWarps, 0, s, mats, rows, cols, idx, k,
-                 o + p.o_col_offset, O.ld, obs, decay, p.adjusted_lr, p.cautious_wd, iv, factor, skip);
+                 o + p.o_col_offset, O.ld, obs, p.decay, p.adjusted_lr, p.cautious_wd, iv, factor, skip);
     });
   });
   DION3_CUDA_LAUNCH_CHECK();
@@ -803,7 +809,7 @@ void launch_check_step(std::span<const StepCheck> xs, int* flag, cudaStream_t s)
       if (t.gdt == x.grad.dtype && t.sdt == x.state.dtype) tb = &t;
     if (!tb) tb = &tables.emplace_back(Table{x.grad.dtype, x.state.dtype});
     const int u = tb->t.count++;
-    tb->t.seg[u] = StepSegment{x.grad.data, x.state.data, second ? x.state2.data : nullptr, n, x.a, x.b, x.rule,
+    tb->t.seg[u] = StepSegment{x.grad.data, x.state.data, second ? x.state2.data : nullptr, n, x.a.value, x.b.value, x.a.at, x.b.at, x.rule,
                                n % 8 == 0 && aligned8(x.grad.data, x.grad.dtype) && aligned8(x.state.data, x.state.dtype) &&
                                    (!second || aligned8(x.state2.data, x.state2.dtype))};
     tb->t.first_block[u] = tb->blocks;

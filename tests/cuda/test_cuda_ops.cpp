@@ -231,7 +231,7 @@ TEST_P(ApplyUpdate, MatchesCpu) {
   Twin O(*gpu, DType::F32, n, k, cols);
   O.fill_normal(rng, 0.05f);
   dion3::UpdateParams p;
-  p.lr = 0.02f; p.weight_decay = 0.1f; p.adjusted_lr = 0.03f; p.normuon = c.normuon; p.beta2 = 0.95f;
+  p.decay = 1.0f - 0.02f * 0.1f; p.adjusted_lr = 0.03f; p.normuon = c.normuon; p.beta2 = 0.95f;
   p.cautious_wd = c.cautious;
   cpu->apply_update(*s.hs, c.with_idx ? idx.data() : nullptr, k, O.hview(), p, nullptr);
   gpu->apply_update(*s.ds, c.with_idx ? didx.as<int32_t>() : nullptr, k, O.dview(), p, nullptr);
@@ -261,7 +261,7 @@ TEST_F(CudaOps, SkipFlagLeavesEverythingUntouched) {
   gpu->select_rows(scores.as<float>(), 2, 20, 5, idx.as<int32_t>(), flag.as<int>());
   gpu->gather_rows(*s.ds, nullptr, 20, 1.0f, 0.0f, 0.5f, Twin(*gpu, DType::F32, 2, 20, 64).dview(), nullptr,
                    flag.as<int>());
-  dion3::UpdateParams p{0.1f, 0.1f, 0.1f, true, 0.9f, false};
+  dion3::UpdateParams p{1.0f - 0.1f * 0.1f, 0.1f, true, 0.9f, false};
   gpu->apply_update(*s.ds, idx.as<int32_t>(), 5, out.dview(), p, flag.as<int>());
   Twin e(*gpu, DType::BF16, 1, 1, 100), eg(*gpu, DType::BF16, 1, 1, 100), ea(*gpu, DType::F32, 1, 1, 100),
       eb(*gpu, DType::F32, 1, 1, 100);
@@ -723,7 +723,7 @@ TEST_P(ApplyUpdateBig, MatchesCpu) {
   Twin O(*gpu, c.o, n, c.k, c.cols);
   O.fill_normal(rng, 0.05f);
   dion3::UpdateParams p;
-  p.lr = 0.02f; p.weight_decay = 0.1f; p.adjusted_lr = 0.03f; p.normuon = c.normuon; p.beta2 = 0.95f;
+  p.decay = 1.0f - 0.02f * 0.1f; p.adjusted_lr = 0.03f; p.normuon = c.normuon; p.beta2 = 0.95f;
   p.cautious_wd = c.cautious;
   cpu->apply_update(*s.hs, idx.data(), c.k, O.hview(), p, nullptr);
   gpu->apply_update(*s.ds, didx.as<int32_t>(), c.k, O.dview(), p, nullptr);
@@ -855,7 +855,7 @@ TEST_F(CudaOps, PaddedGatherUpdateAndDecayOnlyGatherMatchCpu) {
     Twin O(*gpu, DType::BF16, n, k, cols);
     O.fill_normal(rng, 0.05f);
     dion3::UpdateParams p;
-    p.lr = 0.02f; p.weight_decay = 0.1f; p.adjusted_lr = 0.03f; p.normuon = true; p.beta2 = 0.95f;
+    p.decay = 1.0f - 0.02f * 0.1f; p.adjusted_lr = 0.03f; p.normuon = true; p.beta2 = 0.95f;
     cpu->apply_update(*s.hs, idx.data(), k, O.hview(), p, nullptr);
     gpu->apply_update(*s.ds, didx.as<int32_t>(), k, O.dview(), p, nullptr);
     EXPECT_LE(ct::rel_max_diff(s.w.device_values(), s.w.host_values()), storage_tol(DType::BF16)) << dn(mdt);
@@ -919,7 +919,7 @@ TEST_F(CudaOps, ApplyUpdateColumnWindowMatchesCpu) {
     Twin O(*gpu, DType::BF16, n, k, wide);
     O.fill_normal(rng, 0.05f);
     dion3::UpdateParams p;
-    p.lr = 0.02f; p.weight_decay = 0.1f; p.adjusted_lr = 0.03f; p.normuon = normuon; p.beta2 = 0.95f;
+    p.decay = 1.0f - 0.02f * 0.1f; p.adjusted_lr = 0.03f; p.normuon = normuon; p.beta2 = 0.95f;
     p.o_col_offset = offset;
     cpu->apply_update(*s.hs, idx.data(), k, O.hview(), p, nullptr);
     gpu->apply_update(*s.ds, didx.as<int32_t>(), k, O.dview(), p, nullptr);

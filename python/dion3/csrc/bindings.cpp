@@ -449,6 +449,18 @@ class Engine {
   int num_groups() const { return opt_->num_groups(); }
   int64_t steps_taken() const { return opt_->steps_taken(); }
   int64_t steps_skipped() const { return opt_->steps_skipped(); }
+  uint64_t plan_generation() const { return opt_->plan_generation(); }
+  void refresh_hyperparameters() {
+    Guard guard(*this);
+    opt_->refresh_hyperparameters();
+  }
+  // [steps applied, steps dropped] as a tensor on the engine's device (a view: alive as long as
+  // the engine), for copies to the host that do not wait.
+  at::Tensor device_counters() {
+    auto o = at::TensorOptions().dtype(at::kLong);
+    o = cuda_ ? o.device(at::kCUDA, device_index_) : o.device(at::kCPU);
+    return at::from_blob(const_cast<int64_t*>(opt_->device_counters()), {2}, o);
+  }
 
  private:
   // Device and stream of the engine's calls: the current CUDA stream of the engine's device.
@@ -642,7 +654,10 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("num_params", guarded(&Engine::num_params))
       .def_property_readonly("num_groups", guarded(&Engine::num_groups))
       .def_property_readonly("steps_taken", guarded(&Engine::steps_taken))
-      .def_property_readonly("steps_skipped", guarded(&Engine::steps_skipped));
+      .def_property_readonly("steps_skipped", guarded(&Engine::steps_skipped))
+      .def_property_readonly("plan_generation", guarded(&Engine::plan_generation))
+      .def("refresh_hyperparameters", guarded(&Engine::refresh_hyperparameters))
+      .def("device_counters", guarded(&Engine::device_counters));
   m.def("validate_group", guarded(&validate_group), "Raise ValueError if a normalised group config is invalid");
   m.def("orthogonalize", guarded(&orthogonalize), "Polar factor of each matrix (see dion3.orthogonalize)");
   m.def("cuda_built", &cuda_built, "Whether this build has the CUDA backend");

@@ -1,0 +1,139 @@
+# cuda_graph.py — dion3.cuda_graph.CudaGraphOptimizer: the optimizer step captured once in a CUDA
+# graph and replayed, with the reference package's interface (dion.cuda_graph), so that moving
+# over is an import change.
+#
+# The engine's kernels read every group hyper-parameter (lr, weight decay, momentum, betas,
+# epsilon) from device memory; before each replay, outside the graph, this wrapper writes the
+# groups' current values there. A torch.optim.lr_scheduler bound to the wrapper or to the inner
+# optimizer, a hand-written group["lr"] = ..., or a weight-decay schedule all take effect on the
+# next replay, with nothing to opt into.
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from typing import Callable, Optional
+
+import torch
+
+
+class CudaGraphOptimizer(torch.optim.Optimizer):
+    """Runs `optimizer.step()` eagerly for `warmup_steps` steps, then captures one step in a
+    CUDA graph and replays it. The gradients must stay in the same .grad tensors (zero_grad
+    zeroes them in place). A change the graph cannot follow (parameters, groups, fraction,
+    split_sizes, the orthogonalizer, a loaded state) is noticed at the next step, which then runs
+    eagerly and captures again. Call release() before torch.distributed.destroy_process_group()
+    under NCCL: a captured graph holds the step's collectives."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, warmup_steps: int = 10):
+        if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 1:
+            raise ValueError(f"dion3: warmup_steps must be an integer >= 1 (eager steps allocate the state and "
+                             f"workspace that the captured step then reuses); got {warmup_steps!r}")
+        if not hasattr(optimizer, "_refresh_for_replay"):
+            raise TypeError(f"dion3: CudaGraphOptimizer wraps a dion3 optimizer (Dion3, NorMuon, Muon); got "
+                            f"{type(optimizer).__name__}")
+        # Optimizer.__init__ is not called: state and groups stay the inner optimizer's; the hook
+        # registries torch reads in step() and state_dict() are made here.
+        self.optimizer = optimizer
+        self.warmup_steps = warmup_steps
+        self._steps = 0
+        self._graph: Optional[torch.cuda.CUDAGraph] = None
+        self._warned = False
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                     "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                     "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, name, OrderedDict())
+
+    def __getattr__(self, name):
+        if name == "optimizer":  # not yet set (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    @property
+    def captured(self) -> bool:
+        """Whether the next step replays a captured graph."""
+        return self._graph is not None
+
+    def add_param_group(self, param_group) -> None:
+        self.release()
+        self.optimizer.add_param_group(param_group)
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.release()  # the state tensors are replaced: the graph would write the old ones
+        self.optimizer.load_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        if set_to_none and not self._warned:
+            self._warned = True
+            warnings.warn("dion3: CudaGraphOptimizer zeroes gradients in place (set_to_none=True would give the "
+                          "replayed step tensors it never reads)", RuntimeWarning, stacklevel=2)
+        self.optimizer.zero_grad(set_to_none=False)
+
+    def release(self) -> None:
+        """Drop the captured graph (and the collectives it holds); the next step runs eagerly and
+        captures again after it."""
+        if self._graph is not None:
+            torch.cuda.synchronize()
+            self._graph.reset()
+            self._graph = None
+
+    def _check_gradients(self) -> None:
+        for gi, group in enumerate(self.param_groups):
+            for j, p in enumerate(group["params"]):
+                if p.requires_grad and p.grad is None:
+                    name = self.optimizer._param_name(group, gi, j)
+                    raise RuntimeError(
+                        f"dion3: cannot capture the step: parameter {j} '{name}' of group {gi} requires grad but has "
+                        "no gradient, so the captured step could never update it; give every such parameter a "
+                        "gradient (zero_grad(set_to_none=False) after a backward that reaches it), or set "
+                        "requires_grad=False")
+
+    def _capture(self) -> None:
+        self._check_gradients()
+        inner = self.optimizer
+        # One eager step just before: the engine is built and planned for exactly these tensors.
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            inner.step()
+        self._graph = graph
+        inner._refresh_for_replay()
+        graph.replay()  # capture records the step; this runs it
+
+    def step(self, closure: Optional[Callable] = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._graph is not None:
+            try:
+                self.optimizer._refresh_for_replay()
+            except RuntimeError:
+                self.release()  # something the graph cannot follow changed: step eagerly, capture later
+                self._steps = 0
+        if self._graph is not None:
+            self._graph.replay()
+        elif self._steps < self.warmup_steps:
+            self.optimizer.step()
+        else:
+            self._capture()
+        self._steps += 1
+        return loss

@@ -1,0 +1,126 @@
+# test_cuda_graph.py — dion3.cuda_graph.CudaGraphOptimizer (replayed steps equal eager steps bit for
+# bit while lr and weight decay change every step) and the step that does not wait for the GPU.
+# CUDA only: skipped where dion3 has no GPU (the device run sets DION3_REQUIRE_CUDA=1).
+import pytest
+import torch
+
+import dion3
+from conftest import DEVICES
+
+pytestmark = pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU and a CUDA build")
+
+SHAPES = [(96, 64), (96, 64), (64, 160), (40, 64)]
+
+
+def _model(seed=0, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mats = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=g).to(dtype) * 0.05) for s in SHAPES]
+    vecs = [torch.nn.Parameter(torch.randn(64, device="cuda", generator=g).to(dtype)) for _ in range(2)]
+    return mats, vecs
+
+
+def _grads(step, params):
+    g = torch.Generator(device="cuda").manual_seed(100 + step)
+    return [torch.randn(p.shape, device="cuda", generator=g).to(p.dtype) for p in params]
+
+
+def _schedule(opt, step):
+    for i, group in enumerate(opt.param_groups):  # every step, every group: lr and weight decay
+        group["lr"] = (0.02 if i == 0 else 1e-3) * (1.0 - 0.07 * step)
+        group["weight_decay"] = 0.01 * (1 + step % 3)
+    opt.param_groups[0]["mu"] = 0.95 - 0.01 * (step % 2)  # momentum too
+
+
+@pytest.mark.parametrize("fraction", [0.25, 1.0])
+def test_replayed_steps_equal_eager_steps_bit_for_bit_over_a_schedule(fraction):
+    eager_p, graph_p = _model(), _model()
+    eager = dion3.Dion3([dict(params=eager_p[0]), dict(params=eager_p[1], algorithm="adamw", lr=1e-3)],
+                        lr=0.02, fraction=fraction)
+    inner = dion3.Dion3([dict(params=graph_p[0]), dict(params=graph_p[1], algorithm="adamw", lr=1e-3)],
+                        lr=0.02, fraction=fraction)
+    wrapped = dion3.cuda_graph.CudaGraphOptimizer(inner, warmup_steps=2)
+    ea, ga = eager_p[0] + eager_p[1], graph_p[0] + graph_p[1]
+    for p in ga:
+        p.grad = torch.zeros_like(p)  # stable gradient tensors, filled in place
+    for step in range(8):
+        for p, q, g in zip(ea, ga, _grads(step, ea)):
+            p.grad = g.clone()
+            q.grad.copy_(g)
+        _schedule(eager, step)
+        _schedule(wrapped, step)
+        eager.step()
+        wrapped.step()
+        assert wrapped.captured == (step >= 2)
+        for i, (p, q) in enumerate(zip(ea, ga)):
+            assert torch.equal(p, q), f"parameter {i} differs at step {step} (captured: {wrapped.captured})"
+    for p, q in zip(ea, ga):
+        for k, v in eager.state[p].items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v, inner.state[q][k]), k
+    assert wrapped.state_dict()["state"][0]["step"] == 8  # counters of replayed steps come back
+    wrapped.release()
+
+
+def test_an_lr_scheduler_drives_the_replayed_step():
+    eager_p, graph_p = _model(1), _model(1)
+    eager = dion3.Dion3(eager_p[0], lr=0.02)
+    wrapped = dion3.cuda_graph.CudaGraphOptimizer(dion3.Dion3(graph_p[0], lr=0.02), warmup_steps=1)
+    s1 = torch.optim.lr_scheduler.LambdaLR(eager, lambda t: 1.0 / (1 + t))
+    s2 = torch.optim.lr_scheduler.LambdaLR(wrapped, lambda t: 1.0 / (1 + t))
+    for p in graph_p[0]:
+        p.grad = torch.zeros_like(p)
+    for step in range(5):
+        for p, q, g in zip(eager_p[0], graph_p[0], _grads(step, eager_p[0])):
+            p.grad = g.clone()
+            q.grad.copy_(g)
+        eager.step()
+        wrapped.step()
+        s1.step()
+        s2.step()
+        assert all(torch.equal(p, q) for p, q in zip(eager_p[0], graph_p[0])), step
+    wrapped.release()
+
+
+def test_capture_refuses_a_parameter_without_gradient_and_recaptures_after_a_plan_change():
+    mats, _ = _model(2)
+    wrapped = dion3.cuda_graph.CudaGraphOptimizer(dion3.Dion3(mats, lr=0.02), warmup_steps=1)
+    for p in mats[:3]:
+        p.grad = torch.randn_like(p)
+    wrapped.step()  # eager
+    with pytest.raises(RuntimeError, match=r"parameter 3 'group0.param3' of group 0 requires grad but has no gradient"):
+        wrapped.step()
+    mats[3].grad = torch.randn_like(mats[3])
+    wrapped.step()
+    assert wrapped.captured
+    wrapped.param_groups[0]["fraction"] = 0.5  # the plan changes: the graph cannot follow
+    wrapped.step()
+    assert not wrapped.captured
+    assert {mb["selected_rows"] for mb in wrapped.plan()} == {48, 32, 20}
+    wrapped.release()
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_a_step_that_does_not_wait_drops_a_bad_step_and_reports_it(policy):
+    mats, vecs = _model(3)
+    opt = dion3.Dion3([dict(params=mats), dict(params=vecs, algorithm="adamw", lr=1e-3)], lr=0.02,
+                      on_nonfinite=policy, blocking=False)
+    params = mats + vecs
+    for p, g in zip(params, _grads(0, params)):
+        p.grad = g
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    params[1].grad[3, 5] = float("nan")
+    opt.step()  # returns at once; the GPU drops the step
+    torch.cuda.synchronize()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    if policy == "skip":
+        assert opt.steps_skipped == 1
+        assert opt.state_dict()["state"][0]["step"] == 1
+    else:
+        with pytest.raises(dion3.NonFiniteError, match="1 earlier step"):
+            opt.check_nonfinite()
+        assert opt.steps_skipped == 0  # raised, not skipped
+    params[1].grad = torch.randn_like(params[1])
+    opt.step()
+    opt.check_nonfinite()
+    assert opt.state_dict()["state"][0]["step"] == 2
