@@ -668,7 +668,12 @@ std::vector<float> Optimizer::Impl::hyper_values() const {
 }
 
 void Optimizer::Impl::upload_hyper() {
-  if (backend->capturing()) return;  // a captured step reads what the last refresh left there
+  if (backend->capturing()) {  // a captured step reads what the last refresh left there
+    if (hyper_uploaded.empty())
+      fail("a step is being captured before its hyper-parameters were ever written to the device: take one "
+           "step (or call refresh_hyperparameters()) before the capture");
+    return;
+  }
   std::vector<float> v = hyper_values();
   if (v == hyper_uploaded) return;
   backend->copy_from_host(hyper.get(), v.data(), v.size() * sizeof(float));
