@@ -15,6 +15,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .optimizer import CaptureNotReady
+
 
 class CudaGraphOptimizer(torch.optim.Optimizer):
     """Runs `optimizer.step()` eagerly for `warmup_steps` steps, then captures one step in a
@@ -109,11 +111,16 @@ class CudaGraphOptimizer(torch.optim.Optimizer):
     def _capture(self) -> None:
         self._check_gradients()
         inner = self.optimizer
-        # One eager step just before: the engine is built and planned for exactly these tensors.
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        try:
+            with torch.cuda.graph(graph):
+                inner.step()
+        except CaptureNotReady:
+            # The parameters with gradients changed since the last eager step: take this one
+            # eagerly (the engine is rebuilt for them) and capture at the next.
             inner.step()
+            return
         self._graph = graph
         inner._refresh_for_replay()
         graph.replay()  # capture records the step; this runs it

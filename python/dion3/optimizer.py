@@ -23,6 +23,11 @@ from . import distributed as _dist
 
 NonFiniteError = _C.NonFiniteError
 
+
+class CaptureNotReady(RuntimeError):
+    """step() under CUDA-graph capture met parameters that the engine has not stepped eagerly yet
+    (their gradients, or their storage, changed): nothing was enqueued."""
+
 MATRIX_ALGORITHMS = ("dion3", "nordion2", "normuon", "muon")
 
 # Group keys that torch's learning-rate schedulers and SWA write into param groups: carried, unread.
@@ -447,8 +452,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
             # CUDA-graph capture: the engine's capture-safe step (no host synchronisation). Step
             # counters then advance on the device only; _sync_counters() brings them back.
             if self._run_engine(engine, True) < 0:
-                raise RuntimeError("dion3: the parameters with gradients (or their storage) changed "
-                                   "since the last step; run one eager step before capturing")
+                raise CaptureNotReady("dion3: the parameters with gradients (or their storage) changed "
+                                      "since the last step; run one eager step before capturing")
             self._counters_pending = True
             return loss
         self._raise_deferred(poll=True)

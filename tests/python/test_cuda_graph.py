@@ -90,6 +90,8 @@ def test_capture_refuses_a_parameter_without_gradient_and_recaptures_after_a_pla
     with pytest.raises(RuntimeError, match=r"parameter 3 'group0.param3' of group 0 requires grad but has no gradient"):
         wrapped.step()
     mats[3].grad = torch.randn_like(mats[3])
+    wrapped.step()  # eager: the engine is rebuilt for all four parameters
+    assert not wrapped.captured
     wrapped.step()
     assert wrapped.captured
     wrapped.param_groups[0]["fraction"] = 0.5  # the plan changes: the graph cannot follow
