@@ -567,7 +567,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         (on_nonfinite='raise', blocking=False). Other settings: a no-op."""
         self._raise_deferred(poll=False)
 
-    def _refresh_for_replay(self) -> None:
+    def _refresh_for_replay(self) -> None:  # also for users capturing a whole training step
         """Before replaying a captured step: push the groups' current values into the device memory
         its kernels read (lr schedules, weight decay, momentum, betas). RuntimeError when the
         engine was rebuilt or a setting its plan depends on changed: capture again."""
