@@ -567,7 +567,14 @@ class _EngineOptimizer(torch.optim.Optimizer):
         (on_nonfinite='raise', blocking=False). Other settings: a no-op."""
         self._raise_deferred(poll=False)
 
-    def _refresh_for_replay(self) -> None:  # also for users capturing a whole training step
+    def refresh_hyperparameters(self) -> None:
+        """Before replaying a step you captured yourself (torch.cuda.graph around opt.step(), or a
+        whole training step): write the groups' current lr, weight decay, momentum, betas and
+        epsilon where the captured kernels read them. RuntimeError when something the captured
+        step cannot follow changed (parameters, groups, fraction, blocks, orthogonalizer)."""
+        self._refresh_for_replay()
+
+    def _refresh_for_replay(self) -> None:
         """Before replaying a captured step: push the groups' current values into the device memory
         its kernels read (lr schedules, weight decay, momentum, betas). RuntimeError when the
         engine was rebuilt or a setting its plan depends on changed: capture again."""

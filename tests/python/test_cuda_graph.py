@@ -126,3 +126,26 @@ def test_a_step_that_does_not_wait_drops_a_bad_step_and_reports_it(policy):
     opt.step()
     opt.check_nonfinite()
     assert opt.state_dict()["state"][0]["step"] == 2
+
+
+def test_a_step_captured_by_hand_follows_refresh_hyperparameters():
+    eager_p, graph_p = _model(4), _model(4)
+    eager = dion3.Dion3(eager_p[0], lr=0.02)
+    opt = dion3.Dion3(graph_p[0], lr=0.02)
+    for p, q, g in zip(eager_p[0], graph_p[0], _grads(0, eager_p[0])):
+        p.grad, q.grad = g.clone(), g.clone()
+    eager.step()
+    opt.step()  # eager: builds the engine and writes the hyper-parameters once
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    for step in range(1, 4):
+        for p, q, g in zip(eager_p[0], graph_p[0], _grads(step, eager_p[0])):
+            p.grad.copy_(g)
+            q.grad.copy_(g)
+        for o in (eager, opt):
+            o.param_groups[0]["lr"] = 0.02 / (1 + step)
+        eager.step()
+        opt.refresh_hyperparameters()
+        graph.replay()
+        assert all(torch.equal(p, q) for p, q in zip(eager_p[0], graph_p[0])), step
