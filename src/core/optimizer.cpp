@@ -489,8 +489,9 @@ std::vector<Optimizer::Impl::RowBlock> Optimizer::Impl::row_blocks(int i) const 
 }
 
 void Optimizer::Impl::build_plan() {
-  for (int i = 0; i < static_cast<int>(params.size()); ++i)  // refuse before anything changes
-    if (is_matrix_algorithm(groups[params[i].group].algorithm)) row_blocks(i);
+  std::vector<std::vector<RowBlock>> blocks_of(params.size());  // refused before anything changes
+  for (int i = 0; i < static_cast<int>(params.size()); ++i)
+    if (is_matrix_algorithm(groups[params[i].group].algorithm)) blocks_of[i] = row_blocks(i);
   megabatches.clear();
   // Communicators are keyed by their order of first appearance, never by address: every rank
   // must build its megabatches (and so start its collectives) in the same order.
@@ -515,7 +516,7 @@ void Optimizer::Impl::build_plan() {
     const DType mom = state_specs(p)[0].dtype;
     const bool col_cut = p.layout.kind == Layout::ColShard || p.layout.kind == Layout::Block;
     const int64_t n = col_cut ? p.layout.global_cols : p.cols;
-    const std::vector<RowBlock> blocks = row_blocks(i);
+    const std::vector<RowBlock>& blocks = blocks_of[i];
     for (int64_t j = 0; j < p.count; ++j) {
       for (int b = 0; b < static_cast<int>(blocks.size()); ++b) {
         const RowBlock& rb = blocks[b];
