@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <span>
@@ -148,6 +149,16 @@ struct LionRule {
   DION3_HOST_DEVICE static float exp_avg(float m, float g, float beta2) { return m + (1.0f - beta2) * (g - m); }
 };
 
+// Ops recorded by Backend::record.
+class DION3_API Recording {
+ public:
+  virtual ~Recording() = default;
+  // Enqueues the recorded ops on the backend's stream. False, with nothing enqueued, when memory
+  // the backend itself lent the ops (its scratch buffers) has moved since they were recorded:
+  // record them again.
+  virtual bool replay() = 0;
+};
+
 class DION3_API Backend {
  public:
   virtual ~Backend() = default;
@@ -159,6 +170,14 @@ class DION3_API Backend {
   virtual void* stream() const { return nullptr; }
   // Whether the stream is being captured into a CUDA graph (operations then run only on replay).
   virtual bool capturing() const { return false; }
+  // Records the ops `work` enqueues, without running them, for replay as one unit (a CUDA graph
+  // on the CUDA backend): a sequence launched op by op costs host time per op, a recording one
+  // launch. The ops must touch the same memory on every replay. Null where the backend does not
+  // record (the caller then runs `work` itself).
+  virtual std::unique_ptr<Recording> record(const std::function<void()>& work) {
+    (void)work;
+    return nullptr;
+  }
   // A named range around the ops enqueued between push and pop, for the device's profiler
   // (NVTX on CUDA); nothing by default.
   virtual void range_push(const char* name) { (void)name; }

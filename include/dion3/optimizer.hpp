@@ -109,6 +109,11 @@ struct OptimizerOptions {
   // round per direction (SPEC §3). false: every matrix is its own megabatch (one round each), for
   // benchmarks that measure what megabatching saves.
   bool megabatch = true;
+  // Each orthogonalization (a chunk of a megabatch, dozens of kernels) is recorded once, after
+  // its first eager run, and replayed as one unit (Backend::record: a CUDA graph), which takes
+  // most of the host's launch work out of a step. Results are the same bit for bit; false runs
+  // it op by op, for benchmarks and as a fallback.
+  bool record_orthogonalizer = true;
 };
 
 // The per-step communication of one megabatch of `count` m x n matrices over `ranks` ranks,

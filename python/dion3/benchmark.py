@@ -78,6 +78,7 @@ def run(args, cls_name, fraction):
     kw = dict(fraction=fraction) if cls_name == "Dion3" else {}
     opt = cls([dict(params=params_m), dict(params=params_v, algorithm="adamw", lr=1e-3)], lr=0.01,
               on_nonfinite=args.on_nonfinite, **kw)
+    opt._record_orthogonalizer = not args.op_by_op
     for _ in range(args.warmup):
         opt.step()
     sync(device)
@@ -146,7 +147,7 @@ def run(args, cls_name, fraction):
         "nonblocking_host_ms": round(med(nonblocking_ms), 3),
         "python_overhead_ms": round(overhead, 4),
         "python_overhead_pct": round(100.0 * overhead / med(step_ms), 3),
-        "megabatches": len(opt.plan()),
+        "megabatches": len(opt.plan()), "recorded": not args.op_by_op,
     }
 
 
@@ -161,6 +162,9 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--on-nonfinite", default="raise", choices=["raise", "skip"])
+    ap.add_argument("--op-by-op", action="store_true",
+                    help="launch each orthogonalization op by op instead of replaying its recording "
+                         "(OptimizerOptions::record_orthogonalizer), for an A/B of the host time")
     args = ap.parse_args(argv)
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"

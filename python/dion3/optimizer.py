@@ -749,7 +749,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"dion3: parameters are on '{device}'; dion3 runs on cpu and cuda")
         engine = _C.Engine(device.type, device.index or 0, self._on_nonfinite, self._workspace_limit,
-                           getattr(self, "_megabatch", True))
+                           getattr(self, "_megabatch", True), getattr(self, "_record_orthogonalizer", True))
         new_state: Dict[torch.Tensor, Dict[str, Any]] = {}
         engine_params, engine_groups, steps, adamw_check = [], [], [], []
         dtensors = False

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <array>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -49,6 +50,12 @@ struct Chunk {
   std::unique_ptr<MatrixSet> set;
   Orthogonalizer* orth = nullptr;
   std::size_t update_offset = 0, orth_offset = 0;  // in the arena: the update rows U, the orth workspace
+  // The orthogonalizer's run as one recorded unit (Backend::record), made after its first eager
+  // run and replayed until the plan changes; `out` is what the run returns (arena memory).
+  std::unique_ptr<Recording> recording;
+  MatrixView recorded_out;
+  int64_t runs = 0;
+  bool eager_only = false;  // the backend does not record, or recording this run failed
 };
 
 // Parameters of one group sharing (matrix shape, dtypes, layout): one batched pipeline per step,
@@ -126,6 +133,7 @@ struct Megabatch {
   // rank's own block: their rows travel through the exchange; the own block's never do.
   std::vector<std::pair<int64_t, std::unique_ptr<MatrixSet>>> others;
   std::unique_ptr<CommRequest> inflight;
+  uint64_t bound = 0;  // the Impl::binding its sets were made for (0: none yet)
   int hyper_slot = 0;  // its adjusted lr in Optimizer::Impl::hyper
   std::string label;  // "megabatch 2 (4096x11008 bf16, row-sharded over 8 ranks)"
   int rounds = 0;             // collective rounds per step
@@ -158,6 +166,20 @@ struct Optimizer::Impl {
   DeviceBuffer hyper;
   std::vector<float> hyper_uploaded;  // what `hyper` holds
   uint64_t plan_generation = 0;       // counts build_plan() calls
+  // Counts changes of the memory a step touches (a gradient's view, a new plan, imported step
+  // counters): the tables built from it (megabatch sets, the check and element-wise lists) are
+  // kept from step to step and made again only when it moves.
+  uint64_t binding = 1;
+  uint64_t validated = 0;  // the binding validate_for_step last checked the parameters for
+  struct Elementwise {
+    uint64_t bound = 0;
+    std::vector<bool> nesterov;  // each group's, as the checks were made for
+    std::vector<StepCheck> checks;
+    std::vector<ElementwiseParam> adamw_ps, lion_ps;
+    std::vector<AdamWParams> adamw_hs;
+    std::vector<LionParams> lion_hs;
+  } lists;
+  bool capturing_now = false;  // the step being enqueued is captured by the caller
 
   // A profiler range for the lifetime of the object (Backend::range_push and the tracer).
   class Range {
@@ -213,6 +235,9 @@ struct Optimizer::Impl {
   void upload_hyper();
   void plan_distribution(Megabatch& mb, int index);
   void check_plans_agree();
+  void bind(Megabatch& mb);  // its sets' tables, when the binding moved (or under capture)
+  void build_lists();        // `lists`, when the binding moved
+  MatrixView run_orthogonalizer(Chunk& c, const std::function<MatrixView()>& run);
   std::array<int64_t, 2> read_counters() const;
   void validate_for_step();
   StepCheck step_check(const Param& p) const;  // what check_step evaluates for p's step

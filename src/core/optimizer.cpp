@@ -136,6 +136,7 @@ int Optimizer::add_group(const GroupConfig& config) {
   }
   impl_->groups.push_back(config);
   impl_->plan_valid = false;
+  ++impl_->binding;
   return g;
 }
 
@@ -388,6 +389,7 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
   remember(added.weight, "the weight of " + who);
   for (const auto& [name, view] : spec.state) remember(view, "state '" + name + "' of " + who);
   s.plan_valid = false;
+  ++s.binding;
   return index;
 }
 
@@ -399,7 +401,9 @@ void Optimizer::set_grad(int param, const TensorView& grad) {
   check_grad(s.describe(param), s.params[param].weight, grad, s.backend->device());
   if (std::string c = s.memory_clash(grad, false); !c.empty())
     fail(s.describe(param) + ": its new gradient overlaps the memory of " + c);
-  s.params[param].grad = grad;
+  TensorView& bound = s.params[param].grad;
+  if (bound.data != grad.data || bound.dtype != grad.dtype || bound.shape != grad.shape) ++s.binding;
+  bound = grad;
 }
 
 GroupConfig& Optimizer::group(int index) {
@@ -633,6 +637,7 @@ void Optimizer::Impl::build_plan() {
   hyper = DeviceBuffer(alloc, (groups.size() * kGroupHyper + megabatches.size()) * sizeof(float));
   hyper_uploaded.clear();
   ++plan_generation;
+  ++binding;
   planned = groups;
   plan_valid = true;
   check_plans_agree();
@@ -921,9 +926,14 @@ void Optimizer::Impl::validate_for_step() {
   Impl& s = *this;
   // 1. Validate everything before touching memory.
   if (s.groups.empty()) fail("step: the optimizer has no parameter groups");
-  std::vector<int> group_size(s.groups.size(), 0);
-  for (const Param& p : s.params) ++group_size[p.group];
   const int num_groups = static_cast<int>(s.groups.size());
+  // The parameters' checks see nothing new while the binding stays where they passed.
+  const bool params_checked = s.validated == s.binding;
+  std::vector<int> group_size(s.groups.size(), 1);
+  if (!params_checked) {
+    std::fill(group_size.begin(), group_size.end(), 0);
+    for (const Param& p : s.params) ++group_size[p.group];
+  }
   for (int g = 0; g < num_groups; ++g) {
     if (group_size[g] == 0) fail(group_error(g, "the group is empty; every group needs at least one parameter"));
     try {
@@ -933,7 +943,7 @@ void Optimizer::Impl::validate_for_step() {
     }
     if (const std::string e = s.structure_error(g); !e.empty()) fail(e);
   }
-  for (int i = 0; i < static_cast<int>(s.params.size()); ++i) {
+  for (int i = 0; !params_checked && i < static_cast<int>(s.params.size()); ++i) {
     const Param& p = s.params[i];
     if (!p.grad.data && p.weight.numel() > 0) fail(s.describe(i) + " has no gradient; call set_grad before step");
   }
@@ -942,9 +952,10 @@ void Optimizer::Impl::validate_for_step() {
   if (!s.plan_valid) s.build_plan();
   // Gradient dtypes are part of the megabatch key: re-plan if set_grad changed one.
   for (const Megabatch& mb : s.megabatches)
-    for (const Member& m : mb.members)
-      if (s.params[m.param].grad.dtype != mb.grad_dtype) s.plan_valid = false;
+    for (std::size_t i = 0; s.binding != s.validated && i < mb.members.size(); ++i)
+      if (s.params[mb.members[i].param].grad.dtype != mb.grad_dtype) s.plan_valid = false;
   if (!s.plan_valid) s.build_plan();
+  s.validated = s.binding;
   // The learning rate a matrix update applies depends on its shape: it too must be a float32.
   for (const Megabatch& mb : s.megabatches) {
     const double lr = s.groups[mb.group].adjusted_lr(mb.global_rows, mb.global_cols);
@@ -1053,9 +1064,10 @@ MatrixView strided(void* data, DType dtype, int64_t count, int64_t rows, int64_t
 
 // Stage 1: momentum, scores and selection; for row-sharded megabatches over several ranks also
 // the gather of the rows other ranks orthogonalize and the start of the forward all-to-all.
-void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
+void Optimizer::Impl::bind(Megabatch& mb) {
+  // Under the caller's capture the tables are written again, so that the graph carries them.
+  if (mb.bound == binding && !capturing_now) return;
   Backend& be = *backend;
-  const GroupConfig& g = groups[mb.group];
   mb.set->mats.clear();
   for (const Member& m : mb.members) {
     Param& p = params[m.param];
@@ -1068,11 +1080,19 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
     mb.set->mats.push_back(pm);
   }
   be.refresh(*mb.set);
-  for (auto& [first, set] : mb.others) {
-    std::copy(mb.set->mats.begin() + first, mb.set->mats.begin() + first + static_cast<int64_t>(set->mats.size()),
-              set->mats.begin());
-    be.refresh(*set);
-  }
+  auto part = [&](MatrixSet& set, int64_t first, int64_t count) {
+    set.mats.assign(mb.set->mats.begin() + first, mb.set->mats.begin() + first + count);
+    be.refresh(set);
+  };
+  for (auto& [first, set] : mb.others) part(*set, first, static_cast<int64_t>(set->mats.size()));
+  for (Chunk& c : mb.chunks) part(*c.set, c.first, c.count);
+  mb.bound = binding;
+}
+
+void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
+  Backend& be = *backend;
+  const GroupConfig& g = groups[mb.group];
+  bind(mb);
   const auto n = static_cast<int64_t>(mb.members.size());
   const Hyper mu = group_hyper(mb.group, kMu);
   const bool dion3 = g.algorithm == Algorithm::Dion3;
@@ -1189,8 +1209,6 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
   const std::size_t out_slot = static_cast<std::size_t>(listed * mb.cols) * es_o;
 
   for (Chunk& c : mb.chunks) {
-    c.set->mats.assign(mb.set->mats.begin() + c.first, mb.set->mats.begin() + c.first + c.count);
-    be.refresh(*c.set);
     const int64_t jl = c.first - mb.owned_first;
     const int32_t* rows = row_shard ? piece_idx + c.first * mb.piece : dion3 ? idx + c.first * mb.k : nullptr;
     MatrixView O;
@@ -1198,7 +1216,7 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
       // X = M[S] / ||M[S]||, straight into the orthogonalizer's buffer; M[S] *= mu.
       be.gather_normalized(*c.set, rows, listed, mu, row_sumsq + c.first * mb.rows, Orthogonalizer::kNormEps,
                            c.orth->normalized_input(), flag);
-      O = c.orth->run_normalized();
+      O = run_orthogonalizer(c, [&] { return c.orth->run_normalized(); });
     } else {
       const MatrixView U = MatrixView::contiguous(arena.as<char>() + c.update_offset, mb.update_dtype, c.count,
                                                   mb.orth_rows, mb.orth_cols);
@@ -1218,18 +1236,18 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
                              MatrixView{static_cast<char*>(U.data) + mb.rank * piece, mb.update_dtype, c.count, mb.k,
                                         mb.cols, mb.orth_cols, mb.k * mb.orth_cols},
                              nullptr, flag);
-        O = c.orth->run(U);
+        O = run_orthogonalizer(c, [&] { return c.orth->run(U); });
       } else if (!row_shard) {
         float* ss = row_sumsq + c.first * mb.k;  // U's row sums of squares, for its norm
         gather_update_rows(be, g, mu, *c.set, rows, mb.k, U, ss, flag);
-        O = c.orth->run(U, ss);
+        O = run_orthogonalizer(c, [&] { return c.orth->run(U, ss); });
       } else if (mb.global_scope) {
         // The k selected rows of each member, compacted out of the ranks' padded pieces.
         be.selection_slots(idx + c.first * mb.orth_rows, c.count, mb.orth_rows, ceil_div(mb.global_rows, P),
                            mb.piece, mb.block, jl, mb.slots.as<int32_t>(), nullptr);
         be.copy_rows(U.data, mb.cols * es_u, nullptr, mb.recv.get(), mb.cols * es_u, mb.slots.as<int32_t>(),
                      mb.cols * es_u, c.count * mb.orth_rows);
-        O = c.orth->run(U);
+        O = run_orthogonalizer(c, [&] { return c.orth->run(U); });
       } else {
         // Each member's rows stacked by rank: the others' pieces from `recv` ([rank][member]
         // [piece]), this rank's gathered in place.
@@ -1242,7 +1260,7 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
                            strided(static_cast<char*>(U.data) + mb.rank * in_slot, mb.update_dtype, c.count, mb.piece,
                                    mb.cols, mb.orth_rows * mb.cols),
                            nullptr, flag);
-        O = c.orth->run(U);
+        O = run_orthogonalizer(c, [&] { return c.orth->run(U); });
       }
     }
     if (col_shard) {
@@ -1377,8 +1395,6 @@ void Optimizer::Impl::orthogonalize_block(Megabatch& mb, int* flag) {
   const std::size_t out_slot = static_cast<std::size_t>(mb.piece * W) * es_o;
   const UpdateParams up = update_params(mb);
   for (Chunk& c : mb.chunks) {
-    c.set->mats.assign(mb.set->mats.begin() + c.first, mb.set->mats.begin() + c.first + c.count);
-    be.refresh(*c.set);
     const int64_t jl = c.first - mb.owned_first;
     const MatrixView U = MatrixView::contiguous(arena.as<char>() + c.update_offset, mb.update_dtype, c.count,
                                                 mb.orth_rows, W);
@@ -1387,7 +1403,7 @@ void Optimizer::Impl::orthogonalize_block(Megabatch& mb, int* flag) {
                                       : byte_offset(mb.recv, (r * mb.block + jl) * in_slot);
       be.copy_2d(static_cast<char*>(U.data) + r * in_slot, P * in_slot, from, in_slot, in_slot, c.count);
     }
-    const MatrixView O = c.orth->run(U);
+    const MatrixView O = run_orthogonalizer(c, [&] { return c.orth->run(U); });
     if (mb.rows > 0 && mb.cols > 0)
       be.apply_update(*c.set, mb.piece_idx.as<int32_t>() + c.first * mb.piece, mb.piece,
                       MatrixView{static_cast<char*>(O.data) + mb.rank * out_slot, mb.orth_dtype, c.count, mb.piece,
@@ -1402,6 +1418,58 @@ void Optimizer::Impl::orthogonalize_block(Megabatch& mb, int* flag) {
   if (P > 1)
     mb.inflight = mb.comm->all_to_all(mb.back.get(), mb.recv.get(), mb.block * out_slot, be.stream(),
                                       "the return all-to-all of " + mb.label);
+}
+
+MatrixView Optimizer::Impl::run_orthogonalizer(Chunk& c, const std::function<MatrixView()>& run) {
+  // Under the caller's capture the ops join the caller's graph as they are.
+  if (!options.record_orthogonalizer || c.eager_only || capturing_now) return run();
+  if (c.recording) {
+    if (c.recording->replay()) return c.recorded_out;
+    c.recording.reset();  // the backend's scratch moved: record again
+  }
+  if (c.runs++ == 0) return run();  // the first run sizes the backend's scratch and loads kernels
+  try {
+    c.recording = backend->record([&] { c.recorded_out = run(); });
+  } catch (const Error&) {
+    c.recording.reset();  // run eagerly from now on; a real fault raises again there
+  }
+  if (c.recording && c.recording->replay()) return c.recorded_out;
+  c.recording.reset();
+  c.eager_only = true;
+  return run();
+}
+
+void Optimizer::Impl::build_lists() {
+  std::vector<bool> nesterov(groups.size());
+  for (std::size_t g = 0; g < groups.size(); ++g) nesterov[g] = groups[g].nesterov;
+  if (lists.bound == binding && lists.nesterov == nesterov) return;
+  Elementwise l;
+  l.nesterov = std::move(nesterov);
+  for (const Param& p : params)
+    if (p.weight.numel() > 0) l.checks.push_back(step_check(p));
+  // Element-wise parameters: values are read from `hyper` when the update runs (the `live`
+  // pointers), so the lists hold for any schedule.
+  for (const Param& p : params) {
+    const GroupConfig& g = groups[p.group];
+    if (is_matrix_algorithm(g.algorithm) || p.weight.numel() == 0) continue;
+    ElementwiseParam e;
+    e.weight = flat_of(p.weight);
+    e.grad = flat_of(p.grad);
+    e.exp_avg = flat_of(p.state[0].second);
+    const float lr = static_cast<float>(g.lr), wd = static_cast<float>(g.weight_decay);
+    const float b1 = static_cast<float>(g.betas[0]), b2 = static_cast<float>(g.betas[1]);
+    if (g.algorithm == Algorithm::AdamW) {
+      e.exp_avg_sq = flat_of(p.state[1].second);
+      l.adamw_ps.push_back(e);
+      l.adamw_hs.push_back({lr, b1, b2, wd, static_cast<float>(g.epsilon), counters.as<int64_t>(), p.step_offset,
+                            group_hyper(p.group, kLr).at});
+    } else {
+      l.lion_ps.push_back(e);
+      l.lion_hs.push_back({lr, b1, b2, wd, group_hyper(p.group, kLr).at});
+    }
+  }
+  l.bound = binding;
+  lists = std::move(l);
 }
 
 StepCheck Optimizer::Impl::step_check(const Param& p) const {
@@ -1438,15 +1506,14 @@ void Optimizer::Impl::enqueue_step(bool count_dropped) {
   // 1. Non-finite gradients, and finite ones that would overflow the state, raise a device flag that every mutating op below obeys; distributed
   //    runs agree on it across ranks first.
   int* flag = s.flag.as<int>();
+  s.capturing_now = be.capturing();
   s.upload_hyper();
+  s.build_lists();
   be.fill_zero(flag, sizeof(int));
   const Range step_range(s, "dion3::step");
   {
     const Range r(s, "dion3::check");
-    std::vector<StepCheck> checks;
-    for (const Param& p : s.params)
-      if (p.weight.numel() > 0) checks.push_back(step_check(p));
-    be.check_step(checks, flag);
+    be.check_step(s.lists.checks, flag);
     agree_on_flag(flag);
   }
 
@@ -1467,30 +1534,8 @@ void Optimizer::Impl::enqueue_step(bool count_dropped) {
 
   // 3. Element-wise parameters: all AdamW ones in one call, all Lion ones in another (the backend
   //    batches them into as few launches as their dtypes allow).
-  std::vector<ElementwiseParam> adamw_ps, lion_ps;
-  std::vector<AdamWParams> adamw_hs;
-  std::vector<LionParams> lion_hs;
-  for (Param& p : s.params) {
-    const GroupConfig& g = s.groups[p.group];
-    if (is_matrix_algorithm(g.algorithm) || p.weight.numel() == 0) continue;
-    ElementwiseParam e;
-    e.weight = flat_of(p.weight);
-    e.grad = flat_of(p.grad);
-    e.exp_avg = flat_of(p.state[0].second);
-    const float lr = static_cast<float>(g.lr), wd = static_cast<float>(g.weight_decay);
-    const float b1 = static_cast<float>(g.betas[0]), b2 = static_cast<float>(g.betas[1]);
-    if (g.algorithm == Algorithm::AdamW) {
-      e.exp_avg_sq = flat_of(p.state[1].second);
-      adamw_ps.push_back(e);
-      adamw_hs.push_back({lr, b1, b2, wd, static_cast<float>(g.epsilon), s.counters.as<int64_t>(), p.step_offset,
-                          s.group_hyper(p.group, kLr).at});
-    } else {
-      lion_ps.push_back(e);
-      lion_hs.push_back({lr, b1, b2, wd, s.group_hyper(p.group, kLr).at});
-    }
-  }
-  if (!adamw_ps.empty()) be.adamw(adamw_ps, adamw_hs, flag);
-  if (!lion_ps.empty()) be.lion(lion_ps, lion_hs, flag);
+  if (!s.lists.adamw_ps.empty()) be.adamw(s.lists.adamw_ps, s.lists.adamw_hs, flag);
+  if (!s.lists.lion_ps.empty()) be.lion(s.lists.lion_ps, s.lists.lion_hs, flag);
   be.finish_step(flag, s.counters.as<int64_t>(), count_dropped);
 }
 

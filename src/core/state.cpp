@@ -105,6 +105,7 @@ void Optimizer::import_state(const OptimizerState& state) {
     }
   }
   // Everything checked: now copy.
+  ++s.binding;  // the step offsets AdamW's cached parameters carry
   for (std::size_t i = 0; i < s.params.size(); ++i) {
     Param& p = s.params[i];
     p.step_offset = state.steps - state.params[i].step;

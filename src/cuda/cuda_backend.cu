@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -52,10 +53,16 @@ class StreamAllocator final : public Allocator {
 };
 
 // Device memory that only grows; reuse is safe because every user is ordered on one stream.
+// Growing moves it: `moved` counts that, for the recordings that hold its address.
 class Scratch {
  public:
-  void* get(Allocator& a, std::size_t bytes) {
-    if (bytes > buf_.bytes()) buf_ = DeviceBuffer(a, round_up(bytes));
+  void* get(Allocator& a, std::size_t bytes, uint64_t& moved, bool recording) {
+    if (bytes > buf_.bytes()) {
+      // Memory allocated inside a capture belongs to the graph: a recording cannot grow it.
+      if (recording) fail("internal: a recording needs more scratch memory than its eager run did", Status::Internal);
+      buf_ = DeviceBuffer(a, round_up(bytes));
+      ++moved;
+    }
     return buf_.get();
   }
   void reset() { buf_ = DeviceBuffer(); }
@@ -92,16 +99,15 @@ class CudaBackend final : public Backend {
       alloc_ = alloc;
     }
     DION3_CUBLAS_CHECK(cublasCreate(&handle_));
-    DION3_CUBLAS_CHECK(cublasSetStream(handle_, stream_));
-    // A fixed cuBLAS workspace from our allocator: required for graph capture.
     cublas_ws_ = DeviceBuffer(*alloc_, kCublasWorkspace);
-    DION3_CUBLAS_CHECK(cublasSetWorkspace(handle_, cublas_ws_.get(), kCublasWorkspace));
+    bind_cublas(stream_);
     if (const char* t = std::getenv("DION3_SYM_TILE")) sym_.tile = std::atoll(t);
     if (const char* e = std::getenv("DION3_SYM_DISABLE")) sym_.enabled = std::atoi(e) == 0;
     if (const char* e = std::getenv("DION3_SYM_KERNEL")) kernel_env_ = std::atoi(e) != 0;
   }
   ~CudaBackend() override {
     cudaStreamSynchronize(stream_);
+    if (capture_stream_) cudaStreamDestroy(capture_stream_);
     scratch_.reset();
     scratch_sym_.reset();
     cublas_ws_ = DeviceBuffer();
@@ -113,7 +119,7 @@ class CudaBackend final : public Backend {
   Allocator& allocator() override { return *alloc_; }
   void set_stream(void* stream) override {
     stream_ = static_cast<cudaStream_t>(stream);
-    DION3_CUBLAS_CHECK(cublasSetStream(handle_, stream_));
+    bind_cublas(stream_);
     if (own_alloc_) own_alloc_->set_stream(stream_);
   }
   void* stream() const override { return stream_; }
@@ -122,6 +128,9 @@ class CudaBackend final : public Backend {
     DION3_CUDA_CHECK(cudaStreamIsCapturing(stream_, &cap));
     return cap != cudaStreamCaptureStatusNone;
   }
+  std::unique_ptr<Recording> record(const std::function<void()>& work) override;
+  uint64_t scratch_moves() const { return scratch_moves_; }
+
   // NVTX costs a call into a stub when no tool (Nsight Systems) is attached.
   void range_push(const char* name) override { nvtxRangePushA(name); }
   void range_pop() override { nvtxRangePop(); }
@@ -260,7 +269,7 @@ class CudaBackend final : public Backend {
                          float eps, MatrixView out, const int* skip) override {
     const auto& set = ready(base);
     check_gather_shape(set, idx, k, out, "gather_normalized");
-    float* scr = static_cast<float*>(scratch_.get(*alloc_, n_of(set) * sizeof(float)));
+    float* scr = static_cast<float*>(scratch(scratch_, n_of(set) * sizeof(float)));
     launch_gather_normalized(table(set), n_of(set), set.rows(), set.cols(), set.mdt, idx, k, decay, row_sumsq, eps,
                              out, scr, skip, stream_, set.vec);
   }
@@ -273,14 +282,14 @@ class CudaBackend final : public Backend {
       fail("apply_update: O must be " + std::to_string(n_of(set)) + " x " + std::to_string(k) + " x " +
            std::to_string(set.cols()));
     float* scr = static_cast<float*>(
-        scratch_.get(*alloc_, apply_update_scratch_floats(n_of(set), k) * sizeof(float)));
+        scratch(scratch_, apply_update_scratch_floats(n_of(set), k) * sizeof(float)));
     launch_apply_update(table(set), n_of(set), set.rows(), set.cols(), set.wdt, idx, k, O, p, scr, skip,
                         stream_);
   }
 
   // --- orthogonalization primitives ----------------------------------------------------------
   void normalize(MatrixView in, MatrixView out, float eps, const float* row_sumsq) override {
-    float* scr = static_cast<float*>(scratch_.get(*alloc_, normalize_scratch_floats(in.batch) * sizeof(float)));
+    float* scr = static_cast<float*>(scratch(scratch_, normalize_scratch_floats(in.batch) * sizeof(float)));
     launch_normalize(in, out, eps, row_sumsq, scr, stream_);
   }
   void convert(MatrixView in, MatrixView out, bool transpose) override {
@@ -321,7 +330,7 @@ class CudaBackend final : public Backend {
       launch_mirror_lower(C, 0.0f, true, stream_);
       return;
     }
-    void* ptrs = scratch_sym_.get(*alloc_, sym_ptr_scratch_bytes(C.batch, p, tile));
+    void* ptrs = scratch(scratch_sym_, sym_ptr_scratch_bytes(C.batch, p, tile));
     sym_lower_gemm(handle_, stream_, X, X, 1.0f, 0.0f, C, tile, ptrs);
     launch_mirror_lower(C, 0.0f, true, stream_);
   }
@@ -348,7 +357,7 @@ class CudaBackend final : public Backend {
       launch_mirror_lower(C, has_d ? 0.0f : gamma, true, stream_);
       return;
     }
-    void* ptrs = scratch_sym_.get(*alloc_, sym_ptr_scratch_bytes(C.batch, p, tile));
+    void* ptrs = scratch(scratch_sym_, sym_ptr_scratch_bytes(C.batch, p, tile));
     sym_lower_gemm(handle_, stream_, A, B, alpha, gemm_beta, C, tile, ptrs);
     launch_mirror_lower(C, has_d ? 0.0f : gamma, true, stream_);
   }
@@ -403,6 +412,14 @@ class CudaBackend final : public Backend {
 
  private:
   static constexpr std::size_t kCublasWorkspace = 32u << 20;
+
+  // cublasSetStream resets the handle's workspace to cuBLAS's own pool, which a graph capture
+  // cannot use: the fixed workspace is set again with every stream.
+  void bind_cublas(cudaStream_t s) {
+    DION3_CUBLAS_CHECK(cublasSetStream(handle_, s));
+    DION3_CUBLAS_CHECK(cublasSetWorkspace(handle_, cublas_ws_.get(), kCublasWorkspace));
+  }
+  void* scratch(Scratch& s, std::size_t bytes) { return s.get(*alloc_, bytes, scratch_moves_, recording_); }
   // Full-GEMM time over tiled time was 1.3-1.75x for p >= 2048 on the H200 (same sweep).
   static constexpr double kMeasuredSymFactor = 0.65;
 
@@ -442,7 +459,72 @@ class CudaBackend final : public Backend {
   cublasHandle_t handle_ = nullptr;
   DeviceBuffer cublas_ws_;
   Scratch scratch_, scratch_sym_;
+  uint64_t scratch_moves_ = 0;
+  bool recording_ = false;
+  cudaStream_t capture_stream_ = nullptr;  // where record() captures (never the legacy stream)
 };
+
+// A captured graph, launched on the backend's stream at each replay.
+class CudaRecording final : public Recording {
+ public:
+  CudaRecording(CudaBackend& be, cudaGraphExec_t exec, uint64_t moves) : be_(be), exec_(exec), moves_(moves) {}
+  ~CudaRecording() override { cudaGraphExecDestroy(exec_); }  // an in-flight launch completes first
+  bool replay() override {
+    if (be_.scratch_moves() != moves_) return false;
+    DION3_CUDA_CHECK(cudaGraphLaunch(exec_, static_cast<cudaStream_t>(be_.stream())));
+    return true;
+  }
+
+ private:
+  CudaBackend& be_;
+  cudaGraphExec_t exec_;
+  uint64_t moves_;
+};
+
+std::unique_ptr<Recording> CudaBackend::record(const std::function<void()>& work) {
+  if (capturing()) return nullptr;  // inside the caller's capture the ops join the caller's graph
+  if (!capture_stream_) DION3_CUDA_CHECK(cudaStreamCreateWithFlags(&capture_stream_, cudaStreamNonBlocking));
+  const cudaStream_t user = stream_;
+  const uint64_t moves = scratch_moves_;
+  // The ops are enqueued on the capture stream: they run nowhere until a replay launches them.
+  stream_ = capture_stream_;
+  bind_cublas(stream_);
+  recording_ = true;
+  auto restore = [&] {
+    recording_ = false;
+    stream_ = user;
+    bind_cublas(stream_);
+  };
+  DION3_CUDA_CHECK(cudaStreamBeginCapture(capture_stream_, cudaStreamCaptureModeThreadLocal));
+  cudaGraph_t graph = nullptr;
+  try {
+    work();
+  } catch (...) {
+    cudaStreamEndCapture(capture_stream_, &graph);
+    if (graph) cudaGraphDestroy(graph);
+    cudaGetLastError();
+    restore();
+    throw;
+  }
+  const cudaError_t ended = cudaStreamEndCapture(capture_stream_, &graph);
+  restore();
+  if (ended != cudaSuccess || graph == nullptr) {
+    cudaGetLastError();
+    fail(std::string("CUDA backend: recording failed: ") + cudaGetErrorString(ended), Status::Internal);
+  }
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  if (made != cudaSuccess) {
+    cudaGetLastError();
+    fail(std::string("CUDA backend: instantiating a recording failed: ") + cudaGetErrorString(made), Status::Internal);
+  }
+  if (scratch_moves_ != moves) {  // unreachable while Scratch refuses to grow under a recording
+    cudaGraphExecDestroy(exec);
+    return nullptr;
+  }
+  return std::make_unique<CudaRecording>(*this, exec, moves);
+}
 
 CudaBackend& as_cuda(Backend& b) {
   auto* c = dynamic_cast<CudaBackend*>(&b);

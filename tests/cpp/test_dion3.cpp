@@ -553,6 +553,71 @@ TEST(Dion3, IdenticalRunsGiveIdenticalBytes) {
   EXPECT_EQ(a, b);
 }
 
+// The engine keeps the tables it builds from the parameters' memory between steps: a gradient
+// re-bound to other memory, and state imported into an optimizer that has stepped, must be seen
+// as if everything were bound afresh.
+TEST(Dion3, ReboundGradientsAndImportedStateTakeEffectAtTheNextStep) {
+  auto build = [](Harness& h, Rng& rng) {
+    GroupConfig adam;
+    adam.algorithm = dion3::Algorithm::AdamW;
+    const int gd = h.opt.add_group(plain(0.25, 0.01));
+    const int ga = h.opt.add_group(adam);
+    h.add(gd, "a", DType::F32, {24, 40}, rng);
+    h.add(gd, "b", DType::F32, {24, 40}, rng);
+    h.add(ga, "bias", DType::F32, {40}, rng);
+  };
+  Rng ra(17), rb(17), grads(18);
+  Harness a, b;
+  build(a, ra);
+  build(b, rb);
+  auto step_both = [&] {
+    a.randomize_grads(grads);
+    for (std::size_t i = 0; i < a.params.size(); ++i) b.params[i]->g.bytes = a.params[i]->g.bytes;
+    ASSERT_TRUE(a.opt.step());
+    ASSERT_TRUE(b.opt.step());
+  };
+  step_both();
+  step_both();
+  // a's gradients of "a" and "bias" move to new buffers; b keeps its own.
+  t3::Buffer moved_a(DType::F32, {24, 40}), moved_bias(DType::F32, {40});
+  a.opt.set_grad(0, moved_a.view());
+  a.opt.set_grad(2, moved_bias.view());
+  for (int s = 0; s < 2; ++s) {
+    a.randomize_grads(grads);
+    for (std::size_t i = 0; i < a.params.size(); ++i) b.params[i]->g.bytes = a.params[i]->g.bytes;
+    moved_a.bytes = a.params[0]->g.bytes;
+    moved_bias.bytes = a.params[2]->g.bytes;
+    a.params[0]->g.assign(std::vector<double>(24 * 40, 1e3));  // no longer read
+    a.params[2]->g.assign(std::vector<double>(40, 1e3));
+    ASSERT_TRUE(a.opt.step());
+    ASSERT_TRUE(b.opt.step());
+  }
+  EXPECT_EQ(t3::snapshot(a.opt, a.all()), t3::snapshot(b.opt, b.all()));
+
+  // A checkpoint imported into b, which has stepped since (AdamW included), steps as it does in
+  // a fresh optimizer. Its AdamW parameter joined a step late (its own step counter is behind).
+  dion3::OptimizerState saved = b.opt.export_state();
+  saved.params[2].step -= 1;
+  std::vector<std::vector<unsigned char>> weights;
+  for (auto& p : b.params) weights.push_back(p->w.bytes);
+  step_both();
+  step_both();
+  Rng rd(17);
+  Harness d;
+  build(d, rd);
+  for (Harness* h : {&b, &d}) {
+    for (std::size_t i = 0; i < h->params.size(); ++i) h->params[i]->w.bytes = weights[i];
+    h->opt.import_state(saved);
+  }
+  for (int s = 0; s < 2; ++s) {
+    b.randomize_grads(grads);
+    for (std::size_t i = 0; i < b.params.size(); ++i) d.params[i]->g.bytes = b.params[i]->g.bytes;
+    ASSERT_TRUE(b.opt.step());
+    ASSERT_TRUE(d.opt.step());
+  }
+  EXPECT_EQ(t3::snapshot(b.opt, b.all()), t3::snapshot(d.opt, d.all()));
+}
+
 TEST(Dion3, FractionScheduleRePlansBetweenSteps) {
   // fraction may change between steps (re-planned, k follows); state carries over.
   const int m = 24, n = 40;

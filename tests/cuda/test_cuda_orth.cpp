@@ -10,6 +10,7 @@
 
 #include "cuda/cuda_backend.hpp"
 #include "cuda_test_util.hpp"
+#include "dion3/error.hpp"
 #include "dion3/orthogonalize.hpp"
 
 namespace {
@@ -131,6 +132,42 @@ TEST(CudaGraph, OrthogonalizeCapturesAndReplays) {
     cudaGraphDestroy(g);
   }
   cudaStreamDestroy(s);
+}
+
+// Backend::record: the ops replay to what they compute op by op, bit for bit; once the
+// backend's scratch memory they use has moved, the recording refuses to replay.
+TEST(CudaGraph, RecordingReplaysAndRefusesAfterScratchMoves) {
+  if (!dion3::cuda_available()) GTEST_SKIP() << "no CUDA device";
+  auto gpu = dion3::make_cuda_backend(0);
+  std::mt19937_64 rng(73);
+  Twin in(*gpu, DType::F32, 2, 96, 160), eager(*gpu, DType::F32, 2, 96, 160), replayed(*gpu, DType::F32, 2, 96, 160);
+  in.fill_normal(rng);
+  dion3::OrthConfig cfg;
+  cfg.method = OrthMethod::Gram;
+  dion3::Orthogonalizer o(*gpu, cfg, 2, 96, 160);
+  o.run(in.dview(), eager.dview());  // scratch sized outside the recording
+  bool ran = false;
+  std::unique_ptr<dion3::Recording> r = gpu->record([&] {
+    ran = true;
+    o.run(in.dview(), replayed.dview());
+  });
+  ASSERT_TRUE(r);
+  ASSERT_TRUE(ran);
+  EXPECT_EQ(replayed.device_values(), std::vector<float>(replayed.numel(), 0.0f));  // recorded, not run
+  ASSERT_TRUE(r->replay());
+  EXPECT_EQ(replayed.device_values(), eager.device_values());
+  // A larger normalisation grows (moves) the scratch the recording holds.
+  Twin big(*gpu, DType::F32, 64, 8, 8), big_out(*gpu, DType::F32, 64, 8, 8);
+  big.fill_normal(rng);
+  gpu->normalize(big.dview(), big_out.dview(), 1e-7f, nullptr);
+  EXPECT_FALSE(r->replay());
+  // Work that needs more scratch than exists cannot be recorded: it raises, and nothing is left
+  // capturing (the next op runs).
+  Twin huge(*gpu, DType::F32, 4096, 2, 2), huge_out(*gpu, DType::F32, 4096, 2, 2);
+  EXPECT_THROW(gpu->record([&] { gpu->normalize(huge.dview(), huge_out.dview(), 1e-7f, nullptr); }), dion3::Error);
+  EXPECT_FALSE(gpu->capturing());
+  gpu->normalize(huge.dview(), huge_out.dview(), 1e-7f, nullptr);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
 }  // namespace

@@ -182,4 +182,72 @@ TEST_F(CudaStep, RaisedStepChangesNoCounter) {
   }
 }
 
+// Orthogonalizations recorded and replayed (OptimizerOptions::record_orthogonalizer) step
+// exactly as op by op, bit for bit: chunked megabatches, the backend's 16-bit iterations, a plan
+// change (fraction) and a gradient re-bound to other memory on the way.
+TEST_F(CudaStep, RecordedOrthogonalizerEqualsOpByOp) {
+  std::mt19937_64 rng(85);
+  struct Run {
+    std::unique_ptr<dion3::Optimizer> opt;
+    std::vector<std::unique_ptr<Twin>> W, G, G2;
+  };
+  const std::vector<std::vector<int64_t>> shapes = {{256, 384}, {256, 384}, {256, 384}, {256, 384},
+                                                   {256, 384}, {192, 256}, {2, 64, 200}, {40}};
+  std::vector<std::vector<float>> w0;
+  for (const auto& sh : shapes) {
+    int64_t n = 1;
+    for (auto d : sh) n *= d;
+    w0.push_back(ct::normal_values(rng, n, 0.5f));
+  }
+  Run runs[2];
+  for (int r = 0; r < 2; ++r) {
+    dion3::OptimizerOptions o;
+    o.record_orthogonalizer = r == 0;
+    o.workspace_limit = 1;  // one matrix per chunk: several recordings per megabatch
+    runs[r].opt = std::make_unique<dion3::Optimizer>(dion3::make_cuda_backend(0), o);
+    dion3::GroupConfig gd, gn, ga;
+    gd.algorithm = Algorithm::Dion3;
+    gd.fraction = 0.25;
+    gd.weight_decay = 0.1;
+    gn.algorithm = Algorithm::NorMuon;
+    ga.algorithm = Algorithm::AdamW;
+    const int groups[3] = {runs[r].opt->add_group(gd), runs[r].opt->add_group(gn), runs[r].opt->add_group(ga)};
+    for (std::size_t i = 0; i < shapes.size(); ++i) {
+      const auto& sh = shapes[i];
+      const int64_t cols = sh.back(), rows = static_cast<int64_t>(w0[i].size()) / cols;
+      for (auto* v : {&runs[r].W, &runs[r].G, &runs[r].G2})
+        v->push_back(std::make_unique<Twin>(*gpu, DType::BF16, 1, rows, cols));
+      runs[r].W.back()->set_host(w0[i]);
+      runs[r].W.back()->upload();
+      dion3::ParamSpec spec;
+      spec.name = "p" + std::to_string(i);
+      spec.weight = {runs[r].W.back()->dev.get(), DType::BF16, dion3::Device::CUDA, 0, sh};
+      spec.grad = {runs[r].G.back()->dev.get(), DType::BF16, dion3::Device::CUDA, 0, sh};
+      runs[r].opt->add_param(groups[sh.size() == 1 ? 2 : i == 5 ? 1 : 0], spec);
+    }
+  }
+  for (int step = 0; step < 7; ++step) {
+    std::vector<std::vector<float>> grads;
+    for (const auto& w : w0) grads.push_back(ct::normal_values(rng, static_cast<int64_t>(w.size()), 1.0f));
+    for (Run& run : runs) {
+      if (step == 3) run.opt->group(0).fraction = 0.5;  // a new plan: new chunks, recorded afresh
+      for (std::size_t i = 0; i < grads.size(); ++i) {
+        Twin& g = step >= 5 && i == 0 ? *run.G2[i] : *run.G[i];  // re-bound to other memory
+        g.set_host(grads[i]);
+        g.upload();
+        if (step == 5 && i == 0)
+          run.opt->set_grad(0, {g.dev.get(), DType::BF16, dion3::Device::CUDA, 0, shapes[0]});
+      }
+      ASSERT_TRUE(run.opt->step());
+    }
+  }
+  for (std::size_t i = 0; i < shapes.size(); ++i)
+    EXPECT_EQ(runs[0].W[i]->device_values(), runs[1].W[i]->device_values()) << "weight " << i;
+  const auto a = runs[0].opt->export_state(), b = runs[1].opt->export_state();
+  for (std::size_t i = 0; i < a.params.size(); ++i)
+    for (std::size_t t = 0; t < a.params[i].tensors.size(); ++t)
+      EXPECT_EQ(a.params[i].tensors[t].second.data, b.params[i].tensors[t].second.data)
+          << a.params[i].name << "." << a.params[i].tensors[t].first;
+}
+
 }  // namespace

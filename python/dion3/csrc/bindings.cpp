@@ -274,11 +274,12 @@ dion3::Layout parse_layout(const std::string& kind) {
 class Engine {
  public:
   Engine(const std::string& device_type, int device_index, const std::string& on_nonfinite,
-         int64_t workspace_limit, bool megabatch)
+         int64_t workspace_limit, bool megabatch, bool record_orthogonalizer)
       : device_index_(device_index) {
     dion3::OptimizerOptions options;
     options.on_nonfinite = dion3::parse_nonfinite(on_nonfinite);
     options.megabatch = megabatch;
+    options.record_orthogonalizer = record_orthogonalizer;
     if (workspace_limit >= 0) options.workspace_limit = static_cast<std::size_t>(workspace_limit);
     std::unique_ptr<dion3::Backend> backend;
     if (device_type == "cpu") {
@@ -624,8 +625,10 @@ auto guarded(R (*f)(A...)) {
 }
 
 std::unique_ptr<Engine> make_engine(const std::string& device_type, int device_index,
-                                    const std::string& on_nonfinite, int64_t workspace_limit, bool megabatch) {
-  return std::make_unique<Engine>(device_type, device_index, on_nonfinite, workspace_limit, megabatch);
+                                    const std::string& on_nonfinite, int64_t workspace_limit, bool megabatch,
+                                    bool record_orthogonalizer) {
+  return std::make_unique<Engine>(device_type, device_index, on_nonfinite, workspace_limit, megabatch,
+                                  record_orthogonalizer);
 }
 
 }  // namespace
@@ -637,7 +640,8 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<Engine>(m, "Engine")
       .def(py::init(guarded(&make_engine)), py::arg("device_type"), py::arg("device_index"),
-           py::arg("on_nonfinite"), py::arg("workspace_limit") = -1, py::arg("megabatch") = true)
+           py::arg("on_nonfinite"), py::arg("workspace_limit") = -1, py::arg("megabatch") = true,
+           py::arg("record_orthogonalizer") = true)
       .def("add_group", guarded(&Engine::add_group))
       .def("update_group", guarded(&Engine::update_group))
       .def("add_param", guarded(&Engine::add_param), py::arg("group"), py::arg("name"), py::arg("weight"),
