@@ -81,7 +81,37 @@ def main():
     print(f"## {a.model}, Dion3 f = {a.fraction}, bf16, {a.device}: {mode}, {grads}\n")
     print(f"- megabatches: {len(opt.plan())}; parameters: {sum(len(g['params']) for g in opt.param_groups)}")
     print(f"- host ms per step(), median of {a.steps}: {statistics.median(host):.3f}")
-    print(f"- host ms of the engine's step_async() alone: {statistics.median(engine):.3f}\n")
+    print(f"- host ms of the engine's step_async() alone: {statistics.median(engine):.3f}")
+    # The Python layer's pieces, each timed alone.
+    eng = opt._engine
+    states = opt._engine_states
+    groups = [(i, opt.param_groups[gi]) for i, gi in enumerate(opt._engine_groups)]
+    from dion3.optimizer import _engine_config
+
+    def push():
+        for i, g in groups:
+            eng.update_group(i, _engine_config(g))
+
+    def count():
+        for st in states:
+            st["step"] += 1
+
+    def key():
+        return tuple((id(g), len(g["params"])) + dion3.optimizer._structure_key(g) for g in opt.param_groups)
+
+    pieces = [("group push", push), ("step counters", count), ("engine key", key)]
+    if device.type == "cuda":
+        pieces.append(("counter copy", opt._copy_counters))
+    for name, fn in pieces:
+        ts = []
+        for _ in range(a.steps):
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        print(f"- host ms of {name}: {statistics.median(ts):.3f}")
+    sync(device)
+    print()
 
     acts = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":

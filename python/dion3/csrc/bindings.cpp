@@ -387,21 +387,24 @@ class Engine {
     if (given && static_cast<int>(given->size()) != n)
       throw dion3::Error(dion3::Status::InvalidArgument, "step: " + std::to_string(given->size()) +
                                                               " gradients for " + std::to_string(n) + " parameters");
-    for (const at::Tensor& w : watched_)
-      if (w.grad().defined()) return -1;
-    for (int i = 0; i < n; ++i)
-      if (weights_[i].data_ptr() != weight_ptrs_[i] || !(given ? (*given)[i].defined() : weights_[i].grad().defined()))
-        return -1;
-    for (int i = 0; i < n; ++i) {
-      at::Tensor g;
-      try {
-        g = given ? contiguous((*given)[i]) : contiguous_grad(weights_[i]);
-      } catch (const dion3::Error& e) {
-        throw dion3::Error(e.status(), "parameter '" + opt_->param_name(i) + "': " + std::string(e.what()).substr(7));
-      }
-      if (!g.is_same(grads_[i]) || g.data_ptr() != grads_[i].data_ptr()) {
-        opt_->set_grad(i, view_of(g, "the gradient of " + opt_->param_name(i)));
-        grads_[i] = std::move(g);
+    {  // a profiler range around the binding alone
+      RECORD_FUNCTION("dion3::bind_gradients", std::vector<c10::IValue>());
+      for (const at::Tensor& w : watched_)
+        if (w.grad().defined()) return -1;
+      for (int i = 0; i < n; ++i)
+        if (weights_[i].data_ptr() != weight_ptrs_[i] || !(given ? (*given)[i].defined() : weights_[i].grad().defined()))
+          return -1;
+      for (int i = 0; i < n; ++i) {
+        at::Tensor g;
+        try {
+          g = given ? contiguous((*given)[i]) : contiguous_grad(weights_[i]);
+        } catch (const dion3::Error& e) {
+          throw dion3::Error(e.status(), "parameter '" + opt_->param_name(i) + "': " + std::string(e.what()).substr(7));
+        }
+        if (!g.is_same(grads_[i]) || g.data_ptr() != grads_[i].data_ptr()) {
+          opt_->set_grad(i, view_of(g, "the gradient of " + opt_->param_name(i)));
+          grads_[i] = std::move(g);
+        }
       }
     }
     // The CPU backend works on this thread's OpenMP threads, PyTorch's intra-op pool; PyTorch sets
