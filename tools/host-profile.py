@@ -99,6 +99,29 @@ def main():
     def key():
         return tuple((id(g), len(g["params"])) + dion3.optimizer._structure_key(g) for g in opt.param_groups)
 
+    # The non-blocking step() path piece by piece, in sequence, as step() runs it.
+    split = collections.defaultdict(list)
+    for _ in range(a.steps):
+        fresh()
+        sync(device)
+        t = [time.perf_counter()]
+        key()
+        t.append(time.perf_counter())
+        push()
+        t.append(time.perf_counter())
+        opt._raise_deferred(poll=True)
+        t.append(time.perf_counter())
+        eng.step_async()
+        t.append(time.perf_counter())
+        count()
+        t.append(time.perf_counter())
+        if device.type == "cuda":
+            opt._copy_counters()
+        t.append(time.perf_counter())
+        for i, name in enumerate(["key", "group push", "deferred check", "engine", "counters", "counter copy"]):
+            split[name].append((t[i + 1] - t[i]) * 1e3)
+    print("- step()'s pieces in sequence (ms): " +
+          ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in split.items()))
     pieces = [("group push", push), ("step counters", count), ("engine key", key)]
     if device.type == "cuda":
         pieces.append(("counter copy", opt._copy_counters))

@@ -142,36 +142,40 @@ int Optimizer::add_group(const GroupConfig& config) {
 
 namespace {
 
-void check_tensor(const std::string& who, const char* role, const TensorView& t, Device device) {
+// `who_` names the parameter in errors; it is called only when one is raised (set_grad runs for
+// every re-bound gradient of every step).
+void check_tensor(const std::function<std::string()>& who_, const char* role, const TensorView& t, Device device) {
+  auto who = [&] { return who_() + " " + role; };
   if (!is_float_param_dtype(t.dtype))
-    fail(who + " " + role + " has dtype " + dtype_name(t.dtype) +
+    fail(who() + " has dtype " + dtype_name(t.dtype) +
          " but dion3 supports float32, float16 and bfloat16");
   if (t.device != device)
-    fail(who + " " + role + " is on " + device_name(t.device) + " but this optimizer runs on " +
+    fail(who() + " is on " + device_name(t.device) + " but this optimizer runs on " +
          device_name(device));
   for (int64_t s : t.shape)
-    if (s < 0) fail(who + " " + role + " has a negative dimension in shape " + t.shape_str());
+    if (s < 0) fail(who() + " has a negative dimension in shape " + t.shape_str());
   // Products of some of the dimensions (rows x cols of a batched tensor) must fit as well, also
   // where an empty dimension makes the whole count 0.
   int64_t nonzero = 1;
   for (int64_t s : t.shape)
     if (s > 0 && __builtin_mul_overflow(nonzero, s, &nonzero))
-      fail(who + " " + role + " has shape " + t.shape_str() + ", whose dimensions multiply past 2^63 - 1");
+      fail(who() + " has shape " + t.shape_str() + ", whose dimensions multiply past 2^63 - 1");
   std::size_t bytes = 0;
   try {
     bytes = t.bytes();
   } catch (const Error& e) {
-    fail(who + " " + role + ": " + std::string(e.what()).substr(7));
+    fail(who() + ": " + std::string(e.what()).substr(7));
   }
-  if (!t.data && bytes > 0) fail(who + " " + role + " has a null data pointer");
+  if (!t.data && bytes > 0) fail(who() + " has a null data pointer");
   if (t.data && reinterpret_cast<std::uintptr_t>(t.data) > UINTPTR_MAX - bytes)
-    fail(who + " " + role + " of " + std::to_string(bytes) + " bytes runs past the end of the address space");
+    fail(who() + " of " + std::to_string(bytes) + " bytes runs past the end of the address space");
 }
 
-void check_grad(const std::string& who, const TensorView& weight, const TensorView& grad, Device device) {
+void check_grad(const std::function<std::string()>& who, const TensorView& weight, const TensorView& grad,
+                Device device) {
   check_tensor(who, "gradient", grad, device);
   if (grad.shape != weight.shape)
-    fail(who + " has weight shape " + weight.shape_str() + " but its gradient has shape " + grad.shape_str());
+    fail(who() + " has weight shape " + weight.shape_str() + " but its gradient has shape " + grad.shape_str());
 }
 
 std::pair<std::uintptr_t, std::uintptr_t> memory_of(const TensorView& t) {
@@ -209,8 +213,9 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
   if (const std::string e = s.structure_error(group); !e.empty()) fail(who + ": " + e);
   const GroupConfig& g = s.groups[group];
   const Device device = s.backend->device();
-  check_tensor(who, "weight", spec.weight, device);
-  if (spec.grad.data || !spec.grad.shape.empty()) check_grad(who, spec.weight, spec.grad, device);
+  const auto named = [&] { return who; };
+  check_tensor(named, "weight", spec.weight, device);
+  if (spec.grad.data || !spec.grad.shape.empty()) check_grad(named, spec.weight, spec.grad, device);
   for (const Param& other : s.params)
     if (other.name == spec.name)
       fail(who + ": the optimizer already has a parameter named '" + spec.name + "'; names must be unique");
@@ -219,7 +224,7 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
   {
     std::vector<std::pair<std::string, const TensorView*>> written_here = {{"weight", &spec.weight}};
     for (const auto& [name, view] : spec.state) {
-      check_tensor(who, ("state '" + name + "'").c_str(), view, device);
+      check_tensor(named, ("state '" + name + "'").c_str(), view, device);
       written_here.emplace_back("state '" + name + "'", &view);
     }
     for (std::size_t i = 0; i < written_here.size(); ++i) {
@@ -398,7 +403,7 @@ void Optimizer::set_grad(int param, const TensorView& grad) {
   if (param < 0 || param >= static_cast<int>(s.params.size()))
     fail("set_grad: no parameter " + std::to_string(param) + " (the optimizer has " +
          std::to_string(s.params.size()) + ")");
-  check_grad(s.describe(param), s.params[param].weight, grad, s.backend->device());
+  check_grad([&] { return s.describe(param); }, s.params[param].weight, grad, s.backend->device());
   if (std::string c = s.memory_clash(grad, false); !c.empty())
     fail(s.describe(param) + ": its new gradient overlaps the memory of " + c);
   TensorView& bound = s.params[param].grad;

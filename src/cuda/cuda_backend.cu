@@ -118,6 +118,7 @@ class CudaBackend final : public Backend {
   Device device() const override { return Device::CUDA; }
   Allocator& allocator() override { return *alloc_; }
   void set_stream(void* stream) override {
+    if (stream == stream_) return;  // front ends set it before every call
     stream_ = static_cast<cudaStream_t>(stream);
     bind_cublas(stream_);
     if (own_alloc_) own_alloc_->set_stream(stream_);
