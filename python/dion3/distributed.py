@@ -181,7 +181,7 @@ def _multi_dim_layout(p, pmesh, placements, shard_dims, who, matrix, flatten) ->
 
 def zeros_like_layout(p: torch.Tensor, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero state tensor for p: plain, or a DTensor with p's mesh and placements whose global
-    shape is `shape` (the momentum: p's shape; the variance: its rows)."""
+    shape is `shape` (the momentum: p's shape; the variance: p[..., 0:1]'s)."""
     if not is_dtensor(p):
         return torch.zeros(shape, dtype=dtype, device=p.device)
     local_shape = _local_shape(shape, p.device_mesh, tuple(p.placements))
@@ -191,10 +191,11 @@ def zeros_like_layout(p: torch.Tensor, shape: Tuple[int, ...], dtype: torch.dtyp
 
 
 def _placements_for(shape: Tuple[int, ...], placements) -> Tuple:
-    # A state tensor of fewer dimensions (the per-row variance) keeps Shard(0) and drops others.
+    # The per-row variance (p[..., 0:1]: one column) keeps the row shards and drops the shards
+    # of the columns: every rank of a column shard holds all its rows' values.
     out = []
     for pl in placements:
-        if _is_shard(pl) and pl.dim >= len(shape):
+        if _is_shard(pl) and (pl.dim >= len(shape) or (pl.dim == len(shape) - 1 and shape[-1] == 1)):
             out.append(Replicate())
         else:
             out.append(pl)

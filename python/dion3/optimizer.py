@@ -133,19 +133,49 @@ def _num_heads(value) -> int:
 
 
 def _state_shapes(group: Dict[str, Any], p: torch.Tensor) -> List[Tuple[str, torch.dtype, Tuple[int, ...]]]:
-    """State tensors the engine expects for p (it checks them again: a mismatch is its error)."""
+    """State tensors of p, named and shaped as the reference package's (checkpoints move both
+    ways): matrices keep `momentum` and, with NorMuon normalisation, `variance_neuron`, one value
+    per row as p[..., 0:1] (float32 here: the engine's precision); AdamW keeps `momentum` and
+    `variance`, Lion `momentum`. The engine checks them again under its own names (_ENGINE_NAMES)."""
     algorithm = group["algorithm"]
     if algorithm in MATRIX_ALGORITHMS:
         mdt = group.get("momentum_dtype")
         mdt = getattr(torch, mdt) if isinstance(mdt, str) else (mdt or p.dtype)
         out = [("momentum", mdt, tuple(p.shape))]
         if algorithm != "muon":
-            rows = p.shape[0] if (group["flatten"] or p.dim() == 2) else p.numel() // p.shape[-1]
-            out.append(("variance", torch.float32, (rows,)))
+            # flatten=True takes a >= 3-D tensor as (dim0, rest): one row per output channel.
+            rows = (p.shape[0], 1) if group["flatten"] and p.dim() > 2 else tuple(p.shape[:-1]) + (1,)
+            out.append(("variance_neuron", torch.float32, rows))
         return out
     if algorithm == "adamw":
-        return [("exp_avg", p.dtype, tuple(p.shape)), ("exp_avg_sq", p.dtype, tuple(p.shape))]
-    return [("exp_avg", p.dtype, tuple(p.shape))]
+        return [("momentum", p.dtype, tuple(p.shape)), ("variance", p.dtype, tuple(p.shape))]
+    return [("momentum", p.dtype, tuple(p.shape))]
+
+
+# The engine's names of the state tensors, by the group's kind of algorithm.
+_ENGINE_NAMES = {"matrix": {"momentum": "momentum", "variance_neuron": "variance"},
+                 "adamw": {"momentum": "exp_avg", "variance": "exp_avg_sq"},
+                 "lion": {"momentum": "exp_avg"}}
+# Names earlier dion3 versions saved, accepted on load: {kind: {old name: name}}.
+_OLD_NAMES = {"matrix": {"variance": "variance_neuron"},
+              "adamw": {"exp_avg": "momentum", "exp_avg_sq": "variance"},
+              "lion": {"exp_avg": "momentum"}}
+
+
+def _kind(algorithm: str) -> str:
+    return "matrix" if algorithm in MATRIX_ALGORITHMS else algorithm
+
+
+def _engine_state(group: Dict[str, Any], st: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    """This rank's state tensors of a parameter as the engine takes them (views, never copies:
+    the engine updates them in place)."""
+    names = _ENGINE_NAMES[_kind(group["algorithm"])]
+    out = {}
+    for k, t in st.items():
+        if k in names:
+            local = _dist.local(t)
+            out[names[k]] = local.view(-1) if k == "variance_neuron" else local
+    return out
 
 
 # Group keys whose change alters the engine's registration (everything else is pushed per step).
@@ -153,8 +183,8 @@ def _structure_key(group: Dict[str, Any]) -> Tuple:
     return (group["algorithm"], bool(group["flatten"]), _dtype_name(group.get("momentum_dtype")))
 
 
-# Running means of squares (NorMuon's row variance, AdamW's exp_avg_sq): never negative.
-_SECOND_MOMENTS = ("variance", "exp_avg_sq")
+# Running means of squares (NorMuon's row variance, AdamW's second moment): never negative.
+_SECOND_MOMENTS = ("variance_neuron", "variance")
 # The engine counts steps in int64 and adds one per step: the largest count it can go on from.
 _MAX_STEP = 2**63 - 2
 
@@ -305,6 +335,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         # Everything is checked, and every state tensor made, before anything is replaced: a
         # refused load leaves the optimizer as it was.
+        state_dict = self._from_saved_layout(state_dict)
         loaded = self._loaded_state(state_dict)
         super().load_state_dict(state_dict)
         # torch casts floating state to each parameter's dtype; dion3 keeps fp32 variance (and an
@@ -315,6 +346,56 @@ class _EngineOptimizer(torch.optim.Optimizer):
             for k, v in self.defaults.items():  # groups saved by an older version may lack new keys
                 g.setdefault(k, v)
         self._dirty = True
+
+    def _from_saved_layout(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
+        """A state_dict in the reference package's layout (what state_dict() writes), or in an
+        earlier dion3 version's, as this optimizer's groups and state hold it: "nordion2" and
+        "dion3" are one algorithm (the optimizer's own name is kept); beta1/beta2 become betas; a
+        parameter without its own step counter takes its group's; earlier state names are
+        renamed. The input is not modified; what cannot be read is left to _loaded_state's errors."""
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list) \
+                or not isinstance(state_dict.get("state"), dict):
+            return state_dict
+        saved_state = dict(state_dict["state"])
+        groups = []
+        for gi, saved in enumerate(state_dict["param_groups"]):
+            if not isinstance(saved, dict):
+                groups.append(saved)
+                continue
+            g = dict(saved)
+            mine = self.param_groups[gi] if gi < len(self.param_groups) else None
+            same_algorithm = ("dion3", "nordion2")
+            if mine is not None and g.get("algorithm") in same_algorithm and mine["algorithm"] in same_algorithm:
+                g["algorithm"] = mine["algorithm"]
+            if "beta1" in g or "beta2" in g:
+                b1, b2 = g.get("betas", mine["betas"] if mine is not None else self.defaults["betas"])
+                g["betas"] = (float(g.pop("beta1", b1)), float(g.pop("beta2", b2)))
+            group_step = g.pop("step", None)
+            kind = _kind(g.get("algorithm"))
+            for j, pid in enumerate(g.get("params", [])):
+                st = saved_state.get(pid)
+                if not isinstance(st, dict):
+                    continue
+                st = dict(st)
+                for old_name, name in _OLD_NAMES.get(kind, {}).items():
+                    if old_name in st and name not in st:
+                        st[name] = st.pop(old_name)
+                if kind == "matrix" and mine is not None and j < len(mine["params"]) \
+                        and isinstance(st.get("variance_neuron"), torch.Tensor):
+                    # Earlier versions kept one flat value per row.
+                    full = dict(self.defaults, **g)
+                    want = dict((n, sh) for n, _, sh in _state_shapes(full, mine["params"][j])).get("variance_neuron")
+                    v = st["variance_neuron"]
+                    if want is not None and v.dim() == 1 and v.numel() == math.prod(want):
+                        try:
+                            st["variance_neuron"] = v.view(want)
+                        except RuntimeError:
+                            pass  # left to the shape check, which names it
+                if "step" not in st and group_step is not None:
+                    st["step"] = group_step
+                saved_state[pid] = st
+            groups.append(g)
+        return dict(state_dict, state=saved_state, param_groups=groups)
 
     def _loaded_state(self, state_dict: Dict[str, Any]) -> Dict[torch.Tensor, Dict[str, Any]]:
         """The state load_state_dict would give each parameter: every state tensor the group's
@@ -591,9 +672,20 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._counters_pending = True
 
     def state_dict(self) -> Dict[str, Any]:
+        """torch's state_dict in the reference package's layout, so that its optimizers load it
+        and ours load theirs: state as _state_shapes names it (with each parameter's own "step"
+        besides), and each group with "step" (the most steps any of its parameters took), "beta1"
+        and "beta2" (besides "betas"), and "nordion2" for Dion3."""
         self._sync_counters()
         self._raise_deferred(poll=False)
-        return super().state_dict()
+        sd = super().state_dict()
+        for g in sd["param_groups"]:  # torch's copies of the groups
+            if g.get("algorithm") == "dion3":
+                g["algorithm"] = "nordion2"
+            g["beta1"], g["beta2"] = (float(b) for b in g["betas"])
+            steps = [sd["state"][i].get("step", 0) for i in g["params"] if i in sd["state"]]
+            g["step"] = max(steps, default=0)
+        return sd
 
     # ---- introspection ---------------------------------------------------------------------
 
@@ -775,7 +867,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 layout = _dist.layout_of(p, self._mesh, f"parameter '{name_j}'", matrix, bool(group["flatten"]))
                 is_dt = _dist.is_dtensor(p)
                 dtensors |= is_dt
-                engine.add_param(ei, name_j, _dist.local(p), {k: _dist.local(t) for k, t in st.items()},
+                engine.add_param(ei, name_j, _dist.local(p), _engine_state(group, st),
                                  layout.kind, layout.group, layout.global_rows, layout.global_cols,
                                  layout.row_offset, layout.row_chunk, layout.col_group,
                                  _dist.local(p.grad) if is_dt else None)

@@ -108,7 +108,7 @@ def fsdp(rank, world, mesh, placements, shard_ranks, opt_cls, algorithm, pass_me
     for p in ps:  # state tensors are DTensors placed like their parameter
         st = opt.state[p]
         assert isinstance(st["momentum"], DTensor) and st["momentum"].placements == p.placements
-        assert tuple(st["variance"].shape) == (p.shape[0],)
+        assert tuple(st["variance_neuron"].shape) == (p.shape[0], 1)
 
 
 # Column shards: uneven (18 columns) and, on 4 ranks, one rank without columns (3).
@@ -506,8 +506,8 @@ def _refused_loads(rank, world, mesh):
                                                          shape=m.shape, stride=m.stride())
     refused(opt, sharded, "state 'momentum' (float32) (this rank's shard) holds NaN at element 0")
     single = copied(opt.state_dict(), lambda v: full(v).clone())
-    single["state"][0]["variance"][-1] = -1.0  # the last row: the last rank's shard
-    refused(opt, single, "state 'variance' (float32) (this rank's shard) holds -1.0")
+    single["state"][0]["variance_neuron"][-1] = -1.0  # the last row: the last rank's shard
+    refused(opt, single, "state 'variance_neuron' (float32) (this rank's shard) holds -1.0")
     after = _full_state(opt)
     assert after.keys() == before.keys()
     for key in before:

@@ -72,8 +72,8 @@ def test_blocks_step_bit_for_bit_like_separate_parameters(algorithm):
         a.step()
         b.step()
         assert torch.equal(fused.detach(), torch.cat([p.detach() for p in parts])), f"step {step}"
-    var = a.state[fused]["variance"]
-    assert torch.equal(var, torch.cat([b.state[p]["variance"] for p in parts]))
+    var = a.state[fused]["variance_neuron"]
+    assert torch.equal(var, torch.cat([b.state[p]["variance_neuron"] for p in parts]))
 
 
 def test_blocks_of_an_expert_stack_and_a_plan_that_batches_equal_heights():

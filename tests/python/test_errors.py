@@ -276,16 +276,18 @@ def _nan_at(t, i):
 # (what to break in a state_dict saved by another optimizer, what the error says)
 BAD_LOADS = {
     "missing_momentum": (lambda sd: sd["state"][0].pop("momentum"), "parameter 0 'group0.param0' of group 0 has no state 'momentum'"),
-    "missing_variance": (lambda sd: sd["state"][1].pop("variance"), "has no state 'variance'"),
-    "missing_step": (lambda sd: sd["state"][2].pop("step"), "'group2.param0' of group 2 has no step counter"),
+    "missing_variance": (lambda sd: sd["state"][1].pop("variance_neuron"), "has no state 'variance_neuron'"),
+    # A parameter without its own counter takes its group's (the reference's layout); with neither:
+    "missing_step": (lambda sd: (sd["state"][2].pop("step"), sd["param_groups"][2].pop("step")),
+                     "'group2.param0' of group 2 has no step counter"),
     "missing_entry": (lambda sd: sd["state"].pop(1), "'group1.param0' of group 1 has no state in the state_dict"),
     "momentum_shape": (lambda sd: sd["state"][0].update(momentum=torch.zeros(6, 8)), r"state 'momentum' has shape \[6, 8\], expected \[8, 6\]"),
-    "variance_shape": (lambda sd: sd["state"][1].update(variance=torch.zeros(4)), r"state 'variance' has shape \[4\], expected \[6\]"),
-    "integer_state": (lambda sd: sd["state"][2].update(exp_avg=torch.zeros(5, dtype=torch.int32)), "state 'exp_avg' is int32, not a floating-point tensor"),
+    "variance_shape": (lambda sd: sd["state"][1].update(variance_neuron=torch.zeros(4)), r"state 'variance_neuron' has shape \[4\], expected \[6, 1\]"),
+    "integer_state": (lambda sd: sd["state"][2].update(momentum=torch.zeros(5, dtype=torch.int32)), "state 'momentum' is int32, not a floating-point tensor"),
     "nan_momentum": (lambda sd: _nan_at(sd["state"][0]["momentum"], 7), "state 'momentum' .* holds NaN at element 7; state values must be finite"),
-    "inf_exp_avg": (lambda sd: sd["state"][2]["exp_avg"].__setitem__(4, float("-inf")), "state 'exp_avg' .* holds -Inf at element 4"),
-    "negative_exp_avg_sq": (lambda sd: sd["state"][2]["exp_avg_sq"].__setitem__(1, -0.5), "state 'exp_avg_sq' .* holds -0.5 at element 1; a second moment cannot be negative"),
-    "negative_variance": (lambda sd: sd["state"][1]["variance"].__setitem__(3, -1e-3), "state 'variance' .* holds -0.001.* at element 3"),
+    "inf_adamw_momentum": (lambda sd: sd["state"][2]["momentum"].__setitem__(4, float("-inf")), "state 'momentum' .* holds -Inf at element 4"),
+    "negative_adamw_variance": (lambda sd: sd["state"][2]["variance"].__setitem__(1, -0.5), "state 'variance' .* holds -0.5 at element 1; a second moment cannot be negative"),
+    "negative_variance_neuron": (lambda sd: sd["state"][1]["variance_neuron"].view(-1).__setitem__(3, -1e-3), "state 'variance_neuron' .* holds -0.001.* at element 3"),
     "negative_step": (lambda sd: sd["state"][0].update(step=-1), "has step -1; a step counter must be an integer in"),
     "step_would_overflow": (lambda sd: sd["state"][2].update(step=2**63 - 1), "has step 9223372036854775807"),
     "fractional_step": (lambda sd: sd["state"][2].update(step=1.5), "has step 1.5"),
@@ -323,10 +325,10 @@ def test_load_state_dict_checks_half_precision_values_as_stored(device):
     import copy
     _, src = _trained(device, seed=3, dtype=torch.bfloat16)
     sd = copy.deepcopy(src.state_dict())
-    sd["state"][2]["exp_avg_sq"][0] = float("inf")
+    sd["state"][2]["variance"][0] = float("inf")
     _, opt = _trained(device, seed=4, dtype=torch.bfloat16)
     before = copy.deepcopy(opt.state_dict())
-    with pytest.raises(ValueError, match=r"state 'exp_avg_sq' \(bfloat16\) holds \+Inf at element 0"):
+    with pytest.raises(ValueError, match=r"state 'variance' \(bfloat16\) holds \+Inf at element 0"):
         opt.load_state_dict(sd)
     _same_state_dict(opt.state_dict(), before)
 
@@ -340,8 +342,8 @@ def test_load_state_dict_casts_state_to_what_the_group_needs(device):
     ps, opt = _trained(device, seed=6, dtype=torch.bfloat16)
     opt.load_state_dict(sd)
     assert opt.state[ps[0]]["momentum"].dtype == torch.bfloat16
-    assert opt.state[ps[1]]["variance"].dtype == torch.float32
-    assert opt.state[ps[2]]["exp_avg_sq"].dtype == torch.bfloat16
+    assert opt.state[ps[1]]["variance_neuron"].dtype == torch.float32
+    assert opt.state[ps[2]]["variance"].dtype == torch.bfloat16
     assert opt.state[ps[2]]["step"] == 2
     for p in ps:
         p.grad = torch.randn_like(p)

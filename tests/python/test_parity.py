@@ -75,8 +75,11 @@ def test_dion3_flatten_and_state(device):
         mine = opt.state[p]
         assert mine["step"] == STEPS
         assert torch.allclose(mine["momentum"].double().cpu(), st["momentum"].reshape(p.shape), atol=1e-5)
-        assert torch.allclose(mine["variance"].double().cpu(), st["variance"].reshape(-1), rtol=1e-4, atol=1e-9)
-        assert mine["variance"].dtype == torch.float32
+        # flatten=True: one value per output channel, as (channels, 1)
+        assert mine["variance_neuron"].shape == (p.shape[0], 1)
+        assert torch.allclose(mine["variance_neuron"].double().cpu(), st["variance"].reshape(-1, 1), rtol=1e-4,
+                              atol=1e-9)
+        assert mine["variance_neuron"].dtype == torch.float32
 
 
 @pytest.mark.parametrize("adjust_lr", ["spectral_norm", "rms_norm", None])
@@ -143,7 +146,7 @@ def test_adamw_matches_torch(device):
         theirs.step()
         for x, y in zip(pa, pb):
             assert torch.allclose(x, y, atol=1e-6, rtol=1e-5), f"step {t}"
-    assert torch.allclose(ours.state[pa[0]]["exp_avg_sq"], theirs.state[pb[0]]["exp_avg_sq"], rtol=1e-5)
+    assert torch.allclose(ours.state[pa[0]]["variance"], theirs.state[pb[0]]["exp_avg_sq"], rtol=1e-5)
 
 
 def test_adamw_and_lion_match_reference(device):
@@ -244,5 +247,5 @@ def test_parameters_without_a_gradient_keep_weights_and_state(device):
     for k, v in opt.state[frozen].items():
         assert (torch.equal(v, st_before[k]) if torch.is_tensor(v) else v == st_before[k]), k
     saved = opt.state_dict()["state"]
-    assert set(saved[1]) >= {"momentum", "variance", "step"} and saved[1]["step"] == 1
+    assert set(saved[1]) >= {"momentum", "variance_neuron", "step"} and saved[1]["step"] == 1
     assert saved[0]["step"] == 3

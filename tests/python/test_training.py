@@ -119,7 +119,7 @@ def test_state_dict_keeps_fp32_state_of_bf16_params(device):
     opt2 = dion3.Dion3([q], momentum_dtype=torch.float32)
     opt2.load_state_dict(torch.load(buf, weights_only=False))
     st = opt2.state[q]
-    assert st["momentum"].dtype == torch.float32 and st["variance"].dtype == torch.float32
+    assert st["momentum"].dtype == torch.float32 and st["variance_neuron"].dtype == torch.float32
     assert torch.equal(st["momentum"], opt.state[p]["momentum"])
     g = torch.randn_like(p)
     p.grad, q.grad = g, g.clone()
@@ -304,5 +304,5 @@ def test_state_exists_from_construction_and_for_groups_added_later(device):
     opt = dion3.Dion3([a])
     assert opt.state[a]["step"] == 0 and opt.state[a]["momentum"].shape == a.shape
     opt.add_param_group(dict(params=[b], algorithm="adamw"))
-    assert set(opt.state[b]) == {"exp_avg", "exp_avg_sq", "step"} and opt.state[b]["step"] == 0
+    assert set(opt.state[b]) == {"momentum", "variance", "step"} and opt.state[b]["step"] == 0
     assert len(opt.state_dict()["state"]) == 2  # the same keys whatever got a gradient

@@ -1,0 +1,206 @@
+# test_checkpoint_format.py — checkpoints move between dion3 and the reference package (the public
+# `dion` optimizers) with no conversion. The reference side is a transcription kept here: the
+# float64 optimizer of reference.py, saving and loading a torch state_dict in the reference's
+# layout, which is (facts of its public optimizer files):
+#   - groups: every constructor default (lr, fraction, mu, muon_beta2, beta1, beta2, weight_decay,
+#     epsilon, flatten, adjust_lr, selection_scope, ...), "algorithm" ("nordion2" for Dion3, which
+#     is an alias of NorDion2 there; "normuon", "muon", "adamw", "lion") and "step", an int every
+#     step() adds one to; AdamW's bias correction reads the group's step;
+#   - state per parameter, no step of its own: "momentum" (the parameter's shape and dtype), for
+#     NorMuon / NorDion2 "variance_neuron" = zeros_like(p[..., 0:1]) (one value per row, the
+#     parameter's dtype), for AdamW "momentum" and "variance";
+#   - loading is torch's: groups replaced, floating state cast to the parameter's dtype.
+import copy
+
+import pytest
+import torch
+
+import dion3
+from reference import Reference
+from test_parity import grads_for, make_params
+
+MATS = [(16, 24), (24, 16), (2, 8, 12)]
+VECS = [(24,)]
+GROUP = dict(lr=0.02, fraction=0.5, weight_decay=0.1)
+ADAMW = dict(algorithm="adamw", lr=0.01, weight_decay=0.01)
+
+
+def _atol(device):
+    return 2e-5 if device.type == "cpu" else 1e-4
+
+
+def ref_state_dict(groups):
+    """The reference's state_dict of [(Reference, params, algorithm)]; ids count across groups."""
+    state, param_groups, pid = {}, [], 0
+    for ref, params, algorithm in groups:
+        o = ref.opts
+        g = dict(lr=o["lr"], fraction=o["fraction"], mu=o["mu"], muon_beta2=o["muon_beta2"], beta1=o["betas"][0],
+                 beta2=o["betas"][1], weight_decay=o["weight_decay"], epsilon=o["epsilon"], flatten=o["flatten"],
+                 adjust_lr=o["adjust_lr"], selection_scope="global", algorithm=algorithm,
+                 step=max(st["step"] for st in ref.state), params=[])
+        for p, st in zip(params, ref.state):
+            if algorithm == "adamw":
+                s = dict(momentum=st["exp_avg"].to(p.dtype), variance=st["exp_avg_sq"].to(p.dtype))
+            else:
+                s = dict(momentum=st["momentum"].reshape(p.shape).to(p.dtype))
+                if algorithm != "muon":
+                    s["variance_neuron"] = st["variance"].reshape(tuple(p.shape[:-1]) + (1,)).to(p.dtype)
+            state[pid] = s
+            g["params"].append(pid)
+            pid += 1
+        param_groups.append(g)
+    return dict(state=state, param_groups=param_groups)
+
+
+def ref_load_state_dict(groups, sd):
+    """The reference's load of sd into [(Reference, params, algorithm)], reading only what it reads."""
+    for (ref, params, algorithm), g in zip(groups, sd["param_groups"]):
+        assert g["algorithm"] == algorithm
+        ref.opts.update(lr=g["lr"], weight_decay=g["weight_decay"], betas=(g["beta1"], g["beta2"]), mu=g["mu"],
+                        muon_beta2=g["muon_beta2"], epsilon=g["epsilon"], fraction=g["fraction"])
+        for i, (p, pid) in enumerate(zip(params, g["params"])):
+            s = {k: v.to(p.dtype) for k, v in sd["state"][pid].items() if torch.is_tensor(v)}  # torch's cast
+            st = ref.state[i]
+            st["step"] = g["step"]
+            ref.w[i] = p.detach().double().cpu().clone()
+            if algorithm == "adamw":
+                st["exp_avg"], st["exp_avg_sq"] = s["momentum"].double().cpu(), s["variance"].double().cpu()
+                continue
+            count = p.numel() // (p.shape[-2] * p.shape[-1])
+            st["momentum"] = s["momentum"].double().cpu().reshape(count, p.shape[-2], p.shape[-1])
+            st["variance"] = s["variance_neuron"].double().cpu().reshape(count, p.shape[-2])
+
+
+def _step_both(opt, groups, params, steps, first):
+    shapes = [tuple(p.shape) for p in params]
+    for t in range(first, first + steps):
+        gs = grads_for(shapes, t)
+        for p, g in zip(params, gs):
+            p.grad = g.to(device=p.device, dtype=p.dtype)
+        if opt is not None:
+            opt.step()
+        i = 0
+        for ref, ps, _ in groups:
+            ref.step(gs[i:i + len(ps)])
+            i += len(ps)
+
+
+def _compare_weights(groups, params, atol):
+    refs = [w for ref, _, _ in groups for w in ref.w]
+    for p, w in zip(params, refs):
+        err = (p.detach().double().cpu() - w).abs().max().item()
+        assert err <= atol, f"{tuple(p.shape)}: max |dion3 - reference| = {err:.3g}"
+
+
+def _setup(device):
+    pm, pv = make_params(MATS, device), make_params(VECS, device, seed=1)
+    groups = [(Reference(pm, algorithm="dion3", **GROUP), pm, "nordion2"), (Reference(pv, **ADAMW), pv, "adamw")]
+    return pm, pv, groups
+
+
+def _dion3(pm, pv, device):
+    kw = dict(iteration_dtype=torch.float32) if device.type == "cuda" else {}
+    return dion3.Dion3([dict(params=pm, **GROUP), dict(params=pv, **ADAMW)], **kw)
+
+
+def test_a_reference_checkpoint_resumes_in_dion3(device):
+    pm, pv, groups = _setup(device)
+    _step_both(None, groups, pm + pv, 3, 0)  # the reference alone
+    sd = ref_state_dict(groups)
+    for p, w in zip(pm + pv, [w for r, _, _ in groups for w in r.w]):
+        with torch.no_grad():
+            p.copy_(w)
+    opt = _dion3(pm, pv, device)
+    opt.load_state_dict(copy.deepcopy(sd))
+    assert [g["algorithm"] for g in opt.param_groups] == ["dion3", "adamw"]
+    for p, pid in zip(pm + pv, range(4)):
+        assert opt.state[p]["step"] == 3  # the group's counter: the reference keeps no other
+        for k, v in sd["state"][pid].items():
+            assert torch.equal(opt.state[p][k].cpu(), v.to(opt.state[p][k].dtype))
+    _step_both(opt, groups, pm + pv, 2, 3)
+    _compare_weights(groups, pm + pv, _atol(device))
+
+
+def test_a_dion3_checkpoint_resumes_in_the_reference(device):
+    pm, pv, groups = _setup(device)
+    opt = _dion3(pm, pv, device)
+    _step_both(opt, groups, pm + pv, 3, 0)
+    sd = opt.state_dict()
+    g0, g1 = sd["param_groups"]
+    assert (g0["algorithm"], g1["algorithm"]) == ("nordion2", "adamw")
+    assert (g0["beta1"], g0["beta2"]) == tuple(g0["betas"]) and g0["step"] == g1["step"] == 3
+    for pid, p in enumerate(pm):
+        assert set(sd["state"][pid]) == {"momentum", "variance_neuron", "step"}
+        assert sd["state"][pid]["variance_neuron"].shape == tuple(p.shape[:-1]) + (1,)
+        assert sd["state"][pid]["variance_neuron"].dtype == torch.float32
+    assert set(sd["state"][3]) == {"momentum", "variance", "step"}
+    # A fresh reference run takes the checkpoint and the weights and goes on.
+    fresh = [(Reference(pm, algorithm="dion3", **GROUP), pm, "nordion2"), (Reference(pv, **ADAMW), pv, "adamw")]
+    ref_load_state_dict(fresh, sd)
+    _compare_weights(fresh, pm + pv, 0.0)
+    _step_both(opt, fresh, pm + pv, 2, 3)
+    _compare_weights(fresh, pm + pv, _atol(device))
+
+
+def _old_layout(sd):
+    """sd as dion3 wrote it before it took the reference's layout."""
+    old = copy.deepcopy(sd)
+    for g in old["param_groups"]:
+        g["algorithm"] = "dion3" if g["algorithm"] == "nordion2" else g["algorithm"]
+        for k in ("beta1", "beta2", "step"):
+            g.pop(k)
+        for pid in g["params"]:
+            st = old["state"][pid]
+            if g["algorithm"] == "adamw":
+                st["exp_avg"], st["exp_avg_sq"] = st.pop("momentum"), st.pop("variance")
+            else:
+                st["variance"] = st.pop("variance_neuron").reshape(-1)
+    return old
+
+
+def test_checkpoints_of_earlier_dion3_versions_still_load(device):
+    pm, pv, groups = _setup(device)
+    opt = _dion3(pm, pv, device)
+    _step_both(opt, groups, pm + pv, 2, 0)
+    sd = opt.state_dict()
+    loaded = []
+    for form in (sd, _old_layout(sd)):
+        qm, qv = [torch.nn.Parameter(p.detach().clone()) for p in pm], [torch.nn.Parameter(p.detach().clone()) for p in pv]
+        o = _dion3(qm, qv, device)
+        o.load_state_dict(form)
+        loaded.append(o.state_dict())
+    new, old = loaded
+    for pid in new["state"]:
+        assert new["state"][pid].keys() == old["state"][pid].keys()
+        for k, v in new["state"][pid].items():
+            assert torch.equal(v, old["state"][pid][k]) if torch.is_tensor(v) else v == old["state"][pid][k], k
+
+
+def test_a_reference_checkpoint_of_bfloat16_weights_keeps_float32_variance_here(device):
+    pm, pv, groups = _setup(device)
+    pm = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in pm]
+    groups[0] = (groups[0][0], pm, "nordion2")
+    _step_both(None, groups, pm + pv, 2, 0)
+    sd = ref_state_dict(groups)
+    assert sd["state"][0]["variance_neuron"].dtype == torch.bfloat16
+    opt = _dion3(pm, pv, device)
+    opt.load_state_dict(sd)
+    st = opt.state[pm[0]]
+    assert st["variance_neuron"].dtype == torch.float32 and st["momentum"].dtype == torch.bfloat16
+    assert torch.equal(st["variance_neuron"].cpu(), sd["state"][0]["variance_neuron"].float())
+    for p in pm + pv:
+        p.grad = torch.randn_like(p)
+    opt.step()
+
+
+@pytest.mark.parametrize("shape", [(6, 5, 4, 3)])
+def test_flattened_conv_weights_say_how_their_variance_differs(device, shape):
+    # flatten=True: dion3 normalises per output channel, (C, 1); the reference per last-dimension
+    # row, p[..., 0:1]. Loading the reference's shape is refused with both shapes named.
+    (p,) = make_params([shape], device)
+    opt = dion3.Dion3([p], flatten=True)
+    sd = opt.state_dict()
+    assert sd["state"][0]["variance_neuron"].shape == (shape[0], 1)
+    sd["state"][0]["variance_neuron"] = torch.zeros(shape[:-1] + (1,))
+    with pytest.raises(ValueError, match=r"state 'variance_neuron' has shape \[6, 5, 4, 1\], expected \[6, 1\]"):
+        opt.load_state_dict(sd)
