@@ -1,0 +1,436 @@
+#!/usr/bin/env python3
+"""examples/train_gpt.py — the main job: train a small GPT with Dion3, Muon, NorMuon and AdamW on
+the same data, and show the result on one page.
+
+The corpus is the Python standard library's own source text, read as bytes (a vocabulary of 256,
+nothing to download, present on every machine with Python). Every optimizer sees the same
+initial weights and the same batches in the same order. At the end the run writes, in --out:
+  loss.png    validation loss against step and against wall-clock time, one line per optimizer
+  results.md  final validation loss, the optimizer's share of step time, tokens/s, peak memory
+  ckpt-<optimizer>.pt  a checkpoint per optimizer, so an interrupted run resumes (--resume)
+               exactly where it stopped: the resumed run computes the same bits as one that
+               never stopped.
+
+    python examples/train_gpt.py                        # the CPU default: under 10 minutes on 2 cores
+    python examples/train_gpt.py --preset gpu-125m      # a 125M-parameter GPT on one GPU
+    python examples/train_gpt.py --help
+
+Learning rates: Muon and NorMuon at --lr; Dion3 at --lr / sqrt(f) (the 1/sqrt(f) rule: a step
+that moves f of the rows moves them further); embeddings, the head and vectors with AdamW at
+--adamw-lr (the head at lr / sqrt(d_model), dion3.param_groups' rule); AdamW alone at --adamw-lr.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import sysconfig
+import time
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+OPTIMIZERS = ("dion3", "muon", "normuon", "adamw")
+
+# name: (layers, d_model, heads, seq_len, batch, steps, corpus MB, eval every, eval batches)
+PRESETS = {
+    "cpu": dict(n_layer=4, d_model=128, n_head=4, seq_len=128, batch=16, steps=800, corpus_mb=8,
+                eval_every=100, eval_batches=8),
+    "tiny": dict(n_layer=2, d_model=64, n_head=2, seq_len=64, batch=8, steps=20, corpus_mb=1,
+                 eval_every=10, eval_batches=2),
+    "gpu-small": dict(n_layer=6, d_model=384, n_head=6, seq_len=256, batch=64, steps=2000, corpus_mb=64,
+                      eval_every=200, eval_batches=20),
+    # About 125M parameters (GPT-2 small's shape with a byte vocabulary); 2000 steps of 64 x 1024
+    # tokens is 131M tokens.
+    "gpu-125m": dict(n_layer=12, d_model=768, n_head=12, seq_len=1024, batch=64, steps=2000, corpus_mb=256,
+                     eval_every=250, eval_batches=20),
+}
+
+
+# ---- data -----------------------------------------------------------------------------------
+
+def stdlib_corpus(max_bytes: int) -> bytes:
+    """The standard library's .py files, in sorted path order, joined; at most max_bytes."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for d, dirs, names in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x not in ("site-packages", "dist-packages", "__pycache__"))
+        files += [os.path.join(d, n) for n in sorted(names) if n.endswith(".py")]
+    out, size = [], 0
+    for path in sorted(files):
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        out.append(data)
+        size += len(data) + 1
+        if size >= max_bytes:
+            break
+    text = b"\n".join(out)[:max_bytes]
+    if len(text) < 100_000:
+        raise SystemExit(f"train_gpt: the standard library at {root} holds only {len(text)} bytes of .py "
+                         "source; the demo needs at least 100 kB")
+    return text
+
+
+class Batches:
+    """Random windows of the training split; the generator's state is part of a checkpoint, so the
+    order is the same for every optimizer and after a resume."""
+
+    def __init__(self, data: torch.Tensor, batch: int, seq_len: int, seed: int):
+        self.data, self.batch, self.seq_len = data, batch, seq_len
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def next(self):
+        i = torch.randint(0, len(self.data) - self.seq_len - 1, (self.batch,), generator=self.gen)
+        x = torch.stack([self.data[j:j + self.seq_len] for j in i.tolist()])
+        y = torch.stack([self.data[j + 1:j + 1 + self.seq_len] for j in i.tolist()])
+        return x.long(), y.long()
+
+
+def eval_windows(data: torch.Tensor, n: int, batch: int, seq_len: int):
+    """Fixed validation batches: evenly spaced windows of the validation split."""
+    count = n * batch
+    stride = max(1, (len(data) - seq_len - 1) // count)
+    starts = [k * stride for k in range(count)]
+    x = torch.stack([data[s:s + seq_len] for s in starts]).long()
+    y = torch.stack([data[s + 1:s + 1 + seq_len] for s in starts]).long()
+    return list(zip(x.split(batch), y.split(batch)))
+
+
+# ---- model ----------------------------------------------------------------------------------
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d, bias=False)
+        self.up = nn.Linear(d, 4 * d, bias=False)
+        self.down = nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).transpose(1, 3).unbind(2)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, n_layer: int, d_model: int, n_head: int, seq_len: int):
+        super().__init__()
+        self.embed = nn.Embedding(256, d_model)
+        self.pos = nn.Embedding(seq_len, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
+        self.ln = nn.LayerNorm(d_model)
+        self.lm_head = nn.Linear(d_model, 256, bias=False)
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layer) if name.endswith(("proj.weight", "down.weight"))
+                                else 0.02)
+
+    def forward(self, idx, targets):
+        x = self.embed(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.lm_head(self.ln(x)).float()
+        return F.cross_entropy(logits.view(-1, 256), targets.reshape(-1))
+
+
+# ---- optimizers -----------------------------------------------------------------------------
+
+def make_optimizer(name: str, model: GPT, cfg: "Config"):
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=cfg.adamw_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    import dion3
+    lr = cfg.lr / math.sqrt(cfg.fraction) if name == "dion3" else cfg.lr
+    groups = dion3.param_groups(model, lm_head=model.lm_head, lr=cfg.adamw_lr,
+                                elementwise_options=dict(lr=cfg.adamw_lr, betas=(0.9, 0.95), weight_decay=0.0))
+    kw = dict(fraction=cfg.fraction) if name == "dion3" else {}
+    cls = {"dion3": dion3.Dion3, "muon": dion3.Muon, "normuon": dion3.NorMuon}[name]
+    return cls(groups, lr=lr, weight_decay=0.0, **kw)
+
+
+def schedule(step: int, cfg: "Config") -> float:
+    """Linear warm-up over 5% of the steps, then linear decay to 10%."""
+    warm = max(1, cfg.steps // 20)
+    if step < warm:
+        return (step + 1) / warm
+    return 1.0 - 0.9 * (step - warm) / max(1, cfg.steps - warm)
+
+
+# ---- one run --------------------------------------------------------------------------------
+
+@dataclass
+class Config:
+    n_layer: int
+    d_model: int
+    n_head: int
+    seq_len: int
+    batch: int
+    steps: int
+    corpus_mb: float
+    eval_every: int
+    eval_batches: int
+    lr: float
+    adamw_lr: float
+    fraction: float
+    seed: int
+
+
+class Progress:
+    """One line on stderr, redrawn: step, tokens/s, training loss, the last validation loss."""
+
+    def __init__(self, label: str, total: int, first: int):
+        self.label, self.total, self.first = label, total, first
+        self.tty = sys.stderr.isatty()
+        self.last_line = 0.0
+
+    def show(self, step: int, tokens_per_s: float, loss: float, val: Optional[float], final=False):
+        now = time.time()
+        if not final and not self.tty and now - self.last_line < 10:
+            return  # a log file gets a line every 10 s, a terminal a redrawn bar
+        self.last_line = now
+        width = 24
+        done = int(width * step / self.total)
+        bar = "#" * done + "." * (width - done)
+        v = f" val {val:.3f}" if val is not None else ""
+        line = f"{self.label:>8} [{bar}] {step}/{self.total}  {tokens_per_s / 1e3:7.1f}k tok/s  loss {loss:.3f}{v}"
+        sys.stderr.write(("\r" + line) if self.tty else (line + "\n"))
+        if final and self.tty:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def evaluate(model, windows, device):
+    model.eval()
+    with torch.no_grad():
+        losses = [model(x.to(device), y.to(device)).item() for x, y in windows]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_one(name: str, cfg: Config, train: torch.Tensor, val_windows, device, out: str, resume: bool,
+              stop_after: Optional[int]) -> Dict:
+    """Trains (or resumes) one optimizer's run; returns its history and summary."""
+    path = os.path.join(out, f"ckpt-{name}.pt")
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg.n_layer, cfg.d_model, cfg.n_head, cfg.seq_len).to(device)
+    opt = make_optimizer(name, model, cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule(s, cfg))
+    batches = Batches(train, cfg.batch, cfg.seq_len, cfg.seed)
+    state = dict(step=0, elapsed=0.0, opt_seconds=0.0, history=[], done=False)
+    if resume and os.path.exists(path):
+        ck = torch.load(path, map_location=device, weights_only=False)
+        if ck["config"] != asdict(cfg):
+            raise SystemExit(f"train_gpt: {path} was written with other settings; remove it or run without "
+                             "--resume")
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        sched.load_state_dict(ck["scheduler"])
+        batches.gen.set_state(ck["batches"])
+        torch.set_rng_state(ck["torch_rng"])
+        state = ck["state"]
+        if state["done"]:
+            print(f"{name}: finished earlier ({path})", file=sys.stderr)
+            return state
+        print(f"{name}: resuming at step {state['step']}", file=sys.stderr)
+
+    def save():
+        tmp = path + ".tmp"
+        torch.save(dict(config=asdict(cfg), model=model.state_dict(), optimizer=opt.state_dict(),
+                        scheduler=sched.state_dict(), batches=batches.gen.get_state(),
+                        torch_rng=torch.get_rng_state(), state=state), tmp)
+        os.replace(tmp, path)  # never a half-written checkpoint
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    progress = Progress(name, cfg.steps, state["step"])
+    tokens = cfg.batch * cfg.seq_len
+    val = state["history"][-1]["val"] if state["history"] else None
+    ran = 0
+    while state["step"] < cfg.steps:
+        sync(device)
+        t0 = time.perf_counter()
+        x, y = batches.next()
+        loss = model(x.to(device), y.to(device))
+        loss.backward()
+        sync(device)
+        t1 = time.perf_counter()
+        opt.step()
+        sync(device)
+        t2 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        state["step"] += 1
+        state["elapsed"] += t2 - t0
+        state["opt_seconds"] += t2 - t1
+        ran += 1
+        step = state["step"]
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            val = evaluate(model, val_windows, device)
+            state["history"].append(dict(step=step, seconds=state["elapsed"], val=val, train=loss.item()))
+            save()
+        progress.show(step, tokens * step / max(state["elapsed"], 1e-9), loss.item(), val, final=step == cfg.steps)
+        if stop_after is not None and ran >= stop_after and step < cfg.steps:
+            save()
+            print(f"\n{name}: stopped after {ran} steps (--stop-after); --resume goes on", file=sys.stderr)
+            return state
+    state["done"] = True
+    state["peak_memory"] = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
+    state["optimizer_state_bytes"] = sum(t.numel() * t.element_size() for st in opt.state.values()
+                                         for t in st.values() if torch.is_tensor(t))
+    state["parameters"] = sum(p.numel() for p in model.parameters())
+    save()
+    return state
+
+
+# ---- report ---------------------------------------------------------------------------------
+
+def write_report(runs: Dict[str, Dict], cfg: Config, out: str, device, corpus_info: str) -> None:
+    lines = [f"# Train a GPT: {', '.join(runs)}", "",
+             f"- model: {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads, "
+             f"{next(iter(runs.values())).get('parameters', 0) / 1e6:.2f}M parameters; "
+             f"{cfg.steps} steps of {cfg.batch} x {cfg.seq_len} bytes "
+             f"({cfg.steps * cfg.batch * cfg.seq_len / 1e6:.1f}M tokens); device {device}",
+             f"- data: {corpus_info}",
+             f"- lr {cfg.lr} (Muon, NorMuon; Dion3 {cfg.lr / math.sqrt(cfg.fraction):.4g} = lr / sqrt(f), "
+             f"f = {cfg.fraction}), AdamW {cfg.adamw_lr}; seed {cfg.seed}", "",
+             "| optimizer | final val loss | optimizer share of step time | tokens/s | peak memory | optimizer state |",
+             "|---|---|---|---|---|---|"]
+    for name, st in runs.items():
+        if not st.get("history"):
+            continue
+        final = st["history"][-1]["val"]
+        share = 100 * st["opt_seconds"] / max(st["elapsed"], 1e-9)
+        tps = cfg.steps * cfg.batch * cfg.seq_len / max(st["elapsed"], 1e-9) if st.get("done") else float("nan")
+        peak = f"{st['peak_memory'] / 2**20:.0f} MiB" if st.get("peak_memory") else "n/a (CPU)"
+        state_mb = f"{st.get('optimizer_state_bytes', 0) / 2**20:.1f} MiB"
+        label = f"{name} (f = {cfg.fraction})" if name == "dion3" else name
+        lines.append(f"| {label} | {final:.4f} | {share:.1f}% | {tps:,.0f} | {peak} | {state_mb} |")
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("train_gpt: matplotlib is not installed; no plot (scripts/setup-python.sh installs it)",
+              file=sys.stderr)
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, st in runs.items():
+        h = st.get("history") or []
+        label = f"dion3 f={cfg.fraction}" if name == "dion3" else name
+        a.plot([e["step"] for e in h], [e["val"] for e in h], label=label)
+        b.plot([e["seconds"] for e in h], [e["val"] for e in h], label=label)
+    a.set_xlabel("step")
+    b.set_xlabel("wall-clock seconds (training steps only)")
+    for ax in (a, b):
+        ax.set_ylabel("validation loss (nats per byte)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"GPT, {cfg.n_layer} layers x {cfg.d_model}, {device}")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "loss.png"), dpi=110)
+
+
+# ---- command line ---------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                    help="sizes and steps (default: cpu without a GPU, gpu-small with one)")
+    ap.add_argument("--optimizers", default=",".join(OPTIMIZERS),
+                    help=f"comma-separated, from {', '.join(OPTIMIZERS)} (default: all)")
+    for key in ("n_layer", "d_model", "n_head", "seq_len", "batch", "steps", "eval_every", "eval_batches"):
+        ap.add_argument("--" + key.replace("_", "-"), type=int, default=None, help="overrides the preset")
+    ap.add_argument("--corpus-mb", type=float, default=None, help="bytes of source text to read, in MB")
+    ap.add_argument("--lr", type=float, default=0.02, help="Muon / NorMuon lr; Dion3 takes lr / sqrt(f)")
+    ap.add_argument("--adamw-lr", type=float, default=3e-3, help="AdamW's lr (alone, and for Dion3/Muon's "
+                                                                     "embeddings, head and vectors)")
+    ap.add_argument("--fraction", type=float, default=0.25, help="Dion3's f (default 1/4)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when a GPU is visible)")
+    ap.add_argument("--out", default="train_gpt_out", help="folder for the plot, table and checkpoints")
+    ap.add_argument("--resume", action="store_true", help="go on from the checkpoints in --out")
+    ap.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: an interruption
+    a = ap.parse_args(argv)
+    names = [n.strip() for n in a.optimizers.split(",") if n.strip()]
+    bad = [n for n in names if n not in OPTIMIZERS]
+    if bad or not names:
+        ap.error(f"--optimizers: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(OPTIMIZERS)}")
+    if not 0.0 < a.fraction <= 1.0:
+        ap.error(f"--fraction must be in (0, 1], got {a.fraction}")
+    for key in ("lr", "adamw_lr"):
+        v = getattr(a, key)
+        if not (math.isfinite(v) and v > 0):
+            ap.error(f"--{key.replace('_', '-')} must be a positive number, got {v}")
+    if a.device is None:
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif a.device not in ("cpu", "cuda") and not a.device.startswith("cuda:"):
+        ap.error(f"--device must be cpu or cuda, got {a.device!r}")
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error("--device cuda: PyTorch sees no GPU here")
+    preset = dict(PRESETS[a.preset or ("cpu" if a.device == "cpu" else "gpu-small")])
+    for key in list(preset):
+        if getattr(a, key, None) is not None:
+            preset[key] = getattr(a, key)
+    for key in ("n_layer", "d_model", "n_head", "seq_len", "batch", "steps", "eval_every", "eval_batches"):
+        if preset[key] < 1:
+            ap.error(f"--{key.replace('_', '-')} must be at least 1, got {preset[key]}")
+    if preset["d_model"] % preset["n_head"]:
+        ap.error(f"--d-model ({preset['d_model']}) must be a multiple of --n-head ({preset['n_head']})")
+    if preset["corpus_mb"] <= 0:
+        ap.error("--corpus-mb must be positive")
+    cfg = Config(**preset, lr=a.lr, adamw_lr=a.adamw_lr, fraction=a.fraction, seed=a.seed)
+    return a, names, cfg
+
+
+def main(argv=None) -> int:
+    a, names, cfg = parse_args(argv)
+    device = torch.device(a.device)
+    if device.type == "cpu":
+        print(f"train_gpt: no GPU in use; training on the CPU ({torch.get_num_threads()} threads)"
+              + ("" if a.device == "cpu" and not torch.cuda.is_available() else " as asked"), file=sys.stderr)
+    text = stdlib_corpus(int(cfg.corpus_mb * 2**20))
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    cut = int(len(data) * 0.95)
+    train, val = data[:cut], data[cut:]
+    if len(val) <= cfg.seq_len + 1:
+        raise SystemExit(f"train_gpt: the validation split ({len(val)} bytes) is shorter than a window; "
+                         "raise --corpus-mb or lower --seq-len")
+    corpus_info = (f"Python {sys.version.split()[0]} standard library source, {len(text) / 2**20:.1f} MiB "
+                   f"(sha256 {hashlib.sha256(text).hexdigest()[:12]}), last 5% held out")
+    os.makedirs(a.out, exist_ok=True)
+    windows = eval_windows(val, cfg.eval_batches, cfg.batch, cfg.seq_len)
+    runs = {}
+    for name in names:
+        runs[name] = train_one(name, cfg, train, windows, device, a.out, a.resume, a.stop_after)
+        if not runs[name].get("done"):
+            return 0  # interrupted on purpose (--stop-after)
+    write_report(runs, cfg, a.out, device, corpus_info)
+    with open(os.path.join(a.out, "history.json"), "w") as f:
+        json.dump({n: r["history"] for n, r in runs.items()}, f, indent=1)
+    print(f"train_gpt: wrote {a.out}/results.md and {a.out}/loss.png", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

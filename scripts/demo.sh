@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# scripts/demo.sh — the main job on a fresh machine: installs what is missing and builds
+# (scripts/setup.sh: system packages, the C++ library; scripts/setup-python.sh: the virtualenv
+# with PyTorch and dion3 built from this tree), then trains a small GPT with Dion3, Muon, NorMuon
+# and AdamW (examples/train_gpt.py) and writes train_gpt_out/results.md and loss.png. Extra
+# arguments go to the demo (--help lists them; --preset gpu-125m on a GPU).
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+scripts/setup.sh
+bash scripts/setup-python.sh
+exec "${DION3_VENV:-$ROOT/.venv}/bin/python" examples/train_gpt.py "$@"

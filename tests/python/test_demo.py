@@ -1,0 +1,68 @@
+# test_demo.py — the main job (examples/train_gpt.py) on the CPU at its smallest: it trains every
+# optimizer, writes the table and the plot, refuses bad arguments with a message, and a run
+# interrupted and resumed computes the same bits as one that never stopped.
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_spec = importlib.util.spec_from_file_location("train_gpt", os.path.join(ROOT, "examples", "train_gpt.py"))
+train_gpt = importlib.util.module_from_spec(_spec)
+sys.modules["train_gpt"] = train_gpt  # dataclasses look their module up there
+_spec.loader.exec_module(train_gpt)
+
+TINY = ["--preset", "tiny", "--device", "cpu", "--steps", "8", "--eval-every", "4", "--corpus-mb", "0.5"]
+
+
+def test_every_optimizer_trains_and_the_report_is_written(tmp_path):
+    assert train_gpt.main(TINY + ["--out", str(tmp_path)]) == 0
+    table = (tmp_path / "results.md").read_text()
+    for name in ("dion3 (f = 0.25)", "muon", "normuon", "adamw"):
+        assert f"| {name} |" in table
+    assert (tmp_path / "loss.png").stat().st_size > 10_000
+    hist = train_gpt.json.loads((tmp_path / "history.json").read_text())
+    for name, h in hist.items():
+        assert [e["step"] for e in h] == [4, 8]
+        assert h[-1]["val"] < 5.4, name  # below the uniform guess, ln 256 = 5.55
+
+
+def test_an_interrupted_run_resumes_bit_for_bit(tmp_path):
+    args = TINY + ["--optimizers", "dion3,adamw"]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    assert train_gpt.main(args + ["--out", str(whole)]) == 0
+    assert train_gpt.main(args + ["--out", str(parts), "--stop-after", "3"]) == 0   # dion3 stops at step 3
+    assert train_gpt.main(args + ["--out", str(parts), "--resume", "--stop-after", "2"]) == 0  # at 5
+    assert train_gpt.main(args + ["--out", str(parts), "--resume"]) == 0
+    for name in ("dion3", "adamw"):
+        a = torch.load(whole / f"ckpt-{name}.pt", weights_only=False)
+        b = torch.load(parts / f"ckpt-{name}.pt", weights_only=False)
+        assert a["state"]["step"] == b["state"]["step"] == 8
+        for k, v in a["model"].items():
+            assert torch.equal(v, b["model"][k]), f"{name} {k}"
+        strip = [(e["step"], e["val"], e["train"]) for e in a["state"]["history"]]
+        assert strip == [(e["step"], e["val"], e["train"]) for e in b["state"]["history"]], name
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--optimizers", "dion3,sgd"], "--optimizers: unknown sgd"),
+    (["--fraction", "0"], "--fraction must be in"),
+    (["--d-model", "66", "--n-head", "4"], "must be a multiple of --n-head"),
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--lr", "-1"], "--lr must be a positive number"),
+    (["--device", "tpu"], "--device must be cpu or cuda"),
+])
+def test_bad_arguments_are_refused_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        train_gpt.parse_args(["--preset", "tiny"] + argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_resuming_with_other_settings_is_refused(tmp_path):
+    args = TINY + ["--optimizers", "dion3", "--out", str(tmp_path)]
+    assert train_gpt.main(args + ["--stop-after", "2"]) == 0
+    with pytest.raises(SystemExit, match="written with other settings"):
+        train_gpt.main(args + ["--resume", "--lr", "0.03"])
