@@ -211,9 +211,14 @@ class Progress:
         sys.stderr.flush()
 
 
+def autocast(device):
+    """bf16 matrix products on a GPU (weights and optimizer state stay float32); none on the CPU."""
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
 def evaluate(model, windows, device):
     model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), autocast(device):
         losses = [model(x.to(device), y.to(device)).item() for x, y in windows]
     model.train()
     return sum(losses) / len(losses)
@@ -267,7 +272,8 @@ def train_one(name: str, cfg: Config, train: torch.Tensor, val_windows, device, 
         sync(device)
         t0 = time.perf_counter()
         x, y = batches.next()
-        loss = model(x.to(device), y.to(device))
+        with autocast(device):
+            loss = model(x.to(device), y.to(device))
         loss.backward()
         sync(device)
         t1 = time.perf_counter()
