@@ -426,6 +426,17 @@ def main(argv=None) -> int:
                    f"(sha256 {hashlib.sha256(text).hexdigest()[:12]}), last 5% held out")
     os.makedirs(a.out, exist_ok=True)
     windows = eval_windows(val, cfg.eval_batches, cfg.batch, cfg.seq_len)
+    if device.type == "cuda":
+        # The process's CUDA start-up (context, cuBLAS, kernel loading) is paid here, untimed, not
+        # by whichever optimizer runs first.
+        warm = GPT(cfg.n_layer, cfg.d_model, cfg.n_head, cfg.seq_len).to(device)
+        x, y = Batches(train, cfg.batch, cfg.seq_len, cfg.seed + 1).next()
+        for _ in range(3):
+            with autocast(device):
+                warm(x.to(device), y.to(device)).backward()
+        evaluate(warm, windows[:1], device)
+        del warm
+        sync(device)
     runs = {}
     for name in names:
         runs[name] = train_one(name, cfg, train, windows, device, a.out, a.resume, a.stop_after)
