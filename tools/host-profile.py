@@ -60,28 +60,26 @@ def main():
         opt.step()
     sync(device)
 
-    host = []
-    for _ in range(a.steps):
-        fresh()
+    def median_ms(fn):
+        """fn's host time, the median over a.steps calls, each after fresh() and an idle GPU."""
+        ts = []
+        for _ in range(a.steps):
+            fresh()
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
         sync(device)
-        t0 = time.perf_counter()
-        opt.step()
-        host.append((time.perf_counter() - t0) * 1e3)
-    sync(device)
-    engine = []
-    for _ in range(a.steps):
-        fresh()
-        sync(device)
-        t0 = time.perf_counter()
-        opt._engine.step_async()
-        engine.append((time.perf_counter() - t0) * 1e3)
-    sync(device)
+        return statistics.median(ts)
+
+    host = median_ms(opt.step)
+    engine = median_ms(lambda: opt._engine.step_async())
     mode = "op by op" if a.op_by_op else "recorded orthogonalizations"
     grads = "fresh gradient tensors every step" if a.fresh_grads else "the same gradient tensors"
     print(f"## {a.model}, Dion3 f = {a.fraction}, bf16, {a.device}: {mode}, {grads}\n")
     print(f"- megabatches: {len(opt.plan())}; parameters: {sum(len(g['params']) for g in opt.param_groups)}")
-    print(f"- host ms per step(), median of {a.steps}: {statistics.median(host):.3f}")
-    print(f"- host ms of the engine's step_async() alone: {statistics.median(engine):.3f}")
+    print(f"- host ms per step(), median of {a.steps}: {host:.3f}")
+    print(f"- host ms of the engine's step_async() alone: {engine:.3f}")
     # The Python layer's pieces, each timed alone.
     eng = opt._engine
     states = opt._engine_states
@@ -126,14 +124,7 @@ def main():
     if device.type == "cuda":
         pieces.append(("counter copy", opt._copy_counters))
     for name, fn in pieces:
-        ts = []
-        for _ in range(a.steps):
-            sync(device)
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e3)
-        print(f"- host ms of {name}: {statistics.median(ts):.3f}")
-    sync(device)
+        print(f"- host ms of {name}: {median_ms(fn):.3f}")
     print()
 
     acts = [torch.profiler.ProfilerActivity.CPU]
