@@ -29,7 +29,7 @@ import os
 import sys
 import sysconfig
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Optional
 
 import torch
@@ -229,13 +229,50 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def train_one(name: str, cfg: Config, train: torch.Tensor, val_windows, device, out: str, resume: bool,
-              stop_after: Optional[int]) -> Dict:
-    """Trains (or resumes) one optimizer's run; returns its history and summary."""
+@dataclass
+class Run:
+    """One optimizer at one learning rate: its name in files and tables, and its settings."""
+    name: str
+    optimizer: str
+    cfg: Config
+    scale: float = 1.0
+
+
+def runs_of(names: List[str], cfg: Config, scales: List[float]) -> List[Run]:
+    """Each optimizer at each lr scale: the optimizer's own lr times the scale (AdamW alone: its lr;
+    the others: the matrix lr; the element-wise groups beside them keep --adamw-lr)."""
+    out = []
+    for name in names:
+        for s in scales:
+            c = replace(cfg, adamw_lr=cfg.adamw_lr * s) if name == "adamw" else replace(cfg, lr=cfg.lr * s)
+            out.append(Run(name if len(scales) == 1 else f"{name}@{s:g}x", name, c, s))
+    return out
+
+
+def lr_of(run: Run) -> float:
+    c = run.cfg
+    return c.adamw_lr if run.optimizer == "adamw" else c.lr / math.sqrt(c.fraction) if run.optimizer == "dion3" \
+        else c.lr
+
+
+class Deadline:
+    """--time-limit: the wall-clock second after which a run saves and stops (resumable)."""
+
+    def __init__(self, seconds: Optional[float]):
+        self.at = None if seconds is None else time.time() + seconds
+
+    def passed(self) -> bool:
+        return self.at is not None and time.time() >= self.at
+
+
+def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resume: bool,
+              stop_after: Optional[int], deadline: Deadline, corpus_info: str = "") -> Dict:
+    """Trains (or resumes) one run; returns its history and summary."""
+    name, cfg = run.name, run.cfg
     path = os.path.join(out, f"ckpt-{name}.pt")
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.n_layer, cfg.d_model, cfg.n_head, cfg.seq_len).to(device)
-    opt = make_optimizer(name, model, cfg)
+    opt = make_optimizer(run.optimizer, model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule(s, cfg))
     batches = Batches(train, cfg.batch, cfg.seq_len, cfg.seed)
     state = dict(step=0, elapsed=0.0, opt_seconds=0.0, history=[], done=False)
@@ -292,42 +329,60 @@ def train_one(name: str, cfg: Config, train: torch.Tensor, val_windows, device, 
             state["history"].append(dict(step=step, seconds=state["elapsed"], val=val, train=loss.item()))
             save()
         progress.show(step, tokens * step / max(state["elapsed"], 1e-9), loss.item(), val, final=step == cfg.steps)
-        if stop_after is not None and ran >= stop_after and step < cfg.steps:
+        why = ("--stop-after" if stop_after is not None and ran >= stop_after else
+               "--time-limit" if deadline.passed() else None)
+        if why and step < cfg.steps:
             save()
-            print(f"\n{name}: stopped after {ran} steps (--stop-after); --resume goes on", file=sys.stderr)
+            print(f"\n{name}: stopped at step {step} ({why}); --resume goes on", file=sys.stderr)
             return state
     state["done"] = True
     state["peak_memory"] = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
     state["optimizer_state_bytes"] = sum(t.numel() * t.element_size() for st in opt.state.values()
                                          for t in st.values() if torch.is_tensor(t))
     state["parameters"] = sum(p.numel() for p in model.parameters())
+    state["device"], state["corpus"] = str(device), corpus_info
     save()
+    # The run's record without the weights: what --report-only reads, from any number of sessions.
+    with open(os.path.join(out, f"run-{name}.json"), "w") as f:
+        json.dump(dict(name=name, optimizer=run.optimizer, scale=run.scale, config=asdict(cfg), state=state), f)
     return state
 
 
 # ---- report ---------------------------------------------------------------------------------
 
-def write_report(runs: Dict[str, Dict], cfg: Config, out: str, device, corpus_info: str) -> None:
-    lines = [f"# Train a GPT: {', '.join(runs)}", "",
+def write_report(runs: List[Run], results: Dict[str, Dict], cfg: Config, out: str, device,
+                 corpus_info: str) -> None:
+    done = [r for r in runs if results[r.name].get("history")]
+    best = {}
+    for r in done:  # each optimizer's run with the lowest final validation loss
+        v = results[r.name]["history"][-1]["val"]
+        if r.optimizer not in best or v < results[best[r.optimizer].name]["history"][-1]["val"]:
+            best[r.optimizer] = r
+    first = results[done[0].name] if done else {}
+    lines = [f"# Train a GPT: {', '.join(dict.fromkeys(r.optimizer for r in runs))}", "",
              f"- model: {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads, "
-             f"{next(iter(runs.values())).get('parameters', 0) / 1e6:.2f}M parameters; "
+             f"{first.get('parameters', 0) / 1e6:.2f}M parameters; "
              f"{cfg.steps} steps of {cfg.batch} x {cfg.seq_len} bytes "
              f"({cfg.steps * cfg.batch * cfg.seq_len / 1e6:.1f}M tokens); device {device}",
              f"- data: {corpus_info}",
-             f"- lr {cfg.lr} (Muon, NorMuon; Dion3 {cfg.lr / math.sqrt(cfg.fraction):.4g} = lr / sqrt(f), "
-             f"f = {cfg.fraction}), AdamW {cfg.adamw_lr}; seed {cfg.seed}", "",
-             "| optimizer | final val loss | optimizer share of step time | tokens/s | peak memory | optimizer state |",
-             "|---|---|---|---|---|---|"]
-    for name, st in runs.items():
-        if not st.get("history"):
-            continue
+             f"- lr: Muon and NorMuon --lr {cfg.lr}, Dion3 --lr / sqrt(f) (f = {cfg.fraction}), AdamW "
+             f"--adamw-lr {cfg.adamw_lr} (also Dion3's and Muon's embeddings, head and vectors), times each "
+             f"run's scale; seed {cfg.seed}", "",
+             "| run | lr | final val loss | optimizer share of step time | tokens/s | peak memory | optimizer state |",
+             "|---|---|---|---|---|---|---|"]
+    for r in done:
+        st = results[r.name]
         final = st["history"][-1]["val"]
         share = 100 * st["opt_seconds"] / max(st["elapsed"], 1e-9)
-        tps = cfg.steps * cfg.batch * cfg.seq_len / max(st["elapsed"], 1e-9) if st.get("done") else float("nan")
+        tps = cfg.steps * cfg.batch * cfg.seq_len / max(st["elapsed"], 1e-9)
         peak = f"{st['peak_memory'] / 2**20:.0f} MiB" if st.get("peak_memory") else "n/a (CPU)"
         state_mb = f"{st.get('optimizer_state_bytes', 0) / 2**20:.1f} MiB"
-        label = f"{name} (f = {cfg.fraction})" if name == "dion3" else name
-        lines.append(f"| {label} | {final:.4f} | {share:.1f}% | {tps:,.0f} | {peak} | {state_mb} |")
+        label = f"{r.name} (f = {cfg.fraction})" if r.optimizer == "dion3" else r.name
+        if best.get(r.optimizer) is r and len(done) > len(best):
+            label = f"**{label}**"
+        lines.append(f"| {label} | {lr_of(r):.4g} | {final:.4f} | {share:.1f}% | {tps:,.0f} | {peak} | {state_mb} |")
+    if len(done) > len(best):
+        lines += ["", "Bold: each optimizer's best learning rate (the plot shows those)."]
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -340,9 +395,10 @@ def write_report(runs: Dict[str, Dict], cfg: Config, out: str, device, corpus_in
               file=sys.stderr)
         return
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, st in runs.items():
-        h = st.get("history") or []
-        label = f"dion3 f={cfg.fraction}" if name == "dion3" else name
+    for r in best.values():
+        h = results[r.name]["history"]
+        label = f"{r.name} f={cfg.fraction}" if r.optimizer == "dion3" else r.name
+        label += f", lr {lr_of(r):.3g}"
         a.plot([e["step"] for e in h], [e["val"] for e in h], label=label)
         b.plot([e["seconds"] for e in h], [e["val"] for e in h], label=label)
     a.set_xlabel("step")
@@ -372,10 +428,18 @@ def parse_args(argv=None):
     ap.add_argument("--adamw-lr", type=float, default=3e-3, help="AdamW's lr (alone, and for Dion3/Muon's "
                                                                      "embeddings, head and vectors)")
     ap.add_argument("--fraction", type=float, default=0.25, help="Dion3's f (default 1/4)")
+    ap.add_argument("--lr-scales", default="1",
+                    help="comma-separated multipliers of each optimizer's lr, one run each (a sweep: "
+                         "0.5,1,2); the table marks and the plot shows each optimizer's best")
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="seconds; then the current run saves and stops, and --resume goes on")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when a GPU is visible)")
     ap.add_argument("--out", default="train_gpt_out", help="folder for the plot, table and checkpoints")
     ap.add_argument("--resume", action="store_true", help="go on from the checkpoints in --out")
+    ap.add_argument("--report-only", action="store_true",
+                    help="train nothing: write the table and plot from the run-*.json records in --out "
+                         "(runs finished in several sessions, copied into one folder)")
     ap.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: an interruption
     a = ap.parse_args(argv)
     names = [n.strip() for n in a.optimizers.split(",") if n.strip()]
@@ -405,12 +469,47 @@ def parse_args(argv=None):
         ap.error(f"--d-model ({preset['d_model']}) must be a multiple of --n-head ({preset['n_head']})")
     if preset["corpus_mb"] <= 0:
         ap.error("--corpus-mb must be positive")
+    try:
+        scales = [float(x) for x in a.lr_scales.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--lr-scales: expected numbers, got {a.lr_scales!r}")
+    if not scales or any(not (math.isfinite(x) and x > 0) for x in scales) or len(set(scales)) != len(scales):
+        ap.error(f"--lr-scales: expected distinct positive numbers, got {a.lr_scales!r}")
+    if a.time_limit is not None and not a.time_limit > 0:
+        ap.error(f"--time-limit must be a positive number of seconds, got {a.time_limit}")
     cfg = Config(**preset, lr=a.lr, adamw_lr=a.adamw_lr, fraction=a.fraction, seed=a.seed)
+    a.scales = scales
     return a, names, cfg
+
+
+def report_only(out: str) -> int:
+    records = []
+    for f in sorted(os.listdir(out)) if os.path.isdir(out) else []:
+        if f.startswith("run-") and f.endswith(".json"):
+            with open(os.path.join(out, f)) as fh:
+                records.append(json.load(fh))
+    if not records:
+        raise SystemExit(f"train_gpt: --report-only: no run-*.json records in {out}")
+    order = {n: i for i, n in enumerate(OPTIMIZERS)}
+    records.sort(key=lambda r: (order.get(r["optimizer"], 99), r["scale"]))
+    runs = [Run(r["name"], r["optimizer"], Config(**r["config"]), r["scale"]) for r in records]
+    first = runs[0]
+    cfg = replace(first.cfg, lr=first.cfg.lr / (first.scale if first.optimizer != "adamw" else 1.0),
+                  adamw_lr=first.cfg.adamw_lr / (first.scale if first.optimizer == "adamw" else 1.0))
+    shapes = {tuple((k, v) for k, v in r["config"].items() if k not in ("lr", "adamw_lr")) for r in records}
+    if len(shapes) > 1:
+        raise SystemExit("train_gpt: --report-only: the records were trained with different settings "
+                         "(besides the learning rates); keep one setting per folder")
+    results = {r["name"]: r["state"] for r in records}
+    info = records[0]["state"].get("corpus", "see the runs' logs")
+    write_report(runs, results, cfg, out, records[0]["state"].get("device", "?"), info)
+    return 0
 
 
 def main(argv=None) -> int:
     a, names, cfg = parse_args(argv)
+    if a.report_only:
+        return report_only(a.out)
     device = torch.device(a.device)
     if device.type == "cpu":
         print(f"train_gpt: no GPU in use; training on the CPU ({torch.get_num_threads()} threads)"
@@ -437,14 +536,16 @@ def main(argv=None) -> int:
         evaluate(warm, windows[:1], device)
         del warm
         sync(device)
-    runs = {}
-    for name in names:
-        runs[name] = train_one(name, cfg, train, windows, device, a.out, a.resume, a.stop_after)
-        if not runs[name].get("done"):
-            return 0  # interrupted on purpose (--stop-after)
-    write_report(runs, cfg, a.out, device, corpus_info)
+    runs, results = runs_of(names, cfg, a.scales), {}
+    deadline = Deadline(a.time_limit)
+    for run in runs:
+        results[run.name] = train_one(run, train, windows, device, a.out, a.resume, a.stop_after, deadline,
+                                      corpus_info)
+        if not results[run.name].get("done"):
+            return 0  # stopped on purpose (--stop-after, --time-limit); --resume goes on
+    write_report(runs, results, cfg, a.out, device, corpus_info)
     with open(os.path.join(a.out, "history.json"), "w") as f:
-        json.dump({n: r["history"] for n, r in runs.items()}, f, indent=1)
+        json.dump({n: r["history"] for n, r in results.items()}, f, indent=1)
     print(f"train_gpt: wrote {a.out}/results.md and {a.out}/loss.png", file=sys.stderr)
     return 0
 

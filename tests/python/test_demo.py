@@ -46,6 +46,32 @@ def test_an_interrupted_run_resumes_bit_for_bit(tmp_path):
         assert strip == [(e["step"], e["val"], e["train"]) for e in b["state"]["history"]], name
 
 
+def test_a_learning_rate_sweep_marks_each_optimizers_best_run(tmp_path):
+    assert train_gpt.main(TINY + ["--optimizers", "muon,adamw", "--lr-scales", "0.5,2", "--out", str(tmp_path)]) == 0
+    table = (tmp_path / "results.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "@" in line]
+    assert len(rows) == 4 and sum("**" in r for r in rows) == 2
+    assert "| muon@0.5x | 0.01 |" in table.replace("**", "") and "| adamw@2x | 0.006 |" in table.replace("**", "")
+    assert (tmp_path / "loss.png").exists()
+    # The same report from the runs' records alone, as from runs finished in several sessions.
+    (tmp_path / "results.md").unlink()
+    assert train_gpt.main(["--report-only", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "results.md").read_text() == table
+
+
+def test_a_time_limit_stops_and_resume_goes_on_bit_for_bit(tmp_path):
+    args = TINY + ["--optimizers", "dion3"]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    assert train_gpt.main(args + ["--out", str(whole)]) == 0
+    assert train_gpt.main(args + ["--out", str(parts), "--time-limit", "1e-6"]) == 0  # stops after one step
+    ck = torch.load(parts / "ckpt-dion3.pt", weights_only=False)
+    assert ck["state"]["step"] == 1 and not ck["state"]["done"]
+    assert train_gpt.main(args + ["--out", str(parts), "--resume"]) == 0
+    a = torch.load(whole / "ckpt-dion3.pt", weights_only=False)["model"]
+    b = torch.load(parts / "ckpt-dion3.pt", weights_only=False)["model"]
+    assert all(torch.equal(v, b[k]) for k, v in a.items())
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--optimizers", "dion3,sgd"], "--optimizers: unknown sgd"),
     (["--fraction", "0"], "--fraction must be in"),
@@ -53,6 +79,9 @@ def test_an_interrupted_run_resumes_bit_for_bit(tmp_path):
     (["--steps", "0"], "--steps must be at least 1"),
     (["--lr", "-1"], "--lr must be a positive number"),
     (["--device", "tpu"], "--device must be cpu or cuda"),
+    (["--lr-scales", "1,x"], "--lr-scales: expected numbers"),
+    (["--lr-scales", "1,1"], "--lr-scales: expected distinct positive numbers"),
+    (["--time-limit", "0"], "--time-limit must be a positive number"),
 ])
 def test_bad_arguments_are_refused_with_a_message(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
