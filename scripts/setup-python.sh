@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # scripts/setup-python.sh — the repo-local Python environment for the PyTorch front end.
 #
-# Creates .venv (git-ignored) with PyTorch, numpy, pytest, matplotlib (the demo's plot) and the build tools (setuptools, ninja,
+# Creates .venv (git-ignored) with PyTorch, numpy, pytest, matplotlib (the demo's plot), accelerate,
+# lightning and transformers (the framework recipes' tests) and the build tools (setuptools, ninja,
 # build), then builds and installs dion3 from this tree into it. Idempotent: every step is skipped
 # when its result is already there, and the extension is rebuilt (incrementally, by ninja) only
 # when a source file changed since the last build. Environment knobs:
@@ -42,7 +43,7 @@ if ! has_module torch; then
     pip_install "$TORCH_SPEC"
   fi
 fi
-for mod in numpy pytest ninja build matplotlib; do
+for mod in numpy pytest ninja build matplotlib accelerate lightning transformers; do
   has_module "$mod" || { log "installing $mod"; pip_install "$mod"; }
 done
 # The package's metadata (an SPDX license expression) needs setuptools >= 77; a virtualenv may
