@@ -37,6 +37,10 @@ using Coefficients = std::array<double, 3>;  // (a, b, c) of one quintic step
 // Polar Express with safety 1.05 (the default) and Muon's classic quintic ("You").
 DION3_API const std::vector<Coefficients>& polar_express_coefficients();
 DION3_API const std::vector<Coefficients>& you_coefficients();
+// The reference package's default set: Polar Express with a 2% safety factor, whose input is
+// scaled by 1.02 times its Frobenius norm; that margin is folded into the first step here, so it
+// runs on the input as this library normalises it.
+DION3_API const std::vector<Coefficients>& reference_coefficients();
 
 struct DION3_API OrthConfig {
   // validate() refuses coefficients that take a singular value in [0, 1] beyond this.

@@ -13,7 +13,7 @@ import bisect
 import difflib
 import math
 import numbers
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as _torch_dist
@@ -52,6 +52,18 @@ YOU = [
     (4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
     (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012),
 ]
+# The reference package's default: Polar Express with a 2% safety factor on an input scaled by
+# 1.02 times its norm; the margin is folded into the first step (the engine scales by the norm).
+_S = 1.02
+REFERENCE = [
+    (8.156554524902461 / _S, -22.48329292557795 / _S**3, 15.878769915207462 / _S**5),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+]
+# Coefficient sets by name (group key "coefficients", dion3.orthogonalize).
+COEFFICIENT_SETS = {"polar_express": POLAR_EXPRESS, "you": YOU, "reference": REFERENCE}
 
 
 def _dtype_name(dtype) -> Optional[str]:
@@ -75,6 +87,11 @@ def _engine_config(group: Dict[str, Any]) -> Dict[str, Any]:
     coefficients = group.get("coefficients")
     if coefficients is None:
         coefficients = POLAR_EXPRESS if group.get("use_polar_express", True) else YOU
+    elif isinstance(coefficients, str):
+        if coefficients not in COEFFICIENT_SETS:
+            raise ValueError(f"dion3: 'coefficients' names one of {', '.join(COEFFICIENT_SETS)} or is a list of "
+                             f"(a, b, c) steps; got {coefficients!r}")
+        coefficients = COEFFICIENT_SETS[coefficients]
     restarts = group.get("restarts")
     if restarts is None:
         restarts = [2]
@@ -915,7 +932,8 @@ class Dion3(_EngineOptimizer):
     blocking (CUDA: whether step() waits for the GPU's non-finite verdict; None = only under
     on_nonfinite='raise'; with blocking=False a 'raise' is reported at a later step(),
     state_dict() or check_nonfinite(), the bad step itself never applied; see docs/cuda-graphs.md),
-    momentum_dtype, iteration_dtype, coefficients and restarts.
+    momentum_dtype, iteration_dtype, coefficients (a list of (a, b, c) steps, or "polar_express",
+    the default, "reference" for the reference package's default set, or "you") and restarts.
     use_triton and triton_post_ortho are accepted and ignored: they pick the reference's kernels,
     not the result (the engine has its own). selection_scope defaults to "local" here, "global"
     in the reference (see docs/distributed.md)."""
@@ -932,7 +950,7 @@ class Dion3(_EngineOptimizer):
                  scale_lr_by_fraction: bool = False, on_nonfinite: str = "raise",
                  workspace_limit: Optional[int] = None,
                  momentum_dtype: Optional[torch.dtype] = None, iteration_dtype: Optional[torch.dtype] = None,
-                 coefficients: Optional[Sequence[Tuple[float, float, float]]] = None,
+                 coefficients: Optional[Union[str, Sequence[Tuple[float, float, float]]]] = None,
                  restarts: Optional[Sequence[int]] = None, cautious_wd: bool = False, nesterov: bool = False,
                  megabatch: bool = True, blocking: Optional[bool] = None):
         defaults = _defaults(
@@ -963,7 +981,7 @@ class NorMuon(_EngineOptimizer):
                  newton_schulz_func=None, *, orthogonalizer: str = "auto", on_nonfinite: str = "raise",
                  workspace_limit: Optional[int] = None,
                  momentum_dtype: Optional[torch.dtype] = None, iteration_dtype: Optional[torch.dtype] = None,
-                 coefficients: Optional[Sequence[Tuple[float, float, float]]] = None,
+                 coefficients: Optional[Union[str, Sequence[Tuple[float, float, float]]]] = None,
                  restarts: Optional[Sequence[int]] = None, fraction: float = 0.25,
                  scale_lr_by_fraction: bool = False, megabatch: bool = True, blocking: Optional[bool] = None):
         defaults = _defaults(
@@ -992,7 +1010,7 @@ class Muon(_EngineOptimizer):
                  use_polar_express: bool = True, newton_schulz_func=None, *, orthogonalizer: str = "auto",
                  on_nonfinite: str = "raise", workspace_limit: Optional[int] = None, momentum_dtype: Optional[torch.dtype] = None,
                  iteration_dtype: Optional[torch.dtype] = None,
-                 coefficients: Optional[Sequence[Tuple[float, float, float]]] = None,
+                 coefficients: Optional[Union[str, Sequence[Tuple[float, float, float]]]] = None,
                  restarts: Optional[Sequence[int]] = None, muon_beta2: float = 0.95, fraction: float = 0.25,
                  scale_lr_by_fraction: bool = False, megabatch: bool = True, blocking: Optional[bool] = None):
         defaults = _defaults(

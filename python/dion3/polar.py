@@ -3,7 +3,7 @@
 # orthogonalization step.
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -11,7 +11,7 @@ from . import _C
 from .optimizer import POLAR_EXPRESS, YOU, _engine_config
 
 
-def orthogonalize(X: torch.Tensor, method: str = "auto", *, coefficients: Optional[Sequence[Tuple[float, float, float]]] = None,
+def orthogonalize(X: torch.Tensor, method: str = "auto", *, coefficients: Optional[Union[str, Sequence[Tuple[float, float, float]]]] = None,
                   restarts: Optional[Sequence[int]] = None, iteration_dtype: Optional[torch.dtype] = None,
                   use_polar_express: bool = True) -> torch.Tensor:
     """The approximate polar factor (U V^T of X = U S V^T) of a matrix, or of each matrix of a
@@ -22,8 +22,9 @@ def orthogonalize(X: torch.Tensor, method: str = "auto", *, coefficients: Option
 
     method: "auto" (the cheaper of the two for the shape, by the backend's cost model),
     "standard", or "gram" (Gram Newton–Schulz, restarting at the step indices in `restarts`).
-    coefficients: the (a, b, c) steps; default Polar Express (`use_polar_express=False`: Muon's
-    classic quintic). iteration_dtype: float32, float16 or bfloat16 (default: the backend's
+    coefficients: the (a, b, c) steps, or a set by name: "polar_express" (the default; with
+    `use_polar_express=False`, Muon's classic quintic), "reference" (the reference package's
+    default Polar Express set), "you" (Muon's classic quintic). iteration_dtype: float32, float16 or bfloat16 (default: the backend's
     choice, float32 on the CPU)."""
     if not isinstance(X, torch.Tensor):
         raise TypeError(f"dion3.orthogonalize: expected a torch.Tensor, got {type(X).__name__}")

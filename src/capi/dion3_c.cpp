@@ -105,7 +105,9 @@ dion3::TensorView to_view(const dion3_tensor* t, const std::string& what) {
 }
 
 const std::vector<dion3::Coefficients>& preset(int32_t which) {
-  return which == DION3_COEFF_YOU ? dion3::you_coefficients() : dion3::polar_express_coefficients();
+  return which == DION3_COEFF_YOU         ? dion3::you_coefficients()
+         : which == DION3_COEFF_REFERENCE ? dion3::reference_coefficients()
+                                          : dion3::polar_express_coefficients();
 }
 
 dion3::GroupConfig to_config(const dion3_group_config* c) {
@@ -128,7 +130,7 @@ dion3::GroupConfig to_config(const dion3_group_config* c) {
   require(c->momentum_dtype >= -1, "group config: momentum_dtype is " +
                                        std::to_string(c->momentum_dtype) + ", expected -1 or a dtype");
   g.orth.method = to_enum<dion3::OrthMethod>(c->orth_method, 0, 2, "group config: orth_method");
-  int32_t which = to_enum<int32_t>(c->orth_coefficients, 0, 2, "group config: orth_coefficients");
+  int32_t which = to_enum<int32_t>(c->orth_coefficients, 0, 3, "group config: orth_coefficients");
   if (which == DION3_COEFF_CUSTOM) {
     require(c->orth_num_custom >= 1 && c->orth_num_custom <= DION3_MAX_ORTH_STEPS,
             "group config: orth_num_custom is " + std::to_string(c->orth_num_custom) +
@@ -188,6 +190,8 @@ void from_config(const dion3::GroupConfig& g, dion3_group_config* c) {
     c->orth_coefficients = DION3_COEFF_POLAR_EXPRESS;
   } else if (g.orth.coefficients == dion3::you_coefficients()) {
     c->orth_coefficients = DION3_COEFF_YOU;
+  } else if (g.orth.coefficients == dion3::reference_coefficients()) {
+    c->orth_coefficients = DION3_COEFF_REFERENCE;
   } else {
     require(g.orth.coefficients.size() <= DION3_MAX_ORTH_STEPS,
             "group has " + std::to_string(g.orth.coefficients.size()) +

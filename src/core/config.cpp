@@ -133,6 +133,23 @@ const std::vector<Coefficients>& you_coefficients() {
   return c;
 }
 
+const std::vector<Coefficients>& reference_coefficients() {
+  static const std::vector<Coefficients> c = [] {
+    std::vector<Coefficients> v = {
+        {8.156554524902461, -22.48329292557795, 15.878769915207462},
+        {4.042929935166739, -2.808917465908714, 0.5000178451051316},
+        {3.8916678022926607, -2.772484153217685, 0.5060648178503393},
+        {3.285753657755655, -2.3681294933425376, 0.46449024233003106},
+        {2.3465413258596377, -1.7097828382687081, 0.42323551169305323},
+    };
+    // Step 1 on X / (1.02 |X|) is a X/1.02 + b (XXᵀ)X/1.02³ + c (XXᵀ)²X/1.02⁵ on X / |X|.
+    const double s = 1.02;
+    v[0] = {v[0][0] / s, v[0][1] / (s * s * s), v[0][2] / (s * s * s * s * s)};
+    return v;
+  }();
+  return c;
+}
+
 void OrthConfig::validate() const {
   if (coefficients.empty()) fail("'coefficients' must hold at least one (a, b, c) step, got none");
   for (std::size_t i = 0; i < coefficients.size(); ++i)

@@ -195,6 +195,13 @@ static void test_defaults(void) {
   CHECK(back.fraction == 0.125 && back.orth_coefficients == DION3_COEFF_YOU,
         "group config did not round-trip (fraction %g, coefficients %d)", back.fraction,
         back.orth_coefficients);
+  cfg.orth_coefficients = DION3_COEFF_REFERENCE;
+  CHECK_OK(dion3_add_group(opt, &cfg, &g));
+  CHECK_OK(dion3_get_group_config(opt, g, &back));
+  CHECK(back.orth_coefficients == DION3_COEFF_REFERENCE, "the reference set did not round-trip (%d)",
+        back.orth_coefficients);
+  cfg.orth_coefficients = 4;
+  CHECK(dion3_add_group(opt, &cfg, &g) == DION3_INVALID_ARGUMENT, "coefficient set 4 was accepted");
   dion3_destroy(opt);
 }
 

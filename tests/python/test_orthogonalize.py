@@ -62,3 +62,48 @@ def test_errors(device):
     with pytest.raises(ValueError, match="'coefficients'"):
         dion3.orthogonalize(torch.randn(4, 4, device=device), coefficients=[(1e30, 0, 0)])
     assert dion3.orthogonalize(torch.randn(0, 4, 4, device=device)).shape == (0, 4, 4)
+
+
+# The reference package's default set, as it runs there: X / (1.02 |X|_F + eps), then five
+# quintic steps of the Polar Express set with a 2% safety factor (float64 here).
+REFERENCE_RAW = [
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+]
+
+
+def reference_package_polar(X):
+    X = X.double().cpu()
+    tall = X.shape[0] > X.shape[1]
+    X = X.T if tall else X
+    X = X / (X.norm() * 1.02 + 1e-6)
+    for a, b, c in REFERENCE_RAW:
+        A = X @ X.T
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.T if tall else X
+
+
+@pytest.mark.parametrize("method", ["standard", "gram"])
+@pytest.mark.parametrize("shape", [(32, 64), (64, 32)])
+def test_the_reference_packages_set_by_name(device, method, shape):
+    g = torch.Generator().manual_seed(3)
+    X = torch.randn(shape, generator=g)
+    got = dion3.orthogonalize(X.to(device), method, coefficients="reference", iteration_dtype=torch.float32)
+    want = reference_package_polar(X)
+    assert (got.double().cpu() - want).abs().max() / want.abs().max() < TOL[torch.float32]
+    # It is another polynomial than the default: the two results differ by about a tenth.
+    ours = dion3.orthogonalize(X.to(device), method, iteration_dtype=torch.float32).double().cpu()
+    rel = ((ours - want).norm() / want.norm()).item()
+    assert 0.05 < rel < 0.2, rel
+
+
+def test_an_unknown_coefficient_set_is_refused_naming_the_known_ones():
+    with pytest.raises(ValueError, match="names one of polar_express, you, reference"):
+        dion3.orthogonalize(torch.randn(4, 8), coefficients="polar")
+    p = torch.nn.Parameter(torch.randn(8, 4))
+    with pytest.raises(ValueError, match="'coefficients' names one of"):
+        dion3.Dion3([p], coefficients="quintic")
+    dion3.Dion3([p], coefficients="reference")  # accepted
