@@ -7,6 +7,7 @@ nothing to download, present on every machine with Python). Every optimizer sees
 initial weights and the same batches in the same order. At the end the run writes, in --out:
   loss.png    validation loss against step and against wall-clock time, one line per optimizer
   results.md  final validation loss, the optimizer's share of step time, tokens/s, peak memory
+              (GPU: the run's allocated peak; CPU: the process's resident peak, cumulative)
   ckpt-<optimizer>.pt  a checkpoint per optimizer, so an interrupted run resumes (--resume)
                exactly where it stopped: the resumed run computes the same bits as one that
                never stopped.
@@ -224,6 +225,15 @@ def evaluate(model, windows, device):
     return sum(losses) / len(losses)
 
 
+def peak_rss_bytes() -> Optional[int]:
+    try:
+        import resource
+    except ImportError:  # not on every platform
+        return None
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb * (1 if sys.platform == "darwin" else 1024)
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -337,6 +347,8 @@ def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resu
             return state
     state["done"] = True
     state["peak_memory"] = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
+    # On the CPU: the process's high-water mark so far (it includes the runs before this one).
+    state["peak_rss"] = peak_rss_bytes()
     state["optimizer_state_bytes"] = sum(t.numel() * t.element_size() for st in opt.state.values()
                                          for t in st.values() if torch.is_tensor(t))
     state["parameters"] = sum(p.numel() for p in model.parameters())
@@ -375,7 +387,8 @@ def write_report(runs: List[Run], results: Dict[str, Dict], cfg: Config, out: st
         final = st["history"][-1]["val"]
         share = 100 * st["opt_seconds"] / max(st["elapsed"], 1e-9)
         tps = cfg.steps * cfg.batch * cfg.seq_len / max(st["elapsed"], 1e-9)
-        peak = f"{st['peak_memory'] / 2**20:.0f} MiB" if st.get("peak_memory") else "n/a (CPU)"
+        peak = (f"{st['peak_memory'] / 2**20:.0f} MiB" if st.get("peak_memory") else
+                f"{st['peak_rss'] / 2**20:.0f} MiB (process)" if st.get("peak_rss") else "n/a")
         state_mb = f"{st.get('optimizer_state_bytes', 0) / 2**20:.1f} MiB"
         label = f"{r.name} (f = {cfg.fraction})" if r.optimizer == "dion3" else r.name
         if best.get(r.optimizer) is r and len(done) > len(best):
