@@ -184,18 +184,22 @@ def zeros_like_layout(p: torch.Tensor, shape: Tuple[int, ...], dtype: torch.dtyp
     shape is `shape` (the momentum: p's shape; the variance: p[..., 0:1]'s)."""
     if not is_dtensor(p):
         return torch.zeros(shape, dtype=dtype, device=p.device)
-    local_shape = _local_shape(shape, p.device_mesh, tuple(p.placements))
+    like = tuple(p.shape)
+    local_shape = _local_shape(shape, p.device_mesh, tuple(p.placements), like)
     lt = torch.zeros(local_shape, dtype=dtype, device=p.to_local().device)
-    return DTensor.from_local(lt, p.device_mesh, _placements_for(shape, p.placements), run_check=False,
+    return DTensor.from_local(lt, p.device_mesh, _placements_for(shape, p.placements, like), run_check=False,
                               shape=torch.Size(shape), stride=_contiguous_stride(shape))
 
 
-def _placements_for(shape: Tuple[int, ...], placements) -> Tuple:
-    # The per-row variance (p[..., 0:1]: one column) keeps the row shards and drops the shards
-    # of the columns: every rank of a column shard holds all its rows' values.
+def _placements_for(shape: Tuple[int, ...], placements, like: Tuple[int, ...]) -> Tuple:
+    """Placements of a state tensor of `shape` for a parameter of shape `like` placed so: a
+    tensor of the parameter's shape is placed as the parameter; the per-row variance
+    (p[..., 0:1], one column where the parameter has more) keeps the row shards and drops the
+    shards of its column (every rank of a column shard holds all its rows' values), as it drops
+    shards of dimensions it does not have."""
     out = []
     for pl in placements:
-        if _is_shard(pl) and (pl.dim >= len(shape) or (pl.dim == len(shape) - 1 and shape[-1] == 1)):
+        if _is_shard(pl) and (pl.dim >= len(shape) or (pl.dim < len(like) and shape[pl.dim] != like[pl.dim])):
             out.append(Replicate())
         else:
             out.append(pl)
@@ -218,13 +222,14 @@ def _chunk(size: int, parts: int, index: int) -> Tuple[int, int]:
     return start, max(0, min(c, size - start))
 
 
-def _local_shape(shape: Tuple[int, ...], mesh: Any, placements) -> Tuple[int, ...]:
+def _local_shape(shape: Tuple[int, ...], mesh: Any, placements, like: Tuple[int, ...]) -> Tuple[int, ...]:
     out = list(shape)
     if any(type(pl).__name__ == "_StridedShard" for pl in placements):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        return tuple(compute_local_shape_and_global_offset(torch.Size(shape), mesh, _placements_for(shape, placements))[0])
-    for mdim, pl in enumerate(_placements_for(shape, placements)):
+        return tuple(compute_local_shape_and_global_offset(torch.Size(shape), mesh,
+                                                           _placements_for(shape, placements, like))[0])
+    for mdim, pl in enumerate(_placements_for(shape, placements, like)):
         if pl.is_shard():
             _, n = _chunk(out[pl.dim], mesh.size(mdim), mesh.get_local_rank(mdim))
             out[pl.dim] = n
@@ -235,7 +240,7 @@ def local_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """This rank's part of a full (unsharded) tensor, as a DTensor placed like `like` (a DTensor
     parameter or state tensor): loading a single-device checkpoint into a sharded run."""
     shape = tuple(full.shape)
-    mesh, placements = like.device_mesh, _placements_for(shape, like.placements)
+    mesh, placements = like.device_mesh, _placements_for(shape, like.placements, tuple(like.shape))
     part = full
     for mdim, pl in enumerate(placements):
         if pl.is_shard():

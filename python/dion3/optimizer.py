@@ -281,6 +281,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._dtensors = False  # the engine's parameters include DTensor shards
         self._unregistered: List[torch.Tensor] = []  # parameters without a gradient at the last rebuild
         self._alias_index = None  # see _check_aliasing
+        # The kind of algorithm ("matrix", "adamw", "lion") each parameter's state was made for:
+        # a group switched to another kind starts its parameters' state afresh (the kinds share
+        # state names, not meanings).
+        self._kinds: Dict[torch.Tensor, str] = {}
         super().__init__(params, defaults)
 
     # ---- torch.optim.Optimizer protocol ---------------------------------------------------
@@ -306,6 +310,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._dtensors = False
         self._unregistered = []
         self._alias_index = None
+        self._kinds = {}  # unknown after unpickling: the state is taken as made for its group
         self._engine, self._engine_key, self._engine_params, self._engine_groups = None, None, [], []
         self._engine_states = []
         self._engine_cuda = False
@@ -338,6 +343,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         for p in group["params"]:
             if not self.state.get(p):
                 self.state[p] = self._zero_state(group, p)
+                self._kinds[p] = _kind(group["algorithm"])
         self._dirty = True
 
     def _zero_state(self, group: Dict[str, Any], p: torch.Tensor) -> Dict[str, Any]:
@@ -359,6 +365,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         # optional fp32 momentum) next to low-precision weights: put the checked tensors in.
         for p, st in loaded.items():
             self.state[p].update(st)
+        self._kinds = {p: _kind(g["algorithm"]) for g in self.param_groups for p in g["params"]}
         for g in self.param_groups:
             for k, v in self.defaults.items():  # groups saved by an older version may lack new keys
                 g.setdefault(k, v)
@@ -463,7 +470,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                         raise ValueError(f"dion3: load_state_dict: {what} has shape {list(value.shape)}, "
                                          f"expected {list(shape)}")
                     if _dist.is_dtensor(value) and _dist.is_dtensor(p):
-                        want = _dist._placements_for(tuple(shape), p.placements)
+                        want = _dist._placements_for(tuple(shape), p.placements, tuple(p.shape))
                         if not _dist.same_mesh(value.device_mesh, p.device_mesh) or tuple(value.placements) != want:
                             raise ValueError(f"dion3: load_state_dict: {what} is placed {list(value.placements)} "
                                              f"on {value.device_mesh}, expected {list(want)} on {p.device_mesh} "
@@ -860,6 +867,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         engine = _C.Engine(device.type, device.index or 0, self._on_nonfinite, self._workspace_limit,
                            getattr(self, "_megabatch", True), getattr(self, "_record_orthogonalizer", True))
         new_state: Dict[torch.Tensor, Dict[str, Any]] = {}
+        kinds: Dict[torch.Tensor, str] = {}
+        switched = set()
         engine_params, engine_groups, steps, adamw_check = [], [], [], []
         dtensors = False
         for gi, group, members in params_with_grad:
@@ -869,6 +878,11 @@ class _EngineOptimizer(torch.optim.Optimizer):
             for j, p in members:
                 name_j = self._param_name(group, gi, j)
                 old = self.state.get(p, {})
+                kind = _kind(group["algorithm"])
+                if self._kinds.get(p, kind) != kind:
+                    old = {}  # another kind of algorithm: its moments mean something else
+                    switched.add(p)
+                kinds[p] = kind
                 st = {}
                 for name, dtype, shape in _state_shapes(group, p):
                     t = old.get(name)
@@ -904,6 +918,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
             applied_seen, skipped_seen = max(steps), self._steps_skipped
         # The engine accepted everything: commit the state.
         for p, st in new_state.items():
+            if p in switched:
+                self.state[p].clear()
+            self._kinds[p] = kinds[p]
             self.state[p].update(st)
         self._engine = engine
         self._engine_params = engine_params

@@ -1091,7 +1091,8 @@ void Optimizer::Impl::bind(Megabatch& mb) {
   };
   for (auto& [first, set] : mb.others) part(*set, first, static_cast<int64_t>(set->mats.size()));
   for (Chunk& c : mb.chunks) part(*c.set, c.first, c.count);
-  mb.bound = binding;
+  // A captured upload runs only when the graph is replayed: the next eager step uploads again.
+  mb.bound = capturing_now ? 0 : binding;
 }
 
 void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {

@@ -131,6 +131,9 @@ class CudaBackend final : public Backend {
   }
   std::unique_ptr<Recording> record(const std::function<void()>& work) override;
   uint64_t scratch_moves() const { return scratch_moves_; }
+  // Recordings made so far replay no more (Recording::replay answers false): they hold kernel
+  // choices or memory that changed.
+  void invalidate_recordings() { ++scratch_moves_; }
 
   // NVTX costs a call into a stub when no tool (Nsight Systems) is attached.
   void range_push(const char* name) override { nvtxRangePushA(name); }
@@ -485,31 +488,38 @@ class CudaRecording final : public Recording {
 std::unique_ptr<Recording> CudaBackend::record(const std::function<void()>& work) {
   if (capturing()) return nullptr;  // inside the caller's capture the ops join the caller's graph
   if (!capture_stream_) DION3_CUDA_CHECK(cudaStreamCreateWithFlags(&capture_stream_, cudaStreamNonBlocking));
-  const cudaStream_t user = stream_;
   const uint64_t moves = scratch_moves_;
   // The ops are enqueued on the capture stream: they run nowhere until a replay launches them.
+  // Whatever happens, the user's stream and cuBLAS binding come back and no capture stays open.
+  struct Restore {
+    CudaBackend& be;
+    cudaStream_t user;
+    bool open = false;
+    ~Restore() {
+      if (open) {
+        cudaGraph_t g = nullptr;
+        cudaStreamEndCapture(be.capture_stream_, &g);
+        if (g) cudaGraphDestroy(g);
+        cudaGetLastError();
+      }
+      be.recording_ = false;
+      be.stream_ = user;
+      // A destructor does not throw: a failure here shows at the next cuBLAS call.
+      cublasSetStream(be.handle_, user);
+      cublasSetWorkspace(be.handle_, be.cublas_ws_.get(), kCublasWorkspace);
+    }
+  } restore{*this, stream_};
+  recording_ = true;
   stream_ = capture_stream_;
   bind_cublas(stream_);
-  recording_ = true;
-  auto restore = [&] {
-    recording_ = false;
-    stream_ = user;
-    bind_cublas(stream_);
-  };
   DION3_CUDA_CHECK(cudaStreamBeginCapture(capture_stream_, cudaStreamCaptureModeThreadLocal));
+  restore.open = true;
+  work();
+  restore.open = false;
   cudaGraph_t graph = nullptr;
-  try {
-    work();
-  } catch (...) {
-    cudaStreamEndCapture(capture_stream_, &graph);
-    if (graph) cudaGraphDestroy(graph);
-    cudaGetLastError();
-    restore();
-    throw;
-  }
   const cudaError_t ended = cudaStreamEndCapture(capture_stream_, &graph);
-  restore();
   if (ended != cudaSuccess || graph == nullptr) {
+    if (graph) cudaGraphDestroy(graph);
     cudaGetLastError();
     fail(std::string("CUDA backend: recording failed: ") + cudaGetErrorString(ended), Status::Internal);
   }
@@ -535,7 +545,11 @@ CudaBackend& as_cuda(Backend& b) {
 
 }  // namespace
 
-void set_symmetric_options(Backend& backend, const SymmetricOptions& options) { as_cuda(backend).sym_ = options; }
+void set_symmetric_options(Backend& backend, const SymmetricOptions& options) {
+  CudaBackend& be = as_cuda(backend);
+  be.sym_ = options;
+  be.invalidate_recordings();  // recordings chose their kernels under the old options
+}
 SymmetricOptions symmetric_options(Backend& backend) { return as_cuda(backend).sym_; }
 void* backend_stream(Backend& backend) { return as_cuda(backend).stream(); }
 int64_t symmetric_tile_for(Backend& backend, int64_t p) { return as_cuda(backend).tile_for(p); }

@@ -204,3 +204,31 @@ def test_flattened_conv_weights_say_how_their_variance_differs(device, shape):
     sd["state"][0]["variance_neuron"] = torch.zeros(shape[:-1] + (1,))
     with pytest.raises(ValueError, match=r"state 'variance_neuron' has shape \[6, 5, 4, 1\], expected \[6, 1\]"):
         opt.load_state_dict(sd)
+
+
+def test_a_group_switched_to_another_kind_of_algorithm_starts_its_state_afresh(device):
+    # Matrix and AdamW state share the name "momentum" but not its meaning.
+    (p,) = make_params([(8, 6)], device)
+    opt = dion3.Dion3([dict(params=[p], algorithm="muon", lr=0.02)])
+    for _ in range(2):
+        p.grad = torch.randn_like(p)
+        opt.step()
+    q = torch.nn.Parameter(p.detach().clone())
+    fresh = dion3.Dion3([dict(params=[q], algorithm="adamw", lr=0.01)])
+    opt.param_groups[0].update(algorithm="adamw", lr=0.01)
+    g = torch.randn_like(p)
+    p.grad, q.grad = g.clone(), g.clone()
+    opt.step()
+    fresh.step()
+    assert torch.equal(p, q)
+    assert set(opt.state[p]) == {"momentum", "variance", "step"} and opt.state[p]["step"] == 1
+
+
+def test_state_placements_follow_the_parameter_and_the_variance_keeps_row_shards():
+    from torch.distributed.tensor import Replicate, Shard
+    from dion3 import distributed as d
+    assert d._placements_for((1,), (Shard(0),), (1,)) == (Shard(0),)          # a (1,) gate under FSDP2
+    assert d._placements_for((8, 4), (Shard(1),), (8, 4)) == (Shard(1),)       # momentum of a column shard
+    assert d._placements_for((8, 1), (Shard(1),), (8, 4)) == (Replicate(),)    # its variance: every row
+    assert d._placements_for((8, 1), (Shard(0),), (8, 4)) == (Shard(0),)       # row shards stay
+    assert d._placements_for((6, 1), (Shard(2),), (6, 5, 4, 3)) == (Replicate(),)  # flatten=True conv
