@@ -3,6 +3,7 @@
 // decay), AdamW and Lion groups, over several steps with fresh gradients; weights and every
 // state tensor compared. fp32 iteration dtype for tight bounds; the GPU defaults (fp16 Gram,
 // bf16 standard) with loose ones.
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -248,6 +249,53 @@ TEST_F(CudaStep, RecordedOrthogonalizerEqualsOpByOp) {
     for (std::size_t t = 0; t < a.params[i].tensors.size(); ++t)
       EXPECT_EQ(a.params[i].tensors[t].second.data, b.params[i].tensors[t].second.data)
           << a.params[i].name << "." << a.params[i].tensors[t].first;
+}
+
+// A step captured by the caller, with a gradient re-bound just before, and then never replayed:
+// the next eager step must read the new gradient's table, as an engine that never captured does.
+TEST_F(CudaStep, AnEagerStepAfterACaptureThatWasNotReplayedBindsAfresh) {
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  {
+    std::mt19937_64 rng(87);
+    const std::vector<int64_t> shape = {48, 64};
+    std::vector<float> w0 = ct::normal_values(rng, 48 * 64, 0.5f), g1 = ct::normal_values(rng, 48 * 64, 1.0f),
+                       g2 = ct::normal_values(rng, 48 * 64, 1.0f);
+    struct Run {
+      std::unique_ptr<dion3::Optimizer> opt;
+      std::unique_ptr<Twin> w, ga, gb;
+    } runs[2];
+    for (Run& r : runs) {
+      r.opt = std::make_unique<dion3::Optimizer>(dion3::make_cuda_backend(0, stream));
+      for (auto* t : {&r.w, &r.ga, &r.gb}) *t = std::make_unique<Twin>(*gpu, DType::F32, 1, 48, 64);
+      r.w->set_host(w0);
+      r.w->upload();
+      r.ga->set_host(g1);
+      r.ga->upload();
+      r.gb->set_host(g2);
+      r.gb->upload();
+      dion3::GroupConfig g;
+      g.fraction = 0.5;
+      dion3::ParamSpec spec;
+      spec.name = "w";
+      spec.weight = {r.w->dev.get(), DType::F32, dion3::Device::CUDA, 0, shape};
+      spec.grad = {r.ga->dev.get(), DType::F32, dion3::Device::CUDA, 0, shape};
+      r.opt->add_param(r.opt->add_group(g), spec);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the uploads ran on the fixture's stream
+      ASSERT_TRUE(r.opt->step());
+      ASSERT_TRUE(r.opt->step());  // the second step records the orthogonalization
+      r.opt->set_grad(0, {r.gb->dev.get(), DType::F32, dion3::Device::CUDA, 0, shape});
+    }
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    runs[0].opt->step_async();
+    cudaGraph_t graph = nullptr;
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    cudaGraphDestroy(graph);  // never replayed
+    for (Run& r : runs) ASSERT_TRUE(r.opt->step());
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    EXPECT_EQ(runs[0].w->device_values(), runs[1].w->device_values());
+  }
+  cudaStreamDestroy(stream);
 }
 
 }  // namespace
