@@ -437,9 +437,11 @@ def parse_args(argv=None):
     for key in ("n_layer", "d_model", "n_head", "seq_len", "batch", "steps", "eval_every", "eval_batches"):
         ap.add_argument("--" + key.replace("_", "-"), type=int, default=None, help="overrides the preset")
     ap.add_argument("--corpus-mb", type=float, default=None, help="bytes of source text to read, in MB")
-    ap.add_argument("--lr", type=float, default=0.02, help="Muon / NorMuon lr; Dion3 takes lr / sqrt(f)")
-    ap.add_argument("--adamw-lr", type=float, default=3e-3, help="AdamW's lr (alone, and for Dion3/Muon's "
-                                                                     "embeddings, head and vectors)")
+    ap.add_argument("--lr", type=float, default=None,
+                    help="Muon / NorMuon lr (default 0.02); Dion3 takes lr / sqrt(f)")
+    ap.add_argument("--adamw-lr", type=float, default=None,
+                    help="AdamW's lr, alone and for Dion3/Muon's embeddings, head and vectors (default: 3e-3, "
+                         "1e-3 for gpu-125m)")
     ap.add_argument("--fraction", type=float, default=0.25, help="Dion3's f (default 1/4)")
     ap.add_argument("--lr-scales", default="1",
                     help="comma-separated multipliers of each optimizer's lr, one run each (a sweep: "
@@ -461,17 +463,22 @@ def parse_args(argv=None):
         ap.error(f"--optimizers: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(OPTIMIZERS)}")
     if not 0.0 < a.fraction <= 1.0:
         ap.error(f"--fraction must be in (0, 1], got {a.fraction}")
-    for key in ("lr", "adamw_lr"):
-        v = getattr(a, key)
-        if not (math.isfinite(v) and v > 0):
-            ap.error(f"--{key.replace('_', '-')} must be a positive number, got {v}")
     if a.device is None:
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     elif a.device not in ("cpu", "cuda") and not a.device.startswith("cuda:"):
         ap.error(f"--device must be cpu or cuda, got {a.device!r}")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error("--device cuda: PyTorch sees no GPU here")
-    preset = dict(PRESETS[a.preset or ("cpu" if a.device == "cpu" else "gpu-small")])
+    preset_name = a.preset or ("cpu" if a.device == "cpu" else "gpu-small")
+    preset = dict(PRESETS[preset_name])
+    if a.lr is None:
+        a.lr = 0.02
+    if a.adamw_lr is None:
+        a.adamw_lr = 1e-3 if preset_name == "gpu-125m" else 3e-3  # a larger model, a smaller AdamW lr
+    for key in ("lr", "adamw_lr"):
+        v = getattr(a, key)
+        if not (math.isfinite(v) and v > 0):
+            ap.error(f"--{key.replace('_', '-')} must be a positive number, got {v}")
     for key in list(preset):
         if getattr(a, key, None) is not None:
             preset[key] = getattr(a, key)
