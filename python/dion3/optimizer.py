@@ -126,6 +126,41 @@ def _engine_config(group: Dict[str, Any]) -> Dict[str, Any]:
     return cfg
 
 
+class _ReadKeys(dict):
+    """A copy of a group that notes the keys _engine_config reads."""
+
+    def __init__(self, group: Dict[str, Any]):
+        super().__init__(group)
+        self.read: List[str] = []
+
+    def __getitem__(self, key):
+        self.read.append(key)
+        return dict.__getitem__(self, key)
+
+    def get(self, key, default=None):
+        self.read.append(key)
+        return dict.get(self, key, default)
+
+
+# Values that cannot change in place, so equal snapshots mean equal settings.
+_PLAIN = (bool, int, float, str, type(None), torch.dtype)
+
+
+def _plain_snapshot(group: Dict[str, Any], keys: Tuple[str, ...]) -> Optional[Tuple]:
+    """The group's values of `keys`, or None if one of them could change in place (a list, a
+    tensor lr, ...): such a group is pushed to the engine before every step."""
+    values = []
+    for k in keys:
+        v = group.get(k)
+        if type(v) is tuple:
+            if not all(type(x) in _PLAIN for x in v):
+                return None
+        elif type(v) not in _PLAIN:
+            return None
+        values.append(v)
+    return tuple(values)
+
+
 def _split_sizes(value) -> List[int]:
     """A group's split_sizes as a list of ints ([] for None)."""
     if value is None:
@@ -285,6 +320,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         # a group switched to another kind starts its parameters' state afresh (the kinds share
         # state names, not meanings).
         self._kinds: Dict[torch.Tensor, str] = {}
+        self._pushed: Dict[int, Tuple] = {}  # see _push_groups
+        self._pushed_to = None
         super().__init__(params, defaults)
 
     # ---- torch.optim.Optimizer protocol ---------------------------------------------------
@@ -311,6 +348,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._unregistered = []
         self._alias_index = None
         self._kinds = {}  # unknown after unpickling: the state is taken as made for its group
+        self._pushed, self._pushed_to = {}, None
         self._engine, self._engine_key, self._engine_params, self._engine_groups = None, None, [], []
         self._engine_states = []
         self._engine_cuda = False
@@ -551,8 +589,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 return loss
             self._rebuild(key)
             engine = self._engine
-        for i, gi in enumerate(self._engine_groups):
-            engine.update_group(i, _engine_config(self.param_groups[gi]))
+        self._push_groups(engine)
         if self._engine_cuda and torch.cuda.is_current_stream_capturing():
             # CUDA-graph capture: the engine's capture-safe step (no host synchronisation). Step
             # counters then advance on the device only; _sync_counters() brings them back.
@@ -569,8 +606,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 self._rebuild(key)
                 if self._engine is None:
                     return loss
-                for i, gi in enumerate(self._engine_groups):
-                    self._engine.update_group(i, _engine_config(self.param_groups[gi]))
+                self._push_groups(self._engine)
                 if self._run_engine(self._engine, True) < 0:
                     raise RuntimeError("dion3: internal error: the engine still asks for a rebuild")
             # Counted as applied now (state[p]["step"] stays exact unless the step is dropped);
@@ -588,8 +624,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             engine = self._engine
             if engine is None:
                 return loss
-            for i, gi in enumerate(self._engine_groups):
-                engine.update_group(i, _engine_config(self.param_groups[gi]))
+            self._push_groups(engine)
             status = self._run_engine(engine, False)
             if status < 0:
                 raise RuntimeError("dion3: internal error: the engine still asks for a rebuild")
@@ -601,6 +636,21 @@ class _EngineOptimizer(torch.optim.Optimizer):
             self._steps_skipped += 1
             self._skipped_seen += 1
         return loss
+
+    def _push_groups(self, engine) -> None:
+        """The groups' current settings into the engine, before every step: a group whose values
+        (the keys the engine reads) are unchanged plain values since the last push is skipped."""
+        if self._pushed_to is not engine:
+            self._pushed, self._pushed_to = {}, engine
+        for i, gi in enumerate(self._engine_groups):
+            group = self.param_groups[gi]
+            last = self._pushed.get(i)
+            if last is not None and last[1] is not None and _plain_snapshot(group, last[0]) == last[1]:
+                continue
+            view = _ReadKeys(group)
+            engine.update_group(i, _engine_config(view))
+            keys = tuple(dict.fromkeys(view.read))
+            self._pushed[i] = (keys, _plain_snapshot(group, keys))
 
     def _run_engine(self, engine, asynchronous: bool) -> int:
         """The engine's step; -1 asks for a rebuild (the set of parameters with gradients changed)."""
@@ -687,8 +737,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         key = tuple((id(g), len(g["params"])) + _structure_key(g) for g in self.param_groups)
         if engine is None or self._dirty or key != self._engine_key:
             raise RuntimeError("dion3: the optimizer's parameters or groups changed since the capture; capture again")
-        for i, gi in enumerate(self._engine_groups):
-            engine.update_group(i, _engine_config(self.param_groups[gi]))
+        self._push_groups(engine)
         try:
             engine.refresh_hyperparameters()
         except ValueError as e:

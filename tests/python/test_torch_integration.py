@@ -230,3 +230,42 @@ def test_step_phases_appear_in_torch_profiler():
                   "dion3::elementwise"):
         assert phase in names, (phase, sorted(n for n in names if "dion3" in n or "megabatch" in n))
     assert any(n.startswith("megabatch 0 (1 x 16x32") for n in names)
+
+
+def test_unchanged_groups_are_not_pushed_again_and_changed_ones_are():
+    p = torch.nn.Parameter(torch.randn(8, 6))
+    opt = dion3.Dion3([dict(params=[p], lr=0.02), ], fraction=0.5)
+    p.grad = torch.randn_like(p)
+    opt.step()
+
+    class Counting:
+        def __init__(self, engine):
+            self.engine, self.pushes = engine, 0
+
+        def update_group(self, i, cfg):
+            self.pushes += 1
+            return self.engine.update_group(i, cfg)
+
+        def __getattr__(self, name):
+            return getattr(self.engine, name)
+
+    counting = Counting(opt._engine)
+    opt._engine = counting
+    opt.step()
+    opt.step()
+    assert counting.pushes == 1  # the first push to this engine; then nothing changed
+    opt.param_groups[0]["lr"] = 0.01
+    opt.step()
+    opt.param_groups[0]["betas"] = (0.8, 0.9)
+    opt.step()
+    assert counting.pushes == 3
+    opt.param_groups[0]["coefficients"] = [list(c) for c in dion3.optimizer.POLAR_EXPRESS]  # lists: mutable
+    opt.step()
+    opt.param_groups[0]["coefficients"][0][0] = 7.0  # edited in place: still reaches the engine
+    opt.step()
+    assert counting.pushes == 5
+    w = p.detach().clone()
+    opt.param_groups[0]["lr"] = 0.0
+    opt.param_groups[0]["weight_decay"] = 0.0
+    opt.step()
+    assert torch.equal(p, w)  # lr 0 took effect
