@@ -154,8 +154,8 @@ class DION3_API Recording {
  public:
   virtual ~Recording() = default;
   // Enqueues the recorded ops on the backend's stream. False, with nothing enqueued, when memory
-  // the backend itself lent the ops (its scratch buffers) has moved since they were recorded:
-  // record them again.
+  // the backend itself lent the ops (its scratch buffers) has moved, or its kernel choices
+  // changed, since they were recorded: record them again.
   virtual bool replay() = 0;
 };
 

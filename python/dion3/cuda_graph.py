@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .optimizer import CaptureNotReady
+from .optimizer import CaptureNotReady, _EngineOptimizer
 
 
 class CudaGraphOptimizer(torch.optim.Optimizer):
@@ -30,7 +30,7 @@ class CudaGraphOptimizer(torch.optim.Optimizer):
         if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 1:
             raise ValueError(f"dion3: warmup_steps must be an integer >= 1 (eager steps allocate the state and "
                              f"workspace that the captured step then reuses); got {warmup_steps!r}")
-        if not hasattr(optimizer, "_refresh_for_replay"):
+        if not isinstance(optimizer, _EngineOptimizer):
             raise TypeError(f"dion3: CudaGraphOptimizer wraps a dion3 optimizer (Dion3, NorMuon, Muon); got "
                             f"{type(optimizer).__name__}")
         # Optimizer.__init__ is not called: state and groups stay the inner optimizer's; the hook
@@ -122,7 +122,7 @@ class CudaGraphOptimizer(torch.optim.Optimizer):
             inner.step()
             return
         self._graph = graph
-        inner._refresh_for_replay()
+        inner.refresh_hyperparameters()
         graph.replay()  # capture records the step; this runs it
 
     def step(self, closure: Optional[Callable] = None):
@@ -132,7 +132,7 @@ class CudaGraphOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self._graph is not None:
             try:
-                self.optimizer._refresh_for_replay()
+                self.optimizer.refresh_hyperparameters()
             except RuntimeError:
                 self.release()  # something the graph cannot follow changed: step eagerly, capture later
                 self._steps = 0

@@ -184,10 +184,9 @@ def zeros_like_layout(p: torch.Tensor, shape: Tuple[int, ...], dtype: torch.dtyp
     shape is `shape` (the momentum: p's shape; the variance: p[..., 0:1]'s)."""
     if not is_dtensor(p):
         return torch.zeros(shape, dtype=dtype, device=p.device)
-    like = tuple(p.shape)
-    local_shape = _local_shape(shape, p.device_mesh, tuple(p.placements), like)
-    lt = torch.zeros(local_shape, dtype=dtype, device=p.to_local().device)
-    return DTensor.from_local(lt, p.device_mesh, _placements_for(shape, p.placements, like), run_check=False,
+    placements = _placements_for(shape, p.placements, tuple(p.shape))
+    lt = torch.zeros(_local_shape(shape, p.device_mesh, placements), dtype=dtype, device=p.to_local().device)
+    return DTensor.from_local(lt, p.device_mesh, placements, run_check=False,
                               shape=torch.Size(shape), stride=_contiguous_stride(shape))
 
 
@@ -222,14 +221,14 @@ def _chunk(size: int, parts: int, index: int) -> Tuple[int, int]:
     return start, max(0, min(c, size - start))
 
 
-def _local_shape(shape: Tuple[int, ...], mesh: Any, placements, like: Tuple[int, ...]) -> Tuple[int, ...]:
+def _local_shape(shape: Tuple[int, ...], mesh: Any, placements) -> Tuple[int, ...]:
+    """This rank's shape of a tensor of `shape` placed so (the placements of the tensor itself)."""
     out = list(shape)
     if any(type(pl).__name__ == "_StridedShard" for pl in placements):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        return tuple(compute_local_shape_and_global_offset(torch.Size(shape), mesh,
-                                                           _placements_for(shape, placements, like))[0])
-    for mdim, pl in enumerate(_placements_for(shape, placements, like)):
+        return tuple(compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)[0])
+    for mdim, pl in enumerate(placements):
         if pl.is_shard():
             _, n = _chunk(out[pl.dim], mesh.size(mdim), mesh.get_local_rank(mdim))
             out[pl.dim] = n

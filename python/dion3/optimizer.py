@@ -580,7 +580,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        key = tuple((id(g), len(g["params"])) + _structure_key(g) for g in self.param_groups)
+        key = self._registration_key()
         if self._dirty or key != self._engine_key:
             self._rebuild(key)
         engine = self._engine
@@ -599,43 +599,35 @@ class _EngineOptimizer(torch.optim.Optimizer):
             self._counters_pending = True
             return loss
         self._raise_deferred(poll=True)
-        if self._engine_cuda and not self._blocks():
-            # The step only enqueued: nothing waits for the GPU. Its verdict comes back through an
-            # asynchronous copy of the engine's counters (see _sync_counters).
-            if self._run_engine(engine, True) < 0:
-                self._rebuild(key)
-                if self._engine is None:
-                    return loss
-                self._push_groups(self._engine)
-                if self._run_engine(self._engine, True) < 0:
-                    raise RuntimeError("dion3: internal error: the engine still asks for a rebuild")
-            # Counted as applied now (state[p]["step"] stays exact unless the step is dropped);
-            # a dropped step is taken back when its verdict arrives.
-            for st in self._engine_states:
-                st["step"] += 1
-            self._applied_seen += 1
-            self._counters_pending = True
-            self._copy_counters()
-            return loss
+        # A step that does not block only enqueues: nothing waits for the GPU, and its verdict
+        # comes back through an asynchronous copy of the engine's counters (see _sync_counters).
+        asynchronous = self._engine_cuda and not self._blocks()
         # The engine reads each parameter's .grad itself (no per-parameter Python work per step).
-        status = self._run_engine(engine, False)
+        status = self._run_engine(engine, asynchronous)
         if status < 0:  # the set of parameters with gradients changed, or a weight moved (p.data = ...)
             self._rebuild(key)
             engine = self._engine
             if engine is None:
                 return loss
             self._push_groups(engine)
-            status = self._run_engine(engine, False)
+            status = self._run_engine(engine, asynchronous)
             if status < 0:
                 raise RuntimeError("dion3: internal error: the engine still asks for a rebuild")
-        if status > 0:
+        if status > 0:  # applied, or enqueued: counted now; a dropped enqueued step is taken back later
             for st in self._engine_states:
                 st["step"] += 1
             self._applied_seen += 1
         else:
             self._steps_skipped += 1
             self._skipped_seen += 1
+        if asynchronous:
+            self._counters_pending = True
+            self._copy_counters()
         return loss
+
+    def _registration_key(self) -> Tuple:
+        """What the engine's registration depends on: the groups, their sizes and structure."""
+        return tuple((id(g), len(g["params"])) + _structure_key(g) for g in self.param_groups)
 
     def _push_groups(self, engine) -> None:
         """The groups' current settings into the engine, before every step: a group whose values
@@ -726,16 +718,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
         """Before replaying a step you captured yourself (torch.cuda.graph around opt.step(), or a
         whole training step): write the groups' current lr, weight decay, momentum, betas and
         epsilon where the captured kernels read them. RuntimeError when something the captured
-        step cannot follow changed (parameters, groups, fraction, blocks, orthogonalizer)."""
-        self._refresh_for_replay()
-
-    def _refresh_for_replay(self) -> None:
-        """Before replaying a captured step: push the groups' current values into the device memory
-        its kernels read (lr schedules, weight decay, momentum, betas). RuntimeError when the
-        engine was rebuilt or a setting its plan depends on changed: capture again."""
+        step cannot follow changed (parameters, groups, fraction, blocks, orthogonalizer): capture
+        again."""
         engine = self._engine
-        key = tuple((id(g), len(g["params"])) + _structure_key(g) for g in self.param_groups)
-        if engine is None or self._dirty or key != self._engine_key:
+        if engine is None or self._dirty or self._registration_key() != self._engine_key:
             raise RuntimeError("dion3: the optimizer's parameters or groups changed since the capture; capture again")
         self._push_groups(engine)
         try:

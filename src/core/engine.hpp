@@ -51,10 +51,10 @@ struct Chunk {
   Orthogonalizer* orth = nullptr;
   std::size_t update_offset = 0, orth_offset = 0;  // in the arena: the update rows U, the orth workspace
   // The orthogonalizer's run as one recorded unit (Backend::record), made after its first eager
-  // run and replayed until the plan changes; `out` is what the run returns (arena memory).
+  // run and replayed until the plan changes; recorded_out is what the run returns (arena memory).
   std::unique_ptr<Recording> recording;
   MatrixView recorded_out;
-  int64_t runs = 0;
+  bool ran = false;  // the first, eager run happened
   bool eager_only = false;  // the backend does not record, or recording this run failed
 };
 
@@ -232,7 +232,7 @@ struct Optimizer::Impl {
   Hyper group_hyper(int g, GroupHyper which) const;
   Hyper megabatch_lr(const Megabatch& mb) const;
   std::vector<float> hyper_values() const;
-  void upload_hyper();
+  void upload_hyper(bool capturing);  // capturing: the backend's stream is being captured
   void plan_distribution(Megabatch& mb, int index);
   void check_plans_agree();
   void bind(Megabatch& mb);  // its sets' tables, when the binding moved (or under capture)

@@ -142,40 +142,36 @@ int Optimizer::add_group(const GroupConfig& config) {
 
 namespace {
 
-// `who_` names the parameter in errors; it is called only when one is raised (set_grad runs for
-// every re-bound gradient of every step).
-void check_tensor(const std::function<std::string()>& who_, const char* role, const TensorView& t, Device device) {
-  auto who = [&] { return who_() + " " + role; };
+void check_tensor(const std::string& who, const char* role, const TensorView& t, Device device) {
   if (!is_float_param_dtype(t.dtype))
-    fail(who() + " has dtype " + dtype_name(t.dtype) +
+    fail(who + " " + role + " has dtype " + dtype_name(t.dtype) +
          " but dion3 supports float32, float16 and bfloat16");
   if (t.device != device)
-    fail(who() + " is on " + device_name(t.device) + " but this optimizer runs on " +
+    fail(who + " " + role + " is on " + device_name(t.device) + " but this optimizer runs on " +
          device_name(device));
   for (int64_t s : t.shape)
-    if (s < 0) fail(who() + " has a negative dimension in shape " + t.shape_str());
+    if (s < 0) fail(who + " " + role + " has a negative dimension in shape " + t.shape_str());
   // Products of some of the dimensions (rows x cols of a batched tensor) must fit as well, also
   // where an empty dimension makes the whole count 0.
   int64_t nonzero = 1;
   for (int64_t s : t.shape)
     if (s > 0 && __builtin_mul_overflow(nonzero, s, &nonzero))
-      fail(who() + " has shape " + t.shape_str() + ", whose dimensions multiply past 2^63 - 1");
+      fail(who + " " + role + " has shape " + t.shape_str() + ", whose dimensions multiply past 2^63 - 1");
   std::size_t bytes = 0;
   try {
     bytes = t.bytes();
   } catch (const Error& e) {
-    fail(who() + ": " + std::string(e.what()).substr(7));
+    fail(who + " " + role + ": " + std::string(e.what()).substr(7));
   }
-  if (!t.data && bytes > 0) fail(who() + " has a null data pointer");
+  if (!t.data && bytes > 0) fail(who + " " + role + " has a null data pointer");
   if (t.data && reinterpret_cast<std::uintptr_t>(t.data) > UINTPTR_MAX - bytes)
-    fail(who() + " of " + std::to_string(bytes) + " bytes runs past the end of the address space");
+    fail(who + " " + role + " of " + std::to_string(bytes) + " bytes runs past the end of the address space");
 }
 
-void check_grad(const std::function<std::string()>& who, const TensorView& weight, const TensorView& grad,
-                Device device) {
+void check_grad(const std::string& who, const TensorView& weight, const TensorView& grad, Device device) {
   check_tensor(who, "gradient", grad, device);
   if (grad.shape != weight.shape)
-    fail(who() + " has weight shape " + weight.shape_str() + " but its gradient has shape " + grad.shape_str());
+    fail(who + " has weight shape " + weight.shape_str() + " but its gradient has shape " + grad.shape_str());
 }
 
 std::pair<std::uintptr_t, std::uintptr_t> memory_of(const TensorView& t) {
@@ -213,9 +209,8 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
   if (const std::string e = s.structure_error(group); !e.empty()) fail(who + ": " + e);
   const GroupConfig& g = s.groups[group];
   const Device device = s.backend->device();
-  const auto named = [&] { return who; };
-  check_tensor(named, "weight", spec.weight, device);
-  if (spec.grad.data || !spec.grad.shape.empty()) check_grad(named, spec.weight, spec.grad, device);
+  check_tensor(who, "weight", spec.weight, device);
+  if (spec.grad.data || !spec.grad.shape.empty()) check_grad(who, spec.weight, spec.grad, device);
   for (const Param& other : s.params)
     if (other.name == spec.name)
       fail(who + ": the optimizer already has a parameter named '" + spec.name + "'; names must be unique");
@@ -224,7 +219,7 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
   {
     std::vector<std::pair<std::string, const TensorView*>> written_here = {{"weight", &spec.weight}};
     for (const auto& [name, view] : spec.state) {
-      check_tensor(named, ("state '" + name + "'").c_str(), view, device);
+      check_tensor(who, ("state '" + name + "'").c_str(), view, device);
       written_here.emplace_back("state '" + name + "'", &view);
     }
     for (std::size_t i = 0; i < written_here.size(); ++i) {
@@ -403,7 +398,7 @@ void Optimizer::set_grad(int param, const TensorView& grad) {
   if (param < 0 || param >= static_cast<int>(s.params.size()))
     fail("set_grad: no parameter " + std::to_string(param) + " (the optimizer has " +
          std::to_string(s.params.size()) + ")");
-  check_grad([&] { return s.describe(param); }, s.params[param].weight, grad, s.backend->device());
+  check_grad(s.describe(param), s.params[param].weight, grad, s.backend->device());
   if (std::string c = s.memory_clash(grad, false); !c.empty())
     fail(s.describe(param) + ": its new gradient overlaps the memory of " + c);
   TensorView& bound = s.params[param].grad;
@@ -678,8 +673,8 @@ std::vector<float> Optimizer::Impl::hyper_values() const {
   return v;
 }
 
-void Optimizer::Impl::upload_hyper() {
-  if (backend->capturing()) {  // a captured step reads what the last refresh left there
+void Optimizer::Impl::upload_hyper(bool capturing) {
+  if (capturing) {  // a captured step reads what the last refresh left there
     if (hyper_uploaded.empty())
       fail("a step is being captured before its hyper-parameters were ever written to the device: take one "
            "step (or call refresh_hyperparameters()) before the capture");
@@ -934,13 +929,12 @@ void Optimizer::Impl::validate_for_step() {
   const int num_groups = static_cast<int>(s.groups.size());
   // The parameters' checks see nothing new while the binding stays where they passed.
   const bool params_checked = s.validated == s.binding;
-  std::vector<int> group_size(s.groups.size(), 1);
-  if (!params_checked) {
-    std::fill(group_size.begin(), group_size.end(), 0);
+  std::vector<int> group_size(params_checked ? 0 : s.groups.size(), 0);
+  if (!params_checked)
     for (const Param& p : s.params) ++group_size[p.group];
-  }
   for (int g = 0; g < num_groups; ++g) {
-    if (group_size[g] == 0) fail(group_error(g, "the group is empty; every group needs at least one parameter"));
+    if (!params_checked && group_size[g] == 0)
+      fail(group_error(g, "the group is empty; every group needs at least one parameter"));
     try {
       s.groups[g].validate();
     } catch (const Error& e) {
@@ -955,10 +949,12 @@ void Optimizer::Impl::validate_for_step() {
   for (int g = 0; s.plan_valid && g < num_groups; ++g)
     if (!same_plan(s.groups[g], s.planned[g])) s.plan_valid = false;
   if (!s.plan_valid) s.build_plan();
-  // Gradient dtypes are part of the megabatch key: re-plan if set_grad changed one.
-  for (const Megabatch& mb : s.megabatches)
-    for (std::size_t i = 0; s.binding != s.validated && i < mb.members.size(); ++i)
-      if (s.params[mb.members[i].param].grad.dtype != mb.grad_dtype) s.plan_valid = false;
+  // Gradient dtypes are part of the megabatch key: re-plan if set_grad changed one (a plan just
+  // built is keyed by the current ones).
+  if (!params_checked)
+    for (const Megabatch& mb : s.megabatches)
+      for (const Member& m : mb.members)
+        if (s.params[m.param].grad.dtype != mb.grad_dtype) s.plan_valid = false;
   if (!s.plan_valid) s.build_plan();
   s.validated = s.binding;
   // The learning rate a matrix update applies depends on its shape: it too must be a float32.
@@ -1067,8 +1063,6 @@ MatrixView strided(void* data, DType dtype, int64_t count, int64_t rows, int64_t
 
 }  // namespace
 
-// Stage 1: momentum, scores and selection; for row-sharded megabatches over several ranks also
-// the gather of the rows other ranks orthogonalize and the start of the forward all-to-all.
 void Optimizer::Impl::bind(Megabatch& mb) {
   // Under the caller's capture the tables are written again, so that the graph carries them.
   if (mb.bound == binding && !capturing_now) return;
@@ -1095,6 +1089,8 @@ void Optimizer::Impl::bind(Megabatch& mb) {
   mb.bound = capturing_now ? 0 : binding;
 }
 
+// Stage 1: momentum, scores and selection; for row-sharded megabatches over several ranks also
+// the gather of the rows other ranks orthogonalize and the start of the forward all-to-all.
 void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
   Backend& be = *backend;
   const GroupConfig& g = groups[mb.group];
@@ -1431,13 +1427,16 @@ MatrixView Optimizer::Impl::run_orthogonalizer(Chunk& c, const std::function<Mat
   if (!options.record_orthogonalizer || c.eager_only || capturing_now) return run();
   if (c.recording) {
     if (c.recording->replay()) return c.recorded_out;
-    c.recording.reset();  // the backend's scratch moved: record again
+    c.recording.reset();  // its memory or kernel choices changed: record again
   }
-  if (c.runs++ == 0) return run();  // the first run sizes the backend's scratch and loads kernels
+  if (!c.ran) {  // the first run sizes the backend's scratch and loads kernels
+    c.ran = true;
+    return run();
+  }
   try {
     c.recording = backend->record([&] { c.recorded_out = run(); });
   } catch (const Error&) {
-    c.recording.reset();  // run eagerly from now on; a real fault raises again there
+    // Run eagerly from now on; a real fault raises again there.
   }
   if (c.recording && c.recording->replay()) return c.recorded_out;
   c.recording.reset();
@@ -1513,7 +1512,7 @@ void Optimizer::Impl::enqueue_step(bool count_dropped) {
   //    runs agree on it across ranks first.
   int* flag = s.flag.as<int>();
   s.capturing_now = be.capturing();
-  s.upload_hyper();
+  s.upload_hyper(s.capturing_now);
   s.build_lists();
   be.fill_zero(flag, sizeof(int));
   const Range step_range(s, "dion3::step");
@@ -1558,7 +1557,7 @@ void Optimizer::refresh_hyperparameters() {
       fail(group_error(g, "a setting the step's plan depends on changed (fraction, split_sizes, num_heads, the "
                           "orthogonalizer or the structure); a captured step cannot follow it: capture the step again"));
   }
-  s.upload_hyper();
+  s.upload_hyper(s.backend->capturing());
 }
 
 uint64_t Optimizer::plan_generation() const { return impl_->plan_generation; }

@@ -53,15 +53,15 @@ class StreamAllocator final : public Allocator {
 };
 
 // Device memory that only grows; reuse is safe because every user is ordered on one stream.
-// Growing moves it: `moved` counts that, for the recordings that hold its address.
+// Growing moves it: `epoch` counts that, for the recordings that hold its address.
 class Scratch {
  public:
-  void* get(Allocator& a, std::size_t bytes, uint64_t& moved, bool recording) {
+  void* get(Allocator& a, std::size_t bytes, uint64_t& epoch, bool recording) {
     if (bytes > buf_.bytes()) {
       // Memory allocated inside a capture belongs to the graph: a recording cannot grow it.
       if (recording) fail("internal: a recording needs more scratch memory than its eager run did", Status::Internal);
       buf_ = DeviceBuffer(a, round_up(bytes));
-      ++moved;
+      ++epoch;
     }
     return buf_.get();
   }
@@ -130,10 +130,10 @@ class CudaBackend final : public Backend {
     return cap != cudaStreamCaptureStatusNone;
   }
   std::unique_ptr<Recording> record(const std::function<void()>& work) override;
-  uint64_t scratch_moves() const { return scratch_moves_; }
-  // Recordings made so far replay no more (Recording::replay answers false): they hold kernel
-  // choices or memory that changed.
-  void invalidate_recordings() { ++scratch_moves_; }
+  // Recordings made before the epoch last changed replay no more (Recording::replay answers
+  // false): they hold scratch memory that moved, or kernel choices that changed.
+  uint64_t recording_epoch() const { return recording_epoch_; }
+  void invalidate_recordings() { ++recording_epoch_; }
 
   // NVTX costs a call into a stub when no tool (Nsight Systems) is attached.
   void range_push(const char* name) override { nvtxRangePushA(name); }
@@ -423,7 +423,7 @@ class CudaBackend final : public Backend {
     DION3_CUBLAS_CHECK(cublasSetStream(handle_, s));
     DION3_CUBLAS_CHECK(cublasSetWorkspace(handle_, cublas_ws_.get(), kCublasWorkspace));
   }
-  void* scratch(Scratch& s, std::size_t bytes) { return s.get(*alloc_, bytes, scratch_moves_, recording_); }
+  void* scratch(Scratch& s, std::size_t bytes) { return s.get(*alloc_, bytes, recording_epoch_, recording_); }
   // Full-GEMM time over tiled time was 1.3-1.75x for p >= 2048 on the H200 (same sweep).
   static constexpr double kMeasuredSymFactor = 0.65;
 
@@ -463,7 +463,7 @@ class CudaBackend final : public Backend {
   cublasHandle_t handle_ = nullptr;
   DeviceBuffer cublas_ws_;
   Scratch scratch_, scratch_sym_;
-  uint64_t scratch_moves_ = 0;
+  uint64_t recording_epoch_ = 0;
   bool recording_ = false;
   cudaStream_t capture_stream_ = nullptr;  // where record() captures (never the legacy stream)
 };
@@ -471,10 +471,10 @@ class CudaBackend final : public Backend {
 // A captured graph, launched on the backend's stream at each replay.
 class CudaRecording final : public Recording {
  public:
-  CudaRecording(CudaBackend& be, cudaGraphExec_t exec, uint64_t moves) : be_(be), exec_(exec), moves_(moves) {}
+  CudaRecording(CudaBackend& be, cudaGraphExec_t exec, uint64_t epoch) : be_(be), exec_(exec), epoch_(epoch) {}
   ~CudaRecording() override { cudaGraphExecDestroy(exec_); }  // an in-flight launch completes first
   bool replay() override {
-    if (be_.scratch_moves() != moves_) return false;
+    if (be_.recording_epoch() != epoch_) return false;
     DION3_CUDA_CHECK(cudaGraphLaunch(exec_, static_cast<cudaStream_t>(be_.stream())));
     return true;
   }
@@ -482,13 +482,13 @@ class CudaRecording final : public Recording {
  private:
   CudaBackend& be_;
   cudaGraphExec_t exec_;
-  uint64_t moves_;
+  uint64_t epoch_;
 };
 
 std::unique_ptr<Recording> CudaBackend::record(const std::function<void()>& work) {
   if (capturing()) return nullptr;  // inside the caller's capture the ops join the caller's graph
   if (!capture_stream_) DION3_CUDA_CHECK(cudaStreamCreateWithFlags(&capture_stream_, cudaStreamNonBlocking));
-  const uint64_t moves = scratch_moves_;
+  const uint64_t epoch = recording_epoch_;  // Scratch refuses to grow (move) under a recording
   // The ops are enqueued on the capture stream: they run nowhere until a replay launches them.
   // Whatever happens, the user's stream and cuBLAS binding come back and no capture stays open.
   struct Restore {
@@ -530,11 +530,7 @@ std::unique_ptr<Recording> CudaBackend::record(const std::function<void()>& work
     cudaGetLastError();
     fail(std::string("CUDA backend: instantiating a recording failed: ") + cudaGetErrorString(made), Status::Internal);
   }
-  if (scratch_moves_ != moves) {  // unreachable while Scratch refuses to grow under a recording
-    cudaGraphExecDestroy(exec);
-    return nullptr;
-  }
-  return std::make_unique<CudaRecording>(*this, exec, moves);
+  return std::make_unique<CudaRecording>(*this, exec, epoch);
 }
 
 CudaBackend& as_cuda(Backend& b) {

@@ -600,9 +600,7 @@ struct StepSegment {
   const void* s;
   const void* s2;
   int64_t n;
-  float a, b;
-  const float* a_at;  // where set, a and b are read there (StepCheck's Hyper)
-  const float* b_at;
+  Hyper a, b;  // StepCheck's
   int rule;
   bool vec;  // n % 8 == 0 and every pointer aligned to 8 elements
 };
@@ -646,7 +644,7 @@ __global__ void __launch_bounds__(kStepThreads) check_step_kernel(const __grid_c
   const StepSegment& sg = a.seg[lo];
   const int64_t chunk = blockIdx.x - a.first_block[lo];
   const int rule = sg.rule;
-  const float ca = sg.a_at ? *sg.a_at : sg.a, cb = sg.b_at ? *sg.b_at : sg.b;
+  const float ca = sg.a.get(), cb = sg.b.get();
   const bool second = rule == StepCheck::AdamW;
   const TG* __restrict__ g = static_cast<const TG*>(sg.g);
   const TS* __restrict__ m = static_cast<const TS*>(sg.s);
@@ -809,7 +807,7 @@ void launch_check_step(std::span<const StepCheck> xs, int* flag, cudaStream_t s)
       if (t.gdt == x.grad.dtype && t.sdt == x.state.dtype) tb = &t;
     if (!tb) tb = &tables.emplace_back(Table{x.grad.dtype, x.state.dtype});
     const int u = tb->t.count++;
-    tb->t.seg[u] = StepSegment{x.grad.data, x.state.data, second ? x.state2.data : nullptr, n, x.a.value, x.b.value, x.a.at, x.b.at, x.rule,
+    tb->t.seg[u] = StepSegment{x.grad.data, x.state.data, second ? x.state2.data : nullptr, n, x.a, x.b, x.rule,
                                n % 8 == 0 && aligned8(x.grad.data, x.grad.dtype) && aligned8(x.state.data, x.state.dtype) &&
                                    (!second || aligned8(x.state2.data, x.state2.dtype))};
     tb->t.first_block[u] = tb->blocks;

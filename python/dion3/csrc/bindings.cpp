@@ -12,7 +12,6 @@
 #include <map>
 #include <memory>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "dion3/backend.hpp"
@@ -56,20 +55,10 @@ at::ScalarType to_scalar_type(const std::string& name) {
   throw dion3::Error(dion3::Status::InvalidArgument, "unknown dtype '" + name + "'");
 }
 
-// `who` names the tensor in errors: a string, or a callable that makes one (built only when
-// an error needs it: the step binds every gradient through here).
-template <class Who>
-std::string name_of(const Who& who) {
-  if constexpr (std::is_invocable_v<const Who&>) return who();
-  else return std::string(who);
-}
-
-template <class Who>
-dion3::TensorView view_of(const at::Tensor& t, const Who& who_) {
-  auto who = [&] { return name_of(who_); };
+dion3::TensorView view_of(const at::Tensor& t, const std::string& who) {
   if (!t.is_contiguous())
     throw dion3::Error(dion3::Status::InvalidArgument,
-                       who() + " is not contiguous (strides " +
+                       who + " is not contiguous (strides " +
                            dion3::shape_string(std::vector<int64_t>(t.strides().begin(), t.strides().end())) +
                            "); dion3 needs contiguous tensors");
   dion3::TensorView v;
@@ -82,7 +71,7 @@ dion3::TensorView view_of(const at::Tensor& t, const Who& who_) {
     v.device = dion3::Device::CPU;
   } else {
     throw dion3::Error(dion3::Status::InvalidArgument,
-                       who() + " is on device '" + t.device().str() + "'; dion3 runs on cpu and cuda");
+                       who + " is on device '" + t.device().str() + "'; dion3 runs on cpu and cuda");
   }
   v.shape.assign(t.sizes().begin(), t.sizes().end());
   return v;
@@ -413,7 +402,7 @@ class Engine {
           throw dion3::Error(e.status(), "parameter '" + opt_->param_name(i) + "': " + std::string(e.what()).substr(7));
         }
         if (!g.is_same(grads_[i]) || g.data_ptr() != grads_[i].data_ptr()) {
-          opt_->set_grad(i, view_of(g, [&] { return "the gradient of " + opt_->param_name(i); }));
+          opt_->set_grad(i, view_of(g, "the gradient of " + opt_->param_name(i)));
           grads_[i] = std::move(g);
         }
       }
