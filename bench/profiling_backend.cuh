@@ -66,6 +66,7 @@ class ProfilingBackend final : public dion3::Backend {
     wrap("select", [&] { in_->selection_slots(i, n, k, c, p, b, f, o, sk); });
   }
   int read_flag(const int* f) override { return in_->read_flag(f); }
+  std::unique_ptr<dion3::HostCopy> new_host_copy(std::size_t bytes) override { return in_->new_host_copy(bytes); }
   void finish_step(const int* f, int64_t* c, bool count_dropped) override {
     shape_ = "all";
     wrap("other", [&] { in_->finish_step(f, c, count_dropped); });

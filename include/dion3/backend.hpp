@@ -159,6 +159,18 @@ class DION3_API Recording {
   virtual bool replay() = 0;
 };
 
+// A copy of a few bytes of device memory to the host that the caller polls instead of waiting
+// for (Backend::new_host_copy).
+class DION3_API HostCopy {
+ public:
+  virtual ~HostCopy() = default;
+  // Enqueues the copy of the bytes at src (device memory) on the backend's stream.
+  virtual void start(const void* src) = 0;
+  // The copied bytes once the last start() has arrived on the host; null until then (or when
+  // nothing was started). Never waits.
+  virtual const void* ready() = 0;
+};
+
 class DION3_API Backend {
  public:
   virtual ~Backend() = default;
@@ -198,6 +210,9 @@ class DION3_API Backend {
   virtual void copy_rows(void* dst, std::size_t dst_pitch, const int32_t* dst_idx, const void* src,
                          std::size_t src_pitch, const int32_t* src_idx, std::size_t width, int64_t rows) = 0;
   virtual int read_flag(const int* flag) = 0;  // synchronises
+  // A polled copy of `bytes` bytes to the host (pinned memory and an event on CUDA): the verdict
+  // of steps that do not wait comes back this way.
+  virtual std::unique_ptr<HostCopy> new_host_copy(std::size_t bytes) = 0;
   // Ends a step: counters[0] += 1 when *flag == 0 (the step was applied), else counters[1] += 1
   // if count_dropped. A step that is raised (on_nonfinite == Raise) is not counted: it changes
   // nothing, counters included.

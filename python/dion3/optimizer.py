@@ -308,7 +308,6 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._engine_cuda = False
         self._applied_seen = self._skipped_seen = 0  # engine counters already folded into state
         self._counters_pending = False
-        self._counters_copy = None  # (pinned host copy of the engine's counters, its CUDA event)
         self._raised_pending = 0    # dropped steps a deferred on_nonfinite='raise' has yet to raise
         self._engine_groups: List[int] = []
         self._steps_skipped = 0
@@ -338,7 +337,6 @@ class _EngineOptimizer(torch.optim.Optimizer):
         blocking = state.get("_blocking", getattr(self, "_blocking", None))
         super().__setstate__(state)
         self._blocking = blocking
-        self._counters_copy = None
         self._raised_pending = 0
         self._on_nonfinite = on_nonfinite
         self._workspace_limit = workspace_limit
@@ -621,8 +619,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             self._steps_skipped += 1
             self._skipped_seen += 1
         if asynchronous:
-            self._counters_pending = True
-            self._copy_counters()
+            self._counters_pending = True  # the engine posts its counters to the host itself
         return loss
 
     def _registration_key(self) -> Tuple:
@@ -663,15 +660,6 @@ class _EngineOptimizer(torch.optim.Optimizer):
         under 'skip' (nothing to report at once)."""
         return self._on_nonfinite == "raise" if self._blocking is None else self._blocking
 
-    def _copy_counters(self) -> None:
-        """Start a copy of the engine's counters to pinned host memory (no wait)."""
-        if self._counters_copy is None or self._counters_copy[2] is not self._engine:
-            host = torch.empty(2, dtype=torch.int64, pin_memory=True)
-            self._counters_copy = (host, torch.cuda.Event(), self._engine)
-        host, event, engine = self._counters_copy
-        host.copy_(engine.device_counters(), non_blocking=True)
-        event.record()
-
     def _sync_counters(self, wait: bool = True) -> None:
         """Fold the steps the engine applied or dropped without us seeing them (steps that did
         not wait, replays of a captured CUDA graph) into state[p]["step"] and steps_skipped.
@@ -679,10 +667,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
         if not self._counters_pending or self._engine is None:
             return
         if not wait:
-            copy = self._counters_copy
-            if copy is None or copy[2] is not self._engine or not copy[1].query():
+            posted = self._engine.posted_counters()
+            if posted is None:
                 return
-            applied, skipped = (int(v) for v in copy[0].tolist())
+            applied, skipped = posted
             if applied + skipped != self._applied_seen + self._skipped_seen:
                 return  # not the verdict of every step counted so far (or replays since)
         else:

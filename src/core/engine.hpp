@@ -151,6 +151,7 @@ struct Optimizer::Impl {
   DeviceBuffer flag;   // one int: a gradient was non-finite this step
   DeviceBuffer arena;  // workspace shared by all chunks (their work is ordered on one stream)
   DeviceBuffer counters;  // int64 [steps applied, steps dropped], on the device
+  std::unique_ptr<HostCopy> posted;  // counters on their way to the host after step_async()
   // The structural settings (algorithm, flatten, momentum_dtype) each group had when its first
   // parameter's state was sized; empty for groups without parameters. See structure_error().
   std::vector<std::optional<GroupConfig>> structure;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <map>
 #include <tuple>
 
@@ -1565,8 +1566,19 @@ uint64_t Optimizer::plan_generation() const { return impl_->plan_generation; }
 void Optimizer::set_tracer(std::shared_ptr<StepTracer> tracer) { impl_->tracer = std::move(tracer); }
 
 void Optimizer::step_async() {
-  impl_->validate_for_step();
-  impl_->enqueue_step(true);  // nothing is raised here, so a dropped step is counted
+  Impl& s = *impl_;
+  s.validate_for_step();
+  s.enqueue_step(true);  // nothing is raised here, so a dropped step is counted
+  if (s.capturing_now) return;  // a replay's counters are not this call's to post
+  if (!s.posted) s.posted = s.backend->new_host_copy(2 * sizeof(int64_t));
+  s.posted->start(s.counters.get());
+}
+
+bool Optimizer::posted_counters(int64_t out[2]) const {
+  const void* host = impl_->posted ? impl_->posted->ready() : nullptr;
+  if (host == nullptr) return false;
+  std::memcpy(out, host, 2 * sizeof(int64_t));
+  return true;
 }
 
 bool Optimizer::step() {

@@ -168,6 +168,8 @@ class CudaBackend final : public Backend {
     return v;
   }
 
+  std::unique_ptr<HostCopy> new_host_copy(std::size_t bytes) override;
+
   void finish_step(const int* flag, int64_t* counters, bool count_dropped) override {
     launch_finish_step(flag, counters, count_dropped, stream_);
   }
@@ -484,6 +486,48 @@ class CudaRecording final : public Recording {
   cudaGraphExec_t exec_;
   uint64_t epoch_;
 };
+
+// Pinned host memory the copy lands in and an event that says when it has.
+class CudaHostCopy final : public HostCopy {
+ public:
+  CudaHostCopy(CudaBackend& be, std::size_t bytes) : be_(be), bytes_(bytes) {
+    DION3_CUDA_CHECK(cudaHostAlloc(&host_, bytes ? bytes : 1, cudaHostAllocDefault));
+    const cudaError_t e = cudaEventCreateWithFlags(&done_, cudaEventDisableTiming);
+    if (e != cudaSuccess) {
+      cudaFreeHost(host_);
+      DION3_CUDA_CHECK(e);
+    }
+  }
+  ~CudaHostCopy() override {
+    cudaEventSynchronize(done_);  // a copy in flight still writes into host_
+    cudaEventDestroy(done_);
+    cudaFreeHost(host_);
+  }
+  void start(const void* src) override {
+    const auto stream = static_cast<cudaStream_t>(be_.stream());
+    DION3_CUDA_CHECK(cudaMemcpyAsync(host_, src, bytes_, cudaMemcpyDeviceToHost, stream));
+    DION3_CUDA_CHECK(cudaEventRecord(done_, stream));
+    started_ = true;
+  }
+  const void* ready() override {
+    if (!started_) return nullptr;
+    const cudaError_t e = cudaEventQuery(done_);
+    if (e == cudaErrorNotReady) return nullptr;
+    DION3_CUDA_CHECK(e);
+    return host_;
+  }
+
+ private:
+  CudaBackend& be_;
+  std::size_t bytes_;
+  void* host_ = nullptr;
+  cudaEvent_t done_ = nullptr;
+  bool started_ = false;
+};
+
+std::unique_ptr<HostCopy> CudaBackend::new_host_copy(std::size_t bytes) {
+  return std::make_unique<CudaHostCopy>(*this, bytes);
+}
 
 std::unique_ptr<Recording> CudaBackend::record(const std::function<void()>& work) {
   if (capturing()) return nullptr;  // inside the caller's capture the ops join the caller's graph

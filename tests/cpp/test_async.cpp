@@ -59,10 +59,15 @@ TEST(StepAsync, NonFiniteGradientDropsTheStepWithoutRaising) {
   const auto before = t3::snapshot(h.opt, h.all());
   h.randomize_grads(rng);
   h.params[0]->g.set(5, std::numeric_limits<double>::quiet_NaN());
+  int64_t posted[2];
+  EXPECT_FALSE(h.opt.posted_counters(posted));  // step() posts nothing
   EXPECT_NO_THROW(h.opt.step_async());
   EXPECT_EQ(t3::snapshot(h.opt, h.all()), before);
   EXPECT_EQ(h.opt.steps_taken(), 1);
   EXPECT_EQ(h.opt.steps_skipped(), 1);
+  ASSERT_TRUE(h.opt.posted_counters(posted));  // the CPU's copy has arrived when the step returns
+  EXPECT_EQ(posted[0], 1);
+  EXPECT_EQ(posted[1], 1);
 }
 
 // AdamW's t counts only applied steps: a dropped step in between does not advance it, so the

@@ -178,6 +178,12 @@ TEST_F(CudaStep, RaisedStepChangesNoCounter) {
     EXPECT_EQ(opt.steps_skipped(), dropped);
     EXPECT_EQ(opt.export_state().skipped, dropped);
     opt.step_async();
+    // The posted copy arrives without being waited for: poll it (it never blocks) until it has.
+    int64_t posted[2] = {-1, -1};
+    while (!opt.posted_counters(posted)) {
+    }
+    EXPECT_EQ(posted[0], 1);
+    EXPECT_EQ(posted[1], dropped + 1);
     EXPECT_EQ(opt.steps_taken(), 1);
     EXPECT_EQ(opt.steps_skipped(), dropped + 1);
   }

@@ -458,12 +458,12 @@ class Engine {
     Guard guard(*this);
     opt_->refresh_hyperparameters();
   }
-  // [steps applied, steps dropped] as a tensor on the engine's device (a view: alive as long as
-  // the engine), for copies to the host that do not wait.
-  at::Tensor device_counters() {
-    auto o = at::TensorOptions().dtype(at::kLong);
-    o = cuda_ ? o.device(at::kCUDA, device_index_) : o.device(at::kCPU);
-    return at::from_blob(const_cast<int64_t*>(opt_->device_counters()), {2}, o);
+  // (steps applied, steps dropped) as of the last step_async(), once their copy to the host
+  // has arrived; None before (never waits).
+  py::object posted_counters() const {
+    int64_t c[2];
+    if (!opt_->posted_counters(c)) return py::none();
+    return py::make_tuple(c[0], c[1]);
   }
 
  private:
@@ -664,7 +664,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("steps_skipped", guarded(&Engine::steps_skipped))
       .def_property_readonly("plan_generation", guarded(&Engine::plan_generation))
       .def("refresh_hyperparameters", guarded(&Engine::refresh_hyperparameters))
-      .def("device_counters", guarded(&Engine::device_counters));
+      .def("posted_counters", guarded(&Engine::posted_counters));
   m.def("validate_group", guarded(&validate_group), "Raise ValueError if a normalised group config is invalid");
   m.def("orthogonalize", guarded(&orthogonalize), "Polar factor of each matrix (see dion3.orthogonalize)");
   m.def("cuda_built", &cuda_built, "Whether this build has the CUDA backend");
