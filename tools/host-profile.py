@@ -86,9 +86,12 @@ def main():
     groups = [(i, opt.param_groups[gi]) for i, gi in enumerate(opt._engine_groups)]
     from dion3.optimizer import _engine_config
 
-    def push():
+    def push_all():
         for i, g in groups:
             eng.update_group(i, _engine_config(g))
+
+    def push():  # as step() does it: only groups whose plain values changed
+        opt._push_groups(eng)
 
     def count():
         for st in states:
@@ -113,16 +116,14 @@ def main():
         t.append(time.perf_counter())
         count()
         t.append(time.perf_counter())
-        if device.type == "cuda":
-            opt._copy_counters()
+        eng.posted_counters()  # what the next step's poll reads (the engine posted it)
         t.append(time.perf_counter())
-        for i, name in enumerate(["key", "group push", "deferred check", "engine", "counters", "counter copy"]):
+        for i, name in enumerate(["key", "group push", "deferred check", "engine", "counters", "counters poll"]):
             split[name].append((t[i + 1] - t[i]) * 1e3)
     print("- step()'s pieces in sequence (ms): " +
           ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in split.items()))
-    pieces = [("group push", push), ("step counters", count), ("engine key", key)]
-    if device.type == "cuda":
-        pieces.append(("counter copy", opt._copy_counters))
+    pieces = [("group push", push), ("every group pushed", push_all), ("step counters", count), ("engine key", key),
+              ("counters poll", eng.posted_counters)]
     for name, fn in pieces:
         print(f"- host ms of {name}: {median_ms(fn):.3f}")
     print()

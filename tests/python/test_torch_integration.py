@@ -216,16 +216,25 @@ def test_one_openmp_runtime_serves_torch_and_dion3():
     assert len(runtimes) == 1, runtimes
 
 
-def test_step_phases_appear_in_torch_profiler():
+def test_step_phases_appear_in_torch_profiler(device):
     torch.manual_seed(0)
-    w, b = torch.nn.Parameter(torch.randn(16, 32)), torch.nn.Parameter(torch.randn(16))
+    w = torch.nn.Parameter(torch.randn(16, 32, device=device))
+    b = torch.nn.Parameter(torch.randn(16, device=device))
     opt = dion3.Dion3([dict(params=[w]), dict(params=[b], algorithm="adamw")])
     for p in (w, b):
         p.grad = torch.randn_like(p)
     opt.step()  # builds the engine outside the profiled step
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
         opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
     names = {e.name for e in prof.events()}
+    if device.type == "cuda":  # the engine's kernels show on the GPU's timeline beside the ranges
+        gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert gpu, "no CUDA kernels in the profile"
     for phase in ("dion3::step", "dion3::check", "dion3::prepare", "dion3::orthogonalize", "dion3::update",
                   "dion3::elementwise"):
         assert phase in names, (phase, sorted(n for n in names if "dion3" in n or "megabatch" in n))
