@@ -2,8 +2,11 @@
 # compiled training step that calls opt.step()), PyTorch's CPU threads, and, on CUDA, the current
 # stream and CUDA-graph capture of optimizer.step().
 import ctypes
+import json
 import os
 import re
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -207,12 +210,17 @@ def test_cpu_step_keeps_to_torch_thread_count():
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
 def test_one_openmp_runtime_serves_torch_and_dion3():
-    # One thread pool for both: dion3's extension uses the OpenMP runtime PyTorch loaded.
-    p = nn.Parameter(torch.randn(64, 32))
-    p.grad = torch.randn_like(p)
-    dion3.Dion3([p]).step()
-    with open("/proc/self/maps") as f:
-        runtimes = {line.split()[-1] for line in f if re.search(r"/lib(g|i)?omp[^/]*\.so", line)}
+    # One thread pool for both: dion3's extension uses the OpenMP runtime PyTorch loaded. In a
+    # fresh process with torch and dion3 alone (other tests import libraries that bring their own).
+    code = (
+        "import json, re, torch, dion3\n"
+        "p = torch.nn.Parameter(torch.randn(64, 32)); p.grad = torch.randn_like(p)\n"
+        "dion3.Dion3([p]).step()\n"
+        "maps = open('/proc/self/maps').read().splitlines()\n"
+        "print(json.dumps(sorted({l.split()[-1] for l in maps if re.search(r'/lib(g|i)?omp[^/]*\\.so', l)})))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    runtimes = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(runtimes) == 1, runtimes
 
 
