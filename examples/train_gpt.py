@@ -42,29 +42,50 @@ OPTIMIZERS = ("dion3", "muon", "normuon", "adamw")
 # name: (layers, d_model, heads, seq_len, batch, steps, corpus MB, eval every, eval batches)
 PRESETS = {
     "cpu": dict(n_layer=4, d_model=128, n_head=4, seq_len=128, batch=16, steps=800, corpus_mb=8,
-                eval_every=100, eval_batches=8),
+                eval_every=100, eval_batches=8, corpus="stdlib"),
     "tiny": dict(n_layer=2, d_model=64, n_head=2, seq_len=64, batch=8, steps=20, corpus_mb=1,
-                 eval_every=10, eval_batches=2),
+                 eval_every=10, eval_batches=2, corpus="stdlib"),
     "gpu-small": dict(n_layer=6, d_model=384, n_head=6, seq_len=256, batch=64, steps=2000, corpus_mb=64,
-                      eval_every=200, eval_batches=20),
-    # About 125M parameters (GPT-2 small's shape with a byte vocabulary); 2000 steps of 64 x 1024
-    # tokens is 131M tokens.
+                      eval_every=200, eval_batches=20, corpus="stdlib"),
+    # GPT-2 small's shape with a byte vocabulary (86M parameters); 2000 steps of 64 x 1024 tokens
+    # is 131M tokens: more than ten passes over the standard library alone, so this one reads the
+    # installed packages' source too.
     "gpu-125m": dict(n_layer=12, d_model=768, n_head=12, seq_len=1024, batch=64, steps=2000, corpus_mb=256,
-                     eval_every=250, eval_batches=20),
+                     eval_every=250, eval_batches=20, corpus="python"),
 }
 
 
 # ---- data -----------------------------------------------------------------------------------
 
-def stdlib_corpus(max_bytes: int) -> bytes:
-    """The standard library's .py files, in sorted path order, joined; at most max_bytes."""
-    root = sysconfig.get_paths()["stdlib"]
+CORPORA = ("stdlib", "python")
+
+
+def source_files(corpus: str) -> List[str]:
+    """The .py files of a corpus in its reading order. "stdlib": the standard library, in sorted
+    path order. "python": the standard library and the installed packages (site-packages), in an
+    order fixed by a hash of each file's path below its root, so that the held-out tail (and a
+    --corpus-mb cut) samples every package instead of the last ones in the alphabet."""
+    paths = sysconfig.get_paths()
+    roots = [paths["stdlib"]]
+    if corpus == "python":
+        roots += sorted({paths["purelib"], paths["platlib"]} - {paths["stdlib"]})
     files = []
-    for d, dirs, names in os.walk(root):
-        dirs[:] = sorted(x for x in dirs if x not in ("site-packages", "dist-packages", "__pycache__"))
-        files += [os.path.join(d, n) for n in sorted(names) if n.endswith(".py")]
+    for root in roots:
+        skip = {"__pycache__"} if corpus == "python" and root != paths["stdlib"] else \
+            {"site-packages", "dist-packages", "__pycache__"}
+        for d, dirs, names in os.walk(root):
+            dirs[:] = sorted(x for x in dirs if x not in skip)
+            files += [(root, os.path.join(d, n)) for n in sorted(names) if n.endswith(".py")]
+    if corpus == "stdlib":
+        return sorted(p for _, p in files)
+    key = lambda rp: hashlib.sha256(os.path.relpath(rp[1], rp[0]).encode()).hexdigest()
+    return [p for _, p in sorted(set(files), key=lambda rp: (key(rp), rp[1]))]
+
+
+def read_corpus(corpus: str, max_bytes: int) -> bytes:
+    """The corpus's .py files joined, at most max_bytes."""
     out, size = [], 0
-    for path in sorted(files):
+    for path in source_files(corpus):
         try:
             with open(path, "rb") as f:
                 data = f.read()
@@ -76,8 +97,8 @@ def stdlib_corpus(max_bytes: int) -> bytes:
             break
     text = b"\n".join(out)[:max_bytes]
     if len(text) < 100_000:
-        raise SystemExit(f"train_gpt: the standard library at {root} holds only {len(text)} bytes of .py "
-                         "source; the demo needs at least 100 kB")
+        raise SystemExit(f"train_gpt: the {corpus} corpus ({sysconfig.get_paths()['stdlib']}) holds only "
+                         f"{len(text)} bytes of .py source; the demo needs at least 100 kB")
     return text
 
 
@@ -186,6 +207,7 @@ class Config:
     adamw_lr: float
     fraction: float
     seed: int
+    corpus: str = "stdlib"  # records written before the choice existed read the standard library
 
 
 class Progress:
@@ -437,6 +459,9 @@ def parse_args(argv=None):
     for key in ("n_layer", "d_model", "n_head", "seq_len", "batch", "steps", "eval_every", "eval_batches"):
         ap.add_argument("--" + key.replace("_", "-"), type=int, default=None, help="overrides the preset")
     ap.add_argument("--corpus-mb", type=float, default=None, help="bytes of source text to read, in MB")
+    ap.add_argument("--corpus", choices=CORPORA, default=None,
+                    help="stdlib: the standard library's source; python: it and the installed packages' "
+                         "(default: python for gpu-125m, stdlib otherwise)")
     ap.add_argument("--lr", type=float, default=None,
                     help="Muon / NorMuon lr (default 0.02); Dion3 takes lr / sqrt(f)")
     ap.add_argument("--adamw-lr", type=float, default=None,
@@ -534,14 +559,15 @@ def main(argv=None) -> int:
     if device.type == "cpu":
         print(f"train_gpt: no GPU in use; training on the CPU ({torch.get_num_threads()} threads)"
               + ("" if a.device == "cpu" and not torch.cuda.is_available() else " as asked"), file=sys.stderr)
-    text = stdlib_corpus(int(cfg.corpus_mb * 2**20))
+    text = read_corpus(cfg.corpus, int(cfg.corpus_mb * 2**20))
     data = torch.frombuffer(bytearray(text), dtype=torch.uint8)
     cut = int(len(data) * 0.95)
     train, val = data[:cut], data[cut:]
     if len(val) <= cfg.seq_len + 1:
         raise SystemExit(f"train_gpt: the validation split ({len(val)} bytes) is shorter than a window; "
                          "raise --corpus-mb or lower --seq-len")
-    corpus_info = (f"Python {sys.version.split()[0]} standard library source, {len(text) / 2**20:.1f} MiB "
+    what = "standard library" if cfg.corpus == "stdlib" else "standard library and installed packages'"
+    corpus_info = (f"Python {sys.version.split()[0]} {what} source, {len(text) / 2**20:.1f} MiB "
                    f"(sha256 {hashlib.sha256(text).hexdigest()[:12]}), last 5% held out")
     os.makedirs(a.out, exist_ok=True)
     windows = eval_windows(val, cfg.eval_batches, cfg.batch, cfg.seq_len)

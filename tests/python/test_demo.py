@@ -82,6 +82,7 @@ def test_a_time_limit_stops_and_resume_goes_on_bit_for_bit(tmp_path):
     (["--lr-scales", "1,x"], "--lr-scales: expected numbers"),
     (["--lr-scales", "1,1"], "--lr-scales: expected distinct positive numbers"),
     (["--time-limit", "0"], "--time-limit must be a positive number"),
+    (["--corpus", "wiki"], "invalid choice: 'wiki'"),
 ])
 def test_bad_arguments_are_refused_with_a_message(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -95,3 +96,13 @@ def test_resuming_with_other_settings_is_refused(tmp_path):
     assert train_gpt.main(args + ["--stop-after", "2"]) == 0
     with pytest.raises(SystemExit, match="written with other settings"):
         train_gpt.main(args + ["--resume", "--lr", "0.03"])
+
+
+def test_the_python_corpus_adds_the_installed_packages_in_a_fixed_shuffled_order():
+    stdlib, python = train_gpt.source_files("stdlib"), train_gpt.source_files("python")
+    assert stdlib == sorted(stdlib)
+    assert set(stdlib) <= set(python) and len(python) > len(stdlib)  # pytest itself is installed
+    assert python == train_gpt.source_files("python")  # the same order every time
+    assert python != sorted(python)  # the held-out tail samples every package, not the last ones
+    assert train_gpt.parse_args(["--preset", "gpu-125m", "--device", "cpu"])[2].corpus == "python"
+    assert train_gpt.parse_args(["--preset", "cpu"])[2].corpus == "stdlib"
