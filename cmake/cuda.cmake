@@ -28,6 +28,7 @@ set(_dion3_cuda_flags --expt-relaxed-constexpr -lineinfo)
 set(DION3_CUDA_SOURCES
   ${CMAKE_CURRENT_SOURCE_DIR}/src/cuda/cuda_backend.cu
   ${CMAKE_CURRENT_SOURCE_DIR}/src/cuda/step_kernels.cu
+  ${CMAKE_CURRENT_SOURCE_DIR}/src/cuda/column_kernels.cu
   ${CMAKE_CURRENT_SOURCE_DIR}/src/cuda/elementwise_kernels.cu
   ${CMAKE_CURRENT_SOURCE_DIR}/src/cuda/symmetric.cu
   ${CMAKE_CURRENT_SOURCE_DIR}/src/cuda/sym_wgmma.cu

@@ -50,8 +50,12 @@ struct ParamMatrix {
 struct DION3_API MatrixSet {
   virtual ~MatrixSet() = default;
   std::vector<ParamMatrix> mats;
-  int64_t rows() const { return mats.empty() ? 0 : mats.front().weight.rows; }
-  int64_t cols() const { return mats.empty() ? 0 : mats.front().weight.cols; }
+  // Stepped by columns (Dion2 on a tall matrix): row r of the set is column r of every stored
+  // matrix, so rows() and cols() give the transposed shape. Only accumulate, gather_rows and
+  // apply_update (without NorMuon) take such sets; M, G and W keep their stored layout.
+  bool columns = false;
+  int64_t rows() const { return mats.empty() ? 0 : columns ? mats.front().weight.cols : mats.front().weight.rows; }
+  int64_t cols() const { return mats.empty() ? 0 : columns ? mats.front().weight.rows : mats.front().weight.cols; }
 };
 
 #if defined(__CUDACC__)

@@ -15,7 +15,9 @@
 
 namespace dion3 {
 
-enum class Algorithm : int { Dion3 = 0, NorMuon = 1, Muon = 2, AdamW = 3, Lion = 4 };
+// Dion2 is Dion3 without the NorMuon normalisation; on a matrix that is not sharded it selects
+// along the shorter dimension (columns of a tall matrix), as the reference's Dion2 does.
+enum class Algorithm : int { Dion3 = 0, NorMuon = 1, Muon = 2, AdamW = 3, Lion = 4, Dion2 = 5 };
 enum class AdjustLR : int { SpectralNorm = 0, RmsNorm = 1, None = 2 };
 // Auto picks, per shape, the cheaper of the two by the backend's cost model (SPEC §2).
 enum class OrthMethod : int { Auto = 0, Standard = 1, Gram = 2 };
@@ -25,12 +27,17 @@ enum class NonFinitePolicy : int { Raise = 0, Skip = 1 };
 enum class SelectionScope : int { Local = 0, Global = 1 };
 
 DION3_API const char* algorithm_name(Algorithm a);
-DION3_API Algorithm parse_algorithm(const std::string& name);  // "dion3"/"nordion2", "normuon", "muon", "adamw", "lion"
+// "dion3"/"nordion2", "dion2", "normuon", "muon", "adamw", "lion"
+DION3_API Algorithm parse_algorithm(const std::string& name);
 DION3_API AdjustLR parse_adjust_lr(const std::string& name);   // "spectral_norm", "rms_norm", "none"
 DION3_API OrthMethod parse_orth_method(const std::string& name);  // "auto", "standard", "gram"
 DION3_API NonFinitePolicy parse_nonfinite(const std::string& name);  // "raise", "skip"
 DION3_API SelectionScope parse_selection_scope(const std::string& name);  // "local", "global"
 DION3_API bool is_matrix_algorithm(Algorithm a);
+// Dion3 and Dion2: a fraction of the rows orthogonalized per step, with error feedback.
+DION3_API bool selects_rows(Algorithm a);
+// Dion3 and NorMuon: the per-row second-moment normalisation (and its variance state).
+DION3_API bool normalizes_rows(Algorithm a);
 
 using Coefficients = std::array<double, 3>;  // (a, b, c) of one quintic step
 

@@ -74,7 +74,8 @@ typedef enum dion3_algorithm {
   DION3_ALGO_NORMUON = 1,
   DION3_ALGO_MUON = 2,
   DION3_ALGO_ADAMW = 3,
-  DION3_ALGO_LION = 4
+  DION3_ALGO_LION = 4,
+  DION3_ALGO_DION2 = 5 /* Dion3 without NorMuon; a tall unsharded matrix selects columns */
 } dion3_algorithm;
 
 typedef enum dion3_adjust_lr {
@@ -170,6 +171,7 @@ typedef struct dion3_megabatch_info {
   int32_t method;          /* dion3_orth_method actually used (STANDARD or GRAM) */
   int32_t iteration_dtype; /* dion3_dtype */
   uint64_t workspace_bytes;
+  int32_t columns; /* 1: DION3_ALGO_DION2 stepping tall matrices by columns (rows x cols is n x m) */
 } dion3_megabatch_info;
 
 typedef struct dion3_optimizer dion3_optimizer; /* opaque */

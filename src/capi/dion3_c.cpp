@@ -113,7 +113,7 @@ const std::vector<dion3::Coefficients>& preset(int32_t which) {
 dion3::GroupConfig to_config(const dion3_group_config* c) {
   require(c != nullptr, "group config is NULL");
   dion3::GroupConfig g;
-  g.algorithm = to_enum<dion3::Algorithm>(c->algorithm, 0, 4, "group config: algorithm");
+  g.algorithm = to_enum<dion3::Algorithm>(c->algorithm, 0, 5, "group config: algorithm");
   g.lr = c->lr;
   g.fraction = c->fraction;
   g.mu = c->mu;
@@ -424,6 +424,7 @@ dion3_status dion3_plan(dion3_optimizer* opt, dion3_megabatch_info* out, size_t 
       o.method = static_cast<int32_t>(m.method);
       o.iteration_dtype = static_cast<int32_t>(m.iteration_dtype);
       o.workspace_bytes = m.workspace_bytes;
+      o.columns = m.columns ? 1 : 0;
     }
     *count = plan.size();
   });

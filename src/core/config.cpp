@@ -71,17 +71,19 @@ const char* algorithm_name(Algorithm a) {
     case Algorithm::Muon: return "muon";
     case Algorithm::AdamW: return "adamw";
     case Algorithm::Lion: return "lion";
+    case Algorithm::Dion2: return "dion2";
   }
   return "unknown";
 }
 
 Algorithm parse_algorithm(const std::string& name) {
   if (name == "dion3" || name == "nordion2") return Algorithm::Dion3;
+  if (name == "dion2") return Algorithm::Dion2;
   if (name == "normuon") return Algorithm::NorMuon;
   if (name == "muon") return Algorithm::Muon;
   if (name == "adamw") return Algorithm::AdamW;
   if (name == "lion") return Algorithm::Lion;
-  fail("'algorithm' must be one of dion3, nordion2, normuon, muon, adamw, lion; got '" + name + "'");
+  fail("'algorithm' must be one of dion3, nordion2, dion2, normuon, muon, adamw, lion; got '" + name + "'");
 }
 
 AdjustLR parse_adjust_lr(const std::string& name) {
@@ -111,8 +113,10 @@ NonFinitePolicy parse_nonfinite(const std::string& name) {
 }
 
 bool is_matrix_algorithm(Algorithm a) {
-  return a == Algorithm::Dion3 || a == Algorithm::NorMuon || a == Algorithm::Muon;
+  return a == Algorithm::Dion3 || a == Algorithm::Dion2 || a == Algorithm::NorMuon || a == Algorithm::Muon;
 }
+bool selects_rows(Algorithm a) { return a == Algorithm::Dion3 || a == Algorithm::Dion2; }
+bool normalizes_rows(Algorithm a) { return a == Algorithm::Dion3 || a == Algorithm::NorMuon; }
 
 const std::vector<Coefficients>& polar_express_coefficients() {
   static const std::vector<Coefficients> c = {
@@ -201,6 +205,9 @@ void GroupConfig::validate() const {
   if ((!split_sizes.empty() || num_heads > 1) && !is_matrix_algorithm(algorithm))
     fail(std::string("'split_sizes' and 'num_heads' cut matrices into row blocks; ") + algorithm_name(algorithm) +
          " steps element-wise and takes neither");
+  if ((!split_sizes.empty() || num_heads > 1) && algorithm == Algorithm::Dion2)
+    fail("'split_sizes' and 'num_heads' are not available for dion2 (it may select columns, which cross the row "
+         "blocks; the reference's Dion2 takes whole matrices): use dion3, or give the blocks as separate parameters");
   if (!std::isfinite(as_float(base_lr())))
     fail("'lr' = " + format_number(lr) + " scaled by scale_lr_by_fraction (lr / sqrt(fraction = " + format_number(fraction) +
          ")) is " + format_number(base_lr()) + ", which is not finite in float32, the precision the step uses");
@@ -210,7 +217,7 @@ void GroupConfig::validate() const {
 }
 
 double GroupConfig::base_lr() const {
-  if (algorithm == Algorithm::Dion3 && scale_lr_by_fraction) return lr / std::sqrt(fraction);
+  if (selects_rows(algorithm) && scale_lr_by_fraction) return lr / std::sqrt(fraction);
   return lr;
 }
 

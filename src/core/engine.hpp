@@ -92,6 +92,9 @@ struct Chunk {
 struct Megabatch {
   int group = 0;
   int64_t rows = 0, cols = 0, k = 0;  // rows: of the local matrices (a shard under RowShard)
+  // Dion2 on a tall matrix that is not sharded: rows / cols (and global_*) are the transposed
+  // shape, the row selection picks stored columns (MatrixSet::columns).
+  bool columns = false;
   DType weight_dtype = DType::F32, grad_dtype = DType::F32, momentum_dtype = DType::F32;
   std::vector<Member> members;
   std::unique_ptr<MatrixSet> set;                // every member: accumulate and select
@@ -113,6 +116,10 @@ struct Megabatch {
   int col_ranks = 1, col_rank = 0;
   int64_t global_rows = 0;    // m of the whole matrix
   int64_t global_cols = 0;    // n of the whole matrix (cols is the local count under ColShard)
+  // The stored matrix's (rows, cols), whatever the orientation the step takes it in: adjust_lr's.
+  std::pair<int64_t, int64_t> stored_shape() const {
+    return columns ? std::pair{global_cols, global_rows} : std::pair{global_rows, global_cols};
+  }
   // RowShard cut otherwise than in ceil(m/P) chunks in rank order (ParamLayout::row_offset, or
   // row blocks that straddle shards): the largest shard's rows; 0 for the standard cut.
   int64_t row_chunk = 0;
@@ -251,7 +258,7 @@ struct Optimizer::Impl {
   void orthogonalize(Megabatch& mb, int* flag);
   void apply(Megabatch& mb, int* flag);
   void prepare_block(Megabatch& mb, int* flag);
-  void plan_piece_lists(Megabatch& mb, bool dion3);
+  void plan_piece_lists(Megabatch& mb, bool selects);
   void plan_score_sum(Megabatch& mb, int ranks);
   const float* summed_scores(Megabatch& mb, Communicator& comm);
   void select_pieces(Megabatch& mb, const float* scores, int* flag);

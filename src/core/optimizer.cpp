@@ -43,7 +43,7 @@ std::size_t align_up(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
 // rows unchanged, so the momentum dtype holds them exactly (half the bytes of fp32 for bf16
 // momentum); Muon/NorMuon may mix in the gradient (Nesterov), so fp32.
 DType update_rows_dtype(const GroupConfig& g, DType momentum_dtype) {
-  return g.algorithm == Algorithm::Dion3 ? momentum_dtype : DType::F32;
+  return selects_rows(g.algorithm) ? momentum_dtype : DType::F32;
 }
 
 std::string group_error(int g, const std::string& what) { return "group " + std::to_string(g) + ": " + what; }
@@ -109,6 +109,7 @@ std::vector<Optimizer::Impl::StateSpec> Optimizer::Impl::state_specs(const Param
     case Algorithm::NorMuon:
       return {{"momentum", g.momentum_dtype.value_or(p.weight.dtype), p.weight.shape},
               {"variance", DType::F32, {p.count * p.rows}}};
+    case Algorithm::Dion2:
     case Algorithm::Muon: return {{"momentum", g.momentum_dtype.value_or(p.weight.dtype), p.weight.shape}};
     case Algorithm::AdamW:
       return {{"exp_avg", p.weight.dtype, p.weight.shape}, {"exp_avg_sq", p.weight.dtype, p.weight.shape}};
@@ -268,8 +269,10 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
   if (is_matrix_algorithm(g.algorithm)) {
     if (shape.size() < 2)
       fail(who + " has shape " + spec.weight.shape_str() + " but " +
-           (g.algorithm == Algorithm::Dion3 ? "Dion3" : g.algorithm == Algorithm::Muon ? "Muon" : "NorMuon") +
-           " needs a matrix; put 1-D tensors in an 'adamw' or 'lion' group");
+           algorithm_name(g.algorithm) + " needs a matrix; put 1-D tensors in an 'adamw' or 'lion' group");
+    if (g.algorithm == Algorithm::Dion2 && (L.kind == Layout::ColShard || L.kind == Layout::Block))
+      fail(who + " is " + layout_name(L.kind) + ": dion2 is not available where the columns are sharded (the "
+           "reference's Dion2 selects each shard's columns there; dion3 selects whole rows): use dion3");
     int64_t trailing = 1;
     for (std::size_t d = 1; d < shape.size(); ++d) trailing *= shape[d];
     if (g.flatten || shape.size() == 2) {
@@ -297,7 +300,7 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
       };
       check_cut("rows", p.rows, L.global_rows, *L.comm);
       check_cut("columns", p.cols, L.global_cols, *L.col_comm);
-      if (g.algorithm == Algorithm::Dion3 && g.selection_scope == SelectionScope::Global)
+      if (selects_rows(g.algorithm) && g.selection_scope == SelectionScope::Global)
         fail(who + ": selection_scope 'global' is not available for block-sharded parameters; use 'local'");
     } else if (L.kind == Layout::RowShard && L.row_offset >= 0) {
       const int64_t m = L.global_rows, P = L.comm->size();
@@ -308,7 +311,7 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
         fail(who + " holds rows [" + std::to_string(L.row_offset) + ", " + std::to_string(L.row_offset + p.rows) +
              ") of " + std::to_string(m) + " with shards of at most " + std::to_string(L.row_chunk) + " rows over " +
              std::to_string(P) + " ranks: not a cut of the matrix into contiguous shards");
-      if (g.algorithm == Algorithm::Dion3 && g.selection_scope == SelectionScope::Global)
+      if (selects_rows(g.algorithm) && g.selection_scope == SelectionScope::Global)
         fail(who + ": selection_scope 'global' needs the standard cut (ceil(m/P) rows in rank order); this "
              "parameter is cut otherwise (e.g. FSDP2 over tensor parallel): use 'local'");
     } else if (L.kind == Layout::RowShard) {
@@ -510,7 +513,7 @@ void Optimizer::Impl::build_plan() {
   };
   // The last three fields single a matrix (block) out when megabatching is off.
   using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, int, int, int, int,
-                         int64_t, int>;
+                         int64_t, int, bool>;
   std::map<Key, std::size_t> index;
   for (int i = 0; i < static_cast<int>(params.size()); ++i) {
     const Param& p = params[i];
@@ -522,6 +525,10 @@ void Optimizer::Impl::build_plan() {
     const bool col_cut = p.layout.kind == Layout::ColShard || p.layout.kind == Layout::Block;
     const int64_t n = col_cut ? p.layout.global_cols : p.cols;
     const std::vector<RowBlock>& blocks = blocks_of[i];
+    // Dion2 selects along the shorter dimension of a matrix no rank cuts (the reference's rule;
+    // a sharded one selects along its cut, the rows).
+    const bool columns = g.algorithm == Algorithm::Dion2 && p.rows > p.cols &&
+                         (p.layout.kind == Layout::Local || p.layout.kind == Layout::Replicated);
     for (int64_t j = 0; j < p.count; ++j) {
       for (int b = 0; b < static_cast<int>(blocks.size()); ++b) {
         const RowBlock& rb = blocks[b];
@@ -532,15 +539,16 @@ void Optimizer::Impl::build_plan() {
         const Key key{p.group, rb.global_rows, n, rb.row_chunk, cut ? p.layout.global_rows : -1,
                       cut ? rb.global_first : -1, static_cast<int>(p.weight.dtype), static_cast<int>(p.grad.dtype),
                       static_cast<int>(mom), static_cast<int>(rb.layout), local ? -1 : ci, local ? -1 : cci,
-                      options.megabatch ? -1 : i, options.megabatch ? -1 : j, options.megabatch ? -1 : b};
+                      options.megabatch ? -1 : i, options.megabatch ? -1 : j, options.megabatch ? -1 : b, columns};
         auto [it, fresh] = index.try_emplace(key, megabatches.size());
         if (fresh) {
           Megabatch mb;
           mb.group = p.group;
-          mb.rows = rb.rows;
-          mb.cols = p.cols;
-          mb.global_rows = rb.global_rows;
-          mb.global_cols = n;
+          mb.columns = columns;
+          mb.rows = columns ? p.cols : rb.rows;
+          mb.cols = columns ? p.rows : p.cols;
+          mb.global_rows = columns ? p.cols : rb.global_rows;
+          mb.global_cols = columns ? p.rows : n;
           mb.row_chunk = rb.row_chunk;
           mb.weight_dtype = p.weight.dtype;
           mb.grad_dtype = p.grad.dtype;
@@ -574,7 +582,7 @@ void Optimizer::Impl::build_plan() {
     // Row-sharded megabatches normalise after the exchange (the norm spans every rank's rows),
     // except over one rank, where the rank's rows are the whole input.
     const bool sharded = mb.layout == Layout::RowShard || mb.layout == Layout::ColShard || mb.layout == Layout::Block;
-    mb.gathers_normalized = g.algorithm == Algorithm::Dion3 && (!sharded || mb.ranks == 1) &&
+    mb.gathers_normalized = selects_rows(g.algorithm) && !mb.columns && (!sharded || mb.ranks == 1) &&
                             mb.orth_rows <= mb.orth_cols;
     auto layout = [&](int64_t count, Chunk* c) {
       const std::size_t u = mb.gathers_normalized
@@ -597,7 +605,7 @@ void Optimizer::Impl::build_plan() {
     mb.chunk_bytes = mb.owned_count > 0 ? need(chunk) : 0;
     arena_bytes = std::max(arena_bytes, mb.chunk_bytes);
     mb.set = backend->new_matrix_set();
-    if (g.algorithm == Algorithm::Dion3) {
+    if (selects_rows(g.algorithm)) {
       mb.scores = DeviceBuffer(alloc, static_cast<std::size_t>(n * std::max<int64_t>(mb.rows, 1)) * sizeof(float));
       const int64_t listed = mb.global_scope                   ? selected_rows(g.fraction, mb.global_rows)
                              : mb.layout == Layout::RowShard ? mb.rows  // before padding to `piece`
@@ -662,7 +670,8 @@ Hyper Optimizer::Impl::group_hyper(int g, GroupHyper which) const {
 }
 
 Hyper Optimizer::Impl::megabatch_lr(const Megabatch& mb) const {
-  return {static_cast<float>(groups[mb.group].adjusted_lr(mb.global_rows, mb.global_cols)),  // the whole matrix's shape
+  const auto [m, n] = mb.stored_shape();
+  return {static_cast<float>(groups[mb.group].adjusted_lr(m, n)),  // the whole matrix's shape
           hyper.as<float>() + mb.hyper_slot};
 }
 
@@ -690,9 +699,9 @@ void Optimizer::Impl::upload_hyper(bool capturing) {
 ExchangePlan exchange_plan(Layout layout, const GroupConfig& g, int64_t count, int64_t m, int64_t cols, int ranks,
                            DType update_dtype, DType orth_dtype, int64_t row_chunk, int col_ranks) {
   ExchangePlan x;
-  const bool dion3 = g.algorithm == Algorithm::Dion3;
+  const bool selects = selects_rows(g.algorithm);
   const int64_t P = layout == Layout::Local ? 1 : ranks;
-  x.k = dion3 ? selected_rows(g.fraction, m) : m;
+  x.k = selects ? selected_rows(g.fraction, m) : m;
   x.orth_rows = x.k;
   x.orth_cols = cols;
   x.block = layout == Layout::Local ? count : ceil_div(count, P);
@@ -706,8 +715,8 @@ ExchangePlan exchange_plan(Layout layout, const GroupConfig& g, int64_t count, i
     // the global scope first all-gathers every shard's row scores.
     const int64_t c = row_chunk > 0 ? row_chunk : ceil_div(m, P);
     // Over one rank the whole matrix is the shard: both scopes select the same rows.
-    const bool global = dion3 && g.selection_scope == SelectionScope::Global && P > 1;
-    x.piece = !dion3 ? c : global ? std::min(x.k, c) : selected_rows(g.fraction, c);
+    const bool global = selects && g.selection_scope == SelectionScope::Global && P > 1;
+    x.piece = !selects ? c : global ? std::min(x.k, c) : selected_rows(g.fraction, c);
     // Global scope: the owner compacts the k selected rows out of the padded pieces.
     x.orth_rows = global ? x.k : P * x.piece;
     x.k = x.piece;
@@ -723,10 +732,10 @@ ExchangePlan exchange_plan(Layout layout, const GroupConfig& g, int64_t count, i
     // every rank (all-gather): selection and NorMuon see whole rows.
     const int64_t c = ceil_div(cols, P);
     x.orth_cols = P * c;
-    x.rounds = dion3 ? 3 : 2;
+    x.rounds = selects ? 3 : 2;
     x.bytes_sent = static_cast<std::size_t>((P - 1) * x.block * x.k) *
                    (static_cast<std::size_t>(c) * es_u + static_cast<std::size_t>(cols) * es_o);
-    if (dion3) x.bytes_sent += static_cast<std::size_t>((P - 1) * count * m) * sizeof(float);
+    if (selects) x.bytes_sent += static_cast<std::size_t>((P - 1) * count * m) * sizeof(float);
   }
   if (P == 1) x.rounds = 0;  // a rank alone exchanges nothing
   if (layout == Layout::Block) {
@@ -734,14 +743,14 @@ ExchangePlan exchange_plan(Layout layout, const GroupConfig& g, int64_t count, i
     // over the column ranks into whole-width pieces, then the row-sharded exchange of those over
     // the row ranks (every column rank of a row group runs it alike).
     const int64_t c = ceil_div(m, P), Pc = col_ranks, cc = ceil_div(cols, Pc);
-    x.piece = dion3 ? selected_rows(g.fraction, c) : c;
+    x.piece = selects ? selected_rows(g.fraction, c) : c;
     x.k = x.piece;
     x.orth_rows = P * x.piece;
     x.orth_cols = Pc * cc;
-    x.rounds = (P > 1 ? 2 : 0) + (Pc > 1 ? (dion3 ? 2 : 1) : 0);
+    x.rounds = (P > 1 ? 2 : 0) + (Pc > 1 ? (selects ? 2 : 1) : 0);
     x.bytes_sent = static_cast<std::size_t>((P - 1) * x.block * x.piece * x.orth_cols) * (es_u + es_o) +
                    static_cast<std::size_t>((Pc - 1) * count * x.piece * cc) * es_u;
-    if (dion3) x.bytes_sent += static_cast<std::size_t>((Pc - 1) * count * c) * sizeof(float);
+    if (selects) x.bytes_sent += static_cast<std::size_t>((Pc - 1) * count * c) * sizeof(float);
   }
   return x;
 }
@@ -750,7 +759,7 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
   const Param& first = params[mb.members.front().param];
   const GroupConfig& g = groups[mb.group];
   const auto n = static_cast<int64_t>(mb.members.size());
-  const bool dion3 = g.algorithm == Algorithm::Dion3;
+  const bool selects = selects_rows(g.algorithm);
   Allocator& alloc = backend->allocator();
   mb.ranks = mb.comm ? mb.comm->size() : 1;
   mb.rank = mb.comm ? mb.comm->rank() : 0;
@@ -759,7 +768,7 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
   mb.update_dtype = update_rows_dtype(g, mb.momentum_dtype);
   const int64_t P = mb.ranks, m = mb.global_rows;
   mb.global_scope =
-      mb.layout == Layout::RowShard && dion3 && g.selection_scope == SelectionScope::Global && mb.ranks > 1;
+      mb.layout == Layout::RowShard && selects && g.selection_scope == SelectionScope::Global && mb.ranks > 1;
   // The exchange's row counts decide the orthogonalizer's shape, and so its result dtype (decided
   // from the shape alone so that every rank agrees, even one that orthogonalizes nothing).
   const int64_t ncols = mb.global_cols;
@@ -784,9 +793,9 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
   mb.owned_first = std::min(n, mb.rank * mb.block);
   mb.owned_count = std::min(mb.block, n - mb.owned_first);
   char label[160];
-  std::snprintf(label, sizeof(label), "megabatch %d (%lld x %lldx%lld %s, %s over %d ranks)", index,
+  std::snprintf(label, sizeof(label), "megabatch %d (%lld x %lldx%lld %s%s, %s over %d ranks)", index,
                 static_cast<long long>(n), static_cast<long long>(m), static_cast<long long>(ncols),
-                dtype_name(mb.weight_dtype), layout_name(mb.layout), mb.ranks);
+                dtype_name(mb.weight_dtype), mb.columns ? " by columns" : "", layout_name(mb.layout), mb.ranks);
   mb.label = label;
   const std::size_t es_u = dtype_size(mb.update_dtype), es_o = dtype_size(mb.orth_dtype);
   if (mb.layout != Layout::Local) {  // the members other ranks orthogonalize
@@ -800,7 +809,7 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
   // Exchange buffers only where something leaves the rank.
   if (mb.layout == Layout::Block) {
     const int64_t Pc = mb.col_ranks, cc = ceil_div(ncols, Pc);
-    plan_piece_lists(mb, dion3);
+    plan_piece_lists(mb, selects);
     // colbuf: every column rank's block of every member's pieces (all-gathered in place); send:
     // whole-width pieces, member order; recv: the forward pieces of this rank's block; back: the
     // results for the other row ranks.
@@ -811,7 +820,7 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
       mb.recv = DeviceBuffer(alloc, P * mb.block * slot * std::max(es_u, es_o));
       mb.back = DeviceBuffer(alloc, P * mb.block * slot * es_o);
     }
-    if (dion3 && Pc > 1) plan_score_sum(mb, static_cast<int>(Pc));
+    if (selects && Pc > 1) plan_score_sum(mb, static_cast<int>(Pc));
   } else if (mb.layout == Layout::ColShard && P > 1) {
     // send: the forward pieces, then (in place) the all-gathered whole result rows; recv: the
     // forward pieces of this rank's block.
@@ -820,7 +829,7 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
     const std::size_t rows = static_cast<std::size_t>(mb.k * ncols) * es_o;
     mb.send = DeviceBuffer(alloc, P * mb.block * std::max(piece, rows));
     mb.recv = DeviceBuffer(alloc, P * mb.block * piece);
-    if (dion3) plan_score_sum(mb, static_cast<int>(P));
+    if (selects) plan_score_sum(mb, static_cast<int>(P));
   } else if (mb.layout == Layout::Replicated && P > 1) {
     const std::size_t slot = static_cast<std::size_t>(mb.k * mb.cols) * es_o;
     mb.recv = DeviceBuffer(alloc, P * mb.block * slot);  // all-gathered in place
@@ -830,7 +839,7 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
       mb.send = DeviceBuffer(alloc, P * mb.block * slot);
       mb.recv = DeviceBuffer(alloc, P * mb.block * slot);
     }
-    plan_piece_lists(mb, dion3);
+    plan_piece_lists(mb, selects);
     if (mb.global_scope) {
       // Each rank's scores padded to c rows with -1 (below any real score, so never selected).
       std::vector<float> pad(static_cast<std::size_t>(n * ceil_div(m, P)), -1.0f);
@@ -899,6 +908,7 @@ std::vector<MegabatchInfo> Optimizer::plan() {
     info.group = mb.group;
     info.algorithm = g.algorithm;
     info.rows = mb.global_rows;
+    info.columns = mb.columns;
     info.cols = mb.global_cols;
     info.dtype = mb.weight_dtype;
     info.count = static_cast<int64_t>(mb.members.size());
@@ -960,10 +970,11 @@ void Optimizer::Impl::validate_for_step() {
   s.validated = s.binding;
   // The learning rate a matrix update applies depends on its shape: it too must be a float32.
   for (const Megabatch& mb : s.megabatches) {
-    const double lr = s.groups[mb.group].adjusted_lr(mb.global_rows, mb.global_cols);
+    const auto [m, n] = mb.stored_shape();
+    const double lr = s.groups[mb.group].adjusted_lr(m, n);
     if (!std::isfinite(static_cast<float>(lr)))
-      fail(group_error(mb.group, "the learning rate of its " + std::to_string(mb.global_rows) + " x " +
-                                     std::to_string(mb.global_cols) + " matrices after adjust_lr is " +
+      fail(group_error(mb.group, "the learning rate of its " + std::to_string(m) + " x " + std::to_string(n) +
+                                     " matrices after adjust_lr is " +
                                      format_number(lr) + ", which is not finite in float32, the precision the step uses"));
   }
 }
@@ -978,7 +989,7 @@ UpdateParams Optimizer::Impl::update_params(const Megabatch& mb) const {
     up.o_col_offset = std::min(mb.global_cols, mb.col_rank * ceil_div(mb.global_cols, mb.col_ranks));
   up.beta2 = group_hyper(mb.group, kMuonBeta2);
   up.cautious_wd = g.cautious_wd;
-  up.normuon = g.algorithm != Algorithm::Muon;
+  up.normuon = normalizes_rows(g.algorithm);
   return up;
 }
 
@@ -996,13 +1007,13 @@ void Optimizer::Impl::agree_on_flag(int* flag) {
 
 // piece_idx of a row-cut megabatch; Muon / NorMuon (and an empty shard) keep fixed lists: every
 // row of the shard in order, then padding.
-void Optimizer::Impl::plan_piece_lists(Megabatch& mb, bool dion3) {
+void Optimizer::Impl::plan_piece_lists(Megabatch& mb, bool selects) {
   const auto n = static_cast<int64_t>(mb.members.size());
   mb.piece_idx = DeviceBuffer(backend->allocator(), static_cast<std::size_t>(n * mb.piece) * sizeof(int32_t));
-  if (dion3 && mb.rows > 0) return;  // selected every step
+  if (selects && mb.rows > 0) return;  // selected every step
   std::vector<int32_t> idx(static_cast<std::size_t>(n * mb.piece), kPadRow);
   for (int64_t i = 0; i < n; ++i)
-    for (int64_t r = 0; r < (dion3 ? 0 : mb.rows); ++r) idx[i * mb.piece + r] = static_cast<int32_t>(r);
+    for (int64_t r = 0; r < (selects ? 0 : mb.rows); ++r) idx[i * mb.piece + r] = static_cast<int32_t>(r);
   backend->copy_from_host(mb.piece_idx.get(), idx.data(), idx.size() * sizeof(int32_t));
 }
 
@@ -1052,7 +1063,7 @@ namespace {
 // algorithm has it (SPEC §1 steps 3-4, Muon's momentum or its Nesterov mix).
 void gather_update_rows(Backend& be, const GroupConfig& g, Hyper mu, const MatrixSet& set, const int32_t* idx,
                         int64_t k, MatrixView out, float* row_sumsq, const int* flag) {
-  if (g.algorithm == Algorithm::Dion3) be.gather_rows(set, idx, k, 1.0f, 0.0f, mu, out, row_sumsq, flag);
+  if (selects_rows(g.algorithm)) be.gather_rows(set, idx, k, 1.0f, 0.0f, mu, out, row_sumsq, flag);
   else if (g.nesterov) be.gather_rows(set, idx, k, mu, 1.0f, 1.0f, out, row_sumsq, flag);
   else be.gather_rows(set, idx, k, 1.0f, 0.0f, 1.0f, out, row_sumsq, flag);
 }
@@ -1073,14 +1084,17 @@ void Optimizer::Impl::bind(Megabatch& mb) {
     Param& p = params[m.param];
     const int64_t row = m.matrix * p.rows + m.first_row;  // the block's first row in the flattened rows
     ParamMatrix pm;
-    pm.weight = rows_of(p.weight, p.weight.dtype, row, mb.rows, p.cols);
-    pm.grad = rows_of(p.grad, p.grad.dtype, row, mb.rows, p.cols);
-    pm.momentum = rows_of(p.state[0].second, mb.momentum_dtype, row, mb.rows, p.cols);
+    const int64_t rows = mb.columns ? p.rows : mb.rows;  // the whole stored matrix when stepped by columns
+    pm.weight = rows_of(p.weight, p.weight.dtype, row, rows, p.cols);
+    pm.grad = rows_of(p.grad, p.grad.dtype, row, rows, p.cols);
+    pm.momentum = rows_of(p.state[0].second, mb.momentum_dtype, row, rows, p.cols);
     if (p.state.size() > 1) pm.variance = static_cast<float*>(p.state[1].second.data) + row;
     mb.set->mats.push_back(pm);
   }
+  mb.set->columns = mb.columns;
   be.refresh(*mb.set);
   auto part = [&](MatrixSet& set, int64_t first, int64_t count) {
+    set.columns = mb.columns;
     set.mats.assign(mb.set->mats.begin() + first, mb.set->mats.begin() + first + count);
     be.refresh(set);
   };
@@ -1098,7 +1112,7 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
   bind(mb);
   const auto n = static_cast<int64_t>(mb.members.size());
   const Hyper mu = group_hyper(mb.group, kMu);
-  const bool dion3 = g.algorithm == Algorithm::Dion3;
+  const bool selects = selects_rows(g.algorithm);
   float* scores = mb.scores.as<float>();
   int32_t* idx = mb.indices.as<int32_t>();
   float* row_sumsq = mb.gathers_normalized ? mb.row_sumsq.as<float>() : nullptr;
@@ -1108,7 +1122,7 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
   }
   if (mb.layout == Layout::ColShard && mb.ranks > 1) {
     const int64_t P = mb.ranks;
-    if (dion3) {
+    if (selects) {
       // Row l1 scores over this rank's columns, summed over the ranks (one GEMM with a row of
       // ones, the same arithmetic on every rank, so every rank selects the same rows).
       be.accumulate(*mb.set, 1.0f, scores, nullptr, flag);
@@ -1124,7 +1138,7 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
     for (auto& [first, set] : mb.others) {
       const auto count = static_cast<int64_t>(set->mats.size());
       if (mb.cols > 0)
-        gather_update_rows(be, g, mu, *set, dion3 ? idx + first * mb.k : nullptr, mb.k,
+        gather_update_rows(be, g, mu, *set, selects ? idx + first * mb.k : nullptr, mb.k,
                            MatrixView{byte_offset(mb.send, first * slot), mb.update_dtype, count, mb.k, mb.cols, c,
                                       mb.k * c},
                            nullptr, flag);
@@ -1134,7 +1148,7 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
     return;
   }
   if (mb.layout != Layout::RowShard) {
-    if (dion3) {
+    if (selects) {
       // M += G, row l1 scores (and sums of squares, for the normalisation in the gather)
       be.accumulate(*mb.set, 1.0f, scores, row_sumsq, flag);
       be.select_rows(scores, n, mb.rows, mb.k, idx, flag);  // S = top-k rows
@@ -1147,7 +1161,7 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
   // Row-sharded: `piece` rows of this rank's shard of each member.
   const int64_t P = mb.ranks, c = ceil_div(mb.global_rows, P), shard_first = std::min(mb.global_rows, mb.rank * c);
   int32_t* piece_idx = mb.piece_idx.as<int32_t>();
-  if (dion3) {
+  if (selects) {
     be.accumulate(*mb.set, 1.0f, scores, row_sumsq, flag);
     if (mb.global_scope) {
       // Every rank gathers every shard's scores and selects the whole matrix's top k (the
@@ -1196,7 +1210,7 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
   Backend& be = *backend;
   const GroupConfig& g = groups[mb.group];
   const Hyper mu = group_hyper(mb.group, kMu);
-  const bool dion3 = g.algorithm == Algorithm::Dion3;
+  const bool selects = selects_rows(g.algorithm);
   int32_t* idx = mb.indices.as<int32_t>();
   float* row_sumsq = mb.row_sumsq.as<float>();
   const std::size_t es_o = dtype_size(mb.orth_dtype), es_u = dtype_size(mb.update_dtype);
@@ -1213,7 +1227,7 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
 
   for (Chunk& c : mb.chunks) {
     const int64_t jl = c.first - mb.owned_first;
-    const int32_t* rows = row_shard ? piece_idx + c.first * mb.piece : dion3 ? idx + c.first * mb.k : nullptr;
+    const int32_t* rows = row_shard ? piece_idx + c.first * mb.piece : selects ? idx + c.first * mb.k : nullptr;
     MatrixView O;
     if (mb.gathers_normalized) {
       // X = M[S] / ||M[S]||, straight into the orthogonalizer's buffer; M[S] *= mu.
@@ -1305,7 +1319,7 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
                  static_cast<const char*>(O.data) + r * out_slot, P * out_slot, out_slot, c.count);
     }
   }
-  if (mb.layout == Layout::Replicated && dion3) {
+  if (mb.layout == Layout::Replicated && selects) {
     // Error feedback on the rows other ranks orthogonalize (every rank keeps the whole momentum).
     for (auto& [first, set] : mb.others)
       be.gather_rows(*set, idx + first * mb.k, mb.k, 1.0f, 0.0f, mu, MatrixView{}, nullptr, flag);
@@ -1331,7 +1345,7 @@ void Optimizer::Impl::apply(Megabatch& mb, int* flag) {
   comm_wait(std::move(mb.inflight));
   if (mb.rows == 0) return;  // an empty shard
   if (mb.cols == 0) return;  // an empty column shard
-  const bool dion3 = groups[mb.group].algorithm == Algorithm::Dion3;
+  const bool selects = selects_rows(groups[mb.group].algorithm);
   const bool row_shard = mb.layout == Layout::RowShard || mb.layout == Layout::Block;
   const int64_t listed = row_shard ? mb.piece : mb.k;
   // ColShard: whole rows, in `send` (the all-gather's buffer). Block: whole-width rows, padded.
@@ -1340,7 +1354,7 @@ void Optimizer::Impl::apply(Megabatch& mb, int* flag) {
   const std::size_t slot = static_cast<std::size_t>(listed * width) * dtype_size(mb.orth_dtype);
   for (auto& [first, set] : mb.others) {
     const int32_t* rows = row_shard ? mb.piece_idx.as<int32_t>() + first * mb.piece
-                          : dion3   ? mb.indices.as<int32_t>() + first * mb.k
+                          : selects   ? mb.indices.as<int32_t>() + first * mb.k
                                     : nullptr;
     const MatrixView O{byte_offset(results, first * slot), mb.orth_dtype, static_cast<int64_t>(set->mats.size()),
                        listed, mb.global_cols, width, listed * width};
@@ -1354,12 +1368,12 @@ void Optimizer::Impl::prepare_block(Megabatch& mb, int* flag) {
   Backend& be = *backend;
   const GroupConfig& g = groups[mb.group];
   const auto n = static_cast<int64_t>(mb.members.size());
-  const bool dion3 = g.algorithm == Algorithm::Dion3;
+  const bool selects = selects_rows(g.algorithm);
   const int64_t Pc = mb.col_ranks, cc = ceil_div(mb.global_cols, Pc), W = mb.orth_cols;
   const std::size_t es_u = dtype_size(mb.update_dtype);
   const Hyper mu = group_hyper(mb.group, kMu);
   int32_t* piece_idx = mb.piece_idx.as<int32_t>();
-  if (dion3) {
+  if (selects) {
     float* scores = mb.scores.as<float>();
     be.accumulate(*mb.set, 1.0f, scores, nullptr, flag);
     // Row scores over this rank's columns, summed over the column ranks.
@@ -1485,6 +1499,7 @@ StepCheck Optimizer::Impl::step_check(const Param& p) const {
   c.state = flat_of(p.state[0].second);
   switch (g.algorithm) {
     case Algorithm::Dion3:  // M += G (the selected rows decay after they are read)
+    case Algorithm::Dion2:
       c.a = 1.0f;
       break;
     case Algorithm::NorMuon:

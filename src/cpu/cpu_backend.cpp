@@ -198,6 +198,7 @@ class CpuBackend final : public Backend {
 
   void accumulate(const MatrixSet& set, Hyper decay_h, float* scores, float* row_sumsq, const int* skip) override {
     if (skipped(skip)) return;
+    if (set.columns) return accumulate_columns(set, decay_h.get(), scores, row_sumsq);
     const float decay = decay_h.get();
     const int64_t rows = set.rows(), block = cpu::row_block(set.cols()), blocks = (rows + block - 1) / block;
     struct Buffers {
@@ -284,6 +285,7 @@ class CpuBackend final : public Backend {
     const int64_t rows = set.rows(), cols = set.cols();
     check(!out.data || (out.rows == k && out.cols == cols && out.batch == static_cast<int64_t>(set.mats.size())),
           "gather_rows output shape");
+    if (set.columns) return gather_columns(set, idx, k, scale_m, scale_g, decay, out, row_sumsq);
     const int64_t block = cpu::row_block(cols), blocks = (k + block - 1) / block;
     struct Buffers {
       std::vector<float> m, g, u;
@@ -326,6 +328,7 @@ class CpuBackend final : public Backend {
   void gather_normalized(const MatrixSet& set, const int32_t* idx, int64_t k, Hyper decay_h, const float* row_sumsq,
                          float eps, MatrixView out, const int* skip) override {
     if (skipped(skip)) return;
+    check(!set.columns, "gather_normalized takes no column-stepped set");
     const float decay = decay_h.get();
     const int64_t rows = set.rows(), cols = set.cols();
     check(out.rows == k && out.cols == cols && out.batch == static_cast<int64_t>(set.mats.size()),
@@ -373,6 +376,7 @@ class CpuBackend final : public Backend {
     if (skipped(skip)) return;
     const int64_t rows = set.rows(), cols = set.cols();
     check(O.rows == k && O.cols >= p.o_col_offset + cols, "apply_update update shape");
+    if (set.columns) return apply_columns(set, idx, k, O, p);
     const int64_t ocols = O.cols, count = static_cast<int64_t>(set.mats.size());
     const float decay = p.decay.get(), adjusted_lr = p.adjusted_lr.get(), beta2 = p.beta2.get();
     // Per matrix first: the row of O that updates each weight row (-1: none) and NorMuon's
@@ -607,6 +611,103 @@ class CpuBackend final : public Backend {
   }
 
  private:
+  // Column-stepped sets (MatrixSet::columns): each stored matrix is read whole, worked on column
+  // by column, and written back; the row of the set is the stored column.
+  static void load_stored(const MatrixView& v, std::vector<float>& out) {
+    out.resize(static_cast<std::size_t>(v.rows * v.cols));
+    for (int64_t r = 0; r < v.rows; ++r) load_row(v, 0, r, out.data() + r * v.cols);
+  }
+  static void store_stored(const MatrixView& v, const std::vector<float>& in) {
+    for (int64_t r = 0; r < v.rows; ++r) store_row(v, 0, r, in.data() + r * v.cols);
+  }
+
+  void accumulate_columns(const MatrixSet& set, float decay, float* scores, float* row_sumsq) {
+    const int64_t n = set.rows();  // stored columns
+    struct Buffers {
+      std::vector<float> m, g;
+    };
+    cpu::parallel_for(static_cast<int64_t>(set.mats.size()), [] { return Buffers{}; }, [&](Buffers& buf, int64_t i) {
+      const ParamMatrix& p = set.mats[i];
+      load_stored(p.momentum, buf.m);
+      load_stored(p.grad, buf.g);
+      for (std::size_t e = 0; e < buf.m.size(); ++e) buf.m[e] = decay * buf.m[e] + buf.g[e];
+      store_stored(p.momentum, buf.m);
+      std::vector<double> l1(n, 0.0), sq(n, 0.0);
+      for (int64_t r = 0; r < p.momentum.rows; ++r)
+        for (int64_t c = 0; c < n; ++c) {  // of the values as stored
+          const double v = cpu::round_to(p.momentum.dtype, buf.m[r * n + c]);
+          l1[c] += std::fabs(v);
+          sq[c] += v * v;
+        }
+      for (int64_t c = 0; c < n; ++c) {
+        if (scores) scores[i * n + c] = static_cast<float>(l1[c]);
+        if (row_sumsq) row_sumsq[i * n + c] = static_cast<float>(sq[c]);
+      }
+    });
+  }
+
+  void gather_columns(const MatrixSet& set, const int32_t* idx, int64_t k, float scale_m, float scale_g, float decay,
+                      MatrixView out, float* row_sumsq) {
+    const int64_t n = set.rows(), m = set.cols();
+    struct Buffers {
+      std::vector<float> m, g, u;
+    };
+    cpu::parallel_for(static_cast<int64_t>(set.mats.size()), [] { return Buffers{}; }, [&](Buffers& buf, int64_t i) {
+      const ParamMatrix& p = set.mats[i];
+      load_stored(p.momentum, buf.m);
+      if (scale_g != 0.0f) load_stored(p.grad, buf.g);
+      buf.u.resize(m);
+      for (int64_t s = 0; s < k; ++s) {
+        const int64_t c = idx ? idx[i * k + s] : s;
+        if (c >= n) {  // padding
+          std::fill(buf.u.begin(), buf.u.end(), 0.0f);
+        } else {
+          for (int64_t r = 0; r < m; ++r)
+            buf.u[r] = scale_m * buf.m[r * n + c] + (scale_g != 0.0f ? scale_g * buf.g[r * n + c] : 0.0f);
+          if (decay != 1.0f)
+            for (int64_t r = 0; r < m; ++r) buf.m[r * n + c] *= decay;
+        }
+        if (out.data) store_row(out, i, s, buf.u.data());
+        if (row_sumsq && out.data) {
+          double ss = 0.0;
+          for (float v : buf.u) ss += static_cast<double>(cpu::round_to(out.dtype, v)) * cpu::round_to(out.dtype, v);
+          row_sumsq[i * k + s] = static_cast<float>(ss);
+        }
+      }
+      if (decay != 1.0f) store_stored(p.momentum, buf.m);
+    });
+  }
+
+  void apply_columns(const MatrixSet& set, const int32_t* idx, int64_t k, const MatrixView& O, const UpdateParams& p) {
+    check(!p.normuon && p.o_col_offset == 0, "apply_update: a column-stepped set takes no NorMuon and no column offset");
+    const int64_t n = set.rows(), m = set.cols();
+    const float decay = p.decay.get(), adjusted_lr = p.adjusted_lr.get();
+    struct Buffers {
+      std::vector<float> w, o;
+      std::vector<int32_t> target;
+    };
+    cpu::parallel_for(static_cast<int64_t>(set.mats.size()), [] { return Buffers{}; }, [&](Buffers& buf, int64_t i) {
+      const ParamMatrix& pm = set.mats[i];
+      buf.target.assign(n, -1);  // the row of O that updates each stored column
+      for (int64_t s = 0; s < k; ++s) {
+        const int64_t c = idx ? idx[i * k + s] : s;
+        if (c < n) buf.target[c] = static_cast<int32_t>(s);
+      }
+      load_matrix(O, i, buf.o);  // k x m
+      load_stored(pm.weight, buf.w);
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t c = 0; c < n; ++c) {
+          const int32_t s = buf.target[c];
+          const float uc = s >= 0 ? buf.o[s * O.cols + r] : 0.0f;
+          float& w = buf.w[r * n + c];
+          float d = decay;
+          if (p.cautious_wd && !(uc * w > 0.0f)) d = 1.0f;
+          w = w * d - adjusted_lr * uc;
+        }
+      store_stored(pm.weight, buf.w);
+    });
+  }
+
   // Pieces of element-wise parameters (one row each), as (parameter, piece).
   static std::vector<std::pair<std::size_t, cpu::Piece>> elementwise_pieces(std::span<const ElementwiseParam> ps) {
     std::vector<std::pair<std::size_t, cpu::Piece>> items;

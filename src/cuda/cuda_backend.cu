@@ -241,6 +241,11 @@ class CudaBackend final : public Backend {
 
   void accumulate(const MatrixSet& base, Hyper decay, float* scores, float* row_sumsq, const int* skip) override {
     const auto& set = ready(base);
+    if (set.columns) {  // stored rows x cols is the set's cols x rows
+      launch_accumulate_columns(table(set), n_of(set), set.cols(), set.rows(), set.mdt, set.gdt, decay, scores,
+                                row_sumsq, skip, stream_);
+      return;
+    }
     launch_accumulate(table(set), n_of(set), set.rows(), set.cols(), set.mdt, set.gdt, decay, scores, row_sumsq,
                       skip, stream_, set.vec);
   }
@@ -267,6 +272,11 @@ class CudaBackend final : public Backend {
                    Hyper decay, MatrixView out, float* row_sumsq, const int* skip) override {
     const auto& set = ready(base);
     check_gather_shape(set, idx, k, out, "gather_rows");
+    if (set.columns) {
+      launch_gather_columns(table(set), n_of(set), set.cols(), set.rows(), set.mdt, set.gdt, idx, k, scale_m,
+                            scale_g, decay, out, row_sumsq, skip, stream_);
+      return;
+    }
     launch_gather_rows(table(set), n_of(set), set.rows(), set.cols(), set.mdt, set.gdt, idx, k, scale_m,
                        scale_g, decay, nullptr, out, row_sumsq, skip, stream_, set.vec);
   }
@@ -274,6 +284,7 @@ class CudaBackend final : public Backend {
   void gather_normalized(const MatrixSet& base, const int32_t* idx, int64_t k, Hyper decay, const float* row_sumsq,
                          float eps, MatrixView out, const int* skip) override {
     const auto& set = ready(base);
+    if (set.columns) fail("CUDA backend: gather_normalized takes no column-stepped set");
     check_gather_shape(set, idx, k, out, "gather_normalized");
     float* scr = static_cast<float*>(scratch(scratch_, n_of(set) * sizeof(float)));
     launch_gather_normalized(table(set), n_of(set), set.rows(), set.cols(), set.mdt, idx, k, decay, row_sumsq, eps,
@@ -287,6 +298,10 @@ class CudaBackend final : public Backend {
     if (O.rows != k || O.cols < p.o_col_offset + set.cols() || O.batch != n_of(set))
       fail("apply_update: O must be " + std::to_string(n_of(set)) + " x " + std::to_string(k) + " x " +
            std::to_string(set.cols()));
+    if (set.columns) {
+      launch_update_columns(table(set), n_of(set), set.cols(), set.rows(), set.wdt, idx, k, O, p, skip, stream_);
+      return;
+    }
     float* scr = static_cast<float*>(
         scratch(scratch_, apply_update_scratch_floats(n_of(set), k) * sizeof(float)));
     launch_apply_update(table(set), n_of(set), set.rows(), set.cols(), set.wdt, idx, k, O, p, scr, skip,

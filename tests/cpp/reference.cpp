@@ -279,6 +279,31 @@ SelectionReport dion3_step(Mat& W, Mat& M, Vec& v, const Mat& G, int m, int n, c
   return rep;
 }
 
+SelectionReport dion2_step(Mat& W, Mat& M, const Mat& G, int m, int n, const MatrixHyper& h) {
+  const bool by_columns = m > n;
+  // On the transposes, a tall matrix's columns are rows: p x q with p <= q.
+  const int p = by_columns ? n : m, q = by_columns ? m : n;
+  Mat Wp = by_columns ? transpose(W, m, n) : W, Mp = by_columns ? transpose(M, m, n) : M;
+  const Mat Gp = by_columns ? transpose(G, m, n) : G;
+  for (size_t i = 0; i < Mp.size(); ++i) Mp[i] = round_to(Mp[i] + Gp[i], h.m_store);
+  const int k = static_cast<int>(selected_count(h.fraction, p));
+  SelectionReport rep = select_rows(Mp, p, q, k);
+  Mat U(static_cast<size_t>(k) * q);
+  for (int i = 0; i < k; ++i)
+    for (int j = 0; j < q; ++j) U[static_cast<size_t>(i) * q + j] = Mp[static_cast<size_t>(rep.selected[i]) * q + j];
+  for (int r : rep.selected)
+    for (int j = 0; j < q; ++j) {
+      double& x = Mp[static_cast<size_t>(r) * q + j];
+      x = round_to(h.mu * x, h.m_store);
+    }
+  const Mat O = orth(U, k, q, h);
+  const double lr = base_lr(h.lr, h.fraction, h.scale_lr_by_fraction);
+  apply(Wp, p, q, O, rep.selected, lr, adjusted_lr(lr, h.adjust, m, n), h.weight_decay, h.w_store);
+  W = by_columns ? transpose(Wp, p, q) : Wp;
+  M = by_columns ? transpose(Mp, p, q) : Mp;
+  return rep;
+}
+
 namespace {
 Mat muon_direction(Mat& M, const Mat& G, int m, int n, const MatrixHyper& h) {
   for (size_t i = 0; i < M.size(); ++i) M[i] = round_to(h.mu * M[i] + G[i], h.m_store);

@@ -79,6 +79,10 @@ int64_t selected_count(double fraction, int64_t m);  // ceil(f*m), at least 1
 
 // One Dion3 step on one m x n matrix (SPEC §1 steps 1–8). Mutates W, M and v (length m).
 SelectionReport dion3_step(Mat& W, Mat& M, Vec& v, const Mat& G, int m, int n, const MatrixHyper& h);
+// One Dion2 step: steps 1-5, 7 and 8 (no NorMuon, no variance). A tall matrix (m > n) selects
+// columns instead of rows: k = ceil(f*n) columns by l1 score, the same steps on the transposes,
+// lr' still from the stored shape (m, n). The report lists the selected rows or columns.
+SelectionReport dion2_step(Mat& W, Mat& M, const Mat& G, int m, int n, const MatrixHyper& h);
 // NorMuon: Muon's momentum, then step 6 on all rows.
 void normuon_step(Mat& W, Mat& M, Vec& v, const Mat& G, int m, int n, const MatrixHyper& h);
 // Muon: M <- mu*M + G; U = M (Nesterov: mu*M + G); W <- W(1 - lr*wd) - lr'*orth(U).

@@ -36,7 +36,7 @@ enum Op : uint8_t {
 
 // Config edits: count (byte % kMaxEdits), then per edit a field (pick kConfigFields) and its value.
 enum ConfigField : uint8_t {
-  kAlgorithm,        // int_field 0..4
+  kAlgorithm,        // int_field 0..5
   kLr,               // real (the next seven too)
   kFraction,
   kMu,

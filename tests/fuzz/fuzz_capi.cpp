@@ -196,7 +196,7 @@ class Session {
     const unsigned edits = in_.byte() % fuzz::kMaxEdits;
     for (unsigned e = 0; e < edits; ++e) {
       switch (in_.pick(fuzz::kConfigFields)) {
-        case fuzz::kAlgorithm: c.algorithm = in_.int_field(0, 4); break;
+        case fuzz::kAlgorithm: c.algorithm = in_.int_field(0, 5); break;
         case fuzz::kLr: c.lr = in_.real(); break;
         case fuzz::kFraction: c.fraction = in_.real(); break;
         case fuzz::kMu: c.mu = in_.real(); break;

@@ -263,7 +263,7 @@ class Program {
       // Only integer fields use it (a double field may hold NaN or 1e39).
       const auto i = std::fabs(e.value) < 1e9 ? static_cast<int32_t>(e.value) : 0;
       switch (e.field) {
-        case kAlgorithm: o_.int_field(0, 4, i); break;
+        case kAlgorithm: o_.int_field(0, 5, i); break;
         case kAdjustLr: o_.int_field(0, 2, i); break;
         case kFlatten:
         case kNesterov:
@@ -389,7 +389,7 @@ void write_capi_seeds(const fs::path& dir) {
                          .add_group({{kFraction, 1.5}}).add_group({{kMu, 1.0}}).add_group({adamw, {kBeta1, 1.0}})
                          .add_group({{kOrthCoefficients, DION3_COEFF_CUSTOM}, {kOrthNumCustom, 17}})
                          .add_group({{kOrthRestart, 5, 0}}).add_group({{kMomentumDtype, DION3_I32}})
-                         .add_group({{kSelectionScope, 2}}).add_group({{kAlgorithm, 5}}).add_group({}, true)
+                         .add_group({{kSelectionScope, 2}}).add_group({{kAlgorithm, 6}}).add_group({}, true)
                          .add_group({}).add_param(0, kW0, T({3, 3}))
                          .set_group_config(0, {adamw}).set_lr(0, -1.0).set_lr(0, INFINITY).set_lr(9, 0.1)
                          .set_group_config(0, {{kWeightDecay, -1.0}}).step());

@@ -430,6 +430,7 @@ class Engine {
       d["algorithm"] = dion3::algorithm_name(mb.algorithm);
       d["rows"] = mb.rows;
       d["cols"] = mb.cols;
+      d["columns"] = mb.columns;
       d["dtype"] = dion3::dtype_name(mb.dtype);
       d["count"] = mb.count;
       d["selected_rows"] = mb.selected_rows;
