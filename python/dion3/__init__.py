@@ -1,20 +1,20 @@
 # dion3 — PyTorch front end of the dion3 engine: Dion3, NorMuon and Muon as torch.optim
 # optimizers (AdamW / Lion for the element-wise parameter groups), and param_groups().
-"""dion3: the Dion3 optimizer (and NorMuon / Muon baselines) for PyTorch, computed by a C++/CUDA engine.
+"""dion3: the Dion3 optimizer (and Dion2 / NorMuon / Muon) for PyTorch, computed by a C++/CUDA engine.
 
     import dion3
     opt = dion3.Dion3(dion3.param_groups(model, elementwise_options={"lr": 3e-4}), lr=0.01, fraction=0.25)
 
-Constructor arguments follow the reference package `dion` (``dion.Dion3``, ``dion.NorMuon``,
-``dion.Muon``), so moving over is an import change. Extra arguments: ``orthogonalizer`` ("auto",
+Constructor arguments follow the reference package `dion` (``dion.Dion3`` / ``dion.NorDion2``,
+``dion.Dion2``, ``dion.NorMuon``, ``dion.Muon``), so moving over is an import change. Extra arguments: ``orthogonalizer`` ("auto",
 "standard", "gram"; ``use_gram_newton_schulz=True`` maps to "gram"), ``scale_lr_by_fraction``,
 ``workspace_limit`` (bytes), ``on_nonfinite`` ("raise": a NaN/Inf gradient raises ``dion3.NonFiniteError`` and changes nothing;
 "skip": the step is dropped and counted in ``opt.steps_skipped``), ``momentum_dtype``,
 ``iteration_dtype``, ``coefficients`` and ``restarts``. Parameter groups take
-``algorithm="dion3"|"nordion2"|"normuon"|"muon"|"adamw"|"lion"``. ``group["lr"]`` is read before
+``algorithm="dion3"|"nordion2"|"dion2"|"normuon"|"muon"|"adamw"|"lion"``. ``group["lr"]`` is read before
 every step and never written. Parameters whose ``.grad`` is None are skipped. One optimizer steps
-parameters of one device (cpu, or one cuda device on the current stream). ``distributed_mesh``
-must be None for now.
+parameters of one device (cpu, or one cuda device on the current stream). ``distributed_mesh``:
+a ProcessGroup (DDP) or a DeviceMesh (FSDP2, FSDP2 + TP), as in the reference (docs/distributed.md).
 """
 from importlib import metadata as _metadata
 
@@ -33,10 +33,10 @@ except ImportError as e:  # else Python reports a "partially initialized module"
                       "PyTorch it is built against") from None
 from . import cuda_graph
 from .groups import param_groups
-from .optimizer import ALGORITHMS, Dion3, Muon, NonFiniteError, NorMuon
+from .optimizer import ALGORITHMS, Dion2, Dion3, Muon, NonFiniteError, NorDion2, NorMuon
 from .polar import orthogonalize
 
-__all__ = ["Dion3", "NorMuon", "Muon", "NonFiniteError", "param_groups", "orthogonalize", "ALGORITHMS", "cuda_built"]
+__all__ = ["Dion3", "NorDion2", "Dion2", "NorMuon", "Muon", "NonFiniteError", "param_groups", "orthogonalize", "ALGORITHMS", "cuda_built"]
 # The version has one home, the repository's VERSION file; the installed metadata carries it.
 __version__ = _metadata.version("dion3")
 

@@ -28,13 +28,15 @@ class CaptureNotReady(RuntimeError):
     """step() under CUDA-graph capture met parameters that the engine has not stepped eagerly yet
     (their gradients, or their storage, changed): nothing was enqueued."""
 
-MATRIX_ALGORITHMS = ("dion3", "nordion2", "normuon", "muon")
+MATRIX_ALGORITHMS = ("dion3", "nordion2", "dion2", "normuon", "muon")
 
 # Group keys that torch's learning-rate schedulers and SWA write into param groups: carried, unread.
 _SCHEDULER_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr"})
 # Other optimizers' names for settings dion3 has under another name.
 _KEY_ALIASES = {"eps": "epsilon", "momentum": "mu", "beta2": "muon_beta2", "rank_fraction": "fraction",
-                "nesterov_momentum": "nesterov", "adjust_learning_rate": "adjust_lr"}
+                "nesterov_momentum": "nesterov", "adjust_learning_rate": "adjust_lr",
+                # Dion2's name for the error-feedback decay, and the reverse in a Dion2 optimizer.
+                "ef_decay": "mu", "mu": "ef_decay"}
 ELEMENTWISE_ALGORITHMS = ("adamw", "lion")
 ALGORITHMS = MATRIX_ALGORITHMS + ELEMENTWISE_ALGORITHMS
 _ORTHOGONALIZERS = ("auto", "standard", "gram")
@@ -103,7 +105,7 @@ def _engine_config(group: Dict[str, Any]) -> Dict[str, Any]:
         "algorithm": algorithm,
         "lr": float(group["lr"]),
         "fraction": float(group["fraction"]),
-        "mu": float(group["mu"]),
+        "mu": float(group["ef_decay"] if "ef_decay" in group else group["mu"]),
         "muon_beta2": float(group["muon_beta2"]),
         "beta1": float(betas[0]),
         "beta2": float(betas[1]),
@@ -194,7 +196,7 @@ def _state_shapes(group: Dict[str, Any], p: torch.Tensor) -> List[Tuple[str, tor
         mdt = group.get("momentum_dtype")
         mdt = getattr(torch, mdt) if isinstance(mdt, str) else (mdt or p.dtype)
         out = [("momentum", mdt, tuple(p.shape))]
-        if algorithm != "muon":
+        if algorithm not in ("muon", "dion2"):  # the algorithms with NorMuon's normalisation
             # flatten=True takes a >= 3-D tensor as (dim0, rest): one row per output channel.
             rows = (p.shape[0], 1) if group["flatten"] and p.dim() > 2 else tuple(p.shape[:-1]) + (1,)
             out.append(("variance_neuron", torch.float32, rows))
@@ -802,7 +804,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             if not p.is_contiguous():
                 raise ValueError(f"dion3: {who} is not contiguous; dion3 needs contiguous parameters")
             if matrix and p.dim() < 2:
-                algo = {"muon": "Muon", "normuon": "NorMuon"}.get(group["algorithm"], "Dion3")
+                algo = {"muon": "Muon", "normuon": "NorMuon", "dion2": "Dion2"}.get(group["algorithm"], "Dion3")
                 raise ValueError(f"dion3: {who} has shape {list(p.shape)} but {algo} needs a matrix; put "
                                  "1-D tensors in an 'adamw' or 'lion' group (dion3.param_groups(model) makes "
                                  "such groups: matrices to {algo}, vectors, embeddings and the head to AdamW)")
@@ -1003,6 +1005,48 @@ class Dion3(_EngineOptimizer):
             scale_lr_by_fraction=scale_lr_by_fraction, momentum_dtype=momentum_dtype,
             iteration_dtype=iteration_dtype, coefficients=coefficients, restarts=restarts,
             cautious_wd=cautious_wd, nesterov=nesterov, split_sizes=None, num_heads=None)
+        super().__init__(params, distributed_mesh, defaults, on_nonfinite, workspace_limit, megabatch, blocking)
+
+
+class NorDion2(Dion3):
+    """The reference's other name for Dion3 (`dion.NorDion2`): the same optimizer and arguments."""
+
+    _default_algorithm = "nordion2"
+    _name = "NorDion2"
+
+
+class Dion2(_EngineOptimizer):
+    """Dion2: Dion3 without the NorMuon normalization — a fraction of the momentum orthogonalized
+    per step, with error feedback `ef_decay` (Dion3's `mu`). As in the reference `dion.Dion2`, a
+    matrix that no rank cuts selects along its shorter dimension: a tall matrix (more rows than
+    columns) selects columns, scored by their l1 norm, k = ceil(fraction * columns); a row-sharded
+    (FSDP2) matrix selects rows; column- or block-sharded matrices are refused (use Dion3). Same
+    constructor as the reference's, plus Dion3's explicit extra arguments; `verbose` is accepted
+    and prints nothing (plan() tells which megabatches go by columns)."""
+
+    _default_algorithm = "dion2"
+    _name = "Dion2"
+
+    def __init__(self, params, distributed_mesh=None, lr: float = 0.01, fraction: float = 0.25,
+                 ef_decay: float = 0.95, betas: Tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.01,
+                 epsilon: float = 1e-8, adjust_lr: Optional[str] = "spectral_norm", flatten: bool = False,
+                 use_triton: bool = False, use_polar_express: bool = True, use_gram_newton_schulz: bool = False,
+                 newton_schulz_func=None, verbose: bool = False, *, orthogonalizer: str = "auto",
+                 selection_scope: str = "local", scale_lr_by_fraction: bool = False, on_nonfinite: str = "raise",
+                 workspace_limit: Optional[int] = None,
+                 momentum_dtype: Optional[torch.dtype] = None, iteration_dtype: Optional[torch.dtype] = None,
+                 coefficients: Optional[Union[str, Sequence[Tuple[float, float, float]]]] = None,
+                 restarts: Optional[Sequence[int]] = None, cautious_wd: bool = False,
+                 megabatch: bool = True, blocking: Optional[bool] = None):
+        defaults = _defaults(
+            algorithm=self._default_algorithm, lr=lr, fraction=fraction, ef_decay=ef_decay, muon_beta2=0.95,
+            betas=tuple(betas), weight_decay=weight_decay, epsilon=epsilon, adjust_lr=adjust_lr,
+            flatten=flatten, use_triton=use_triton, use_polar_express=use_polar_express,
+            use_gram_newton_schulz=use_gram_newton_schulz, newton_schulz_func=newton_schulz_func,
+            verbose=verbose, selection_scope=selection_scope, orthogonalizer=orthogonalizer,
+            scale_lr_by_fraction=scale_lr_by_fraction, momentum_dtype=momentum_dtype,
+            iteration_dtype=iteration_dtype, coefficients=coefficients, restarts=restarts,
+            cautious_wd=cautious_wd, nesterov=False, split_sizes=None, num_heads=None)
         super().__init__(params, distributed_mesh, defaults, on_nonfinite, workspace_limit, megabatch, blocking)
 
 

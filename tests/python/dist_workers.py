@@ -89,6 +89,7 @@ def ddp(rank, world, opt_cls, **kw):
             assert torch.equal(w, s), f"DDP {opt_cls.__name__}: parameter {i} differs from one process at step {step}"
     plan = opt.plan()
     assert all(mb["layout"] == "replicated" and mb["ranks"] == world for mb in plan), plan
+    assert any(mb["columns"] for mb in plan) == (opt_cls is dion3.Dion2), plan  # SHAPES holds a tall matrix
 
 
 def sharded_params(mesh, placements, seed=0, shapes=None):
@@ -108,7 +109,8 @@ def fsdp(rank, world, mesh, placements, shard_ranks, opt_cls, algorithm, pass_me
     for p in ps:  # state tensors are DTensors placed like their parameter
         st = opt.state[p]
         assert isinstance(st["momentum"], DTensor) and st["momentum"].placements == p.placements
-        assert tuple(st["variance_neuron"].shape) == (p.shape[0], 1)
+        if algorithm != "dion2":  # no NorMuon there
+            assert tuple(st["variance_neuron"].shape) == (p.shape[0], 1)
 
 
 # Column shards: uneven (18 columns) and, on 4 ranks, one rank without columns (3).
@@ -148,6 +150,13 @@ def refusals(rank, world, mesh):
         raise AssertionError("Shard(2) accepted")
     except NotImplementedError as e:
         assert "Shard(2)" in str(e), str(e)
+    c = nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(1)]))
+    c.grad = distribute_tensor(torch.randn(8, 6), mesh, [Shard(1)])
+    try:
+        dion3.Dion2([c], distributed_mesh=mesh).step()
+        raise AssertionError("Dion2 on column shards accepted")
+    except ValueError as e:
+        assert "dion2 is not available where the columns are sharded" in str(e), str(e)
     q = nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(0)]))
     try:
         dion3.Dion3([q])  # no mesh for a DTensor
@@ -321,9 +330,11 @@ def layouts(rank, world, tmp):
     mesh = init_device_mesh("cpu", (world,))
     ddp(rank, world, dion3.Dion3)
     ddp(rank, world, dion3.NorMuon)
+    ddp(rank, world, dion3.Dion2)  # its tall matrix goes by columns on every rank
     for kw in (dict(), dict(selection_scope="global"), dict(fraction=0.5)):
         fsdp(rank, world, mesh, [Shard(0)], world, dion3.Dion3, "dion3", **kw)
     fsdp(rank, world, mesh, [Shard(0)], world, dion3.NorMuon, "normuon")
+    fsdp(rank, world, mesh, [Shard(0)], world, dion3.Dion2, "dion2")  # row shards select rows, as the reference
     fsdp(rank, world, mesh, [Shard(1)], 1, dion3.Dion3, "dion3", shapes=COL_SHAPES)
     fsdp(rank, world, mesh, [Shard(1)], 1, dion3.NorMuon, "normuon", shapes=COL_SHAPES)
     if world == 4:  # HSDP: (replicate 2, shard 2), given as the 2-D mesh or its shard sub-mesh

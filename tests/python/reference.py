@@ -148,7 +148,8 @@ class Reference:
         count, m_rows, n = Wm.shape
         M = st.setdefault("momentum", torch.zeros_like(Wm))
         V = st.setdefault("variance", torch.zeros(count, m_rows, dtype=torch.float64))
-        base = lr / math.sqrt(o["fraction"]) if (algo in ("dion3", "nordion2") and o["scale_lr_by_fraction"]) else lr
+        selects = algo in ("dion3", "nordion2", "dion2")
+        base = lr / math.sqrt(o["fraction"]) if (selects and o["scale_lr_by_fraction"]) else lr
         lr_adj = adjusted_lr(base, m_rows, n, o["adjust_lr"])
         mu = o["mu"]
         # SPEC §3 row sharding over `ranks` (contiguous chunks of c = ceil(m / ranks) rows): the
@@ -161,22 +162,29 @@ class Reference:
                                                                       for lo in range(0, m_rows, c)]
         c = max(n for _, n in shards)
         shard_of_row = torch.empty(m_rows, dtype=torch.long)
-        for i, (lo, n) in enumerate(shards):
-            shard_of_row[lo:lo + n] = i
+        for i, (lo, size) in enumerate(shards):
+            shard_of_row[lo:lo + size] = i
+        # Dion2 on a tall matrix no rank cuts selects columns: the same steps on transposed views.
+        by_columns = algo == "dion2" and m_rows > n and ranks == 1 and not o.get("row_shards")
         for b in range(count):
-            if algo in ("dion3", "nordion2"):
-                M[b] += Gm[b]
-                k = max(1, math.ceil(o["fraction"] * m_rows))
+            if selects:
+                Mv = M[b].T if by_columns else M[b]  # views: edits reach M
+                Mv += Gm[b].T if by_columns else Gm[b]
+                rows_v = Mv.shape[0]
+                k = max(1, math.ceil(o["fraction"] * rows_v))
                 if len(shards) > 1 and o.get("selection_scope", "local") == "local":
                     k_loc = max(1, math.ceil(o["fraction"] * c))
-                    S = torch.sort(torch.cat([lo + top_rows(M[b][lo:lo + n], min(k_loc, n))
-                                              for lo, n in shards if n > 0])).values
+                    S = torch.sort(torch.cat([lo + top_rows(Mv[lo:lo + size], min(k_loc, size))
+                                              for lo, size in shards if size > 0])).values
                 else:
-                    S = top_rows(M[b], k)
-                U = M[b][S].clone()
-                M[b][S] = mu * M[b][S]
+                    S = top_rows(Mv, k)
+                U = Mv[S].clone()
+                Mv[S] = mu * Mv[S]
                 O = self._orth(U)
-                Ot, V[b][S] = normuon_per_shard(O, V[b][S], shard_of_row[S], o["muon_beta2"])
+                if algo == "dion2":
+                    Ot = O
+                else:
+                    Ot, V[b][S] = normuon_per_shard(O, V[b][S], shard_of_row[S], o["muon_beta2"])
             else:
                 M[b] = mu * M[b] + Gm[b]
                 U = mu * M[b] + Gm[b] if o["nesterov"] else M[b].clone()
@@ -189,7 +197,7 @@ class Reference:
             # scale_lr_by_fraction scales η itself, so the decoupled decay uses the scaled η too.
             decay = torch.full_like(Wm[b], 1 - base * wd)
             full = torch.zeros_like(Wm[b])
-            full[S] = Ot
+            (full.T if by_columns else full)[S] = Ot
             if o["cautious_wd"]:
                 decay = torch.where(full * Wm[b] > 0, decay, torch.ones_like(decay))
             Wm[b] = Wm[b] * decay - lr_adj * full

@@ -232,3 +232,29 @@ def test_state_placements_follow_the_parameter_and_the_variance_keeps_row_shards
     assert d._placements_for((8, 1), (Shard(1),), (8, 4)) == (Replicate(),)    # its variance: every row
     assert d._placements_for((8, 1), (Shard(0),), (8, 4)) == (Shard(0),)       # row shards stay
     assert d._placements_for((6, 1), (Shard(2),), (6, 5, 4, 3)) == (Replicate(),)  # flatten=True conv
+
+
+def test_dion2_checkpoints_move_both_ways(device):
+    # The reference's Dion2 groups name the error-feedback decay "ef_decay" and keep no variance.
+    pm = make_params(MATS, device)  # wide, tall (by columns) and a stack
+    ref = Reference(pm, algorithm="dion2", mu=0.9, **GROUP)
+    _step_both(None, [(ref, pm, "dion2")], pm, 3, 0)
+    sd = dict(state={i: dict(momentum=st["momentum"].reshape(p.shape).to(p.dtype))
+                     for i, (p, st) in enumerate(zip(pm, ref.state))},
+              param_groups=[dict(lr=GROUP["lr"], ef_decay=0.9, fraction=GROUP["fraction"], beta1=0.9, beta2=0.95,
+                                 weight_decay=GROUP["weight_decay"], epsilon=1e-8, flatten=False,
+                                 adjust_lr="spectral_norm", algorithm="dion2", step=3, params=[0, 1, 2])])
+    for p, w in zip(pm, ref.w):
+        with torch.no_grad():
+            p.copy_(w)
+    kw = dict(iteration_dtype=torch.float32) if device.type == "cuda" else {}
+    opt = dion3.Dion2(pm, lr=0.5, ef_decay=0.5, **kw)  # every setting comes from the checkpoint
+    opt.load_state_dict(copy.deepcopy(sd))
+    _step_both(opt, [(ref, pm, "dion2")], pm, 2, 3)
+    _compare_weights([(ref, pm, "dion2")], pm, _atol(device))
+    out = opt.state_dict()
+    g = out["param_groups"][0]
+    assert (g["algorithm"], g["ef_decay"], g["step"]) == ("dion2", 0.9, 5)
+    assert all(set(s) == {"momentum", "step"} for s in out["state"].values())
+    for i, p in enumerate(pm):  # the reference's momentum layout: the parameter's shape
+        assert out["state"][i]["momentum"].shape == p.shape

@@ -249,3 +249,47 @@ def test_parameters_without_a_gradient_keep_weights_and_state(device):
     saved = opt.state_dict()["state"]
     assert set(saved[1]) >= {"momentum", "variance_neuron", "step"} and saved[1]["step"] == 1
     assert saved[0]["step"] == 3
+
+
+DION2_SHAPES = [(32, 16), (16, 48), (24, 24), (2, 20, 8), (3, 8, 12)]  # tall, wide, square, tall and wide stacks
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 1.0])
+def test_dion2_matches_reference_tall_matrices_by_columns(device, fraction):
+    opt, _, _ = run_pair(dion3.Dion2, DION2_SHAPES, device, dict(lr=0.02, fraction=fraction, ef_decay=0.9),
+                         ref_opts=dict(algorithm="dion2", mu=0.9))
+    by_columns = {(mb["rows"], mb["cols"]): mb["columns"] for mb in opt.plan()}
+    assert by_columns[(16, 32)] and by_columns[(8, 20)]  # the tall ones, transposed
+    assert not by_columns[(16, 48)] and not by_columns[(24, 24)] and not by_columns[(8, 12)]
+    state = opt.state_dict()
+    assert all(set(s) == {"momentum", "step"} for s in state["state"].values())  # no NorMuon variance
+    assert state["param_groups"][0]["algorithm"] == "dion2" and state["param_groups"][0]["ef_decay"] == 0.9
+
+
+def test_dion2_cautious_decay_and_a_dion2_group_in_dion3(device):
+    # A dion2 group inside a Dion3 optimizer reads its decay from mu.
+    run_pair(dion3.Dion3, DION2_SHAPES[:2], device, dict(algorithm="dion2", lr=0.02, fraction=0.5, mu=0.8,
+                                                        cautious_wd=True, weight_decay=0.1))
+
+
+def test_nordion2_is_dion3(device):
+    a, b = make_params(SHAPES, device), make_params(SHAPES, device)
+    oa, ob = dion3.Dion3(a, lr=0.02), dion3.NorDion2(b, lr=0.02)
+    for t in range(3):
+        gs = grads_for(SHAPES, t)
+        set_grads(a, gs, device)
+        set_grads(b, gs, device)
+        oa.step()
+        ob.step()
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert ob.state_dict()["param_groups"][0]["algorithm"] == "nordion2"
+
+
+def test_dion2_names_its_decay_ef_decay_and_dion3_mu():
+    p = torch.nn.Parameter(torch.randn(8, 4))
+    with pytest.raises(ValueError, match="unknown setting 'mu'; dion3 calls it 'ef_decay'"):
+        dion3.Dion2([dict(params=[p], mu=0.9)])
+    with pytest.raises(ValueError, match="unknown setting 'ef_decay'; dion3 calls it 'mu'"):
+        dion3.Dion3([dict(params=[p], ef_decay=0.9)])
+    with pytest.raises(ValueError, match="not available for dion2"):
+        dion3.Dion2([dict(params=[p], split_sizes=[4, 4])])
