@@ -47,11 +47,11 @@ PRESETS = {
                  eval_every=10, eval_batches=2, corpus="stdlib"),
     "gpu-small": dict(n_layer=6, d_model=384, n_head=6, seq_len=256, batch=64, steps=2000, corpus_mb=64,
                       eval_every=200, eval_batches=20, corpus="stdlib"),
-    # GPT-2 small's shape with a byte vocabulary (86M parameters); 2000 steps of 64 x 1024 tokens
-    # is 131M tokens: more than ten passes over the standard library alone, so this one reads the
-    # installed packages' source too.
-    "gpu-125m": dict(n_layer=12, d_model=768, n_head=12, seq_len=1024, batch=64, steps=2000, corpus_mb=256,
-                     eval_every=250, eval_batches=20, corpus="python"),
+    # GPT-2 small's shape with a byte vocabulary (86M parameters); 1526 steps of 64 x 1024 tokens
+    # are 100M tokens: ten passes over the standard library alone, so this one reads the installed
+    # packages' source too.
+    "gpu-125m": dict(n_layer=12, d_model=768, n_head=12, seq_len=1024, batch=64, steps=1526, corpus_mb=256,
+                     eval_every=218, eval_batches=20, corpus="python"),
 }
 
 
