@@ -42,7 +42,9 @@
 extern "C" {
 #endif
 
-#define DION3_C_API_VERSION 1
+/* Raised whenever a public struct changes layout, so a program can tell that its header and
+ * the library it loads disagree. */
+#define DION3_C_API_VERSION 2
 #define DION3_MAX_DIMS 8
 #define DION3_MAX_ORTH_STEPS 16
 #define DION3_MAX_ORTH_RESTARTS 16

@@ -210,9 +210,9 @@ class DION3_API Optimizer {
   // The same two counters where the device keeps them (int64 [applied, dropped]), for front ends
   // that copy them to the host without waiting (a step that never blocks the host).
   const int64_t* device_counters() const;
-  // The two counters as they stood after the last step_async() that was not being captured: that
-  // call starts their copy to the host, and this answers from it once it has arrived (never
-  // waiting; false until then, or when no such step was enqueued).
+  // The two counters as they stood after the last step() or step_async() that was not being
+  // captured: each starts their copy to the host, and this answers from it once it has arrived
+  // (never waiting; false until then, or when no such step was taken).
   bool posted_counters(int64_t out[2]) const;
 
   // Views of a parameter's state tensors (in device memory).

@@ -1,4 +1,4 @@
-# dion3 — PyTorch front end of the dion3 engine: Dion3, NorMuon and Muon as torch.optim
+# dion3 — PyTorch front end of the dion3 engine: Dion3, Dion2, NorMuon and Muon as torch.optim
 # optimizers (AdamW / Lion for the element-wise parameter groups), and param_groups().
 """dion3: the Dion3 optimizer (and Dion2 / NorMuon / Muon) for PyTorch, computed by a C++/CUDA engine.
 

@@ -276,7 +276,7 @@ def _bad_value(t: torch.Tensor, second_moment: bool) -> Optional[str]:
 
 
 class _EngineOptimizer(torch.optim.Optimizer):
-    """Common machinery of Dion3, NorMuon and Muon (not public)."""
+    """Common machinery of Dion3, Dion2, NorMuon and Muon (not public)."""
 
     _default_algorithm = "dion3"
     _name = "Dion3"
@@ -772,8 +772,12 @@ class _EngineOptimizer(torch.optim.Optimizer):
             if key in known or key in _SCHEDULER_KEYS or not isinstance(key, str):
                 continue
             where = f"dion3: parameter group {gi}"
-            if key in _KEY_ALIASES and _KEY_ALIASES[key] in known:
-                raise ValueError(f"{where}: unknown setting '{key}'; dion3 calls it '{_KEY_ALIASES[key]}'")
+            target, seen = key, {key}
+            while target in _KEY_ALIASES and _KEY_ALIASES[target] not in seen:  # momentum -> mu -> ef_decay
+                target = _KEY_ALIASES[target]
+                seen.add(target)
+                if target in known:
+                    raise ValueError(f"{where}: unknown setting '{key}'; dion3 calls it '{target}'")
             near = difflib.get_close_matches(key, sorted(known - {"params", "param_names"}), n=1, cutoff=0.75)
             if near:
                 raise ValueError(f"{where}: unknown setting '{key}'; did you mean '{near[0]}'?")
@@ -1021,8 +1025,10 @@ class Dion2(_EngineOptimizer):
     matrix that no rank cuts selects along its shorter dimension: a tall matrix (more rows than
     columns) selects columns, scored by their l1 norm, k = ceil(fraction * columns); a row-sharded
     (FSDP2) matrix selects rows; column- or block-sharded matrices are refused (use Dion3). Same
-    constructor as the reference's, plus Dion3's explicit extra arguments; `verbose` is accepted
-    and prints nothing (plan() tells which megabatches go by columns)."""
+    constructor as the reference's, plus Dion3's explicit extra arguments (selection_scope defaults
+    to "local" here, as for Dion3); `verbose` is accepted and prints nothing (plan() tells which
+    megabatches go by columns). With flatten=True the shorter dimension is that of the (dim0, rest)
+    matrix the step works on; the reference looks at the last two dimensions whatever flatten is."""
 
     _default_algorithm = "dion2"
     _name = "Dion2"

@@ -158,7 +158,7 @@ struct Optimizer::Impl {
   DeviceBuffer flag;   // one int: a gradient was non-finite this step
   DeviceBuffer arena;  // workspace shared by all chunks (their work is ordered on one stream)
   DeviceBuffer counters;  // int64 [steps applied, steps dropped], on the device
-  std::unique_ptr<HostCopy> posted;  // counters on their way to the host after step_async()
+  std::unique_ptr<HostCopy> posted;  // counters on their way to the host after a step
   // The structural settings (algorithm, flatten, momentum_dtype) each group had when its first
   // parameter's state was sized; empty for groups without parameters. See structure_error().
   std::vector<std::optional<GroupConfig>> structure;
@@ -247,6 +247,7 @@ struct Optimizer::Impl {
   void build_lists();        // `lists`, when the binding moved
   MatrixView run_orthogonalizer(Chunk& c, const std::function<MatrixView()>& run);
   std::array<int64_t, 2> read_counters() const;
+  void post_counters();  // starts the copy posted_counters() answers from
   void validate_for_step();
   StepCheck step_check(const Param& p) const;  // what check_step evaluates for p's step
   // count_dropped: whether a step dropped for a non-finite gradient counts in steps_skipped (not

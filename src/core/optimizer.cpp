@@ -511,7 +511,8 @@ void Optimizer::Impl::build_plan() {
     comms.push_back(c);
     return static_cast<int>(comms.size()) - 1;
   };
-  // The last three fields single a matrix (block) out when megabatching is off.
+  // Fields 13-15 single a matrix (block) out when megabatching is off; the last keeps matrices
+  // stepped by columns apart from those stepped by rows.
   using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int, int, int, int, int,
                          int64_t, int, bool>;
   std::map<Key, std::size_t> index;
@@ -1580,13 +1581,17 @@ uint64_t Optimizer::plan_generation() const { return impl_->plan_generation; }
 
 void Optimizer::set_tracer(std::shared_ptr<StepTracer> tracer) { impl_->tracer = std::move(tracer); }
 
+void Optimizer::Impl::post_counters() {
+  if (capturing_now) return;  // a replay's counters are not this call's to post
+  if (!posted) posted = backend->new_host_copy(2 * sizeof(int64_t));
+  posted->start(counters.get());
+}
+
 void Optimizer::step_async() {
   Impl& s = *impl_;
   s.validate_for_step();
   s.enqueue_step(true);  // nothing is raised here, so a dropped step is counted
-  if (s.capturing_now) return;  // a replay's counters are not this call's to post
-  if (!s.posted) s.posted = s.backend->new_host_copy(2 * sizeof(int64_t));
-  s.posted->start(s.counters.get());
+  s.post_counters();
 }
 
 bool Optimizer::posted_counters(int64_t out[2]) const {
@@ -1601,6 +1606,7 @@ bool Optimizer::step() {
   Backend& be = *s.backend;
   s.validate_for_step();
   s.enqueue_step(s.options.on_nonfinite == NonFinitePolicy::Skip);
+  s.post_counters();
   int* flag = s.flag.as<int>();
   // Collectives that never finish raise here, naming themselves, instead of hanging the verdict.
   std::vector<Communicator*> settled;

@@ -133,6 +133,7 @@ class CudaBackend final : public Backend {
   // Recordings made before the epoch last changed replay no more (Recording::replay answers
   // false): they hold scratch memory that moved, or kernel choices that changed.
   uint64_t recording_epoch() const { return recording_epoch_; }
+  int device_index() const { return device_; }
   void invalidate_recordings() { ++recording_epoch_; }
 
   // NVTX costs a call into a stub when no tool (Nsight Systems) is attached.
@@ -502,10 +503,12 @@ class CudaRecording final : public Recording {
   uint64_t epoch_;
 };
 
-// Pinned host memory the copy lands in and an event that says when it has.
+// Pinned host memory the copy lands in and an event that says when it has. The event belongs to
+// the backend's device, whichever device the caller has current.
 class CudaHostCopy final : public HostCopy {
  public:
   CudaHostCopy(CudaBackend& be, std::size_t bytes) : be_(be), bytes_(bytes) {
+    const OnDevice on(be_.device_index());
     DION3_CUDA_CHECK(cudaHostAlloc(&host_, bytes ? bytes : 1, cudaHostAllocDefault));
     const cudaError_t e = cudaEventCreateWithFlags(&done_, cudaEventDisableTiming);
     if (e != cudaSuccess) {
@@ -519,6 +522,7 @@ class CudaHostCopy final : public HostCopy {
     cudaFreeHost(host_);
   }
   void start(const void* src) override {
+    const OnDevice on(be_.device_index());
     const auto stream = static_cast<cudaStream_t>(be_.stream());
     DION3_CUDA_CHECK(cudaMemcpyAsync(host_, src, bytes_, cudaMemcpyDeviceToHost, stream));
     DION3_CUDA_CHECK(cudaEventRecord(done_, stream));
@@ -533,6 +537,14 @@ class CudaHostCopy final : public HostCopy {
   }
 
  private:
+  struct OnDevice {  // makes `device` current for its lifetime
+    int previous = 0;
+    explicit OnDevice(int device) {
+      DION3_CUDA_CHECK(cudaGetDevice(&previous));
+      if (previous != device) DION3_CUDA_CHECK(cudaSetDevice(device));
+    }
+    ~OnDevice() { cudaSetDevice(previous); }
+  };
   CudaBackend& be_;
   std::size_t bytes_;
   void* host_ = nullptr;

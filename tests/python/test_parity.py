@@ -291,5 +291,7 @@ def test_dion2_names_its_decay_ef_decay_and_dion3_mu():
         dion3.Dion2([dict(params=[p], mu=0.9)])
     with pytest.raises(ValueError, match="unknown setting 'ef_decay'; dion3 calls it 'mu'"):
         dion3.Dion3([dict(params=[p], ef_decay=0.9)])
+    with pytest.raises(ValueError, match="unknown setting 'momentum'; dion3 calls it 'ef_decay'"):
+        dion3.Dion2([dict(params=[p], momentum=0.9)])  # torch's name, through mu
     with pytest.raises(ValueError, match="not available for dion2"):
         dion3.Dion2([dict(params=[p], split_sizes=[4, 4])])
