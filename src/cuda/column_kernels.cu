@@ -1,29 +1,40 @@
 // column_kernels.cu — the matrix step on column-stepped sets (MatrixSet::columns: Dion2 on a
 // tall matrix, whose set rows are the stored columns): accumulate with column ℓ1 scores, the
 // gather of selected columns with error-feedback decay, and the update of the selected columns.
-// Plain one-thread-per-column (or per selected column, per element) kernels: this path serves
-// the reference's Dion2 and is not tuned. Each honours the device `skip` flag.
+// Rows are cut into chunks so that a few wide matrices still fill the GPU; per-chunk partial sums
+// go to scratch and are added in chunk order afterwards, so results do not depend on scheduling.
+// Selected columns travel through 32 x 32 shared-memory tiles: the rows of the gathered matrix
+// (and of the update O) are read and written along their length. Each kernel honours `skip`.
+#include <algorithm>
+
 #include "cuda/kernels.cuh"
 
 namespace dion3::cuda {
 namespace {
 
 constexpr int kColumnThreads = 256;
+constexpr int64_t kMaxRowChunks = 32;  // row chunks of the accumulate
+constexpr int kTile = 32;              // selected columns x rows per gather / update tile
+constexpr int kTileRowsPerPass = 8;    // block: kTile x kTileRowsPerPass threads
 
-// M = decay*M + G over a stored rows x cols matrix; thread c walks column c (neighbouring
-// threads read neighbouring elements of a row). scores[c] / row_sumsq[c] of the stored values.
+int64_t row_chunks(int64_t rows) { return std::min<int64_t>(kMaxRowChunks, (rows + 63) / 64); }
+
+// M = decay*M + G on rows [z*chunk, (z+1)*chunk) of a stored rows x cols matrix; thread c walks
+// column c (neighbouring threads read neighbouring elements of a row). Partial ℓ1 and squared
+// sums of the stored values per (chunk, column).
 template <class TM, class TG>
 __global__ void accumulate_columns_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols,
-                                          Hyper decay_h, float* __restrict__ scores, float* __restrict__ row_sumsq,
-                                          const int* skip) {
+                                          int64_t chunk, Hyper decay_h, float* __restrict__ part_l1,
+                                          float* __restrict__ part_sq, const int* skip) {
   pdl_wait();
   if (skipped(skip)) return;
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, i = blockIdx.y;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, i = blockIdx.y, z = blockIdx.z;
   if (c >= cols) return;
   const float decay = decay_h.get();
   const DeviceMat d = mats[i];
   float l1 = 0.0f, sq = 0.0f;
-  for (int64_t r = 0; r < rows; ++r) {
+  const int64_t r_end = min(rows, (z + 1) * chunk);
+  for (int64_t r = z * chunk; r < r_end; ++r) {
     TM* m = static_cast<TM*>(d.m) + r * d.ldm + c;
     const TM nv = from_f32<TM>(decay * to_f32(*m) + to_f32(static_cast<const TG*>(d.g)[r * d.ldg + c]));
     *m = nv;
@@ -31,116 +42,209 @@ __global__ void accumulate_columns_kernel(const DeviceMat* __restrict__ mats, in
     l1 += fabsf(v);
     sq += v * v;
   }
-  if (scores) scores[i * cols + c] = l1;
-  if (row_sumsq) row_sumsq[i * cols + c] = sq;
+  if (part_l1 == nullptr) return;
+  const int64_t at = (i * gridDim.z + z) * cols + c;
+  part_l1[at] = l1;
+  part_sq[at] = sq;
 }
 
-// out[i][s][r] = scale_m*M[r, c] + scale_g*G[r, c] for c = idx[i*k + s] (padding: zeros); then
-// M[r, c] *= decay. One thread per selected column.
+// out[i*n + c] = sum over chunks z (in order) of part[(i*chunks + z)*n + c], for both arrays.
+__global__ void sum_chunks_kernel(const float* __restrict__ part_a, const float* __restrict__ part_b, int64_t n,
+                                  int64_t chunks, float* __restrict__ out_a, float* __restrict__ out_b,
+                                  const int* skip) {
+  pdl_wait();
+  if (skipped(skip)) return;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, i = blockIdx.y;
+  if (c >= n) return;
+  float a = 0.0f, b = 0.0f;
+  for (int64_t z = 0; z < chunks; ++z) {
+    a += part_a[(i * chunks + z) * n + c];
+    if (part_b) b += part_b[(i * chunks + z) * n + c];
+  }
+  if (out_a) out_a[i * n + c] = a;
+  if (out_b) out_b[i * n + c] = b;
+}
+
+// out[t] = sum over z (in order) of part[t*parts + z], t < count.
+__global__ void sum_parts_kernel(const float* __restrict__ part, int64_t count, int64_t parts, float* __restrict__ out,
+                                 const int* skip) {
+  pdl_wait();
+  if (skipped(skip)) return;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= count) return;
+  float a = 0.0f;
+  for (int64_t z = 0; z < parts; ++z) a += part[t * parts + z];
+  out[t] = a;
+}
+
+// One tile: selected columns s0.. (entries idx[i*k + s]) x stored rows r0... Threads (x, y): x
+// runs along the selection when reading M (entries of one row), along the rows when writing out.
+// out[i][s][r] = scale_m*M[r, c_s] + scale_g*G[r, c_s] (padding: zeros), then M[r, c_s] *= decay;
+// part_sq[(i*k + s)*rtiles + tile] = the tile's sum of squares of out's stored values.
 template <class TM, class TG, class TO>
 __global__ void gather_columns_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols,
                                       const int32_t* __restrict__ idx, int64_t k, Hyper scale_m_h, Hyper scale_g_h,
                                       Hyper decay_h, TO* __restrict__ out, int64_t out_ld, int64_t out_bstride,
-                                      float* __restrict__ row_sumsq, const int* skip) {
+                                      float* __restrict__ part_sq, const int* skip) {
   pdl_wait();
   if (skipped(skip)) return;
-  const int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, i = blockIdx.y;
-  if (s >= k) return;
+  __shared__ float tile[kTile][kTile + 1];
+  const int64_t s0 = static_cast<int64_t>(blockIdx.x) * kTile, i = blockIdx.y, r0 = static_cast<int64_t>(blockIdx.z) * kTile;
+  const int tx = threadIdx.x, ty = threadIdx.y;
   const float scale_m = scale_m_h.get(), scale_g = scale_g_h.get(), decay = decay_h.get();
   const DeviceMat d = mats[i];
-  const int64_t c = idx ? idx[i * k + s] : s;
-  TO* o = out ? out + i * out_bstride + s * out_ld : nullptr;
-  float sq = 0.0f;
-  for (int64_t r = 0; r < rows; ++r) {
-    float u = 0.0f;
-    if (c < cols) {
-      TM* m = static_cast<TM*>(d.m) + r * d.ldm + c;
-      const float mv = to_f32(*m);
-      u = scale_m * mv;
-      if (scale_g != 0.0f) u += scale_g * to_f32(static_cast<const TG*>(d.g)[r * d.ldg + c]);
-      if (decay != 1.0f) *m = from_f32<TM>(mv * decay);
-    }
-    if (o) {
-      const TO stored = from_f32<TO>(u);
-      o[r] = stored;
-      const float v = to_f32(stored);
-      sq += v * v;
+  {
+    const int64_t s = s0 + tx;
+    const int64_t c = s < k ? (idx ? idx[i * k + s] : s) : cols;  // beyond k, or padding: no column
+    for (int rr = ty; rr < kTile; rr += kTileRowsPerPass) {
+      const int64_t r = r0 + rr;
+      float u = 0.0f;
+      if (c < cols && r < rows) {
+        TM* m = static_cast<TM*>(d.m) + r * d.ldm + c;
+        const float mv = to_f32(*m);
+        u = scale_m * mv;
+        if (scale_g != 0.0f) u += scale_g * to_f32(static_cast<const TG*>(d.g)[r * d.ldg + c]);
+        if (decay != 1.0f) *m = from_f32<TM>(mv * decay);
+      }
+      tile[rr][tx] = u;
     }
   }
-  if (row_sumsq && o) row_sumsq[i * k + s] = sq;
+  __syncthreads();
+  if (out == nullptr) return;
+  const int64_t r = r0 + tx;
+  for (int ss = ty; ss < kTile; ss += kTileRowsPerPass) {
+    const int64_t s = s0 + ss;
+    if (s >= k) break;
+    float v = 0.0f;
+    if (r < rows) {
+      const TO stored = from_f32<TO>(tile[tx][ss]);
+      out[i * out_bstride + s * out_ld + r] = stored;
+      v = to_f32(stored);
+    }
+    if (part_sq) {
+      const float t = warp_sum(v * v);  // the warp is the tile's 32 rows of row s
+      if (tx == 0) part_sq[(i * k + s) * gridDim.z + blockIdx.z] = t;
+    }
+  }
 }
 
-// W = W*decay - lr' * O^T on the selected columns, W*decay elsewhere (cautious: no decay where
-// the update and the weight differ in sign). One thread per stored element.
-template <class TW, class TO>
-__global__ void update_columns_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols,
-                                      const int32_t* __restrict__ idx, int64_t k, const TO* __restrict__ O,
-                                      int64_t o_ld, int64_t o_bstride, Hyper decay_h, Hyper lr_h, bool cautious,
-                                      const int* skip) {
+// Position of c in the ascending selection sel[0, k) (padding entries sort last), or -1.
+__device__ __forceinline__ int64_t find_column(const int32_t* __restrict__ sel, int64_t k, int64_t c) {
+  int64_t lo = 0, hi = k;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (sel[mid] < c) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo < k && sel[lo] == c ? lo : -1;
+}
+
+// Weight decay on the columns no selection entry names (nothing under cautious decay: their
+// update is zero). One thread per stored element.
+template <class TW>
+__global__ void decay_unselected_columns_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols,
+                                                const int32_t* __restrict__ idx, int64_t k, Hyper decay_h,
+                                                const int* skip) {
   pdl_wait();
   if (skipped(skip)) return;
   const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, i = blockIdx.y;
   if (e >= rows * cols) return;
+  const float decay = decay_h.get();
+  if (decay == 1.0f) return;
   const int64_t r = e / cols, c = e % cols;
-  const float decay = decay_h.get(), lr = lr_h.get();
-  // Position of c in the ascending selection (padding entries sort last), or -1.
-  int64_t pos = -1;
-  if (idx) {
-    const int32_t* sel = idx + i * k;
-    int64_t lo = 0, hi = k;
-    while (lo < hi) {
-      const int64_t mid = (lo + hi) / 2;
-      if (sel[mid] < c) lo = mid + 1;
-      else hi = mid;
-    }
-    if (lo < k && sel[lo] == c) pos = lo;
-  } else {
-    pos = c < k ? c : -1;
-  }
-  if (pos < 0 && (decay == 1.0f || cautious)) return;
+  if ((idx ? find_column(idx + i * k, k, c) : (c < k ? c : -1)) >= 0) return;
   TW* w = static_cast<TW*>(mats[i].w) + r * mats[i].ldw + c;
-  const float wv = to_f32(*w);
-  if (pos < 0) {
-    *w = from_f32<TW>(wv * decay);
-    return;
+  *w = from_f32<TW>(to_f32(*w) * decay);
+}
+
+// The selected columns, tile by tile: O's rows (one per selected column, along the stored rows)
+// are read along their length into the tile, then W[r, c_s] = W*decay - lr'*O[s, r] (cautious:
+// no decay where the update and the weight differ in sign).
+template <class TW, class TO>
+__global__ void update_selected_columns_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols,
+                                               const int32_t* __restrict__ idx, int64_t k, const TO* __restrict__ O,
+                                               int64_t o_ld, int64_t o_bstride, Hyper decay_h, Hyper lr_h,
+                                               bool cautious, const int* skip) {
+  pdl_wait();
+  if (skipped(skip)) return;
+  __shared__ float tile[kTile][kTile + 1];
+  const int64_t s0 = static_cast<int64_t>(blockIdx.x) * kTile, i = blockIdx.y, r0 = static_cast<int64_t>(blockIdx.z) * kTile;
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  for (int ss = ty; ss < kTile; ss += kTileRowsPerPass) {
+    const int64_t s = s0 + ss, r = r0 + tx;
+    tile[ss][tx] = s < k && r < rows ? to_f32(O[i * o_bstride + s * o_ld + r]) : 0.0f;
   }
-  const float x = to_f32(O[i * o_bstride + pos * o_ld + r]) * lr;
-  float dec = decay;
-  if (cautious && !(x * wv > 0.0f)) dec = 1.0f;
-  *w = from_f32<TW>(wv * dec - x);
+  __syncthreads();
+  const float decay = decay_h.get(), lr = lr_h.get();
+  const int64_t s = s0 + tx;
+  const int64_t c = s < k ? (idx ? idx[i * k + s] : s) : cols;
+  if (c >= cols) return;
+  for (int rr = ty; rr < kTile; rr += kTileRowsPerPass) {
+    const int64_t r = r0 + rr;
+    if (r >= rows) break;
+    TW* w = static_cast<TW*>(mats[i].w) + r * mats[i].ldw + c;
+    const float wv = to_f32(*w), x = tile[tx][rr] * lr;
+    float dec = decay;
+    if (cautious && !(x * wv > 0.0f)) dec = 1.0f;
+    *w = from_f32<TW>(wv * dec - x);
+  }
 }
 
 }  // namespace
 
+int64_t accumulate_columns_scratch_floats(int64_t nmats, int64_t rows, int64_t cols) {
+  return 2 * nmats * row_chunks(rows) * cols;
+}
+
 void launch_accumulate_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
-                               DType gdt, Hyper decay, float* scores, float* row_sumsq, const int* skip,
-                               cudaStream_t s) {
-  if (nmats == 0 || cols == 0) return;
-  const dim3 grid(ceil_div_u(cols, kColumnThreads), static_cast<unsigned>(nmats));
+                               DType gdt, Hyper decay, float* scores, float* row_sumsq, float* scratch,
+                               const int* skip, cudaStream_t s) {
+  if (nmats == 0 || cols == 0 || rows == 0) return;
+  const int64_t chunks = row_chunks(rows), chunk = (rows + chunks - 1) / chunks;
+  const bool sums = scores != nullptr || row_sumsq != nullptr;
+  float* part_l1 = sums ? scratch : nullptr;
+  float* part_sq = sums ? scratch + nmats * chunks * cols : nullptr;
+  const dim3 grid(ceil_div_u(cols, kColumnThreads), static_cast<unsigned>(nmats), static_cast<unsigned>(chunks));
   DION3_DISPATCH_FLOAT(mdt, TM, [&] {
     DION3_DISPATCH_FLOAT(gdt, TG, [&] {
-      launch_pdl(accumulate_columns_kernel<TM, TG>, grid, kColumnThreads, 0, s, mats, rows, cols, decay, scores,
-                 row_sumsq, skip);
+      launch_pdl(accumulate_columns_kernel<TM, TG>, grid, kColumnThreads, 0, s, mats, rows, cols, chunk, decay,
+                 part_l1, part_sq, skip);
     });
   });
+  if (sums)
+    launch_pdl(sum_chunks_kernel, dim3(ceil_div_u(cols, kColumnThreads), static_cast<unsigned>(nmats)),
+               kColumnThreads, 0, s, static_cast<const float*>(part_l1), static_cast<const float*>(part_sq), cols,
+               chunks, scores, row_sumsq, skip);
   DION3_CUDA_LAUNCH_CHECK();
+}
+
+int64_t gather_columns_scratch_floats(int64_t nmats, int64_t rows, int64_t k) {
+  return nmats * k * ((rows + kTile - 1) / kTile);
 }
 
 void launch_gather_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt, DType gdt,
                            const int32_t* idx, int64_t k, Hyper scale_m, Hyper scale_g, Hyper decay,
-                           const MatrixView& out, float* row_sumsq, const int* skip, cudaStream_t s) {
-  if (nmats == 0 || k == 0) return;
-  const dim3 grid(ceil_div_u(k, kColumnThreads), static_cast<unsigned>(nmats));
+                           const MatrixView& out, float* row_sumsq, float* scratch, const int* skip,
+                           cudaStream_t s) {
+  if (nmats == 0 || k == 0 || rows == 0) return;
+  const int64_t rtiles = (rows + kTile - 1) / kTile;
+  if (rtiles > 65535) fail("gather_rows: a column-stepped matrix with more than 2^21 rows");
+  const dim3 grid(ceil_div_u(k, kTile), static_cast<unsigned>(nmats), static_cast<unsigned>(rtiles));
+  const dim3 block(kTile, kTileRowsPerPass);
   const int64_t obs = out.batch > 1 ? out.batch_stride : k * out.ld;
   const DType odt = out.data ? out.dtype : DType::F32;
+  float* part = row_sumsq && out.data ? scratch : nullptr;
   DION3_DISPATCH_FLOAT(mdt, TM, [&] {
     DION3_DISPATCH_FLOAT(gdt, TG, [&] {
       DION3_DISPATCH_FLOAT(odt, TO, [&] {
-        launch_pdl(gather_columns_kernel<TM, TG, TO>, grid, kColumnThreads, 0, s, mats, rows, cols, idx, k, scale_m,
-                   scale_g, decay, static_cast<TO*>(out.data), out.ld, obs, row_sumsq, skip);
+        launch_pdl(gather_columns_kernel<TM, TG, TO>, grid, block, 0, s, mats, rows, cols, idx, k, scale_m, scale_g,
+                   decay, static_cast<TO*>(out.data), out.ld, obs, part, skip);
       });
     });
   });
+  if (part)  // row_sumsq[i*k + s] = the tiles' sums in order
+    launch_pdl(sum_parts_kernel, ceil_div_u(nmats * k, kColumnThreads), kColumnThreads, 0, s,
+               static_cast<const float*>(part), nmats * k, rtiles, row_sumsq, skip);
   DION3_CUDA_LAUNCH_CHECK();
 }
 
@@ -150,12 +254,20 @@ void launch_update_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, i
   if (nmats == 0 || rows == 0 || cols == 0) return;
   if (p.normuon || p.o_col_offset != 0)
     fail("apply_update: a column-stepped set takes no NorMuon and no column offset");
-  const dim3 grid(ceil_div_u(rows * cols, kColumnThreads), static_cast<unsigned>(nmats));
+  const int64_t rtiles = (rows + kTile - 1) / kTile;
+  if (rtiles > 65535) fail("apply_update: a column-stepped matrix with more than 2^21 rows");
   const int64_t obs = O.batch > 1 ? O.batch_stride : k * O.ld;
   DION3_DISPATCH_FLOAT(O.dtype, TO, [&] {
     DION3_DISPATCH_FLOAT(wdt, TW, [&] {
-      launch_pdl(update_columns_kernel<TW, TO>, grid, kColumnThreads, 0, s, mats, rows, cols, idx, k,
-                 static_cast<const TO*>(O.data), O.ld, obs, p.decay, p.adjusted_lr, p.cautious_wd, skip);
+      if (!p.cautious_wd)  // else unselected columns keep their weights (their update is zero)
+        launch_pdl(decay_unselected_columns_kernel<TW>,
+                   dim3(ceil_div_u(rows * cols, kColumnThreads), static_cast<unsigned>(nmats)), kColumnThreads, 0, s,
+                   mats, rows, cols, idx, k, p.decay, skip);
+      if (k > 0)
+        launch_pdl(update_selected_columns_kernel<TW, TO>,
+                   dim3(ceil_div_u(k, kTile), static_cast<unsigned>(nmats), static_cast<unsigned>(rtiles)),
+                   dim3(kTile, kTileRowsPerPass), 0, s, mats, rows, cols, idx, k, static_cast<const TO*>(O.data), O.ld,
+                   obs, p.decay, p.adjusted_lr, p.cautious_wd, skip);
     });
   });
   DION3_CUDA_LAUNCH_CHECK();

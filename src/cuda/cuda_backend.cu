@@ -243,8 +243,10 @@ class CudaBackend final : public Backend {
   void accumulate(const MatrixSet& base, Hyper decay, float* scores, float* row_sumsq, const int* skip) override {
     const auto& set = ready(base);
     if (set.columns) {  // stored rows x cols is the set's cols x rows
+      float* scr = static_cast<float*>(scratch(
+          scratch_, accumulate_columns_scratch_floats(n_of(set), set.cols(), set.rows()) * sizeof(float)));
       launch_accumulate_columns(table(set), n_of(set), set.cols(), set.rows(), set.mdt, set.gdt, decay, scores,
-                                row_sumsq, skip, stream_);
+                                row_sumsq, scr, skip, stream_);
       return;
     }
     launch_accumulate(table(set), n_of(set), set.rows(), set.cols(), set.mdt, set.gdt, decay, scores, row_sumsq,
@@ -274,8 +276,10 @@ class CudaBackend final : public Backend {
     const auto& set = ready(base);
     check_gather_shape(set, idx, k, out, "gather_rows");
     if (set.columns) {
+      float* scr = static_cast<float*>(
+          scratch(scratch_, gather_columns_scratch_floats(n_of(set), set.cols(), k) * sizeof(float)));
       launch_gather_columns(table(set), n_of(set), set.cols(), set.rows(), set.mdt, set.gdt, idx, k, scale_m,
-                            scale_g, decay, out, row_sumsq, skip, stream_);
+                            scale_g, decay, out, row_sumsq, scr, skip, stream_);
       return;
     }
     launch_gather_rows(table(set), n_of(set), set.rows(), set.cols(), set.mdt, set.gdt, idx, k, scale_m,

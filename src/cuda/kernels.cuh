@@ -34,13 +34,17 @@ void launch_apply_update(const DeviceMat* mats, int64_t nmats, int64_t rows, int
                          const int32_t* idx, int64_t k, const MatrixView& O, const UpdateParams& p,
                          float* scratch, const int* skip, cudaStream_t s);  // alignment checked per row
 // Column-stepped sets (column_kernels.cu): rows x cols is the stored shape; the set's rows are
-// its columns. scores / row_sumsq per column; out and O are k x rows per matrix.
+// its columns. scores / row_sumsq per column; out and O are k x rows per matrix. scratch: at least
+// the *_scratch_floats floats.
+int64_t accumulate_columns_scratch_floats(int64_t nmats, int64_t rows, int64_t cols);
 void launch_accumulate_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
-                               DType gdt, Hyper decay, float* scores, float* row_sumsq, const int* skip,
-                               cudaStream_t s);
+                               DType gdt, Hyper decay, float* scores, float* row_sumsq, float* scratch,
+                               const int* skip, cudaStream_t s);
+int64_t gather_columns_scratch_floats(int64_t nmats, int64_t rows, int64_t k);
 void launch_gather_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt, DType gdt,
                            const int32_t* idx, int64_t k, Hyper scale_m, Hyper scale_g, Hyper decay,
-                           const MatrixView& out, float* row_sumsq, const int* skip, cudaStream_t s);
+                           const MatrixView& out, float* row_sumsq, float* scratch, const int* skip,
+                           cudaStream_t s);
 void launch_update_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType wdt,
                            const int32_t* idx, int64_t k, const MatrixView& O, const UpdateParams& p,
                            const int* skip, cudaStream_t s);
