@@ -253,26 +253,31 @@ void apply(Mat& W, int m, int n, const Mat& upd, const std::vector<int>& rows, d
 
 }  // namespace
 
-SelectionReport dion3_step(Mat& W, Mat& M, Vec& v, const Mat& G, int m, int n, const MatrixHyper& h) {
-  // 1. M <- M + G
+namespace {
+// Steps 1-5 on an m x n momentum: M += G, the k rows of largest l1 score, U = M[S,:] taken before
+// the error feedback on those rows, O = orth(U) (k x n).
+SelectionReport select_and_orthogonalize(Mat& M, const Mat& G, int m, int n, const MatrixHyper& h, Mat& O) {
   for (size_t i = 0; i < M.size(); ++i) M[i] = round_to(M[i] + G[i], h.m_store);
-  // 2. k rows of largest l1 score
   const int k = static_cast<int>(selected_count(h.fraction, m));
   SelectionReport rep = select_rows(M, m, n, k);
-  // 3. U = M[S,:] before the error feedback
   Mat U(static_cast<size_t>(k) * n);
   for (int i = 0; i < k; ++i)
     for (int j = 0; j < n; ++j) U[static_cast<size_t>(i) * n + j] = M[static_cast<size_t>(rep.selected[i]) * n + j];
-  // 4. error feedback on the selected rows only
   for (int r : rep.selected)
     for (int j = 0; j < n; ++j) {
       double& x = M[static_cast<size_t>(r) * n + j];
       x = round_to(h.mu * x, h.m_store);
     }
-  // 5. O = orth(U)
-  const Mat O = orth(U, k, n, h);
+  O = orth(U, k, n, h);
+  return rep;
+}
+}  // namespace
+
+SelectionReport dion3_step(Mat& W, Mat& M, Vec& v, const Mat& G, int m, int n, const MatrixHyper& h) {
+  Mat O;
+  SelectionReport rep = select_and_orthogonalize(M, G, m, n, h, O);  // steps 1-5
   // 6. NorMuon on the selected rows
-  const Mat Ot = normuon(O, k, n, v, rep.selected, h);
+  const Mat Ot = normuon(O, static_cast<int>(rep.selected.size()), n, v, rep.selected, h);
   // 7–8. decay and update with the full-shape lr'
   const double lr = base_lr(h.lr, h.fraction, h.scale_lr_by_fraction);
   apply(W, m, n, Ot, rep.selected, lr, adjusted_lr(lr, h.adjust, m, n), h.weight_decay, h.w_store);
@@ -284,19 +289,8 @@ SelectionReport dion2_step(Mat& W, Mat& M, const Mat& G, int m, int n, const Mat
   // On the transposes, a tall matrix's columns are rows: p x q with p <= q.
   const int p = by_columns ? n : m, q = by_columns ? m : n;
   Mat Wp = by_columns ? transpose(W, m, n) : W, Mp = by_columns ? transpose(M, m, n) : M;
-  const Mat Gp = by_columns ? transpose(G, m, n) : G;
-  for (size_t i = 0; i < Mp.size(); ++i) Mp[i] = round_to(Mp[i] + Gp[i], h.m_store);
-  const int k = static_cast<int>(selected_count(h.fraction, p));
-  SelectionReport rep = select_rows(Mp, p, q, k);
-  Mat U(static_cast<size_t>(k) * q);
-  for (int i = 0; i < k; ++i)
-    for (int j = 0; j < q; ++j) U[static_cast<size_t>(i) * q + j] = Mp[static_cast<size_t>(rep.selected[i]) * q + j];
-  for (int r : rep.selected)
-    for (int j = 0; j < q; ++j) {
-      double& x = Mp[static_cast<size_t>(r) * q + j];
-      x = round_to(h.mu * x, h.m_store);
-    }
-  const Mat O = orth(U, k, q, h);
+  Mat O;
+  SelectionReport rep = select_and_orthogonalize(Mp, by_columns ? transpose(G, m, n) : G, p, q, h, O);
   const double lr = base_lr(h.lr, h.fraction, h.scale_lr_by_fraction);
   apply(Wp, p, q, O, rep.selected, lr, adjusted_lr(lr, h.adjust, m, n), h.weight_decay, h.w_store);
   W = by_columns ? transpose(Wp, p, q) : Wp;
