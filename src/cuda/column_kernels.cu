@@ -89,7 +89,7 @@ __global__ void gather_columns_kernel(const DeviceMat* __restrict__ mats, int64_
   pdl_wait();
   if (skipped(skip)) return;
   __shared__ float tile[kTile][kTile + 1];
-  const int64_t s0 = static_cast<int64_t>(blockIdx.x) * kTile, i = blockIdx.y, r0 = static_cast<int64_t>(blockIdx.z) * kTile;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kTile, i = blockIdx.y, s0 = static_cast<int64_t>(blockIdx.z) * kTile;
   const int tx = threadIdx.x, ty = threadIdx.y;
   const float scale_m = scale_m_h.get(), scale_g = scale_g_h.get(), decay = decay_h.get();
   const DeviceMat d = mats[i];
@@ -123,7 +123,7 @@ __global__ void gather_columns_kernel(const DeviceMat* __restrict__ mats, int64_
     }
     if (part_sq) {
       const float t = warp_sum(v * v);  // the warp is the tile's 32 rows of row s
-      if (tx == 0) part_sq[(i * k + s) * gridDim.z + blockIdx.z] = t;
+      if (tx == 0) part_sq[(i * k + s) * gridDim.x + blockIdx.x] = t;
     }
   }
 }
@@ -168,7 +168,7 @@ __global__ void update_selected_columns_kernel(const DeviceMat* __restrict__ mat
   pdl_wait();
   if (skipped(skip)) return;
   __shared__ float tile[kTile][kTile + 1];
-  const int64_t s0 = static_cast<int64_t>(blockIdx.x) * kTile, i = blockIdx.y, r0 = static_cast<int64_t>(blockIdx.z) * kTile;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kTile, i = blockIdx.y, s0 = static_cast<int64_t>(blockIdx.z) * kTile;
   const int tx = threadIdx.x, ty = threadIdx.y;
   for (int ss = ty; ss < kTile; ss += kTileRowsPerPass) {
     const int64_t s = s0 + ss, r = r0 + tx;
@@ -199,7 +199,12 @@ int64_t accumulate_columns_scratch_floats(int64_t nmats, int64_t rows, int64_t c
 void launch_accumulate_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
                                DType gdt, Hyper decay, float* scores, float* row_sumsq, float* scratch,
                                const int* skip, cudaStream_t s) {
-  if (nmats == 0 || cols == 0 || rows == 0) return;
+  if (nmats == 0 || cols == 0) return;
+  if (rows == 0) {  // empty columns: zero scores
+    for (float* out : {scores, row_sumsq})
+      if (out) DION3_CUDA_CHECK(cudaMemsetAsync(out, 0, nmats * cols * sizeof(float), s));
+    return;
+  }
   const int64_t chunks = row_chunks(rows), chunk = (rows + chunks - 1) / chunks;
   const bool sums = scores != nullptr || row_sumsq != nullptr;
   float* part_l1 = sums ? scratch : nullptr;
@@ -226,10 +231,14 @@ void launch_gather_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, i
                            const int32_t* idx, int64_t k, Hyper scale_m, Hyper scale_g, Hyper decay,
                            const MatrixView& out, float* row_sumsq, float* scratch, const int* skip,
                            cudaStream_t s) {
-  if (nmats == 0 || k == 0 || rows == 0) return;
+  if (nmats == 0 || k == 0) return;
+  if (rows == 0) {  // empty columns: zero rows and zero sums
+    if (row_sumsq && out.data) DION3_CUDA_CHECK(cudaMemsetAsync(row_sumsq, 0, nmats * k * sizeof(float), s));
+    return;
+  }
   const int64_t rtiles = (rows + kTile - 1) / kTile;
-  if (rtiles > 65535) fail("gather_rows: a column-stepped matrix with more than 2^21 rows");
-  const dim3 grid(ceil_div_u(k, kTile), static_cast<unsigned>(nmats), static_cast<unsigned>(rtiles));
+  if ((k + kTile - 1) / kTile > 65535) fail("gather_rows: more than 2^21 selected columns per matrix");
+  const dim3 grid(static_cast<unsigned>(rtiles), static_cast<unsigned>(nmats), ceil_div_u(k, kTile));
   const dim3 block(kTile, kTileRowsPerPass);
   const int64_t obs = out.batch > 1 ? out.batch_stride : k * out.ld;
   const DType odt = out.data ? out.dtype : DType::F32;
@@ -255,7 +264,7 @@ void launch_update_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, i
   if (p.normuon || p.o_col_offset != 0)
     fail("apply_update: a column-stepped set takes no NorMuon and no column offset");
   const int64_t rtiles = (rows + kTile - 1) / kTile;
-  if (rtiles > 65535) fail("apply_update: a column-stepped matrix with more than 2^21 rows");
+  if ((k + kTile - 1) / kTile > 65535) fail("apply_update: more than 2^21 selected columns per matrix");
   const int64_t obs = O.batch > 1 ? O.batch_stride : k * O.ld;
   DION3_DISPATCH_FLOAT(O.dtype, TO, [&] {
     DION3_DISPATCH_FLOAT(wdt, TW, [&] {
@@ -265,7 +274,7 @@ void launch_update_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, i
                    mats, rows, cols, idx, k, p.decay, skip);
       if (k > 0)
         launch_pdl(update_selected_columns_kernel<TW, TO>,
-                   dim3(ceil_div_u(k, kTile), static_cast<unsigned>(nmats), static_cast<unsigned>(rtiles)),
+                   dim3(static_cast<unsigned>(rtiles), static_cast<unsigned>(nmats), ceil_div_u(k, kTile)),
                    dim3(kTile, kTileRowsPerPass), 0, s, mats, rows, cols, idx, k, static_cast<const TO*>(O.data), O.ld,
                    obs, p.decay, p.adjusted_lr, p.cautious_wd, skip);
     });
