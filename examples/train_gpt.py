@@ -14,6 +14,7 @@ initial weights and the same batches in the same order. At the end the run write
 
     python examples/train_gpt.py                        # the CPU default: under 10 minutes on 2 cores
     python examples/train_gpt.py --preset gpu-125m      # a 125M-parameter GPT on one GPU
+    python examples/train_gpt.py --preset gpu-1b --optimizers dion3,adamw   # time 1B-scale steps
     python examples/train_gpt.py --help
 
 Learning rates: Muon and NorMuon at --lr; Dion3 at --lr / sqrt(f) (the 1/sqrt(f) rule: a step
@@ -52,6 +53,10 @@ PRESETS = {
     # packages' source too.
     "gpu-125m": dict(n_layer=12, d_model=768, n_head=12, seq_len=1024, batch=64, steps=1526, corpus_mb=256,
                      eval_every=218, eval_batches=20, corpus="python"),
+    # The benchmark's gpt-1b shapes (16 layers of 2048, 805M parameters): a few steps to time a real
+    # training step (forward, backward, optimizer) with each optimizer, not a training run.
+    "gpu-1b": dict(n_layer=16, d_model=2048, n_head=16, seq_len=1024, batch=16, steps=40, corpus_mb=64,
+                   eval_every=40, eval_batches=4, corpus="python"),
 }
 
 
@@ -453,7 +458,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                    help="sizes and steps (default: cpu without a GPU, gpu-small with one)")
+                    help="sizes and steps (default: cpu without a GPU, gpu-small with one; gpu-1b is "
+                         "for timing a few steps of a 1B-scale model)")
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS),
                     help=f"comma-separated, from {', '.join(OPTIMIZERS)} (default: all)")
     for key in ("n_layer", "d_model", "n_head", "seq_len", "batch", "steps", "eval_every", "eval_batches"):
@@ -499,7 +505,7 @@ def parse_args(argv=None):
     if a.lr is None:
         a.lr = 0.02
     if a.adamw_lr is None:
-        a.adamw_lr = 1e-3 if preset_name == "gpu-125m" else 3e-3  # a larger model, a smaller AdamW lr
+        a.adamw_lr = 1e-3 if preset_name in ("gpu-125m", "gpu-1b") else 3e-3  # larger models, a smaller AdamW lr
     for key in ("lr", "adamw_lr"):
         v = getattr(a, key)
         if not (math.isfinite(v) and v > 0):
