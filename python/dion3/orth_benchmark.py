@@ -17,7 +17,7 @@ import dion3
 from .benchmark import MODELS, model_shapes
 from .optimizer import POLAR_EXPRESS
 
-PEAK_TFLOPS_BF16 = 790.0  # H200 dense bf16 tensor-core peak, the project's roofline
+PEAK_TFLOPS_BF16 = 790.0  # the roofline figure the project uses for bf16 tensor-core work on the H200
 
 
 def torch_newton_schulz(X: torch.Tensor, coefficients, eps: float = 1e-8) -> torch.Tensor:
