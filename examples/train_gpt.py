@@ -275,15 +275,24 @@ class Run:
     scale: float = 1.0
 
 
-def runs_of(names: List[str], cfg: Config, scales: List[float]) -> List[Run]:
+def runs_of(names: List[str], cfg: Config, scales: List[float], fractions: Optional[List[float]] = None) -> List[Run]:
     """Each optimizer at each lr scale: the optimizer's own lr times the scale (AdamW alone: its lr;
-    the others: the matrix lr; the element-wise groups beside them keep --adamw-lr)."""
+    the others: the matrix lr; the element-wise groups beside them keep --adamw-lr); Dion3 at each
+    of `fractions` (default: cfg.fraction), named dion3-f<f> when there are several."""
+    fractions = fractions or [cfg.fraction]
     out = []
     for name in names:
-        for s in scales:
-            c = replace(cfg, adamw_lr=cfg.adamw_lr * s) if name == "adamw" else replace(cfg, lr=cfg.lr * s)
-            out.append(Run(name if len(scales) == 1 else f"{name}@{s:g}x", name, c, s))
+        for f in fractions if name == "dion3" else [cfg.fraction]:
+            base = f"dion3-f{f:g}" if name == "dion3" and len(fractions) > 1 else name
+            for s in scales:
+                c = replace(cfg, adamw_lr=cfg.adamw_lr * s) if name == "adamw" else replace(cfg, lr=cfg.lr * s)
+                out.append(Run(base if len(scales) == 1 else f"{base}@{s:g}x", name, replace(c, fraction=f), s))
     return out
+
+
+def family(run: Run) -> str:
+    """What the report compares: an optimizer, Dion3 at each fraction apart."""
+    return f"dion3 f={run.cfg.fraction:g}" if run.optimizer == "dion3" else run.optimizer
 
 
 def lr_of(run: Run) -> float:
@@ -307,6 +316,14 @@ def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resu
     """Trains (or resumes) one run; returns its history and summary."""
     name, cfg = run.name, run.cfg
     path = os.path.join(out, f"ckpt-{name}.pt")
+    record = os.path.join(out, f"run-{name}.json")
+    if resume and not os.path.exists(path) and os.path.exists(record):
+        # A run finished on another machine: its record (without weights) is all the report needs.
+        with open(record) as f:
+            rec = json.load(f)
+        if rec["config"] == asdict(cfg) and rec["state"].get("done"):
+            print(f"{name}: finished earlier ({record})", file=sys.stderr)
+            return rec["state"]
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.n_layer, cfg.d_model, cfg.n_head, cfg.seq_len).to(device)
     opt = make_optimizer(run.optimizer, model, cfg)
@@ -382,7 +399,7 @@ def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resu
     state["device"], state["corpus"] = str(device), corpus_info
     save()
     # The run's record without the weights: what --report-only reads, from any number of sessions.
-    with open(os.path.join(out, f"run-{name}.json"), "w") as f:
+    with open(record, "w") as f:
         json.dump(dict(name=name, optimizer=run.optimizer, scale=run.scale, config=asdict(cfg), state=state), f)
     return state
 
@@ -393,10 +410,11 @@ def write_report(runs: List[Run], results: Dict[str, Dict], cfg: Config, out: st
                  corpus_info: str) -> None:
     done = [r for r in runs if results[r.name].get("history")]
     best = {}
-    for r in done:  # each optimizer's run with the lowest final validation loss
+    for r in done:  # each optimizer's (and Dion3 fraction's) run with the lowest final validation loss
         v = results[r.name]["history"][-1]["val"]
-        if r.optimizer not in best or v < results[best[r.optimizer].name]["history"][-1]["val"]:
-            best[r.optimizer] = r
+        if family(r) not in best or v < results[best[family(r)].name]["history"][-1]["val"]:
+            best[family(r)] = r
+    fractions = ", ".join(f"{f:g}" for f in dict.fromkeys(r.cfg.fraction for r in runs if r.optimizer == "dion3"))
     first = results[done[0].name] if done else {}
     lines = [f"# Train a GPT: {', '.join(dict.fromkeys(r.optimizer for r in runs))}", "",
              f"- model: {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads, "
@@ -404,7 +422,7 @@ def write_report(runs: List[Run], results: Dict[str, Dict], cfg: Config, out: st
              f"{cfg.steps} steps of {cfg.batch} x {cfg.seq_len} bytes "
              f"({cfg.steps * cfg.batch * cfg.seq_len / 1e6:.1f}M tokens); device {device}",
              f"- data: {corpus_info}",
-             f"- lr: Muon and NorMuon --lr {cfg.lr}, Dion3 --lr / sqrt(f) (f = {cfg.fraction}), AdamW "
+             f"- lr: Muon and NorMuon --lr {cfg.lr}, Dion3 --lr / sqrt(f) (f = {fractions or cfg.fraction}), AdamW "
              f"--adamw-lr {cfg.adamw_lr} (also Dion3's and Muon's embeddings, head and vectors), times each "
              f"run's scale; seed {cfg.seed}", "",
              "| run | lr | final val loss | optimizer share of step time | tokens/s | peak memory | optimizer state |",
@@ -417,8 +435,8 @@ def write_report(runs: List[Run], results: Dict[str, Dict], cfg: Config, out: st
         peak = (f"{st['peak_memory'] / 2**20:.0f} MiB" if st.get("peak_memory") else
                 f"{st['peak_rss'] / 2**20:.0f} MiB (process)" if st.get("peak_rss") else "n/a")
         state_mb = f"{st.get('optimizer_state_bytes', 0) / 2**20:.1f} MiB"
-        label = f"{r.name} (f = {cfg.fraction})" if r.optimizer == "dion3" else r.name
-        if best.get(r.optimizer) is r and len(done) > len(best):
+        label = f"{r.name} (f = {r.cfg.fraction:g})" if r.optimizer == "dion3" and "-f" not in r.name else r.name
+        if best.get(family(r)) is r and len(done) > len(best):
             label = f"**{label}**"
         lines.append(f"| {label} | {lr_of(r):.4g} | {final:.4f} | {share:.1f}% | {tps:,.0f} | {peak} | {state_mb} |")
     if len(done) > len(best):
@@ -437,7 +455,7 @@ def write_report(runs: List[Run], results: Dict[str, Dict], cfg: Config, out: st
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for r in best.values():
         h = results[r.name]["history"]
-        label = f"{r.name} f={cfg.fraction}" if r.optimizer == "dion3" else r.name
+        label = f"{r.name} f={r.cfg.fraction:g}" if r.optimizer == "dion3" and "-f" not in r.name else r.name
         label += f", lr {lr_of(r):.3g}"
         a.plot([e["step"] for e in h], [e["val"] for e in h], label=label)
         b.plot([e["seconds"] for e in h], [e["val"] for e in h], label=label)
@@ -473,7 +491,8 @@ def parse_args(argv=None):
     ap.add_argument("--adamw-lr", type=float, default=None,
                     help="AdamW's lr, alone and for Dion3/Muon's embeddings, head and vectors (default: 3e-3, "
                          "1e-3 for gpu-125m)")
-    ap.add_argument("--fraction", type=float, default=0.25, help="Dion3's f (default 1/4)")
+    ap.add_argument("--fraction", default="0.25",
+                    help="Dion3's f (default 1/4); several, comma-separated, train Dion3 at each")
     ap.add_argument("--lr-scales", default="1",
                     help="comma-separated multipliers of each optimizer's lr, one run each (a sweep: "
                          "0.5,1,2); the table marks and the plot shows each optimizer's best")
@@ -492,8 +511,13 @@ def parse_args(argv=None):
     bad = [n for n in names if n not in OPTIMIZERS]
     if bad or not names:
         ap.error(f"--optimizers: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(OPTIMIZERS)}")
-    if not 0.0 < a.fraction <= 1.0:
-        ap.error(f"--fraction must be in (0, 1], got {a.fraction}")
+    try:
+        a.fractions = [float(x) for x in str(a.fraction).split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--fraction: expected numbers, got {a.fraction!r}")
+    if not a.fractions or len(set(a.fractions)) != len(a.fractions) or \
+            any(not 0.0 < f <= 1.0 for f in a.fractions):
+        ap.error(f"--fraction must be in (0, 1] (distinct values when several), got {a.fraction}")
     if a.device is None:
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     elif a.device not in ("cpu", "cuda") and not a.device.startswith("cuda:"):
@@ -528,7 +552,7 @@ def parse_args(argv=None):
         ap.error(f"--lr-scales: expected distinct positive numbers, got {a.lr_scales!r}")
     if a.time_limit is not None and not a.time_limit > 0:
         ap.error(f"--time-limit must be a positive number of seconds, got {a.time_limit}")
-    cfg = Config(**preset, lr=a.lr, adamw_lr=a.adamw_lr, fraction=a.fraction, seed=a.seed)
+    cfg = Config(**preset, lr=a.lr, adamw_lr=a.adamw_lr, fraction=a.fractions[0], seed=a.seed)
     a.scales = scales
     return a, names, cfg
 
@@ -542,15 +566,16 @@ def report_only(out: str) -> int:
     if not records:
         raise SystemExit(f"train_gpt: --report-only: no run-*.json records in {out}")
     order = {n: i for i, n in enumerate(OPTIMIZERS)}
-    records.sort(key=lambda r: (order.get(r["optimizer"], 99), r["scale"]))
+    records.sort(key=lambda r: (order.get(r["optimizer"], 99), -r["config"]["fraction"], r["scale"]))
     runs = [Run(r["name"], r["optimizer"], Config(**r["config"]), r["scale"]) for r in records]
     first = runs[0]
     cfg = replace(first.cfg, lr=first.cfg.lr / (first.scale if first.optimizer != "adamw" else 1.0),
                   adamw_lr=first.cfg.adamw_lr / (first.scale if first.optimizer == "adamw" else 1.0))
-    shapes = {tuple((k, v) for k, v in r["config"].items() if k not in ("lr", "adamw_lr")) for r in records}
+    shapes = {tuple((k, v) for k, v in r["config"].items() if k not in ("lr", "adamw_lr", "fraction"))
+              for r in records}
     if len(shapes) > 1:
         raise SystemExit("train_gpt: --report-only: the records were trained with different settings "
-                         "(besides the learning rates); keep one setting per folder")
+                         "(besides the learning rates and Dion3's fraction); keep one setting per folder")
     results = {r["name"]: r["state"] for r in records}
     info = records[0]["state"].get("corpus", "see the runs' logs")
     write_report(runs, results, cfg, out, records[0]["state"].get("device", "?"), info)
@@ -588,7 +613,7 @@ def main(argv=None) -> int:
         evaluate(warm, windows[:1], device)
         del warm
         sync(device)
-    runs, results = runs_of(names, cfg, a.scales), {}
+    runs, results = runs_of(names, cfg, a.scales, a.fractions), {}
     deadline = Deadline(a.time_limit)
     for run in runs:
         results[run.name] = train_one(run, train, windows, device, a.out, a.resume, a.stop_after, deadline,

@@ -59,6 +59,26 @@ def test_a_learning_rate_sweep_marks_each_optimizers_best_run(tmp_path):
     assert (tmp_path / "results.md").read_text() == table
 
 
+def test_dion3_at_several_fractions_is_compared_fraction_by_fraction(tmp_path):
+    assert train_gpt.main(TINY + ["--optimizers", "dion3", "--fraction", "0.5,0.25", "--lr-scales", "1,2",
+                                  "--out", str(tmp_path)]) == 0
+    table = (tmp_path / "results.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "dion3-f" in line]
+    assert len(rows) == 4 and sum("**" in r for r in rows) == 2  # a best run per fraction
+    assert "| dion3-f0.25@1x | 0.04 |" in table.replace("**", "")  # lr / sqrt(f)
+    assert "Dion3 --lr / sqrt(f) (f = 0.5, 0.25)" in table
+    (tmp_path / "results.md").unlink()  # the records of both fractions make one report
+    assert train_gpt.main(["--report-only", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "results.md").read_text() == table
+    # On another machine only the records travel: --resume takes finished runs from them.
+    for ck in tmp_path.glob("ckpt-*.pt"):
+        ck.unlink()
+    (tmp_path / "results.md").unlink()
+    assert train_gpt.main(TINY + ["--optimizers", "dion3", "--fraction", "0.5,0.25", "--lr-scales", "1,2",
+                                  "--out", str(tmp_path), "--resume"]) == 0
+    assert (tmp_path / "results.md").read_text() == table and not list(tmp_path.glob("ckpt-*.pt"))
+
+
 def test_a_time_limit_stops_and_resume_goes_on_bit_for_bit(tmp_path):
     args = TINY + ["--optimizers", "dion3"]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
@@ -75,6 +95,7 @@ def test_a_time_limit_stops_and_resume_goes_on_bit_for_bit(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--optimizers", "dion3,sgd"], "--optimizers: unknown sgd"),
     (["--fraction", "0"], "--fraction must be in"),
+    (["--fraction", "0.5,0.5"], "distinct values when several"),
     (["--d-model", "66", "--n-head", "4"], "must be a multiple of --n-head"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--lr", "-1"], "--lr must be a positive number"),
