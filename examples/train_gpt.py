@@ -39,6 +39,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 OPTIMIZERS = ("dion3", "muon", "normuon", "adamw")
+# The integer settings of a preset that the command line may override.
+INT_KEYS = ("n_layer", "d_model", "n_head", "seq_len", "batch", "steps", "eval_every", "eval_batches")
 
 # name: (layers, d_model, heads, seq_len, batch, steps, corpus MB, eval every, eval batches)
 PRESETS = {
@@ -117,18 +119,20 @@ class Batches:
 
     def next(self):
         i = torch.randint(0, len(self.data) - self.seq_len - 1, (self.batch,), generator=self.gen)
-        x = torch.stack([self.data[j:j + self.seq_len] for j in i.tolist()])
-        y = torch.stack([self.data[j + 1:j + 1 + self.seq_len] for j in i.tolist()])
-        return x.long(), y.long()
+        return windows(self.data, i.tolist(), self.seq_len)
+
+
+def windows(data: torch.Tensor, starts: List[int], seq_len: int):
+    """Inputs and next-byte targets of the windows of seq_len bytes at `starts`."""
+    w = torch.stack([data[s:s + seq_len + 1] for s in starts])
+    return w[:, :-1].long(), w[:, 1:].long()
 
 
 def eval_windows(data: torch.Tensor, n: int, batch: int, seq_len: int):
     """Fixed validation batches: evenly spaced windows of the validation split."""
     count = n * batch
     stride = max(1, (len(data) - seq_len - 1) // count)
-    starts = [k * stride for k in range(count)]
-    x = torch.stack([data[s:s + seq_len] for s in starts]).long()
-    y = torch.stack([data[s + 1:s + 1 + seq_len] for s in starts]).long()
+    x, y = windows(data, [k * stride for k in range(count)], seq_len)
     return list(zip(x.split(batch), y.split(batch)))
 
 
@@ -179,7 +183,7 @@ def make_optimizer(name: str, model: GPT, cfg: "Config"):
     if name == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=cfg.adamw_lr, betas=(0.9, 0.95), weight_decay=0.0)
     import dion3
-    lr = cfg.lr / math.sqrt(cfg.fraction) if name == "dion3" else cfg.lr
+    lr = lr_of(name, cfg)
     groups = dion3.param_groups(model, lm_head=model.lm_head, lr=cfg.adamw_lr,
                                 elementwise_options=dict(lr=cfg.adamw_lr, betas=(0.9, 0.95), weight_decay=0.0))
     kw = dict(fraction=cfg.fraction) if name == "dion3" else {}
@@ -218,8 +222,8 @@ class Config:
 class Progress:
     """One line on stderr, redrawn: step, tokens/s, training loss, the last validation loss."""
 
-    def __init__(self, label: str, total: int, first: int):
-        self.label, self.total, self.first = label, total, first
+    def __init__(self, label: str, total: int):
+        self.label, self.total = label, total
         self.tty = sys.stderr.isatty()
         self.last_line = 0.0
 
@@ -290,15 +294,21 @@ def runs_of(names: List[str], cfg: Config, scales: List[float], fractions: Optio
     return out
 
 
+def label_of(run: Run, fraction_format: str) -> str:
+    """The run's name, with Dion3's fraction where the name does not carry it."""
+    if run.optimizer == "dion3" and "-f" not in run.name:
+        return run.name + fraction_format.format(run.cfg.fraction)
+    return run.name
+
+
 def family(run: Run) -> str:
     """What the report compares: an optimizer, Dion3 at each fraction apart."""
     return f"dion3 f={run.cfg.fraction:g}" if run.optimizer == "dion3" else run.optimizer
 
 
-def lr_of(run: Run) -> float:
-    c = run.cfg
-    return c.adamw_lr if run.optimizer == "adamw" else c.lr / math.sqrt(c.fraction) if run.optimizer == "dion3" \
-        else c.lr
+def lr_of(optimizer: str, c: "Config") -> float:
+    """The optimizer's lr: AdamW's own; Dion3's matrix lr / sqrt(f); Muon's and NorMuon's matrix lr."""
+    return c.adamw_lr if optimizer == "adamw" else c.lr / math.sqrt(c.fraction) if optimizer == "dion3" else c.lr
 
 
 class Deadline:
@@ -355,12 +365,12 @@ def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resu
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    progress = Progress(name, cfg.steps, state["step"])
+    progress = Progress(name, cfg.steps)
     tokens = cfg.batch * cfg.seq_len
     val = state["history"][-1]["val"] if state["history"] else None
     ran = 0
+    sync(device)  # each step below ends synchronised, so its successor's clock starts clean
     while state["step"] < cfg.steps:
-        sync(device)
         t0 = time.perf_counter()
         x, y = batches.next()
         with autocast(device):
@@ -435,10 +445,10 @@ def write_report(runs: List[Run], results: Dict[str, Dict], cfg: Config, out: st
         peak = (f"{st['peak_memory'] / 2**20:.0f} MiB" if st.get("peak_memory") else
                 f"{st['peak_rss'] / 2**20:.0f} MiB (process)" if st.get("peak_rss") else "n/a")
         state_mb = f"{st.get('optimizer_state_bytes', 0) / 2**20:.1f} MiB"
-        label = f"{r.name} (f = {r.cfg.fraction:g})" if r.optimizer == "dion3" and "-f" not in r.name else r.name
+        label = label_of(r, " (f = {:g})")
         if best.get(family(r)) is r and len(done) > len(best):
             label = f"**{label}**"
-        lines.append(f"| {label} | {lr_of(r):.4g} | {final:.4f} | {share:.1f}% | {tps:,.0f} | {peak} | {state_mb} |")
+        lines.append(f"| {label} | {lr_of(r.optimizer, r.cfg):.4g} | {final:.4f} | {share:.1f}% | {tps:,.0f} | {peak} | {state_mb} |")
     if len(done) > len(best):
         lines += ["", "Bold: each optimizer's best learning rate (the plot shows those)."]
     with open(os.path.join(out, "results.md"), "w") as f:
@@ -455,8 +465,7 @@ def write_report(runs: List[Run], results: Dict[str, Dict], cfg: Config, out: st
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for r in best.values():
         h = results[r.name]["history"]
-        label = f"{r.name} f={r.cfg.fraction:g}" if r.optimizer == "dion3" and "-f" not in r.name else r.name
-        label += f", lr {lr_of(r):.3g}"
+        label = label_of(r, " f={:g}") + f", lr {lr_of(r.optimizer, r.cfg):.3g}"
         a.plot([e["step"] for e in h], [e["val"] for e in h], label=label)
         b.plot([e["seconds"] for e in h], [e["val"] for e in h], label=label)
     a.set_xlabel("step")
@@ -480,13 +489,13 @@ def parse_args(argv=None):
                          "for timing a few steps of a 1B-scale model)")
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS),
                     help=f"comma-separated, from {', '.join(OPTIMIZERS)} (default: all)")
-    for key in ("n_layer", "d_model", "n_head", "seq_len", "batch", "steps", "eval_every", "eval_batches"):
+    for key in INT_KEYS:
         ap.add_argument("--" + key.replace("_", "-"), type=int, default=None, help="overrides the preset")
     ap.add_argument("--corpus-mb", type=float, default=None, help="bytes of source text to read, in MB")
     ap.add_argument("--corpus", choices=CORPORA, default=None,
                     help="stdlib: the standard library's source; python: it and the installed packages' "
                          "(default: python for gpu-125m, stdlib otherwise)")
-    ap.add_argument("--lr", type=float, default=None,
+    ap.add_argument("--lr", type=float, default=0.02,
                     help="Muon / NorMuon lr (default 0.02); Dion3 takes lr / sqrt(f)")
     ap.add_argument("--adamw-lr", type=float, default=None,
                     help="AdamW's lr, alone and for Dion3/Muon's embeddings, head and vectors (default: 3e-3, "
@@ -511,13 +520,18 @@ def parse_args(argv=None):
     bad = [n for n in names if n not in OPTIMIZERS]
     if bad or not names:
         ap.error(f"--optimizers: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(OPTIMIZERS)}")
-    try:
-        a.fractions = [float(x) for x in str(a.fraction).split(",") if x.strip()]
-    except ValueError:
-        ap.error(f"--fraction: expected numbers, got {a.fraction!r}")
-    if not a.fractions or len(set(a.fractions)) != len(a.fractions) or \
-            any(not 0.0 < f <= 1.0 for f in a.fractions):
-        ap.error(f"--fraction must be in (0, 1] (distinct values when several), got {a.fraction}")
+    def numbers(flag: str, text: str, ok, wrong: str) -> List[float]:
+        """A comma-separated list of distinct numbers each passing ok(), or the parser's error."""
+        try:
+            xs = [float(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            ap.error(f"{flag}: expected numbers, got {text!r}")
+        if not xs or len(set(xs)) != len(xs) or not all(ok(x) for x in xs):
+            ap.error(wrong)
+        return xs
+
+    a.fractions = numbers("--fraction", str(a.fraction), lambda f: 0.0 < f <= 1.0,
+                          f"--fraction must be in (0, 1] (distinct values when several), got {a.fraction}")
     if a.device is None:
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     elif a.device not in ("cpu", "cuda") and not a.device.startswith("cuda:"):
@@ -526,8 +540,6 @@ def parse_args(argv=None):
         ap.error("--device cuda: PyTorch sees no GPU here")
     preset_name = a.preset or ("cpu" if a.device == "cpu" else "gpu-small")
     preset = dict(PRESETS[preset_name])
-    if a.lr is None:
-        a.lr = 0.02
     if a.adamw_lr is None:
         a.adamw_lr = 1e-3 if preset_name in ("gpu-125m", "gpu-1b") else 3e-3  # larger models, a smaller AdamW lr
     for key in ("lr", "adamw_lr"):
@@ -537,19 +549,15 @@ def parse_args(argv=None):
     for key in list(preset):
         if getattr(a, key, None) is not None:
             preset[key] = getattr(a, key)
-    for key in ("n_layer", "d_model", "n_head", "seq_len", "batch", "steps", "eval_every", "eval_batches"):
+    for key in INT_KEYS:
         if preset[key] < 1:
             ap.error(f"--{key.replace('_', '-')} must be at least 1, got {preset[key]}")
     if preset["d_model"] % preset["n_head"]:
         ap.error(f"--d-model ({preset['d_model']}) must be a multiple of --n-head ({preset['n_head']})")
     if preset["corpus_mb"] <= 0:
         ap.error("--corpus-mb must be positive")
-    try:
-        scales = [float(x) for x in a.lr_scales.split(",") if x.strip()]
-    except ValueError:
-        ap.error(f"--lr-scales: expected numbers, got {a.lr_scales!r}")
-    if not scales or any(not (math.isfinite(x) and x > 0) for x in scales) or len(set(scales)) != len(scales):
-        ap.error(f"--lr-scales: expected distinct positive numbers, got {a.lr_scales!r}")
+    scales = numbers("--lr-scales", a.lr_scales, lambda x: math.isfinite(x) and x > 0,
+                     f"--lr-scales: expected distinct positive numbers, got {a.lr_scales!r}")
     if a.time_limit is not None and not a.time_limit > 0:
         ap.error(f"--time-limit must be a positive number of seconds, got {a.time_limit}")
     cfg = Config(**preset, lr=a.lr, adamw_lr=a.adamw_lr, fraction=a.fractions[0], seed=a.seed)

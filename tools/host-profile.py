@@ -14,7 +14,7 @@ import time
 import torch
 
 import dion3
-from dion3.benchmark import model_shapes
+from dion3.benchmark import model_shapes, sync
 
 
 def make_optimizer(model, fraction, device):
@@ -27,11 +27,6 @@ def make_optimizer(model, fraction, device):
         p.grad = torch.randn_like(p) * 1e-3
     return dion3.Dion3([dict(params=pm), dict(params=pv, algorithm="adamw", lr=1e-3)], lr=0.01,
                        fraction=fraction, on_nonfinite="skip", blocking=False)
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def main():
@@ -93,12 +88,11 @@ def main():
     def push():  # as step() does it: only groups whose plain values changed
         opt._push_groups(eng)
 
+    key = opt._registration_key
+
     def count():
         for st in states:
             st["step"] += 1
-
-    def key():
-        return tuple((id(g), len(g["params"])) + dion3.optimizer._structure_key(g) for g in opt.param_groups)
 
     # The non-blocking step() path piece by piece, in sequence, as step() runs it.
     split = collections.defaultdict(list)

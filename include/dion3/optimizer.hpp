@@ -207,9 +207,6 @@ class DION3_API Optimizer {
   // Counters kept on the device (reading them synchronises): steps applied, steps dropped.
   int64_t steps_taken() const;
   int64_t steps_skipped() const;
-  // The same two counters where the device keeps them (int64 [applied, dropped]), for front ends
-  // that copy them to the host without waiting (a step that never blocks the host).
-  const int64_t* device_counters() const;
   // The two counters as they stood after the last step() or step_async() that was not being
   // captured: each starts their copy to the host, and this answers from it once it has arrived
   // (never waiting; false until then, or when no such step was taken).

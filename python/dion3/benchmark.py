@@ -25,6 +25,10 @@ MODELS = {
 }
 
 
+# The optimizers that take a fraction (--fractions).
+SELECTING = ("Dion3", "NorDion2", "Dion2")
+
+
 def model_shapes(name: str, layers: int = 0):
     n_layers, d, mlp = MODELS[name]
     n_layers = layers or n_layers
@@ -75,7 +79,7 @@ def run(args, cls_name, fraction):
         return run_torch_adamw(args)
     device, params_m, params_v = make_params(args)
     cls = getattr(dion3, cls_name)
-    kw = dict(fraction=fraction) if cls_name in ("Dion3", "Dion2") else {}
+    kw = dict(fraction=fraction) if cls_name in SELECTING else {}
     opt = cls([dict(params=params_m), dict(params=params_v, algorithm="adamw", lr=1e-3)], lr=0.01,
               on_nonfinite=args.on_nonfinite, **kw)
     opt._record_orthogonalizer = not args.op_by_op
@@ -138,7 +142,7 @@ def run(args, cls_name, fraction):
     med = statistics.median
     overhead = med([h - e for h, e in zip(host_ms, inside_ms)])
     return {
-        "optimizer": cls_name, "fraction": fraction if cls_name in ("Dion3", "Dion2") else None,
+        "optimizer": cls_name, "fraction": fraction if cls_name in SELECTING else None,
         "model": args.model, "layers": args.layers or MODELS[args.model][0], "device": str(device),
         "dtype": args.dtype, "matrices": len(params_m), "vectors": len(params_v),
         "step_ms": round(med(step_ms), 3), "host_ms": round(med(host_ms), 3),
@@ -169,7 +173,7 @@ def main(argv=None):
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     for name in args.optimizers.split(","):
-        fractions = [float(f) for f in args.fractions.split(",")] if name in ("Dion3", "Dion2") else [1.0]
+        fractions = [float(f) for f in args.fractions.split(",")] if name in SELECTING else [1.0]
         for f in fractions:
             print(json.dumps(run(args, name, f)), flush=True)
             torch.cuda.empty_cache() if torch.cuda.is_available() else None

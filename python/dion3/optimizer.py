@@ -33,39 +33,22 @@ MATRIX_ALGORITHMS = ("dion3", "nordion2", "dion2", "normuon", "muon")
 # Group keys that torch's learning-rate schedulers and SWA write into param groups: carried, unread.
 _SCHEDULER_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr"})
 # Other optimizers' names for settings dion3 has under another name.
-_KEY_ALIASES = {"eps": "epsilon", "momentum": "mu", "beta2": "muon_beta2", "rank_fraction": "fraction",
-                "nesterov_momentum": "nesterov", "adjust_learning_rate": "adjust_lr",
-                # Dion2's name for the error-feedback decay, and the reverse in a Dion2 optimizer.
-                "ef_decay": "mu", "mu": "ef_decay"}
+# {other name: dion3's names for it}; the first that the optimizer knows is the one it names.
+_KEY_ALIASES = {"eps": ("epsilon",), "momentum": ("mu", "ef_decay"), "beta2": ("muon_beta2",),
+                "rank_fraction": ("fraction",), "nesterov_momentum": ("nesterov",),
+                "adjust_learning_rate": ("adjust_lr",),
+                # the error-feedback decay: Dion2's name in a Dion3 optimizer, Dion3's in a Dion2 one
+                "ef_decay": ("mu",), "mu": ("ef_decay",)}
 ELEMENTWISE_ALGORITHMS = ("adamw", "lion")
 ALGORITHMS = MATRIX_ALGORITHMS + ELEMENTWISE_ALGORITHMS
 _ORTHOGONALIZERS = ("auto", "standard", "gram")
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# Quintic Newton–Schulz coefficient sets (SPEC §2), for the reference's use_polar_express flag.
-POLAR_EXPRESS = [
-    (7.892582874424408, -20.383013945879568, 13.555306149406924),
-    (3.911484868135431, -2.546463592906088, 0.426898831967307),
-    (3.760657955697423, -2.512819018216563, 0.432364734907007),
-    (3.160399673686287, -2.149649518898498, 0.399636690766439),
-    (2.191097161861730, -1.441662010214663, 0.328146487623155),
-]
-YOU = [
-    (4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
-    (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012),
-]
-# The reference package's default: Polar Express with a 2% safety factor on an input scaled by
-# 1.02 times its norm; the margin is folded into the first step (the engine scales by the norm).
-_S = 1.02
-REFERENCE = [
-    (8.156554524902461 / _S, -22.48329292557795 / _S**3, 15.878769915207462 / _S**5),
-    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
-]
-# Coefficient sets by name (group key "coefficients", dion3.orthogonalize).
-COEFFICIENT_SETS = {"polar_express": POLAR_EXPRESS, "you": YOU, "reference": REFERENCE}
+# Quintic Newton–Schulz coefficient sets by name (group key "coefficients", dion3.orthogonalize),
+# the engine's own tables (SPEC §2): Polar Express (the default; use_polar_express=False gives
+# Muon's classic "you" set) and "reference", the reference package's default set.
+COEFFICIENT_SETS = _C.coefficient_sets()
+POLAR_EXPRESS, YOU, REFERENCE = (COEFFICIENT_SETS[k] for k in ("polar_express", "you", "reference"))
 
 
 def _dtype_name(dtype) -> Optional[str]:
@@ -143,6 +126,10 @@ class _ReadKeys(dict):
         self.read.append(key)
         return dict.get(self, key, default)
 
+    def __contains__(self, key):
+        self.read.append(key)
+        return dict.__contains__(self, key)
+
 
 # Values that cannot change in place, so equal snapshots mean equal settings.
 _PLAIN = (bool, int, float, str, type(None), torch.dtype)
@@ -210,10 +197,9 @@ def _state_shapes(group: Dict[str, Any], p: torch.Tensor) -> List[Tuple[str, tor
 _ENGINE_NAMES = {"matrix": {"momentum": "momentum", "variance_neuron": "variance"},
                  "adamw": {"momentum": "exp_avg", "variance": "exp_avg_sq"},
                  "lion": {"momentum": "exp_avg"}}
-# Names earlier dion3 versions saved, accepted on load: {kind: {old name: name}}.
-_OLD_NAMES = {"matrix": {"variance": "variance_neuron"},
-              "adamw": {"exp_avg": "momentum", "exp_avg_sq": "variance"},
-              "lion": {"exp_avg": "momentum"}}
+# Names earlier dion3 versions saved (the engine's), accepted on load: {kind: {old name: name}}.
+_OLD_NAMES = {kind: {engine: name for name, engine in names.items() if engine != name}
+              for kind, names in _ENGINE_NAMES.items()}
 
 
 def _kind(algorithm: str) -> str:
@@ -772,12 +758,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
             if key in known or key in _SCHEDULER_KEYS or not isinstance(key, str):
                 continue
             where = f"dion3: parameter group {gi}"
-            target, seen = key, {key}
-            while target in _KEY_ALIASES and _KEY_ALIASES[target] not in seen:  # momentum -> mu -> ef_decay
-                target = _KEY_ALIASES[target]
-                seen.add(target)
-                if target in known:
-                    raise ValueError(f"{where}: unknown setting '{key}'; dion3 calls it '{target}'")
+            target = next((t for t in _KEY_ALIASES.get(key, ()) if t in known), None)
+            if target is not None:
+                raise ValueError(f"{where}: unknown setting '{key}'; dion3 calls it '{target}'")
             near = difflib.get_close_matches(key, sorted(known - {"params", "param_names"}), n=1, cutoff=0.75)
             if near:
                 raise ValueError(f"{where}: unknown setting '{key}'; did you mean '{near[0]}'?")

@@ -8,7 +8,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from . import _C
-from .optimizer import POLAR_EXPRESS, YOU, _engine_config
+from .optimizer import _engine_config
 
 
 def orthogonalize(X: torch.Tensor, method: str = "auto", *, coefficients: Optional[Union[str, Sequence[Tuple[float, float, float]]]] = None,
@@ -31,6 +31,6 @@ def orthogonalize(X: torch.Tensor, method: str = "auto", *, coefficients: Option
     group = dict(algorithm="dion3", lr=0.0, fraction=1.0, mu=0.0, muon_beta2=0.0, betas=(0.0, 0.0),
                  weight_decay=0.0, epsilon=1e-8, adjust_lr=None, flatten=False, nesterov=False,
                  cautious_wd=False, scale_lr_by_fraction=False, momentum_dtype=None, orthogonalizer=method,
-                 coefficients=coefficients if coefficients is not None else (POLAR_EXPRESS if use_polar_express else YOU),
+                 coefficients=coefficients, use_polar_express=use_polar_express,
                  restarts=restarts, iteration_dtype=iteration_dtype)
     return _C.orthogonalize(X.detach(), _engine_config(group))

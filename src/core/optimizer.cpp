@@ -438,7 +438,6 @@ std::array<int64_t, 2> Optimizer::Impl::read_counters() const {
 }
 int64_t Optimizer::steps_taken() const { return impl_->read_counters()[0]; }
 int64_t Optimizer::steps_skipped() const { return impl_->read_counters()[1]; }
-const int64_t* Optimizer::device_counters() const { return impl_->counters.as<int64_t>(); }
 Backend& Optimizer::backend() { return *impl_->backend; }
 const OptimizerOptions& Optimizer::options() const { return impl_->options; }
 

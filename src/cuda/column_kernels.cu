@@ -48,32 +48,17 @@ __global__ void accumulate_columns_kernel(const DeviceMat* __restrict__ mats, in
   part_sq[at] = sq;
 }
 
-// out[i*n + c] = sum over chunks z (in order) of part[(i*chunks + z)*n + c], for both arrays.
-__global__ void sum_chunks_kernel(const float* __restrict__ part_a, const float* __restrict__ part_b, int64_t n,
-                                  int64_t chunks, float* __restrict__ out_a, float* __restrict__ out_b,
-                                  const int* skip) {
-  pdl_wait();
-  if (skipped(skip)) return;
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, i = blockIdx.y;
-  if (c >= n) return;
-  float a = 0.0f, b = 0.0f;
-  for (int64_t z = 0; z < chunks; ++z) {
-    a += part_a[(i * chunks + z) * n + c];
-    if (part_b) b += part_b[(i * chunks + z) * n + c];
-  }
-  if (out_a) out_a[i * n + c] = a;
-  if (out_b) out_b[i * n + c] = b;
-}
-
-// out[t] = sum over z (in order) of part[t*parts + z], t < count.
-__global__ void sum_parts_kernel(const float* __restrict__ part, int64_t count, int64_t parts, float* __restrict__ out,
-                                 const int* skip) {
+// out[o*inner + c] = the sum over z < parts, in order, of part[(o*parts + z)*inner + c]: the
+// accumulate's per-chunk column sums (inner = columns) and the gather's per-tile row sums (inner = 1).
+__global__ void sum_parts_kernel(const float* __restrict__ part, int64_t outer, int64_t inner, int64_t parts,
+                                 float* __restrict__ out, const int* skip) {
   pdl_wait();
   if (skipped(skip)) return;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t >= count) return;
+  if (t >= outer * inner) return;
+  const int64_t o = t / inner, c = t % inner;
   float a = 0.0f;
-  for (int64_t z = 0; z < parts; ++z) a += part[t * parts + z];
+  for (int64_t z = 0; z < parts; ++z) a += part[(o * parts + z) * inner + c];
   out[t] = a;
 }
 
@@ -216,10 +201,13 @@ void launch_accumulate_columns(const DeviceMat* mats, int64_t nmats, int64_t row
                  part_l1, part_sq, skip);
     });
   });
-  if (sums)
-    launch_pdl(sum_chunks_kernel, dim3(ceil_div_u(cols, kColumnThreads), static_cast<unsigned>(nmats)),
-               kColumnThreads, 0, s, static_cast<const float*>(part_l1), static_cast<const float*>(part_sq), cols,
-               chunks, scores, row_sumsq, skip);
+  const unsigned sum_grid = ceil_div_u(nmats * cols, kColumnThreads);
+  if (scores)
+    launch_pdl(sum_parts_kernel, sum_grid, kColumnThreads, 0, s, static_cast<const float*>(part_l1), nmats, cols,
+               chunks, scores, skip);
+  if (row_sumsq)
+    launch_pdl(sum_parts_kernel, sum_grid, kColumnThreads, 0, s, static_cast<const float*>(part_sq), nmats, cols,
+               chunks, row_sumsq, skip);
   DION3_CUDA_LAUNCH_CHECK();
 }
 
@@ -253,7 +241,7 @@ void launch_gather_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, i
   });
   if (part)  // row_sumsq[i*k + s] = the tiles' sums in order
     launch_pdl(sum_parts_kernel, ceil_div_u(nmats * k, kColumnThreads), kColumnThreads, 0, s,
-               static_cast<const float*>(part), nmats * k, rtiles, row_sumsq, skip);
+               static_cast<const float*>(part), nmats * k, int64_t{1}, rtiles, row_sumsq, skip);
   DION3_CUDA_LAUNCH_CHECK();
 }
 

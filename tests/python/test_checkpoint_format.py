@@ -17,7 +17,7 @@ import torch
 
 import dion3
 from reference import Reference
-from test_parity import grads_for, make_params
+from test_parity import exact_orth, grads_for, make_params
 
 MATS = [(16, 24), (24, 16), (2, 8, 12)]
 VECS = [(24,)]
@@ -92,15 +92,17 @@ def _compare_weights(groups, params, atol):
         assert err <= atol, f"{tuple(p.shape)}: max |dion3 - reference| = {err:.3g}"
 
 
+def _references(pm, pv):
+    return [(Reference(pm, algorithm="dion3", **GROUP), pm, "nordion2"), (Reference(pv, **ADAMW), pv, "adamw")]
+
+
 def _setup(device):
     pm, pv = make_params(MATS, device), make_params(VECS, device, seed=1)
-    groups = [(Reference(pm, algorithm="dion3", **GROUP), pm, "nordion2"), (Reference(pv, **ADAMW), pv, "adamw")]
-    return pm, pv, groups
+    return pm, pv, _references(pm, pv)
 
 
 def _dion3(pm, pv, device):
-    kw = dict(iteration_dtype=torch.float32) if device.type == "cuda" else {}
-    return dion3.Dion3([dict(params=pm, **GROUP), dict(params=pv, **ADAMW)], **kw)
+    return dion3.Dion3([dict(params=pm, **GROUP), dict(params=pv, **ADAMW)], **exact_orth(device))
 
 
 def test_a_reference_checkpoint_resumes_in_dion3(device):
@@ -135,7 +137,7 @@ def test_a_dion3_checkpoint_resumes_in_the_reference(device):
         assert sd["state"][pid]["variance_neuron"].dtype == torch.float32
     assert set(sd["state"][3]) == {"momentum", "variance", "step"}
     # A fresh reference run takes the checkpoint and the weights and goes on.
-    fresh = [(Reference(pm, algorithm="dion3", **GROUP), pm, "nordion2"), (Reference(pv, **ADAMW), pv, "adamw")]
+    fresh = _references(pm, pv)
     ref_load_state_dict(fresh, sd)
     _compare_weights(fresh, pm + pv, 0.0)
     _step_both(opt, fresh, pm + pv, 2, 3)
@@ -247,8 +249,7 @@ def test_dion2_checkpoints_move_both_ways(device):
     for p, w in zip(pm, ref.w):
         with torch.no_grad():
             p.copy_(w)
-    kw = dict(iteration_dtype=torch.float32) if device.type == "cuda" else {}
-    opt = dion3.Dion2(pm, lr=0.5, ef_decay=0.5, **kw)  # every setting comes from the checkpoint
+    opt = dion3.Dion2(pm, lr=0.5, ef_decay=0.5, **exact_orth(device))  # every setting comes from the checkpoint
     opt.load_state_dict(copy.deepcopy(sd))
     _step_both(opt, [(ref, pm, "dion2")], pm, 2, 3)
     _compare_weights([(ref, pm, "dion2")], pm, _atol(device))

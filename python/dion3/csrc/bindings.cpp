@@ -669,4 +669,16 @@ PYBIND11_MODULE(_C, m) {
   m.def("validate_group", guarded(&validate_group), "Raise ValueError if a normalised group config is invalid");
   m.def("orthogonalize", guarded(&orthogonalize), "Polar factor of each matrix (see dion3.orthogonalize)");
   m.def("cuda_built", &cuda_built, "Whether this build has the CUDA backend");
+  m.def("coefficient_sets", [] {
+    py::dict sets;
+    auto put = [&](const char* name, const std::vector<dion3::Coefficients>& steps) {
+      py::list l;
+      for (const auto& s : steps) l.append(py::make_tuple(s[0], s[1], s[2]));
+      sets[name] = l;
+    };
+    put("polar_express", dion3::polar_express_coefficients());
+    put("you", dion3::you_coefficients());
+    put("reference", dion3::reference_coefficients());
+    return sets;
+  }, "The engine's named quintic coefficient sets: {name: [(a, b, c), ...]}");
 }
