@@ -251,7 +251,8 @@ def test_parameters_without_a_gradient_keep_weights_and_state(device):
     assert saved[0]["step"] == 3
 
 
-DION2_SHAPES = [(32, 16), (16, 48), (24, 24), (2, 20, 8), (3, 8, 12)]  # tall, wide, square, tall and wide stacks
+# tall, wide, square, tall and wide stacks; 200x70 spans several row chunks and column tiles of the CUDA kernels
+DION2_SHAPES = [(32, 16), (16, 48), (24, 24), (2, 20, 8), (3, 8, 12), (200, 70)]
 
 
 @pytest.mark.parametrize("fraction", [0.25, 0.5, 1.0])
