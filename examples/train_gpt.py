@@ -348,8 +348,9 @@ def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resu
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
         sched.load_state_dict(ck["scheduler"])
-        batches.gen.set_state(ck["batches"])
-        torch.set_rng_state(ck["torch_rng"])
+        # map_location moved the RNG states to the device too; generators take theirs on the CPU.
+        batches.gen.set_state(ck["batches"].cpu())
+        torch.set_rng_state(ck["torch_rng"].cpu())
         state = ck["state"]
         if state["done"]:
             print(f"{name}: finished earlier ({path})", file=sys.stderr)
