@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # tools/gpu-python-env.sh — sourced by the GPU tools (ROOT set): dion3_python_build builds
 # dion3._C with the CUDA backend into the machine's Python (a --target folder, /tmp/dion3-site)
 # and puts it on PYTHONPATH. Needs .deps/blas carried, and .deps/pysetuptools where the machine's
