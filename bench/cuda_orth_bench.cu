@@ -1,5 +1,5 @@
 // bench/cuda_orth_bench.cu — dion3-cuda-bench: the CUDA backend's orthogonalization numbers:
-// batches (SPEC §2 effective TFLOP/s) by standard NS on cuBLAS bf16, Gram NS (fp16) on full
+// batches (algorithm.md §2 effective TFLOP/s) by standard NS on cuBLAS bf16, Gram NS (fp16) on full
 // GEMMs, and Gram NS on the symmetric products (the fused kernel where it runs), then where the
 // time of the first and the last goes, per backend op. The symmetric products alone are
 // dion3-cuda-sym-bench's.
@@ -54,7 +54,7 @@ int main(int argc, char** argv) {
   const std::vector<Shape> orth_shapes = quick ? std::vector<Shape>{{8, 4096, 11008}}
                                                : std::vector<Shape>{{8, 4096, 4096}, {8, 4096, 11008}, {32, 1024, 4096},
                                                                     {64, 2752, 4096}, {16, 1024, 11008}};
-  o.line("## Orthogonalization, effective TFLOP/s (SPEC §2: T·(4p²q + 2p³) per matrix, T = 5)");
+  o.line("## Orthogonalization, effective TFLOP/s (algorithm.md §2: T·(4p²q + 2p³) per matrix, T = 5)");
   o.line("");
   o.line("| batch | standard NS bf16 (ms / TFLOP/s) | Gram NS fp16, full GEMMs | Gram NS fp16, symmetric tiles | "
          "Gram-sym / standard | Gram-sym / Gram-full | auto picks |");

@@ -3,7 +3,7 @@
 // Registers every matrix of a model preset (or of --shapes) in one dion3::Optimizer per
 // optimizer variant — Muon, NorMuon, Dion3 at several fractions, AdamW — feeds random
 // gradients, and reports the median step time, the speed-up over Muon measured in the same
-// run and the effective GFLOP/s of the orthogonalization work (SPEC §2 convention). A second
+// run and the effective GFLOP/s of the orthogonalization work (algorithm.md §2 convention). A second
 // table times orthogonalization alone (standard vs Gram Newton–Schulz) on the largest shape.
 // Unit tests never time anything; this program is where speed is measured.
 #include <algorithm>
@@ -74,7 +74,7 @@ k, orthogonalization method, workspace), then
   optimizer  median ms  speed-up vs Muon (= Muon time / this time)  effective GFLOP/s
 
 where effective FLOPs are those of standard Newton-Schulz on the matrices actually
-orthogonalized, T*(4p^2q + 2p^3) for p x q with p <= q (SPEC.md section 2): the full m x n
+orthogonalized, T*(4p^2q + 2p^3) for p x q with p <= q (algorithm.md §2): the full m x n
 matrices for Muon/NorMuon, the k x n selected rows for Dion3. The same count is used whatever
 method runs, so GFLOP/s compare like with like. Then, for the largest shape: standard vs Gram
 Newton-Schulz alone (median ms, effective GFLOP/s, FLOPs really performed, speed-up, and the
@@ -339,7 +339,7 @@ struct Row {
   double fraction = 0;
   int64_t rows = 0, cols = 0;
   double median_ms = 0, min_ms = 0, speedup = 0;
-  double eff_gflops = 0;     // effective GFLOP/s (SPEC §2 convention)
+  double eff_gflops = 0;     // effective GFLOP/s (algorithm.md §2 convention)
   double eff_gflop = 0;      // effective GFLOP per call
   double real_gflop = -1;    // GFLOP really performed per call (orth table only; -1 = unknown)
   std::string note;

@@ -1,4 +1,4 @@
-// bench/dist_bench.cpp — dion3-dist-bench: the distributed layouts of SPEC §3, timed and counted.
+// bench/dist_bench.cpp — dion3-dist-bench: the distributed layouts of algorithm.md §3, timed and counted.
 //
 // Run under mpirun (CPU backend, MPI communicator) it registers a model's matrices on every rank
 // in each layout — replicated (DDP), row-sharded with local and with global selection — once

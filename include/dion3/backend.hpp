@@ -77,7 +77,7 @@ struct Hyper {
   DION3_HOST_DEVICE float get() const { return at ? *at : value; }
 };
 
-// Scalars of the matrix update (SPEC §1 steps 6–8, Muon/NorMuon variants).
+// Scalars of the matrix update (algorithm.md §1 steps 6–8, Muon/NorMuon variants).
 struct UpdateParams {
   Hyper decay = 1.0f;        // weight decay factor 1 - lr*weight_decay (lr: the base lr)
   Hyper adjusted_lr = 0.0f;  // lr' of the orthogonalized update
@@ -259,7 +259,7 @@ class DION3_API Backend {
   virtual void gather_rows(const MatrixSet& set, const int32_t* idx, int64_t k, Hyper scale_m,
                            Hyper scale_g, Hyper decay, MatrixView out, float* row_sumsq, const int* skip) = 0;
   // out[i] (k x cols) = M_i[idx_i] / (sqrt(sum_s row_sumsq[i*rows + idx_i[s]]) + eps), rounded to
-  // out's dtype, then M_i[idx_i] *= decay: the gather and the normalisation of SPEC §2 in one
+  // out's dtype, then M_i[idx_i] *= decay: the gather and the normalisation of algorithm.md §2 in one
   // pass, with the row sums of squares accumulate() gave. out is contiguous, any float dtype.
   // Padding entries of idx give zero rows.
   virtual void gather_normalized(const MatrixSet& set, const int32_t* idx, int64_t k, Hyper decay,

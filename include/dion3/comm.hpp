@@ -1,4 +1,4 @@
-// dion3/comm.hpp — the narrow communicator the distributed layouts (SPEC §3) run on.
+// dion3/comm.hpp — the narrow communicator the distributed layouts (algorithm.md §3) run on.
 //
 // Megabatched Dion3 needs three collectives over contiguous buffers in the backend's memory:
 // all-gather (replicated/DDP layout: every rank orthogonalizes a slice of the batch and gets the

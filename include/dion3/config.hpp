@@ -1,6 +1,6 @@
 // dion3/config.hpp — every hyper-parameter of a parameter group and of orthogonalization.
 //
-// Names and defaults follow the public reference `dion.Dion3` (SPEC.md §1, §4) so that user
+// Names and defaults follow the public reference `dion.Dion3` (algorithm.md §1, §4) so that user
 // code moves over unchanged. Validation lives in validate(); it throws dion3::Error naming the
 // field, what was expected and what was given.
 #pragma once
@@ -19,10 +19,10 @@ namespace dion3 {
 // along the shorter dimension (columns of a tall matrix), as the reference's Dion2 does.
 enum class Algorithm : int { Dion3 = 0, NorMuon = 1, Muon = 2, AdamW = 3, Lion = 4, Dion2 = 5 };
 enum class AdjustLR : int { SpectralNorm = 0, RmsNorm = 1, None = 2 };
-// Auto picks, per shape, the cheaper of the two by the backend's cost model (SPEC §2).
+// Auto picks, per shape, the cheaper of the two by the backend's cost model (algorithm.md §2).
 enum class OrthMethod : int { Auto = 0, Standard = 1, Gram = 2 };
 enum class NonFinitePolicy : int { Raise = 0, Skip = 1 };
-// Row selection of row-sharded Dion3 (SPEC §3): each shard picks its own top rows (Local), or
+// Row selection of row-sharded Dion3 (algorithm.md §3): each shard picks its own top rows (Local), or
 // the exact single-device top-k of the whole matrix (Global: one more collective, more rows sent).
 enum class SelectionScope : int { Local = 0, Global = 1 };
 
@@ -87,7 +87,7 @@ struct DION3_API GroupConfig {
   OrthConfig orth;
 
   void validate() const;  // throws dion3::Error naming the offending field
-  // Learning rate actually applied to the matrix update of an m x n matrix (SPEC §1 step 8).
+  // Learning rate actually applied to the matrix update of an m x n matrix (algorithm.md §1 step 8).
   double adjusted_lr(int64_t m, int64_t n) const;
   // Base lr after the opt-in fraction scaling.
   double base_lr() const;

@@ -104,11 +104,11 @@ typedef enum dion3_nonfinite_policy {
   DION3_NONFINITE_SKIP = 1   /* the step is dropped (*applied = 0), nothing modified */
 } dion3_nonfinite_policy;
 
-/* Row selection of row-sharded Dion3 (SPEC.md §3): each shard's own top rows, or the whole
+/* Row selection of row-sharded Dion3 (algorithm.md §3): each shard's own top rows, or the whole
  * matrix's exact top k (one more collective, more rows sent). */
 typedef enum dion3_selection_scope { DION3_SCOPE_LOCAL = 0, DION3_SCOPE_GLOBAL = 1 } dion3_selection_scope;
 
-/* How a parameter spans the ranks of a communicator (SPEC.md §3). */
+/* How a parameter spans the ranks of a communicator (algorithm.md §3). */
 typedef enum dion3_layout_kind {
   DION3_LAYOUT_LOCAL = 0,      /* one device owns it whole (default) */
   DION3_LAYOUT_REPLICATED = 1, /* every rank holds the same tensor (DDP) */
@@ -129,7 +129,7 @@ typedef struct dion3_tensor {
   int64_t shape[DION3_MAX_DIMS];
 } dion3_tensor;
 
-/* Hyper-parameters of one parameter group (SPEC.md §1, §4). Always start from
+/* Hyper-parameters of one parameter group (algorithm.md §1, §4). Always start from
  * dion3_group_config_default(): it fills the reference defaults. */
 typedef struct dion3_group_config {
   int32_t algorithm; /* dion3_algorithm; default DION3_ALGO_DION3 */

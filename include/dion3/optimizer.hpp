@@ -27,7 +27,7 @@
 
 namespace dion3 {
 
-// How a parameter is laid out across the ranks of a communicator (SPEC §3).
+// How a parameter is laid out across the ranks of a communicator (algorithm.md §3).
 enum class Layout : int {
   Local = 0,       // one device owns it whole; no communication
   Replicated = 1,  // every rank holds the same whole tensor (DDP): ranks split the orthogonalization
@@ -106,7 +106,7 @@ struct OptimizerOptions {
   // megabatches into several smaller, slower orthogonalizations).
   std::size_t workspace_limit = 0;
   // Same-shape matrices share one batched orthogonalization and, when distributed, one collective
-  // round per direction (SPEC §3). false: every matrix is its own megabatch (one round each), for
+  // round per direction (algorithm.md §3). false: every matrix is its own megabatch (one round each), for
   // benchmarks that measure what megabatching saves.
   bool megabatch = true;
   // Each orthogonalization (a chunk of a megabatch, dozens of kernels) is recorded once, after
@@ -150,7 +150,7 @@ struct MegabatchInfo {
   DType iteration_dtype = DType::F32;
   std::size_t workspace_bytes = 0;  // arena bytes its largest chunk uses
   int64_t chunk = 0;                 // matrices per orthogonalization call
-  // Distribution (SPEC §3): the layout, ranks, the matrices this rank orthogonalizes, the rows
+  // Distribution (algorithm.md §3): the layout, ranks, the matrices this rank orthogonalizes, the rows
   // each rank sends per matrix (row-sharded), and per step the collective rounds and the bytes
   // this rank sends in them (what a benchmark reports).
   Layout layout = Layout::Local;

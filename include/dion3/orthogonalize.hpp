@@ -1,4 +1,4 @@
-// dion3/orthogonalize.hpp — batched polar-factor approximation (SPEC §2).
+// dion3/orthogonalize.hpp — batched polar-factor approximation (algorithm.md §2).
 //
 // Standard Newton–Schulz and Gram Newton–Schulz with restarts, written once over the backend's
 // primitives (gemm, gram, sym_product), so every backend runs the same algorithm. An
@@ -14,7 +14,7 @@
 
 namespace dion3 {
 
-// FLOPs of standard NS on a batch of p x q (p <= q) inputs, the "effective" convention of SPEC §2:
+// FLOPs of standard NS on a batch of p x q (p <= q) inputs, the "effective" convention of algorithm.md §2:
 // T*(4p^2 q + 2p^3) per matrix, no symmetry savings.
 DION3_API double effective_ns_flops(int64_t batch, int64_t rows, int64_t cols, int steps);
 // FLOPs a method really performs (full GEMMs; symmetric products scaled by `sym_factor`).
@@ -39,7 +39,7 @@ class DION3_API Orthogonalizer {
   static constexpr std::size_t kNoInputRoom = ~std::size_t{0};
   static std::size_t input_offset(const Backend& backend, const OrthConfig& cfg, int64_t batch, int64_t rows,
                                   int64_t cols, std::size_t in_bytes);
-  // in: batch x rows x cols, contiguous, any float dtype (normalised in fp32, SPEC §2).
+  // in: batch x rows x cols, contiguous, any float dtype (normalised in fp32, algorithm.md §2).
   // out: same shape, contiguous, any float dtype. in and out may be the same memory.
   void run(MatrixView in, MatrixView out);
   // As above, but leaves the result in the workspace, in the iteration dtype, and returns a

@@ -17,7 +17,7 @@ import torch
 
 import dion3
 
-# (layers, d_model, d_mlp) of the model-shaped sets of SPEC §5; "tiny" is for CPU smoke runs.
+# (layers, d_model, d_mlp) of the model-shaped sets of algorithm.md §5; "tiny" is for CPU smoke runs.
 MODELS = {
     "gpt-1b": (16, 2048, 4 * 2048),
     "llama-7b": (32, 4096, 11008),

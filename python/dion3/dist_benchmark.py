@@ -1,5 +1,5 @@
 # dist_benchmark.py — `torchrun --nproc-per-node P -m dion3.dist_benchmark`: dion3's distributed
-# layouts (SPEC §3) through torch.distributed, timed and counted. On every rank it builds a
+# layouts (algorithm.md §3) through torch.distributed, timed and counted. On every rank it builds a
 # model's matrices in each layout — DDP (plain replicated tensors, distributed_mesh = the process
 # group) and FSDP2 row shards (DTensors with Shard(0), local and global selection scope) — once
 # megabatched and once with one collective per matrix, steps them, and prints on rank 0, per

@@ -1,5 +1,5 @@
 # distributed.py — how dion3's PyTorch front end maps a parameter onto the engine's layouts
-# (SPEC §3): from `distributed_mesh` (None, a ProcessGroup for DDP, or a DeviceMesh for FSDP2 /
+# (algorithm.md §3): from `distributed_mesh` (None, a ProcessGroup for DDP, or a DeviceMesh for FSDP2 /
 # HSDP) and, for DTensor parameters, their mesh and placements. Also the DTensor plumbing the
 # optimizer state needs: local shards of state tensors, state created as DTensors with the
 # parameter's placements (what torch.distributed.checkpoint expects), and the local part of a

@@ -45,7 +45,7 @@ _ORTHOGONALIZERS = ("auto", "standard", "gram")
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # Quintic Newton–Schulz coefficient sets by name (group key "coefficients", dion3.orthogonalize),
-# the engine's own tables (SPEC §2): Polar Express (the default; use_polar_express=False gives
+# the engine's own tables (algorithm.md §2): Polar Express (the default; use_polar_express=False gives
 # Muon's classic "you" set) and "reference", the reference package's default set.
 COEFFICIENT_SETS = _C.coefficient_sets()
 POLAR_EXPRESS, YOU, REFERENCE = (COEFFICIENT_SETS[k] for k in ("polar_express", "you", "reference"))
@@ -342,6 +342,17 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._counters_pending = False
         self._steps_skipped = getattr(self, "_steps_skipped", 0)
         self._dirty = True
+        self._fill_missing_keys()
+
+    def _fill_missing_keys(self) -> None:
+        # Groups (and defaults) pickled by an older version may lack keys added since: a fresh
+        # optimizer's defaults supply them, as load_state_dict does for the groups it loads.
+        fresh = type(self)([torch.zeros(2, 2, requires_grad=True)]).defaults
+        for k, v in fresh.items():
+            self.defaults.setdefault(k, v)
+        for g in self.param_groups:
+            for k, v in self.defaults.items():
+                g.setdefault(k, v)
 
     def __getstate__(self) -> Dict[str, Any]:
         state = super().__getstate__()
@@ -390,9 +401,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         for p, st in loaded.items():
             self.state[p].update(st)
         self._kinds = {p: _kind(g["algorithm"]) for g in self.param_groups for p in g["params"]}
-        for g in self.param_groups:
-            for k, v in self.defaults.items():  # groups saved by an older version may lack new keys
-                g.setdefault(k, v)
+        self._fill_missing_keys()
         self._dirty = True
 
     def _from_saved_layout(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
@@ -794,7 +803,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 algo = {"muon": "Muon", "normuon": "NorMuon", "dion2": "Dion2"}.get(group["algorithm"], "Dion3")
                 raise ValueError(f"dion3: {who} has shape {list(p.shape)} but {algo} needs a matrix; put "
                                  "1-D tensors in an 'adamw' or 'lion' group (dion3.param_groups(model) makes "
-                                 "such groups: matrices to {algo}, vectors, embeddings and the head to AdamW)")
+                                 f"such groups: matrices to {algo}, vectors, embeddings and the head to AdamW)")
         if matrix and (cfg["split_sizes"] or cfg["num_heads"] > 1):
             for j, p in enumerate(group["params"]):
                 rows = p.shape[0] if (group["flatten"] or p.dim() == 2) else p.shape[-2]
@@ -953,7 +962,7 @@ def _defaults(**kw) -> Dict[str, Any]:
 
 class Dion3(_EngineOptimizer):
     """Dion3: Muon that orthogonalizes only a fraction of the momentum rows each step, with error
-    feedback and NorMuon normalization (SPEC.md §1). Same constructor as the reference
+    feedback and NorMuon normalization (algorithm.md §1). Same constructor as the reference
     `dion.Dion3`; extra, explicit arguments: orthogonalizer ('auto'|'standard'|'gram', onto which
     use_gram_newton_schulz maps), scale_lr_by_fraction, on_nonfinite ('raise'|'skip'),
     workspace_limit (bytes of orthogonalization workspace; None = the engine's default),
@@ -1040,7 +1049,7 @@ class Dion2(_EngineOptimizer):
 
 
 class NorMuon(_EngineOptimizer):
-    """NorMuon: Muon with per-row second-moment normalization (SPEC.md §1 baselines). Same
+    """NorMuon: Muon with per-row second-moment normalization (algorithm.md §1 baselines). Same
     constructor as the reference `dion.NorMuon`, plus Dion3's explicit extra arguments."""
 
     _default_algorithm = "normuon"
@@ -1070,7 +1079,7 @@ class NorMuon(_EngineOptimizer):
 
 
 class Muon(_EngineOptimizer):
-    """Muon: the orthogonalized momentum update (SPEC.md §1 baselines). Same constructor as the
+    """Muon: the orthogonalized momentum update (algorithm.md §1 baselines). Same constructor as the
     reference `dion.Muon`, plus Dion3's explicit extra arguments."""
 
     _default_algorithm = "muon"

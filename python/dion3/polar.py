@@ -16,7 +16,7 @@ def orthogonalize(X: torch.Tensor, method: str = "auto", *, coefficients: Option
                   use_polar_express: bool = True) -> torch.Tensor:
     """The approximate polar factor (U V^T of X = U S V^T) of a matrix, or of each matrix of a
     batch (rows x cols, or batch x rows x cols), by Newton–Schulz as the optimizers run it
-    (SPEC §2): X is scaled by its Frobenius norm, then each (a, b, c) step maps X to
+    (algorithm.md §2): X is scaled by its Frobenius norm, then each (a, b, c) step maps X to
     a X + b (X X^T) X + c (X X^T)^2 X. Returns a new tensor of X's dtype on X's device (CUDA: on
     the current stream).
 

@@ -1,4 +1,4 @@
-// config.cpp — hyper-parameter parsing, validation and the learning-rate rules of SPEC §1.
+// config.cpp — hyper-parameter parsing, validation and the learning-rate rules of algorithm.md §1.
 #include "dion3/config.hpp"
 
 #include <cfloat>

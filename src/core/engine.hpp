@@ -62,7 +62,7 @@ struct Chunk {
 // run as three stages (Optimizer::Impl::prepare / orthogonalize / apply) so that one megabatch's
 // collective is in flight while another computes.
 //
-// Distributed layouts (SPEC §3), with N members, P ranks and block = ceil(N / P): rank r
+// Distributed layouts (algorithm.md §3), with N members, P ranks and block = ceil(N / P): rank r
 // orthogonalizes members [r*block, min((r+1)*block, N)), its own block; the others travel.
 //  - Replicated: every rank accumulates and selects all N. It orthogonalizes its own block and
 //    applies it at once, copies the results into its slot of `recv` (P*block x k x cols, member

@@ -1,4 +1,4 @@
-// optimizer.cpp — the engine: registration and validation, megabatch planning, the step (SPEC §1).
+// optimizer.cpp — the engine: registration and validation, megabatch planning, the step (algorithm.md §1).
 #include "dion3/optimizer.hpp"
 
 #include <algorithm>
@@ -50,7 +50,7 @@ std::string group_error(int g, const std::string& what) { return "group " + std:
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Selected rows of an m-row matrix (SPEC §1 step 2).
+// Selected rows of an m-row matrix (algorithm.md §1 step 2).
 int64_t selected_rows(double fraction, int64_t m) {
   return std::max<int64_t>(1, static_cast<int64_t>(std::ceil(fraction * static_cast<double>(m))));
 }
@@ -1060,7 +1060,7 @@ void Optimizer::Impl::select_pieces(Megabatch& mb, const float* scores, int* fla
 namespace {
 
 // The rows Dion3 / Muon / NorMuon hand to the orthogonalizer, with error feedback where the
-// algorithm has it (SPEC §1 steps 3-4, Muon's momentum or its Nesterov mix).
+// algorithm has it (algorithm.md §1 steps 3-4, Muon's momentum or its Nesterov mix).
 void gather_update_rows(Backend& be, const GroupConfig& g, Hyper mu, const MatrixSet& set, const int32_t* idx,
                         int64_t k, MatrixView out, float* row_sumsq, const int* flag) {
   if (selects_rows(g.algorithm)) be.gather_rows(set, idx, k, 1.0f, 0.0f, mu, out, row_sumsq, flag);

@@ -1,4 +1,4 @@
-// orthogonalize.cpp — standard and Gram Newton–Schulz (SPEC §2) over backend primitives.
+// orthogonalize.cpp — standard and Gram Newton–Schulz (algorithm.md §2) over backend primitives.
 //
 // Buffers live in one workspace allocated at planning time, in the iteration dtype: wide p x q
 // matrices (X and a ping-pong partner) followed by p x p squares. Gram NS needs two wides and

@@ -236,7 +236,7 @@ class CpuBackend final : public Backend {
     cpu::parallel_for(count, [m] { return std::vector<int32_t>(m); }, [&](std::vector<int32_t>& order, int64_t i) {
       const float* s = scores + i * m;
       std::iota(order.begin(), order.end(), 0);
-      // Larger score first; equal scores: lower row index first (SPEC §1 tie rule).
+      // Larger score first; equal scores: lower row index first (algorithm.md §1 tie rule).
       auto better = [s](int32_t a, int32_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); };
       std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), better);
       std::sort(order.begin(), order.begin() + k);
@@ -782,7 +782,7 @@ class CpuBackend final : public Backend {
       for (int64_t s = r + 1; s < p; ++s) c[r * ld + s] = c[s * ld + r];
   }
 
-  // NorMuon (SPEC §1 step 6) on k rows of an update o, in fp32, updating variance[rows]: row j
+  // NorMuon (algorithm.md §1 step 6) on k rows of an update o, in fp32, updating variance[rows]: row j
   // of the result is o's row j times row_factor[j], then times the factor returned. Padding
   // rows (index >= m) take no part.
   static float normuon_factors(const std::vector<float>& o, int64_t k, int64_t m, int64_t cols, float* variance,

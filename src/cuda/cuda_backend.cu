@@ -405,10 +405,9 @@ class CudaBackend final : public Backend {
   // --- knobs -------------------------------------------------------------------------------
   SymmetricOptions sym_{};
   bool kernel_env_ = true;
-  // The fused kernel wherever it applies: since its wgmma pipeline is no longer serialized
-  // (b41b979) it is at least as fast as the path it replaces on every shape measured on the H200:
-  // sym_product 1.16-1.82x the cuBLAS tile schedule, X·Xᵀ 1.11-1.53x, and 0.98-1.02x at k = 2.7p
-  // (bench/results/2026-11-30-b41b979-sym.md, 2026-12-01-5827c87-sym.md).
+  // The fused kernel wherever it applies: on the H200 it is at least as fast as the cuBLAS tile
+  // schedule it replaces on every shape the benchmarks cover (the symmetric-kernel runs in
+  // bench/results/).
   bool use_kernel(const MatrixView& A, const MatrixView& B, const MatrixView* D,
                   const MatrixView& C) const {
     return sym_.enabled && sym_.kernel && kernel_env_ && C.batch > 0 && C.rows > 0 &&
@@ -427,8 +426,8 @@ class CudaBackend final : public Backend {
     if (!sym_.enabled) return p;
     int64_t t = sym_.tile;
     if (t <= 0) {
-      // Automatic, from the H200 sweep in bench/results/2026-11-30-9e901f6.md: below ~1.5k a
-      // full GEMM is as fast; 256-tiles win up to p ~ 3k, 512-tiles above.
+      // Automatic, from an H200 tile-size sweep (bench/results/): small matrices gain nothing from
+      // tiles, mid-sized ones do best with 256-tiles, large ones with 512-tiles.
       if (p < 1536) return p;
       t = p < 3584 ? 256 : 512;
     }
@@ -446,7 +445,8 @@ class CudaBackend final : public Backend {
     DION3_CUBLAS_CHECK(cublasSetWorkspace(handle_, cublas_ws_.get(), kCublasWorkspace));
   }
   void* scratch(Scratch& s, std::size_t bytes) { return s.get(*alloc_, bytes, recording_epoch_, recording_); }
-  // Full-GEMM time over tiled time was 1.3-1.75x for p >= 2048 on the H200 (same sweep).
+  // Tiled time over full-GEMM time at large p, from the same H200 sweep: the cost model's
+  // discount for a symmetric product (one constant, not calibrated per device).
   static constexpr double kMeasuredSymFactor = 0.65;
 
   // Every row of W, G and M starts 4-element aligned and cols % 4 == 0 (the 4-wide kernels).

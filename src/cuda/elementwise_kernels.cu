@@ -74,7 +74,7 @@ __global__ void scale_by_norm_kernel(const TI* __restrict__ x, int64_t rows, int
 
 // Flat, 4-wide variants for contiguous batches (every matrix rows*cols elements apart, start
 // 4-element aligned, rows*cols % 4 == 0): no per-element index division, 8/16-byte accesses.
-// The row-general kernels above divide a 64-bit index per element and ran at ~1 TB/s.
+// The row-general kernels above divide a 64-bit index per element, which caps their bandwidth.
 template <class T>
 __global__ void sumsq_flat_kernel(const T* __restrict__ x, int64_t n4, int64_t bstride,
                                   float* __restrict__ partial) {
@@ -99,7 +99,7 @@ __global__ void scale_flat_kernel(const TI* __restrict__ x, int64_t n4, int64_t 
   const float inv = inverse_norm(partial, nparts, b, eps);
   const Pack4<TI>* xb = reinterpret_cast<const Pack4<TI>*>(x + b * bstride);
   Pack4<TO>* yb = reinterpret_cast<Pack4<TO>*>(y + b * bstride_y);
-  // Four packs loaded before any is stored (one at a time reached ~3.3 TB/s on gpt-1b's batches).
+  // Four packs loaded before any is stored: more bytes in flight per thread than one at a time.
   constexpr int U = 4;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t q0 = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; q0 < n4; q0 += U * stride) {
@@ -269,9 +269,8 @@ __global__ void lion_kernel(const __grid_constant__ MultiTensor<LionParams> t, c
 
 // sym_prepare: one warp per row. With VEC (every row of C and D 16-byte aligned) each lane moves
 // groups of V = 16 bytes of the wider of the two element types (8 halfs, or 4 with fp32), four
-// groups loaded before any is stored; the row's last elements one at a time. On add_identity
-// (H200, fp16) the block-per-row kernel with 2-byte accesses reached 1.5-2.1 TB/s, this one
-// 3.6-4.0 TB/s.
+// groups loaded before any is stored; the row's last elements one at a time (a block per row with
+// 2-byte accesses kept too few bytes in flight to approach the memory bandwidth).
 constexpr int kPrepWarps = 8;  // rows per block
 
 // Elements [j0, j0 + V*ng) of row r: c = beta*d (0 without D), plus gamma on the diagonal. D may

@@ -1,4 +1,4 @@
-// step_kernels.cu — fused kernels of the matrix step (SPEC §1): momentum accumulate with row-ℓ1
+// step_kernels.cu — fused kernels of the matrix step (algorithm.md §1): momentum accumulate with row-ℓ1
 // scores, batched top-k row selection (radix select, ties to the lower index), row gather with
 // error-feedback decay, NorMuon normalisation + weight decay + scatter update, and the
 // non-finite check. Every kernel honours the device `skip` flag and never syncs with the host;
@@ -45,8 +45,8 @@ __device__ __forceinline__ void for_row_packs(const Pack4<TM>* m4, const Pack4<T
 // ---- accumulate: M = decay*M + G; scores[r] = sum_j |M[r, j]|, row_sumsq[r] = sum_j M[r, j]^2
 // (of the rounded values) ----------------------------------------------------------------------
 // One warp per row; with VEC each lane loads four 4-element packs of M and of G before it
-// stores any (a block per row, one pack in flight per thread, reached 3.9-4.0 TB/s on gpt-1b's
-// 2048-column rows). Each lane sums in a fixed order, then a fixed shuffle tree: reproducible.
+// stores any (more bytes in flight than a block per row with one pack per thread). Each lane
+// sums in a fixed order, then a fixed shuffle tree: reproducible.
 template <class TM, class TG, bool VEC>
 __global__ void __launch_bounds__(32 * kRowWarps)
     accumulate_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols, Hyper decay_h,
@@ -209,9 +209,9 @@ __global__ void selected_inverse_norm_kernel(const int32_t* __restrict__ idx, in
 // ---- gather_rows: out[i][s] = c_i*(scale_m*M[idx[s]] + scale_g*G[idx[s]]); M[idx[s]] *= decay,
 // with c_i = matrix_scale[i] (gather_normalized's inverse norms) or 1 ----
 // One warp per gathered row. With VEC each lane moves 4-element packs, four of them loaded before
-// any is stored (a block per row, one pack in flight per thread, reached 3.3-3.7 TB/s on gpt-1b's
-// 2048-column rows). With row_sumsq, also the sum of squares of the row as stored (each lane's
-// sum in a fixed order, then a fixed shuffle tree: reproducible).
+// any is stored (more bytes in flight than a block per row with one pack per thread). With
+// row_sumsq, also the sum of squares of the row as stored (each lane's sum in a fixed order, then
+// a fixed shuffle tree: reproducible).
 template <class TM, class TG, class TO, bool VEC>
 __global__ void __launch_bounds__(32 * kRowWarps)
     gather_rows_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols, const int32_t* __restrict__ idx, int64_t k,
@@ -279,9 +279,8 @@ __global__ void __launch_bounds__(32 * kRowWarps)
 // One warp per row. Each lane moves groups of V consecutive elements, V = 16 bytes of the
 // widest element type of the row's arrays (8 for 2-byte types, 4 with fp32), so every warp
 // access is contiguous and the widest one 16 bytes per lane; and it loads several groups
-// (~64-96 bytes) before it stores any, so independent accesses are in flight per thread. On
-// llama-7b shapes (H200, bf16 W) the block-per-row kernel with one 4-element access in flight
-// per thread reached 3.1-3.5 TB/s, this one 4.05-4.2 TB/s.
+// (~64-96 bytes) before it stores any, so independent accesses are in flight per thread (one
+// 4-element access per thread left the memory system underused on long rows).
 
 template <class... T>
 constexpr int group_of() {
@@ -478,8 +477,8 @@ __global__ void __launch_bounds__(32 * kRowWarps)
 // ---- check_finite -------------------------------------------------------------------------
 // Contiguous 16-byte-aligned views (gradients, in practice all of them) are read as one flat
 // sequence of 16-byte words: every block checks kFiniteChunk words of one view, eight loads in
-// flight per thread, so big and small views alike keep the memory system busy. (A grid of 1024
-// blocks per view, strided, reached 3.5 TB/s on gpt-1b's 128 gradients.) Other views take the
+// flight per thread, so big and small views alike keep the memory system busy (a fixed grid per
+// view left the many small views' blocks idle early). Other views take the
 // element-wise kernel.
 constexpr int kFiniteThreads = 256, kFiniteWordsPerThread = 8, kFiniteSegments = 64;
 constexpr int64_t kFiniteChunk = kFiniteThreads * kFiniteWordsPerThread;

@@ -22,8 +22,8 @@
 // transposes of the other tiles; with banded_in (a template parameter, kBandedIn) A and B are such
 // matrices, and the k-blocks past a row block's diagonal 256 x 256 block are loaded as the 64 x 64
 // blocks below the diagonal and fed to wgmma transposed (MN-major). The chained products of Gram
-// NS run banded; only what cuBLAS reads next is written whole (H200: X·Xᵀ and p = 2048 products
-// 4-6% faster, bench/results/2026-12-01-99c0e4e-banded.md).
+// NS run banded; only what cuBLAS reads next is written whole (fewer stores, and the H200 runs in
+// bench/results/ show the banded products faster).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
@@ -39,10 +39,9 @@
 namespace dion3::cuda {
 namespace {
 
-// Measured on the H200 against 32-deep k-blocks in 6 stages (the same bytes in flight): those were
-// 5-20% slower, so the pipeline is not latency-bound (bench/results/2026-12-01-5827c87-sym.md); a
-// fourth 64-deep stage gained nothing and two stages lost a quarter of the main loop's speed
-// (2026-12-01-f462aed-kernel-experiments.md, 2026-12-01-5b4fea7-epilogue-staging.md).
+// Three 64-deep stages: shallower k-blocks in more stages (the same bytes in flight) were slower,
+// a fourth stage gained nothing and two stages starved the main loop (the kernel-experiment runs
+// in bench/results/ record each).
 constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 3;
 // Two consumer warpgroups (0, 1) and a producer warpgroup (2: one thread issues the loads, warps
 // 1 and 2 are the consumers' epilogue helpers). A block launches with at most 168 registers per
@@ -116,8 +115,8 @@ __device__ __forceinline__ uint8_t* mirror_base(uint8_t* smem, int cw, int k) {
 // The first k-block is peeled so that its products start new sums.
 // With kBandedIn, k-blocks [1, kb_tb) read both operands K-major, [kb_tb, kb_ta) B transposed and
 // [kb_ta, kblocks) both (see TileSplit); the first k-block is always K-major. (A template
-// parameter: the three loops cost the kernel without banded inputs 3-12% where they were there
-// at run time only, H200.)
+// parameter: as a run-time choice the three loops slowed the kernel even where no input was
+// banded.)
 template <bool kBF16, int kN, bool kBandedIn>
 __device__ __forceinline__ void tile_mainloop(float (&acc)[128], uint32_t a0, uint32_t b0, uint64_t* full,
                                               uint64_t* empty, StageRing& ring, int kblocks, int kb_tb, int kb_ta,
@@ -180,8 +179,7 @@ __device__ __forceinline__ int isqrt(int l) {
 // first and the cheap ones fill the last round: H200 profile of gpt-1b, where the tiles of one
 // kernel span two to nine rounds. Tiles of equal cost keep the CTAs in step along k, so they
 // share each k-block of a matrix in L2 (interleaving the cheap diagonal tiles let CTAs drift
-// apart: H200, X·Xᵀ 8 x 4096 x 11008, L2 hit rate 63% -> 77%, DRAM reads 5.4 -> 2.2 GB;
-// bench/results/2026-12-01-e2552a3-tile-order.md).
+// apart, and L2 hits fell; the tile-order run in bench/results/ has the profile).
 // Row block i holds i/2 tiles of the first group when even, i/2 + 1 when odd, so 2m rows hold
 // m² of them and 2m + 1 rows m² + m.
 __device__ __forceinline__ void decode_tile(int t, const SymParams& prm, int& b, int& i, int& j) {

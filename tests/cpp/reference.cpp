@@ -1,6 +1,6 @@
-// tests/cpp/reference.cpp — float64 reference of SPEC.md §1, §2 and §4 (see reference.hpp).
+// tests/cpp/reference.cpp — float64 reference of algorithm.md §1, §2 and §4 (see reference.hpp).
 //
-// Written from the SPEC text only; deliberately naive (triple loops, no blocking) so that it is
+// Written from docs/algorithm.md only; deliberately naive (triple loops, no blocking) so that it is
 // easy to audit against the page.
 #include "reference.hpp"
 
@@ -101,7 +101,7 @@ Mat plus_identity(Mat A, int n, double gamma) {
   return A;
 }
 
-// SPEC §2 preamble: transpose if needed and normalise by the Frobenius norm + 1e-7.
+// algorithm.md §2 preamble: transpose if needed and normalise by the Frobenius norm + 1e-7.
 Mat prepare(const Mat& X, int rows, int cols, int& p, int& q, bool& transposed) {
   transposed = rows > cols;
   Mat Y = transposed ? transpose(X, rows, cols) : X;
@@ -219,7 +219,7 @@ Mat orth(const Mat& U, int rows, int cols, const MatrixHyper& h) {
                                   : orth_standard(U, rows, cols, h.coef);
 }
 
-// SPEC §1 step 6 on the k x n matrix O whose rows map to variance entries v[rows[i]].
+// algorithm.md §1 step 6 on the k x n matrix O whose rows map to variance entries v[rows[i]].
 Mat normuon(const Mat& O, int k, int n, Vec& v, const std::vector<int>& rows, const MatrixHyper& h) {
   Mat Ot(O.size());
   for (int i = 0; i < k; ++i) {
@@ -315,7 +315,7 @@ std::vector<int> all_rows(int m) {
 
 namespace {
 // NorMuon on the rows of O (k x n, rows[i] ascending) shard by shard: each shard's rows get their
-// own Frobenius rescale (SPEC §3).
+// own Frobenius rescale (algorithm.md §3).
 Mat normuon_per_shard(const Mat& O, int n, Vec& v, const std::vector<int>& rows, int c, const MatrixHyper& h) {
   Mat Ot(O.size());
   std::size_t i = 0;

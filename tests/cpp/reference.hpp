@@ -1,4 +1,4 @@
-// tests/cpp/reference.hpp — a float64 transcription of SPEC.md, independent of the library.
+// tests/cpp/reference.hpp — a float64 transcription of docs/algorithm.md, independent of the library.
 //
 // Everything here is plain loops over std::vector<double> holding row-major matrices. It knows
 // nothing of dion3's headers on purpose: it is what the optimised paths are checked against.
@@ -18,7 +18,7 @@ struct Coef {
   double a, b, c;
 };
 
-// Coefficient sets as printed in SPEC §2 (T = 5).
+// Coefficient sets as printed in algorithm.md §2 (T = 5).
 std::vector<Coef> polar_express();
 std::vector<Coef> you();
 
@@ -32,16 +32,16 @@ Mat matmul(const Mat& A, const Mat& B, int m, int k, int n);  // (m x k) * (k x 
 Mat identity(int n);
 double frobenius(const Mat& A);
 
-// --- SPEC §2 --------------------------------------------------------------------------------
+// --- algorithm.md §2 --------------------------------------------------------------------------------
 // Standard quintic Newton–Schulz; transposes when rows > cols; normalises by ||X||_F + 1e-7.
 Mat orth_standard(const Mat& X, int rows, int cols, const std::vector<Coef>& coef);
-// Gram Newton–Schulz with restarts, the pseudo-code of SPEC §2 line by line.
+// Gram Newton–Schulz with restarts, the pseudo-code of algorithm.md §2 line by line.
 Mat orth_gram(const Mat& X, int rows, int cols, const std::vector<Coef>& coef,
               const std::vector<int>& restarts);
 // The scalar map the quintic iteration applies to each singular value of the normalised input.
 double polynomial_map(double sigma, const std::vector<Coef>& coef);
 
-// --- SPEC §1 / §4 ---------------------------------------------------------------------------
+// --- algorithm.md §1 / §4 ---------------------------------------------------------------------------
 enum class Adjust { SpectralNorm, RmsNorm, None };
 // lr' for an m x n matrix from the base lr (step 8).
 double adjusted_lr(double base_lr, Adjust adjust, int64_t m, int64_t n);
@@ -77,7 +77,7 @@ struct SelectionReport {
 SelectionReport select_rows(const Mat& M, int m, int n, int k);
 int64_t selected_count(double fraction, int64_t m);  // ceil(f*m), at least 1
 
-// One Dion3 step on one m x n matrix (SPEC §1 steps 1–8). Mutates W, M and v (length m).
+// One Dion3 step on one m x n matrix (algorithm.md §1 steps 1–8). Mutates W, M and v (length m).
 SelectionReport dion3_step(Mat& W, Mat& M, Vec& v, const Mat& G, int m, int n, const MatrixHyper& h);
 // One Dion2 step: steps 1-5, 7 and 8 (no NorMuon, no variance). A tall matrix (m > n) selects
 // columns instead of rows: k = ceil(f*n) columns by l1 score, the same steps on the transposes,
@@ -88,7 +88,7 @@ void normuon_step(Mat& W, Mat& M, Vec& v, const Mat& G, int m, int n, const Matr
 // Muon: M <- mu*M + G; U = M (Nesterov: mu*M + G); W <- W(1 - lr*wd) - lr'*orth(U).
 void muon_step(Mat& W, Mat& M, const Mat& G, int m, int n, const MatrixHyper& h);
 
-// SPEC §3, row-sharded: the m rows are split over P ranks in contiguous chunks of c = ceil(m/P)
+// algorithm.md §3, row-sharded: the m rows are split over P ranks in contiguous chunks of c = ceil(m/P)
 // (the last short or empty). Local scope: each shard selects its own ceil(f*c) top rows (all of
 // them when it holds fewer); global scope: the whole matrix's top ceil(f*m) rows. The selected
 // rows are orthogonalized together as one matrix (shard by shard, ascending), and NorMuon's
@@ -109,9 +109,9 @@ struct ElemHyper {
   Storage s_store = Storage::F64;
 };
 
-// Bias-corrected AdamW (SPEC §4); `t` is the step count before the call and is incremented.
+// Bias-corrected AdamW (algorithm.md §4); `t` is the step count before the call and is incremented.
 void adamw_step(Vec& W, Vec& m, Vec& v, const Vec& G, int64_t& t, const ElemHyper& h);
-// Lion (SPEC §4).
+// Lion (algorithm.md §4).
 void lion_step(Vec& W, Vec& m, const Vec& G, const ElemHyper& h);
 
 }  // namespace ref

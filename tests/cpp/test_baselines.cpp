@@ -1,4 +1,4 @@
-// tests/cpp/test_baselines.cpp — the baseline modes through dion3::Optimizer (SPEC §1 "baseline
+// tests/cpp/test_baselines.cpp — the baseline modes through dion3::Optimizer (algorithm.md §1 "baseline
 // modes", §4): Muon (with and without Nesterov, its textbook first step, cautious weight
 // decay), NorMuon, AdamW (bias-corrected) and Lion, each against the float64 reference, with
 // f32 and 16-bit parameters.
@@ -114,7 +114,7 @@ TEST(Muon, NesterovChangesOnlyTheOrthogonalizedInput) {
 }
 
 TEST(Muon, CautiousWeightDecayOnlyWhereUpdateAndWeightAgree) {
-  // SPEC §4: decay only where the update and the weight have the same sign. One step from zero
+  // algorithm.md §4: decay only where the update and the weight have the same sign. One step from zero
   // momentum: the update direction is +lr' * orth(G) (it is subtracted).
   const int m = 16, n = 40;
   Rng rng(5);

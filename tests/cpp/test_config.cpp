@@ -1,5 +1,5 @@
-// tests/cpp/test_config.cpp — hyper-parameter defaults (SPEC §1 table), name parsing, the
-// coefficient sets of SPEC §2, the learning-rate rules of step 8 and the opt-in fraction
+// tests/cpp/test_config.cpp — hyper-parameter defaults (algorithm.md §1 table), name parsing, the
+// coefficient sets of algorithm.md §2, the learning-rate rules of step 8 and the opt-in fraction
 // scaling, and GroupConfig / OrthConfig validation messages.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -160,7 +160,7 @@ TEST(Config, FractionOfOneIsValid) {
 }
 
 TEST(Config, EffectiveFlopsFollowTheSpecFormula) {
-  // T*(4p^2 q + 2p^3) per matrix (SPEC §2).
+  // T*(4p^2 q + 2p^3) per matrix (algorithm.md §2).
   EXPECT_DOUBLE_EQ(effective_ns_flops(1, 16, 64, 5), 5.0 * (4.0 * 16 * 16 * 64 + 2.0 * 16 * 16 * 16));
   EXPECT_DOUBLE_EQ(effective_ns_flops(3, 32, 32, 5), 3 * 5.0 * (4.0 * 32 * 32 * 32 + 2.0 * 32 * 32 * 32));
   // Standard NS with full GEMMs performs exactly the effective count.

@@ -1,5 +1,5 @@
 // tests/cpp/test_dion3.cpp — the Dion3 step through dion3::Optimizer on the CPU backend
-// (SPEC §1): several steps against the float64 reference over shapes, fractions, adjust_lr
+// (algorithm.md §1): several steps against the float64 reference over shapes, fractions, adjust_lr
 // modes, weight decay and parameter dtypes; the properties of the rule (top-k with ties to the
 // lower index, k = ceil(f*m) >= 1, error feedback on selected rows only, unselected rows move
 // only by weight decay, f = 1 is NorMuon, opt-in lr scaling); megabatches; 3-D parameters
@@ -263,7 +263,7 @@ TEST(Dion3, FullFractionEqualsNorMuon) {
 
 TEST(Dion3, ScaleLrByFractionEqualsAScaledLr) {
   // lr / sqrt(1/4) = 2 lr exactly in binary, so both runs must agree bit for bit, including
-  // the weight decay, which uses the base lr (SPEC §1 step 7).
+  // the weight decay, which uses the base lr (algorithm.md §1 step 7).
   GroupConfig ga = plain(0.25, 0.1), gb = plain(0.25, 0.1);
   ga.lr = 0.01;
   ga.scale_lr_by_fraction = true;
@@ -642,7 +642,7 @@ TEST(Dion3, FractionScheduleRePlansBetweenSteps) {
 }
 
 TEST(Dion3, GradientInAnotherDtypeIsCastToTheMomentumDtype) {
-  // SPEC §1 step 1: "G cast to M's dtype". bf16 weights and momentum, fp32 gradients; then the
+  // algorithm.md §1 step 1: "G cast to M's dtype". bf16 weights and momentum, fp32 gradients; then the
   // same optimizer re-bound to bf16 gradients with set_grad (a re-plan).
   const int m = 32, n = 48;
   Rng rng(17);

@@ -1,6 +1,6 @@
 // tests/cpp/test_errors.cpp — every rejected input of the engine, with its message and status,
 // and the guarantee that a rejected call leaves weights and state byte-for-byte unchanged
-// (DESIGN: "validate first, then mutate"); non-finite gradients under the Raise and Skip
+// ("validate first, then mutate"); non-finite gradients under the Raise and Skip
 // policies, and a normal step afterwards.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

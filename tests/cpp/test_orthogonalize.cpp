@@ -1,4 +1,4 @@
-// tests/cpp/test_orthogonalize.cpp — dion3::Orthogonalizer on the CPU backend (SPEC §2):
+// tests/cpp/test_orthogonalize.cpp — dion3::Orthogonalizer on the CPU backend (algorithm.md §2):
 // standard and Gram Newton–Schulz against the float64 reference, both coefficient sets and a
 // user-supplied list with restarts, the singular-value band on Gaussian and ill-conditioned
 // inputs for fp32 and emulated fp16/bf16 iteration, Gram vs standard agreement, the effect of
@@ -289,7 +289,7 @@ TEST(Orthogonalize, PlanningIntrospection) {
   auto be = dion3::make_cpu_backend();
   {
     dion3::Orthogonalizer o(*be, config(OrthMethod::Auto, std::nullopt), 2, 32, 32);
-    EXPECT_EQ(o.method(), OrthMethod::Standard);  // p == q: always standard (SPEC §2)
+    EXPECT_EQ(o.method(), OrthMethod::Standard);  // p == q: always standard (algorithm.md §2)
     EXPECT_EQ(o.iteration_dtype(), DType::F32);   // the CPU backend's default
     EXPECT_FALSE(o.transposed());
     EXPECT_GT(o.workspace_bytes(), 0u);
@@ -355,7 +355,7 @@ TEST(Orthogonalize, RejectsAnEmptyProblem) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The singular-value band [0.7, 1.2] (SPEC §2 quality bar).
+// The singular-value band [0.7, 1.2] (algorithm.md §2 quality bar).
 struct BandCase {
   DType dtype;
   OrthMethod method;
@@ -363,7 +363,7 @@ struct BandCase {
   // Upper edge of the band. bf16 Gram NS carries R and Q through several steps with 8-bit
   // mantissas; observed singular values reach ~1.28 on Gaussian inputs (emulated like a tensor
   // core: fp32 accumulation, bf16 output per primitive). That is the dtype, not a bug: this is
-  // why SPEC §2 makes fp16 the Gram default. Everything else stays within [0.7, 1.2].
+  // why algorithm.md §2 makes fp16 the Gram default. Everything else stays within [0.7, 1.2].
   double hi = 1.2;
 };
 void PrintTo(const BandCase& c, std::ostream* os) { *os << dion3::dtype_name(c.dtype) << (c.method == OrthMethod::Gram ? " gram" : " standard") << (c.you ? " you" : " polar-express"); }
@@ -416,7 +416,7 @@ INSTANTIATE_TEST_SUITE_P(
 
 // Condition number 1e4: a quintic iteration of T = 5 steps multiplies a tiny singular value by
 // at most prod(a_t) (~805 for Polar Express), so a normalised sigma of ~1e-4 cannot reach 0.7:
-// the SPEC's band holds for the singular values the polynomial can lift, and the rest follow
+// algorithm.md §2's band holds for the singular values the polynomial can lift, and the rest follow
 // the scalar map exactly. We check the output spectrum against that map, sigma by sigma.
 TEST(Orthogonalize, ConditionNumber1e4FollowsTheScalarPolynomial) {
   Rng rng(22);
@@ -445,7 +445,7 @@ TEST(Orthogonalize, ConditionNumber1e4FollowsTheScalarPolynomial) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Gram NS vs standard NS on the same input, per iteration dtype (SPEC §2: "to within the
+// Gram NS vs standard NS on the same input, per iteration dtype (algorithm.md §2: "to within the
 // iteration dtype's rounding; report the max relative difference").
 struct AgreeCase {
   DType dtype;

@@ -1,9 +1,9 @@
-// tests/cuda/test_cuda_dist.cpp — the distributed layouts (SPEC §3) on GPUs. On one GPU: world size
+// tests/cuda/test_cuda_dist.cpp — the distributed layouts (algorithm.md §3) on GPUs. On one GPU: world size
 // 1 through the distributed code path (CUDA loopback communicator, and NCCL when built) equals the
 // single-device path — bit for bit where the arithmetic is the same (replicated), within the
 // iteration dtype's rounding where the exchange re-orders it (row-sharded). With two or more GPUs
 // (one thread per GPU, ncclCommInitAll): row-sharded and replicated runs equal the float64
-// transcription of SPEC §3; skipped cleanly with fewer GPUs.
+// transcription of algorithm.md §3; skipped cleanly with fewer GPUs.
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
@@ -163,7 +163,7 @@ TEST_F(CudaLayouts, WorldSizeOneEqualsSingleDevice) {
 #endif
 }
 
-// Several GPUs: each rank's rows equal SPEC §3's rule computed in one process (float64).
+// Several GPUs: each rank's rows equal algorithm.md §3's rule computed in one process (float64).
 TEST_F(CudaLayouts, MultiGpuLayoutsEqualTheReference) {
 #ifndef DION3_HAVE_NCCL
   GTEST_SKIP() << "built without NCCL";

@@ -1,6 +1,6 @@
 // tests/cuda/test_cuda_orth.cpp — the orthogonalizer on the CUDA backend: standard and Gram
 // Newton–Schulz against the CPU backend (fp32 iteration: tight; fp16/bf16: loose plus the
-// singular-value band of SPEC §2), symmetric tiles on and off, wide and tall inputs, and a
+// singular-value band of algorithm.md §2), symmetric tiles on and off, wide and tall inputs, and a
 // run captured in a CUDA graph that replays to the eager result.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>

@@ -1,8 +1,8 @@
-// tests/mpi/test_mpi_layouts.cpp — the distributed layouts of SPEC §3 through the C++ engine and
+// tests/mpi/test_mpi_layouts.cpp — the distributed layouts of algorithm.md §3 through the C++ engine and
 // the C API over real MPI collectives (Open MPI), CPU backend. Launched by CTest under mpirun
 // with 2 and 4 ranks. Every rank builds the same full matrices and gradients from one seed,
 // registers its own part (its shard, or the whole matrix when replicated), steps, and checks its
-// part against the float64 transcription of SPEC §3 (tests/cpp/reference.cpp) computed in the
+// part against the float64 transcription of algorithm.md §3 (tests/cpp/reference.cpp) computed in the
 // same process; replicated runs must equal a single-process engine bit for bit.
 #include <gtest/gtest.h>
 #include <mpi.h>

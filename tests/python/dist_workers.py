@@ -1,7 +1,7 @@
 # dist_workers.py — the bodies of the multi-process tests (test_distributed.py), run in every rank
 # of a gloo process group on the CPU. Each compares the distributed run with the same rules
 # computed in one process: the single-process dion3 optimizer (DDP: equal bit for bit) or the
-# float64 transcription of SPEC §3 (reference.py with ranks=P: per-shard selection and NorMuon
+# float64 transcription of algorithm.md §3 (reference.py with ranks=P: per-shard selection and NorMuon
 # rescale). Not collected by pytest (no test_ prefix).
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def sharded_params(mesh, placements, seed=0, shapes=None):
 
 
 def fsdp(rank, world, mesh, placements, shard_ranks, opt_cls, algorithm, pass_mesh=None, shapes=None, **kw):
-    """Row-sharded DTensors (FSDP2's Shard(0)) equal SPEC §3's rule computed in one process;
+    """Row-sharded DTensors (FSDP2's Shard(0)) equal algorithm.md §3's rule computed in one process;
     column-sharded ones (Shard(1)) the single-device rule (shard_ranks=1)."""
     fulls, ps = sharded_params(mesh, placements, shapes=shapes)
     opt = opt_cls(ps, distributed_mesh=pass_mesh or mesh, lr=0.02, **kw)
@@ -235,7 +235,7 @@ def _placed_like(full_tensor, p):
 
 
 def tensor_parallel(rank, world, mesh2d):
-    """FSDP2 over ColwiseParallel (rows cut twice, over both mesh dimensions) equals SPEC §3's
+    """FSDP2 over ColwiseParallel (rows cut twice, over both mesh dimensions) equals algorithm.md §3's
     local rule with that cut; FSDP2 over RowwiseParallel (row and column blocks) the row-sharded
     rule over the data-parallel dimension, with whole rows."""
     from torch.distributed.fsdp import fully_shard

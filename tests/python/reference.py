@@ -1,4 +1,4 @@
-# reference.py — an independent float64 PyTorch transcription of SPEC.md (§1 one matrix step,
+# reference.py — an independent float64 PyTorch transcription of docs/algorithm.md (§1 one matrix step,
 # §2 orthogonalization, §4 AdamW / Lion), written from the spec alone, for the parity tests.
 # Slow and simple on purpose: loops over matrices and rows, everything in float64.
 import math
@@ -19,7 +19,7 @@ YOU = [
 
 
 def orth_standard(X, coeffs=POLAR_EXPRESS):
-    """SPEC §2 standard Newton–Schulz on one k x n matrix, in float64."""
+    """algorithm.md §2 standard Newton–Schulz on one k x n matrix, in float64."""
     X = X.double()
     transposed = X.shape[0] > X.shape[1]
     if transposed:
@@ -33,7 +33,7 @@ def orth_standard(X, coeffs=POLAR_EXPRESS):
 
 
 def orth_gram(X, coeffs=POLAR_EXPRESS, restarts=(2,)):
-    """SPEC §2 Gram Newton–Schulz with restarts, in float64 (equal to orth_standard in exact math)."""
+    """algorithm.md §2 Gram Newton–Schulz with restarts, in float64 (equal to orth_standard in exact math)."""
     X = X.double()
     transposed = X.shape[0] > X.shape[1]
     if transposed:
@@ -75,7 +75,7 @@ def matrices(t, flatten):
 
 
 def normuon(O, v_rows, beta2):
-    """SPEC §1 step 6 on the rows of O with their variance entries; returns (Õ, new variance)."""
+    """algorithm.md §1 step 6 on the rows of O with their variance entries; returns (Õ, new variance)."""
     r = (O * O).mean(dim=1)
     v_new = beta2 * v_rows + (1 - beta2) * r
     Ot = O / (v_new.sqrt() + 1e-8)[:, None]
@@ -84,7 +84,7 @@ def normuon(O, v_rows, beta2):
 
 
 def top_rows(M, k):
-    """The k rows of largest l1 score (ties: lower index), ascending (SPEC §1 step 2)."""
+    """The k rows of largest l1 score (ties: lower index), ascending (algorithm.md §1 step 2)."""
     order = torch.sort(-M.abs().sum(dim=1), stable=True).indices
     return torch.sort(order[:k]).values
 
@@ -152,7 +152,7 @@ class Reference:
         base = lr / math.sqrt(o["fraction"]) if (selects and o["scale_lr_by_fraction"]) else lr
         lr_adj = adjusted_lr(base, m_rows, n, o["adjust_lr"])
         mu = o["mu"]
-        # SPEC §3 row sharding over `ranks` (contiguous chunks of c = ceil(m / ranks) rows): the
+        # algorithm.md §3 row sharding over `ranks` (contiguous chunks of c = ceil(m / ranks) rows): the
         # local scope selects ceil(f * c) rows per shard; NorMuon's rescale runs per shard.
         # `row_shards(m)` gives another cut as (first row, rows) per shard (FSDP2 over tensor
         # parallel cuts rows twice); the largest shard sizes every shard's selection.

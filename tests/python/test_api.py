@@ -1,4 +1,4 @@
-# test_api.py — the constructor surface of SPEC.md §4: the reference's argument names, order and
+# test_api.py — the constructor surface of algorithm.md §4: the reference's argument names, order and
 # defaults, so that moving from `dion` is an import change.
 import inspect
 

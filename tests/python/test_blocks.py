@@ -1,5 +1,5 @@
 # test_blocks.py — row blocks of one matrix (split_sizes / num_heads): each block steps as a
-# matrix of its own, against the float64 transcription of SPEC.md block by block, and bit for bit
+# matrix of its own, against the float64 transcription of docs/algorithm.md block by block, and bit for bit
 # like the same blocks given as separate parameters.
 import pytest
 import torch

@@ -1,7 +1,7 @@
-# test_distributed.py — dion3's distributed layouts (SPEC §3) through torch.distributed on the CPU:
+# test_distributed.py — dion3's distributed layouts (algorithm.md §3) through torch.distributed on the CPU:
 # 2 and 4 gloo ranks spawned by the test itself, each launch bounded in time. The checks live in
 # dist_workers.py: DDP equals one process bit for bit; row-sharded DTensors (FSDP2, uneven and
-# empty shards, HSDP) and a real fully_shard model equal SPEC §3's rule computed in one process;
+# empty shards, HSDP) and a real fully_shard model equal algorithm.md §3's rule computed in one process;
 # non-finite gradients on one rank and bad layouts are decided alike on every rank; DCP save /
 # load resumes bit for bit and reshards from 4 ranks to 2; a single-device state_dict loads into
 # a sharded optimizer and back; a state_dict bad on one rank only is refused on every rank.

@@ -1,4 +1,4 @@
-# test_orthogonalize.py — dion3.orthogonalize against the float64 transcription of SPEC §2
+# test_orthogonalize.py — dion3.orthogonalize against the float64 transcription of algorithm.md §2
 # (reference.py), for both methods, wide and tall matrices, batches and the dtypes; and its errors.
 import pytest
 import torch

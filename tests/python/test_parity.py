@@ -1,5 +1,5 @@
 # test_parity.py — dion3.Dion3 / NorMuon / Muon (and the AdamW / Lion groups) against the float64
-# transcription of SPEC.md in reference.py, over several steps, on every device of conftest.
+# transcription of docs/algorithm.md in reference.py, over several steps, on every device of conftest.
 import math
 
 import pytest

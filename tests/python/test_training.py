@@ -306,3 +306,23 @@ def test_state_exists_from_construction_and_for_groups_added_later(device):
     opt.add_param_group(dict(params=[b], algorithm="adamw"))
     assert set(opt.state[b]) == {"momentum", "variance", "step"} and opt.state[b]["step"] == 0
     assert len(opt.state_dict()["state"]) == 2  # the same keys whatever got a gradient
+
+
+def test_unpickled_optimizer_of_an_older_version_takes_new_keys_from_defaults(device):
+    # A pickle made before a key existed: its groups and defaults lack it; step() must still work.
+    import pickle
+    p = nn.Parameter(torch.randn(8, 6, device=device))
+    opt = dion3.Dion3([p], nesterov=False)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    state = opt.__getstate__()
+    for d in [state["defaults"], *state["param_groups"]]:
+        del d["nesterov"], d["orthogonalizer"]
+    old = dion3.Dion3.__new__(dion3.Dion3)
+    old.__setstate__(state)
+    again = pickle.loads(pickle.dumps(old))
+    assert again.param_groups[0]["nesterov"] is False and again.param_groups[0]["orthogonalizer"] == "auto"
+    (q,) = again.param_groups[0]["params"]
+    q.grad = torch.randn_like(q)
+    again.step()
+    assert again.state[q]["step"] == 2
