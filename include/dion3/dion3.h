@@ -44,7 +44,7 @@ extern "C" {
 
 /* Raised whenever a public struct changes layout, so a program can tell that its header and
  * the library it loads disagree. */
-#define DION3_C_API_VERSION 2
+#define DION3_C_API_VERSION 3
 #define DION3_MAX_DIMS 8
 #define DION3_MAX_ORTH_STEPS 16
 #define DION3_MAX_ORTH_RESTARTS 16
@@ -188,7 +188,25 @@ typedef struct dion3_layout {
   dion3_comm* comm;    /* REPLICATED / ROW_SHARD / COL_SHARD; not owned, must outlive the optimizer */
   int64_t global_cols; /* COL_SHARD, BLOCK: n */
   dion3_comm* col_comm; /* BLOCK: the ranks the columns are cut over; NULL otherwise */
+  /* ROW_SHARD with rows cut otherwise than in ceil(m/P) chunks in rank order (FSDP2 over tensor
+   * parallel's column-wise split cuts twice): this rank's first row and the largest shard's rows,
+   * the same on every rank. row_chunk 0 (zero-initialised) = the standard cut. Local selection
+   * only. */
+  int64_t row_offset;
+  int64_t row_chunk;
 } dion3_layout;
+
+/* Optimizer-wide settings of dion3_create_with_options. Always start from
+ * dion3_options_default(). */
+typedef struct dion3_options {
+  int32_t on_nonfinite;     /* dion3_nonfinite_policy; default RAISE */
+  int32_t megabatch;        /* 1 (default): same-shape matrices share one orthogonalization and
+                               one collective round; 0: each matrix alone (for benchmarks) */
+  int32_t record;           /* 1 (default): each orthogonalization is recorded once and replayed
+                               (a CUDA graph); 0: op by op */
+  int32_t reserved;         /* 0 */
+  uint64_t workspace_limit; /* bytes the step may use beyond the state; 0 (default) = automatic */
+} dion3_options;
 
 /* ---- library ---------------------------------------------------------------------------- */
 
@@ -209,6 +227,10 @@ DION3_API const char* dion3_status_name(int status);
  * A CUDA request in a build without CUDA returns DION3_UNSUPPORTED. */
 DION3_API dion3_status dion3_create(dion3_optimizer** out, int device, int device_index, void* cuda_stream,
                                     int on_nonfinite);
+DION3_API void dion3_options_default(dion3_options* options);
+/* dion3_create with every optimizer-wide setting (options NULL = the defaults). */
+DION3_API dion3_status dion3_create_with_options(dion3_optimizer** out, int device, int device_index,
+                                                 void* cuda_stream, const dion3_options* options);
 /* NULL is allowed. */
 DION3_API void dion3_destroy(dion3_optimizer* opt);
 /* Re-bind the CUDA stream the optimizer enqueues on (no-op for CPU). */
@@ -263,8 +285,27 @@ DION3_API dion3_status dion3_num_params(const dion3_optimizer* opt, int* count);
  * it was skipped under DION3_NONFINITE_SKIP. Under RAISE a non-finite gradient returns
  * DION3_NON_FINITE; in both cases weights and state are untouched. */
 DION3_API dion3_status dion3_step(dion3_optimizer* opt, int* applied);
-/* Steps applied and skipped so far (either pointer may be NULL). */
+/* Steps applied and skipped so far (either pointer may be NULL). On CUDA this waits for the
+ * device; dion3_posted_steps does not. */
 DION3_API dion3_status dion3_steps(const dion3_optimizer* opt, int64_t* taken, int64_t* skipped);
+
+/* The step of dion3_step, only enqueued on the optimizer's stream: it does not wait for the
+ * device, so a CUDA trainer's host runs ahead and the step can be captured in a CUDA graph. A
+ * non-finite gradient drops the step on the device whatever the policy (counted as skipped). */
+DION3_API dion3_status dion3_step_async(dion3_optimizer* opt);
+/* The counters of dion3_steps as they stood after the last step that was not being captured,
+ * without waiting: *ready (not NULL) is 0 while they have not reached the host yet, and then
+ * taken and skipped are left unchanged. */
+DION3_API dion3_status dion3_posted_steps(const dion3_optimizer* opt, int64_t* taken, int64_t* skipped,
+                                          int* ready);
+/* A step captured in a CUDA graph reads the hyper-parameters when replayed: call this before
+ * each replay (outside the graph) so that it follows the groups' current values (an lr
+ * schedule). DION3_INVALID_ARGUMENT when a group changed a setting the captured plan depends on
+ * (fraction, blocks, orthogonalizer): capture again. */
+DION3_API dion3_status dion3_refresh_hyperparameters(dion3_optimizer* opt);
+/* Changes whenever the step's plan is rebuilt: a step captured under another generation is
+ * stale and must be captured again. */
+DION3_API dion3_status dion3_plan_generation(const dion3_optimizer* opt, uint64_t* generation);
 
 /* The megabatch plan. Writes min(capacity, n) entries to out (out may be NULL when capacity
  * is 0) and the total n to *count. */

@@ -116,6 +116,19 @@ struct OptimizerOptions {
   bool record_orthogonalizer = true;
 };
 
+// A state tensor the engine keeps for a parameter: its name, dtype and shape.
+struct StateSpec {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> shape;
+};
+// The state tensors of a parameter of `shape` and `weight_dtype` in a group configured as `group`
+// (the one definition: the engine makes them, the front ends lay out their checkpoints by it).
+// Matrices keep "momentum" and, with NorMuon normalization, "variance" (fp32, one entry per
+// matrix row, flat); AdamW "exp_avg" and "exp_avg_sq"; Lion "exp_avg".
+DION3_API std::vector<StateSpec> state_specs(const GroupConfig& group, DType weight_dtype,
+                                             const std::vector<int64_t>& shape);
+
 // The per-step communication of one megabatch of `count` m x n matrices over `ranks` ranks,
 // decided from the shapes alone: the engine plans with it, and benchmarks project rank counts
 // they cannot run. update_dtype: of the gathered rows sent forward; orth_dtype: of the results

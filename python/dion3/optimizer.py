@@ -48,6 +48,9 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # the engine's own tables (algorithm.md §2): Polar Express (the default; use_polar_express=False gives
 # Muon's classic "you" set) and "reference", the reference package's default set.
 COEFFICIENT_SETS = _C.coefficient_sets()
+# The engine's defaults of the group settings: the constructors' signatures repeat them for
+# help() and introspection (tests/python/test_api.py checks that the two agree).
+ENGINE_DEFAULTS = _C.group_defaults()
 POLAR_EXPRESS, YOU, REFERENCE = (COEFFICIENT_SETS[k] for k in ("polar_express", "you", "reference"))
 
 
@@ -79,7 +82,7 @@ def _engine_config(group: Dict[str, Any]) -> Dict[str, Any]:
         coefficients = COEFFICIENT_SETS[coefficients]
     restarts = group.get("restarts")
     if restarts is None:
-        restarts = [2]
+        restarts = ENGINE_DEFAULTS["restarts"]
     betas = group["betas"]
     if len(betas) != 2:
         raise ValueError(f"dion3: 'betas' must be a pair (beta1, beta2); got {betas!r}")
@@ -175,22 +178,20 @@ def _num_heads(value) -> int:
 
 def _state_shapes(group: Dict[str, Any], p: torch.Tensor) -> List[Tuple[str, torch.dtype, Tuple[int, ...]]]:
     """State tensors of p, named and shaped as the reference package's (checkpoints move both
-    ways): matrices keep `momentum` and, with NorMuon normalisation, `variance_neuron`, one value
-    per row as p[..., 0:1] (float32 here: the engine's precision); AdamW keeps `momentum` and
-    `variance`, Lion `momentum`. The engine checks them again under its own names (_ENGINE_NAMES)."""
-    algorithm = group["algorithm"]
-    if algorithm in MATRIX_ALGORITHMS:
-        mdt = group.get("momentum_dtype")
-        mdt = getattr(torch, mdt) if isinstance(mdt, str) else (mdt or p.dtype)
-        out = [("momentum", mdt, tuple(p.shape))]
-        if algorithm not in ("muon", "dion2"):  # the algorithms with NorMuon's normalisation
+    ways): the engine's list (_C.state_specs: which tensors, their dtypes and sizes) under the
+    reference's names, the per-row variance laid out as p[..., 0:1] (`variance_neuron`)."""
+    to_reference = {engine: name for name, engine in _ENGINE_NAMES[_kind(group["algorithm"])].items()}
+    out = []
+    for engine_name, dtype, shape in _C.state_specs(_engine_config(group), _dtype_name(p.dtype), list(p.shape)):
+        if engine_name == "variance":
             # flatten=True takes a >= 3-D tensor as (dim0, rest): one row per output channel.
             rows = (p.shape[0], 1) if group["flatten"] and p.dim() > 2 else tuple(p.shape[:-1]) + (1,)
-            out.append(("variance_neuron", torch.float32, rows))
-        return out
-    if algorithm == "adamw":
-        return [("momentum", p.dtype, tuple(p.shape)), ("variance", p.dtype, tuple(p.shape))]
-    return [("momentum", p.dtype, tuple(p.shape))]
+            if math.prod(rows) != math.prod(shape):
+                raise RuntimeError(f"dion3: internal: variance of {tuple(p.shape)} laid out as {rows}, "
+                                   f"but the engine keeps {tuple(shape)}")
+            shape = rows
+        out.append((to_reference[engine_name], getattr(torch, dtype), tuple(shape)))
+    return out
 
 
 # The engine's names of the state tensors, by the group's kind of algorithm.
@@ -351,8 +352,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         for k, v in fresh.items():
             self.defaults.setdefault(k, v)
         for g in self.param_groups:
-            for k, v in self.defaults.items():
-                g.setdefault(k, v)
+            for k in fresh:  # torch's own defaults (differentiable, ...) stay out of the groups
+                g.setdefault(k, self.defaults[k])
 
     def __getstate__(self) -> Dict[str, Any]:
         state = super().__getstate__()

@@ -23,6 +23,7 @@
 #endif
 #include <vector>
 
+#include "core/c_config.hpp"
 #include "dion3/config.hpp"
 #include "dion3/error.hpp"
 #include "dion3/optimizer.hpp"
@@ -75,11 +76,7 @@ T* checked(T* p, const char* what) {
 
 // --- enum conversions ----------------------------------------------------------------------
 
-dion3::DType to_dtype(int32_t v, const std::string& what) {
-  require(v >= DION3_F32 && v <= DION3_I64,
-          what + ": dtype " + std::to_string(v) + " is not a dion3_dtype (0..5)");
-  return static_cast<dion3::DType>(v);
-}
+dion3::DType to_dtype(int32_t v, const std::string& what) { return dion3::capi::dtype_from_c(v, what); }
 
 template <class E>
 E to_enum(int32_t v, int32_t lo, int32_t hi, const std::string& what) {
@@ -102,111 +99,6 @@ dion3::TensorView to_view(const dion3_tensor* t, const std::string& what) {
     require(d >= 0, what + ": negative dimension in shape " + dion3::shape_string(v.shape));
   require(v.data != nullptr || v.numel() == 0, what + ": data is NULL");
   return v;
-}
-
-const std::vector<dion3::Coefficients>& preset(int32_t which) {
-  return which == DION3_COEFF_YOU         ? dion3::you_coefficients()
-         : which == DION3_COEFF_REFERENCE ? dion3::reference_coefficients()
-                                          : dion3::polar_express_coefficients();
-}
-
-dion3::GroupConfig to_config(const dion3_group_config* c) {
-  require(c != nullptr, "group config is NULL");
-  dion3::GroupConfig g;
-  g.algorithm = to_enum<dion3::Algorithm>(c->algorithm, 0, 5, "group config: algorithm");
-  g.lr = c->lr;
-  g.fraction = c->fraction;
-  g.mu = c->mu;
-  g.muon_beta2 = c->muon_beta2;
-  g.betas = {c->betas[0], c->betas[1]};
-  g.weight_decay = c->weight_decay;
-  g.epsilon = c->epsilon;
-  g.adjust_lr = to_enum<dion3::AdjustLR>(c->adjust_lr, 0, 2, "group config: adjust_lr");
-  g.flatten = c->flatten != 0;
-  g.nesterov = c->nesterov != 0;
-  g.cautious_wd = c->cautious_wd != 0;
-  g.scale_lr_by_fraction = c->scale_lr_by_fraction != 0;
-  if (c->momentum_dtype >= 0) g.momentum_dtype = to_dtype(c->momentum_dtype, "group config: momentum_dtype");
-  require(c->momentum_dtype >= -1, "group config: momentum_dtype is " +
-                                       std::to_string(c->momentum_dtype) + ", expected -1 or a dtype");
-  g.orth.method = to_enum<dion3::OrthMethod>(c->orth_method, 0, 2, "group config: orth_method");
-  int32_t which = to_enum<int32_t>(c->orth_coefficients, 0, 3, "group config: orth_coefficients");
-  if (which == DION3_COEFF_CUSTOM) {
-    require(c->orth_num_custom >= 1 && c->orth_num_custom <= DION3_MAX_ORTH_STEPS,
-            "group config: orth_num_custom is " + std::to_string(c->orth_num_custom) +
-                ", expected 1..16");
-    g.orth.coefficients.clear();
-    for (int i = 0; i < c->orth_num_custom; ++i)
-      g.orth.coefficients.push_back({c->orth_custom[i][0], c->orth_custom[i][1], c->orth_custom[i][2]});
-  } else {
-    g.orth.coefficients = preset(which);
-  }
-  require(c->orth_num_restarts >= 0 && c->orth_num_restarts <= DION3_MAX_ORTH_RESTARTS,
-          "group config: orth_num_restarts is " + std::to_string(c->orth_num_restarts) +
-              ", expected 0..16");
-  g.orth.restarts.assign(c->orth_restarts, c->orth_restarts + c->orth_num_restarts);
-  require(c->orth_iteration_dtype >= -1, "group config: orth_iteration_dtype is " +
-                                             std::to_string(c->orth_iteration_dtype) +
-                                             ", expected -1 or a dtype");
-  if (c->orth_iteration_dtype >= 0)
-    g.orth.iteration_dtype = to_dtype(c->orth_iteration_dtype, "group config: orth_iteration_dtype");
-  g.selection_scope = to_enum<dion3::SelectionScope>(c->selection_scope, 0, 1, "group config: selection_scope");
-  g.num_heads = c->num_heads;
-  require(c->num_split_sizes >= 0 && c->num_split_sizes <= DION3_MAX_SPLITS,
-          "group config: num_split_sizes is " + std::to_string(c->num_split_sizes) + ", expected 0.." +
-              std::to_string(DION3_MAX_SPLITS));
-  g.split_sizes.assign(c->split_sizes, c->split_sizes + c->num_split_sizes);
-  return g;
-}
-
-// Every field of c from g (throws where g holds more steps or restarts than the C struct).
-void from_config(const dion3::GroupConfig& g, dion3_group_config* c) {
-  std::memset(c, 0, sizeof *c);
-  c->algorithm = static_cast<int32_t>(g.algorithm);
-  c->lr = g.lr;
-  c->fraction = g.fraction;
-  c->mu = g.mu;
-  c->muon_beta2 = g.muon_beta2;
-  c->betas[0] = g.betas[0];
-  c->betas[1] = g.betas[1];
-  c->weight_decay = g.weight_decay;
-  c->epsilon = g.epsilon;
-  c->adjust_lr = static_cast<int32_t>(g.adjust_lr);
-  c->flatten = g.flatten;
-  c->nesterov = g.nesterov;
-  c->cautious_wd = g.cautious_wd;
-  c->scale_lr_by_fraction = g.scale_lr_by_fraction;
-  c->momentum_dtype = g.momentum_dtype ? static_cast<int32_t>(*g.momentum_dtype) : -1;
-  c->orth_method = static_cast<int32_t>(g.orth.method);
-  c->selection_scope = static_cast<int32_t>(g.selection_scope);
-  require(g.num_heads <= INT32_MAX && g.split_sizes.size() <= DION3_MAX_SPLITS,
-          "group has " + std::to_string(g.split_sizes.size()) + " split_sizes or num_heads " +
-              std::to_string(g.num_heads) + "; the C API holds at most " + std::to_string(DION3_MAX_SPLITS) +
-              " blocks and a 32-bit head count");
-  c->num_heads = static_cast<int32_t>(g.num_heads);
-  c->num_split_sizes = static_cast<int32_t>(g.split_sizes.size());
-  std::copy(g.split_sizes.begin(), g.split_sizes.end(), c->split_sizes);
-  if (g.orth.coefficients == dion3::polar_express_coefficients()) {
-    c->orth_coefficients = DION3_COEFF_POLAR_EXPRESS;
-  } else if (g.orth.coefficients == dion3::you_coefficients()) {
-    c->orth_coefficients = DION3_COEFF_YOU;
-  } else if (g.orth.coefficients == dion3::reference_coefficients()) {
-    c->orth_coefficients = DION3_COEFF_REFERENCE;
-  } else {
-    require(g.orth.coefficients.size() <= DION3_MAX_ORTH_STEPS,
-            "group has " + std::to_string(g.orth.coefficients.size()) +
-                " orthogonalization steps; the C API holds at most 16");
-    c->orth_coefficients = DION3_COEFF_CUSTOM;
-    c->orth_num_custom = static_cast<int32_t>(g.orth.coefficients.size());
-    for (size_t i = 0; i < g.orth.coefficients.size(); ++i)
-      for (int j = 0; j < 3; ++j) c->orth_custom[i][j] = g.orth.coefficients[i][j];
-  }
-  require(g.orth.restarts.size() <= DION3_MAX_ORTH_RESTARTS,
-          "group has " + std::to_string(g.orth.restarts.size()) +
-              " restart positions; the C API holds at most 16");
-  c->orth_num_restarts = static_cast<int32_t>(g.orth.restarts.size());
-  for (size_t i = 0; i < g.orth.restarts.size(); ++i) c->orth_restarts[i] = g.orth.restarts[i];
-  c->orth_iteration_dtype = g.orth.iteration_dtype ? static_cast<int32_t>(*g.orth.iteration_dtype) : -1;
 }
 
 void check_group(const dion3::Optimizer& e, int group) {
@@ -250,19 +142,49 @@ const char* dion3_status_name(int status) {
   }
 }
 
-dion3_status dion3_create(dion3_optimizer** out, int device, int device_index, void* cuda_stream,
-                          int on_nonfinite) {
+void dion3_options_default(dion3_options* options) {
+  if (!options) return;
+  const dion3::OptimizerOptions o;  // the C++ defaults are the single source of truth
+  std::memset(options, 0, sizeof *options);
+  options->on_nonfinite = static_cast<int32_t>(o.on_nonfinite);
+  options->megabatch = o.megabatch;
+  options->record = o.record_orthogonalizer;
+  options->workspace_limit = o.workspace_limit;
+}
+
+dion3_status dion3_create_with_options(dion3_optimizer** out, int device, int device_index, void* cuda_stream,
+                                       const dion3_options* options) {
   return guard([&] {
     checked(out, "dion3_create: out");
     *out = nullptr;
+    dion3_options c;
+    dion3_options_default(&c);
+    if (options) c = *options;
     auto dev = to_enum<dion3::Device>(device, DION3_DEVICE_CPU, DION3_DEVICE_CUDA, "dion3_create: device");
     dion3::OptimizerOptions o;
-    o.on_nonfinite = to_enum<dion3::NonFinitePolicy>(on_nonfinite, 0, 1, "dion3_create: on_nonfinite");
+    o.on_nonfinite = to_enum<dion3::NonFinitePolicy>(c.on_nonfinite, 0, 1, "dion3_create: on_nonfinite");
+    require(c.megabatch == 0 || c.megabatch == 1, "dion3_create: options.megabatch is " +
+                                                      std::to_string(c.megabatch) + ", expected 0 or 1");
+    require(c.record == 0 || c.record == 1,
+            "dion3_create: options.record is " + std::to_string(c.record) + ", expected 0 or 1");
+    require(c.reserved == 0, "dion3_create: options.reserved is " + std::to_string(c.reserved) +
+                                 ", expected 0 (start from dion3_options_default)");
+    o.megabatch = c.megabatch != 0;
+    o.record_orthogonalizer = c.record != 0;
+    o.workspace_limit = static_cast<std::size_t>(c.workspace_limit);
     std::unique_ptr<dion3::Backend> backend =
         dev == dion3::Device::CPU ? dion3::make_cpu_backend()
                                   : dion3::make_cuda_backend(device_index, cuda_stream, nullptr);
     *out = new dion3_optimizer(std::move(backend), o);
   });
+}
+
+dion3_status dion3_create(dion3_optimizer** out, int device, int device_index, void* cuda_stream,
+                          int on_nonfinite) {
+  dion3_options o;
+  dion3_options_default(&o);
+  o.on_nonfinite = on_nonfinite;
+  return dion3_create_with_options(out, device, device_index, cuda_stream, &o);
 }
 
 void dion3_destroy(dion3_optimizer* opt) {
@@ -277,16 +199,10 @@ dion3_status dion3_set_stream(dion3_optimizer* opt, void* cuda_stream) {
   return guard([&] { checked(opt, "optimizer")->engine.backend().set_stream(cuda_stream); });
 }
 
-void dion3_group_config_default(dion3_group_config* c) {
-  if (!c) return;
-  // The C++ defaults are the single source of truth (Polar Express, one restart: they fit).
-  from_config(dion3::GroupConfig{}, c);
-}
-
 dion3_status dion3_add_group(dion3_optimizer* opt, const dion3_group_config* cfg, int* group_index) {
   return guard([&] {
     checked(opt, "optimizer");
-    int g = opt->engine.add_group(to_config(cfg));
+    int g = opt->engine.add_group(dion3::capi::config_from_c(*checked(cfg, "group config")));
     if (group_index) *group_index = g;
   });
 }
@@ -297,7 +213,7 @@ dion3_status dion3_get_group_config(const dion3_optimizer* opt, int group, dion3
     checked(out, "out");
     check_group(opt->engine, group);
     dion3_group_config tmp;
-    from_config(opt->engine.group(group), &tmp);
+    dion3::capi::config_to_c(opt->engine.group(group), &tmp);
     *out = tmp;
   });
 }
@@ -306,7 +222,7 @@ dion3_status dion3_set_group_config(dion3_optimizer* opt, int group, const dion3
   return guard([&] {
     checked(opt, "optimizer");
     check_group(opt->engine, group);
-    opt->engine.set_group(group, to_config(cfg));
+    opt->engine.set_group(group, dion3::capi::config_from_c(*checked(cfg, "group config")));
   });
 }
 
@@ -343,6 +259,12 @@ dion3_status dion3_add_param_layout(dion3_optimizer* opt, int group, const char*
       spec.layout.global_rows = layout->global_rows;
       spec.layout.global_cols = layout->global_cols;
       if (layout->comm) spec.layout.comm = layout->comm->comm;
+      require(layout->row_chunk >= 0, "parameter '" + n + "': layout row_chunk is " +
+                                          std::to_string(layout->row_chunk) + ", expected >= 0");
+      if (layout->row_chunk > 0) {  // a cut of its own; the engine checks it against the shard
+        spec.layout.row_offset = layout->row_offset;
+        spec.layout.row_chunk = layout->row_chunk;
+      }
     }
     int p = opt->engine.add_param(group, spec);
     if (param_index) *param_index = p;
@@ -394,6 +316,30 @@ dion3_status dion3_step(dion3_optimizer* opt, int* applied) {
     bool ok = checked(opt, "optimizer")->engine.step();
     if (applied) *applied = ok ? 1 : 0;
   });
+}
+
+dion3_status dion3_step_async(dion3_optimizer* opt) {
+  return guard([&] { checked(opt, "optimizer")->engine.step_async(); });
+}
+
+dion3_status dion3_posted_steps(const dion3_optimizer* opt, int64_t* taken, int64_t* skipped, int* ready) {
+  return guard([&] {
+    checked(opt, "optimizer");
+    checked(ready, "ready");
+    int64_t c[2];
+    *ready = opt->engine.posted_counters(c) ? 1 : 0;
+    if (!*ready) return;
+    if (taken) *taken = c[0];
+    if (skipped) *skipped = c[1];
+  });
+}
+
+dion3_status dion3_refresh_hyperparameters(dion3_optimizer* opt) {
+  return guard([&] { checked(opt, "optimizer")->engine.refresh_hyperparameters(); });
+}
+
+dion3_status dion3_plan_generation(const dion3_optimizer* opt, uint64_t* generation) {
+  return guard([&] { *checked(generation, "generation") = checked(opt, "optimizer")->engine.plan_generation(); });
 }
 
 dion3_status dion3_steps(const dion3_optimizer* opt, int64_t* taken, int64_t* skipped) {

@@ -208,11 +208,6 @@ struct Optimizer::Impl {
   };
 
   // Names the expected state tensors of a parameter (name, dtype, shape).
-  struct StateSpec {
-    std::string name;
-    DType dtype;
-    std::vector<int64_t> shape;
-  };
   std::vector<StateSpec> state_specs(const Param& p) const;
   // How parameter i's matrices are cut into row blocks (GroupConfig::row_blocks) as this rank
   // holds them. A block of a row-sharded matrix that lies within one rank's shard is that rank's

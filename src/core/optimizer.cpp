@@ -102,20 +102,32 @@ std::string Optimizer::Impl::describe(int param) const {
   return "parameter " + std::to_string(param) + " '" + params[param].name + "'";
 }
 
-std::vector<Optimizer::Impl::StateSpec> Optimizer::Impl::state_specs(const Param& p) const {
-  const GroupConfig& g = groups[p.group];
+std::vector<StateSpec> state_specs(const GroupConfig& g, DType weight_dtype, const std::vector<int64_t>& shape) {
+  const DType momentum = g.momentum_dtype.value_or(weight_dtype);
   switch (g.algorithm) {
     case Algorithm::Dion3:
-    case Algorithm::NorMuon:
-      return {{"momentum", g.momentum_dtype.value_or(p.weight.dtype), p.weight.shape},
-              {"variance", DType::F32, {p.count * p.rows}}};
+    case Algorithm::NorMuon: {
+      // One variance entry per matrix row: dim0 for a matrix or a flattened tensor, else the rows
+      // of every matrix of the stack.
+      int64_t rows = shape.empty() ? 0 : shape[0];
+      if (!g.flatten && shape.size() > 2) {
+        int64_t numel = 1;
+        for (int64_t d : shape) numel *= d;
+        const int64_t r = shape[shape.size() - 2];
+        rows = numel / std::max<int64_t>(r * shape.back(), 1) * r;
+      }
+      return {{"momentum", momentum, shape}, {"variance", DType::F32, {rows}}};
+    }
     case Algorithm::Dion2:
-    case Algorithm::Muon: return {{"momentum", g.momentum_dtype.value_or(p.weight.dtype), p.weight.shape}};
-    case Algorithm::AdamW:
-      return {{"exp_avg", p.weight.dtype, p.weight.shape}, {"exp_avg_sq", p.weight.dtype, p.weight.shape}};
-    case Algorithm::Lion: return {{"exp_avg", p.weight.dtype, p.weight.shape}};
+    case Algorithm::Muon: return {{"momentum", momentum, shape}};
+    case Algorithm::AdamW: return {{"exp_avg", weight_dtype, shape}, {"exp_avg_sq", weight_dtype, shape}};
+    case Algorithm::Lion: return {{"exp_avg", weight_dtype, shape}};
   }
   return {};
+}
+
+std::vector<StateSpec> Optimizer::Impl::state_specs(const Param& p) const {
+  return dion3::state_specs(groups[p.group], p.weight.dtype, p.weight.shape);
 }
 
 Optimizer::Optimizer(std::unique_ptr<Backend> backend, OptimizerOptions options) : impl_(new Impl) {

@@ -46,6 +46,22 @@ def test_defaults_land_in_param_groups(cls):
     assert g["orthogonalizer"] == "auto"
 
 
+@pytest.mark.parametrize("cls", [dion3.Dion3, dion3.NorDion2, dion3.Dion2, dion3.NorMuon, dion3.Muon])
+def test_signature_defaults_are_the_engines(cls):
+    # The engine defines the defaults once; the signatures repeat them for help() and must agree.
+    engine = dion3.optimizer.ENGINE_DEFAULTS
+    params = inspect.signature(cls.__init__).parameters
+    shared = [k for k in engine if k in params and k != "restarts"]  # restarts=None: the engine's
+    assert {"lr", "weight_decay", "epsilon", "adjust_lr", "flatten"} <= set(shared)
+    for k in shared:
+        assert params[k].default == engine[k], k
+    if "ef_decay" in params:  # Dion2's name for mu
+        assert params["ef_decay"].default == engine["mu"]
+    g = cls([torch.nn.Parameter(torch.randn(4, 4))]).param_groups[0]
+    assert g["restarts"] is None  # None: the engine's restart positions
+    assert engine["restarts"] == [2]
+
+
 def test_positional_call_like_the_reference():
     p = torch.nn.Parameter(torch.randn(8, 4))
     opt = dion3.Dion3([p], None, 0.02, 0.5)

@@ -9,11 +9,15 @@
 #include <ATen/record_function.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
+#include <array>
+#include <climits>
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "core/c_config.hpp"
 #include "dion3/backend.hpp"
 #include "dion3/config.hpp"
 #include "dion3/error.hpp"
@@ -77,44 +81,67 @@ dion3::TensorView view_of(const at::Tensor& t, const std::string& who) {
   return v;
 }
 
-std::optional<dion3::DType> optional_dtype(const py::dict& d, const char* key) {
-  if (!d.contains(key) || d[key].is_none()) return std::nullopt;
-  return to_dtype(to_scalar_type(py::cast<std::string>(d[key])));
+// A dtype key of the group dict as a dion3_dtype value, -1 when None (the engine's choice).
+int32_t c_dtype(const py::dict& d, const char* key) {
+  if (!d.contains(key) || d[key].is_none()) return -1;
+  return static_cast<int32_t>(to_dtype(to_scalar_type(py::cast<std::string>(d[key]))));
 }
 
-// The group dict the Python layer normalises (see dion3/optimizer.py: _engine_config).
+// Copies a list into a fixed array of the C struct, refusing more than it holds.
+template <class T, std::size_t N>
+int32_t c_list(const std::vector<T>& v, T (&out)[N], const char* key) {
+  if (v.size() > N)
+    throw dion3::Error(dion3::Status::InvalidArgument, std::string("'") + key + "' has " + std::to_string(v.size()) +
+                                                           " entries; at most " + std::to_string(N));
+  std::copy(v.begin(), v.end(), out);
+  return static_cast<int32_t>(v.size());
+}
+
+// The group dict the Python layer normalises (see dion3/optimizer.py: _engine_config), as the C
+// API's struct: GroupConfig is then made by the converter the C API uses (core/c_config.hpp).
 dion3::GroupConfig group_config(const py::dict& d) {
-  dion3::GroupConfig c;
-  c.algorithm = dion3::parse_algorithm(py::cast<std::string>(d["algorithm"]));
+  dion3_group_config c;
+  dion3_group_config_default(&c);
+  c.algorithm = static_cast<int32_t>(dion3::parse_algorithm(py::cast<std::string>(d["algorithm"])));
   c.lr = py::cast<double>(d["lr"]);
   c.fraction = py::cast<double>(d["fraction"]);
   c.mu = py::cast<double>(d["mu"]);
   c.muon_beta2 = py::cast<double>(d["muon_beta2"]);
-  c.betas = {py::cast<double>(d["beta1"]), py::cast<double>(d["beta2"])};
+  c.betas[0] = py::cast<double>(d["beta1"]);
+  c.betas[1] = py::cast<double>(d["beta2"]);
   c.weight_decay = py::cast<double>(d["weight_decay"]);
   c.epsilon = py::cast<double>(d["epsilon"]);
-  c.adjust_lr = dion3::parse_adjust_lr(py::cast<std::string>(d["adjust_lr"]));
+  c.adjust_lr = static_cast<int32_t>(dion3::parse_adjust_lr(py::cast<std::string>(d["adjust_lr"])));
   c.flatten = py::cast<bool>(d["flatten"]);
   c.nesterov = py::cast<bool>(d["nesterov"]);
   c.cautious_wd = py::cast<bool>(d["cautious_wd"]);
   c.scale_lr_by_fraction = py::cast<bool>(d["scale_lr_by_fraction"]);
-  c.momentum_dtype = optional_dtype(d, "momentum_dtype");
-  c.orth.method = dion3::parse_orth_method(py::cast<std::string>(d["orthogonalizer"]));
-  c.orth.coefficients.clear();
+  c.momentum_dtype = c_dtype(d, "momentum_dtype");
+  c.orth_method = static_cast<int32_t>(dion3::parse_orth_method(py::cast<std::string>(d["orthogonalizer"])));
+  std::vector<std::array<double, 3>> steps;
   for (const auto& step : py::cast<py::list>(d["coefficients"])) {
     auto abc = py::cast<std::vector<double>>(step);
     if (abc.size() != 3)
       throw dion3::Error(dion3::Status::InvalidArgument,
                          "'coefficients' must be a list of (a, b, c) triples, got a step of " +
                              std::to_string(abc.size()) + " numbers");
-    c.orth.coefficients.push_back({abc[0], abc[1], abc[2]});
+    steps.push_back({abc[0], abc[1], abc[2]});
   }
-  c.orth.restarts = py::cast<std::vector<int>>(d["restarts"]);
-  c.orth.iteration_dtype = optional_dtype(d, "iteration_dtype");
-  c.selection_scope = dion3::parse_selection_scope(py::cast<std::string>(d["selection_scope"]));
-  c.split_sizes = py::cast<std::vector<int64_t>>(d["split_sizes"]);
-  c.num_heads = py::cast<int64_t>(d["num_heads"]);
-  return c;
+  if (steps.size() > DION3_MAX_ORTH_STEPS)
+    throw dion3::Error(dion3::Status::InvalidArgument, "'coefficients' has " + std::to_string(steps.size()) +
+                                                           " steps; at most " + std::to_string(DION3_MAX_ORTH_STEPS));
+  c.orth_coefficients = DION3_COEFF_CUSTOM;  // the Python layer resolves named sets to their steps
+  c.orth_num_custom = static_cast<int32_t>(steps.size());
+  for (std::size_t i = 0; i < steps.size(); ++i) std::copy(steps[i].begin(), steps[i].end(), c.orth_custom[i]);
+  c.orth_num_restarts = c_list(py::cast<std::vector<int32_t>>(d["restarts"]), c.orth_restarts, "restarts");
+  c.orth_iteration_dtype = c_dtype(d, "iteration_dtype");
+  c.selection_scope = static_cast<int32_t>(dion3::parse_selection_scope(py::cast<std::string>(d["selection_scope"])));
+  c.num_split_sizes = c_list(py::cast<std::vector<int64_t>>(d["split_sizes"]), c.split_sizes, "split_sizes");
+  const auto heads = py::cast<int64_t>(d["num_heads"]);
+  if (heads > INT32_MAX || heads < INT32_MIN)
+    throw dion3::Error(dion3::Status::InvalidArgument, "'num_heads' is " + std::to_string(heads) + ", out of range");
+  c.num_heads = static_cast<int32_t>(heads);
+  return dion3::capi::config_from_c(c);
 }
 
 // The engine's step ranges as torch.profiler ranges (record_function): free when no profiler is
@@ -628,6 +655,19 @@ auto guarded(R (*f)(A...)) {
   };
 }
 
+// The state tensors the engine keeps for a parameter of `shape` in a group (a normalised dict).
+py::list state_specs_of(const py::dict& cfg, const std::string& weight_dtype, const std::vector<int64_t>& shape) {
+  py::list out;
+  for (const auto& s : dion3::state_specs(group_config(cfg), to_dtype(to_scalar_type(weight_dtype)), shape)) {
+    const char* dt = s.dtype == dion3::DType::F32    ? "float32"
+                     : s.dtype == dion3::DType::F16  ? "float16"
+                     : s.dtype == dion3::DType::BF16 ? "bfloat16"
+                                                     : "float64";
+    out.append(py::make_tuple(s.name, dt, py::tuple(py::cast(s.shape))));
+  }
+  return out;
+}
+
 std::unique_ptr<Engine> make_engine(const std::string& device_type, int device_index,
                                     const std::string& on_nonfinite, int64_t workspace_limit, bool megabatch,
                                     bool record_orthogonalizer) {
@@ -681,4 +721,30 @@ PYBIND11_MODULE(_C, m) {
     put("reference", dion3::reference_coefficients());
     return sets;
   }, "The engine's named quintic coefficient sets: {name: [(a, b, c), ...]}");
+  m.def("state_specs", guarded(&state_specs_of),
+        "The engine's state tensors of a parameter: [(engine name, dtype name, shape)]");
+  m.def("group_defaults", [] {
+    // The group settings' defaults as the engine defines them, under the Python front end's keys.
+    const dion3::GroupConfig g;
+    const char* adjust = g.adjust_lr == dion3::AdjustLR::SpectralNorm ? "spectral_norm"
+                         : g.adjust_lr == dion3::AdjustLR::RmsNorm    ? "rms_norm"
+                                                                      : nullptr;
+    py::dict d;
+    d["algorithm"] = dion3::algorithm_name(g.algorithm);
+    d["lr"] = g.lr;
+    d["fraction"] = g.fraction;
+    d["mu"] = g.mu;
+    d["muon_beta2"] = g.muon_beta2;
+    d["betas"] = py::make_tuple(g.betas[0], g.betas[1]);
+    d["weight_decay"] = g.weight_decay;
+    d["epsilon"] = g.epsilon;
+    d["adjust_lr"] = adjust ? py::object(py::str(adjust)) : py::object(py::none());
+    d["flatten"] = g.flatten;
+    d["nesterov"] = g.nesterov;
+    d["cautious_wd"] = g.cautious_wd;
+    d["scale_lr_by_fraction"] = g.scale_lr_by_fraction;
+    d["selection_scope"] = g.selection_scope == dion3::SelectionScope::Local ? "local" : "global";
+    d["restarts"] = py::cast(g.orth.restarts);
+    return d;
+  }, "The engine's defaults of the group settings, by the Python front end's key");
 }
