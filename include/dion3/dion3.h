@@ -42,8 +42,8 @@
 extern "C" {
 #endif
 
-/* Raised whenever a public struct changes layout, so a program can tell that its header and
- * the library it loads disagree. */
+/* Raised whenever a public struct changes layout. A program compares it with what the library
+ * it loads reports, dion3_api_version(), before its first call that passes a struct. */
 #define DION3_C_API_VERSION 3
 #define DION3_MAX_DIMS 8
 #define DION3_MAX_ORTH_STEPS 16
@@ -130,7 +130,8 @@ typedef struct dion3_tensor {
 } dion3_tensor;
 
 /* Hyper-parameters of one parameter group (algorithm.md §1, §4). Always start from
- * dion3_group_config_default(): it fills the reference defaults. */
+ * dion3_group_config_default(): it fills dion3's defaults (the reference's names and values,
+ * except where algorithm.md says otherwise). */
 typedef struct dion3_group_config {
   int32_t algorithm; /* dion3_algorithm; default DION3_ALGO_DION3 */
   double lr;         /* 0.01 */
@@ -213,6 +214,8 @@ typedef struct dion3_options {
 /* Message of the most recent failed call on this thread ("" if none). Never NULL; valid
  * until the next failing call on the same thread. */
 DION3_API const char* dion3_last_error(void);
+/* The DION3_C_API_VERSION the library was built with. */
+DION3_API int dion3_api_version(void);
 /* The library version, "major.minor.patch" (the repository's VERSION file). */
 DION3_API const char* dion3_version(void);
 /* 1 if this build has a CUDA backend and a device is visible. */

@@ -9,10 +9,12 @@
 # hand-written schedules compose as with any torch optimizer.
 from __future__ import annotations
 
+import atexit
 import bisect
 import difflib
 import math
 import numbers
+import weakref
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -182,7 +184,9 @@ def _state_shapes(group: Dict[str, Any], p: torch.Tensor) -> List[Tuple[str, tor
     reference's names, the per-row variance laid out as p[..., 0:1] (`variance_neuron`)."""
     to_reference = {engine: name for name, engine in _ENGINE_NAMES[_kind(group["algorithm"])].items()}
     out = []
-    for engine_name, dtype, shape in _C.state_specs(_engine_config(group), _dtype_name(p.dtype), list(p.shape)):
+    specs = _C.state_specs(group["algorithm"], bool(group["flatten"]), _dtype_name(group.get("momentum_dtype")),
+                           _dtype_name(p.dtype), list(p.shape))
+    for engine_name, dtype, shape in specs:
         if engine_name == "variance":
             # flatten=True takes a >= 3-D tensor as (dim0, rest): one row per output channel.
             rows = (p.shape[0], 1) if group["flatten"] and p.dim() > 2 else tuple(p.shape[:-1]) + (1,)
@@ -192,6 +196,34 @@ def _state_shapes(group: Dict[str, Any], p: torch.Tensor) -> List[Tuple[str, tor
             shape = rows
         out.append((to_reference[engine_name], getattr(torch, dtype), tuple(shape)))
     return out
+
+
+# Keys torch.optim.Optimizer adds to an optimizer's defaults itself (not group settings of ours).
+_TORCH_DEFAULT_KEYS = frozenset({"differentiable", "foreach", "fused", "capturable", "maximize"})
+_FRESH: Dict[type, Dict[str, Any]] = {}
+
+
+def _fresh_defaults(cls: type) -> Dict[str, Any]:
+    """The defaults of a newly made `cls`, made once per class; {} for a subclass whose
+    constructor needs more than a parameter list."""
+    if cls not in _FRESH:
+        try:
+            _FRESH[cls] = dict(cls([torch.zeros(2, 2, dtype=torch.float32, requires_grad=True)]).defaults)
+        except Exception:  # noqa: BLE001 - only a convenience for old pickles
+            _FRESH[cls] = {}
+    return _FRESH[cls]
+
+
+# Optimizers that may hold an engine. Their engines (and the process groups their communicators
+# hold) are dropped when the interpreter starts to exit, while torch.distributed is still whole,
+# rather than whenever the interpreter's teardown happens to free them.
+_LIVE: "weakref.WeakSet[_EngineOptimizer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _drop_engines_at_exit() -> None:
+    for opt in list(_LIVE):
+        opt._engine, opt._engine_key, opt._engine_params, opt._engine_states = None, None, [], []
 
 
 # The engine's names of the state tensors, by the group's kind of algorithm.
@@ -290,6 +322,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._blocking = blocking
         self._workspace_limit = -1 if workspace_limit is None else workspace_limit
         self._megabatch = bool(megabatch)
+        _LIVE.add(self)
         self._engine = None
         self._engine_key = None
         self._engine_params: List[torch.Tensor] = []
@@ -337,6 +370,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._kinds = {}  # unknown after unpickling: the state is taken as made for its group
         self._pushed, self._pushed_to = {}, None
         self._engine, self._engine_key, self._engine_params, self._engine_groups = None, None, [], []
+        _LIVE.add(self)
         self._engine_states = []
         self._engine_cuda = False
         self._applied_seen = self._skipped_seen = 0
@@ -348,11 +382,12 @@ class _EngineOptimizer(torch.optim.Optimizer):
     def _fill_missing_keys(self) -> None:
         # Groups (and defaults) pickled by an older version may lack keys added since: a fresh
         # optimizer's defaults supply them, as load_state_dict does for the groups it loads.
-        fresh = type(self)([torch.zeros(2, 2, requires_grad=True)]).defaults
+        fresh = _fresh_defaults(type(self))
         for k, v in fresh.items():
             self.defaults.setdefault(k, v)
+        keys = fresh or [k for k in self.defaults if k not in _TORCH_DEFAULT_KEYS]
         for g in self.param_groups:
-            for k in fresh:  # torch's own defaults (differentiable, ...) stay out of the groups
+            for k in keys:  # torch's own defaults (differentiable, ...) stay out of the groups
                 g.setdefault(k, self.defaults[k])
 
     def __getstate__(self) -> Dict[str, Any]:

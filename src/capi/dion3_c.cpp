@@ -121,6 +121,8 @@ extern "C" {
 
 const char* dion3_last_error(void) { return g_last_error.c_str(); }
 
+int dion3_api_version(void) { return DION3_C_API_VERSION; }
+
 const char* dion3_version(void) { return DION3_VERSION_STRING; }
 
 int dion3_cuda_available(void) {
@@ -261,7 +263,13 @@ dion3_status dion3_add_param_layout(dion3_optimizer* opt, int group, const char*
       if (layout->comm) spec.layout.comm = layout->comm->comm;
       require(layout->row_chunk >= 0, "parameter '" + n + "': layout row_chunk is " +
                                           std::to_string(layout->row_chunk) + ", expected >= 0");
-      if (layout->row_chunk > 0) {  // a cut of its own; the engine checks it against the shard
+      if (layout->row_chunk > 0) {  // a row cut of its own
+        require(layout->kind == DION3_LAYOUT_ROW_SHARD,
+                "parameter '" + n + "': row_offset / row_chunk describe a ROW_SHARD cut; this layout is " +
+                    dion3::layout_name(spec.layout.kind));
+        require(layout->row_offset >= 0 && layout->row_offset <= layout->global_rows,
+                "parameter '" + n + "': layout row_offset is " + std::to_string(layout->row_offset) +
+                    ", expected 0.." + std::to_string(layout->global_rows));
         spec.layout.row_offset = layout->row_offset;
         spec.layout.row_chunk = layout->row_chunk;
       }

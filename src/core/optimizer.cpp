@@ -110,12 +110,8 @@ std::vector<StateSpec> state_specs(const GroupConfig& g, DType weight_dtype, con
       // One variance entry per matrix row: dim0 for a matrix or a flattened tensor, else the rows
       // of every matrix of the stack.
       int64_t rows = shape.empty() ? 0 : shape[0];
-      if (!g.flatten && shape.size() > 2) {
-        int64_t numel = 1;
-        for (int64_t d : shape) numel *= d;
-        const int64_t r = shape[shape.size() - 2];
-        rows = numel / std::max<int64_t>(r * shape.back(), 1) * r;
-      }
+      if (!g.flatten)
+        for (std::size_t d = 1; d + 1 < shape.size(); ++d) rows *= shape[d];
       return {{"momentum", momentum, shape}, {"variance", DType::F32, {rows}}};
     }
     case Algorithm::Dion2:

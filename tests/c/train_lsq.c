@@ -435,6 +435,8 @@ int main(void) {
   printf("dion3 C API %s (API version %d)\n", dion3_version(), DION3_C_API_VERSION);
   CHECK(strcmp(dion3_version(), DION3_EXPECTED_VERSION) == 0, "dion3_version() is \"%s\", VERSION says \"%s\"",
         dion3_version(), DION3_EXPECTED_VERSION);
+  CHECK(dion3_api_version() == DION3_C_API_VERSION, "library API version %d, header %d", dion3_api_version(),
+        DION3_C_API_VERSION);
   make_problem();
   test_defaults();
   test_errors();

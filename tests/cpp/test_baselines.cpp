@@ -1,5 +1,5 @@
-// tests/cpp/test_baselines.cpp — the baseline modes through dion3::Optimizer (algorithm.md §1 "baseline
-// modes", §4): Muon (with and without Nesterov, its textbook first step, cautious weight
+// tests/cpp/test_baselines.cpp — the baseline modes through dion3::Optimizer (algorithm.md §1
+// "Baselines", §4): Muon (with and without Nesterov, its textbook first step, cautious weight
 // decay), NorMuon, AdamW (bias-corrected) and Lion, each against the float64 reference, with
 // f32 and 16-bit parameters.
 #include <gtest/gtest.h>

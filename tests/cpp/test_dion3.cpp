@@ -642,7 +642,7 @@ TEST(Dion3, FractionScheduleRePlansBetweenSteps) {
 }
 
 TEST(Dion3, GradientInAnotherDtypeIsCastToTheMomentumDtype) {
-  // algorithm.md §1 step 1: "G cast to M's dtype". bf16 weights and momentum, fp32 gradients; then the
+  // algorithm.md §1 step 1: the gradient is cast to the momentum's dtype. bf16 weights and momentum, fp32 gradients; then the
   // same optimizer re-bound to bf16 gradients with set_grad (a re-plan).
   const int m = 32, n = 48;
   Rng rng(17);

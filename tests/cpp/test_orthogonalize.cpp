@@ -445,8 +445,8 @@ TEST(Orthogonalize, ConditionNumber1e4FollowsTheScalarPolynomial) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Gram NS vs standard NS on the same input, per iteration dtype (algorithm.md §2: "to within the
-// iteration dtype's rounding; report the max relative difference").
+// Gram NS vs standard NS on the same input, per iteration dtype (algorithm.md §2: they agree to
+// within the iteration dtype's rounding); each case reports its max relative difference.
 struct AgreeCase {
   DType dtype;
   double tol;  // max |gram - standard| / max |standard|

@@ -416,7 +416,8 @@ TEST(CApi, RowShardedParameterThroughTheCApi) {
 }
 
 // A row cut of its own through the C API (row_offset / row_chunk: the ranks' chunks rotated, so
-// rank r holds chunk r + 1) steps as the C++ engine given the same ParamLayout, bit for bit.
+// rank r holds chunk r + 1) steps as the C++ engine given the same ParamLayout, bit for bit. Row
+// blocks of 10 and 20 rows straddle the shards, so where each rank's rows lie decides the result.
 TEST(CApi, RowShardedParameterWithItsOwnCut) {
   const int P = world_size(), rank = world_rank();
   const int m = 30, cols = 20, c = (m + P - 1) / P;
@@ -434,6 +435,9 @@ TEST(CApi, RowShardedParameterWithItsOwnCut) {
   ASSERT_EQ(dion3_create(&opt, DION3_DEVICE_CPU, 0, nullptr, DION3_NONFINITE_RAISE), DION3_OK);
   dion3_group_config cfg;
   dion3_group_config_default(&cfg);
+  cfg.num_split_sizes = 2;
+  cfg.split_sizes[0] = 10;
+  cfg.split_sizes[1] = 20;
   int g = -1;
   ASSERT_EQ(dion3_add_group(opt, &cfg, &g), DION3_OK);
   dion3_tensor wt = {wc.data(), DION3_F32, DION3_DEVICE_CPU, 0, 2, {count, cols}};
@@ -443,7 +447,9 @@ TEST(CApi, RowShardedParameterWithItsOwnCut) {
   ASSERT_EQ(dion3_step(opt, nullptr), DION3_OK) << dion3_last_error();
 
   dion3::Optimizer cpp(dion3::make_cpu_backend());
-  const int gi = cpp.add_group(GroupConfig{});
+  GroupConfig blocks;
+  blocks.split_sizes = {10, 20};
+  const int gi = cpp.add_group(blocks);
   dion3::ParamSpec spec;
   spec.name = "w";
   spec.weight = {wx.data(), DType::F32, dion3::Device::CPU, 0, {count, cols}};
@@ -464,6 +470,14 @@ TEST(CApi, RowShardedParameterWithItsOwnCut) {
   EXPECT_EQ(dion3_add_param_layout(opt, g, "w2", &wt, &gt, &bad, nullptr), DION3_INVALID_ARGUMENT);
   EXPECT_NE(std::string(dion3_last_error()).find("'w2': layout row_chunk is -1"), std::string::npos)
       << dion3_last_error();
+  bad = layout;
+  bad.row_offset = -1;
+  EXPECT_EQ(dion3_add_param_layout(opt, g, "w2", &wt, &gt, &bad, nullptr), DION3_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(dion3_last_error()).find("row_offset is -1"), std::string::npos) << dion3_last_error();
+  bad = layout;
+  bad.kind = DION3_LAYOUT_REPLICATED;
+  EXPECT_EQ(dion3_add_param_layout(opt, g, "w2", &wt, &gt, &bad, nullptr), DION3_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(dion3_last_error()).find("describe a ROW_SHARD cut"), std::string::npos) << dion3_last_error();
   dion3_destroy(opt);
   dion3_comm_destroy(comm);
 }

@@ -5,6 +5,7 @@
 # rescale). Not collected by pytest (no test_ prefix).
 from __future__ import annotations
 
+import gc
 import os
 import traceback
 
@@ -35,6 +36,7 @@ def run(rank, world, tmp, name, args):
                                 world_size=world)
         torch.set_num_threads(1)
         globals()[name](rank, world, tmp, *args)
+        gc.collect()  # optimizers left in reference cycles release their process groups now
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - everything goes to the parent

@@ -326,3 +326,37 @@ def test_unpickled_optimizer_of_an_older_version_takes_new_keys_from_defaults(de
     q.grad = torch.randn_like(q)
     again.step()
     assert again.state[q]["step"] == 2
+
+
+class _Tagged(dion3.Dion3):
+    """A user's subclass whose constructor needs more than a parameter list."""
+
+    def __init__(self, params, tag, **kw):
+        super().__init__(params, **kw)
+        self.tag = tag
+
+
+def test_unpickling_a_subclass_and_loading_under_float64_defaults(device):
+    import copy
+    p = nn.Parameter(torch.randn(8, 6, device=device))
+    opt = _Tagged([p], "mine", lr=0.02)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    clone = copy.deepcopy(opt)  # __setstate__ cannot make a fresh _Tagged: falls back to its own defaults
+    assert "differentiable" not in clone.param_groups[0] and clone.param_groups[0]["lr"] == 0.02
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        q = nn.Parameter(torch.randn(8, 6, device=device, dtype=torch.float32))
+        other = dion3.Dion3([q])
+        other.load_state_dict(opt.state_dict())
+    finally:
+        torch.set_default_dtype(previous)
+    assert other.param_groups[0]["lr"] == 0.02
+
+
+def test_empty_coefficient_list_is_refused_by_name():
+    with pytest.raises(ValueError, match="'coefficients' must hold at least one"):
+        opt = dion3.Dion3([nn.Parameter(torch.randn(8, 6))], coefficients=[])
+        opt.param_groups[0]["params"][0].grad = torch.randn(8, 6)
+        opt.step()

@@ -14,6 +14,7 @@
 #include <climits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -127,6 +128,8 @@ dion3::GroupConfig group_config(const py::dict& d) {
                              std::to_string(abc.size()) + " numbers");
     steps.push_back({abc[0], abc[1], abc[2]});
   }
+  if (steps.empty())
+    throw dion3::Error(dion3::Status::InvalidArgument, "'coefficients' must hold at least one (a, b, c) step");
   if (steps.size() > DION3_MAX_ORTH_STEPS)
     throw dion3::Error(dion3::Status::InvalidArgument, "'coefficients' has " + std::to_string(steps.size()) +
                                                            " steps; at most " + std::to_string(DION3_MAX_ORTH_STEPS));
@@ -655,10 +658,16 @@ auto guarded(R (*f)(A...)) {
   };
 }
 
-// The state tensors the engine keeps for a parameter of `shape` in a group (a normalised dict).
-py::list state_specs_of(const py::dict& cfg, const std::string& weight_dtype, const std::vector<int64_t>& shape) {
+// The state tensors the engine keeps for a parameter of `shape` in a group of `algorithm` (the
+// settings that decide them: flatten, momentum_dtype, None = the weight's).
+py::list state_specs_of(const std::string& algorithm, bool flatten, const std::optional<std::string>& momentum_dtype,
+                        const std::string& weight_dtype, const std::vector<int64_t>& shape) {
+  dion3::GroupConfig g;
+  g.algorithm = dion3::parse_algorithm(algorithm);
+  g.flatten = flatten;
+  if (momentum_dtype) g.momentum_dtype = to_dtype(to_scalar_type(*momentum_dtype));
   py::list out;
-  for (const auto& s : dion3::state_specs(group_config(cfg), to_dtype(to_scalar_type(weight_dtype)), shape)) {
+  for (const auto& s : dion3::state_specs(g, to_dtype(to_scalar_type(weight_dtype)), shape)) {
     const char* dt = s.dtype == dion3::DType::F32    ? "float32"
                      : s.dtype == dion3::DType::F16  ? "float16"
                      : s.dtype == dion3::DType::BF16 ? "bfloat16"
