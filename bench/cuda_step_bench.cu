@@ -10,7 +10,8 @@
 // device memory it holds beyond its state.
 // --profile: where the time of one step goes — per megabatch and phase (accumulate, select,
 // gather, orthogonalization ops, update), timed with CUDA events around every backend op, with
-// the achieved bandwidth of the memory-bound phases; for several workspace limits and methods.
+// the achieved bandwidth of the memory-bound phases and their share of the device's copy bandwidth
+// (measured in the same run); for several workspace limits and methods.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -65,6 +66,35 @@ double used_bytes() {
   CK(cudaDeviceSynchronize());
   CK(cudaMemGetInfo(&free_b, &total));
   return static_cast<double>(total - free_b);
+}
+
+// The device's copy bandwidth, the yardstick of the memory-bound phases: a 1 GiB device-to-device
+// copy timed with events, bytes read plus written over the median of 7 copies, in GB/s.
+double copy_bandwidth_gbs() {
+  const std::size_t bytes = std::size_t{1} << 30;
+  void *src = nullptr, *dst = nullptr;
+  CK(cudaMalloc(&src, bytes));
+  CK(cudaMalloc(&dst, bytes));
+  CK(cudaMemset(src, 1, bytes));
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int i = 0; i < 8; ++i) {
+    CK(cudaEventRecord(a));
+    CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice));
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float t = 0;
+    CK(cudaEventElapsedTime(&t, a, b));
+    if (i > 0) ms.push_back(t);  // the first copy warms up
+  }
+  std::sort(ms.begin(), ms.end());
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
+  CK(cudaFree(src));
+  CK(cudaFree(dst));
+  return 2.0 * static_cast<double>(bytes) / (ms[ms.size() / 2] * 1e6);
 }
 
 }  // namespace
@@ -140,6 +170,11 @@ int main(int argc, char** argv) {
     }
     CK(cudaDeviceSynchronize());
     if (profile) {
+      const double copy_gbs = copy_bandwidth_gbs();
+      line(fmt("Copy bandwidth (1 GiB device-to-device, read + written): %.0f GB/s; the phases' share of it is "
+               "in the 'all' row of each table.",
+               copy_gbs));
+      line("");
       for (double frac : prof_fractions)
         for (std::size_t ws : prof_ws_mib)
           for (const std::string& meth : prof_methods) {
@@ -191,6 +226,8 @@ int main(int argc, char** argv) {
                                       "orth.sym_product", "orth.gemm", "orth.copy", "orth.add_identity"};
             std::ostringstream orth_tab;
             double tot[6] = {0, 0, 0, 0, 0, 0};
+            double moved[3] = {0, 0, 0};  // bytes of accumulate, gather, update over all megabatches
+            double grad_bytes = 0;        // the non-finite check reads every bf16 gradient once
             for (const auto& m : opt.plan()) {
               const std::string sh = fmt("%lldx%lld", (long long)m.rows, (long long)m.cols);
               const double n = m.count, R = m.rows, C = m.cols, K = m.selected_rows;
@@ -212,11 +249,18 @@ int main(int argc, char** argv) {
                        sel, gat, gbs_gat, orth, upd, gbs_upd, ref));
               orth_tab << fmt("| %s |%s\n", sh.c_str(), ops.c_str());
               tot[0] += acc; tot[1] += sel; tot[2] += gat; tot[3] += orth; tot[4] += upd; tot[5] += ref;
+              grad_bytes += n * R * C * 2;
+              moved[0] += gbs_acc * acc * 1e6;
+              moved[1] += gbs_gat * gat * 1e6;
+              moved[2] += gbs_upd * upd * 1e6;
             }
-            line(fmt("| all | | | | | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |", tot[0], tot[1], tot[2], tot[3], tot[4],
+            auto share = [&](int i, double ms) { return ms > 0 ? 100.0 * moved[i] / (ms * 1e6) / copy_gbs : 0.0; };
+            line(fmt("| all (share of copy bandwidth) | | | | | %.2f (%.0f%%) | %.2f | %.2f (%.0f%%) | %.2f | %.2f (%.0f%%) | %.2f |",
+                     tot[0], share(0, tot[0]), tot[1], tot[2], share(1, tot[2]), tot[3], tot[4], share(2, tot[4]),
                      tot[5]));
-            line(fmt("| (check_step %.2f, other %.2f) | | | | | | | | | | |", get("all", "check_step"),
-                     get("all", "other")));
+            const double check_ms = get("all", "check_step");
+            line(fmt("| (check_step %.2f (%.0f%%), other %.2f) | | | | | | | | | | |", check_ms,
+                     check_ms > 0 ? 100.0 * grad_bytes / (check_ms * 1e6) / copy_gbs : 0.0, get("all", "other")));
             line("");
             line("| megabatch | normalize | transpose | convert | gram | sym_product | gemm | copy | add_identity |");
             line("|---|---|---|---|---|---|---|---|---|");
