@@ -227,7 +227,7 @@ int main(int argc, char** argv) {
             std::ostringstream orth_tab;
             double tot[6] = {0, 0, 0, 0, 0, 0};
             double moved[3] = {0, 0, 0};  // bytes of accumulate, gather, update over all megabatches
-            double grad_bytes = 0;        // the non-finite check reads every bf16 gradient once
+            double grad_bytes = 0;        // check_step reads every bf16 gradient and momentum once
             for (const auto& m : opt.plan()) {
               const std::string sh = fmt("%lldx%lld", (long long)m.rows, (long long)m.cols);
               const double n = m.count, R = m.rows, C = m.cols, K = m.selected_rows;
@@ -249,7 +249,7 @@ int main(int argc, char** argv) {
                        sel, gat, gbs_gat, orth, upd, gbs_upd, ref));
               orth_tab << fmt("| %s |%s\n", sh.c_str(), ops.c_str());
               tot[0] += acc; tot[1] += sel; tot[2] += gat; tot[3] += orth; tot[4] += upd; tot[5] += ref;
-              grad_bytes += n * R * C * 2;
+              grad_bytes += n * R * C * 4;
               moved[0] += gbs_acc * acc * 1e6;
               moved[1] += gbs_gat * gat * 1e6;
               moved[2] += gbs_upd * upd * 1e6;
