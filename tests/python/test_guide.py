@@ -1,6 +1,6 @@
 # test_guide.py — docs/guide.md runs as written: its Python examples, in order, in one namespace
 # on the CPU; its C example is an excerpt of a program the suite compiles and runs
-# (tests/c/train_lsq.c), verbatim.
+# (tests/c/train_lsq.c), verbatim; docs/algorithm.md states the engine's defaults and coefficients.
 import os
 import re
 
@@ -30,3 +30,25 @@ def test_the_c_example_is_an_excerpt_of_a_tested_program():
     (c,) = blocks("c")
     program = open(os.path.join(ROOT, "tests", "c", "train_lsq.c")).read()
     assert c in program
+
+
+ALGORITHM = os.path.join(ROOT, "docs", "algorithm.md")
+
+
+def test_algorithm_page_states_the_engines_defaults_and_coefficients():
+    # docs/algorithm.md repeats numbers the engine defines; they must stay the engine's.
+    import dion3
+
+    text = open(ALGORITHM).read()
+    engine = dion3.optimizer.ENGINE_DEFAULTS
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+?) \|", text, flags=re.M))
+    for key in ("lr", "fraction", "mu", "muon_beta2", "weight_decay", "epsilon"):
+        assert float(rows[key]) == engine[key], key
+    assert rows["adjust_lr"] == f'`"{engine["adjust_lr"]}"`'
+    assert rows["flatten"] == str(engine["flatten"])
+    assert f"Restarts default to `{{{', '.join(map(str, engine['restarts']))}}}`" in text
+    sets = dion3.optimizer.COEFFICIENT_SETS
+    for name in ("polar_express", "you"):
+        section = text.split(f'- `"{name}"`', 1)[1].split("\n- ", 1)[0].replace("−", "-")
+        steps = [tuple(float(x) for x in t.split(",")) for t in re.findall(r"\(([-\d., ]+)\)", section)]
+        assert steps == [tuple(s) for s in sets[name]], name
