@@ -218,6 +218,7 @@ int main(int argc, char** argv) {
             line("| megabatch | n | k | method | chunk | accumulate ms (GB/s) | select | gather ms (GB/s) | orth ms | "
                  "update ms (GB/s) | refresh |");
             line("|---|---|---|---|---|---|---|---|---|---|---|");
+            auto gbs = [](double bytes, double ms) { return ms > 0 ? bytes / (ms * 1e6) : 0.0; };
             auto get = [&](const std::string& sh, const std::string& op) {
               auto it = pb->totals.find({sh, op});
               return it == pb->totals.end() ? 0.0 : it->second / prof_steps;
@@ -227,7 +228,7 @@ int main(int argc, char** argv) {
             std::ostringstream orth_tab;
             double tot[6] = {0, 0, 0, 0, 0, 0};
             double moved[3] = {0, 0, 0};  // bytes of accumulate, gather, update over all megabatches
-            double grad_bytes = 0;        // check_step reads every bf16 gradient and momentum once
+            double check_bytes = 0;       // check_step reads every bf16 gradient and momentum once
             for (const auto& m : opt.plan()) {
               const std::string sh = fmt("%lldx%lld", (long long)m.rows, (long long)m.cols);
               const double n = m.count, R = m.rows, C = m.cols, K = m.selected_rows;
@@ -239,28 +240,29 @@ int main(int argc, char** argv) {
                 orth += get(sh, o);
                 ops += fmt(" %.2f |", get(sh, o));
               }
-              const double gbs_acc = n * R * C * 6 / (acc * 1e6), gbs_gat = n * K * C * 6 / (gat * 1e6);  // M rows read + rescaled, U (bf16) written
-              // update: W read+written (all rows), O read twice (NorMuon row sums, update) in its dtype.
+              // accumulate: G read, M read and written; gather: M rows read and rescaled, U (bf16)
+              // written; update: W read and written (all rows), O read twice (NorMuon row sums,
+              // update) in its dtype.
               const double o_bytes = static_cast<double>(dion3::dtype_size(m.iteration_dtype));
-              const double gbs_upd = (n * R * C * 4 + n * K * C * 2 * o_bytes) / (upd * 1e6);
+              const double b_acc = n * R * C * 6, b_gat = n * K * C * 6, b_upd = n * R * C * 4 + n * K * C * 2 * o_bytes;
               line(fmt("| %s | %lld | %lld | %s | %lld | %.2f (%.0f) | %.2f | %.2f (%.0f) | %.2f | %.2f (%.0f) | %.2f |",
                        sh.c_str(), (long long)m.count, (long long)m.selected_rows,
-                       m.method == dion3::OrthMethod::Gram ? "gram" : "standard", (long long)m.chunk, acc, gbs_acc,
-                       sel, gat, gbs_gat, orth, upd, gbs_upd, ref));
+                       m.method == dion3::OrthMethod::Gram ? "gram" : "standard", (long long)m.chunk, acc,
+                       gbs(b_acc, acc), sel, gat, gbs(b_gat, gat), orth, upd, gbs(b_upd, upd), ref));
               orth_tab << fmt("| %s |%s\n", sh.c_str(), ops.c_str());
               tot[0] += acc; tot[1] += sel; tot[2] += gat; tot[3] += orth; tot[4] += upd; tot[5] += ref;
-              grad_bytes += n * R * C * 4;
-              moved[0] += gbs_acc * acc * 1e6;
-              moved[1] += gbs_gat * gat * 1e6;
-              moved[2] += gbs_upd * upd * 1e6;
+              check_bytes += n * R * C * 4;
+              moved[0] += b_acc;
+              moved[1] += b_gat;
+              moved[2] += b_upd;
             }
-            auto share = [&](int i, double ms) { return ms > 0 ? 100.0 * moved[i] / (ms * 1e6) / copy_gbs : 0.0; };
+            auto share = [&](double bytes, double ms) { return 100.0 * gbs(bytes, ms) / copy_gbs; };
             line(fmt("| all (share of copy bandwidth) | | | | | %.2f (%.0f%%) | %.2f | %.2f (%.0f%%) | %.2f | %.2f (%.0f%%) | %.2f |",
-                     tot[0], share(0, tot[0]), tot[1], tot[2], share(1, tot[2]), tot[3], tot[4], share(2, tot[4]),
-                     tot[5]));
+                     tot[0], share(moved[0], tot[0]), tot[1], tot[2], share(moved[1], tot[2]), tot[3], tot[4],
+                     share(moved[2], tot[4]), tot[5]));
             const double check_ms = get("all", "check_step");
             line(fmt("| (check_step %.2f (%.0f%%), other %.2f) | | | | | | | | | | |", check_ms,
-                     check_ms > 0 ? 100.0 * grad_bytes / (check_ms * 1e6) / copy_gbs : 0.0, get("all", "other")));
+                     share(check_bytes, check_ms), get("all", "other")));
             line("");
             line("| megabatch | normalize | transpose | convert | gram | sym_product | gemm | copy | add_identity |");
             line("|---|---|---|---|---|---|---|---|---|");

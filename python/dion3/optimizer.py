@@ -223,7 +223,7 @@ _LIVE: "weakref.WeakSet[_EngineOptimizer]" = weakref.WeakSet()
 @atexit.register
 def _drop_engines_at_exit() -> None:
     for opt in list(_LIVE):
-        opt._engine, opt._engine_key, opt._engine_params, opt._engine_states = None, None, [], []
+        opt._engine, opt._engine_key = None, None
 
 
 # The engine's names of the state tensors, by the group's kind of algorithm.

@@ -64,25 +64,13 @@ dion3_status guard(F&& body) noexcept {
   }
 }
 
-void require(bool ok, const std::string& message) {
-  if (!ok) dion3::fail(message);
-}
+using dion3::capi::require;
+using dion3::capi::to_enum;
 
 template <class T>
 T* checked(T* p, const char* what) {
   require(p != nullptr, std::string(what) + " is NULL");
   return p;
-}
-
-// --- enum conversions ----------------------------------------------------------------------
-
-dion3::DType to_dtype(int32_t v, const std::string& what) { return dion3::capi::dtype_from_c(v, what); }
-
-template <class E>
-E to_enum(int32_t v, int32_t lo, int32_t hi, const std::string& what) {
-  require(v >= lo && v <= hi, what + " is " + std::to_string(v) + ", expected " +
-                                  std::to_string(lo) + ".." + std::to_string(hi));
-  return static_cast<E>(v);
 }
 
 dion3::TensorView to_view(const dion3_tensor* t, const std::string& what) {
@@ -91,7 +79,7 @@ dion3::TensorView to_view(const dion3_tensor* t, const std::string& what) {
           what + ": ndim " + std::to_string(t->ndim) + " is outside 0..8");
   dion3::TensorView v;
   v.data = t->data;
-  v.dtype = to_dtype(t->dtype, what);
+  v.dtype = dion3::capi::dtype_from_c(t->dtype, what);
   v.device = to_enum<dion3::Device>(t->device, DION3_DEVICE_CPU, DION3_DEVICE_CUDA, what + ": device");
   v.device_index = t->device_index;
   v.shape.assign(t->shape, t->shape + t->ndim);

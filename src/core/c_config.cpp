@@ -5,21 +5,9 @@
 #include <cstring>
 #include <vector>
 
-#include "dion3/error.hpp"
 
 namespace dion3::capi {
 namespace {
-
-void require(bool ok, const std::string& message) {
-  if (!ok) fail(message);
-}
-
-template <class E>
-E to_enum(int32_t v, int32_t lo, int32_t hi, const std::string& what) {
-  require(v >= lo && v <= hi, what + " is " + std::to_string(v) + ", expected " +
-                                  std::to_string(lo) + ".." + std::to_string(hi));
-  return static_cast<E>(v);
-}
 
 const std::vector<Coefficients>& preset(int32_t which) {
   return which == DION3_COEFF_YOU         ? you_coefficients()

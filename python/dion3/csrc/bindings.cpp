@@ -10,7 +10,6 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
-#include <array>
 #include <climits>
 #include <map>
 #include <memory>
@@ -119,15 +118,7 @@ dion3::GroupConfig group_config(const py::dict& d) {
   c.scale_lr_by_fraction = py::cast<bool>(d["scale_lr_by_fraction"]);
   c.momentum_dtype = c_dtype(d, "momentum_dtype");
   c.orth_method = static_cast<int32_t>(dion3::parse_orth_method(py::cast<std::string>(d["orthogonalizer"])));
-  std::vector<std::array<double, 3>> steps;
-  for (const auto& step : py::cast<py::list>(d["coefficients"])) {
-    auto abc = py::cast<std::vector<double>>(step);
-    if (abc.size() != 3)
-      throw dion3::Error(dion3::Status::InvalidArgument,
-                         "'coefficients' must be a list of (a, b, c) triples, got a step of " +
-                             std::to_string(abc.size()) + " numbers");
-    steps.push_back({abc[0], abc[1], abc[2]});
-  }
+  const auto steps = py::cast<py::list>(d["coefficients"]);
   if (steps.empty())
     throw dion3::Error(dion3::Status::InvalidArgument, "'coefficients' must hold at least one (a, b, c) step");
   if (steps.size() > DION3_MAX_ORTH_STEPS)
@@ -135,7 +126,14 @@ dion3::GroupConfig group_config(const py::dict& d) {
                                                            " steps; at most " + std::to_string(DION3_MAX_ORTH_STEPS));
   c.orth_coefficients = DION3_COEFF_CUSTOM;  // the Python layer resolves named sets to their steps
   c.orth_num_custom = static_cast<int32_t>(steps.size());
-  for (std::size_t i = 0; i < steps.size(); ++i) std::copy(steps[i].begin(), steps[i].end(), c.orth_custom[i]);
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    auto abc = py::cast<std::vector<double>>(steps[i]);
+    if (abc.size() != 3)
+      throw dion3::Error(dion3::Status::InvalidArgument,
+                         "'coefficients' must be a list of (a, b, c) triples, got a step of " +
+                             std::to_string(abc.size()) + " numbers");
+    std::copy(abc.begin(), abc.end(), c.orth_custom[i]);
+  }
   c.orth_num_restarts = c_list(py::cast<std::vector<int32_t>>(d["restarts"]), c.orth_restarts, "restarts");
   c.orth_iteration_dtype = c_dtype(d, "iteration_dtype");
   c.selection_scope = static_cast<int32_t>(dion3::parse_selection_scope(py::cast<std::string>(d["selection_scope"])));
@@ -667,13 +665,8 @@ py::list state_specs_of(const std::string& algorithm, bool flatten, const std::o
   g.flatten = flatten;
   if (momentum_dtype) g.momentum_dtype = to_dtype(to_scalar_type(*momentum_dtype));
   py::list out;
-  for (const auto& s : dion3::state_specs(g, to_dtype(to_scalar_type(weight_dtype)), shape)) {
-    const char* dt = s.dtype == dion3::DType::F32    ? "float32"
-                     : s.dtype == dion3::DType::F16  ? "float16"
-                     : s.dtype == dion3::DType::BF16 ? "bfloat16"
-                                                     : "float64";
-    out.append(py::make_tuple(s.name, dt, py::tuple(py::cast(s.shape))));
-  }
+  for (const auto& s : dion3::state_specs(g, to_dtype(to_scalar_type(weight_dtype)), shape))
+    out.append(py::make_tuple(s.name, dion3::dtype_name(s.dtype), py::tuple(py::cast(s.shape))));
   return out;
 }
 
