@@ -567,11 +567,16 @@ def parse_args(argv=None):
 
 
 def report_only(out: str) -> int:
-    records = []
+    records, files = [], {}
     for f in sorted(os.listdir(out)) if os.path.isdir(out) else []:
         if f.startswith("run-") and f.endswith(".json"):
             with open(os.path.join(out, f)) as fh:
                 records.append(json.load(fh))
+            name = records[-1]["name"]
+            if name in files:  # the table and plot are keyed by run name: one record per run
+                raise SystemExit(f"train_gpt: --report-only: {files[name]} and {f} are both run {name!r}; "
+                                 "keep one of them in the folder")
+            files[name] = f
     if not records:
         raise SystemExit(f"train_gpt: --report-only: no run-*.json records in {out}")
     order = {n: i for i, n in enumerate(OPTIMIZERS)}

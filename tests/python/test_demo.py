@@ -70,6 +70,12 @@ def test_dion3_at_several_fractions_is_compared_fraction_by_fraction(tmp_path):
     (tmp_path / "results.md").unlink()  # the records of both fractions make one report
     assert train_gpt.main(["--report-only", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "results.md").read_text() == table
+    # A record copied in twice (under another file name) would be one run twice: refused.
+    copy = tmp_path / "run-copy.json"
+    copy.write_text((tmp_path / "run-dion3-f0.25@1x.json").read_text())
+    with pytest.raises(SystemExit, match="are both run 'dion3-f0.25@1x'"):
+        train_gpt.main(["--report-only", "--out", str(tmp_path)])
+    copy.unlink()
     # On another machine only the records travel: --resume takes finished runs from them.
     for ck in tmp_path.glob("ckpt-*.pt"):
         ck.unlink()
