@@ -3,7 +3,11 @@
 // one after the other and side by side (fork/join through events, the second stream at normal,
 // low and high priority): Gram NS chains at p = 512 (64 x 512 x 2048 and 16 x 512 x 8192),
 // standard NS on 16 x 2048 x 2048, and a memory-bound stand-in (a device copy of the bytes one
-// megabatch's accumulate moves). Interleaved CUDA-event medians; markdown on stdout and --out.
+// megabatch's accumulate moves). Then the products held to fewer multiprocessors
+// (set_product_sm_limit) with a memory pass on the rest: can a memory-bound pass hide under the
+// orthogonalization when it gets SMs of its own? Interleaved CUDA-event medians; markdown on
+// stdout and --out. --only pairs|halves|partition runs one section.
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <functional>
@@ -27,6 +31,40 @@ struct Work {
 };
 
 using bench::orth_config;
+
+__device__ uint4 decay_add8(uint4 m, uint4 g, float decay) {
+  uint4 r;
+  const auto* mv = reinterpret_cast<const __nv_bfloat162*>(&m);
+  const auto* gv = reinterpret_cast<const __nv_bfloat162*>(&g);
+  auto* rv = reinterpret_cast<__nv_bfloat162*>(&r);
+#pragma unroll
+  for (int h = 0; h < 4; ++h) {
+    const float2 a = __bfloat1622float2(mv[h]), b = __bfloat1622float2(gv[h]);
+    rv[h] = __floats2bfloat162_rn(fmaf(decay, a.x, b.x), fmaf(decay, a.y, b.y));
+  }
+  return r;
+}
+
+// The accumulate pass's bytes (m = decay·m + g, bf16; n 16-byte words each) on exactly gridDim.x
+// multiprocessors: one 1024-thread block per SM (its shared memory request keeps a second block
+// and any orthogonalization CTA off that SM), four loads of g and of m in flight per thread.
+constexpr int kPassSmem = 120 * 1024;
+__global__ void __launch_bounds__(1024, 1) memory_pass_kernel(const uint4* __restrict__ g, uint4* __restrict__ m,
+                                                              std::size_t n, float decay) {
+  const std::size_t stride = std::size_t{gridDim.x} * blockDim.x;
+  std::size_t i = std::size_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    uint4 gv[4], mv[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      gv[u] = g[i + u * stride];
+      mv[u] = m[i + u * stride];
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) m[i + u * stride] = decay_add8(mv[u], gv[u], decay);
+  }
+  for (; i < n; i += stride) m[i] = decay_add8(m[i], g[i], decay);
+}
 
 }  // namespace
 
@@ -66,6 +104,7 @@ int main(int argc, char** argv) {
   CK(cudaStreamSynchronize(sa));
 
   cudaStream_t sb = sb_normal;
+  auto section = [&](const std::string& key) { return args.only.empty() || key.find(args.only) != std::string::npos; };
   const Work w1{"Gram NS 64x512x2048", [&] { g1.run(x1.view); }};
   const Work w3{"standard NS 16x2048x2048", [&] { s3.run(x3.view); }};
   const Work w2{"Gram NS 16x512x8192", [&] { g2.run(x2.view); }};
@@ -118,7 +157,7 @@ int main(int argc, char** argv) {
          "best side by side / one after the other |");
   o.line("|---|---|---|---|---|---|---|---|---|");
   const std::vector<std::pair<const Work*, const Work*>> pairs = {{&w1, &w2}, {&w3, &w2}, {&w3, &wm}, {&w1, &wm}};
-  for (const auto& [a, b] : pairs) {
+  for (const auto& [a, b] : section("pairs") ? pairs : decltype(pairs){}) {
     const std::vector<double> t = bench::interleaved_medians(
         sa, 2, args.iters,
         {alone(*a, false), alone(*b, true), pair(*a, *b, sb_normal, false), pair(*a, *b, sb_normal, true),
@@ -144,7 +183,7 @@ int main(int argc, char** argv) {
       {32, 1024, 11008, dion3::OrthMethod::Gram, DType::F16, "Gram fp16"},
       {16, 2752, 4096, dion3::OrthMethod::Gram, DType::F16, "Gram fp16"}};
   on_b(sb_normal);
-  for (const Split& sp : splits) {
+  for (const Split& sp : section("halves") ? splits : std::vector<Split>{}) {
     Input whole_in = input(*be_a, sp.b, sp.p, sp.q, 11);
     const int64_t h = sp.b / 2;
     MatrixView lo = whole_in.view, hi = whole_in.view;
@@ -160,6 +199,65 @@ int main(int argc, char** argv) {
     o.line(bench::fmt("| (%lld, %lld, %lld) | %s | %.3f | %.3f | %.3f | %.2fx |", static_cast<long long>(sp.b),
                       static_cast<long long>(sp.p), static_cast<long long>(sp.q), sp.name, t[0], t[1], t[2], t[2] / t[0]));
     CK(cudaDeviceSynchronize());
+  }
+  if (section("partition")) {
+    // The products on sms - r multiprocessors (stream A) beside a memory pass on r (stream B),
+    // against both on every SM one after the other: the largest orthogonalization chunk of each
+    // model set with its megabatch chunk's accumulate bytes.
+    int sms = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    CK(cudaFuncSetAttribute(memory_pass_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kPassSmem));
+    o.line("");
+    o.line("## The products on fewer multiprocessors, a memory pass on the rest (ms, medians of " +
+           std::to_string(args.iters) + ")");
+    o.line("");
+    o.line("Pass: m = decay·m + g over bf16 arrays (read g and m, write m), one 1024-thread block per SM. "
+           "GB/s: its bytes over its time.");
+    o.line("");
+    o.line("| orthogonalization | pass GB | r | orth on sms - r | pass on r (GB/s) | side by side | "
+           "orth then pass, all SMs | side by side / one after the other |");
+    o.line("|---|---|---|---|---|---|---|---|");
+    struct Part { int64_t b, p, q; dion3::OrthMethod m; DType dt; const char* name; int64_t pass_elems; };
+    const std::vector<Part> parts = {
+        {16, 2048, 2048, dion3::OrthMethod::Standard, DType::BF16, "standard NS bf16 16x2048x2048",
+         int64_t{16} * 8192 * 2048},
+        {16, 2752, 4096, dion3::OrthMethod::Gram, DType::F16, "Gram NS fp16 16x2752x4096", int64_t{16} * 11008 * 4096}};
+    on_b(sb_normal);
+    for (const Part& pt : parts) {
+      Input x = input(*be_a, pt.b, pt.p, pt.q, 21);
+      dion3::Orthogonalizer orth(*be_a, orth_config(pt.m, pt.dt), pt.b, pt.p, pt.q);
+      const std::size_t words = static_cast<std::size_t>(pt.pass_elems) / 8;
+      dion3::DeviceBuffer g(be_b->allocator(), words * 16), m(be_b->allocator(), words * 16);
+      CK(cudaMemsetAsync(g.get(), 0, words * 16, sa));
+      CK(cudaMemsetAsync(m.get(), 0, words * 16, sa));
+      CK(cudaStreamSynchronize(sa));
+      const double gb = 3.0 * static_cast<double>(words) * 16 / 1e9;
+      auto pass = [&](int blocks, cudaStream_t s) {
+        memory_pass_kernel<<<blocks, 1024, kPassSmem, s>>>(static_cast<const uint4*>(g.get()),
+                                                          static_cast<uint4*>(m.get()), words, 0.95f);
+        CK(cudaGetLastError());
+      };
+      for (const int r : {8, 16, 24, 32, 48}) {
+        const Work wo{"orth", [&, r] {
+                        dion3::cuda::set_product_sm_limit(*be_a, sms - r);
+                        orth.run(x.view);
+                      }};
+        const Work wp{"pass", [&, r] { pass(r, sb); }};
+        const Work wo_all{"orth all", [&] {
+                            dion3::cuda::set_product_sm_limit(*be_a, 0);
+                            orth.run(x.view);
+                          }};
+        const Work wp_all{"pass all", [&] { pass(sms, sb); }};
+        const std::vector<double> t = bench::interleaved_medians(
+            sa, 2, args.iters, {alone(wo, false), alone(wp, true), pair(wo, wp, sb_normal, true), pair(wo_all, wp_all, sb_normal, false)});
+        o.line(bench::fmt("| %s | %.2f | %d | %.3f | %.3f (%.0f) | %.3f | %.3f | %.2fx |", pt.name, gb, r, t[0], t[1],
+                          gb / t[1] * 1e3, t[2], t[3], t[2] / t[3]));
+      }
+      dion3::cuda::set_product_sm_limit(*be_a, 0);
+      const std::vector<double> t = bench::interleaved_medians(sa, 2, args.iters, {[&] { pass(sms, sa); }});
+      o.line(bench::fmt("| (the pass alone on all %d SMs) | %.2f | 0 | | %.3f (%.0f) | | | |", sms, gb, t[0], gb / t[0] * 1e3));
+      CK(cudaDeviceSynchronize());
+    }
   }
   CK(cudaStreamSynchronize(sa));
   if (!args.out_path.empty()) std::ofstream(args.out_path) << o.md.str();

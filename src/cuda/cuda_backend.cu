@@ -345,7 +345,7 @@ class CudaBackend final : public Backend {
       fail("gram: C must be batch x rows x rows of X");
     const int64_t p = X.rows;
     if (use_kernel(X, X, nullptr, C)) {
-      launch_sym_wgmma(X, X, 1.0f, 0.0f, nullptr, 0.0f, C, stream_, false, banded_out);
+      launch_sym_wgmma(X, X, 1.0f, 0.0f, nullptr, 0.0f, C, stream_, false, banded_out, false, sm_limit_);
       return;
     }
     const int64_t tile = tile_for(p);
@@ -370,7 +370,8 @@ class CudaBackend final : public Backend {
     const bool has_d = D != nullptr && D->data != nullptr && beta != 0.0f;
     if (use_kernel(A, B, has_d ? D : nullptr, C)) {
       // Fused: C = alpha·A·B + beta·D + gamma·I from the lower triangle, mirrored (or banded).
-      launch_sym_wgmma(A, B, alpha, beta, has_d ? D : nullptr, gamma, C, stream_, banded_in, banded_out);
+      launch_sym_wgmma(A, B, alpha, beta, has_d ? D : nullptr, gamma, C, stream_, banded_in, banded_out, false,
+                       sm_limit_);
       return;
     }
     if (banded_in) fail("sym_product: banded operands need the fused kernel, which does not run on these");
@@ -405,6 +406,12 @@ class CudaBackend final : public Backend {
   // --- knobs -------------------------------------------------------------------------------
   SymmetricOptions sym_{};
   bool kernel_env_ = true;
+  int sm_limit_ = 0;  // set_product_sm_limit; 0: every multiprocessor
+  void set_sm_limit(int sms) {
+    DION3_CUBLAS_CHECK(cublasSetSmCountTarget(handle_, sms));
+    sm_limit_ = sms;
+    invalidate_recordings();  // recordings hold the old grids
+  }
   // The fused kernel wherever it applies: on the H200 it is at least as fast as the cuBLAS tile
   // schedule it replaces on every shape the benchmarks cover (the symmetric-kernel runs in
   // bench/results/).
@@ -622,6 +629,12 @@ void set_symmetric_options(Backend& backend, const SymmetricOptions& options) {
   be.invalidate_recordings();  // recordings chose their kernels under the old options
 }
 SymmetricOptions symmetric_options(Backend& backend) { return as_cuda(backend).sym_; }
+void set_product_sm_limit(Backend& backend, int sms) {
+  CudaBackend& be = as_cuda(backend);
+  if (sms < 0) fail("set_product_sm_limit: the multiprocessor count must be >= 0, got " + std::to_string(sms));
+  be.set_sm_limit(sms);
+}
+int product_sm_limit(Backend& backend) { return as_cuda(backend).sm_limit_; }
 void* backend_stream(Backend& backend) { return as_cuda(backend).stream(); }
 int64_t symmetric_tile_for(Backend& backend, int64_t p) { return as_cuda(backend).tile_for(p); }
 double symmetric_flop_fraction(Backend& backend, int64_t p) { return as_cuda(backend).flop_fraction(p); }

@@ -27,5 +27,10 @@ int64_t symmetric_tile_for(Backend& backend, int64_t p);
 // as a fraction of one full GEMM's: the tiles it computes, padding included (0.52-0.63 with the
 // fused kernel for p = 4096-512; 1 when it runs full GEMMs). What a roofline floor counts.
 double symmetric_flop_fraction(Backend& backend, int64_t p);
+// At most `sms` multiprocessors for the products (the fused symmetric kernel's persistent grid and
+// cuBLAS's SM target), so that kernels on other streams keep the rest; 0 restores the whole GPU.
+// Results are the same bits either way. Throws InvalidArgument for a negative count.
+void set_product_sm_limit(Backend& backend, int sms);
+int product_sm_limit(Backend& backend);
 
 }  // namespace dion3::cuda

@@ -738,7 +738,7 @@ bool sym_wgmma_supported(const MatrixView& A, const MatrixView& B, const MatrixV
 
 void launch_sym_wgmma(const MatrixView& A, const MatrixView& B, float alpha, float beta,
                       const MatrixView* D, float gamma, const MatrixView& C, cudaStream_t s,
-                      bool banded_in, bool banded_out, bool skip_epilogue) {
+                      bool banded_in, bool banded_out, bool skip_epilogue, int max_ctas) {
   static_assert(kSymBand == kBN, "a banded matrix's diagonal blocks are the schedule's 256-column blocks");
   if (!sym_wgmma_supported(A, B, D, C)) fail("sym_wgmma: unsupported operands", Status::Unsupported);
   const int64_t p = C.rows, batch = C.batch;
@@ -771,7 +771,8 @@ void launch_sym_wgmma(const MatrixView& A, const MatrixView& B, float alpha, flo
                                banded_in ? make_map(B, kEB) : mb};
   int dev = 0;
   const int sms = sm_count_and_check(&dev);
-  const int grid = static_cast<int>(std::min<int64_t>(sms, prm.total_tiles));
+  const int ctas = max_ctas > 0 ? std::min(sms, max_ctas) : sms;
+  const int grid = static_cast<int>(std::min<int64_t>(ctas, prm.total_tiles));
   // The one dtype (D or not, banded inputs or not) dispatch of the kernel.
   auto go = [&](auto bf16, auto hd) {
     if (banded_in) launch_typed<decltype(bf16)::value, decltype(hd)::value, true>(maps, prm, grid, dev, s);

@@ -11,6 +11,7 @@
 #include <numeric>
 
 #include "cuda/cuda_backend.hpp"
+#include "dion3/error.hpp"
 #include "dion3/orthogonalize.hpp"
 #include "cuda_test_util.hpp"
 
@@ -612,6 +613,38 @@ INSTANTIATE_TEST_SUITE_P(Cases, Banded,
                                            BandCase{DType::F16, 1376, 512}, BandCase{DType::BF16, 2048, 2048},
                                            BandCase{DType::F16, 264, 300}),
                          [](const auto& i) { return std::string(dn(i.param.dt)) + "_p" + std::to_string(i.param.p); });
+
+// ---- the products on fewer multiprocessors ----------------------------------------------------
+// set_product_sm_limit caps the fused kernel's persistent grid and cuBLAS's SM target so that
+// other streams keep the rest. The fused kernel computes the same tiles in the same order (the
+// same bits); cuBLAS may pick another kernel for its target (close results).
+TEST_F(CudaOps, ProductsOnFewerMultiprocessorsGiveTheSameBits) {
+  std::mt19937_64 rng(31);
+  const int64_t b = 3, p = 520, q = 700;
+  Twin X(*gpu, DType::F16, b, p, q), R(*gpu, DType::F16, b, p, p), W(*gpu, DType::F16, b, p, p),
+      O(*gpu, DType::F16, b, p, q);
+  X.fill_normal(rng, 1.0f / std::sqrt(static_cast<float>(q)));
+  std::vector<float> out[2][3];
+  for (int limited = 0; limited < 2; ++limited) {
+    dion3::cuda::set_product_sm_limit(*gpu, limited ? 7 : 0);
+    EXPECT_EQ(dion3::cuda::product_sm_limit(*gpu), limited ? 7 : 0);
+    MatrixView Rd = R.dview();
+    gpu->gram(X.dview(), R.dview(), false);
+    gpu->sym_product(2.0f, R.dview(), R.dview(), -1.5f, &Rd, 0.5f, W.dview(), false, false);
+    gpu->gemm(false, false, 1.0f, W.dview(), X.dview(), 0.0f, O.dview());
+    out[limited][0] = R.device_values();
+    out[limited][1] = W.device_values();
+    out[limited][2] = O.device_values();
+  }
+  const bool fused = gpu->symmetric_banded(DType::F16, p);
+  for (int m = 0; m < 2; ++m) {
+    if (fused) EXPECT_TRUE(out[0][m] == out[1][m]) << "product " << m << " (R, W)";
+    else EXPECT_LT(ct::rel_fro_diff(out[0][m], out[1][m]), 1e-3) << "product " << m << " (R, W)";
+  }
+  EXPECT_LT(ct::rel_fro_diff(out[0][2], out[1][2]), 1e-3);
+  EXPECT_THROW(dion3::cuda::set_product_sm_limit(*gpu, -1), dion3::Error);
+  dion3::cuda::set_product_sm_limit(*gpu, 0);
+}
 
 // ---- AdamW / Lion -------------------------------------------------------------------------------
 struct EwCase { DType w, s; int64_t n = 10008; };  // n % 4 == 0: vectorised AdamW
