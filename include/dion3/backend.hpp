@@ -179,6 +179,7 @@ class DION3_API Backend {
  public:
   virtual ~Backend() = default;
   virtual Device device() const = 0;
+  virtual int device_index() const { return 0; }  // the CUDA ordinal the backend runs on
   virtual Allocator& allocator() = 0;
   virtual void set_stream(void* stream) { (void)stream; }
   // The stream every op is enqueued on (CUDA), null on the CPU: communicators order their

@@ -230,12 +230,14 @@ std::vector<int64_t> GroupConfig::row_blocks(int64_t rows) const {
   }
   if (split_sizes.empty()) return {rows};
   int64_t sum = 0;
-  for (int64_t s : split_sizes) sum += s;
-  if (sum != rows) {
+  bool past = false;  // a height past the rows, or a sum past int64: heights that wrap could sum to rows
+  for (int64_t s : split_sizes) past = past || s > rows || __builtin_add_overflow(sum, s, &sum);
+  if (past || sum != rows) {
     std::string list;
     for (int64_t s : split_sizes) list += (list.empty() ? "" : ", ") + std::to_string(s);
-    fail("'split_sizes' [" + list + "] sum to " + std::to_string(sum) + " rows but the matrix has " +
-         std::to_string(rows));
+    fail("'split_sizes' [" + list + "] sum to " +
+         (past ? "more rows than the matrix's " + std::to_string(rows) :
+                 std::to_string(sum) + " rows but the matrix has " + std::to_string(rows)));
   }
   return split_sizes;
 }

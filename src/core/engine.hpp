@@ -188,6 +188,7 @@ struct Optimizer::Impl {
     std::vector<LionParams> lion_hs;
   } lists;
   bool capturing_now = false;  // the step being enqueued is captured by the caller
+  uint64_t captured_binding = 0;  // the binding of the last captured step (0: none): a replay reads that memory
 
   // A profiler range for the lifetime of the object (Backend::range_push and the tracer).
   class Range {
@@ -244,6 +245,7 @@ struct Optimizer::Impl {
   std::array<int64_t, 2> read_counters() const;
   void post_counters();  // starts the copy posted_counters() answers from
   void validate_for_step();
+  void check_adjusted_lrs() const;  // each megabatch's lr after adjust_lr is finite in float32
   StepCheck step_check(const Param& p) const;  // what check_step evaluates for p's step
   // count_dropped: whether a step dropped for a non-finite gradient counts in steps_skipped (not
   // when step() raises it).

@@ -30,8 +30,11 @@ MatrixView flat_of(const TensorView& t) {
 bool same_structure(const GroupConfig& a, const GroupConfig& b) {
   return a.algorithm == b.algorithm && a.flatten == b.flatten && a.momentum_dtype == b.momentum_dtype;
 }
+// Also the settings that pick host-side branches of the step (nesterov, cautious_wd): a captured step
+// has taken its branch, so changing one needs a new plan and a new capture.
 bool same_plan(const GroupConfig& a, const GroupConfig& b) {
   return same_structure(a, b) && a.fraction == b.fraction && a.split_sizes == b.split_sizes &&
+         a.nesterov == b.nesterov && a.cautious_wd == b.cautious_wd &&
          a.num_heads == b.num_heads && a.orth.method == b.orth.method &&
          a.orth.coefficients == b.orth.coefficients && a.orth.restarts == b.orth.restarts &&
          a.orth.iteration_dtype == b.orth.iteration_dtype && a.selection_scope == b.selection_scope;
@@ -152,13 +155,18 @@ int Optimizer::add_group(const GroupConfig& config) {
 
 namespace {
 
-void check_tensor(const std::string& who, const char* role, const TensorView& t, Device device) {
+void check_tensor(const std::string& who, const char* role, const TensorView& t, const Backend& be) {
   if (!is_float_param_dtype(t.dtype))
     fail(who + " " + role + " has dtype " + dtype_name(t.dtype) +
          " but dion3 supports float32, float16 and bfloat16");
+  const Device device = be.device();
   if (t.device != device)
     fail(who + " " + role + " is on " + device_name(t.device) + " but this optimizer runs on " +
          device_name(device));
+  // The kernels run on the backend's GPU and would dereference another GPU's pointers there.
+  if (device == Device::CUDA && t.device_index != be.device_index())
+    fail(who + " " + role + " is on CUDA device " + std::to_string(t.device_index) + " but this optimizer runs on " +
+         "CUDA device " + std::to_string(be.device_index()));
   for (int64_t s : t.shape)
     if (s < 0) fail(who + " " + role + " has a negative dimension in shape " + t.shape_str());
   // Products of some of the dimensions (rows x cols of a batched tensor) must fit as well, also
@@ -178,8 +186,8 @@ void check_tensor(const std::string& who, const char* role, const TensorView& t,
     fail(who + " " + role + " of " + std::to_string(bytes) + " bytes runs past the end of the address space");
 }
 
-void check_grad(const std::string& who, const TensorView& weight, const TensorView& grad, Device device) {
-  check_tensor(who, "gradient", grad, device);
+void check_grad(const std::string& who, const TensorView& weight, const TensorView& grad, const Backend& be) {
+  check_tensor(who, "gradient", grad, be);
   if (grad.shape != weight.shape)
     fail(who + " has weight shape " + weight.shape_str() + " but its gradient has shape " + grad.shape_str());
 }
@@ -218,9 +226,10 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
          std::to_string(s.groups.size()) + " groups");
   if (const std::string e = s.structure_error(group); !e.empty()) fail(who + ": " + e);
   const GroupConfig& g = s.groups[group];
-  const Device device = s.backend->device();
-  check_tensor(who, "weight", spec.weight, device);
-  if (spec.grad.data || !spec.grad.shape.empty()) check_grad(who, spec.weight, spec.grad, device);
+  const Backend& be = *s.backend;
+  const Device device = be.device();
+  check_tensor(who, "weight", spec.weight, be);
+  if (spec.grad.data || !spec.grad.shape.empty()) check_grad(who, spec.weight, spec.grad, be);
   for (const Param& other : s.params)
     if (other.name == spec.name)
       fail(who + ": the optimizer already has a parameter named '" + spec.name + "'; names must be unique");
@@ -229,7 +238,7 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
   {
     std::vector<std::pair<std::string, const TensorView*>> written_here = {{"weight", &spec.weight}};
     for (const auto& [name, view] : spec.state) {
-      check_tensor(who, ("state '" + name + "'").c_str(), view, device);
+      check_tensor(who, ("state '" + name + "'").c_str(), view, be);
       written_here.emplace_back("state '" + name + "'", &view);
     }
     for (std::size_t i = 0; i < written_here.size(); ++i) {
@@ -315,7 +324,9 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
       if (m < 1 || p.cols < 1)
         fail(who + " is row-sharded with " + std::to_string(m) + " rows and " + std::to_string(p.cols) +
              " columns; a matrix needs rows and columns");
-      if (L.row_chunk < 1 || L.row_chunk * P < m || p.rows > L.row_chunk || L.row_offset + p.rows > m)
+      int64_t covered = 0;  // rows the P shards can hold; a chunk past m (or wrapping) is no cut of the matrix
+      if (L.row_chunk < 1 || L.row_chunk > m || __builtin_mul_overflow(L.row_chunk, P, &covered) || covered < m ||
+          p.rows > L.row_chunk || L.row_offset > m - p.rows)
         fail(who + " holds rows [" + std::to_string(L.row_offset) + ", " + std::to_string(L.row_offset + p.rows) +
              ") of " + std::to_string(m) + " with shards of at most " + std::to_string(L.row_chunk) + " rows over " +
              std::to_string(P) + " ranks: not a cut of the matrix into contiguous shards");
@@ -410,7 +421,7 @@ void Optimizer::set_grad(int param, const TensorView& grad) {
   if (param < 0 || param >= static_cast<int>(s.params.size()))
     fail("set_grad: no parameter " + std::to_string(param) + " (the optimizer has " +
          std::to_string(s.params.size()) + ")");
-  check_grad(s.describe(param), s.params[param].weight, grad, s.backend->device());
+  check_grad(s.describe(param), s.params[param].weight, grad, *s.backend);
   if (std::string c = s.memory_clash(grad, false); !c.empty())
     fail(s.describe(param) + ": its new gradient overlaps the memory of " + c);
   TensorView& bound = s.params[param].grad;
@@ -976,10 +987,14 @@ void Optimizer::Impl::validate_for_step() {
         if (s.params[m.param].grad.dtype != mb.grad_dtype) s.plan_valid = false;
   if (!s.plan_valid) s.build_plan();
   s.validated = s.binding;
+  s.check_adjusted_lrs();
+}
+
+void Optimizer::Impl::check_adjusted_lrs() const {
   // The learning rate a matrix update applies depends on its shape: it too must be a float32.
-  for (const Megabatch& mb : s.megabatches) {
+  for (const Megabatch& mb : megabatches) {
     const auto [m, n] = mb.stored_shape();
-    const double lr = s.groups[mb.group].adjusted_lr(m, n);
+    const double lr = groups[mb.group].adjusted_lr(m, n);
     if (!std::isfinite(static_cast<float>(lr)))
       fail(group_error(mb.group, "the learning rate of its " + std::to_string(m) + " x " + std::to_string(n) +
                                      " matrices after adjust_lr is " +
@@ -1536,6 +1551,7 @@ void Optimizer::Impl::enqueue_step(bool count_dropped) {
   //    runs agree on it across ranks first.
   int* flag = s.flag.as<int>();
   s.capturing_now = be.capturing();
+  if (s.capturing_now) s.captured_binding = s.binding;
   s.upload_hyper(s.capturing_now);
   s.build_lists();
   be.fill_zero(flag, sizeof(int));
@@ -1578,9 +1594,14 @@ void Optimizer::refresh_hyperparameters() {
       fail(group_error(g, std::string(e.what()).substr(7)));
     }
     if (!same_plan(s.groups[g], s.planned[g]))
-      fail(group_error(g, "a setting the step's plan depends on changed (fraction, split_sizes, num_heads, the "
-                          "orthogonalizer or the structure); a captured step cannot follow it: capture the step again"));
+      fail(group_error(g, "a setting the step's plan depends on changed (fraction, split_sizes, num_heads, nesterov, "
+                          "cautious_wd, the orthogonalizer or the structure); a captured step cannot follow it: "
+                          "capture the step again"));
   }
+  if (s.captured_binding != 0 && s.binding != s.captured_binding)
+    fail("refresh_hyperparameters: the memory the captured step reads moved since the capture (a gradient given "
+         "anew with set_grad, an imported state, a new parameter or plan): capture the step again");
+  s.check_adjusted_lrs();
   s.upload_hyper(s.backend->capturing());
 }
 

@@ -133,7 +133,7 @@ class CudaBackend final : public Backend {
   // Recordings made before the epoch last changed replay no more (Recording::replay answers
   // false): they hold scratch memory that moved, or kernel choices that changed.
   uint64_t recording_epoch() const { return recording_epoch_; }
-  int device_index() const { return device_; }
+  int device_index() const override { return device_; }
   void invalidate_recordings() { ++recording_epoch_; }
 
   // NVTX costs a call into a stub when no tool (Nsight Systems) is attached.

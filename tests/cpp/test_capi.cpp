@@ -157,6 +157,28 @@ TEST(CApi, PlanGenerationAndHyperparameterRefresh) {
   ASSERT_EQ(dion3_plan_generation(opt, &again), DION3_OK);
   EXPECT_NE(again, gen);  // replanned
   EXPECT_EQ(dion3_plan_generation(opt, nullptr), DION3_INVALID_ARGUMENT);
+  // The refresh checks what the step checks: an lr that adjust_lr takes past float32 (x4 for a
+  // 64 x 4 matrix) is refused.
+  {
+    dion3_optimizer* tall = nullptr;
+    ASSERT_EQ(dion3_create_with_options(&tall, DION3_DEVICE_CPU, 0, nullptr, nullptr), DION3_OK);
+    dion3_group_config_default(&cfg);
+    int tg = -1;
+    ASSERT_EQ(dion3_add_group(tall, &cfg, &tg), DION3_OK);
+    Weights w(64, 4, 1.0f);
+    ASSERT_EQ(dion3_add_param(tall, tg, "tall", &w.wt, &w.gt, nullptr), DION3_OK) << dion3_last_error();
+    ASSERT_EQ(dion3_step(tall, nullptr), DION3_OK) << dion3_last_error();
+    ASSERT_EQ(dion3_set_lr(tall, tg, 3e38), DION3_OK);
+    EXPECT_EQ(dion3_refresh_hyperparameters(tall), DION3_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(dion3_last_error()).find("not finite in float32"), std::string::npos) << dion3_last_error();
+    dion3_destroy(tall);
+  }
+  // Settings that choose branches of the step on the host are part of the plan.
+  ASSERT_EQ(dion3_get_group_config(opt, 0, &cfg), DION3_OK);
+  cfg.cautious_wd = 1;
+  ASSERT_EQ(dion3_set_group_config(opt, 0, &cfg), DION3_OK) << dion3_last_error();
+  EXPECT_EQ(dion3_refresh_hyperparameters(opt), DION3_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(dion3_last_error()).find("cautious_wd"), std::string::npos) << dion3_last_error();
   dion3_destroy(opt);
 }
 

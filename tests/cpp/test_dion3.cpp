@@ -392,6 +392,18 @@ TEST(Dion3, RowBlocksThatDoNotFitAreRefusedNamingTheParameter) {
     EXPECT_NE(std::string(e.what()).find("'qkv'"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("sum to 32 rows but the matrix has 40"), std::string::npos) << e.what();
   }
+  // Heights whose sum wraps past int64 back to the row count are refused too (they would make a
+  // block of 2^62 rows).
+  dion3::GroupConfig wrap = plain(0.25, 0.01);
+  const int64_t big = int64_t{1} << 62;
+  wrap.split_sizes = {big, big, big, big + 40};
+  const int wi = h.opt.add_group(wrap);
+  try {
+    h.add(wi, "wrapped", DType::F32, {40, 32}, rng);
+    FAIL() << "accepted";
+  } catch (const dion3::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("sum to more rows than the matrix's 40"), std::string::npos) << e.what();
+  }
   // The C API carries the blocks both ways.
   dion3_group_config c;
   dion3_group_config_default(&c);

@@ -308,4 +308,62 @@ TEST_F(CudaStep, AnEagerStepAfterACaptureThatWasNotReplayedBindsAfresh) {
   cudaStreamDestroy(stream);
 }
 
+// A captured step reads the memory bound when it was captured: once a gradient is bound anew, a
+// refresh (the call before each replay) refuses; so does a tensor on another GPU than the
+// optimizer's, which the kernels would dereference on the wrong device.
+TEST_F(CudaStep, RefreshRefusesMemoryBoundAnewSinceTheCaptureAndOtherGpusAreRefused) {
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  {
+    std::mt19937_64 rng(88);
+    const std::vector<int64_t> shape = {48, 64};
+    dion3::Optimizer opt(dion3::make_cuda_backend(0, stream));
+    Twin w(*gpu, DType::F32, 1, 48, 64), ga(*gpu, DType::F32, 1, 48, 64), gb(*gpu, DType::F32, 1, 48, 64);
+    w.fill_normal(rng, 0.5f);
+    ga.fill_normal(rng);
+    gb.fill_normal(rng);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    dion3::ParamSpec spec;
+    spec.name = "w";
+    spec.weight = {w.dev.get(), DType::F32, dion3::Device::CUDA, 0, shape};
+    spec.grad = {ga.dev.get(), DType::F32, dion3::Device::CUDA, 0, shape};
+    const int g = opt.add_group(dion3::GroupConfig{});
+    opt.add_param(g, spec);
+    ASSERT_TRUE(opt.step());
+    ASSERT_TRUE(opt.step());  // the second step records the orthogonalization, as before a real capture
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    opt.step_async();
+    cudaGraph_t graph = nullptr;
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    cudaGraphDestroy(graph);
+    EXPECT_NO_THROW(opt.refresh_hyperparameters());
+    opt.set_grad(0, {ga.dev.get(), DType::F32, dion3::Device::CUDA, 0, shape});  // the same memory
+    EXPECT_NO_THROW(opt.refresh_hyperparameters());
+    opt.set_grad(0, {gb.dev.get(), DType::F32, dion3::Device::CUDA, 0, shape});
+    try {
+      opt.refresh_hyperparameters();
+      ADD_FAILURE() << "refreshed a capture whose gradient moved";
+    } catch (const dion3::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("capture the step again"), std::string::npos) << e.what();
+    }
+    ASSERT_TRUE(opt.step());  // eager steps follow the new binding
+
+    dion3::ParamSpec other = spec;
+    other.name = "elsewhere";
+    other.weight.device_index = other.grad.device_index = 1;
+    Twin w2(*gpu, DType::F32, 1, 48, 64), g2(*gpu, DType::F32, 1, 48, 64);
+    other.weight.data = w2.dev.get();
+    other.grad.data = g2.dev.get();
+    try {
+      opt.add_param(g, other);
+      ADD_FAILURE() << "accepted a tensor of CUDA device 1";
+    } catch (const dion3::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("is on CUDA device 1 but this optimizer runs on CUDA device 0"),
+                std::string::npos) << e.what();
+    }
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  }
+  cudaStreamDestroy(stream);
+}
+
 }  // namespace

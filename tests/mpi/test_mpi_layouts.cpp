@@ -474,6 +474,17 @@ TEST(CApi, RowShardedParameterWithItsOwnCut) {
   bad.row_offset = -1;
   EXPECT_EQ(dion3_add_param_layout(opt, g, "w2", &wt, &gt, &bad, nullptr), DION3_INVALID_ARGUMENT);
   EXPECT_NE(std::string(dion3_last_error()).find("row_offset is -1"), std::string::npos) << dion3_last_error();
+  // A chunk larger than the matrix, or one whose P copies wrap past int64, is no cut of it (own
+  // buffers, so that no memory overlap is what refuses them).
+  std::vector<float> w2 = wc, g2 = gc;
+  dion3_tensor w2t = {w2.data(), DION3_F32, DION3_DEVICE_CPU, 0, 2, {count, cols}};
+  dion3_tensor g2t = {g2.data(), DION3_F32, DION3_DEVICE_CPU, 0, 2, {count, cols}};
+  for (const int64_t chunk : {int64_t{m} + 1, int64_t{1} << 62}) {
+    bad = layout;
+    bad.row_chunk = chunk;
+    EXPECT_EQ(dion3_add_param_layout(opt, g, "w2", &w2t, &g2t, &bad, nullptr), DION3_INVALID_ARGUMENT) << chunk;
+    EXPECT_NE(std::string(dion3_last_error()).find("not a cut of the matrix"), std::string::npos) << dion3_last_error();
+  }
   bad = layout;
   bad.kind = DION3_LAYOUT_REPLICATED;
   EXPECT_EQ(dion3_add_param_layout(opt, g, "w2", &wt, &gt, &bad, nullptr), DION3_INVALID_ARGUMENT);
