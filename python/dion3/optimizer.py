@@ -100,14 +100,14 @@ def _engine_config(group: Dict[str, Any]) -> Dict[str, Any]:
         "weight_decay": float(group["weight_decay"]),
         "epsilon": float(group["epsilon"]),
         "adjust_lr": "none" if adjust_lr is None else str(adjust_lr),
-        "flatten": bool(group["flatten"]),
-        "nesterov": bool(group["nesterov"]),
-        "cautious_wd": bool(group["cautious_wd"]),
-        "scale_lr_by_fraction": bool(group["scale_lr_by_fraction"]),
+        "flatten": _flag(group, "flatten"),
+        "nesterov": _flag(group, "nesterov"),
+        "cautious_wd": _flag(group, "cautious_wd"),
+        "scale_lr_by_fraction": _flag(group, "scale_lr_by_fraction"),
         "momentum_dtype": _dtype_name(group.get("momentum_dtype")),
         "orthogonalizer": orth,
         "coefficients": [tuple(float(x) for x in step) for step in coefficients],
-        "restarts": [int(r) for r in restarts],
+        "restarts": [_integer("restarts", r) for r in restarts],
         "iteration_dtype": _dtype_name(group.get("iteration_dtype")),
         "selection_scope": str(group.get("selection_scope", "local")),
         "split_sizes": _split_sizes(group.get("split_sizes")),
@@ -153,6 +153,22 @@ def _plain_snapshot(group: Dict[str, Any], keys: Tuple[str, ...]) -> Optional[Tu
             return None
         values.append(v)
     return tuple(values)
+
+
+def _flag(group: Dict[str, Any], key: str) -> bool:
+    """A group's on/off setting: True or False (numpy's bools and the ints 0 and 1 too), so that a
+    string such as "False" is refused rather than read as true."""
+    v = group[key]
+    if isinstance(v, bool) or type(v).__name__ == "bool_" or isinstance(v, numbers.Integral) and v in (0, 1):
+        return bool(v)
+    raise ValueError(f"dion3: '{key}' must be True or False; got {v!r}")
+
+
+def _integer(key: str, v) -> int:
+    """An integer setting, refusing 1.5 (which int() would cut to 1) and True."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise ValueError(f"dion3: '{key}' must hold integers; got {v!r}")
+    return int(v)
 
 
 def _split_sizes(value) -> List[int]:
@@ -327,6 +343,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._engine_key = None
         self._engine_params: List[torch.Tensor] = []
         self._engine_states: List[Dict[str, Any]] = []
+        self._watched_state = None  # the state mapping the engine's registration watches
         self._engine_cuda = False
         self._applied_seen = self._skipped_seen = 0  # engine counters already folded into state
         self._counters_pending = False
@@ -372,6 +389,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._engine, self._engine_key, self._engine_params, self._engine_groups = None, None, [], []
         _LIVE.add(self)
         self._engine_states = []
+        self._watched_state = None
         self._engine_cuda = False
         self._applied_seen = self._skipped_seen = 0
         self._counters_pending = False
@@ -612,7 +630,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         key = self._registration_key()
-        if self._dirty or key != self._engine_key:
+        if self._dirty or key != self._engine_key or self.state is not self._watched_state:
             self._rebuild(key)
         engine = self._engine
         if engine is None:  # no parameter had a gradient: look again (rare, so done in Python)
@@ -667,12 +685,15 @@ class _EngineOptimizer(torch.optim.Optimizer):
         for i, gi in enumerate(self._engine_groups):
             group = self.param_groups[gi]
             last = self._pushed.get(i)
-            if last is not None and last[1] is not None and _plain_snapshot(group, last[0]) == last[1]:
+            if last is not None and last[1] is not None and len(group) == last[2] and \
+                    _plain_snapshot(group, last[0]) == last[1]:
                 continue
+            if last is not None and len(group) != last[2]:
+                self._check_keys(gi, group)  # a key added since (e.g. another optimizer's name for one)
             view = _ReadKeys(group)
             engine.update_group(i, _engine_config(view))
             keys = tuple(dict.fromkeys(view.read))
-            self._pushed[i] = (keys, _plain_snapshot(group, keys))
+            self._pushed[i] = (keys, _plain_snapshot(group, keys), len(group))
 
     def _run_engine(self, engine, asynchronous: bool) -> int:
         """The engine's step; -1 asks for a rebuild (the set of parameters with gradients changed)."""
@@ -742,8 +763,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
         step cannot follow changed (parameters, groups, fraction, blocks, orthogonalizer): capture
         again."""
         engine = self._engine
-        if engine is None or self._dirty or self._registration_key() != self._engine_key:
-            raise RuntimeError("dion3: the optimizer's parameters or groups changed since the capture; capture again")
+        if (engine is None or self._dirty or self._registration_key() != self._engine_key or
+                self.state is not self._watched_state or engine.state_moved()):
+            raise RuntimeError("dion3: the optimizer's parameters, groups or state tensors changed since the capture; "
+                               "capture again")
         self._push_groups(engine)
         try:
             engine.refresh_hyperparameters()
@@ -916,6 +939,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 params_with_grad.append((gi, group, members))
         if not params_with_grad:
             self._engine_key = key
+            self._watched_state = self.state
             self._dirty = False
             return
         device = params_with_grad[0][2][0][1].device
@@ -985,6 +1009,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._applied_seen, self._skipped_seen = applied_seen, skipped_seen
         self._counters_pending = False
         self._engine_states = [self.state[p] for p in engine_params]
+        engine.watch_state(self.state, [(p, {k: t for k, t in self.state[p].items() if isinstance(t, torch.Tensor)})
+                                        for p in engine_params])
+        self._watched_state = self.state
         self._engine_groups = engine_groups
         self._engine_key = key
         self._dtensors = dtensors

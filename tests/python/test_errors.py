@@ -46,6 +46,9 @@ def test_fraction_out_of_range(device, fraction):
     ("coefficients", [(1.0, 2.0)], r"\(a, b, c\) triples"),
     ("restarts", [7], "'restarts' positions must lie"),
     ("workspace_limit", -5, "'workspace_limit' must be a byte count"),
+    ("flatten", "False", "'flatten' must be True or False; got 'False'"),
+    ("scale_lr_by_fraction", 2, "'scale_lr_by_fraction' must be True or False"),
+    ("restarts", [1.5], "'restarts' must hold integers; got 1.5"),
 ])
 def test_bad_hyper_parameters(device, field, value, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -494,3 +497,21 @@ def test_missing_extension_is_reported_clearly(tmp_path):
     assert r.returncode != 0
     assert "compiled extension dion3._C is missing" in r.stderr
     assert "circular import" not in r.stderr
+
+
+def test_a_setting_added_after_construction_is_checked_at_the_next_step(device):
+    # group["momentum"] = ... (another optimizer's name for mu, e.g. a momentum warm-up written for
+    # torch's SGD) would otherwise be ignored while the schedule seems to run.
+    w = mat(device)
+    opt = dion3.Muon([w], lr=0.02)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    opt.param_groups[0]["momentum"] = 0.9
+    before = w.detach().clone()
+    with pytest.raises(ValueError, match="parameter group 0: unknown setting 'momentum'; dion3 calls it 'mu'"):
+        opt.step()
+    assert torch.equal(w, before)
+    del opt.param_groups[0]["momentum"]
+    opt.param_groups[0]["layer_index"] = 3  # a user's own tag is carried, as torch.optim does
+    opt.step()
+    assert not torch.equal(w, before)

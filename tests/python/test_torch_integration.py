@@ -286,3 +286,42 @@ def test_unchanged_groups_are_not_pushed_again_and_changed_ones_are():
     opt.param_groups[0]["weight_decay"] = 0.0
     opt.step()
     assert torch.equal(p, w)  # lr 0 took effect
+
+
+@pytest.mark.parametrize("how", ["replace tensors", "state.clear()", "new state mapping"])
+def test_state_edits_between_steps_are_followed(how):
+    # torch optimizers read self.state[p] at every step; so does dion3's engine registration: a
+    # state replaced between steps is what the next step updates (here: fresh state, which must
+    # match a fresh optimizer started from the same weights), not the tensors it replaced.
+    import collections
+
+    def make(w, b):
+        return dion3.Dion3([dict(params=[w]), dict(params=[b], algorithm="adamw", lr=1e-2)], lr=0.02)
+
+    def step(w, b, opt, t):
+        g = torch.Generator().manual_seed(t)
+        w.grad, b.grad = torch.randn(8, 8, generator=g), torch.randn(8, generator=g)
+        opt.step()
+
+    torch.manual_seed(0)
+    w, b = nn.Parameter(torch.randn(8, 8)), nn.Parameter(torch.randn(8))
+    opt = make(w, b)
+    for t in range(3):
+        step(w, b, opt, t)
+    w2, b2 = nn.Parameter(w.detach().clone()), nn.Parameter(b.detach().clone())
+    fresh = make(w2, b2)
+    old = opt.state[w]["momentum"]
+    if how == "replace tensors":
+        for p in (w, b):
+            for k, v in list(opt.state[p].items()):
+                opt.state[p][k] = torch.zeros_like(v) if torch.is_tensor(v) else 0
+    elif how == "state.clear()":
+        opt.state.clear()
+    else:
+        opt.state = collections.defaultdict(dict)
+    for t in range(3, 5):
+        step(w, b, opt, t)
+        step(w2, b2, fresh, t)
+    assert torch.equal(w, w2) and torch.equal(b, b2)
+    assert opt.state[w]["momentum"] is not old and torch.equal(opt.state[w]["momentum"], fresh.state[w2]["momentum"])
+    assert opt.state[w]["step"] == 2

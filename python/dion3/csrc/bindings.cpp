@@ -380,6 +380,32 @@ class Engine {
   // gradient, step() asks for a rebuild.
   void watch(const std::vector<at::Tensor>& params) { watched_ = params; }
 
+  // The optimizer's state mapping (torch's optimizer.state) and, for each registered parameter,
+  // the state tensors the engine was given: if the mapping stops holding one of them
+  // (state[p][k] = other, state[p] = {}, state.clear()), step() asks for a rebuild, which
+  // registers what the mapping holds then, instead of updating tensors nobody sees any more.
+  void watch_state(const py::dict& state, const std::vector<std::pair<py::object, py::dict>>& entries) {
+    state_map_ = state;
+    state_watch_ = entries;
+  }
+  // Whether the state mapping stopped holding a registered state tensor (see watch_state).
+  bool state_moved() const {
+    for (const auto& [param, held] : state_watch_) {
+      PyObject* st = PyDict_GetItemWithError(state_map_.ptr(), param.ptr());  // no defaultdict insert
+      if (st == nullptr) {
+        if (PyErr_Occurred()) throw py::error_already_set();
+        return true;
+      }
+      if (!PyDict_Check(st)) return true;
+      for (auto item : held) {
+        PyObject* now = PyDict_GetItemWithError(st, item.first.ptr());
+        if (now == nullptr && PyErr_Occurred()) throw py::error_already_set();
+        if (now != item.second.ptr()) return true;
+      }
+    }
+    return false;
+  }
+
   // Per-parameter step counters (AdamW bias correction) after a rebuild: the engine offers them
   // only through export/import, so this round-trips the state through host memory. Called only
   // when resuming (a counter > 0), never on the hot path.
@@ -419,6 +445,7 @@ class Engine {
       RECORD_FUNCTION("dion3::bind_gradients", std::vector<c10::IValue>());
       for (const at::Tensor& w : watched_)
         if (w.grad().defined()) return -1;
+      if (state_moved()) return -1;
       for (int i = 0; i < n; ++i)
         if (weights_[i].data_ptr() != weight_ptrs_[i] || !(given ? (*given)[i].defined() : weights_[i].grad().defined()))
           return -1;
@@ -541,6 +568,8 @@ class Engine {
   std::vector<std::vector<at::Tensor>> held_;  // weights and state tensors the engine points into
   std::vector<at::Tensor> grads_;              // the gradients bound for the current step
   std::vector<at::Tensor> watched_;            // parameters without a gradient at build time
+  py::dict state_map_;                         // watch_state: the optimizer's state mapping
+  std::vector<std::pair<py::object, py::dict>> state_watch_;  // (parameter, {key: its state tensor})
   std::vector<std::pair<py::object, std::shared_ptr<dion3::Communicator>>> comms_;
 };
 
@@ -697,6 +726,8 @@ PYBIND11_MODULE(_C, m) {
       .def("step_with", guarded(&Engine::step_with))
       .def("step_async_with", guarded(&Engine::step_async_with))
       .def("watch", guarded(&Engine::watch))
+      .def("watch_state", guarded(&Engine::watch_state))
+      .def("state_moved", guarded(&Engine::state_moved))
       .def("set_param_steps", guarded(&Engine::set_param_steps))
       .def("step", guarded(&Engine::step))
       .def("step_async", guarded(&Engine::step_async))
