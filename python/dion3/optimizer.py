@@ -408,7 +408,28 @@ class _EngineOptimizer(torch.optim.Optimizer):
             for k in keys:  # torch's own defaults (differentiable, ...) stay out of the groups
                 g.setdefault(k, self.defaults[k])
 
+    def _switch_kinds(self) -> None:
+        """Parameters whose group moved to another kind of algorithm (adamw -> lion, dion3 ->
+        adamw, ...) since their last step start afresh at the next step; a checkpoint or copy taken
+        before it must hold that fresh state, not the old kind's moments under the new kind."""
+        for g in self.param_groups:
+            kind = _kind(g.get("algorithm"))
+            for p in g["params"]:
+                if self._kinds.get(p, kind) == kind:
+                    continue
+                try:
+                    shapes = _state_shapes(g, p)
+                except (ValueError, RuntimeError):
+                    continue  # a group the next step refuses anyway: nothing to save for it
+                st = {name: _dist.zeros_like_layout(p, shape, dtype) for name, dtype, shape in shapes}
+                st["step"] = 0
+                self.state[p].clear()
+                self.state[p].update(st)
+                self._kinds[p] = kind
+                self._dirty = True
+
     def __getstate__(self) -> Dict[str, Any]:
+        self._switch_kinds()
         state = super().__getstate__()
         state["_on_nonfinite"] = self._on_nonfinite
         state["_workspace_limit"] = self._workspace_limit
@@ -781,6 +802,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         and "beta2" (besides "betas"), and "nordion2" for Dion3."""
         self._sync_counters()
         self._raise_deferred(poll=False)
+        self._switch_kinds()
         sd = super().state_dict()
         for g in sd["param_groups"]:  # torch's copies of the groups
             if g.get("algorithm") == "dion3":

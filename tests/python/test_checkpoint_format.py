@@ -259,3 +259,46 @@ def test_dion2_checkpoints_move_both_ways(device):
     assert all(set(s) == {"momentum", "step"} for s in out["state"].values())
     for i, p in enumerate(pm):  # the reference's momentum layout: the parameter's shape
         assert out["state"][i]["momentum"].shape == p.shape
+
+
+@pytest.mark.parametrize("frm,to", [("adamw", "lion"), ("dion3", "lion"), ("lion", "adamw"), ("dion3", "adamw")])
+def test_a_checkpoint_after_an_algorithm_switch_resumes_exactly(frm, to):
+    # The switched group's parameters start afresh at their next step; a checkpoint (or a copy)
+    # taken between the switch and that step must say so, not carry the old kind's moments.
+    import io
+
+    def params(seed):
+        g = torch.Generator().manual_seed(seed)
+        return [torch.nn.Parameter(torch.randn(8, 8, generator=g))]
+
+    def grad(ps, t):
+        g = torch.Generator().manual_seed(100 + t)
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g)
+
+    ps = params(0)
+    opt = dion3.Dion3([dict(params=ps, algorithm=frm)], lr=0.01)
+    for t in range(3):
+        grad(ps, t)
+        opt.step()
+    opt.param_groups[0]["algorithm"] = to
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    saved_w = ps[0].detach().clone()
+    cp = copy.deepcopy(opt)
+    for t in range(3, 6):
+        grad(ps, t)
+        opt.step()
+    qs = params(9)
+    resumed = dion3.Dion3([dict(params=qs, algorithm=frm)], lr=0.01)
+    with torch.no_grad():
+        qs[0].copy_(saved_w)
+    buf.seek(0)
+    resumed.load_state_dict(torch.load(buf, weights_only=False))
+    cps = cp.param_groups[0]["params"]
+    for t in range(3, 6):
+        grad(qs, t)
+        resumed.step()
+        grad(cps, t)
+        cp.step()
+    assert torch.equal(ps[0], qs[0]) and torch.equal(ps[0], cps[0])
