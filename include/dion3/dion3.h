@@ -332,9 +332,10 @@ DION3_API dion3_status dion3_export_size(const dion3_optimizer* opt, size_t* byt
 DION3_API dion3_status dion3_export_state(const dion3_optimizer* opt, void* buf, size_t capacity,
                                           size_t* written);
 /* Restores state written by dion3_export_state into an optimizer with the same parameters,
- * added in the same order (each one's name must match). The whole buffer is checked (format, hash, reserved field, names, dtypes,
- * shapes, values: no NaN/Inf and no negative second moment, step counters: none negative or
- * INT64_MAX) before anything changes; on failure the optimizer is untouched. */
+ * added in the same order (each one's name must match). The whole buffer is checked (format,
+ * hash, reserved field, names, dtypes, shapes, values: no NaN/Inf and no negative second moment,
+ * step counters: none negative or INT64_MAX) before anything changes; on failure the optimizer
+ * is untouched. */
 DION3_API dion3_status dion3_import_state(dion3_optimizer* opt, const void* buf, size_t size);
 
 #ifdef __cplusplus
