@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import collections
 import difflib
 import math
 import numbers
@@ -408,10 +409,12 @@ class _EngineOptimizer(torch.optim.Optimizer):
             for k in keys:  # torch's own defaults (differentiable, ...) stay out of the groups
                 g.setdefault(k, self.defaults[k])
 
-    def _switch_kinds(self) -> None:
-        """Parameters whose group moved to another kind of algorithm (adamw -> lion, dion3 ->
-        adamw, ...) since their last step start afresh at the next step; a checkpoint or copy taken
-        before it must hold that fresh state, not the old kind's moments under the new kind."""
+    def _switched_state(self) -> Dict[torch.Tensor, Dict[str, Any]]:
+        """The fresh state of the parameters whose group moved to another kind of algorithm
+        (adamw -> lion, dion3 -> adamw, ...) since their last step: they start afresh at the next
+        step, so a checkpoint or copy taken before it holds that, not the old kind's moments under
+        the new kind. Nothing here changes: the next step decides on the groups as they are then."""
+        out = {}
         for g in self.param_groups:
             kind = _kind(g.get("algorithm"))
             for p in g["params"]:
@@ -420,17 +423,16 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 try:
                     shapes = _state_shapes(g, p)
                 except (ValueError, RuntimeError):
-                    continue  # a group the next step refuses anyway: nothing to save for it
-                st = {name: _dist.zeros_like_layout(p, shape, dtype) for name, dtype, shape in shapes}
-                st["step"] = 0
-                self.state[p].clear()
-                self.state[p].update(st)
-                self._kinds[p] = kind
-                self._dirty = True
+                    continue  # a group the next step refuses anyway
+                out[p] = {name: _dist.zeros_like_layout(p, shape, dtype) for name, dtype, shape in shapes}
+                out[p]["step"] = 0
+        return out
 
     def __getstate__(self) -> Dict[str, Any]:
-        self._switch_kinds()
         state = super().__getstate__()
+        switched = self._switched_state()
+        if switched:
+            state["state"] = collections.defaultdict(dict, {p: switched.get(p, st) for p, st in self.state.items()})
         state["_on_nonfinite"] = self._on_nonfinite
         state["_workspace_limit"] = self._workspace_limit
         state["_steps_skipped"] = self._steps_skipped
@@ -802,8 +804,12 @@ class _EngineOptimizer(torch.optim.Optimizer):
         and "beta2" (besides "betas"), and "nordion2" for Dion3."""
         self._sync_counters()
         self._raise_deferred(poll=False)
-        self._switch_kinds()
         sd = super().state_dict()
+        switched = self._switched_state()
+        if switched:  # torch numbers the parameters group by group, in order
+            ids = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+            for p, st in switched.items():
+                sd["state"][ids[id(p)]] = st
         for g in sd["param_groups"]:  # torch's copies of the groups
             if g.get("algorithm") == "dion3":
                 g["algorithm"] = "nordion2"
