@@ -27,6 +27,58 @@ from . import distributed as _dist
 NonFiniteError = _C.NonFiniteError
 
 
+class _StateMap(collections.defaultdict):
+    """optimizer.state, counting the changes of which dict a parameter maps to (assignments,
+    deletions, clear), so that a step notices a replaced state at the cost of one comparison; the
+    tensors inside a parameter's dict are watched by the engine. Reading the state of a parameter
+    that has none (the empty dict defaultdict inserts) changes nothing registered: not counted."""
+
+    def __init__(self, default_factory=dict, *args, **kwargs):
+        self.version = 0
+        super().__init__(default_factory, *args, **kwargs)
+
+    def _changed(self) -> None:
+        self.version += 1
+
+    def __missing__(self, key):
+        value = self.default_factory()
+        dict.__setitem__(self, key, value)
+        return value
+
+    def __setitem__(self, key, value):
+        self._changed()
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self._changed()
+        super().__delitem__(key)
+
+    def clear(self):
+        self._changed()
+        super().clear()
+
+    def pop(self, *args):
+        self._changed()
+        return super().pop(*args)
+
+    def popitem(self):
+        self._changed()
+        return super().popitem()
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self._changed()
+        return super().setdefault(key, default)
+
+    def update(self, *args, **kwargs):
+        self._changed()
+        super().update(*args, **kwargs)
+
+    def __ior__(self, other):
+        self._changed()
+        return super().__ior__(other)
+
+
 class CaptureNotReady(RuntimeError):
     """step() under CUDA-graph capture met parameters that the engine has not stepped eagerly yet
     (their gradients, or their storage, changed): nothing was enqueued."""
@@ -344,7 +396,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._engine_key = None
         self._engine_params: List[torch.Tensor] = []
         self._engine_states: List[Dict[str, Any]] = []
-        self._watched_state = None  # the state mapping the engine's registration watches
+        self._watched_state, self._watched_version = None, 0  # the state the engine registered (_state_replaced)
         self._engine_cuda = False
         self._applied_seen = self._skipped_seen = 0  # engine counters already folded into state
         self._counters_pending = False
@@ -390,7 +442,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._engine, self._engine_key, self._engine_params, self._engine_groups = None, None, [], []
         _LIVE.add(self)
         self._engine_states = []
-        self._watched_state = None
+        self._watched_state, self._watched_version = None, 0
         self._engine_cuda = False
         self._applied_seen = self._skipped_seen = 0
         self._counters_pending = False
@@ -653,7 +705,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         key = self._registration_key()
-        if self._dirty or key != self._engine_key or self.state is not self._watched_state:
+        if self._dirty or key != self._engine_key or self._state_replaced():
             self._rebuild(key)
         engine = self._engine
         if engine is None:  # no parameter had a gradient: look again (rare, so done in Python)
@@ -695,6 +747,11 @@ class _EngineOptimizer(torch.optim.Optimizer):
         if asynchronous:
             self._counters_pending = True  # the engine posts its counters to the host itself
         return loss
+
+    def _state_replaced(self) -> bool:
+        """Whether optimizer.state, or a parameter's dict in it, was replaced (state = ...,
+        state[p] = {}, state.clear()) since the engine registered the state it holds."""
+        return self.state is not self._watched_state or self.state.version != self._watched_version
 
     def _registration_key(self) -> Tuple:
         """What the engine's registration depends on: the groups, their sizes and structure."""
@@ -787,7 +844,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         again."""
         engine = self._engine
         if (engine is None or self._dirty or self._registration_key() != self._engine_key or
-                self.state is not self._watched_state or engine.state_moved()):
+                self._state_replaced() or engine.state_moved()):
             raise RuntimeError("dion3: the optimizer's parameters, groups or state tensors changed since the capture; "
                                "capture again")
         self._push_groups(engine)
@@ -956,6 +1013,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
     def _rebuild(self, key) -> None:
         """Register the parameters that have a gradient with a fresh engine."""
         self._sync_counters()
+        if not isinstance(self.state, _StateMap):  # torch's load_state_dict puts in a plain one
+            self.state = _StateMap(dict, self.state)
         self._engine = None
         self._engine_key = None
         params_with_grad = []
@@ -967,7 +1026,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 params_with_grad.append((gi, group, members))
         if not params_with_grad:
             self._engine_key = key
-            self._watched_state = self.state
+            self._watched_state, self._watched_version = self.state, self.state.version
             self._dirty = False
             return
         device = params_with_grad[0][2][0][1].device
@@ -1037,9 +1096,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._applied_seen, self._skipped_seen = applied_seen, skipped_seen
         self._counters_pending = False
         self._engine_states = [self.state[p] for p in engine_params]
-        engine.watch_state(self.state, [(p, {k: t for k, t in self.state[p].items() if isinstance(t, torch.Tensor)})
-                                        for p in engine_params])
-        self._watched_state = self.state
+        engine.watch_state([(st, {k: t for k, t in st.items() if isinstance(t, torch.Tensor)})
+                            for st in self._engine_states])
+        self._watched_state, self._watched_version = self.state, self.state.version
         self._engine_groups = engine_groups
         self._engine_key = key
         self._dtensors = dtensors

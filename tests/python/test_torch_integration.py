@@ -288,7 +288,7 @@ def test_unchanged_groups_are_not_pushed_again_and_changed_ones_are():
     assert torch.equal(p, w)  # lr 0 took effect
 
 
-@pytest.mark.parametrize("how", ["replace tensors", "state.clear()", "new state mapping"])
+@pytest.mark.parametrize("how", ["replace tensors", "new dicts", "state.clear()", "new state mapping"])
 def test_state_edits_between_steps_are_followed(how):
     # torch optimizers read self.state[p] at every step; so does dion3's engine registration: a
     # state replaced between steps is what the next step updates (here: fresh state, which must
@@ -315,6 +315,8 @@ def test_state_edits_between_steps_are_followed(how):
         for p in (w, b):
             for k, v in list(opt.state[p].items()):
                 opt.state[p][k] = torch.zeros_like(v) if torch.is_tensor(v) else 0
+    elif how == "new dicts":
+        opt.state[w], opt.state[b] = {}, {}
     elif how == "state.clear()":
         opt.state.clear()
     else:

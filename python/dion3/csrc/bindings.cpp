@@ -380,29 +380,18 @@ class Engine {
   // gradient, step() asks for a rebuild.
   void watch(const std::vector<at::Tensor>& params) { watched_ = params; }
 
-  // The optimizer's state mapping (torch's optimizer.state) and, for each registered parameter,
-  // the state tensors the engine was given: if the mapping stops holding one of them
-  // (state[p][k] = other, state[p] = {}, state.clear()), step() asks for a rebuild, which
-  // registers what the mapping holds then, instead of updating tensors nobody sees any more.
-  void watch_state(const py::dict& state, const std::vector<std::pair<py::object, py::dict>>& entries) {
-    state_map_ = state;
-    state_watch_ = entries;
-  }
-  // Whether the state mapping stopped holding a registered state tensor (see watch_state).
+  // For each registered parameter, its state dict (optimizer.state[p]) and the state tensors the
+  // engine was given: if the dict stops holding one of them (state[p][k] = other), step() asks for
+  // a rebuild, which registers what the state holds then, instead of updating tensors nobody sees
+  // any more. (The Python side notices state[p] = {} and state.clear() itself.)
+  void watch_state(const std::vector<std::pair<py::dict, py::dict>>& entries) { state_watch_ = entries; }
   bool state_moved() const {
-    for (const auto& [param, held] : state_watch_) {
-      PyObject* st = PyDict_GetItemWithError(state_map_.ptr(), param.ptr());  // no defaultdict insert
-      if (st == nullptr) {
-        if (PyErr_Occurred()) throw py::error_already_set();
-        return true;
-      }
-      if (!PyDict_Check(st)) return true;
-      for (auto item : held) {
-        PyObject* now = PyDict_GetItemWithError(st, item.first.ptr());
+    for (const auto& [st, held] : state_watch_)
+      for (auto item : held) {  // string keys: their hashes are cached
+        PyObject* now = PyDict_GetItemWithError(st.ptr(), item.first.ptr());
         if (now == nullptr && PyErr_Occurred()) throw py::error_already_set();
         if (now != item.second.ptr()) return true;
       }
-    }
     return false;
   }
 
@@ -568,8 +557,7 @@ class Engine {
   std::vector<std::vector<at::Tensor>> held_;  // weights and state tensors the engine points into
   std::vector<at::Tensor> grads_;              // the gradients bound for the current step
   std::vector<at::Tensor> watched_;            // parameters without a gradient at build time
-  py::dict state_map_;                         // watch_state: the optimizer's state mapping
-  std::vector<std::pair<py::object, py::dict>> state_watch_;  // (parameter, {key: its state tensor})
+  std::vector<std::pair<py::dict, py::dict>> state_watch_;  // (state[p], {key: its state tensor})
   std::vector<std::pair<py::object, std::shared_ptr<dion3::Communicator>>> comms_;
 };
 
