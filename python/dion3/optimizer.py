@@ -520,11 +520,30 @@ class _EngineOptimizer(torch.optim.Optimizer):
         return st
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        # torch's load hooks run where torch runs them: the pre-hooks on the dict before anything
+        # reads it, the post-hooks once everything (dion3's own state tensors too) is in place.
+        pre = getattr(self, "_optimizer_load_state_dict_pre_hooks", {})
+        post = getattr(self, "_optimizer_load_state_dict_post_hooks", {})
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()  # shallow, as torch's: a hook may edit its keys
+        for hook in list(pre.values()):
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         # Everything is checked, and every state tensor made, before anything is replaced: a
         # refused load leaves the optimizer as it was.
         state_dict = self._from_saved_layout(state_dict)
         loaded = self._loaded_state(state_dict)
-        super().load_state_dict(state_dict)
+        held = {name: getattr(self, name) for name in ("_optimizer_load_state_dict_pre_hooks",
+                                                       "_optimizer_load_state_dict_post_hooks")
+                if hasattr(self, name)}
+        try:
+            for name, hooks in held.items():  # run above and below, not again inside torch's load
+                setattr(self, name, type(hooks)())
+            super().load_state_dict(state_dict)
+        finally:
+            for name, hooks in held.items():
+                setattr(self, name, hooks)
         # torch casts floating state to each parameter's dtype; dion3 keeps fp32 variance (and an
         # optional fp32 momentum) next to low-precision weights: put the checked tensors in.
         for p, st in loaded.items():
@@ -532,6 +551,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._kinds = {p: _kind(g["algorithm"]) for g in self.param_groups for p in g["params"]}
         self._fill_missing_keys()
         self._dirty = True
+        for hook in list(post.values()):
+            hook(self)
 
     def _from_saved_layout(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
         """A state_dict in the reference package's layout (what state_dict() writes), or in an

@@ -302,3 +302,38 @@ def test_a_checkpoint_after_an_algorithm_switch_resumes_exactly(frm, to):
         grad(cps, t)
         cp.step()
     assert torch.equal(ps[0], qs[0]) and torch.equal(ps[0], cps[0])
+
+
+@pytest.mark.parametrize("which", ["pre", "post"])
+def test_load_hooks_run_where_torch_runs_them(which):
+    # A pre-hook edits the dict before anything reads it; a post-hook sees (and may edit) the state
+    # as loaded, dion3's own state tensors included; neither runs twice.
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(8, 8))]
+    opt = dion3.Dion3(ps, lr=0.01)
+    for _ in range(3):
+        ps[0].grad = torch.randn(8, 8)
+        opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    qs = [torch.nn.Parameter(ps[0].detach().clone())]
+    resumed = dion3.Dion3(qs, lr=0.01)
+    calls = []
+    if which == "pre":
+        def hook(o, d):
+            calls.append(1)
+            d = copy.deepcopy(d)
+            for st in d["state"].values():
+                st["momentum"] = torch.zeros_like(st["momentum"])
+            return d
+        resumed.register_load_state_dict_pre_hook(hook)
+    else:
+        def hook(o):
+            calls.append(1)
+            for st in o.state.values():
+                st["momentum"] = torch.zeros_like(st["momentum"])
+        resumed.register_load_state_dict_post_hook(hook)
+    resumed.load_state_dict(sd)
+    assert calls == [1]
+    assert resumed.state[qs[0]]["momentum"].abs().sum() == 0
+    assert torch.equal(resumed.state[qs[0]]["variance_neuron"], opt.state[ps[0]]["variance_neuron"])
+    assert sd["state"][0]["momentum"].abs().sum() > 0  # the caller's dict is not edited
