@@ -530,6 +530,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        skipped = state_dict.get("steps_skipped") if isinstance(state_dict, dict) else None
+        if skipped is not None and (isinstance(skipped, bool) or not isinstance(skipped, numbers.Integral) or skipped < 0):
+            raise ValueError(f"dion3: the state_dict's 'steps_skipped' must be a count >= 0; got {skipped!r}")
+        self._sync_counters()  # steps still in flight count before the loaded counter replaces ours
         # Everything is checked, and every state tensor made, before anything is replaced: a
         # refused load leaves the optimizer as it was.
         state_dict = self._from_saved_layout(state_dict)
@@ -551,6 +555,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._kinds = {p: _kind(g["algorithm"]) for g in self.param_groups for p in g["params"]}
         self._fill_missing_keys()
         self._dirty = True
+        if skipped is not None:
+            self._steps_skipped = int(skipped)
         for hook in list(post.values()):
             hook(self)
 
@@ -879,7 +885,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         """torch's state_dict in the reference package's layout, so that its optimizers load it
         and ours load theirs: state as _state_shapes names it (with each parameter's own "step"
         besides), and each group with "step" (the most steps any of its parameters took), "beta1"
-        and "beta2" (besides "betas"), and "nordion2" for Dion3."""
+        and "beta2" (besides "betas"), and "nordion2" for Dion3; "steps_skipped" beside "state"."""
         self._sync_counters()
         self._raise_deferred(poll=False)
         sd = super().state_dict()
@@ -894,6 +900,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             g["beta1"], g["beta2"] = (float(b) for b in g["betas"])
             steps = [sd["state"][i].get("step", 0) for i in g["params"] if i in sd["state"]]
             g["step"] = max(steps, default=0)
+        sd["steps_skipped"] = self._steps_skipped  # dion3's own; torch and the reference ignore it
         return sd
 
     # ---- introspection ---------------------------------------------------------------------

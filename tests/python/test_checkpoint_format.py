@@ -337,3 +337,20 @@ def test_load_hooks_run_where_torch_runs_them(which):
     assert resumed.state[qs[0]]["momentum"].abs().sum() == 0
     assert torch.equal(resumed.state[qs[0]]["variance_neuron"], opt.state[ps[0]]["variance_neuron"])
     assert sd["state"][0]["momentum"].abs().sum() > 0  # the caller's dict is not edited
+
+
+def test_the_count_of_skipped_steps_resumes():
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    opt = dion3.Dion3([p], on_nonfinite="skip")
+    for t in range(4):
+        p.grad = torch.full((8, 8), float("nan")) if t % 2 else torch.randn(8, 8)
+        opt.step()
+    assert opt.steps_skipped == 2
+    sd = copy.deepcopy(opt.state_dict())
+    resumed = dion3.Dion3([torch.nn.Parameter(torch.randn(8, 8))], on_nonfinite="skip")
+    resumed.load_state_dict(sd)
+    assert resumed.steps_skipped == 2
+    sd["steps_skipped"] = -1
+    with pytest.raises(ValueError, match="'steps_skipped' must be a count >= 0; got -1"):
+        resumed.load_state_dict(sd)
+    assert resumed.steps_skipped == 2
