@@ -27,8 +27,9 @@
  *
  * Every function returns a dion3_status (except the few that cannot fail); on failure,
  * dion3_last_error() describes what went wrong, naming the parameter or field at fault.
- * Nothing is modified by a failing call. An optimizer handle may be used from one thread at a
- * time; distinct handles are independent.
+ * Nothing is modified by a failing call, except that a failing create function (dion3_create*,
+ * dion3_comm_create_*) sets its *out to NULL. An optimizer handle may be used from one thread at
+ * a time; distinct handles are independent.
  */
 #ifndef DION3_DION3_H
 #define DION3_DION3_H
