@@ -308,6 +308,20 @@ def _kind(algorithm: str) -> str:
     return "matrix" if algorithm in MATRIX_ALGORITHMS else algorithm
 
 
+def _state_tensors(group: Dict[str, Any], p: torch.Tensor, old: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    """p's state tensors for its group: those of `old` that fit, zeros for the rest."""
+    st = {}
+    for name, dtype, shape in _state_shapes(group, p):
+        t = old.get(name)
+        # Zero state made at construction for settings (momentum_dtype, flatten, the algorithm)
+        # changed before the parameter's first step is made again.
+        if t is None or (getattr(t, "_dion3_initial", False) and not old.get("step", 0) and
+                         (t.dtype != dtype or tuple(t.shape) != tuple(shape))):
+            t = _dist.zeros_like_layout(p, shape, dtype)
+        st[name] = t
+    return st
+
+
 def _engine_state(group: Dict[str, Any], st: Dict[str, Any]) -> Dict[str, torch.Tensor]:
     """This rank's state tensors of a parameter as the engine takes them (views, never copies:
     the engine updates them in place)."""
@@ -473,11 +487,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 if self._kinds.get(p, kind) == kind:
                     continue
                 try:
-                    shapes = _state_shapes(g, p)
+                    out[p] = dict(_state_tensors(g, p, {}), step=0)
                 except (ValueError, RuntimeError):
                     continue  # a group the next step refuses anyway
-                out[p] = {name: _dist.zeros_like_layout(p, shape, dtype) for name, dtype, shape in shapes}
-                out[p]["step"] = 0
         return out
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -522,8 +534,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         # torch's load hooks run where torch runs them: the pre-hooks on the dict before anything
         # reads it, the post-hooks once everything (dion3's own state tensors too) is in place.
-        pre = getattr(self, "_optimizer_load_state_dict_pre_hooks", {})
-        post = getattr(self, "_optimizer_load_state_dict_post_hooks", {})
+        names = ("_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+        held = {name: getattr(self, name) for name in names if hasattr(self, name)}
+        pre, post = held.get(names[0], {}), held.get(names[1], {})
         if isinstance(state_dict, dict):
             state_dict = state_dict.copy()  # shallow, as torch's: a hook may edit its keys
         for hook in list(pre.values()):
@@ -538,9 +551,6 @@ class _EngineOptimizer(torch.optim.Optimizer):
         # refused load leaves the optimizer as it was.
         state_dict = self._from_saved_layout(state_dict)
         loaded = self._loaded_state(state_dict)
-        held = {name: getattr(self, name) for name in ("_optimizer_load_state_dict_pre_hooks",
-                                                       "_optimizer_load_state_dict_post_hooks")
-                if hasattr(self, name)}
         try:
             for name, hooks in held.items():  # run above and below, not again inside torch's load
                 setattr(self, name, type(hooks)())
@@ -792,10 +802,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
         for i, gi in enumerate(self._engine_groups):
             group = self.param_groups[gi]
             last = self._pushed.get(i)
-            if last is not None and last[1] is not None and len(group) == last[2] and \
-                    _plain_snapshot(group, last[0]) == last[1]:
+            grown = last is not None and len(group) != last[2]
+            if last is not None and last[1] is not None and not grown and _plain_snapshot(group, last[0]) == last[1]:
                 continue
-            if last is not None and len(group) != last[2]:
+            if grown:
                 self._check_keys(gi, group)  # a key added since (e.g. another optimizer's name for one)
             view = _ReadKeys(group)
             engine.update_group(i, _engine_config(view))
@@ -1079,15 +1089,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                     old = {}  # another kind of algorithm: its moments mean something else
                     switched.add(p)
                 kinds[p] = kind
-                st = {}
-                for name, dtype, shape in _state_shapes(group, p):
-                    t = old.get(name)
-                    # Zero state made at construction for settings (momentum_dtype, flatten, the
-                    # algorithm) changed before the parameter's first step is made again.
-                    if t is None or (getattr(t, "_dion3_initial", False) and not old.get("step", 0) and
-                                     (t.dtype != dtype or tuple(t.shape) != tuple(shape))):
-                        t = _dist.zeros_like_layout(p, shape, dtype)
-                    st[name] = t
+                st = _state_tensors(group, p, old)
                 if p.grad.device != p.device:
                     raise ValueError(f"dion3: parameter '{name_j}' is on "
                                      f"{p.device} but its gradient is on {p.grad.device}")
