@@ -544,7 +544,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         skipped = state_dict.get("steps_skipped") if isinstance(state_dict, dict) else None
-        if skipped is not None and (isinstance(skipped, bool) or not isinstance(skipped, numbers.Integral) or skipped < 0):
+        if skipped is not None and (isinstance(skipped, bool) or not isinstance(skipped, numbers.Integral) or
+                                    skipped < 0):
             raise ValueError(f"dion3: the state_dict's 'steps_skipped' must be a count >= 0; got {skipped!r}")
         self._sync_counters()  # steps still in flight count before the loaded counter replaces ours
         # Everything is checked, and every state tensor made, before anything is replaced: a
