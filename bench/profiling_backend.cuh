@@ -18,8 +18,10 @@
 
 namespace bench {
 
-// The engine calls refresh(set) before a megabatch's (and each chunk's) ops, which names the
-// shape; ops outside the engine (an Orthogonalizer alone) count under "all".
+// Every op that takes a megabatch's set (accumulate, gather, update, refresh) names the shape; the
+// ops between (selection after the accumulate, the orthogonalization after its chunk's gather)
+// count under it. The engine refreshes a set only when its binding changes, so refresh alone cannot
+// name it. Ops outside the engine (an Orthogonalizer alone) count under "all".
 class ProfilingBackend final : public dion3::Backend {
  public:
   explicit ProfilingBackend(std::unique_ptr<dion3::Backend> inner) : in_(std::move(inner)) {
@@ -73,7 +75,7 @@ class ProfilingBackend final : public dion3::Backend {
   }
   std::unique_ptr<dion3::MatrixSet> new_matrix_set() override { return in_->new_matrix_set(); }
   void refresh(dion3::MatrixSet& set) override {
-    shape_ = fmt("%lldx%lld", (long long)set.rows(), (long long)set.cols());
+    name(set);
     wrap("refresh", [&] { in_->refresh(set); });
   }
   void check_finite(std::span<const dion3::MatrixView> xs, int* flag) override {
@@ -85,6 +87,7 @@ class ProfilingBackend final : public dion3::Backend {
     wrap("check_step", [&] { in_->check_step(xs, flag); });
   }
   void accumulate(const dion3::MatrixSet& s, dion3::Hyper d, float* sc, float* ss, const int* k) override {
+    name(s);
     wrap("accumulate", [&] { in_->accumulate(s, d, sc, ss, k); });
   }
   void remap_rows(const int32_t* in, int64_t c, int64_t ki, int64_t lo, int64_t hi, int64_t ko, int32_t* out,
@@ -97,15 +100,18 @@ class ProfilingBackend final : public dion3::Backend {
   void gather_rows(const dion3::MatrixSet& s, const int32_t* i, int64_t k, dion3::Hyper a, dion3::Hyper b,
                    dion3::Hyper d,
                    dion3::MatrixView o, float* ss, const int* sk) override {
+    name(s);
     wrap("gather", [&] { in_->gather_rows(s, i, k, a, b, d, o, ss, sk); });
   }
   void gather_normalized(const dion3::MatrixSet& s, const int32_t* i, int64_t k, dion3::Hyper d, const float* ss,
                          float eps, dion3::MatrixView o, const int* sk) override {
+    name(s);
     wrap("gather", [&] { in_->gather_normalized(s, i, k, d, ss, eps, o, sk); });
   }
 
   void apply_update(const dion3::MatrixSet& s, const int32_t* i, int64_t k, dion3::MatrixView o,
                     const dion3::UpdateParams& p, const int* sk) override {
+    name(s);
     wrap("update", [&] { in_->apply_update(s, i, k, o, p, sk); });
   }
   void normalize(dion3::MatrixView i, dion3::MatrixView o, float e, const float* ss) override {
@@ -141,6 +147,7 @@ class ProfilingBackend final : public dion3::Backend {
   }
 
  private:
+  void name(const dion3::MatrixSet& set) { shape_ = fmt("%lldx%lld", (long long)set.rows(), (long long)set.cols()); }
   int event() {
     if (used_ == pool_.size()) {
       cudaEvent_t e;
