@@ -3,8 +3,8 @@
 # links cuBLAS/cuBLASLt, and builds the CUDA benchmark programs (bench/cuda_*.cu;
 # dion3-cuda-sym-bench compares the fused symmetric kernel sym_wgmma.cu with cuBLAS).
 #
-# Architectures: Hopper's sm_90a by default (wgmma needs the "a" target, written with -gencode,
-# see .library HOPPER.md). Override with -DDION3_CUDA_GENCODE="-gencode=..." or with
+# Architectures: Hopper's sm_90a by default (wgmma needs the "a" target, written with -gencode).
+# Override with -DDION3_CUDA_GENCODE="-gencode=..." or with
 # -DCMAKE_CUDA_ARCHITECTURES=<list> (then CMake's own flags are used instead).
 if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES OR CMAKE_CUDA_ARCHITECTURES STREQUAL "")
   # Leave CMake's architecture flags off and pass our -gencode explicitly.
@@ -76,4 +76,5 @@ if(DION3_BENCH)
   dion3_cuda_bench(dion3-cuda-sym-bench cuda_sym_bench.cu)
   dion3_cuda_bench(dion3-cuda-step-bench cuda_step_bench.cu model_shapes.cpp)
   dion3_cuda_bench(dion3-cuda-overlap-probe cuda_overlap_probe.cu)
+  dion3_cuda_bench(dion3-cuda-pass-bench cuda_pass_bench.cu model_shapes.cpp)
 endif()

@@ -1,0 +1,314 @@
+// bench/cuda_pass_bench.cu — dion3-cuda-pass-bench: the step's non-finite check
+// (Backend::check_step) against the bytes it must read, with experimental variants of its kernel
+// beside it, each checked against the library's flag before it is timed.
+//
+// The check reads every gradient and momentum element once (it proves that the momentum the step
+// would store stays finite) and writes nothing, so its ceiling is the rate at which the device can
+// read, not the copy bandwidth. For the matrices of gpt-1b and llama-7b (bf16 gradients and
+// momentum, Dion3's rule M' = M + G, one allocation per matrix as in training) each row gives: the
+// library's check; a plain read of the same bytes (one persistent grid, 16-byte loads); a 1 GiB
+// device-to-device copy (read + written); and the variants, a persistent grid that walks a device
+// table of all the matrices, with U packs of 8 elements per thread in flight and T threads per
+// block. --only TEXT keeps the workloads whose name contains TEXT.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda_bench_common.cuh"
+#include "dion3/backend.hpp"
+#include "model_shapes.hpp"
+
+namespace {
+
+using bench::fmt;
+using dion3::DType;
+using dion3::MatrixView;
+using dion3::StepCheck;
+
+// One matrix of the check: n elements of bf16 gradient and momentum.
+struct Seg {
+  const __nv_bfloat16* g;
+  const __nv_bfloat16* m;
+  int64_t n;
+};
+
+// Rounding a float32 to bf16 gives a finite value iff |x| is below this (the halfway point above
+// bf16's largest value rounds to Inf); NaN compares false.
+__device__ __forceinline__ bool momentum_finite(float m, float g, float a) {
+  return fabsf(a * m + g) < __uint_as_float(0x7F7F8000u);
+}
+
+// Two bf16 in a 32-bit word, as floats.
+__device__ __forceinline__ float lo_bf16(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float hi_bf16(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
+
+__device__ __forceinline__ bool pack_finite(const uint4& g, const uint4& m, float a) {
+  const uint32_t gw[4] = {g.x, g.y, g.z, g.w}, mw[4] = {m.x, m.y, m.z, m.w};
+  bool ok = true;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    ok &= momentum_finite(lo_bf16(mw[i]), lo_bf16(gw[i]), a) && momentum_finite(hi_bf16(mw[i]), hi_bf16(gw[i]), a);
+  return ok;
+}
+
+// The variant: every block walks every matrix, each thread U packs of G and of M in flight per
+// round; a matrix whose length or pointers do not allow 16-byte loads goes element by element.
+template <int U>
+__global__ void check_persistent(const Seg* segs, int count, float a, int* flag) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  bool ok = true;
+  for (int s = 0; s < count; ++s) {
+    const Seg sg = segs[s];
+    const bool vec = sg.n % 8 == 0 && reinterpret_cast<uintptr_t>(sg.g) % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(sg.m) % 16 == 0;
+    if (vec) {
+      const uint4* g = reinterpret_cast<const uint4*>(sg.g);
+      const uint4* m = reinterpret_cast<const uint4*>(sg.m);
+      const int64_t np = sg.n / 8;
+      for (int64_t base = tid; base < np; base += stride * U) {
+        uint4 gp[U], mp[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int64_t q = base + u * stride;
+          if (q < np) {
+            gp[u] = __ldcs(g + q);  // streamed: read once, no reuse to keep in L2
+            mp[u] = __ldcs(m + q);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (base + u * stride < np) ok &= pack_finite(gp[u], mp[u], a);
+      }
+    } else {
+      for (int64_t e = tid; e < sg.n; e += stride)
+        ok &= momentum_finite(__bfloat162float(sg.m[e]), __bfloat162float(sg.g[e]), a);
+    }
+  }
+  if (__syncthreads_or(!ok) && threadIdx.x == 0) atomicOr(flag, 1);
+}
+
+// The ceiling: the same bytes read with the same loop and nothing checked (an XOR kept alive).
+template <int U>
+__global__ void read_persistent(const Seg* segs, int count, int* sink) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  uint32_t x = 0;
+  for (int s = 0; s < count; ++s) {
+    const Seg sg = segs[s];
+    const uint4* g = reinterpret_cast<const uint4*>(sg.g);
+    const uint4* m = reinterpret_cast<const uint4*>(sg.m);
+    const int64_t np = sg.n / 8;
+    for (int64_t base = tid; base < np; base += stride * U) {
+      uint4 gp[U], mp[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t q = base + u * stride;
+        if (q < np) {
+          gp[u] = __ldcs(g + q);
+          mp[u] = __ldcs(m + q);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (base + u * stride < np) x ^= gp[u].x ^ gp[u].w ^ mp[u].y ^ mp[u].z;
+    }
+  }
+  if (x == 0x9E3779B9u) atomicAdd(sink, 1);
+}
+
+struct Launch {
+  const char* label;
+  void (*kernel)(const Seg*, int, float, int*);
+  int threads;
+};
+
+// Blocks of `threads` for a persistent grid of `kernel`: as many as fit on every SM at once.
+template <class K>
+int persistent_blocks(K kernel, int threads) {
+  int dev = 0, sms = 0, per_sm = 0;
+  CK(cudaGetDevice(&dev));
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
+  return sms * std::max(per_sm, 1);
+}
+
+const std::vector<Launch>& variants() {
+  static const std::vector<Launch> v = {
+      {"persistent U=4 T=256", check_persistent<4>, 256},
+      {"persistent U=8 T=256", check_persistent<8>, 256},
+      {"persistent U=4 T=512", check_persistent<4>, 512},
+      {"persistent U=2 T=1024", check_persistent<2>, 1024},
+  };
+  return v;
+}
+
+// The matrices of one workload on the device: G and M per matrix, their views and the table.
+struct Workload {
+  std::vector<dion3::DeviceBuffer> bufs;
+  std::vector<StepCheck> checks;
+  std::vector<Seg> segs;
+  dion3::DeviceBuffer table;
+  int64_t elements = 0;
+  Workload(dion3::Backend& be, cudaStream_t s, const std::vector<int64_t>& sizes, float a)
+      : table(be.allocator(), std::max<std::size_t>(1, sizes.size()) * sizeof(Seg)) {
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      const int64_t n = sizes[i];
+      auto& g = bufs.emplace_back(be.allocator(), n * 2);
+      auto& m = bufs.emplace_back(be.allocator(), n * 2);
+      bench::fill(g.get(), DType::BF16, n, 2 * i + 1, 0.02f, s);
+      bench::fill(m.get(), DType::BF16, n, 2 * i + 2, 2.0f, s);
+      StepCheck c;
+      c.rule = StepCheck::Momentum;
+      c.grad = MatrixView::contiguous(g.get(), DType::BF16, 1, 1, n);
+      c.state = MatrixView::contiguous(m.get(), DType::BF16, 1, 1, n);
+      c.a = a;
+      checks.push_back(c);
+      segs.push_back({static_cast<const __nv_bfloat16*>(g.get()), static_cast<const __nv_bfloat16*>(m.get()), n});
+      elements += n;
+    }
+    CK(cudaMemcpyAsync(table.get(), segs.data(), segs.size() * sizeof(Seg), cudaMemcpyHostToDevice, s));
+    CK(cudaStreamSynchronize(s));
+  }
+  void set(std::size_t i, int64_t at, float g, float m, cudaStream_t s) {
+    const __nv_bfloat16 gv = __float2bfloat16(g), mv = __float2bfloat16(m);
+    CK(cudaMemcpyAsync(const_cast<__nv_bfloat16*>(segs[i].g) + at, &gv, 2, cudaMemcpyHostToDevice, s));
+    CK(cudaMemcpyAsync(const_cast<__nv_bfloat16*>(segs[i].m) + at, &mv, 2, cudaMemcpyHostToDevice, s));
+    CK(cudaStreamSynchronize(s));
+  }
+};
+
+int run_variant(const Launch& v, const Workload& w, float a, int* flag, int blocks, cudaStream_t s) {
+  v.kernel<<<blocks, v.threads, 0, s>>>(static_cast<const Seg*>(w.table.get()), static_cast<int>(w.segs.size()), a,
+                                        flag);
+  CK(cudaGetLastError());
+  return 0;
+}
+
+double copy_gbs(cudaStream_t s, int iters) {
+  const std::size_t bytes = std::size_t{1} << 30;
+  void *src = nullptr, *dst = nullptr;
+  CK(cudaMalloc(&src, bytes));
+  CK(cudaMalloc(&dst, bytes));
+  CK(cudaMemsetAsync(src, 1, bytes, s));
+  const auto t = bench::interleaved_medians(s, 1, iters, {[&] { CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s)); }});
+  CK(cudaFree(src));
+  CK(cudaFree(dst));
+  return 2.0 * bytes / (t[0] * 1e6);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bench::Session ses(argc, argv, "dion3-cuda-pass-bench");
+  dion3::Backend& be = *ses.be;
+  cudaStream_t s = ses.s;
+  auto line = [&](const std::string& l) { ses.o.line(l); };
+  const float a = 1.0f;  // Dion3: M' = M + G
+  dion3::DeviceBuffer flag_buf(be.allocator(), 2 * sizeof(int));
+  int* flag = flag_buf.as<int>();
+  int* sink = flag + 1;
+  auto read_flag = [&] {
+    int h = 0;
+    CK(cudaMemcpyAsync(&h, flag, sizeof(int), cudaMemcpyDeviceToHost, s));
+    CK(cudaStreamSynchronize(s));
+    return h;
+  };
+  std::vector<int> blocks;
+  for (const Launch& v : variants()) blocks.push_back(persistent_blocks(v.kernel, v.threads));
+
+  // ---- each variant's flag against the library's, planted elements anywhere ----------------
+  line("## The variants' flags against the library's check_step");
+  line("");
+  line("Matrices of 10000, 10003 (element by element), 3·8192+8 and 2^20 elements; one element planted at a random place "
+       "of one of them, or none. Expected: 1 for an overflow (g = 2e38, m = 1.5e38) or a NaN gradient, 0 otherwise "
+       "(g = 2e38, m = -1.5e38 fits).");
+  line("");
+  int failures = 0;
+  {
+    Workload w(be, s, {10000, 10003, 3 * 8192 + 8, int64_t{1} << 20}, a);
+    std::mt19937_64 rng(7);
+    struct Plant {
+      float g, m;
+      int expect;
+    };
+    const std::vector<Plant> plants = {{0, 0, 0}, {2e38f, 1.5e38f, 1}, {2e38f, -1.5e38f, 0}, {NAN, 0.0f, 1}};
+    int cases = 0;
+    for (int trial = 0; trial < 6; ++trial)
+      for (const Plant& p : plants) {
+        const std::size_t i = rng() % w.segs.size();
+        const int64_t at = static_cast<int64_t>(rng() % static_cast<uint64_t>(w.segs[i].n));
+        if (p.expect || p.g != 0) w.set(i, at, p.g, p.m, s);
+        be.fill_zero(flag, sizeof(int));
+        be.check_step(w.checks, flag);
+        const int lib = read_flag();
+        if (lib != p.expect) ++failures;
+        for (std::size_t v = 0; v < variants().size(); ++v) {
+          be.fill_zero(flag, sizeof(int));
+          run_variant(variants()[v], w, a, flag, blocks[v], s);
+          const int got = read_flag();
+          if (got != lib) {
+            ++failures;
+            line(fmt("- %s: flag %d, library %d (matrix %zu, element %lld, g %g, m %g)", variants()[v].label, got, lib,
+                     i, static_cast<long long>(at), p.g, p.m));
+          }
+        }
+        w.set(i, at, 0.0f, 0.0f, s);
+        ++cases;
+      }
+    line(fmt("%d cases, %zu variants: %d disagreements with the expected flag or the library's.", cases,
+             variants().size(), failures));
+    line("");
+  }
+
+  // ---- bandwidth ------------------------------------------------------------------------------
+  const double copy = copy_gbs(s, ses.args.quick ? 3 : 7);
+  line(fmt("## Bandwidth of the check (GB/s: gradient and momentum bytes over the median of %d, interleaved)",
+           ses.args.iters));
+  line("");
+  line(fmt("Copy: 1 GiB device-to-device, read + written: %.0f GB/s. Read: the same bytes as the check, read by "
+           "read_persistent<4> (256 threads), nothing checked.",
+           copy));
+  line("");
+  std::string head = "| workload | matrices | GB read | library check_step ms (GB/s, of copy, of read) | read ms (GB/s) |";
+  std::string rule = "|---|---|---|---|---|";
+  for (const Launch& v : variants()) {
+    head += fmt(" %s ms (GB/s) |", v.label);
+    rule += "---|";
+  }
+  line(head);
+  line(rule);
+  const int read_blocks = persistent_blocks(read_persistent<4>, 256);
+  for (const char* model : {"gpt-1b", "llama-7b"}) {
+    if (!ses.args.only.empty() && std::string(model).find(ses.args.only) == std::string::npos) continue;
+    const auto shapes = dion3::bench::model_matrices(dion3::bench::find_preset(model), 0);
+    std::vector<int64_t> sizes;
+    for (const auto& sh : shapes) sizes.push_back(sh.rows * sh.cols);
+    Workload w(be, s, sizes, a);
+    std::vector<std::function<void()>> fs;
+    fs.push_back([&] { be.check_step(w.checks, flag); });
+    fs.push_back([&] {
+      read_persistent<4><<<read_blocks, 256, 0, s>>>(static_cast<const Seg*>(w.table.get()),
+                                                      static_cast<int>(w.segs.size()), sink);
+    });
+    for (std::size_t v = 0; v < variants().size(); ++v)
+      fs.push_back([&, v] { run_variant(variants()[v], w, a, flag, blocks[v], s); });
+    const auto t = bench::interleaved_medians(s, 2, ses.args.iters, fs);
+    const double bytes = 4.0 * static_cast<double>(w.elements);
+    auto gbs = [&](double ms) { return bytes / (ms * 1e6); };
+    std::string row = fmt("| %s | %zu | %.2f | %.3f (%.0f, %.0f%%, %.0f%%) | %.3f (%.0f) |", model, w.segs.size(),
+                          bytes / 1e9, t[0], gbs(t[0]), 100 * gbs(t[0]) / copy, 100 * t[1] / t[0], t[1], gbs(t[1]));
+    for (std::size_t v = 0; v < variants().size(); ++v) row += fmt(" %.3f (%.0f) |", t[2 + v], gbs(t[2 + v]));
+    line(row);
+  }
+  line("");
+  line(fmt("correctness failures: %d", failures));
+  ses.save();
+  return failures == 0 ? 0 : 1;
+}
