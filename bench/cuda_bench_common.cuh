@@ -91,6 +91,20 @@ inline std::vector<double> interleaved_medians(cudaStream_t s, int warmup, int i
   return med;
 }
 
+// The device's copy bandwidth, the yardstick of the memory-bound passes: a 1 GiB device-to-device
+// copy on `s`, bytes read plus written over the median of 7 copies (after one to warm up), in GB/s.
+inline double copy_bandwidth_gbs(cudaStream_t s) {
+  const std::size_t bytes = std::size_t{1} << 30;
+  void *src = nullptr, *dst = nullptr;
+  CK(cudaMalloc(&src, bytes));
+  CK(cudaMalloc(&dst, bytes));
+  CK(cudaMemsetAsync(src, 1, bytes, s));
+  const auto t = interleaved_medians(s, 1, 7, {[&] { CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s)); }});
+  CK(cudaFree(src));
+  CK(cudaFree(dst));
+  return 2.0 * static_cast<double>(bytes) / (t[0] * 1e6);
+}
+
 // An orthogonalization config with the method and iteration dtype fixed (the rest default).
 inline dion3::OrthConfig orth_config(dion3::OrthMethod method, dion3::DType iteration_dtype) {
   dion3::OrthConfig cfg;

@@ -191,18 +191,6 @@ int run_variant(const Launch& v, const Workload& w, float a, int* flag, int bloc
   return 0;
 }
 
-double copy_gbs(cudaStream_t s, int iters) {
-  const std::size_t bytes = std::size_t{1} << 30;
-  void *src = nullptr, *dst = nullptr;
-  CK(cudaMalloc(&src, bytes));
-  CK(cudaMalloc(&dst, bytes));
-  CK(cudaMemsetAsync(src, 1, bytes, s));
-  const auto t = bench::interleaved_medians(s, 1, iters, {[&] { CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s)); }});
-  CK(cudaFree(src));
-  CK(cudaFree(dst));
-  return 2.0 * bytes / (t[0] * 1e6);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -268,7 +256,7 @@ int main(int argc, char** argv) {
   }
 
   // ---- bandwidth ------------------------------------------------------------------------------
-  const double copy = copy_gbs(s, ses.args.quick ? 3 : 7);
+  const double copy = bench::copy_bandwidth_gbs(s);
   line(fmt("## Bandwidth of the check (GB/s: gradient and momentum bytes over the median of %d, interleaved)",
            ses.args.iters));
   line("");

@@ -68,35 +68,6 @@ double used_bytes() {
   return static_cast<double>(total - free_b);
 }
 
-// The device's copy bandwidth, the yardstick of the memory-bound phases: a 1 GiB device-to-device
-// copy timed with events, bytes read plus written over the median of 7 copies, in GB/s.
-double copy_bandwidth_gbs() {
-  const std::size_t bytes = std::size_t{1} << 30;
-  void *src = nullptr, *dst = nullptr;
-  CK(cudaMalloc(&src, bytes));
-  CK(cudaMalloc(&dst, bytes));
-  CK(cudaMemset(src, 1, bytes));
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int i = 0; i < 8; ++i) {
-    CK(cudaEventRecord(a));
-    CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice));
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float t = 0;
-    CK(cudaEventElapsedTime(&t, a, b));
-    if (i > 0) ms.push_back(t);  // the first copy warms up
-  }
-  std::sort(ms.begin(), ms.end());
-  CK(cudaEventDestroy(a));
-  CK(cudaEventDestroy(b));
-  CK(cudaFree(src));
-  CK(cudaFree(dst));
-  return 2.0 * static_cast<double>(bytes) / (ms[ms.size() / 2] * 1e6);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -170,7 +141,7 @@ int main(int argc, char** argv) {
     }
     CK(cudaDeviceSynchronize());
     if (profile) {
-      const double copy_gbs = copy_bandwidth_gbs();
+      const double copy_gbs = bench::copy_bandwidth_gbs(nullptr);
       line(fmt("Copy bandwidth (1 GiB device-to-device, read + written): %.0f GB/s; the phases' share of it is "
                "in the 'all' row of each table.",
                copy_gbs));
