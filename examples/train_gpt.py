@@ -9,8 +9,10 @@ initial weights and the same batches in the same order. At the end the run write
   results.md  final validation loss, the optimizer's share of step time, tokens/s, peak memory
               (GPU: the run's allocated peak; CPU: the process's resident peak, cumulative)
   ckpt-<optimizer>.pt  a checkpoint per optimizer, so an interrupted run resumes (--resume)
-               exactly where it stopped: the resumed run computes the same bits as one that
-               never stopped.
+               exactly where it stopped. On the CPU the resumed run computes the same bits as one
+               that never stopped; on a GPU PyTorch's backward kernels are not deterministic, so
+               it matches one as closely as two uninterrupted runs match each other.
+  run-<optimizer>.json  each finished run's record (no weights), for --report-only
 
     python examples/train_gpt.py                        # the CPU default: under 10 minutes on 2 cores
     python examples/train_gpt.py --preset gpu-125m      # a 125M-parameter GPT on one GPU
@@ -19,7 +21,8 @@ initial weights and the same batches in the same order. At the end the run write
 
 Learning rates: Muon and NorMuon at --lr; Dion3 at --lr / sqrt(f) (the 1/sqrt(f) rule: a step
 that moves f of the rows moves them further); embeddings, the head and vectors with AdamW at
---adamw-lr (the head at lr / sqrt(d_model), dion3.param_groups' rule); AdamW alone at --adamw-lr.
+--adamw-lr; AdamW alone at --adamw-lr. A run whose loss turns non-finite stops there and is
+reported as diverged; a sweep goes on with the next run.
 """
 from __future__ import annotations
 
@@ -91,7 +94,7 @@ def source_files(corpus: str) -> List[str]:
 
 def read_corpus(corpus: str, max_bytes: int) -> bytes:
     """The corpus's .py files joined, at most max_bytes."""
-    out, size = [], 0
+    out, size, cut = [], 0, False
     for path in source_files(corpus):
         try:
             with open(path, "rb") as f:
@@ -101,9 +104,13 @@ def read_corpus(corpus: str, max_bytes: int) -> bytes:
         out.append(data)
         size += len(data) + 1
         if size >= max_bytes:
+            cut = True
             break
     text = b"\n".join(out)[:max_bytes]
     if len(text) < 100_000:
+        if cut:
+            raise SystemExit(f"train_gpt: --corpus-mb {max_bytes / 2**20:g} keeps only {len(text)} bytes; "
+                             "the demo needs at least 100 kB")
         raise SystemExit(f"train_gpt: the {corpus} corpus ({sysconfig.get_paths()['stdlib']}) holds only "
                          f"{len(text)} bytes of .py source; the demo needs at least 100 kB")
     return text
@@ -321,19 +328,47 @@ class Deadline:
         return self.at is not None and time.time() >= self.at
 
 
+def write_atomically(path: str, text: str) -> None:
+    """Writes a file whole or not at all: an interruption leaves the previous version."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def same_data(what: str, theirs: Optional[str], ours: str) -> None:
+    """Refuses to go on from a checkpoint or record of other data (another Python, other packages)."""
+    if theirs and ours and theirs != ours:
+        raise SystemExit(f"train_gpt: {what} was trained on other data ({theirs}); this machine reads {ours}. "
+                         "Remove it, or go on where the data is the same")
+
+
 def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resume: bool,
               stop_after: Optional[int], deadline: Deadline, corpus_info: str = "") -> Dict:
     """Trains (or resumes) one run; returns its history and summary."""
     name, cfg = run.name, run.cfg
     path = os.path.join(out, f"ckpt-{name}.pt")
     record = os.path.join(out, f"run-{name}.json")
-    if resume and not os.path.exists(path) and os.path.exists(record):
-        # A run finished on another machine: its record (without weights) is all the report needs.
+    rec = None
+    if os.path.exists(record):
         with open(record) as f:
             rec = json.load(f)
-        if rec["config"] == asdict(cfg) and rec["state"].get("done"):
-            print(f"{name}: finished earlier ({record})", file=sys.stderr)
-            return rec["state"]
+        if not (rec["config"] == asdict(cfg) and rec["state"].get("done")):
+            rec = None
+    if not resume and os.path.exists(path) and rec is None:
+        raise SystemExit(f"train_gpt: {path} holds a run that is unfinished or has other settings; add --resume "
+                         "to go on from it, or remove it to start again")
+
+    def write_record(state):
+        # The run's record without the weights: what --report-only reads, from any number of sessions.
+        write_atomically(record, json.dumps(dict(name=name, optimizer=run.optimizer, scale=run.scale,
+                                                 config=asdict(cfg), state=state)))
+
+    if resume and not os.path.exists(path) and rec is not None:
+        # A run finished on another machine: its record (without weights) is all the report needs.
+        same_data(record, rec["state"].get("corpus"), corpus_info)
+        print(f"{name}: finished earlier ({record})", file=sys.stderr)
+        return rec["state"]
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.n_layer, cfg.d_model, cfg.n_head, cfg.seq_len).to(device)
     opt = make_optimizer(run.optimizer, model, cfg)
@@ -345,6 +380,7 @@ def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resu
         if ck["config"] != asdict(cfg):
             raise SystemExit(f"train_gpt: {path} was written with other settings; remove it or run without "
                              "--resume")
+        same_data(path, ck.get("corpus"), corpus_info)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
         sched.load_state_dict(ck["scheduler"])
@@ -352,16 +388,19 @@ def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resu
         batches.gen.set_state(ck["batches"].cpu())
         torch.set_rng_state(ck["torch_rng"].cpu())
         state = ck["state"]
+        del ck  # the checkpoint's tensors (on the device) would count in the peak memory
         if state["done"]:
             print(f"{name}: finished earlier ({path})", file=sys.stderr)
+            if rec is None:  # stopped between the checkpoint and the record
+                write_record(state)
             return state
         print(f"{name}: resuming at step {state['step']}", file=sys.stderr)
 
     def save():
         tmp = path + ".tmp"
-        torch.save(dict(config=asdict(cfg), model=model.state_dict(), optimizer=opt.state_dict(),
-                        scheduler=sched.state_dict(), batches=batches.gen.get_state(),
-                        torch_rng=torch.get_rng_state(), state=state), tmp)
+        torch.save(dict(config=asdict(cfg), corpus=corpus_info, model=model.state_dict(),
+                        optimizer=opt.state_dict(), scheduler=sched.state_dict(),
+                        batches=batches.gen.get_state(), torch_rng=torch.get_rng_state(), state=state), tmp)
         os.replace(tmp, path)  # never a half-written checkpoint
 
     if device.type == "cuda":
@@ -370,6 +409,8 @@ def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resu
     tokens = cfg.batch * cfg.seq_len
     val = state["history"][-1]["val"] if state["history"] else None
     ran = 0
+    # A non-finite loss, and dion3's refusal of a non-finite gradient (on_nonfinite="raise").
+    nonfinite = (FloatingPointError,) + ((sys.modules["dion3"].NonFiniteError,) if "dion3" in sys.modules else ())
     sync(device)  # each step below ends synchronised, so its successor's clock starts clean
     while state["step"] < cfg.steps:
         t0 = time.perf_counter()
@@ -378,8 +419,18 @@ def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resu
             loss = model(x.to(device), y.to(device))
         loss.backward()
         sync(device)
+        train_loss = loss.item()
         t1 = time.perf_counter()
-        opt.step()
+        try:
+            if not math.isfinite(train_loss):
+                raise FloatingPointError
+            opt.step()
+        except nonfinite:
+            # Diverged (the lr is too large): this run ends here, a sweep goes on with the next.
+            state["diverged"] = state["step"] + 1
+            print(f"\n{name}: the loss or a gradient is not finite at step {state['diverged']}; the run ends here "
+                  "as diverged", file=sys.stderr)
+            break
         sync(device)
         t2 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -391,9 +442,9 @@ def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resu
         step = state["step"]
         if step % cfg.eval_every == 0 or step == cfg.steps:
             val = evaluate(model, val_windows, device)
-            state["history"].append(dict(step=step, seconds=state["elapsed"], val=val, train=loss.item()))
+            state["history"].append(dict(step=step, seconds=state["elapsed"], val=val, train=train_loss))
             save()
-        progress.show(step, tokens * step / max(state["elapsed"], 1e-9), loss.item(), val, final=step == cfg.steps)
+        progress.show(step, tokens * step / max(state["elapsed"], 1e-9), train_loss, val, final=step == cfg.steps)
         why = ("--stop-after" if stop_after is not None and ran >= stop_after else
                "--time-limit" if deadline.passed() else None)
         if why and step < cfg.steps:
@@ -409,21 +460,32 @@ def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resu
     state["parameters"] = sum(p.numel() for p in model.parameters())
     state["device"], state["corpus"] = str(device), corpus_info
     save()
-    # The run's record without the weights: what --report-only reads, from any number of sessions.
-    with open(record, "w") as f:
-        json.dump(dict(name=name, optimizer=run.optimizer, scale=run.scale, config=asdict(cfg), state=state), f)
+    write_record(state)
     return state
 
 
 # ---- report ---------------------------------------------------------------------------------
 
+def report_order(run: Run):
+    """The table's row order, the same whether the runs were just trained or read from records:
+    optimizers as OPTIMIZERS lists them, Dion3's larger fraction first, then ascending lr scale."""
+    return OPTIMIZERS.index(run.optimizer), -run.cfg.fraction, run.scale
+
+
 def write_report(runs: List[Run], results: Dict[str, Dict], cfg: Config, out: str, device,
                  corpus_info: str) -> None:
-    done = [r for r in runs if results[r.name].get("history")]
+    runs = sorted(runs, key=report_order)
+    done = [r for r in runs if results[r.name].get("history") or results[r.name].get("diverged")]
+
+    def final(r: Run) -> float:  # a diverged run (or one with a non-finite loss) ranks last
+        st = results[r.name]
+        v = st["history"][-1]["val"] if st.get("history") and not st.get("diverged") else math.inf
+        return v if math.isfinite(v) else math.inf
+
+    sweep = len(done) > len({family(r) for r in done})  # some optimizer at several learning rates
     best = {}
     for r in done:  # each optimizer's (and Dion3 fraction's) run with the lowest final validation loss
-        v = results[r.name]["history"][-1]["val"]
-        if family(r) not in best or v < results[best[family(r)].name]["history"][-1]["val"]:
+        if math.isfinite(final(r)) and (family(r) not in best or final(r) < final(best[family(r)])):
             best[family(r)] = r
     fractions = ", ".join(f"{f:g}" for f in dict.fromkeys(r.cfg.fraction for r in runs if r.optimizer == "dion3"))
     first = results[done[0].name] if done else {}
@@ -433,27 +495,26 @@ def write_report(runs: List[Run], results: Dict[str, Dict], cfg: Config, out: st
              f"{cfg.steps} steps of {cfg.batch} x {cfg.seq_len} bytes "
              f"({cfg.steps * cfg.batch * cfg.seq_len / 1e6:.1f}M tokens); device {device}",
              f"- data: {corpus_info}",
-             f"- lr: Muon and NorMuon --lr {cfg.lr}, Dion3 --lr / sqrt(f) (f = {fractions or cfg.fraction}), AdamW "
-             f"--adamw-lr {cfg.adamw_lr} (also Dion3's and Muon's embeddings, head and vectors), times each "
+             f"- lr: Muon and NorMuon --lr {cfg.lr:g}, Dion3 --lr / sqrt(f) (f = {fractions or cfg.fraction}), AdamW "
+             f"--adamw-lr {cfg.adamw_lr:g} (also Dion3's and Muon's embeddings, head and vectors), times each "
              f"run's scale; seed {cfg.seed}", "",
              "| run | lr | final val loss | optimizer share of step time | tokens/s | peak memory | optimizer state |",
              "|---|---|---|---|---|---|---|"]
     for r in done:
         st = results[r.name]
-        final = st["history"][-1]["val"]
+        loss = (f"diverged (step {st['diverged']})" if st.get("diverged") else f"{st['history'][-1]['val']:.4f}")
         share = 100 * st["opt_seconds"] / max(st["elapsed"], 1e-9)
-        tps = cfg.steps * cfg.batch * cfg.seq_len / max(st["elapsed"], 1e-9)
+        tps = st["step"] * cfg.batch * cfg.seq_len / max(st["elapsed"], 1e-9)
         peak = (f"{st['peak_memory'] / 2**20:.0f} MiB" if st.get("peak_memory") else
                 f"{st['peak_rss'] / 2**20:.0f} MiB (process)" if st.get("peak_rss") else "n/a")
         state_mb = f"{st.get('optimizer_state_bytes', 0) / 2**20:.1f} MiB"
         label = label_of(r, " (f = {:g})")
-        if best.get(family(r)) is r and len(done) > len(best):
+        if best.get(family(r)) is r and sweep:
             label = f"**{label}**"
-        lines.append(f"| {label} | {lr_of(r.optimizer, r.cfg):.4g} | {final:.4f} | {share:.1f}% | {tps:,.0f} | {peak} | {state_mb} |")
-    if len(done) > len(best):
+        lines.append(f"| {label} | {lr_of(r.optimizer, r.cfg):.4g} | {loss} | {share:.1f}% | {tps:,.0f} | {peak} | {state_mb} |")
+    if sweep:
         lines += ["", "Bold: each optimizer's best learning rate (the plot shows those)."]
-    with open(os.path.join(out, "results.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_atomically(os.path.join(out, "results.md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
     try:
         import matplotlib
@@ -517,7 +578,7 @@ def parse_args(argv=None):
                          "(runs finished in several sessions, copied into one folder)")
     ap.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: an interruption
     a = ap.parse_args(argv)
-    names = [n.strip() for n in a.optimizers.split(",") if n.strip()]
+    names = list(dict.fromkeys(n.strip() for n in a.optimizers.split(",") if n.strip()))
     bad = [n for n in names if n not in OPTIMIZERS]
     if bad or not names:
         ap.error(f"--optimizers: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(OPTIMIZERS)}")
@@ -555,8 +616,8 @@ def parse_args(argv=None):
             ap.error(f"--{key.replace('_', '-')} must be at least 1, got {preset[key]}")
     if preset["d_model"] % preset["n_head"]:
         ap.error(f"--d-model ({preset['d_model']}) must be a multiple of --n-head ({preset['n_head']})")
-    if preset["corpus_mb"] <= 0:
-        ap.error("--corpus-mb must be positive")
+    if not (math.isfinite(preset["corpus_mb"]) and preset["corpus_mb"] > 0):
+        ap.error(f"--corpus-mb must be a positive number, got {preset['corpus_mb']}")
     scales = numbers("--lr-scales", a.lr_scales, lambda x: math.isfinite(x) and x > 0,
                      f"--lr-scales: expected distinct positive numbers, got {a.lr_scales!r}")
     if a.time_limit is not None and not a.time_limit > 0:
@@ -579,9 +640,8 @@ def report_only(out: str) -> int:
             files[name] = f
     if not records:
         raise SystemExit(f"train_gpt: --report-only: no run-*.json records in {out}")
-    order = {n: i for i, n in enumerate(OPTIMIZERS)}
-    records.sort(key=lambda r: (order.get(r["optimizer"], 99), -r["config"]["fraction"], r["scale"]))
-    runs = [Run(r["name"], r["optimizer"], Config(**r["config"]), r["scale"]) for r in records]
+    runs = sorted((Run(r["name"], r["optimizer"], Config(**r["config"]), r["scale"]) for r in records),
+                  key=report_order)
     first = runs[0]
     cfg = replace(first.cfg, lr=first.cfg.lr / (first.scale if first.optimizer != "adamw" else 1.0),
                   adamw_lr=first.cfg.adamw_lr / (first.scale if first.optimizer == "adamw" else 1.0))
@@ -590,6 +650,11 @@ def report_only(out: str) -> int:
     if len(shapes) > 1:
         raise SystemExit("train_gpt: --report-only: the records were trained with different settings "
                          "(besides the learning rates and Dion3's fraction); keep one setting per folder")
+    for key, what in (("corpus", "data"), ("device", "kinds of device")):
+        seen = sorted({str(r["state"].get(key)) for r in records if r["state"].get(key)})
+        if len(seen) > 1:  # the table's header names one of each, and the runs would not compare
+            raise SystemExit(f"train_gpt: --report-only: the records were trained on different {what} "
+                             f"({'; '.join(seen)}); keep one per folder")
     results = {r["name"]: r["state"] for r in records}
     info = records[0]["state"].get("corpus", "see the runs' logs")
     write_report(runs, results, cfg, out, records[0]["state"].get("device", "?"), info)
@@ -611,6 +676,9 @@ def main(argv=None) -> int:
     if len(val) <= cfg.seq_len + 1:
         raise SystemExit(f"train_gpt: the validation split ({len(val)} bytes) is shorter than a window; "
                          "raise --corpus-mb or lower --seq-len")
+    if cfg.eval_batches * cfg.batch > len(val) - cfg.seq_len - 1:
+        raise SystemExit(f"train_gpt: the validation split ({len(val)} bytes) holds fewer than --eval-batches x "
+                         f"--batch = {cfg.eval_batches * cfg.batch} windows; raise --corpus-mb or lower --eval-batches")
     what = "standard library" if cfg.corpus == "stdlib" else "standard library and installed packages'"
     corpus_info = (f"Python {sys.version.split()[0]} {what} source, {len(text) / 2**20:.1f} MiB "
                    f"(sha256 {hashlib.sha256(text).hexdigest()[:12]}), last 5% held out")
@@ -635,8 +703,8 @@ def main(argv=None) -> int:
         if not results[run.name].get("done"):
             return 0  # stopped on purpose (--stop-after, --time-limit); --resume goes on
     write_report(runs, results, cfg, a.out, device, corpus_info)
-    with open(os.path.join(a.out, "history.json"), "w") as f:
-        json.dump({n: r["history"] for n, r in results.items()}, f, indent=1)
+    write_atomically(os.path.join(a.out, "history.json"),
+                     json.dumps({n: r["history"] for n, r in results.items()}, indent=1))
     print(f"train_gpt: wrote {a.out}/results.md and {a.out}/loss.png", file=sys.stderr)
     return 0
 

@@ -110,6 +110,8 @@ def test_a_time_limit_stops_and_resume_goes_on_bit_for_bit(tmp_path):
     (["--lr-scales", "1,1"], "--lr-scales: expected distinct positive numbers"),
     (["--time-limit", "0"], "--time-limit must be a positive number"),
     (["--corpus", "wiki"], "invalid choice: 'wiki'"),
+    (["--corpus-mb", "nan"], "--corpus-mb must be a positive number"),
+    (["--corpus-mb", "inf"], "--corpus-mb must be a positive number"),
 ])
 def test_bad_arguments_are_refused_with_a_message(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -123,6 +125,60 @@ def test_resuming_with_other_settings_is_refused(tmp_path):
     assert train_gpt.main(args + ["--stop-after", "2"]) == 0
     with pytest.raises(SystemExit, match="written with other settings"):
         train_gpt.main(args + ["--resume", "--lr", "0.03"])
+
+
+def test_an_unfinished_checkpoint_is_not_overwritten_without_resume(tmp_path):
+    args = TINY + ["--optimizers", "adamw", "--out", str(tmp_path)]
+    assert train_gpt.main(args + ["--stop-after", "6"]) == 0
+    with pytest.raises(SystemExit, match="unfinished or has other settings; add --resume"):
+        train_gpt.main(args)
+    assert torch.load(tmp_path / "ckpt-adamw.pt", weights_only=False)["state"]["step"] == 6
+    assert train_gpt.main(args + ["--resume"]) == 0
+    assert train_gpt.main(args) == 0  # a finished run may be trained again from the start
+
+
+def test_a_diverging_run_ends_as_diverged_and_the_sweep_goes_on(tmp_path):
+    # Muon's gradients overflow at lr 1e4 (dion3 raises NonFiniteError); AdamW's loss turns NaN at
+    # lr 100. Neither is the best run; the smaller lr of each trains.
+    assert train_gpt.main(TINY + ["--optimizers", "muon,adamw", "--lr", "1e4", "--adamw-lr", "100",
+                                  "--lr-scales", "1,0.00003", "--out", str(tmp_path)]) == 0
+    table = (tmp_path / "results.md").read_text()
+    assert "| muon@1x | 1e+04 | diverged (step " in table and "| adamw@1x | 100 | diverged (step " in table
+    assert "| **muon@3e-05x** |" in table and "| **adamw@3e-05x** | 0.003 |" in table
+    (tmp_path / "results.md").unlink()
+    assert train_gpt.main(["--report-only", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "results.md").read_text() == table
+
+
+def test_a_finished_runs_record_is_written_again_on_resume(tmp_path):
+    args = TINY + ["--optimizers", "adamw", "--out", str(tmp_path)]
+    assert train_gpt.main(args) == 0
+    record = (tmp_path / "run-adamw.json").read_text()
+    (tmp_path / "run-adamw.json").unlink()  # as if stopped between the checkpoint and the record
+    assert train_gpt.main(args + ["--resume"]) == 0
+    assert (tmp_path / "run-adamw.json").read_text() == record
+
+
+def test_runs_on_other_data_are_neither_resumed_nor_reported_together(tmp_path):
+    args = TINY + ["--optimizers", "adamw", "--out", str(tmp_path)]
+    assert train_gpt.main(args + ["--stop-after", "2"]) == 0
+    ck = torch.load(tmp_path / "ckpt-adamw.pt", weights_only=False)
+    ck["corpus"] = "Python 0.0 standard library source, 0.5 MiB (sha256 000000000000), last 5% held out"
+    torch.save(ck, tmp_path / "ckpt-adamw.pt")
+    with pytest.raises(SystemExit, match="was trained on other data"):
+        train_gpt.main(args + ["--resume"])
+    (tmp_path / "ckpt-adamw.pt").unlink()
+    assert train_gpt.main(args + ["--lr-scales", "1,2"]) == 0
+    rec = train_gpt.json.loads((tmp_path / "run-adamw@2x.json").read_text())
+    rec["state"]["corpus"] = ck["corpus"]
+    (tmp_path / "run-adamw@2x.json").write_text(train_gpt.json.dumps(rec))
+    with pytest.raises(SystemExit, match="trained on different data"):
+        train_gpt.main(["--report-only", "--out", str(tmp_path)])
+
+
+def test_too_many_validation_windows_for_the_corpus_are_refused(tmp_path):
+    with pytest.raises(SystemExit, match="fewer than --eval-batches x --batch"):
+        train_gpt.main(TINY + ["--eval-batches", "4000", "--out", str(tmp_path)])
 
 
 def test_the_python_corpus_adds_the_installed_packages_in_a_fixed_shuffled_order():
