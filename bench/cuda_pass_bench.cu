@@ -151,17 +151,17 @@ struct Workload {
       : table(be.allocator(), std::max<std::size_t>(1, sizes.size()) * sizeof(Seg)) {
     for (std::size_t i = 0; i < sizes.size(); ++i) {
       const int64_t n = sizes[i];
-      auto& g = bufs.emplace_back(be.allocator(), n * 2);
-      auto& m = bufs.emplace_back(be.allocator(), n * 2);
-      bench::fill(g.get(), DType::BF16, n, 2 * i + 1, 0.02f, s);
-      bench::fill(m.get(), DType::BF16, n, 2 * i + 2, 2.0f, s);
+      void* g = bufs.emplace_back(be.allocator(), n * 2).get();
+      void* m = bufs.emplace_back(be.allocator(), n * 2).get();
+      bench::fill(g, DType::BF16, n, 2 * i + 1, 0.02f, s);
+      bench::fill(m, DType::BF16, n, 2 * i + 2, 2.0f, s);
       StepCheck c;
       c.rule = StepCheck::Momentum;
-      c.grad = MatrixView::contiguous(g.get(), DType::BF16, 1, 1, n);
-      c.state = MatrixView::contiguous(m.get(), DType::BF16, 1, 1, n);
+      c.grad = MatrixView::contiguous(g, DType::BF16, 1, 1, n);
+      c.state = MatrixView::contiguous(m, DType::BF16, 1, 1, n);
       c.a = a;
       checks.push_back(c);
-      segs.push_back({static_cast<const __nv_bfloat16*>(g.get()), static_cast<const __nv_bfloat16*>(m.get()), n});
+      segs.push_back({static_cast<const __nv_bfloat16*>(g), static_cast<const __nv_bfloat16*>(m), n});
       elements += n;
     }
     CK(cudaMemcpyAsync(table.get(), segs.data(), segs.size() * sizeof(Seg), cudaMemcpyHostToDevice, s));
@@ -175,11 +175,10 @@ struct Workload {
   }
 };
 
-int run_variant(const Launch& v, const Workload& w, float a, int* flag, int blocks, cudaStream_t s) {
+void run_variant(const Launch& v, const Workload& w, float a, int* flag, int blocks, cudaStream_t s) {
   v.kernel<<<blocks, v.threads, 0, s>>>(static_cast<const Seg*>(w.table.get()), static_cast<int>(w.segs.size()), a,
                                         flag);
   CK(cudaGetLastError());
-  return 0;
 }
 
 }  // namespace
