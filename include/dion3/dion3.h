@@ -289,6 +289,11 @@ DION3_API dion3_status dion3_num_params(const dion3_optimizer* opt, int* count);
  * it was skipped under DION3_NONFINITE_SKIP. Under RAISE a non-finite gradient returns
  * DION3_NON_FINITE; in both cases weights and state are untouched. */
 DION3_API dion3_status dion3_step(dion3_optimizer* opt, int* applied);
+/* For a rank of a distributed optimizer with no gradients this step while other ranks call
+ * dion3_step: runs the step's collectives with the gradients bound last, writing nothing, so that
+ * every rank refuses the step (DION3_INVALID_ARGUMENT here and in the others' dion3_step) instead
+ * of pairing later collectives wrongly. DION3_OK, with nothing done, when every rank refused. */
+DION3_API dion3_status dion3_refuse_step(dion3_optimizer* opt);
 /* Steps applied and skipped so far (either pointer may be NULL). On CUDA this waits for the
  * device; dion3_posted_steps does not. */
 DION3_API dion3_status dion3_steps(const dion3_optimizer* opt, int64_t* taken, int64_t* skipped);

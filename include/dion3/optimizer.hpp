@@ -204,6 +204,13 @@ class DION3_API Optimizer {
   // Ranges of every later step also go to `tracer` (null: none beyond the backend's own).
   void set_tracer(std::shared_ptr<StepTracer> tracer);
   bool step();
+  // For a rank of a distributed optimizer whose parameters have no gradient this step while the
+  // others call step(): runs the step's collectives with the gradients bound last (writing
+  // nothing), so that every rank refuses the step together instead of pairing later collectives
+  // wrongly. Throws dion3::Error (InvalidArgument) here and in the others' step() when some rank
+  // stepped; returns false, with nothing done, when every rank refused. Nothing is modified
+  // (under on_nonfinite == Skip the step counts as dropped, as on the other ranks).
+  bool refuse_step();
   // The same step, only enqueued on the backend's stream: no host synchronisation, so it can
   // be captured in a CUDA graph and replayed. A non-finite gradient drops the step on the
   // device whatever the policy (steps_skipped() counts it); nothing is raised.

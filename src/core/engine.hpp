@@ -155,7 +155,9 @@ struct Optimizer::Impl {
   std::vector<Param> params;
   std::vector<Megabatch> megabatches;
   bool plan_valid = false;
-  DeviceBuffer flag;   // one int: a gradient was non-finite this step
+  DeviceBuffer flag;   // two ints: {verdict, took part} of this step (comm.hpp, kRankWithoutGradients)
+  DeviceBuffer flag_starts;  // {0, 1} for a step, {kRankWithoutGradients, 0} for a refusal
+  bool refusing = false;     // enqueue_step for refuse_step
   DeviceBuffer arena;  // workspace shared by all chunks (their work is ordered on one stream)
   DeviceBuffer counters;  // int64 [steps applied, steps dropped], on the device
   std::unique_ptr<HostCopy> posted;  // counters on their way to the host after a step
@@ -252,6 +254,7 @@ struct Optimizer::Impl {
   void enqueue_step(bool count_dropped);
   // The step's stages (see Megabatch).
   void agree_on_flag(int* flag);
+  void settle_collectives();
   void prepare(Megabatch& mb, int* flag);
   void orthogonalize(Megabatch& mb, int* flag);
   void apply(Megabatch& mb, int* flag);

@@ -133,7 +133,10 @@ Optimizer::Optimizer(std::unique_ptr<Backend> backend, OptimizerOptions options)
   if (!backend) fail("Optimizer needs a backend, got null");
   impl_->backend = std::move(backend);
   impl_->options = options;
-  impl_->flag = DeviceBuffer(impl_->backend->allocator(), sizeof(int));
+  impl_->flag = DeviceBuffer(impl_->backend->allocator(), 2 * sizeof(int));
+  impl_->flag_starts = DeviceBuffer(impl_->backend->allocator(), 4 * sizeof(int));
+  const int starts[4] = {0, 1, kRankWithoutGradients, 0};
+  impl_->backend->copy_from_host(impl_->flag_starts.get(), starts, sizeof(starts));
   impl_->counters = DeviceBuffer(impl_->backend->allocator(), 2 * sizeof(int64_t));
   impl_->backend->fill_zero(impl_->counters.get(), 2 * sizeof(int64_t));
 }
@@ -667,8 +670,9 @@ void Optimizer::Impl::build_plan() {
   ++plan_generation;
   ++binding;
   planned = groups;
-  plan_valid = true;
+  // Valid only once the ranks agree: a rank that goes on after the refusal must check again.
   check_plans_agree();
+  plan_valid = true;
 }
 
 Hyper Optimizer::Impl::group_hyper(int g, GroupHyper which) const {
@@ -1024,7 +1028,7 @@ void Optimizer::Impl::agree_on_flag(int* flag) {
     for (Communicator* c : {p.layout.comm.get(), p.layout.col_comm.get()}) {
       if (!c || std::find(seen.begin(), seen.end(), c) != seen.end()) continue;
       seen.push_back(c);
-      c->all_reduce_max(flag, 1, backend->stream(), "the non-finite gradient check")->wait();
+      c->all_reduce_max(flag, 2, backend->stream(), "the non-finite gradient check")->wait();
     }
 }
 
@@ -1554,7 +1558,8 @@ void Optimizer::Impl::enqueue_step(bool count_dropped) {
   if (s.capturing_now) s.captured_binding = s.binding;
   s.upload_hyper(s.capturing_now);
   s.build_lists();
-  be.fill_zero(flag, sizeof(int));
+  // A copy on the device, not a host write, so that a captured step starts it afresh.
+  be.copy(flag, s.flag_starts.as<int>() + (s.refusing ? 2 : 0), 2 * sizeof(int));
   const Range step_range(s, "dion3::step");
   {
     const Range r(s, "dion3::check");
@@ -1629,6 +1634,36 @@ bool Optimizer::posted_counters(int64_t out[2]) const {
   return true;
 }
 
+// Collectives that never finish raise here, naming themselves, instead of hanging the verdict.
+void Optimizer::Impl::settle_collectives() {
+  std::vector<Communicator*> settled;
+  for (const Param& p : params)
+    for (Communicator* c : {p.layout.comm.get(), p.layout.col_comm.get()})
+      if (c && std::find(settled.begin(), settled.end(), c) == settled.end()) {
+        settled.push_back(c);
+        c->settle();
+      }
+}
+
+bool Optimizer::refuse_step() {
+  Impl& s = *impl_;
+  s.validate_for_step();
+  s.refusing = true;
+  try {
+    s.enqueue_step(s.options.on_nonfinite == NonFinitePolicy::Skip);
+  } catch (...) {
+    s.refusing = false;
+    throw;
+  }
+  s.refusing = false;
+  s.post_counters();
+  s.settle_collectives();
+  if (s.backend->read_flag(s.flag.as<int>() + 1) == 0) return false;  // no rank stepped: nothing to refuse
+  s.plan_valid = false;  // as on the ranks that stepped (see step())
+  fail("no parameter of this rank has a gradient this step while other ranks step: every rank must step the "
+       "same parameters; the step was not applied on any rank");
+}
+
 bool Optimizer::step() {
   Impl& s = *impl_;
   Backend& be = *s.backend;
@@ -1636,16 +1671,17 @@ bool Optimizer::step() {
   s.enqueue_step(s.options.on_nonfinite == NonFinitePolicy::Skip);
   s.post_counters();
   int* flag = s.flag.as<int>();
-  // Collectives that never finish raise here, naming themselves, instead of hanging the verdict.
-  std::vector<Communicator*> settled;
-  for (const Param& p : s.params)
-    for (Communicator* c : {p.layout.comm.get(), p.layout.col_comm.get()})
-      if (c && std::find(settled.begin(), settled.end(), c) == settled.end()) {
-        settled.push_back(c);
-        c->settle();
-      }
+  s.settle_collectives();
   // The verdict: one host synchronisation.
-  if (be.read_flag(flag) == 0) return true;
+  const int verdict = be.read_flag(flag);
+  if (verdict == 0) return true;
+  if (verdict >= kRankWithoutGradients) {
+    // The refusing rank's parameters change before its next step, whose first collective is
+    // then the plan check: plan again here too, so that every rank starts with it.
+    s.plan_valid = false;
+    fail("another rank took no part in this step (none of its parameters had a gradient): every rank must step "
+         "the same parameters; the step was not applied on any rank");
+  }
   if (s.options.on_nonfinite == NonFinitePolicy::Raise) {
     const char* policy = "(on_nonfinite='raise'; use 'skip' to drop such steps)";
     for (int i = 0; i < num_params(); ++i) {

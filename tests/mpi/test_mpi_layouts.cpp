@@ -350,8 +350,56 @@ TEST(Faults, MismatchedPlansFailOnEveryRank) {
     spec.layout.comm = comm;
     h.opt.add_param(gi, spec);
   }
-  const std::string what = t3::error_of([&] { h.opt.step(); });
-  EXPECT_NE(what.find("planned different steps"), std::string::npos) << "rank " << rank << ": " << what;
+  // Refused again on a second try: the refusal is not kept as a valid plan.
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    const std::string what = t3::error_of([&] { h.opt.step(); });
+    EXPECT_NE(what.find("planned different steps"), std::string::npos)
+        << "rank " << rank << ", attempt " << attempt << ": " << what;
+  }
+}
+
+// A rank without gradients this step runs the step's collectives through refuse_step(): every
+// rank refuses, nothing moves, and afterwards the ranks step together again. When every rank
+// refuses, nothing happens and nothing is raised.
+TEST(Faults, ARankWithoutGradientsRefusesTheStepOnEveryRank) {
+  const int P = world_size(), rank = world_rank();
+  auto comm = dion3::make_mpi_communicator(nullptr, 60.0);
+  t3::Harness h;
+  const int gi = h.opt.add_group(GroupConfig{});
+  Rng rng(11);
+  std::vector<std::unique_ptr<t3::HostParam>> ps;
+  for (int i = 0; i < 3; ++i) {
+    ps.push_back(std::make_unique<t3::HostParam>("w" + std::to_string(i), DType::F32, std::vector<int64_t>{8, 6}));
+    ps.back()->w.assign(t3::gaussian(8, 6, rng));
+    dion3::ParamSpec spec = ps.back()->spec();
+    spec.layout.kind = Layout::Replicated;
+    spec.layout.comm = comm;
+    ps.back()->index = h.opt.add_param(gi, spec);
+  }
+  auto fill = [&](double v) {
+    for (auto& p : ps) p->g.assign(std::vector<double>(48, v));
+  };
+  std::vector<t3::HostParam*> all;
+  for (auto& p : ps) all.push_back(p.get());
+  fill(1.0);
+  ASSERT_TRUE(h.opt.step());
+  const auto before = t3::snapshot(h.opt, all);
+  fill(2.0);
+  dion3::Status st = dion3::Status::Ok;
+  const std::string what = t3::error_of([&] { rank == P - 1 ? h.opt.refuse_step() : h.opt.step(); }, &st);
+  EXPECT_EQ(st, dion3::Status::InvalidArgument) << "rank " << rank << ": " << what;
+  EXPECT_NE(what.find(rank == P - 1 ? "no parameter of this rank has a gradient" : "another rank took no part"),
+            std::string::npos) << "rank " << rank << ": " << what;
+  EXPECT_EQ(t3::snapshot(h.opt, all), before) << "rank " << rank << ": a refused step moved something";
+  EXPECT_FALSE(h.opt.refuse_step()) << "rank " << rank << ": every rank refused, yet it raised or stepped";
+  EXPECT_EQ(t3::snapshot(h.opt, all), before) << "rank " << rank;
+  fill(3.0);
+  ASSERT_TRUE(h.opt.step());
+  for (auto& p : ps) {
+    std::vector<double> w = p->w.values(), first = w;
+    MPI_Bcast(first.data(), static_cast<int>(first.size()), MPI_DOUBLE, 0, MPI_COMM_WORLD);
+    EXPECT_EQ(w, first) << "rank " << rank << ": the ranks drifted apart";
+  }
 }
 
 TEST(Faults, WrongShardIsRefusedWithTheRowsItShouldHold) {
@@ -411,6 +459,11 @@ TEST(CApi, RowShardedParameterThroughTheCApi) {
   size_t count = 0;
   dion3_megabatch_info info;
   ASSERT_EQ(dion3_plan(opt, &info, 1, &count), DION3_OK);
+  // The last rank has no gradient this step: it refuses, and every rank's step fails alike.
+  const std::vector<float> kept = w;
+  const dion3_status refused = rank == P - 1 ? dion3_refuse_step(opt) : dion3_step(opt, &applied);
+  EXPECT_EQ(refused, DION3_INVALID_ARGUMENT) << "rank " << rank << ": " << dion3_last_error();
+  EXPECT_EQ(w, kept) << "rank " << rank << ": a refused step moved the weights";
   dion3_destroy(opt);
   dion3_comm_destroy(comm);
 }
