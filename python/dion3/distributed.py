@@ -34,6 +34,17 @@ def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def local_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
+    """The local part of p's gradient placed as p is. A DTensor gradient placed otherwise (Partial:
+    what autograd leaves a replicated weight under sequence or tensor parallelism) is
+    redistributed first, as torch.optim's DTensor ops do: stepping each rank's partial sum would
+    let the ranks drift apart."""
+    g = p.grad
+    if isinstance(g, DTensor) and isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
+        g = g.redistribute(p.device_mesh, p.placements)
+    return local(g)
+
+
 @dataclass(frozen=True)
 class ParamLayout:
     """What the engine is told about one parameter."""
@@ -241,14 +252,24 @@ def local_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     shape = tuple(full.shape)
     mesh, placements = like.device_mesh, _placements_for(shape, like.placements, tuple(like.shape))
     part = full
-    for mdim, pl in enumerate(placements):
-        if pl.is_shard():
-            start, n = _chunk(part.shape[pl.dim], mesh.size(mdim), mesh.get_local_rank(mdim))
-            part = part.narrow(pl.dim, start, n)
+    if any(type(pl).__name__ == "_StridedShard" for pl in placements):
+        # FSDP2 over tensor parallelism cuts a dimension twice (is_shard() is False for the strided
+        # cut): the local block's shape and offset as DTensor computes them, as _local_shape does.
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        lshape, offset = compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)
+        for d, (start, n) in enumerate(zip(offset, lshape)):
+            if n != shape[d]:
+                part = part.narrow(d, start, n)
+    else:
+        for mdim, pl in enumerate(placements):
+            if pl.is_shard():
+                start, n = _chunk(part.shape[pl.dim], mesh.size(mdim), mesh.get_local_rank(mdim))
+                part = part.narrow(pl.dim, start, n)
     lt = part.detach().to(device=like.to_local().device, copy=True).contiguous()
     return DTensor.from_local(lt, mesh, placements, run_check=False, shape=torch.Size(shape),
                               stride=_contiguous_stride(shape))
 
 
-__all__ = ["DTensor", "Shard", "Replicate", "ParamLayout", "LOCAL", "check_mesh", "layout_of", "local",
+__all__ = ["DTensor", "Shard", "Replicate", "ParamLayout", "LOCAL", "check_mesh", "layout_of", "local", "local_grad",
            "is_dtensor", "same_mesh", "zeros_like_layout", "local_part"]

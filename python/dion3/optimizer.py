@@ -627,6 +627,45 @@ class _EngineOptimizer(torch.optim.Optimizer):
         second moments not negative, and a step counter. ValueError naming the parameter and the
         tensor otherwise. Under a distributed mesh, ranks agree on the verdict (one tiny all-reduce
         per mesh dimension), so that all refuse together."""
+        # 1. What can be told from metadata alone: the ranks agree on it before step 2, whose
+        #    full_tensor() calls are collectives that a rank refusing here would never join.
+        plan, problem = [], None
+        try:
+            plan = self._load_plan(state_dict)
+        except ValueError as e:
+            problem = str(e)
+        self._agree_on_load(problem)  # raises this rank's problem, or another rank's refusal
+        # 2. The tensors as this optimizer will hold them, and their values (rank-local for shards).
+        loaded: Dict[torch.Tensor, Dict[str, Any]] = {}
+        problem = None
+        for p, who, group, st, step in plan:
+            out: Dict[str, Any] = {"step": step}
+            for name, dtype, _ in _state_shapes(group, p):
+                value = st[name]
+                if _dist.is_dtensor(p) and not _dist.is_dtensor(value):
+                    # A single-device (full) checkpoint loaded into a sharded run: keep this rank's part.
+                    t = _dist.local_part(value, p)
+                    t = t if t.dtype == dtype else t.to(dtype=dtype)
+                elif _dist.is_dtensor(value) and not _dist.is_dtensor(p):
+                    t = value.full_tensor().detach().to(device=p.device, dtype=dtype, copy=True)
+                elif _dist.is_dtensor(value):
+                    t = value.detach().to(dtype=dtype, copy=True)
+                else:
+                    t = value.detach().to(device=p.device, dtype=dtype, copy=True)
+                if problem is None:
+                    bad = _bad_value(_dist.local(t), name in _SECOND_MOMENTS)
+                    if bad is not None:
+                        shard = " (this rank's shard)" if _dist.is_dtensor(t) else ""
+                        problem = (f"dion3: load_state_dict: {who}: state '{name}' ({_dtype_name(dtype)}){shard} "
+                                   f"holds {bad}; nothing was loaded")
+                out[name] = t
+            loaded[p] = out
+        self._agree_on_load(problem)
+        return loaded
+
+    def _load_plan(self, state_dict: Dict[str, Any]) -> List[Any]:
+        """Step 1 of _loaded_state: the checks of groups, keys, shapes, dtypes, layouts and step
+        counters, and for each parameter what step 2 loads. ValueError naming what is wrong."""
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError("dion3: load_state_dict needs a dict with 'state' and 'param_groups' "
                              "(what state_dict() returns)")
@@ -634,8 +673,6 @@ class _EngineOptimizer(torch.optim.Optimizer):
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"dion3: load_state_dict: the state_dict has {len(saved_groups)} parameter groups "
                              f"but the optimizer has {len(self.param_groups)}")
-        # 1. What can be told from metadata alone (the same on every rank): groups, keys, shapes,
-        #    dtypes, layouts and step counters.
         plan = []
         for gi, (saved, mine) in enumerate(zip(saved_groups, self.param_groups)):
             if len(saved["params"]) != len(mine["params"]):
@@ -676,33 +713,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                                              f"on {value.device_mesh}, expected {list(want)} on {p.device_mesh} "
                                              "(load a resharded checkpoint through torch.distributed.checkpoint)")
                 plan.append((p, who, group, st, step))
-        # 2. The tensors as this optimizer will hold them, and their values (rank-local for shards).
-        loaded: Dict[torch.Tensor, Dict[str, Any]] = {}
-        problem = None
-        for p, who, group, st, step in plan:
-            out: Dict[str, Any] = {"step": step}
-            for name, dtype, _ in _state_shapes(group, p):
-                value = st[name]
-                if _dist.is_dtensor(p) and not _dist.is_dtensor(value):
-                    # A single-device (full) checkpoint loaded into a sharded run: keep this rank's part.
-                    t = _dist.local_part(value, p)
-                    t = t if t.dtype == dtype else t.to(dtype=dtype)
-                elif _dist.is_dtensor(value) and not _dist.is_dtensor(p):
-                    t = value.full_tensor().detach().to(device=p.device, dtype=dtype, copy=True)
-                elif _dist.is_dtensor(value):
-                    t = value.detach().to(dtype=dtype, copy=True)
-                else:
-                    t = value.detach().to(device=p.device, dtype=dtype, copy=True)
-                if problem is None:
-                    bad = _bad_value(_dist.local(t), name in _SECOND_MOMENTS)
-                    if bad is not None:
-                        shard = " (this rank's shard)" if _dist.is_dtensor(t) else ""
-                        problem = (f"dion3: load_state_dict: {who}: state '{name}' ({_dtype_name(dtype)}){shard} "
-                                   f"holds {bad}; nothing was loaded")
-                out[name] = t
-            loaded[p] = out
-        self._agree_on_load(problem)
-        return loaded
+        return plan
 
     def _agree_on_load(self, problem: Optional[str]) -> None:
         """Raises `problem` (this rank's) or, under a distributed mesh, the refusal of another rank:
@@ -727,9 +738,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 _torch_dist.all_reduce(flag, op=_torch_dist.ReduceOp.MAX, group=pg)
             refusing = int(flag.item()) - 1
             if problem is None and refusing >= 0:
-                problem = (f"dion3: load_state_dict: rank {refusing} refused the state_dict (a state tensor "
-                           "there holds NaN/Inf or a negative second moment; its error names it); nothing was "
-                           "loaded on any rank")
+                problem = (f"dion3: load_state_dict: rank {refusing} refused the state_dict (its error says "
+                           "what is wrong there); nothing was loaded on any rank")
         if problem is not None:
             raise ValueError(problem)
 
@@ -767,6 +777,12 @@ class _EngineOptimizer(torch.optim.Optimizer):
         # The engine reads each parameter's .grad itself (no per-parameter Python work per step).
         status = self._run_engine(engine, asynchronous)
         if status < 0:  # the set of parameters with gradients changed, or a weight moved (p.data = ...)
+            if self._mesh is not None and not any(p.grad is not None for g in self.param_groups for p in g["params"]):
+                # No gradient on this rank while others may step: take part in their step's
+                # collectives (with the gradients bound last) so that every rank refuses it;
+                # ValueError unless no rank had gradients.
+                engine.refuse_step()
+                return loss
             self._rebuild(key)
             engine = self._engine
             if engine is None:
@@ -820,7 +836,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             # the engine this step's local gradients.
             if any(p.grad is not None for p in self._unregistered):
                 return -1
-            grads = [_dist.local(p.grad) for p in self._engine_params]
+            grads = [_dist.local_grad(p) for p in self._engine_params]
             if any(g is None for g in grads):
                 return -1
             return engine.step_async_with(grads) if asynchronous else engine.step_with(grads)
@@ -1100,7 +1116,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 engine.add_param(ei, name_j, _dist.local(p), _engine_state(group, st),
                                  layout.kind, layout.group, layout.global_rows, layout.global_cols,
                                  layout.row_offset, layout.row_chunk, layout.col_group,
-                                 _dist.local(p.grad) if is_dt else None)
+                                 _dist.local_grad(p) if is_dt else None)
                 st["step"] = int(old.get("step", 0))
                 new_state[p] = st
                 engine_params.append(p)

@@ -187,6 +187,73 @@ def refusals(rank, world, mesh):
             assert "lives on" in str(e), str(e)
 
 
+def agreement(rank, world, mesh):
+    """Ranks that disagree about the step refuse it together, every time, and nothing moves:
+    ranks that would plan different steps (one lacks a gradient), and a rank with no gradient at
+    all after earlier steps (it joins the others' first collective to refuse). Afterwards the
+    ranks step together again."""
+    torch.manual_seed(0)
+    ps = [nn.Parameter(torch.randn(8, 6)) for _ in range(3)]
+    opt = dion3.Dion3(ps, distributed_mesh=dist.group.WORLD, lr=0.05)
+    before = [p.detach().clone() for p in ps]
+    for attempt in range(2):  # the refusal is not remembered as a valid plan: it comes again
+        for i, p in enumerate(ps):
+            p.grad = None if (rank == world - 1 and i == 2) else torch.ones(8, 6)
+        try:
+            opt.step()
+            raise AssertionError(f"rank {rank}: attempt {attempt} with different plans stepped")
+        except ValueError as e:
+            assert "planned different steps" in str(e), str(e)
+    assert all(torch.equal(p, b) for p, b in zip(ps, before)), f"rank {rank}: a refused step moved weights"
+    for p in ps:
+        p.grad = torch.ones(8, 6)
+    opt.step()
+    before = [p.detach().clone() for p in ps]
+    for p in ps:
+        p.grad = None if rank == world - 1 else torch.full((8, 6), 2.0)
+    try:
+        opt.step()
+        raise AssertionError(f"rank {rank}: a step with a rank without gradients was applied")
+    except ValueError as e:
+        expect = "no parameter of this rank has a gradient" if rank == world - 1 else "another rank took no part"
+        assert expect in str(e), f"rank {rank}: {e}"
+    assert all(torch.equal(p, b) for p, b in zip(ps, before)), f"rank {rank}: a refused step moved weights"
+    for p in ps:
+        p.grad = torch.full((8, 6), 3.0)
+    opt.step()
+    for p in ps:
+        mine = p.detach().clone()
+        every = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine)
+        assert all(torch.equal(every[0], w) for w in every), f"rank {rank}: the ranks drifted apart"
+
+
+def partial_gradients(rank, world, mesh):
+    """A gradient that autograd left Partial (a replicated weight under sequence or tensor
+    parallelism) is summed over the ranks before the step, as torch.optim does: the result is the
+    single-process step on the summed gradient, on every rank."""
+    from torch.distributed.tensor import Partial
+
+    torch.manual_seed(0)
+    w0, b0 = torch.randn(8, 6) * 0.1, torch.randn(6) * 0.1
+    w = nn.Parameter(distribute_tensor(w0.clone(), mesh, [Replicate()]))
+    b = nn.Parameter(distribute_tensor(b0.clone(), mesh, [Replicate()]))
+    opt = dion3.Dion3([dict(params=[w]), dict(params=[b], algorithm="adamw")], distributed_mesh=mesh, lr=0.05)
+    sw, sb = nn.Parameter(w0.clone()), nn.Parameter(b0.clone())
+    single = dion3.Dion3([dict(params=[sw]), dict(params=[sb], algorithm="adamw")], lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        gw = [torch.randn(8, 6, generator=g) for _ in range(world)]
+        gb = [torch.randn(6, generator=g) for _ in range(world)]
+        w.grad = DTensor.from_local(gw[rank].clone(), mesh, [Partial()])
+        b.grad = DTensor.from_local(gb[rank].clone(), mesh, [Partial()])
+        opt.step()
+        sw.grad, sb.grad = sum(gw), sum(gb)
+        single.step()
+    close(w.to_local(), sw.detach(), "a Partial gradient's matrix step")
+    close(b.to_local(), sb.detach(), "a Partial gradient's AdamW step")
+
+
 def fully_sharded_model(rank, world, mesh):
     """A real FSDP2 model (fully_shard) trained on identical batches on every rank equals one
     process running the reference rule with ranks=world on the same model."""
@@ -347,6 +414,8 @@ def layouts(rank, world, tmp):
     row_blocks(rank, world, mesh)
     nonfinite(rank, world, mesh)
     refusals(rank, world, mesh)
+    agreement(rank, world, mesh)
+    partial_gradients(rank, world, mesh)
     fully_sharded_model(rank, world, mesh)
 
 
@@ -446,6 +515,21 @@ def checkpoint_save(rank, world, tmp):
     if world == 4:
         mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         _resume_bit_for_bit(lambda seed: _tp_model_and_opt(mesh2d, seed), os.path.join(tmp, "ckpt-tp"))
+        # A single-device state_dict into FSDP2 over tensor parallel (the first layer's rows cut
+        # twice, _StridedShard then Shard): each rank keeps its own rows, and it comes back equal.
+        torch.manual_seed(9)
+        single = nn.Sequential(nn.Linear(12, 26, bias=False), nn.ReLU(), nn.Linear(26, 12, bias=False))
+        sopt = dion3.Dion3(list(single.parameters()), lr=0.02)
+        _train(single, sopt, 2, seed=31)
+        single_sd = sopt.state_dict()
+        model_tp, opt_tp = _tp_model_and_opt(mesh2d, seed=9)
+        opt_tp.load_state_dict(single_sd)
+        back = _full_state(opt_tp)
+        for pid, st in single_sd["state"].items():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    assert torch.equal(back[(pid, k)], v), f"single-device state {pid}/{k} through FSDP2 x TP"
+        _train(model_tp, opt_tp, 1, seed=32)  # and it steps
         hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         _resume_bit_for_bit(lambda seed: _model_and_opt(hsdp, seed), os.path.join(tmp, "ckpt-hsdp"))
 
@@ -534,6 +618,12 @@ def _refused_loads(rank, world, mesh):
         replicated["state"][1]["momentum"][0, 0] = float("inf")
     before = _full_state(opt)
     refused(opt, replicated, "state 'momentum' (float32) holds +Inf at element 0")
+    # Refused from its metadata alone (a shape) on one rank: the others refuse too, and none hangs
+    # in the next step's collectives.
+    truncated = copied(opt.state_dict(), lambda v: v.clone())
+    if rank == bad_rank:
+        truncated["state"][1]["momentum"] = truncated["state"][1]["momentum"][:1]
+    refused(opt, truncated, "state 'momentum' has shape [1,")
     after = _full_state(opt)
     for key in before:
         assert torch.equal(after[key], before[key]), f"rank {rank}: DDP state {key} changed by a refused load"

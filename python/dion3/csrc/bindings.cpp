@@ -414,6 +414,14 @@ class Engine {
   // caller must rebuild the engine: a weight's storage moved, or the set of parameters with a
   // gradient changed; nothing was changed). Doing this here keeps per-parameter work out of Python.
   int step() { return run(false, nullptr); }
+  // This rank has no gradient this step while others may step (Optimizer::refuse_step): the step's
+  // collectives with the gradients bound last. False when every rank refused.
+  bool refuse_step() {
+    if (!cuda_) at::get_num_threads();
+    Guard guard(*this);
+    py::gil_scoped_release release;
+    return opt_->refuse_step();
+  }
   // The same with this step's gradients given in registration order (DTensor parameters: the
   // local shards of their gradients).
   int step_with(const std::vector<at::Tensor>& grads) { return run(false, &grads); }
@@ -718,6 +726,7 @@ PYBIND11_MODULE(_C, m) {
       .def("state_moved", guarded(&Engine::state_moved))
       .def("set_param_steps", guarded(&Engine::set_param_steps))
       .def("step", guarded(&Engine::step))
+      .def("refuse_step", guarded(&Engine::refuse_step))
       .def("step_async", guarded(&Engine::step_async))
       .def("plan", guarded(&Engine::plan))
       .def_property_readonly("num_params", guarded(&Engine::num_params))
