@@ -74,14 +74,17 @@ DION3_API std::shared_ptr<Communicator> make_loopback_communicator(Device device
 
 // MPI (CPU buffers) over a duplicate of `mpi_comm`, a pointer to an MPI_Comm (MPI_COMM_WORLD if
 // null). MPI must be initialised. Throws Status::Unsupported in builds without MPI.
-// timeout_seconds: how long wait() lets a collective run before it raises (0 = no limit).
+// timeout_seconds: how long wait() lets a collective run before it raises (0 = no limit). A
+// timed-out collective cannot be cancelled (a late rank may still complete it, writing into its
+// buffers): every later collective of the communicator raises, and the job should end.
 DION3_API std::shared_ptr<Communicator> make_mpi_communicator(const void* mpi_comm = nullptr, double timeout_seconds = 600.0);
 DION3_API bool mpi_built();
 
 // NCCL (CUDA buffers) over an initialised ncclComm_t (not owned) whose rank uses `device`.
 // Collectives run on a stream of the communicator's own, ordered after and before the caller's
 // stream with events. A collective unfinished after timeout_seconds at settle() aborts the
-// ncclComm_t and raises. Throws Status::Unsupported in builds without NCCL.
+// ncclComm_t (ncclCommAbort frees it: do not destroy it afterwards) and raises; every later
+// collective then raises too. Throws Status::Unsupported in builds without NCCL.
 DION3_API std::shared_ptr<Communicator> make_nccl_communicator(void* nccl_comm, int device, double timeout_seconds = 600.0);
 
 }  // namespace dion3

@@ -11,6 +11,8 @@
 
 #include <chrono>
 #include <climits>
+#include <memory>
+#include <string>
 #include <thread>
 
 namespace dion3 {
@@ -33,8 +35,8 @@ int checked_count(std::size_t bytes, const std::string& label) {
 
 class MpiRequest final : public CommRequest {
  public:
-  MpiRequest(MPI_Request req, std::string label, double timeout)
-      : req_(req), label_(std::move(label)), timeout_(timeout) {}
+  MpiRequest(MPI_Request req, std::string label, double timeout, std::shared_ptr<std::string> broken)
+      : req_(req), label_(std::move(label)), timeout_(timeout), broken_(std::move(broken)) {}
   ~MpiRequest() override {
     // A request dropped without wait() (an exception unwound the step) must still complete
     // before its buffers are reused.
@@ -54,8 +56,10 @@ class MpiRequest final : public CommRequest {
       const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       if (waited > timeout_) {
         // The request cannot be cancelled portably (collectives); forget it so the destructor
-        // does not wait forever.
+        // does not wait forever, and refuse the communicator's later collectives: they would
+        // pair with this one on the ranks that are late.
         req_ = MPI_REQUEST_NULL;
+        *broken_ = label_;
         fail(label_ + ": timed out after " + std::to_string(static_cast<int>(timeout_)) +
                  " s (another rank did not join this collective)",
              Status::Internal);
@@ -68,6 +72,7 @@ class MpiRequest final : public CommRequest {
   MPI_Request req_;
   std::string label_;
   double timeout_;
+  std::shared_ptr<std::string> broken_;  // the communicator's
 };
 
 class MpiCommunicator final : public Communicator {
@@ -92,32 +97,42 @@ class MpiCommunicator final : public Communicator {
 
   std::unique_ptr<CommRequest> all_gather(const void* send, void* recv, std::size_t bytes, void*,
                                           const std::string& label) override {
+    usable(label);
     const int n = checked_count(bytes, label);
     MPI_Request r;
     // In place when send is this rank's block of recv (MPI forbids overlapping buffers otherwise).
     const bool in_place = send == static_cast<const char*>(recv) + static_cast<std::size_t>(rank_) * bytes;
     check_mpi(MPI_Iallgather(in_place ? MPI_IN_PLACE : send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_, &r), label);
-    return std::make_unique<MpiRequest>(r, label, timeout_);
+    return std::make_unique<MpiRequest>(r, label, timeout_, broken_);
   }
   std::unique_ptr<CommRequest> all_to_all(const void* send, void* recv, std::size_t bytes, void*,
                                           const std::string& label) override {
+    usable(label);
     const int n = checked_count(bytes, label);
     MPI_Request r;
     check_mpi(MPI_Ialltoall(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_, &r), label);
-    return std::make_unique<MpiRequest>(r, label, timeout_);
+    return std::make_unique<MpiRequest>(r, label, timeout_, broken_);
   }
   std::unique_ptr<CommRequest> all_reduce_max(int32_t* data, std::size_t count, void*,
                                               const std::string& label) override {
+    usable(label);
     MPI_Request r;
     check_mpi(MPI_Iallreduce(MPI_IN_PLACE, data, checked_count(count, label), MPI_INT32_T, MPI_MAX, comm_, &r),
               label);
-    return std::make_unique<MpiRequest>(r, label, timeout_);
+    return std::make_unique<MpiRequest>(r, label, timeout_, broken_);
   }
 
  private:
+  void usable(const std::string& label) const {
+    if (!broken_->empty())
+      fail(label + ": this MPI communicator's collective '" + *broken_ + "' timed out, and it cannot be "
+               "cancelled; end the job (MPI_Abort) rather than go on",
+           Status::Internal);
+  }
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
   double timeout_;
+  std::shared_ptr<std::string> broken_ = std::make_shared<std::string>();  // set by a timed-out request
 };
 
 }  // namespace

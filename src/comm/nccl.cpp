@@ -81,7 +81,8 @@ class NcclCommunicator final : public Communicator {
         check_nccl(ncclCommGetAsyncError(comm_, &async), p.label);
         check_nccl(async, p.label);
         if (timeout_ > 0 && std::chrono::duration<double>(Clock::now() - p.start).count() > timeout_) {
-          ncclCommAbort(comm_);
+          ncclCommAbort(comm_);  // which frees the ncclComm_t: never touch it again
+          aborted_ = p.label;
           pending_.clear();
           fail(p.label + ": timed out after " + std::to_string(static_cast<int>(timeout_)) +
                    " s (another rank did not join this collective); the NCCL communicator was aborted",
@@ -117,6 +118,10 @@ class NcclCommunicator final : public Communicator {
  private:
   template <class F>
   std::unique_ptr<CommRequest> run(void* stream, const std::string& label, F&& launch) {
+    if (!aborted_.empty())
+      fail(label + ": the NCCL communicator was aborted when '" + aborted_ + "' timed out; create a new "
+               "ncclComm_t and communicator (and optimizer) to go on",
+           Status::Internal);
     auto caller = static_cast<cudaStream_t>(stream);
     ncclResult_t async = ncclSuccess;
     check_nccl(ncclCommGetAsyncError(comm_, &async), label);
@@ -140,6 +145,7 @@ class NcclCommunicator final : public Communicator {
     std::chrono::steady_clock::time_point start;
   };
   std::vector<Pending> pending_;  // started since the last settle()
+  std::string aborted_;           // the collective whose timeout aborted comm_; empty while usable
 
   static constexpr int kEvents = 256;
   ncclComm_t comm_;
