@@ -40,7 +40,7 @@ def local_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
     redistributed first, as torch.optim's DTensor ops do: stepping each rank's partial sum would
     let the ranks drift apart."""
     g = p.grad
-    if isinstance(g, DTensor) and isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
+    if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:  # tuples, both
         g = g.redistribute(p.device_mesh, p.placements)
     return local(g)
 
