@@ -515,21 +515,10 @@ def checkpoint_save(rank, world, tmp):
     if world == 4:
         mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         _resume_bit_for_bit(lambda seed: _tp_model_and_opt(mesh2d, seed), os.path.join(tmp, "ckpt-tp"))
-        # A single-device state_dict into FSDP2 over tensor parallel (the first layer's rows cut
-        # twice, _StridedShard then Shard): each rank keeps its own rows, and it comes back equal.
-        torch.manual_seed(9)
+        # Into FSDP2 over tensor parallel: the first layer's rows are cut twice (_StridedShard, Shard).
         single = nn.Sequential(nn.Linear(12, 26, bias=False), nn.ReLU(), nn.Linear(26, 12, bias=False))
-        sopt = dion3.Dion3(list(single.parameters()), lr=0.02)
-        _train(single, sopt, 2, seed=31)
-        single_sd = sopt.state_dict()
-        model_tp, opt_tp = _tp_model_and_opt(mesh2d, seed=9)
-        opt_tp.load_state_dict(single_sd)
-        back = _full_state(opt_tp)
-        for pid, st in single_sd["state"].items():
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor):
-                    assert torch.equal(back[(pid, k)], v), f"single-device state {pid}/{k} through FSDP2 x TP"
-        _train(model_tp, opt_tp, 1, seed=32)  # and it steps
+        _single_device_round_trip(single, list(single.parameters()), lambda: _tp_model_and_opt(mesh2d, seed=9),
+                                  "FSDP2 x TP")
         hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         _resume_bit_for_bit(lambda seed: _model_and_opt(hsdp, seed), os.path.join(tmp, "ckpt-hsdp"))
 
@@ -552,20 +541,28 @@ def checkpoint_reshard(rank, world, tmp):
         assert torch.equal(loaded[key], saved[key]), f"state {key} resharded from 4 to {world} ranks"
     _train(model, opt, 1, seed=20)  # and it steps
 
-    # Single device -> sharded -> back.
-    torch.manual_seed(7)
     single = nn.Sequential(nn.Linear(12, 24, bias=False), nn.ReLU(), nn.Linear(24, 7))
-    sopt = dion3.Dion3(dion3.param_groups(single), lr=0.02)
+    _single_device_round_trip(single, dion3.param_groups(single), lambda: _model_and_opt(mesh, seed=7), "FSDP2")
+    _refused_loads(rank, world, mesh)
+
+
+def _single_device_round_trip(single, groups, make_sharded, what):
+    """A single-device optimizer's state_dict loads into a sharded one (each rank keeps its own
+    part), comes back equal through state_dict(), and the sharded optimizer steps."""
+    torch.manual_seed(7)
+    for p in single.parameters():  # fresh weights from the seed, the same on every rank
+        nn.init.normal_(p, std=0.1)
+    sopt = dion3.Dion3(groups, lr=0.02)
     _train(single, sopt, 2, seed=30)
     single_sd = sopt.state_dict()
-    model3, opt3 = _model_and_opt(mesh, seed=7)
-    opt3.load_state_dict(single_sd)
-    back = _full_state(opt3)
+    model, opt = make_sharded()
+    opt.load_state_dict(single_sd)
+    back = _full_state(opt)
     for pid, st in single_sd["state"].items():
         for k, v in st.items():
             if isinstance(v, torch.Tensor):
-                assert torch.equal(back[(pid, k)], v), f"single-device state {pid}/{k} after the round trip"
-    _refused_loads(rank, world, mesh)
+                assert torch.equal(back[(pid, k)], v), f"single-device state {pid}/{k} through {what}"
+    _train(model, opt, 1, seed=32)
 
 
 def _refused_loads(rank, world, mesh):
