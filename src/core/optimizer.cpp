@@ -1650,7 +1650,7 @@ bool Optimizer::refuse_step() {
   s.validate_for_step();
   s.refusing = true;
   try {
-    s.enqueue_step(s.options.on_nonfinite == NonFinitePolicy::Skip);
+    s.enqueue_step(false);  // a refused step is not a dropped one: not counted
   } catch (...) {
     s.refusing = false;
     throw;
