@@ -125,6 +125,10 @@ struct LionParams {
   }
 };
 
+// The step's flag bit of a distributed step that some rank refused for want of gradients
+// (Optimizer::refuse_step; the agreement is described in comm.hpp).
+inline constexpr int kRankWithoutGradients = 2;
+
 // One parameter's share of Backend::check_step: the state its step would store, evaluated
 // but not written. Views are flat (1 x n), all of one length.
 struct StepCheck {
@@ -219,8 +223,9 @@ class DION3_API Backend {
   // of steps that do not wait comes back this way.
   virtual std::unique_ptr<HostCopy> new_host_copy(std::size_t bytes) = 0;
   // Ends a step: counters[0] += 1 when *flag == 0 (the step was applied), else counters[1] += 1
-  // if count_dropped. A step that is raised (on_nonfinite == Raise) is not counted: it changes
-  // nothing, counters included.
+  // if count_dropped and the flag does not carry kRankWithoutGradients (a step some rank refused
+  // is not a dropped one). A step that is raised (on_nonfinite == Raise) is not counted: it
+  // changes nothing, counters included. Checks OR 1 into the flag, keeping what else it holds.
   virtual void finish_step(const int* flag, int64_t* counters, bool count_dropped) = 0;
   virtual std::unique_ptr<MatrixSet> new_matrix_set() { return std::make_unique<MatrixSet>(); }
   virtual void refresh(MatrixSet& set) { (void)set; }

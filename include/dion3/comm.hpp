@@ -29,9 +29,9 @@ namespace dion3 {
 
 // A step's agreement, its first collective when the plan is unchanged: an all-reduce-max of two
 // ints per rank, {verdict, took part}. Verdict: 0, 1 for a non-finite gradient, or
-// kRankWithoutGradients from a rank that runs the step's collectives without gradients of its
-// own (Optimizer::refuse_step); took part: 1 from a rank that steps, 0 from one that refuses.
-inline constexpr int kRankWithoutGradients = 2;
+// kRankWithoutGradients (backend.hpp) from a rank that runs the step's collectives without
+// gradients of its own (Optimizer::refuse_step); took part: 1 from a rank that steps, 0 from one
+// that refuses.
 
 class DION3_API CommRequest {
  public:

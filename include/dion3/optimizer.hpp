@@ -208,8 +208,8 @@ class DION3_API Optimizer {
   // others call step(): runs the step's collectives with the gradients bound last (writing
   // nothing), so that every rank refuses the step together instead of pairing later collectives
   // wrongly. Throws dion3::Error (InvalidArgument) here and in the others' step() when some rank
-  // stepped; returns false, with nothing done, when every rank refused. Nothing is modified
-  // here (on the ranks that stepped under on_nonfinite == Skip, the step counts as dropped).
+  // stepped; returns false, with nothing done, when every rank refused. Nothing is modified on
+  // any rank, counters included, and every rank keeps its plan.
   bool refuse_step();
   // The same step, only enqueued on the backend's stream: no host synchronisation, so it can
   // be captured in a CUDA graph and replayed. A non-finite gradient drops the step on the

@@ -39,8 +39,9 @@ class MpiRequest final : public CommRequest {
       : req_(req), label_(std::move(label)), timeout_(timeout), broken_(std::move(broken)) {}
   ~MpiRequest() override {
     // A request dropped without wait() (an exception unwound the step) must still complete
-    // before its buffers are reused.
-    if (req_ != MPI_REQUEST_NULL) MPI_Wait(&req_, MPI_STATUS_IGNORE);
+    // before its buffers are reused; once a collective timed out, waiting could last forever
+    // (the job should end, see make_mpi_communicator): the request is left.
+    if (req_ != MPI_REQUEST_NULL && broken_->empty()) MPI_Wait(&req_, MPI_STATUS_IGNORE);
   }
   void wait() override {
     if (req_ == MPI_REQUEST_NULL) return;

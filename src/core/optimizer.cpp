@@ -1563,7 +1563,7 @@ void Optimizer::Impl::enqueue_step(bool count_dropped) {
   const Range step_range(s, "dion3::step");
   {
     const Range r(s, "dion3::check");
-    be.check_step(s.lists.checks, flag);
+    if (!s.refusing) be.check_step(s.lists.checks, flag);  // a refusing rank's gradients are last step's
     agree_on_flag(flag);
   }
 
@@ -1659,7 +1659,6 @@ bool Optimizer::refuse_step() {
   s.post_counters();
   s.settle_collectives();
   if (s.backend->read_flag(s.flag.as<int>() + 1) == 0) return false;  // no rank stepped: nothing to refuse
-  s.plan_valid = false;  // as on the ranks that stepped (see step())
   fail("no parameter of this rank has a gradient this step while other ranks step: every rank must step the "
        "same parameters; the step was not applied on any rank");
 }
@@ -1675,10 +1674,9 @@ bool Optimizer::step() {
   // The verdict: one host synchronisation.
   const int verdict = be.read_flag(flag);
   if (verdict == 0) return true;
-  if (verdict >= kRankWithoutGradients) {
-    // The refusing rank's parameters change before its next step, whose first collective is
-    // then the plan check: plan again here too, so that every rank starts with it.
-    s.plan_valid = false;
+  if (verdict & kRankWithoutGradients) {
+    // Every rank keeps its plan (the refusing one's registration is unchanged), so the next
+    // step's first collective is this agreement again on all of them, steps enqueued only included.
     fail("another rank took no part in this step (none of its parameters had a gradient): every rank must step "
          "the same parameters; the step was not applied on any rank");
   }

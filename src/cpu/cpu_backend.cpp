@@ -114,7 +114,7 @@ class CpuBackend final : public Backend {
   }
   void finish_step(const int* flag, int64_t* counters, bool count_dropped) override {
     if (!*flag) ++counters[0];
-    else if (count_dropped) ++counters[1];
+    else if (count_dropped && !(*flag & kRankWithoutGradients)) ++counters[1];
   }
 
   void check_finite(std::span<const MatrixView> xs, int* flag) override {
@@ -150,7 +150,7 @@ class CpuBackend final : public Backend {
         }
       }
     });
-    if (bad) *flag = 1;
+    if (bad) *flag |= 1;
   }
 
   void check_step(std::span<const StepCheck> xs, int* flag) override {
@@ -193,7 +193,7 @@ class CpuBackend final : public Backend {
         if (!ok) bad = true;
       }
     });
-    if (bad) *flag = 1;
+    if (bad) *flag |= 1;
   }
 
   void accumulate(const MatrixSet& set, Hyper decay_h, float* scores, float* row_sumsq, const int* skip) override {

@@ -363,46 +363,63 @@ TEST(Faults, MismatchedPlansFailOnEveryRank) {
 }
 
 // A rank without gradients this step runs the step's collectives through refuse_step(): every
-// rank refuses, nothing moves, and afterwards the ranks step together again. When every rank
-// refuses, nothing happens and nothing is raised.
+// rank refuses, nothing moves (counters included, under either policy), and afterwards the
+// ranks step together again, also when the others only enqueued their step (step_async) or the
+// refusing rank's last gradients were not finite. When every rank refuses, nothing happens.
 TEST(Faults, ARankWithoutGradientsRefusesTheStepOnEveryRank) {
   const int P = world_size(), rank = world_rank();
-  auto comm = dion3::make_mpi_communicator(nullptr, 60.0);
-  t3::Harness h;
-  const int gi = h.opt.add_group(GroupConfig{});
-  Rng rng(11);
-  std::vector<std::unique_ptr<t3::HostParam>> ps;
-  for (int i = 0; i < 3; ++i) {
-    ps.push_back(std::make_unique<t3::HostParam>("w" + std::to_string(i), DType::F32, std::vector<int64_t>{8, 6}));
-    ps.back()->w.assign(t3::gaussian(8, 6, rng));
-    dion3::ParamSpec spec = ps.back()->spec();
-    spec.layout.kind = Layout::Replicated;
-    spec.layout.comm = comm;
-    ps.back()->index = h.opt.add_param(gi, spec);
-  }
-  auto fill = [&](double v) {
-    for (auto& p : ps) p->g.assign(std::vector<double>(48, v));
-  };
-  std::vector<t3::HostParam*> all;
-  for (auto& p : ps) all.push_back(p.get());
-  fill(1.0);
-  ASSERT_TRUE(h.opt.step());
-  const auto before = t3::snapshot(h.opt, all);
-  fill(2.0);
-  dion3::Status st = dion3::Status::Ok;
-  const std::string what = t3::error_of([&] { rank == P - 1 ? h.opt.refuse_step() : h.opt.step(); }, &st);
-  EXPECT_EQ(st, dion3::Status::InvalidArgument) << "rank " << rank << ": " << what;
-  EXPECT_NE(what.find(rank == P - 1 ? "no parameter of this rank has a gradient" : "another rank took no part"),
-            std::string::npos) << "rank " << rank << ": " << what;
-  EXPECT_EQ(t3::snapshot(h.opt, all), before) << "rank " << rank << ": a refused step moved something";
-  EXPECT_FALSE(h.opt.refuse_step()) << "rank " << rank << ": every rank refused, yet it raised or stepped";
-  EXPECT_EQ(t3::snapshot(h.opt, all), before) << "rank " << rank;
-  fill(3.0);
-  ASSERT_TRUE(h.opt.step());
-  for (auto& p : ps) {
-    std::vector<double> w = p->w.values(), first = w;
-    MPI_Bcast(first.data(), static_cast<int>(first.size()), MPI_DOUBLE, 0, MPI_COMM_WORLD);
-    EXPECT_EQ(w, first) << "rank " << rank << ": the ranks drifted apart";
+  for (auto policy : {dion3::NonFinitePolicy::Raise, dion3::NonFinitePolicy::Skip}) {
+    auto comm = dion3::make_mpi_communicator(nullptr, 60.0);
+    dion3::OptimizerOptions o;
+    o.on_nonfinite = policy;
+    t3::Harness h(o);
+    const int gi = h.opt.add_group(GroupConfig{});
+    Rng rng(11);
+    std::vector<std::unique_ptr<t3::HostParam>> ps;
+    for (int i = 0; i < 3; ++i) {
+      ps.push_back(std::make_unique<t3::HostParam>("w" + std::to_string(i), DType::F32, std::vector<int64_t>{8, 6}));
+      ps.back()->w.assign(t3::gaussian(8, 6, rng));
+      dion3::ParamSpec spec = ps.back()->spec();
+      spec.layout.kind = Layout::Replicated;
+      spec.layout.comm = comm;
+      ps.back()->index = h.opt.add_param(gi, spec);
+    }
+    auto fill = [&](double v) {
+      for (auto& p : ps) p->g.assign(std::vector<double>(48, v));
+    };
+    std::vector<t3::HostParam*> all;
+    for (auto& p : ps) all.push_back(p.get());
+    const std::string where = std::string("rank ") + std::to_string(rank) +
+                              (policy == dion3::NonFinitePolicy::Skip ? ", skip" : ", raise");
+    fill(1.0);
+    ASSERT_TRUE(h.opt.step()) << where;
+    const auto before = t3::snapshot(h.opt, all);
+    const int64_t taken = h.opt.steps_taken(), skipped = h.opt.steps_skipped();
+    // The refusing rank's last gradients hold a NaN: the refusal must not read them.
+    fill(2.0);
+    if (rank == P - 1) ps[0]->g.set(0, std::nan(""));
+    dion3::Status st = dion3::Status::Ok;
+    const std::string what = t3::error_of([&] { rank == P - 1 ? h.opt.refuse_step() : h.opt.step(); }, &st);
+    EXPECT_EQ(st, dion3::Status::InvalidArgument) << where << ": " << what;
+    EXPECT_NE(what.find(rank == P - 1 ? "no parameter of this rank has a gradient" : "another rank took no part"),
+              std::string::npos) << where << ": " << what;
+    EXPECT_EQ(t3::snapshot(h.opt, all), before) << where << ": a refused step moved something";
+    // The others only enqueue theirs: they learn nothing now, and the next step still pairs.
+    fill(2.0);
+    if (rank == P - 1) EXPECT_NE(t3::error_of([&] { h.opt.refuse_step(); }), "") << where;
+    else h.opt.step_async();
+    EXPECT_EQ(t3::snapshot(h.opt, all), before) << where << ": a refused, enqueued step moved something";
+    EXPECT_FALSE(h.opt.refuse_step()) << where << ": every rank refused, yet it raised or stepped";
+    EXPECT_EQ(t3::snapshot(h.opt, all), before) << where;
+    EXPECT_EQ(h.opt.steps_taken(), taken) << where;
+    EXPECT_EQ(h.opt.steps_skipped(), skipped) << where << ": a refused step was counted as dropped";
+    fill(3.0);
+    ASSERT_TRUE(h.opt.step()) << where;
+    for (auto& p : ps) {
+      std::vector<double> w = p->w.values(), first = w;
+      MPI_Bcast(first.data(), static_cast<int>(first.size()), MPI_DOUBLE, 0, MPI_COMM_WORLD);
+      EXPECT_EQ(w, first) << where << ": the ranks drifted apart";
+    }
   }
 }
 
