@@ -232,18 +232,27 @@ def _chunk(size: int, parts: int, index: int) -> Tuple[int, int]:
     return start, max(0, min(c, size - start))
 
 
-def _local_shape(shape: Tuple[int, ...], mesh: Any, placements) -> Tuple[int, ...]:
-    """This rank's shape of a tensor of `shape` placed so (the placements of the tensor itself)."""
-    out = list(shape)
+def _local_box(shape: Tuple[int, ...], mesh: Any, placements) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """(offset, shape) of this rank's block of a tensor of `shape` placed so (the placements of
+    the tensor itself). FSDP2 over tensor parallelism cuts a dimension twice (is_shard() is False
+    for the strided cut): that block is as DTensor computes it."""
     if any(type(pl).__name__ == "_StridedShard" for pl in placements):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        return tuple(compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)[0])
+        size, offset = compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)
+        return tuple(offset), tuple(size)
+    offset, size = [0] * len(shape), list(shape)
     for mdim, pl in enumerate(placements):
         if pl.is_shard():
-            _, n = _chunk(out[pl.dim], mesh.size(mdim), mesh.get_local_rank(mdim))
-            out[pl.dim] = n
-    return tuple(out)
+            start, n = _chunk(size[pl.dim], mesh.size(mdim), mesh.get_local_rank(mdim))
+            offset[pl.dim] += start
+            size[pl.dim] = n
+    return tuple(offset), tuple(size)
+
+
+def _local_shape(shape: Tuple[int, ...], mesh: Any, placements) -> Tuple[int, ...]:
+    """This rank's shape of a tensor of `shape` placed so (the placements of the tensor itself)."""
+    return _local_box(shape, mesh, placements)[1]
 
 
 def local_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -252,20 +261,9 @@ def local_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     shape = tuple(full.shape)
     mesh, placements = like.device_mesh, _placements_for(shape, like.placements, tuple(like.shape))
     part = full
-    if any(type(pl).__name__ == "_StridedShard" for pl in placements):
-        # FSDP2 over tensor parallelism cuts a dimension twice (is_shard() is False for the strided
-        # cut): the local block's shape and offset as DTensor computes them, as _local_shape does.
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        lshape, offset = compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)
-        for d, (start, n) in enumerate(zip(offset, lshape)):
-            if n != shape[d]:
-                part = part.narrow(d, start, n)
-    else:
-        for mdim, pl in enumerate(placements):
-            if pl.is_shard():
-                start, n = _chunk(part.shape[pl.dim], mesh.size(mdim), mesh.get_local_rank(mdim))
-                part = part.narrow(pl.dim, start, n)
+    for d, (start, n) in enumerate(zip(*_local_box(shape, mesh, placements))):
+        if n != shape[d]:
+            part = part.narrow(d, start, n)
     lt = part.detach().to(device=like.to_local().device, copy=True).contiguous()
     return DTensor.from_local(lt, mesh, placements, run_check=False, shape=torch.Size(shape),
                               stride=_contiguous_stride(shape))

@@ -157,7 +157,6 @@ struct Optimizer::Impl {
   bool plan_valid = false;
   DeviceBuffer flag;   // two ints: {verdict, took part} of this step (comm.hpp, kRankWithoutGradients)
   DeviceBuffer flag_starts;  // {0, 1} for a step, {kRankWithoutGradients, 0} for a refusal
-  bool refusing = false;     // enqueue_step for refuse_step
   DeviceBuffer arena;  // workspace shared by all chunks (their work is ordered on one stream)
   DeviceBuffer counters;  // int64 [steps applied, steps dropped], on the device
   std::unique_ptr<HostCopy> posted;  // counters on their way to the host after a step
@@ -251,10 +250,13 @@ struct Optimizer::Impl {
   StepCheck step_check(const Param& p) const;  // what check_step evaluates for p's step
   // count_dropped: whether a step dropped for a non-finite gradient counts in steps_skipped (not
   // when step() raises it).
-  void enqueue_step(bool count_dropped);
+  // refusing: refuse_step's run of the step's collectives, with nothing checked or written.
+  void enqueue_step(bool count_dropped, bool refusing = false);
   // The step's stages (see Megabatch).
   void agree_on_flag(int* flag);
   void settle_collectives();
+  // Every communicator of the parameters, once each, in the order every rank meets them.
+  std::vector<Communicator*> communicators() const;
   void prepare(Megabatch& mb, int* flag);
   void orthogonalize(Megabatch& mb, int* flag);
   void apply(Megabatch& mb, int* flag);

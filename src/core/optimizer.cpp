@@ -878,14 +878,18 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
   }
 }
 
-// Every rank must have planned the same megabatches in the same order, or their collectives
-// would pair up wrongly (or hang): compare digests across each communicator before any step.
-void Optimizer::Impl::check_plans_agree() {
+std::vector<Communicator*> Optimizer::Impl::communicators() const {
   std::vector<Communicator*> comms;
   for (const Param& p : params)
     for (Communicator* c : {p.layout.comm.get(), p.layout.col_comm.get()})
       if (c && std::find(comms.begin(), comms.end(), c) == comms.end()) comms.push_back(c);
-  for (Communicator* comm : comms) {
+  return comms;
+}
+
+// Every rank must have planned the same megabatches in the same order, or their collectives
+// would pair up wrongly (or hang): compare digests across each communicator before any step.
+void Optimizer::Impl::check_plans_agree() {
+  for (Communicator* comm : communicators()) {
     uint64_t h = 1469598103934665603ull;  // FNV-1a over the plan's numbers
     auto mix = [&h](int64_t v) {
       for (int b = 0; b < 8; ++b) {
@@ -1023,13 +1027,8 @@ UpdateParams Optimizer::Impl::update_params(const Megabatch& mb) const {
 // Every rank takes the same decision on a non-finite gradient: the flag is the maximum over the
 // ranks of every communicator, before anything is written.
 void Optimizer::Impl::agree_on_flag(int* flag) {
-  std::vector<Communicator*> seen;
-  for (const Param& p : params)
-    for (Communicator* c : {p.layout.comm.get(), p.layout.col_comm.get()}) {
-      if (!c || std::find(seen.begin(), seen.end(), c) != seen.end()) continue;
-      seen.push_back(c);
-      c->all_reduce_max(flag, 2, backend->stream(), "the non-finite gradient check")->wait();
-    }
+  for (Communicator* c : communicators())
+    c->all_reduce_max(flag, 2, backend->stream(), "the non-finite gradient check")->wait();
 }
 
 // piece_idx of a row-cut megabatch; Muon / NorMuon (and an empty shard) keep fixed lists: every
@@ -1548,7 +1547,7 @@ StepCheck Optimizer::Impl::step_check(const Param& p) const {
   return c;
 }
 
-void Optimizer::Impl::enqueue_step(bool count_dropped) {
+void Optimizer::Impl::enqueue_step(bool count_dropped, bool refusing) {
   Impl& s = *this;
   Backend& be = *s.backend;
   // 1. Non-finite gradients, and finite ones that would overflow the state, raise a device flag that every mutating op below obeys; distributed
@@ -1559,11 +1558,11 @@ void Optimizer::Impl::enqueue_step(bool count_dropped) {
   s.upload_hyper(s.capturing_now);
   s.build_lists();
   // A copy on the device, not a host write, so that a captured step starts it afresh.
-  be.copy(flag, s.flag_starts.as<int>() + (s.refusing ? 2 : 0), 2 * sizeof(int));
+  be.copy(flag, s.flag_starts.as<int>() + (refusing ? 2 : 0), 2 * sizeof(int));
   const Range step_range(s, "dion3::step");
   {
     const Range r(s, "dion3::check");
-    if (!s.refusing) be.check_step(s.lists.checks, flag);  // a refusing rank's gradients are last step's
+    if (!refusing) be.check_step(s.lists.checks, flag);  // a refusing rank's gradients are last step's
     agree_on_flag(flag);
   }
 
@@ -1636,26 +1635,13 @@ bool Optimizer::posted_counters(int64_t out[2]) const {
 
 // Collectives that never finish raise here, naming themselves, instead of hanging the verdict.
 void Optimizer::Impl::settle_collectives() {
-  std::vector<Communicator*> settled;
-  for (const Param& p : params)
-    for (Communicator* c : {p.layout.comm.get(), p.layout.col_comm.get()})
-      if (c && std::find(settled.begin(), settled.end(), c) == settled.end()) {
-        settled.push_back(c);
-        c->settle();
-      }
+  for (Communicator* c : communicators()) c->settle();
 }
 
 bool Optimizer::refuse_step() {
   Impl& s = *impl_;
   s.validate_for_step();
-  s.refusing = true;
-  try {
-    s.enqueue_step(false);  // a refused step is not a dropped one: not counted
-  } catch (...) {
-    s.refusing = false;
-    throw;
-  }
-  s.refusing = false;
+  s.enqueue_step(false, true);  // a refused step is not a dropped one: not counted
   s.post_counters();
   s.settle_collectives();
   if (s.backend->read_flag(s.flag.as<int>() + 1) == 0) return false;  // no rank stepped: nothing to refuse
