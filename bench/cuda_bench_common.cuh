@@ -138,6 +138,8 @@ struct Args {
   bool quick = false;
   int iters = 10;
   std::string only;  // --only TEXT: just the timing rows whose label contains TEXT (profiling one shape)
+  std::string shapes;  // --shapes LIST: the sym bench's timing rows, e.g. "gram:f16:16x2752x4096,sym:bf16:8x4096"
+  bool once = false;   // --once: each candidate run once, untimed (for a profiler such as ncu)
 };
 
 // Parses Args; on anything else prints the usage line and exits with status 2.
@@ -149,8 +151,11 @@ inline Args parse_args(int argc, char** argv, const char* program) {
     else if (s == "--quick") a.quick = true;
     else if (s == "--iters" && i + 1 < argc) a.iters = std::atoi(argv[++i]);
     else if (s == "--only" && i + 1 < argc) a.only = argv[++i];
+    else if (s == "--shapes" && i + 1 < argc) a.shapes = argv[++i];
+    else if (s == "--once") a.once = true;
     else {
-      std::fprintf(stderr, "usage: %s [--out FILE] [--quick] [--iters N] [--only TEXT]\n", program);
+      std::fprintf(stderr, "usage: %s [--out FILE] [--quick] [--iters N] [--only TEXT] [--shapes LIST] [--once]\n",
+                   program);
       std::exit(2);
     }
   }

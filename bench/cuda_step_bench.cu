@@ -241,6 +241,13 @@ int main(int argc, char** argv) {
             if (!ot.empty()) ot.pop_back();
             line(ot);
             line("");
+            // For tools/sym-ncu.py: the shapes to profile, as dion3-cuda-sym-bench --shapes takes them.
+            std::string listed;
+            for (const auto& [shape, count] : pb->products)
+              listed += fmt("%s%s", listed.empty() ? "" : ",", shape.c_str());
+            line(fmt("Symmetric products of one step (x%d steps recorded): `%s`", prof_steps, listed.c_str()));
+            for (const auto& [shape, count] : pb->products) line(fmt("- %s: %d per step", shape.c_str(), count / prof_steps));
+            line("");
           }
       for (void* p : W) cudaFree(p);
       for (void* p : G) cudaFree(p);

@@ -5,6 +5,8 @@
 // fused kernel against the cuBLAS tile schedule (itself tested against the CPU backend) on
 // ragged and batched shapes, output poisoned with NaN beforehand. Times are CUDA-event medians
 // after warm-up, the three ways (and the kernel without stores) timed in turn; markdown on stdout and --out FILE.
+// --shapes LIST times the listed shapes instead; --once launches the full GEMM and the fused
+// kernel's variants once each, untimed, behind marker kernels (tools/sym-ncu.py profiles them).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -54,6 +56,31 @@ struct Case { int op; DType in, out; int64_t b, p, q; };  // op 0 gram, 1 sym_pr
 
 }  // namespace
 
+// Launched before each candidate under --once, so that a profiler's list of kernels tells them apart.
+__global__ void ncu_marker() {}
+
+struct Shape { int op; DType dt; int64_t b, p, q; };  // op 0 gram (p x q), 1 sym_product (p x p)
+
+// --shapes: comma-separated OP:DTYPE:BxPxQ (gram) or OP:DTYPE:BxP (sym), OP gram|sym, DTYPE f16|bf16.
+std::vector<Shape> parse_shapes(const std::string& list) {
+  std::vector<Shape> out;
+  std::stringstream ss(list);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    char op[8] = {}, dt[8] = {};
+    long long b = 0, p = 0, q = 0;
+    const int got = std::sscanf(item.c_str(), "%7[a-z]:%7[a-z0-9]:%lldx%lldx%lld", op, dt, &b, &p, &q);
+    const std::string o(op), d(dt);
+    const bool gram = o == "gram";
+    if (got < 4 || (!gram && o != "sym") || (d != "f16" && d != "bf16") || (gram && got != 5) || b <= 0 || p <= 0) {
+      std::fprintf(stderr, "--shapes: cannot read '%s' (gram:f16:BxPxQ or sym:bf16:BxP)\n", item.c_str());
+      std::exit(2);
+    }
+    out.push_back({gram ? 0 : 1, d == "f16" ? DType::F16 : DType::BF16, b, p, gram ? q : p});
+  }
+  return out;
+}
+
 int main(int argc, char** argv) {
   bench::Session session(argc, argv, "dion3-cuda-sym-bench");
   const bench::Args& args = session.args;
@@ -65,7 +92,7 @@ int main(int argc, char** argv) {
   using dion3::cuda::set_symmetric_options;
   int failures = 0;
 
-  if (args.only.empty()) {  // the correctness table, unless profiling one shape
+  if (args.only.empty() && args.shapes.empty() && !args.once) {  // the correctness table, unless profiling shapes
     // ---- 1. correctness: fused kernel vs the cuBLAS tile schedule ------------------------------
     o.line("## Fused symmetric kernel: correctness against the cuBLAS tile schedule");
     o.line("");
@@ -160,9 +187,10 @@ int main(int argc, char** argv) {
   }
 
   // ---- 2. timing ------------------------------------------------------------------------------
-  struct Shape { int op; DType dt; int64_t b, p, q; };
   std::vector<Shape> shapes;
-  if (quick) {
+  if (!args.shapes.empty()) {
+    shapes = parse_shapes(args.shapes);
+  } else if (quick) {
     shapes = {{0, DType::F16, 8, 4096, 11008}, {1, DType::F16, 8, 4096, 4096}};
   } else {
     for (auto sh : std::vector<Shape>{{0, DType::F16, 8, 4096, 11008}, {0, DType::F16, 8, 4096, 4096},
@@ -240,6 +268,18 @@ int main(int argc, char** argv) {
         if (sh.op == 0) dion3::cuda::launch_sym_wgmma(Xv, Xv, 1.0f, 0.0f, nullptr, 0.0f, Cv, s, false, false, true);
         else dion3::cuda::launch_sym_wgmma(Rv, Rv, 2.0f, -1.0f, &Rv, 0.0f, Cv, s, false, false, true);
       });
+    if (args.once) {  // for ncu: marker k (a grid of k blocks), then candidate k's kernels
+      const std::size_t fused = 1 + tiles.size();  // full, fused, banded, main loop only
+      const std::vector<std::size_t> picked =
+          runs ? std::vector<std::size_t>{0, fused, fused + 1, fused + 2} : std::vector<std::size_t>{0, fused};
+      for (std::size_t k = 0; k < picked.size(); ++k) {
+        ncu_marker<<<static_cast<unsigned>(k + 1), 32, 0, s>>>();
+        cands[picked[k]]();
+      }
+      CK(cudaStreamSynchronize(s));
+      o.line(fmt("- %s: %s, once each", label.c_str(), runs ? "full, fused, banded, main loop only" : "full, fallback"));
+      continue;
+    }
     const std::vector<double> ms = bench::interleaved_medians(s, 2, iters, cands);
     const double full = ms[0], kern = ms[1 + tiles.size()], mainloop = runs ? ms.back() : 0.0;
     const double banded = runs ? ms[ms.size() - 2] : 0.0;

@@ -64,6 +64,16 @@ struct alignas(V * sizeof(T)) PackV {
 };
 template <class T>
 using Pack4 = PackV<T, 4>;
+// A pack read once (evict-first: nothing of it is kept in L2), 16 bytes at a time.
+template <class P>
+__device__ __forceinline__ P load_streaming(const P* p) {
+  static_assert(sizeof(P) % 16 == 0 && alignof(P) >= 16, "whole, aligned 16-byte words");
+  P out;
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(P) / 16); ++i)
+    reinterpret_cast<uint4*>(&out)[i] = __ldcs(reinterpret_cast<const uint4*>(p) + i);
+  return out;
+}
 inline bool aligned4(const void* p, std::size_t elem) {
   return (reinterpret_cast<std::uintptr_t>(p) % (4 * elem)) == 0;
 }
@@ -111,6 +121,16 @@ inline cudaDataType_t cuda_dtype(DType t) {
   }
 }
 
+// Blocks of `threads` threads of `kernel` that the current device runs at once: the grid of a
+// persistent kernel.
+template <class... Params>
+unsigned persistent_blocks(void (*kernel)(Params...), int threads) {
+  int dev = 0, sms = 0, per_sm = 0;
+  DION3_CUDA_CHECK(cudaGetDevice(&dev));
+  DION3_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  DION3_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
+  return static_cast<unsigned>(sms * (per_sm > 0 ? per_sm : 1));
+}
 inline unsigned ceil_div_u(int64_t a, int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
 
 // One matrix of a megabatch as the kernels see it (uploaded by CudaBackend::refresh).

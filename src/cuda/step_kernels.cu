@@ -588,12 +588,13 @@ __global__ void check_finite_kernel(const __grid_constant__ FiniteViews args, in
 
 
 // ---- check_step ----------------------------------------------------------------------------
-// The state a step would store, evaluated and not written (Backend::check_step). Like
-// check_finite_flat_kernel, every block takes one chunk of one parameter (up to kStepSegments
-// parameters of one (gradient, state) dtype pair per launch), so big and small parameters keep
-// the memory system alike busy; threads read packs of 8 elements (16-byte loads of 16-bit data).
-constexpr int kStepThreads = 256, kStepPacksPerThread = 4, kStepSegments = 48;
-constexpr int64_t kStepChunk = int64_t{kStepThreads} * kStepPacksPerThread * 8;  // elements per block
+// The state a step would store, evaluated and not written (Backend::check_step). A persistent
+// grid (as many blocks as fit on the device at once) walks up to kStepSegments parameters of one
+// (gradient, state) dtype pair per launch, each with a grid-stride loop of kStepPacks packs of 8
+// elements per thread in flight (16-byte loads of 16-bit data, streaming: read once). One short
+// block per chunk instead left the memory system idle between blocks and fell well short of the
+// device's read rate (bench/cuda_pass_bench.cu measures both against a plain read).
+constexpr int kStepThreads = 256, kStepPacks = 4, kStepSegments = 48;
 struct StepSegment {
   const void* g;
   const void* s;
@@ -605,7 +606,6 @@ struct StepSegment {
 };
 struct StepSegments {
   StepSegment seg[kStepSegments];
-  int64_t first_block[kStepSegments];  // ascending; segment s owns [first_block[s], first_block[s+1])
   int count;
 };
 
@@ -621,30 +621,26 @@ __device__ __forceinline__ float overflow_bound() {
 
 // Whether one element's new state (and gradient) is finite, by the rules the update kernels
 // use: accumulate_kernel's decay*m + g, AdamWRule, LionRule.
-template <class TS>
-__device__ __forceinline__ bool step_element_finite(int rule, float g, float m, float v, float a, float b) {
+template <int kRule, class TS>
+__device__ __forceinline__ bool step_element_finite(float g, float m, float v, float a, float b) {
   const float bound = overflow_bound<TS>();
-  switch (rule) {
-    case StepCheck::Momentum: {
-      const float m1 = a * m + g;
-      if (!(fabsf(m1) < bound)) return false;
-      return b == 0.0f || fabsf(b * to_f32(from_f32<TS>(m1)) + g) < overflow_bound<float>();
-    }
-    case StepCheck::AdamW:
-      return fabsf(AdamWRule::exp_avg(m, g, a)) < bound && fabsf(AdamWRule::exp_avg_sq(v, g, b)) < bound;
-    default: return fabsf(LionRule::exp_avg(m, g, b)) < bound;
+  if constexpr (kRule == StepCheck::Momentum) {
+    const float m1 = a * m + g;
+    if (!(fabsf(m1) < bound)) return false;
+    return b == 0.0f || fabsf(b * to_f32(from_f32<TS>(m1)) + g) < overflow_bound<float>();
+  } else if constexpr (kRule == StepCheck::AdamW) {
+    return fabsf(AdamWRule::exp_avg(m, g, a)) < bound && fabsf(AdamWRule::exp_avg_sq(v, g, b)) < bound;
+  } else {
+    return fabsf(LionRule::exp_avg(m, g, b)) < bound;
   }
 }
 
-template <class TG, class TS>
-__global__ void __launch_bounds__(kStepThreads) check_step_kernel(const __grid_constant__ StepSegments a, int* flag) {
-  pdl_wait();
-  const int lo = segment_of_block(a.first_block, a.count);
-  const StepSegment& sg = a.seg[lo];
-  const int64_t chunk = blockIdx.x - a.first_block[lo];
-  const int rule = sg.rule;
+// This thread's share of one segment: packs tid, tid + stride, ... (kStepPacks of them loaded
+// before any is used), or elements so where the segment does not allow 16-byte loads.
+template <int kRule, class TG, class TS>
+__device__ __forceinline__ bool segment_finite(const StepSegment& sg, int64_t tid, int64_t stride) {
+  constexpr bool kSecond = kRule == StepCheck::AdamW;
   const float ca = sg.a.get(), cb = sg.b.get();
-  const bool second = rule == StepCheck::AdamW;
   const TG* __restrict__ g = static_cast<const TG*>(sg.g);
   const TS* __restrict__ m = static_cast<const TS*>(sg.s);
   const TS* __restrict__ v = static_cast<const TS*>(sg.s2);
@@ -652,29 +648,47 @@ __global__ void __launch_bounds__(kStepThreads) check_step_kernel(const __grid_c
   if (sg.vec) {
     using PG = PackV<TG, 8>;
     using PS = PackV<TS, 8>;
-    const int64_t npacks = sg.n / 8, base = chunk * (kStepChunk / 8) + threadIdx.x;
-    PG gp[kStepPacksPerThread];
-    PS mp[kStepPacksPerThread], vp[kStepPacksPerThread];
+    const int64_t npacks = sg.n / 8;
+    for (int64_t base = tid; base < npacks; base += stride * kStepPacks) {
+      PG gp[kStepPacks];
+      PS mp[kStepPacks], vp[kStepPacks];
 #pragma unroll
-    for (int u = 0; u < kStepPacksPerThread; ++u) {
-      const int64_t q = base + u * kStepThreads;
-      if (q < npacks) {
-        gp[u] = reinterpret_cast<const PG*>(g)[q];
-        mp[u] = reinterpret_cast<const PS*>(m)[q];
-        if (second) vp[u] = reinterpret_cast<const PS*>(v)[q];
+      for (int u = 0; u < kStepPacks; ++u) {
+        const int64_t q = base + u * stride;
+        if (q < npacks) {
+          gp[u] = load_streaming(reinterpret_cast<const PG*>(g) + q);
+          mp[u] = load_streaming(reinterpret_cast<const PS*>(m) + q);
+          if constexpr (kSecond) vp[u] = load_streaming(reinterpret_cast<const PS*>(v) + q);
+        }
       }
+#pragma unroll
+      for (int u = 0; u < kStepPacks; ++u)
+        if (base + u * stride < npacks)
+#pragma unroll
+          for (int e = 0; e < 8; ++e)
+            ok &= step_element_finite<kRule, TS>(to_f32(gp[u].v[e]), to_f32(mp[u].v[e]),
+                                                 kSecond ? to_f32(vp[u].v[e]) : 0.0f, ca, cb);
     }
-#pragma unroll
-    for (int u = 0; u < kStepPacksPerThread; ++u)
-      if (base + u * kStepThreads < npacks)
-#pragma unroll
-        for (int e = 0; e < 8; ++e)
-          ok &= step_element_finite<TS>(rule, to_f32(gp[u].v[e]), to_f32(mp[u].v[e]), second ? to_f32(vp[u].v[e]) : 0.0f,
-                                        ca, cb);
   } else {
-    const int64_t end = (chunk + 1) * kStepChunk < sg.n ? (chunk + 1) * kStepChunk : sg.n;
-    for (int64_t e = chunk * kStepChunk + threadIdx.x; e < end; e += kStepThreads)
-      ok &= step_element_finite<TS>(rule, to_f32(g[e]), to_f32(m[e]), second ? to_f32(v[e]) : 0.0f, ca, cb);
+    for (int64_t e = tid; e < sg.n; e += stride)
+      ok &= step_element_finite<kRule, TS>(to_f32(g[e]), to_f32(m[e]), kSecond ? to_f32(v[e]) : 0.0f, ca, cb);
+  }
+  return ok;
+}
+
+template <class TG, class TS>
+__global__ void __launch_bounds__(kStepThreads) check_step_kernel(const __grid_constant__ StepSegments a, int* flag) {
+  pdl_wait();
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kStepThreads;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * kStepThreads + threadIdx.x;
+  bool ok = true;
+  for (int i = 0; i < a.count; ++i) {
+    const StepSegment& sg = a.seg[i];
+    switch (sg.rule) {
+      case StepCheck::Momentum: ok &= segment_finite<StepCheck::Momentum, TG, TS>(sg, tid, stride); break;
+      case StepCheck::AdamW: ok &= segment_finite<StepCheck::AdamW, TG, TS>(sg, tid, stride); break;
+      default: ok &= segment_finite<StepCheck::Lion, TG, TS>(sg, tid, stride); break;
+    }
   }
   if (__syncthreads_or(!ok) && threadIdx.x == 0) atomicOr(flag, 1);
 }
@@ -781,19 +795,18 @@ void launch_check_step(std::span<const StepCheck> xs, int* flag, cudaStream_t s)
   struct Table {
     DType gdt, sdt;
     StepSegments t{};
-    int64_t blocks = 0;
   };
   std::vector<Table> tables;
   auto flush = [&](Table& tb) {
     if (tb.t.count == 0) return;
     DION3_DISPATCH_FLOAT(tb.gdt, TG, [&] {
       DION3_DISPATCH_FLOAT(tb.sdt, TS, [&] {
-        launch_pdl(check_step_kernel<TG, TS>, static_cast<unsigned>(tb.blocks), kStepThreads, 0, s, tb.t, flag);
+        static const unsigned blocks = persistent_blocks(check_step_kernel<TG, TS>, kStepThreads);
+        launch_pdl(check_step_kernel<TG, TS>, blocks, kStepThreads, 0, s, tb.t, flag);
       });
     });
     DION3_CUDA_LAUNCH_CHECK();
     tb.t = StepSegments{};
-    tb.blocks = 0;
   };
   auto aligned8 = [](const void* p, DType t) { return reinterpret_cast<std::uintptr_t>(p) % (8 * dtype_size(t)) == 0; };
   for (const StepCheck& x : xs) {
@@ -805,12 +818,10 @@ void launch_check_step(std::span<const StepCheck> xs, int* flag, cudaStream_t s)
     for (Table& t : tables)
       if (t.gdt == x.grad.dtype && t.sdt == x.state.dtype) tb = &t;
     if (!tb) tb = &tables.emplace_back(Table{x.grad.dtype, x.state.dtype});
-    const int u = tb->t.count++;
-    tb->t.seg[u] = StepSegment{x.grad.data, x.state.data, second ? x.state2.data : nullptr, n, x.a, x.b, x.rule,
-                               n % 8 == 0 && aligned8(x.grad.data, x.grad.dtype) && aligned8(x.state.data, x.state.dtype) &&
-                                   (!second || aligned8(x.state2.data, x.state2.dtype))};
-    tb->t.first_block[u] = tb->blocks;
-    tb->blocks += (n + kStepChunk - 1) / kStepChunk;
+    tb->t.seg[tb->t.count++] =
+        StepSegment{x.grad.data, x.state.data, second ? x.state2.data : nullptr, n, x.a, x.b, x.rule,
+                    n % 8 == 0 && aligned8(x.grad.data, x.grad.dtype) && aligned8(x.state.data, x.state.dtype) &&
+                        (!second || aligned8(x.state2.data, x.state2.dtype))};
     if (tb->t.count == kStepSegments) flush(*tb);
   }
   for (Table& t : tables) flush(t);
