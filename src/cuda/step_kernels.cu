@@ -593,8 +593,7 @@ __global__ void check_finite_kernel(const __grid_constant__ FiniteViews args, in
 // (gradient, state) dtype pair per launch, each with a grid-stride loop of kStepPacks packs of 8
 // elements per thread in flight (16-byte loads of 16-bit data, streaming: read once). One short
 // block per chunk instead left the memory system idle between blocks and fell well short of the
-// device's read rate (bench/cuda_pass_bench.cu measures both against a plain read). Four blocks
-// per SM (64 registers a thread): at two, the packs in flight were too few to keep up with memory.
+// device's read rate (bench/cuda_pass_bench.cu measures both against a plain read).
 constexpr int kStepThreads = 256, kStepPacks = 4, kStepSegments = 48;
 struct StepSegment {
   const void* g;
@@ -678,7 +677,7 @@ __device__ __forceinline__ bool segment_finite(const StepSegment& sg, int64_t ti
 }
 
 template <class TG, class TS>
-__global__ void __launch_bounds__(kStepThreads, 4) check_step_kernel(const __grid_constant__ StepSegments a, int* flag) {
+__global__ void __launch_bounds__(kStepThreads) check_step_kernel(const __grid_constant__ StepSegments a, int* flag) {
   pdl_wait();
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kStepThreads;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * kStepThreads + threadIdx.x;
