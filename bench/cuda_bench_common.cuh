@@ -142,6 +142,11 @@ struct Args {
   bool once = false;   // --once: each candidate run once, untimed (for a profiler such as ncu)
 };
 
+// The short dtype names of the bench tables and of dion3-cuda-sym-bench --shapes.
+inline const char* dtype_short(dion3::DType t) {
+  return t == dion3::DType::F32 ? "f32" : t == dion3::DType::F16 ? "f16" : "bf16";
+}
+
 // Parses Args; on anything else prints the usage line and exits with status 2.
 inline Args parse_args(int argc, char** argv, const char* program) {
   Args a;

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "cuda_bench_common.cuh"
+#include "cuda/cuda_common.cuh"
 #include "dion3/backend.hpp"
 #include "model_shapes.hpp"
 
@@ -120,16 +121,6 @@ struct Launch {
   int threads;
 };
 
-// Blocks of `threads` for a persistent grid of `kernel`: as many as fit on every SM at once.
-template <class K>
-int persistent_blocks(K kernel, int threads) {
-  int dev = 0, sms = 0, per_sm = 0;
-  CK(cudaGetDevice(&dev));
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
-  return sms * std::max(per_sm, 1);
-}
-
 const std::vector<Launch>& variants() {
   static const std::vector<Launch> v = {
       {"persistent U=4 T=256", walk_persistent<4, true>, 256},
@@ -199,7 +190,7 @@ int main(int argc, char** argv) {
     return h;
   };
   std::vector<int> blocks;
-  for (const Launch& v : variants()) blocks.push_back(persistent_blocks(v.kernel, v.threads));
+  for (const Launch& v : variants()) blocks.push_back(static_cast<int>(dion3::cuda::persistent_blocks(v.kernel, v.threads)));
 
   // ---- each variant's flag against the library's, planted elements anywhere ----------------
   line("## The variants' flags against the library's check_step");
@@ -262,7 +253,7 @@ int main(int argc, char** argv) {
   }
   line(head);
   line(rule);
-  const int read_blocks = persistent_blocks(walk_persistent<4, false>, 256);
+  const int read_blocks = static_cast<int>(dion3::cuda::persistent_blocks(walk_persistent<4, false>, 256));
   for (const char* model : {"gpt-1b", "llama-7b"}) {
     if (!ses.args.only.empty() && std::string(model).find(ses.args.only) == std::string::npos) continue;
     const auto shapes = dion3::bench::model_matrices(dion3::bench::find_preset(model), 0);

@@ -50,7 +50,7 @@ std::vector<float> download(const MatrixView& v, cudaStream_t s) {
   return out;
 }
 
-const char* dn(DType t) { return t == DType::F32 ? "f32" : t == DType::F16 ? "f16" : "bf16"; }
+const char* dn(DType t) { return bench::dtype_short(t); }
 
 struct Case { int op; DType in, out; int64_t b, p, q; };  // op 0 gram, 1 sym_product
 

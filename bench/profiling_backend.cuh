@@ -129,13 +129,13 @@ class ProfilingBackend final : public dion3::Backend {
   bool symmetric_banded(dion3::DType dt, int64_t p) const override { return in_->symmetric_banded(dt, p); }
   void gram(dion3::MatrixView X, dion3::MatrixView C, bool bo) override {
     if (enabled)
-      ++products[fmt("gram:%s:%lldx%lldx%lld", dtype_label(X.dtype), (long long)X.batch, (long long)X.rows,
+      ++products[fmt("gram:%s:%lldx%lldx%lld", dtype_short(X.dtype), (long long)X.batch, (long long)X.rows,
                      (long long)X.cols)];
     wrap("orth.gram", [&] { in_->gram(X, C, bo); });
   }
   void sym_product(float al, dion3::MatrixView A, dion3::MatrixView B, float be, const dion3::MatrixView* D,
                    float g, dion3::MatrixView C, bool bi, bool bo) override {
-    if (enabled) ++products[fmt("sym:%s:%lldx%lld", dtype_label(A.dtype), (long long)A.batch, (long long)A.rows)];
+    if (enabled) ++products[fmt("sym:%s:%lldx%lld", dtype_short(A.dtype), (long long)A.batch, (long long)A.rows)];
     wrap("orth.sym_product", [&] { in_->sym_product(al, A, B, be, D, g, C, bi, bo); });
   }
   void add_identity(dion3::MatrixView X, float g, dion3::MatrixView C) override {
@@ -171,9 +171,6 @@ class ProfilingBackend final : public dion3::Backend {
     const int b = event();
     CK(cudaEventRecord(pool_[b], stream_));
     recs_.push_back({shape_, op, a, b});
-  }
-  static const char* dtype_label(dion3::DType t) {
-    return t == dion3::DType::F16 ? "f16" : t == dion3::DType::BF16 ? "bf16" : "f32";
   }
   std::unique_ptr<dion3::Backend> in_;
   cudaStream_t stream_;

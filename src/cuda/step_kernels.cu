@@ -600,8 +600,7 @@ struct StepSegment {
   const void* s;
   const void* s2;
   int64_t n;
-  Hyper a, b;  // StepCheck's
-  int rule;
+  Hyper a, b;  // StepCheck's (the rule is the launch's: one kernel per rule)
   bool vec;  // n % 8 == 0 and every pointer aligned to 8 elements
 };
 struct StepSegments {
@@ -823,7 +822,7 @@ void launch_check_step(std::span<const StepCheck> xs, int* flag, cudaStream_t s)
       if (t.rule == x.rule && t.gdt == x.grad.dtype && t.sdt == x.state.dtype) tb = &t;
     if (!tb) tb = &tables.emplace_back(Table{x.rule, x.grad.dtype, x.state.dtype});
     tb->t.seg[tb->t.count++] =
-        StepSegment{x.grad.data, x.state.data, second ? x.state2.data : nullptr, n, x.a, x.b, x.rule,
+        StepSegment{x.grad.data, x.state.data, second ? x.state2.data : nullptr, n, x.a, x.b,
                     n % 8 == 0 && aligned8(x.grad.data, x.grad.dtype) && aligned8(x.state.data, x.state.dtype) &&
                         (!second || aligned8(x.state2.data, x.state2.dtype))};
     if (tb->t.count == kStepSegments) flush(*tb);
