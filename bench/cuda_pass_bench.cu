@@ -1,6 +1,8 @@
-// bench/cuda_pass_bench.cu — dion3-cuda-pass-bench: the step's non-finite check
-// (Backend::check_step) against the bytes it must read, with experimental variants of its kernel
-// beside it, each checked against the library's flag before it is timed.
+// bench/cuda_pass_bench.cu — dion3-cuda-pass-bench: memory passes against the bytes they must
+// move. First the step's non-finite check (Backend::check_step), with experimental variants of its
+// kernel beside it, each checked against the library's flag before it is timed; then the passes
+// that turn a tall matrix wide for orthogonalization and back (Backend::normalize transposed,
+// Backend::convert transposed) against the copy bandwidth.
 //
 // The check reads every gradient and momentum element once (it proves that the momentum the step
 // would store stays finite) and writes nothing, so its ceiling is the rate at which the device can
@@ -172,6 +174,64 @@ void run_variant(const Launch& v, const Workload& w, float a, int* flag, int blo
   CK(cudaGetLastError());
 }
 
+// The tall megabatches of Muon's step (a chunk of bf16 momentum, orthogonalized in fp16): the
+// input normalised and transposed in one pass (from its elements, two reads and a write, or from
+// its rows' sums of squares, a read and a write), the result transposed back (a read and a
+// write), and the plain normalisation of the same bytes beside them. Checked first: the
+// normalised transpose equals the transpose of the normalised matrix. Returns the failures.
+int transpose_section(bench::Session& ses, double copy) {
+  dion3::Backend& be = *ses.be;
+  cudaStream_t s = ses.s;
+  auto line = [&](const std::string& l) { ses.o.line(l); };
+  line("## Tall matrices turned wide and back (GB/s: bytes each pass must move, median of interleaved runs)");
+  line("");
+  line("| workload | n x rows x cols | normalize ms (GB/s, of copy) | normalize transposed | ... from row sums | "
+       "transpose back |");
+  line("|---|---|---|---|---|---|");
+  struct Tall {
+    const char* label;
+    int64_t n, rows, cols;
+  };
+  int failures = 0;
+  for (const Tall& t : {Tall{"gpt-1b MLP", 8, 8192, 2048}, Tall{"llama-7b MLP", 8, 11008, 4096}}) {
+    if (!ses.args.only.empty() && std::string(t.label).find(ses.args.only) == std::string::npos) continue;
+    const int64_t e = t.n * t.rows * t.cols;
+    dion3::DeviceBuffer in(be.allocator(), e * 2), x(be.allocator(), e * 2), y(be.allocator(), e * 2),
+        z(be.allocator(), e * 2), ss(be.allocator(), t.n * t.rows * sizeof(float));
+    bench::fill(in.get(), DType::BF16, e, 11, 1.0f, s);
+    CK(cudaMemsetAsync(ss.get(), 0, t.n * t.rows * sizeof(float), s));
+    const MatrixView vin = MatrixView::contiguous(in.get(), DType::BF16, t.n, t.rows, t.cols);
+    const MatrixView wide = MatrixView::contiguous(x.get(), DType::F16, t.n, t.cols, t.rows);
+    const MatrixView tall = MatrixView::contiguous(y.get(), DType::F16, t.n, t.rows, t.cols);
+    const MatrixView twide = MatrixView::contiguous(z.get(), DType::F16, t.n, t.cols, t.rows);
+    const float* rss = static_cast<const float*>(ss.get());
+    be.normalize(vin, tall, 1e-7f, nullptr, false);
+    be.normalize(vin, wide, 1e-7f, nullptr, true);
+    be.convert(tall, twide, true);
+    std::vector<uint16_t> a(e), b(e);
+    CK(cudaMemcpyAsync(a.data(), x.get(), e * 2, cudaMemcpyDeviceToHost, s));
+    CK(cudaMemcpyAsync(b.data(), z.get(), e * 2, cudaMemcpyDeviceToHost, s));
+    CK(cudaStreamSynchronize(s));
+    if (a != b) {
+      ++failures;
+      line(fmt("- %s: the normalised transpose differs from the transpose of the normalised matrix", t.label));
+    }
+    const auto ms = bench::interleaved_medians(s, 2, ses.args.iters,
+                                               {[&] { be.normalize(vin, tall, 1e-7f, nullptr, false); },
+                                                [&] { be.normalize(vin, wide, 1e-7f, nullptr, true); },
+                                                [&] { be.normalize(vin, wide, 1e-7f, rss, true); },
+                                                [&] { be.convert(wide, tall, true); }});
+    const double el = static_cast<double>(e) * 2;  // bytes of one bf16 or fp16 pass over the matrices
+    auto cell = [&](double m, double bytes) {
+      return fmt("%.3f (%.0f, %.0f%%)", m, bytes / (m * 1e6), 100 * bytes / (m * 1e6) / copy);
+    };
+    line(fmt("| %s | %lldx%lldx%lld | %s | %s | %s | %s |", t.label, static_cast<long long>(t.n),
+             static_cast<long long>(t.rows), static_cast<long long>(t.cols), cell(ms[0], 3 * el).c_str(),
+             cell(ms[1], 3 * el).c_str(), cell(ms[2], 2 * el).c_str(), cell(ms[3], 2 * el).c_str()));
+  }
+  return failures;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -276,6 +336,8 @@ int main(int argc, char** argv) {
     for (std::size_t v = 0; v < variants().size(); ++v) row += fmt(" %.3f (%.0f) |", t[2 + v], gbs(t[2 + v]));
     line(row);
   }
+  line("");
+  failures += transpose_section(ses, copy);
   line("");
   line(fmt("correctness failures: %d", failures));
   ses.save();

@@ -116,8 +116,8 @@ class ProfilingBackend final : public dion3::Backend {
     name(s);
     wrap("update", [&] { in_->apply_update(s, i, k, o, p, sk); });
   }
-  void normalize(dion3::MatrixView i, dion3::MatrixView o, float e, const float* ss) override {
-    wrap("orth.normalize", [&] { in_->normalize(i, o, e, ss); });
+  void normalize(dion3::MatrixView i, dion3::MatrixView o, float e, const float* ss, bool t) override {
+    wrap("orth.normalize", [&] { in_->normalize(i, o, e, ss, t); });  // transposed or not
   }
   void convert(dion3::MatrixView i, dion3::MatrixView o, bool t) override {
     wrap(t ? "orth.transpose" : "orth.convert", [&] { in_->convert(i, o, t); });

@@ -278,9 +278,11 @@ class DION3_API Backend {
                             const UpdateParams& p, const int* skip) = 0;
 
   // --- orthogonalization primitives (contiguous batches, fp32 accumulation) -------------
-  // out[b] = in[b] / (||in[b]||_F + eps), rounded to out.dtype. With row_sumsq (in.batch x in.rows,
-  // each row's sum of squares, as gather_rows gives them) ||in[b]||_F comes from those sums.
-  virtual void normalize(MatrixView in, MatrixView out, float eps, const float* row_sumsq) = 0;
+  // out[b] = in[b] / (||in[b]||_F + eps), rounded to out.dtype; with `transpose`, its transpose (out
+  // has in's shape transposed: a tall input is turned wide in the same pass). With row_sumsq
+  // (in.batch x in.rows, each row's sum of squares, as gather_rows gives them) ||in[b]||_F comes
+  // from those sums.
+  virtual void normalize(MatrixView in, MatrixView out, float eps, const float* row_sumsq, bool transpose) = 0;
   // out = in (or in^T when `transpose`), converting between any float dtypes.
   virtual void convert(MatrixView in, MatrixView out, bool transpose) = 0;
   // C = alpha*op(A)*op(B) + beta*C.

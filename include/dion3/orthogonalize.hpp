@@ -34,8 +34,8 @@ class DION3_API Orthogonalizer {
   static std::size_t required_workspace(const Backend& backend, const OrthConfig& cfg, int64_t batch,
                                         int64_t rows, int64_t cols);
   // Byte offset inside that workspace where an input of in_bytes may lie during run(): the part
-  // run() writes only after it has read its input (behind X; behind X and its partner when the
-  // input is transposed), 256-byte aligned. kNoInputRoom where the input does not fit there.
+  // run() writes only after it has read its input (behind X, which it normalises the input into),
+  // 256-byte aligned. kNoInputRoom where the input does not fit there.
   static constexpr std::size_t kNoInputRoom = ~std::size_t{0};
   static std::size_t input_offset(const Backend& backend, const OrthConfig& cfg, int64_t batch, int64_t rows,
                                   int64_t cols, std::size_t in_bytes);
@@ -67,6 +67,9 @@ class DION3_API Orthogonalizer {
   // square standard NS, the square X shares with A. No copy back to wide(0).
   MatrixView standard(MatrixView X);
   MatrixView gram(MatrixView X);
+  // The final product S X (S symmetric) into out's memory, as the caller's shape: rows x cols,
+  // transposed back for a tall problem.
+  MatrixView last_product(MatrixView S, MatrixView X, MatrixView out);
   MatrixView square(int slot) const;  // p x p scratch matrices
   MatrixView wide(int slot) const;    // p x q scratch matrices
 

@@ -84,9 +84,9 @@ std::size_t Orthogonalizer::required_workspace(const Backend& backend, const Ort
 std::size_t Orthogonalizer::input_offset(const Backend& backend, const OrthConfig& cfg, int64_t batch,
                                          int64_t rows, int64_t cols, std::size_t in_bytes) {
   const Plan plan = plan_of(backend, cfg, rows, cols);
-  // run() first normalises the input into X = wide(0), or, transposed, into wide(1) and then
-  // wide(0); everything behind those is written only afterwards.
-  const std::size_t offset = ((rows > cols ? 2 : 1) * plan.wide_bytes(batch) + 255) / 256 * 256;
+  // run() first normalises the input into X = wide(0) (transposed if tall); everything behind it
+  // is written only afterwards.
+  const std::size_t offset = (plan.wide_bytes(batch) + 255) / 256 * 256;
   return offset + in_bytes <= plan.workspace_bytes(batch) ? offset : kNoInputRoom;
 }
 
@@ -140,25 +140,24 @@ MatrixView Orthogonalizer::run(MatrixView in, const float* in_row_sumsq) {
     fail("orthogonalize was planned for batch " + std::to_string(batch_) + " of " + std::to_string(rows) + "x" +
          std::to_string(cols) + " but got input " + std::to_string(in.batch) + "x" + std::to_string(in.rows) +
          "x" + std::to_string(in.cols));
-  MatrixView X = wide(0);
+  // A tall input is normalised and turned wide in one pass; its result comes out tall from the
+  // last product (see last_product).
+  const MatrixView X = wide(0);
+  backend_.normalize(in, X, kNormEps, in_row_sumsq, transposed_);
+  return method_ == OrthMethod::Gram ? gram(X) : standard(X);
+}
+
+MatrixView Orthogonalizer::last_product(MatrixView S, MatrixView X, MatrixView out) {
   if (!transposed_) {
-    backend_.normalize(in, X, kNormEps, in_row_sumsq);
-    return run_normalized();
+    backend_.gemm(false, false, 1.0f, S, X, 0.0f, out);
+    return out;
   }
-  MatrixView tmp = wide(1);
-  tmp.rows = rows;
-  tmp.cols = cols;
-  tmp.ld = cols;
-  backend_.normalize(in, tmp, kNormEps, in_row_sumsq);
-  backend_.convert(tmp, X, true);
-  const MatrixView result = method_ == OrthMethod::Gram ? gram(X) : standard(X);
-  // Transposed, p < q, so both methods have two wides: the result is in one, the other is free.
-  MatrixView T = wide(result.data == wide(0).data ? 1 : 0);
-  T.rows = rows;
-  T.cols = cols;
-  T.ld = cols;
-  backend_.convert(result, T, true);
-  return T;
+  // S is symmetric, so (S X)^T = X^T S: the tall result is one gemm with no transposing pass.
+  out.rows = q_;
+  out.cols = p_;
+  out.ld = p_;
+  backend_.gemm(true, false, 1.0f, X, S, 0.0f, out);
+  return out;
 }
 
 MatrixView Orthogonalizer::normalized_input() const {
@@ -176,16 +175,18 @@ MatrixView Orthogonalizer::standard(MatrixView X) {
   MatrixView X2 = square_x ? X : wide(1), A = square(0), B = square(1);
   // Asked at every run: the backend's symmetric path may change between runs (its options).
   const bool banded = backend_.symmetric_banded(dtype_, p_);
-  for (const Coefficients& k : cfg_.coefficients) {
+  const std::size_t steps = cfg_.coefficients.size();  // at least one (OrthConfig::validate)
+  for (std::size_t t = 0;; ++t) {
+    const Coefficients& k = cfg_.coefficients[t];
     const float a = static_cast<float>(k[0]), b = static_cast<float>(k[1]), c = static_cast<float>(k[2]);
     backend_.gram(X, A, banded);                                // A = X X^T
     backend_.sym_product(c, A, A, b, &A, a, B, banded, false);  // B = b A + c A^2 + a I (full: gemm reads it)
-    if (square_x) X2.data = A.data;              // A is dead from here on
-    backend_.gemm(false, false, 1.0f, B, X, 0.0f, X2);  // X2 = B X = a X + (b A + c A^2) X
-    if (square_x) A.data = X.data;               // the old X becomes the next A
+    if (square_x) X2.data = A.data;                             // A is dead from here on
+    if (t + 1 == steps) return last_product(B, X, X2);         // B X = a X + (b A + c A^2) X
+    backend_.gemm(false, false, 1.0f, B, X, 0.0f, X2);         // X2 = B X
+    if (square_x) A.data = X.data;                              // the old X becomes the next A
     std::swap(X.data, X2.data);
   }
-  return X;
 }
 
 MatrixView Orthogonalizer::gram(MatrixView X) {
@@ -224,8 +225,7 @@ MatrixView Orthogonalizer::gram(MatrixView X) {
       backend_.sym_product(1.0f, w, S, 0.0f, nullptr, 0.0f, R, banded, banded);  // R = W S
     }
   }
-  backend_.gemm(false, false, 1.0f, Q, X, 0.0f, X2);  // X = Q X
-  return X2;
+  return last_product(Q, X, X2);  // X = Q X
 }
 
 }  // namespace dion3

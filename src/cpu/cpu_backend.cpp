@@ -82,6 +82,25 @@ float* rows_of(const MatrixView& v, int64_t b) {
   return reinterpret_cast<float*>(const_cast<char*>(cpu::elem_ptr(v, b, 0)));
 }
 
+// out has in's shape, or (transpose) in's shape transposed, and as many matrices.
+void check_shapes(const MatrixView& in, const MatrixView& out, bool transpose, const char* what) {
+  check(in.batch == out.batch && (transpose ? in.rows == out.cols && in.cols == out.rows
+                                            : in.rows == out.rows && in.cols == out.cols),
+        what);
+}
+
+// A dense rows x cols matrix in x and its transpose in t, for normalize and convert.
+struct DenseBuffers {
+  std::vector<float> x, t;
+};
+// x = x^T (x dense rows x cols), through t.
+void transpose_into(DenseBuffers& buf, int64_t rows, int64_t cols) {
+  buf.t.resize(buf.x.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) buf.t[c * rows + r] = buf.x[r * cols + c];
+  buf.x.swap(buf.t);
+}
+
 class CpuBackend final : public Backend {
  public:
   Device device() const override { return Device::CPU; }
@@ -426,9 +445,10 @@ class CpuBackend final : public Backend {
     });
   }
 
-  void normalize(MatrixView in, MatrixView out, float eps, const float* row_sumsq) override {
-    check(in.batch == out.batch && in.rows == out.rows && in.cols == out.cols, "normalize shapes");
-    cpu::parallel_for(in.batch, [] { return std::vector<float>(); }, [&](std::vector<float>& x, int64_t b) {
+  void normalize(MatrixView in, MatrixView out, float eps, const float* row_sumsq, bool transpose) override {
+    check_shapes(in, out, transpose, "normalize shapes");
+    cpu::parallel_for(in.batch, [] { return DenseBuffers{}; }, [&](DenseBuffers& buf, int64_t b) {
+      std::vector<float>& x = buf.x;
       load_matrix(in, b, x);
       double ss = 0.0;
       if (row_sumsq)
@@ -437,27 +457,17 @@ class CpuBackend final : public Backend {
         for (float v : x) ss += static_cast<double>(v) * v;
       const float inv = static_cast<float>(1.0 / (std::sqrt(ss) + eps));
       for (float& v : x) v *= inv;
+      if (transpose) transpose_into(buf, in.rows, in.cols);
       store_matrix(out, b, x.data());
     });
   }
 
   void convert(MatrixView in, MatrixView out, bool transpose) override {
-    check(in.batch == out.batch && (transpose ? in.rows == out.cols && in.cols == out.rows
-                                              : in.rows == out.rows && in.cols == out.cols),
-          "convert shapes");
-    struct Buffers {
-      std::vector<float> x, t;
-    };
-    cpu::parallel_for(in.batch, [] { return Buffers{}; }, [&](Buffers& buf, int64_t b) {
-      std::vector<float>&x = buf.x, &t = buf.t;
-      load_matrix(in, b, x);
-      if (transpose) {
-        t.resize(x.size());
-        for (int64_t r = 0; r < in.rows; ++r)
-          for (int64_t c = 0; c < in.cols; ++c) t[c * in.rows + r] = x[r * in.cols + c];
-        x.swap(t);
-      }
-      store_matrix(out, b, x.data());
+    check_shapes(in, out, transpose, "convert shapes");
+    cpu::parallel_for(in.batch, [] { return DenseBuffers{}; }, [&](DenseBuffers& buf, int64_t b) {
+      load_matrix(in, b, buf.x);
+      if (transpose) transpose_into(buf, in.rows, in.cols);
+      store_matrix(out, b, buf.x.data());
     });
   }
 

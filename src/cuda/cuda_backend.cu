@@ -314,9 +314,9 @@ class CudaBackend final : public Backend {
   }
 
   // --- orthogonalization primitives ----------------------------------------------------------
-  void normalize(MatrixView in, MatrixView out, float eps, const float* row_sumsq) override {
+  void normalize(MatrixView in, MatrixView out, float eps, const float* row_sumsq, bool transpose) override {
     float* scr = static_cast<float*>(scratch(scratch_, normalize_scratch_floats(in.batch) * sizeof(float)));
-    launch_normalize(in, out, eps, row_sumsq, scr, stream_);
+    launch_normalize(in, out, eps, row_sumsq, scr, transpose, stream_);
   }
   void convert(MatrixView in, MatrixView out, bool transpose) override {
     if (transpose) launch_transpose(in, out, stream_);

@@ -4,6 +4,7 @@
 // Lion, and the helpers of the symmetric products (scaled-add prologue, mirror of the lower
 // triangle with a diagonal shift).
 #include <algorithm>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -134,22 +135,51 @@ __global__ void convert_flat_kernel(const TI* __restrict__ in, int64_t n4, int64
   }
 }
 
-template <class TI, class TO>
-__global__ void transpose_kernel(const TI* __restrict__ in, int64_t rows, int64_t cols, int64_t ld,
-                                 int64_t bstride, TO* __restrict__ out, int64_t ldo, int64_t bstride_o) {
-  __shared__ float tile[32][33];
+// out = in^T (times 1/(||in_b||_F + eps) where partial is given: normalize's second pass), by
+// 64 x 64 tiles through shared memory. kVec: rows of in and out are read and written 16 bytes at a
+// time (every row start 16-byte aligned, widths multiples of a pack), so eight threads cover a
+// 128-byte line; otherwise element by element, a warp along 32 consecutive elements.
+constexpr int kTT = 64;
+constexpr int kTransposeThreads = 256;
+
+template <class TI, class TO, bool kVec>
+__global__ void __launch_bounds__(kTransposeThreads)
+    transpose_kernel(const TI* __restrict__ in, int64_t rows, int64_t cols, int64_t ld, int64_t bstride,
+                     TO* __restrict__ out, int64_t ldo, int64_t bstride_o, const float* __restrict__ partial,
+                     int nparts, float eps) {
+  constexpr int VI = kVec ? 16 / sizeof(TI) : 1, VO = kVec ? 16 / sizeof(TO) : 1;
+  constexpr int kInVecs = kTT / VI, kOutVecs = kTT / VO;  // packs along a tile row of in, of out
+  __shared__ float tile[kTT][kTT + 1];                   // +1: column reads hit 32 distinct banks
   const int64_t b = blockIdx.z;
-  const int64_t r0 = blockIdx.y * 32, c0 = blockIdx.x * 32;
+  const float inv = partial ? inverse_norm(partial, nparts, b, eps) : 1.0f;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTT, c0 = static_cast<int64_t>(blockIdx.x) * kTT;
   const TI* ib = in + b * bstride;
   TO* ob = out + b * bstride_o;
-  for (int dy = threadIdx.y; dy < 32; dy += blockDim.y) {
-    const int64_t r = r0 + dy, c = c0 + threadIdx.x;
-    if (r < rows && c < cols) tile[dy][threadIdx.x] = to_f32(ib[r * ld + c]);
+  // Every load of the tile issued before the first shared-memory store: more bytes in flight.
+  constexpr int kLoads = kTT * kInVecs / kTransposeThreads;
+  PackV<TI, VI> v[kLoads];
+#pragma unroll
+  for (int u = 0; u < kLoads; ++u) {
+    const int i = threadIdx.x + u * kTransposeThreads, r = i / kInVecs, c = (i % kInVecs) * VI;
+    if (r0 + r < rows && c0 + c < cols)
+      v[u] = *reinterpret_cast<const PackV<TI, VI>*>(ib + (r0 + r) * ld + c0 + c);
+  }
+#pragma unroll
+  for (int u = 0; u < kLoads; ++u) {
+    const int i = threadIdx.x + u * kTransposeThreads, r = i / kInVecs, c = (i % kInVecs) * VI;
+#pragma unroll
+    for (int e = 0; e < VI; ++e) tile[r][c + e] = to_f32(v[u].v[e]) * inv;
   }
   __syncthreads();
-  for (int dy = threadIdx.y; dy < 32; dy += blockDim.y) {
-    const int64_t oc = r0 + threadIdx.x, orow = c0 + dy;  // out[orow][oc] = in[oc][orow]
-    if (orow < cols && oc < rows) ob[orow * ldo + oc] = from_f32<TO>(tile[threadIdx.x][dy]);
+  constexpr int kStores = kTT * kOutVecs / kTransposeThreads;
+#pragma unroll
+  for (int u = 0; u < kStores; ++u) {
+    const int i = threadIdx.x + u * kTransposeThreads, c = i / kOutVecs, r = (i % kOutVecs) * VO;
+    if (c0 + c >= cols || r0 + r >= rows) continue;
+    PackV<TO, VO> o;
+#pragma unroll
+    for (int e = 0; e < VO; ++e) o.v[e] = from_f32<TO>(tile[r + e][c]);
+    *reinterpret_cast<PackV<TO, VO>*>(ob + (c0 + c) * ldo + r0 + r) = o;
   }
 }
 
@@ -366,15 +396,43 @@ unsigned grid_for(int64_t n, int threads, unsigned cap = 4096) {
   return std::max(1u, std::min<unsigned>(ceil_div_u(n, threads * 4), cap));
 }
 
+// Whether every row of v starts on a 16-byte boundary and holds whole 16-byte packs.
+bool rows_in_packs(const MatrixView& v) {
+  const int64_t pack = 16 / static_cast<int64_t>(dtype_size(v.dtype));
+  return reinterpret_cast<std::uintptr_t>(v.data) % 16 == 0 && v.cols % pack == 0 && v.ld % pack == 0 &&
+         (v.batch == 1 || v.batch_stride % pack == 0);
+}
+
+// out = in^T, scaled by matrix b's inverse norm from `partial` where given (see transpose_kernel).
+void transpose_scaled(const MatrixView& in, const MatrixView& out, const float* partial, int nparts, float eps,
+                      cudaStream_t s) {
+  if (in.batch == 0 || in.rows * in.cols == 0) return;
+  if (in.rows > 65535LL * kTT || in.batch > 65535)
+    fail("transpose: at most " + std::to_string(65535LL * kTT) + " rows and 65535 matrices, got " +
+         std::to_string(in.batch) + " of " + std::to_string(in.rows) + "x" + std::to_string(in.cols));
+  const dim3 grid(ceil_div_u(in.cols, kTT), ceil_div_u(in.rows, kTT), static_cast<unsigned>(in.batch));
+  const bool vec = rows_in_packs(in) && rows_in_packs(out);
+  DION3_DISPATCH_FLOAT(in.dtype, TI, [&] {
+    DION3_DISPATCH_FLOAT(out.dtype, TO, [&] {
+      auto kernel = vec ? transpose_kernel<TI, TO, true> : transpose_kernel<TI, TO, false>;
+      kernel<<<grid, kTransposeThreads, 0, s>>>(static_cast<const TI*>(in.data), in.rows, in.cols, in.ld,
+                                                bstride_of(in), static_cast<TO*>(out.data), out.ld,
+                                                bstride_of(out), partial, nparts, eps);
+    });
+  });
+  DION3_CUDA_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 int64_t normalize_scratch_floats(int64_t batch) { return batch * kNormBlocks; }
 
 void launch_normalize(const MatrixView& in, const MatrixView& out, float eps, const float* row_sumsq,
-                      float* scratch, cudaStream_t s) {
+                      float* scratch, bool transpose, cudaStream_t s) {
   if (in.batch == 0 || in.rows * in.cols == 0) return;
-  if (out.batch != in.batch || out.rows != in.rows || out.cols != in.cols)
-    fail("normalize: out has a different shape than in");
+  if (out.batch != in.batch || out.rows != (transpose ? in.cols : in.rows) ||
+      out.cols != (transpose ? in.rows : in.cols))
+    fail(transpose ? "normalize: out must be in's shape transposed" : "normalize: out has a different shape than in");
   const unsigned nb = static_cast<unsigned>(in.batch);
   const bool flat = flat4(in) && flat4(out);
   // First pass: each matrix's sum of squares as partial sums in scratch, from its rows' sums
@@ -393,6 +451,7 @@ void launch_normalize(const MatrixView& in, const MatrixView& out, float eps, co
     });
   }
   DION3_CUDA_LAUNCH_CHECK();
+  if (transpose) return transpose_scaled(in, out, scratch, nparts, eps, s);
   DION3_DISPATCH_FLOAT(in.dtype, TI, [&] {
     DION3_DISPATCH_FLOAT(out.dtype, TO, [&] {
       if (flat) {
@@ -413,16 +472,7 @@ void launch_normalize(const MatrixView& in, const MatrixView& out, float eps, co
 void launch_transpose(const MatrixView& in, const MatrixView& out, cudaStream_t s) {
   if (out.rows != in.cols || out.cols != in.rows || out.batch != in.batch)
     fail("transpose: out must be in's shape transposed");
-  if (in.batch == 0 || in.rows * in.cols == 0) return;
-  dim3 grid(ceil_div_u(in.cols, 32), ceil_div_u(in.rows, 32), static_cast<unsigned>(in.batch));
-  DION3_DISPATCH_FLOAT(in.dtype, TI, [&] {
-    DION3_DISPATCH_FLOAT(out.dtype, TO, [&] {
-      transpose_kernel<TI, TO><<<grid, dim3(32, 8), 0, s>>>(
-          static_cast<const TI*>(in.data), in.rows, in.cols, in.ld, bstride_of(in),
-          static_cast<TO*>(out.data), out.ld, bstride_of(out));
-    });
-  });
-  DION3_CUDA_LAUNCH_CHECK();
+  transpose_scaled(in, out, nullptr, 0, 0.0f, s);
 }
 
 void launch_convert(const MatrixView& in, const MatrixView& out, cudaStream_t s) {

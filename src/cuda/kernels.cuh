@@ -62,8 +62,9 @@ void launch_finish_step(const int* flag, int64_t* counters, bool count_dropped, 
 // --- element-wise kernels (elementwise_kernels.cu) ---------------------------------------
 int64_t normalize_scratch_floats(int64_t batch);
 // row_sumsq: null, or in's rows' sums of squares (gather_rows'), which spare the first pass.
+// transpose: out is in's shape transposed and receives the normalised in^T.
 void launch_normalize(const MatrixView& in, const MatrixView& out, float eps, const float* row_sumsq,
-                      float* scratch, cudaStream_t s);
+                      float* scratch, bool transpose, cudaStream_t s);
 void launch_transpose(const MatrixView& in, const MatrixView& out, cudaStream_t s);
 void launch_convert(const MatrixView& in, const MatrixView& out, cudaStream_t s);  // same shape
 // Multi-tensor: ps[i] with hs[i]; one launch per dtype combination and per kMultiTensors small

@@ -266,7 +266,7 @@ TEST(Orthogonalize, GatherNormalizedIsGatherThenNormalize) {
     t3::Buffer fused(DType::F32, {n, k, cols}), u(DType::F32, {n, k, cols}), two(DType::F32, {n, k, cols});
     be->gather_normalized(*s1, idx.data(), k, decay, ss.data(), eps, fused.matrix(n, k, cols), nullptr);
     be->gather_rows(*s2, idx.data(), k, 1.0f, 0.0f, decay, u.matrix(n, k, cols), nullptr, nullptr);
-    be->normalize(u.matrix(n, k, cols), two.matrix(n, k, cols), eps, nullptr);
+    be->normalize(u.matrix(n, k, cols), two.matrix(n, k, cols), eps, nullptr, false);
     const std::vector<double> a = fused.values(), b = two.values();
     for (std::size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 1e-6) << dion3::dtype_name(mdt) << " " << i;
     EXPECT_EQ(m1.values(), m2.values()) << dion3::dtype_name(mdt);
@@ -337,7 +337,7 @@ TEST(Orthogonalize, RunNormalizedIsRunOnTheNormalisedInput) {
     t3::Buffer in(DType::F32, {B, r, c}, t3::gaussian(B * r, c, rng));
     dion3::Orthogonalizer whole(*be, config(m), B, r, c), split(*be, config(m), B, r, c);
     const dion3::MatrixView a = whole.run(in.matrix(B, r, c));
-    be->normalize(in.matrix(B, r, c), split.normalized_input(), dion3::Orthogonalizer::kNormEps, nullptr);
+    be->normalize(in.matrix(B, r, c), split.normalized_input(), dion3::Orthogonalizer::kNormEps, nullptr, false);
     const dion3::MatrixView b = split.run_normalized();
     ASSERT_EQ(a.dtype, b.dtype);
     EXPECT_EQ(std::memcmp(a.data, b.data, static_cast<std::size_t>(B * r * c) * dion3::dtype_size(a.dtype)), 0);

@@ -9,6 +9,8 @@
 #include <limits>
 #include <memory>
 #include <numeric>
+#include <string>
+#include <tuple>
 
 #include "cuda/cuda_backend.hpp"
 #include "dion3/error.hpp"
@@ -203,7 +205,7 @@ TEST_P(GatherNormalized, MatchesCpuAndGatherThenNormalize) {
   // Two passes on the device: U = M[S] in fp32 (exact), then normalize.
   Twin u(*gpu, DType::F32, n, k, c.cols), two(*gpu, c.out, n, k, c.cols);
   gpu->gather_rows(*t.ds, di, k, 1.0f, 0.0f, c.decay, u.dview(), nullptr, nullptr);
-  gpu->normalize(u.dview(), two.dview(), eps, nullptr);
+  gpu->normalize(u.dview(), two.dview(), eps, nullptr, false);
   EXPECT_LE(ct::rel_max_diff(out.device_values(), two.device_values()), storage_tol(c.out));
   EXPECT_EQ(s.m.device_values(), t.m.device_values());
 }
@@ -428,26 +430,46 @@ class Conversions : public ct::CudaTest, public ::testing::WithParamInterface<Co
 TEST_P(Conversions, NormalizeConvertTranspose) {
   const ConvCase c = GetParam();
   std::mt19937_64 rng(21);
-  Twin x(*gpu, c.in, 3, 45, 77);
-  x.fill_normal(rng, 3.0f);
-  Twin y(*gpu, c.out, 3, 45, 77), t(*gpu, c.out, 3, 77, 45), z(*gpu, c.out, 3, 45, 77);
-  cpu->normalize(x.hview(), y.hview(), 1e-7f, nullptr);
-  gpu->normalize(x.dview(), y.dview(), 1e-7f, nullptr);
-  EXPECT_LE(ct::rel_max_diff(y.device_values(), y.host_values()), storage_tol(c.out));
-  // From the rows' sums of squares (gather_rows'): the same result, on both backends.
-  Twin ss(*gpu, DType::F32, 3, 45, 1), y2(*gpu, c.out, 3, 45, 77);
-  ss.set_host(row_sums_of_squares(x.host_values(), 77));
-  ss.upload();
-  cpu->normalize(x.hview(), y2.hview(), 1e-7f, static_cast<const float*>(ss.hview().data));
-  gpu->normalize(x.dview(), y2.dview(), 1e-7f, static_cast<const float*>(ss.dview().data));
-  EXPECT_LE(ct::rel_max_diff(y2.host_values(), y.host_values()), storage_tol(c.out));
-  EXPECT_LE(ct::rel_max_diff(y2.device_values(), y.host_values()), storage_tol(c.out));
-  cpu->convert(x.hview(), t.hview(), true);
-  gpu->convert(x.dview(), t.dview(), true);
-  EXPECT_EQ(t.device_values(), t.host_values());
-  cpu->convert(x.hview(), z.hview(), false);
-  gpu->convert(x.dview(), z.dview(), false);
-  EXPECT_EQ(z.device_values(), z.host_values());
+  // Widths that are not whole 16-byte packs (element-wise transposes), then whole packs that are
+  // not whole 64 x 64 tiles (the 16-byte path and its edge tiles).
+  for (auto [nb, rows, cols] : {std::tuple{3, 45, 77}, std::tuple{2, 72, 136}}) {
+    SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols));
+    Twin x(*gpu, c.in, nb, rows, cols);
+    x.fill_normal(rng, 3.0f);
+    Twin y(*gpu, c.out, nb, rows, cols), t(*gpu, c.out, nb, cols, rows), z(*gpu, c.out, nb, rows, cols);
+    cpu->normalize(x.hview(), y.hview(), 1e-7f, nullptr, false);
+    gpu->normalize(x.dview(), y.dview(), 1e-7f, nullptr, false);
+    EXPECT_LE(ct::rel_max_diff(y.device_values(), y.host_values()), storage_tol(c.out));
+    // From the rows' sums of squares (gather_rows'): the same result, on both backends.
+    Twin ss(*gpu, DType::F32, nb, rows, 1), y2(*gpu, c.out, nb, rows, cols);
+    ss.set_host(row_sums_of_squares(x.host_values(), cols));
+    ss.upload();
+    const float* hss = static_cast<const float*>(ss.hview().data);
+    const float* dss = static_cast<const float*>(ss.dview().data);
+    cpu->normalize(x.hview(), y2.hview(), 1e-7f, hss, false);
+    gpu->normalize(x.dview(), y2.dview(), 1e-7f, dss, false);
+    EXPECT_LE(ct::rel_max_diff(y2.host_values(), y.host_values()), storage_tol(c.out));
+    EXPECT_LE(ct::rel_max_diff(y2.device_values(), y.host_values()), storage_tol(c.out));
+    // Normalised and transposed in one pass: the transpose of the normalised matrix, exactly on
+    // the GPU (the same fp32 product, rounded once).
+    Twin yt(*gpu, c.out, nb, cols, rows), yt2(*gpu, c.out, nb, cols, rows);
+    cpu->normalize(x.hview(), yt.hview(), 1e-7f, nullptr, true);
+    gpu->normalize(x.dview(), yt.dview(), 1e-7f, nullptr, true);
+    gpu->normalize(x.dview(), yt2.dview(), 1e-7f, dss, true);
+    gpu->convert(y.dview(), t.dview(), true);
+    EXPECT_EQ(yt.device_values(), t.device_values());
+    EXPECT_LE(ct::rel_max_diff(yt.host_values(), yt.device_values()), storage_tol(c.out));
+    EXPECT_LE(ct::rel_max_diff(yt2.device_values(), yt.device_values()), storage_tol(c.out));
+    cpu->convert(x.hview(), t.hview(), true);
+    gpu->convert(x.dview(), t.dview(), true);
+    EXPECT_EQ(t.device_values(), t.host_values());
+    cpu->convert(x.hview(), z.hview(), false);
+    gpu->convert(x.dview(), z.dview(), false);
+    EXPECT_EQ(z.device_values(), z.host_values());
+  }
+  // A transposed output of the wrong shape is refused.
+  Twin x(*gpu, c.in, 1, 8, 16), wrong(*gpu, c.out, 1, 8, 16);
+  EXPECT_THROW(gpu->normalize(x.dview(), wrong.dview(), 1e-7f, nullptr, true), dion3::Error);
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, Conversions,
