@@ -13,13 +13,11 @@
 // table of all the matrices, with U packs of 8 elements per thread in flight and T threads per
 // block. --only TEXT keeps the workloads whose name contains TEXT.
 #include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -176,43 +174,6 @@ void run_variant(const Launch& v, const Workload& w, float a, int* flag, int blo
   CK(cudaGetLastError());
 }
 
-// Experimental transposes (out = inv_b * in^T), for the library's tiled kernel to be timed against:
-// each thread moves an 8 x 8 block in registers (eight 8-element packs loaded from eight rows of
-// in, eight written to eight rows of out), no shared memory; a warp spans 256 columns of in, a
-// block kRowGroups x 8 rows. Needs rows and columns in whole packs (multiples of 8).
-template <class TI, class TO, int kRowGroups>
-__global__ void __launch_bounds__(32 * kRowGroups)
-    transpose_regs_kernel(const TI* __restrict__ in, int64_t rows, int64_t cols, int64_t bstride, TO* __restrict__ out,
-                          int64_t bstride_o, const float* __restrict__ inv) {
-  const int64_t b = blockIdx.z;
-  const int64_t c = (static_cast<int64_t>(blockIdx.x) * 32 + (threadIdx.x & 31)) * 8;
-  const int64_t r = (static_cast<int64_t>(blockIdx.y) * kRowGroups + (threadIdx.x >> 5)) * 8;
-  if (c >= cols || r >= rows) return;
-  const TI* ib = in + b * bstride + r * cols + c;
-  dion3::cuda::PackV<TI, 8> a[8];
-#pragma unroll
-  for (int e = 0; e < 8; ++e) a[e] = *reinterpret_cast<const dion3::cuda::PackV<TI, 8>*>(ib + e * cols);
-  const float sc = inv ? inv[b] : 1.0f;
-  TO* ob = out + b * bstride_o + c * rows + r;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    dion3::cuda::PackV<TO, 8> o;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) o.v[e] = dion3::cuda::from_f32<TO>(dion3::cuda::to_f32(a[e].v[j]) * sc);
-    *reinterpret_cast<dion3::cuda::PackV<TO, 8>*>(ob + j * rows) = o;
-  }
-}
-
-template <class TI, class TO, int kRowGroups>
-void transpose_regs(const MatrixView& in, const MatrixView& out, const float* inv, cudaStream_t s) {
-  const dim3 grid(static_cast<unsigned>((in.cols + 255) / 256), static_cast<unsigned>((in.rows + 8 * kRowGroups - 1) / (8 * kRowGroups)),
-                  static_cast<unsigned>(in.batch));
-  transpose_regs_kernel<TI, TO, kRowGroups><<<grid, 32 * kRowGroups, 0, s>>>(
-      static_cast<const TI*>(in.data), in.rows, in.cols, in.rows * in.cols, static_cast<TO*>(out.data),
-      out.rows * out.cols, inv);
-  CK(cudaGetLastError());
-}
-
 // The tall megabatches of Muon's step (a chunk of bf16 momentum, orthogonalized in fp16): the
 // input normalised and transposed in one pass (from its elements, two reads and a write, or from
 // its rows' sums of squares, a read and a write), the result transposed back (a read and a
@@ -225,8 +186,8 @@ int transpose_section(bench::Session& ses, double copy) {
   line("## Tall matrices turned wide and back (GB/s: bytes each pass must move, median of interleaved runs)");
   line("");
   line("| workload | n x rows x cols | normalize ms (GB/s, of copy) | normalize transposed | ... from row sums | "
-       "transpose back | regs 8x8, 8 row groups: scaled | back | regs 8x8, 4 row groups: scaled | back |");
-  line("|---|---|---|---|---|---|---|---|---|---|");
+       "transpose back |");
+  line("|---|---|---|---|---|---|");
   struct Tall {
     const char* label;
     int64_t n, rows, cols;
@@ -255,51 +216,18 @@ int transpose_section(bench::Session& ses, double copy) {
       ++failures;
       line(fmt("- %s: the normalised transpose differs from the transpose of the normalised matrix", t.label));
     }
-    // The experiments against the library: the scaled one with the inverse norms the library used
-    // (from the rows' sums of squares: all zero here, so 1 / eps), the plain one bit for bit.
-    dion3::DeviceBuffer invb(be.allocator(), t.n * sizeof(float));
-    std::vector<float> hinv(t.n, 1.0f / 1e-7f);
-    CK(cudaMemcpyAsync(invb.get(), hinv.data(), t.n * sizeof(float), cudaMemcpyHostToDevice, s));
-    const float* inv = static_cast<const float*>(invb.get());
-    bench::fill(in.get(), DType::BF16, e, 12, 1e-9f, s);  // small: 1 / eps keeps them finite in fp16
-    using bf = __nv_bfloat16;
-    using hf = __half;
-    auto agree = [&](const char* what, const std::function<void()>& lib, const std::function<void()>& var) {
-      lib();
-      CK(cudaMemcpyAsync(a.data(), x.get(), e * 2, cudaMemcpyDeviceToHost, s));
-      CK(cudaMemsetAsync(x.get(), 0, e * 2, s));
-      var();
-      CK(cudaMemcpyAsync(b.data(), x.get(), e * 2, cudaMemcpyDeviceToHost, s));
-      CK(cudaStreamSynchronize(s));
-      if (a != b) {
-        ++failures;
-        line(fmt("- %s %s: differs from the library", t.label, what));
-      }
-    };
-    agree("regs 8 scaled", [&] { be.normalize(vin, wide, 1e-7f, rss, true); },
-          [&] { transpose_regs<bf, hf, 8>(vin, wide, inv, s); });
-    agree("regs 4 scaled", [&] { be.normalize(vin, wide, 1e-7f, rss, true); },
-          [&] { transpose_regs<bf, hf, 4>(vin, wide, inv, s); });
-    be.normalize(vin, tall, 1e-7f, rss, false);
-    agree("regs 8 back", [&] { be.convert(tall, wide, true); }, [&] { transpose_regs<hf, hf, 8>(tall, wide, nullptr, s); });
     const auto ms = bench::interleaved_medians(s, 2, ses.args.iters,
                                                {[&] { be.normalize(vin, tall, 1e-7f, nullptr, false); },
                                                 [&] { be.normalize(vin, wide, 1e-7f, nullptr, true); },
                                                 [&] { be.normalize(vin, wide, 1e-7f, rss, true); },
-                                                [&] { be.convert(wide, tall, true); },
-                                                [&] { transpose_regs<bf, hf, 8>(vin, wide, inv, s); },
-                                                [&] { transpose_regs<hf, hf, 8>(wide, tall, nullptr, s); },
-                                                [&] { transpose_regs<bf, hf, 4>(vin, wide, inv, s); },
-                                                [&] { transpose_regs<hf, hf, 4>(wide, tall, nullptr, s); }});
+                                                [&] { be.convert(wide, tall, true); }});
     const double el = static_cast<double>(e) * 2;  // bytes of one bf16 or fp16 pass over the matrices
     auto cell = [&](double m, double bytes) {
       return fmt("%.3f (%.0f, %.0f%%)", m, bytes / (m * 1e6), 100 * bytes / (m * 1e6) / copy);
     };
-    line(fmt("| %s | %lldx%lldx%lld | %s | %s | %s | %s | %s | %s | %s | %s |", t.label, static_cast<long long>(t.n),
+    line(fmt("| %s | %lldx%lldx%lld | %s | %s | %s | %s |", t.label, static_cast<long long>(t.n),
              static_cast<long long>(t.rows), static_cast<long long>(t.cols), cell(ms[0], 3 * el).c_str(),
-             cell(ms[1], 3 * el).c_str(), cell(ms[2], 2 * el).c_str(), cell(ms[3], 2 * el).c_str(),
-             cell(ms[4], 2 * el).c_str(), cell(ms[5], 2 * el).c_str(), cell(ms[6], 2 * el).c_str(),
-             cell(ms[7], 2 * el).c_str()));
+             cell(ms[1], 3 * el).c_str(), cell(ms[2], 2 * el).c_str(), cell(ms[3], 2 * el).c_str()));
   }
   return failures;
 }

@@ -136,11 +136,24 @@ __global__ void convert_flat_kernel(const TI* __restrict__ in, int64_t n4, int64
 }
 
 // out = in^T (times 1/(||in_b||_F + eps) where partial is given: normalize's second pass), by
-// 64 x 64 tiles through shared memory. kVec: rows of in and out are read and written 16 bytes at a
-// time (every row start 16-byte aligned, widths multiples of a pack), so eight threads cover a
-// 128-byte line; otherwise element by element, a warp along 32 consecutive elements.
+// 64 x 64 tiles through shared memory. kVec: rows of in and out are read and written in 16-byte
+// packs (every row start 16-byte aligned, widths whole packs); otherwise element by element.
+// A warp's access covers V rows of V-element packs, 32 / V packs along each (64-byte runs of
+// whole sectors in global memory), which makes both the shared-memory stores and the column
+// reads hit 32 distinct banks (tile rows 65 floats apart).
 constexpr int kTT = 64;
 constexpr int kTransposeThreads = 256;
+
+template <class P>
+__device__ __forceinline__ P load_pack(const P* p) {
+  if constexpr (sizeof(P) == 16) return load_streaming(p);  // one 16-byte load, read once
+  else return *p;
+}
+template <class P>
+__device__ __forceinline__ void store_pack(P* p, const P& v) {
+  if constexpr (sizeof(P) == 16) *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&v);
+  else *p = v;
+}
 
 template <class TI, class TO, bool kVec>
 __global__ void __launch_bounds__(kTransposeThreads)
@@ -148,38 +161,49 @@ __global__ void __launch_bounds__(kTransposeThreads)
                      TO* __restrict__ out, int64_t ldo, int64_t bstride_o, const float* __restrict__ partial,
                      int nparts, float eps) {
   constexpr int VI = kVec ? 16 / sizeof(TI) : 1, VO = kVec ? 16 / sizeof(TO) : 1;
-  constexpr int kInVecs = kTT / VI, kOutVecs = kTT / VO;  // packs along a tile row of in, of out
-  __shared__ float tile[kTT][kTT + 1];                   // +1: column reads hit 32 distinct banks
+  constexpr int kWarps = kTransposeThreads / 32;
+  constexpr int kLoads = kTT * kTT / VI / kTransposeThreads, kStores = kTT * kTT / VO / kTransposeThreads;
+  __shared__ float tile[kTT][kTT + 1];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t b = blockIdx.z;
-  const float inv = partial ? inverse_norm(partial, nparts, b, eps) : 1.0f;
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTT, c0 = static_cast<int64_t>(blockIdx.x) * kTT;
   const TI* ib = in + b * bstride;
   TO* ob = out + b * bstride_o;
-  // Every load of the tile issued before the first shared-memory store: more bytes in flight.
-  constexpr int kLoads = kTT * kInVecs / kTransposeThreads;
+  // Load step u of this thread: tile row r, column c (the pack's first element).
+  auto load_at = [&](int u, int& r, int& c) {
+    const int q = u * kWarps + warp;
+    r = (q % (kTT / VI)) * VI + lane % VI;
+    c = ((q / (kTT / VI)) * (32 / VI) + lane / VI) * VI;
+  };
+  // Every load of the tile issued before anything waits (the inverse norm's reads included).
   PackV<TI, VI> v[kLoads];
 #pragma unroll
   for (int u = 0; u < kLoads; ++u) {
-    const int i = threadIdx.x + u * kTransposeThreads, r = i / kInVecs, c = (i % kInVecs) * VI;
+    int r, c;
+    load_at(u, r, c);
     if (r0 + r < rows && c0 + c < cols)
-      v[u] = *reinterpret_cast<const PackV<TI, VI>*>(ib + (r0 + r) * ld + c0 + c);
+      v[u] = load_pack(reinterpret_cast<const PackV<TI, VI>*>(ib + (r0 + r) * ld + c0 + c));
   }
+  const float inv = partial ? inverse_norm(partial, nparts, b, eps) : 1.0f;
 #pragma unroll
   for (int u = 0; u < kLoads; ++u) {
-    const int i = threadIdx.x + u * kTransposeThreads, r = i / kInVecs, c = (i % kInVecs) * VI;
+    int r, c;
+    load_at(u, r, c);
 #pragma unroll
     for (int e = 0; e < VI; ++e) tile[r][c + e] = to_f32(v[u].v[e]) * inv;
   }
   __syncthreads();
-  constexpr int kStores = kTT * kOutVecs / kTransposeThreads;
+  // Store step u: out row c (a column of the tile), the pack of tile rows r .. r + VO - 1.
 #pragma unroll
   for (int u = 0; u < kStores; ++u) {
-    const int i = threadIdx.x + u * kTransposeThreads, c = i / kOutVecs, r = (i % kOutVecs) * VO;
+    const int q = u * kWarps + warp;
+    const int c = (q % (kTT / VO)) * VO + lane % VO;
+    const int r = ((q / (kTT / VO)) * (32 / VO) + lane / VO) * VO;
     if (c0 + c >= cols || r0 + r >= rows) continue;
     PackV<TO, VO> o;
 #pragma unroll
     for (int e = 0; e < VO; ++e) o.v[e] = from_f32<TO>(tile[r + e][c]);
-    *reinterpret_cast<PackV<TO, VO>*>(ob + (c0 + c) * ldo + r0 + r) = o;
+    store_pack(reinterpret_cast<PackV<TO, VO>*>(ob + (c0 + c) * ldo + r0 + r), o);
   }
 }
 
