@@ -136,53 +136,81 @@ __global__ void convert_flat_kernel(const TI* __restrict__ in, int64_t n4, int64
 }
 
 // out = in^T (times 1/(||in_b||_F + eps) where partial is given: normalize's second pass), by
-// 64 x 64 tiles through shared memory. kVec: rows of in and out are read and written in 16-byte
-// packs (every row start 16-byte aligned, widths whole packs); otherwise element by element.
-// A warp's access covers V rows of V-element packs, 32 / V packs along each (64-byte runs of
-// whole sectors in global memory), which makes both the shared-memory stores and the column
-// reads hit 32 distinct banks (tile rows 65 floats apart).
+// 64 x 64 tiles through shared memory in fp32. Two kernels: transpose_pack_kernel moves 16-byte
+// packs (rows of in and out start 16-byte aligned and hold whole packs, out 2-byte elements: the
+// orthogonalization's iteration dtypes), a warp's access covering whole 128-byte lines; the
+// element-wise transpose_kernel takes everything else. Both issue a tile's loads before the inverse
+// norm's, so those reads overlap.
 constexpr int kTT = 64;
 constexpr int kTransposeThreads = 256;
+constexpr int kTransposeWarps = kTransposeThreads / 32;
 
-template <class P>
-__device__ __forceinline__ P load_pack(const P* p) {
-  if constexpr (sizeof(P) == 16) return load_streaming(p);  // one 16-byte load, read once
-  else return *p;
-}
-template <class P>
-__device__ __forceinline__ void store_pack(P* p, const P& v) {
-  if constexpr (sizeof(P) == 16) *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&v);
-  else *p = v;
-}
-
-template <class TI, class TO, bool kVec>
+template <class TI, class TO>
 __global__ void __launch_bounds__(kTransposeThreads)
     transpose_kernel(const TI* __restrict__ in, int64_t rows, int64_t cols, int64_t ld, int64_t bstride,
                      TO* __restrict__ out, int64_t ldo, int64_t bstride_o, const float* __restrict__ partial,
                      int nparts, float eps) {
-  constexpr int VI = kVec ? 16 / sizeof(TI) : 1, VO = kVec ? 16 / sizeof(TO) : 1;
-  constexpr int kWarps = kTransposeThreads / 32;
-  constexpr int kLoads = kTT * kTT / VI / kTransposeThreads, kStores = kTT * kTT / VO / kTransposeThreads;
-  __shared__ float tile[kTT][kTT + 1];
+  constexpr int kSteps = kTT * kTT / kTransposeThreads;
+  __shared__ float tile[kTT][kTT + 1];  // +1: a warp's column reads hit 32 banks
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t b = blockIdx.z;
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTT, c0 = static_cast<int64_t>(blockIdx.x) * kTT;
   const TI* ib = in + b * bstride;
   TO* ob = out + b * bstride_o;
-  // Load step u of this thread: tile row r, column c (the pack's first element).
+  // Step u: a warp's 32 consecutive elements of tile row (or, storing, tile column) q % 64.
+  TI v[kSteps];
+#pragma unroll
+  for (int u = 0; u < kSteps; ++u) {
+    const int q = u * kTransposeWarps + warp, r = q % kTT, c = (q / kTT) * 32 + lane;
+    if (r0 + r < rows && c0 + c < cols) v[u] = ib[(r0 + r) * ld + c0 + c];
+  }
+  const float inv = partial ? inverse_norm(partial, nparts, b, eps) : 1.0f;
+#pragma unroll
+  for (int u = 0; u < kSteps; ++u) {
+    const int q = u * kTransposeWarps + warp, r = q % kTT, c = (q / kTT) * 32 + lane;
+    tile[r][c] = to_f32(v[u]) * inv;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int u = 0; u < kSteps; ++u) {
+    const int q = u * kTransposeWarps + warp, c = q % kTT, r = (q / kTT) * 32 + lane;
+    if (c0 + c < cols && r0 + r < rows) ob[(c0 + c) * ldo + r0 + r] = from_f32<TO>(tile[r][c]);
+  }
+}
+
+// The pack kernel's tile: 64 rows of sixteen 4-float groups (16 bytes), group g of row r stored
+// at position g ^ (r / 8 % 8) ^ (g / 8). Then the 16-byte group stores of eight lanes along a
+// row, and the element reads of a warp down eight rows (8 rows apart) of four columns, each hit
+// 32 distinct banks.
+__device__ __forceinline__ int swizzled_group(int r, int g) { return g ^ ((r >> 3) & 7) ^ ((g >> 3) & 1); }
+
+template <class TI, class TO>
+__global__ void __launch_bounds__(kTransposeThreads)
+    transpose_pack_kernel(const TI* __restrict__ in, int64_t rows, int64_t cols, int64_t ld, int64_t bstride,
+                          TO* __restrict__ out, int64_t ldo, int64_t bstride_o, const float* __restrict__ partial,
+                          int nparts, float eps) {
+  static_assert(sizeof(TO) == 2, "out packs of eight 2-byte elements");
+  constexpr int VI = 16 / sizeof(TI), VO = 8;
+  constexpr int kInPacks = kTT / VI;                // packs along a tile row of in
+  constexpr int kLoads = kTT * kInPacks / kTransposeThreads, kStores = kTT * kTT / VO / kTransposeThreads;
+  __shared__ __align__(16) float tile[kTT][kTT];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t b = blockIdx.z;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTT, c0 = static_cast<int64_t>(blockIdx.x) * kTT;
+  const TI* ib = in + b * bstride;
+  TO* ob = out + b * bstride_o;
+  // Load step u: a warp reads 32 / kInPacks whole tile rows (128 or 256 bytes each).
   auto load_at = [&](int u, int& r, int& c) {
-    const int q = u * kWarps + warp;
-    r = (q % (kTT / VI)) * VI + lane % VI;
-    c = ((q / (kTT / VI)) * (32 / VI) + lane / VI) * VI;
+    r = (u * kTransposeWarps + warp) * (32 / kInPacks) + lane / kInPacks;
+    c = (lane % kInPacks) * VI;
   };
-  // Every load of the tile issued before anything waits (the inverse norm's reads included).
   PackV<TI, VI> v[kLoads];
 #pragma unroll
   for (int u = 0; u < kLoads; ++u) {
     int r, c;
     load_at(u, r, c);
     if (r0 + r < rows && c0 + c < cols)
-      v[u] = load_pack(reinterpret_cast<const PackV<TI, VI>*>(ib + (r0 + r) * ld + c0 + c));
+      v[u] = load_streaming(reinterpret_cast<const PackV<TI, VI>*>(ib + (r0 + r) * ld + c0 + c));
   }
   const float inv = partial ? inverse_norm(partial, nparts, b, eps) : 1.0f;
 #pragma unroll
@@ -190,20 +218,25 @@ __global__ void __launch_bounds__(kTransposeThreads)
     int r, c;
     load_at(u, r, c);
 #pragma unroll
-    for (int e = 0; e < VI; ++e) tile[r][c + e] = to_f32(v[u].v[e]) * inv;
+    for (int h = 0; h < VI / 4; ++h) {
+      float4 f;
+      f.x = to_f32(v[u].v[4 * h]) * inv;
+      f.y = to_f32(v[u].v[4 * h + 1]) * inv;
+      f.z = to_f32(v[u].v[4 * h + 2]) * inv;
+      f.w = to_f32(v[u].v[4 * h + 3]) * inv;
+      *reinterpret_cast<float4*>(&tile[r][4 * swizzled_group(r, c / 4 + h)]) = f;
+    }
   }
   __syncthreads();
-  // Store step u: out row c (a column of the tile), the pack of tile rows r .. r + VO - 1.
+  // Store step u: out rows c .. c + 3 (tile columns), eight lanes along each: 128 bytes.
 #pragma unroll
   for (int u = 0; u < kStores; ++u) {
-    const int q = u * kWarps + warp;
-    const int c = (q % (kTT / VO)) * VO + lane % VO;
-    const int r = ((q / (kTT / VO)) * (32 / VO) + lane / VO) * VO;
+    const int c = (u * kTransposeWarps + warp) * 4 + lane / 8, r = (lane % 8) * VO;
     if (c0 + c >= cols || r0 + r >= rows) continue;
     PackV<TO, VO> o;
 #pragma unroll
-    for (int e = 0; e < VO; ++e) o.v[e] = from_f32<TO>(tile[r + e][c]);
-    store_pack(reinterpret_cast<PackV<TO, VO>*>(ob + (c0 + c) * ldo + r0 + r), o);
+    for (int e = 0; e < VO; ++e) o.v[e] = from_f32<TO>(tile[r + e][4 * swizzled_group(r + e, c / 4) + c % 4]);
+    *reinterpret_cast<uint4*>(ob + (c0 + c) * ldo + r0 + r) = *reinterpret_cast<const uint4*>(&o);
   }
 }
 
@@ -420,6 +453,14 @@ unsigned grid_for(int64_t n, int threads, unsigned cap = 4096) {
   return std::max(1u, std::min<unsigned>(ceil_div_u(n, threads * 4), cap));
 }
 
+// The pack kernel where it applies (packs: both views allow it), else the element-wise one.
+template <class TI, class TO>
+auto transpose_kernel_for(bool packs) {
+  if constexpr (sizeof(TO) == 2)
+    if (packs) return transpose_pack_kernel<TI, TO>;
+  return transpose_kernel<TI, TO>;
+}
+
 // Whether every row of v starts on a 16-byte boundary and holds whole 16-byte packs.
 bool rows_in_packs(const MatrixView& v) {
   const int64_t pack = 16 / static_cast<int64_t>(dtype_size(v.dtype));
@@ -435,10 +476,10 @@ void transpose_scaled(const MatrixView& in, const MatrixView& out, const float* 
     fail("transpose: at most " + std::to_string(65535LL * kTT) + " rows and 65535 matrices, got " +
          std::to_string(in.batch) + " of " + std::to_string(in.rows) + "x" + std::to_string(in.cols));
   const dim3 grid(ceil_div_u(in.cols, kTT), ceil_div_u(in.rows, kTT), static_cast<unsigned>(in.batch));
-  const bool vec = rows_in_packs(in) && rows_in_packs(out);
+  const bool packs = rows_in_packs(in) && rows_in_packs(out) && dtype_size(out.dtype) == 2;
   DION3_DISPATCH_FLOAT(in.dtype, TI, [&] {
     DION3_DISPATCH_FLOAT(out.dtype, TO, [&] {
-      auto kernel = vec ? transpose_kernel<TI, TO, true> : transpose_kernel<TI, TO, false>;
+      auto kernel = transpose_kernel_for<TI, TO>(packs);
       kernel<<<grid, kTransposeThreads, 0, s>>>(static_cast<const TI*>(in.data), in.rows, in.cols, in.ld,
                                                 bstride_of(in), static_cast<TO*>(out.data), out.ld,
                                                 bstride_of(out), partial, nparts, eps);
