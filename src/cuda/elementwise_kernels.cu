@@ -178,6 +178,15 @@ __global__ void __launch_bounds__(kTransposeThreads)
   }
 }
 
+// The bits of a 2-byte element.
+template <class T>
+__device__ __forceinline__ uint16_t bits16(T x) {
+  static_assert(sizeof(T) == 2, "2-byte elements");
+  uint16_t u;
+  memcpy(&u, &x, 2);
+  return u;
+}
+
 // The pack kernel's tile: 64 rows of sixteen 4-float groups (16 bytes), group g of row r stored
 // at position g ^ (r / 8 % 8) ^ (g / 8). Then the 16-byte group stores of eight lanes along a
 // row, and the element reads of a warp down eight rows (8 rows apart) of four columns, each hit
@@ -233,10 +242,14 @@ __global__ void __launch_bounds__(kTransposeThreads)
   for (int u = 0; u < kStores; ++u) {
     const int c = (u * kTransposeWarps + warp) * 4 + lane / 8, r = (lane % 8) * VO;
     if (c0 + c >= cols || r0 + r >= rows) continue;
-    PackV<TO, VO> o;
-#pragma unroll
-    for (int e = 0; e < VO; ++e) o.v[e] = from_f32<TO>(tile[r + e][4 * swizzled_group(r + e, c / 4) + c % 4]);
-    *reinterpret_cast<uint4*>(ob + (c0 + c) * ldo + r0 + r) = *reinterpret_cast<const uint4*>(&o);
+    // Packed into 32-bit words by hand and stored with one vector store: from a pack of eight
+    // 2-byte elements, or a uint4 built from words, the compiler made four 4-byte stores.
+    auto word = [&](int e) {
+      const float lo = tile[r + e][4 * swizzled_group(r + e, c / 4) + c % 4];
+      const float hi = tile[r + e + 1][4 * swizzled_group(r + e + 1, c / 4) + c % 4];
+      return static_cast<uint32_t>(bits16(from_f32<TO>(lo))) | (static_cast<uint32_t>(bits16(from_f32<TO>(hi))) << 16);
+    };
+    __stwb(reinterpret_cast<uint4*>(ob + (c0 + c) * ldo + r0 + r), make_uint4(word(0), word(2), word(4), word(6)));
   }
 }
 
