@@ -1,8 +1,8 @@
 // bench/cuda_pass_bench.cu — dion3-cuda-pass-bench: memory passes against the bytes they must
 // move. First the step's non-finite check (Backend::check_step), with experimental variants of its
-// kernel beside it, each checked against the library's flag before it is timed; then the passes
-// that turn a tall matrix wide for orthogonalization and back (Backend::normalize transposed,
-// Backend::convert transposed) against the copy bandwidth.
+// kernel beside it, each checked against the library's flag before it is timed; then the pass that
+// turns a tall matrix wide for orthogonalization (Backend::normalize transposed) and a plain
+// transpose (Backend::convert transposed) against the copy bandwidth.
 //
 // The check reads every gradient and momentum element once (it proves that the momentum the step
 // would store stays finite) and writes nothing, so its ceiling is the rate at which the device can
@@ -176,17 +176,17 @@ void run_variant(const Launch& v, const Workload& w, float a, int* flag, int blo
 
 // The tall megabatches of Muon's step (a chunk of bf16 momentum, orthogonalized in fp16): the
 // input normalised and transposed in one pass (from its elements, two reads and a write, or from
-// its rows' sums of squares, a read and a write), the result transposed back (a read and a
-// write), and the plain normalisation of the same bytes beside them. Checked first: the
+// its rows' sums of squares, a read and a write), a transpose alone (Backend::convert: a read and
+// a write), and the plain normalisation of the same bytes beside them. Checked first: the
 // normalised transpose equals the transpose of the normalised matrix. Returns the failures.
 int transpose_section(bench::Session& ses, double copy) {
   dion3::Backend& be = *ses.be;
   cudaStream_t s = ses.s;
   auto line = [&](const std::string& l) { ses.o.line(l); };
-  line("## Tall matrices turned wide and back (GB/s: bytes each pass must move, median of interleaved runs)");
+  line("## Tall matrices turned wide (GB/s: bytes each pass must move, median of interleaved runs)");
   line("");
   line("| workload | n x rows x cols | normalize ms (GB/s, of copy) | normalize transposed | ... from row sums | "
-       "transpose back |");
+       "transpose |");
   line("|---|---|---|---|---|---|");
   struct Tall {
     const char* label;

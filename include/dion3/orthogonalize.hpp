@@ -63,12 +63,12 @@ class DION3_API Orthogonalizer {
   std::size_t workspace_bytes() const { return bytes_; }
 
  private:
-  // Each iterates on X (in wide(0)) and returns where its result is: wide(0), wide(1) or, for
-  // square standard NS, the square X shares with A. No copy back to wide(0).
+  // Each iterates on X (in wide(0)) and returns where its result is, in the caller's shape (see
+  // last_product): wide(0), wide(1) or, for square standard NS, the square X shares with A.
   MatrixView standard(MatrixView X);
   MatrixView gram(MatrixView X);
-  // The final product S X (S symmetric) into out's memory, as the caller's shape: rows x cols,
-  // transposed back for a tall problem.
+  // The final product S X (S symmetric) into out's memory, in the caller's shape (rows x cols):
+  // for a tall problem X^T S = (S X)^T, written q x p by the product itself.
   MatrixView last_product(MatrixView S, MatrixView X, MatrixView out);
   MatrixView square(int slot) const;  // p x p scratch matrices
   MatrixView wide(int slot) const;    // p x q scratch matrices

@@ -137,9 +137,9 @@ __global__ void convert_flat_kernel(const TI* __restrict__ in, int64_t n4, int64
 
 // out = in^T (times 1/(||in_b||_F + eps) where partial is given: normalize's second pass), by
 // 64 x 64 tiles through shared memory in fp32. Two kernels: transpose_pack_kernel moves 16-byte
-// packs (rows of in and out start 16-byte aligned and hold whole packs, out 2-byte elements: the
-// orthogonalization's iteration dtypes), a warp's access covering whole 128-byte lines; the
-// element-wise transpose_kernel takes everything else. Both issue a tile's loads before the inverse
+// packs (rows of in and out start 16-byte aligned and hold whole packs, out in fp16 or bf16), a
+// warp's access covering 128 contiguous bytes of each row; the element-wise transpose_kernel takes
+// everything else. Both issue a tile's loads before the inverse
 // norm's, so those reads overlap.
 constexpr int kTT = 64;
 constexpr int kTransposeThreads = 256;
@@ -242,8 +242,8 @@ __global__ void __launch_bounds__(kTransposeThreads)
   for (int u = 0; u < kStores; ++u) {
     const int c = (u * kTransposeWarps + warp) * 4 + lane / 8, r = (lane % 8) * VO;
     if (c0 + c >= cols || r0 + r >= rows) continue;
-    // Packed into 32-bit words by hand and stored with one vector store: from a pack of eight
-    // 2-byte elements, or a uint4 built from words, the compiler made four 4-byte stores.
+    // Words packed by hand and stored by __stwb: one 16-byte store (a plain assignment of a pack
+    // of 2-byte elements may be split into narrower stores).
     auto word = [&](int e) {
       const float lo = tile[r + e][4 * swizzled_group(r + e, c / 4) + c % 4];
       const float hi = tile[r + e + 1][4 * swizzled_group(r + e + 1, c / 4) + c % 4];

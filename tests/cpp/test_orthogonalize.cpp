@@ -269,6 +269,16 @@ TEST(Orthogonalize, GatherNormalizedIsGatherThenNormalize) {
     be->normalize(u.matrix(n, k, cols), two.matrix(n, k, cols), eps, nullptr, false);
     const std::vector<double> a = fused.values(), b = two.values();
     for (std::size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 1e-6) << dion3::dtype_name(mdt) << " " << i;
+    // Normalised into the transpose: the same values, transposed; an output of in's own shape is
+    // refused.
+    t3::Buffer tr(DType::F32, {n, cols, k});
+    be->normalize(u.matrix(n, k, cols), tr.matrix(n, cols, k), eps, nullptr, true);
+    const std::vector<double> t = tr.values();
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t r = 0; r < k; ++r)
+        for (int64_t c = 0; c < cols; ++c)
+          ASSERT_EQ(t[(i * cols + c) * k + r], b[(i * k + r) * cols + c]) << dion3::dtype_name(mdt);
+    EXPECT_THROW(be->normalize(u.matrix(n, k, cols), two.matrix(n, k, cols), eps, nullptr, true), dion3::Error);
     EXPECT_EQ(m1.values(), m2.values()) << dion3::dtype_name(mdt);
     EXPECT_NE(m1.values(), t3::Buffer(mdt, {n, rows, cols}).values());
   }

@@ -430,9 +430,10 @@ class Conversions : public ct::CudaTest, public ::testing::WithParamInterface<Co
 TEST_P(Conversions, NormalizeConvertTranspose) {
   const ConvCase c = GetParam();
   std::mt19937_64 rng(21);
-  // Widths that are not whole 16-byte packs (element-wise transposes), then whole packs that are
-  // not whole 64 x 64 tiles (the 16-byte path and its edge tiles).
-  for (auto [nb, rows, cols] : {std::tuple{3, 45, 77}, std::tuple{2, 72, 136}}) {
+  // Widths that are not whole 16-byte packs (element-wise transposes), whole packs that are not
+  // whole 64 x 64 tiles (the 16-byte path and its edge tiles), and rows of in in whole packs
+  // while those of its transpose are not (element-wise again).
+  for (auto [nb, rows, cols] : {std::tuple{3, 45, 77}, std::tuple{2, 72, 136}, std::tuple{2, 45, 136}}) {
     SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols));
     Twin x(*gpu, c.in, nb, rows, cols);
     x.fill_normal(rng, 3.0f);

@@ -71,7 +71,13 @@ INSTANTIATE_TEST_SUITE_P(
                       OrthCase{OrthMethod::Standard, DType::BF16, 4, 256, 1024, 128},
                       // p > 256: the fused kernel's banded intermediates (where it runs)
                       OrthCase{OrthMethod::Gram, DType::F16, 2, 520, 1040, 64},
-                      OrthCase{OrthMethod::Standard, DType::BF16, 2, 520, 520, 64}),
+                      OrthCase{OrthMethod::Standard, DType::BF16, 2, 520, 520, 64},
+                      // Tall: normalised into the transpose (16-byte packs where rows % 8 == 0,
+                      // element by element otherwise), the result written tall by the last product.
+                      OrthCase{OrthMethod::Gram, DType::F16, 2, 1040, 520, 64},
+                      OrthCase{OrthMethod::Standard, DType::BF16, 2, 1024, 256, 0},
+                      OrthCase{OrthMethod::Standard, DType::BF16, 2, 400, 192, 48},
+                      OrthCase{OrthMethod::Gram, DType::F16, 2, 205, 96, 0}),
     [](const auto& i) {
       return std::string(i.param.method == OrthMethod::Gram ? "gram" : "standard") + "_" +
              dion3::dtype_name(i.param.dt) + "_" + std::to_string(i.param.rows) + "x" +
