@@ -139,8 +139,7 @@ __global__ void convert_flat_kernel(const TI* __restrict__ in, int64_t n4, int64
 // 64 x 64 tiles through shared memory in fp32. Two kernels: transpose_pack_kernel moves 16-byte
 // packs (rows of in and out start 16-byte aligned and hold whole packs, out in fp16 or bf16), a
 // warp's access covering 128 contiguous bytes of each row; the element-wise transpose_kernel takes
-// everything else. Both issue a tile's loads before the inverse
-// norm's, so those reads overlap.
+// everything else. Both issue a tile's loads before the inverse norm's, so those reads overlap.
 constexpr int kTT = 64;
 constexpr int kTransposeThreads = 256;
 constexpr int kTransposeWarps = kTransposeThreads / 32;
