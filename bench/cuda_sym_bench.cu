@@ -27,6 +27,7 @@
 
 namespace {
 
+using bench::dtype_short;
 using bench::fill;
 using bench::fmt;
 using bench::Out;
@@ -49,8 +50,6 @@ std::vector<float> download(const MatrixView& v, cudaStream_t s) {
   for (int64_t i = 0; i < n; ++i) out[i] = to_float(raw.data(), v.dtype, i);
   return out;
 }
-
-const char* dn(DType t) { return bench::dtype_short(t); }
 
 struct Case { int op; DType in, out; int64_t b, p, q; };  // op 0 gram, 1 sym_product
 
@@ -179,9 +178,9 @@ int main(int argc, char** argv) {
       const double tol = c.out == DType::F32 ? 2e-3 : (c.out == DType::F16 ? 4e-3 : 2e-2);
       const bool ok = nan_free && sym_ok && err[0] <= tol && err[1] <= 2 * tol && err[2] <= 2 * tol && err[3] <= 2 * tol;
       if (!ok) ++failures;
-      o.line(fmt("| %s | %s | %lld | %lld | %lld | %s | %.2e | %.2e | %.2e | %.2e | %s | %s |", dn(c.in), dn(c.out),
-                 (long long)b, (long long)p, (long long)q, runs ? "yes" : "partly (fallback)", err[0], err[1], err[2], err[3],
-                 sym_ok ? "yes" : "NO", ok ? "pass" : (nan_free ? "FAIL" : "FAIL (NaN: unwritten)")));
+      o.line(fmt("| %s | %s | %lld | %lld | %lld | %s | %.2e | %.2e | %.2e | %.2e | %s | %s |", dtype_short(c.in),
+                 dtype_short(c.out), (long long)b, (long long)p, (long long)q, runs ? "yes" : "partly (fallback)",
+                 err[0], err[1], err[2], err[3], sym_ok ? "yes" : "NO", ok ? "pass" : (nan_free ? "FAIL" : "FAIL (NaN: unwritten)")));
     }
     o.line("");
   }
@@ -218,8 +217,8 @@ int main(int argc, char** argv) {
          "kernel main loop only ms (real TFLOP/s) |");
   o.line("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
   for (const Shape& sh : shapes) {
-    const std::string label = fmt("%s %s %lldx%lldx%lld", sh.op == 0 ? "gram" : "sym_product", dn(sh.dt), (long long)sh.b,
-                                  (long long)sh.p, (long long)sh.q);
+    const std::string label = fmt("%s %s %lldx%lldx%lld", sh.op == 0 ? "gram" : "sym_product", dtype_short(sh.dt),
+                                  (long long)sh.b, (long long)sh.p, (long long)sh.q);
     if (!args.only.empty() && label.find(args.only) == std::string::npos) continue;
     const int64_t q = sh.op == 0 ? sh.q : sh.p, es = dion3::dtype_size(sh.dt);
     dion3::DeviceBuffer X(be->allocator(), sh.b * sh.p * q * es), C(be->allocator(), sh.b * sh.p * sh.p * es),
@@ -292,7 +291,8 @@ int main(int argc, char** argv) {
       }
     o.line(fmt("| %s | %s | %lld | %lld | %lld | %.3f | %.0f | %.3f (%lld) | %.0f | %.3f%s | %.0f | %.2fx | %.2fx | "
                "%.3f (%.0f) | %.3f (%.0f) |",
-               sh.op == 0 ? "gram" : "sym_product", dn(sh.dt), (long long)sh.b, (long long)sh.p, (long long)q, full,
+               sh.op == 0 ? "gram" : "sym_product", dtype_short(sh.dt), (long long)sh.b, (long long)sh.p, (long long)q,
+               full,
                flops / full / 1e9, tiled, (long long)best_tile, real / tiled / 1e9, kern, runs ? "" : " (fallback)",
                real / kern / 1e9, full / kern, tiled / kern, banded, banded > 0 ? real / banded / 1e9 : 0.0, mainloop,
                mainloop > 0 ? real / mainloop / 1e9 : 0.0));
