@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Run from the repository root with store-variants.patch applied (git apply); DION3_SYM_GSTORE picks the variant.
+set -uo pipefail
+ROOT=$(pwd)
+PREFIX=/tmp/dion3-deps; EXTRA=()
+if [ -d .deps/googletest ] && [ ! -f $PREFIX/lib/cmake/GTest/GTestConfig.cmake ]; then
+  cmake -S .deps/googletest -B /tmp/gtest-build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX=$PREFIX -DBUILD_GMOCK=ON >/dev/null 2>&1 && ninja -C /tmp/gtest-build -j16 install >/dev/null
+fi
+[ -d $PREFIX ] && EXTRA+=(-DCMAKE_PREFIX_PATH=$PREFIX)
+if [ -f .deps/blas/lib/libblas.so ]; then
+  EXTRA+=(-DBLAS_LIBRARIES="$ROOT/.deps/blas/lib/libblas.so" -DCMAKE_CXX_FLAGS="-isystem $ROOT/.deps/blas/include")
+  export LD_LIBRARY_PATH="$ROOT/.deps/blas/lib:${LD_LIBRARY_PATH:-}"; export LIBRARY_PATH="$ROOT/.deps/blas/lib:${LIBRARY_PATH:-}"
+fi
+B=/tmp/dion3-build-trace
+cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DDION3_CUDA=ON "${EXTRA[@]}" >/tmp/cfg.log 2>&1 || { tail -20 /tmp/cfg.log; exit 1; }
+ninja -C $B -j16 dion3-cuda-sym-bench dion3-cuda-tests ${TARGETS:-} >/tmp/build.log 2>&1 || { grep -E "error" -A3 /tmp/build.log | head -40; exit 1; }
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
+if [ "${CHECK:-1}" = 1 ]; then
+for gv in ${CHECK_VARIANTS:-1 4}; do
+echo "=== correctness with DION3_SYM_GSTORE=$gv"
+DION3_SYM_GSTORE=$gv timeout 150 $B/dion3-cuda-sym-bench --quick --iters 3 2>&1 | grep -E "correctness failures|FAIL|fail" | head -20
+DION3_SYM_GSTORE=$gv timeout 150 $B/tests/cuda/dion3-cuda-tests --gtest_filter="${FILTER:-*Sym*:*Orth*:*Gram*}" 2>&1 | grep -E "^\[  (PASSED|FAILED)|Failure" | head -20
+done
+fi
+for sh in ${SHAPES}; do
+  echo "=== $sh"
+  for m in ${TVARIANTS:-A B}; do
+    v=""; [ $m = B ] && v=1; [ $m = C ] && v=2; [ $m = D ] && v=3; [ $m = E ] && v=4
+    echo "--- variant $m"; DION3_SYM_GSTORE=$v DION3_SYM_TRACE=1 timeout 60 $B/dion3-cuda-sym-bench --shapes $sh --iters 3 2>&1 | grep -E "TRACE (C (mainloop|ready|stage|tile)|H chain|slack)"
+  done
+  for r in ${ROUNDS:-1 2}; do for m in ${VARIANTS:-A B}; do
+    v=""; [ $m = B ] && v=1; [ $m = C ] && v=2; [ $m = D ] && v=3; [ $m = E ] && v=4
+    echo "$m $(DION3_SYM_GSTORE=$v timeout 60 $B/dion3-cuda-sym-bench --shapes $sh --iters 20 2>&1 | grep -E '^\| (gram|sym)')"
+  done; done
+done
