@@ -5,6 +5,7 @@
 #   EXP=stores: expects store-variants.patch applied (git apply) before the call; checks
 #               correctness of variants B and E, then traces (TVARIANTS) and times (VARIANTS, ROUNDS)
 #               DION3_SYM_GSTORE variants A (TMA) .. E.
+#   EXP=pace:   expects pace.patch applied; times SHAPES with DION3_SYM_PACE in PACES (ns).
 set -uo pipefail
 ROOT=$(pwd)
 HERE=bench/results/2026-12-03-48b6f6b-h200
@@ -22,6 +23,15 @@ B=/tmp/dion3-build-trace
 cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DDION3_CUDA=ON "${EXTRA[@]}" >/tmp/cfg.log 2>&1 || { tail -20 /tmp/cfg.log; exit 1; }
 ninja -C $B -j16 dion3-cuda-sym-bench dion3-cuda-tests >/tmp/build.log 2>&1 || { grep -E "error" -A3 /tmp/build.log | head -40; exit 1; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
+if [ "${EXP:-trace}" = pace ]; then
+for sh in $SHAPES; do
+  echo "=== $sh"
+  for r in 1 2; do for pc in $PACES; do
+    echo "pace $pc $(DION3_SYM_PACE=$pc timeout 60 $B/dion3-cuda-sym-bench --shapes $sh --iters 20 2>&1 | grep -E '^\| (gram|sym)' | awk -F'|' '{print "kernel", $11, "banded", $15, "mainloop", $16}')"
+  done; done
+done
+exit 0
+fi
 if [ "${EXP:-trace}" = trace ]; then
 for sh in ${SHAPES:-sym:f16:64x512 gram:f16:64x512x2048 sym:f16:16x512 gram:f16:16x512x8192 sym:f16:32x1024 sym:f16:128x1024 sym:bf16:16x2048 gram:bf16:16x2048x2048 sym:f16:8x4096}; do
   echo "=== $sh"
