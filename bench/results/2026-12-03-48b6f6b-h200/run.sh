@@ -2,7 +2,7 @@
 # The two experiments of this folder, run from the repository root on the device (carry .deps):
 #   EXP=trace:  builds the sym bench with trace.patch applied here, runs the traced shapes
 #               (SHAPES, MODES: DION3_SYM_TRACE 1 full, 2 main loop only, 3 banded).
-#   EXP=stores: expects store-variants.patch applied (git apply) before the call; checks
+#   EXP=stores: expects trace.patch and store-variants.patch applied (git apply) before the call; checks
 #               correctness of variants B and E, then traces (TVARIANTS) and times (VARIANTS, ROUNDS)
 #               DION3_SYM_GSTORE variants A (TMA) .. E.
 #   EXP=pace:   expects pace.patch applied; times SHAPES with DION3_SYM_PACE in PACES (ns).
