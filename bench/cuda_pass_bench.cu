@@ -11,7 +11,9 @@
 // library's check; a plain read of the same bytes (one persistent grid, 16-byte loads); a 1 GiB
 // device-to-device copy (read + written); and the variants, a persistent grid that walks a device
 // table of all the matrices, with U packs of 8 elements per thread in flight and T threads per
-// block. --only TEXT keeps the workloads whose name contains TEXT.
+// block; and the library's check given a bound on the momentum (StepCheck::state_bound, what a
+// Dion3 step keeps between steps), which then reads the gradients alone. --only TEXT keeps the
+// workloads whose name contains TEXT.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -137,11 +139,15 @@ const std::vector<Launch>& variants() {
 struct Workload {
   std::vector<dion3::DeviceBuffer> bufs;
   std::vector<StepCheck> checks;
+  std::vector<StepCheck> bounded;  // the same with a momentum bound (StepCheck::state_bound)
   std::vector<Seg> segs;
   dion3::DeviceBuffer table;
+  dion3::DeviceBuffer bound;  // one float above every |m| the fills make
   int64_t elements = 0;
   Workload(dion3::Backend& be, cudaStream_t s, const std::vector<int64_t>& sizes, float a)
-      : table(be.allocator(), std::max<std::size_t>(1, sizes.size()) * sizeof(Seg)) {
+      : table(be.allocator(), std::max<std::size_t>(1, sizes.size()) * sizeof(Seg)), bound(be.allocator(), 4) {
+    const float b = 1e4f;
+    CK(cudaMemcpyAsync(bound.get(), &b, 4, cudaMemcpyHostToDevice, s));
     for (std::size_t i = 0; i < sizes.size(); ++i) {
       const int64_t n = sizes[i];
       void* g = bufs.emplace_back(be.allocator(), n * 2).get();
@@ -154,6 +160,8 @@ struct Workload {
       c.state = MatrixView::contiguous(m, DType::BF16, 1, 1, n);
       c.a = a;
       checks.push_back(c);
+      c.state_bound = bound.as<float>();
+      bounded.push_back(c);
       segs.push_back({static_cast<const __nv_bfloat16*>(g), static_cast<const __nv_bfloat16*>(m), n});
       elements += n;
     }
@@ -267,7 +275,8 @@ int main(int argc, char** argv) {
       float g, m;
       int expect;
     };
-    const std::vector<Plant> plants = {{0, 0, 0}, {2e38f, 1.5e38f, 1}, {2e38f, -1.5e38f, 0}, {NAN, 0.0f, 1}};
+    const std::vector<Plant> plants = {{0, 0, 0}, {2e38f, 1.5e38f, 1}, {2e38f, -1.5e38f, 0}, {NAN, 0.0f, 1},
+                                       {1e37f, 0.0f, 0}};
     int cases = 0;
     for (int trial = 0; trial < 6; ++trial)
       for (const Plant& p : plants) {
@@ -278,6 +287,12 @@ int main(int argc, char** argv) {
         be.check_step(w.checks, flag);
         const int lib = read_flag();
         if (lib != p.expect) ++failures;
+        be.fill_zero(flag, sizeof(int));
+        be.check_step(w.bounded, flag);  // the planted g exceed the bound's limit, or need no m
+        if (const int got = read_flag(); got != p.expect) {
+          ++failures;
+          line(fmt("- library, momentum bounded: flag %d, expected %d (g %g, m %g)", got, p.expect, p.g, p.m));
+        }
         for (std::size_t v = 0; v < variants().size(); ++v) {
           be.fill_zero(flag, sizeof(int));
           run_variant(variants()[v], w, a, flag, blocks[v], s);
@@ -305,8 +320,9 @@ int main(int argc, char** argv) {
            "walk_persistent<4, false> (256 threads), nothing checked.",
            copy));
   line("");
-  std::string head = "| workload | matrices | GB read | library check_step ms (GB/s, of copy, of read) | read ms (GB/s) |";
-  std::string rule = "|---|---|---|---|---|";
+  std::string head = "| workload | matrices | GB read | library check_step ms (GB/s, of copy, of read) | read ms (GB/s) |"
+                     " library, momentum bounded ms (vs library) |";
+  std::string rule = "|---|---|---|---|---|---|";
   for (const Launch& v : variants()) {
     head += fmt(" %s ms (GB/s) |", v.label);
     rule += "---|";
@@ -326,14 +342,16 @@ int main(int argc, char** argv) {
       walk_persistent<4, false><<<read_blocks, 256, 0, s>>>(static_cast<const Seg*>(w.table.get()),
                                                              static_cast<int>(w.segs.size()), a, sink);
     });
+    fs.push_back([&] { be.check_step(w.bounded, flag); });
     for (std::size_t v = 0; v < variants().size(); ++v)
       fs.push_back([&, v] { run_variant(variants()[v], w, a, flag, blocks[v], s); });
     const auto t = bench::interleaved_medians(s, 2, ses.args.iters, fs);
     const double bytes = 4.0 * static_cast<double>(w.elements);
     auto gbs = [&](double ms) { return bytes / (ms * 1e6); };
-    std::string row = fmt("| %s | %zu | %.2f | %.3f (%.0f, %.0f%%, %.0f%%) | %.3f (%.0f) |", model, w.segs.size(),
-                          bytes / 1e9, t[0], gbs(t[0]), 100 * gbs(t[0]) / copy, 100 * t[1] / t[0], t[1], gbs(t[1]));
-    for (std::size_t v = 0; v < variants().size(); ++v) row += fmt(" %.3f (%.0f) |", t[2 + v], gbs(t[2 + v]));
+    std::string row = fmt("| %s | %zu | %.2f | %.3f (%.0f, %.0f%%, %.0f%%) | %.3f (%.0f) | %.3f (%.2fx) |", model,
+                          w.segs.size(), bytes / 1e9, t[0], gbs(t[0]), 100 * gbs(t[0]) / copy, 100 * t[1] / t[0], t[1],
+                          gbs(t[1]), t[2], t[0] / t[2]);
+    for (std::size_t v = 0; v < variants().size(); ++v) row += fmt(" %.3f (%.0f) |", t[3 + v], gbs(t[3 + v]));
     line(row);
   }
   line("");

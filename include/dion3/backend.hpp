@@ -142,7 +142,31 @@ struct StepCheck {
   MatrixView state;   // momentum / exp_avg
   MatrixView state2;  // AdamW's exp_avg_sq
   Hyper a = 0.0f, b = 0.0f;
+  // Momentum rule only, optional: one float in device memory that, when > 0, is at least the
+  // largest |state| element (Optimizer keeps it: see Megabatch::bounds). Where a gradient element
+  // is small enough against it that no state value so bounded could overflow, the state element
+  // is not read: the check then reads the gradient alone. 0, NaN or a null pointer: unknown.
+  const float* state_bound = nullptr;
 };
+
+// The largest finite value of a floating dtype.
+DION3_HOST_DEVICE inline float largest_finite(DType t) {
+  switch (t) {
+    case DType::F16: return 65504.0f;
+    case DType::BF16: return 3.3895313892515355e38f;  // 0x7F7F
+    default: return 3.4028234663852886e38f;           // FLT_MAX
+  }
+}
+
+// The largest |g| for which a * m + g (and b * (a * m + g) + g, the Nesterov mix) stays finite
+// in a state of largest finite value `limit` whatever m with |m| <= bound: a quarter of the
+// limit, less the momentum's share, so that float rounding cannot carry it over. Negative or
+// NaN (no gradient passes) when the bound is unknown or too large.
+DION3_HOST_DEVICE inline float momentum_gradient_limit(float bound, float a, float b, float limit) {
+  if (!(bound > 0.0f)) return -1.0f;
+  const float fa = a < 0.0f ? -a : a, fb = b < 0.0f ? -b : b;
+  return (0.25f * limit - fa * bound) / (1.0f + fb);
+}
 
 // The element-wise rules of AdamW and Lion, shared by every backend and by check_step so that
 // the check sees exactly the values the update stores. The second moment multiplies (1 - beta2)
@@ -243,9 +267,10 @@ class DION3_API Backend {
   virtual void accumulate(const MatrixSet& set, Hyper decay, float* scores, float* row_sumsq,
                           const int* skip) = 0;
   // For each of `count` score vectors of length m: the k rows of largest score, ties to the
-  // lower index, written to idx[i*k ...] in ascending row order.
+  // lower index, written to idx[i*k ...] in ascending row order; with `largest`, also
+  // largest[i] = its largest score plus one (a StepCheck::state_bound, > 0).
   virtual void select_rows(const float* scores, int64_t count, int64_t m, int64_t k, int32_t* idx,
-                           const int* skip) = 0;
+                           const int* skip, float* largest = nullptr) = 0;
   // For each of `count` ascending lists in[i*k_in ...]: its entries e with lo <= e < hi, as
   // e - lo, then kPadRow up to k_out entries (out[i*k_out ...]). A shard's part of a selection
   // made on the whole matrix, or a short shard's selection padded to the common row count.

@@ -232,8 +232,13 @@ class DION3_API Optimizer {
   // (never waiting; false until then, or when no such step was taken).
   bool posted_counters(int64_t out[2]) const;
 
-  // Views of a parameter's state tensors (in device memory).
+  // Views of a parameter's state tensors (in device memory). After writing state through them
+  // (or into externally owned state) between steps, call state_changed().
   std::vector<std::pair<std::string, TensorView>> state_views(int param) const;
+  // The state was written outside step() and import_state(): the next step's non-finite check
+  // reads all of it again. (Between steps the check may otherwise skip reading momentum that a
+  // bound kept from the optimizer's own last write shows cannot overflow.)
+  void state_changed();
   OptimizerState export_state() const;
   // Checks every tensor's name, dtype and shape, its values (no NaN or Inf, no negative second
   // moment: variance, exp_avg_sq) and the step counters (not negative, none that the next step

@@ -30,6 +30,9 @@ struct Param {
   // Steps applied to this parameter = optimizer's applied steps - step_offset (AdamW's t).
   int64_t step_offset = 0;
   ParamLayout layout;  // RowShard: rows is this rank's shard, layout.global_rows the matrix's
+  // Its momentum's bound for the non-finite check (Megabatch::bounds) when the whole parameter is
+  // one member of a megabatch that keeps bounds; null otherwise (the check reads the momentum).
+  const float* state_bound = nullptr;
 
   const TensorView* find_state(const std::string& key) const;
 };
@@ -101,6 +104,12 @@ struct Megabatch {
   std::vector<Chunk> chunks;                     // gather, orthogonalize, update
   std::vector<std::unique_ptr<Orthogonalizer>> orths;  // one per distinct chunk size
   DeviceBuffer scores;   // members x rows fp32
+  // Per member, the largest row score of the last applied step plus one: an upper bound on every
+  // |M| element of the member (the selected rows' error feedback only shrinks them), which lets
+  // the next step's non-finite check skip reading M (StepCheck::state_bound). Zero (unknown)
+  // after planning and whenever the state may have been written otherwise (forget_state_bounds).
+  // Only where the member's own scores are selected from (keeps_state_bounds); else empty.
+  DeviceBuffer bounds;
   DeviceBuffer indices;  // members x k int32
   // Row sums of squares (fp32) for the normalisation: members x rows of M from accumulate when
   // the gather normalises (gathers_normalized), else members x k of the gathered rows U.
@@ -248,6 +257,9 @@ struct Optimizer::Impl {
   void validate_for_step();
   void check_adjusted_lrs() const;  // each megabatch's lr after adjust_lr is finite in float32
   StepCheck step_check(const Param& p) const;  // what check_step evaluates for p's step
+  // Whether mb selects from its own members' scores (so that they bound its momentum).
+  bool keeps_state_bounds(const Megabatch& mb) const;
+  void forget_state_bounds();  // the state may have been written outside a step: bounds unknown
   // count_dropped: whether a step dropped for a non-finite gradient counts in steps_skipped (not
   // when step() raises it).
   // refusing: refuse_step's run of the step's collectives, with nothing checked or written.

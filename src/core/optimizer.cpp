@@ -463,6 +463,8 @@ int64_t Optimizer::steps_skipped() const { return impl_->read_counters()[1]; }
 Backend& Optimizer::backend() { return *impl_->backend; }
 const OptimizerOptions& Optimizer::options() const { return impl_->options; }
 
+void Optimizer::state_changed() { impl_->forget_state_bounds(); }
+
 std::vector<std::pair<std::string, TensorView>> Optimizer::state_views(int param) const {
   if (param < 0 || param >= num_params()) fail("no parameter " + std::to_string(param));
   return impl_->params[param].state;
@@ -635,6 +637,10 @@ void Optimizer::Impl::build_plan() {
       mb.indices = DeviceBuffer(alloc, static_cast<std::size_t>(n * std::max<int64_t>(listed, 1)) * sizeof(int32_t));
       if (mb.global_scope) backend->fill_zero(mb.indices.get(), mb.indices.bytes());  // see Megabatch::slots
     }
+    if (keeps_state_bounds(mb)) {
+      mb.bounds = DeviceBuffer(alloc, static_cast<std::size_t>(n) * sizeof(float));
+      backend->fill_zero(mb.bounds.get(), mb.bounds.bytes());
+    }
     if (mb.gathers_normalized || !sharded)
       mb.row_sumsq = DeviceBuffer(alloc, static_cast<std::size_t>(n * (mb.gathers_normalized ? mb.rows : mb.k)) *
                                              sizeof(float));
@@ -648,6 +654,17 @@ void Optimizer::Impl::build_plan() {
     }
   }
   arena = DeviceBuffer(alloc, arena_bytes);
+  // Each parameter's momentum bound: its member's slot where the parameter is one whole member.
+  std::vector<int> members_of(params.size(), 0);
+  for (const Megabatch& mb : megabatches)
+    for (const Member& m : mb.members) ++members_of[m.param];
+  for (Param& p : params) p.state_bound = nullptr;
+  for (const Megabatch& mb : megabatches)
+    for (std::size_t i = 0; i < mb.members.size(); ++i) {
+      Param& p = params[mb.members[i].param];
+      if (mb.bounds.get() != nullptr && members_of[mb.members[i].param] == 1 && p.count == 1)
+        p.state_bound = mb.bounds.as<float>() + i;
+    }
   // Orthogonalizers are planned on the arena (Chunk::orth_offset).
   for (Megabatch& mb : megabatches) {
     const GroupConfig& g = groups[mb.group];
@@ -1177,7 +1194,7 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
     if (selects) {
       // M += G, row l1 scores (and sums of squares, for the normalisation in the gather)
       be.accumulate(*mb.set, 1.0f, scores, row_sumsq, flag);
-      be.select_rows(scores, n, mb.rows, mb.k, idx, flag);  // S = top-k rows
+      be.select_rows(scores, n, mb.rows, mb.k, idx, flag, mb.bounds.as<float>());  // S = top-k rows
     } else {
       be.accumulate(*mb.set, mu, nullptr, nullptr, flag);  // M = mu M + G
     }
@@ -1518,6 +1535,17 @@ void Optimizer::Impl::build_lists() {
   lists = std::move(l);
 }
 
+bool Optimizer::Impl::keeps_state_bounds(const Megabatch& mb) const {
+  // prepare()'s branch that selects from mb.scores as the accumulate wrote them.
+  return selects_rows(groups[mb.group].algorithm) && mb.layout != Layout::RowShard && mb.layout != Layout::Block &&
+         !(mb.layout == Layout::ColShard && mb.ranks > 1);
+}
+
+void Optimizer::Impl::forget_state_bounds() {
+  for (Megabatch& mb : megabatches)
+    if (mb.bounds.get() != nullptr) backend->fill_zero(mb.bounds.get(), mb.bounds.bytes());
+}
+
 StepCheck Optimizer::Impl::step_check(const Param& p) const {
   const GroupConfig& g = groups[p.group];
   StepCheck c;
@@ -1527,6 +1555,7 @@ StepCheck Optimizer::Impl::step_check(const Param& p) const {
     case Algorithm::Dion3:  // M += G (the selected rows decay after they are read)
     case Algorithm::Dion2:
       c.a = 1.0f;
+      c.state_bound = p.state_bound;
       break;
     case Algorithm::NorMuon:
     case Algorithm::Muon:

@@ -116,6 +116,7 @@ void Optimizer::import_state(const OptimizerState& state) {
   }
   const int64_t counters[2] = {state.steps, state.skipped};
   s.backend->copy_from_host(s.counters.get(), counters, sizeof(counters));
+  s.forget_state_bounds();
 }
 
 }  // namespace dion3

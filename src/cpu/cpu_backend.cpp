@@ -187,10 +187,16 @@ class CpuBackend final : public Backend {
            c0 += kChunk) {
         const MatrixView G = cols_slice(x.grad, c0), S = cols_slice(x.state, c0);
         load_row(G, 0, 0, g.data());
-        load_row(S, 0, 0, m.data());
         bool ok = true;
         const DType st = x.state.dtype;
         const float a = x.a.get(), b = x.b.get();
+        if (x.rule == StepCheck::Momentum && x.state_bound) {  // the gradient alone may settle it
+          const float limit = momentum_gradient_limit(*x.state_bound, a, b, largest_finite(st));
+          bool small = true;
+          for (int64_t j = 0; j < G.cols; ++j) small &= std::fabs(g[j]) <= limit;
+          if (small) continue;
+        }
+        load_row(S, 0, 0, m.data());
         switch (x.rule) {
           case StepCheck::Momentum:
             for (int64_t j = 0; j < G.cols; ++j) {
@@ -249,11 +255,12 @@ class CpuBackend final : public Backend {
   }
 
   void select_rows(const float* scores, int64_t count, int64_t m, int64_t k, int32_t* idx,
-                   const int* skip) override {
+                   const int* skip, float* largest) override {
     if (skipped(skip)) return;
     check(k >= 1 && k <= m, "select_rows needs 1 <= k <= m");
     cpu::parallel_for(count, [m] { return std::vector<int32_t>(m); }, [&](std::vector<int32_t>& order, int64_t i) {
       const float* s = scores + i * m;
+      if (largest) largest[i] = *std::max_element(s, s + m) + 1.0f;
       std::iota(order.begin(), order.end(), 0);
       // Larger score first; equal scores: lower row index first (algorithm.md §1 tie rule).
       auto better = [s](int32_t a, int32_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); };

@@ -254,8 +254,8 @@ class CudaBackend final : public Backend {
   }
 
   void select_rows(const float* scores, int64_t count, int64_t m, int64_t k, int32_t* idx,
-                   const int* skip) override {
-    launch_select_rows(scores, count, m, k, idx, skip, stream_);
+                   const int* skip, float* largest) override {
+    launch_select_rows(scores, count, m, k, idx, largest, skip, stream_);
   }
 
   void copy_rows(void* dst, std::size_t dst_pitch, const int32_t* dst_idx, const void* src, std::size_t src_pitch,

@@ -18,7 +18,7 @@ void launch_accumulate(const DeviceMat* mats, int64_t nmats, int64_t rows, int64
                        DType gdt, Hyper decay, float* scores, float* row_sumsq, const int* skip, cudaStream_t s,
                        bool vec);  // vec: every row pointer 4-element aligned, cols % 4 == 0
 void launch_select_rows(const float* scores, int64_t count, int64_t m, int64_t k, int32_t* idx,
-                        const int* skip, cudaStream_t s);
+                        float* largest, const int* skip, cudaStream_t s);
 void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
                         DType gdt, const int32_t* idx, int64_t k, Hyper scale_m, Hyper scale_g,
                         Hyper decay, const float* matrix_scale, const MatrixView& out, float* row_sumsq,

@@ -106,11 +106,14 @@ __device__ __forceinline__ uint32_t order_key(float f) {
   const uint32_t u = __float_as_uint(f);
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
+__device__ __forceinline__ float from_order_key(uint32_t key) {
+  return __uint_as_float((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
+}
 
 template <int kCached>
 __global__ void __launch_bounds__(kSelectThreads)
     select_rows_kernel(const float* __restrict__ scores, int64_t m, int64_t k, int32_t* __restrict__ idx,
-                       const int* skip) {
+                       float* __restrict__ largest, const int* skip) {
   pdl_wait();
   if (skipped(skip)) return;
   using Scan = cub::BlockScan<int, kSelectThreads>;
@@ -135,6 +138,22 @@ __global__ void __launch_bounds__(kSelectThreads)
     if constexpr (kCached > 0) return cached[u];
     else return r < m ? order_key(__ldg(s + r)) : 0u;
   };
+
+  if (largest) {  // the largest score, plus one (Backend::select_rows)
+    __shared__ uint32_t s_largest;
+    uint32_t mx = 0;
+#pragma unroll
+    for (int u = 0; u < chunks; ++u) {
+      const int64_t r = static_cast<int64_t>(u) * kSelectThreads + t;
+      if (r < m) mx = max(mx, key_at(u, r));
+    }
+    mx = __reduce_max_sync(0xffffffffu, mx);
+    if (t == 0) s_largest = 0;
+    __syncthreads();
+    if (lane == 0) atomicMax(&s_largest, mx);
+    __syncthreads();
+    if (t == 0) largest[blockIdx.x] = from_order_key(s_largest) + 1.0f;
+  }
 
   uint32_t prefix = 0, mask = 0;
   int need = static_cast<int>(k);  // of the keys matching prefix, how many are still to take
@@ -599,6 +618,7 @@ struct StepSegment {
   const void* g;
   const void* s;
   const void* s2;
+  const float* bound;  // StepCheck::state_bound (Momentum rule), or null
   int64_t n;
   Hyper a, b;  // StepCheck's (the rule is the launch's: one kernel per rule)
   bool vec;  // n % 8 == 0 and every pointer aligned to 8 elements
@@ -618,6 +638,13 @@ __device__ __forceinline__ float overflow_bound() {
   else return __uint_as_float(0x7F800000u);  // Inf: every finite float32
 }
 
+template <class T>
+__device__ constexpr DType dtype_of() {
+  if constexpr (std::is_same_v<T, __half>) return DType::F16;
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return DType::BF16;
+  else return DType::F32;
+}
+
 // Whether one element's new state (and gradient) is finite, by the rules the update kernels
 // use: accumulate_kernel's decay*m + g, AdamWRule, LionRule.
 template <int kRule, class TS>
@@ -635,9 +662,12 @@ __device__ __forceinline__ bool step_element_finite(float g, float m, float v, f
 }
 
 // This thread's share of one segment: packs tid, tid + stride, ... (kStepPacks of them loaded
-// before any is used), or elements so where the segment does not allow 16-byte loads.
-template <int kRule, class TG, class TS>
-__device__ __forceinline__ bool segment_finite(const StepSegment& sg, int64_t tid, int64_t stride) {
+// before any is used), or elements so where the segment does not allow 16-byte loads. kBounded
+// (Momentum rule with a known state bound): the state is loaded only for the packs whose
+// gradient is not below the bound's limit (momentum_gradient_limit), the others being finite
+// whatever the state holds; those packs are then checked exactly.
+template <int kRule, class TG, class TS, bool kBounded>
+__device__ __forceinline__ bool segment_finite(const StepSegment& sg, int64_t tid, int64_t stride, float limit) {
   constexpr bool kSecond = kRule == StepCheck::AdamW;
   const float ca = sg.a.get(), cb = sg.b.get();
   const TG* __restrict__ g = static_cast<const TG*>(sg.g);
@@ -651,26 +681,42 @@ __device__ __forceinline__ bool segment_finite(const StepSegment& sg, int64_t ti
     for (int64_t base = tid; base < npacks; base += stride * kStepPacks) {
       PG gp[kStepPacks];
       PS mp[kStepPacks], vp[kStepPacks];
+      bool exact[kStepPacks];
 #pragma unroll
       for (int u = 0; u < kStepPacks; ++u) {
         const int64_t q = base + u * stride;
+        exact[u] = q < npacks;
         if (q < npacks) {
           gp[u] = load_streaming(reinterpret_cast<const PG*>(g) + q);
-          mp[u] = load_streaming(reinterpret_cast<const PS*>(m) + q);
+          if constexpr (!kBounded) mp[u] = load_streaming(reinterpret_cast<const PS*>(m) + q);
           if constexpr (kSecond) vp[u] = load_streaming(reinterpret_cast<const PS*>(v) + q);
+        }
+      }
+      if constexpr (kBounded) {
+#pragma unroll
+        for (int u = 0; u < kStepPacks; ++u) {
+          if (!exact[u]) continue;
+          bool small = true;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) small &= fabsf(to_f32(gp[u].v[e])) <= limit;
+          exact[u] = !small;
+          if (exact[u]) mp[u] = load_streaming(reinterpret_cast<const PS*>(m) + base + u * stride);
         }
       }
 #pragma unroll
       for (int u = 0; u < kStepPacks; ++u)
-        if (base + u * stride < npacks)
+        if (exact[u])
 #pragma unroll
           for (int e = 0; e < 8; ++e)
             ok &= step_element_finite<kRule, TS>(to_f32(gp[u].v[e]), to_f32(mp[u].v[e]),
                                                  kSecond ? to_f32(vp[u].v[e]) : 0.0f, ca, cb);
     }
   } else {
-    for (int64_t e = tid; e < sg.n; e += stride)
-      ok &= step_element_finite<kRule, TS>(to_f32(g[e]), to_f32(m[e]), kSecond ? to_f32(v[e]) : 0.0f, ca, cb);
+    for (int64_t e = tid; e < sg.n; e += stride) {
+      const float ge = to_f32(g[e]);
+      if (kBounded && fabsf(ge) <= limit) continue;
+      ok &= step_element_finite<kRule, TS>(ge, to_f32(m[e]), kSecond ? to_f32(v[e]) : 0.0f, ca, cb);
+    }
   }
   return ok;
 }
@@ -683,7 +729,15 @@ __global__ void __launch_bounds__(kStepThreads) check_step_kernel(const __grid_c
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kStepThreads;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * kStepThreads + threadIdx.x;
   bool ok = true;
-  for (int i = 0; i < a.count; ++i) ok &= segment_finite<kRule, TG, TS>(a.seg[i], tid, stride);
+  for (int i = 0; i < a.count; ++i) {
+    const StepSegment& sg = a.seg[i];
+    float limit = -1.0f;
+    if constexpr (kRule == StepCheck::Momentum) {
+      if (sg.bound) limit = momentum_gradient_limit(*sg.bound, sg.a.get(), sg.b.get(), largest_finite(dtype_of<TS>()));
+    }
+    if (limit >= 0.0f) ok &= segment_finite<kRule, TG, TS, true>(sg, tid, stride, limit);
+    else ok &= segment_finite<kRule, TG, TS, false>(sg, tid, stride, limit);
+  }
   if (__syncthreads_or(!ok) && threadIdx.x == 0) atomicOr(flag, 1);
 }
 
@@ -708,15 +762,15 @@ void launch_accumulate(const DeviceMat* mats, int64_t nmats, int64_t rows, int64
 }
 
 void launch_select_rows(const float* scores, int64_t count, int64_t m, int64_t k, int32_t* idx,
-                        const int* skip, cudaStream_t s) {
+                        float* largest, const int* skip, cudaStream_t s) {
   if (count == 0 || k == 0) return;
   if (k > m) fail("select_rows: k = " + std::to_string(k) + " exceeds m = " + std::to_string(m));
   const unsigned grid = static_cast<unsigned>(count);
   const int64_t chunks = (m + kSelectThreads - 1) / kSelectThreads;
-  if (chunks <= 2) launch_pdl(select_rows_kernel<2>, grid, kSelectThreads, 0, s, scores, m, k, idx, skip);
-  else if (chunks <= 4) launch_pdl(select_rows_kernel<4>, grid, kSelectThreads, 0, s, scores, m, k, idx, skip);
-  else if (chunks <= 8) launch_pdl(select_rows_kernel<8>, grid, kSelectThreads, 0, s, scores, m, k, idx, skip);
-  else launch_pdl(select_rows_kernel<0>, grid, kSelectThreads, 0, s, scores, m, k, idx, skip);
+  if (chunks <= 2) launch_pdl(select_rows_kernel<2>, grid, kSelectThreads, 0, s, scores, m, k, idx, largest, skip);
+  else if (chunks <= 4) launch_pdl(select_rows_kernel<4>, grid, kSelectThreads, 0, s, scores, m, k, idx, largest, skip);
+  else if (chunks <= 8) launch_pdl(select_rows_kernel<8>, grid, kSelectThreads, 0, s, scores, m, k, idx, largest, skip);
+  else launch_pdl(select_rows_kernel<0>, grid, kSelectThreads, 0, s, scores, m, k, idx, largest, skip);
 }
 
 void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
@@ -822,7 +876,8 @@ void launch_check_step(std::span<const StepCheck> xs, int* flag, cudaStream_t s)
       if (t.rule == x.rule && t.gdt == x.grad.dtype && t.sdt == x.state.dtype) tb = &t;
     if (!tb) tb = &tables.emplace_back(Table{x.rule, x.grad.dtype, x.state.dtype});
     tb->t.seg[tb->t.count++] =
-        StepSegment{x.grad.data, x.state.data, second ? x.state2.data : nullptr, n, x.a, x.b,
+        StepSegment{x.grad.data, x.state.data, second ? x.state2.data : nullptr,
+                    x.rule == StepCheck::Momentum ? x.state_bound : nullptr, n, x.a, x.b,
                     n % 8 == 0 && aligned8(x.grad.data, x.grad.dtype) && aligned8(x.state.data, x.state.dtype) &&
                         (!second || aligned8(x.state2.data, x.state2.dtype))};
     if (tb->t.count == kStepSegments) flush(*tb);

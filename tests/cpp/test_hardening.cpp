@@ -8,12 +8,14 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "cpu/cpu_numeric.hpp"
 #include "dion3/dion3.h"
 #include "dion3/error.hpp"
 #include "dion3/optimizer.hpp"
@@ -308,6 +310,68 @@ TEST(Hardening, StepsThatWouldOverflowTheStateAreDroppedWithNothingWritten) {
       o.fill(1e-3);
       EXPECT_TRUE(o.h.opt.step()) << what;
     }
+}
+
+// Between steps the non-finite check keeps, per Dion3 matrix, a bound on its momentum from the
+// step's own last write (the largest row score), and reads the momentum only where the gradient
+// is too large for that bound to settle the verdict. Momentum written at 0.9 x the largest finite
+// value, then a gradient of 0.2 x it: the sum overflows. Written through state_views() without
+// notice, the check trusts its stale bound and the step is applied, overflowing the momentum and
+// so the weights (what state_changed() is for; this pins that the bound is in use); after
+// state_changed() or import_state() the step is dropped.
+TEST(Hardening, TheCheckReadsTheMomentumAgainOnceTheStateWasWrittenOutsideAStep) {
+  for (DType dt : {DType::F32, DType::BF16}) {
+    const double big = dt == DType::F32 ? 3.4028234663852886e38 : 3.3895313892515355e38;
+    for (int how : {0, 1, 2}) {  // 0: state_views() without notice, 1: then state_changed(), 2: import_state()
+      const std::string what = std::string(dion3::dtype_name(dt)) + " case " + std::to_string(how);
+      Overflow o(Algorithm::Dion3, dt, NonFinitePolicy::Skip);
+      for (int s = 0; s < 2; ++s) {
+        o.fill(0.5);
+        ASSERT_TRUE(o.h.opt.step()) << what;
+      }
+      dion3::OptimizerState st = o.h.opt.export_state();
+      dion3::HostTensor& mom = st.params[0].tensors[0].second;
+      ASSERT_EQ(st.params[0].tensors[0].first, "momentum");
+      const int64_t n = static_cast<int64_t>(mom.data.size() / dion3::dtype_size(dt));
+      const dion3::MatrixView hv = dion3::MatrixView::contiguous(mom.data.data(), dt, 1, 1, n);
+      const std::vector<float> huge(static_cast<std::size_t>(n), static_cast<float>(0.9 * big));
+      dion3::cpu::store_row(hv, 0, 0, huge.data());
+      if (how == 2) {
+        o.h.opt.import_state(st);
+      } else {
+        const dion3::TensorView v = o.h.opt.state_views(0)[0].second;
+        std::memcpy(v.data, mom.data.data(), mom.data.size());
+        if (how == 1) o.h.opt.state_changed();
+      }
+      o.fill(0.2 * big);
+      EXPECT_EQ(o.h.opt.step(), how == 0) << what;
+      EXPECT_EQ(o.h.opt.steps_skipped(), how == 0 ? 0 : 1) << what;
+      if (how != 0) EXPECT_TRUE(o.weights_finite()) << what;
+    }
+  }
+}
+
+// The same verdicts with the bound as with a check that reads everything (state_changed() before
+// every step), over gradients from small to the largest the state holds and non-finite ones.
+TEST(Hardening, TheMomentumBoundNeverChangesAVerdict) {
+  for (DType dt : {DType::F32, DType::BF16}) {
+    const double big = dt == DType::F32 ? 3.4028234663852886e38 : 3.3895313892515355e38;
+    Overflow fast(Algorithm::Dion3, dt, NonFinitePolicy::Skip), exact(Algorithm::Dion3, dt, NonFinitePolicy::Skip);
+    const std::vector<double> scales = {1.0, 1e30, 0.05 * big, 0.2 * big, 1.0, 0.24 * big, 0.3 * big, 0.6 * big,
+                                        std::numeric_limits<double>::infinity(), 1e-3, 0.9 * big, 0.9 * big, 1.0};
+    int applied = 0;
+    for (std::size_t s = 0; s < scales.size(); ++s) {
+      for (Overflow* o : {&fast, &exact}) o->fill(s % 2 ? -scales[s] : scales[s], s % 3 == 0);
+      exact.h.opt.state_changed();
+      const bool a = fast.h.opt.step(), b = exact.h.opt.step();
+      EXPECT_EQ(a, b) << dion3::dtype_name(dt) << " step " << s << " (gradient " << scales[s] << ")";
+      applied += a;
+      EXPECT_EQ(t3::snapshot(fast.h.opt, fast.h.all()), t3::snapshot(exact.h.opt, exact.h.all()))
+          << dion3::dtype_name(dt) << " step " << s;
+    }
+    EXPECT_GT(applied, 3) << dion3::dtype_name(dt);
+    EXPECT_LT(applied, static_cast<int>(scales.size())) << dion3::dtype_name(dt);
+  }
 }
 
 TEST(Hardening, Float16AdamWUnderALargeGradientNeverWritesNonFiniteWeights) {

@@ -111,12 +111,18 @@ TEST_P(SelectRows, ExactlyCpu) {
   std::uniform_real_distribution<float> uni(0.0f, 100.0f);
   for (auto& x : sc) x = c.levels > 0 ? static_cast<float>(lev(rng)) * 0.25f : uni(rng);
   std::vector<int32_t> hidx(c.count * c.k), didx_h(c.count * c.k, -1);
-  dion3::DeviceBuffer dsc(gpu->allocator(), sc.size() * 4), didx(gpu->allocator(), hidx.size() * 4);
+  std::vector<float> hlargest(c.count, -1.0f), dlargest_h(c.count, -2.0f);
+  dion3::DeviceBuffer dsc(gpu->allocator(), sc.size() * 4), didx(gpu->allocator(), hidx.size() * 4),
+      dlargest(gpu->allocator(), c.count * 4);
   gpu->copy_from_host(dsc.get(), sc.data(), sc.size() * 4);
-  cpu->select_rows(sc.data(), c.count, c.m, c.k, hidx.data(), nullptr);
-  gpu->select_rows(dsc.as<float>(), c.count, c.m, c.k, didx.as<int32_t>(), nullptr);
+  cpu->select_rows(sc.data(), c.count, c.m, c.k, hidx.data(), nullptr, hlargest.data());
+  gpu->select_rows(dsc.as<float>(), c.count, c.m, c.k, didx.as<int32_t>(), nullptr, dlargest.as<float>());
   gpu->copy_to_host(didx_h.data(), didx.get(), hidx.size() * 4);
+  gpu->copy_to_host(dlargest_h.data(), dlargest.get(), c.count * 4);
   EXPECT_EQ(didx_h, hidx);
+  EXPECT_EQ(dlargest_h, hlargest);  // the largest score plus one (StepCheck::state_bound)
+  for (int64_t i = 0; i < c.count; ++i)
+    EXPECT_EQ(hlargest[i], *std::max_element(sc.begin() + i * c.m, sc.begin() + (i + 1) * c.m) + 1.0f);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, SelectRows,

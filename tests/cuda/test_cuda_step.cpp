@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <optional>
 
 #include "cpu/cpu_numeric.hpp"
@@ -190,6 +191,80 @@ TEST_F(CudaStep, RaisedStepChangesNoCounter) {
     EXPECT_EQ(posted[1], dropped + 1);
     EXPECT_EQ(opt.steps_taken(), 1);
     EXPECT_EQ(opt.steps_skipped(), dropped + 1);
+  }
+}
+
+// The non-finite check's momentum bound on the GPU (the CPU suite's Hardening tests say more):
+// the same verdicts and results as a check told to read everything before every step
+// (state_changed()), over gradients up to the largest finite value and non-finite ones, through
+// the 16-byte path (64 x 96) and the element-wise one (13 x 7); and the bound in use: momentum
+// written through state_views() without state_changed() is not read again.
+TEST_F(CudaStep, TheMomentumBoundNeverChangesAVerdict) {
+  for (DType dt : {DType::F32, DType::BF16}) {
+    const double big = dt == DType::F32 ? 3.4028234663852886e38 : 3.3895313892515355e38;
+    struct Run {
+      dion3::Optimizer opt;
+      std::vector<std::unique_ptr<Twin>> w, g;
+      explicit Run(dion3::OptimizerOptions o) : opt(dion3::make_cuda_backend(0), o) {}
+    };
+    dion3::OptimizerOptions o;
+    o.on_nonfinite = dion3::NonFinitePolicy::Skip;
+    std::mt19937_64 rng(87);
+    auto make = [&] {
+      auto r = std::make_unique<Run>(o);
+      dion3::GroupConfig g;
+      g.fraction = 0.5;
+      const int gi = r->opt.add_group(g);
+      std::mt19937_64 wrng(88);
+      for (auto [rows, cols] : {std::pair<int64_t, int64_t>{64, 96}, {13, 7}}) {
+        r->w.push_back(std::make_unique<Twin>(*gpu, dt, 1, rows, cols));
+        r->g.push_back(std::make_unique<Twin>(*gpu, dt, 1, rows, cols));
+        r->w.back()->fill_normal(wrng, 0.5f);
+        dion3::ParamSpec spec;
+        spec.name = "w" + std::to_string(r->w.size());
+        spec.weight = {r->w.back()->dev.get(), dt, dion3::Device::CUDA, 0, {rows, cols}};
+        spec.grad = {r->g.back()->dev.get(), dt, dion3::Device::CUDA, 0, {rows, cols}};
+        r->opt.add_param(gi, spec);
+      }
+      return r;
+    };
+    auto fast = make(), exact = make();
+    const std::vector<double> scales = {1.0, 1e30, 0.05 * big, 0.2 * big, 1.0, 0.24 * big, 0.3 * big, 0.6 * big,
+                                        std::numeric_limits<double>::infinity(), 1e-3, 0.9 * big, 0.9 * big, 1.0};
+    int applied = 0;
+    for (std::size_t s = 0; s < scales.size(); ++s) {
+      for (std::size_t i = 0; i < fast->g.size(); ++i) {
+        std::vector<float> v = ct::normal_values(rng, fast->g[i]->numel(), 1.0f);
+        for (float& x : v) x = static_cast<float>((x < 0 ? -1.0 : 1.0) * scales[s]);
+        fast->g[i]->set_host(v);
+        fast->g[i]->upload();
+        exact->g[i]->set_host(v);
+        exact->g[i]->upload();
+      }
+      exact->opt.state_changed();
+      const bool a = fast->opt.step(), b = exact->opt.step();
+      EXPECT_EQ(a, b) << dion3::dtype_name(dt) << " step " << s;
+      applied += a;
+      for (std::size_t i = 0; i < fast->w.size(); ++i)
+        EXPECT_EQ(fast->w[i]->device_values(), exact->w[i]->device_values()) << dion3::dtype_name(dt) << " step " << s;
+    }
+    EXPECT_GT(applied, 3);
+    EXPECT_LT(applied, static_cast<int>(scales.size()));
+
+    for (bool notice : {false, true}) {
+      auto r = make();
+      for (int s = 0; s < 2; ++s) {
+        for (auto& g : r->g) g->fill_value(0.5f);
+        ASSERT_TRUE(r->opt.step());
+      }
+      const dion3::TensorView m = r->opt.state_views(0)[0].second;
+      Twin huge(*gpu, dt, 1, 1, m.numel());
+      huge.fill_value(static_cast<float>(0.9 * big));
+      ASSERT_EQ(cudaMemcpy(m.data, huge.dev.get(), huge.bytes(), cudaMemcpyDeviceToDevice), cudaSuccess);
+      if (notice) r->opt.state_changed();
+      for (auto& g : r->g) g->fill_value(static_cast<float>(0.2 * big));
+      EXPECT_EQ(r->opt.step(), !notice) << dion3::dtype_name(dt) << (notice ? " after state_changed()" : "");
+    }
   }
 }
 

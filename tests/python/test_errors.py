@@ -234,6 +234,26 @@ def test_nonfinite_grad_skip_leaves_everything_unchanged(device):
     assert all(opt.state[p]["step"] == 2 for p in ps) and opt.steps_skipped == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_momentum_written_in_place_is_checked_whole_again(device, dtype):
+    # Between steps the check bounds the momentum by the step's own last write and reads it only
+    # where the gradient could overflow it; an in-place write (its tensor version moves) makes the
+    # next step read it whole. Momentum at 0.9 x the largest finite value, then a gradient of
+    # 0.2 x it: the sum overflows, so the step is dropped and nothing changes.
+    big = torch.finfo(dtype).max
+    p = mat(device, 16, 8, dtype=dtype)
+    opt = dion3.Dion3([p], on_nonfinite="skip")
+    for _ in range(2):
+        p.grad = torch.full_like(p, 0.5)
+        opt.step()
+    opt.state[p]["momentum"].fill_(0.9 * big)
+    before, momentum = p.detach().clone(), opt.state[p]["momentum"].clone()
+    p.grad = torch.full_like(p, 0.2 * big)
+    opt.step()
+    assert opt.steps_skipped == 1
+    assert torch.equal(p, before) and torch.equal(opt.state[p]["momentum"], momentum)
+
+
 def test_cuda_tensors_without_cuda_build():
     if not torch.cuda.is_available() or dion3.cuda_built():
         pytest.skip("needs a GPU and a CPU-only build")

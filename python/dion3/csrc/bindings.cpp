@@ -371,6 +371,9 @@ class Engine {
     const int index = opt_->add_param(group, spec);
     weights_.push_back(weight);
     weight_ptrs_.push_back(weight.data_ptr());
+    std::vector<int64_t> versions;
+    for (const at::Tensor& t : held) versions.push_back(t._version());
+    versions_.push_back(std::move(versions));
     held_.push_back(std::move(held));
     grads_.push_back(grad);
     return index;
@@ -459,11 +462,21 @@ class Engine {
         }
       }
     }
+    // State written in place since the last step (its version moved; the engine's own writes do
+    // not move it): the engine's check must read it whole again (Optimizer::state_changed).
+    bool state_written = false;
+    for (std::size_t i = 0; i < held_.size(); ++i)
+      for (std::size_t j = 1; j < held_[i].size(); ++j)
+        if (const int64_t v = held_[i][j]._version(); v != versions_[i][j]) {
+          versions_[i][j] = v;
+          state_written = true;
+        }
     // The CPU backend works on this thread's OpenMP threads, PyTorch's intra-op pool; PyTorch sets
     // their count in a thread when it first asks for it, which a thread new to PyTorch has not.
     if (!cuda_) at::get_num_threads();
     Guard guard(*this);
     py::gil_scoped_release release;
+    if (state_written) opt_->state_changed();
     if (async) {
       opt_->step_async();
       return 2;
@@ -563,6 +576,7 @@ class Engine {
   std::vector<at::Tensor> weights_;
   std::vector<void*> weight_ptrs_;
   std::vector<std::vector<at::Tensor>> held_;  // weights and state tensors the engine points into
+  std::vector<std::vector<int64_t>> versions_;  // their _version() as of the last step
   std::vector<at::Tensor> grads_;              // the gradients bound for the current step
   std::vector<at::Tensor> watched_;            // parameters without a gradient at build time
   std::vector<std::pair<py::dict, py::dict>> state_watch_;  // (state[p], {key: its state tensor})
