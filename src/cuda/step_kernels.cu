@@ -614,6 +614,10 @@ __global__ void check_finite_kernel(const __grid_constant__ FiniteViews args, in
 // block per chunk instead left the memory system idle between blocks and fell well short of the
 // device's read rate (bench/cuda_pass_bench.cu measures both against a plain read).
 constexpr int kStepThreads = 256, kStepPacks = 4, kStepSegments = 48;
+// Segments with a known momentum bound mostly read their gradient alone (CheckMode::Known): with
+// four packs that halved the bytes in flight, short of the read rate. Six packs a thread at three
+// blocks an SM (no spills) reach it; eight packs at two blocks, or at three with spills, did not.
+constexpr int kKnownPacks = 6, kKnownBlocksPerSm = 3;
 struct StepSegment {
   const void* g;
   const void* s;
@@ -661,12 +665,30 @@ __device__ __forceinline__ bool step_element_finite(float g, float m, float v, f
   }
 }
 
-// This thread's share of one segment: packs tid, tid + stride, ... (kStepPacks of them loaded
+// Packs base + u * stride for each bit u of `need`, gradient and state loaded again and checked
+// exactly, one pack at a time: rare (a gradient the momentum bound does not settle), and a rolled
+// loop keeps the common path's registers few.
+template <int kRule, class TG, class TS>
+__device__ __forceinline__ bool packs_finite(const TG* g, const TS* m, int64_t base, int64_t stride, unsigned need,
+                                          float ca, float cb) {
+  bool ok = true;
+#pragma unroll 1
+  for (; need != 0; need &= need - 1) {
+    const int64_t q = base + (__ffs(need) - 1) * stride;
+    const PackV<TG, 8> gq = load_streaming(reinterpret_cast<const PackV<TG, 8>*>(g) + q);
+    const PackV<TS, 8> mq = load_streaming(reinterpret_cast<const PackV<TS, 8>*>(m) + q);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) ok &= step_element_finite<kRule, TS>(to_f32(gq.v[e]), to_f32(mq.v[e]), 0.0f, ca, cb);
+  }
+  return ok;
+}
+
+// This thread's share of one segment: packs tid, tid + stride, ... (kPacks of them loaded
 // before any is used), or elements so where the segment does not allow 16-byte loads. kBounded
-// (Momentum rule with a known state bound): the state is loaded only for the packs whose
-// gradient is not below the bound's limit (momentum_gradient_limit), the others being finite
-// whatever the state holds; those packs are then checked exactly.
-template <int kRule, class TG, class TS, bool kBounded>
+// (Momentum rule, a known state bound): only the gradient packs are loaded ahead; a pack whose
+// gradient is not below the bound's limit (momentum_gradient_limit) is then loaded again with
+// its state and checked exactly, the others being finite whatever the state holds.
+template <int kRule, class TG, class TS, bool kBounded, int kPacks>
 __device__ __forceinline__ bool segment_finite(const StepSegment& sg, int64_t tid, int64_t stride, float limit) {
   constexpr bool kSecond = kRule == StepCheck::AdamW;
   const float ca = sg.a.get(), cb = sg.b.get();
@@ -678,14 +700,12 @@ __device__ __forceinline__ bool segment_finite(const StepSegment& sg, int64_t ti
     using PG = PackV<TG, 8>;
     using PS = PackV<TS, 8>;
     const int64_t npacks = sg.n / 8;
-    for (int64_t base = tid; base < npacks; base += stride * kStepPacks) {
-      PG gp[kStepPacks];
-      PS mp[kStepPacks], vp[kStepPacks];
-      bool exact[kStepPacks];
+    for (int64_t base = tid; base < npacks; base += stride * kPacks) {
+      PG gp[kPacks];
+      [[maybe_unused]] PS mp[kBounded ? 1 : kPacks], vp[kSecond ? kPacks : 1];
 #pragma unroll
-      for (int u = 0; u < kStepPacks; ++u) {
+      for (int u = 0; u < kPacks; ++u) {
         const int64_t q = base + u * stride;
-        exact[u] = q < npacks;
         if (q < npacks) {
           gp[u] = load_streaming(reinterpret_cast<const PG*>(g) + q);
           if constexpr (!kBounded) mp[u] = load_streaming(reinterpret_cast<const PS*>(m) + q);
@@ -693,23 +713,24 @@ __device__ __forceinline__ bool segment_finite(const StepSegment& sg, int64_t ti
         }
       }
       if constexpr (kBounded) {
+        unsigned need = 0;  // packs whose gradient the bound does not settle
 #pragma unroll
-        for (int u = 0; u < kStepPacks; ++u) {
-          if (!exact[u]) continue;
+        for (int u = 0; u < kPacks; ++u) {
           bool small = true;
 #pragma unroll
           for (int e = 0; e < 8; ++e) small &= fabsf(to_f32(gp[u].v[e])) <= limit;
-          exact[u] = !small;
-          if (exact[u]) mp[u] = load_streaming(reinterpret_cast<const PS*>(m) + base + u * stride);
+          if (base + u * stride < npacks && !small) need |= 1u << u;
         }
+        if (need != 0) ok &= packs_finite<kRule, TG, TS>(g, m, base, stride, need, ca, cb);
+      } else {
+#pragma unroll
+        for (int u = 0; u < kPacks; ++u)
+          if (base + u * stride < npacks)
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+              ok &= step_element_finite<kRule, TS>(to_f32(gp[u].v[e]), to_f32(mp[u].v[e]),
+                                                   kSecond ? to_f32(vp[u].v[e]) : 0.0f, ca, cb);
       }
-#pragma unroll
-      for (int u = 0; u < kStepPacks; ++u)
-        if (exact[u])
-#pragma unroll
-          for (int e = 0; e < 8; ++e)
-            ok &= step_element_finite<kRule, TS>(to_f32(gp[u].v[e]), to_f32(mp[u].v[e]),
-                                                 kSecond ? to_f32(vp[u].v[e]) : 0.0f, ca, cb);
     }
   } else {
     for (int64_t e = tid; e < sg.n; e += stride) {
@@ -722,21 +743,29 @@ __device__ __forceinline__ bool segment_finite(const StepSegment& sg, int64_t ti
 }
 
 // One rule per kernel: the three rules' bodies in one kernel took twice the registers of the
-// Momentum rule's alone, halving the blocks per SM and the loads in flight.
-template <int kRule, class TG, class TS>
-__global__ void __launch_bounds__(kStepThreads) check_step_kernel(const __grid_constant__ StepSegments a, int* flag) {
+// Momentum rule's alone, halving the blocks per SM and the loads in flight. A table of segments
+// with momentum bounds (Momentum rule) takes two launches, each lean in registers: Known, the
+// segments whose bound the device finds known, reading the gradients alone (with more packs in
+// flight, kKnownPacks); then Unknown, the others, read whole.
+enum class CheckMode { Whole, Known, Unknown };
+template <int kRule, class TG, class TS, CheckMode kMode>
+__global__ void __launch_bounds__(kStepThreads, kMode == CheckMode::Known ? kKnownBlocksPerSm : 1)
+    check_step_kernel(const __grid_constant__ StepSegments a, int* flag) {
   pdl_wait();
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kStepThreads;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * kStepThreads + threadIdx.x;
   bool ok = true;
   for (int i = 0; i < a.count; ++i) {
     const StepSegment& sg = a.seg[i];
-    float limit = -1.0f;
-    if constexpr (kRule == StepCheck::Momentum) {
-      if (sg.bound) limit = momentum_gradient_limit(*sg.bound, sg.a.get(), sg.b.get(), largest_finite(dtype_of<TS>()));
+    if constexpr (kMode == CheckMode::Whole) {
+      ok &= segment_finite<kRule, TG, TS, false, kStepPacks>(sg, tid, stride, -1.0f);
+    } else {
+      const float limit =
+          momentum_gradient_limit(*sg.bound, sg.a.get(), sg.b.get(), largest_finite(dtype_of<TS>()));
+      if ((limit >= 0.0f) != (kMode == CheckMode::Known)) continue;
+      if constexpr (kMode == CheckMode::Known) ok &= segment_finite<kRule, TG, TS, true, kKnownPacks>(sg, tid, stride, limit);
+      else ok &= segment_finite<kRule, TG, TS, false, kStepPacks>(sg, tid, stride, -1.0f);
     }
-    if (limit >= 0.0f) ok &= segment_finite<kRule, TG, TS, true>(sg, tid, stride, limit);
-    else ok &= segment_finite<kRule, TG, TS, false>(sg, tid, stride, limit);
   }
   if (__syncthreads_or(!ok) && threadIdx.x == 0) atomicOr(flag, 1);
 }
@@ -839,28 +868,39 @@ void launch_apply_update(const DeviceMat* mats, int64_t nmats, int64_t rows, int
 }
 
 void launch_check_step(std::span<const StepCheck> xs, int* flag, cudaStream_t s) {
-  // One table per (rule, gradient dtype, state dtype), launched when full and at the end.
+  // One table per (rule, gradient dtype, state dtype, bounded), launched when full and at the end.
   struct Table {
     int rule;
     DType gdt, sdt;
+    bool bounded;
     StepSegments t{};
   };
   std::vector<Table> tables;
   auto flush = [&](Table& tb) {
     if (tb.t.count == 0) return;
-    auto launch = [&](auto rule) {
+    auto launch = [&](auto rule, auto mode) {
       DION3_DISPATCH_FLOAT(tb.gdt, TG, [&] {
         DION3_DISPATCH_FLOAT(tb.sdt, TS, [&] {
           constexpr int kRule = decltype(rule)::value;
-          static const unsigned blocks = persistent_blocks(check_step_kernel<kRule, TG, TS>, kStepThreads);
-          launch_pdl(check_step_kernel<kRule, TG, TS>, blocks, kStepThreads, 0, s, tb.t, flag);
+          constexpr CheckMode kMode = decltype(mode)::value;
+          static const unsigned blocks = persistent_blocks(check_step_kernel<kRule, TG, TS, kMode>, kStepThreads);
+          launch_pdl(check_step_kernel<kRule, TG, TS, kMode>, blocks, kStepThreads, 0, s, tb.t, flag);
         });
       });
     };
+    using Momentum = std::integral_constant<int, StepCheck::Momentum>;
+    using Whole = std::integral_constant<CheckMode, CheckMode::Whole>;
     switch (tb.rule) {
-      case StepCheck::Momentum: launch(std::integral_constant<int, StepCheck::Momentum>{}); break;
-      case StepCheck::AdamW: launch(std::integral_constant<int, StepCheck::AdamW>{}); break;
-      default: launch(std::integral_constant<int, StepCheck::Lion>{}); break;
+      case StepCheck::Momentum:
+        if (tb.bounded) {
+          launch(Momentum{}, std::integral_constant<CheckMode, CheckMode::Known>{});
+          launch(Momentum{}, std::integral_constant<CheckMode, CheckMode::Unknown>{});
+        } else {
+          launch(Momentum{}, Whole{});
+        }
+        break;
+      case StepCheck::AdamW: launch(std::integral_constant<int, StepCheck::AdamW>{}, Whole{}); break;
+      default: launch(std::integral_constant<int, StepCheck::Lion>{}, Whole{}); break;
     }
     DION3_CUDA_LAUNCH_CHECK();
     tb.t = StepSegments{};
@@ -871,13 +911,14 @@ void launch_check_step(std::span<const StepCheck> xs, int* flag, cudaStream_t s)
     if (n == 0) continue;
     const bool second = x.rule == StepCheck::AdamW;
     if (second && x.state2.dtype != x.state.dtype) fail("check_step: exp_avg and exp_avg_sq dtypes differ");
+    const bool bounded = x.rule == StepCheck::Momentum && x.state_bound != nullptr;
     Table* tb = nullptr;
     for (Table& t : tables)
-      if (t.rule == x.rule && t.gdt == x.grad.dtype && t.sdt == x.state.dtype) tb = &t;
-    if (!tb) tb = &tables.emplace_back(Table{x.rule, x.grad.dtype, x.state.dtype});
+      if (t.rule == x.rule && t.gdt == x.grad.dtype && t.sdt == x.state.dtype && t.bounded == bounded) tb = &t;
+    if (!tb) tb = &tables.emplace_back(Table{x.rule, x.grad.dtype, x.state.dtype, bounded});
     tb->t.seg[tb->t.count++] =
-        StepSegment{x.grad.data, x.state.data, second ? x.state2.data : nullptr,
-                    x.rule == StepCheck::Momentum ? x.state_bound : nullptr, n, x.a, x.b,
+        StepSegment{x.grad.data, x.state.data, second ? x.state2.data : nullptr, bounded ? x.state_bound : nullptr, n,
+                    x.a, x.b,
                     n % 8 == 0 && aligned8(x.grad.data, x.grad.dtype) && aligned8(x.state.data, x.state.dtype) &&
                         (!second || aligned8(x.state2.data, x.state2.dtype))};
     if (tb->t.count == kStepSegments) flush(*tb);
