@@ -890,6 +890,14 @@ class _EngineOptimizer(torch.optim.Optimizer):
         (on_nonfinite='raise', blocking=False). Other settings: a no-op."""
         self._raise_deferred(poll=False)
 
+    def state_changed(self) -> None:
+        """After writing optimizer state in a way PyTorch does not count as an in-place write
+        (through ``.data``, or from outside PyTorch): the next step's non-finite check then reads
+        all of it. In-place writes to the state tensors (``mul_``, ``copy_``, ...) and
+        load_state_dict need no call."""
+        if self._engine is not None:
+            self._engine.state_changed()
+
     def refresh_hyperparameters(self) -> None:
         """Before replaying a step you captured yourself (torch.cuda.graph around opt.step(), or a
         whole training step): write the groups' current lr, weight decay, momentum, betas and

@@ -252,6 +252,17 @@ def test_momentum_written_in_place_is_checked_whole_again(device, dtype):
     opt.step()
     assert opt.steps_skipped == 1
     assert torch.equal(p, before) and torch.equal(opt.state[p]["momentum"], momentum)
+    # A write through .data leaves the version alone: state_changed() says so instead.
+    opt.state[p]["momentum"].fill_(1.0)
+    p.grad = torch.full_like(p, 0.5)
+    opt.step()  # applied: the bound is small again
+    assert opt.steps_skipped == 1
+    opt.state[p]["momentum"].data.fill_(0.9 * big)
+    opt.state_changed()
+    before = p.detach().clone()
+    p.grad = torch.full_like(p, 0.2 * big)
+    opt.step()
+    assert opt.steps_skipped == 2 and torch.equal(p, before)
 
 
 def test_cuda_tensors_without_cuda_build():

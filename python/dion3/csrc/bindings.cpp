@@ -520,6 +520,12 @@ class Engine {
   int64_t steps_taken() const { return opt_->steps_taken(); }
   int64_t steps_skipped() const { return opt_->steps_skipped(); }
   uint64_t plan_generation() const { return opt_->plan_generation(); }
+  // The state was written in a way its tensors' versions do not show (through .data, or by code
+  // outside PyTorch): the next step's non-finite check reads it whole (Optimizer::state_changed).
+  void state_changed() {
+    Guard guard(*this);
+    opt_->state_changed();
+  }
   void refresh_hyperparameters() {
     Guard guard(*this);
     opt_->refresh_hyperparameters();
@@ -749,6 +755,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("steps_skipped", guarded(&Engine::steps_skipped))
       .def_property_readonly("plan_generation", guarded(&Engine::plan_generation))
       .def("refresh_hyperparameters", guarded(&Engine::refresh_hyperparameters))
+      .def("state_changed", guarded(&Engine::state_changed))
       .def("posted_counters", guarded(&Engine::posted_counters));
   m.def("validate_group", guarded(&validate_group), "Raise ValueError if a normalised group config is invalid");
   m.def("orthogonalize", guarded(&orthogonalize), "Polar factor of each matrix (see dion3.orthogonalize)");
