@@ -108,7 +108,7 @@ struct Megabatch {
   // |M| element of the member (the selected rows' error feedback only shrinks them), which lets
   // the next step's non-finite check skip reading M (StepCheck::state_bound). Zero (unknown)
   // after planning and whenever the state may have been written otherwise (forget_state_bounds).
-  // Only where the member's own scores are selected from (keeps_state_bounds); else empty.
+  // Megabatches that select rows (keeps_state_bounds); else empty.
   DeviceBuffer bounds;
   DeviceBuffer indices;  // members x k int32
   // Row sums of squares (fp32) for the normalisation: members x rows of M from accumulate when
@@ -257,7 +257,7 @@ struct Optimizer::Impl {
   void validate_for_step();
   void check_adjusted_lrs() const;  // each megabatch's lr after adjust_lr is finite in float32
   StepCheck step_check(const Param& p) const;  // what check_step evaluates for p's step
-  // Whether mb selects from its own members' scores (so that they bound its momentum).
+  // Whether mb keeps bounds: it selects rows from scores that bound its momentum.
   bool keeps_state_bounds(const Megabatch& mb) const;
   void forget_state_bounds();  // the state may have been written outside a step: bounds unknown
   // count_dropped: whether a step dropped for a non-finite gradient counts in steps_skipped (not

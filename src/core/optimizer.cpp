@@ -1092,10 +1092,10 @@ void Optimizer::Impl::select_pieces(Megabatch& mb, const float* scores, int* fla
   const auto n = static_cast<int64_t>(mb.members.size());
   int32_t* piece_idx = mb.piece_idx.as<int32_t>();
   if (mb.rows >= mb.piece) {
-    be.select_rows(scores, n, mb.rows, mb.piece, piece_idx, flag);
+    be.select_rows(scores, n, mb.rows, mb.piece, piece_idx, flag, mb.bounds.as<float>());
   } else if (mb.rows > 0) {
     int32_t* idx = mb.indices.as<int32_t>();
-    be.select_rows(scores, n, mb.rows, mb.rows, idx, flag);
+    be.select_rows(scores, n, mb.rows, mb.rows, idx, flag, mb.bounds.as<float>());
     be.remap_rows(idx, n, mb.rows, 0, mb.rows, mb.piece, piece_idx, flag);
   }
 }
@@ -1169,7 +1169,7 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
       // Row l1 scores over this rank's columns, summed over the ranks (one GEMM with a row of
       // ones, the same arithmetic on every rank, so every rank selects the same rows).
       be.accumulate(*mb.set, 1.0f, scores, nullptr, flag);
-      be.select_rows(summed_scores(mb, *mb.comm), n, mb.rows, mb.k, idx, flag);
+      be.select_rows(summed_scores(mb, *mb.comm), n, mb.rows, mb.k, idx, flag, mb.bounds.as<float>());
     } else {
       be.accumulate(*mb.set, mu, nullptr, nullptr, flag);
     }
@@ -1217,7 +1217,7 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
         be.copy_2d(mb.all_scores.as<float>() + r * c, P * c * fs, mb.score_recv.as<float>() + r * n * c, c * fs,
                    c * fs, n);
       const int64_t kg = selected_rows(g.fraction, mb.global_rows);
-      be.select_rows(mb.all_scores.as<float>(), n, P * c, kg, idx, flag);
+      be.select_rows(mb.all_scores.as<float>(), n, P * c, kg, idx, flag, mb.bounds.as<float>());
       be.remap_rows(idx, n, kg, shard_first, shard_first + mb.rows, mb.piece, piece_idx, flag);
     } else {
       select_pieces(mb, scores, flag);
@@ -1536,9 +1536,10 @@ void Optimizer::Impl::build_lists() {
 }
 
 bool Optimizer::Impl::keeps_state_bounds(const Megabatch& mb) const {
-  // prepare()'s branch that selects from mb.scores as the accumulate wrote them.
-  return selects_rows(groups[mb.group].algorithm) && mb.layout != Layout::RowShard && mb.layout != Layout::Block &&
-         !(mb.layout == Layout::ColShard && mb.ranks > 1);
+  // Every layout selects from scores that include the row l1 norms of the rank's own momentum
+  // (whole rows, its columns' part, or those summed over ranks, or all shards' gathered), so the
+  // largest of them bounds every element of it.
+  return selects_rows(groups[mb.group].algorithm);
 }
 
 void Optimizer::Impl::forget_state_bounds() {

@@ -357,11 +357,15 @@ TEST(Hardening, TheMomentumBoundNeverChangesAVerdict) {
   for (DType dt : {DType::F32, DType::BF16}) {
     const double big = dt == DType::F32 ? 3.4028234663852886e38 : 3.3895313892515355e38;
     Overflow fast(Algorithm::Dion3, dt, NonFinitePolicy::Skip), exact(Algorithm::Dion3, dt, NonFinitePolicy::Skip);
-    const std::vector<double> scales = {1.0, 1e30, 0.05 * big, 0.2 * big, 1.0, 0.24 * big, 0.3 * big, 0.6 * big,
-                                        std::numeric_limits<double>::infinity(), 1e-3, 0.9 * big, 0.9 * big, 1.0};
+    // Runs of 0.24 x the largest value (below any bound's limit) pile the momentum up until a
+    // sum overflows: a bound that fell below the momentum would let that step through.
+    const std::vector<double> scales = {1.0, 1e30, 0.05 * big, 0.2 * big, 1.0, 0.24 * big, 0.24 * big,
+                                        0.24 * big, 0.24 * big, 0.24 * big, 0.3 * big,
+                                        std::numeric_limits<double>::infinity(), 1e-3, 0.9 * big, 1.0};
     int applied = 0;
     for (std::size_t s = 0; s < scales.size(); ++s) {
-      for (Overflow* o : {&fast, &exact}) o->fill(s % 2 ? -scales[s] : scales[s], s % 3 == 0);
+      for (Overflow* o : {&fast, &exact})  // the same signs every step, so that the momentum piles up
+        for (int64_t i = 0; i < o->p->g.numel(); ++i) o->p->g.set(i, i % 3 == 0 ? -scales[s] : scales[s]);
       exact.h.opt.state_changed();
       const bool a = fast.h.opt.step(), b = exact.h.opt.step();
       EXPECT_EQ(a, b) << dion3::dtype_name(dt) << " step " << s << " (gradient " << scales[s] << ")";

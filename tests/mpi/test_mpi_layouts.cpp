@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -312,6 +313,69 @@ TEST(Faults, NonFiniteOnOneRankIsDecidedByAll) {
       EXPECT_EQ(st, dion3::Status::NonFinite) << "rank " << rank << ": " << what;
     }
     EXPECT_EQ(t3::snapshot(h.opt, {p.get()}), before) << "rank " << rank << " changed its shard";
+  }
+}
+
+// The non-finite check's momentum bound in every distributed layout (each rank bounds its own
+// part by the scores it selects from): the same verdicts and results as a check told to read
+// everything before every step (state_changed()), over gradients up to the largest float and a
+// non-finite one, with the large values on one rank only in some steps.
+TEST(Faults, TheMomentumBoundNeverChangesAVerdict) {
+  const int P = world_size(), rank = world_rank();
+  const double big = 3.4028234663852886e38;
+  struct L {
+    const char* name;
+    Layout layout;
+    dion3::SelectionScope scope;
+  };
+  for (const L& l : {L{"row-sharded", Layout::RowShard, dion3::SelectionScope::Local},
+                     L{"row-sharded, global selection", Layout::RowShard, dion3::SelectionScope::Global},
+                     L{"column-sharded", Layout::ColShard, dion3::SelectionScope::Local},
+                     L{"replicated", Layout::Replicated, dion3::SelectionScope::Local}}) {
+    auto comm = dion3::make_mpi_communicator(nullptr, 60.0);
+    dion3::OptimizerOptions o;
+    o.on_nonfinite = dion3::NonFinitePolicy::Skip;
+    GroupConfig g;
+    g.fraction = 0.5;
+    g.selection_scope = l.scope;
+    const int m = 16, n = 24;
+    const Shard rows = l.layout == Layout::RowShard ? shard_of(m, P, rank) : Shard{0, m};
+    const Shard cols = l.layout == Layout::ColShard ? shard_of(n, P, rank) : Shard{0, n};
+    Rng wrng(11);
+    const std::vector<double> w0 = part_of(t3::gaussian(m, n, wrng, 0.05), n, rows, cols);
+    auto make = [&](t3::Harness& h) {
+      auto p = std::make_unique<t3::HostParam>("w", DType::F32, std::vector<int64_t>{rows.count, cols.count});
+      p->w.assign(w0);
+      dion3::ParamSpec spec = p->spec();
+      spec.layout.kind = l.layout;
+      spec.layout.comm = comm;
+      spec.layout.global_rows = m;
+      spec.layout.global_cols = n;
+      p->index = h.opt.add_param(h.opt.add_group(g), spec);
+      return p;
+    };
+    t3::Harness fast(o), exact(o);
+    auto pf = make(fast), pe = make(exact);
+    // Runs of 0.24 x the largest value (below any bound's limit) pile the momentum up until a
+    // sum overflows: a bound that fell below the momentum would let that step through.
+    const std::vector<double> scales = {1.0, 1e30, 0.05 * big, 0.2 * big, 1.0, 0.24 * big, 0.24 * big,
+                                        0.24 * big, 0.24 * big, 0.24 * big, 0.3 * big,
+                                        std::numeric_limits<double>::infinity(), 1e-3, 0.9 * big, 1.0};
+    int applied = 0;
+    for (std::size_t s = 0; s < scales.size(); ++s) {
+      // Odd steps: the scale on the last rank's part only, 1 elsewhere.
+      const double x = (s % 2 == 0 || rank == P - 1) ? scales[s] : 1.0;
+      for (t3::HostParam* p : {pf.get(), pe.get()})
+        for (int64_t i = 0; i < p->g.numel(); ++i) p->g.set(i, i % 3 == 0 ? -x : x);
+      exact.opt.state_changed();
+      const bool a = fast.opt.step(), b = exact.opt.step();
+      EXPECT_EQ(a, b) << l.name << " rank " << rank << " step " << s;
+      applied += a;
+      EXPECT_EQ(t3::snapshot(fast.opt, {pf.get()}), t3::snapshot(exact.opt, {pe.get()}))
+          << l.name << " rank " << rank << " step " << s;
+    }
+    EXPECT_GT(applied, 3) << l.name;
+    EXPECT_LT(applied, static_cast<int>(scales.size())) << l.name;
   }
 }
 
