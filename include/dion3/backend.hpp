@@ -143,9 +143,9 @@ struct StepCheck {
   MatrixView state2;  // AdamW's exp_avg_sq
   Hyper a = 0.0f, b = 0.0f;
   // Momentum rule only, optional: one float in device memory that, when > 0, is at least the
-  // largest |state| element (Optimizer keeps it: see Megabatch::bounds). Where a gradient element
-  // is small enough against it that no state value so bounded could overflow, the state element
-  // is not read: the check then reads the gradient alone. 0, NaN or a null pointer: unknown.
+  // largest |state| element (the optimizer keeps one per matrix between steps). Where a gradient
+  // element is small enough against it that no state value so bounded could overflow, the state
+  // element is not read. 0, NaN, Inf or a null pointer: unknown, the state is read.
   const float* state_bound = nullptr;
 };
 
@@ -158,14 +158,14 @@ DION3_HOST_DEVICE inline float largest_finite(DType t) {
   }
 }
 
-// The largest |g| for which a * m + g (and b * (a * m + g) + g, the Nesterov mix) stays finite
-// in a state of largest finite value `limit` whatever m with |m| <= bound: a quarter of the
-// limit, less the momentum's share, so that float rounding cannot carry it over. Negative or
-// NaN (no gradient passes) when the bound is unknown or too large.
+// A |g| up to which a * m + g and the Nesterov mix b * (a * m + g) + g both stay within a quarter
+// of `limit` (a state dtype's largest finite value) whatever m with |m| <= bound, so that float
+// rounding cannot carry either past it. Negative or NaN (no gradient passes) when the bound is
+// unknown or too large.
 DION3_HOST_DEVICE inline float momentum_gradient_limit(float bound, float a, float b, float limit) {
   if (!(bound > 0.0f)) return -1.0f;
   const float fa = a < 0.0f ? -a : a, fb = b < 0.0f ? -b : b;
-  return (0.25f * limit - fa * bound) / (1.0f + fb);
+  return (0.25f * limit - fa * (fb > 1.0f ? fb : 1.0f) * bound) / (1.0f + fb);
 }
 
 // The element-wise rules of AdamW and Lion, shared by every backend and by check_step so that
@@ -267,10 +267,10 @@ class DION3_API Backend {
   virtual void accumulate(const MatrixSet& set, Hyper decay, float* scores, float* row_sumsq,
                           const int* skip) = 0;
   // For each of `count` score vectors of length m: the k rows of largest score, ties to the
-  // lower index, written to idx[i*k ...] in ascending row order; with `largest`, also
-  // largest[i] = its largest score plus one (a StepCheck::state_bound, > 0).
+  // lower index, written to idx[i*k ...] in ascending row order; with `largest` (may be null),
+  // also largest[i] = its largest score plus one (a StepCheck::state_bound, > 0).
   virtual void select_rows(const float* scores, int64_t count, int64_t m, int64_t k, int32_t* idx,
-                           const int* skip, float* largest = nullptr) = 0;
+                           const int* skip, float* largest) = 0;
   // For each of `count` ascending lists in[i*k_in ...]: its entries e with lo <= e < hi, as
   // e - lo, then kPadRow up to k_out entries (out[i*k_out ...]). A shard's part of a selection
   // made on the whole matrix, or a short shard's selection padded to the common row count.

@@ -894,14 +894,16 @@ class _EngineOptimizer(torch.optim.Optimizer):
         """After writing optimizer state in a way PyTorch does not count as an in-place write
         (through ``.data``, or from outside PyTorch): the next step's non-finite check then reads
         all of it. In-place writes to the state tensors (``mul_``, ``copy_``, ...) and
-        load_state_dict need no call."""
+        load_state_dict need no call: step() notices them, and so does refresh_hyperparameters(),
+        which a replay of a captured step needs anyway."""
         if self._engine is not None:
             self._engine.state_changed()
 
     def refresh_hyperparameters(self) -> None:
         """Before replaying a step you captured yourself (torch.cuda.graph around opt.step(), or a
         whole training step): write the groups' current lr, weight decay, momentum, betas and
-        epsilon where the captured kernels read them. RuntimeError when something the captured
+        epsilon where the captured kernels read them, and have the next check read state tensors
+        written in place since (see state_changed). RuntimeError when something the captured
         step cannot follow changed (parameters, groups, fraction, blocks, orthogonalizer): capture
         again."""
         engine = self._engine

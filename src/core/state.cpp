@@ -104,7 +104,9 @@ void Optimizer::import_state(const OptimizerState& state) {
         fail("import_state: " + who + " state '" + name + "' (" + dtype_name(got.dtype) + ") holds " + bad);
     }
   }
-  // Everything checked: now copy.
+  // Everything checked: now copy (the momentum bounds forgotten first, so that a copy that fails
+  // part way leaves none trusted).
+  s.forget_state_bounds();
   ++s.binding;  // the step offsets AdamW's cached parameters carry
   for (std::size_t i = 0; i < s.params.size(); ++i) {
     Param& p = s.params[i];
@@ -116,7 +118,6 @@ void Optimizer::import_state(const OptimizerState& state) {
   }
   const int64_t counters[2] = {state.steps, state.skipped};
   s.backend->copy_from_host(s.counters.get(), counters, sizeof(counters));
-  s.forget_state_bounds();
 }
 
 }  // namespace dion3

@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(kSelectThreads)
       const int64_t r = static_cast<int64_t>(u) * kSelectThreads + t;
       if (r < m) mx = max(mx, key_at(u, r));
     }
-    mx = __reduce_max_sync(0xffffffffu, mx);
+    for (int o = 16; o > 0; o >>= 1) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     if (t == 0) s_largest = 0;
     __syncthreads();
     if (lane == 0) atomicMax(&s_largest, mx);
@@ -614,9 +614,9 @@ __global__ void check_finite_kernel(const __grid_constant__ FiniteViews args, in
 // block per chunk instead left the memory system idle between blocks and fell well short of the
 // device's read rate (bench/cuda_pass_bench.cu measures both against a plain read).
 constexpr int kStepThreads = 256, kStepPacks = 4, kStepSegments = 48;
-// Segments with a known momentum bound mostly read their gradient alone (CheckMode::Known): with
-// four packs that halved the bytes in flight, short of the read rate. Six packs a thread at three
-// blocks an SM (no spills) reach it; eight packs at two blocks, or at three with spills, did not.
+// Segments with a known momentum bound mostly read their gradient alone (CheckMode::Known), half
+// the bytes a pack of the whole read brings; they keep more packs in flight instead, at as many
+// blocks an SM as the whole read, without spills (the pass bench compares pack counts).
 constexpr int kKnownPacks = 6, kKnownBlocksPerSm = 3;
 struct StepSegment {
   const void* g;
@@ -716,10 +716,11 @@ __device__ __forceinline__ bool segment_finite(const StepSegment& sg, int64_t ti
         unsigned need = 0;  // packs whose gradient the bound does not settle
 #pragma unroll
         for (int u = 0; u < kPacks; ++u) {
+          if (base + u * stride >= npacks) continue;
           bool small = true;
 #pragma unroll
           for (int e = 0; e < 8; ++e) small &= fabsf(to_f32(gp[u].v[e])) <= limit;
-          if (base + u * stride < npacks && !small) need |= 1u << u;
+          if (!small) need |= 1u << u;
         }
         if (need != 0) ok &= packs_finite<kRule, TG, TS>(g, m, base, stride, need, ca, cb);
       } else {

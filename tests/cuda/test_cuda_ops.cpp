@@ -267,7 +267,7 @@ TEST_F(CudaOps, SkipFlagLeavesEverythingUntouched) {
   gpu->accumulate(*s.ds, 0.5f, scores.as<float>(), nullptr, flag.as<int>());
   gpu->gather_normalized(*s.ds, nullptr, 20, 0.5f, scores.as<float>(), 1e-7f, Twin(*gpu, DType::F32, 2, 20, 64).dview(),
                          flag.as<int>());
-  gpu->select_rows(scores.as<float>(), 2, 20, 5, idx.as<int32_t>(), flag.as<int>());
+  gpu->select_rows(scores.as<float>(), 2, 20, 5, idx.as<int32_t>(), flag.as<int>(), nullptr);
   gpu->gather_rows(*s.ds, nullptr, 20, 1.0f, 0.0f, 0.5f, Twin(*gpu, DType::F32, 2, 20, 64).dview(), nullptr,
                    flag.as<int>());
   dion3::UpdateParams p{1.0f - 0.1f * 0.1f, 0.1f, true, 0.9f, false};

@@ -462,15 +462,7 @@ class Engine {
         }
       }
     }
-    // State written in place since the last step (its version moved; the engine's own writes do
-    // not move it): the engine's check must read it whole again (Optimizer::state_changed).
-    bool state_written = false;
-    for (std::size_t i = 0; i < held_.size(); ++i)
-      for (std::size_t j = 1; j < held_[i].size(); ++j)
-        if (const int64_t v = held_[i][j]._version(); v != versions_[i][j]) {
-          versions_[i][j] = v;
-          state_written = true;
-        }
+    const bool state_written = state_written_in_place();
     // The CPU backend works on this thread's OpenMP threads, PyTorch's intra-op pool; PyTorch sets
     // their count in a thread when it first asks for it, which a thread new to PyTorch has not.
     if (!cuda_) at::get_num_threads();
@@ -528,6 +520,8 @@ class Engine {
   }
   void refresh_hyperparameters() {
     Guard guard(*this);
+    // Before a replay of a captured step: state written in place since is noticed here, eagerly.
+    if (state_written_in_place()) opt_->state_changed();
     opt_->refresh_hyperparameters();
   }
   // (steps applied, steps dropped) as of the last step_async(), once their copy to the host
@@ -553,6 +547,20 @@ class Engine {
     explicit Guard(Engine&) {}
 #endif
   };
+
+  // Whether a state tensor was written in place since the last call (its version moved; the
+  // engine's own writes do not move it): the engine's check must then read the state whole
+  // again (Optimizer::state_changed).
+  bool state_written_in_place() {
+    bool written = false;
+    for (std::size_t i = 0; i < held_.size(); ++i)
+      for (std::size_t j = 1; j < held_[i].size(); ++j)
+        if (const int64_t v = held_[i][j]._version(); v != versions_[i][j]) {
+          versions_[i][j] = v;
+          written = true;
+        }
+    return written;
+  }
 
   static at::Tensor contiguous(at::Tensor g) {
     if (g.defined() && g.layout() != at::kStrided)  // is_contiguous() itself throws on sparse tensors
