@@ -149,3 +149,26 @@ def test_a_step_captured_by_hand_follows_refresh_hyperparameters():
         opt.refresh_hyperparameters()
         graph.replay()
         assert all(torch.equal(p, q) for p, q in zip(eager_p[0], graph_p[0])), step
+
+
+def test_a_replay_after_an_in_place_state_write_reads_the_momentum():
+    # Between replays nothing runs step(): refresh_hyperparameters() notices the in-place write, so
+    # the replayed check reads the momentum and drops the step that would overflow it.
+    big = torch.finfo(torch.float32).max
+    p = torch.nn.Parameter(torch.randn(96, 64, device="cuda") * 0.05)
+    opt = dion3.Dion3([p], lr=0.02, on_nonfinite="skip")
+    for _ in range(2):
+        p.grad = torch.full_like(p, 0.5)
+        opt.step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    opt.refresh_hyperparameters()
+    graph.replay()
+    opt.state[p]["momentum"].fill_(0.9 * big)
+    p.grad.fill_(0.2 * big)
+    before = p.detach().clone()
+    opt.refresh_hyperparameters()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(p, before) and torch.isfinite(opt.state[p]["momentum"]).all()

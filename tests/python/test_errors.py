@@ -265,6 +265,23 @@ def test_momentum_written_in_place_is_checked_whole_again(device, dtype):
     assert opt.steps_skipped == 2 and torch.equal(p, before)
 
 
+def test_refresh_hyperparameters_keeps_an_in_place_state_write(device):
+    # refresh_hyperparameters() (what a replay of a captured step needs) notices an in-place state
+    # write as step() would, and does not swallow it: the step after it still reads the momentum.
+    big = torch.finfo(torch.float32).max
+    p = mat(device, 16, 8)
+    opt = dion3.Dion3([p], on_nonfinite="skip")
+    for _ in range(2):
+        p.grad = torch.full_like(p, 0.5)
+        opt.step()
+    opt.state[p]["momentum"].fill_(0.9 * big)
+    opt.refresh_hyperparameters()
+    before = p.detach().clone()
+    p.grad = torch.full_like(p, 0.2 * big)
+    opt.step()
+    assert opt.steps_skipped == 1 and torch.equal(p, before)
+
+
 def test_cuda_tensors_without_cuda_build():
     if not torch.cuda.is_available() or dion3.cuda_built():
         pytest.skip("needs a GPU and a CPU-only build")
