@@ -616,7 +616,7 @@ __global__ void check_finite_kernel(const __grid_constant__ FiniteViews args, in
 constexpr int kStepThreads = 256, kStepPacks = 4, kStepSegments = 48;
 // Segments with a known momentum bound mostly read their gradient alone (CheckMode::Known), half
 // the bytes a pack of the whole read brings; they keep more packs in flight instead, at as many
-// blocks an SM as the whole read, without spills (the pass bench compares pack counts).
+// blocks an SM as the whole read (bench/results/ has the pack counts tried).
 constexpr int kKnownPacks = 6, kKnownBlocksPerSm = 3;
 struct StepSegment {
   const void* g;
@@ -761,6 +761,7 @@ __global__ void __launch_bounds__(kStepThreads, kMode == CheckMode::Known ? kKno
     if constexpr (kMode == CheckMode::Whole) {
       ok &= segment_finite<kRule, TG, TS, false, kStepPacks>(sg, tid, stride, -1.0f);
     } else {
+      // Known and Unknown launches compute this same value: each segment is checked by one of them.
       const float limit =
           momentum_gradient_limit(*sg.bound, sg.a.get(), sg.b.get(), largest_finite(dtype_of<TS>()));
       if ((limit >= 0.0f) != (kMode == CheckMode::Known)) continue;

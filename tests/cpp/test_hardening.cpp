@@ -6,6 +6,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -354,43 +355,77 @@ TEST(Hardening, TheCheckReadsTheMomentumAgainOnceTheStateWasWrittenOutsideAStep)
 }
 
 // The gradient scales (times the dtype's largest value) of the verdict tests, here and in the CUDA
-// and MPI suites: on two elements of one matrix (small gradients elsewhere) they pile its
-// momentum up there until a sum overflows while the row norms stay finite and differ, so a bound
-// below the momentum (a fraction of it, the smallest row's, another matrix's) would let that step
-// through; then a non-finite gradient and small ones.
+// and MPI suites: on one element of a matrix (small gradients elsewhere) they pile its momentum up
+// there until a sum overflows while the row norms stay finite, so a bound below the momentum (a
+// fraction of it, some rows', another matrix's) would let that step through; then a non-finite
+// gradient and small ones.
 // The same verdicts with the bound as with a check that reads everything (state_changed() before
-// every step), for two matrices of one megabatch, the other with small gradients.
+// every step), in set-ups of their own (a drop in one would hide the others'): two 8 x 8 matrices
+// of one megabatch, the hot element in a middle row of the first; a parameter split into two row
+// blocks, and a 3-D one stepped as two matrices (no bound: read whole), the hot element in either
+// block or matrix.
 TEST(Hardening, TheMomentumBoundNeverChangesAVerdict) {
   const std::vector<double> scales = {0.2, 0.2, 0.2, 0.2, 0.2, 0.19, 0.19, 0.19, 0.1, 0.05, 0.19, 0.19,
                                       std::numeric_limits<double>::infinity(), 1e-30, 1e-30};
-  for (DType dt : {DType::F32, DType::BF16}) {
-    const double big = dt == DType::F32 ? 3.4028234663852886e38 : 3.3895313892515355e38;
-    dion3::OptimizerOptions o;
-    o.on_nonfinite = NonFinitePolicy::Skip;
-    Harness fast(o), exact(o);
-    for (Harness* h : {&fast, &exact}) {
-      Rng rng(5);
-      GroupConfig g;
-      g.fraction = 0.5;
-      const int gi = h->opt.add_group(g);
-      for (int i = 0; i < 2; ++i) h->add(gi, "w" + std::to_string(i), dt, {8, 8}, rng);
+  struct P {
+    std::vector<int64_t> shape;
+    int64_t hot;  // the element with the large gradient, or -1
+  };
+  struct Setup {
+    std::string name;
+    std::vector<int64_t> split;
+    std::vector<P> params;
+  };
+  const std::vector<Setup> setups = {{"two members", {}, {{{8, 8}, 42}, {{8, 8}, -1}}},
+                                     {"split rows, first block", {4, 4}, {{{8, 8}, 18}}},
+                                     {"split rows, second block", {4, 4}, {{{8, 8}, 45}}},
+                                     {"3-D, first matrix", {}, {{{2, 8, 8}, 20}}},
+                                     {"3-D, second matrix", {}, {{{2, 8, 8}, 100}}}};
+  for (const Setup& su : setups)
+    for (DType dt : {DType::F32, DType::BF16}) {
+      const std::string what = su.name + " " + dion3::dtype_name(dt);
+      const double big = dt == DType::F32 ? 3.4028234663852886e38 : 3.3895313892515355e38;
+      dion3::OptimizerOptions o;
+      o.on_nonfinite = NonFinitePolicy::Skip;
+      Harness fast(o), exact(o);
+      for (Harness* h : {&fast, &exact}) {
+        Rng rng(5);
+        GroupConfig g;
+        g.fraction = 0.5;
+        g.split_sizes = su.split;
+        const int gi = h->opt.add_group(g);
+        for (std::size_t k = 0; k < su.params.size(); ++k) h->add(gi, "w" + std::to_string(k), dt, su.params[k].shape, rng);
+      }
+      int applied = 0;
+      for (std::size_t s = 0; s < scales.size(); ++s) {
+        for (Harness* h : {&fast, &exact})
+          for (std::size_t k = 0; k < su.params.size(); ++k)
+            for (int64_t i = 0; i < h->params[k]->g.numel(); ++i)  // the same signs every step
+              h->params[k]->g.set(i, (i % 3 == 0 ? -1.0 : 1.0) * (i == su.params[k].hot ? scales[s] * big : 1e-3));
+        exact.opt.state_changed();
+        const bool a = fast.opt.step(), b = exact.opt.step();
+        EXPECT_EQ(a, b) << what << ": step " << s << " (gradient " << scales[s] << " x max)";
+        applied += a;
+        EXPECT_EQ(t3::snapshot(fast.opt, fast.all()), t3::snapshot(exact.opt, exact.all())) << what << ": step " << s;
+      }
+      EXPECT_GT(applied, 3) << what;
+      EXPECT_LT(applied, static_cast<int>(scales.size())) << what;
     }
-    int applied = 0;
-    for (std::size_t s = 0; s < scales.size(); ++s) {
-      for (Harness* h : {&fast, &exact})
-        for (int k = 0; k < 2; ++k)
-          for (int64_t i = 0; i < 64; ++i)  // the same signs every step
-            h->params[k]->g.set(i, (i % 3 == 0 ? -1.0 : 1.0) * (k == 0 && (i == 0 || i == 63) ? scales[s] * big : 1e-3));
-      exact.opt.state_changed();
-      const bool a = fast.opt.step(), b = exact.opt.step();
-      EXPECT_EQ(a, b) << dion3::dtype_name(dt) << " step " << s << " (gradient " << scales[s] << " x max)";
-      applied += a;
-      EXPECT_EQ(t3::snapshot(fast.opt, fast.all()), t3::snapshot(exact.opt, exact.all()))
-          << dion3::dtype_name(dt) << " step " << s;
-    }
-    EXPECT_GT(applied, 3) << dion3::dtype_name(dt);
-    EXPECT_LT(applied, static_cast<int>(scales.size())) << dion3::dtype_name(dt);
-  }
+}
+
+// select_rows' `largest`: each score vector's largest score plus one.
+TEST(Hardening, SelectRowsWritesEachVectorsLargestScorePlusOne) {
+  auto be = dion3::make_cpu_backend();
+  Rng rng(9);
+  const int64_t count = 3, m = 37;
+  std::vector<float> scores(count * m);
+  for (float& x : scores) x = static_cast<float>(std::fabs(rng.normal()) * 10.0);
+  scores[1 * m + 17] = 1e30f;  // a middle row of the second vector
+  std::vector<int32_t> idx(count * 5);
+  std::vector<float> largest(count, -1.0f);
+  be->select_rows(scores.data(), count, m, 5, idx.data(), nullptr, largest.data());
+  for (int64_t i = 0; i < count; ++i)
+    EXPECT_EQ(largest[i], *std::max_element(scores.begin() + i * m, scores.begin() + (i + 1) * m) + 1.0f) << i;
 }
 
 TEST(Hardening, Float16AdamWUnderALargeGradientNeverWritesNonFiniteWeights) {

@@ -144,6 +144,28 @@ def nonfinite(rank, world, mesh):
         assert all(not opt.state[p]["momentum"].to_local().any() for p in ps)
 
 
+def state_written_in_place(rank, world, mesh):
+    """A DTensor momentum written in place (its own version moves, not its local tensor's): the
+    next check reads it whole and drops the step that would overflow it, on every rank."""
+    big = torch.finfo(torch.float32).max
+    for write in (lambda m: m.fill_(0.9 * big), lambda m: m.copy_(torch.full_like(m, 0.9 * big))):
+        fulls, ps = sharded_params(mesh, [Shard(0)], seed=5)
+        opt = dion3.Dion3(ps, distributed_mesh=mesh, on_nonfinite="skip")
+        for _ in range(2):
+            for p in ps:
+                p.grad = distribute_tensor(torch.full(p.shape, 0.5), mesh, [Shard(0)])
+            opt.step()
+        with torch.no_grad():
+            write(opt.state[ps[0]]["momentum"])
+        for p in ps:
+            p.grad = distribute_tensor(torch.full(p.shape, 0.2 * big), mesh, [Shard(0)])
+        before = [p.to_local().clone() for p in ps]
+        opt.step()
+        assert opt.steps_skipped == 1, f"rank {rank}: the step over the written momentum was applied"
+        for p, b in zip(ps, before):
+            assert torch.equal(p.to_local(), b), f"rank {rank} moved its shard"
+
+
 def refusals(rank, world, mesh):
     """Bad layouts are refused on every rank, before anything is written."""
     p = nn.Parameter(distribute_tensor(torch.randn(2, 8, 6), mesh, [Shard(2)]))
@@ -413,6 +435,7 @@ def layouts(rank, world, tmp):
         tensor_parallel(rank, world, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
     row_blocks(rank, world, mesh)
     nonfinite(rank, world, mesh)
+    state_written_in_place(rank, world, mesh)
     refusals(rank, world, mesh)
     agreement(rank, world, mesh)
     partial_gradients(rank, world, mesh)

@@ -265,6 +265,25 @@ def test_momentum_written_in_place_is_checked_whole_again(device, dtype):
     assert opt.steps_skipped == 2 and torch.equal(p, before)
 
 
+def test_the_momentum_bound_stays_in_use_across_plain_steps(device):
+    # Nothing the optimizer does itself between steps (state_dict, zero_grad, lr changes) counts as
+    # a state write: after them a write the version does not show (.data, without state_changed())
+    # is not read, and the step over it is applied (what state_changed() is for).
+    big = torch.finfo(torch.float32).max
+    p = mat(device, 16, 8)
+    opt = dion3.Dion3([p], on_nonfinite="skip")
+    for step in range(3):
+        p.grad = torch.full_like(p, 0.5)
+        opt.step()
+        opt.state_dict()
+        opt.zero_grad()
+        opt.param_groups[0]["lr"] = 0.01 / (step + 1)
+    opt.state[p]["momentum"].data.fill_(0.9 * big)
+    p.grad = torch.full_like(p, 0.2 * big)
+    opt.step()
+    assert opt.steps_skipped == 0
+
+
 def test_refresh_hyperparameters_keeps_an_in_place_state_write(device):
     # refresh_hyperparameters() (what a replay of a captured step needs) notices an in-place state
     # write as step() would, and does not swallow it: the step after it still reads the momentum.

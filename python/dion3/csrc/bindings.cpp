@@ -387,7 +387,12 @@ class Engine {
   // engine was given: if the dict stops holding one of them (state[p][k] = other), step() asks for
   // a rebuild, which registers what the state holds then, instead of updating tensors nobody sees
   // any more. (The Python side notices state[p] = {} and state.clear() itself.)
-  void watch_state(const std::vector<std::pair<py::dict, py::dict>>& entries) { state_watch_ = entries; }
+  void watch_state(const std::vector<std::pair<py::dict, py::dict>>& entries) {
+    state_watch_ = entries;
+    watch_versions_.clear();
+    for (const auto& entry : state_watch_)
+      for (auto item : entry.second) watch_versions_.push_back(py::cast<at::Tensor>(item.second)._version());
+  }
   bool state_moved() const {
     for (const auto& [st, held] : state_watch_)
       for (auto item : held) {  // string keys: their hashes are cached
@@ -462,13 +467,12 @@ class Engine {
         }
       }
     }
-    const bool state_written = state_written_in_place();
     // The CPU backend works on this thread's OpenMP threads, PyTorch's intra-op pool; PyTorch sets
     // their count in a thread when it first asks for it, which a thread new to PyTorch has not.
     if (!cuda_) at::get_num_threads();
     Guard guard(*this);
+    if (state_written_in_place()) opt_->state_changed();
     py::gil_scoped_release release;
-    if (state_written) opt_->state_changed();
     if (async) {
       opt_->step_async();
       return 2;
@@ -550,7 +554,8 @@ class Engine {
 
   // Whether a state tensor was written in place since the last call (its version moved; the
   // engine's own writes do not move it): the engine's check must then read the state whole
-  // again (Optimizer::state_changed).
+  // again (Optimizer::state_changed). Both what the engine holds and what optimizer.state holds
+  // are asked: a DTensor counts writes through it on itself, not on its local tensor.
   bool state_written_in_place() {
     bool written = false;
     for (std::size_t i = 0; i < held_.size(); ++i)
@@ -559,6 +564,15 @@ class Engine {
           versions_[i][j] = v;
           written = true;
         }
+    std::size_t k = 0;
+    for (const auto& entry : state_watch_)
+      for (auto item : entry.second) {
+        if (const int64_t v = py::cast<at::Tensor>(item.second)._version(); v != watch_versions_[k]) {
+          watch_versions_[k] = v;
+          written = true;
+        }
+        ++k;
+      }
     return written;
   }
 
@@ -591,6 +605,7 @@ class Engine {
   std::vector<void*> weight_ptrs_;
   std::vector<std::vector<at::Tensor>> held_;  // weights and state tensors the engine points into
   std::vector<std::vector<int64_t>> versions_;  // their _version() as of the last step
+  std::vector<int64_t> watch_versions_;         // the watched state tensors' (watch_state order)
   std::vector<at::Tensor> grads_;              // the gradients bound for the current step
   std::vector<at::Tensor> watched_;            // parameters without a gradient at build time
   std::vector<std::pair<py::dict, py::dict>> state_watch_;  // (state[p], {key: its state tensor})
