@@ -234,71 +234,70 @@ def test_nonfinite_grad_skip_leaves_everything_unchanged(device):
     assert all(opt.state[p]["step"] == 2 for p in ps) and opt.steps_skipped == 1
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_momentum_written_in_place_is_checked_whole_again(device, dtype):
-    # Between steps the check bounds the momentum by the step's own last write and reads it only
-    # where the gradient could overflow it; an in-place write (its tensor version moves) makes the
-    # next step read it whole. Momentum at 0.9 x the largest finite value, then a gradient of
-    # 0.2 x it: the sum overflows, so the step is dropped and nothing changes.
-    big = torch.finfo(dtype).max
+def _after_small_steps(device, dtype=torch.float32):
+    """A Dion3 matrix after two applied steps of small gradients: its momentum bound is known."""
     p = mat(device, 16, 8, dtype=dtype)
     opt = dion3.Dion3([p], on_nonfinite="skip")
     for _ in range(2):
         p.grad = torch.full_like(p, 0.5)
         opt.step()
-    opt.state[p]["momentum"].fill_(0.9 * big)
-    before, momentum = p.detach().clone(), opt.state[p]["momentum"].clone()
-    p.grad = torch.full_like(p, 0.2 * big)
+    return p, opt
+
+
+def _step_past_a_written_momentum(p, opt):
+    """After the momentum was written at 0.9 x the dtype's largest value: a step with a gradient of
+    0.2 x it, which overflows the sum. Whether it was applied (else: dropped, nothing changed)."""
+    before, skipped = p.detach().clone(), opt.steps_skipped
+    p.grad = torch.full_like(p, 0.2 * torch.finfo(p.dtype).max)
     opt.step()
-    assert opt.steps_skipped == 1
-    assert torch.equal(p, before) and torch.equal(opt.state[p]["momentum"], momentum)
+    if opt.steps_skipped == skipped:
+        return True
+    assert torch.equal(p, before)
+    return False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_momentum_written_in_place_is_checked_whole_again(device, dtype):
+    # Between steps the check bounds the momentum by the step's own last write and reads it only
+    # where the gradient could overflow it; an in-place write (its tensor version moves) makes the
+    # next step read it whole, and the step that would overflow it is dropped.
+    big = torch.finfo(dtype).max
+    p, opt = _after_small_steps(device, dtype)
+    opt.state[p]["momentum"].fill_(0.9 * big)
+    momentum = opt.state[p]["momentum"].clone()
+    assert not _step_past_a_written_momentum(p, opt)
+    assert torch.equal(opt.state[p]["momentum"], momentum)
     # A write through .data leaves the version alone: state_changed() says so instead.
     opt.state[p]["momentum"].fill_(1.0)
     p.grad = torch.full_like(p, 0.5)
     opt.step()  # applied: the bound is small again
-    assert opt.steps_skipped == 1
     opt.state[p]["momentum"].data.fill_(0.9 * big)
     opt.state_changed()
-    before = p.detach().clone()
-    p.grad = torch.full_like(p, 0.2 * big)
-    opt.step()
-    assert opt.steps_skipped == 2 and torch.equal(p, before)
+    assert not _step_past_a_written_momentum(p, opt)
 
 
 def test_the_momentum_bound_stays_in_use_across_plain_steps(device):
     # Nothing the optimizer does itself between steps (state_dict, zero_grad, lr changes) counts as
     # a state write: after them a write the version does not show (.data, without state_changed())
     # is not read, and the step over it is applied (what state_changed() is for).
-    big = torch.finfo(torch.float32).max
-    p = mat(device, 16, 8)
-    opt = dion3.Dion3([p], on_nonfinite="skip")
+    p, opt = _after_small_steps(device)
     for step in range(3):
-        p.grad = torch.full_like(p, 0.5)
-        opt.step()
         opt.state_dict()
         opt.zero_grad()
         opt.param_groups[0]["lr"] = 0.01 / (step + 1)
-    opt.state[p]["momentum"].data.fill_(0.9 * big)
-    p.grad = torch.full_like(p, 0.2 * big)
-    opt.step()
-    assert opt.steps_skipped == 0
+        p.grad = torch.full_like(p, 0.5)
+        opt.step()
+    opt.state[p]["momentum"].data.fill_(0.9 * torch.finfo(p.dtype).max)
+    assert _step_past_a_written_momentum(p, opt)
 
 
 def test_refresh_hyperparameters_keeps_an_in_place_state_write(device):
     # refresh_hyperparameters() (what a replay of a captured step needs) notices an in-place state
     # write as step() would, and does not swallow it: the step after it still reads the momentum.
-    big = torch.finfo(torch.float32).max
-    p = mat(device, 16, 8)
-    opt = dion3.Dion3([p], on_nonfinite="skip")
-    for _ in range(2):
-        p.grad = torch.full_like(p, 0.5)
-        opt.step()
-    opt.state[p]["momentum"].fill_(0.9 * big)
+    p, opt = _after_small_steps(device)
+    opt.state[p]["momentum"].fill_(0.9 * torch.finfo(p.dtype).max)
     opt.refresh_hyperparameters()
-    before = p.detach().clone()
-    p.grad = torch.full_like(p, 0.2 * big)
-    opt.step()
-    assert opt.steps_skipped == 1 and torch.equal(p, before)
+    assert not _step_past_a_written_momentum(p, opt)
 
 
 def test_cuda_tensors_without_cuda_build():
