@@ -389,9 +389,13 @@ class Engine {
   // any more. (The Python side notices state[p] = {} and state.clear() itself.)
   void watch_state(const std::vector<std::pair<py::dict, py::dict>>& entries) {
     state_watch_ = entries;
+    watch_tensors_.clear();
     watch_versions_.clear();
     for (const auto& entry : state_watch_)
-      for (auto item : entry.second) watch_versions_.push_back(py::cast<at::Tensor>(item.second)._version());
+      for (auto item : entry.second) {
+        watch_tensors_.push_back(py::cast<at::Tensor>(item.second));
+        watch_versions_.push_back(watch_tensors_.back()._version());
+      }
   }
   bool state_moved() const {
     for (const auto& [st, held] : state_watch_)
@@ -564,14 +568,10 @@ class Engine {
           versions_[i][j] = v;
           written = true;
         }
-    std::size_t k = 0;
-    for (const auto& entry : state_watch_)
-      for (auto item : entry.second) {
-        if (const int64_t v = py::cast<at::Tensor>(item.second)._version(); v != watch_versions_[k]) {
-          watch_versions_[k] = v;
-          written = true;
-        }
-        ++k;
+    for (std::size_t k = 0; k < watch_tensors_.size(); ++k)
+      if (const int64_t v = watch_tensors_[k]._version(); v != watch_versions_[k]) {
+        watch_versions_[k] = v;
+        written = true;
       }
     return written;
   }
@@ -605,7 +605,8 @@ class Engine {
   std::vector<void*> weight_ptrs_;
   std::vector<std::vector<at::Tensor>> held_;  // weights and state tensors the engine points into
   std::vector<std::vector<int64_t>> versions_;  // their _version() as of the last step
-  std::vector<int64_t> watch_versions_;         // the watched state tensors' (watch_state order)
+  std::vector<at::Tensor> watch_tensors_;       // the state tensors optimizer.state holds (watch_state)
+  std::vector<int64_t> watch_versions_;         // and their _version() as of the last step
   std::vector<at::Tensor> grads_;              // the gradients bound for the current step
   std::vector<at::Tensor> watched_;            // parameters without a gradient at build time
   std::vector<std::pair<py::dict, py::dict>> state_watch_;  // (state[p], {key: its state tensor})
