@@ -893,9 +893,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
     def state_changed(self) -> None:
         """After writing optimizer state in a way PyTorch does not count as an in-place write
         (through ``.data``, a torch.distributed collective into a state tensor, or from outside
-        PyTorch): the next step's non-finite check then reads all of it. In-place writes to the state tensors (``mul_``, ``copy_``, ...) and
-        load_state_dict need no call: step() notices them, and so does refresh_hyperparameters(),
-        which a replay of a captured step needs anyway."""
+        PyTorch): the next step's non-finite check then reads all of it. In-place writes to the
+        state tensors (``mul_``, ``copy_``, ...) and load_state_dict need no call: step() notices
+        them, and so does refresh_hyperparameters(), which a replay of a captured step needs
+        anyway."""
         if self._engine is not None:
             self._engine.state_changed()
 

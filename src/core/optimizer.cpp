@@ -660,11 +660,9 @@ void Optimizer::Impl::build_plan() {
     for (const Member& m : mb.members) ++members_of[m.param];
   for (Param& p : params) p.state_bound = nullptr;
   for (const Megabatch& mb : megabatches)
-    for (std::size_t i = 0; i < mb.members.size(); ++i) {
-      Param& p = params[mb.members[i].param];
-      if (mb.bounds.get() != nullptr && members_of[mb.members[i].param] == 1 && p.count == 1)
-        p.state_bound = mb.bounds.as<float>() + i;
-    }
+    for (std::size_t i = 0; i < mb.members.size(); ++i)
+      if (mb.bounds.get() != nullptr && members_of[mb.members[i].param] == 1)
+        params[mb.members[i].param].state_bound = mb.bounds.as<float>() + i;
   // Orthogonalizers are planned on the arena (Chunk::orth_offset).
   for (Megabatch& mb : megabatches) {
     const GroupConfig& g = groups[mb.group];

@@ -371,9 +371,6 @@ class Engine {
     const int index = opt_->add_param(group, spec);
     weights_.push_back(weight);
     weight_ptrs_.push_back(weight.data_ptr());
-    std::vector<int64_t> versions;
-    for (const at::Tensor& t : held) versions.push_back(t._version());
-    versions_.push_back(std::move(versions));
     held_.push_back(std::move(held));
     grads_.push_back(grad);
     return index;
@@ -389,13 +386,15 @@ class Engine {
   // any more. (The Python side notices state[p] = {} and state.clear() itself.)
   void watch_state(const std::vector<std::pair<py::dict, py::dict>>& entries) {
     state_watch_ = entries;
-    watch_tensors_.clear();
-    watch_versions_.clear();
+    // The tensors whose versions state_written_in_place() follows: what optimizer.state holds and
+    // what the engine was given (a DTensor counts writes through it on itself, not on its local
+    // tensor, and a write to the local tensor on that alone).
+    versioned_.clear();
     for (const auto& entry : state_watch_)
-      for (auto item : entry.second) {
-        watch_tensors_.push_back(py::cast<at::Tensor>(item.second));
-        watch_versions_.push_back(watch_tensors_.back()._version());
-      }
+      for (auto item : entry.second) versioned_.emplace_back(py::cast<at::Tensor>(item.second), 0);
+    for (const auto& held : held_)
+      for (std::size_t j = 1; j < held.size(); ++j) versioned_.emplace_back(held[j], 0);
+    for (auto& [t, v] : versioned_) v = t._version();
   }
   bool state_moved() const {
     for (const auto& [st, held] : state_watch_)
@@ -558,19 +557,12 @@ class Engine {
 
   // Whether a state tensor was written in place since the last call (its version moved; the
   // engine's own writes do not move it): the engine's check must then read the state whole
-  // again (Optimizer::state_changed). Both what the engine holds and what optimizer.state holds
-  // are asked: a DTensor counts writes through it on itself, not on its local tensor.
+  // again (Optimizer::state_changed).
   bool state_written_in_place() {
     bool written = false;
-    for (std::size_t i = 0; i < held_.size(); ++i)
-      for (std::size_t j = 1; j < held_[i].size(); ++j)
-        if (const int64_t v = held_[i][j]._version(); v != versions_[i][j]) {
-          versions_[i][j] = v;
-          written = true;
-        }
-    for (std::size_t k = 0; k < watch_tensors_.size(); ++k)
-      if (const int64_t v = watch_tensors_[k]._version(); v != watch_versions_[k]) {
-        watch_versions_[k] = v;
+    for (auto& [t, v] : versioned_)
+      if (const int64_t now = t._version(); now != v) {
+        v = now;
         written = true;
       }
     return written;
@@ -604,9 +596,7 @@ class Engine {
   std::vector<at::Tensor> weights_;
   std::vector<void*> weight_ptrs_;
   std::vector<std::vector<at::Tensor>> held_;  // weights and state tensors the engine points into
-  std::vector<std::vector<int64_t>> versions_;  // their _version() as of the last step
-  std::vector<at::Tensor> watch_tensors_;       // the state tensors optimizer.state holds (watch_state)
-  std::vector<int64_t> watch_versions_;         // and their _version() as of the last step
+  std::vector<std::pair<at::Tensor, int64_t>> versioned_;  // state tensors and their last seen _version()
   std::vector<at::Tensor> grads_;              // the gradients bound for the current step
   std::vector<at::Tensor> watched_;            // parameters without a gradient at build time
   std::vector<std::pair<py::dict, py::dict>> state_watch_;  // (state[p], {key: its state tensor})
