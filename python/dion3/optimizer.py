@@ -776,7 +776,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         asynchronous = self._engine_cuda and not self._blocks()
         # The engine reads each parameter's .grad itself (no per-parameter Python work per step).
         status = self._run_engine(engine, asynchronous)
-        if status < 0:  # the set of parameters with gradients changed, or a weight moved (p.data = ...)
+        if status < 0:  # the parameters with gradients changed, or a weight or state tensor moved (.data = ...)
             if self._mesh is not None and not any(p.grad is not None for g in self.param_groups for p in g["params"]):
                 # No gradient on this rank while others may step: take part in their step's
                 # collectives (with the gradients bound last) so that every rank refuses it;
@@ -909,7 +909,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         again."""
         engine = self._engine
         if (engine is None or self._dirty or self._registration_key() != self._engine_key or
-                self._state_replaced() or engine.state_moved()):
+                self._state_replaced() or engine.state_moved() or engine.storage_moved()):
             raise RuntimeError("dion3: the optimizer's parameters, groups or state tensors changed since the capture; "
                                "capture again")
         self._push_groups(engine)

@@ -101,6 +101,33 @@ def test_capture_refuses_a_parameter_without_gradient_and_recaptures_after_a_pla
     wrapped.release()
 
 
+def test_a_weight_or_state_tensor_moved_to_other_storage_is_captured_again():
+    # The graph writes where the tensors were at capture: after .data = ... on a weight or a state
+    # tensor the wrapper steps eagerly (into the new storage) and captures again, as the eager
+    # optimizer beside it shows.
+    eager_p, graph_p = _model(3), _model(3)
+    eager = dion3.Dion3(eager_p[0], lr=0.02)
+    inner = dion3.Dion3(graph_p[0], lr=0.02)
+    wrapped = dion3.cuda_graph.CudaGraphOptimizer(inner, warmup_steps=1)
+    for p in graph_p[0]:
+        p.grad = torch.zeros_like(p)
+    for step in range(6):
+        for p, q, g in zip(eager_p[0], graph_p[0], _grads(step, eager_p[0])):
+            p.grad = g.clone()
+            q.grad.copy_(g)
+        if step == 3:
+            graph_p[0][0].data = graph_p[0][0].data.clone()
+        if step == 4:
+            inner.state[graph_p[0][1]]["momentum"].data = inner.state[graph_p[0][1]]["momentum"].data.clone()
+        eager.step()
+        wrapped.step()
+        assert wrapped.captured == (step in (1, 2, 5)), step
+        assert all(torch.equal(p, q) for p, q in zip(eager_p[0], graph_p[0])), step
+    for p, q in zip(eager_p[0], graph_p[0]):
+        assert torch.equal(eager.state[p]["momentum"], inner.state[q]["momentum"])
+    wrapped.release()
+
+
 @pytest.mark.parametrize("policy", ["skip", "raise"])
 def test_a_step_that_does_not_wait_drops_a_bad_step_and_reports_it(policy):
     mats, vecs = _model(3)

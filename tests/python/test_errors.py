@@ -300,6 +300,24 @@ def test_refresh_hyperparameters_keeps_an_in_place_state_write(device):
     assert not _step_past_a_written_momentum(p, opt)
 
 
+@pytest.mark.parametrize("moved", ["weight", "momentum"])
+def test_refresh_hyperparameters_refuses_storage_moved_since_the_capture(device, moved):
+    # A captured step writes where the tensors were at capture: after p.data = ... (or the same on a
+    # state tensor) a replay would update storage nobody reads, so refresh_hyperparameters() asks
+    # for a new capture; the next eager step follows the new storage.
+    p, opt = _after_small_steps(device)
+    opt.refresh_hyperparameters()
+    t = p if moved == "weight" else opt.state[p]["momentum"]
+    t.data = t.data.clone()
+    with pytest.raises(RuntimeError, match="capture again"):
+        opt.refresh_hyperparameters()
+    before = t.detach().clone()
+    p.grad = torch.full_like(p, 0.5)
+    opt.step()
+    assert not torch.equal(t, before)
+    opt.refresh_hyperparameters()
+
+
 def test_cuda_tensors_without_cuda_build():
     if not torch.cuda.is_available() or dion3.cuda_built():
         pytest.skip("needs a GPU and a CPU-only build")

@@ -222,6 +222,35 @@ def test_weight_reallocated_is_followed(device):
     assert not torch.equal(p, w)
 
 
+def test_state_reallocated_is_followed(device):
+    # state[p][k].data = other (new storage under the same tensor) steps as state[p][k] = other does:
+    # the engine follows the new storage instead of updating the old one, which nobody reads.
+    torch.manual_seed(0)
+    w0, b0 = torch.randn(16, 8, device=device), torch.randn(8, device=device)
+    grads = [(torch.randn_like(w0), torch.randn_like(b0)) for _ in range(3)]
+    results = []
+    for how in ("data", "assign"):
+        w, b = nn.Parameter(w0.clone()), nn.Parameter(b0.clone())
+        opt = dion3.Dion3([dict(params=[w]), dict(params=[b], algorithm="adamw")], lr=0.05, fraction=0.5)
+        for i, (gw, gb) in enumerate(grads):
+            w.grad, b.grad = gw.clone(), gb.clone()
+            opt.step()
+            if i == 0:
+                for p in (w, b):
+                    for k, t in opt.state[p].items():
+                        if isinstance(t, torch.Tensor) and k != "step":
+                            new = t * 0.5 + 0.25
+                            if how == "data":
+                                t.data = new
+                            else:
+                                opt.state[p][k] = new
+        results.append([w.detach().clone(), b.detach().clone()] +
+                       [t.clone() for p in (w, b) for k, t in sorted(opt.state[p].items()) if isinstance(t, torch.Tensor)])
+    assert len(results[0]) == 6  # two weights; momentum and variance_neuron, momentum and variance
+    for x, y in zip(*results):
+        assert torch.equal(x, y)
+
+
 def test_twenty_optimizers_over_different_shape_sets(device):
     opts = []
     for i in range(20):

@@ -370,7 +370,7 @@ class Engine {
     }
     const int index = opt_->add_param(group, spec);
     weights_.push_back(weight);
-    weight_ptrs_.push_back(weight.data_ptr());
+    weight_pins_.emplace_back(weight);
     held_.push_back(std::move(held));
     grads_.push_back(grad);
     return index;
@@ -386,15 +386,29 @@ class Engine {
   // any more. (The Python side notices state[p] = {} and state.clear() itself.)
   void watch_state(const std::vector<std::pair<py::dict, py::dict>>& entries) {
     state_watch_ = entries;
-    // The tensors whose versions state_written_in_place() follows: what optimizer.state holds and
-    // what the engine was given (a DTensor counts writes through it on itself, not on its local
-    // tensor, and a write to the local tensor on that alone).
-    versioned_.clear();
+    // The tensors whose versions (state_written_in_place) and storage (storage_moved) are
+    // followed: what optimizer.state holds and what the engine was given (a DTensor counts writes
+    // through it on itself, not on its local tensor, and a write to the local tensor on that alone;
+    // its storage is its local tensor's).
+    state_tensors_.clear();
     for (const auto& entry : state_watch_)
-      for (auto item : entry.second) versioned_.emplace_back(py::cast<at::Tensor>(item.second), 0);
+      for (auto item : entry.second) state_tensors_.push_back({py::cast<at::Tensor>(item.second)});
     for (const auto& held : held_)
-      for (std::size_t j = 1; j < held.size(); ++j) versioned_.emplace_back(held[j], 0);
-    for (auto& [t, v] : versioned_) v = t._version();
+      for (std::size_t j = 1; j < held.size(); ++j) state_tensors_.push_back({held[j]});
+    for (Watched& w : state_tensors_) {
+      w.version = w.tensor._version();
+      w.pin = Pin(w.tensor);
+    }
+  }
+  // Whether a weight or a state tensor now has other storage (p.data = ..., state[p][k].data = ...,
+  // resize_): the engine would go on updating the old one, which nobody reads; a rebuild registers
+  // the new one.
+  bool storage_moved() const {
+    for (std::size_t i = 0; i < weights_.size(); ++i)
+      if (weight_pins_[i].moved(weights_[i])) return true;
+    for (const Watched& w : state_tensors_)
+      if (w.pin.moved(w.tensor)) return true;
+    return false;
   }
   bool state_moved() const {
     for (const auto& [st, held] : state_watch_)
@@ -422,8 +436,9 @@ class Engine {
 
   // Binds this step's gradients (each registered weight's .grad) and runs the step. Returns 1
   // (applied), 0 (skipped: a gradient was not finite under on_nonfinite="skip"), or -1 (the
-  // caller must rebuild the engine: a weight's storage moved, or the set of parameters with a
-  // gradient changed; nothing was changed). Doing this here keeps per-parameter work out of Python.
+  // caller must rebuild the engine: a weight's or a state tensor's storage moved, or the set of
+  // parameters with a gradient changed; nothing was changed). Doing this here keeps per-parameter
+  // work out of Python.
   int step() { return run(false, nullptr); }
   // This rank has no gradient this step while others may step (Optimizer::refuse_step): the step's
   // collectives with the gradients bound last. False when every rank refused.
@@ -453,10 +468,9 @@ class Engine {
       RECORD_FUNCTION("dion3::bind_gradients", std::vector<c10::IValue>());
       for (const at::Tensor& w : watched_)
         if (w.grad().defined()) return -1;
-      if (state_moved()) return -1;
+      if (state_moved() || storage_moved()) return -1;
       for (int i = 0; i < n; ++i)
-        if (weights_[i].data_ptr() != weight_ptrs_[i] || !(given ? (*given)[i].defined() : weights_[i].grad().defined()))
-          return -1;
+        if (!(given ? (*given)[i].defined() : weights_[i].grad().defined())) return -1;
       for (int i = 0; i < n; ++i) {
         at::Tensor g;
         try {
@@ -560,13 +574,14 @@ class Engine {
   // again (Optimizer::state_changed).
   bool state_written_in_place() {
     bool written = false;
-    for (auto& [t, v] : versioned_)
-      if (const int64_t now = t._version(); now != v) {
-        v = now;
+    for (Watched& w : state_tensors_)
+      if (const int64_t now = w.tensor._version(); now != w.version) {
+        w.version = now;
         written = true;
       }
     return written;
   }
+
 
   static at::Tensor contiguous(at::Tensor g) {
     if (g.defined() && g.layout() != at::kStrided)  // is_contiguous() itself throws on sparse tensors
@@ -594,9 +609,29 @@ class Engine {
 #endif
   std::unique_ptr<dion3::Optimizer> opt_;  // after allocator_: destroyed first
   std::vector<at::Tensor> weights_;
-  std::vector<void*> weight_ptrs_;
+  // The storage the engine was given a tensor's memory in, kept alive until the next rebuild: the
+  // engine's pointers into it stay valid after the tensor moves to other storage (p.data = ...),
+  // and no other storage can take its place at its address, so moved() is exact.
+  struct Pin {
+    c10::Storage storage;  // none for a wrapper subclass (DTensor), which has no memory of its own
+    const void* data = nullptr;
+    Pin() = default;
+    explicit Pin(const at::Tensor& t)
+        : storage(t.unsafeGetTensorImpl()->unsafe_storage()), data(storage ? storage.data() : nullptr) {}
+    bool moved(const at::Tensor& t) const {
+      if (!storage) return false;
+      const c10::Storage& now = t.unsafeGetTensorImpl()->unsafe_storage();
+      return now.unsafeGetStorageImpl() != storage.unsafeGetStorageImpl() || now.data() != data;
+    }
+  };
+  std::vector<Pin> weight_pins_;
   std::vector<std::vector<at::Tensor>> held_;  // weights and state tensors the engine points into
-  std::vector<std::pair<at::Tensor, int64_t>> versioned_;  // state tensors and their last seen _version()
+  struct Watched {
+    at::Tensor tensor;
+    int64_t version = 0;  // its last seen _version()
+    Pin pin;
+  };
+  std::vector<Watched> state_tensors_;  // the state tensors
   std::vector<at::Tensor> grads_;              // the gradients bound for the current step
   std::vector<at::Tensor> watched_;            // parameters without a gradient at build time
   std::vector<std::pair<py::dict, py::dict>> state_watch_;  // (state[p], {key: its state tensor})
@@ -758,6 +793,7 @@ PYBIND11_MODULE(_C, m) {
       .def("watch", guarded(&Engine::watch))
       .def("watch_state", guarded(&Engine::watch_state))
       .def("state_moved", guarded(&Engine::state_moved))
+      .def("storage_moved", guarded(&Engine::storage_moved))
       .def("set_param_steps", guarded(&Engine::set_param_steps))
       .def("step", guarded(&Engine::step))
       .def("refuse_step", guarded(&Engine::refuse_step))
