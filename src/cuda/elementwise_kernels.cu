@@ -35,6 +35,7 @@ __global__ void sumsq_partial_kernel(const T* __restrict__ x, int64_t rows, int6
 // Matrix b's sum of squares from its rows' (row_sumsq[b*rows ...], gather_rows'), one block per
 // matrix, summed in a fixed order: the one partial sum that scale_*_kernel then reads.
 __global__ void sum_row_sumsq_kernel(const float* __restrict__ row_sumsq, int64_t rows, float* __restrict__ partial) {
+  pdl_wait();
   __shared__ float red[32];
   const int64_t b = blockIdx.x;
   float acc = 0.0f;
@@ -139,7 +140,9 @@ __global__ void convert_flat_kernel(const TI* __restrict__ in, int64_t n4, int64
 // 64 x 64 tiles through shared memory in fp32. Two kernels: transpose_pack_kernel moves 16-byte
 // packs (rows of in and out start 16-byte aligned and hold whole packs, out in fp16 or bf16), a
 // warp's access covering 128 contiguous bytes of each row; the element-wise transpose_kernel takes
-// everything else. Both issue a tile's loads before the inverse norm's, so those reads overlap.
+// everything else. Both issue a tile's loads before the inverse norm's, so those reads overlap;
+// with partial they are launched dependent on the kernel that writes it (launch_pdl), which only
+// reads in, so the loads go before pdl_wait() and overlap that kernel too.
 constexpr int kTT = 64;
 constexpr int kTransposeThreads = 256;
 constexpr int kTransposeWarps = kTransposeThreads / 32;
@@ -163,6 +166,7 @@ __global__ void __launch_bounds__(kTransposeThreads)
     const int q = u * kTransposeWarps + warp, r = q % kTT, c = (q / kTT) * 32 + lane;
     if (r0 + r < rows && c0 + c < cols) v[u] = ib[(r0 + r) * ld + c0 + c];
   }
+  pdl_wait();
   const float inv = partial ? inverse_norm(partial, nparts, b, eps) : 1.0f;
 #pragma unroll
   for (int u = 0; u < kSteps; ++u) {
@@ -220,6 +224,7 @@ __global__ void __launch_bounds__(kTransposeThreads)
     if (r0 + r < rows && c0 + c < cols)
       v[u] = load_streaming(reinterpret_cast<const PackV<TI, VI>*>(ib + (r0 + r) * ld + c0 + c));
   }
+  pdl_wait();
   const float inv = partial ? inverse_norm(partial, nparts, b, eps) : 1.0f;
 #pragma unroll
   for (int u = 0; u < kLoads; ++u) {
@@ -492,9 +497,14 @@ void transpose_scaled(const MatrixView& in, const MatrixView& out, const float* 
   DION3_DISPATCH_FLOAT(in.dtype, TI, [&] {
     DION3_DISPATCH_FLOAT(out.dtype, TO, [&] {
       auto kernel = transpose_kernel_for<TI, TO>(packs);
-      kernel<<<grid, kTransposeThreads, 0, s>>>(static_cast<const TI*>(in.data), in.rows, in.cols, in.ld,
-                                                bstride_of(in), static_cast<TO*>(out.data), out.ld,
-                                                bstride_of(out), partial, nparts, eps);
+      const auto* i = static_cast<const TI*>(in.data);
+      auto* o = static_cast<TO*>(out.data);
+      if (partial)
+        launch_pdl(kernel, grid, kTransposeThreads, 0, s, i, in.rows, in.cols, in.ld, bstride_of(in), o, out.ld,
+                   bstride_of(out), partial, nparts, eps);
+      else  // the previous kernel may be the one that writes in
+        kernel<<<grid, kTransposeThreads, 0, s>>>(i, in.rows, in.cols, in.ld, bstride_of(in), o, out.ld,
+                                                  bstride_of(out), partial, nparts, eps);
     });
   });
   DION3_CUDA_LAUNCH_CHECK();
@@ -516,7 +526,7 @@ void launch_normalize(const MatrixView& in, const MatrixView& out, float eps, co
   // where given (one partial), else from the elements (kNormBlocks partials).
   const int nparts = row_sumsq ? 1 : kNormBlocks;
   if (row_sumsq) {
-    sum_row_sumsq_kernel<<<nb, 256, 0, s>>>(row_sumsq, in.rows, scratch);
+    launch_pdl(sum_row_sumsq_kernel, nb, 256, 0, s, row_sumsq, in.rows, scratch);
   } else {
     DION3_DISPATCH_FLOAT(in.dtype, TI, [&] {
       if (flat)
