@@ -32,16 +32,20 @@ __global__ void sumsq_partial_kernel(const T* __restrict__ x, int64_t rows, int6
   if (threadIdx.x == 0) partial[b * gridDim.x + blockIdx.x] = acc;
 }
 
-// Matrix b's sum of squares from its rows' (row_sumsq[b*rows ...], gather_rows'), one block per
-// matrix, summed in a fixed order: the one partial sum that scale_*_kernel then reads.
+// Matrix b's sum of squares from its rows' (row_sumsq[b*rows ...], gather_rows') as
+// kRowSumParts partial sums, each block's in a fixed order: one block per matrix spent the
+// transpose's wait on one dependent load after another.
+constexpr int kRowSumParts = 32;
 __global__ void sum_row_sumsq_kernel(const float* __restrict__ row_sumsq, int64_t rows, float* __restrict__ partial) {
   pdl_wait();
   __shared__ float red[32];
-  const int64_t b = blockIdx.x;
+  const int64_t b = blockIdx.y;
   float acc = 0.0f;
-  for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) acc += row_sumsq[b * rows + r];
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < rows;
+       r += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    acc += row_sumsq[b * rows + r];
   acc = block_sum(acc, red);
-  if (threadIdx.x == 0) partial[b] = acc;
+  if (threadIdx.x == 0) partial[b * gridDim.x + blockIdx.x] = acc;
 }
 
 // 1 / (||x_b||_F + eps) from the per-block partial sums of squares of matrix b, for every
@@ -523,10 +527,11 @@ void launch_normalize(const MatrixView& in, const MatrixView& out, float eps, co
   const unsigned nb = static_cast<unsigned>(in.batch);
   const bool flat = flat4(in) && flat4(out);
   // First pass: each matrix's sum of squares as partial sums in scratch, from its rows' sums
-  // where given (one partial), else from the elements (kNormBlocks partials).
-  const int nparts = row_sumsq ? 1 : kNormBlocks;
+  // where given (kRowSumParts partials), else from the elements (kNormBlocks partials).
+  const int nparts = row_sumsq ? kRowSumParts : kNormBlocks;
+  static_assert(kRowSumParts <= kNormBlocks, "normalize_scratch_floats");
   if (row_sumsq) {
-    launch_pdl(sum_row_sumsq_kernel, nb, 256, 0, s, row_sumsq, in.rows, scratch);
+    launch_pdl(sum_row_sumsq_kernel, dim3(kRowSumParts, nb), 256, 0, s, row_sumsq, in.rows, scratch);
   } else {
     DION3_DISPATCH_FLOAT(in.dtype, TI, [&] {
       if (flat)
