@@ -24,6 +24,13 @@ def _grads(step, params):
     return [torch.randn(p.shape, device="cuda", generator=g).to(p.dtype) for p in params]
 
 
+def _same_grads(step, eager_params, graph_params):
+    """Step `step`'s gradients: new tensors on the eager side, copied into the graph side's own."""
+    for p, q, g in zip(eager_params, graph_params, _grads(step, eager_params)):
+        p.grad = g.clone()
+        q.grad.copy_(g)
+
+
 def _schedule(opt, step):
     for i, group in enumerate(opt.param_groups):  # every step, every group: lr and weight decay
         group["lr"] = (0.02 if i == 0 else 1e-3) * (1.0 - 0.07 * step)
@@ -43,9 +50,7 @@ def test_replayed_steps_equal_eager_steps_bit_for_bit_over_a_schedule(fraction):
     for p in ga:
         p.grad = torch.zeros_like(p)  # stable gradient tensors, filled in place
     for step in range(8):
-        for p, q, g in zip(ea, ga, _grads(step, ea)):
-            p.grad = g.clone()
-            q.grad.copy_(g)
+        _same_grads(step, ea, ga)
         _schedule(eager, step)
         _schedule(wrapped, step)
         eager.step()
@@ -70,9 +75,7 @@ def test_an_lr_scheduler_drives_the_replayed_step():
     for p in graph_p[0]:
         p.grad = torch.zeros_like(p)
     for step in range(5):
-        for p, q, g in zip(eager_p[0], graph_p[0], _grads(step, eager_p[0])):
-            p.grad = g.clone()
-            q.grad.copy_(g)
+        _same_grads(step, eager_p[0], graph_p[0])
         eager.step()
         wrapped.step()
         s1.step()
@@ -112,9 +115,7 @@ def test_a_weight_or_state_tensor_moved_to_other_storage_is_captured_again():
     for p in graph_p[0]:
         p.grad = torch.zeros_like(p)
     for step in range(6):
-        for p, q, g in zip(eager_p[0], graph_p[0], _grads(step, eager_p[0])):
-            p.grad = g.clone()
-            q.grad.copy_(g)
+        _same_grads(step, eager_p[0], graph_p[0])
         if step == 3:
             graph_p[0][0].data = graph_p[0][0].data.clone()
         if step == 4:
