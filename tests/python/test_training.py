@@ -222,6 +222,41 @@ def test_weight_reallocated_is_followed(device):
     assert not torch.equal(p, w)
 
 
+def test_weight_moved_within_its_storage_is_followed(device):
+    # p.data = another view of the same storage (another offset): the engine follows the new
+    # place, not the old one, which is left alone.
+    torch.manual_seed(0)
+    flat = torch.randn(256, device=device)
+    p = nn.Parameter(flat[:128].view(16, 8))
+    q = nn.Parameter(flat[:128].view(16, 8).clone())
+    opts = [dion3.Muon([x], lr=0.1) for x in (p, q)]
+    g = torch.randn(16, 8, device=device)
+    for x, opt in zip((p, q), opts):
+        x.grad = g.clone()
+        opt.step()
+    with torch.no_grad():
+        flat[128:] = flat[:128]
+    p.data = flat[128:].view(16, 8)
+    old = flat[:128].clone()
+    for x, opt in zip((p, q), opts):
+        x.grad = g.clone()
+        opt.step()
+    assert torch.equal(p, q) and torch.equal(flat[:128], old)
+
+
+def test_storage_left_behind_is_released_at_once(device):
+    # The engine keeps nothing of a storage a weight or state tensor left (model.to() and
+    # offloading move parameters with .data = ...): only the caller's reference remains.
+    p = nn.Parameter(torch.randn(16, 8, device=device))
+    opt = dion3.Dion3([p])
+    p.grad = torch.randn_like(p)
+    opt.step()
+    for t in (p, opt.state[p]["momentum"]):
+        old = t.untyped_storage()
+        t.data = t.data.clone()
+        assert torch._C._storage_Use_Count(old._cdata) == 1
+
+
 def test_state_reallocated_is_followed(device):
     # state[p][k].data = other (new storage under the same tensor) steps as state[p][k] = other does:
     # the engine follows the new storage instead of updating the old one, which nobody reads.

@@ -386,10 +386,9 @@ class Engine {
   // any more. (The Python side notices state[p] = {} and state.clear() itself.)
   void watch_state(const std::vector<std::pair<py::dict, py::dict>>& entries) {
     state_watch_ = entries;
-    // The tensors whose versions (state_written_in_place) and storage (storage_moved) are
+    // The tensors whose versions (state_written_in_place) and places (storage_moved) are
     // followed: what optimizer.state holds and what the engine was given (a DTensor counts writes
-    // through it on itself, not on its local tensor, and a write to the local tensor on that alone;
-    // its storage is its local tensor's).
+    // through it on itself, not on its local tensor, and a write to the local tensor on that alone).
     state_tensors_.clear();
     for (const auto& entry : state_watch_)
       for (auto item : entry.second) state_tensors_.push_back({py::cast<at::Tensor>(item.second)});
@@ -582,7 +581,6 @@ class Engine {
     return written;
   }
 
-
   static at::Tensor contiguous(at::Tensor g) {
     if (g.defined() && g.layout() != at::kStrided)  // is_contiguous() itself throws on sparse tensors
       throw dion3::Error(dion3::Status::InvalidArgument,
@@ -609,19 +607,31 @@ class Engine {
 #endif
   std::unique_ptr<dion3::Optimizer> opt_;  // after allocator_: destroyed first
   std::vector<at::Tensor> weights_;
-  // The storage the engine was given a tensor's memory in, kept alive until the next rebuild: the
-  // engine's pointers into it stay valid after the tensor moves to other storage (p.data = ...),
-  // and no other storage can take its place at its address, so moved() is exact.
+  // Where the engine was given a tensor's elements: the tensor's storage (a weak reference: it
+  // keeps the StorageImpl object, not its memory, so no later storage can share its identity),
+  // its first element's address, sizes and strides. moved(): the tensor now lies elsewhere
+  // (p.data = ..., a state tensor's .data = ..., resize_, set_), and the engine would update memory
+  // nobody reads (or that was freed). A DTensor's storage holds no memory: its identity alone is
+  // compared, and the local tensor the engine holds is pinned as well.
   struct Pin {
-    c10::Storage storage;  // none for a wrapper subclass (DTensor), which has no memory of its own
-    const void* data = nullptr;
+    std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> storage;
+    const void* first = nullptr;
+    std::vector<int64_t> sizes, strides;
     Pin() = default;
-    explicit Pin(const at::Tensor& t)
-        : storage(t.unsafeGetTensorImpl()->unsafe_storage()), data(storage ? storage.data() : nullptr) {}
+    explicit Pin(const at::Tensor& t) {
+      const c10::Storage& s = t.unsafeGetTensorImpl()->unsafe_storage();
+      if (!s) return;
+      storage = s.getWeakStorageImpl();
+      if (s.data() == nullptr) return;
+      first = t.data_ptr();
+      sizes = t.sizes().vec();
+      strides = t.strides().vec();
+    }
     bool moved(const at::Tensor& t) const {
       if (!storage) return false;
-      const c10::Storage& now = t.unsafeGetTensorImpl()->unsafe_storage();
-      return now.unsafeGetStorageImpl() != storage.unsafeGetStorageImpl() || now.data() != data;
+      if (t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl() != storage->_unsafe_get_target())
+        return true;
+      return first != nullptr && (t.data_ptr() != first || !t.sizes().equals(sizes) || !t.strides().equals(strides));
     }
   };
   std::vector<Pin> weight_pins_;
