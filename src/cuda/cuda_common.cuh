@@ -85,6 +85,9 @@ __device__ __forceinline__ bool skipped(const int* skip) { return skip != nullpt
 // set-up meanwhile), so it must call pdl_wait() before it first touches global memory:
 // griddepcontrol.wait returns once the previous kernel has completed and its writes are visible.
 // pdl_wait() then lets the stream's next kernel be scheduled in turn. Elsewhere it is a no-op.
+// Every kernel before the previous one has completed by the time this one starts (the previous
+// one waited for them first), so a kernel may read before pdl_wait() what only those wrote, where
+// its launch site knows that the previous kernel does not write it (the normalize's transposes).
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -94,7 +97,7 @@ __device__ __forceinline__ void pdl_wait() {
 
 // kernel<<<grid, block, smem, s>>>(args...) with programmatic stream serialization: the gap
 // between kernels (launch latency, the previous kernel's tail) overlaps this one's start. The
-// kernel must call pdl_wait() first (see above).
+// kernel must call pdl_wait() before it touches global memory (see above for the exception).
 template <class... Params, class... Args>
 void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem, cudaStream_t s,
                 Args&&... args) {

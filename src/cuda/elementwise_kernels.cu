@@ -33,8 +33,8 @@ __global__ void sumsq_partial_kernel(const T* __restrict__ x, int64_t rows, int6
 }
 
 // Matrix b's sum of squares from its rows' (row_sumsq[b*rows ...], gather_rows') as
-// kRowSumParts partial sums, each block's in a fixed order: one block per matrix spent the
-// transpose's wait on one dependent load after another.
+// kRowSumParts partial sums, each block's in a fixed order. Several blocks per matrix: the
+// transpose waits for this kernel, and one block would walk the sums one load after another.
 constexpr int kRowSumParts = 32;
 __global__ void sum_row_sumsq_kernel(const float* __restrict__ row_sumsq, int64_t rows, float* __restrict__ partial) {
   pdl_wait();

@@ -227,9 +227,6 @@ __global__ void selected_inverse_norm_kernel(const int32_t* __restrict__ idx, in
 
 // ---- gather_rows: out[i][s] = c_i*(scale_m*M[idx[s]] + scale_g*G[idx[s]]); M[idx[s]] *= decay,
 // with c_i = matrix_scale[i] (gather_normalized's inverse norms) or 1 ----
-// With matrix_scale the previous kernel on the stream is the one that writes it and nothing else
-// (launch_gather_normalized), and every kernel before that one has completed: the rows' loads are
-// issued before pdl_wait(), which then waits only for the scale, overlapping that kernel.
 // One warp per gathered row. With VEC each lane moves 4-element packs, four of them loaded before
 // any is stored (more bytes in flight than a block per row with one pack per thread). With
 // row_sumsq, also the sum of squares of the row as stored (each lane's sum in a fixed order, then
@@ -240,7 +237,7 @@ __global__ void __launch_bounds__(32 * kRowWarps)
                        Hyper scale_m_h, Hyper scale_g_h, Hyper decay_h, const float* __restrict__ matrix_scale,
                        TO* __restrict__ out, int64_t out_ld, int64_t out_bstride, float* __restrict__ row_sumsq,
                        const int* skip) {
-  if (matrix_scale == nullptr) pdl_wait();
+  pdl_wait();
   if (skipped(skip)) return;
   const float scale_m = scale_m_h.get(), scale_g = scale_g_h.get(), decay = decay_h.get();
   const int lane = threadIdx.x & 31;
@@ -258,17 +255,8 @@ __global__ void __launch_bounds__(32 * kRowWarps)
   TM* m = static_cast<TM*>(d.m) + r * d.ldm;
   const TG* g = static_cast<const TG*>(d.g) + r * d.ldg;
   const bool use_g = scale_g != 0.0f, do_decay = decay != 1.0f;
-  // Read after the first loads are in flight (see above).
-  float c = 1.0f;
-  bool scaled = matrix_scale == nullptr;
-  auto scale = [&] {
-    if (!scaled) {
-      pdl_wait();
-      c = matrix_scale[i];
-      scaled = true;
-    }
-    return c;
-  };
+  // Applied after the loads (a branch on it would hold them back behind this one).
+  const float c = matrix_scale ? matrix_scale[i] : 1.0f;
   float ss = 0.0f;
   if constexpr (VEC) {
     Pack4<TM>* m4 = reinterpret_cast<Pack4<TM>*>(m);
@@ -281,7 +269,7 @@ __global__ void __launch_bounds__(32 * kRowWarps)
                          const float mv = to_f32(mp.v[e]);
                          float v = scale_m * mv;
                          if (use_g) v += scale_g * to_f32(gp.v[e]);
-                         op.v[e] = from_f32<TO>(scale() * v);
+                         op.v[e] = from_f32<TO>(c * v);
                          mp.v[e] = from_f32<TM>(decay * mv);
                          const float stored = to_f32(op.v[e]);
                          ss += stored * stored;
@@ -294,7 +282,7 @@ __global__ void __launch_bounds__(32 * kRowWarps)
       const float mv = to_f32(m[j]);
       float v = scale_m * mv;
       if (use_g) v += scale_g * to_f32(g[j]);
-      const TO ov = from_f32<TO>(scale() * v);
+      const TO ov = from_f32<TO>(c * v);
       if (o) o[j] = ov;
       if (do_decay) m[j] = from_f32<TM>(decay * mv);
       ss += to_f32(ov) * to_f32(ov);
