@@ -647,11 +647,13 @@ class _EngineOptimizer(torch.optim.Optimizer):
                     t = _dist.local_part(value, p)
                     t = t if t.dtype == dtype else t.to(dtype=dtype)
                 elif _dist.is_dtensor(value) and not _dist.is_dtensor(p):
-                    t = value.full_tensor().detach().to(device=p.device, dtype=dtype, copy=True)
+                    t = value.full_tensor().detach().to(device=p.device, dtype=dtype, copy=True,
+                                                        memory_format=torch.contiguous_format)
                 elif _dist.is_dtensor(value):
-                    t = value.detach().to(dtype=dtype, copy=True)
+                    t = value.detach().to(dtype=dtype, copy=True, memory_format=torch.contiguous_format)
                 else:
-                    t = value.detach().to(device=p.device, dtype=dtype, copy=True)
+                    t = value.detach().to(device=p.device, dtype=dtype, copy=True,
+                                          memory_format=torch.contiguous_format)
                 if problem is None:
                     bad = _bad_value(_dist.local(t), name in _SECOND_MOMENTS)
                     if bad is not None:
@@ -909,7 +911,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         again."""
         engine = self._engine
         if (engine is None or self._dirty or self._registration_key() != self._engine_key or
-                self._state_replaced() or engine.state_moved() or engine.storage_moved()):
+                self._state_replaced() or engine.state_moved() or engine.storage_moved() or
+                engine.groups_changed()):
             raise RuntimeError("dion3: the optimizer's parameters, groups or state tensors changed since the capture; "
                                "capture again")
         self._push_groups(engine)
@@ -1135,6 +1138,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 adamw_check.append((group, p))
         unregistered = [p for g in self.param_groups for p in g["params"] if p.grad is None]
         engine.watch([p for p in unregistered if not _dist.is_dtensor(p)])
+        engine.watch_groups([(g, list(g["params"])) for g in self.param_groups])
         # Only AdamW's bias correction reads the engine's per-parameter counters; restoring them
         # costs a host round trip of the state (the engine has no cheaper setter yet), so it is
         # done only when an AdamW parameter resumes.

@@ -339,6 +339,27 @@ def test_load_hooks_run_where_torch_runs_them(which):
     assert sd["state"][0]["momentum"].abs().sum() > 0  # the caller's dict is not edited
 
 
+def test_a_non_contiguous_state_tensor_loads_and_resumes(device):
+    # A state_dict whose momentum is laid out column-major (a transposed copy, as some checkpoint
+    # tools write): the load copies it into the layout the engine steps, and the run resumes.
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(16, 8, device=device))
+    q = torch.nn.Parameter(p.detach().clone())
+    a, b = dion3.Muon([p], lr=0.1), dion3.Muon([q], lr=0.1)
+    g = torch.randn(16, 8, device=device)
+    p.grad = g.clone()
+    a.step()
+    sd = a.state_dict()
+    sd["state"][0] = dict(sd["state"][0], momentum=sd["state"][0]["momentum"].t().contiguous().t())
+    with torch.no_grad():
+        q.copy_(p)
+    b.load_state_dict(sd)
+    for x, opt in ((p, a), (q, b)):
+        x.grad = g * 2
+        opt.step()
+    assert torch.equal(p, q) and torch.equal(a.state[p]["momentum"], b.state[q]["momentum"])
+
+
 def test_the_count_of_skipped_steps_resumes():
     p = torch.nn.Parameter(torch.randn(8, 8))
     opt = dion3.Dion3([p], on_nonfinite="skip")

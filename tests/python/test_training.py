@@ -257,6 +257,51 @@ def test_storage_left_behind_is_released_at_once(device):
         assert torch._C._storage_Use_Count(old._cdata) == 1
 
 
+@pytest.mark.parametrize("how", ["data", "set_"])
+def test_a_gradient_given_new_storage_in_place_is_followed(device, how):
+    # The same .grad tensor with other storage (p.grad.data = ..., set_): the step reads the new
+    # values, as it does for a new .grad tensor, not the freed old storage.
+    ps = [nn.Parameter(torch.ones(64, 32, device=device)) for _ in range(2)]
+    opts = [dion3.Muon([p], lr=0.1) for p in ps]
+    for p, opt in zip(ps, opts):
+        p.grad = torch.ones_like(p)
+        opt.step()
+    ps[1].grad = torch.full_like(ps[0], 5.0)
+    new = ps[1].grad.clone()
+    if how == "data":
+        ps[0].grad.data = new
+    else:
+        ps[0].grad.set_(new)
+    filler = torch.ones(64, 32, device=device)  # may take the old gradient's freed place
+    for opt in opts:
+        opt.step()
+    del filler
+    assert torch.equal(ps[0], ps[1])
+    assert torch.equal(opts[0].state[ps[0]]["momentum"], opts[1].state[ps[1]]["momentum"])
+
+
+@pytest.mark.parametrize("how", ["item", "list"])
+def test_a_parameter_replaced_in_its_group_is_stepped_instead_of_the_old_one(device, how):
+    # param_groups[i]["params"][j] = new (or a new list of the same length): as in torch's own
+    # optimizers, the new parameter is stepped from fresh state and the old one is left alone.
+    torch.manual_seed(0)
+    old, new = nn.Parameter(torch.randn(16, 8, device=device)), nn.Parameter(torch.randn(16, 8, device=device))
+    fresh = nn.Parameter(new.detach().clone())
+    opt, ref = dion3.Muon([old], lr=0.1), dion3.Muon([fresh], lr=0.1)
+    old.grad = torch.randn_like(old)
+    opt.step()
+    if how == "item":
+        opt.param_groups[0]["params"][0] = new
+    else:
+        opt.param_groups[0]["params"] = [new]
+    new.grad = torch.randn_like(new)
+    fresh.grad = new.grad.clone()
+    before = old.detach().clone()
+    opt.step()
+    ref.step()
+    assert torch.equal(old, before) and torch.equal(new, fresh)
+
+
 def test_state_reallocated_is_followed(device):
     # state[p][k].data = other (new storage under the same tensor) steps as state[p][k] = other does:
     # the engine follows the new storage instead of updating the old one, which nobody reads.

@@ -373,12 +373,28 @@ class Engine {
     weight_pins_.emplace_back(weight);
     held_.push_back(std::move(held));
     grads_.push_back(grad);
+    grad_pins_.emplace_back(grad);
     return index;
   }
 
   // Parameters of the optimizer that had no gradient when the engine was built: if one gains a
   // gradient, step() asks for a rebuild.
   void watch(const std::vector<at::Tensor>& params) { watched_ = params; }
+
+  // Every param group and the parameters its "params" list held when the engine was built: if a
+  // list stops holding exactly these (a parameter replaced in place, a new list of the same
+  // length), step() asks for a rebuild instead of stepping the old parameters.
+  void watch_groups(const std::vector<std::pair<py::dict, std::vector<py::object>>>& groups) { groups_watch_ = groups; }
+  bool groups_changed() const {
+    for (const auto& [group, params] : groups_watch_) {
+      PyObject* now = PyDict_GetItemString(group.ptr(), "params");  // borrowed
+      if (now == nullptr || !PyList_Check(now) || PyList_GET_SIZE(now) != static_cast<Py_ssize_t>(params.size()))
+        return true;
+      for (std::size_t j = 0; j < params.size(); ++j)
+        if (PyList_GET_ITEM(now, static_cast<Py_ssize_t>(j)) != params[j].ptr()) return true;
+    }
+    return false;
+  }
 
   // For each registered parameter, its state dict (optimizer.state[p]) and the state tensors the
   // engine was given: if the dict stops holding one of them (state[p][k] = other), step() asks for
@@ -467,7 +483,7 @@ class Engine {
       RECORD_FUNCTION("dion3::bind_gradients", std::vector<c10::IValue>());
       for (const at::Tensor& w : watched_)
         if (w.grad().defined()) return -1;
-      if (state_moved() || storage_moved()) return -1;
+      if (state_moved() || storage_moved() || groups_changed()) return -1;
       for (int i = 0; i < n; ++i)
         if (!(given ? (*given)[i].defined() : weights_[i].grad().defined())) return -1;
       for (int i = 0; i < n; ++i) {
@@ -477,8 +493,10 @@ class Engine {
         } catch (const dion3::Error& e) {
           throw dion3::Error(e.status(), "parameter '" + opt_->param_name(i) + "': " + std::string(e.what()).substr(7));
         }
-        if (!g.is_same(grads_[i]) || g.data_ptr() != grads_[i].data_ptr()) {
+        // The same tensor may have been given other storage in place (p.grad.data = ..., set_).
+        if (!g.is_same(grads_[i]) || grad_pins_[i].moved(g)) {
           opt_->set_grad(i, view_of(g, "the gradient of " + opt_->param_name(i)));
+          grad_pins_[i] = Pin(g);
           grads_[i] = std::move(g);
         }
       }
@@ -643,8 +661,10 @@ class Engine {
   };
   std::vector<Watched> state_tensors_;  // the state tensors
   std::vector<at::Tensor> grads_;              // the gradients bound for the current step
+  std::vector<Pin> grad_pins_;                 // ... and where they were when bound
   std::vector<at::Tensor> watched_;            // parameters without a gradient at build time
   std::vector<std::pair<py::dict, py::dict>> state_watch_;  // (state[p], {key: its state tensor})
+  std::vector<std::pair<py::dict, std::vector<py::object>>> groups_watch_;  // (group, its params)
   std::vector<std::pair<py::object, std::shared_ptr<dion3::Communicator>>> comms_;
 };
 
@@ -804,6 +824,8 @@ PYBIND11_MODULE(_C, m) {
       .def("watch_state", guarded(&Engine::watch_state))
       .def("state_moved", guarded(&Engine::state_moved))
       .def("storage_moved", guarded(&Engine::storage_moved))
+      .def("watch_groups", guarded(&Engine::watch_groups))
+      .def("groups_changed", guarded(&Engine::groups_changed))
       .def("set_param_steps", guarded(&Engine::set_param_steps))
       .def("step", guarded(&Engine::step))
       .def("refuse_step", guarded(&Engine::refuse_step))
