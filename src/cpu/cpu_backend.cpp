@@ -206,9 +206,11 @@ class CpuBackend final : public Backend {
             break;
           case StepCheck::AdamW:
             load_row(cols_slice(x.state2, c0), 0, 0, v.data());
-            for (int64_t j = 0; j < G.cols; ++j)
+            for (int64_t j = 0; j < G.cols; ++j) {
+              const float v1 = cpu::round_to(st, AdamWRule::exp_avg_sq(v[j], g[j], b));  // >= 0: see the CUDA check
               ok &= std::isfinite(g[j]) && std::isfinite(cpu::round_to(st, AdamWRule::exp_avg(m[j], g[j], a))) &&
-                    std::isfinite(cpu::round_to(st, AdamWRule::exp_avg_sq(v[j], g[j], b)));
+                    std::isfinite(v1) && v1 >= 0.0f;
+            }
             break;
           case StepCheck::Lion:
             for (int64_t j = 0; j < G.cols; ++j)

@@ -659,7 +659,10 @@ __device__ __forceinline__ bool step_element_finite(float g, float m, float v, f
     if (!(fabsf(m1) < bound)) return false;
     return b == 0.0f || fabsf(b * to_f32(from_f32<TS>(m1)) + g) < overflow_bound<float>();
   } else if constexpr (kRule == StepCheck::AdamW) {
-    return fabsf(AdamWRule::exp_avg(m, g, a)) < bound && fabsf(AdamWRule::exp_avg_sq(v, g, b)) < bound;
+    // The second moment also >= 0: the update divides by its square root (a negative one can only
+    // have been written from outside, and the step would make the weights NaN).
+    const float v1 = AdamWRule::exp_avg_sq(v, g, b);
+    return fabsf(AdamWRule::exp_avg(m, g, a)) < bound && v1 >= 0.0f && v1 < bound;
   } else {
     return fabsf(LionRule::exp_avg(m, g, b)) < bound;
   }

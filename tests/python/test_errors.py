@@ -439,6 +439,22 @@ def test_load_state_dict_casts_state_to_what_the_group_needs(device):
     assert opt.state[ps[2]]["step"] == 3
 
 
+def test_a_negative_adamw_second_moment_written_in_place_drops_the_step(device):
+    # load_state_dict refuses a negative second moment; one written in place is caught by the
+    # step's check instead (the update would divide by its square root): nothing is changed.
+    p = nn.Parameter(torch.randn(8, device=device))
+    opt = dion3.Dion3([dict(params=[p], algorithm="adamw")], on_nonfinite="skip")
+    p.grad = torch.randn_like(p)
+    opt.step()
+    with torch.no_grad():
+        opt.state[p]["variance"][0] = -1.0
+    state = {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+    before = p.detach().clone()
+    opt.step()
+    assert opt.steps_skipped == 1 and torch.equal(p, before)
+    assert all(torch.equal(opt.state[p][k], v) for k, v in state.items())
+
+
 def test_raised_step_counts_nowhere(device):
     p = mat(device)
     opt = dion3.Dion3([p])
