@@ -455,6 +455,21 @@ def test_a_negative_adamw_second_moment_written_in_place_drops_the_step(device):
     assert all(torch.equal(opt.state[p][k], v) for k, v in state.items())
 
 
+@pytest.mark.parametrize("which", ["weight", "momentum"])
+def test_a_storage_shrunk_in_place_is_refused(device, which):
+    # untyped_storage().resize_ to fewer bytes than the tensor spans: the step refuses it by name
+    # instead of writing past the storage's end.
+    p = mat(device, 16, 8)
+    opt = dion3.Dion3([p])
+    p.grad = torch.randn_like(p)
+    opt.step()
+    t = p if which == "weight" else opt.state[p]["momentum"]
+    t.untyped_storage().resize_(64 * t.element_size())
+    p.grad = torch.randn_like(p)
+    with pytest.raises(ValueError, match="past the end of its storage"):
+        opt.step()
+
+
 def test_raised_step_counts_nowhere(device):
     p = mat(device)
     opt = dion3.Dion3([p])

@@ -65,6 +65,11 @@ dion3::TensorView view_of(const at::Tensor& t, const std::string& who) {
                        who + " is not contiguous (strides " +
                            dion3::shape_string(std::vector<int64_t>(t.strides().begin(), t.strides().end())) +
                            "); dion3 needs contiguous tensors");
+  // A storage shrunk in place (untyped_storage().resize_) would have the engine write past its end.
+  if (t.numel() > 0 &&
+      static_cast<std::size_t>(t.storage_offset() + t.numel()) * t.itemsize() > t.storage().nbytes())
+    throw dion3::Error(dion3::Status::InvalidArgument,
+                       who + " reaches past the end of its storage (was the storage resized in place?)");
   dion3::TensorView v;
   v.data = t.data_ptr();
   v.dtype = to_dtype(t.scalar_type());
