@@ -258,9 +258,10 @@ class DION3_API Backend {
   // *flag |= 1 if any element of any view is NaN or Inf.
   virtual void check_finite(std::span<const MatrixView> xs, int* flag) = 0;
   // *flag |= 1 if any gradient element is NaN or Inf, or any state element the step would
-  // store (rounded to the state's dtype) would be, or an AdamW second moment negative: a finite
-  // gradient can still overflow the momentum or a second moment, and such a step must be dropped
-  // before anything is written.
+  // store (rounded to the state's dtype) would be, or an AdamW second moment would be negative
+  // (before rounding, as the update's square root takes it): a finite gradient can still
+  // overflow the momentum or a second moment, and such a step must be dropped before anything
+  // is written.
   virtual void check_step(std::span<const StepCheck> xs, int* flag) = 0;
   // M = decay*M + G for each matrix; if scores != null, scores[i*rows + r] = sum_j |M_i[r,j]|
   // taken after the update; if row_sumsq != null, row_sumsq[i*rows + r] = sum_j M_i[r,j]^2 (both

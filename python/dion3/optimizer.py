@@ -768,8 +768,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
             # CUDA-graph capture: the engine's capture-safe step (no host synchronisation). Step
             # counters then advance on the device only; _sync_counters() brings them back.
             if self._run_engine(engine, True) < 0:
-                raise CaptureNotReady("dion3: the parameters with gradients (or their storage) changed "
-                                      "since the last step; run one eager step before capturing")
+                raise CaptureNotReady("dion3: the parameters with gradients, their groups or their storage "
+                                      "changed since the last step; run one eager step before capturing")
             self._counters_pending = True
             return loss
         self._raise_deferred(poll=True)
@@ -778,7 +778,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         asynchronous = self._engine_cuda and not self._blocks()
         # The engine reads each parameter's .grad itself (no per-parameter Python work per step).
         status = self._run_engine(engine, asynchronous)
-        if status < 0:  # the parameters with gradients changed, or a weight or state tensor moved (.data = ...)
+        if status < 0:  # parameters, their groups or gradients changed, or a weight or state tensor moved
             if self._mesh is not None and not any(p.grad is not None for g in self.param_groups for p in g["params"]):
                 # No gradient on this rank while others may step: take part in their step's
                 # collectives (with the gradients bound last) so that every rank refuses it;
@@ -832,7 +832,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             self._pushed[i] = (keys, _plain_snapshot(group, keys), len(group))
 
     def _run_engine(self, engine, asynchronous: bool) -> int:
-        """The engine's step; -1 asks for a rebuild (the set of parameters with gradients changed)."""
+        """The engine's step; -1 asks for a rebuild (parameters, groups or storage changed: see step)."""
         if self._dtensors:
             # DTensor gradients live on the DTensor, not on the local shard the engine holds: hand
             # the engine this step's local gradients.
@@ -912,7 +912,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         engine = self._engine
         if (engine is None or self._dirty or self._registration_key() != self._engine_key or
                 self._state_replaced() or engine.state_moved() or engine.storage_moved() or
-                engine.groups_changed()):
+                engine.groups_changed() or engine.grads_moved()):
             raise RuntimeError("dion3: the optimizer's parameters, groups or state tensors changed since the capture; "
                                "capture again")
         self._push_groups(engine)

@@ -207,9 +207,10 @@ class CpuBackend final : public Backend {
           case StepCheck::AdamW:
             load_row(cols_slice(x.state2, c0), 0, 0, v.data());
             for (int64_t j = 0; j < G.cols; ++j) {
-              const float v1 = cpu::round_to(st, AdamWRule::exp_avg_sq(v[j], g[j], b));  // >= 0: see the CUDA check
+              // >= 0 before rounding: the update takes the square root of that value.
+              const float v1 = AdamWRule::exp_avg_sq(v[j], g[j], b);
               ok &= std::isfinite(g[j]) && std::isfinite(cpu::round_to(st, AdamWRule::exp_avg(m[j], g[j], a))) &&
-                    std::isfinite(v1) && v1 >= 0.0f;
+                    std::isfinite(cpu::round_to(st, v1)) && v1 >= 0.0f;
             }
             break;
           case StepCheck::Lion:

@@ -300,21 +300,20 @@ def test_refresh_hyperparameters_keeps_an_in_place_state_write(device):
     assert not _step_past_a_written_momentum(p, opt)
 
 
-@pytest.mark.parametrize("moved", ["weight", "momentum"])
+@pytest.mark.parametrize("moved", ["weight", "momentum", "gradient"])
 def test_refresh_hyperparameters_refuses_storage_moved_since_the_capture(device, moved):
-    # A captured step writes where the tensors were at capture: after p.data = ... (or the same on a
-    # state tensor) a replay would update storage nobody reads, so refresh_hyperparameters() asks
-    # for a new capture; the next eager step follows the new storage.
+    # A captured step uses the tensors where they were at capture: after p.data = ... (or the same
+    # on a state tensor or the gradient) a replay would use storage nobody reads any more, so
+    # refresh_hyperparameters() asks for a new capture; the next eager step follows the new storage.
     p, opt = _after_small_steps(device)
     opt.refresh_hyperparameters()
-    t = p if moved == "weight" else opt.state[p]["momentum"]
+    t = {"weight": p, "momentum": opt.state[p]["momentum"], "gradient": p.grad}[moved]
     t.data = t.data.clone()
     with pytest.raises(RuntimeError, match="capture again"):
         opt.refresh_hyperparameters()
-    before = t.detach().clone()
-    p.grad = torch.full_like(p, 0.5)
+    before = p.detach().clone()
     opt.step()
-    assert not torch.equal(t, before)
+    assert not torch.equal(p, before)
     opt.refresh_hyperparameters()
 
 
@@ -439,17 +438,21 @@ def test_load_state_dict_casts_state_to_what_the_group_needs(device):
     assert opt.state[ps[2]]["step"] == 3
 
 
-def test_a_negative_adamw_second_moment_written_in_place_drops_the_step(device):
+@pytest.mark.parametrize("dtype, value, grad", [(torch.float32, -1.0, 0.5), (torch.float16, -2.0**-24, 6.3e-3)])
+def test_a_negative_adamw_second_moment_written_in_place_drops_the_step(device, dtype, value, grad):
     # load_state_dict refuses a negative second moment; one written in place is caught by the
-    # step's check instead (the update would divide by its square root): nothing is changed.
-    p = nn.Parameter(torch.randn(8, device=device))
-    opt = dion3.Dion3([dict(params=[p], algorithm="adamw")], on_nonfinite="skip")
-    p.grad = torch.randn_like(p)
+    # step's check instead (the update would divide by its square root): nothing is changed. The
+    # float16 case: the new second moment is negative but rounds to -0 in the state's dtype.
+    p = nn.Parameter(torch.full((8,), 0.5, device=device, dtype=dtype))
+    opt = dion3.Dion3([dict(params=[p], algorithm="adamw", betas=(0.9, 0.999))], on_nonfinite="skip")
+    p.grad = torch.full_like(p, grad)
     opt.step()
     with torch.no_grad():
-        opt.state[p]["variance"][0] = -1.0
+        opt.state[p]["variance"].zero_()
+        opt.state[p]["variance"][0] = value
     state = {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
     before = p.detach().clone()
+    p.grad = torch.full_like(p, grad)
     opt.step()
     assert opt.steps_skipped == 1 and torch.equal(p, before)
     assert all(torch.equal(opt.state[p][k], v) for k, v in state.items())

@@ -280,9 +280,9 @@ def test_a_gradient_given_new_storage_in_place_is_followed(device, how):
     assert torch.equal(opts[0].state[ps[0]]["momentum"], opts[1].state[ps[1]]["momentum"])
 
 
-@pytest.mark.parametrize("how", ["item", "list"])
+@pytest.mark.parametrize("how", ["item", "list", "tuple"])
 def test_a_parameter_replaced_in_its_group_is_stepped_instead_of_the_old_one(device, how):
-    # param_groups[i]["params"][j] = new (or a new list of the same length): as in torch's own
+    # param_groups[i]["params"][j] = new (or a new list or tuple of the same length): as in torch's own
     # optimizers, the new parameter is stepped from fresh state and the old one is left alone.
     torch.manual_seed(0)
     old, new = nn.Parameter(torch.randn(16, 8, device=device)), nn.Parameter(torch.randn(16, 8, device=device))
@@ -292,8 +292,10 @@ def test_a_parameter_replaced_in_its_group_is_stepped_instead_of_the_old_one(dev
     opt.step()
     if how == "item":
         opt.param_groups[0]["params"][0] = new
-    else:
+    elif how == "list":
         opt.param_groups[0]["params"] = [new]
+    else:
+        opt.param_groups[0]["params"] = (new,)
     new.grad = torch.randn_like(new)
     fresh.grad = new.grad.clone()
     before = old.detach().clone()

@@ -393,10 +393,13 @@ class Engine {
   bool groups_changed() const {
     for (const auto& [group, params] : groups_watch_) {
       PyObject* now = PyDict_GetItemString(group.ptr(), "params");  // borrowed
-      if (now == nullptr || !PyList_Check(now) || PyList_GET_SIZE(now) != static_cast<Py_ssize_t>(params.size()))
+      // A list, or a tuple set by hand (torch's optimizers take either).
+      if (now == nullptr || !(PyList_Check(now) || PyTuple_Check(now)) ||
+          PySequence_Fast_GET_SIZE(now) != static_cast<Py_ssize_t>(params.size()))
         return true;
+      PyObject** items = PySequence_Fast_ITEMS(now);
       for (std::size_t j = 0; j < params.size(); ++j)
-        if (PyList_GET_ITEM(now, static_cast<Py_ssize_t>(j)) != params[j].ptr()) return true;
+        if (items[j] != params[j].ptr()) return true;
     }
     return false;
   }
@@ -430,6 +433,15 @@ class Engine {
       if (w.pin.moved(w.tensor)) return true;
     return false;
   }
+  // Whether a parameter's .grad is still the tensor bound last but now has other storage
+  // (p.grad.data = ..., set_): step() rebinds it, a replay of a captured step would read the old.
+  bool grads_moved() const {
+    for (std::size_t i = 0; i < weights_.size(); ++i) {
+      const at::Tensor& g = weights_[i].grad();
+      if (g.defined() && g.is_same(grads_[i]) && grad_pins_[i].moved(g)) return true;
+    }
+    return false;
+  }
   bool state_moved() const {
     for (const auto& [st, held] : state_watch_)
       for (auto item : held) {  // string keys: their hashes are cached
@@ -456,9 +468,9 @@ class Engine {
 
   // Binds this step's gradients (each registered weight's .grad) and runs the step. Returns 1
   // (applied), 0 (skipped: a gradient was not finite under on_nonfinite="skip"), or -1 (the
-  // caller must rebuild the engine: a weight's or a state tensor's storage moved, or the set of
-  // parameters with a gradient changed; nothing was changed). Doing this here keeps per-parameter
-  // work out of Python.
+  // caller must rebuild the engine: a weight's or a state tensor's storage moved, a group's params
+  // changed, or the set of parameters with a gradient did; nothing was changed). Doing this here
+  // keeps per-parameter work out of Python.
   int step() { return run(false, nullptr); }
   // This rank has no gradient this step while others may step (Optimizer::refuse_step): the step's
   // collectives with the gradients bound last. False when every rank refused.
@@ -831,6 +843,7 @@ PYBIND11_MODULE(_C, m) {
       .def("storage_moved", guarded(&Engine::storage_moved))
       .def("watch_groups", guarded(&Engine::watch_groups))
       .def("groups_changed", guarded(&Engine::groups_changed))
+      .def("grads_moved", guarded(&Engine::grads_moved))
       .def("set_param_steps", guarded(&Engine::set_param_steps))
       .def("step", guarded(&Engine::step))
       .def("refuse_step", guarded(&Engine::refuse_step))
