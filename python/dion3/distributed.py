@@ -190,26 +190,28 @@ def _multi_dim_layout(p, pmesh, placements, shard_dims, who, matrix, flatten) ->
         "mesh dimensions (FSDP2 over ColwiseParallel) and row x column blocks (FSDP2 over RowwiseParallel)")
 
 
-def zeros_like_layout(p: torch.Tensor, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def zeros_like_layout(p: torch.Tensor, shape: Tuple[int, ...], dtype: torch.dtype,
+                      per_row: bool = False) -> torch.Tensor:
     """A zero state tensor for p: plain, or a DTensor with p's mesh and placements whose global
-    shape is `shape` (the momentum: p's shape; the variance: p[..., 0:1]'s)."""
+    shape is `shape` (the momentum: p's shape; the per-row variance, per_row: p[..., 0:1]'s)."""
     if not is_dtensor(p):
         return torch.zeros(shape, dtype=dtype, device=p.device)
-    placements = _placements_for(shape, p.placements, tuple(p.shape))
+    placements = _placements_for(shape, p.placements, tuple(p.shape), per_row)
     lt = torch.zeros(_local_shape(shape, p.device_mesh, placements), dtype=dtype, device=p.to_local().device)
     return DTensor.from_local(lt, p.device_mesh, placements, run_check=False,
                               shape=torch.Size(shape), stride=_contiguous_stride(shape))
 
 
-def _placements_for(shape: Tuple[int, ...], placements, like: Tuple[int, ...]) -> Tuple:
+def _placements_for(shape: Tuple[int, ...], placements, like: Tuple[int, ...], per_row: bool = False) -> Tuple:
     """Placements of a state tensor of `shape` for a parameter of shape `like` placed so: a
-    tensor of the parameter's shape is placed as the parameter; the per-row variance
-    (p[..., 0:1], one column where the parameter has more) keeps the row shards and drops the
-    shards of its column (every rank of a column shard holds all its rows' values), as it drops
-    shards of dimensions it does not have."""
+    tensor of the parameter's shape is placed as the parameter; the per-row variance (per_row:
+    p[..., 0:1], its last dimension one column, even where the parameter has one column too)
+    keeps the row shards and drops the shards of its column (every rank of a column shard holds
+    all its rows' values), as it drops shards of dimensions it does not have."""
     out = []
     for pl in placements:
-        if _is_shard(pl) and (pl.dim >= len(shape) or (pl.dim < len(like) and shape[pl.dim] != like[pl.dim])):
+        if _is_shard(pl) and (pl.dim >= len(shape) or (per_row and pl.dim == len(shape) - 1) or
+                              (pl.dim < len(like) and shape[pl.dim] != like[pl.dim])):
             out.append(Replicate())
         else:
             out.append(pl)
@@ -255,11 +257,12 @@ def _local_shape(shape: Tuple[int, ...], mesh: Any, placements) -> Tuple[int, ..
     return _local_box(shape, mesh, placements)[1]
 
 
-def local_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def local_part(full: torch.Tensor, like: torch.Tensor, per_row: bool = False) -> torch.Tensor:
     """This rank's part of a full (unsharded) tensor, as a DTensor placed like `like` (a DTensor
-    parameter or state tensor): loading a single-device checkpoint into a sharded run."""
+    parameter or state tensor; per_row as for zeros_like_layout): loading a single-device
+    checkpoint into a sharded run."""
     shape = tuple(full.shape)
-    mesh, placements = like.device_mesh, _placements_for(shape, like.placements, tuple(like.shape))
+    mesh, placements = like.device_mesh, _placements_for(shape, like.placements, tuple(like.shape), per_row)
     part = full
     for d, (start, n) in enumerate(zip(*_local_box(shape, mesh, placements))):
         if n != shape[d]:

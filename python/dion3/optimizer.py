@@ -317,7 +317,7 @@ def _state_tensors(group: Dict[str, Any], p: torch.Tensor, old: Dict[str, Any]) 
         # changed before the parameter's first step is made again.
         if t is None or (getattr(t, "_dion3_initial", False) and not old.get("step", 0) and
                          (t.dtype != dtype or tuple(t.shape) != tuple(shape))):
-            t = _dist.zeros_like_layout(p, shape, dtype)
+            t = _dist.zeros_like_layout(p, shape, dtype, name in _PER_ROW)
         st[name] = t
     return st
 
@@ -341,6 +341,7 @@ def _structure_key(group: Dict[str, Any]) -> Tuple:
 
 # Running means of squares (NorMuon's row variance, AdamW's second moment): never negative.
 _SECOND_MOMENTS = ("variance_neuron", "variance")
+_PER_ROW = ("variance_neuron",)  # one value per row of the matrix, whatever its columns
 # The engine counts steps in int64 and adds one per step: the largest count it can go on from.
 _MAX_STEP = 2**63 - 2
 
@@ -525,7 +526,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
     def _zero_state(self, group: Dict[str, Any], p: torch.Tensor) -> Dict[str, Any]:
         st: Dict[str, Any] = {}
         for name, dtype, shape in _state_shapes(group, p):
-            t = _dist.zeros_like_layout(p, shape, dtype)
+            t = _dist.zeros_like_layout(p, shape, dtype, name in _PER_ROW)
             t._dion3_initial = True  # made here, not given: may be remade if the group's settings change
             st[name] = t
         st["step"] = 0
@@ -644,7 +645,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 value = st[name]
                 if _dist.is_dtensor(p) and not _dist.is_dtensor(value):
                     # A single-device (full) checkpoint loaded into a sharded run: keep this rank's part.
-                    t = _dist.local_part(value, p)
+                    t = _dist.local_part(value, p, name in _PER_ROW)
                     t = t if t.dtype == dtype else t.to(dtype=dtype)
                 elif _dist.is_dtensor(value) and not _dist.is_dtensor(p):
                     t = value.full_tensor().detach().to(device=p.device, dtype=dtype, copy=True,
@@ -709,7 +710,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
                         raise ValueError(f"dion3: load_state_dict: {what} has shape {list(value.shape)}, "
                                          f"expected {list(shape)}")
                     if _dist.is_dtensor(value) and _dist.is_dtensor(p):
-                        want = _dist._placements_for(tuple(shape), p.placements, tuple(p.shape))
+                        want = _dist._placements_for(tuple(shape), p.placements, tuple(p.shape),
+                                                     name in _PER_ROW)
                         if not _dist.same_mesh(value.device_mesh, p.device_mesh) or tuple(value.placements) != want:
                             raise ValueError(f"dion3: load_state_dict: {what} is placed {list(value.placements)} "
                                              f"on {value.device_mesh}, expected {list(want)} on {p.device_mesh} "

@@ -115,8 +115,9 @@ def fsdp(rank, world, mesh, placements, shard_ranks, opt_cls, algorithm, pass_me
             assert tuple(st["variance_neuron"].shape) == (p.shape[0], 1)
 
 
-# Column shards: uneven (18 columns) and, on 4 ranks, one rank without columns (3).
-COL_SHAPES = [(24, 40), (24, 40), (24, 40), (40, 18), (12, 3)]
+# Column shards: uneven (18 columns), one column (ranks past the first hold none) and, on 4 ranks,
+# one rank without columns (3).
+COL_SHAPES = [(24, 40), (24, 40), (24, 40), (40, 18), (9, 1), (12, 3)]
 
 
 def nonfinite(rank, world, mesh):
