@@ -913,8 +913,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         again."""
         engine = self._engine
         if (engine is None or self._dirty or self._registration_key() != self._engine_key or
-                self._state_replaced() or engine.state_moved() or engine.storage_moved() or
-                engine.groups_changed() or engine.grads_moved()):
+                self._state_replaced() or engine.stale_for_replay()):
             raise RuntimeError("dion3: the optimizer's parameters, groups or state tensors changed since the capture; "
                                "capture again")
         self._push_groups(engine)

@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <unordered_set>
 #include <string>
 #include <vector>
 
@@ -413,15 +414,16 @@ class Engine {
     // The tensors whose versions (state_written_in_place) and places (storage_moved) are
     // followed: what optimizer.state holds and what the engine was given (a DTensor counts writes
     // through it on itself, not on its local tensor, and a write to the local tensor on that alone).
+    // Each tensor once: most state tensors are both.
     state_tensors_.clear();
+    std::unordered_set<const c10::TensorImpl*> seen;
+    auto add = [&](const at::Tensor& t) {
+      if (seen.insert(t.unsafeGetTensorImpl()).second) state_tensors_.push_back({t, t._version(), Pin(t)});
+    };
     for (const auto& entry : state_watch_)
-      for (auto item : entry.second) state_tensors_.push_back({py::cast<at::Tensor>(item.second)});
+      for (auto item : entry.second) add(py::cast<at::Tensor>(item.second));
     for (const auto& held : held_)
-      for (std::size_t j = 1; j < held.size(); ++j) state_tensors_.push_back({held[j]});
-    for (Watched& w : state_tensors_) {
-      w.version = w.tensor._version();
-      w.pin = Pin(w.tensor);
-    }
+      for (std::size_t j = 1; j < held.size(); ++j) add(held[j]);
   }
   // Whether a weight or a state tensor now has other storage (p.data = ..., state[p][k].data = ...,
   // resize_): the engine would go on updating the old one, which nobody reads; a rebuild registers
@@ -442,6 +444,11 @@ class Engine {
     }
     return false;
   }
+  // What step() rebuilds the engine for (its -1): a state tensor replaced in its dict, a weight or
+  // state tensor moved, a group's params changed. A captured step cannot follow these either, nor
+  // a gradient moved in place (which step() rebinds): stale_for_replay().
+  bool needs_rebuild() const { return state_moved() || storage_moved() || groups_changed(); }
+  bool stale_for_replay() const { return needs_rebuild() || grads_moved(); }
   bool state_moved() const {
     for (const auto& [st, held] : state_watch_)
       for (auto item : held) {  // string keys: their hashes are cached
@@ -500,7 +507,7 @@ class Engine {
       RECORD_FUNCTION("dion3::bind_gradients", std::vector<c10::IValue>());
       for (const at::Tensor& w : watched_)
         if (w.grad().defined()) return -1;
-      if (state_moved() || storage_moved() || groups_changed()) return -1;
+      if (needs_rebuild()) return -1;
       for (int i = 0; i < n; ++i)
         if (!(given ? (*given)[i].defined() : weights_[i].grad().defined())) return -1;
       for (int i = 0; i < n; ++i) {
@@ -839,11 +846,8 @@ PYBIND11_MODULE(_C, m) {
       .def("step_async_with", guarded(&Engine::step_async_with))
       .def("watch", guarded(&Engine::watch))
       .def("watch_state", guarded(&Engine::watch_state))
-      .def("state_moved", guarded(&Engine::state_moved))
-      .def("storage_moved", guarded(&Engine::storage_moved))
       .def("watch_groups", guarded(&Engine::watch_groups))
-      .def("groups_changed", guarded(&Engine::groups_changed))
-      .def("grads_moved", guarded(&Engine::grads_moved))
+      .def("stale_for_replay", guarded(&Engine::stale_for_replay))
       .def("set_param_steps", guarded(&Engine::set_param_steps))
       .def("step", guarded(&Engine::step))
       .def("refuse_step", guarded(&Engine::refuse_step))
