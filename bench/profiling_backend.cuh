@@ -75,6 +75,9 @@ class ProfilingBackend final : public dion3::Backend {
     shape_ = "all";
     wrap("other", [&] { in_->finish_step(f, c, count_dropped); });
   }
+  void settle_agreement(int* words, int regions) override {
+    wrap("other", [&] { in_->settle_agreement(words, regions); });
+  }
   std::unique_ptr<dion3::MatrixSet> new_matrix_set() override { return in_->new_matrix_set(); }
   void refresh(dion3::MatrixSet& set) override {
     name(set);

@@ -128,6 +128,22 @@ struct LionParams {
 // The step's flag bit of a distributed step that some rank refused for want of gradients
 // (Optimizer::refuse_step; the agreement is described in comm.hpp).
 inline constexpr int kRankWithoutGradients = 2;
+// ... of a distributed step whose ranks planned different steps: nothing is written and the step
+// is not counted (the agreement carries each rank's plan digest, comm.hpp).
+inline constexpr int kPlansDiffer = 4;
+inline constexpr int kDigestWords = 6;  // a 64-bit hash and a 32-bit count, 16 bits a word
+inline constexpr int kAgreementWords = 2 + 2 * kDigestWords;
+// Backend::settle_agreement's rule, for backends to share.
+DION3_HOST_DEVICE inline void settle_agreement_words(int* words, int regions) {
+  bool differ = false;
+  for (int r = 0; r < regions; ++r) {
+    const int* d = words + r * kAgreementWords + 2;
+    for (int i = 0; i < kDigestWords; ++i) differ |= d[i] + d[kDigestWords + i] != 0xFFFF;
+  }
+  const int* last = words + (regions - 1) * kAgreementWords;
+  words[0] = last[0] | (differ ? kPlansDiffer : 0);
+  words[1] = last[1];
+}
 
 // One parameter's share of Backend::check_step: the state its step would store, evaluated
 // but not written. Views are flat (1 x n), all of one length.
@@ -247,10 +263,16 @@ class DION3_API Backend {
   // of steps that do not wait comes back this way.
   virtual std::unique_ptr<HostCopy> new_host_copy(std::size_t bytes) = 0;
   // Ends a step: counters[0] += 1 when *flag == 0 (the step was applied), else counters[1] += 1
-  // if count_dropped and the flag does not carry kRankWithoutGradients (a step some rank refused
-  // is not a dropped one). A step that is raised (on_nonfinite == Raise) is not counted: it
-  // changes nothing, counters included. Checks OR 1 into the flag, keeping what else it holds.
+  // if count_dropped and the flag carries neither kRankWithoutGradients nor kPlansDiffer (a step
+  // some rank refused is not a dropped one). A step that is raised (on_nonfinite == Raise) is not
+  // counted: it changes nothing, counters included. Checks OR 1 into the flag, keeping what else
+  // it holds.
   virtual void finish_step(const int* flag, int64_t* counters, bool count_dropped) = 0;
+  // Settles a distributed step's agreement (comm.hpp): `words` holds `regions` regions of
+  // kAgreementWords ints, each reduced over its communicator in turn. Region 0's verdict and
+  // took-part become the last region's, with kPlansDiffer ORed into the verdict where some
+  // region's digest words differ between its ranks.
+  virtual void settle_agreement(int* words, int regions) = 0;
   virtual std::unique_ptr<MatrixSet> new_matrix_set() { return std::make_unique<MatrixSet>(); }
   virtual void refresh(MatrixSet& set) { (void)set; }
 

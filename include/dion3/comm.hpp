@@ -27,11 +27,15 @@
 
 namespace dion3 {
 
-// A step's agreement, its first collective when the plan is unchanged: an all-reduce-max of two
-// ints per rank, {verdict, took part}. Verdict: 0, 1 for a non-finite gradient, or
-// kRankWithoutGradients (backend.hpp) from a rank that runs the step's collectives without
-// gradients of its own (Optimizer::refuse_step); took part: 1 from a rank that steps, 0 from one
-// that refuses.
+// A step's agreement, its first collective: per communicator, an all-reduce-max of
+// kAgreementWords ints, {verdict, took part, digest, complement}. Verdict: 0, 1 for a non-finite
+// gradient, or kRankWithoutGradients (backend.hpp) from a rank that runs the step's collectives
+// without gradients of its own (Optimizer::refuse_step); took part: 1 from a rank that steps, 0
+// from one that refuses. The digest is the rank's plan (its megabatches over the communicator) in
+// 16-bit words, the complement 0xFFFF minus each: after the maximum, a word and its complement sum
+// to 0xFFFF exactly when every rank had the same word. So the plan check rides on a collective
+// every step makes anyway, and a rank that planned anew pairs with ranks that did not
+// (kAgreementWords, backend.hpp).
 
 class DION3_API CommRequest {
  public:

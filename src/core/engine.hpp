@@ -164,8 +164,16 @@ struct Optimizer::Impl {
   std::vector<Param> params;
   std::vector<Megabatch> megabatches;
   bool plan_valid = false;
-  DeviceBuffer flag;   // two ints: {verdict, took part} of this step (comm.hpp, kRankWithoutGradients)
-  DeviceBuffer flag_starts;  // {0, 1} for a step, {kRankWithoutGradients, 0} for a refusal
+  // {verdict, took part} of this step (comm.hpp, kRankWithoutGradients); distributed, the first of
+  // the agreement's regions (kAgreementWords ints per communicator).
+  DeviceBuffer flag;
+  // What a step starts the flag from, then what a refusal does: {0, 1} and {kRankWithoutGradients,
+  // 0}, each region followed by this rank's plan digest over its communicator.
+  DeviceBuffer flag_starts;
+  int flag_words = 2;
+  // Whether this plan's digests were seen to agree across the ranks (the first step of a plan
+  // reads the agreement on the host; see agree_on_flag).
+  bool plan_confirmed = false;
   DeviceBuffer arena;  // workspace shared by all chunks (their work is ordered on one stream)
   DeviceBuffer counters;  // int64 [steps applied, steps dropped], on the device
   std::unique_ptr<HostCopy> posted;  // counters on their way to the host after a step
@@ -248,7 +256,9 @@ struct Optimizer::Impl {
   std::vector<float> hyper_values() const;
   void upload_hyper(bool capturing);  // capturing: the backend's stream is being captured
   void plan_distribution(Megabatch& mb, int index);
-  void check_plans_agree();
+  // flag and flag_starts for the plan: one region per communicator, with the plan's digests.
+  void plan_agreement();
+  std::string plans_differ_error(const int* words) const;
   void bind(Megabatch& mb);  // its sets' tables, when the binding moved (or under capture)
   void build_lists();        // `lists`, when the binding moved
   MatrixView run_orthogonalizer(Chunk& c, const std::function<MatrixView()>& run);

@@ -685,8 +685,7 @@ void Optimizer::Impl::build_plan() {
   ++plan_generation;
   ++binding;
   planned = groups;
-  // Valid only once the ranks agree: a rank that goes on after the refusal must check again.
-  check_plans_agree();
+  plan_agreement();  // checked against the other ranks' plans by the next step's agreement
   plan_valid = true;
 }
 
@@ -902,9 +901,17 @@ std::vector<Communicator*> Optimizer::Impl::communicators() const {
 }
 
 // Every rank must have planned the same megabatches in the same order, or their collectives
-// would pair up wrongly (or hang): compare digests across each communicator before any step.
-void Optimizer::Impl::check_plans_agree() {
-  for (Communicator* comm : communicators()) {
+// would pair up wrongly (or hang). Each communicator's region of the step's agreement carries a
+// digest of the megabatches over it (comm.hpp), so the check costs no collective of its own and a
+// rank that planned anew (a weight given new storage on that rank alone) still pairs with the
+// others' step.
+void Optimizer::Impl::plan_agreement() {
+  const std::vector<Communicator*> comms = communicators();
+  const int regions = std::max<int>(1, static_cast<int>(comms.size()));
+  flag_words = comms.empty() ? 2 : regions * kAgreementWords;
+  std::vector<int> starts(2 * static_cast<std::size_t>(flag_words), 0);
+  for (int r = 0; r < static_cast<int>(comms.size()); ++r) {
+    const Communicator* comm = comms[r];
     uint64_t h = 1469598103934665603ull;  // FNV-1a over the plan's numbers
     auto mix = [&h](int64_t v) {
       for (int b = 0; b < 8; ++b) {
@@ -912,7 +919,7 @@ void Optimizer::Impl::check_plans_agree() {
         h *= 1099511628211ull;
       }
     };
-    int64_t count = 0;
+    uint32_t count = 0;
     for (const Megabatch& mb : megabatches) {
       if (mb.comm != comm && mb.col_comm != comm) continue;
       ++count;
@@ -924,20 +931,50 @@ void Optimizer::Impl::check_plans_agree() {
     }
     for (const Param& p : params)
       if (p.layout.comm.get() == comm || p.layout.col_comm.get() == comm) mix(static_cast<int64_t>(p.layout.kind));
-    const int P = comm->size();
-    const uint64_t mine[2] = {h, static_cast<uint64_t>(count)};
-    DeviceBuffer buf(backend->allocator(), sizeof(mine) * (P + 1));
-    backend->copy_from_host(buf.get(), mine, sizeof(mine));
-    comm->all_gather(buf.get(), buf.as<char>() + sizeof(mine), sizeof(mine), backend->stream(), "plan check")->wait();
-    std::vector<uint64_t> all(2 * static_cast<std::size_t>(P));
-    backend->copy_to_host(all.data(), buf.as<char>() + sizeof(mine), all.size() * sizeof(uint64_t));
-    for (int r = 0; r < P; ++r)
-      if (all[2 * r] != all[0] || all[2 * r + 1] != all[1])
-        fail("the ranks of " + comm->describe() + " planned different steps (rank 0: " + std::to_string(all[1]) +
-             " distributed megabatches, rank " + std::to_string(r) + ": " + std::to_string(all[2 * r + 1]) +
-             "; or their shapes, dtypes, groups or layouts differ): every rank must register the same "
-             "parameters, in the same order, with the same groups and global shapes");
+    const uint32_t digest[kDigestWords] = {static_cast<uint32_t>(h),       static_cast<uint32_t>(h >> 16),
+                                           static_cast<uint32_t>(h >> 32), static_cast<uint32_t>(h >> 48),
+                                           count,                          count >> 16};
+    for (int half = 0; half < 2; ++half) {
+      int* w = starts.data() + half * flag_words + r * kAgreementWords;
+      for (int i = 0; i < kDigestWords; ++i) {
+        w[2 + i] = static_cast<int>(digest[i] & 0xFFFF);
+        w[2 + kDigestWords + i] = 0xFFFF - w[2 + i];
+      }
+    }
   }
+  for (int half = 0; half < 2; ++half) {  // the verdict and took-part a step and a refusal start from
+    starts[half * flag_words] = half ? kRankWithoutGradients : 0;
+    starts[half * flag_words + 1] = half ? 0 : 1;
+  }
+  const std::size_t bytes = static_cast<std::size_t>(flag_words) * sizeof(int);
+  if (flag.bytes() < bytes) flag = DeviceBuffer(backend->allocator(), bytes);
+  flag_starts = DeviceBuffer(backend->allocator(), 2 * bytes);
+  backend->copy_from_host(flag_starts.get(), starts.data(), 2 * bytes);
+  plan_confirmed = comms.empty();
+}
+
+// The error of a step whose ranks planned differently, from the settled agreement `words` (host).
+std::string Optimizer::Impl::plans_differ_error(const int* words) const {
+  const std::vector<Communicator*> comms = communicators();
+  for (std::size_t r = 0; r < comms.size(); ++r) {
+    const int* d = words + r * kAgreementWords + 2;
+    bool differ = false;
+    for (int i = 0; i < kDigestWords; ++i) differ |= d[i] + d[kDigestWords + i] != 0xFFFF;
+    if (!differ) continue;
+    // Words 4 and 5 hold the count of distributed megabatches: the most and the fewest any rank has.
+    auto count = [&](int off, bool complement) {
+      const auto lo = static_cast<uint32_t>(complement ? 0xFFFF - d[off + 4] : d[off + 4]);
+      const auto hi = static_cast<uint32_t>(complement ? 0xFFFF - d[off + 5] : d[off + 5]);
+      return std::to_string(lo | (hi << 16));
+    };
+    const std::string most = count(0, false), fewest = count(kDigestWords, true);
+    const std::string counts = most == fewest ? "every rank " + most + " distributed megabatches"
+                                              : "from " + fewest + " to " + most + " distributed megabatches a rank";
+    return "the ranks of " + comms[r]->describe() + " planned different steps (" + counts +
+           "; or their shapes, dtypes, groups or layouts differ): every rank must register the same parameters, "
+           "in the same order, with the same groups and global shapes; the step was not applied on any rank";
+  }
+  return "the ranks planned different steps; the step was not applied on any rank";
 }
 
 std::vector<MegabatchInfo> Optimizer::plan() {
@@ -1040,10 +1077,28 @@ UpdateParams Optimizer::Impl::update_params(const Megabatch& mb) const {
 }
 
 // Every rank takes the same decision on a non-finite gradient: the flag is the maximum over the
-// ranks of every communicator, before anything is written.
+// ranks of every communicator, before anything is written. The same collectives compare the
+// ranks' plans (plan_agreement); where they differ the flag drops the step on every rank, and a
+// rank reads that on the host (so that it raises before its next collective, which the others
+// would not match) after planning anew, and always on the CPU, where the read costs nothing.
 void Optimizer::Impl::agree_on_flag(int* flag) {
-  for (Communicator* c : communicators())
-    c->all_reduce_max(flag, 2, backend->stream(), "the non-finite gradient check")->wait();
+  const std::vector<Communicator*> comms = communicators();
+  if (comms.empty()) return;
+  for (std::size_t r = 0; r < comms.size(); ++r) {
+    int* region = flag + r * kAgreementWords;
+    if (r > 0) backend->copy(region, region - kAgreementWords, 2 * sizeof(int));  // the verdict so far
+    comms[r]->all_reduce_max(region, kAgreementWords, backend->stream(), "the step's agreement")->wait();
+  }
+  backend->settle_agreement(flag, static_cast<int>(comms.size()));
+  if (plan_confirmed && backend->device() != Device::CPU) return;
+  if (capturing_now) fail("a distributed step cannot be captured before its plan was checked: take one step first");
+  std::vector<int> words(static_cast<std::size_t>(flag_words));
+  backend->copy_to_host(words.data(), flag, words.size() * sizeof(int));
+  if (words[0] & kPlansDiffer) {
+    plan_valid = false;  // planned again (and checked again) by the next step
+    fail(plans_differ_error(words.data()));
+  }
+  plan_confirmed = true;
 }
 
 // piece_idx of a row-cut megabatch; Muon / NorMuon (and an empty shard) keep fixed lists: every
@@ -1586,7 +1641,7 @@ void Optimizer::Impl::enqueue_step(bool count_dropped, bool refusing) {
   s.upload_hyper(s.capturing_now);
   s.build_lists();
   // A copy on the device, not a host write, so that a captured step starts it afresh.
-  be.copy(flag, s.flag_starts.as<int>() + (refusing ? 2 : 0), 2 * sizeof(int));
+  be.copy(flag, s.flag_starts.as<int>() + (refusing ? s.flag_words : 0), s.flag_words * sizeof(int));
   const Range step_range(s, "dion3::step");
   {
     const Range r(s, "dion3::check");
@@ -1688,6 +1743,12 @@ bool Optimizer::step() {
   // The verdict: one host synchronisation.
   const int verdict = be.read_flag(flag);
   if (verdict == 0) return true;
+  if (verdict & kPlansDiffer) {  // a rank that had not planned anew: others did, differently
+    s.plan_valid = false;
+    std::vector<int> words(static_cast<std::size_t>(s.flag_words));
+    be.copy_to_host(words.data(), flag, words.size() * sizeof(int));
+    fail(s.plans_differ_error(words.data()));
+  }
   if (verdict & kRankWithoutGradients) {
     // Every rank keeps its plan (the refusing one's registration is unchanged), so the next
     // step's first collective is this agreement again on all of them, steps enqueued only included.

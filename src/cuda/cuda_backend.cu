@@ -174,6 +174,7 @@ class CudaBackend final : public Backend {
   void finish_step(const int* flag, int64_t* counters, bool count_dropped) override {
     launch_finish_step(flag, counters, count_dropped, stream_);
   }
+  void settle_agreement(int* words, int regions) override { launch_settle_agreement(words, regions, stream_); }
 
   std::unique_ptr<MatrixSet> new_matrix_set() override { return std::make_unique<CudaMatrixSet>(); }
 

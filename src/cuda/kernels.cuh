@@ -58,6 +58,7 @@ void launch_copy_rows(void* dst, std::size_t dst_pitch, const int32_t* dst_idx, 
 void launch_check_finite(std::span<const MatrixView> xs, int* flag, cudaStream_t s);
 void launch_check_step(std::span<const StepCheck> xs, int* flag, cudaStream_t s);
 void launch_finish_step(const int* flag, int64_t* counters, bool count_dropped, cudaStream_t s);
+void launch_settle_agreement(int* words, int regions, cudaStream_t s);
 
 // --- element-wise kernels (elementwise_kernels.cu) ---------------------------------------
 int64_t normalize_scratch_floats(int64_t batch);

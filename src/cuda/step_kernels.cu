@@ -1078,11 +1078,22 @@ void launch_copy_rows(void* dst, std::size_t dst_pitch, const int32_t* dst_idx, 
 __global__ void finish_step_kernel(const int* flag, int64_t* counters, int count_dropped) {
   pdl_wait();
   if (!*flag) ++counters[0];
-  else if (count_dropped && !(*flag & kRankWithoutGradients)) ++counters[1];
+  else if (count_dropped && !(*flag & (kRankWithoutGradients | kPlansDiffer))) ++counters[1];
 }
 
 void launch_finish_step(const int* flag, int64_t* counters, bool count_dropped, cudaStream_t s) {
   launch_pdl(finish_step_kernel, 1, 1, 0, s, flag, counters, static_cast<int>(count_dropped));
+}
+
+// One thread: the agreement's regions into the step's flag (see Backend::settle_agreement).
+__global__ void settle_agreement_kernel(int* words, int regions) {
+  pdl_wait();
+  settle_agreement_words(words, regions);
+}
+
+void launch_settle_agreement(int* words, int regions, cudaStream_t s) {
+  launch_pdl(settle_agreement_kernel, 1, 1, 0, s, words, regions);
+  DION3_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace dion3::cuda

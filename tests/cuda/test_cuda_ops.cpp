@@ -427,6 +427,46 @@ TEST_F(CudaOps, FinishStepCountsLikeCpu) {
   }
   EXPECT_EQ(hcounters[0], 2);  // two applied
   EXPECT_EQ(hcounters[1], 1);  // one of the two dropped ones counted
+  // A step whose ranks planned differently is not a dropped one either.
+  const int differ = dion3::kPlansDiffer;
+  gpu->copy_from_host(flag.get(), &differ, sizeof(int));
+  gpu->finish_step(flag.as<int>(), counters.as<int64_t>(), true);
+  int64_t got[2] = {-1, -1};
+  gpu->copy_to_host(got, counters.get(), sizeof(got));
+  EXPECT_EQ(got[0], 2);
+  EXPECT_EQ(got[1], 1);
+}
+
+// ---- settle_agreement ---------------------------------------------------------------------------
+// The agreement's regions into the flag, as on the CPU: the last region's verdict and took-part,
+// kPlansDiffer where a digest word and its complement do not sum to 0xFFFF in some region.
+TEST_F(CudaOps, SettleAgreementLikeCpu) {
+  constexpr int W = dion3::kAgreementWords;
+  for (int regions : {1, 2}) {
+    for (int bad = -1; bad < regions * dion3::kDigestWords; ++bad) {  // -1: every region agrees
+      std::vector<int> words(static_cast<std::size_t>(regions * W));
+      for (int r = 0; r < regions; ++r) {
+        words[r * W] = r == regions - 1 ? 1 : 0;
+        words[r * W + 1] = r == regions - 1 ? 1 : 0;
+        for (int i = 0; i < dion3::kDigestWords; ++i) {
+          const int d = (977 * (r + 1) * (i + 3)) & 0xFFFF;
+          words[r * W + 2 + i] = d;
+          // Two ranks' maxima: one word and the other's complement larger than its own.
+          words[r * W + 2 + dion3::kDigestWords + i] = 0xFFFF - d + (r * dion3::kDigestWords + i == bad ? 5 : 0);
+        }
+      }
+      std::vector<int> want = words;
+      cpu->settle_agreement(want.data(), regions);
+      dion3::DeviceBuffer dev(gpu->allocator(), words.size() * sizeof(int));
+      gpu->copy_from_host(dev.get(), words.data(), words.size() * sizeof(int));
+      gpu->settle_agreement(dev.as<int>(), regions);
+      std::vector<int> got(words.size());
+      gpu->copy_to_host(got.data(), dev.get(), got.size() * sizeof(int));
+      EXPECT_EQ(got, want) << regions << " regions, word " << bad << " differs";
+      EXPECT_EQ(want[0], bad < 0 ? 1 : 1 | dion3::kPlansDiffer) << regions << " regions, word " << bad;
+      EXPECT_EQ(want[1], 1);
+    }
+  }
 }
 
 // ---- normalize / convert / add_identity -------------------------------------------------------

@@ -487,6 +487,77 @@ TEST(Faults, ARankWithoutGradientsRefusesTheStepOnEveryRank) {
   }
 }
 
+// A rank that plans anew while the others do not (a setting changed there alone): its first
+// collective is the same agreement the others make, so a plan that did not change steps on every
+// rank, and one that did is refused by every rank at once, nothing moved, instead of a hang.
+TEST(Faults, ARankThatPlansAnewAgreesWithTheOthers) {
+  const int P = world_size(), rank = world_rank();
+  auto comm = dion3::make_mpi_communicator(nullptr, 60.0);
+  t3::Harness h;
+  GroupConfig cfg;
+  cfg.weight_decay = 0.0;  // so that cautious_wd below changes the plan but not the numbers
+  const int gi = h.opt.add_group(cfg);
+  Rng rng(13);
+  std::vector<std::unique_ptr<t3::HostParam>> ps;
+  std::vector<t3::HostParam*> all;
+  for (int i = 0; i < 3; ++i) {
+    ps.push_back(std::make_unique<t3::HostParam>("w" + std::to_string(i), DType::F32, std::vector<int64_t>{8, 6}));
+    ps.back()->w.assign(t3::gaussian(8, 6, rng));
+    dion3::ParamSpec spec = ps.back()->spec();
+    spec.layout.kind = Layout::Replicated;
+    spec.layout.comm = comm;
+    ps.back()->index = h.opt.add_param(gi, spec);
+    all.push_back(ps.back().get());
+  }
+  auto fill = [&](int step) {
+    Rng g(100 + step);  // the same gradients on every rank
+    for (auto& p : ps) p->g.assign(t3::gaussian(8, 6, g));
+  };
+  auto same_on_every_rank = [&](const char* when) {
+    for (auto& p : ps) {
+      std::vector<double> w = p->w.values(), first = w;
+      MPI_Bcast(first.data(), static_cast<int>(first.size()), MPI_DOUBLE, 0, MPI_COMM_WORLD);
+      EXPECT_EQ(w, first) << "rank " << rank << " " << when << ": the ranks drifted apart";
+    }
+  };
+  const std::string where = "rank " + std::to_string(rank) + " of " + std::to_string(P);
+  fill(0);
+  ASSERT_TRUE(h.opt.step()) << where;
+  // 1. Planned anew on rank 0 only, to the same plan: every rank steps.
+  if (rank == 0) {
+    GroupConfig c = h.opt.group(gi);
+    c.cautious_wd = true;
+    h.opt.set_group(gi, c);
+  }
+  fill(1);
+  EXPECT_TRUE(h.opt.step()) << where;
+  same_on_every_rank("after a plan made anew on rank 0");
+  // 2. Planned anew on rank 0 only, to another plan: every rank raises, nothing moves.
+  if (rank == 0) {
+    GroupConfig c = h.opt.group(gi);
+    c.fraction = 0.5;
+    h.opt.set_group(gi, c);
+  }
+  const auto before = t3::snapshot(h.opt, all);
+  const int64_t taken = h.opt.steps_taken(), skipped = h.opt.steps_skipped();
+  fill(2);
+  dion3::Status st = dion3::Status::Ok;
+  const std::string what = t3::error_of([&] { h.opt.step(); }, &st);
+  EXPECT_NE(what.find("planned different steps"), std::string::npos) << where << ": " << what;
+  EXPECT_EQ(t3::snapshot(h.opt, all), before) << where << ": a refused step moved something";
+  EXPECT_EQ(h.opt.steps_taken(), taken) << where;
+  EXPECT_EQ(h.opt.steps_skipped(), skipped) << where << ": a refused step was counted as dropped";
+  // 3. The setting made alike again: the ranks step together.
+  if (rank == 0) {
+    GroupConfig c = h.opt.group(gi);
+    c.fraction = 0.25;
+    h.opt.set_group(gi, c);
+  }
+  fill(3);
+  EXPECT_TRUE(h.opt.step()) << where;
+  same_on_every_rank("after the plans were made alike");
+}
+
 TEST(Faults, WrongShardIsRefusedWithTheRowsItShouldHold) {
   const int P = world_size(), rank = world_rank();
   auto comm = dion3::make_mpi_communicator(nullptr, 60.0);

@@ -251,6 +251,66 @@ def agreement(rank, world, mesh):
         assert all(torch.equal(every[0], w) for w in every), f"rank {rank}: the ranks drifted apart"
 
 
+def one_rank_changes(rank, world, mesh):
+    """A change made on one rank alone that makes it plan anew: its first collective is the same
+    agreement the others make. Weights or state given new storage there (the same plan) step on
+    every rank, equal to one process; a setting that changes the plan there is refused by every
+    rank at once, nothing moved, instead of a hang; made alike again, the ranks step together."""
+    for fsdp_layout in (False, True):
+        torch.manual_seed(0)
+        fulls = [torch.randn(s) * 0.05 for s in SHAPES]
+        single = [nn.Parameter(f.clone()) for f in fulls]
+        if fsdp_layout:
+            ps = [nn.Parameter(distribute_tensor(f.clone(), mesh, [Shard(0)])) for f in fulls]
+            opt = dion3.Dion3(ps, distributed_mesh=mesh, lr=0.02)
+            ref = Reference(fulls, algorithm="dion3", lr=0.02, ranks=world)
+        else:
+            ps = [nn.Parameter(f.clone()) for f in fulls]
+            opt = dion3.Dion3(ps, distributed_mesh=dist.group.WORLD, lr=0.02)
+            ref = dion3.Dion3(single, lr=0.02)
+        what = "FSDP2" if fsdp_layout else "DDP"
+
+        def step(seed, expect_refusal=False):
+            gs = grads_for(SHAPES, seed)
+            for p, s, g in zip(ps, single, gs):
+                p.grad = distribute_tensor(g, mesh, [Shard(0)]) if fsdp_layout else g.clone()
+                s.grad = g.clone()
+            if expect_refusal:
+                before = [full(p.detach()).clone() for p in ps]
+                try:
+                    opt.step()
+                    raise AssertionError(f"rank {rank} {what}: a step with different plans was applied")
+                except ValueError as e:
+                    assert "planned different steps" in str(e), f"rank {rank} {what}: {e}"
+                assert all(torch.equal(full(p.detach()), b) for p, b in zip(ps, before)), \
+                    f"rank {rank} {what}: a refused step moved weights"
+                return
+            opt.step()
+            if fsdp_layout:
+                ref.step(gs)
+                for i, (p, w) in enumerate(zip(ps, ref.w)):
+                    close(full(p.detach()), w, f"rank {rank} {what} parameter {i} at step {seed}")
+            else:
+                ref.step()
+                for i, (p, s) in enumerate(zip(ps, single)):
+                    assert torch.equal(p, s), f"rank {rank} {what}: parameter {i} differs from one process at step {seed}"
+
+        step(0)
+        if rank == 0:  # the weight moved to other storage on this rank only
+            ps[0].data = ps[0].data.clone()
+        step(1)
+        if rank == world - 1:  # a state tensor moved on this rank only
+            st = opt.state[ps[1]]["momentum"]
+            st.data = st.data.clone()
+        step(2)
+        if rank == 0:
+            opt.param_groups[0]["fraction"] = 0.5
+        step(3, expect_refusal=True)
+        if rank == 0:
+            opt.param_groups[0]["fraction"] = 0.25
+        step(4)
+
+
 def partial_gradients(rank, world, mesh):
     """A gradient that autograd left Partial (a replicated weight under sequence or tensor
     parallelism) is summed over the ranks before the step, as torch.optim does: the result is the
@@ -439,6 +499,7 @@ def layouts(rank, world, tmp):
     state_written_in_place(rank, world, mesh)
     refusals(rank, world, mesh)
     agreement(rank, world, mesh)
+    one_rank_changes(rank, world, mesh)
     partial_gradients(rank, world, mesh)
     fully_sharded_model(rank, world, mesh)
 
