@@ -15,8 +15,10 @@
 // Dion3 step keeps between steps), which then reads the gradients alone. --only TEXT keeps the
 // workloads whose name contains TEXT.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -26,6 +28,7 @@
 
 #include "cuda_bench_common.cuh"
 #include "cuda/cuda_common.cuh"
+#include "cuda/kernels.cuh"
 #include "dion3/backend.hpp"
 #include "model_shapes.hpp"
 
@@ -240,6 +243,175 @@ int transpose_section(bench::Session& ses, double copy) {
   return failures;
 }
 
+// ---- the gather's traffic ----------------------------------------------------------------------
+// Dion3's gather (f < 1) reads the selected rows of M once and writes them twice: into the
+// orthogonalizer's input (fp16, scaled) and back into M (decayed). Beside the library's
+// launch_gather_normalized: the same rows moved by the plainest kernels of the same traffic, a
+// read and two writes (out = M row, M row written back unchanged) and a read and one write (out =
+// M row only), one warp per row with U 16-byte packs per lane in flight; and the library's
+// arithmetic in 16-byte packs (8 elements) instead of 8-byte ones. Their rates bound what the
+// gather can reach for its mix of reads and writes.
+template <int U, bool kWriteBack>
+__global__ void move_rows(const __nv_bfloat16* m, int64_t rows, int64_t cols, const int32_t* idx, int64_t k,
+                          __nv_bfloat16* out, int64_t nmats) {
+  const int lane = threadIdx.x & 31;
+  const int64_t s = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32, i = blockIdx.y;
+  if (s >= k || i >= nmats) return;
+  const int64_t r = idx[i * k + s];
+  uint4* src = reinterpret_cast<uint4*>(const_cast<__nv_bfloat16*>(m) + (i * rows + r) * cols);
+  uint4* dst = reinterpret_cast<uint4*>(out + (i * k + s) * cols);
+  const int64_t np = cols / 8;
+  for (int64_t q0 = lane; q0 < np; q0 += 32 * U) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (q0 + 32 * u < np) v[u] = src[q0 + 32 * u];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (q0 + 32 * u < np) {
+        dst[q0 + 32 * u] = v[u];
+        if (kWriteBack) src[q0 + 32 * u] = v[u];
+      }
+  }
+}
+
+// The library's gather_normalized arithmetic (out = c_i * M row in fp16, M row *= decay) with each
+// lane moving 8-element (16-byte) packs, U of them in flight.
+template <int U>
+__global__ void gather_rows_16(__nv_bfloat16* m, int64_t rows, int64_t cols, const int32_t* idx, int64_t k,
+                               const float* scale, float decay, __half* out, int64_t nmats) {
+  const int lane = threadIdx.x & 31;
+  const int64_t s = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32, i = blockIdx.y;
+  if (s >= k || i >= nmats) return;
+  const int64_t r = idx[i * k + s];
+  auto* src = reinterpret_cast<dion3::cuda::PackV<__nv_bfloat16, 8>*>(m + (i * rows + r) * cols);
+  auto* dst = reinterpret_cast<dion3::cuda::PackV<__half, 8>*>(out + (i * k + s) * cols);
+  const float c = scale[i];
+  const int64_t np = cols / 8;
+  for (int64_t q0 = lane; q0 < np; q0 += 32 * U) {
+    dion3::cuda::PackV<__nv_bfloat16, 8> v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (q0 + 32 * u < np) v[u] = src[q0 + 32 * u];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (q0 + 32 * u < np) {
+        dion3::cuda::PackV<__half, 8> o;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float x = __bfloat162float(v[u].v[e]);
+          o.v[e] = __float2half_rn(c * x);
+          v[u].v[e] = __float2bfloat16_rn(decay * x);
+        }
+        dst[q0 + 32 * u] = o;
+        src[q0 + 32 * u] = v[u];
+      }
+  }
+}
+
+int gather_section(bench::Session& ses, double copy) {
+  dion3::Backend& be = *ses.be;
+  cudaStream_t s = ses.s;
+  auto line = [&](const std::string& l) { ses.o.line(l); };
+  line("## The gather at f = 1/4: a read and two writes per selected row (GB/s: bytes moved, median of "
+       "interleaved runs)");
+  line("");
+  line("Rows: n matrices of rows x cols (bf16 M), k selected rows each (random, ascending), out fp16. The library's "
+       "launch_gather_normalized (its inverse-norm kernel included) against kernels of the same traffic: "
+       "1R+2W (out = row, row written back), 1R+1W (out = row only, two thirds of the bytes), and the library's "
+       "arithmetic in 16-byte packs. Checked first (gpt-1b): the 16-byte variant's out and M equal the library's.");
+  line("");
+  line("| workload | n x rows x cols, k | library ms (GB/s, of copy) | 1R+2W U=4 | 1R+2W U=8 | 1R+1W U=4 | "
+       "16-byte library arithmetic U=4 |");
+  line("|---|---|---|---|---|---|---|");
+  struct G {
+    const char* label;
+    int64_t n, rows, cols, k;
+  };
+  int failures = 0;
+  const float decay = 0.999f;
+  for (const G& g : {G{"gpt-1b attn", 64, 2048, 2048, 512}, G{"gpt-1b MLP up", 16, 8192, 2048, 2048},
+                     G{"gpt-1b MLP down", 16, 2048, 8192, 512}, G{"llama-7b attn", 128, 4096, 4096, 1024},
+                     G{"llama-7b MLP up", 64, 11008, 4096, 2752}, G{"llama-7b MLP down", 32, 4096, 11008, 1024}}) {
+    if (!ses.args.only.empty() && std::string(g.label).find(ses.args.only) == std::string::npos) continue;
+    const int64_t e = g.n * g.rows * g.cols, eo = g.n * g.k * g.cols;
+    dion3::DeviceBuffer mb(be.allocator(), e * 2), ob(be.allocator(), eo * 2), ob2(be.allocator(), eo * 2),
+        idxb(be.allocator(), g.n * g.k * 4), ssb(be.allocator(), g.n * g.rows * 4),
+        scr(be.allocator(), dion3::cuda::apply_update_scratch_floats(g.n, g.k) * 4),
+        tab(be.allocator(), g.n * sizeof(dion3::cuda::DeviceMat));
+    bench::fill(mb.get(), DType::BF16, e, 21, 1.0f, s);
+    std::vector<float> ss(static_cast<std::size_t>(g.n * g.rows), 1.0f);
+    CK(cudaMemcpyAsync(ssb.get(), ss.data(), ss.size() * 4, cudaMemcpyHostToDevice, s));
+    std::mt19937_64 rng(5);
+    std::vector<int32_t> idx;
+    for (int64_t i = 0; i < g.n; ++i) {
+      std::vector<int32_t> all(static_cast<std::size_t>(g.rows));
+      for (int64_t r = 0; r < g.rows; ++r) all[r] = static_cast<int32_t>(r);
+      std::shuffle(all.begin(), all.end(), rng);
+      all.resize(static_cast<std::size_t>(g.k));
+      std::sort(all.begin(), all.end());
+      idx.insert(idx.end(), all.begin(), all.end());
+    }
+    CK(cudaMemcpyAsync(idxb.get(), idx.data(), idx.size() * 4, cudaMemcpyHostToDevice, s));
+    std::vector<dion3::cuda::DeviceMat> mats(static_cast<std::size_t>(g.n));
+    for (int64_t i = 0; i < g.n; ++i)
+      mats[i] = {nullptr, nullptr, static_cast<__nv_bfloat16*>(mb.get()) + i * g.rows * g.cols, nullptr, g.cols, g.cols,
+                 g.cols};
+    CK(cudaMemcpyAsync(tab.get(), mats.data(), mats.size() * sizeof(mats[0]), cudaMemcpyHostToDevice, s));
+    const auto* table = static_cast<const dion3::cuda::DeviceMat*>(tab.get());
+    const auto* id = static_cast<const int32_t*>(idxb.get());
+    auto* m = static_cast<__nv_bfloat16*>(mb.get());
+    const MatrixView out = MatrixView::contiguous(ob.get(), DType::F16, g.n, g.k, g.cols);
+    auto library = [&] {
+      dion3::cuda::launch_gather_normalized(table, g.n, g.rows, g.cols, DType::BF16, id, g.k, decay,
+                                            static_cast<const float*>(ssb.get()), 1e-7f, out, scr.as<float>(), nullptr,
+                                            s, true);
+    };
+    const dim3 grid(static_cast<unsigned>((g.k + 3) / 4), static_cast<unsigned>(g.n));
+    auto variant16 = [&] {
+      gather_rows_16<4><<<grid, 128, 0, s>>>(m, g.rows, g.cols, id, g.k, scr.as<float>(), decay,
+                                             static_cast<__half*>(ob2.get()), g.n);
+    };
+    // Check (the gpt-1b workloads; the llama-7b ones run the same kernels): one call of each from
+    // the same M (restored between them) gives the same out and M.
+    if (e <= (int64_t{1} << 29)) {
+      dion3::DeviceBuffer saved(be.allocator(), e * 2);
+      CK(cudaMemcpyAsync(saved.get(), mb.get(), e * 2, cudaMemcpyDeviceToDevice, s));
+      library();  // also leaves the inverse norms in scratch for the variant
+      std::vector<uint16_t> out_a(eo), out_b(eo), m_a(e), m_b(e);
+      CK(cudaMemcpyAsync(out_a.data(), ob.get(), eo * 2, cudaMemcpyDeviceToHost, s));
+      CK(cudaMemcpyAsync(m_a.data(), mb.get(), e * 2, cudaMemcpyDeviceToHost, s));
+      CK(cudaMemcpyAsync(mb.get(), saved.get(), e * 2, cudaMemcpyDeviceToDevice, s));
+      variant16();
+      CK(cudaGetLastError());
+      CK(cudaMemcpyAsync(out_b.data(), ob2.get(), eo * 2, cudaMemcpyDeviceToHost, s));
+      CK(cudaMemcpyAsync(m_b.data(), mb.get(), e * 2, cudaMemcpyDeviceToHost, s));
+      CK(cudaStreamSynchronize(s));
+      if (out_a != out_b || m_a != m_b) {
+        ++failures;
+        line(fmt("- %s: the 16-byte variant differs from the library's gather (out %s, M %s)", g.label,
+                 out_a == out_b ? "equal" : "differs", m_a == m_b ? "equal" : "differs"));
+      }
+    }
+    auto* o16 = static_cast<__nv_bfloat16*>(ob2.get());
+    const auto ms = bench::interleaved_medians(
+        s, 2, ses.args.iters,
+        {library, [&] { move_rows<4, true><<<grid, 128, 0, s>>>(m, g.rows, g.cols, id, g.k, o16, g.n); },
+         [&] { move_rows<8, true><<<grid, 128, 0, s>>>(m, g.rows, g.cols, id, g.k, o16, g.n); },
+         [&] { move_rows<4, false><<<grid, 128, 0, s>>>(m, g.rows, g.cols, id, g.k, o16, g.n); }, variant16});
+    CK(cudaGetLastError());
+    const double b3 = 6.0 * static_cast<double>(eo), b2 = 4.0 * static_cast<double>(eo);
+    auto cell = [&](double t, double bytes) {
+      return fmt("%.3f (%.0f, %.0f%%)", t, bytes / (t * 1e6), 100 * bytes / (t * 1e6) / copy);
+    };
+    line(fmt("| %s | %lldx%lldx%lld, %lld | %s | %s | %s | %s | %s |", g.label, static_cast<long long>(g.n),
+             static_cast<long long>(g.rows), static_cast<long long>(g.cols), static_cast<long long>(g.k),
+             cell(ms[0], b3).c_str(), cell(ms[1], b3).c_str(), cell(ms[2], b3).c_str(), cell(ms[3], b2).c_str(),
+             cell(ms[4], b3).c_str()));
+  }
+  return failures;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -356,6 +528,8 @@ int main(int argc, char** argv) {
   }
   line("");
   failures += transpose_section(ses, copy);
+  line("");
+  failures += gather_section(ses, copy);
   line("");
   line(fmt("correctness failures: %d", failures));
   ses.save();
