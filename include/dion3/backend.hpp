@@ -140,9 +140,7 @@ DION3_HOST_DEVICE inline void settle_agreement_words(int* words, int regions) {
     const int* d = words + r * kAgreementWords + 2;
     for (int i = 0; i < kDigestWords; ++i) differ |= d[i] + d[kDigestWords + i] != 0xFFFF;
   }
-  const int* last = words + (regions - 1) * kAgreementWords;
-  words[0] = last[0] | (differ ? kPlansDiffer : 0);
-  words[1] = last[1];
+  if (differ) words[0] |= kPlansDiffer;
 }
 
 // One parameter's share of Backend::check_step: the state its step would store, evaluated
@@ -269,9 +267,9 @@ class DION3_API Backend {
   // it holds.
   virtual void finish_step(const int* flag, int64_t* counters, bool count_dropped) = 0;
   // Settles a distributed step's agreement (comm.hpp): `words` holds `regions` regions of
-  // kAgreementWords ints, each reduced over its communicator in turn. Region 0's verdict and
-  // took-part become the last region's, with kPlansDiffer ORed into the verdict where some
-  // region's digest words differ between its ranks.
+  // kAgreementWords ints (region 0 first holds the verdict and took-part), all of them reduced
+  // over every communicator in turn. ORs kPlansDiffer into the verdict where some region's digest
+  // words differ between ranks.
   virtual void settle_agreement(int* words, int regions) = 0;
   virtual std::unique_ptr<MatrixSet> new_matrix_set() { return std::make_unique<MatrixSet>(); }
   virtual void refresh(MatrixSet& set) { (void)set; }

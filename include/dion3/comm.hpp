@@ -4,7 +4,8 @@
 // all-gather (replicated/DDP layout: every rank orthogonalizes a slice of the batch and gets the
 // others' results back; global-scope scores), all-to-all (row-sharded/FSDP2 layout: selected
 // rows travel to their matrix's owner rank and back) and an all-reduce-max of a few ints (every
-// rank takes the same skip/raise decision on a non-finite gradient).
+// rank takes the same skip/raise decision on a non-finite gradient, and the ranks' plans are
+// compared: the step's agreement, below).
 //
 // Collectives are asynchronous: a call starts one after the work already enqueued on `stream`
 // (CUDA; null on the CPU) and returns a request; wait() orders its completion before the work
@@ -27,15 +28,18 @@
 
 namespace dion3 {
 
-// A step's agreement, its first collective: per communicator, an all-reduce-max of
-// kAgreementWords ints, {verdict, took part, digest, complement}. Verdict: 0, 1 for a non-finite
-// gradient, or kRankWithoutGradients (backend.hpp) from a rank that runs the step's collectives
-// without gradients of its own (Optimizer::refuse_step); took part: 1 from a rank that steps, 0
-// from one that refuses. The digest is the rank's plan (its megabatches over the communicator) in
-// 16-bit words, the complement 0xFFFF minus each: after the maximum, a word and its complement sum
-// to 0xFFFF exactly when every rank had the same word. So the plan check rides on a collective
-// every step makes anyway, and a rank that planned anew pairs with ranks that did not
-// (kAgreementWords, backend.hpp).
+// A step's agreement, its first collectives: one region of kAgreementWords ints per communicator
+// of the optimizer, {verdict, took part, digest, complement} (verdict and took part are the first
+// region's), the whole buffer all-reduced (max) over every communicator in turn. Verdict: 0, 1
+// for a non-finite gradient, or kRankWithoutGradients (backend.hpp) from a rank that runs the
+// step's collectives without gradients of its own (Optimizer::refuse_step); took part: 1 from a
+// rank that steps, 0 from one that refuses. A region's digest is the rank's plan over that
+// communicator (its megabatches) in 16-bit words, the complement 0xFFFF minus each: after the
+// maximum, a word and its complement sum to 0xFFFF exactly when every rank had the same word.
+// Reducing every region over every communicator carries a difference found in one communicator to
+// the ranks of the others too (on a mesh of several dimensions each rank ends with the maximum over
+// all ranks), so all of them drop the step. The plan check so rides on collectives every step
+// makes anyway, and a rank that planned anew pairs with ranks that did not.
 
 class DION3_API CommRequest {
  public:

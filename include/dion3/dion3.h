@@ -273,8 +273,9 @@ DION3_API dion3_status dion3_set_lr(dion3_optimizer* opt, int group, double lr);
 DION3_API dion3_status dion3_add_param(dion3_optimizer* opt, int group, const char* name,
                                        const dion3_tensor* weight, const dion3_tensor* grad, int* param_index);
 /* dion3_add_param for a distributed parameter (layout NULL = local). Every rank must register
- * the same parameters in the same order with the same global shapes; dion3_step checks that
- * across ranks before the first step. */
+ * the same parameters in the same order with the same global shapes; every step compares the
+ * ranks' plans in its first collective, and dion3_step fails on every rank, with nothing
+ * modified, when they differ. */
 DION3_API dion3_status dion3_add_param_layout(dion3_optimizer* opt, int group, const char* name,
                                               const dion3_tensor* weight, const dion3_tensor* grad,
                                               const dion3_layout* layout, int* param_index);

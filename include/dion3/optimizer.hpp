@@ -200,7 +200,10 @@ class DION3_API Optimizer {
   // One optimizer step over every parameter, then one host synchronisation for the verdict.
   // Returns false when the step was dropped because a gradient was not finite and
   // on_nonfinite == Skip. Throws dion3::Error(NonFinite) under Raise, with nothing modified
-  // (steps_skipped() included: it counts dropped steps, not raised ones).
+  // (steps_skipped() included: it counts dropped steps, not raised ones). Distributed, it also
+  // reads the ranks' agreement once its first collective is done, and throws
+  // dion3::Error(InvalidArgument) on every rank, with nothing modified, when the ranks planned
+  // different steps (comm.hpp).
   // Ranges of every later step also go to `tracer` (null: none beyond the backend's own).
   void set_tracer(std::shared_ptr<StepTracer> tracer);
   bool step();
@@ -213,7 +216,11 @@ class DION3_API Optimizer {
   bool refuse_step();
   // The same step, only enqueued on the backend's stream: no host synchronisation, so it can
   // be captured in a CUDA graph and replayed. A non-finite gradient drops the step on the
-  // device whatever the policy (steps_skipped() counts it); nothing is raised.
+  // device whatever the policy (steps_skipped() counts it); nothing is raised for it.
+  // Distributed, the first step after the plan was made (and every step on the CPU) reads the
+  // ranks' agreement on the host and throws as step() does when their plans differ; such a step
+  // cannot be captured. Later steps do not read it: ranks whose plans came to differ then drop
+  // the step on the device, counted nowhere, and the rank that planned anew throws.
   void step_async();
   // Hyper-parameters (lr, weight decay, momentum, betas, epsilon, per group) are read by the
   // step's operations from device memory that every step not being captured refreshes first. A

@@ -273,9 +273,11 @@ struct Optimizer::Impl {
   // count_dropped: whether a step dropped for a non-finite gradient counts in steps_skipped (not
   // when step() raises it).
   // refusing: refuse_step's run of the step's collectives, with nothing checked or written.
-  void enqueue_step(bool count_dropped, bool refusing = false);
+  // blocking: the caller waits for the verdict (step, refuse_step), so the agreement is read on
+  // the host right away (see agree_on_flag).
+  void enqueue_step(bool count_dropped, bool refusing, bool blocking);
   // The step's stages (see Megabatch).
-  void agree_on_flag(int* flag);
+  void agree_on_flag(int* flag, bool blocking);
   void settle_collectives();
   // Every communicator of the parameters, once each, in the order every rank meets them.
   std::vector<Communicator*> communicators() const;

@@ -1078,20 +1078,18 @@ UpdateParams Optimizer::Impl::update_params(const Megabatch& mb) const {
 
 // Every rank takes the same decision on a non-finite gradient: the flag is the maximum over the
 // ranks of every communicator, before anything is written. The same collectives compare the
-// ranks' plans (plan_agreement); where they differ the flag drops the step on every rank, and a
-// rank reads that on the host (so that it raises before its next collective, which the others
-// would not match) after planning anew, and always on the CPU, where the read costs nothing.
-void Optimizer::Impl::agree_on_flag(int* flag) {
+// ranks' plans (plan_agreement); where they differ the flag drops the step on every rank. A rank
+// reads that on the host, so that it raises before its next collective (which the others would
+// not match), unless the step only enqueues (step_async, a capture) and its plan was seen to
+// agree before: after planning anew, in every step that waits for its verdict anyway, and always
+// on the CPU, where the read costs nothing.
+void Optimizer::Impl::agree_on_flag(int* flag, bool blocking) {
   const std::vector<Communicator*> comms = communicators();
   if (comms.empty()) return;
-  for (std::size_t r = 0; r < comms.size(); ++r) {
-    int* region = flag + r * kAgreementWords;
-    if (r > 0) backend->copy(region, region - kAgreementWords, 2 * sizeof(int));  // the verdict so far
-    comms[r]->all_reduce_max(region, kAgreementWords, backend->stream(), "the step's agreement")->wait();
-  }
+  for (Communicator* c : comms)
+    c->all_reduce_max(flag, static_cast<std::size_t>(flag_words), backend->stream(), "the step's agreement")->wait();
   backend->settle_agreement(flag, static_cast<int>(comms.size()));
-  if (plan_confirmed && backend->device() != Device::CPU) return;
-  if (capturing_now) fail("a distributed step cannot be captured before its plan was checked: take one step first");
+  if (plan_confirmed && !blocking && backend->device() != Device::CPU) return;
   std::vector<int> words(static_cast<std::size_t>(flag_words));
   backend->copy_to_host(words.data(), flag, words.size() * sizeof(int));
   if (words[0] & kPlansDiffer) {
@@ -1630,9 +1628,12 @@ StepCheck Optimizer::Impl::step_check(const Param& p) const {
   return c;
 }
 
-void Optimizer::Impl::enqueue_step(bool count_dropped, bool refusing) {
+void Optimizer::Impl::enqueue_step(bool count_dropped, bool refusing, bool blocking) {
   Impl& s = *this;
   Backend& be = *s.backend;
+  if (!s.plan_confirmed && be.capturing())
+    fail("a distributed step cannot be captured before the ranks' plans were compared: take one step (not "
+         "captured) after the plan was made, then capture");
   // 1. Non-finite gradients, and finite ones that would overflow the state, raise a device flag that every mutating op below obeys; distributed
   //    runs agree on it across ranks first.
   int* flag = s.flag.as<int>();
@@ -1646,7 +1647,7 @@ void Optimizer::Impl::enqueue_step(bool count_dropped, bool refusing) {
   {
     const Range r(s, "dion3::check");
     if (!refusing) be.check_step(s.lists.checks, flag);  // a refusing rank's gradients are last step's
-    agree_on_flag(flag);
+    agree_on_flag(flag, blocking);
   }
 
   // 2. Matrix megabatches, stage by stage across all of them: every forward collective is
@@ -1705,7 +1706,7 @@ void Optimizer::Impl::post_counters() {
 void Optimizer::step_async() {
   Impl& s = *impl_;
   s.validate_for_step();
-  s.enqueue_step(true);  // nothing is raised here, so a dropped step is counted
+  s.enqueue_step(true, false, false);  // nothing is raised here, so a dropped step is counted
   s.post_counters();
 }
 
@@ -1724,7 +1725,7 @@ void Optimizer::Impl::settle_collectives() {
 bool Optimizer::refuse_step() {
   Impl& s = *impl_;
   s.validate_for_step();
-  s.enqueue_step(false, true);  // a refused step is not a dropped one: not counted
+  s.enqueue_step(false, true, true);  // a refused step is not a dropped one: not counted
   s.post_counters();
   s.settle_collectives();
   if (s.backend->read_flag(s.flag.as<int>() + 1) == 0) return false;  // no rank stepped: nothing to refuse
@@ -1736,19 +1737,13 @@ bool Optimizer::step() {
   Impl& s = *impl_;
   Backend& be = *s.backend;
   s.validate_for_step();
-  s.enqueue_step(s.options.on_nonfinite == NonFinitePolicy::Skip);
+  s.enqueue_step(s.options.on_nonfinite == NonFinitePolicy::Skip, false, true);
   s.post_counters();
   int* flag = s.flag.as<int>();
   s.settle_collectives();
   // The verdict: one host synchronisation.
   const int verdict = be.read_flag(flag);
   if (verdict == 0) return true;
-  if (verdict & kPlansDiffer) {  // a rank that had not planned anew: others did, differently
-    s.plan_valid = false;
-    std::vector<int> words(static_cast<std::size_t>(s.flag_words));
-    be.copy_to_host(words.data(), flag, words.size() * sizeof(int));
-    fail(s.plans_differ_error(words.data()));
-  }
   if (verdict & kRankWithoutGradients) {
     // Every rank keeps its plan (the refusing one's registration is unchanged), so the next
     // step's first collective is this agreement again on all of them, steps enqueued only included.

@@ -438,16 +438,16 @@ TEST_F(CudaOps, FinishStepCountsLikeCpu) {
 }
 
 // ---- settle_agreement ---------------------------------------------------------------------------
-// The agreement's regions into the flag, as on the CPU: the last region's verdict and took-part,
-// kPlansDiffer where a digest word and its complement do not sum to 0xFFFF in some region.
+// The agreement's regions into the flag, as on the CPU: kPlansDiffer ORed into the verdict (the
+// first region's) where a digest word and its complement do not sum to 0xFFFF in some region.
 TEST_F(CudaOps, SettleAgreementLikeCpu) {
   constexpr int W = dion3::kAgreementWords;
   for (int regions : {1, 2}) {
     for (int bad = -1; bad < regions * dion3::kDigestWords; ++bad) {  // -1: every region agrees
       std::vector<int> words(static_cast<std::size_t>(regions * W));
       for (int r = 0; r < regions; ++r) {
-        words[r * W] = r == regions - 1 ? 1 : 0;
-        words[r * W + 1] = r == regions - 1 ? 1 : 0;
+        words[r * W] = r == 0 ? 1 : 0;
+        words[r * W + 1] = r == 0 ? 1 : 0;
         for (int i = 0; i < dion3::kDigestWords; ++i) {
           const int d = (977 * (r + 1) * (i + 3)) & 0xFFFF;
           words[r * W + 2 + i] = d;

@@ -558,6 +558,69 @@ TEST(Faults, ARankThatPlansAnewAgreesWithTheOthers) {
   same_on_every_rank("after the plans were made alike");
 }
 
+// Two communicators (a rows x columns grid): a plan that differs over the row communicator on one
+// rank is refused by every rank, those of other row groups included (they learn it through the
+// column communicator), and nothing moves.
+TEST(Faults, APlanThatDiffersOverOneCommunicatorIsRefusedByEveryRank) {
+  const int P = world_size(), rank = world_rank();
+  const int dp = P == 4 ? 2 : P, tp = P / dp, d = rank / tp, t = rank % tp;
+  MPI_Comm rows_comm, cols_comm;
+  MPI_Comm_split(MPI_COMM_WORLD, t, d, &rows_comm);  // the ranks holding the same columns
+  MPI_Comm_split(MPI_COMM_WORLD, d, t, &cols_comm);  // the ranks holding the same rows
+  auto row_comm = dion3::make_mpi_communicator(&rows_comm, 60.0);
+  auto col_comm = dion3::make_mpi_communicator(&cols_comm, 60.0);
+  {
+    t3::Harness h;
+    GroupConfig cfg;
+    const int ga = h.opt.add_group(cfg), gb = h.opt.add_group(cfg);
+    Rng rng(17);
+    const Shard rows = shard_of(8, dp, d), cols = shard_of(6, tp, t);
+    t3::HostParam a("row_sharded", DType::F32, {rows.count, 6});
+    a.w.assign(rows_of(t3::gaussian(8, 6, rng), 6, rows));
+    dion3::ParamSpec sa = a.spec();
+    sa.layout.kind = Layout::RowShard;
+    sa.layout.comm = row_comm;
+    sa.layout.global_rows = 8;
+    a.index = h.opt.add_param(gb, sa);
+    t3::HostParam b("block", DType::F32, {rows.count, cols.count});
+    b.w.assign(std::vector<double>(static_cast<std::size_t>(rows.count) * cols.count, 0.5));
+    dion3::ParamSpec sb = b.spec();
+    sb.layout.kind = Layout::Block;
+    sb.layout.comm = row_comm;
+    sb.layout.col_comm = col_comm;
+    sb.layout.global_rows = 8;
+    sb.layout.global_cols = 6;
+    b.index = h.opt.add_param(ga, sb);
+    auto fill = [&](int step) {
+      Rng g(200 + step);
+      a.g.assign(rows_of(t3::gaussian(8, 6, g), 6, rows));
+      b.g.assign(std::vector<double>(static_cast<std::size_t>(rows.count) * cols.count, 0.1 * (step + 1)));
+    };
+    const std::string where = "rank " + std::to_string(rank) + " of " + std::to_string(dp) + "x" + std::to_string(tp);
+    fill(0);
+    ASSERT_TRUE(h.opt.step()) << where;
+    if (rank == 0) {  // the row-sharded parameter's plan, over the row communicator only
+      GroupConfig c = h.opt.group(gb);
+      c.fraction = 0.5;
+      h.opt.set_group(gb, c);
+    }
+    const auto before = t3::snapshot(h.opt, {&a, &b});
+    fill(1);
+    const std::string what = t3::error_of([&] { h.opt.step(); });
+    EXPECT_NE(what.find("planned different steps"), std::string::npos) << where << ": " << what;
+    EXPECT_EQ(t3::snapshot(h.opt, {&a, &b}), before) << where << ": a refused step moved something";
+    if (rank == 0) {
+      GroupConfig c = h.opt.group(gb);
+      c.fraction = cfg.fraction;
+      h.opt.set_group(gb, c);
+    }
+    fill(2);
+    EXPECT_TRUE(h.opt.step()) << where;
+  }
+  MPI_Comm_free(&rows_comm);
+  MPI_Comm_free(&cols_comm);
+}
+
 TEST(Faults, WrongShardIsRefusedWithTheRowsItShouldHold) {
   const int P = world_size(), rank = world_rank();
   auto comm = dion3::make_mpi_communicator(nullptr, 60.0);
