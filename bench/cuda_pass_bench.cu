@@ -251,6 +251,20 @@ int transpose_section(bench::Session& ses, double copy) {
 // M row only), one warp per row with U 16-byte packs per lane in flight; and the library's
 // arithmetic in 16-byte packs (8 elements) instead of 8-byte ones. Their rates bound what the
 // gather can reach for its mix of reads and writes.
+// Lane `lane`'s packs of a row of np packs, U loaded before visit(q, pack) sees any.
+template <int U, class P, class Visit>
+__device__ __forceinline__ void row_packs(const P* src, int64_t np, int lane, Visit&& visit) {
+  for (int64_t q0 = lane; q0 < np; q0 += 32 * U) {
+    P v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (q0 + 32 * u < np) v[u] = src[q0 + 32 * u];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (q0 + 32 * u < np) visit(q0 + 32 * u, v[u]);
+  }
+}
+
 template <int U, bool kWriteBack>
 __global__ void move_rows(const __nv_bfloat16* m, int64_t rows, int64_t cols, const int32_t* idx, int64_t k,
                           __nv_bfloat16* out, int64_t nmats) {
@@ -260,19 +274,10 @@ __global__ void move_rows(const __nv_bfloat16* m, int64_t rows, int64_t cols, co
   const int64_t r = idx[i * k + s];
   uint4* src = reinterpret_cast<uint4*>(const_cast<__nv_bfloat16*>(m) + (i * rows + r) * cols);
   uint4* dst = reinterpret_cast<uint4*>(out + (i * k + s) * cols);
-  const int64_t np = cols / 8;
-  for (int64_t q0 = lane; q0 < np; q0 += 32 * U) {
-    uint4 v[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (q0 + 32 * u < np) v[u] = src[q0 + 32 * u];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (q0 + 32 * u < np) {
-        dst[q0 + 32 * u] = v[u];
-        if (kWriteBack) src[q0 + 32 * u] = v[u];
-      }
-  }
+  row_packs<U>(src, cols / 8, lane, [&](int64_t q, const uint4& v) {
+    dst[q] = v;
+    if (kWriteBack) src[q] = v;
+  });
 }
 
 // The library's gather_normalized arithmetic (out = c_i * M row in fp16, M row *= decay) with each
@@ -287,26 +292,17 @@ __global__ void gather_rows_16(__nv_bfloat16* m, int64_t rows, int64_t cols, con
   auto* src = reinterpret_cast<dion3::cuda::PackV<__nv_bfloat16, 8>*>(m + (i * rows + r) * cols);
   auto* dst = reinterpret_cast<dion3::cuda::PackV<__half, 8>*>(out + (i * k + s) * cols);
   const float c = scale[i];
-  const int64_t np = cols / 8;
-  for (int64_t q0 = lane; q0 < np; q0 += 32 * U) {
-    dion3::cuda::PackV<__nv_bfloat16, 8> v[U];
+  row_packs<U>(src, cols / 8, lane, [&](int64_t q, dion3::cuda::PackV<__nv_bfloat16, 8> v) {
+    dion3::cuda::PackV<__half, 8> o;
 #pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (q0 + 32 * u < np) v[u] = src[q0 + 32 * u];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (q0 + 32 * u < np) {
-        dion3::cuda::PackV<__half, 8> o;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const float x = __bfloat162float(v[u].v[e]);
-          o.v[e] = __float2half_rn(c * x);
-          v[u].v[e] = __float2bfloat16_rn(decay * x);
-        }
-        dst[q0 + 32 * u] = o;
-        src[q0 + 32 * u] = v[u];
-      }
-  }
+    for (int e = 0; e < 8; ++e) {
+      const float x = __bfloat162float(v.v[e]);
+      o.v[e] = __float2half_rn(c * x);
+      v.v[e] = __float2bfloat16_rn(decay * x);
+    }
+    dst[q] = o;
+    src[q] = v;
+  });
 }
 
 int gather_section(bench::Session& ses, double copy) {
