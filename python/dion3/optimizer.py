@@ -292,7 +292,7 @@ _LIVE: "weakref.WeakSet[_EngineOptimizer]" = weakref.WeakSet()
 @atexit.register
 def _drop_engines_at_exit() -> None:
     for opt in list(_LIVE):
-        opt._engine, opt._engine_key = None, None
+        opt._engine, opt._engine_key, opt._last_engine = None, None, None
 
 
 # The engine's names of the state tensors, by the group's kind of algorithm.
@@ -408,6 +408,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._megabatch = bool(megabatch)
         _LIVE.add(self)
         self._engine = None
+        self._last_engine = None  # see __setstate__
+        self._switched_from: Dict[torch.Tensor, Any] = {}  # see _rebuild
         self._engine_key = None
         self._engine_params: List[torch.Tensor] = []
         self._engine_states: List[Dict[str, Any]] = []
@@ -454,7 +456,11 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._alias_index = None
         self._kinds = {}  # unknown after unpickling: the state is taken as made for its group
         self._pushed, self._pushed_to = {}, None
+        # torch's load_state_dict: the engine it drops is kept for one purpose, to refuse a step
+        # this rank has no gradients for while the other ranks step (see step()).
+        self._last_engine = getattr(self, "_engine", None) or getattr(self, "_last_engine", None)
         self._engine, self._engine_key, self._engine_params, self._engine_groups = None, None, [], []
+        self._switched_from = {}
         _LIVE.add(self)
         self._engine_states = []
         self._watched_state, self._watched_version = None, 0
@@ -758,6 +764,13 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 loss = closure()
         key = self._registration_key()
         if self._dirty or key != self._engine_key or self._state_replaced():
+            held = self._engine if self._engine is not None else getattr(self, "_last_engine", None)
+            if held is not None and self._mesh is not None and \
+                    not any(p.grad is not None for g in self.param_groups for p in g["params"]):
+                # No gradient on this rank while others may step: refuse with the plan the others
+                # hold (as below), not a new one without parameters, which would make no collective.
+                held.refuse_step()
+                return loss
             self._rebuild(key)
         engine = self._engine
         if engine is None:  # no parameter had a gradient: look again (rare, so done in Python)
@@ -779,7 +792,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         # comes back through an asynchronous copy of the engine's counters (see _sync_counters).
         asynchronous = self._engine_cuda and not self._blocks()
         # The engine reads each parameter's .grad itself (no per-parameter Python work per step).
-        status = self._run_engine(engine, asynchronous)
+        status = self._run_first(engine, asynchronous)
         if status < 0:  # parameters, their groups or gradients changed, or a weight or state tensor moved
             if self._mesh is not None and not any(p.grad is not None for g in self.param_groups for p in g["params"]):
                 # No gradient on this rank while others may step: take part in their step's
@@ -792,7 +805,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             if engine is None:
                 return loss
             self._push_groups(engine)
-            status = self._run_engine(engine, asynchronous)
+            status = self._run_first(engine, asynchronous)
             if status < 0:
                 raise RuntimeError("dion3: internal error: the engine still asks for a rebuild")
         if status > 0:  # applied, or enqueued: counted now; a dropped enqueued step is taken back later
@@ -832,6 +845,29 @@ class _EngineOptimizer(torch.optim.Optimizer):
             engine.update_group(i, _engine_config(view))
             keys = tuple(dict.fromkeys(view.read))
             self._pushed[i] = (keys, _plain_snapshot(group, keys), len(group))
+
+    def _run_first(self, engine, asynchronous: bool) -> int:
+        """_run_engine, putting back the state a switch of algorithm replaced (_rebuild) when the
+        first step after it raises (another rank's plan differs, a non-finite gradient): a step
+        that was not applied leaves the state as it was. The next step builds afresh."""
+        if not self._switched_from:
+            return self._run_engine(engine, asynchronous)
+        try:
+            status = self._run_engine(engine, asynchronous)
+        except Exception:
+            for p, (old, kind) in self._switched_from.items():
+                self.state[p].clear()
+                self.state[p].update(old)
+                if kind is None:
+                    self._kinds.pop(p, None)
+                else:
+                    self._kinds[p] = kind
+            self._switched_from = {}
+            self._dirty = True
+            raise
+        if status >= 0:
+            self._switched_from = {}
+        return status
 
     def _run_engine(self, engine, asynchronous: bool) -> int:
         """The engine's step; -1 asks for a rebuild (parameters, groups or storage changed: see step)."""
@@ -1085,7 +1121,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._sync_counters()
         if not isinstance(self.state, _StateMap):  # torch's load_state_dict puts in a plain one
             self.state = _StateMap(dict, self.state)
-        self._engine = None
+        self._engine = self._last_engine = None
         self._engine_key = None
         params_with_grad = []
         self._check_aliasing()  # storage may have been re-pointed (p.data = ...) since construction
@@ -1147,7 +1183,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
         if any(s and g["algorithm"] == "adamw" for s, (g, _) in zip(steps, adamw_check)):
             engine.set_param_steps(steps, max(steps), self._steps_skipped)
             applied_seen, skipped_seen = max(steps), self._steps_skipped
-        # The engine accepted everything: commit the state.
+        # The engine accepted everything: commit the state. What a switch of algorithm replaces is
+        # kept until the engine's first step is through (see _run_first).
+        self._switched_from = {p: (dict(self.state[p]), self._kinds.get(p)) for p in switched}
         for p, st in new_state.items():
             if p in switched:
                 self.state[p].clear()

@@ -919,6 +919,28 @@ void Optimizer::Impl::plan_agreement() {
         h *= 1099511628211ull;
       }
     };
+    // Every setting same_plan() compares: a rank whose setting differs would run other collectives
+    // (selection_scope) or leave its replicas apart (nesterov, cautious_wd, the orthogonalizer).
+    auto mix_settings = [&mix](const GroupConfig& g) {
+      int64_t fraction_bits;
+      std::memcpy(&fraction_bits, &g.fraction, sizeof(fraction_bits));
+      for (int64_t v : {static_cast<int64_t>(g.algorithm), static_cast<int64_t>(g.flatten),
+                        g.momentum_dtype ? static_cast<int64_t>(*g.momentum_dtype) : -1, fraction_bits,
+                        static_cast<int64_t>(g.nesterov), static_cast<int64_t>(g.cautious_wd), g.num_heads,
+                        static_cast<int64_t>(g.orth.method), static_cast<int64_t>(g.orth.restarts.size()),
+                        g.orth.iteration_dtype ? static_cast<int64_t>(*g.orth.iteration_dtype) : -1,
+                        static_cast<int64_t>(g.selection_scope), static_cast<int64_t>(g.split_sizes.size()),
+                        static_cast<int64_t>(g.orth.coefficients.size())})
+        mix(v);
+      for (int64_t v : g.split_sizes) mix(v);
+      for (int v : g.orth.restarts) mix(v);
+      for (const Coefficients& c : g.orth.coefficients)
+        for (double x : c) {
+          int64_t bits;
+          std::memcpy(&bits, &x, sizeof(bits));
+          mix(bits);
+        }
+    };
     uint32_t count = 0;
     for (const Megabatch& mb : megabatches) {
       if (mb.comm != comm && mb.col_comm != comm) continue;
@@ -926,11 +948,17 @@ void Optimizer::Impl::plan_agreement() {
       for (int64_t v : {static_cast<int64_t>(mb.members.size()), mb.global_rows, mb.global_cols, mb.piece, mb.k,
                         static_cast<int64_t>(mb.layout), static_cast<int64_t>(mb.weight_dtype),
                         static_cast<int64_t>(mb.momentum_dtype), static_cast<int64_t>(mb.orth_dtype),
-                        static_cast<int64_t>(groups[mb.group].algorithm)})
+                        static_cast<int64_t>(mb.global_scope)})
         mix(v);
+      mix_settings(groups[mb.group]);
     }
+    // Every parameter over the communicator, element-wise ones included (their algorithm: AdamW
+    // against Lion on one rank would part the replicas).
     for (const Param& p : params)
-      if (p.layout.comm.get() == comm || p.layout.col_comm.get() == comm) mix(static_cast<int64_t>(p.layout.kind));
+      if (p.layout.comm.get() == comm || p.layout.col_comm.get() == comm) {
+        mix(static_cast<int64_t>(p.layout.kind));
+        mix(static_cast<int64_t>(groups[p.group].algorithm));
+      }
     const uint32_t digest[kDigestWords] = {static_cast<uint32_t>(h),       static_cast<uint32_t>(h >> 16),
                                            static_cast<uint32_t>(h >> 32), static_cast<uint32_t>(h >> 48),
                                            count,                          count >> 16};

@@ -426,6 +426,22 @@ TEST(Faults, MismatchedPlansFailOnEveryRank) {
   }
 }
 
+// `count` 8 x 6 float32 parameters of group `gi`, replicated over `comm`, Gaussian weights.
+std::vector<std::unique_ptr<t3::HostParam>> replicated_params(t3::Harness& h, int gi,
+                                                              const std::shared_ptr<dion3::Communicator>& comm,
+                                                              Rng& rng, int count) {
+  std::vector<std::unique_ptr<t3::HostParam>> ps;
+  for (int i = 0; i < count; ++i) {
+    ps.push_back(std::make_unique<t3::HostParam>("w" + std::to_string(i), DType::F32, std::vector<int64_t>{8, 6}));
+    ps.back()->w.assign(t3::gaussian(8, 6, rng));
+    dion3::ParamSpec spec = ps.back()->spec();
+    spec.layout.kind = Layout::Replicated;
+    spec.layout.comm = comm;
+    ps.back()->index = h.opt.add_param(gi, spec);
+  }
+  return ps;
+}
+
 // A rank without gradients this step runs the step's collectives through refuse_step(): every
 // rank refuses, nothing moves (counters included, under either policy), and afterwards the
 // ranks step together again, also when the others only enqueued their step (step_async) or the
@@ -439,15 +455,7 @@ TEST(Faults, ARankWithoutGradientsRefusesTheStepOnEveryRank) {
     t3::Harness h(o);
     const int gi = h.opt.add_group(GroupConfig{});
     Rng rng(11);
-    std::vector<std::unique_ptr<t3::HostParam>> ps;
-    for (int i = 0; i < 3; ++i) {
-      ps.push_back(std::make_unique<t3::HostParam>("w" + std::to_string(i), DType::F32, std::vector<int64_t>{8, 6}));
-      ps.back()->w.assign(t3::gaussian(8, 6, rng));
-      dion3::ParamSpec spec = ps.back()->spec();
-      spec.layout.kind = Layout::Replicated;
-      spec.layout.comm = comm;
-      ps.back()->index = h.opt.add_param(gi, spec);
-    }
+    std::vector<std::unique_ptr<t3::HostParam>> ps = replicated_params(h, gi, comm, rng, 3);
     auto fill = [&](double v) {
       for (auto& p : ps) p->g.assign(std::vector<double>(48, v));
     };
@@ -493,22 +501,12 @@ TEST(Faults, ARankWithoutGradientsRefusesTheStepOnEveryRank) {
 TEST(Faults, ARankThatPlansAnewAgreesWithTheOthers) {
   const int P = world_size(), rank = world_rank();
   auto comm = dion3::make_mpi_communicator(nullptr, 60.0);
-  t3::Harness h;
-  GroupConfig cfg;
-  cfg.weight_decay = 0.0;  // so that cautious_wd below changes the plan but not the numbers
-  const int gi = h.opt.add_group(cfg);
+  t3::Harness h, fresh;
+  const int gi = h.opt.add_group(GroupConfig{});
   Rng rng(13);
-  std::vector<std::unique_ptr<t3::HostParam>> ps;
+  std::vector<std::unique_ptr<t3::HostParam>> ps = replicated_params(h, gi, comm, rng, 3);
   std::vector<t3::HostParam*> all;
-  for (int i = 0; i < 3; ++i) {
-    ps.push_back(std::make_unique<t3::HostParam>("w" + std::to_string(i), DType::F32, std::vector<int64_t>{8, 6}));
-    ps.back()->w.assign(t3::gaussian(8, 6, rng));
-    dion3::ParamSpec spec = ps.back()->spec();
-    spec.layout.kind = Layout::Replicated;
-    spec.layout.comm = comm;
-    ps.back()->index = h.opt.add_param(gi, spec);
-    all.push_back(ps.back().get());
-  }
+  for (auto& p : ps) all.push_back(p.get());
   auto fill = [&](int step) {
     Rng g(100 + step);  // the same gradients on every rank
     for (auto& p : ps) p->g.assign(t3::gaussian(8, 6, g));
@@ -523,38 +521,46 @@ TEST(Faults, ARankThatPlansAnewAgreesWithTheOthers) {
   const std::string where = "rank " + std::to_string(rank) + " of " + std::to_string(P);
   fill(0);
   ASSERT_TRUE(h.opt.step()) << where;
-  // 1. Planned anew on rank 0 only, to the same plan: every rank steps.
+  // 1. Planned anew on rank 0 only, to the same plan: there a new optimizer over the same
+  //    parameters, given the old one's state, steps on. Every rank steps, as one.
+  dion3::Optimizer* opt = &h.opt;
   if (rank == 0) {
-    GroupConfig c = h.opt.group(gi);
-    c.cautious_wd = true;
-    h.opt.set_group(gi, c);
+    const int fg = fresh.opt.add_group(h.opt.group(gi));
+    for (auto& p : ps) {
+      dion3::ParamSpec spec = p->spec();
+      spec.layout.kind = Layout::Replicated;
+      spec.layout.comm = comm;
+      EXPECT_EQ(fresh.opt.add_param(fg, spec), p->index);
+    }
+    fresh.opt.import_state(h.opt.export_state());
+    opt = &fresh.opt;
   }
   fill(1);
-  EXPECT_TRUE(h.opt.step()) << where;
+  EXPECT_TRUE(opt->step()) << where;
   same_on_every_rank("after a plan made anew on rank 0");
   // 2. Planned anew on rank 0 only, to another plan: every rank raises, nothing moves.
   if (rank == 0) {
-    GroupConfig c = h.opt.group(gi);
+    GroupConfig c = opt->group(0);
     c.fraction = 0.5;
-    h.opt.set_group(gi, c);
+    opt->set_group(0, c);
   }
-  const auto before = t3::snapshot(h.opt, all);
-  const int64_t taken = h.opt.steps_taken(), skipped = h.opt.steps_skipped();
+  const auto before = t3::snapshot(*opt, all);
+  const int64_t taken = opt->steps_taken(), skipped = opt->steps_skipped();
   fill(2);
   dion3::Status st = dion3::Status::Ok;
-  const std::string what = t3::error_of([&] { h.opt.step(); }, &st);
+  const std::string what = t3::error_of([&] { opt->step(); }, &st);
   EXPECT_NE(what.find("planned different steps"), std::string::npos) << where << ": " << what;
-  EXPECT_EQ(t3::snapshot(h.opt, all), before) << where << ": a refused step moved something";
-  EXPECT_EQ(h.opt.steps_taken(), taken) << where;
-  EXPECT_EQ(h.opt.steps_skipped(), skipped) << where << ": a refused step was counted as dropped";
+  EXPECT_EQ(t3::snapshot(*opt, all), before) << where << ": a refused step moved something";
+  EXPECT_EQ(opt->steps_taken(), taken) << where;
+  EXPECT_EQ(opt->steps_skipped(), skipped) << where << ": a refused step was counted as dropped";
   // 3. The setting made alike again: the ranks step together.
   if (rank == 0) {
-    GroupConfig c = h.opt.group(gi);
+    GroupConfig c = opt->group(0);
     c.fraction = 0.25;
-    h.opt.set_group(gi, c);
+    opt->set_group(0, c);
   }
   fill(3);
-  EXPECT_TRUE(h.opt.step()) << where;
+  EXPECT_TRUE(opt->step()) << where;
   same_on_every_rank("after the plans were made alike");
 }
 

@@ -311,6 +311,85 @@ def one_rank_changes(rank, world, mesh):
         step(4)
 
 
+def one_rank_settings(rank, world, mesh):
+    """Settings that change a plan's collectives or results but no shape, changed on one rank
+    alone (selection_scope under FSDP2, cautious_wd, an element-wise group's algorithm): every
+    rank refuses the step, nothing moved; alike again, the ranks step together. And a rank
+    without gradients right after load_state_dict (which drops the engine) refuses with the
+    others instead of stepping alone."""
+    torch.manual_seed(0)
+
+    def refused(opt, ps, expect):
+        before = [full(p.detach()).clone() for p in ps]
+        try:
+            opt.step()
+            raise AssertionError(f"rank {rank}: a step expected to be refused was applied")
+        except ValueError as e:
+            assert expect in str(e), f"rank {rank}: {e}"
+        assert all(torch.equal(full(p.detach()), b) for p, b in zip(ps, before)), \
+            f"rank {rank}: a refused step moved weights"
+
+    def same_everywhere(ps, what):
+        for p in ps:
+            mine = full(p.detach()).clone()
+            every = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(every, mine)
+            assert all(torch.equal(every[0], w) for w in every), f"rank {rank}: {what}: the ranks drifted apart"
+
+    # FSDP2 row shards, every row selected (the same k and pieces under either scope).
+    fulls = [torch.randn(s) * 0.05 for s in SHAPES[:3]]
+    ps = [nn.Parameter(distribute_tensor(f.clone(), mesh, [Shard(0)])) for f in fulls]
+    opt = dion3.Dion3(ps, distributed_mesh=mesh, lr=0.02, fraction=1.0)
+
+    def grads(seed):
+        for p, g in zip(ps, grads_for(SHAPES[:3], seed)):
+            p.grad = distribute_tensor(g, mesh, [Shard(0)])
+
+    grads(0)
+    opt.step()
+    for key, changed, alike in (("selection_scope", "global", "local"), ("cautious_wd", True, False)):
+        if rank == 0:
+            opt.param_groups[0][key] = changed
+        grads(1)
+        refused(opt, ps, "planned different steps")
+        if rank == 0:
+            opt.param_groups[0][key] = alike
+        grads(2)
+        opt.step()
+        same_everywhere(ps, f"FSDP2 after {key}")
+
+    # DDP with an element-wise group.
+    w, b = nn.Parameter(torch.randn(8, 6) * 0.05), nn.Parameter(torch.zeros(6))
+    opt = dion3.Dion3([{"params": [w]}, {"params": [b], "algorithm": "adamw"}], distributed_mesh=dist.group.WORLD,
+                      lr=0.02)
+
+    def grads2(seed):
+        g = torch.Generator().manual_seed(seed)
+        w.grad, b.grad = torch.randn(8, 6, generator=g), torch.randn(6, generator=g)
+
+    grads2(0)
+    opt.step()
+    if rank == 0:
+        opt.param_groups[1]["algorithm"] = "lion"
+    grads2(1)
+    refused(opt, [w, b], "planned different steps")
+    if rank == 0:
+        opt.param_groups[1]["algorithm"] = "adamw"
+    grads2(2)
+    opt.step()
+    same_everywhere([w, b], "DDP after an element-wise algorithm")
+    # load_state_dict everywhere, then no gradients on the last rank.
+    opt.load_state_dict(opt.state_dict())
+    grads2(3)
+    if rank == world - 1:
+        w.grad = b.grad = None
+    expect = "no parameter of this rank has a gradient" if rank == world - 1 else "another rank took no part"
+    refused(opt, [w, b], expect)
+    grads2(4)
+    opt.step()
+    same_everywhere([w, b], "DDP after a refusal right after load_state_dict")
+
+
 def partial_gradients(rank, world, mesh):
     """A gradient that autograd left Partial (a replicated weight under sequence or tensor
     parallelism) is summed over the ranks before the step, as torch.optim does: the result is the
@@ -500,6 +579,7 @@ def layouts(rank, world, tmp):
     refusals(rank, world, mesh)
     agreement(rank, world, mesh)
     one_rank_changes(rank, world, mesh)
+    one_rank_settings(rank, world, mesh)
     partial_gradients(rank, world, mesh)
     fully_sharded_model(rank, world, mesh)
 

@@ -633,3 +633,24 @@ def test_a_setting_added_after_construction_is_checked_at_the_next_step(device):
     opt.param_groups[0]["layer_index"] = 3  # a user's own tag is carried, as torch.optim does
     opt.step()
     assert not torch.equal(w, before)
+
+
+def test_a_refused_first_step_after_an_algorithm_switch_keeps_the_old_state(device):
+    # The switch makes fresh state for the new kind; a first step that raises (here a NaN
+    # gradient) applied nothing, so the old kind's state is kept, and the next step starts afresh.
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(6, device=device))
+    opt = dion3.Dion3([{"params": [w], "algorithm": "adamw"}], lr=0.01)
+    w.grad = torch.randn(6, device=device)
+    opt.step()
+    before = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in opt.state[w].items()}
+    opt.param_groups[0]["algorithm"] = "lion"
+    w.grad = torch.full((6,), float("nan"), device=device)
+    with pytest.raises(dion3.NonFiniteError):
+        opt.step()
+    assert set(opt.state[w]) == set(before)
+    for k, v in before.items():
+        assert torch.equal(opt.state[w][k], v) if isinstance(v, torch.Tensor) else opt.state[w][k] == v, k
+    w.grad = torch.randn(6, device=device)
+    opt.step()
+    assert opt.state[w]["step"] == 1  # lion's own count, from a fresh start
