@@ -456,9 +456,11 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._alias_index = None
         self._kinds = {}  # unknown after unpickling: the state is taken as made for its group
         self._pushed, self._pushed_to = {}, None
-        # torch's load_state_dict: the engine it drops is kept for one purpose, to refuse a step
-        # this rank has no gradients for while the other ranks step (see step()).
-        self._last_engine = getattr(self, "_engine", None) or getattr(self, "_last_engine", None)
+        # torch's load_state_dict: under a distributed mesh the engine it drops is kept for one
+        # purpose, to refuse a step this rank has no gradients for while the other ranks step
+        # (see step()); the next rebuild releases it.
+        self._last_engine = (getattr(self, "_engine", None) or getattr(self, "_last_engine", None)) \
+            if mesh is not None else None
         self._engine, self._engine_key, self._engine_params, self._engine_groups = None, None, [], []
         self._switched_from = {}
         _LIVE.add(self)
