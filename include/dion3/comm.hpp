@@ -34,7 +34,8 @@ namespace dion3 {
 // for a non-finite gradient, or kRankWithoutGradients (backend.hpp) from a rank that runs the
 // step's collectives without gradients of its own (Optimizer::refuse_step); took part: 1 from a
 // rank that steps, 0 from one that refuses. A region's digest is the rank's plan over that
-// communicator (its megabatches) in 16-bit words, the complement 0xFFFF minus each: after the
+// communicator (its megabatches, their groups' plan settings, every parameter's algorithm) in
+// 16-bit words, the complement 0xFFFF minus each: after the
 // maximum, a word and its complement sum to 0xFFFF exactly when every rank had the same word.
 // Reducing every region over every communicator carries a difference found in one communicator to
 // the ranks of the others too (on a mesh of several dimensions each rank ends with the maximum over

@@ -301,7 +301,10 @@ DION3_API dion3_status dion3_steps(const dion3_optimizer* opt, int64_t* taken, i
 
 /* The step of dion3_step, only enqueued on the optimizer's stream: it does not wait for the
  * device, so a CUDA trainer's host runs ahead and the step can be captured in a CUDA graph. A
- * non-finite gradient drops the step on the device whatever the policy (counted as skipped). */
+ * non-finite gradient drops the step on the device whatever the policy (counted as skipped).
+ * Distributed, the first step after the plan was made (every step on the CPU) reads the ranks'
+ * agreement and fails with DION3_INVALID_ARGUMENT, nothing modified, when their plans differ;
+ * such a step cannot be captured. */
 DION3_API dion3_status dion3_step_async(dion3_optimizer* opt);
 /* The counters of dion3_steps as they stood after the last step that was not being captured,
  * without waiting: *ready (not NULL) is 0 while they have not reached the host yet, and then

@@ -212,7 +212,8 @@ class DION3_API Optimizer {
   // nothing), so that every rank refuses the step together instead of pairing later collectives
   // wrongly. Throws dion3::Error (InvalidArgument) here and in the others' step() when some rank
   // stepped; returns false, with nothing done, when every rank refused. Nothing is modified on
-  // any rank, counters included, and every rank keeps its plan.
+  // any rank, counters included, and every rank keeps its plan (unless the ranks' plans differed:
+  // then the next step plans anew, and is compared again).
   bool refuse_step();
   // The same step, only enqueued on the backend's stream: no host synchronisation, so it can
   // be captured in a CUDA graph and replayed. A non-finite gradient drops the step on the

@@ -292,7 +292,7 @@ _LIVE: "weakref.WeakSet[_EngineOptimizer]" = weakref.WeakSet()
 @atexit.register
 def _drop_engines_at_exit() -> None:
     for opt in list(_LIVE):
-        opt._engine, opt._engine_key, opt._last_engine = None, None, None
+        opt._engine, opt._engine_key = None, None
 
 
 # The engine's names of the state tensors, by the group's kind of algorithm.
@@ -408,7 +408,6 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._megabatch = bool(megabatch)
         _LIVE.add(self)
         self._engine = None
-        self._last_engine = None  # see __setstate__
         self._switched_from: Dict[torch.Tensor, Any] = {}  # see _rebuild
         self._engine_key = None
         self._engine_params: List[torch.Tensor] = []
@@ -456,11 +455,6 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._alias_index = None
         self._kinds = {}  # unknown after unpickling: the state is taken as made for its group
         self._pushed, self._pushed_to = {}, None
-        # torch's load_state_dict: under a distributed mesh the engine it drops is kept for one
-        # purpose, to refuse a step this rank has no gradients for while the other ranks step
-        # (see step()); the next rebuild releases it.
-        self._last_engine = (getattr(self, "_engine", None) or getattr(self, "_last_engine", None)) \
-            if mesh is not None else None
         self._engine, self._engine_key, self._engine_params, self._engine_groups = None, None, [], []
         self._switched_from = {}
         _LIVE.add(self)
@@ -765,14 +759,12 @@ class _EngineOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         key = self._registration_key()
-        if self._dirty or key != self._engine_key or self._state_replaced():
-            held = self._engine if self._engine is not None else getattr(self, "_last_engine", None)
-            if held is not None and self._mesh is not None and \
-                    not any(p.grad is not None for g in self.param_groups for p in g["params"]):
-                # No gradient on this rank while others may step: refuse with the plan the others
-                # hold (as below), not a new one without parameters, which would make no collective.
-                held.refuse_step()
-                return loss
+        stale = self._dirty or key != self._engine_key or self._state_replaced()
+        if (stale or self._engine is None) and self._mesh is not None and \
+                not any(p.grad is not None for g in self.param_groups for p in g["params"]):
+            self._refuse_without_gradients(key)
+            return loss
+        if stale:
             self._rebuild(key)
         engine = self._engine
         if engine is None:  # no parameter had a gradient: look again (rare, so done in Python)
@@ -784,7 +776,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         if self._engine_cuda and torch.cuda.is_current_stream_capturing():
             # CUDA-graph capture: the engine's capture-safe step (no host synchronisation). Step
             # counters then advance on the device only; _sync_counters() brings them back.
-            if self._run_engine(engine, True) < 0:
+            if self._run_first(engine, True) < 0:
                 raise CaptureNotReady("dion3: the parameters with gradients, their groups or their storage "
                                       "changed since the last step; run one eager step before capturing")
             self._counters_pending = True
@@ -848,28 +840,61 @@ class _EngineOptimizer(torch.optim.Optimizer):
             keys = tuple(dict.fromkeys(view.read))
             self._pushed[i] = (keys, _plain_snapshot(group, keys), len(group))
 
+    def _refuse_without_gradients(self, key) -> None:
+        """No gradient on this rank while the others may step, and no engine to refuse with as it
+        is (it must be made anew: a first step, a load, a moved tensor): this rank still joins
+        their step's collectives, so that every rank refuses it (Optimizer::refuse_step) instead of
+        pairing with this rank's next step. With an engine, it refuses as planned; without one,
+        every parameter is registered for this one refusal with a zero gradient, and the engine
+        is released after it (the next step builds afresh)."""
+        if self._engine is not None:
+            self._engine.refuse_step()  # the plan the others hold, unless they changed it too
+            return
+        params = [p for g in self.param_groups for p in g["params"]]
+        if not params:
+            return
+        try:
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            self._rebuild(key)
+            if self._engine is not None:
+                self._push_groups(self._engine)
+                self._engine.refuse_step()
+        finally:
+            for p in params:
+                p.grad = None
+            self._restore_switched()  # nothing was applied: a switch of algorithm waits as well
+            self._engine, self._engine_key = None, None
+
     def _run_first(self, engine, asynchronous: bool) -> int:
         """_run_engine, putting back the state a switch of algorithm replaced (_rebuild) when the
-        first step after it raises (another rank's plan differs, a non-finite gradient): a step
-        that was not applied leaves the state as it was. The next step builds afresh."""
+        first step after it is refused (ValueError: another rank's plan differs or it had no
+        gradients; NonFiniteError; nothing was written): that rank's state stays as it was, and
+        the next step builds afresh. A step that only enqueues (blocking=False) learns of a dropped step later:
+        the fresh state is kept then."""
         if not self._switched_from:
             return self._run_engine(engine, asynchronous)
         try:
             status = self._run_engine(engine, asynchronous)
-        except Exception:
-            for p, (old, kind) in self._switched_from.items():
-                self.state[p].clear()
-                self.state[p].update(old)
-                if kind is None:
-                    self._kinds.pop(p, None)
-                else:
-                    self._kinds[p] = kind
-            self._switched_from = {}
-            self._dirty = True
+        except (ValueError, NonFiniteError):
+            self._restore_switched()
             raise
         if status >= 0:
             self._switched_from = {}
         return status
+
+    def _restore_switched(self) -> None:
+        """The state a switch of algorithm replaced, put back (see _run_first); the engine,
+        which holds the fresh state, is made anew at the next step."""
+        for p, (old, kind) in self._switched_from.items():
+            self.state[p].clear()
+            self.state[p].update(old)
+            if kind is None:
+                self._kinds.pop(p, None)
+            else:
+                self._kinds[p] = kind
+        self._switched_from = {}
+        self._dirty = True
 
     def _run_engine(self, engine, asynchronous: bool) -> int:
         """The engine's step; -1 asks for a rebuild (parameters, groups or storage changed: see step)."""
@@ -1123,7 +1148,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._sync_counters()
         if not isinstance(self.state, _StateMap):  # torch's load_state_dict puts in a plain one
             self.state = _StateMap(dict, self.state)
-        self._engine = self._last_engine = None
+        self._engine = None
         self._engine_key = None
         params_with_grad = []
         self._check_aliasing()  # storage may have been re-pointed (p.data = ...) since construction
@@ -1187,7 +1212,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
             applied_seen, skipped_seen = max(steps), self._steps_skipped
         # The engine accepted everything: commit the state. What a switch of algorithm replaces is
         # kept until the engine's first step is through (see _run_first).
-        self._switched_from = {p: (dict(self.state[p]), self._kinds.get(p)) for p in switched}
+        for p in switched:  # the state before the first of several switches without a step between
+            self._switched_from.setdefault(p, (dict(self.state[p]), self._kinds.get(p)))
         for p, st in new_state.items():
             if p in switched:
                 self.state[p].clear()

@@ -900,13 +900,18 @@ std::vector<Communicator*> Optimizer::Impl::communicators() const {
   return comms;
 }
 
-// Every rank must have planned the same megabatches in the same order, or their collectives
-// would pair up wrongly (or hang). Each communicator's region of the step's agreement carries a
-// digest of the megabatches over it (comm.hpp), so the check costs no collective of its own and a
+// Every rank must have planned the same megabatches in the same order with the same settings, or
+// their collectives would pair up wrongly (or hang) or their replicas part. Each communicator's
+// region of the step's agreement carries a digest of the megabatches over it, their groups' plan
+// settings and every parameter's algorithm (comm.hpp), so the check costs no collective of its own and a
 // rank that planned anew (a weight given new storage on that rank alone) still pairs with the
 // others' step.
 void Optimizer::Impl::plan_agreement() {
   const std::vector<Communicator*> comms = communicators();
+  if (comms.empty() && flag_words == 2) {  // as the constructor left them
+    plan_confirmed = true;
+    return;
+  }
   const int regions = std::max<int>(1, static_cast<int>(comms.size()));
   flag_words = comms.empty() ? 2 : regions * kAgreementWords;
   std::vector<int> starts(2 * static_cast<std::size_t>(flag_words), 0);
@@ -999,8 +1004,10 @@ std::string Optimizer::Impl::plans_differ_error(const int* words) const {
     const std::string counts = most == fewest ? "every rank " + most + " distributed megabatches"
                                               : "from " + fewest + " to " + most + " distributed megabatches a rank";
     return "the ranks of " + comms[r]->describe() + " planned different steps (" + counts +
-           "; or their shapes, dtypes, groups or layouts differ): every rank must register the same parameters, "
-           "in the same order, with the same groups and global shapes; the step was not applied on any rank";
+           "; or their shapes, dtypes, layouts, algorithms or plan settings differ: fraction, selection_scope, "
+           "nesterov, cautious_wd, split_sizes, num_heads, the orthogonalizer): every rank must register the same "
+           "parameters, in the same order, with the same groups, settings and global shapes; the step was not "
+           "applied on any rank";
   }
   return "the ranks planned different steps; the step was not applied on any rank";
 }
@@ -1659,9 +1666,6 @@ StepCheck Optimizer::Impl::step_check(const Param& p) const {
 void Optimizer::Impl::enqueue_step(bool count_dropped, bool refusing, bool blocking) {
   Impl& s = *this;
   Backend& be = *s.backend;
-  if (!s.plan_confirmed && be.capturing())
-    fail("a distributed step cannot be captured before the ranks' plans were compared: take one step (not "
-         "captured) after the plan was made, then capture");
   // 1. Non-finite gradients, and finite ones that would overflow the state, raise a device flag that every mutating op below obeys; distributed
   //    runs agree on it across ranks first.
   int* flag = s.flag.as<int>();
@@ -1733,6 +1737,11 @@ void Optimizer::Impl::post_counters() {
 
 void Optimizer::step_async() {
   Impl& s = *impl_;
+  // Before anything is planned or enqueued: planning uploads to the device, and the agreement of
+  // a new plan is read on the host.
+  if (s.backend->capturing() && !s.communicators().empty() && !(s.plan_valid && s.plan_confirmed))
+    fail("a distributed step cannot be captured before the ranks' plans were compared: take one step (not "
+         "captured) after the plan was made, then capture");
   s.validate_for_step();
   s.enqueue_step(true, false, false);  // nothing is raised here, so a dropped step is counted
   s.post_counters();

@@ -566,7 +566,8 @@ TEST(Faults, ARankThatPlansAnewAgreesWithTheOthers) {
 
 // Two communicators (a rows x columns grid): a plan that differs over the row communicator on one
 // rank is refused by every rank, those of other row groups included (they learn it through the
-// column communicator), and nothing moves.
+// column communicator), and nothing moves. The 2 x 2 grid of 4 ranks is the telling case; on 2
+// ranks the column communicator holds one rank.
 TEST(Faults, APlanThatDiffersOverOneCommunicatorIsRefusedByEveryRank) {
   const int P = world_size(), rank = world_rank();
   const int dp = P == 4 ? 2 : P, tp = P / dp, d = rank / tp, t = rank % tp;

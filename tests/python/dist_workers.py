@@ -388,6 +388,15 @@ def one_rank_settings(rank, world, mesh):
     grads2(4)
     opt.step()
     same_everywhere([w, b], "DDP after a refusal right after load_state_dict")
+    # No gradients on the last rank at the very first step (no engine yet): refused as well.
+    w0 = nn.Parameter(torch.randn(8, 6) * 0.05)
+    opt = dion3.Dion3([w0], distributed_mesh=dist.group.WORLD, lr=0.02)
+    w0.grad = None if rank == world - 1 else torch.ones(8, 6)
+    refused(opt, [w0], expect)
+    assert "momentum" not in opt.state[w0] or not opt.state[w0]["momentum"].any(), f"rank {rank}: state moved"
+    w0.grad = torch.ones(8, 6)
+    opt.step()
+    same_everywhere([w0], "DDP after a refusal at the first step")
 
 
 def partial_gradients(rank, world, mesh):
