@@ -762,6 +762,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
         stale = self._dirty or key != self._engine_key or self._state_replaced()
         if (stale or self._engine is None) and self._mesh is not None and \
                 not any(p.grad is not None for g in self.param_groups for p in g["params"]):
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise CaptureNotReady("dion3: no parameter of this rank has a gradient and the step must be "
+                                      "planned anew; run one eager step before capturing")
             self._refuse_without_gradients(key)
             return loss
         if stale:
@@ -845,17 +848,18 @@ class _EngineOptimizer(torch.optim.Optimizer):
         is (it must be made anew: a first step, a load, a moved tensor): this rank still joins
         their step's collectives, so that every rank refuses it (Optimizer::refuse_step) instead of
         pairing with this rank's next step. With an engine, it refuses as planned; without one,
-        every parameter is registered for this one refusal with a zero gradient, and the engine
-        is released after it (the next step builds afresh)."""
+        every parameter that requires a gradient is registered for this one refusal (the plan
+        the others make when all of theirs have one), with a gradient the refusal never reads,
+        and the engine is released after it (the next step builds afresh)."""
         if self._engine is not None:
             self._engine.refuse_step()  # the plan the others hold, unless they changed it too
             return
-        params = [p for g in self.param_groups for p in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not params:
             return
         try:
             for p in params:
-                p.grad = torch.zeros_like(p)
+                p.grad = torch.empty_like(p)
             self._rebuild(key)
             if self._engine is not None:
                 self._push_groups(self._engine)
@@ -864,7 +868,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
             for p in params:
                 p.grad = None
             self._restore_switched()  # nothing was applied: a switch of algorithm waits as well
-            self._engine, self._engine_key = None, None
+            self._engine, self._engine_key, self._pushed, self._pushed_to = None, None, {}, None
+            self._engine_params, self._engine_states = [], []
 
     def _run_first(self, engine, asynchronous: bool) -> int:
         """_run_engine, putting back the state a switch of algorithm replaced (_rebuild) when the

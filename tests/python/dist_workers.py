@@ -388,9 +388,11 @@ def one_rank_settings(rank, world, mesh):
     grads2(4)
     opt.step()
     same_everywhere([w, b], "DDP after a refusal right after load_state_dict")
-    # No gradients on the last rank at the very first step (no engine yet): refused as well.
+    # No gradients on the last rank at the very first step (no engine yet): refused as well, with
+    # the plan the others make (a frozen parameter in the group is not part of it).
     w0 = nn.Parameter(torch.randn(8, 6) * 0.05)
-    opt = dion3.Dion3([w0], distributed_mesh=dist.group.WORLD, lr=0.02)
+    frozen = nn.Parameter(torch.randn(4, 4), requires_grad=False)
+    opt = dion3.Dion3([w0, frozen], distributed_mesh=dist.group.WORLD, lr=0.02)
     w0.grad = None if rank == world - 1 else torch.ones(8, 6)
     refused(opt, [w0], expect)
     assert "momentum" not in opt.state[w0] or not opt.state[w0]["momentum"].any(), f"rank {rank}: state moved"
