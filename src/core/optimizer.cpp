@@ -1761,6 +1761,8 @@ void Optimizer::Impl::settle_collectives() {
 
 bool Optimizer::refuse_step() {
   Impl& s = *impl_;
+  // It reads the agreement on the host: not in a capture.
+  if (s.backend->capturing()) fail("refuse_step cannot be captured in a CUDA graph; call it eagerly");
   s.validate_for_step();
   s.enqueue_step(false, true, true);  // a refused step is not a dropped one: not counted
   s.post_counters();

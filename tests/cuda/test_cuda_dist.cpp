@@ -164,6 +164,53 @@ TEST_F(CudaLayouts, WorldSizeOneEqualsSingleDevice) {
 }
 
 // Several GPUs: each rank's rows equal algorithm.md §3's rule computed in one process (float64).
+// A distributed step reads the ranks' agreement on the host after planning anew, and refuse_step
+// always does: neither can run inside a capture. Both are refused before anything is planned or
+// enqueued, the capture stays usable, and after one eager step the step captures.
+TEST_F(CudaLayouts, CapturesRefusedUntilThePlansWereCompared) {
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  {
+    dion3::Optimizer opt(dion3::make_cuda_backend(0, stream));
+    DevParam p;
+    p.m = 48;
+    p.n = 64;
+    p.first = 0;
+    p.rows = 48;
+    cudaMalloc(&p.w, 48 * 64 * 4);
+    cudaMalloc(&p.g, 48 * 64 * 4);
+    p.upload(p.w, normal(48 * 64, 5, 0.05));
+    p.upload(p.g, normal(48 * 64, 6, 1.0));
+    dion3::ParamSpec spec;
+    spec.name = "w";
+    spec.weight = {p.w, DType::F32, dion3::Device::CUDA, 0, {48, 64}};
+    spec.grad = {p.g, DType::F32, dion3::Device::CUDA, 0, {48, 64}};
+    spec.layout.kind = Layout::Replicated;
+    spec.layout.comm = dion3::make_loopback_communicator(dion3::Device::CUDA);
+    opt.add_param(opt.add_group(dion3::GroupConfig{}), spec);
+    auto captured = [&](const std::function<void()>& call) {
+      std::string what;
+      EXPECT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+      try {
+        call();
+      } catch (const dion3::Error& e) {
+        what = e.what();
+      }
+      cudaGraph_t graph = nullptr;
+      EXPECT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess) << "the capture was broken: " << what;
+      if (graph) cudaGraphDestroy(graph);
+      return what;
+    };
+    EXPECT_NE(captured([&] { opt.step_async(); }).find("cannot be captured before the ranks' plans were compared"),
+              std::string::npos);
+    EXPECT_NE(captured([&] { opt.refuse_step(); }).find("cannot be captured"), std::string::npos);
+    EXPECT_TRUE(opt.step());
+    EXPECT_TRUE(opt.step());  // the second step records the orthogonalization, as before a real capture
+    EXPECT_EQ(captured([&] { opt.step_async(); }), "");
+  }
+  cudaStreamDestroy(stream);
+}
+
 TEST_F(CudaLayouts, MultiGpuLayoutsEqualTheReference) {
 #ifndef DION3_HAVE_NCCL
   GTEST_SKIP() << "built without NCCL";
