@@ -857,6 +857,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not params:
             return
+        kinds = dict(self._kinds)  # what the next real step judges switches of algorithm by
         try:
             for p in params:
                 p.grad = torch.empty_like(p)
@@ -868,6 +869,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             for p in params:
                 p.grad = None
             self._restore_switched()  # nothing was applied: a switch of algorithm waits as well
+            self._kinds = kinds
             self._engine, self._engine_key, self._pushed, self._pushed_to = None, None, {}, None
             self._engine_params, self._engine_states = [], []
 
