@@ -18,16 +18,16 @@ namespace {
 
 constexpr int kRowWarps = 4;      // warp-per-row kernels: rows per block
 
-// One row of M (and of G, with_g) in V-element packs, the warp-per-row way of the accumulate, the
+// One row of M (and of G, with_g) in 4-element packs, the warp-per-row way of the accumulate, the
 // gather and the NorMuon row sums (there M is a row of O): each lane loads its next U packs
 // (q = lane, lane + 32, ... below n4) before it hands any to visit(q, m_pack, g_pack), so U packs
 // of each array are in flight per lane.
-template <int U, class TM, class TG, int V, class Visit>
-__device__ __forceinline__ void for_row_packs(const PackV<TM, V>* m4, const PackV<TG, V>* g4, int64_t n4, int lane,
+template <int U, class TM, class TG, class Visit>
+__device__ __forceinline__ void for_row_packs(const Pack4<TM>* m4, const Pack4<TG>* g4, int64_t n4, int lane,
                                               bool with_g, Visit&& visit) {
   for (int64_t q0 = lane; q0 < n4; q0 += 32 * U) {
-    PackV<TM, V> mp[U];
-    PackV<TG, V> gp[U];
+    Pack4<TM> mp[U];
+    Pack4<TG> gp[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int64_t q = q0 + 32 * u;
@@ -207,12 +207,6 @@ __global__ void __launch_bounds__(kSelectThreads)
   }
 }
 
-// Elements of the widest of the types T in 16 bytes: the pack a lane moves in one access.
-template <class... T>
-constexpr int group_of() {
-  return static_cast<int>(16 / std::max({sizeof(T)...}));
-}
-
 // ---- gather_normalized's scale: inv[i] = 1 / (sqrt(sum_s row_sumsq[i*rows + idx[i*k + s]]) + eps),
 // one block per matrix, summed in a fixed order --------------------------------------------------
 __global__ void selected_inverse_norm_kernel(const int32_t* __restrict__ idx, int64_t k, int64_t rows,
@@ -233,10 +227,8 @@ __global__ void selected_inverse_norm_kernel(const int32_t* __restrict__ idx, in
 
 // ---- gather_rows: out[i][s] = c_i*(scale_m*M[idx[s]] + scale_g*G[idx[s]]); M[idx[s]] *= decay,
 // with c_i = matrix_scale[i] (gather_normalized's inverse norms) or 1 ----
-// One warp per gathered row. With VEC each lane moves packs of 16 bytes of the widest type (8
-// elements when all are 2-byte types and the row's arrays start 16-byte aligned; else 4), four of
-// them loaded before any is stored: the rows are read once and written twice, and 8-byte accesses
-// left the writes short of the bandwidth a plain move of the same rows reaches. With
+// One warp per gathered row. With VEC each lane moves 4-element packs, four of them loaded before
+// any is stored (more bytes in flight than a block per row with one pack per thread). With
 // row_sumsq, also the sum of squares of the row as stored (each lane's sum in a fixed order, then
 // a fixed shuffle tree: reproducible).
 template <class TM, class TG, class TO, bool VEC>
@@ -267,33 +259,24 @@ __global__ void __launch_bounds__(32 * kRowWarps)
   const float c = matrix_scale ? matrix_scale[i] : 1.0f;
   float ss = 0.0f;
   if constexpr (VEC) {
-    auto packs = [&](auto width) {
-      constexpr int V = decltype(width)::value;
-      auto* mv4 = reinterpret_cast<PackV<TM, V>*>(m);
-      auto* ov4 = reinterpret_cast<PackV<TO, V>*>(o);
-      for_row_packs<4>(mv4, reinterpret_cast<const PackV<TG, V>*>(g), cols / V, lane, use_g,
-                       [&](int64_t q, PackV<TM, V>& mp, const PackV<TG, V>& gp) {
-                         PackV<TO, V> op;
+    Pack4<TM>* m4 = reinterpret_cast<Pack4<TM>*>(m);
+    Pack4<TO>* o4 = reinterpret_cast<Pack4<TO>*>(o);
+    for_row_packs<4>(m4, reinterpret_cast<const Pack4<TG>*>(g), cols / 4, lane, use_g,
+                     [&](int64_t q, Pack4<TM>& mp, const Pack4<TG>& gp) {
+                       Pack4<TO> op;
 #pragma unroll
-                         for (int e = 0; e < V; ++e) {
-                           const float mv = to_f32(mp.v[e]);
-                           float v = scale_m * mv;
-                           if (use_g) v += scale_g * to_f32(gp.v[e]);
-                           op.v[e] = from_f32<TO>(c * v);
-                           mp.v[e] = from_f32<TM>(decay * mv);
-                           const float stored = to_f32(op.v[e]);
-                           ss += stored * stored;
-                         }
-                         if (ov4) ov4[q] = op;
-                         if (do_decay) mv4[q] = mp;
-                       });
-    };
-    constexpr int kWide = group_of<TM, TG, TO>();
-    const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-    if (kWide == 8 && cols % 8 == 0 && aligned16(m) && (!use_g || aligned16(g)) && (!o || aligned16(o)))
-      packs(std::integral_constant<int, kWide>{});
-    else
-      packs(std::integral_constant<int, 4>{});
+                       for (int e = 0; e < 4; ++e) {
+                         const float mv = to_f32(mp.v[e]);
+                         float v = scale_m * mv;
+                         if (use_g) v += scale_g * to_f32(gp.v[e]);
+                         op.v[e] = from_f32<TO>(c * v);
+                         mp.v[e] = from_f32<TM>(decay * mv);
+                         const float stored = to_f32(op.v[e]);
+                         ss += stored * stored;
+                       }
+                       if (o4) o4[q] = op;
+                       if (do_decay) m4[q] = mp;
+                     });
   } else {
     for (int64_t j = lane; j < cols; j += 32) {
       const float mv = to_f32(m[j]);
@@ -318,6 +301,10 @@ __global__ void __launch_bounds__(32 * kRowWarps)
 // (~64-96 bytes) before it stores any, so independent accesses are in flight per thread (one
 // 4-element access per thread left the memory system underused on long rows).
 
+template <class... T>
+constexpr int group_of() {
+  return static_cast<int>(16 / std::max({sizeof(T)...}));
+}
 // Groups per lane loaded before any is stored, for groups of `bytes` loaded bytes.
 constexpr int unroll_for(std::size_t bytes) { return std::clamp(static_cast<int>(96 / bytes), 1, 4); }
 
