@@ -133,13 +133,17 @@ inline constexpr int kRankWithoutGradients = 2;
 inline constexpr int kPlansDiffer = 4;
 inline constexpr int kDigestWords = 6;  // a 64-bit hash and a 32-bit count, 16 bits a word
 inline constexpr int kAgreementWords = 2 + 2 * kDigestWords;
+// Whether the ranks' digests in one reduced region of the agreement differ (comm.hpp).
+DION3_HOST_DEVICE inline bool agreement_region_differs(const int* region) {
+  const int* d = region + 2;
+  bool differ = false;
+  for (int i = 0; i < kDigestWords; ++i) differ |= d[i] + d[kDigestWords + i] != 0xFFFF;
+  return differ;
+}
 // Backend::settle_agreement's rule, for backends to share.
 DION3_HOST_DEVICE inline void settle_agreement_words(int* words, int regions) {
   bool differ = false;
-  for (int r = 0; r < regions; ++r) {
-    const int* d = words + r * kAgreementWords + 2;
-    for (int i = 0; i < kDigestWords; ++i) differ |= d[i] + d[kDigestWords + i] != 0xFFFF;
-  }
+  for (int r = 0; r < regions; ++r) differ |= agreement_region_differs(words + r * kAgreementWords);
   if (differ) words[0] |= kPlansDiffer;
 }
 

@@ -792,10 +792,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         status = self._run_first(engine, asynchronous)
         if status < 0:  # parameters, their groups or gradients changed, or a weight or state tensor moved
             if self._mesh is not None and not any(p.grad is not None for g in self.param_groups for p in g["params"]):
-                # No gradient on this rank while others may step: take part in their step's
-                # collectives (with the gradients bound last) so that every rank refuses it;
-                # ValueError unless no rank had gradients.
-                engine.refuse_step()
+                self._refuse_without_gradients(key)  # with this engine: ValueError unless no rank stepped
                 return loss
             self._rebuild(key)
             engine = self._engine
@@ -877,8 +874,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         """_run_engine, putting back the state a switch of algorithm replaced (_rebuild) when the
         first step after it is refused (ValueError: another rank's plan differs or it had no
         gradients; NonFiniteError; nothing was written): that rank's state stays as it was, and
-        the next step builds afresh. A step that only enqueues (blocking=False) learns of a dropped step later:
-        the fresh state is kept then."""
+        the next step builds afresh. A step that only enqueues (blocking=False) learns of a
+        dropped step later: the fresh state is kept then."""
         if not self._switched_from:
             return self._run_engine(engine, asynchronous)
         try:

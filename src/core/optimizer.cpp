@@ -903,17 +903,16 @@ std::vector<Communicator*> Optimizer::Impl::communicators() const {
 // Every rank must have planned the same megabatches in the same order with the same settings, or
 // their collectives would pair up wrongly (or hang) or their replicas part. Each communicator's
 // region of the step's agreement carries a digest of the megabatches over it, their groups' plan
-// settings and every parameter's algorithm (comm.hpp), so the check costs no collective of its own and a
-// rank that planned anew (a weight given new storage on that rank alone) still pairs with the
-// others' step.
+// settings and every parameter's algorithm (comm.hpp), so the check costs no collective of its
+// own and a rank that planned anew (a weight given new storage on that rank alone) still pairs
+// with the others' step.
 void Optimizer::Impl::plan_agreement() {
   const std::vector<Communicator*> comms = communicators();
   if (comms.empty() && flag_words == 2) {  // as the constructor left them
     plan_confirmed = true;
     return;
   }
-  const int regions = std::max<int>(1, static_cast<int>(comms.size()));
-  flag_words = comms.empty() ? 2 : regions * kAgreementWords;
+  flag_words = comms.empty() ? 2 : static_cast<int>(comms.size()) * kAgreementWords;
   std::vector<int> starts(2 * static_cast<std::size_t>(flag_words), 0);
   for (int r = 0; r < static_cast<int>(comms.size()); ++r) {
     const Communicator* comm = comms[r];
@@ -990,10 +989,8 @@ void Optimizer::Impl::plan_agreement() {
 std::string Optimizer::Impl::plans_differ_error(const int* words) const {
   const std::vector<Communicator*> comms = communicators();
   for (std::size_t r = 0; r < comms.size(); ++r) {
+    if (!agreement_region_differs(words + r * kAgreementWords)) continue;
     const int* d = words + r * kAgreementWords + 2;
-    bool differ = false;
-    for (int i = 0; i < kDigestWords; ++i) differ |= d[i] + d[kDigestWords + i] != 0xFFFF;
-    if (!differ) continue;
     // Words 4 and 5 hold the count of distributed megabatches: the most and the fewest any rank has.
     auto count = [&](int off, bool complement) {
       const auto lo = static_cast<uint32_t>(complement ? 0xFFFF - d[off + 4] : d[off + 4]);
