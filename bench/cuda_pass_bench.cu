@@ -284,14 +284,14 @@ __global__ void move_rows(const __nv_bfloat16* m, int64_t rows, int64_t cols, co
 // lane moving 8-element (16-byte) packs, U of them in flight.
 template <int U>
 __global__ void gather_rows_16(__nv_bfloat16* m, int64_t rows, int64_t cols, const int32_t* idx, int64_t k,
-                               const float* scale, float decay, __half* out, int64_t nmats) {
+                               const float* sumsq, float eps, float decay, __half* out, int64_t nmats) {
   const int lane = threadIdx.x & 31;
   const int64_t s = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32, i = blockIdx.y;
   if (s >= k || i >= nmats) return;
   const int64_t r = idx[i * k + s];
   auto* src = reinterpret_cast<dion3::cuda::PackV<__nv_bfloat16, 8>*>(m + (i * rows + r) * cols);
   auto* dst = reinterpret_cast<dion3::cuda::PackV<__half, 8>*>(out + (i * k + s) * cols);
-  const float c = scale[i];
+  const float c = 1.0f / (sqrtf(sumsq[i]) + eps);  // as the library's gather
   row_packs<U>(src, cols / 8, lane, [&](int64_t q, dion3::cuda::PackV<__nv_bfloat16, 8> v) {
     dion3::cuda::PackV<__half, 8> o;
 #pragma unroll
@@ -313,15 +313,13 @@ int gather_section(bench::Session& ses, double copy) {
        "interleaved runs)");
   line("");
   line("Rows: n matrices of rows x cols (bf16 M), k selected rows each (random, ascending), out fp16. The library's "
-       "launch_gather_normalized (its inverse-norm kernel included) against kernels of the same traffic: "
+       "launch_gather_normalized (handed the selected rows' sums of squares, as select_rows leaves them) against kernels of the same traffic: "
        "1R+2W (out = row, row written back), 1R+1W (out = row only, two thirds of the bytes), and the library's "
-       "arithmetic in 16-byte packs; and the library's gather kernel alone, handed the inverse norms (what the gather "
-       "costs without the inverse-norm kernel ahead of it). Checked first (gpt-1b): the 16-byte variant's out and M "
-       "equal the library's.");
+       "arithmetic in 16-byte packs. Checked first (gpt-1b): the 16-byte variant's out and M equal the library's.");
   line("");
-  line("| workload | n x rows x cols, k | library ms (GB/s, of copy) | library, inverse norms given | 1R+2W U=4 | "
-       "1R+2W U=8 | 1R+1W U=4 | 16-byte library arithmetic U=4 |");
-  line("|---|---|---|---|---|---|---|---|");
+  line("| workload | n x rows x cols, k | library ms (GB/s, of copy) | 1R+2W U=4 | 1R+2W U=8 | 1R+1W U=4 | "
+       "16-byte library arithmetic U=4 |");
+  line("|---|---|---|---|---|---|---|");
   struct G {
     const char* label;
     int64_t n, rows, cols, k;
@@ -334,11 +332,11 @@ int gather_section(bench::Session& ses, double copy) {
     if (!ses.args.only.empty() && std::string(g.label).find(ses.args.only) == std::string::npos) continue;
     const int64_t e = g.n * g.rows * g.cols, eo = g.n * g.k * g.cols;
     dion3::DeviceBuffer mb(be.allocator(), e * 2), ob(be.allocator(), eo * 2), ob2(be.allocator(), eo * 2),
-        idxb(be.allocator(), g.n * g.k * 4), ssb(be.allocator(), g.n * g.rows * 4),
-        scr(be.allocator(), dion3::cuda::apply_update_scratch_floats(g.n, g.k) * 4),
+        idxb(be.allocator(), g.n * g.k * 4), ssb(be.allocator(), g.n * 4),
         tab(be.allocator(), g.n * sizeof(dion3::cuda::DeviceMat));
     bench::fill(mb.get(), DType::BF16, e, 21, 1.0f, s);
-    std::vector<float> ss(static_cast<std::size_t>(g.n * g.rows), 1.0f);
+    // Every row's sum of squares taken as 1: each selection's total is k.
+    const std::vector<float> ss(static_cast<std::size_t>(g.n), static_cast<float>(g.k));
     CK(cudaMemcpyAsync(ssb.get(), ss.data(), ss.size() * 4, cudaMemcpyHostToDevice, s));
     std::mt19937_64 rng(5);
     std::vector<int32_t> idx;
@@ -362,17 +360,11 @@ int gather_section(bench::Session& ses, double copy) {
     const MatrixView out = MatrixView::contiguous(ob.get(), DType::F16, g.n, g.k, g.cols);
     auto library = [&] {
       dion3::cuda::launch_gather_normalized(table, g.n, g.rows, g.cols, DType::BF16, id, g.k, decay,
-                                            static_cast<const float*>(ssb.get()), 1e-7f, out, scr.as<float>(), nullptr,
-                                            s, true);
-    };
-    // The gather kernel alone, scaled by the inverse norms library() left in scratch.
-    auto given_norms = [&] {
-      dion3::cuda::launch_gather_rows(table, g.n, g.rows, g.cols, DType::BF16, DType::BF16, id, g.k, 1.0f, 0.0f, decay,
-                                      scr.as<float>(), out, nullptr, nullptr, s, true);
+                                            static_cast<const float*>(ssb.get()), 1e-7f, out, nullptr, s, true);
     };
     const dim3 grid(static_cast<unsigned>((g.k + 3) / 4), static_cast<unsigned>(g.n));
     auto variant16 = [&] {
-      gather_rows_16<4><<<grid, 128, 0, s>>>(m, g.rows, g.cols, id, g.k, scr.as<float>(), decay,
+      gather_rows_16<4><<<grid, 128, 0, s>>>(m, g.rows, g.cols, id, g.k, static_cast<const float*>(ssb.get()), 1e-7f, decay,
                                              static_cast<__half*>(ob2.get()), g.n);
     };
     // Check (the gpt-1b workloads; the llama-7b ones run the same kernels): one call of each from
@@ -380,7 +372,7 @@ int gather_section(bench::Session& ses, double copy) {
     if (e <= (int64_t{1} << 29)) {
       dion3::DeviceBuffer saved(be.allocator(), e * 2);
       CK(cudaMemcpyAsync(saved.get(), mb.get(), e * 2, cudaMemcpyDeviceToDevice, s));
-      library();  // also leaves the inverse norms in scratch for the variant
+      library();
       std::vector<uint16_t> out_a(eo), out_b(eo), m_a(e), m_b(e);
       CK(cudaMemcpyAsync(out_a.data(), ob.get(), eo * 2, cudaMemcpyDeviceToHost, s));
       CK(cudaMemcpyAsync(m_a.data(), mb.get(), e * 2, cudaMemcpyDeviceToHost, s));
@@ -399,7 +391,7 @@ int gather_section(bench::Session& ses, double copy) {
     auto* o16 = static_cast<__nv_bfloat16*>(ob2.get());
     const auto ms = bench::interleaved_medians(
         s, 2, ses.args.iters,
-        {library, given_norms, [&] { move_rows<4, true><<<grid, 128, 0, s>>>(m, g.rows, g.cols, id, g.k, o16, g.n); },
+        {library, [&] { move_rows<4, true><<<grid, 128, 0, s>>>(m, g.rows, g.cols, id, g.k, o16, g.n); },
          [&] { move_rows<8, true><<<grid, 128, 0, s>>>(m, g.rows, g.cols, id, g.k, o16, g.n); },
          [&] { move_rows<4, false><<<grid, 128, 0, s>>>(m, g.rows, g.cols, id, g.k, o16, g.n); }, variant16});
     CK(cudaGetLastError());
@@ -407,10 +399,10 @@ int gather_section(bench::Session& ses, double copy) {
     auto cell = [&](double t, double bytes) {
       return fmt("%.3f (%.0f, %.0f%%)", t, bytes / (t * 1e6), 100 * bytes / (t * 1e6) / copy);
     };
-    line(fmt("| %s | %lldx%lldx%lld, %lld | %s | %s | %s | %s | %s | %s |", g.label, static_cast<long long>(g.n),
+    line(fmt("| %s | %lldx%lldx%lld, %lld | %s | %s | %s | %s | %s |", g.label, static_cast<long long>(g.n),
              static_cast<long long>(g.rows), static_cast<long long>(g.cols), static_cast<long long>(g.k),
-             cell(ms[0], b3).c_str(), cell(ms[1], b3).c_str(), cell(ms[2], b3).c_str(), cell(ms[3], b3).c_str(),
-             cell(ms[4], b2).c_str(), cell(ms[5], b3).c_str()));
+             cell(ms[0], b3).c_str(), cell(ms[1], b3).c_str(), cell(ms[2], b3).c_str(), cell(ms[3], b2).c_str(),
+             cell(ms[4], b3).c_str()));
   }
   return failures;
 }

@@ -99,8 +99,9 @@ class ProfilingBackend final : public dion3::Backend {
                   const int* sk) override {
     wrap("select", [&] { in_->remap_rows(in, c, ki, lo, hi, ko, out, sk); });
   }
-  void select_rows(const float* s, int64_t c, int64_t m, int64_t k, int32_t* i, const int* sk, float* l) override {
-    wrap("select", [&] { in_->select_rows(s, c, m, k, i, sk, l); });
+  void select_rows(const float* s, int64_t c, int64_t m, int64_t k, int32_t* i, const int* sk, float* l,
+                   const float* ss, float* sel) override {
+    wrap("select", [&] { in_->select_rows(s, c, m, k, i, sk, l, ss, sel); });
   }
   void gather_rows(const dion3::MatrixSet& s, const int32_t* i, int64_t k, dion3::Hyper a, dion3::Hyper b,
                    dion3::Hyper d,

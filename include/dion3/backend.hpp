@@ -294,9 +294,11 @@ class DION3_API Backend {
                           const int* skip) = 0;
   // For each of `count` score vectors of length m: the k rows of largest score, ties to the
   // lower index, written to idx[i*k ...] in ascending row order; with `largest` (may be null),
-  // also largest[i] = its largest score plus one (a StepCheck::state_bound, > 0).
+  // also largest[i] = its largest score plus one (a StepCheck::state_bound, > 0); with row_sumsq
+  // (may be null), also selected_sumsq[i] = the sum of row_sumsq[i*m + r] over the selected rows
+  // r (gather_normalized's squared norm, summed while the rows are picked).
   virtual void select_rows(const float* scores, int64_t count, int64_t m, int64_t k, int32_t* idx,
-                           const int* skip, float* largest) = 0;
+                           const int* skip, float* largest, const float* row_sumsq, float* selected_sumsq) = 0;
   // For each of `count` ascending lists in[i*k_in ...]: its entries e with lo <= e < hi, as
   // e - lo, then kPadRow up to k_out entries (out[i*k_out ...]). A shard's part of a selection
   // made on the whole matrix, or a short shard's selection padded to the common row count.
@@ -315,12 +317,12 @@ class DION3_API Backend {
   // to out's dtype), for normalize (spares it a pass over out).
   virtual void gather_rows(const MatrixSet& set, const int32_t* idx, int64_t k, Hyper scale_m,
                            Hyper scale_g, Hyper decay, MatrixView out, float* row_sumsq, const int* skip) = 0;
-  // out[i] (k x cols) = M_i[idx_i] / (sqrt(sum_s row_sumsq[i*rows + idx_i[s]]) + eps), rounded to
-  // out's dtype, then M_i[idx_i] *= decay: the gather and the normalisation of algorithm.md §2 in one
-  // pass, with the row sums of squares accumulate() gave. out is contiguous, any float dtype.
-  // Padding entries of idx give zero rows.
+  // out[i] (k x cols) = M_i[idx_i] / (sqrt(selected_sumsq[i]) + eps), rounded to out's dtype, then
+  // M_i[idx_i] *= decay: the gather and the normalisation of algorithm.md §2 in one pass, with the
+  // selected rows' sum of squares select_rows() gave. out is contiguous, any float dtype. Padding
+  // entries of idx give zero rows.
   virtual void gather_normalized(const MatrixSet& set, const int32_t* idx, int64_t k, Hyper decay,
-                                 const float* row_sumsq, float eps, MatrixView out, const int* skip) = 0;
+                                 const float* selected_sumsq, float eps, MatrixView out, const int* skip) = 0;
   // Per matrix i with rows idx_i (null = all): optional NorMuon normalisation of O_i with the
   // variance rows idx_i, then W_i *= (1 - lr*wd) on all rows and W_i[idx_i] -= lr' * O_i.
   // Rows of O at padding entries of idx are ignored (neither normalised nor applied). O may be

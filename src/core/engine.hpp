@@ -112,7 +112,8 @@ struct Megabatch {
   DeviceBuffer bounds;
   DeviceBuffer indices;  // members x k int32
   // Row sums of squares (fp32) for the normalisation: members x rows of M from accumulate when
-  // the gather normalises (gathers_normalized), else members x k of the gathered rows U.
+  // the gather normalises (gathers_normalized), then one per member, the selected rows' total
+  // from select_rows (selected_sumsq); else members x k of the gathered rows U.
   DeviceBuffer row_sumsq;
   bool gathers_normalized = false;  // Dion3 with k <= cols: Backend::gather_normalized
   std::size_t chunk_bytes = 0;  // arena bytes the largest chunk needs
@@ -288,7 +289,12 @@ struct Optimizer::Impl {
   void plan_piece_lists(Megabatch& mb, bool selects);
   void plan_score_sum(Megabatch& mb, int ranks);
   const float* summed_scores(Megabatch& mb, Communicator& comm);
-  void select_pieces(Megabatch& mb, const float* scores, int* flag);
+  // Where select_rows leaves the selected rows' sums of squares of a megabatch that gathers
+  // normalised (after its members' row sums in row_sumsq).
+  static float* selected_sumsq(Megabatch& mb) {
+    return mb.row_sumsq.as<float>() + static_cast<int64_t>(mb.members.size()) * mb.rows;
+  }
+  void select_pieces(Megabatch& mb, const float* scores, const float* row_sumsq, int* flag);
   void orthogonalize_block(Megabatch& mb, int* flag);
   UpdateParams update_params(const Megabatch& mb) const;
 };

@@ -642,8 +642,8 @@ void Optimizer::Impl::build_plan() {
       backend->fill_zero(mb.bounds.get(), mb.bounds.bytes());
     }
     if (mb.gathers_normalized || !sharded)
-      mb.row_sumsq = DeviceBuffer(alloc, static_cast<std::size_t>(n * (mb.gathers_normalized ? mb.rows : mb.k)) *
-                                             sizeof(float));
+      mb.row_sumsq = DeviceBuffer(
+          alloc, static_cast<std::size_t>(mb.gathers_normalized ? n * (mb.rows + 1) : n * mb.k) * sizeof(float));
     for (int64_t first = mb.owned_first; first < mb.owned_first + mb.owned_count; first += chunk) {
       Chunk c;
       c.first = first;
@@ -1169,16 +1169,18 @@ const float* Optimizer::Impl::summed_scores(Megabatch& mb, Communicator& comm) {
 }
 
 // Local selection of a row-cut megabatch into piece_idx: the shard's top `piece` rows, or all of
-// a short shard's rows then padding (an empty shard keeps its padding lists).
-void Optimizer::Impl::select_pieces(Megabatch& mb, const float* scores, int* flag) {
+// a short shard's rows then padding (an empty shard keeps its padding lists). With row_sumsq,
+// also the selected rows' sums of squares (selected_sumsq).
+void Optimizer::Impl::select_pieces(Megabatch& mb, const float* scores, const float* row_sumsq, int* flag) {
   Backend& be = *backend;
   const auto n = static_cast<int64_t>(mb.members.size());
   int32_t* piece_idx = mb.piece_idx.as<int32_t>();
+  float* sums = row_sumsq ? selected_sumsq(mb) : nullptr;
   if (mb.rows >= mb.piece) {
-    be.select_rows(scores, n, mb.rows, mb.piece, piece_idx, flag, mb.bounds.as<float>());
+    be.select_rows(scores, n, mb.rows, mb.piece, piece_idx, flag, mb.bounds.as<float>(), row_sumsq, sums);
   } else if (mb.rows > 0) {
     int32_t* idx = mb.indices.as<int32_t>();
-    be.select_rows(scores, n, mb.rows, mb.rows, idx, flag, mb.bounds.as<float>());
+    be.select_rows(scores, n, mb.rows, mb.rows, idx, flag, mb.bounds.as<float>(), row_sumsq, sums);
     be.remap_rows(idx, n, mb.rows, 0, mb.rows, mb.piece, piece_idx, flag);
   }
 }
@@ -1252,7 +1254,8 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
       // Row l1 scores over this rank's columns, summed over the ranks (one GEMM with a row of
       // ones, the same arithmetic on every rank, so every rank selects the same rows).
       be.accumulate(*mb.set, 1.0f, scores, nullptr, flag);
-      be.select_rows(summed_scores(mb, *mb.comm), n, mb.rows, mb.k, idx, flag, mb.bounds.as<float>());
+      be.select_rows(summed_scores(mb, *mb.comm), n, mb.rows, mb.k, idx, flag, mb.bounds.as<float>(), nullptr,
+                     nullptr);
     } else {
       be.accumulate(*mb.set, mu, nullptr, nullptr, flag);
     }
@@ -1277,7 +1280,8 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
     if (selects) {
       // M += G, row l1 scores (and sums of squares, for the normalisation in the gather)
       be.accumulate(*mb.set, 1.0f, scores, row_sumsq, flag);
-      be.select_rows(scores, n, mb.rows, mb.k, idx, flag, mb.bounds.as<float>());  // S = top-k rows
+      be.select_rows(scores, n, mb.rows, mb.k, idx, flag, mb.bounds.as<float>(), row_sumsq,  // S = top-k rows
+                     row_sumsq ? selected_sumsq(mb) : nullptr);
     } else {
       be.accumulate(*mb.set, mu, nullptr, nullptr, flag);  // M = mu M + G
     }
@@ -1300,10 +1304,10 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
         be.copy_2d(mb.all_scores.as<float>() + r * c, P * c * fs, mb.score_recv.as<float>() + r * n * c, c * fs,
                    c * fs, n);
       const int64_t kg = selected_rows(g.fraction, mb.global_rows);
-      be.select_rows(mb.all_scores.as<float>(), n, P * c, kg, idx, flag, mb.bounds.as<float>());
+      be.select_rows(mb.all_scores.as<float>(), n, P * c, kg, idx, flag, mb.bounds.as<float>(), nullptr, nullptr);
       be.remap_rows(idx, n, kg, shard_first, shard_first + mb.rows, mb.piece, piece_idx, flag);
     } else {
-      select_pieces(mb, scores, flag);
+      select_pieces(mb, scores, row_sumsq, flag);
     }
   } else {
     be.accumulate(*mb.set, mu, nullptr, nullptr, flag);
@@ -1357,7 +1361,7 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
     MatrixView O;
     if (mb.gathers_normalized) {
       // X = M[S] / ||M[S]||, straight into the orthogonalizer's buffer; M[S] *= mu.
-      be.gather_normalized(*c.set, rows, listed, mu, row_sumsq + c.first * mb.rows, Orthogonalizer::kNormEps,
+      be.gather_normalized(*c.set, rows, listed, mu, selected_sumsq(mb) + c.first, Orthogonalizer::kNormEps,
                            c.orth->normalized_input(), flag);
       O = run_orthogonalizer(c, [&] { return c.orth->run_normalized(); });
     } else {
@@ -1503,7 +1507,7 @@ void Optimizer::Impl::prepare_block(Megabatch& mb, int* flag) {
     float* scores = mb.scores.as<float>();
     be.accumulate(*mb.set, 1.0f, scores, nullptr, flag);
     // Row scores over this rank's columns, summed over the column ranks.
-    select_pieces(mb, Pc > 1 && mb.rows > 0 ? summed_scores(mb, *mb.col_comm) : scores, flag);
+    select_pieces(mb, Pc > 1 && mb.rows > 0 ? summed_scores(mb, *mb.col_comm) : scores, nullptr, flag);
   } else {
     be.accumulate(*mb.set, mu, nullptr, nullptr, flag);
   }

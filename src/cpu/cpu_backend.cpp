@@ -259,9 +259,10 @@ class CpuBackend final : public Backend {
   }
 
   void select_rows(const float* scores, int64_t count, int64_t m, int64_t k, int32_t* idx,
-                   const int* skip, float* largest) override {
+                   const int* skip, float* largest, const float* row_sumsq, float* selected_sumsq) override {
     if (skipped(skip)) return;
     check(k >= 1 && k <= m, "select_rows needs 1 <= k <= m");
+    check(!row_sumsq || selected_sumsq, "select_rows: row_sumsq without selected_sumsq");
     cpu::parallel_for(count, [m] { return std::vector<int32_t>(m); }, [&](std::vector<int32_t>& order, int64_t i) {
       const float* s = scores + i * m;
       if (largest) largest[i] = *std::max_element(s, s + m) + 1.0f;
@@ -271,6 +272,11 @@ class CpuBackend final : public Backend {
       std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), better);
       std::sort(order.begin(), order.begin() + k);
       std::copy(order.begin(), order.begin() + k, idx + i * k);
+      if (row_sumsq) {
+        double ss = 0.0;  // in ascending row order
+        for (int64_t j = 0; j < k; ++j) ss += row_sumsq[i * m + order[j]];
+        selected_sumsq[i] = static_cast<float>(ss);
+      }
     });
   }
 
@@ -355,8 +361,8 @@ class CpuBackend final : public Backend {
     });
   }
 
-  void gather_normalized(const MatrixSet& set, const int32_t* idx, int64_t k, Hyper decay_h, const float* row_sumsq,
-                         float eps, MatrixView out, const int* skip) override {
+  void gather_normalized(const MatrixSet& set, const int32_t* idx, int64_t k, Hyper decay_h,
+                         const float* selected_sumsq, float eps, MatrixView out, const int* skip) override {
     if (skipped(skip)) return;
     check(!set.columns, "gather_normalized takes no column-stepped set");
     const float decay = decay_h.get();
@@ -365,14 +371,8 @@ class CpuBackend final : public Backend {
           "gather_normalized output shape");
     const int64_t count = static_cast<int64_t>(set.mats.size());
     std::vector<float> invs(count);
-    for (int64_t i = 0; i < count; ++i) {
-      double ss = 0.0;
-      for (int64_t j = 0; j < k; ++j) {
-        const int64_t r = idx ? idx[i * k + j] : j;
-        if (r < rows) ss += row_sumsq[i * rows + r];
-      }
-      invs[i] = static_cast<float>(1.0 / (std::sqrt(ss) + eps));  // multiplied, as normalize does
-    }
+    for (int64_t i = 0; i < count; ++i)  // multiplied, as normalize does
+      invs[i] = static_cast<float>(1.0 / (std::sqrt(static_cast<double>(selected_sumsq[i])) + eps));
     const int64_t block = cpu::row_block(cols), blocks = (k + block - 1) / block;
     struct Buffers {
       std::vector<float> m, x;

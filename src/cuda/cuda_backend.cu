@@ -255,8 +255,8 @@ class CudaBackend final : public Backend {
   }
 
   void select_rows(const float* scores, int64_t count, int64_t m, int64_t k, int32_t* idx,
-                   const int* skip, float* largest) override {
-    launch_select_rows(scores, count, m, k, idx, largest, skip, stream_);
+                   const int* skip, float* largest, const float* row_sumsq, float* selected_sumsq) override {
+    launch_select_rows(scores, count, m, k, idx, largest, row_sumsq, selected_sumsq, skip, stream_);
   }
 
   void copy_rows(void* dst, std::size_t dst_pitch, const int32_t* dst_idx, const void* src, std::size_t src_pitch,
@@ -284,17 +284,16 @@ class CudaBackend final : public Backend {
       return;
     }
     launch_gather_rows(table(set), n_of(set), set.rows(), set.cols(), set.mdt, set.gdt, idx, k, scale_m,
-                       scale_g, decay, nullptr, out, row_sumsq, skip, stream_, set.vec);
+                       scale_g, decay, nullptr, 0.0f, out, row_sumsq, skip, stream_, set.vec);
   }
 
-  void gather_normalized(const MatrixSet& base, const int32_t* idx, int64_t k, Hyper decay, const float* row_sumsq,
-                         float eps, MatrixView out, const int* skip) override {
+  void gather_normalized(const MatrixSet& base, const int32_t* idx, int64_t k, Hyper decay,
+                         const float* selected_sumsq, float eps, MatrixView out, const int* skip) override {
     const auto& set = ready(base);
     if (set.columns) fail("CUDA backend: gather_normalized takes no column-stepped set");
     check_gather_shape(set, idx, k, out, "gather_normalized");
-    float* scr = static_cast<float*>(scratch(scratch_, n_of(set) * sizeof(float)));
-    launch_gather_normalized(table(set), n_of(set), set.rows(), set.cols(), set.mdt, idx, k, decay, row_sumsq, eps,
-                             out, scr, skip, stream_, set.vec);
+    launch_gather_normalized(table(set), n_of(set), set.rows(), set.cols(), set.mdt, idx, k, decay, selected_sumsq,
+                             eps, out, skip, stream_, set.vec);
   }
 
   void apply_update(const MatrixSet& base, const int32_t* idx, int64_t k, MatrixView O,

@@ -18,16 +18,16 @@ void launch_accumulate(const DeviceMat* mats, int64_t nmats, int64_t rows, int64
                        DType gdt, Hyper decay, float* scores, float* row_sumsq, const int* skip, cudaStream_t s,
                        bool vec);  // vec: every row pointer 4-element aligned, cols % 4 == 0
 void launch_select_rows(const float* scores, int64_t count, int64_t m, int64_t k, int32_t* idx,
-                        float* largest, const int* skip, cudaStream_t s);
+                        float* largest, const float* row_sumsq, float* selected_sumsq, const int* skip,
+                        cudaStream_t s);
 void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
                         DType gdt, const int32_t* idx, int64_t k, Hyper scale_m, Hyper scale_g,
-                        Hyper decay, const float* matrix_scale, const MatrixView& out, float* row_sumsq,
-                        const int* skip, cudaStream_t s,
-                        bool vec);  // vec: as launch_accumulate's (out is checked here); matrix_scale, row_sumsq may be null
-// scratch: at least nmats floats (the inverse norms).
+                        Hyper decay, const float* selected_sumsq, float eps, const MatrixView& out,
+                        float* row_sumsq, const int* skip, cudaStream_t s,
+                        bool vec);  // vec: as launch_accumulate's (out is checked here); selected_sumsq, row_sumsq may be null
 void launch_gather_normalized(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
-                              const int32_t* idx, int64_t k, Hyper decay, const float* row_sumsq, float eps,
-                              const MatrixView& out, float* scratch, const int* skip, cudaStream_t s, bool vec);
+                              const int32_t* idx, int64_t k, Hyper decay, const float* selected_sumsq, float eps,
+                              const MatrixView& out, const int* skip, cudaStream_t s, bool vec);
 // scratch: at least apply_update_scratch_floats(nmats, k) floats.
 int64_t apply_update_scratch_floats(int64_t nmats, int64_t k);
 void launch_apply_update(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType wdt,

@@ -113,7 +113,8 @@ __device__ __forceinline__ float from_order_key(uint32_t key) {
 template <int kCached>
 __global__ void __launch_bounds__(kSelectThreads)
     select_rows_kernel(const float* __restrict__ scores, int64_t m, int64_t k, int32_t* __restrict__ idx,
-                       float* __restrict__ largest, const int* skip) {
+                       float* __restrict__ largest, const float* __restrict__ row_sumsq,
+                       float* __restrict__ selected_sumsq, const int* skip) {
   pdl_wait();
   if (skipped(skip)) return;
   using Scan = cub::BlockScan<int, kSelectThreads>;
@@ -189,8 +190,11 @@ __global__ void __launch_bounds__(kSelectThreads)
   // Keys > T are all taken; of the keys == T, the first `need` in index order. One scan per
   // chunk counts both: equal keys in the high 16 bits, greater ones in the low (a chunk has
   // kSelectThreads < 2^16 rows).
+  // With row_sumsq, the taken rows' sums of squares too: each thread's in chunk order, then a
+  // fixed tree (reproducible).
   const uint32_t T = prefix;
   int base_eq = 0, base_out = 0;
+  float ss = 0.0f;
 #pragma unroll
   for (int u = 0; u < chunks; ++u) {
     const int64_t r = static_cast<int64_t>(u) * kSelectThreads + t;
@@ -200,33 +204,23 @@ __global__ void __launch_bounds__(kSelectThreads)
     Scan(scan_tmp).ExclusiveSum((eq << 16) | gt, before, total);
     const int rem = max(0, need - base_eq);  // equal keys still to take
     const int eq_before = before >> 16;
-    if (gt || (eq && eq_before < rem)) out[base_out + (before & 0xFFFF) + min(eq_before, rem)] = static_cast<int32_t>(r);
+    if (gt || (eq && eq_before < rem)) {
+      out[base_out + (before & 0xFFFF) + min(eq_before, rem)] = static_cast<int32_t>(r);
+      if (row_sumsq) ss += row_sumsq[blockIdx.x * m + r];
+    }
     base_out += (total & 0xFFFF) + min(total >> 16, rem);
     base_eq += total >> 16;
     __syncthreads();  // scan_tmp is used again
   }
-}
-
-// ---- gather_normalized's scale: inv[i] = 1 / (sqrt(sum_s row_sumsq[i*rows + idx[i*k + s]]) + eps),
-// one block per matrix, summed in a fixed order --------------------------------------------------
-__global__ void selected_inverse_norm_kernel(const int32_t* __restrict__ idx, int64_t k, int64_t rows,
-                                             const float* __restrict__ row_sumsq, float eps,
-                                             float* __restrict__ inv, const int* skip) {
-  pdl_wait();
-  if (skipped(skip)) return;
-  __shared__ float red[32];
-  const int64_t i = blockIdx.x;
-  float acc = 0.0f;
-  for (int64_t s = threadIdx.x; s < k; s += blockDim.x) {
-    const int64_t r = idx ? idx[i * k + s] : s;
-    if (r < rows) acc += row_sumsq[i * rows + r];  // padding entries count nothing
+  if (row_sumsq) {
+    __shared__ float red[32];
+    ss = block_sum(ss, red);
+    if (t == 0) selected_sumsq[blockIdx.x] = ss;
   }
-  acc = block_sum(acc, red);
-  if (threadIdx.x == 0) inv[i] = 1.0f / (sqrtf(acc) + eps);
 }
 
 // ---- gather_rows: out[i][s] = c_i*(scale_m*M[idx[s]] + scale_g*G[idx[s]]); M[idx[s]] *= decay,
-// with c_i = matrix_scale[i] (gather_normalized's inverse norms) or 1 ----
+// with c_i = 1 / (sqrt(selected_sumsq[i]) + eps) (gather_normalized's inverse norm) or 1 ----
 // One warp per gathered row. With VEC each lane moves 4-element packs, four of them loaded before
 // any is stored (more bytes in flight than a block per row with one pack per thread). With
 // row_sumsq, also the sum of squares of the row as stored (each lane's sum in a fixed order, then
@@ -234,7 +228,8 @@ __global__ void selected_inverse_norm_kernel(const int32_t* __restrict__ idx, in
 template <class TM, class TG, class TO, bool VEC>
 __global__ void __launch_bounds__(32 * kRowWarps)
     gather_rows_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols, const int32_t* __restrict__ idx, int64_t k,
-                       Hyper scale_m_h, Hyper scale_g_h, Hyper decay_h, const float* __restrict__ matrix_scale,
+                       Hyper scale_m_h, Hyper scale_g_h, Hyper decay_h, const float* __restrict__ selected_sumsq,
+                       float eps,
                        TO* __restrict__ out, int64_t out_ld, int64_t out_bstride, float* __restrict__ row_sumsq,
                        const int* skip) {
   pdl_wait();
@@ -256,7 +251,7 @@ __global__ void __launch_bounds__(32 * kRowWarps)
   const TG* g = static_cast<const TG*>(d.g) + r * d.ldg;
   const bool use_g = scale_g != 0.0f, do_decay = decay != 1.0f;
   // Applied after the loads (a branch on it would hold them back behind this one).
-  const float c = matrix_scale ? matrix_scale[i] : 1.0f;
+  const float c = selected_sumsq ? 1.0f / (sqrtf(selected_sumsq[i]) + eps) : 1.0f;
   float ss = 0.0f;
   if constexpr (VEC) {
     Pack4<TM>* m4 = reinterpret_cast<Pack4<TM>*>(m);
@@ -796,21 +791,26 @@ void launch_accumulate(const DeviceMat* mats, int64_t nmats, int64_t rows, int64
 }
 
 void launch_select_rows(const float* scores, int64_t count, int64_t m, int64_t k, int32_t* idx,
-                        float* largest, const int* skip, cudaStream_t s) {
+                        float* largest, const float* row_sumsq, float* selected_sumsq, const int* skip,
+                        cudaStream_t s) {
   if (count == 0 || k == 0) return;
   if (k > m) fail("select_rows: k = " + std::to_string(k) + " exceeds m = " + std::to_string(m));
+  if (row_sumsq && !selected_sumsq) fail("select_rows: row_sumsq without selected_sumsq");
   const unsigned grid = static_cast<unsigned>(count);
   const int64_t chunks = (m + kSelectThreads - 1) / kSelectThreads;
-  if (chunks <= 2) launch_pdl(select_rows_kernel<2>, grid, kSelectThreads, 0, s, scores, m, k, idx, largest, skip);
-  else if (chunks <= 4) launch_pdl(select_rows_kernel<4>, grid, kSelectThreads, 0, s, scores, m, k, idx, largest, skip);
-  else if (chunks <= 8) launch_pdl(select_rows_kernel<8>, grid, kSelectThreads, 0, s, scores, m, k, idx, largest, skip);
-  else launch_pdl(select_rows_kernel<0>, grid, kSelectThreads, 0, s, scores, m, k, idx, largest, skip);
+  auto launch = [&](auto kernel) {
+    launch_pdl(kernel, grid, kSelectThreads, 0, s, scores, m, k, idx, largest, row_sumsq, selected_sumsq, skip);
+  };
+  if (chunks <= 2) launch(select_rows_kernel<2>);
+  else if (chunks <= 4) launch(select_rows_kernel<4>);
+  else if (chunks <= 8) launch(select_rows_kernel<8>);
+  else launch(select_rows_kernel<0>);
 }
 
 void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
                         DType gdt, const int32_t* idx, int64_t k, Hyper scale_m, Hyper scale_g,
-                        Hyper decay, const float* matrix_scale, const MatrixView& out, float* row_sumsq,
-                        const int* skip, cudaStream_t s, bool vec) {
+                        Hyper decay, const float* selected_sumsq, float eps, const MatrixView& out,
+                        float* row_sumsq, const int* skip, cudaStream_t s, bool vec) {
   if (nmats == 0 || k == 0) return;
   dim3 grid(ceil_div_u(k, kRowWarps), static_cast<unsigned>(nmats));
   const int64_t obs = out.batch > 1 ? out.batch_stride : k * out.ld;
@@ -821,10 +821,10 @@ void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int6
         auto* o = static_cast<TO*>(out.data);
         if (vo)
           launch_pdl(gather_rows_kernel<TM, TG, TO, true>, grid, 32 * kRowWarps, 0, s, mats, rows, cols, idx, k, scale_m,
-                     scale_g, decay, matrix_scale, o, out.ld, obs, row_sumsq, skip);
+                     scale_g, decay, selected_sumsq, eps, o, out.ld, obs, row_sumsq, skip);
         else
           launch_pdl(gather_rows_kernel<TM, TG, TO, false>, grid, 32 * kRowWarps, 0, s, mats, rows, cols, idx, k, scale_m,
-                     scale_g, decay, matrix_scale, o, out.ld, obs, row_sumsq, skip);
+                     scale_g, decay, selected_sumsq, eps, o, out.ld, obs, row_sumsq, skip);
       });
     });
   });
@@ -832,13 +832,10 @@ void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int6
 }
 
 void launch_gather_normalized(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
-                              const int32_t* idx, int64_t k, Hyper decay, const float* row_sumsq, float eps,
-                              const MatrixView& out, float* scratch, const int* skip, cudaStream_t s, bool vec) {
-  if (nmats == 0 || k == 0) return;
-  launch_pdl(selected_inverse_norm_kernel, static_cast<unsigned>(nmats), 256, 0, s, idx, k, rows, row_sumsq, eps,
-             scratch, skip);
-  launch_gather_rows(mats, nmats, rows, cols, mdt, mdt, idx, k, 1.0f, 0.0f, decay, scratch, out, nullptr, skip, s,
-                     vec);
+                              const int32_t* idx, int64_t k, Hyper decay, const float* selected_sumsq, float eps,
+                              const MatrixView& out, const int* skip, cudaStream_t s, bool vec) {
+  launch_gather_rows(mats, nmats, rows, cols, mdt, mdt, idx, k, 1.0f, 0.0f, decay, selected_sumsq, eps, out, nullptr,
+                     skip, s, vec);
 }
 
 int64_t apply_update_scratch_floats(int64_t nmats, int64_t k) { return 2 * nmats * k + nmats; }

@@ -423,7 +423,7 @@ TEST(Hardening, SelectRowsWritesEachVectorsLargestScorePlusOne) {
   scores[1 * m + 17] = 1e30f;  // a middle row of the second vector
   std::vector<int32_t> idx(count * 5);
   std::vector<float> largest(count, -1.0f);
-  be->select_rows(scores.data(), count, m, 5, idx.data(), nullptr, largest.data());
+  be->select_rows(scores.data(), count, m, 5, idx.data(), nullptr, largest.data(), nullptr, nullptr);
   for (int64_t i = 0; i < count; ++i)
     EXPECT_EQ(largest[i], *std::max_element(scores.begin() + i * m, scores.begin() + (i + 1) * m) + 1.0f) << i;
 }

@@ -236,8 +236,9 @@ TEST(Orthogonalize, GivenRowSumsOfSquaresGiveTheSameResult) {
 }
 
 // Dion3's engine gathers the selected momentum rows already normalised, with the row sums of
-// squares accumulate gave (Backend::gather_normalized): the same input as gathering them and
-// normalising in a second pass, and the same error-feedback decay of the gathered rows.
+// squares accumulate gave, summed over the selection by select_rows (Backend::gather_normalized):
+// the same input as gathering them and normalising in a second pass, and the same error-feedback
+// decay of the gathered rows.
 TEST(Orthogonalize, GatherNormalizedIsGatherThenNormalize) {
   Rng rng(15);
   auto be = dion3::make_cpu_backend();
@@ -262,9 +263,16 @@ TEST(Orthogonalize, GatherNormalizedIsGatherThenNormalize) {
     std::vector<float> scores(n * rows), ss(n * rows);
     be->accumulate(*s1, 1.0f, scores.data(), ss.data(), nullptr);
     be->accumulate(*s2, 1.0f, nullptr, nullptr, nullptr);
-    const std::vector<int32_t> idx = {0, 3, 4, 8, 11, 1, 2, 5, 6, 7};
+    std::vector<int32_t> idx(n * k);
+    std::vector<float> selected(n);
+    be->select_rows(scores.data(), n, rows, k, idx.data(), nullptr, nullptr, ss.data(), selected.data());
+    for (int i = 0; i < n; ++i) {
+      double want = 0.0;
+      for (int j = 0; j < k; ++j) want += ss[i * rows + idx[i * k + j]];
+      ASSERT_NEAR(selected[i], want, 1e-6 * want) << i;
+    }
     t3::Buffer fused(DType::F32, {n, k, cols}), u(DType::F32, {n, k, cols}), two(DType::F32, {n, k, cols});
-    be->gather_normalized(*s1, idx.data(), k, decay, ss.data(), eps, fused.matrix(n, k, cols), nullptr);
+    be->gather_normalized(*s1, idx.data(), k, decay, selected.data(), eps, fused.matrix(n, k, cols), nullptr);
     be->gather_rows(*s2, idx.data(), k, 1.0f, 0.0f, decay, u.matrix(n, k, cols), nullptr, nullptr);
     be->normalize(u.matrix(n, k, cols), two.matrix(n, k, cols), eps, nullptr, false);
     const std::vector<double> a = fused.values(), b = two.values();

@@ -71,6 +71,22 @@ std::vector<float> row_sums_of_squares(const std::vector<float>& v, int64_t cols
   return s;
 }
 
+// Per matrix, the sum of rs[i*rows + r] over its listed rows idx[i*k ...] (all rows when idx is
+// null; padding entries count nothing): what select_rows hands gather_normalized.
+std::vector<float> selected_sums(const std::vector<float>& rs, const int32_t* idx, int64_t n, int64_t rows,
+                                 int64_t k) {
+  std::vector<float> out;
+  for (int64_t i = 0; i < n; ++i) {
+    double a = 0.0;
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t r = idx ? idx[i * k + j] : j;
+      if (r < rows) a += rs[i * rows + r];
+    }
+    out.push_back(static_cast<float>(a));
+  }
+  return out;
+}
+
 // ---- accumulate -----------------------------------------------------------------------------
 struct AccCase { DType m, g; int64_t cols = 300; };  // cols % 4 == 0: vectorised path
 class Accumulate : public ct::CudaTest, public ::testing::WithParamInterface<AccCase> {};
@@ -110,17 +126,28 @@ TEST_P(SelectRows, ExactlyCpu) {
   std::uniform_int_distribution<int> lev(0, static_cast<int>(c.levels) - 1);
   std::uniform_real_distribution<float> uni(0.0f, 100.0f);
   for (auto& x : sc) x = c.levels > 0 ? static_cast<float>(lev(rng)) * 0.25f : uni(rng);
+  std::vector<float> rs(c.count * c.m);  // row sums of squares, to be summed over the selection
+  std::uniform_real_distribution<float> pos(0.5f, 2.0f);
+  for (auto& x : rs) x = pos(rng);
   std::vector<int32_t> hidx(c.count * c.k), didx_h(c.count * c.k, -1);
-  std::vector<float> hlargest(c.count, -1.0f), dlargest_h(c.count, -2.0f);
+  std::vector<float> hlargest(c.count, -1.0f), dlargest_h(c.count, -2.0f), hsel(c.count, -1.0f),
+      dsel_h(c.count, -2.0f);
   dion3::DeviceBuffer dsc(gpu->allocator(), sc.size() * 4), didx(gpu->allocator(), hidx.size() * 4),
-      dlargest(gpu->allocator(), c.count * 4);
+      dlargest(gpu->allocator(), c.count * 4), drs(gpu->allocator(), rs.size() * 4), dsel(gpu->allocator(), c.count * 4);
   gpu->copy_from_host(dsc.get(), sc.data(), sc.size() * 4);
-  cpu->select_rows(sc.data(), c.count, c.m, c.k, hidx.data(), nullptr, hlargest.data());
-  gpu->select_rows(dsc.as<float>(), c.count, c.m, c.k, didx.as<int32_t>(), nullptr, dlargest.as<float>());
+  gpu->copy_from_host(drs.get(), rs.data(), rs.size() * 4);
+  cpu->select_rows(sc.data(), c.count, c.m, c.k, hidx.data(), nullptr, hlargest.data(), rs.data(), hsel.data());
+  gpu->select_rows(dsc.as<float>(), c.count, c.m, c.k, didx.as<int32_t>(), nullptr, dlargest.as<float>(),
+                   drs.as<float>(), dsel.as<float>());
   gpu->copy_to_host(didx_h.data(), didx.get(), hidx.size() * 4);
   gpu->copy_to_host(dlargest_h.data(), dlargest.get(), c.count * 4);
+  gpu->copy_to_host(dsel_h.data(), dsel.get(), c.count * 4);
   EXPECT_EQ(didx_h, hidx);
   EXPECT_EQ(dlargest_h, hlargest);  // the largest score plus one (StepCheck::state_bound)
+  // The selected rows' sums of squares: the CPU's in double, the device's in fp32 (another order).
+  const std::vector<float> want = selected_sums(rs, hidx.data(), c.count, c.m, c.k);
+  EXPECT_LE(ct::rel_max_diff(hsel, want), 1e-7);
+  EXPECT_LE(ct::rel_max_diff(dsel_h, want), 1e-5);
   for (int64_t i = 0; i < c.count; ++i)
     EXPECT_EQ(hlargest[i], *std::max_element(sc.begin() + i * c.m, sc.begin() + (i + 1) * c.m) + 1.0f);
 }
@@ -194,14 +221,14 @@ TEST_P(GatherNormalized, MatchesCpuAndGatherThenNormalize) {
   const std::vector<int32_t> idx = random_row_sets(n, c.rows, k, rng);
   dion3::DeviceBuffer didx(gpu->allocator(), idx.size() * 4);
   gpu->copy_from_host(didx.get(), idx.data(), idx.size() * 4);
-  Twin ss(*gpu, DType::F32, n, c.rows, 1);
-  ss.set_host(row_sums_of_squares(s.m.host_values(), c.cols));
+  const int32_t* hidx = c.with_idx ? idx.data() : nullptr;
+  const int32_t* di = c.with_idx ? didx.as<int32_t>() : nullptr;
+  Twin ss(*gpu, DType::F32, n, 1, 1);
+  ss.set_host(selected_sums(row_sums_of_squares(s.m.host_values(), c.cols), hidx, n, c.rows, k));
   ss.upload();
   const float eps = dion3::Orthogonalizer::kNormEps;
   Twin out(*gpu, c.out, n, k, c.cols);
   out.fill_value(7.0f);
-  const int32_t* hidx = c.with_idx ? idx.data() : nullptr;
-  const int32_t* di = c.with_idx ? didx.as<int32_t>() : nullptr;
   cpu->gather_normalized(*s.hs, hidx, k, c.decay, static_cast<const float*>(ss.hview().data), eps, out.hview(),
                          nullptr);
   gpu->gather_normalized(*s.ds, di, k, c.decay, static_cast<const float*>(ss.dview().data), eps, out.dview(),
@@ -267,7 +294,8 @@ TEST_F(CudaOps, SkipFlagLeavesEverythingUntouched) {
   gpu->accumulate(*s.ds, 0.5f, scores.as<float>(), nullptr, flag.as<int>());
   gpu->gather_normalized(*s.ds, nullptr, 20, 0.5f, scores.as<float>(), 1e-7f, Twin(*gpu, DType::F32, 2, 20, 64).dview(),
                          flag.as<int>());
-  gpu->select_rows(scores.as<float>(), 2, 20, 5, idx.as<int32_t>(), flag.as<int>(), nullptr);
+  gpu->select_rows(scores.as<float>(), 2, 20, 5, idx.as<int32_t>(), flag.as<int>(), nullptr, scores.as<float>(),
+                   scores.as<float>());
   gpu->gather_rows(*s.ds, nullptr, 20, 1.0f, 0.0f, 0.5f, Twin(*gpu, DType::F32, 2, 20, 64).dview(), nullptr,
                    flag.as<int>());
   dion3::UpdateParams p{1.0f - 0.1f * 0.1f, 0.1f, true, 0.9f, false};
@@ -944,8 +972,8 @@ TEST_F(CudaOps, PaddedGatherUpdateAndDecayOnlyGatherMatchCpu) {
     gpu->gather_rows(*s.ds, didx.as<int32_t>(), k, 1.0f, 0.0f, 0.5f, MatrixView{}, nullptr, nullptr);
     EXPECT_LE(ct::rel_max_diff(s.m.device_values(), s.m.host_values()), storage_tol(mdt)) << dn(mdt);
     // gather_normalized with padding.
-    Twin rs(*gpu, DType::F32, n, rows, 1);
-    rs.set_host(row_sums_of_squares(s.m.host_values(), cols));
+    Twin rs(*gpu, DType::F32, n, 1, 1);
+    rs.set_host(selected_sums(row_sums_of_squares(s.m.host_values(), cols), idx.data(), n, rows, k));
     rs.upload();
     Twin xn(*gpu, DType::F16, n, k, cols);
     cpu->gather_normalized(*s.hs, idx.data(), k, 1.0f, static_cast<const float*>(rs.hview().data), 1e-7f, xn.hview(),
