@@ -476,11 +476,6 @@ __global__ void __launch_bounds__(32 * kRowWarps)
   if (r >= rows) return;
   const DeviceMat& d = mats[i];
   TW* w = static_cast<TW*>(d.w) + r * d.ldw;
-  // Where every row is written, start its weights towards L2 while the warp looks the row up in
-  // idx (a chain of dependent loads): each lane asks for every 32nd 128-byte line of the row.
-  if (idx && decay != 1.0f && !cautious)
-    for (int64_t b = lane * 128; b < cols * static_cast<int64_t>(sizeof(TW)); b += 32 * 128)
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(w) + b));
   const int64_t pos = idx ? warp_find(idx + i * k, k, r, lane) : r;
   if (pos < 0) {
     // Unselected row: only weight decay (cautious decay: the update is zero, so no decay).
