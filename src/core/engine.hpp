@@ -115,7 +115,10 @@ struct Megabatch {
   // the gather normalises (gathers_normalized), then one per member, the selected rows' total
   // from select_rows (selected_sumsq); else members x k of the gathered rows U.
   DeviceBuffer row_sumsq;
-  bool gathers_normalized = false;  // Dion3 with k <= cols: Backend::gather_normalized
+  // Row-selecting algorithms, k <= cols, the rows whole on this rank (unsharded, or row- or
+  // column-sharded over one rank): the gather writes the orthogonalizer's normalised input
+  // (Backend::gather_normalized).
+  bool gathers_normalized = false;
   std::size_t chunk_bytes = 0;  // arena bytes the largest chunk needs
 
   // Distribution (see above). Local: ranks 1, block N, no buffers.
@@ -289,6 +292,9 @@ struct Optimizer::Impl {
   void plan_piece_lists(Megabatch& mb, bool selects);
   void plan_score_sum(Megabatch& mb, int ranks);
   const float* summed_scores(Megabatch& mb, Communicator& comm);
+  // The chunk's update rows U (orth_rows x orth_cols per member) where the plan put them in the
+  // arena; fails (Status::Internal) rather than hand out a view that runs past it.
+  MatrixView update_rows_in_arena(const Megabatch& mb, const Chunk& c);
   // Where select_rows leaves the selected rows' sums of squares of a megabatch that gathers
   // normalised (after its members' row sums in row_sumsq).
   static float* selected_sumsq(Megabatch& mb) {

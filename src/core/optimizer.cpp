@@ -604,10 +604,11 @@ void Optimizer::Impl::build_plan() {
     // orthogonalizer's first pass, so they lie inside its workspace where they fit there (and
     // take no room when the gather writes the orthogonalizer's normalised input itself).
     // Row-sharded megabatches normalise after the exchange (the norm spans every rank's rows),
-    // except over one rank, where the rank's rows are the whole input.
+    // except over one rank, where the rank's rows are the whole input. Block ones always gather
+    // U (their rows are whole only after the column all-gather).
     const bool sharded = mb.layout == Layout::RowShard || mb.layout == Layout::ColShard || mb.layout == Layout::Block;
     mb.gathers_normalized = selects_rows(g.algorithm) && !mb.columns && (!sharded || mb.ranks == 1) &&
-                            mb.orth_rows <= mb.orth_cols;
+                            mb.layout != Layout::Block && mb.orth_rows <= mb.orth_cols;
     auto layout = [&](int64_t count, Chunk* c) {
       const std::size_t u = mb.gathers_normalized
                                 ? 0
@@ -641,9 +642,12 @@ void Optimizer::Impl::build_plan() {
       mb.bounds = DeviceBuffer(alloc, static_cast<std::size_t>(n) * sizeof(float));
       backend->fill_zero(mb.bounds.get(), mb.bounds.bytes());
     }
-    if (mb.gathers_normalized || !sharded)
+    if (mb.gathers_normalized || !sharded) {
       mb.row_sumsq = DeviceBuffer(
           alloc, static_cast<std::size_t>(mb.gathers_normalized ? n * (mb.rows + 1) : n * mb.k) * sizeof(float));
+      // An empty shard selects nothing: its members' sums stay zero.
+      backend->fill_zero(mb.row_sumsq.get(), mb.row_sumsq.bytes());
+    }
     for (int64_t first = mb.owned_first; first < mb.owned_first + mb.owned_count; first += chunk) {
       Chunk c;
       c.first = first;
@@ -1280,7 +1284,8 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
     if (selects) {
       // M += G, row l1 scores (and sums of squares, for the normalisation in the gather)
       be.accumulate(*mb.set, 1.0f, scores, row_sumsq, flag);
-      be.select_rows(scores, n, mb.rows, mb.k, idx, flag, mb.bounds.as<float>(), row_sumsq,  // S = top-k rows
+      // S = top-k rows (and, when the gather normalises, their sum of squares)
+      be.select_rows(scores, n, mb.rows, mb.k, idx, flag, mb.bounds.as<float>(), row_sumsq,
                      row_sumsq ? selected_sumsq(mb) : nullptr);
     } else {
       be.accumulate(*mb.set, mu, nullptr, nullptr, flag);  // M = mu M + G
@@ -1365,8 +1370,7 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
                            c.orth->normalized_input(), flag);
       O = run_orthogonalizer(c, [&] { return c.orth->run_normalized(); });
     } else {
-      const MatrixView U = MatrixView::contiguous(arena.as<char>() + c.update_offset, mb.update_dtype, c.count,
-                                                  mb.orth_rows, mb.orth_cols);
+      const MatrixView U = update_rows_in_arena(mb, c);
       if (col_shard) {
         // Each member's selected rows, the ranks' column blocks side by side (this rank's
         // gathered in place); columns past n stay zero.
@@ -1533,6 +1537,17 @@ void Optimizer::Impl::prepare_block(Megabatch& mb, int* flag) {
 
 // Block: stage 2. Each member's whole-width pieces stacked by row rank, orthogonalized; this
 // rank's rows applied at once (its columns), the others' sent back whole-width.
+MatrixView Optimizer::Impl::update_rows_in_arena(const Megabatch& mb, const Chunk& c) {
+  const MatrixView U = MatrixView::contiguous(arena.as<char>() + c.update_offset, mb.update_dtype, c.count,
+                                              mb.orth_rows, mb.orth_cols);
+  // A plan that left U no room would have the gather write past the arena.
+  const std::size_t bytes = static_cast<std::size_t>(c.count * mb.orth_rows * mb.orth_cols) * dtype_size(U.dtype);
+  if (c.update_offset + bytes > arena.bytes())
+    fail("internal error: the update rows of " + mb.label + " do not fit the workspace planned for them",
+         Status::Internal);
+  return U;
+}
+
 void Optimizer::Impl::orthogonalize_block(Megabatch& mb, int* flag) {
   Backend& be = *backend;
   const int64_t P = mb.ranks, W = mb.orth_cols;
@@ -1543,8 +1558,7 @@ void Optimizer::Impl::orthogonalize_block(Megabatch& mb, int* flag) {
   const UpdateParams up = update_params(mb);
   for (Chunk& c : mb.chunks) {
     const int64_t jl = c.first - mb.owned_first;
-    const MatrixView U = MatrixView::contiguous(arena.as<char>() + c.update_offset, mb.update_dtype, c.count,
-                                                mb.orth_rows, W);
+    const MatrixView U = update_rows_in_arena(mb, c);
     for (int64_t r = 0; r < P; ++r) {
       const char* from = r == mb.rank ? byte_offset(mb.send, (r * mb.block + jl) * in_slot)
                                       : byte_offset(mb.recv, (r * mb.block + jl) * in_slot);
