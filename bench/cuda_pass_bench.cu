@@ -335,8 +335,10 @@ int gather_section(bench::Session& ses, double copy) {
         idxb(be.allocator(), g.n * g.k * 4), ssb(be.allocator(), g.n * 4),
         tab(be.allocator(), g.n * sizeof(dion3::cuda::DeviceMat));
     bench::fill(mb.get(), DType::BF16, e, 21, 1.0f, s);
-    // Every row's sum of squares taken as 1: each selection's total is k.
-    const std::vector<float> ss(static_cast<std::size_t>(g.n), static_cast<float>(g.k));
+    // Each selection's sum of squares: k plus the matrix's index (one per matrix, so that the check
+    // below tells a kernel that scales by another matrix's sum).
+    std::vector<float> ss(static_cast<std::size_t>(g.n));
+    for (int64_t i = 0; i < g.n; ++i) ss[i] = static_cast<float>(g.k + i);
     CK(cudaMemcpyAsync(ssb.get(), ss.data(), ss.size() * 4, cudaMemcpyHostToDevice, s));
     std::mt19937_64 rng(5);
     std::vector<int32_t> idx;

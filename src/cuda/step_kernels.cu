@@ -95,7 +95,8 @@ __global__ void __launch_bounds__(32 * kRowWarps)
 // One block per vector. A radix select finds the k-th largest key 8 bits at a time; each pass
 // builds a histogram with warp-aggregated shared atomics (scores of one magnitude share a top
 // byte, and per-lane atomics on one bin serialised 32-fold) and finds its bin with one scan.
-// Then one pass writes the rows: the keys above the k-th, and the first of those equal to it.
+// Then one pass writes the rows: the keys above the k-th, and the first of those equal to it (and,
+// given row_sumsq, sums the written rows' squares for gather_normalized).
 // With kCached > 0 (vectors of at most kCached * kSelectThreads scores) each thread reads its keys
 // once into registers; with 0 every pass reads them again from L2 (any length). Eight is the most
 // that fits: at 1024 threads a thread has 64 registers, and 16 cached keys spilled.

@@ -205,8 +205,8 @@ INSTANTIATE_TEST_SUITE_P(Cases, GatherRows,
                                            GatherCase{DType::F32, DType::BF16, false, 1.0f, 0.0f, 1.0f}));
 
 // ---- gather_normalized ------------------------------------------------------------------------
-// Against the CPU backend, and against gather_rows + normalize on the device itself, with the row
-// sums of squares that accumulate gives.
+// Against the CPU backend, and against gather_rows + normalize on the device itself, with the
+// selected rows' sums of squares (as select_rows leaves them; computed on the host here).
 struct GatherNormCase { DType m, out; bool with_idx; int64_t rows, cols, k; float decay; };
 class GatherNormalized : public ct::CudaTest, public ::testing::WithParamInterface<GatherNormCase> {};
 
@@ -294,8 +294,11 @@ TEST_F(CudaOps, SkipFlagLeavesEverythingUntouched) {
   gpu->accumulate(*s.ds, 0.5f, scores.as<float>(), nullptr, flag.as<int>());
   gpu->gather_normalized(*s.ds, nullptr, 20, 0.5f, scores.as<float>(), 1e-7f, Twin(*gpu, DType::F32, 2, 20, 64).dview(),
                          flag.as<int>());
+  const std::vector<float> sums0 = {-3.0f, -3.0f};
+  dion3::DeviceBuffer sums(gpu->allocator(), 2 * 4);
+  gpu->copy_from_host(sums.get(), sums0.data(), 2 * 4);
   gpu->select_rows(scores.as<float>(), 2, 20, 5, idx.as<int32_t>(), flag.as<int>(), nullptr, scores.as<float>(),
-                   scores.as<float>());
+                   sums.as<float>());
   gpu->gather_rows(*s.ds, nullptr, 20, 1.0f, 0.0f, 0.5f, Twin(*gpu, DType::F32, 2, 20, 64).dview(), nullptr,
                    flag.as<int>());
   dion3::UpdateParams p{1.0f - 0.1f * 0.1f, 0.1f, true, 0.9f, false};
@@ -315,6 +318,9 @@ TEST_F(CudaOps, SkipFlagLeavesEverythingUntouched) {
   EXPECT_EQ(s.v.device_values(), v0);
   EXPECT_EQ(e.device_values(), e.host_values());
   EXPECT_EQ(ea.device_values(), ea.host_values());
+  std::vector<float> sums1(2);
+  gpu->copy_to_host(sums1.data(), sums.get(), 2 * 4);
+  EXPECT_EQ(sums1, sums0);  // select_rows' sums of squares not written
 }
 
 // ---- check_finite -----------------------------------------------------------------------------
