@@ -64,6 +64,13 @@ void comm_wait(std::unique_ptr<CommRequest> request) {
   if (request) request->wait();
 }
 
+// This rank gathers its members' update rows whole into U (unsharded, or column-sharded over one
+// rank) and keeps U's row sums of squares for the orthogonalizer's norm.
+bool gathers_whole_rows(const Megabatch& mb) {
+  return mb.layout == Layout::Local || mb.layout == Layout::Replicated ||
+         (mb.layout == Layout::ColShard && mb.ranks == 1);
+}
+
 }  // namespace
 
 const char* layout_name(Layout l) {
@@ -642,7 +649,7 @@ void Optimizer::Impl::build_plan() {
       mb.bounds = DeviceBuffer(alloc, static_cast<std::size_t>(n) * sizeof(float));
       backend->fill_zero(mb.bounds.get(), mb.bounds.bytes());
     }
-    if (mb.gathers_normalized || !sharded) {
+    if (mb.gathers_normalized || gathers_whole_rows(mb)) {
       mb.row_sumsq = DeviceBuffer(
           alloc, static_cast<std::size_t>(mb.gathers_normalized ? n * (mb.rows + 1) : n * mb.k) * sizeof(float));
       // An empty shard selects nothing: its members' sums stay zero.
@@ -1388,7 +1395,7 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
                                         mb.cols, mb.orth_cols, mb.k * mb.orth_cols},
                              nullptr, flag);
         O = run_orthogonalizer(c, [&] { return c.orth->run(U); });
-      } else if (!row_shard) {
+      } else if (gathers_whole_rows(mb)) {
         float* ss = row_sumsq + c.first * mb.k;  // U's row sums of squares, for its norm
         gather_update_rows(be, g, mu, *c.set, rows, mb.k, U, ss, flag);
         O = run_orthogonalizer(c, [&] { return c.orth->run(U, ss); });

@@ -415,52 +415,58 @@ TEST(Hardening, TheMomentumBoundNeverChangesAVerdict) {
 }
 
 // Every layout over one rank (loopback communicators) steps as one device does, with the
-// orthogonalizer in bf16 on fp32 momentum and wide selections: the sharded paths gather fp32
-// update rows into the workspace before the orthogonalizer narrows them, and those rows must fit
-// where the plan put them (under the sanitizer job, a row written past the arena fails here).
+// orthogonalizer in bf16 on fp32 momentum, wide selections and selections wider than the matrix
+// (k > n), whole megabatches and chunks of one matrix: each path's buffers (the update rows in
+// the arena, their row sums) must be there and fit where the plan put them. (Under the sanitizer
+// job a write past them fails here too.)
 TEST(Hardening, EveryLayoutOverOneRankStepsAsOneDevice) {
   using dion3::Layout;
-  const std::vector<std::pair<int64_t, int64_t>> shapes = {{64, 512}, {64, 512}, {48, 40}, {40, 300}};
-  for (Algorithm algo : {Algorithm::Dion3, Algorithm::NorMuon}) {
-    auto run = [&](Layout kind) {
-      Harness h;
-      GroupConfig g;
-      g.algorithm = algo;
-      g.lr = 0.02;
-      g.orth.iteration_dtype = DType::BF16;
-      const int gi = h.opt.add_group(g);
-      Rng rng(21);
-      std::vector<std::unique_ptr<t3::HostParam>> ps;
-      for (auto [m, n] : shapes) {
-        auto p = std::make_unique<t3::HostParam>("w" + std::to_string(ps.size()), DType::F32,
-                                                 std::vector<int64_t>{m, n});
-        for (int64_t i = 0; i < p->w.numel(); ++i) p->w.set(i, 0.05 * rng.normal());
-        dion3::ParamSpec spec = p->spec();
-        spec.layout.kind = kind;
-        if (kind != Layout::Local) spec.layout.comm = dion3::make_loopback_communicator();
-        if (kind == Layout::Block) spec.layout.col_comm = dion3::make_loopback_communicator();
-        spec.layout.global_rows = m;
-        spec.layout.global_cols = n;
-        p->index = h.opt.add_param(gi, spec);
-        ps.push_back(std::move(p));
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{64, 512}, {64, 512}, {48, 40}, {40, 300}, {40, 8}, {40, 8}};
+  for (Algorithm algo : {Algorithm::Dion3, Algorithm::NorMuon, Algorithm::Muon})
+    for (std::size_t limit : {std::size_t{0}, std::size_t{1}}) {
+      auto run = [&](Layout kind) {
+        dion3::OptimizerOptions o;
+        o.workspace_limit = limit;  // 1: every chunk one matrix
+        Harness h(o);
+        GroupConfig g;
+        g.algorithm = algo;
+        g.lr = 0.02;
+        g.orth.iteration_dtype = DType::BF16;
+        const int gi = h.opt.add_group(g);
+        Rng rng(21);
+        const auto comm = dion3::make_loopback_communicator(), col_comm = dion3::make_loopback_communicator();
+        std::vector<std::unique_ptr<t3::HostParam>> ps;
+        for (auto [m, n] : shapes) {
+          auto p = std::make_unique<t3::HostParam>("w" + std::to_string(ps.size()), DType::F32,
+                                                   std::vector<int64_t>{m, n});
+          for (int64_t i = 0; i < p->w.numel(); ++i) p->w.set(i, 0.05 * rng.normal());
+          dion3::ParamSpec spec = p->spec();
+          spec.layout.kind = kind;
+          if (kind != Layout::Local) spec.layout.comm = comm;
+          if (kind == Layout::Block) spec.layout.col_comm = col_comm;
+          spec.layout.global_rows = m;
+          spec.layout.global_cols = n;
+          p->index = h.opt.add_param(gi, spec);
+          ps.push_back(std::move(p));
+        }
+        for (int step = 0; step < 2; ++step) {
+          for (auto& p : ps)
+            for (int64_t i = 0; i < p->g.numel(); ++i) p->g.set(i, rng.normal());
+          EXPECT_TRUE(h.opt.step());
+        }
+        std::vector<std::vector<double>> w;
+        for (auto& p : ps) w.push_back(p->w.values());
+        return w;
+      };
+      const auto local = run(Layout::Local);
+      for (Layout kind : {Layout::Replicated, Layout::RowShard, Layout::ColShard, Layout::Block}) {
+        const auto got = run(kind);
+        for (std::size_t i = 0; i < got.size(); ++i)
+          EXPECT_LE(t3::max_abs_diff(got[i], local[i]), 1e-6)
+              << dion3::algorithm_name(algo) << ", " << dion3::layout_name(kind) << ", workspace limit " << limit
+              << ", parameter " << i;
       }
-      for (int step = 0; step < 2; ++step) {
-        for (auto& p : ps)
-          for (int64_t i = 0; i < p->g.numel(); ++i) p->g.set(i, rng.normal());
-        EXPECT_TRUE(h.opt.step());
-      }
-      std::vector<std::vector<double>> w;
-      for (auto& p : ps) w.push_back(p->w.values());
-      return w;
-    };
-    const auto local = run(Layout::Local);
-    for (Layout kind : {Layout::Replicated, Layout::RowShard, Layout::ColShard, Layout::Block}) {
-      const auto got = run(kind);
-      for (std::size_t i = 0; i < got.size(); ++i)
-        EXPECT_LE(t3::max_abs_diff(got[i], local[i]), 1e-6)
-            << dion3::algorithm_name(algo) << ", " << dion3::layout_name(kind) << ", parameter " << i;
     }
-  }
 }
 
 // select_rows' `largest`: each score vector's largest score plus one.
