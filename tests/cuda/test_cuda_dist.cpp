@@ -11,6 +11,7 @@
 #include <cmath>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <random>
 #include <thread>
 #include <vector>
@@ -63,25 +64,37 @@ struct DevParam {
   }
 };
 
-const std::vector<std::pair<int64_t, int64_t>> kShapes = {{96, 160}, {96, 160}, {96, 160}, {192, 80}, {10, 64}, {3, 48}};
+using Shapes = std::vector<std::pair<int64_t, int64_t>>;
+const Shapes kShapes = {{96, 160}, {96, 160}, {96, 160}, {192, 80}, {10, 64}, {3, 48}};
 
-// Runs `steps` steps of Dion3 (f32 weights, f32 iteration) on rank `rank` of `ranks` with the given
-// layout and communicator; returns this rank's rows of every parameter after each step.
+struct RunOptions {
+  dion3::Algorithm algorithm = dion3::Algorithm::Dion3;
+  std::optional<DType> iteration = DType::F32;  // nullopt: the backend's default
+  std::size_t workspace_limit = 0;              // OptimizerOptions::workspace_limit
+  const Shapes* shapes = &kShapes;
+};
+
+// Runs `steps` steps (f32 weights; Dion3 with f32 iteration unless `o` says otherwise) on rank
+// `rank` of `ranks` with the given layout and communicator; returns this rank's rows of every
+// parameter after each step.
 std::vector<std::vector<std::vector<double>>> run_rank(int device, Layout layout, dion3::SelectionScope scope,
                                                        std::shared_ptr<dion3::Communicator> comm, int rank,
-                                                       int ranks, int steps) {
+                                                       int ranks, int steps, const RunOptions& o = {}) {
   cudaSetDevice(device);
-  dion3::Optimizer opt(dion3::make_cuda_backend(device));
+  dion3::OptimizerOptions oo;
+  oo.workspace_limit = o.workspace_limit;
+  dion3::Optimizer opt(dion3::make_cuda_backend(device), oo);
   dion3::GroupConfig g;
+  g.algorithm = o.algorithm;
   g.lr = 0.02;
   g.selection_scope = scope;
-  g.orth.iteration_dtype = DType::F32;
+  g.orth.iteration_dtype = o.iteration;
   const int gi = opt.add_group(g);
   std::vector<std::unique_ptr<DevParam>> ps;
-  for (std::size_t i = 0; i < kShapes.size(); ++i) {
+  for (std::size_t i = 0; i < o.shapes->size(); ++i) {
     auto p = std::make_unique<DevParam>();
-    p->m = kShapes[i].first;
-    p->n = kShapes[i].second;
+    p->m = (*o.shapes)[i].first;
+    p->n = (*o.shapes)[i].second;
     const int64_t c = (p->m + ranks - 1) / ranks;
     p->first = layout == Layout::RowShard ? std::min(p->m, rank * c) : 0;
     p->rows = layout == Layout::RowShard ? std::min(c, p->m - p->first) : p->m;
@@ -161,6 +174,30 @@ TEST_F(CudaLayouts, WorldSizeOneEqualsSingleDevice) {
   comms.clear();
   ncclCommDestroy(nc);
 #endif
+}
+
+// The same in the backend's own iteration dtypes (bf16, fp16) on fp32 momentum, for Dion3, NorMuon
+// and Muon, whole megabatches and chunks of one matrix: every layout's buffers (update rows wider
+// than the iteration's, their row sums) must be where the plan put them. Within the iteration
+// dtype's rounding (the layouts take the input's norm from different sums). Run under
+// compute-sanitizer's memcheck too (tools/gpu-check with DION3_GPU_CHECK_MEMCHECK).
+TEST_F(CudaLayouts, WorldSizeOneEqualsSingleDeviceInHalfIterationsAndChunks) {
+  const auto comm = dion3::make_loopback_communicator(dion3::Device::CUDA);
+  // Wide, tall, and Dion3 selections wider than the matrix (80 x 12: k = 20 > 12).
+  const Shapes shapes = {{96, 160}, {96, 160}, {192, 80}, {10, 64}, {80, 12}, {80, 12}};
+  for (auto algo : {dion3::Algorithm::Dion3, dion3::Algorithm::NorMuon, dion3::Algorithm::Muon})
+    for (std::size_t limit : {std::size_t{0}, std::size_t{1}}) {
+      const RunOptions o{algo, std::nullopt, limit, &shapes};
+      const auto local = run_rank(0, Layout::Local, dion3::SelectionScope::Local, nullptr, 0, 1, 2, o);
+      for (Layout cut : {Layout::Replicated, Layout::RowShard, Layout::ColShard, Layout::Block}) {
+        const auto got = run_rank(0, cut, dion3::SelectionScope::Local, comm, 0, 1, 2, o);
+        for (std::size_t s = 0; s < got.size(); ++s)
+          for (std::size_t i = 0; i < got[s].size(); ++i)
+            EXPECT_LE(rel_diff(got[s][i], local[s][i]), 5e-3)
+                << dion3::algorithm_name(algo) << ", " << dion3::layout_name(cut) << ", workspace limit " << limit
+                << ", step " << s << ", param " << i;
+      }
+    }
 }
 
 // Several GPUs: each rank's rows equal algorithm.md §3's rule computed in one process (float64).
