@@ -1426,7 +1426,9 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
       // rows copied into this rank's slot of the all-gather.
       const MatrixView whole{O.data, mb.orth_dtype, c.count, mb.k, mb.global_cols, mb.orth_cols,
                              mb.k * mb.orth_cols};
-      if (mb.cols > 0) be.apply_update(*c.set, rows, mb.k, whole, up, flag);
+      // An empty column shard has no weights to move but keeps its rows' NorMuon variance, which
+      // every column rank holds alike.
+      if (mb.cols > 0 || up.normuon) be.apply_update(*c.set, rows, mb.k, whole, up, flag);
       be.copy_2d(byte_offset(mb.send, c.first * mb.k * mb.global_cols * es_o), mb.global_cols * es_o, O.data,
                  mb.orth_cols * es_o, mb.global_cols * es_o, c.count * mb.k);
       continue;
@@ -1485,7 +1487,8 @@ void Optimizer::Impl::apply(Megabatch& mb, int* flag) {
   if (mb.layout == Layout::Local || mb.ranks == 1) return;
   comm_wait(std::move(mb.inflight));
   if (mb.rows == 0) return;  // an empty shard
-  if (mb.cols == 0) return;  // an empty column shard
+  const UpdateParams up = update_params(mb);
+  if (mb.cols == 0 && !up.normuon) return;  // an empty column shard (it still keeps its rows' variance)
   const bool selects = selects_rows(groups[mb.group].algorithm);
   const bool row_shard = mb.layout == Layout::RowShard || mb.layout == Layout::Block;
   const int64_t listed = row_shard ? mb.piece : mb.k;
@@ -1499,7 +1502,7 @@ void Optimizer::Impl::apply(Megabatch& mb, int* flag) {
                                     : nullptr;
     const MatrixView O{byte_offset(results, first * slot), mb.orth_dtype, static_cast<int64_t>(set->mats.size()),
                        listed, mb.global_cols, width, listed * width};
-    backend->apply_update(*set, rows, listed, O, update_params(mb), flag);
+    backend->apply_update(*set, rows, listed, O, up, flag);
   }
 }
 
@@ -1572,7 +1575,7 @@ void Optimizer::Impl::orthogonalize_block(Megabatch& mb, int* flag) {
       be.copy_2d(static_cast<char*>(U.data) + r * in_slot, P * in_slot, from, in_slot, in_slot, c.count);
     }
     const MatrixView O = run_orthogonalizer(c, [&] { return c.orth->run(U); });
-    if (mb.rows > 0 && mb.cols > 0)
+    if (mb.rows > 0 && (mb.cols > 0 || up.normuon))  // an empty column shard keeps its rows' variance
       be.apply_update(*c.set, mb.piece_idx.as<int32_t>() + c.first * mb.piece, mb.piece,
                       MatrixView{static_cast<char*>(O.data) + mb.rank * out_slot, mb.orth_dtype, c.count, mb.piece,
                                  mb.global_cols, W, mb.orth_rows * W},

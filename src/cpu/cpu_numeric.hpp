@@ -101,8 +101,9 @@ inline const char* elem_ptr(const MatrixView& v, int64_t b, int64_t r) {
 
 // Reads row r of matrix b as floats into dst[0..cols).
 inline void load_row(const MatrixView& v, int64_t b, int64_t r, float* dst) {
-  const char* p = elem_ptr(v, b, r);
   const int64_t n = v.cols;
+  if (n == 0) return;  // an empty column shard's view may have no data at all
+  const char* p = elem_ptr(v, b, r);
   switch (v.dtype) {
     case DType::F32: std::memcpy(dst, p, n * 4); return;
     case DType::F16: {
@@ -126,8 +127,9 @@ inline void load_row(const MatrixView& v, int64_t b, int64_t r, float* dst) {
 
 // Writes src[0..cols) into row r of matrix b, rounding to the view's dtype.
 inline void store_row(const MatrixView& v, int64_t b, int64_t r, const float* src) {
-  char* p = const_cast<char*>(elem_ptr(v, b, r));
   const int64_t n = v.cols;
+  if (n == 0) return;
+  char* p = const_cast<char*>(elem_ptr(v, b, r));
   switch (v.dtype) {
     case DType::F32: std::memcpy(p, src, n * 4); return;
     case DType::F16: {

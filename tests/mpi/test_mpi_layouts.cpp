@@ -182,6 +182,13 @@ TEST_P(Layouts, EqualTheSingleProcessRule) {
                   1e-5)
             << "momentum: rank " << rank << ", parameter " << i << ", step " << step + 1;
       }
+      // NorMuon's per-row variance, on every rank that holds the rows (with columns or without).
+      if (d.shard.count > 0) {
+        const std::vector<double> v(d.v.begin() + d.shard.first, d.v.begin() + d.shard.first + d.shard.count);
+        EXPECT_LE(t3::rel_max_diff(t3::state_values(opt, d.local->index, "variance"), v), 1e-3)
+            << "variance: rank " << rank << ", parameter " << i << " (" << d.cols.count << " columns here), step "
+            << step + 1;
+      }
       if (c.layout == Layout::Replicated) {
         EXPECT_EQ(d.local->w.bytes, single_params[i]->w.bytes)
             << "replicated run differs from the single-process engine: rank " << rank << ", parameter " << i;
@@ -193,8 +200,9 @@ TEST_P(Layouts, EqualTheSingleProcessRule) {
 // Shapes: several matrices per megabatch (not a multiple of the ranks), a wide and a tall one,
 // uneven shards (10 rows) and shards that leave a rank empty (3 rows on 4 ranks).
 const std::vector<std::pair<int, int>> kShapes = {{24, 40}, {24, 40}, {24, 40}, {48, 20}, {10, 16}, {3, 12}};
-// Column shards: uneven (18 columns) and one that leaves a rank without columns (3 on 4 ranks).
-const std::vector<std::pair<int, int>> kColShapes = {{24, 40}, {24, 40}, {24, 40}, {40, 18}, {12, 3}};
+// Column shards: uneven (18 columns) and ones that leave ranks without columns (3 on 4 ranks, 1 on
+// any number).
+const std::vector<std::pair<int, int>> kColShapes = {{24, 40}, {24, 40}, {24, 40}, {40, 18}, {12, 3}, {12, 1}};
 
 INSTANTIATE_TEST_SUITE_P(
     Mpi, Layouts,
@@ -239,7 +247,7 @@ TEST(Block, RowAndColumnBlocksEqualTheRowShardedRule) {
       const int gi = opt.add_group(g);
       Rng rng(808);
       std::vector<DistParam> ps;
-      for (auto [m, n] : std::vector<std::pair<int, int>>{{24, 40}, {24, 40}, {30, 18}, {3, 7}}) {
+      for (auto [m, n] : std::vector<std::pair<int, int>>{{24, 40}, {24, 40}, {30, 18}, {3, 7}, {6, 1}}) {
         DistParam q;
         q.m = m;
         q.n = n;
@@ -274,6 +282,12 @@ TEST(Block, RowAndColumnBlocksEqualTheRowShardedRule) {
           EXPECT_LE(t3::max_abs_diff(q.local->w.values(), part_of(q.W, q.n, q.shard, q.cols)), tol)
               << "grid " << dp << "x" << tp << ", " << dion3::algorithm_name(algo) << ", rank " << rank << ", parameter "
               << i << ", step " << step + 1;
+          if (q.shard.count > 0) {  // the rows' variance, also where this rank holds none of their columns
+            const std::vector<double> v(q.v.begin() + q.shard.first, q.v.begin() + q.shard.first + q.shard.count);
+            EXPECT_LE(t3::rel_max_diff(t3::state_values(opt, q.local->index, "variance"), v), 1e-3)
+                << "variance: grid " << dp << "x" << tp << ", " << dion3::algorithm_name(algo) << ", rank " << rank
+                << ", parameter " << i << " (" << q.cols.count << " columns here), step " << step + 1;
+          }
         }
       }
       MPI_Comm_free(&rows_comm);
