@@ -326,7 +326,8 @@ class DION3_API Backend {
   // Per matrix i with rows idx_i (null = all): optional NorMuon normalisation of O_i with the
   // variance rows idx_i, then W_i *= (1 - lr*wd) on all rows and W_i[idx_i] -= lr' * O_i.
   // Rows of O at padding entries of idx are ignored (neither normalised nor applied). O may be
-  // wider than the weights (UpdateParams::o_col_offset).
+  // wider than the weights (UpdateParams::o_col_offset); the weights may have no columns at all
+  // (a rank without columns of a column-sharded matrix), and the variance still moves.
   virtual void apply_update(const MatrixSet& set, const int32_t* idx, int64_t k, MatrixView O,
                             const UpdateParams& p, const int* skip) = 0;
 

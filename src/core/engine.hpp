@@ -53,6 +53,7 @@ struct Chunk {
   std::unique_ptr<MatrixSet> set;
   Orthogonalizer* orth = nullptr;
   std::size_t update_offset = 0, orth_offset = 0;  // in the arena: the update rows U, the orth workspace
+  std::size_t update_bytes = 0;                    // the room the plan left U there (0: U is never gathered)
   // The orthogonalizer's run as one recorded unit (Backend::record), made after its first eager
   // run and replayed until the plan changes; recorded_out is what the run returns (arena memory).
   std::unique_ptr<Recording> recording;
@@ -113,7 +114,8 @@ struct Megabatch {
   DeviceBuffer indices;  // members x k int32
   // Row sums of squares (fp32) for the normalisation: members x rows of M from accumulate when
   // the gather normalises (gathers_normalized), then one per member, the selected rows' total
-  // from select_rows (selected_sumsq); else members x k of the gathered rows U.
+  // from select_rows (selected_sumsq); else, where the rank gathers U whole (gathers_whole_rows),
+  // members x k of U's rows; else (the exchanges normalise after them) not allocated.
   DeviceBuffer row_sumsq;
   // Row-selecting algorithms, k <= cols, the rows whole on this rank (unsharded, or row- or
   // column-sharded over one rank): the gather writes the orthogonalizer's normalised input

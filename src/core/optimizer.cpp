@@ -64,8 +64,9 @@ void comm_wait(std::unique_ptr<CommRequest> request) {
   if (request) request->wait();
 }
 
-// This rank gathers its members' update rows whole into U (unsharded, or column-sharded over one
-// rank) and keeps U's row sums of squares for the orthogonalizer's norm.
+// Unless the megabatch gathers normalised: this rank gathers its members' update rows whole into U
+// (unsharded, or column-sharded over one rank) and keeps U's row sums of squares for the
+// orthogonalizer's norm.
 bool gathers_whole_rows(const Megabatch& mb) {
   return mb.layout == Layout::Local || mb.layout == Layout::Replicated ||
          (mb.layout == Layout::ColShard && mb.ranks == 1);
@@ -628,6 +629,7 @@ void Optimizer::Impl::build_plan() {
       if (c) {
         c->update_offset = inside ? in_ws : 0;
         c->orth_offset = inside ? 0 : u;
+        c->update_bytes = u;
       }
       return inside ? align_up(ws) : u + align_up(ws);
     };
@@ -652,7 +654,7 @@ void Optimizer::Impl::build_plan() {
     if (mb.gathers_normalized || gathers_whole_rows(mb)) {
       mb.row_sumsq = DeviceBuffer(
           alloc, static_cast<std::size_t>(mb.gathers_normalized ? n * (mb.rows + 1) : n * mb.k) * sizeof(float));
-      // An empty shard selects nothing: its members' sums stay zero.
+      // Zero from the start: an empty shard selects nothing and leaves its members' sums so.
       backend->fill_zero(mb.row_sumsq.get(), mb.row_sumsq.bytes());
     }
     for (int64_t first = mb.owned_first; first < mb.owned_first + mb.owned_count; first += chunk) {
@@ -1422,15 +1424,15 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
       }
     }
     if (col_shard) {
-      // Whole rows (n of the orthogonalizer's columns): this rank's columns applied at once, the
-      // rows copied into this rank's slot of the all-gather.
-      const MatrixView whole{O.data, mb.orth_dtype, c.count, mb.k, mb.global_cols, mb.orth_cols,
-                             mb.k * mb.orth_cols};
-      // An empty column shard has no weights to move but keeps its rows' NorMuon variance, which
-      // every column rank holds alike.
+      // Whole rows (n of the orthogonalizer's columns) into this rank's slot of the all-gather,
+      // then this rank's columns applied from there: laid out as the other column ranks read
+      // them, so that every rank takes the same NorMuon statistics. An empty column shard has no
+      // weights to move but keeps its rows' variance.
+      char* mine = byte_offset(mb.send, c.first * mb.k * mb.global_cols * es_o);
+      be.copy_2d(mine, mb.global_cols * es_o, O.data, mb.orth_cols * es_o, mb.global_cols * es_o, c.count * mb.k);
+      const MatrixView whole{mine, mb.orth_dtype, c.count, mb.k, mb.global_cols, mb.global_cols,
+                             mb.k * mb.global_cols};
       if (mb.cols > 0 || up.normuon) be.apply_update(*c.set, rows, mb.k, whole, up, flag);
-      be.copy_2d(byte_offset(mb.send, c.first * mb.k * mb.global_cols * es_o), mb.global_cols * es_o, O.data,
-                 mb.orth_cols * es_o, mb.global_cols * es_o, c.count * mb.k);
       continue;
     }
     if (!row_shard) {
@@ -1545,19 +1547,20 @@ void Optimizer::Impl::prepare_block(Megabatch& mb, int* flag) {
                                       "the forward all-to-all of " + mb.label);
 }
 
-// Block: stage 2. Each member's whole-width pieces stacked by row rank, orthogonalized; this
-// rank's rows applied at once (its columns), the others' sent back whole-width.
 MatrixView Optimizer::Impl::update_rows_in_arena(const Megabatch& mb, const Chunk& c) {
   const MatrixView U = MatrixView::contiguous(arena.as<char>() + c.update_offset, mb.update_dtype, c.count,
                                               mb.orth_rows, mb.orth_cols);
-  // A plan that left U no room would have the gather write past the arena.
+  // U written where the plan left it less room would overwrite the orthogonalizer's workspace,
+  // or run past the arena.
   const std::size_t bytes = static_cast<std::size_t>(c.count * mb.orth_rows * mb.orth_cols) * dtype_size(U.dtype);
-  if (c.update_offset + bytes > arena.bytes())
+  if (bytes > c.update_bytes || c.update_offset + bytes > arena.bytes())
     fail("internal error: the update rows of " + mb.label + " do not fit the workspace planned for them",
          Status::Internal);
   return U;
 }
 
+// Block: stage 2. Each member's whole-width pieces stacked by row rank, orthogonalized; this
+// rank's rows applied at once (its columns), the others' sent back whole-width.
 void Optimizer::Impl::orthogonalize_block(Megabatch& mb, int* flag) {
   Backend& be = *backend;
   const int64_t P = mb.ranks, W = mb.orth_cols;
