@@ -167,13 +167,17 @@ def _multi_dim_layout(p, pmesh, placements, shard_dims, who, matrix, flatten) ->
     if not matrix:
         return ParamLayout("replicated", _flat_group(pmesh), 0)  # element-wise: the block as it is
     if dims == {0} and len(shard_dims) == pmesh.ndim and (p.dim() == 2 or flatten):
+        m = int(p.shape[0])
+        if sum(1 for s in pmesh.shape if s > 1) <= 1:
+            # One mesh dimension does all the cutting: ceil(m/P) rows in rank order, the standard
+            # cut (which the global selection scope needs).
+            return ParamLayout("row_shard", _flat_group(pmesh), m)
         # Rows cut twice (FSDP2's _StridedShard over ColwiseParallel's Shard(0)): every rank holds
         # contiguous rows, though not in rank order. A row shard over all the mesh's ranks; the
         # largest shard is the first, ceil(ceil(m/a)/b) = ceil(m/(a*b)) rows.
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         _, offset = compute_local_shape_and_global_offset(p.shape, pmesh, placements)
-        m = int(p.shape[0])
         chunk = -(-m // pmesh.size())
         return ParamLayout("row_shard", _flat_group(pmesh), m, 0, int(offset[0]), chunk)
     if (len(shard_dims) == 2 and sorted(dims) == [0, 1] and p.dim() == 2

@@ -524,6 +524,28 @@ def tensor_parallel(rank, world, mesh2d):
         assert all(mb["layout"] == "block-sharded" for mb in opt.plan()), opt.plan()
 
 
+def rows_cut_over_one_dimension(rank, world):
+    """FSDP2 over ColwiseParallel on a (1, P) or (P, 1) mesh: one dimension does the cutting, the
+    rows are the standard ceil(m/P) chunks in rank order, so the global selection scope is taken
+    and equals algorithm.md §3's rule with it."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    for shape in ((1, world), (world, 1)):
+        mesh2d = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+        torch.manual_seed(6)
+        model = nn.Sequential(nn.Linear(16, 30, bias=False), nn.Linear(16, 45, bias=False))
+        fulls = [p.detach().clone() for p in model.parameters()]
+        parallelize_module(model, mesh2d["tp"], {"0": ColwiseParallel(), "1": ColwiseParallel()})
+        fully_shard(model, mesh=mesh2d["dp"])
+        ps = list(model.parameters())
+        opt = dion3.Dion3(ps, distributed_mesh=mesh2d, lr=0.02, selection_scope="global")
+        ref = Reference(fulls, lr=0.02, ranks=world, selection_scope="global")
+        steps_match_reference(opt, ref, ps, [tuple(f.shape) for f in fulls], 500,
+                              _placed_like, f"FSDP2 over ColwiseParallel on a {shape} mesh, global scope,")
+        assert all(mb["layout"] == "row-sharded" and mb["ranks"] == world for mb in opt.plan()), opt.plan()
+
+
 def row_blocks(rank, world, mesh):
     """split_sizes / num_heads. DDP: bit for bit the single-process run. FSDP2 rows that do not
     divide by the world size, cut across the blocks: a block within one rank's shard steps there
@@ -584,6 +606,7 @@ def layouts(rank, world, tmp):
         fsdp(rank, world, hsdp, [Replicate(), Shard(0)], 2, dion3.Dion3, "dion3")
         fsdp(rank, world, hsdp, [Replicate(), Shard(0)], 2, dion3.Dion3, "dion3", pass_mesh=hsdp["shard"])
         tensor_parallel(rank, world, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+    rows_cut_over_one_dimension(rank, world)
     row_blocks(rank, world, mesh)
     nonfinite(rank, world, mesh)
     state_written_in_place(rank, world, mesh)
