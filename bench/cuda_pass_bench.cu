@@ -245,9 +245,9 @@ int transpose_section(bench::Session& ses, double copy) {
 
 // ---- the gather's traffic ----------------------------------------------------------------------
 // Dion3's gather (f < 1) reads the selected rows of M once and writes them twice: into the
-// orthogonalizer's input (fp16, scaled) and back into M (decayed). Beside the library's
-// launch_gather_normalized: the same rows moved by the plainest kernels of the same traffic, a
-// read and two writes (out = M row, M row written back unchanged) and a read and one write (out =
+// orthogonalizer's input (fp16, scaled) and back into M (decayed). Beside the library's gather
+// (launch_gather_rows as gather_normalized calls it): the same rows moved by the plainest kernels
+// of the same traffic, a read and two writes (out = M row, M row written back unchanged) and a read and one write (out =
 // M row only), one warp per row with U 16-byte packs per lane in flight; and the library's
 // arithmetic in 16-byte packs (8 elements) instead of 8-byte ones. Their rates bound what the
 // gather can reach for its mix of reads and writes.
@@ -313,7 +313,7 @@ int gather_section(bench::Session& ses, double copy) {
        "interleaved runs)");
   line("");
   line("Rows: n matrices of rows x cols (bf16 M), k selected rows each (random, ascending), out fp16. The library's "
-       "launch_gather_normalized (handed the selected rows' sums of squares, as select_rows leaves them) against kernels of the same traffic: "
+       "gather_normalized (launch_gather_rows handed the selected rows' sums of squares, as select_rows leaves them) against kernels of the same traffic: "
        "1R+2W (out = row, row written back), 1R+1W (out = row only, two thirds of the bytes), and the library's "
        "arithmetic in 16-byte packs. Checked first (gpt-1b): the 16-byte variant's out and M equal the library's.");
   line("");
@@ -361,8 +361,8 @@ int gather_section(bench::Session& ses, double copy) {
     auto* m = static_cast<__nv_bfloat16*>(mb.get());
     const MatrixView out = MatrixView::contiguous(ob.get(), DType::F16, g.n, g.k, g.cols);
     auto library = [&] {
-      dion3::cuda::launch_gather_normalized(table, g.n, g.rows, g.cols, DType::BF16, id, g.k, decay,
-                                            static_cast<const float*>(ssb.get()), 1e-7f, out, nullptr, s, true);
+      dion3::cuda::launch_gather_rows(table, g.n, g.rows, g.cols, DType::BF16, DType::BF16, id, g.k, 1.0f, 0.0f, decay,
+                                      static_cast<const float*>(ssb.get()), 1e-7f, out, nullptr, nullptr, s, true);
     };
     const dim3 grid(static_cast<unsigned>((g.k + 3) / 4), static_cast<unsigned>(g.n));
     auto variant16 = [&] {

@@ -72,6 +72,10 @@ bool gathers_whole_rows(const Megabatch& mb) {
          (mb.layout == Layout::ColShard && mb.ranks == 1);
 }
 
+// This rank has an update to apply to its rows: it holds some, and either columns of them or, for
+// NorMuon, their variance (which every column rank holds alike, also one without columns).
+bool applies_update(const Megabatch& mb, const UpdateParams& up) { return mb.rows > 0 && (mb.cols > 0 || up.normuon); }
+
 }  // namespace
 
 const char* layout_name(Layout l) {
@@ -1426,13 +1430,12 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
     if (col_shard) {
       // Whole rows (n of the orthogonalizer's columns) into this rank's slot of the all-gather,
       // then this rank's columns applied from there: laid out as the other column ranks read
-      // them, so that every rank takes the same NorMuon statistics. An empty column shard has no
-      // weights to move but keeps its rows' variance.
+      // them, so that every rank takes the same NorMuon statistics.
       char* mine = byte_offset(mb.send, c.first * mb.k * mb.global_cols * es_o);
       be.copy_2d(mine, mb.global_cols * es_o, O.data, mb.orth_cols * es_o, mb.global_cols * es_o, c.count * mb.k);
       const MatrixView whole{mine, mb.orth_dtype, c.count, mb.k, mb.global_cols, mb.global_cols,
                              mb.k * mb.global_cols};
-      if (mb.cols > 0 || up.normuon) be.apply_update(*c.set, rows, mb.k, whole, up, flag);
+      if (applies_update(mb, up)) be.apply_update(*c.set, rows, mb.k, whole, up, flag);
       continue;
     }
     if (!row_shard) {
@@ -1488,9 +1491,8 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
 void Optimizer::Impl::apply(Megabatch& mb, int* flag) {
   if (mb.layout == Layout::Local || mb.ranks == 1) return;
   comm_wait(std::move(mb.inflight));
-  if (mb.rows == 0) return;  // an empty shard
   const UpdateParams up = update_params(mb);
-  if (mb.cols == 0 && !up.normuon) return;  // an empty column shard (it still keeps its rows' variance)
+  if (!applies_update(mb, up)) return;
   const bool selects = selects_rows(groups[mb.group].algorithm);
   const bool row_shard = mb.layout == Layout::RowShard || mb.layout == Layout::Block;
   const int64_t listed = row_shard ? mb.piece : mb.k;
@@ -1578,7 +1580,7 @@ void Optimizer::Impl::orthogonalize_block(Megabatch& mb, int* flag) {
       be.copy_2d(static_cast<char*>(U.data) + r * in_slot, P * in_slot, from, in_slot, in_slot, c.count);
     }
     const MatrixView O = run_orthogonalizer(c, [&] { return c.orth->run(U); });
-    if (mb.rows > 0 && (mb.cols > 0 || up.normuon))  // an empty column shard keeps its rows' variance
+    if (applies_update(mb, up))
       be.apply_update(*c.set, mb.piece_idx.as<int32_t>() + c.first * mb.piece, mb.piece,
                       MatrixView{static_cast<char*>(O.data) + mb.rank * out_slot, mb.orth_dtype, c.count, mb.piece,
                                  mb.global_cols, W, mb.orth_rows * W},

@@ -292,8 +292,8 @@ class CudaBackend final : public Backend {
     const auto& set = ready(base);
     if (set.columns) fail("CUDA backend: gather_normalized takes no column-stepped set");
     check_gather_shape(set, idx, k, out, "gather_normalized");
-    launch_gather_normalized(table(set), n_of(set), set.rows(), set.cols(), set.mdt, idx, k, decay, selected_sumsq,
-                             eps, out, skip, stream_, set.vec);
+    launch_gather_rows(table(set), n_of(set), set.rows(), set.cols(), set.mdt, set.mdt, idx, k, 1.0f, 0.0f, decay,
+                       selected_sumsq, eps, out, nullptr, skip, stream_, set.vec);
   }
 
   void apply_update(const MatrixSet& base, const int32_t* idx, int64_t k, MatrixView O,

@@ -832,13 +832,6 @@ void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int6
   DION3_CUDA_LAUNCH_CHECK();
 }
 
-void launch_gather_normalized(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
-                              const int32_t* idx, int64_t k, Hyper decay, const float* selected_sumsq, float eps,
-                              const MatrixView& out, const int* skip, cudaStream_t s, bool vec) {
-  launch_gather_rows(mats, nmats, rows, cols, mdt, mdt, idx, k, 1.0f, 0.0f, decay, selected_sumsq, eps, out, nullptr,
-                     skip, s, vec);
-}
-
 int64_t apply_update_scratch_floats(int64_t nmats, int64_t k) { return 2 * nmats * k + nmats; }
 
 // Bytes moved: NorMuon pass nmats*k*cols*sizeof(O); update nmats*(rows*cols*2*sizeof(W) +

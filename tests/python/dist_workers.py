@@ -476,20 +476,29 @@ def _placed_like(full_tensor, p):
     return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
+def _tp_model(mesh2d, seed, sizes, style):
+    """Bias-free Linear layers of (in, out) `sizes`, parallelized with `style` (ColwiseParallel or
+    RowwiseParallel) over mesh2d["tp"], then FSDP2 over mesh2d["dp"]: their full initial weights
+    and the sharded parameters."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(*[nn.Linear(i, o, bias=False) for i, o in sizes])
+    fulls = [p.detach().clone() for p in model.parameters()]
+    parallelize_module(model, mesh2d["tp"], {str(j): style() for j in range(len(sizes))})
+    fully_shard(model, mesh=mesh2d["dp"])
+    return fulls, list(model.parameters())
+
+
 def tensor_parallel(rank, world, mesh2d):
     """FSDP2 over ColwiseParallel (rows cut twice, over both mesh dimensions) equals algorithm.md §3's
     local rule with that cut; FSDP2 over RowwiseParallel (row and column blocks) the row-sharded
     rule over the data-parallel dimension, with whole rows."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     dp, tp = mesh2d.size(0), mesh2d.size(1)
-    torch.manual_seed(4)
-    model = nn.Sequential(nn.Linear(16, 30, bias=False), nn.Linear(16, 45, bias=False))
-    fulls = [p.detach().clone() for p in model.parameters()]
-    parallelize_module(model, mesh2d["tp"], {"0": ColwiseParallel(), "1": ColwiseParallel()})
-    fully_shard(model, mesh=mesh2d["dp"])
-    ps = list(model.parameters())
+    fulls, ps = _tp_model(mesh2d, 4, [(16, 30), (16, 45)], ColwiseParallel)
     opt = dion3.Dion3(ps, distributed_mesh=mesh2d, lr=0.02)
 
     def two_level(m):  # tensor parallel's chunks, each cut again by FSDP2
@@ -507,12 +516,7 @@ def tensor_parallel(rank, world, mesh2d):
     assert all(mb["layout"] == "row-sharded" and mb["ranks"] == world for mb in opt.plan()), opt.plan()
 
     # FSDP2 over RowwiseParallel: rows by dp, columns by tp: the row-sharded rule over dp.
-    torch.manual_seed(5)
-    rowwise = nn.Sequential(nn.Linear(30, 16, bias=False), nn.Linear(7, 3, bias=False))
-    fulls = [p.detach().clone() for p in rowwise.parameters()]
-    parallelize_module(rowwise, mesh2d["tp"], {"0": RowwiseParallel(), "1": RowwiseParallel()})
-    fully_shard(rowwise, mesh=mesh2d["dp"])
-    ps = list(rowwise.parameters())
+    fulls, ps = _tp_model(mesh2d, 5, [(30, 16), (7, 3)], RowwiseParallel)
     for algo, cls in (("dion3", dion3.Dion3), ("normuon", dion3.NorMuon)):
         for p, f in zip(ps, fulls):
             with torch.no_grad():
@@ -528,17 +532,11 @@ def rows_cut_over_one_dimension(rank, world):
     """FSDP2 over ColwiseParallel on a (1, P) or (P, 1) mesh: one dimension does the cutting, the
     rows are the standard ceil(m/P) chunks in rank order, so the global selection scope is taken
     and equals algorithm.md §3's rule with it."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel
 
     for shape in ((1, world), (world, 1)):
         mesh2d = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
-        torch.manual_seed(6)
-        model = nn.Sequential(nn.Linear(16, 30, bias=False), nn.Linear(16, 45, bias=False))
-        fulls = [p.detach().clone() for p in model.parameters()]
-        parallelize_module(model, mesh2d["tp"], {"0": ColwiseParallel(), "1": ColwiseParallel()})
-        fully_shard(model, mesh=mesh2d["dp"])
-        ps = list(model.parameters())
+        fulls, ps = _tp_model(mesh2d, 6, [(16, 30), (16, 45)], ColwiseParallel)
         opt = dion3.Dion3(ps, distributed_mesh=mesh2d, lr=0.02, selection_scope="global")
         ref = Reference(fulls, lr=0.02, ranks=world, selection_scope="global")
         steps_match_reference(opt, ref, ps, [tuple(f.shape) for f in fulls], 500,
