@@ -1,7 +1,10 @@
 // tests/cuda/test_cuda_dist.cpp — the distributed layouts (algorithm.md §3) on GPUs. On one GPU: world size
 // 1 through the distributed code path (CUDA loopback communicator, and NCCL when built) equals the
 // single-device path — bit for bit where the arithmetic is the same (replicated), within the
-// iteration dtype's rounding where the exchange re-orders it (row-sharded). With two or more GPUs
+// iteration dtype's rounding where the exchange re-orders it (row-sharded); and 2 to 4 ranks as
+// threads sharing the GPU (tests/cpp/thread_comm.hpp) run every multi-rank layout the MPI suite
+// checks on the CPU (tests/cpp/layout_cases.hpp), in fp32 against the float64 rule and in the
+// backend's 16-bit iterations within their rounding. With two or more GPUs
 // (one thread per GPU, ncclCommInitAll): row-sharded and replicated runs equal the float64
 // transcription of algorithm.md §3; skipped cleanly with fewer GPUs.
 #include <gtest/gtest.h>
@@ -18,6 +21,7 @@
 
 #include "dion3/comm.hpp"
 #include "dion3/optimizer.hpp"
+#include "layout_cases.hpp"
 #include "reference.hpp"
 
 #ifdef DION3_HAVE_NCCL
@@ -247,6 +251,45 @@ TEST_F(CudaLayouts, CapturesRefusedUntilThePlansWereCompared) {
   }
   cudaStreamDestroy(stream);
 }
+
+// One GPU's memory and a CUDA backend per rank thread.
+t3::RankBackend gpu_backend(std::optional<DType> iteration) {
+  t3::RankBackend be;
+  be.device = dion3::Device::CUDA;
+  be.iteration = iteration;
+  be.make_backend = [] {
+    cudaSetDevice(0);
+    return dion3::make_cuda_backend(0);
+  };
+  be.alloc = [](std::size_t bytes) {
+    void* p = nullptr;
+    EXPECT_EQ(cudaMalloc(&p, std::max<std::size_t>(bytes, 1)), cudaSuccess);
+    return p;
+  };
+  be.release = [](void* p) { cudaFree(p); };
+  be.upload = [](void* dst, const void* src, std::size_t bytes) {
+    EXPECT_EQ(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  };
+  be.download = [](void* dst, const void* src, std::size_t bytes) {
+    EXPECT_EQ(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  };
+  return be;
+}
+
+class ThreadRanksOnOneGpu : public ::testing::TestWithParam<int> {
+ protected:
+  void SetUp() override {
+    if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device";
+    cudaSetDevice(0);
+  }
+};
+
+TEST_P(ThreadRanksOnOneGpu, LayoutsEqualTheSingleProcessRule) { t3::check_layouts_on_threads(GetParam(), gpu_backend(DType::F32)); }
+
+TEST_P(ThreadRanksOnOneGpu, LayoutsInHalfIterations) { t3::check_layouts_on_threads(GetParam(), gpu_backend(std::nullopt)); }
+
+INSTANTIATE_TEST_SUITE_P(Cuda, ThreadRanksOnOneGpu, ::testing::Values(2, 3, 4),
+                         [](const ::testing::TestParamInfo<int>& info) { return std::to_string(info.param) + "ranks"; });
 
 TEST_F(CudaLayouts, MultiGpuLayoutsEqualTheReference) {
 #ifndef DION3_HAVE_NCCL

@@ -1,9 +1,8 @@
 // tests/mpi/test_mpi_layouts.cpp — the distributed layouts of algorithm.md §3 through the C++ engine and
 // the C API over real MPI collectives (Open MPI), CPU backend. Launched by CTest under mpirun
-// with 2 and 4 ranks. Every rank builds the same full matrices and gradients from one seed,
-// registers its own part (its shard, or the whole matrix when replicated), steps, and checks its
-// part against the float64 transcription of algorithm.md §3 (tests/cpp/reference.cpp) computed in the
-// same process; replicated runs must equal a single-process engine bit for bit.
+// with 2 and 4 ranks. The layouts' checks (tests/cpp/layout_cases.hpp) are shared with the thread-rank
+// suites; the fault tests here build the same full matrices on every rank from one seed and
+// check each rank's part.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -21,6 +20,7 @@
 #include "dion3/dion3.h"
 #include "dion3/error.hpp"
 #include "dion3/optimizer.hpp"
+#include "layout_cases.hpp"
 #include "reference.hpp"
 #include "test_util.hpp"
 
@@ -43,187 +43,19 @@ int world_size() {
   return n;
 }
 
-// Rows [first, first + count) of rank r's shard of an m-row matrix (contiguous ceil(m/P) chunks).
-struct Shard {
-  int first, count;
-};
-Shard shard_of(int m, int ranks, int r) {
-  const int c = (m + ranks - 1) / ranks;
-  const int first = std::min(m, r * c);
-  return {first, std::min(c, m - first)};
-}
+using t3::part_of;
+using t3::rows_of;
+using t3::Shard;
+using t3::shard_of;
 
-std::vector<double> rows_of(const std::vector<double>& full, int n, Shard s) {
-  return {full.begin() + static_cast<long>(s.first) * n, full.begin() + static_cast<long>(s.first + s.count) * n};
-}
-
-// Rows `r` and columns `c` of a row-major matrix with n columns.
-std::vector<double> part_of(const std::vector<double>& full, int n, Shard r, Shard c) {
-  std::vector<double> out;
-  for (int i = r.first; i < r.first + r.count; ++i)
-    for (int j = c.first; j < c.first + c.count; ++j) out.push_back(full[static_cast<std::size_t>(i) * n + j]);
-  return out;
-}
-
-// One distributed matrix parameter: full reference copies and this rank's registered buffers.
-struct DistParam {
-  int m, n;
-  Shard shard;                   // rows held here
-  Shard cols{0, 0};              // columns held here
-  ref::Mat W, M;  // reference state of the whole matrix
-  ref::Vec v;
-  std::unique_ptr<t3::HostParam> local;  // what this rank registers
-};
-
-struct Case {
-  std::string name;
-  Layout layout;
-  Algorithm algorithm = Algorithm::Dion3;
-  dion3::SelectionScope scope = dion3::SelectionScope::Local;
-  std::vector<std::pair<int, int>> shapes;  // one parameter per entry; equal shapes share a megabatch
-  double fraction = 0.25;
-  int steps = 3;
-  bool megabatch = true;  // false: one collective round per matrix
-};
-void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
-
-GroupConfig config_of(const Case& c) {
-  GroupConfig g;
-  g.algorithm = c.algorithm;
-  g.lr = 0.02;
-  g.fraction = c.fraction;
-  g.weight_decay = 0.01;
-  g.selection_scope = c.scope;
-  return g;
-}
-
-class Layouts : public ::testing::TestWithParam<Case> {};
+class Layouts : public ::testing::TestWithParam<t3::LayoutCase> {};
 
 TEST_P(Layouts, EqualTheSingleProcessRule) {
-  const Case c = GetParam();
-  const int P = world_size(), rank = world_rank();
-  auto comm = dion3::make_mpi_communicator(nullptr, 60.0);
-  ASSERT_EQ(comm->size(), P);
-  const GroupConfig g = config_of(c);
-  const ref::MatrixHyper hyper = t3::matrix_hyper(g, DType::F32);
-
-  dion3::OptimizerOptions options;
-  options.megabatch = c.megabatch;
-  dion3::Optimizer opt(dion3::make_cpu_backend(), options);
-  const int gi = opt.add_group(g);
-  // The single-process engine the replicated layout must equal bit for bit.
-  dion3::Optimizer single(dion3::make_cpu_backend());
-  single.add_group(g);
-  std::vector<std::unique_ptr<t3::HostParam>> single_params;
-
-  Rng rng(4242);  // the same stream on every rank
-  std::vector<DistParam> ps;
-  for (std::size_t i = 0; i < c.shapes.size(); ++i) {
-    DistParam d;
-    d.m = c.shapes[i].first;
-    d.n = c.shapes[i].second;
-    d.W = t3::gaussian(d.m, d.n, rng, 0.05);
-    d.M.assign(static_cast<std::size_t>(d.m) * d.n, 0.0);
-    d.v.assign(d.m, 0.0);
-    d.shard = c.layout == Layout::RowShard ? shard_of(d.m, P, rank) : Shard{0, d.m};
-    d.cols = c.layout == Layout::ColShard ? shard_of(d.n, P, rank) : Shard{0, d.n};
-    const std::string name = "layer" + std::to_string(i) + ".weight";
-    d.local = std::make_unique<t3::HostParam>(name, DType::F32, std::vector<int64_t>{d.shard.count, d.cols.count});
-    d.local->w.assign(part_of(d.W, d.n, d.shard, d.cols));
-    dion3::ParamSpec spec = d.local->spec();
-    spec.layout.kind = c.layout;
-    spec.layout.comm = comm;
-    spec.layout.global_rows = d.m;
-    spec.layout.global_cols = d.n;
-    d.local->index = opt.add_param(gi, spec);
-    if (c.layout == Layout::Replicated) {
-      single_params.push_back(std::make_unique<t3::HostParam>(name, DType::F32, std::vector<int64_t>{d.m, d.n}));
-      single_params.back()->w.assign(d.W);
-      single_params.back()->index = single.add_param(0, single_params.back()->spec());
-    }
-    ps.push_back(std::move(d));
-  }
-
-  // Megabatches: one per shape, or one per matrix.
-  std::vector<std::pair<int, int>> distinct = c.shapes;
-  std::sort(distinct.begin(), distinct.end());
-  distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
-  EXPECT_EQ(opt.plan().size(), c.megabatch ? distinct.size() : c.shapes.size());
-  for (int step = 0; step < c.steps; ++step) {
-    for (std::size_t i = 0; i < ps.size(); ++i) {
-      DistParam& d = ps[i];
-      const ref::Mat G = t3::gaussian(d.m, d.n, rng);
-      d.local->g.assign(part_of(G, d.n, d.shard, d.cols));
-      if (c.layout == Layout::Replicated) single_params[i]->g.assign(G);
-      if (c.layout == Layout::RowShard && c.algorithm == Algorithm::Dion3) {
-        ref::dion3_step_sharded(d.W, d.M, d.v, G, d.m, d.n, hyper, P,
-                                c.scope == dion3::SelectionScope::Global ? ref::Scope::Global : ref::Scope::Local);
-      } else if (c.layout == Layout::RowShard) {
-        ref::normuon_step_sharded(d.W, d.M, d.v, G, d.m, d.n, hyper, P);
-      } else if (c.algorithm == Algorithm::Dion3) {
-        ref::dion3_step(d.W, d.M, d.v, G, d.m, d.n, hyper);
-      } else {
-        ref::normuon_step(d.W, d.M, d.v, G, d.m, d.n, hyper);
-      }
-    }
-    ASSERT_TRUE(opt.step());
-    if (c.layout == Layout::Replicated) {
-      ASSERT_TRUE(single.step());
-    }
-    for (std::size_t i = 0; i < ps.size(); ++i) {
-      DistParam& d = ps[i];
-      const std::vector<double> want = part_of(d.W, d.n, d.shard, d.cols);
-      const double tol = t3::weight_tol(DType::F32, t3::max_abs(d.W), 0.02 * (step + 1));
-      EXPECT_LE(t3::max_abs_diff(d.local->w.values(), want), tol)
-          << "rank " << rank << ", parameter " << i << " (" << d.m << "x" << d.n << "), step " << step + 1;
-      if (d.shard.count > 0 && d.cols.count > 0) {
-        EXPECT_LE(t3::rel_max_diff(t3::state_values(opt, d.local->index, "momentum"),
-                                   part_of(d.M, d.n, d.shard, d.cols)),
-                  1e-5)
-            << "momentum: rank " << rank << ", parameter " << i << ", step " << step + 1;
-      }
-      // NorMuon's per-row variance, on every rank that holds the rows (with columns or without).
-      if (d.shard.count > 0) {
-        const std::vector<double> v(d.v.begin() + d.shard.first, d.v.begin() + d.shard.first + d.shard.count);
-        EXPECT_LE(t3::rel_max_diff(t3::state_values(opt, d.local->index, "variance"), v), 1e-3)
-            << "variance: rank " << rank << ", parameter " << i << " (" << d.cols.count << " columns here), step "
-            << step + 1;
-      }
-      if (c.layout == Layout::Replicated) {
-        EXPECT_EQ(d.local->w.bytes, single_params[i]->w.bytes)
-            << "replicated run differs from the single-process engine: rank " << rank << ", parameter " << i;
-      }
-    }
-  }
+  t3::check_layout_case(GetParam(), t3::host_backend(), dion3::make_mpi_communicator(nullptr, 60.0));
 }
 
-// Shapes: several matrices per megabatch (not a multiple of the ranks), a wide and a tall one,
-// uneven shards (10 rows) and shards that leave a rank empty (3 rows on 4 ranks).
-const std::vector<std::pair<int, int>> kShapes = {{24, 40}, {24, 40}, {24, 40}, {48, 20}, {10, 16}, {3, 12}};
-// Column shards: uneven (18 columns) and ones that leave ranks without columns (3 on 4 ranks, 1 on
-// any number).
-const std::vector<std::pair<int, int>> kColShapes = {{24, 40}, {24, 40}, {24, 40}, {40, 18}, {12, 3}, {12, 1}};
-
-INSTANTIATE_TEST_SUITE_P(
-    Mpi, Layouts,
-    ::testing::Values(Case{"ddp_dion3", Layout::Replicated, Algorithm::Dion3, dion3::SelectionScope::Local, kShapes},
-                      Case{"ddp_normuon", Layout::Replicated, Algorithm::NorMuon, dion3::SelectionScope::Local, kShapes},
-                      Case{"rows_dion3_local", Layout::RowShard, Algorithm::Dion3, dion3::SelectionScope::Local,
-                           kShapes},
-                      Case{"rows_dion3_global", Layout::RowShard, Algorithm::Dion3, dion3::SelectionScope::Global,
-                           kShapes},
-                      Case{"rows_dion3_half", Layout::RowShard, Algorithm::Dion3, dion3::SelectionScope::Local,
-                           kShapes, 0.5},
-                      Case{"rows_normuon", Layout::RowShard, Algorithm::NorMuon, dion3::SelectionScope::Local,
-                           kShapes},
-                      Case{"rows_dion3_per_matrix", Layout::RowShard, Algorithm::Dion3,
-                           dion3::SelectionScope::Local, kShapes, 0.25, 3, false},
-                      Case{"ddp_dion3_per_matrix", Layout::Replicated, Algorithm::Dion3,
-                           dion3::SelectionScope::Local, kShapes, 0.25, 3, false},
-                      Case{"cols_dion3", Layout::ColShard, Algorithm::Dion3, dion3::SelectionScope::Local, kColShapes},
-                      Case{"cols_normuon", Layout::ColShard, Algorithm::NorMuon, dion3::SelectionScope::Local,
-                           kColShapes}),
-    [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Mpi, Layouts, ::testing::ValuesIn(t3::layout_cases()),
+                         [](const ::testing::TestParamInfo<t3::LayoutCase>& info) { return info.param.name; });
 
 // Row and column blocks (FSDP2 over tensor parallel's row-wise split): rows cut over one
 // communicator, columns over another; the row-sharded rule over the row ranks, whole rows.
@@ -232,67 +64,14 @@ TEST(Block, RowAndColumnBlocksEqualTheRowShardedRule) {
   std::vector<std::pair<int, int>> grids = {{P, 1}, {1, P}};
   if (P == 4) grids.push_back({2, 2});
   for (auto [dp, tp] : grids) {
-    for (Algorithm algo : {Algorithm::Dion3, Algorithm::NorMuon}) {
-      const int d = rank / tp, t = rank % tp;
-      MPI_Comm rows_comm, cols_comm;
-      MPI_Comm_split(MPI_COMM_WORLD, t, d, &rows_comm);  // the ranks holding the same columns
-      MPI_Comm_split(MPI_COMM_WORLD, d, t, &cols_comm);  // the ranks holding the same rows
-      auto row_comm = dion3::make_mpi_communicator(&rows_comm, 60.0);
-      auto col_comm = dion3::make_mpi_communicator(&cols_comm, 60.0);
-      GroupConfig g;
-      g.algorithm = algo;
-      g.lr = 0.02;
-      const ref::MatrixHyper hyper = t3::matrix_hyper(g, DType::F32);
-      dion3::Optimizer opt(dion3::make_cpu_backend());
-      const int gi = opt.add_group(g);
-      Rng rng(808);
-      std::vector<DistParam> ps;
-      for (auto [m, n] : std::vector<std::pair<int, int>>{{24, 40}, {24, 40}, {30, 18}, {3, 7}, {6, 1}}) {
-        DistParam q;
-        q.m = m;
-        q.n = n;
-        q.W = t3::gaussian(m, n, rng, 0.05);
-        q.M.assign(static_cast<std::size_t>(m) * n, 0.0);
-        q.v.assign(m, 0.0);
-        q.shard = shard_of(m, dp, d);
-        q.cols = shard_of(n, tp, t);
-        q.local = std::make_unique<t3::HostParam>("b" + std::to_string(ps.size()), DType::F32,
-                                                  std::vector<int64_t>{q.shard.count, q.cols.count});
-        q.local->w.assign(part_of(q.W, n, q.shard, q.cols));
-        dion3::ParamSpec spec = q.local->spec();
-        spec.layout.kind = Layout::Block;
-        spec.layout.comm = row_comm;
-        spec.layout.col_comm = col_comm;
-        spec.layout.global_rows = m;
-        spec.layout.global_cols = n;
-        q.local->index = opt.add_param(gi, spec);
-        ps.push_back(std::move(q));
-      }
-      for (int step = 0; step < 3; ++step) {
-        for (auto& q : ps) {
-          const ref::Mat G = t3::gaussian(q.m, q.n, rng);
-          q.local->g.assign(part_of(G, q.n, q.shard, q.cols));
-          if (algo == Algorithm::Dion3) ref::dion3_step_sharded(q.W, q.M, q.v, G, q.m, q.n, hyper, dp, ref::Scope::Local);
-          else ref::normuon_step_sharded(q.W, q.M, q.v, G, q.m, q.n, hyper, dp);
-        }
-        ASSERT_TRUE(opt.step());
-        for (std::size_t i = 0; i < ps.size(); ++i) {
-          auto& q = ps[i];
-          const double tol = t3::weight_tol(DType::F32, t3::max_abs(q.W), 0.02 * (step + 1));
-          EXPECT_LE(t3::max_abs_diff(q.local->w.values(), part_of(q.W, q.n, q.shard, q.cols)), tol)
-              << "grid " << dp << "x" << tp << ", " << dion3::algorithm_name(algo) << ", rank " << rank << ", parameter "
-              << i << ", step " << step + 1;
-          if (q.shard.count > 0) {  // the rows' variance, also where this rank holds none of their columns
-            const std::vector<double> v(q.v.begin() + q.shard.first, q.v.begin() + q.shard.first + q.shard.count);
-            EXPECT_LE(t3::rel_max_diff(t3::state_values(opt, q.local->index, "variance"), v), 1e-3)
-                << "variance: grid " << dp << "x" << tp << ", " << dion3::algorithm_name(algo) << ", rank " << rank
-                << ", parameter " << i << " (" << q.cols.count << " columns here), step " << step + 1;
-          }
-        }
-      }
-      MPI_Comm_free(&rows_comm);
-      MPI_Comm_free(&cols_comm);
-    }
+    const int d = rank / tp, t = rank % tp;
+    MPI_Comm rows_comm, cols_comm;
+    MPI_Comm_split(MPI_COMM_WORLD, t, d, &rows_comm);  // the ranks holding the same columns
+    MPI_Comm_split(MPI_COMM_WORLD, d, t, &cols_comm);  // the ranks holding the same rows
+    t3::check_block_case(t3::host_backend(), dion3::make_mpi_communicator(&rows_comm, 60.0),
+                         dion3::make_mpi_communicator(&cols_comm, 60.0));
+    MPI_Comm_free(&rows_comm);
+    MPI_Comm_free(&cols_comm);
   }
 }
 

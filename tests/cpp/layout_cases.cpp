@@ -1,0 +1,306 @@
+// tests/cpp/layout_cases.cpp — the distributed layouts' checks shared by the MPI and thread-rank
+// suites (see layout_cases.hpp).
+#include "layout_cases.hpp"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "dion3/error.hpp"
+#include "reference.hpp"
+#include "test_util.hpp"
+#include "thread_comm.hpp"
+
+namespace t3 {
+
+using dion3::Algorithm;
+using dion3::DType;
+using dion3::GroupConfig;
+using dion3::Layout;
+
+Shard shard_of(int m, int ranks, int r) {
+  const int c = (m + ranks - 1) / ranks;
+  const int first = std::min(m, r * c);
+  return {first, std::min(c, m - first)};
+}
+
+std::vector<double> rows_of(const std::vector<double>& full, int n, Shard s) {
+  return {full.begin() + static_cast<long>(s.first) * n, full.begin() + static_cast<long>(s.first + s.count) * n};
+}
+
+std::vector<double> part_of(const std::vector<double>& full, int n, Shard r, Shard c) {
+  std::vector<double> out;
+  for (int i = r.first; i < r.first + r.count; ++i)
+    for (int j = c.first; j < c.first + c.count; ++j) out.push_back(full[static_cast<std::size_t>(i) * n + j]);
+  return out;
+}
+
+RankBackend host_backend() {
+  RankBackend m;
+  m.make_backend = [] { return dion3::make_cpu_backend(); };
+  m.alloc = [](std::size_t bytes) { return std::calloc(std::max<std::size_t>(bytes, 1), 1); };
+  m.release = [](void* p) { std::free(p); };
+  m.upload = [](void* dst, const void* src, std::size_t bytes) { if (bytes) std::memcpy(dst, src, bytes); };
+  m.download = m.upload;
+  return m;
+}
+
+namespace {
+
+// One fp32 rows x cols tensor in a rank's parameter memory.
+class RankTensor {
+ public:
+  RankTensor(const RankBackend& be, int rows, int cols)
+      : be_(&be), rows_(rows), cols_(cols), data_(be.alloc(bytes())) {}
+  ~RankTensor() { be_->release(data_); }
+  RankTensor(const RankTensor&) = delete;
+  RankTensor& operator=(const RankTensor&) = delete;
+  std::size_t bytes() const { return static_cast<std::size_t>(rows_) * cols_ * sizeof(float); }
+  void assign(const std::vector<double>& v) {
+    const std::vector<float> f(v.begin(), v.end());
+    be_->upload(data_, f.data(), bytes());
+  }
+  std::vector<double> values() const {
+    std::vector<float> f(static_cast<std::size_t>(rows_) * cols_);
+    be_->download(f.data(), data_, bytes());
+    return {f.begin(), f.end()};
+  }
+  dion3::TensorView view() const {
+    return {data_, DType::F32, be_->device, be_->device_index, {rows_, cols_}};
+  }
+
+ private:
+  const RankBackend* be_;
+  int rows_, cols_;
+  void* data_;
+};
+
+// One distributed matrix parameter: the whole matrix's reference state and this rank's part.
+struct DistParam {
+  int m = 0, n = 0;
+  Shard rows{0, 0}, cols{0, 0};  // held here
+  ref::Mat W, M;
+  ref::Vec v;
+  std::unique_ptr<RankTensor> w, g;
+  int index = -1;
+
+  DistParam(const RankBackend& be, int m_, int n_, Shard r, Shard c, Rng& rng) : m(m_), n(n_), rows(r), cols(c) {
+    W = gaussian(m, n, rng, 0.05);
+    M.assign(static_cast<std::size_t>(m) * n, 0.0);
+    v.assign(m, 0.0);
+    w = std::make_unique<RankTensor>(be, rows.count, cols.count);
+    g = std::make_unique<RankTensor>(be, rows.count, cols.count);
+    w->assign(part_of(W, n, rows, cols));
+  }
+  dion3::ParamSpec spec(const std::string& name) const {
+    dion3::ParamSpec s;
+    s.name = name;
+    s.weight = w->view();
+    s.grad = g->view();
+    s.layout.global_rows = m;
+    s.layout.global_cols = n;
+    return s;
+  }
+  std::vector<double> variance_rows() const {
+    return {v.begin() + rows.first, v.begin() + rows.first + rows.count};
+  }
+};
+
+// A state tensor of a parameter as doubles, through the host copy every backend exports.
+std::vector<double> exported(const dion3::OptimizerState& st, int param, const std::string& name) {
+  for (const auto& [n, t] : st.params.at(static_cast<std::size_t>(param)).tensors) {
+    if (n != name) continue;
+    Buffer b(t.dtype, t.shape);
+    b.bytes = t.data;
+    return b.values();
+  }
+  ADD_FAILURE() << "parameter " << param << " has no state tensor '" << name << "'";
+  return {};
+}
+
+// The parameter's weights, momentum (where it holds columns) and its rows' variance (with
+// columns or without) against the reference after `step` steps.
+void expect_matches(const dion3::OptimizerState& st, const DistParam& d, const RankBackend& be, const std::string& where,
+                    int step) {
+  const std::vector<double> want = part_of(d.W, d.n, d.rows, d.cols);
+  // A 16-bit iteration moves each weight by lr times an orthogonalized entry off by its rounding.
+  const bool f32 = be.iteration == DType::F32;
+  const double tol = weight_tol(DType::F32, max_abs(d.W), 0.02 * step) + (f32 ? 0.0 : 0.05 * 0.02 * step);
+  const double variance_tol = f32 ? 1e-3 : 5e-2;
+  EXPECT_LE(max_abs_diff(d.w->values(), want), tol) << where << " (" << d.m << "x" << d.n << "), step " << step;
+  if (d.rows.count > 0 && d.cols.count > 0) {
+    EXPECT_LE(rel_max_diff(exported(st, d.index, "momentum"), part_of(d.M, d.n, d.rows, d.cols)), 1e-5)
+        << "momentum: " << where << ", step " << step;
+  }
+  if (d.rows.count > 0) {
+    EXPECT_LE(rel_max_diff(exported(st, d.index, "variance"), d.variance_rows()), variance_tol)
+        << "variance: " << where << " (" << d.cols.count << " columns here), step " << step;
+  }
+}
+
+}  // namespace
+
+const std::vector<LayoutCase>& layout_cases() {
+  // Several matrices per megabatch (not a multiple of the ranks), a wide and a tall one, uneven
+  // shards (10 rows) and shards that leave a rank empty (3 rows on 4 ranks).
+  static const std::vector<std::pair<int, int>> rows = {{24, 40}, {24, 40}, {24, 40}, {48, 20}, {10, 16}, {3, 12}};
+  // Column shards: uneven (18 columns) and ones that leave ranks without columns (3 on 4 ranks,
+  // 1 on any number).
+  static const std::vector<std::pair<int, int>> cols = {{24, 40}, {24, 40}, {24, 40}, {40, 18}, {12, 3}, {12, 1}};
+  using S = dion3::SelectionScope;
+  static const std::vector<LayoutCase> cases = {
+      {"ddp_dion3", Layout::Replicated, Algorithm::Dion3, S::Local, rows},
+      {"ddp_normuon", Layout::Replicated, Algorithm::NorMuon, S::Local, rows},
+      {"rows_dion3_local", Layout::RowShard, Algorithm::Dion3, S::Local, rows},
+      {"rows_dion3_global", Layout::RowShard, Algorithm::Dion3, S::Global, rows},
+      {"rows_dion3_half", Layout::RowShard, Algorithm::Dion3, S::Local, rows, 0.5},
+      {"rows_normuon", Layout::RowShard, Algorithm::NorMuon, S::Local, rows},
+      {"rows_dion3_per_matrix", Layout::RowShard, Algorithm::Dion3, S::Local, rows, 0.25, 3, false},
+      {"ddp_dion3_per_matrix", Layout::Replicated, Algorithm::Dion3, S::Local, rows, 0.25, 3, false},
+      {"cols_dion3", Layout::ColShard, Algorithm::Dion3, S::Local, cols},
+      {"cols_normuon", Layout::ColShard, Algorithm::NorMuon, S::Local, cols},
+  };
+  return cases;
+}
+
+void check_layout_case(const LayoutCase& c, const RankBackend& be, const std::shared_ptr<dion3::Communicator>& comm) {
+  const int P = comm->size(), rank = comm->rank();
+  GroupConfig g;
+  g.algorithm = c.algorithm;
+  g.lr = 0.02;
+  g.fraction = c.fraction;
+  g.weight_decay = 0.01;
+  g.selection_scope = c.scope;
+  g.orth.iteration_dtype = be.iteration;
+  const ref::MatrixHyper hyper = matrix_hyper(g, DType::F32);
+
+  dion3::OptimizerOptions options;
+  options.megabatch = c.megabatch;
+  dion3::Optimizer opt(be.make_backend(), options);
+  const int gi = opt.add_group(g);
+  // The single-process engine the replicated layout must equal bit for bit.
+  dion3::Optimizer single(be.make_backend());
+  single.add_group(g);
+  std::vector<std::unique_ptr<RankTensor>> single_w, single_g;
+
+  Rng rng(4242);  // the same stream on every rank
+  std::vector<std::unique_ptr<DistParam>> ps;
+  for (std::size_t i = 0; i < c.shapes.size(); ++i) {
+    const auto [m, n] = c.shapes[i];
+    const Shard rows = c.layout == Layout::RowShard ? shard_of(m, P, rank) : Shard{0, m};
+    const Shard cols = c.layout == Layout::ColShard ? shard_of(n, P, rank) : Shard{0, n};
+    auto d = std::make_unique<DistParam>(be, m, n, rows, cols, rng);
+    const std::string name = "layer" + std::to_string(i) + ".weight";
+    dion3::ParamSpec spec = d->spec(name);
+    spec.layout.kind = c.layout;
+    spec.layout.comm = comm;
+    d->index = opt.add_param(gi, spec);
+    if (c.layout == Layout::Replicated) {
+      single_w.push_back(std::make_unique<RankTensor>(be, m, n));
+      single_g.push_back(std::make_unique<RankTensor>(be, m, n));
+      single_w.back()->assign(d->W);
+      dion3::ParamSpec s;
+      s.name = name;
+      s.weight = single_w.back()->view();
+      s.grad = single_g.back()->view();
+      single.add_param(0, s);
+    }
+    ps.push_back(std::move(d));
+  }
+
+  // Megabatches: one per shape, or one per matrix.
+  std::vector<std::pair<int, int>> distinct = c.shapes;
+  std::sort(distinct.begin(), distinct.end());
+  distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+  EXPECT_EQ(opt.plan().size(), c.megabatch ? distinct.size() : c.shapes.size()) << c.name;
+  for (int step = 1; step <= c.steps; ++step) {
+    for (std::size_t i = 0; i < ps.size(); ++i) {
+      DistParam& d = *ps[i];
+      const ref::Mat G = gaussian(d.m, d.n, rng);
+      d.g->assign(part_of(G, d.n, d.rows, d.cols));
+      if (c.layout == Layout::Replicated) single_g[i]->assign(G);
+      const bool rows_cut = c.layout == Layout::RowShard;
+      const ref::Scope scope = c.scope == dion3::SelectionScope::Global ? ref::Scope::Global : ref::Scope::Local;
+      if (rows_cut && c.algorithm == Algorithm::Dion3) ref::dion3_step_sharded(d.W, d.M, d.v, G, d.m, d.n, hyper, P, scope);
+      else if (rows_cut) ref::normuon_step_sharded(d.W, d.M, d.v, G, d.m, d.n, hyper, P);
+      else if (c.algorithm == Algorithm::Dion3) ref::dion3_step(d.W, d.M, d.v, G, d.m, d.n, hyper);
+      else ref::normuon_step(d.W, d.M, d.v, G, d.m, d.n, hyper);
+    }
+    ASSERT_TRUE(opt.step()) << c.name << ", rank " << rank;
+    if (c.layout == Layout::Replicated) {
+      ASSERT_TRUE(single.step());
+    }
+    const dion3::OptimizerState st = opt.export_state();
+    for (std::size_t i = 0; i < ps.size(); ++i) {
+      const std::string where = c.name + ", rank " + std::to_string(rank) + " of " + std::to_string(P) +
+                                ", parameter " + std::to_string(i);
+      expect_matches(st, *ps[i], be, where, step);
+      if (c.layout == Layout::Replicated) {
+        EXPECT_EQ(ps[i]->w->values(), single_w[i]->values())
+            << "replicated run differs from the single-process engine: " << where << ", step " << step;
+      }
+    }
+  }
+}
+
+void check_block_case(const RankBackend& be, const std::shared_ptr<dion3::Communicator>& row_comm,
+                      const std::shared_ptr<dion3::Communicator>& col_comm) {
+  const int dp = row_comm->size(), d = row_comm->rank(), tp = col_comm->size(), t = col_comm->rank();
+  for (Algorithm algo : {Algorithm::Dion3, Algorithm::NorMuon}) {
+    GroupConfig g;
+    g.algorithm = algo;
+    g.lr = 0.02;
+    g.orth.iteration_dtype = be.iteration;
+    const ref::MatrixHyper hyper = matrix_hyper(g, DType::F32);
+    dion3::Optimizer opt(be.make_backend());
+    const int gi = opt.add_group(g);
+    Rng rng(808);
+    std::vector<std::unique_ptr<DistParam>> ps;
+    for (auto [m, n] : std::vector<std::pair<int, int>>{{24, 40}, {24, 40}, {30, 18}, {3, 7}, {6, 1}}) {
+      auto q = std::make_unique<DistParam>(be, m, n, shard_of(m, dp, d), shard_of(n, tp, t), rng);
+      dion3::ParamSpec spec = q->spec("block" + std::to_string(ps.size()) + ".weight");
+      spec.layout.kind = Layout::Block;
+      spec.layout.comm = row_comm;
+      spec.layout.col_comm = col_comm;
+      q->index = opt.add_param(gi, spec);
+      ps.push_back(std::move(q));
+    }
+    for (int step = 1; step <= 3; ++step) {
+      for (auto& q : ps) {
+        const ref::Mat G = gaussian(q->m, q->n, rng);
+        q->g->assign(part_of(G, q->n, q->rows, q->cols));
+        if (algo == Algorithm::Dion3) ref::dion3_step_sharded(q->W, q->M, q->v, G, q->m, q->n, hyper, dp, ref::Scope::Local);
+        else ref::normuon_step_sharded(q->W, q->M, q->v, G, q->m, q->n, hyper, dp);
+      }
+      ASSERT_TRUE(opt.step());
+      const dion3::OptimizerState st = opt.export_state();
+      for (std::size_t i = 0; i < ps.size(); ++i)
+        expect_matches(st, *ps[i], be,
+                       "grid " + std::to_string(dp) + "x" + std::to_string(tp) + ", " + dion3::algorithm_name(algo) +
+                           ", row rank " + std::to_string(d) + ", column rank " + std::to_string(t) + ", parameter " +
+                           std::to_string(i),
+                       step);
+    }
+  }
+}
+
+void check_layouts_on_threads(int ranks, const RankBackend& be) {
+  for (const LayoutCase& c : layout_cases()) {
+    const auto comms = thread_communicators(ranks, be.device);
+    on_threads(ranks, c.name, [&](int r) { check_layout_case(c, be, comms[r]); });
+  }
+  std::vector<std::pair<int, int>> grids = {{ranks, 1}, {1, ranks}};
+  if (ranks == 4) grids.push_back({2, 2});
+  for (auto [dp, tp] : grids) {
+    // Rank d * tp + t holds row block d and column block t: its rows are cut over the ranks of
+    // its column t, its columns over the ranks of its row block d.
+    std::vector<std::vector<std::shared_ptr<dion3::Communicator>>> by_col, by_row;
+    for (int t = 0; t < tp; ++t) by_col.push_back(thread_communicators(dp, be.device));
+    for (int d = 0; d < dp; ++d) by_row.push_back(thread_communicators(tp, be.device));
+    on_threads(ranks, "block grid " + std::to_string(dp) + "x" + std::to_string(tp), [&](int r) { check_block_case(be, by_col[r % tp][r / tp], by_row[r / tp][r % tp]); });
+  }
+}
+
+}  // namespace t3

@@ -1,0 +1,210 @@
+// tests/cpp/thread_comm.cpp — thread ranks' communicators (see thread_comm.hpp).
+#include "thread_comm.hpp"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "dion3/error.hpp"
+
+#ifdef DION3_THREAD_COMM_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace t3 {
+namespace {
+
+using dion3::Device;
+using dion3::fail;
+using dion3::Status;
+
+class Done final : public dion3::CommRequest {
+ public:
+  void wait() override {}
+};
+
+#ifdef DION3_THREAD_COMM_CUDA
+void check_cuda(cudaError_t e, const std::string& label) {
+  if (e != cudaSuccess) fail(label + ": " + cudaGetErrorString(e), Status::Internal);
+}
+#endif
+
+// What the ranks share: the buffers each hands to the collective under way, and a barrier.
+struct Hub {
+  Hub(int ranks, Device dev, double timeout_seconds)
+      : P(ranks), device(dev), timeout(timeout_seconds), send(ranks), recv(ranks), ints(ranks) {
+    if (device == Device::CUDA) {
+#ifdef DION3_THREAD_COMM_CUDA
+      ready.resize(ranks);
+      done.resize(ranks);
+      for (int r = 0; r < ranks; ++r) {
+        check_cuda(cudaEventCreateWithFlags(&ready[r], cudaEventDisableTiming), "thread communicator");
+        check_cuda(cudaEventCreateWithFlags(&done[r], cudaEventDisableTiming), "thread communicator");
+      }
+#else
+      fail("thread communicators on CUDA need the CUDA suite's build", Status::Unsupported);
+#endif
+    }
+  }
+  ~Hub() {
+#ifdef DION3_THREAD_COMM_CUDA
+    for (auto e : ready) cudaEventDestroy(e);
+    for (auto e : done) cudaEventDestroy(e);
+#endif
+  }
+
+  // Returns once every rank has arrived; raises on every rank once one waited past the timeout.
+  void barrier(const std::string& label) {
+    std::unique_lock<std::mutex> lock(mu);
+    if (broken) fail(label + ": a rank of this thread group timed out earlier", Status::Internal);
+    const uint64_t gen = generation;
+    if (++arrived == P) {
+      arrived = 0;
+      ++generation;
+      cv.notify_all();
+      return;
+    }
+    const bool met = cv.wait_for(lock, std::chrono::duration<double>(timeout),
+                                 [&] { return generation != gen || broken; });
+    if (!met || generation == gen) {
+      broken = true;
+      cv.notify_all();
+      fail(label + ": not every thread rank started it within " + std::to_string(timeout) + " s", Status::Internal);
+    }
+  }
+
+  const int P;
+  const Device device;
+  const double timeout;
+  std::mutex mu;
+  std::condition_variable cv;
+  int arrived = 0;
+  uint64_t generation = 0;
+  bool broken = false;
+  std::vector<const void*> send;
+  std::vector<void*> recv;
+  std::vector<std::vector<int32_t>> ints;
+#ifdef DION3_THREAD_COMM_CUDA
+  std::vector<cudaEvent_t> ready, done;
+#endif
+};
+
+class ThreadCommunicator final : public dion3::Communicator {
+ public:
+  ThreadCommunicator(std::shared_ptr<Hub> hub, int rank) : hub_(std::move(hub)), rank_(rank) {}
+  int rank() const override { return rank_; }
+  int size() const override { return hub_->P; }
+  Device device() const override { return hub_->device; }
+  std::string describe() const override { return "threads of one process, " + std::to_string(hub_->P) + " ranks"; }
+
+  std::unique_ptr<dion3::CommRequest> all_gather(const void* send, void* recv, std::size_t bytes, void* stream,
+                                                 const std::string& label) override {
+    exchange(send, recv, bytes, stream, label, false);
+    return std::make_unique<Done>();
+  }
+  std::unique_ptr<dion3::CommRequest> all_to_all(const void* send, void* recv, std::size_t bytes, void* stream,
+                                                 const std::string& label) override {
+    exchange(send, recv, bytes, stream, label, true);
+    return std::make_unique<Done>();
+  }
+  std::unique_ptr<dion3::CommRequest> all_reduce_max(int32_t* data, std::size_t count, void* stream,
+                                                     const std::string& label) override {
+    Hub& h = *hub_;
+    std::vector<int32_t>& mine = h.ints[rank_];
+    mine.resize(count);
+    copy_sync(mine.data(), data, count * sizeof(int32_t), stream, label);
+    h.barrier(label);
+    std::vector<int32_t> out(mine);
+    for (int q = 0; q < h.P; ++q)
+      for (std::size_t i = 0; i < count; ++i) out[i] = std::max(out[i], h.ints[q][i]);
+    h.barrier(label);  // every rank has read every rank's values
+    copy_sync(data, out.data(), count * sizeof(int32_t), stream, label);
+    return std::make_unique<Done>();
+  }
+
+ private:
+  // Block q of recv gets rank q's send (all-gather), or block `rank` of rank q's send (all-to-all).
+  void exchange(const void* send, void* recv, std::size_t bytes, void* stream, const std::string& label,
+                bool to_each) {
+    Hub& h = *hub_;
+    h.send[rank_] = send;
+    h.recv[rank_] = recv;
+#ifdef DION3_THREAD_COMM_CUDA
+    auto s = static_cast<cudaStream_t>(stream);
+    if (h.device == Device::CUDA) check_cuda(cudaEventRecord(h.ready[rank_], s), label);
+#else
+    (void)stream;
+#endif
+    h.barrier(label);  // every rank's buffers are known (and, on CUDA, its earlier work recorded)
+    for (int q = 0; q < h.P; ++q) {
+      const char* src = static_cast<const char*>(h.send[q]) + (to_each ? rank_ * bytes : 0);
+      char* dst = static_cast<char*>(recv) + q * bytes;
+      if (h.device == Device::CPU) {
+        if (src != dst && bytes) std::memcpy(dst, src, bytes);
+        continue;
+      }
+#ifdef DION3_THREAD_COMM_CUDA
+      check_cuda(cudaStreamWaitEvent(s, h.ready[q], 0), label);
+      if (src != dst && bytes) check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s), label);
+#endif
+    }
+#ifdef DION3_THREAD_COMM_CUDA
+    if (h.device == Device::CUDA) check_cuda(cudaEventRecord(h.done[rank_], s), label);
+#endif
+    h.barrier(label);  // every rank has read (or enqueued its reads of) every send buffer
+#ifdef DION3_THREAD_COMM_CUDA
+    if (h.device == Device::CUDA)
+      for (int q = 0; q < h.P; ++q)
+        if (q != rank_) check_cuda(cudaStreamWaitEvent(s, h.done[q], 0), label);  // before this rank reuses send
+#endif
+  }
+
+  // A copy finished before it returns, ordered after the work on `stream` (CUDA).
+  void copy_sync(void* dst, const void* src, std::size_t bytes, void* stream, const std::string& label) {
+    if (hub_->device == Device::CPU) {
+      if (bytes) std::memcpy(dst, src, bytes);
+      return;
+    }
+#ifdef DION3_THREAD_COMM_CUDA
+    auto s = static_cast<cudaStream_t>(stream);
+    check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s), label);
+    check_cuda(cudaStreamSynchronize(s), label);
+#else
+    (void)stream;
+    (void)label;
+#endif
+  }
+
+  std::shared_ptr<Hub> hub_;
+  int rank_;
+};
+
+}  // namespace
+
+std::vector<std::shared_ptr<dion3::Communicator>> thread_communicators(int ranks, Device device, double timeout_seconds) {
+  auto hub = std::make_shared<Hub>(ranks, device, timeout_seconds);
+  std::vector<std::shared_ptr<dion3::Communicator>> out;
+  for (int r = 0; r < ranks; ++r) out.push_back(std::make_shared<ThreadCommunicator>(hub, r));
+  return out;
+}
+
+void on_threads(int ranks, const std::string& what, const std::function<void(int)>& f) {
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r)
+    threads.emplace_back([&f, &what, r, ranks] {
+      try {
+        f(r);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << what << ", rank " << r << " of " << ranks << ": " << e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+}
+
+}  // namespace t3
