@@ -126,9 +126,12 @@ void expect_matches(const dion3::OptimizerState& st, const DistParam& d, const R
                     int step) {
   const std::vector<double> want = part_of(d.W, d.n, d.rows, d.cols);
   // A 16-bit iteration moves each weight by lr times an orthogonalized entry off by its rounding.
+  // A matrix of one column has one singular value, which Newton-Schulz's quintic leaves anywhere
+  // in its band (about 0.7 to 1.2) rather than at 1: rounding moves the whole update along it.
   const bool f32 = be.iteration == DType::F32;
-  const double tol = weight_tol(DType::F32, max_abs(d.W), 0.02 * step) + (f32 ? 0.0 : 0.05 * 0.02 * step);
-  const double variance_tol = f32 ? 1e-3 : 5e-2;
+  const double off = f32 ? 0.0 : d.n == 1 ? 0.5 : 0.05;
+  const double tol = weight_tol(DType::F32, max_abs(d.W), 0.02 * step) + off * 0.02 * step;
+  const double variance_tol = f32 ? 1e-3 : 2 * off;
   EXPECT_LE(max_abs_diff(d.w->values(), want), tol) << where << " (" << d.m << "x" << d.n << "), step " << step;
   if (d.rows.count > 0 && d.cols.count > 0) {
     EXPECT_LE(rel_max_diff(exported(st, d.index, "momentum"), part_of(d.M, d.n, d.rows, d.cols)), 1e-5)
@@ -138,6 +141,32 @@ void expect_matches(const dion3::OptimizerState& st, const DistParam& d, const R
     EXPECT_LE(rel_max_diff(exported(st, d.index, "variance"), d.variance_rows()), variance_tol)
         << "variance: " << where << " (" << d.cols.count << " columns here), step " << step;
   }
+}
+
+// Whether every rank of comm holds the same values, bit for bit: each rank's 64-bit digest of
+// them in 16-bit words and their complements, all-reduced (max); a word and its complement sum
+// to 0xFFFF after the maximum exactly when every rank had that word.
+bool same_on_every_rank(const std::vector<double>& values, const RankBackend& be, dion3::Communicator& comm) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (double v : values) {
+    const float f = static_cast<float>(v);
+    unsigned char b[sizeof f];
+    std::memcpy(b, &f, sizeof f);
+    for (unsigned char c : b) h = (h ^ c) * 1099511628211ull;
+  }
+  std::vector<int32_t> words(8);
+  for (int k = 0; k < 4; ++k) {
+    words[k] = static_cast<int32_t>((h >> (16 * k)) & 0xFFFF);
+    words[4 + k] = 0xFFFF - words[k];
+  }
+  void* buf = be.alloc(words.size() * sizeof(int32_t));
+  be.upload(buf, words.data(), words.size() * sizeof(int32_t));
+  comm.all_reduce_max(static_cast<int32_t*>(buf), words.size(), nullptr, "replica digest")->wait();
+  be.download(words.data(), buf, words.size() * sizeof(int32_t));
+  be.release(buf);
+  for (int k = 0; k < 4; ++k)
+    if (words[k] + words[4 + k] != 0xFFFF) return false;
+  return true;
 }
 
 }  // namespace
@@ -238,8 +267,12 @@ void check_layout_case(const LayoutCase& c, const RankBackend& be, const std::sh
                                 ", parameter " + std::to_string(i);
       expect_matches(st, *ps[i], be, where, step);
       if (c.layout == Layout::Replicated) {
-        EXPECT_EQ(ps[i]->w->values(), single_w[i]->values())
-            << "replicated run differs from the single-process engine: " << where << ", step " << step;
+        const std::vector<double> w = ps[i]->w->values();
+        EXPECT_TRUE(same_on_every_rank(w, be, *comm)) << "replicas differ: " << where << ", step " << step;
+        if (be.batch_invariant) {
+          EXPECT_EQ(w, single_w[i]->values())
+              << "replicated run differs from the single-process engine: " << where << ", step " << step;
+        }
       }
     }
   }

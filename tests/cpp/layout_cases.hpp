@@ -4,7 +4,8 @@
 // gradients as every other rank from one seed, registers its own part (its shard, or the whole
 // matrix when replicated) in the memory its backend steps, and checks that part, its momentum
 // and its rows' NorMuon variance against the float64 transcription (reference.hpp) computed
-// alongside; replicated runs must also equal a single-process engine bit for bit.
+// alongside; replicated runs must agree bit for bit over the ranks, and equal a single-process
+// engine bit for bit where the backend's products do not depend on the batch.
 #pragma once
 
 #include <functional>
@@ -40,6 +41,11 @@ struct RankBackend {
   // and NorMuon's variance follow the float64 rule to fp32 rounding; a 16-bit iteration is checked
   // against it within that iteration's error.
   std::optional<dion3::DType> iteration = dion3::DType::F32;
+  // Whether a matrix's result is independent of the batch it is orthogonalized in, so that a
+  // replicated run (each rank a slice of the megabatch) equals one process bit for bit. Not on
+  // CUDA, where cuBLAS picks its kernels by the batch's size; the ranks' replicas must agree
+  // with each other bit for bit everywhere.
+  bool batch_invariant = true;
   std::function<void*(std::size_t)> alloc;
   std::function<void(void*)> release;
   std::function<void(void* dst, const void* host_src, std::size_t bytes)> upload;

@@ -257,6 +257,7 @@ t3::RankBackend gpu_backend(std::optional<DType> iteration) {
   t3::RankBackend be;
   be.device = dion3::Device::CUDA;
   be.iteration = iteration;
+  be.batch_invariant = false;
   be.make_backend = [] {
     cudaSetDevice(0);
     return dion3::make_cuda_backend(0);
