@@ -190,6 +190,10 @@ const std::vector<LayoutCase>& layout_cases() {
       {"ddp_dion3_per_matrix", Layout::Replicated, Algorithm::Dion3, S::Local, rows, 0.25, 3, false},
       {"cols_dion3", Layout::ColShard, Algorithm::Dion3, S::Local, cols},
       {"cols_normuon", Layout::ColShard, Algorithm::NorMuon, S::Local, cols},
+      // Megabatches orthogonalized a matrix at a time, their exchanges in as many rounds.
+      {"ddp_dion3_chunks", Layout::Replicated, Algorithm::Dion3, S::Local, rows, 0.25, 3, true, 1},
+      {"rows_dion3_global_chunks", Layout::RowShard, Algorithm::Dion3, S::Global, rows, 0.25, 3, true, 1},
+      {"cols_normuon_chunks", Layout::ColShard, Algorithm::NorMuon, S::Local, cols, 0.25, 3, true, 1},
   };
   return cases;
 }
@@ -207,6 +211,7 @@ void check_layout_case(const LayoutCase& c, const RankBackend& be, const std::sh
 
   dion3::OptimizerOptions options;
   options.megabatch = c.megabatch;
+  options.workspace_limit = c.workspace_limit;
   dion3::Optimizer opt(be.make_backend(), options);
   const int gi = opt.add_group(g);
   // The single-process engine the replicated layout must equal bit for bit.
@@ -244,6 +249,9 @@ void check_layout_case(const LayoutCase& c, const RankBackend& be, const std::sh
   std::sort(distinct.begin(), distinct.end());
   distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
   EXPECT_EQ(opt.plan().size(), c.megabatch ? distinct.size() : c.shapes.size()) << c.name;
+  if (c.workspace_limit == 1) {
+    for (const dion3::MegabatchInfo& mb : opt.plan()) EXPECT_LE(mb.chunk, 1) << c.name << ": chunks of one matrix";
+  }
   for (int step = 1; step <= c.steps; ++step) {
     for (std::size_t i = 0; i < ps.size(); ++i) {
       DistParam& d = *ps[i];

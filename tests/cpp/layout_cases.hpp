@@ -62,6 +62,7 @@ struct LayoutCase {
   double fraction = 0.25;
   int steps = 3;
   bool megabatch = true;  // false: one collective round per matrix
+  std::size_t workspace_limit = 0;  // OptimizerOptions::workspace_limit; 1: chunks of one matrix
 };
 
 // Replicated, row-sharded (local and global scope, per matrix) and column-sharded cases over
