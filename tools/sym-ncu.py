@@ -6,7 +6,7 @@
 # GEMM, the fused kernel, its banded form and its main loop alone behind marker kernels. A
 # developer's tool for the GPU machine (ncu on PATH), not a test.
 # Usage: python3 tools/sym-ncu.py --bench BUILD/dion3-cuda-sym-bench --from step-llama.md [--from ...]
-#        [--shapes gram:f16:16x2752x4096,...] --out sym-ncu.md
+#        [--shapes gram:f16:16x2752x4096,...] [--ncu-args "--cache-control none"] --out sym-ncu.md
 import argparse
 import csv
 import io
@@ -25,8 +25,8 @@ def tensor_metrics(ncu):
     return [n + ".avg.pct_of_peak_sustained_active" for n in names]
 
 
-def profile(ncu, bench, shape, metrics):
-    cmd = [ncu, "--csv", "--page", "raw", "--print-units", "base", "--metrics", ",".join(["gpu__time_duration.sum", "launch__grid_size"] + metrics),
+def profile(ncu, bench, shape, metrics, extra=()):
+    cmd = [ncu, *extra, "--csv", "--page", "raw", "--print-units", "base", "--metrics", ",".join(["gpu__time_duration.sum", "launch__grid_size"] + metrics),
            bench, "--once", "--shapes", shape]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     rows = [line for line in run.stdout.splitlines() if line.startswith('"')]
@@ -74,7 +74,10 @@ def main():
     ap.add_argument("--from", dest="sources", action="append", default=[])
     ap.add_argument("--shapes", default="")
     ap.add_argument("--out", required=True)
+    # e.g. "--cache-control none": operands left in L2 by the launch before, as in a step
+    ap.add_argument("--ncu-args", default="", help="more ncu options, one string")
     a = ap.parse_args()
+    extra = a.ncu_args.split()
     shapes = [s for s in a.shapes.split(",") if s]
     for src in a.sources:
         shapes += shapes_from(src)
@@ -85,7 +88,7 @@ def main():
     main_metric = metrics[0]
     lines = ["# Fused symmetric kernel against cuBLAS under ncu: tensor-pipe use", "",
              f"Metric: `{main_metric}` of each candidate's longest kernel (the GEMM, not a pass beside it), "
-             "durations at ncu's locked clocks. "
+             "durations at ncu's locked clocks. " + (f"ncu options: `{a.ncu_args}`. " if a.ncu_args else "") +
              "Each shape: `dion3-cuda-sym-bench --once --shapes SHAPE` under "
              "`ncu --csv --page raw --metrics ...`. ratio: the fused kernel's tensor-pipe share over cuBLAS's "
              "(issue 21 asks >= 90%).", "",
@@ -94,7 +97,7 @@ def main():
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for shape in shapes:
         try:
-            r = profile(a.ncu, a.bench, shape, metrics)
+            r = profile(a.ncu, a.bench, shape, metrics, extra)
         except Exception as e:  # one shape's failure leaves the others' rows
             lines.append(f"| {shape} | failed: {str(e).splitlines()[0][:120]} |")
             continue
