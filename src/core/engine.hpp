@@ -121,7 +121,7 @@ struct Megabatch {
   // column-sharded over one rank): the gather writes the orthogonalizer's normalised input
   // (Backend::gather_normalized).
   bool gathers_normalized = false;
-  std::size_t chunk_bytes = 0;  // arena bytes the largest chunk needs
+  std::size_t chunk_bytes = 0;  // arena bytes the most demanding chunk needs
 
   // Distribution (see above). Local: ranks 1, block N, no buffers.
   Layout layout = Layout::Local;

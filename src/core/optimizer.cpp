@@ -640,7 +640,10 @@ void Optimizer::Impl::build_plan() {
     auto need = [&](int64_t count) { return layout(count, nullptr); };
     int64_t chunk = std::max<int64_t>(mb.owned_count, 1);
     while (chunk > 1 && need(chunk) > limit) chunk = (chunk + 1) / 2;
-    mb.chunk_bytes = mb.owned_count > 0 ? need(chunk) : 0;
+    // The arena holds the chunk that needs most, which need not be the largest: a smaller last
+    // chunk can leave its update rows no room inside the orthogonalizer's workspace.
+    const int64_t rest = mb.owned_count % chunk;
+    mb.chunk_bytes = mb.owned_count > 0 ? std::max(need(chunk), rest > 0 ? need(rest) : std::size_t{0}) : 0;
     arena_bytes = std::max(arena_bytes, mb.chunk_bytes);
     mb.set = backend->new_matrix_set();
     if (selects_rows(g.algorithm)) {
@@ -665,7 +668,9 @@ void Optimizer::Impl::build_plan() {
       Chunk c;
       c.first = first;
       c.count = std::min(chunk, mb.owned_first + mb.owned_count - first);
-      layout(c.count, &c);
+      if (layout(c.count, &c) > mb.chunk_bytes)
+        fail("internal error: a chunk of " + mb.label + " needs more workspace than the arena was sized for",
+             Status::Internal);
       c.set = backend->new_matrix_set();
       mb.chunks.push_back(std::move(c));
     }
@@ -1475,12 +1480,14 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
   if (P == 1) return;
   if (col_shard) {
     const std::size_t slot = static_cast<std::size_t>(mb.k * mb.global_cols) * es_o;
-    mb.inflight = mb.comm->all_gather(byte_offset(mb.send, mb.owned_first * slot), mb.send.get(), mb.block * slot,
+    // In place: this rank's block of the buffer (rank * block; owned_first is n on a rank that owns
+    // no matrices, which would overlap another block).
+    mb.inflight = mb.comm->all_gather(byte_offset(mb.send, mb.rank * mb.block * slot), mb.send.get(), mb.block * slot,
                                       be.stream(), "the all-gather of " + mb.label);
   } else if (mb.layout == Layout::Replicated) {
     const std::size_t slot = static_cast<std::size_t>(mb.k * mb.cols) * es_o;
-    mb.inflight = mb.comm->all_gather(byte_offset(mb.recv, mb.owned_first * slot), mb.recv.get(), mb.block * slot,
-                                      be.stream(), "the all-gather of " + mb.label);
+    mb.inflight = mb.comm->all_gather(byte_offset(mb.recv, mb.rank * mb.block * slot), mb.recv.get(),
+                                      mb.block * slot, be.stream(), "the all-gather of " + mb.label);
   } else if (row_shard) {
     mb.inflight = mb.comm->all_to_all(mb.send.get(), mb.recv.get(), mb.block * out_slot, be.stream(),
                                       "the return all-to-all of " + mb.label);

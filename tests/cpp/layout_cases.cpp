@@ -178,6 +178,7 @@ const std::vector<LayoutCase>& layout_cases() {
   // Column shards: uneven (18 columns) and ones that leave ranks without columns (3 on 4 ranks,
   // 1 on any number).
   static const std::vector<std::pair<int, int>> cols = {{24, 40}, {24, 40}, {24, 40}, {40, 18}, {12, 3}, {12, 1}};
+  static const std::vector<std::pair<int, int>> five(5, {12, 20});
   using S = dion3::SelectionScope;
   static const std::vector<LayoutCase> cases = {
       {"ddp_dion3", Layout::Replicated, Algorithm::Dion3, S::Local, rows},
@@ -194,6 +195,9 @@ const std::vector<LayoutCase>& layout_cases() {
       {"ddp_dion3_chunks", Layout::Replicated, Algorithm::Dion3, S::Local, rows, 0.25, 3, true, 1},
       {"rows_dion3_global_chunks", Layout::RowShard, Algorithm::Dion3, S::Global, rows, 0.25, 3, true, 1},
       {"cols_normuon_chunks", Layout::ColShard, Algorithm::NorMuon, S::Local, cols, 0.25, 3, true, 1},
+      // Five matrices of a shape: on four ranks (blocks of two) the last rank owns none.
+      {"ddp_dion3_five", Layout::Replicated, Algorithm::Dion3, S::Local, five},
+      {"cols_dion3_five", Layout::ColShard, Algorithm::Dion3, S::Local, five},
   };
   return cases;
 }
@@ -334,13 +338,15 @@ void check_layouts_on_threads(int ranks, const RankBackend& be) {
   }
   std::vector<std::pair<int, int>> grids = {{ranks, 1}, {1, ranks}};
   if (ranks == 4) grids.push_back({2, 2});
-  for (auto [dp, tp] : grids) {
+  for (const auto& grid : grids) {
+    const int dp = grid.first, tp = grid.second;  // plain locals: lambdas capture them (clang 14)
     // Rank d * tp + t holds row block d and column block t: its rows are cut over the ranks of
     // its column t, its columns over the ranks of its row block d.
     std::vector<std::vector<std::shared_ptr<dion3::Communicator>>> by_col, by_row;
     for (int t = 0; t < tp; ++t) by_col.push_back(thread_communicators(dp, be.device));
     for (int d = 0; d < dp; ++d) by_row.push_back(thread_communicators(tp, be.device));
-    on_threads(ranks, "block grid " + std::to_string(dp) + "x" + std::to_string(tp), [&](int r) { check_block_case(be, by_col[r % tp][r / tp], by_row[r / tp][r % tp]); });
+    on_threads(ranks, "block grid " + std::to_string(dp) + "x" + std::to_string(tp),
+               [&](int r) { check_block_case(be, by_col[r % tp][r / tp], by_row[r / tp][r % tp]); });
   }
 }
 

@@ -469,6 +469,36 @@ TEST(Hardening, EveryLayoutOverOneRankStepsAsOneDevice) {
     }
 }
 
+// A workspace limit that splits a megabatch into chunks of unequal size: the smaller last chunk
+// can need more arena than the full ones (its update rows no longer fit inside the
+// orthogonalizer's workspace), and the arena must be sized for it. Every chunk's result equals
+// the whole megabatch's. (Under the sanitizer job the undersized arena was a write past it.)
+TEST(Hardening, UnevenChunksGetTheWorkspaceTheyNeed) {
+  auto run = [](std::size_t limit) {
+    dion3::OptimizerOptions o;
+    o.workspace_limit = limit;
+    Harness h(o);
+    GroupConfig g;
+    g.algorithm = Algorithm::NorMuon;
+    g.lr = 0.02;
+    g.orth.method = dion3::OrthMethod::Standard;
+    const int gi = h.opt.add_group(g);
+    Rng rng(5);
+    for (int i = 0; i < 51; ++i) h.add(gi, "w" + std::to_string(i), DType::F32, {1, 9}, rng);
+    h.randomize_grads(rng);
+    EXPECT_TRUE(h.opt.step());
+    std::vector<double> w;
+    for (auto* p : h.all()) for (double x : p->w.values()) w.push_back(x);
+    return std::make_pair(w, h.opt.plan());
+  };
+  const auto [whole, whole_plan] = run(std::size_t{1} << 30);
+  const auto [chunked, plan] = run(4096);
+  ASSERT_EQ(plan.size(), 1u);
+  EXPECT_LT(plan[0].chunk, 51) << "the limit must split the megabatch";
+  EXPECT_NE(51 % plan[0].chunk, 0) << "the chunks must be of unequal size";
+  EXPECT_EQ(chunked, whole);
+}
+
 // select_rows' `largest`: each score vector's largest score plus one.
 TEST(Hardening, SelectRowsWritesEachVectorsLargestScorePlusOne) {
   auto be = dion3::make_cpu_backend();

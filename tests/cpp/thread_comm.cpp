@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -59,10 +60,22 @@ struct Hub {
 #endif
   }
 
-  // Returns once every rank has arrived; raises on every rank once one waited past the timeout.
+  // Raises here and, at their next rendezvous, on every other rank (which would otherwise wait
+  // for this one until the timeout).
+  [[noreturn]] void abort(const std::string& message) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      broken = true;
+    }
+    cv.notify_all();
+    fail(message, Status::Internal);
+  }
+
+  // Returns once every rank has arrived; raises on every rank once one waited past the timeout
+  // or aborted.
   void barrier(const std::string& label) {
     std::unique_lock<std::mutex> lock(mu);
-    if (broken) fail(label + ": a rank of this thread group timed out earlier", Status::Internal);
+    if (broken) fail(label + ": another rank of this thread group failed or timed out", Status::Internal);
     const uint64_t gen = generation;
     if (++arrived == P) {
       arrived = 0;
@@ -70,13 +83,14 @@ struct Hub {
       cv.notify_all();
       return;
     }
-    const bool met = cv.wait_for(lock, std::chrono::duration<double>(timeout),
-                                 [&] { return generation != gen || broken; });
-    if (!met || generation == gen) {
-      broken = true;
-      cv.notify_all();
-      fail(label + ": not every thread rank started it within " + std::to_string(timeout) + " s", Status::Internal);
-    }
+    const bool woken = cv.wait_for(lock, std::chrono::duration<double>(timeout),
+                                   [&] { return generation != gen || broken; });
+    if (generation != gen) return;
+    broken = true;
+    cv.notify_all();
+    fail(label + (woken ? ": another rank of this thread group failed"
+                        : ": not every thread rank started it within " + std::to_string(timeout) + " s"),
+         Status::Internal);
   }
 
   const int P;
@@ -133,6 +147,15 @@ class ThreadCommunicator final : public dion3::Communicator {
   void exchange(const void* send, void* recv, std::size_t bytes, void* stream, const std::string& label,
                 bool to_each) {
     Hub& h = *hub_;
+    // The contract of comm.hpp: an all-gather's send is this rank's block of recv or lies apart
+    // from recv; an all-to-all's always lies apart.
+    const auto s0 = reinterpret_cast<uintptr_t>(send), r0 = reinterpret_cast<uintptr_t>(recv);
+    const std::size_t recv_bytes = static_cast<std::size_t>(h.P) * bytes, send_bytes = to_each ? recv_bytes : bytes;
+    const bool apart = s0 + send_bytes <= r0 || r0 + recv_bytes <= s0;
+    if (bytes > 0 && !apart && (to_each || s0 != r0 + rank_ * bytes))
+      h.abort(label + ": send overlaps recv other than as this rank's block (rank " + std::to_string(rank_) +
+              ", send at byte " + std::to_string(static_cast<long long>(s0 - r0)) + " of recv, blocks of " +
+              std::to_string(bytes) + ")");
     h.send[rank_] = send;
     h.recv[rank_] = recv;
 #ifdef DION3_THREAD_COMM_CUDA
