@@ -104,6 +104,7 @@ class CudaBackend final : public Backend {
     if (const char* t = std::getenv("DION3_SYM_TILE")) sym_.tile = std::atoll(t);
     if (const char* e = std::getenv("DION3_SYM_DISABLE")) sym_.enabled = std::atoi(e) == 0;
     if (const char* e = std::getenv("DION3_SYM_KERNEL")) kernel_env_ = std::atoi(e) != 0;
+    if (const char* e = std::getenv("DION3_SYM_PAIRS")) sym_.pairs = std::atoi(e) != 0;
   }
   ~CudaBackend() override {
     cudaStreamSynchronize(stream_);
@@ -345,7 +346,7 @@ class CudaBackend final : public Backend {
       fail("gram: C must be batch x rows x rows of X");
     const int64_t p = X.rows;
     if (use_kernel(X, X, nullptr, C)) {
-      launch_sym_wgmma(X, X, 1.0f, 0.0f, nullptr, 0.0f, C, stream_, false, banded_out, false, sm_limit_);
+      launch_sym_wgmma(X, X, 1.0f, 0.0f, nullptr, 0.0f, C, stream_, false, banded_out, false, sm_limit_, sym_.pairs);
       return;
     }
     const int64_t tile = tile_for(p);
@@ -371,7 +372,7 @@ class CudaBackend final : public Backend {
     if (use_kernel(A, B, has_d ? D : nullptr, C)) {
       // Fused: C = alpha·A·B + beta·D + gamma·I from the lower triangle, mirrored (or banded).
       launch_sym_wgmma(A, B, alpha, beta, has_d ? D : nullptr, gamma, C, stream_, banded_in, banded_out, false,
-                       sm_limit_);
+                       sm_limit_, sym_.pairs);
       return;
     }
     if (banded_in) fail("sym_product: banded operands need the fused kernel, which does not run on these");

@@ -15,6 +15,9 @@ struct SymmetricOptions {
   // With enabled: true, the fused sm_90a lower-triangle kernel (sym_wgmma.cu) wherever it supports
   // the operands; false, the tile schedule on cuBLAS. DION3_SYM_KERNEL=0 turns it off.
   bool kernel = true;
+  // The fused kernel's tiles in clusters of two CTAs that share B's loads (one CTA each: false).
+  // DION3_SYM_PAIRS=0 turns it off.
+  bool pairs = true;
 };
 
 // Throws dion3::Error(InvalidArgument) if `backend` is not a CUDA backend.

@@ -103,12 +103,13 @@ double sym_wgmma_flop_fraction(int64_t p);
 // and banded (their upper blocks are read transposed from the lower ones); banded_out: C is
 // written banded (its mirrored stores outside the diagonal blocks are left out).
 // skip_epilogue (benchmarks only): compute the tiles but store nothing. max_ctas > 0 caps the
-// persistent grid (one CTA per multiprocessor) below the device's multiprocessor count.
+// persistent grid (one CTA per multiprocessor) below the device's multiprocessor count. pairs:
+// the tiles in clusters of two CTAs that share B's loads (false: one CTA each).
 constexpr int64_t kSymBand = 256;
 void launch_sym_wgmma(const MatrixView& A, const MatrixView& B, float alpha, float beta,
                       const MatrixView* D, float gamma, const MatrixView& C, cudaStream_t s,
                       bool banded_in = false, bool banded_out = false, bool skip_epilogue = false,
-                      int max_ctas = 0);
+                      int max_ctas = 0, bool pairs = true);
 // Full C = alpha * op(A) * op(B) + beta * C through cublasGemmStridedBatchedEx (row-major views).
 void cublas_gemm(cublasHandle_t h, bool trans_a, bool trans_b, float alpha, const MatrixView& A,
                  const MatrixView& B, float beta, const MatrixView& C);

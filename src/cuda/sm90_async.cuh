@@ -1,7 +1,8 @@
 // sm90_async.cuh — the Hopper (sm_90a) shared-memory and asynchronous-copy primitives of the
-// fused symmetric kernel (sym_wgmma.cu), as inline PTX: mbarriers, TMA tensor loads and stores
-// with their bulk groups, the generic-to-async proxy fence, ldmatrix / stmatrix, and the
-// 128-byte-swizzled layout (element offsets, wgmma shared-memory descriptors).
+// fused symmetric kernel (sym_wgmma.cu), as inline PTX: mbarriers (also a cluster peer's), TMA
+// tensor loads (multicast within a cluster) and stores with their bulk groups, the cluster
+// barrier, the generic-to-async proxy fence, ldmatrix / stmatrix, and the 128-byte-swizzled
+// layout (element offsets, wgmma shared-memory descriptors).
 #pragma once
 
 #include <cuda.h>
@@ -43,6 +44,40 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, u
       " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(smem_u32(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
+}
+// The same box into the same shared-memory offset of every CTA of the cluster in cta_mask; each
+// destination's mbarrier at `bar`'s offset counts the bytes it receives.
+__device__ __forceinline__ void tma_load_3d_multicast(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
+                                                      int c2, uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "h"(cta_mask)
+      : "memory");
+}
+// The shared::cluster address of `addr`'s offset in CTA `rank` of the cluster.
+__device__ __forceinline__ uint32_t mapa_shared(uint32_t addr, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+// Arrive on the mbarrier at a shared::cluster address (this CTA's or a peer's), by the threads
+// where `pred` holds (predicated, like mbar_arrive_if).
+__device__ __forceinline__ void mbar_arrive_cluster_if(uint32_t cluster_addr, bool pred) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n@p mbarrier.arrive.shared::cluster.b64 _, [%0];\n}\n" ::"r"(
+                   cluster_addr),
+               "r"(static_cast<int>(pred))
+               : "memory");
+}
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// Every (not exited) thread of the cluster: shared-memory writes and mbarrier set-up before it are
+// visible to the cluster's CTAs after it.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
 }
 // TMA store of one box from shared memory; the bulk-group bookkeeping is the caller's.
 __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void* src, int c0, int c1,

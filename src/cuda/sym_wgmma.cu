@@ -6,7 +6,9 @@
 // the costly tiles first, see decode_tile), TMA loads (128-byte swizzle) into a 3-stage
 // mbarrier pipeline fed by one producer thread, and two consumer warpgroups issuing wgmma m64nNk16
 // from shared memory, each owning 64 rows: N = 256, narrower on diagonal tiles (only the
-// 64-column blocks on or below the diagonal).
+// 64-column blocks on or below the diagonal). By default the CTAs run in clusters of two
+// ("pairs") over the tiles (2m, j) and (2m + 1, j), which read the same 256 B rows: each loads
+// half of them for both (TMA multicast), so L2 serves a third less per stage.
 //
 // Epilogue, per consumer warpgroup, in 64 x 64 blocks (one 128-byte-swizzled TMA box each): the
 // warpgroup writes its results into its staging buffer (stmatrix, with D's blocks read from
@@ -117,10 +119,18 @@ __device__ __forceinline__ uint8_t* mirror_base(uint8_t* smem, int cw, int k) {
 // [kb_ta, kblocks) both (see TileSplit); the first k-block is always K-major. (A template
 // parameter: as a run-time choice the three loops slowed the kernel even where no input was
 // banded.)
-template <bool kBF16, int kN, bool kBandedIn>
+// With pairs a stage is free once the consumers of both CTAs are done with it (the producers of
+// both write into both: see the kernel's pairs): lanes 0 and 1 of each consumer warp arrive on
+// the empty barrier of CTA 0 and CTA 1, at empty_cluster (empty[0]'s shared::cluster address in
+// CTA lane % 2), one instruction for both.
+template <bool kBF16, int kN, bool kBandedIn, bool kPair>
 __device__ __forceinline__ void tile_mainloop(float (&acc)[128], uint32_t a0, uint32_t b0, uint64_t* full,
                                               uint64_t* empty, StageRing& ring, int kblocks, int kb_tb, int kb_ta,
-                                              bool signal) {
+                                              bool signal, uint32_t empty_cluster) {
+  auto release = [&](int stage) {
+    if constexpr (kPair) mbar_arrive_cluster_if(empty_cluster + stage * 8, signal);
+    else mbar_arrive_if(&empty[stage], signal);
+  };
   int s = ring.stage;
   mbar_wait(&full[s], ring.phase);
   mma_kblock<kBF16, kN, true>(acc, a0 + s * kStageBytes, b0 + s * kStageBytes);
@@ -134,7 +144,7 @@ __device__ __forceinline__ void tile_mainloop(float (&acc)[128], uint32_t a0, ui
       mma_kblock<kBF16, kN, false, decltype(ta)::value, decltype(tb)::value>(acc, a0 + s * kStageBytes,
                                                                                b0 + s * kStageBytes);
       asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-      mbar_arrive_if(&empty[prev], signal);
+      release(prev);
       prev = s;
     }
   };
@@ -147,7 +157,7 @@ __device__ __forceinline__ void tile_mainloop(float (&acc)[128], uint32_t a0, ui
   }
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
   fence_acc(acc);
-  mbar_arrive_if(&empty[prev], signal);
+  release(prev);
 }
 
 struct SymParams {
@@ -161,6 +171,8 @@ struct SymParams {
   int total_tiles;
   int skip_epilogue;    // benchmarks only: no stores (times the main loop alone)
   int banded_out;       // C banded: no mirrored stores outside the diagonal 256 x 256 blocks
+  int pair;             // CTA pairs (clusters of two) share B's rows: see the kernel's pairs
+  int units_per_mat;    // pairs: work units of one matrix (total_tiles counts the units)
 };
 
 // Integer square root of l >= 0.
@@ -182,7 +194,18 @@ __device__ __forceinline__ int isqrt(int l) {
 // apart, and L2 hits fell; the tile-order run in bench/results/ has the profile).
 // Row block i holds i/2 tiles of the first group when even, i/2 + 1 when odd, so 2m rows hold
 // m² of them and 2m + 1 rows m² + m.
-__device__ __forceinline__ void decode_tile(int t, const SymParams& prm, int& b, int& i, int& j) {
+// With pairs, t is a unit (matrix b, 256-row block m, 256-column block j <= m), matrix by matrix
+// and row by row; CTA `rank` of the pair takes its 128-row block i = 2m + rank.
+template <bool kPair>
+__device__ __forceinline__ void decode_tile(int t, const SymParams& prm, int rank, int& b, int& i, int& j) {
+  if constexpr (kPair) {
+    b = t / prm.units_per_mat;
+    const int l = t - b * prm.units_per_mat;
+    int m = (isqrt(8 * l + 1) - 1) / 2;  // m(m+1)/2 <= l
+    j = l - m * (m + 1) / 2;
+    i = 2 * m + rank;
+    return;
+  }
   if (t >= prm.full_tiles) {
     const int u = t - prm.full_tiles;
     b = u / prm.even_diag_per_mat;
@@ -217,6 +240,14 @@ __device__ __forceinline__ StageLoad stage_load(int i, int j, bool same_ab) {
 __device__ __forceinline__ void operands_in_stage(StageLoad load, int cw, uint32_t stage0, uint32_t& a0, uint32_t& b0) {
   b0 = load == StageLoad::AOnly ? stage0 : stage0 + kABytes;
   a0 = (load == StageLoad::BOnly ? b0 + kBM * 128 : stage0) + cw * 64 * 128;
+}
+// The same for a CTA of a pair: B's 256 rows always arrive whole (a half from each CTA), so on a
+// diagonal unit where A and B are one operand, the CTA's A rows are B's half `rank`, not loaded.
+__device__ __forceinline__ bool pair_loads_a(int i, int j, bool same_ab) { return !(same_ab && j == (i >> 1)); }
+__device__ __forceinline__ void operands_in_pair_stage(bool loads_a, int rank, int cw, uint32_t stage0, uint32_t& a0,
+                                                       uint32_t& b0) {
+  b0 = stage0 + kABytes;
+  a0 = (loads_a ? stage0 : b0 + rank * kABytes) + cw * 64 * 128;
 }
 
 // Where a tile's k-blocks switch to transposed reads of banded operands (kernels with kBandedIn): a
@@ -398,13 +429,17 @@ __device__ __forceinline__ void symmetrize_block(uint32_t block, int lane) {
 struct TileRows {
   int b, i, j, R, nblk, kd, nlow;
   bool rows_in;
-  __device__ __forceinline__ TileRows(int t, const SymParams& prm, int cw) {
-    decode_tile(t, prm, b, i, j);
-    R = 2 * i + cw;
-    rows_in = R * kEB < prm.p;
-    nblk = min(4, R - 4 * j + 1);
-    kd = R - 4 * j;
-    nlow = min(nblk, kd);
+  // Tile t of the schedule (a unit's tile `rank` with pairs).
+  template <bool kPair>
+  __device__ __forceinline__ static TileRows of(int t, const SymParams& prm, int rank, int cw) {
+    TileRows tr;
+    decode_tile<kPair>(t, prm, rank, tr.b, tr.i, tr.j);
+    tr.R = 2 * tr.i + cw;
+    tr.rows_in = tr.R * kEB < prm.p;
+    tr.nblk = min(4, tr.R - 4 * tr.j + 1);
+    tr.kd = tr.R - 4 * tr.j;
+    tr.nlow = min(tr.nblk, tr.kd);
+    return tr;
   }
   // Whether the strictly lower blocks are also stored mirrored: always for a full C, and for a
   // banded one on the diagonal 256 x 256 blocks (kd < 4) only.
@@ -423,7 +458,13 @@ __device__ __forceinline__ void stage_blocks(float (&acc)[128], const TileRows& 
   }
 }
 
-template <bool kBF16, bool kHasD, bool kBandedIn>
+// Pairs (kPair, launched in clusters of two CTAs): the CTAs of a cluster take the tiles (2m, j) and
+// (2m + 1, j) of one unit (decode_tile), which read the same 256 B rows; each CTA's producer loads
+// its own A rows and one half of B's, the half multicast into both CTAs' stage. A stage is then
+// refilled only once the consumers of both CTAs have released it (each consumer warp arrives on
+// both CTAs' empty barrier), and a CTA leaves only after the cluster barrier at the end, when no
+// peer can still arrive on its barriers. L2 serves a third less per stage.
+template <bool kBF16, bool kHasD, bool kBandedIn, bool kPair>
 __global__ void __launch_bounds__(kThreads, 1)
     sym_wgmma_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
                      const __grid_constant__ CUtensorMap tmC, const __grid_constant__ CUtensorMap tmD,
@@ -441,10 +482,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // The warpgroup index, broadcast so that the compiler knows it is warp-uniform.
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+  // This CTA's work: tiles (units with pairs) first, first + stride, ...
+  const uint32_t rank = kPair ? cluster_rank() : 0;
+  const int first = kPair ? static_cast<int>(blockIdx.x >> 1) : static_cast<int>(blockIdx.x);
+  const int stride = kPair ? static_cast<int>(gridDim.x >> 1) : static_cast<int>(gridDim.x);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 8);  // one arrival per consumer warp
+      mbar_init(&empty[s], kPair ? 16 : 8);  // one arrival per consumer warp (of both CTAs of a pair)
     }
     for (int c = 0; c < 2; ++c) {
       mbar_init(&ready[c], 1);
@@ -453,7 +498,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   }
-  __syncthreads();
+  if constexpr (kPair) cluster_sync();  // the peer's barriers are set up before anything reaches them
+  else __syncthreads();
   pdl_wait();  // the set-up above may overlap the previous kernel's tail; its outputs are read below
 
   const int lane = threadIdx.x & 31;
@@ -464,13 +510,37 @@ __global__ void __launch_bounds__(kThreads, 1)
       // The producer: one thread issues every TMA load of A and B.
       if (lane != 0) return;
       StageRing ring;
-      for (int t = blockIdx.x; t < prm.total_tiles; t += gridDim.x) {
+      for (int t = first; t < prm.total_tiles; t += stride) {
         int b, i, j;
-        decode_tile(t, prm, b, i, j);
+        decode_tile<kPair>(t, prm, rank, b, i, j);
         const int ba = prm.a_batched ? b : 0, bb = prm.b_batched ? b : 0;
+        const TileSplit split(i, j, prm);
+        if constexpr (kPair) {
+          // Both halves of B arrive (this CTA's and the peer's); A unless it is B's half `rank`.
+          const bool loads_a = pair_loads_a(i, j, prm.same_ab);
+          for (int kb = 0; kb < prm.kblocks; ++kb, ring.next()) {
+            const int s = ring.stage;
+            uint8_t* stage = smem + s * kStageBytes;
+            mbar_wait(&empty[s], ring.phase ^ 1);
+            mbar_expect_tx(&full[s], (loads_a ? kABytes : 0) + kBBytes);
+            if (loads_a) {
+              if (!kBandedIn || kb < split.kb_ta) tma_load_3d(stage, &tmA, &full[s], kb * kBK, i * kBM, ba);
+              else
+                for (int h = 0; h < 2; ++h) tma_load_3d(stage + h * kEBBytes, &tmA64, &full[s], (2 * i + h) * kEB, kb * kBK, ba);
+            }
+            if (!kBandedIn || kb < split.kb_tb) {
+              tma_load_3d_multicast(stage + kABytes + rank * kABytes, &tmB, &full[s], kb * kBK, j * kBN + rank * kBM, bb, 0x3);
+            } else {
+              for (int h = 0; h < 2; ++h) {
+                const int c = 2 * static_cast<int>(rank) + h;
+                tma_load_3d_multicast(stage + kABytes + c * kEBBytes, &tmB64, &full[s], (4 * j + c) * kEB, kb * kBK, bb, 0x3);
+              }
+            }
+          }
+          continue;
+        }
         const StageLoad load = stage_load(i, j, prm.same_ab);
         const int bytes = load == StageLoad::AOnly ? kABytes : load == StageLoad::BOnly ? kBBytes : kStageBytes;
-        const TileSplit split(i, j, prm);
         for (int kb = 0; kb < prm.kblocks; ++kb, ring.next()) {
           const int s = ring.stage;
           uint8_t* stage = smem + s * kStageBytes;
@@ -498,15 +568,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint8_t* staging = sOut + cw * kStagingBytes;
     const uint32_t stage_u32 = smem_u32(staging);
     auto next_tile = [&](int t) {  // the next tile from t on where this warpgroup has rows
-      for (; t < prm.total_tiles; t += gridDim.x)
-        if (TileRows(t, prm, cw).rows_in) return t;
+      for (; t < prm.total_tiles; t += stride)
+        if (TileRows::of<kPair>(t, prm, rank, cw).rows_in) return t;
       return prm.total_tiles;
     };
     // Hand the staging buffer to the consumers for tile t: with D's blocks in it, or as it is.
     auto refill = [&](int t) {
       if (lane != 0) return;
       if constexpr (kHasD) {
-        const TileRows tr(t, prm, cw);
+        const TileRows tr = TileRows::of<kPair>(t, prm, rank, cw);
         mbar_expect_tx(&ready[cw], tr.nblk * kEBBytes);
         const int bd = prm.d_batched ? tr.b : 0;
         for (int k = 0; k < tr.nblk; ++k)
@@ -516,16 +586,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     };
     uint32_t sphase = 0;
-    int t = next_tile(blockIdx.x);
+    int t = next_tile(first);
     if (t < prm.total_tiles) refill(t);
     while (t < prm.total_tiles) {
-      const TileRows tr(t, prm, cw);
+      const TileRows tr = TileRows::of<kPair>(t, prm, rank, cw);
       mbar_wait(&staged[cw], sphase);
       sphase ^= 1;
       if (tr.kd < 4) symmetrize_block(stage_u32 + tr.kd * kEBBytes, lane);
       fence_async_smem();
       __syncwarp();
-      const bool last = t + static_cast<int>(gridDim.x) >= prm.total_tiles;  // mirrored blocks at mirror_base
+      const bool last = t + stride >= prm.total_tiles;  // mirrored blocks at mirror_base
       const bool mirror = tr.mirrored(prm);
       if (lane == 0) {
         for (int k = 0; k < tr.nblk; ++k) tma_store_3d(&tmC, staging + k * kEBBytes, (4 * tr.j + k) * kEB, tr.R * kEB, tr.b);
@@ -549,7 +619,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       if (lane == 0) bulk_wait_read();
       __syncwarp();
-      t = next_tile(t + gridDim.x);
+      t = next_tile(t + stride);
       if (t < prm.total_tiles) refill(t);
     }
     if (lane == 0) bulk_wait_all();
@@ -566,21 +636,23 @@ __global__ void __launch_bounds__(kThreads, 1)
   float acc[128];
   StageRing ring;
   uint32_t rphase = 0;
+  const uint32_t empty_cl = kPair ? mapa_shared(smem_u32(empty), lane & 1) : 0;
   const int p = prm.p;
-  for (int t = blockIdx.x; t < prm.total_tiles; t += gridDim.x) {
-    const TileRows tr(t, prm, cw);
+  for (int t = first; t < prm.total_tiles; t += stride) {
+    const TileRows tr = TileRows::of<kPair>(t, prm, rank, cw);
     const int ncols = tr.rows_in ? min(tr.nblk, (p - 4 * tr.j * kEB + kEB - 1) / kEB) : 0;  // blocks computed
     // This warpgroup's 64 A rows and the B rows in stage 0 (operands_in_stage).
     uint32_t a0, b0;
-    operands_in_stage(stage_load(tr.i, tr.j, prm.same_ab), cw, smem_u32(smem), a0, b0);
-    const bool signal = lane == 0;
+    if constexpr (kPair) operands_in_pair_stage(pair_loads_a(tr.i, tr.j, prm.same_ab), rank, cw, smem_u32(smem), a0, b0);
+    else operands_in_stage(stage_load(tr.i, tr.j, prm.same_ab), cw, smem_u32(smem), a0, b0);
+    const bool signal = kPair ? lane < 2 : lane == 0;  // see tile_mainloop
     const TileSplit sp(tr.i, tr.j, prm);
     switch (ncols) {
-      case 4: tile_mainloop<kBF16, 256, kBandedIn>(acc, a0, b0, full, empty, ring, prm.kblocks, sp.kb_tb, sp.kb_ta, signal); break;
-      case 3: tile_mainloop<kBF16, 192, kBandedIn>(acc, a0, b0, full, empty, ring, prm.kblocks, sp.kb_tb, sp.kb_ta, signal); break;
-      case 2: tile_mainloop<kBF16, 128, kBandedIn>(acc, a0, b0, full, empty, ring, prm.kblocks, sp.kb_tb, sp.kb_ta, signal); break;
-      case 1: tile_mainloop<kBF16, 64, kBandedIn>(acc, a0, b0, full, empty, ring, prm.kblocks, sp.kb_tb, sp.kb_ta, signal); break;
-      default: tile_mainloop<kBF16, 0, kBandedIn>(acc, a0, b0, full, empty, ring, prm.kblocks, sp.kb_tb, sp.kb_ta, signal); break;
+      case 4: tile_mainloop<kBF16, 256, kBandedIn, kPair>(acc, a0, b0, full, empty, ring, prm.kblocks, sp.kb_tb, sp.kb_ta, signal, empty_cl); break;
+      case 3: tile_mainloop<kBF16, 192, kBandedIn, kPair>(acc, a0, b0, full, empty, ring, prm.kblocks, sp.kb_tb, sp.kb_ta, signal, empty_cl); break;
+      case 2: tile_mainloop<kBF16, 128, kBandedIn, kPair>(acc, a0, b0, full, empty, ring, prm.kblocks, sp.kb_tb, sp.kb_ta, signal, empty_cl); break;
+      case 1: tile_mainloop<kBF16, 64, kBandedIn, kPair>(acc, a0, b0, full, empty, ring, prm.kblocks, sp.kb_tb, sp.kb_ta, signal, empty_cl); break;
+      default: tile_mainloop<kBF16, 0, kBandedIn, kPair>(acc, a0, b0, full, empty, ring, prm.kblocks, sp.kb_tb, sp.kb_ta, signal, empty_cl); break;
     }
 
     if (prm.skip_epilogue) {  // keep the accumulators live, store nothing
@@ -593,7 +665,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (!tr.rows_in) continue;
     mbar_wait(&ready[cw], rphase);
     rphase ^= 1;
-    if (t + static_cast<int>(gridDim.x) < prm.total_tiles || !tr.mirrored(prm)) {
+    if (t + stride < prm.total_tiles || !tr.mirrored(prm)) {
       stage_blocks<kBF16, kHasD, false>(acc, tr, stage_u32, prm, mrow, mchunk, warp, lane);
     } else {
       // The CTA's last tile: nothing is loaded into the pipeline stages any more, so once both
@@ -610,6 +682,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_async_smem();
     mbar_arrive_if(&staged[cw], true);
   }
+  if constexpr (kPair) cluster_sync();  // the peer's consumers have made their last arrivals here
 #endif
 }
 
@@ -683,19 +756,64 @@ int sm_count_and_check(int* device_out = nullptr) {
   return g_sms[dev];
 }
 
-template <bool kBF16, bool kHasD, bool kBandedIn>
+template <bool kBF16, bool kHasD, bool kBandedIn, bool kPair>
 void launch_typed(const CUtensorMap (&maps)[6], const SymParams& prm, int grid, int dev, cudaStream_t s) {
-  constexpr uint32_t bit = 1u << ((kBF16 ? 4 : 0) + (kHasD ? 2 : 0) + (kBandedIn ? 1 : 0));
+  constexpr auto kernel = sym_wgmma_kernel<kBF16, kHasD, kBandedIn, kPair>;
+  constexpr uint32_t bit = 1u << ((kPair ? 8 : 0) + (kBF16 ? 4 : 0) + (kHasD ? 2 : 0) + (kBandedIn ? 1 : 0));
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     if (!(g_smem_set[dev] & bit)) {
-      DION3_CUDA_CHECK(cudaFuncSetAttribute(sym_wgmma_kernel<kBF16, kHasD, kBandedIn>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+      DION3_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
       g_smem_set[dev] |= bit;
     }
   }
-  launch_pdl(sym_wgmma_kernel<kBF16, kHasD, kBandedIn>, grid, kThreads, kSmemBytes, s, maps[0], maps[1], maps[2], maps[3],
-             maps[4], maps[5], prm);
+  if constexpr (!kPair) {
+    launch_pdl(kernel, grid, kThreads, kSmemBytes, s, maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], prm);
+  } else {
+    cudaLaunchAttribute attr[2];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    attr[1].id = cudaLaunchAttributeClusterDimension;
+    attr[1].val.clusterDim.x = 2;
+    attr[1].val.clusterDim.y = 1;
+    attr[1].val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(static_cast<unsigned>(grid));
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = kSmemBytes;
+    cfg.stream = s;
+    cfg.attrs = attr;
+    cfg.numAttrs = 2;
+    DION3_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], prm));
+  }
+}
+
+
+// Whether clusters of two of the kernel's CTAs can be resident on this device (asked once per
+// device); where not, launches take one CTA per tile.
+int g_pairs_fit[kMaxDevices];  // 0 not asked, 1 yes, -1 no
+bool pairs_fit(int dev) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (g_pairs_fit[dev] == 0) {
+    constexpr auto kernel = sym_wgmma_kernel<false, false, false, true>;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 2;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(2);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = kSmemBytes;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    const bool ok = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) == cudaSuccess &&
+                    cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0;
+    if (!ok) (void)cudaGetLastError();
+    g_pairs_fit[dev] = ok ? 1 : -1;
+  }
+  return g_pairs_fit[dev] > 0;
 }
 
 // A TMA-addressable operand: 16-byte aligned base, rows and matrices 16-byte multiples apart.
@@ -738,7 +856,7 @@ bool sym_wgmma_supported(const MatrixView& A, const MatrixView& B, const MatrixV
 
 void launch_sym_wgmma(const MatrixView& A, const MatrixView& B, float alpha, float beta,
                       const MatrixView* D, float gamma, const MatrixView& C, cudaStream_t s,
-                      bool banded_in, bool banded_out, bool skip_epilogue, int max_ctas) {
+                      bool banded_in, bool banded_out, bool skip_epilogue, int max_ctas, bool pairs) {
   static_assert(kSymBand == kBN, "a banded matrix's diagonal blocks are the schedule's 256-column blocks");
   if (!sym_wgmma_supported(A, B, D, C)) fail("sym_wgmma: unsupported operands", Status::Unsupported);
   const int64_t p = C.rows, batch = C.batch;
@@ -758,25 +876,42 @@ void launch_sym_wgmma(const MatrixView& A, const MatrixView& B, float alpha, flo
   prm.same_ab = A.data == B.data && A.ld == B.ld && A.batch == B.batch && A.batch_stride == B.batch_stride;
   prm.d_batched = has_d && D->batch > 1;
   const int tiles = static_cast<int>((p + kBM - 1) / kBM), m = tiles / 2;
-  const int tiles_per_mat = (tiles & 1) ? (m + 1) * (m + 1) : m * (m + 1);
-  prm.even_diag_per_mat = (tiles + 1) / 2;
-  prm.full_per_mat = tiles_per_mat - prm.even_diag_per_mat;
-  prm.full_tiles = static_cast<int>(prm.full_per_mat * batch);
-  prm.total_tiles = static_cast<int>(tiles_per_mat * batch);
-  static_assert(kBK == 64 && kEB == 64, "every tensor map box is 64 columns wide");
-  const CUtensorMap mc = make_map(C, kEB);
-  // The 64-row maps of A and B: their transposed blocks (banded_in); otherwise unused.
-  const CUtensorMap ma = make_map(A, kBM), mb = make_map(B, kBN);
-  const CUtensorMap maps[6] = {ma, mb, mc, has_d ? make_map(*D, kEB) : mc, banded_in ? make_map(A, kEB) : ma,
-                               banded_in ? make_map(B, kEB) : mb};
   int dev = 0;
   const int sms = sm_count_and_check(&dev);
   const int ctas = max_ctas > 0 ? std::min(sms, max_ctas) : sms;
-  const int grid = static_cast<int>(std::min<int64_t>(ctas, prm.total_tiles));
-  // The one dtype (D or not, banded inputs or not) dispatch of the kernel.
+  const bool pair = pairs && ctas >= 2 && pairs_fit(dev);
+  int grid = 0;
+  if (pair) {  // units of two 128-row blocks (see the kernel's pairs)
+    const int units = (tiles + 1) / 2;
+    prm.pair = 1;
+    prm.units_per_mat = units * (units + 1) / 2;
+    prm.total_tiles = static_cast<int>(prm.units_per_mat * batch);
+    grid = 2 * static_cast<int>(std::min<int64_t>(ctas / 2, prm.total_tiles));
+  } else {
+    const int tiles_per_mat = (tiles & 1) ? (m + 1) * (m + 1) : m * (m + 1);
+    prm.even_diag_per_mat = (tiles + 1) / 2;
+    prm.full_per_mat = tiles_per_mat - prm.even_diag_per_mat;
+    prm.full_tiles = static_cast<int>(prm.full_per_mat * batch);
+    prm.total_tiles = static_cast<int>(tiles_per_mat * batch);
+    grid = static_cast<int>(std::min<int64_t>(ctas, prm.total_tiles));
+  }
+  static_assert(kBK == 64 && kEB == 64, "every tensor map box is 64 columns wide");
+  const CUtensorMap mc = make_map(C, kEB);
+  // B's boxes: its 256 rows of a tile, or with pairs the 128 of one CTA's half. The 64-row maps
+  // of A and B: their transposed blocks (banded_in); otherwise unused.
+  const CUtensorMap ma = make_map(A, kBM), mb = make_map(B, pair ? kBM : kBN);
+  const CUtensorMap maps[6] = {ma, mb, mc, has_d ? make_map(*D, kEB) : mc, banded_in ? make_map(A, kEB) : ma,
+                               banded_in ? make_map(B, kEB) : mb};
+  // The one dtype (D or not, banded inputs or not, pairs or not) dispatch of the kernel.
   auto go = [&](auto bf16, auto hd) {
-    if (banded_in) launch_typed<decltype(bf16)::value, decltype(hd)::value, true>(maps, prm, grid, dev, s);
-    else launch_typed<decltype(bf16)::value, decltype(hd)::value, false>(maps, prm, grid, dev, s);
+    constexpr bool kB = decltype(bf16)::value, kD = decltype(hd)::value;
+    if (pair) {
+      if (banded_in) launch_typed<kB, kD, true, true>(maps, prm, grid, dev, s);
+      else launch_typed<kB, kD, false, true>(maps, prm, grid, dev, s);
+    } else {
+      if (banded_in) launch_typed<kB, kD, true, false>(maps, prm, grid, dev, s);
+      else launch_typed<kB, kD, false, false>(maps, prm, grid, dev, s);
+    }
   };
   if (A.dtype == DType::BF16) {
     if (has_d) go(std::true_type{}, std::true_type{});

@@ -599,8 +599,9 @@ INSTANTIATE_TEST_SUITE_P(Cases, Gemm,
 
 // ---- gram / sym_product: full GEMM and lower-triangle tile schedules ---------------------------
 // tile 0: full GEMM; kernel: the fused sm_90a kernel where it supports the operands (else the
-// automatic path), otherwise the tile schedule on cuBLAS.
-struct SymCase { DType dt; int64_t p, q, tile; bool kernel = false; };
+// automatic path), otherwise the tile schedule on cuBLAS; pairs: the kernel's CTA pairs (one CTA
+// per tile when false).
+struct SymCase { DType dt; int64_t p, q, tile; bool kernel = false; bool pairs = true; };
 class Symmetric : public ct::CudaTest, public ::testing::WithParamInterface<SymCase> {};
 
 bool exactly_symmetric(const std::vector<float>& v, int64_t batch, int64_t p) {
@@ -613,7 +614,7 @@ bool exactly_symmetric(const std::vector<float>& v, int64_t batch, int64_t p) {
 
 TEST_P(Symmetric, GramAndSymProductMatchCpu) {
   const SymCase c = GetParam();
-  dion3::cuda::set_symmetric_options(*gpu, {c.tile > 0 || c.kernel, c.tile, c.kernel});
+  dion3::cuda::set_symmetric_options(*gpu, {c.tile > 0 || c.kernel, c.tile, c.kernel, c.pairs});
   std::mt19937_64 rng(41 + c.p);
   const int64_t b = 3;
   Twin X(*gpu, c.dt, b, c.p, c.q), R(*gpu, c.dt, b, c.p, c.p);
@@ -656,10 +657,16 @@ INSTANTIATE_TEST_SUITE_P(Cases, Symmetric,
                                            // tile rows; q = 300 (rows not 16-byte aligned) falls back
                                            SymCase{DType::F16, 200, 520, 0, true}, SymCase{DType::BF16, 200, 520, 0, true},
                                            SymCase{DType::F16, 520, 1000, 0, true}, SymCase{DType::BF16, 384, 40, 0, true},
-                                           SymCase{DType::BF16, 1000, 64, 0, true}, SymCase{DType::F16, 96, 300, 0, true}),
+                                           SymCase{DType::BF16, 1000, 64, 0, true}, SymCase{DType::F16, 96, 300, 0, true},
+                                           // one CTA per tile; an odd count of 128-row blocks (a pair's
+                                           // second CTA without rows)
+                                           SymCase{DType::F16, 520, 1000, 0, true, false},
+                                           SymCase{DType::BF16, 384, 40, 0, true, false},
+                                           SymCase{DType::F16, 640, 200, 0, true}),
                          [](const auto& i) {
                            return std::string(dn(i.param.dt)) + "_p" + std::to_string(i.param.p) + "_t" +
-                                  std::to_string(i.param.tile) + (i.param.kernel ? "_kernel" : "");
+                                  std::to_string(i.param.tile) + (i.param.kernel ? "_kernel" : "") +
+                                  (i.param.kernel && !i.param.pairs ? "_single" : "");
                          });
 
 // ---- banded symmetric products (the fused kernel) ---------------------------------------------
@@ -716,6 +723,42 @@ INSTANTIATE_TEST_SUITE_P(Cases, Banded,
                                            BandCase{DType::F16, 1376, 512}, BandCase{DType::BF16, 2048, 2048},
                                            BandCase{DType::F16, 264, 300}),
                          [](const auto& i) { return std::string(dn(i.param.dt)) + "_p" + std::to_string(i.param.p); });
+
+// ---- the fused kernel's CTA pairs ----------------------------------------------------------------
+// Clusters of two CTAs sharing B's loads compute every tile as one CTA does alone, k-block by
+// k-block: the same bits, full and banded, on ragged sizes and an odd count of 128-row blocks.
+TEST_F(CudaOps, CtaPairsGiveTheSameBitsAsOneCtaPerTile) {
+  for (auto [dt, p, q] : {std::tuple{DType::F16, int64_t{520}, int64_t{1000}}, std::tuple{DType::BF16, int64_t{640}, int64_t{72}},
+                          std::tuple{DType::F16, int64_t{1376}, int64_t{512}}}) {
+    if (!gpu->symmetric_banded(dt, p)) GTEST_SKIP() << "no fused sm_90a kernel here";
+    std::mt19937_64 rng(5 + p);
+    const int64_t b = 3;
+    Twin X(*gpu, dt, b, p, q);
+    X.fill_normal(rng, 1.0f / std::sqrt(static_cast<float>(q)));
+    for (int banded = 0; banded < 2; ++banded) {
+      const bool bd = banded == 1;
+      std::vector<float> out[2][3];
+      for (int pairs = 0; pairs < 2; ++pairs) {
+        dion3::cuda::set_symmetric_options(*gpu, {true, 0, true, pairs == 1});
+        Twin R(*gpu, dt, b, p, p), W(*gpu, dt, b, p, p), Q(*gpu, dt, b, p, p);
+        for (Twin* t : {&R, &W, &Q}) {
+          t->fill_value(0.0f);
+          t->upload();
+        }
+        MatrixView Rd = R.dview();
+        gpu->gram(X.dview(), R.dview(), bd);
+        gpu->sym_product(2.0f, R.dview(), R.dview(), -1.5f, &Rd, 0.5f, W.dview(), bd, bd);
+        gpu->sym_product(1.0f, W.dview(), R.dview(), 0.0f, nullptr, 3.0f, Q.dview(), bd, false);
+        out[pairs][0] = R.device_values();
+        out[pairs][1] = W.device_values();
+        out[pairs][2] = Q.device_values();
+      }
+      for (int m = 0; m < 3; ++m)
+        EXPECT_EQ(out[1][m], out[0][m]) << dn(dt) << " p " << p << (bd ? " banded" : "") << ", product " << m;
+    }
+  }
+  dion3::cuda::set_symmetric_options(*gpu, {});
+}
 
 // ---- the products on fewer multiprocessors ----------------------------------------------------
 // set_product_sm_limit caps the fused kernel's persistent grid and cuBLAS's SM target so that
