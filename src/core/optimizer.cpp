@@ -789,8 +789,10 @@ ExchangePlan exchange_plan(Layout layout, const GroupConfig& g, int64_t count, i
     // Row scores summed over the ranks' columns (Dion3: an all-gather of partial scores), each
     // rank's columns of the selected rows to the owner (all-to-all), whole result rows back to
     // every rank (all-gather): selection and NorMuon see whole rows.
+    // The owner packs the ranks' columns side by side, n wide (no padding: zero columns would
+    // leave a tall matrix's Gram rank-deficient where one device transposes it).
     const int64_t c = ceil_div(cols, P);
-    x.orth_cols = P * c;
+    x.orth_cols = cols;
     x.rounds = selects ? 3 : 2;
     x.bytes_sent = static_cast<std::size_t>((P - 1) * x.block * x.k) *
                    (static_cast<std::size_t>(c) * es_u + static_cast<std::size_t>(cols) * es_o);
@@ -805,7 +807,7 @@ ExchangePlan exchange_plan(Layout layout, const GroupConfig& g, int64_t count, i
     x.piece = selects ? selected_rows(g.fraction, c) : c;
     x.k = x.piece;
     x.orth_rows = P * x.piece;
-    x.orth_cols = Pc * cc;
+    x.orth_cols = cols;  // the column blocks packed, as for ColShard
     x.rounds = (P > 1 ? 2 : 0) + (Pc > 1 ? (selects ? 2 : 1) : 0);
     x.bytes_sent = static_cast<std::size_t>((P - 1) * x.block * x.piece * x.orth_cols) * (es_u + es_o) +
                    static_cast<std::size_t>((Pc - 1) * count * x.piece * cc) * es_u;
@@ -1390,15 +1392,15 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
     } else {
       const MatrixView U = update_rows_in_arena(mb, c);
       if (col_shard) {
-        // Each member's selected rows, the ranks' column blocks side by side (this rank's
-        // gathered in place); columns past n stay zero.
+        // Each member's selected rows, the ranks' column blocks packed side by side, n wide (this
+        // rank's gathered in place; the pieces in `recv` are padded to cc).
         const int64_t cc = ceil_div(mb.global_cols, P);
-        const std::size_t piece = static_cast<std::size_t>(cc) * es_u;
-        if (P * cc != mb.global_cols || mb.cols < cc) be.fill_zero(U.data, c.count * mb.orth_rows * mb.orth_cols * es_u);
+        const std::size_t piece = static_cast<std::size_t>(cc) * es_u, pitch = mb.orth_cols * es_u;
         for (int64_t r = 0; r < P; ++r) {
-          if (r == mb.rank) continue;
-          be.copy_2d(static_cast<char*>(U.data) + r * piece, P * piece,
-                     byte_offset(mb.recv, (r * mb.block + jl) * mb.k * piece), piece, piece, c.count * mb.k);
+          const int64_t held = std::min(cc, mb.global_cols - r * cc);  // rank r's columns
+          if (r == mb.rank || held <= 0) continue;
+          be.copy_2d(static_cast<char*>(U.data) + r * piece, pitch,
+                     byte_offset(mb.recv, (r * mb.block + jl) * mb.k * piece), piece, held * es_u, c.count * mb.k);
         }
         if (mb.cols > 0)
           gather_update_rows(be, g, mu, *c.set, rows, mb.k,
@@ -1503,9 +1505,9 @@ void Optimizer::Impl::apply(Megabatch& mb, int* flag) {
   const bool selects = selects_rows(groups[mb.group].algorithm);
   const bool row_shard = mb.layout == Layout::RowShard || mb.layout == Layout::Block;
   const int64_t listed = row_shard ? mb.piece : mb.k;
-  // ColShard: whole rows, in `send` (the all-gather's buffer). Block: whole-width rows, padded.
+  // Whole rows: ColShard's in `send` (the all-gather's buffer), Block's in `recv`.
   const DeviceBuffer& results = mb.layout == Layout::ColShard ? mb.send : mb.recv;
-  const int64_t width = mb.layout == Layout::Block ? mb.orth_cols : mb.global_cols;
+  const int64_t width = mb.global_cols;
   const std::size_t slot = static_cast<std::size_t>(listed * width) * dtype_size(mb.orth_dtype);
   for (auto& [first, set] : mb.others) {
     const int32_t* rows = row_shard ? mb.piece_idx.as<int32_t>() + first * mb.piece
@@ -1546,10 +1548,13 @@ void Optimizer::Impl::prepare_block(Megabatch& mb, int* flag) {
   if (Pc > 1)
     comm_wait(mb.col_comm->all_gather(mine, mb.colbuf.get(), block, be.stream(),
                                       "the column all-gather of " + mb.label));
-  // Whole-width pieces, member order: the row exchange's `send`.
-  for (int64_t t = 0; t < Pc; ++t)
-    be.copy_2d(mb.send.as<char>() + t * cc * es_u, W * es_u, byte_offset(mb.colbuf, t * block), cc * es_u, cc * es_u,
-               n * mb.piece);
+  // Whole-width pieces, member order, the column blocks packed (W = n): the row exchange's `send`.
+  for (int64_t t = 0; t < Pc; ++t) {
+    const int64_t held = std::min(cc, mb.global_cols - t * cc);  // column rank t's columns
+    if (held > 0)
+      be.copy_2d(mb.send.as<char>() + t * cc * es_u, W * es_u, byte_offset(mb.colbuf, t * block), cc * es_u,
+                 held * es_u, n * mb.piece);
+  }
   if (mb.ranks > 1)
     mb.inflight = mb.comm->all_to_all(mb.send.get(), mb.recv.get(),
                                       mb.block * static_cast<std::size_t>(mb.piece * W) * es_u, be.stream(),
