@@ -608,10 +608,15 @@ class _EngineOptimizer(torch.optim.Optimizer):
                     if old_name in st and name not in st:
                         st[name] = st.pop(old_name)
                 if kind == "matrix" and mine is not None and j < len(mine["params"]) \
-                        and isinstance(st.get("variance_neuron"), torch.Tensor):
-                    # Earlier versions kept one flat value per row.
+                        and mine["params"][j].dim() >= 2 and isinstance(st.get("variance_neuron"), torch.Tensor):
+                    # Earlier versions kept one flat value per row. (A parameter that is no matrix
+                    # here is left to the checks that name it.)
                     full = dict(self.defaults, **g)
-                    want = dict((n, sh) for n, _, sh in _state_shapes(full, mine["params"][j])).get("variance_neuron")
+                    try:
+                        shapes = _state_shapes(full, mine["params"][j])
+                    except RuntimeError:
+                        shapes = []
+                    want = dict((n, sh) for n, _, sh in shapes).get("variance_neuron")
                     v = st["variance_neuron"]
                     if want is not None and v.dim() == 1 and v.numel() == math.prod(want):
                         try:
@@ -1223,6 +1228,12 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 self.state[p].clear()
             self._kinds[p] = kinds[p]
             self.state[p].update(st)
+        # State exists for every parameter from construction on: one without a gradient whose
+        # state the caller cleared gets it back, zero, so that state_dict() still covers it.
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p not in new_state and not self.state.get(p):
+                    self.state[p].update(self._zero_state(g, p))
         self._engine = engine
         self._engine_params = engine_params
         self._engine_cuda = device.type == "cuda"

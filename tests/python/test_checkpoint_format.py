@@ -375,3 +375,35 @@ def test_the_count_of_skipped_steps_resumes():
     with pytest.raises(ValueError, match="'steps_skipped' must be a count >= 0; got -1"):
         resumed.load_state_dict(sd)
     assert resumed.steps_skipped == 2
+
+
+def test_a_checkpoint_of_other_groups_is_refused_with_the_parameter_named():
+    # A matrix group's checkpoint loaded where that position holds a 1-D AdamW parameter: the
+    # check that names the parameter answers, not the shape conversion of older checkpoints.
+    torch.manual_seed(0)
+    w, b = torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(16))
+    saved = dion3.Dion3([dict(params=[w])])
+    w.grad = torch.randn_like(w)
+    saved.step()
+    other = dion3.Dion3([dict(params=[b], algorithm="adamw")])
+    with pytest.raises(ValueError, match="group0.param0"):
+        other.load_state_dict(saved.state_dict())
+
+
+def test_state_cleared_by_the_caller_comes_back_for_parameters_without_gradients():
+    # opt.state.clear() (a reset), then a step where one parameter has no gradient: state_dict()
+    # still covers it (fresh zero state), so the checkpoint loads.
+    torch.manual_seed(1)
+    a, c = torch.nn.Parameter(torch.randn(8, 6)), torch.nn.Parameter(torch.randn(8, 6))
+    opt = dion3.Dion3([a, c])
+    a.grad, c.grad = torch.randn_like(a), torch.randn_like(c)
+    opt.step()
+    opt.state.clear()
+    a.grad, c.grad = torch.randn_like(a), None
+    opt.step()
+    sd = opt.state_dict()
+    assert torch.count_nonzero(sd["state"][1]["momentum"]) == 0 and sd["state"][1]["step"] == 0
+    a2, c2 = torch.nn.Parameter(a.detach().clone()), torch.nn.Parameter(c.detach().clone())
+    fresh = dion3.Dion3([a2, c2])
+    fresh.load_state_dict(sd)
+    assert torch.equal(fresh.state[a2]["momentum"], opt.state[a]["momentum"])
