@@ -104,7 +104,7 @@ class CudaBackend final : public Backend {
     if (const char* t = std::getenv("DION3_SYM_TILE")) sym_.tile = std::atoll(t);
     if (const char* e = std::getenv("DION3_SYM_DISABLE")) sym_.enabled = std::atoi(e) == 0;
     if (const char* e = std::getenv("DION3_SYM_KERNEL")) kernel_env_ = std::atoi(e) != 0;
-    if (const char* e = std::getenv("DION3_SYM_PAIRS")) sym_.pairs = std::atoi(e) != 0;
+    if (const char* e = std::getenv("DION3_SYM_PAIRS")) pairs_env_ = std::atoi(e) != 0;
   }
   ~CudaBackend() override {
     cudaStreamSynchronize(stream_);
@@ -346,7 +346,8 @@ class CudaBackend final : public Backend {
       fail("gram: C must be batch x rows x rows of X");
     const int64_t p = X.rows;
     if (use_kernel(X, X, nullptr, C)) {
-      launch_sym_wgmma(X, X, 1.0f, 0.0f, nullptr, 0.0f, C, stream_, false, banded_out, false, sm_limit_, sym_.pairs);
+      launch_sym_wgmma(X, X, 1.0f, 0.0f, nullptr, 0.0f, C, stream_, false, banded_out, false, sm_limit_,
+                       sym_.pairs && pairs_env_);
       return;
     }
     const int64_t tile = tile_for(p);
@@ -372,7 +373,7 @@ class CudaBackend final : public Backend {
     if (use_kernel(A, B, has_d ? D : nullptr, C)) {
       // Fused: C = alpha·A·B + beta·D + gamma·I from the lower triangle, mirrored (or banded).
       launch_sym_wgmma(A, B, alpha, beta, has_d ? D : nullptr, gamma, C, stream_, banded_in, banded_out, false,
-                       sm_limit_, sym_.pairs);
+                       sm_limit_, sym_.pairs && pairs_env_);
       return;
     }
     if (banded_in) fail("sym_product: banded operands need the fused kernel, which does not run on these");
@@ -407,6 +408,7 @@ class CudaBackend final : public Backend {
   // --- knobs -------------------------------------------------------------------------------
   SymmetricOptions sym_{};
   bool kernel_env_ = true;
+  bool pairs_env_ = true;  // DION3_SYM_PAIRS=0: never pairs, whatever set_symmetric_options says
   int sm_limit_ = 0;  // set_product_sm_limit; 0: every multiprocessor
   void set_sm_limit(int sms) {
     DION3_CUBLAS_CHECK(cublasSetSmCountTarget(handle_, sms));

@@ -3,7 +3,7 @@
 // (A, B: batches of p x k row-major fp16/bf16 matrices, "K-contiguous" both; C and D in the
 // same dtype), with fp32 accumulation. Persistent grid (one CTA per SM), linearized triangular
 // schedule over 128 x 256 tiles (tile t -> (matrix, row block i, column block j <= i/2);
-// the costly tiles first, see decode_tile), TMA loads (128-byte swizzle) into a 3-stage
+// the costly tiles first, see decode_tile; pairs take units row by row), TMA loads (128-byte swizzle) into a 3-stage
 // mbarrier pipeline fed by one producer thread, and two consumer warpgroups issuing wgmma m64nNk16
 // from shared memory, each owning 64 rows: N = 256, narrower on diagonal tiles (only the
 // 64-column blocks on or below the diagonal). By default the CTAs run in clusters of two
@@ -171,8 +171,7 @@ struct SymParams {
   int total_tiles;
   int skip_epilogue;    // benchmarks only: no stores (times the main loop alone)
   int banded_out;       // C banded: no mirrored stores outside the diagonal 256 x 256 blocks
-  int pair;             // CTA pairs (clusters of two) share B's rows: see the kernel's pairs
-  int units_per_mat;    // pairs: work units of one matrix (total_tiles counts the units)
+  int units_per_mat;    // CTA pairs (the kernel's kPair): work units of one matrix (total_tiles counts them)
 };
 
 // Integer square root of l >= 0.
@@ -668,8 +667,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (t + stride < prm.total_tiles || !tr.mirrored(prm)) {
       stage_blocks<kBF16, kHasD, false>(acc, tr, stage_u32, prm, mrow, mchunk, warp, lane);
     } else {
-      // The CTA's last tile: nothing is loaded into the pipeline stages any more, so once both
-      // warpgroups have released the last one, the transposed blocks go there (mirror_base),
+      // The CTA's last tile: nothing is loaded into the pipeline stages any more, so once every
+      // consumer warp (of both CTAs of a pair) has released the last one, the transposed blocks go there (mirror_base),
       // written from registers, and the helper only stores.
       stage_blocks<kBF16, kHasD, true>(acc, tr, stage_u32, prm, mrow, mchunk, warp, lane);
       ring.wait_released(empty);
@@ -789,12 +788,14 @@ void launch_typed(const CUtensorMap (&maps)[6], const SymParams& prm, int grid, 
 }
 
 
-// Whether clusters of two of the kernel's CTAs can be resident on this device (asked once per
-// device); where not, launches take one CTA per tile.
-int g_pairs_fit[kMaxDevices];  // 0 not asked, 1 yes, -1 no
-bool pairs_fit(int dev) {
+// How many clusters of two of the kernel's CTAs can be resident on this device at once (asked
+// once per device): the persistent grid of pairs is no larger, so that it runs in one wave; 0 (no
+// cluster fits): launches take one CTA per tile.
+int g_pair_clusters[kMaxDevices];  // -1 not asked
+bool g_pairs_asked[kMaxDevices];
+int resident_pair_clusters(int dev) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  if (g_pairs_fit[dev] == 0) {
+  if (!g_pairs_asked[dev]) {
     constexpr auto kernel = sym_wgmma_kernel<false, false, false, true>;
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -809,11 +810,12 @@ bool pairs_fit(int dev) {
     cfg.numAttrs = 1;
     int clusters = 0;
     const bool ok = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) == cudaSuccess &&
-                    cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0;
-    if (!ok) (void)cudaGetLastError();
-    g_pairs_fit[dev] = ok ? 1 : -1;
+                    cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess;
+    if (!ok) (void)cudaGetLastError();  // the query's own error: launches then take one CTA per tile
+    g_pair_clusters[dev] = ok ? clusters : 0;
+    g_pairs_asked[dev] = true;
   }
-  return g_pairs_fit[dev] > 0;
+  return g_pair_clusters[dev];
 }
 
 // A TMA-addressable operand: 16-byte aligned base, rows and matrices 16-byte multiples apart.
@@ -879,14 +881,14 @@ void launch_sym_wgmma(const MatrixView& A, const MatrixView& B, float alpha, flo
   int dev = 0;
   const int sms = sm_count_and_check(&dev);
   const int ctas = max_ctas > 0 ? std::min(sms, max_ctas) : sms;
-  const bool pair = pairs && ctas >= 2 && pairs_fit(dev);
+  const int pair_clusters = pairs && ctas >= 2 ? std::min(ctas / 2, resident_pair_clusters(dev)) : 0;
+  const bool pair = pair_clusters > 0;
   int grid = 0;
   if (pair) {  // units of two 128-row blocks (see the kernel's pairs)
     const int units = (tiles + 1) / 2;
-    prm.pair = 1;
     prm.units_per_mat = units * (units + 1) / 2;
     prm.total_tiles = static_cast<int>(prm.units_per_mat * batch);
-    grid = 2 * static_cast<int>(std::min<int64_t>(ctas / 2, prm.total_tiles));
+    grid = 2 * static_cast<int>(std::min<int64_t>(pair_clusters, prm.total_tiles));
   } else {
     const int tiles_per_mat = (tiles & 1) ? (m + 1) * (m + 1) : m * (m + 1);
     prm.even_diag_per_mat = (tiles + 1) / 2;
