@@ -138,7 +138,7 @@ struct ExchangePlan {
   int64_t k = 0;          // rows selected per matrix (per shard for row-sharded local scope)
   int64_t piece = 0;      // row-sharded: rows each rank sends per matrix
   int64_t orth_rows = 0;  // rows of each matrix the orthogonalizer sees
-  int64_t orth_cols = 0;  // and its columns (column-sharded: the ranks' blocks side by side)
+  int64_t orth_cols = 0;  // and its columns (n: column-sharded blocks are packed side by side)
   int rounds = 0;         // collective rounds per step
   std::size_t bytes_sent = 0;  // bytes one rank sends per step ((P - 1) blocks per round)
 };
@@ -161,7 +161,7 @@ struct MegabatchInfo {
   int64_t selected_rows = 0;   // k
   OrthMethod method = OrthMethod::Standard;
   DType iteration_dtype = DType::F32;
-  std::size_t workspace_bytes = 0;  // arena bytes its largest chunk uses
+  std::size_t workspace_bytes = 0;  // arena bytes its most demanding chunk uses, and its own buffers
   int64_t chunk = 0;                 // matrices per orthogonalization call
   // Distribution (algorithm.md §3): the layout, ranks, the matrices this rank orthogonalizes, the rows
   // each rank sends per matrix (row-sharded), and per step the collective rounds and the bytes
@@ -171,7 +171,7 @@ struct MegabatchInfo {
   int64_t owned = 0;
   int64_t piece_rows = 0;
   int64_t orth_rows = 0;  // rows of each matrix the orthogonalizer sees
-  int64_t orth_cols = 0;  // and its columns (column-sharded: the ranks' blocks side by side)
+  int64_t orth_cols = 0;  // and its columns (n: column-sharded blocks are packed side by side)
   int rounds = 0;
   std::size_t bytes_sent = 0;
 };

@@ -138,7 +138,7 @@ struct Megabatch {
   // RowShard cut otherwise than in ceil(m/P) chunks in rank order (ParamLayout::row_offset, or
   // row blocks that straddle shards): the largest shard's rows; 0 for the standard cut.
   int64_t row_chunk = 0;
-  int64_t orth_cols = 0;      // columns per member the orthogonalizer sees (ColShard: ranks * ceil(n/ranks))
+  int64_t orth_cols = 0;      // columns per member the orthogonalizer sees (n: column blocks packed)
   int64_t piece = 0;          // RowShard: rows each rank contributes per member
   int64_t orth_rows = 0;      // rows per member the orthogonalizer sees (k, or ranks * piece)
   int64_t block = 0, owned_first = 0, owned_count = 0;

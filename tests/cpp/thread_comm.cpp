@@ -160,6 +160,10 @@ class ThreadCommunicator final : public dion3::Communicator {
     h.recv[rank_] = recv;
 #ifdef DION3_THREAD_COMM_CUDA
     auto s = static_cast<cudaStream_t>(stream);
+    // A failure here aborts every rank at once (they would otherwise wait for this one).
+    auto check_cuda = [&](cudaError_t e, const std::string& what) {
+      if (e != cudaSuccess) h.abort(what + ": " + cudaGetErrorString(e));
+    };
     if (h.device == Device::CUDA) check_cuda(cudaEventRecord(h.ready[rank_], s), label);
 #else
     (void)stream;
@@ -196,6 +200,9 @@ class ThreadCommunicator final : public dion3::Communicator {
     }
 #ifdef DION3_THREAD_COMM_CUDA
     auto s = static_cast<cudaStream_t>(stream);
+    auto check_cuda = [&](cudaError_t e, const std::string& what) {
+      if (e != cudaSuccess) hub_->abort(what + ": " + cudaGetErrorString(e));
+    };
     check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s), label);
     check_cuda(cudaStreamSynchronize(s), label);
 #else

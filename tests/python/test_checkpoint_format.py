@@ -407,3 +407,12 @@ def test_state_cleared_by_the_caller_comes_back_for_parameters_without_gradients
     fresh = dion3.Dion3([a2, c2])
     fresh.load_state_dict(sd)
     assert torch.equal(fresh.state[a2]["momentum"], opt.state[a]["momentum"])
+    # Cleared, then a step where no parameter has a gradient, or straight to state_dict().
+    for then_step in (True, False):
+        opt.state.clear()
+        if then_step:
+            a.grad = c.grad = None
+            opt.step()
+        sd = opt.state_dict()
+        assert sorted(sd["state"]) == [0, 1] and sd["state"][0]["step"] == 0
+        dion3.Dion3([a2, c2]).load_state_dict(sd)
