@@ -27,18 +27,21 @@ class DION3_API Orthogonalizer {
  public:
   // With workspace == null the Orthogonalizer allocates its own; else it uses the caller's
   // memory (at least required_workspace() bytes, not owned), e.g. an arena shared by several
-  // Orthogonalizers whose runs are ordered on one stream.
+  // Orthogonalizers whose runs are ordered on one stream. real_rows > 0: each input has at most
+  // that many non-zero rows, the others zero padding (a row-sharded stack); where those number at
+  // most cols, a tall input iterates untransposed, as one device orients the real rows (the
+  // padding stays exactly zero; transposed, it would iterate on a Gram of too small a rank).
   Orthogonalizer(Backend& backend, const OrthConfig& cfg, int64_t batch, int64_t rows, int64_t cols,
-                 void* workspace = nullptr);
+                 void* workspace = nullptr, int64_t real_rows = 0);
   // Bytes of workspace a (batch, rows, cols) problem needs with this config on this backend.
   static std::size_t required_workspace(const Backend& backend, const OrthConfig& cfg, int64_t batch,
-                                        int64_t rows, int64_t cols);
+                                        int64_t rows, int64_t cols, int64_t real_rows = 0);
   // Byte offset inside that workspace where an input of in_bytes may lie during run(): the part
   // run() writes only after it has read its input (behind X, which it normalises the input into),
   // 256-byte aligned. kNoInputRoom where the input does not fit there.
   static constexpr std::size_t kNoInputRoom = ~std::size_t{0};
   static std::size_t input_offset(const Backend& backend, const OrthConfig& cfg, int64_t batch, int64_t rows,
-                                  int64_t cols, std::size_t in_bytes);
+                                  int64_t cols, std::size_t in_bytes, int64_t real_rows = 0);
   // in: batch x rows x cols, contiguous, any float dtype (normalised in fp32, algorithm.md §2).
   // out: same shape, contiguous, any float dtype. in and out may be the same memory.
   void run(MatrixView in, MatrixView out);

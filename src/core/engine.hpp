@@ -141,6 +141,7 @@ struct Megabatch {
   int64_t orth_cols = 0;      // columns per member the orthogonalizer sees (n: column blocks packed)
   int64_t piece = 0;          // RowShard: rows each rank contributes per member
   int64_t orth_rows = 0;      // rows per member the orthogonalizer sees (k, or ranks * piece)
+  int64_t orth_real_rows = 0;  // of those, how many can be non-zero (0: all; ExchangePlan::real_rows)
   int64_t block = 0, owned_first = 0, owned_count = 0;
   bool global_scope = false;  // RowShard Dion3 with selection_scope = Global
   DType update_dtype = DType::F32;  // of the gathered rows U

@@ -626,9 +626,10 @@ void Optimizer::Impl::build_plan() {
                                 ? 0
                                 : align_up(static_cast<std::size_t>(count * mb.orth_rows * mb.orth_cols) *
                                            dtype_size(mb.update_dtype));
-      const std::size_t ws = Orthogonalizer::required_workspace(*backend, g.orth, count, mb.orth_rows, mb.orth_cols);
+      const std::size_t ws =
+          Orthogonalizer::required_workspace(*backend, g.orth, count, mb.orth_rows, mb.orth_cols, mb.orth_real_rows);
       const std::size_t in_ws =
-          Orthogonalizer::input_offset(*backend, g.orth, count, mb.orth_rows, mb.orth_cols, u);
+          Orthogonalizer::input_offset(*backend, g.orth, count, mb.orth_rows, mb.orth_cols, u, mb.orth_real_rows);
       const bool inside = in_ws != Orthogonalizer::kNoInputRoom;
       if (c) {
         c->update_offset = inside ? in_ws : 0;
@@ -694,7 +695,7 @@ void Optimizer::Impl::build_plan() {
       if (c.orth) continue;
       char* ws = arena.as<char>() + c.orth_offset;
       mb.orths.push_back(
-          std::make_unique<Orthogonalizer>(*backend, g.orth, c.count, mb.orth_rows, mb.orth_cols, ws));
+          std::make_unique<Orthogonalizer>(*backend, g.orth, c.count, mb.orth_rows, mb.orth_cols, ws, mb.orth_real_rows));
       c.orth = mb.orths.back().get();
       if (c.orth->iteration_dtype() != mb.orth_dtype)
         fail("internal: the orthogonalizer's dtype differs from the exchange's", Status::Internal);
@@ -765,6 +766,15 @@ ExchangePlan exchange_plan(Layout layout, const GroupConfig& g, int64_t count, i
   x.orth_cols = cols;
   x.block = layout == Layout::Local ? count : ceil_div(count, P);
   const std::size_t es_u = dtype_size(update_dtype), es_o = dtype_size(orth_dtype);
+  // Rows of a stack of P pieces of `piece` rows that can be non-zero: each rank's rows of its
+  // chunk of c, at most `piece` of them (the rest of a short shard's piece is zero padding). With
+  // a cut of its own (row_chunk) the ranks' rows are not known here: a bound.
+  auto real_rows = [&](int64_t c, int64_t piece) {
+    if (row_chunk > 0) return std::min(P * piece, m);
+    int64_t real = 0;
+    for (int64_t r = 0; r < P; ++r) real += std::min(piece, std::clamp<int64_t>(m - r * c, 0, c));
+    return real;
+  };
   if (layout == Layout::Replicated) {
     // One all-gather of every rank's block of results.
     x.rounds = 1;
@@ -778,6 +788,7 @@ ExchangePlan exchange_plan(Layout layout, const GroupConfig& g, int64_t count, i
     x.piece = !selects ? c : global ? std::min(x.k, c) : selected_rows(g.fraction, c);
     // Global scope: the owner compacts the k selected rows out of the padded pieces.
     x.orth_rows = global ? x.k : P * x.piece;
+    if (!global) x.real_rows = real_rows(c, x.piece);
     x.k = x.piece;
     x.rounds = 2;
     x.bytes_sent = static_cast<std::size_t>((P - 1) * x.block * x.piece * cols) * (es_u + es_o);
@@ -807,6 +818,7 @@ ExchangePlan exchange_plan(Layout layout, const GroupConfig& g, int64_t count, i
     x.piece = selects ? selected_rows(g.fraction, c) : c;
     x.k = x.piece;
     x.orth_rows = P * x.piece;
+    x.real_rows = real_rows(c, x.piece);
     x.orth_cols = cols;  // the column blocks packed, as for ColShard
     x.rounds = (P > 1 ? 2 : 0) + (Pc > 1 ? (selects ? 2 : 1) : 0);
     x.bytes_sent = static_cast<std::size_t>((P - 1) * x.block * x.piece * x.orth_cols) * (es_u + es_o) +
@@ -847,6 +859,7 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
   mb.k = x.k;
   mb.piece = x.piece;
   mb.orth_rows = x.orth_rows;
+  mb.orth_real_rows = x.real_rows;
   mb.orth_cols = x.orth_cols;
   mb.block = x.block;
   mb.rounds = x.rounds;

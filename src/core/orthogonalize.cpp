@@ -23,7 +23,7 @@ int wides_of(OrthMethod m, int64_t p, int64_t q) { return m == OrthMethod::Stand
 bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
 
 // What a (rows, cols) problem resolves to with this config on this backend: the method, the
-// iteration dtype, and p <= q.
+// iteration dtype, and p x q, the shape it iterates on (p <= q, except below).
 struct Plan {
   OrthMethod method;
   DType dtype;
@@ -34,10 +34,17 @@ struct Plan {
            dtype_size(dtype);
   }
 };
-Plan plan_of(const Backend& backend, const OrthConfig& cfg, int64_t rows, int64_t cols) {
+// A tall input whose rows past real_rows are zero padding and whose real rows number at most
+// cols iterates as it stands (p = rows > q = cols): one device would not transpose those rows,
+// and the padding's zero rows stay exactly zero in that orientation.
+bool keeps_rows(int64_t rows, int64_t cols, int64_t real_rows) {
+  return real_rows > 0 && rows > cols && real_rows <= cols;
+}
+Plan plan_of(const Backend& backend, const OrthConfig& cfg, int64_t rows, int64_t cols, int64_t real_rows) {
   const OrthMethod method = choose_orth_method(backend, cfg, rows, cols);
-  return {method, cfg.iteration_dtype.value_or(backend.default_iteration_dtype(method == OrthMethod::Gram)),
-          std::min(rows, cols), std::max(rows, cols)};
+  const DType dtype = cfg.iteration_dtype.value_or(backend.default_iteration_dtype(method == OrthMethod::Gram));
+  if (keeps_rows(rows, cols, real_rows)) return {method, dtype, rows, cols};
+  return {method, dtype, std::min(rows, cols), std::max(rows, cols)};
 }
 }  // namespace
 
@@ -77,13 +84,13 @@ OrthMethod choose_orth_method(const Backend& backend, const OrthConfig& cfg, int
 }
 
 std::size_t Orthogonalizer::required_workspace(const Backend& backend, const OrthConfig& cfg, int64_t batch,
-                                               int64_t rows, int64_t cols) {
-  return plan_of(backend, cfg, rows, cols).workspace_bytes(batch);
+                                               int64_t rows, int64_t cols, int64_t real_rows) {
+  return plan_of(backend, cfg, rows, cols, real_rows).workspace_bytes(batch);
 }
 
 std::size_t Orthogonalizer::input_offset(const Backend& backend, const OrthConfig& cfg, int64_t batch,
-                                         int64_t rows, int64_t cols, std::size_t in_bytes) {
-  const Plan plan = plan_of(backend, cfg, rows, cols);
+                                         int64_t rows, int64_t cols, std::size_t in_bytes, int64_t real_rows) {
+  const Plan plan = plan_of(backend, cfg, rows, cols, real_rows);
   // run() first normalises the input into X = wide(0) (transposed if tall); everything behind it
   // is written only afterwards.
   const std::size_t offset = (plan.wide_bytes(batch) + 255) / 256 * 256;
@@ -91,14 +98,14 @@ std::size_t Orthogonalizer::input_offset(const Backend& backend, const OrthConfi
 }
 
 Orthogonalizer::Orthogonalizer(Backend& backend, const OrthConfig& cfg, int64_t batch, int64_t rows,
-                               int64_t cols, void* workspace)
+                               int64_t cols, void* workspace, int64_t real_rows)
     : backend_(backend), cfg_(cfg), batch_(batch) {
   cfg_.validate();
   if (batch < 1 || rows < 1 || cols < 1)
     fail("orthogonalize needs a non-empty batch of matrices, got batch " + std::to_string(batch) + " of " +
          std::to_string(rows) + "x" + std::to_string(cols));
-  transposed_ = rows > cols;
-  const Plan plan = plan_of(backend, cfg_, rows, cols);
+  transposed_ = rows > cols && !keeps_rows(rows, cols, real_rows);
+  const Plan plan = plan_of(backend, cfg_, rows, cols, real_rows);
   p_ = plan.p;
   q_ = plan.q;
   method_ = plan.method;

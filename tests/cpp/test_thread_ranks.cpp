@@ -21,67 +21,76 @@ INSTANTIATE_TEST_SUITE_P(Cpu, ThreadRanks, ::testing::Values(2, 3, 4),
 
 }  // namespace
 
-// A matrix with fewer columns than selected rows, its columns cut over ranks that do not divide
-// them (n < k <= P * ceil(n/P)): one device orthogonalizes it transposed, on its n x n Gram. The
-// owner of a column-sharded (or block) matrix packs the ranks' columns n wide, so it takes the
-// same orientation; zero-padded columns instead left a k x k Gram of rank n, whose null
-// directions a 16-bit iteration amplified (updates off by more than their own size). Each rank's
-// part must equal one process's to the iteration's rounding.
-TEST(ThreadRanksNarrow, ColumnShardsOrthogonalizeAsOneDevice) {
+// Shards whose padding would turn a matrix's orientation. Columns: fewer columns than selected
+// rows, cut over ranks that do not divide them (n < k <= P * ceil(n/P)); the owner packs the
+// columns n wide. Rows: at most n real rows in a zero-padded stack of more than n; the owner
+// iterates on the rows as they stand. One device orients both by the real shape; iterating on
+// a Gram of rank below its size instead let a 16-bit iteration amplify its null directions
+// (updates off by more than their own size). Each rank's part must equal one process's to the
+// iteration's rounding (Muon and NorMuon select every row, so the rules coincide; NorMuon's
+// rescale under row sharding is per rank, algorithm.md §3, so rows are cut for Muon only).
+TEST(ThreadRanksNarrow, PaddedShardsOrthogonalizeAsOneDevice) {
+  using dion3::Layout;
   struct Case {
     dion3::Algorithm algo;
     dion3::OrthMethod method;
+    Layout layout;
+    bool cut_rows;  // Block: a P x 1 grid (rows cut) or 1 x P (columns cut)
     int ranks, m, n;
   };
-  for (const Case& c : {Case{dion3::Algorithm::Muon, dion3::OrthMethod::Gram, 3, 3, 1},
-                        Case{dion3::Algorithm::Muon, dion3::OrthMethod::Standard, 3, 3, 1},
-                        Case{dion3::Algorithm::NorMuon, dion3::OrthMethod::Gram, 4, 20, 18}}) {
-    for (dion3::Layout layout : {dion3::Layout::ColShard, dion3::Layout::Block}) {
-      dion3::GroupConfig g;
-      g.algorithm = c.algo;
-      g.lr = 0.02;
-      g.orth.method = c.method;
-      g.orth.iteration_dtype = dion3::DType::BF16;
-      t3::Rng rng(3);
-      const ref::Mat W = t3::gaussian(c.m, c.n, rng, 0.05), G = t3::gaussian(c.m, c.n, rng);
-      // One process.
-      t3::Harness one;
-      auto& p = one.add(one.opt.add_group(g), "w", dion3::DType::F32, {c.m, c.n}, rng);
-      p.w.assign(W);
-      p.g.assign(G);
-      ASSERT_TRUE(one.opt.step());
-      const std::vector<double> want = p.w.values();
-      // Thread ranks: columns cut over all of them (Block: a 1 x P grid).
-      const auto comms = t3::thread_communicators(c.ranks, dion3::Device::CPU);
-      std::vector<std::vector<double>> got(c.ranks);
-      t3::on_threads(c.ranks, "narrow", [&](int r) {
-        const t3::Shard cols = t3::shard_of(c.n, c.ranks, r);
-        t3::Harness h;
-        const int gi = h.opt.add_group(g);
-        auto q = std::make_unique<t3::HostParam>("w", dion3::DType::F32, std::vector<int64_t>{c.m, cols.count});
-        q->w.assign(t3::part_of(W, c.n, {0, c.m}, cols));
-        q->g.assign(t3::part_of(G, c.n, {0, c.m}, cols));
-        dion3::ParamSpec spec = q->spec();
-        spec.layout.kind = layout;
-        spec.layout.global_rows = c.m;
-        spec.layout.global_cols = c.n;
-        if (layout == dion3::Layout::Block) {
-          spec.layout.comm = t3::thread_communicators(1, dion3::Device::CPU)[0];  // one row rank
-          spec.layout.col_comm = comms[r];
-        } else {
-          spec.layout.comm = comms[r];
-        }
-        h.opt.add_param(gi, spec);
-        EXPECT_TRUE(h.opt.step());
-        got[r] = q->w.values();
-      });
-      for (int r = 0; r < c.ranks; ++r) {
-        const t3::Shard cols = t3::shard_of(c.n, c.ranks, r);
-        // bf16 rounding of the update (lr 0.02 times entries of order one), not its size.
-        EXPECT_LE(t3::max_abs_diff(got[r], t3::part_of(want, c.n, {0, c.m}, cols)), 2e-3 * g.lr)
-            << dion3::algorithm_name(c.algo) << " " << c.m << "x" << c.n << " on " << c.ranks << " ranks, "
-            << dion3::layout_name(layout) << ", rank " << r;
+  const auto Muon = dion3::Algorithm::Muon, NorMuon = dion3::Algorithm::NorMuon;
+  const auto Gram = dion3::OrthMethod::Gram, Standard = dion3::OrthMethod::Standard;
+  for (const Case& c : {Case{Muon, Gram, Layout::ColShard, false, 3, 3, 1}, Case{Muon, Standard, Layout::ColShard, false, 3, 3, 1},
+                        Case{NorMuon, Gram, Layout::ColShard, false, 4, 20, 18}, Case{Muon, Gram, Layout::Block, false, 3, 3, 1},
+                        Case{NorMuon, Gram, Layout::Block, false, 4, 20, 18}, Case{Muon, Gram, Layout::RowShard, true, 4, 6, 7},
+                        Case{Muon, Standard, Layout::RowShard, true, 4, 6, 7}, Case{Muon, Gram, Layout::RowShard, true, 3, 1, 2},
+                        Case{Muon, Gram, Layout::Block, true, 4, 6, 7}}) {
+    dion3::GroupConfig g;
+    g.algorithm = c.algo;
+    g.lr = 0.02;
+    g.orth.method = c.method;
+    g.orth.iteration_dtype = dion3::DType::BF16;
+    t3::Rng rng(3);
+    const ref::Mat W = t3::gaussian(c.m, c.n, rng, 0.05), G = t3::gaussian(c.m, c.n, rng);
+    t3::Harness one;
+    auto& p = one.add(one.opt.add_group(g), "w", dion3::DType::F32, {c.m, c.n}, rng);
+    p.w.assign(W);
+    p.g.assign(G);
+    ASSERT_TRUE(one.opt.step());
+    const std::vector<double> want = p.w.values();
+    const auto comms = t3::thread_communicators(c.ranks, dion3::Device::CPU);
+    const std::string what = std::string(dion3::algorithm_name(c.algo)) + " " + std::to_string(c.m) + "x" +
+                             std::to_string(c.n) + " on " + std::to_string(c.ranks) + " ranks, " +
+                             dion3::layout_name(c.layout) + (c.cut_rows ? " (rows cut)" : " (columns cut)");
+    std::vector<std::vector<double>> got(c.ranks);
+    t3::on_threads(c.ranks, what, [&](int r) {
+      const t3::Shard rows = c.cut_rows ? t3::shard_of(c.m, c.ranks, r) : t3::Shard{0, c.m};
+      const t3::Shard cols = c.cut_rows ? t3::Shard{0, c.n} : t3::shard_of(c.n, c.ranks, r);
+      t3::Harness h;
+      const int gi = h.opt.add_group(g);
+      auto q = std::make_unique<t3::HostParam>("w", dion3::DType::F32, std::vector<int64_t>{rows.count, cols.count});
+      q->w.assign(t3::part_of(W, c.n, rows, cols));
+      q->g.assign(t3::part_of(G, c.n, rows, cols));
+      dion3::ParamSpec spec = q->spec();
+      spec.layout.kind = c.layout;
+      spec.layout.global_rows = c.m;
+      spec.layout.global_cols = c.n;
+      const auto alone = t3::thread_communicators(1, dion3::Device::CPU)[0];  // the grid's other side
+      if (c.layout == Layout::Block) {
+        spec.layout.comm = c.cut_rows ? comms[r] : alone;
+        spec.layout.col_comm = c.cut_rows ? alone : comms[r];
+      } else {
+        spec.layout.comm = comms[r];
       }
+      h.opt.add_param(gi, spec);
+      EXPECT_TRUE(h.opt.step());
+      got[r] = q->w.values();
+    });
+    for (int r = 0; r < c.ranks; ++r) {
+      const t3::Shard rows = c.cut_rows ? t3::shard_of(c.m, c.ranks, r) : t3::Shard{0, c.m};
+      const t3::Shard cols = c.cut_rows ? t3::Shard{0, c.n} : t3::shard_of(c.n, c.ranks, r);
+      // bf16 rounding of the update (lr 0.02 times entries of order one), not its size.
+      EXPECT_LE(t3::max_abs_diff(got[r], t3::part_of(want, c.n, rows, cols)), 2e-3 * g.lr) << what << ", rank " << r;
     }
   }
 }
