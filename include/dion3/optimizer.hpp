@@ -139,9 +139,9 @@ struct ExchangePlan {
   int64_t piece = 0;      // row-sharded: rows each rank sends per matrix
   int64_t orth_rows = 0;  // rows of each matrix the orthogonalizer sees
   int64_t orth_cols = 0;  // and its columns (n: column-sharded blocks are packed side by side)
-  int64_t real_rows = 0;  // of orth_rows, how many can be non-zero (0: all; see Orthogonalizer)
   int rounds = 0;         // collective rounds per step
   std::size_t bytes_sent = 0;  // bytes one rank sends per step ((P - 1) blocks per round)
+  int64_t real_rows = 0;  // of orth_rows, how many can be non-zero (0: all; see Orthogonalizer)
 };
 // row_chunk: rows of the largest row shard where the cut is not the standard one (ParamLayout).
 // col_ranks: Block's column communicator size.
