@@ -1002,9 +1002,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         and "beta2" (besides "betas"), and "nordion2" for Dion3; "steps_skipped" beside "state"."""
         self._sync_counters()
         self._raise_deferred(poll=False)
-        if not isinstance(self.state, _StateMap):  # a plain dict the caller put in
-            self.state = _StateMap(dict, self.state)
-        self._restore_cleared_state()
+        self._own_state()
         sd = super().state_dict()
         switched = self._switched_state()
         if switched:  # torch numbers the parameters group by group, in order
@@ -1155,10 +1153,12 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 spans.insert(k, span + (gi, j))
         self._alias_index = (spans, ids)
 
-    def _restore_cleared_state(self) -> None:
-        """State exists for every parameter from construction on: a parameter whose state the
-        caller cleared (opt.state.clear(), a fresh dict) gets it back, zero, so that state_dict()
-        still covers it."""
+    def _own_state(self) -> None:
+        """optimizer.state as a _StateMap (torch's load_state_dict, or the caller, may put in a plain
+        dict), with state for every parameter, as from construction on: a parameter whose state
+        the caller cleared (opt.state.clear(), a fresh dict) gets it back, zero."""
+        if not isinstance(self.state, _StateMap):
+            self.state = _StateMap(dict, self.state)
         for g in self.param_groups:
             for p in g["params"]:
                 if not self.state.get(p):
@@ -1167,10 +1167,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
     def _rebuild(self, key) -> None:
         """Register the parameters that have a gradient with a fresh engine."""
         self._sync_counters()
-        if not isinstance(self.state, _StateMap):  # torch's load_state_dict puts in a plain one
-            self.state = _StateMap(dict, self.state)
-        if not any(p.grad is not None for g in self.param_groups for p in g["params"]):
-            self._restore_cleared_state()  # no engine this step; what follows would not reach it
+        self._own_state()
         self._engine = None
         self._engine_key = None
         params_with_grad = []
@@ -1242,7 +1239,6 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 self.state[p].clear()
             self._kinds[p] = kinds[p]
             self.state[p].update(st)
-        self._restore_cleared_state()
         self._engine = engine
         self._engine_params = engine_params
         self._engine_cuda = device.type == "cuda"

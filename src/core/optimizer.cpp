@@ -1448,13 +1448,13 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
       }
     }
     if (col_shard) {
-      // Whole rows (n of the orthogonalizer's columns) into this rank's slot of the all-gather,
-      // then this rank's columns applied from there: laid out as the other column ranks read
-      // them, so that every rank takes the same NorMuon statistics.
-      char* mine = byte_offset(mb.send, c.first * mb.k * mb.global_cols * es_o);
-      be.copy_2d(mine, mb.global_cols * es_o, O.data, mb.orth_cols * es_o, mb.global_cols * es_o, c.count * mb.k);
-      const MatrixView whole{mine, mb.orth_dtype, c.count, mb.k, mb.global_cols, mb.global_cols,
-                             mb.k * mb.global_cols};
+      // The whole rows (O is n wide) into this rank's slot of the all-gather, then this rank's
+      // columns applied from there: laid out as the other column ranks read them, so that every
+      // rank takes the same NorMuon statistics.
+      const MatrixView whole =
+          MatrixView::contiguous(byte_offset(mb.send, c.first * mb.k * mb.global_cols * es_o), mb.orth_dtype, c.count,
+                                 mb.k, mb.global_cols);
+      be.copy(whole.data, O.data, c.count * mb.k * mb.global_cols * es_o);
       if (applies_update(mb, up)) be.apply_update(*c.set, rows, mb.k, whole, up, flag);
       continue;
     }
@@ -1520,14 +1520,13 @@ void Optimizer::Impl::apply(Megabatch& mb, int* flag) {
   const int64_t listed = row_shard ? mb.piece : mb.k;
   // Whole rows: ColShard's in `send` (the all-gather's buffer), Block's in `recv`.
   const DeviceBuffer& results = mb.layout == Layout::ColShard ? mb.send : mb.recv;
-  const int64_t width = mb.global_cols;
-  const std::size_t slot = static_cast<std::size_t>(listed * width) * dtype_size(mb.orth_dtype);
+  const std::size_t slot = static_cast<std::size_t>(listed * mb.global_cols) * dtype_size(mb.orth_dtype);
   for (auto& [first, set] : mb.others) {
     const int32_t* rows = row_shard ? mb.piece_idx.as<int32_t>() + first * mb.piece
                           : selects   ? mb.indices.as<int32_t>() + first * mb.k
                                     : nullptr;
-    const MatrixView O{byte_offset(results, first * slot), mb.orth_dtype, static_cast<int64_t>(set->mats.size()),
-                       listed, mb.global_cols, width, listed * width};
+    const MatrixView O = MatrixView::contiguous(byte_offset(results, first * slot), mb.orth_dtype,
+                                                static_cast<int64_t>(set->mats.size()), listed, mb.global_cols);
     backend->apply_update(*set, rows, listed, O, up, flag);
   }
 }

@@ -104,8 +104,8 @@ Orthogonalizer::Orthogonalizer(Backend& backend, const OrthConfig& cfg, int64_t 
   if (batch < 1 || rows < 1 || cols < 1)
     fail("orthogonalize needs a non-empty batch of matrices, got batch " + std::to_string(batch) + " of " +
          std::to_string(rows) + "x" + std::to_string(cols));
-  transposed_ = rows > cols && !keeps_rows(rows, cols, real_rows);
   const Plan plan = plan_of(backend, cfg_, rows, cols, real_rows);
+  transposed_ = plan.p != rows;  // iterates on the input's transpose
   p_ = plan.p;
   q_ = plan.q;
   method_ = plan.method;

@@ -755,6 +755,30 @@ int sm_count_and_check(int* device_out = nullptr) {
   return g_sms[dev];
 }
 
+// The launch of the pair kernels (clusters of two CTAs along x), with programmatic dependent launch
+// where `pdl`; the occupancy query below asks about the same configuration. Not copyable: cfg
+// points at attr.
+struct PairConfig {
+  cudaLaunchAttribute attr[2];
+  cudaLaunchConfig_t cfg{};
+  PairConfig(int grid, cudaStream_t s, bool pdl) {
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 2;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[1].val.programmaticStreamSerializationAllowed = 1;
+    cfg.gridDim = dim3(static_cast<unsigned>(grid));
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = kSmemBytes;
+    cfg.stream = s;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 2 : 1;
+  }
+  PairConfig(const PairConfig&) = delete;
+  PairConfig& operator=(const PairConfig&) = delete;
+};
+
 template <bool kBF16, bool kHasD, bool kBandedIn, bool kPair>
 void launch_typed(const CUtensorMap (&maps)[6], const SymParams& prm, int grid, int dev, cudaStream_t s) {
   constexpr auto kernel = sym_wgmma_kernel<kBF16, kHasD, kBandedIn, kPair>;
@@ -769,48 +793,24 @@ void launch_typed(const CUtensorMap (&maps)[6], const SymParams& prm, int grid, 
   if constexpr (!kPair) {
     launch_pdl(kernel, grid, kThreads, kSmemBytes, s, maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], prm);
   } else {
-    cudaLaunchAttribute attr[2];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    attr[1].id = cudaLaunchAttributeClusterDimension;
-    attr[1].val.clusterDim.x = 2;
-    attr[1].val.clusterDim.y = 1;
-    attr[1].val.clusterDim.z = 1;
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(static_cast<unsigned>(grid));
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = kSmemBytes;
-    cfg.stream = s;
-    cfg.attrs = attr;
-    cfg.numAttrs = 2;
-    DION3_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], prm));
+    const PairConfig pc(grid, s, true);
+    DION3_CUDA_CHECK(cudaLaunchKernelEx(&pc.cfg, kernel, maps[0], maps[1], maps[2], maps[3], maps[4], maps[5], prm));
   }
 }
-
 
 // How many clusters of two of the kernel's CTAs can be resident on this device at once (asked
 // once per device): the persistent grid of pairs is no larger, so that it runs in one wave; 0 (no
 // cluster fits): launches take one CTA per tile.
-int g_pair_clusters[kMaxDevices];  // -1 not asked
+int g_pair_clusters[kMaxDevices];
 bool g_pairs_asked[kMaxDevices];
 int resident_pair_clusters(int dev) {
   std::lock_guard<std::mutex> lock(g_mutex);
   if (!g_pairs_asked[dev]) {
     constexpr auto kernel = sym_wgmma_kernel<false, false, false, true>;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 2;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(2);
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = kSmemBytes;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    const PairConfig pc(2, nullptr, false);
     int clusters = 0;
     const bool ok = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) == cudaSuccess &&
-                    cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess;
+                    cudaOccupancyMaxActiveClusters(&clusters, kernel, &pc.cfg) == cudaSuccess;
     if (!ok) (void)cudaGetLastError();  // the query's own error: launches then take one CTA per tile
     g_pair_clusters[dev] = ok ? clusters : 0;
     g_pairs_asked[dev] = true;

@@ -160,11 +160,7 @@ class ThreadCommunicator final : public dion3::Communicator {
     h.recv[rank_] = recv;
 #ifdef DION3_THREAD_COMM_CUDA
     auto s = static_cast<cudaStream_t>(stream);
-    // A failure here aborts every rank at once (they would otherwise wait for this one).
-    auto check_cuda = [&](cudaError_t e, const std::string& what) {
-      if (e != cudaSuccess) h.abort(what + ": " + cudaGetErrorString(e));
-    };
-    if (h.device == Device::CUDA) check_cuda(cudaEventRecord(h.ready[rank_], s), label);
+    if (h.device == Device::CUDA) cuda_ok(cudaEventRecord(h.ready[rank_], s), label);
 #else
     (void)stream;
 #endif
@@ -177,18 +173,18 @@ class ThreadCommunicator final : public dion3::Communicator {
         continue;
       }
 #ifdef DION3_THREAD_COMM_CUDA
-      check_cuda(cudaStreamWaitEvent(s, h.ready[q], 0), label);
-      if (src != dst && bytes) check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s), label);
+      cuda_ok(cudaStreamWaitEvent(s, h.ready[q], 0), label);
+      if (src != dst && bytes) cuda_ok(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s), label);
 #endif
     }
 #ifdef DION3_THREAD_COMM_CUDA
-    if (h.device == Device::CUDA) check_cuda(cudaEventRecord(h.done[rank_], s), label);
+    if (h.device == Device::CUDA) cuda_ok(cudaEventRecord(h.done[rank_], s), label);
 #endif
     h.barrier(label);  // every rank has read (or enqueued its reads of) every send buffer
 #ifdef DION3_THREAD_COMM_CUDA
     if (h.device == Device::CUDA)
       for (int q = 0; q < h.P; ++q)
-        if (q != rank_) check_cuda(cudaStreamWaitEvent(s, h.done[q], 0), label);  // before this rank reuses send
+        if (q != rank_) cuda_ok(cudaStreamWaitEvent(s, h.done[q], 0), label);  // before this rank reuses send
 #endif
   }
 
@@ -200,16 +196,21 @@ class ThreadCommunicator final : public dion3::Communicator {
     }
 #ifdef DION3_THREAD_COMM_CUDA
     auto s = static_cast<cudaStream_t>(stream);
-    auto check_cuda = [&](cudaError_t e, const std::string& what) {
-      if (e != cudaSuccess) hub_->abort(what + ": " + cudaGetErrorString(e));
-    };
-    check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s), label);
-    check_cuda(cudaStreamSynchronize(s), label);
+    cuda_ok(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s), label);
+    cuda_ok(cudaStreamSynchronize(s), label);
 #else
     (void)stream;
     (void)label;
 #endif
   }
+
+#ifdef DION3_THREAD_COMM_CUDA
+  // A CUDA failure inside a collective aborts every rank at once (they would otherwise wait for
+  // this one until the timeout).
+  void cuda_ok(cudaError_t e, const std::string& label) {
+    if (e != cudaSuccess) hub_->abort(label + ": " + cudaGetErrorString(e));
+  }
+#endif
 
   std::shared_ptr<Hub> hub_;
   int rank_;
