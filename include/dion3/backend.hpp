@@ -131,20 +131,40 @@ inline constexpr int kRankWithoutGradients = 2;
 // ... of a distributed step whose ranks planned different steps: nothing is written and the step
 // is not counted (the agreement carries each rank's plan digest, comm.hpp).
 inline constexpr int kPlansDiffer = 4;
-inline constexpr int kDigestWords = 6;  // a 64-bit hash and a 32-bit count, 16 bits a word
+// ... of a step some rank refused because a setting or input was invalid there (it raised the
+// reason itself, after running the step's collectives so that the others do not wait for it).
+inline constexpr int kRankRefused = 8;
+// ... of a step whose ranks planned alike but hold different hyper-parameters (lr, decay, betas):
+// applied, it would part replicas and shards; the collectives still pair, so it runs to its end.
+inline constexpr int kHyperDiffer = 16;
+// The verdicts that are no step at all: neither applied nor counted as dropped.
+inline constexpr int kNotAStep = kRankWithoutGradients | kPlansDiffer | kRankRefused | kHyperDiffer;
+// A region's digest: a 64-bit hash and a 32-bit count of the plan, then a 32-bit hash of the
+// hyper-parameters, 16 bits a word.
+inline constexpr int kDigestWords = 8;
+inline constexpr int kPlanDigestWords = 6;  // the first ones: the plan's
 inline constexpr int kAgreementWords = 2 + 2 * kDigestWords;
-// Whether the ranks' digests in one reduced region of the agreement differ (comm.hpp).
-DION3_HOST_DEVICE inline bool agreement_region_differs(const int* region) {
+// Whether the ranks' digest words [first, last) in one reduced region of the agreement differ.
+DION3_HOST_DEVICE inline bool agreement_words_differ(const int* region, int first, int last) {
   const int* d = region + 2;
   bool differ = false;
-  for (int i = 0; i < kDigestWords; ++i) differ |= d[i] + d[kDigestWords + i] != 0xFFFF;
+  for (int i = first; i < last; ++i) differ |= d[i] + d[kDigestWords + i] != 0xFFFF;
   return differ;
+}
+DION3_HOST_DEVICE inline bool agreement_plans_differ(const int* region) {
+  return agreement_words_differ(region, 0, kPlanDigestWords);
+}
+DION3_HOST_DEVICE inline bool agreement_hypers_differ(const int* region) {
+  return agreement_words_differ(region, kPlanDigestWords, kDigestWords);
 }
 // Backend::settle_agreement's rule, for backends to share.
 DION3_HOST_DEVICE inline void settle_agreement_words(int* words, int regions) {
-  bool differ = false;
-  for (int r = 0; r < regions; ++r) differ |= agreement_region_differs(words + r * kAgreementWords);
-  if (differ) words[0] |= kPlansDiffer;
+  int verdict = 0;
+  for (int r = 0; r < regions; ++r) {
+    if (agreement_plans_differ(words + r * kAgreementWords)) verdict |= kPlansDiffer;
+    if (agreement_hypers_differ(words + r * kAgreementWords)) verdict |= kHyperDiffer;
+  }
+  words[0] |= verdict;
 }
 
 // One parameter's share of Backend::check_step: the state its step would store, evaluated
@@ -250,6 +270,11 @@ class DION3_API Backend {
   virtual void fill_zero(void* ptr, std::size_t bytes) = 0;
   virtual void copy_to_host(void* host_dst, const void* src, std::size_t bytes) = 0;
   virtual void copy_from_host(void* dst, const void* host_src, std::size_t bytes) = 0;
+  // The same copy in the stream's order without waiting for the work already enqueued (CUDA:
+  // through pinned staging memory); host_src may be reused as soon as it returns. Not while the
+  // stream is being captured. What a step uploads every time a value changes (hyper-parameters)
+  // takes this path, so that an lr schedule does not hold the host until the GPU is idle.
+  virtual void upload(void* dst, const void* host_src, std::size_t bytes) { copy_from_host(dst, host_src, bytes); }
   virtual void copy(void* dst, const void* src, std::size_t bytes) = 0;
   // `height` rows of `width` bytes from src (rows `src_pitch` bytes apart) to dst (rows
   // `dst_pitch` apart): the block permutations around a collective.
@@ -265,15 +290,15 @@ class DION3_API Backend {
   // of steps that do not wait comes back this way.
   virtual std::unique_ptr<HostCopy> new_host_copy(std::size_t bytes) = 0;
   // Ends a step: counters[0] += 1 when *flag == 0 (the step was applied), else counters[1] += 1
-  // if count_dropped and the flag carries neither kRankWithoutGradients nor kPlansDiffer (a step
-  // some rank refused is not a dropped one). A step that is raised (on_nonfinite == Raise) is not
+  // if count_dropped and the flag carries no kNotAStep bit (a step some rank refused, or the
+  // ranks disagreed on, is not a dropped one). A step that is raised (on_nonfinite == Raise) is not
   // counted: it changes nothing, counters included. Checks OR 1 into the flag, keeping what else
   // it holds.
   virtual void finish_step(const int* flag, int64_t* counters, bool count_dropped) = 0;
   // Settles a distributed step's agreement (comm.hpp): `words` holds `regions` regions of
   // kAgreementWords ints (region 0 first holds the verdict and took-part), all of them reduced
-  // over every communicator in turn. ORs kPlansDiffer into the verdict where some region's digest
-  // words differ between ranks.
+  // over every communicator in turn. ORs kPlansDiffer into the verdict where some region's plan
+  // digest words differ between ranks, kHyperDiffer where its hyper-parameter words do.
   virtual void settle_agreement(int* words, int regions) = 0;
   virtual std::unique_ptr<MatrixSet> new_matrix_set() { return std::make_unique<MatrixSet>(); }
   virtual void refresh(MatrixSet& set) { (void)set; }

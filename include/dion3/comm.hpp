@@ -31,16 +31,18 @@ namespace dion3 {
 // A step's agreement, its first collectives: one region of kAgreementWords ints per communicator
 // of the optimizer, {verdict, took part, digest, complement} (verdict and took part are the first
 // region's), the whole buffer all-reduced (max) over every communicator in turn. Verdict: 0, 1
-// for a non-finite gradient, or kRankWithoutGradients (backend.hpp) from a rank that runs the
-// step's collectives without gradients of its own (Optimizer::refuse_step); took part: 1 from a
-// rank that steps, 0 from one that refuses. A region's digest is the rank's plan over that
-// communicator (its megabatches, their groups' plan settings, every parameter's algorithm) in
-// 16-bit words, the complement 0xFFFF minus each: after the
-// maximum, a word and its complement sum to 0xFFFF exactly when every rank had the same word.
+// for a non-finite gradient, kRankWithoutGradients from a rank that runs the step's collectives
+// without gradients of its own (Optimizer::refuse_step), kRankRefused from one that runs them
+// because a setting is invalid there (Optimizer::refuse_invalid); took part: 1 from a rank that
+// steps, 0 from one that refuses. A region's digest is the rank's plan over that communicator
+// (its megabatches, their groups' plan settings, every parameter's algorithm) and the
+// hyper-parameters those read, in 16-bit words, the complement 0xFFFF minus each: after the
+// maximum, a word and its complement sum to 0xFFFF exactly when every rank had the same word
+// (kPlansDiffer, kHyperDiffer: backend.hpp).
 // Reducing every region over every communicator carries a difference found in one communicator to
 // the ranks of the others too (on a mesh of several dimensions each rank ends with the maximum over
-// all ranks), so all of them drop the step. The plan check so rides on collectives every step
-// makes anyway, and a rank that planned anew pairs with ranks that did not.
+// all ranks), so all of them drop the step. The check so rides on collectives every step makes
+// anyway, and a rank that planned anew pairs with ranks that did not.
 
 class DION3_API CommRequest {
  public:

@@ -295,6 +295,12 @@ DION3_API dion3_status dion3_step(dion3_optimizer* opt, int* applied);
  * every rank refuses the step (DION3_INVALID_ARGUMENT here and in the others' dion3_step) instead
  * of pairing later collectives wrongly. DION3_OK, with nothing done, when every rank refused. */
 DION3_API dion3_status dion3_refuse_step(dion3_optimizer* opt);
+/* For a rank of a distributed optimizer that cannot step because the caller found something
+ * invalid on this rank alone: runs the step's collectives as a refusal, writing nothing, so that
+ * the others' dion3_step returns DION3_INVALID_ARGUMENT ("another rank refused this step")
+ * instead of waiting for this rank. Returns DION3_OK; the caller reports its own error. (dion3_step
+ * refuses so by itself for what it validates.) Does nothing before the first step. */
+DION3_API dion3_status dion3_refuse_invalid(dion3_optimizer* opt);
 /* Steps applied and skipped so far (either pointer may be NULL). On CUDA this waits for the
  * device; dion3_posted_steps does not. */
 DION3_API dion3_status dion3_steps(const dion3_optimizer* opt, int64_t* taken, int64_t* skipped);

@@ -204,7 +204,9 @@ class DION3_API Optimizer {
   // (steps_skipped() included: it counts dropped steps, not raised ones). Distributed, it also
   // reads the ranks' agreement once its first collective is done, and throws
   // dion3::Error(InvalidArgument) on every rank, with nothing modified, when the ranks planned
-  // different steps (comm.hpp).
+  // different steps or hold different hyper-parameters, or when a rank refused the step (an
+  // invalid setting there: that rank raises its own error, the others "another rank refused")
+  // (comm.hpp).
   // Ranges of every later step also go to `tracer` (null: none beyond the backend's own).
   void set_tracer(std::shared_ptr<StepTracer> tracer);
   bool step();
@@ -216,13 +218,22 @@ class DION3_API Optimizer {
   // any rank, counters included, and every rank keeps its plan (unless the ranks' plans differed:
   // then the next step plans anew, and is compared again).
   bool refuse_step();
+  // For a rank of a distributed optimizer that cannot take this step because a setting or input
+  // is invalid there alone (step() and step_async() do this themselves for what they validate;
+  // a front end calls it for what it checks first): runs the step's collectives as a refusal,
+  // writing nothing, so that the other ranks' step raises dion3::Error (InvalidArgument: "another
+  // rank refused this step") instead of waiting for this rank. Never throws for the refusal
+  // itself: the caller raises its own error next. Does nothing without a plan the other ranks
+  // may hold (before the first step) or under capture.
+  void refuse_invalid();
   // The same step, only enqueued on the backend's stream: no host synchronisation, so it can
   // be captured in a CUDA graph and replayed. A non-finite gradient drops the step on the
   // device whatever the policy (steps_skipped() counts it); nothing is raised for it.
   // Distributed, the first step after the plan was made (and every step on the CPU) reads the
   // ranks' agreement on the host and throws as step() does when their plans differ; such a step
-  // cannot be captured. Later steps do not read it: ranks whose plans came to differ then drop
-  // the step on the device, counted nowhere, and the rank that planned anew throws.
+  // cannot be captured. Later steps do not read it: ranks whose plans or hyper-parameters came
+  // to differ then drop the step on the device, counted nowhere (the next step() raises for
+  // hyper-parameters that still differ), and a rank that planned anew throws.
   void step_async();
   // Hyper-parameters (lr, weight decay, momentum, betas, epsilon, per group) are read by the
   // step's operations from device memory that every step not being captured refreshes first. A

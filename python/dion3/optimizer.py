@@ -780,7 +780,12 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 return loss
             self._rebuild(key)
             engine = self._engine
-        self._push_groups(engine)
+        try:
+            self._push_groups(engine)
+        except (ValueError, TypeError):
+            if self._mesh is not None:
+                engine.refuse_invalid()  # the other ranks raise too instead of waiting for this one
+            raise
         if self._engine_cuda and torch.cuda.is_current_stream_capturing():
             # CUDA-graph capture: the engine's capture-safe step (no host synchronisation). Step
             # counters then advance on the device only; _sync_counters() brings them back.

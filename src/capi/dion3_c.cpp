@@ -318,6 +318,10 @@ dion3_status dion3_refuse_step(dion3_optimizer* opt) {
   return guard([&] { checked(opt, "optimizer")->engine.refuse_step(); });
 }
 
+dion3_status dion3_refuse_invalid(dion3_optimizer* opt) {
+  return guard([&] { checked(opt, "optimizer")->engine.refuse_invalid(); });
+}
+
 dion3_status dion3_step_async(dion3_optimizer* opt) {
   return guard([&] { checked(opt, "optimizer")->engine.step_async(); });
 }

@@ -174,10 +174,19 @@ struct Optimizer::Impl {
   // {verdict, took part} of this step (comm.hpp, kRankWithoutGradients); distributed, the first of
   // the agreement's regions (kAgreementWords ints per communicator).
   DeviceBuffer flag;
-  // What a step starts the flag from, then what a refusal does: {0, 1} and {kRankWithoutGradients,
-  // 0}, each region followed by this rank's plan digest over its communicator.
+  // What the flag starts from, one set of flag_words ints per Start: {verdict, took part} and,
+  // in each region, this rank's digest over its communicator (comm.hpp).
+  enum Start : int { kStep, kNoGradients, kInvalidHere, kStarts };
   DeviceBuffer flag_starts;
   int flag_words = 2;
+  // Per communicator (communicators()'s order): its plan's digest and megabatch count, and the
+  // slots of hyper_values() its steps read (their groups' and megabatches').
+  struct Region {
+    uint64_t plan = 0;
+    uint32_t count = 0;
+    std::vector<int> hyper_slots;
+  };
+  std::vector<Region> regions;
   // Whether this plan's digests were seen to agree across the ranks (the first step of a plan
   // reads the agreement on the host; see agree_on_flag).
   bool plan_confirmed = false;
@@ -263,9 +272,10 @@ struct Optimizer::Impl {
   std::vector<float> hyper_values() const;
   void upload_hyper(bool capturing);  // capturing: the backend's stream is being captured
   void plan_distribution(Megabatch& mb, int index);
-  // flag and flag_starts for the plan: one region per communicator, with the plan's digests.
+  // flag, flag_starts and regions for the plan: one region per communicator.
   void plan_agreement();
-  std::string plans_differ_error(const int* words) const;
+  // flag_starts with the regions' digests over `hyper` (the values the step reads).
+  void write_starts(const std::vector<float>& hyper);
   void bind(Megabatch& mb);  // its sets' tables, when the binding moved (or under capture)
   void build_lists();        // `lists`, when the binding moved
   MatrixView run_orthogonalizer(Chunk& c, const std::function<MatrixView()>& run);
@@ -279,10 +289,19 @@ struct Optimizer::Impl {
   void forget_state_bounds();  // the state may have been written outside a step: bounds unknown
   // count_dropped: whether a step dropped for a non-finite gradient counts in steps_skipped (not
   // when step() raises it).
-  // refusing: refuse_step's run of the step's collectives, with nothing checked or written.
+  // start: kStep, or a refusal (refuse_step, refuse_invalid): the step's collectives, with
+  // nothing checked or written.
   // blocking: the caller waits for the verdict (step, refuse_step), so the agreement is read on
   // the host right away (see agree_on_flag).
-  void enqueue_step(bool count_dropped, bool refusing, bool blocking);
+  void enqueue_step(bool count_dropped, Start start, bool blocking);
+  // validate_for_step; when it throws in a distributed step with a plan the other ranks may
+  // hold, this rank first joins their step's collectives as a refusal (kRankRefused), so that
+  // they raise too instead of waiting for it.
+  void validate_or_refuse();
+  void refuse_invalid();  // see Optimizer::refuse_invalid
+  // The error every rank raises for a step some rank refused or the ranks disagreed on (the
+  // verdict's bits), from the settled agreement `words` (host); empty for none of those.
+  std::string disagreement_error(const int* words) const;
   // The step's stages (see Megabatch).
   void agree_on_flag(int* flag, bool blocking);
   void settle_collectives();

@@ -146,9 +146,8 @@ Optimizer::Optimizer(std::unique_ptr<Backend> backend, OptimizerOptions options)
   impl_->backend = std::move(backend);
   impl_->options = options;
   impl_->flag = DeviceBuffer(impl_->backend->allocator(), 2 * sizeof(int));
-  impl_->flag_starts = DeviceBuffer(impl_->backend->allocator(), 4 * sizeof(int));
-  const int starts[4] = {0, 1, kRankWithoutGradients, 0};
-  impl_->backend->copy_from_host(impl_->flag_starts.get(), starts, sizeof(starts));
+  impl_->flag_starts = DeviceBuffer(impl_->backend->allocator(), Impl::kStarts * 2 * sizeof(int));
+  impl_->write_starts({});
   impl_->counters = DeviceBuffer(impl_->backend->allocator(), 2 * sizeof(int64_t));
   impl_->backend->fill_zero(impl_->counters.get(), 2 * sizeof(int64_t));
 }
@@ -752,7 +751,8 @@ void Optimizer::Impl::upload_hyper(bool capturing) {
   }
   std::vector<float> v = hyper_values();
   if (v == hyper_uploaded) return;
-  backend->copy_from_host(hyper.get(), v.data(), v.size() * sizeof(float));
+  backend->upload(hyper.get(), v.data(), v.size() * sizeof(float));
+  if (!regions.empty()) write_starts(v);  // the agreement compares them
   hyper_uploaded = std::move(v);
 }
 
@@ -937,113 +937,159 @@ std::vector<Communicator*> Optimizer::Impl::communicators() const {
   return comms;
 }
 
+namespace {
+// FNV-1a over 64-bit numbers: the agreement's digests.
+struct Fnv {
+  uint64_t h = 1469598103934665603ull;
+  void mix(int64_t v) {
+    for (int b = 0; b < 8; ++b) {
+      h ^= static_cast<uint64_t>(v >> (8 * b)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  }
+  void mix(double x) {
+    int64_t bits;
+    std::memcpy(&bits, &x, sizeof(bits));
+    mix(bits);
+  }
+};
+}  // namespace
+
 // Every rank must have planned the same megabatches in the same order with the same settings, or
 // their collectives would pair up wrongly (or hang) or their replicas part. Each communicator's
 // region of the step's agreement carries a digest of the megabatches over it, their groups' plan
 // settings and every parameter's algorithm (comm.hpp), so the check costs no collective of its
 // own and a rank that planned anew (a weight given new storage on that rank alone) still pairs
-// with the others' step.
+// with the others' step. The region's hyper-parameters are hashed apart (write_starts): they
+// change from step to step, the plan does not.
 void Optimizer::Impl::plan_agreement() {
   const std::vector<Communicator*> comms = communicators();
-  if (comms.empty() && flag_words == 2) {  // as the constructor left them
-    plan_confirmed = true;
-    return;
-  }
+  regions.assign(comms.size(), Region{});
   flag_words = comms.empty() ? 2 : static_cast<int>(comms.size()) * kAgreementWords;
-  std::vector<int> starts(2 * static_cast<std::size_t>(flag_words), 0);
-  for (int r = 0; r < static_cast<int>(comms.size()); ++r) {
+  for (std::size_t r = 0; r < comms.size(); ++r) {
     const Communicator* comm = comms[r];
-    uint64_t h = 1469598103934665603ull;  // FNV-1a over the plan's numbers
-    auto mix = [&h](int64_t v) {
-      for (int b = 0; b < 8; ++b) {
-        h ^= static_cast<uint64_t>(v >> (8 * b)) & 0xff;
-        h *= 1099511628211ull;
-      }
-    };
+    Region& region = regions[r];
+    Fnv f;
     // Every setting same_plan() compares: a rank whose setting differs would run other collectives
     // (selection_scope) or leave its replicas apart (nesterov, cautious_wd, the orthogonalizer).
-    auto mix_settings = [&mix](const GroupConfig& g) {
-      int64_t fraction_bits;
-      std::memcpy(&fraction_bits, &g.fraction, sizeof(fraction_bits));
+    auto mix_settings = [&f](const GroupConfig& g) {
       for (int64_t v : {static_cast<int64_t>(g.algorithm), static_cast<int64_t>(g.flatten),
-                        g.momentum_dtype ? static_cast<int64_t>(*g.momentum_dtype) : -1, fraction_bits,
+                        g.momentum_dtype ? static_cast<int64_t>(*g.momentum_dtype) : -1,
                         static_cast<int64_t>(g.nesterov), static_cast<int64_t>(g.cautious_wd), g.num_heads,
                         static_cast<int64_t>(g.orth.method), static_cast<int64_t>(g.orth.restarts.size()),
                         g.orth.iteration_dtype ? static_cast<int64_t>(*g.orth.iteration_dtype) : -1,
                         static_cast<int64_t>(g.selection_scope), static_cast<int64_t>(g.split_sizes.size()),
                         static_cast<int64_t>(g.orth.coefficients.size())})
-        mix(v);
-      for (int64_t v : g.split_sizes) mix(v);
-      for (int v : g.orth.restarts) mix(v);
+        f.mix(v);
+      f.mix(g.fraction);
+      for (int64_t v : g.split_sizes) f.mix(v);
+      for (int v : g.orth.restarts) f.mix(static_cast<int64_t>(v));
       for (const Coefficients& c : g.orth.coefficients)
-        for (double x : c) {
-          int64_t bits;
-          std::memcpy(&bits, &x, sizeof(bits));
-          mix(bits);
-        }
+        for (double x : c) f.mix(x);
     };
-    uint32_t count = 0;
+    std::vector<bool> reads_group(groups.size(), false);
     for (const Megabatch& mb : megabatches) {
       if (mb.comm != comm && mb.col_comm != comm) continue;
-      ++count;
+      ++region.count;
       for (int64_t v : {static_cast<int64_t>(mb.members.size()), mb.global_rows, mb.global_cols, mb.piece, mb.k,
                         static_cast<int64_t>(mb.layout), static_cast<int64_t>(mb.weight_dtype),
                         static_cast<int64_t>(mb.momentum_dtype), static_cast<int64_t>(mb.orth_dtype),
                         static_cast<int64_t>(mb.global_scope)})
-        mix(v);
+        f.mix(v);
       mix_settings(groups[mb.group]);
+      region.hyper_slots.push_back(mb.hyper_slot);
     }
     // Every parameter over the communicator, element-wise ones included (their algorithm: AdamW
     // against Lion on one rank would part the replicas).
     for (const Param& p : params)
       if (p.layout.comm.get() == comm || p.layout.col_comm.get() == comm) {
-        mix(static_cast<int64_t>(p.layout.kind));
-        mix(static_cast<int64_t>(groups[p.group].algorithm));
+        f.mix(static_cast<int64_t>(p.layout.kind));
+        f.mix(static_cast<int64_t>(groups[p.group].algorithm));
+        reads_group[p.group] = true;
       }
-    const uint32_t digest[kDigestWords] = {static_cast<uint32_t>(h),       static_cast<uint32_t>(h >> 16),
-                                           static_cast<uint32_t>(h >> 32), static_cast<uint32_t>(h >> 48),
-                                           count,                          count >> 16};
-    for (int half = 0; half < 2; ++half) {
-      int* w = starts.data() + half * flag_words + r * kAgreementWords;
+    for (int g = 0; g < static_cast<int>(groups.size()); ++g)
+      for (int w = 0; reads_group[g] && w < kGroupHyper; ++w) region.hyper_slots.push_back(g * kGroupHyper + w);
+    region.plan = f.h;
+  }
+  const std::size_t bytes = static_cast<std::size_t>(flag_words) * sizeof(int);
+  if (flag.bytes() < bytes) flag = DeviceBuffer(backend->allocator(), bytes);
+  if (flag_starts.bytes() < kStarts * bytes) flag_starts = DeviceBuffer(backend->allocator(), kStarts * bytes);
+  write_starts(hyper_values());
+  plan_confirmed = comms.empty();
+}
+
+void Optimizer::Impl::write_starts(const std::vector<float>& hyper) {
+  static constexpr int kVerdicts[kStarts][2] = {{0, 1}, {kRankWithoutGradients, 0}, {kRankRefused, 0}};
+  std::vector<int> starts(static_cast<std::size_t>(kStarts * flag_words), 0);
+  for (std::size_t r = 0; r < regions.size(); ++r) {
+    const Region& region = regions[r];
+    Fnv f;
+    for (int slot : region.hyper_slots) {
+      uint32_t bits;
+      std::memcpy(&bits, &hyper[static_cast<std::size_t>(slot)], sizeof(bits));
+      f.mix(static_cast<int64_t>(bits));
+    }
+    const auto hy = static_cast<uint32_t>(f.h ^ (f.h >> 32));
+    const uint64_t plan = region.plan;
+    const uint32_t digest[kDigestWords] = {static_cast<uint32_t>(plan), static_cast<uint32_t>(plan >> 16),
+                                           static_cast<uint32_t>(plan >> 32), static_cast<uint32_t>(plan >> 48),
+                                           region.count, region.count >> 16, hy, hy >> 16};
+    for (int start = 0; start < kStarts; ++start) {
+      int* w = starts.data() + start * flag_words + r * kAgreementWords;
       for (int i = 0; i < kDigestWords; ++i) {
         w[2 + i] = static_cast<int>(digest[i] & 0xFFFF);
         w[2 + kDigestWords + i] = 0xFFFF - w[2 + i];
       }
     }
   }
-  for (int half = 0; half < 2; ++half) {  // the verdict and took-part a step and a refusal start from
-    starts[half * flag_words] = half ? kRankWithoutGradients : 0;
-    starts[half * flag_words + 1] = half ? 0 : 1;
+  for (int start = 0; start < kStarts; ++start) {
+    starts[static_cast<std::size_t>(start * flag_words)] = kVerdicts[start][0];
+    starts[static_cast<std::size_t>(start * flag_words + 1)] = kVerdicts[start][1];
   }
-  const std::size_t bytes = static_cast<std::size_t>(flag_words) * sizeof(int);
-  if (flag.bytes() < bytes) flag = DeviceBuffer(backend->allocator(), bytes);
-  flag_starts = DeviceBuffer(backend->allocator(), 2 * bytes);
-  backend->copy_from_host(flag_starts.get(), starts.data(), 2 * bytes);
-  plan_confirmed = comms.empty();
+  backend->upload(flag_starts.get(), starts.data(), starts.size() * sizeof(int));
 }
 
-// The error of a step whose ranks planned differently, from the settled agreement `words` (host).
-std::string Optimizer::Impl::plans_differ_error(const int* words) const {
+std::string Optimizer::Impl::disagreement_error(const int* words) const {
+  const char* none = "; the step was not applied on any rank";
+  if (words[0] & kRankRefused)
+    return std::string("another rank refused this step: a setting or input was invalid there (that rank's error "
+                       "names it)") + none;
   const std::vector<Communicator*> comms = communicators();
-  for (std::size_t r = 0; r < comms.size(); ++r) {
-    if (!agreement_region_differs(words + r * kAgreementWords)) continue;
-    const int* d = words + r * kAgreementWords + 2;
-    // Words 4 and 5 hold the count of distributed megabatches: the most and the fewest any rank has.
-    auto count = [&](int off, bool complement) {
-      const auto lo = static_cast<uint32_t>(complement ? 0xFFFF - d[off + 4] : d[off + 4]);
-      const auto hi = static_cast<uint32_t>(complement ? 0xFFFF - d[off + 5] : d[off + 5]);
-      return std::to_string(lo | (hi << 16));
-    };
-    const std::string most = count(0, false), fewest = count(kDigestWords, true);
-    const std::string counts = most == fewest ? "every rank " + most + " distributed megabatches"
-                                              : "from " + fewest + " to " + most + " distributed megabatches a rank";
-    return "the ranks of " + comms[r]->describe() + " planned different steps (" + counts +
-           "; or their shapes, dtypes, layouts, algorithms or plan settings differ: fraction, selection_scope, "
-           "nesterov, cautious_wd, split_sizes, num_heads, the orthogonalizer): every rank must register the same "
-           "parameters, in the same order, with the same groups, settings and global shapes; the step was not "
-           "applied on any rank";
+  if (words[0] & kPlansDiffer) {
+    for (std::size_t r = 0; r < comms.size(); ++r) {
+      if (!agreement_plans_differ(words + r * kAgreementWords)) continue;
+      const int* d = words + r * kAgreementWords + 2;
+      // Words 4 and 5 hold the count of distributed megabatches: the most and the fewest any rank has.
+      auto count = [&](int off, bool complement) {
+        const auto lo = static_cast<uint32_t>(complement ? 0xFFFF - d[off + 4] : d[off + 4]);
+        const auto hi = static_cast<uint32_t>(complement ? 0xFFFF - d[off + 5] : d[off + 5]);
+        return std::to_string(lo | (hi << 16));
+      };
+      const std::string most = count(0, false), fewest = count(kDigestWords, true);
+      const std::string counts = most == fewest ? "every rank " + most + " distributed megabatches"
+                                                : "from " + fewest + " to " + most + " distributed megabatches a rank";
+      return "the ranks of " + comms[r]->describe() + " planned different steps (" + counts +
+             "; or their shapes, dtypes, layouts, algorithms or plan settings differ: fraction, selection_scope, "
+             "nesterov, cautious_wd, split_sizes, num_heads, the orthogonalizer): every rank must register the "
+             "same parameters, in the same order, with the same groups, settings and global shapes" + none;
+    }
+    return std::string("the ranks planned different steps") + none;
   }
-  return "the ranks planned different steps; the step was not applied on any rank";
+  if (words[0] & kHyperDiffer) {
+    std::string where = "the ranks";
+    for (std::size_t r = 0; r < comms.size(); ++r)
+      if (agreement_hypers_differ(words + r * kAgreementWords)) {
+        where = "the ranks of " + comms[r]->describe();
+        break;
+      }
+    return where + " stepped with different hyper-parameters (lr, weight_decay, mu, muon_beta2, betas, epsilon, or "
+                   "an lr after adjust_lr): applied, the step would part their replicas and shards; every rank "
+                   "must use the same values" + none;
+  }
+  if (words[0] & kRankWithoutGradients)
+    return "another rank took no part in this step (none of its parameters had a gradient): every rank must step "
+           "the same parameters" + std::string(none);
+  return "";
 }
 
 std::vector<MegabatchInfo> Optimizer::plan() {
@@ -1163,7 +1209,7 @@ void Optimizer::Impl::agree_on_flag(int* flag, bool blocking) {
   backend->copy_to_host(words.data(), flag, words.size() * sizeof(int));
   if (words[0] & kPlansDiffer) {
     plan_valid = false;  // planned again (and checked again) by the next step
-    fail(plans_differ_error(words.data()));
+    fail(disagreement_error(words.data()));
   }
   plan_confirmed = true;
 }
@@ -1717,7 +1763,7 @@ StepCheck Optimizer::Impl::step_check(const Param& p) const {
   return c;
 }
 
-void Optimizer::Impl::enqueue_step(bool count_dropped, bool refusing, bool blocking) {
+void Optimizer::Impl::enqueue_step(bool count_dropped, Start start, bool blocking) {
   Impl& s = *this;
   Backend& be = *s.backend;
   // 1. Non-finite gradients, and finite ones that would overflow the state, raise a device flag that every mutating op below obeys; distributed
@@ -1728,11 +1774,11 @@ void Optimizer::Impl::enqueue_step(bool count_dropped, bool refusing, bool block
   s.upload_hyper(s.capturing_now);
   s.build_lists();
   // A copy on the device, not a host write, so that a captured step starts it afresh.
-  be.copy(flag, s.flag_starts.as<int>() + (refusing ? s.flag_words : 0), s.flag_words * sizeof(int));
+  be.copy(flag, s.flag_starts.as<int>() + start * s.flag_words, s.flag_words * sizeof(int));
   const Range step_range(s, "dion3::step");
   {
     const Range r(s, "dion3::check");
-    if (!refusing) be.check_step(s.lists.checks, flag);  // a refusing rank's gradients are last step's
+    if (start == kStep) be.check_step(s.lists.checks, flag);  // a refusing rank's gradients are last step's
     agree_on_flag(flag, blocking);
   }
 
@@ -1796,8 +1842,8 @@ void Optimizer::step_async() {
   if (s.backend->capturing() && !s.communicators().empty() && !(s.plan_valid && s.plan_confirmed))
     fail("a distributed step cannot be captured before the ranks' plans were compared: take one step (not "
          "captured) after the plan was made, then capture");
-  s.validate_for_step();
-  s.enqueue_step(true, false, false);  // nothing is raised here, so a dropped step is counted
+  s.validate_or_refuse();
+  s.enqueue_step(true, Impl::kStep, false);  // nothing is raised here, so a dropped step is counted
   s.post_counters();
 }
 
@@ -1813,12 +1859,38 @@ void Optimizer::Impl::settle_collectives() {
   for (Communicator* c : communicators()) c->settle();
 }
 
+void Optimizer::Impl::refuse_invalid() {
+  if (!plan_valid || communicators().empty() || backend->capturing()) return;
+  // The refusal runs the plan with the settings it was made for: this rank's current ones may be
+  // what is invalid.
+  const bool as_planned = planned.size() == groups.size();
+  if (as_planned) std::swap(groups, planned);
+  try {
+    enqueue_step(false, kInvalidHere, true);
+    settle_collectives();
+  } catch (const Error&) {
+    // The others stop here as well (the agreement told them); this rank's own reason is the news.
+  }
+  if (as_planned) std::swap(groups, planned);
+}
+
+void Optimizer::Impl::validate_or_refuse() {
+  try {
+    validate_for_step();
+  } catch (const Error&) {
+    refuse_invalid();
+    throw;
+  }
+}
+
+void Optimizer::refuse_invalid() { impl_->refuse_invalid(); }
+
 bool Optimizer::refuse_step() {
   Impl& s = *impl_;
   // It reads the agreement on the host: not in a capture.
   if (s.backend->capturing()) fail("refuse_step cannot be captured in a CUDA graph; call it eagerly");
   s.validate_for_step();
-  s.enqueue_step(false, true, true);  // a refused step is not a dropped one: not counted
+  s.enqueue_step(false, Impl::kNoGradients, true);  // a refused step is not a dropped one: not counted
   s.post_counters();
   s.settle_collectives();
   if (s.backend->read_flag(s.flag.as<int>() + 1) == 0) return false;  // no rank stepped: nothing to refuse
@@ -1829,19 +1901,20 @@ bool Optimizer::refuse_step() {
 bool Optimizer::step() {
   Impl& s = *impl_;
   Backend& be = *s.backend;
-  s.validate_for_step();
-  s.enqueue_step(s.options.on_nonfinite == NonFinitePolicy::Skip, false, true);
+  s.validate_or_refuse();
+  s.enqueue_step(s.options.on_nonfinite == NonFinitePolicy::Skip, Impl::kStep, true);
   s.post_counters();
   int* flag = s.flag.as<int>();
   s.settle_collectives();
   // The verdict: one host synchronisation.
   const int verdict = be.read_flag(flag);
   if (verdict == 0) return true;
-  if (verdict & kRankWithoutGradients) {
-    // Every rank keeps its plan (the refusing one's registration is unchanged), so the next
-    // step's first collective is this agreement again on all of them, steps enqueued only included.
-    fail("another rank took no part in this step (none of its parameters had a gradient): every rank must step "
-         "the same parameters; the step was not applied on any rank");
+  if (verdict & kNotAStep) {
+    // Every rank keeps its plan (a refusing one's registration is unchanged), so the next step's
+    // first collective is this agreement again on all of them, steps enqueued only included.
+    std::vector<int> words(static_cast<std::size_t>(s.flag_words));
+    be.copy_to_host(words.data(), flag, words.size() * sizeof(int));
+    fail(s.disagreement_error(words.data()));
   }
   if (s.options.on_nonfinite == NonFinitePolicy::Raise) {
     const char* policy = "(on_nonfinite='raise'; use 'skip' to drop such steps)";

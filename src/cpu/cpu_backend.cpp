@@ -133,7 +133,7 @@ class CpuBackend final : public Backend {
   }
   void finish_step(const int* flag, int64_t* counters, bool count_dropped) override {
     if (!*flag) ++counters[0];
-    else if (count_dropped && !(*flag & (kRankWithoutGradients | kPlansDiffer))) ++counters[1];
+    else if (count_dropped && !(*flag & kNotAStep)) ++counters[1];
   }
   void settle_agreement(int* words, int regions) override { settle_agreement_words(words, regions); }
 

@@ -4,6 +4,7 @@
 // symmetric.cu (gram/sym_product: the fused sm_90a kernel of sym_wgmma.cu where it pays, else
 // the cuBLAS tile schedule). Nothing here synchronises with the host except read_flag and host copies.
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -108,6 +109,13 @@ class CudaBackend final : public Backend {
   }
   ~CudaBackend() override {
     cudaStreamSynchronize(stream_);
+    for (Staging& st : staging_) {
+      if (st.done) {
+        cudaEventSynchronize(st.done);  // a copy from another stream may still read st.host
+        cudaEventDestroy(st.done);
+      }
+      if (st.host) cudaFreeHost(st.host);
+    }
     if (capture_stream_) cudaStreamDestroy(capture_stream_);
     scratch_.reset();
     scratch_sym_.reset();
@@ -154,6 +162,24 @@ class CudaBackend final : public Backend {
     if (!bytes) return;
     DION3_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
     DION3_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the host buffer may go away
+  }
+  void upload(void* dst, const void* src, std::size_t bytes) override {
+    if (!bytes) return;
+    Staging& st = staging_[next_staging_];
+    next_staging_ = (next_staging_ + 1) % staging_.size();
+    // The slot's last copy was enqueued several uploads ago: done long since in a step loop.
+    if (st.done) DION3_CUDA_CHECK(cudaEventSynchronize(st.done));
+    else DION3_CUDA_CHECK(cudaEventCreateWithFlags(&st.done, cudaEventDisableTiming));
+    if (st.bytes < bytes) {
+      if (st.host) DION3_CUDA_CHECK(cudaFreeHost(st.host));
+      st.host = nullptr;
+      st.bytes = 0;
+      DION3_CUDA_CHECK(cudaHostAlloc(&st.host, bytes, cudaHostAllocDefault));
+      st.bytes = bytes;
+    }
+    std::memcpy(st.host, src, bytes);
+    DION3_CUDA_CHECK(cudaMemcpyAsync(dst, st.host, bytes, cudaMemcpyHostToDevice, stream_));
+    DION3_CUDA_CHECK(cudaEventRecord(st.done, stream_));
   }
   void copy(void* dst, const void* src, std::size_t bytes) override {
     if (bytes) DION3_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
@@ -498,6 +524,14 @@ class CudaBackend final : public Backend {
   uint64_t recording_epoch_ = 0;
   bool recording_ = false;
   cudaStream_t capture_stream_ = nullptr;  // where record() captures (never the legacy stream)
+  // upload()'s pinned staging slots, used in turn; each slot's event marks its last copy done.
+  struct Staging {
+    void* host = nullptr;
+    std::size_t bytes = 0;
+    cudaEvent_t done = nullptr;
+  };
+  std::array<Staging, 4> staging_{};
+  std::size_t next_staging_ = 0;
 };
 
 // A captured graph, launched on the backend's stream at each replay.

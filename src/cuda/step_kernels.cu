@@ -1069,7 +1069,7 @@ void launch_copy_rows(void* dst, std::size_t dst_pitch, const int32_t* dst_idx, 
 __global__ void finish_step_kernel(const int* flag, int64_t* counters, int count_dropped) {
   pdl_wait();
   if (!*flag) ++counters[0];
-  else if (count_dropped && !(*flag & (kRankWithoutGradients | kPlansDiffer))) ++counters[1];
+  else if (count_dropped && !(*flag & kNotAStep)) ++counters[1];
 }
 
 void launch_finish_step(const int* flag, int64_t* counters, bool count_dropped, cudaStream_t s) {

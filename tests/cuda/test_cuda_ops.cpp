@@ -472,8 +472,9 @@ TEST_F(CudaOps, FinishStepCountsLikeCpu) {
 }
 
 // ---- settle_agreement ---------------------------------------------------------------------------
-// The agreement's regions into the flag, as on the CPU: kPlansDiffer ORed into the verdict (the
-// first region's) where a digest word and its complement do not sum to 0xFFFF in some region.
+// The agreement's regions into the flag, as on the CPU: kPlansDiffer (a plan word) or kHyperDiffer
+// (a hyper-parameter word) ORed into the verdict (the first region's) where a digest word and its
+// complement do not sum to 0xFFFF in some region.
 TEST_F(CudaOps, SettleAgreementLikeCpu) {
   constexpr int W = dion3::kAgreementWords;
   for (int regions : {1, 2}) {
@@ -497,7 +498,8 @@ TEST_F(CudaOps, SettleAgreementLikeCpu) {
       std::vector<int> got(words.size());
       gpu->copy_to_host(got.data(), dev.get(), got.size() * sizeof(int));
       EXPECT_EQ(got, want) << regions << " regions, word " << bad << " differs";
-      EXPECT_EQ(want[0], bad < 0 ? 1 : 1 | dion3::kPlansDiffer) << regions << " regions, word " << bad;
+      const int differ = bad % dion3::kDigestWords < dion3::kPlanDigestWords ? dion3::kPlansDiffer : dion3::kHyperDiffer;
+      EXPECT_EQ(want[0], bad < 0 ? 1 : 1 | differ) << regions << " regions, word " << bad;
       EXPECT_EQ(want[1], 1);
     }
   }

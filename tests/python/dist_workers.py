@@ -313,8 +313,9 @@ def one_rank_changes(rank, world, mesh):
 
 def one_rank_settings(rank, world, mesh):
     """Settings that change a plan's collectives or results but no shape, changed on one rank
-    alone (selection_scope under FSDP2, cautious_wd, an element-wise group's algorithm): every
-    rank refuses the step, nothing moved; alike again, the ranks step together. And a rank
+    alone (selection_scope under FSDP2, cautious_wd, an element-wise group's algorithm,
+    hyper-parameters), or that are invalid there alone: every rank refuses the step, nothing
+    moved; alike again, the ranks step together. And a rank
     without gradients right after load_state_dict (which drops the engine) refuses with the
     others instead of stepping alone."""
     torch.manual_seed(0)
@@ -378,6 +379,32 @@ def one_rank_settings(rank, world, mesh):
     grads2(2)
     opt.step()
     same_everywhere([w, b], "DDP after an element-wise algorithm")
+    # Hyper-parameters that differ on one rank alone would part the replicas: refused by every rank.
+    seed = 10
+    for gi, key, value in ((0, "lr", 0.03), (1, "weight_decay", 0.5), (1, "betas", (0.8, 0.95))):
+        kept = opt.param_groups[gi][key]
+        if rank == 0:
+            opt.param_groups[gi][key] = value
+        grads2(seed)
+        refused(opt, [w, b], "stepped with different hyper-parameters")
+        opt.param_groups[gi][key] = kept
+        grads2(seed + 1)
+        opt.step()
+        same_everywhere([w, b], f"DDP after {key} on one rank")
+        seed += 2
+    # A setting invalid on one rank alone (an lr the engine refuses, betas the front end refuses):
+    # that rank raises its own error, and the others raise with it instead of waiting for it.
+    for gi, key, value, own in ((0, "lr", float("nan"), "lr"), (1, "betas", (0.9,), "betas")):
+        kept = opt.param_groups[gi][key]
+        if rank == 0:
+            opt.param_groups[gi][key] = value
+        grads2(seed)
+        refused(opt, [w, b], own if rank == 0 else "another rank refused this step")
+        opt.param_groups[gi][key] = kept
+        grads2(seed + 1)
+        opt.step()
+        same_everywhere([w, b], f"DDP after an invalid {key} on one rank")
+        seed += 2
     # load_state_dict everywhere, then no gradients on the last rank.
     opt.load_state_dict(opt.state_dict())
     grads2(3)

@@ -487,6 +487,13 @@ class Engine {
     py::gil_scoped_release release;
     return opt_->refuse_step();
   }
+  // This rank cannot step: the front end found a setting invalid here (Optimizer::refuse_invalid).
+  void refuse_invalid() {
+    if (!cuda_) at::get_num_threads();
+    Guard guard(*this);
+    py::gil_scoped_release release;
+    opt_->refuse_invalid();
+  }
   // The same with this step's gradients given in registration order (DTensor parameters: the
   // local shards of their gradients).
   int step_with(const std::vector<at::Tensor>& grads) { return run(false, &grads); }
@@ -852,6 +859,7 @@ PYBIND11_MODULE(_C, m) {
       .def("step", guarded(&Engine::step))
       .def("refuse_step", guarded(&Engine::refuse_step))
       .def("step_async", guarded(&Engine::step_async))
+      .def("refuse_invalid", guarded(&Engine::refuse_invalid))
       .def("plan", guarded(&Engine::plan))
       .def_property_readonly("num_params", guarded(&Engine::num_params))
       .def_property_readonly("num_groups", guarded(&Engine::num_groups))
