@@ -165,6 +165,7 @@ class CudaBackend final : public Backend {
   }
   void upload(void* dst, const void* src, std::size_t bytes) override {
     if (!bytes) return;
+    if (capturing()) return copy_from_host(dst, src, bytes);  // refused there, as it must be
     Staging& st = staging_[next_staging_];
     next_staging_ = (next_staging_ + 1) % staging_.size();
     // The slot's last copy was enqueued several uploads ago: done long since in a step loop.

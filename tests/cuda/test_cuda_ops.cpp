@@ -471,6 +471,36 @@ TEST_F(CudaOps, FinishStepCountsLikeCpu) {
   EXPECT_EQ(got[1], 1);
 }
 
+// ---- upload ------------------------------------------------------------------------------------
+// Uploads land in stream order without a host synchronisation, each with the values its source
+// held when it was called (the source is reused at once), through more uploads than staging
+// slots, of growing sizes, and in order with device copies.
+TEST_F(CudaOps, UploadsArriveInStreamOrderWithTheirValues) {
+  constexpr int kUploads = 11;
+  const std::size_t most = 4096;
+  dion3::DeviceBuffer dev(gpu->allocator(), kUploads * most * sizeof(int));
+  dion3::DeviceBuffer last(gpu->allocator(), most * sizeof(int));
+  std::vector<int> src(most);
+  std::vector<std::size_t> sizes;
+  for (int u = 0; u < kUploads; ++u) {
+    const std::size_t n = std::size_t(1) << (u % 13);  // 1 .. 4096 ints: slots grow
+    sizes.push_back(std::min(n, most));
+    for (std::size_t i = 0; i < sizes.back(); ++i) src[i] = static_cast<int>(u * 100000 + i);
+    gpu->upload(dev.as<int>() + u * most, src.data(), sizes.back() * sizeof(int));
+    // A device copy after the upload reads what it wrote.
+    gpu->copy(last.get(), dev.as<int>() + u * most, sizes.back() * sizeof(int));
+    std::fill(src.begin(), src.end(), -1);  // the upload's source may be reused at once
+  }
+  std::vector<int> got(kUploads * most);
+  gpu->copy_to_host(got.data(), dev.get(), got.size() * sizeof(int));
+  for (int u = 0; u < kUploads; ++u)
+    for (std::size_t i = 0; i < sizes[u]; ++i)
+      ASSERT_EQ(got[u * most + i], static_cast<int>(u * 100000 + i)) << "upload " << u << ", int " << i;
+  std::vector<int> tail(sizes.back());
+  gpu->copy_to_host(tail.data(), last.get(), tail.size() * sizeof(int));
+  for (std::size_t i = 0; i < tail.size(); ++i) ASSERT_EQ(tail[i], static_cast<int>((kUploads - 1) * 100000 + i));
+}
+
 // ---- settle_agreement ---------------------------------------------------------------------------
 // The agreement's regions into the flag, as on the CPU: kPlansDiffer (a plan word) or kHyperDiffer
 // (a hyper-parameter word) ORed into the verdict (the first region's) where a digest word and its
