@@ -318,6 +318,11 @@ def _state_tensors(group: Dict[str, Any], p: torch.Tensor, old: Dict[str, Any]) 
         if t is None or (getattr(t, "_dion3_initial", False) and not old.get("step", 0) and
                          (t.dtype != dtype or tuple(t.shape) != tuple(shape))):
             t = _dist.zeros_like_layout(p, shape, dtype, name in _PER_ROW)
+        elif isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(shape) and \
+                (t.dtype != dtype or t.device != p.device):
+            # The parameter moved to another dtype or device after its state was made
+            # (model.to(...)): the state follows it, cast as load_state_dict casts it.
+            t = t.detach().to(device=p.device, dtype=dtype)
         st[name] = t
     return st
 

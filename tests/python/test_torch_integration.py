@@ -327,3 +327,42 @@ def test_state_edits_between_steps_are_followed(how):
     assert torch.equal(w, w2) and torch.equal(b, b2)
     assert opt.state[w]["momentum"] is not old and torch.equal(opt.state[w]["momentum"], fresh.state[w2]["momentum"])
     assert opt.state[w]["step"] == 2
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_model_cast_after_a_step_takes_its_state_along(device):
+    # model.to(dtype) or model.to(device) after steps: the next step casts or moves each state
+    # tensor to what the parameter now needs, as load_state_dict would, and trains on, equal to
+    # an optimizer that went through a state_dict round trip after the same cast.
+    def run(round_trip):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+        opt = dion3.Dion3(dion3.param_groups(model), lr=0.02, fraction=0.5)
+
+        def step(t):
+            g = torch.Generator().manual_seed(t)
+            x = torch.randn(4, 16, generator=g).to(device=next(model.parameters()).device,
+                                                   dtype=next(model.parameters()).dtype)
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+        for t in range(2):
+            step(t)
+        model.to(device=device, dtype=torch.bfloat16)
+        if round_trip:
+            opt.load_state_dict(opt.state_dict())
+        for t in range(2, 4):
+            step(t)
+        return model, opt
+
+    model, opt = run(False)
+    want, _ = run(True)
+    for p, q in zip(model.parameters(), want.parameters()):
+        assert p.dtype == torch.bfloat16 and p.device.type == device and torch.equal(p, q)
+    for p in model.parameters():
+        for k, t in opt.state[p].items():
+            if torch.is_tensor(t) and k != "step":
+                assert t.device == p.device, k
+                if k in ("momentum", "exp_avg"):
+                    assert t.dtype == torch.bfloat16, (k, t.dtype)
