@@ -52,12 +52,18 @@ DION3_API const std::vector<Coefficients>& reference_coefficients();
 struct DION3_API OrthConfig {
   // validate() refuses coefficients that take a singular value in [0, 1] beyond this.
   static constexpr double kMaxSingularValue = 8.0;
+  // The most a float16 Gram iteration's Q may grow between two restarts: half float16's range.
+  // Along directions the input does not span (zero rows of a padded stack, null singular values)
+  // Q is the product of the steps' a there, and Inf there turns the next Gram into NaN.
+  static constexpr double kMaxHalfGramGrowth = 32768.0;
 
   OrthMethod method = OrthMethod::Auto;
   std::vector<Coefficients> coefficients = polar_express_coefficients();
   std::vector<int> restarts = {2};       // Gram NS restart positions (t > 0 take effect)
   // Iteration dtype. nullopt = the backend's choice (CPU: F32; CUDA: F16 for Gram, BF16 standard).
   std::optional<DType> iteration_dtype;
+  // The largest product of |a| over the steps between two restarts (Gram NS's growth of Q).
+  double gram_growth() const;
 
   void validate() const;
 };

@@ -2,6 +2,7 @@
 #include "dion3/config.hpp"
 
 #include <cfloat>
+#include <algorithm>
 #include <cmath>
 
 #include "core/format.hpp"
@@ -172,6 +173,20 @@ void OrthConfig::validate() const {
   if (iteration_dtype && !is_float_param_dtype(*iteration_dtype))
     fail(std::string("'iteration_dtype' must be float32, float16 or bfloat16, got ") +
          dtype_name(*iteration_dtype));
+  if (method == OrthMethod::Gram && iteration_dtype == DType::F16 && !(gram_growth() <= kMaxHalfGramGrowth))
+    fail("Gram Newton-Schulz in float16 with these coefficients and restarts grows Q by " + format_number(gram_growth()) +
+         " between restarts (the product of their a), more than " + format_number(kMaxHalfGramGrowth) +
+         ": it overflows float16; add 'restarts', or use iteration_dtype bfloat16 or float32");
+}
+
+double OrthConfig::gram_growth() const {
+  double worst = 0.0, product = 1.0;
+  for (std::size_t t = 0; t < coefficients.size(); ++t) {
+    if (t > 0 && std::find(restarts.begin(), restarts.end(), static_cast<int>(t)) != restarts.end()) product = 1.0;
+    product *= std::fabs(coefficients[t][0]);
+    worst = std::max(worst, product);
+  }
+  return worst;
 }
 
 void GroupConfig::validate() const {

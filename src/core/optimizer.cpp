@@ -853,7 +853,7 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
   const ExchangePlan shape =
       exchange_plan(mb.layout, g, n, m, ncols, mb.ranks, mb.update_dtype, DType::F32, chunk, mb.col_ranks);
   const OrthMethod method = choose_orth_method(*backend, g.orth, shape.orth_rows, shape.orth_cols);
-  mb.orth_dtype = g.orth.iteration_dtype.value_or(backend->default_iteration_dtype(method == OrthMethod::Gram));
+  mb.orth_dtype = choose_iteration_dtype(*backend, g.orth, method);
   const ExchangePlan x =
       exchange_plan(mb.layout, g, n, m, ncols, mb.ranks, mb.update_dtype, mb.orth_dtype, chunk, mb.col_ranks);
   mb.k = x.k;

@@ -84,6 +84,43 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(i.param.cols) + "_t" + std::to_string(i.param.tile);
     });
 
+// Eleven Polar Express steps without a restart grow Gram's Q past float16's range along the
+// directions the input does not span (here zero rows, as a padded stack has): the backend's own
+// dtype choice goes to bfloat16 there, and the result is finite, its real rows in the band and
+// its zero rows zero.
+class OrthLongSegments : public ct::CudaTest {};
+
+TEST_F(OrthLongSegments, GramWithoutRestartsStaysFiniteOnZeroRows) {
+  dion3::OrthConfig cfg;
+  cfg.method = OrthMethod::Gram;
+  cfg.restarts.clear();
+  while (cfg.coefficients.size() < 11) cfg.coefficients.push_back(cfg.coefficients.back());
+  ASSERT_EQ(dion3::choose_iteration_dtype(*gpu, cfg, OrthMethod::Gram), DType::BF16);
+  std::mt19937_64 rng(23);
+  const int64_t rows = 96, cols = 384, real = 64;
+  Twin in(*gpu, DType::F32, 2, rows, cols), out(*gpu, DType::F32, 2, rows, cols);
+  in.fill_normal(rng);
+  std::vector<float> v = in.host_values();
+  for (int64_t m = 0; m < 2; ++m)
+    for (int64_t i = real; i < rows; ++i)
+      for (int64_t j = 0; j < cols; ++j) v[(m * rows + i) * cols + j] = 0.0f;
+  in.set_host(v);
+  in.upload();
+  dion3::Orthogonalizer o(*gpu, cfg, 2, rows, cols, nullptr, real);
+  o.run(in.dview(), out.dview());
+  const std::vector<float> od = out.device_values();
+  std::vector<float> kept;
+  for (int64_t m = 0; m < 2; ++m)
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < cols; ++j) {
+        const float x = od[(m * rows + i) * cols + j];
+        ASSERT_TRUE(std::isfinite(x)) << "matrix " << m << ", row " << i;
+        if (i >= real) ASSERT_EQ(x, 0.0f) << "matrix " << m << ", zero row " << i;
+        else kept.push_back(x);
+      }
+  EXPECT_LE(max_row_gram_dev(kept, 2, real, cols), 0.35);
+}
+
 // Whether intermediates are banded is decided at every run, so the backend's symmetric path may
 // change between two runs of one orthogonalizer (benchmarks do that): fused kernel, cuBLAS tiles,
 // fused kernel again.
