@@ -69,12 +69,31 @@ def main():
 
     host = median_ms(opt.step)
     engine = median_ms(lambda: opt._engine.step_async())
+    behind = None
+    if device.type == "cuda":
+        # An lr that changes every step (a schedule), with GPU work still queued (the backward
+        # pass): a step that waited for the GPU before enqueuing would take that work's time.
+        cycles = int(20e-3 * torch.cuda.get_device_properties(device).clock_rate * 1e3)  # about 20 ms
+        ts, lrs = [], [0.01, 0.011]
+        for i in range(a.steps):
+            fresh()
+            sync(device)
+            opt.param_groups[0]["lr"] = lrs[i % 2]
+            torch.cuda._sleep(cycles)
+            t0 = time.perf_counter()
+            opt.step()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        sync(device)
+        opt.param_groups[0]["lr"] = 0.01
+        behind = statistics.median(ts)
     mode = "op by op" if a.op_by_op else "recorded orthogonalizations"
     grads = "fresh gradient tensors every step" if a.fresh_grads else "the same gradient tensors"
     print(f"## {a.model}, Dion3 f = {a.fraction}, bf16, {a.device}: {mode}, {grads}\n")
     print(f"- megabatches: {len(opt.plan())}; parameters: {sum(len(g['params']) for g in opt.param_groups)}")
     print(f"- host ms per step(), median of {a.steps}: {host:.3f}")
     print(f"- host ms of the engine's step_async() alone: {engine:.3f}")
+    if behind is not None:
+        print(f"- host ms per step() with a new lr each step, behind about 20 ms of queued GPU work: {behind:.3f}")
     # The Python layer's pieces, each timed alone.
     eng = opt._engine
     states = opt._engine_states
