@@ -270,10 +270,11 @@ class DION3_API Backend {
   virtual void fill_zero(void* ptr, std::size_t bytes) = 0;
   virtual void copy_to_host(void* host_dst, const void* src, std::size_t bytes) = 0;
   virtual void copy_from_host(void* dst, const void* host_src, std::size_t bytes) = 0;
-  // The same copy in the stream's order without waiting for the work already enqueued (CUDA:
-  // through pinned staging memory); host_src may be reused as soon as it returns. Not while the
-  // stream is being captured. What a step uploads every time a value changes (hyper-parameters)
-  // takes this path, so that an lr schedule does not hold the host until the GPU is idle.
+  // The same copy in the stream's order, host_src reusable as soon as it returns, without waiting
+  // for the stream to drain (CUDA: through a few pinned staging buffers, so it waits at most for
+  // the copy that last used the buffer). Not while the stream is being captured. What a step
+  // uploads every time a value changes (hyper-parameters) takes this path, so that an lr
+  // schedule does not hold the host until the GPU is idle.
   virtual void upload(void* dst, const void* host_src, std::size_t bytes) { copy_from_host(dst, host_src, bytes); }
   virtual void copy(void* dst, const void* src, std::size_t bytes) = 0;
   // `height` rows of `width` bytes from src (rows `src_pitch` bytes apart) to dst (rows

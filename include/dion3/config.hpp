@@ -60,10 +60,13 @@ struct DION3_API OrthConfig {
   OrthMethod method = OrthMethod::Auto;
   std::vector<Coefficients> coefficients = polar_express_coefficients();
   std::vector<int> restarts = {2};       // Gram NS restart positions (t > 0 take effect)
-  // Iteration dtype. nullopt = the backend's choice (CPU: F32; CUDA: F16 for Gram, BF16 standard).
+  // Iteration dtype. nullopt = the backend's choice (CPU: F32; CUDA: F16 for Gram, BF16 standard;
+  // BF16 for Gram where F16 would overflow: choose_iteration_dtype).
   std::optional<DType> iteration_dtype;
-  // The largest product of |a| over the steps between two restarts (Gram NS's growth of Q).
+  // The largest product of |a| over the steps between two restarts (Gram NS's growth of Q), and
+  // whether it passes kMaxHalfGramGrowth.
   double gram_growth() const;
+  bool half_gram_overflows() const { return !(gram_growth() <= kMaxHalfGramGrowth); }
 
   void validate() const;
 };

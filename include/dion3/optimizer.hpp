@@ -221,10 +221,11 @@ class DION3_API Optimizer {
   // For a rank of a distributed optimizer that cannot take this step because a setting or input
   // is invalid there alone (step() and step_async() do this themselves for what they validate;
   // a front end calls it for what it checks first): runs the step's collectives as a refusal,
-  // writing nothing, so that the other ranks' step raises dion3::Error (InvalidArgument: "another
-  // rank refused this step") instead of waiting for this rank. Never throws for the refusal
-  // itself: the caller raises its own error next. Does nothing without a plan the other ranks
-  // may hold (before the first step) or under capture.
+  // writing nothing, so that the other ranks' step() raises dion3::Error (InvalidArgument:
+  // "another rank refused this step") instead of waiting for this rank (a step_async() there
+  // drops the step on the device, counted nowhere). Never throws: the caller raises its own
+  // error next. Does nothing without a plan (before the first step, or after anything that makes
+  // the optimizer plan anew) or under capture.
   void refuse_invalid();
   // The same step, only enqueued on the backend's stream: no host synchronisation, so it can
   // be captured in a CUDA graph and replayed. A non-finite gradient drops the step on the

@@ -319,9 +319,10 @@ def _state_tensors(group: Dict[str, Any], p: torch.Tensor, old: Dict[str, Any]) 
                          (t.dtype != dtype or tuple(t.shape) != tuple(shape))):
             t = _dist.zeros_like_layout(p, shape, dtype, name in _PER_ROW)
         elif isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(shape) and \
-                (t.dtype != dtype or t.device != p.device):
-            # The parameter moved to another dtype or device after its state was made
-            # (model.to(...)): the state follows it, cast as load_state_dict casts it.
+                (t.device != p.device or (t.dtype != dtype and dtype == p.dtype)):
+            # The parameter moved to another device or dtype after its state was made
+            # (model.to(...)): state that follows it follows, cast as load_state_dict casts it.
+            # (A changed momentum_dtype is a structural change, refused by the engine.)
             t = t.detach().to(device=p.device, dtype=dtype)
         st[name] = t
     return st
@@ -787,7 +788,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             engine = self._engine
         try:
             self._push_groups(engine)
-        except (ValueError, TypeError):
+        except Exception:
             if self._mesh is not None:
                 engine.refuse_invalid()  # the other ranks raise too instead of waiting for this one
             raise

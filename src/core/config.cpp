@@ -173,7 +173,7 @@ void OrthConfig::validate() const {
   if (iteration_dtype && !is_float_param_dtype(*iteration_dtype))
     fail(std::string("'iteration_dtype' must be float32, float16 or bfloat16, got ") +
          dtype_name(*iteration_dtype));
-  if (method == OrthMethod::Gram && iteration_dtype == DType::F16 && !(gram_growth() <= kMaxHalfGramGrowth))
+  if (method == OrthMethod::Gram && iteration_dtype == DType::F16 && half_gram_overflows())
     fail("Gram Newton-Schulz in float16 with these coefficients and restarts grows Q by " + format_number(gram_growth()) +
          " between restarts (the product of their a), more than " + format_number(kMaxHalfGramGrowth) +
          ": it overflows float16; add 'restarts', or use iteration_dtype bfloat16 or float32");

@@ -180,7 +180,7 @@ struct Optimizer::Impl {
   DeviceBuffer flag_starts;
   int flag_words = 2;
   // Per communicator (communicators()'s order): its plan's digest and megabatch count, and the
-  // slots of hyper_values() its steps read (their groups' and megabatches').
+  // hyper_values() slots of its groups (all of each group's) and megabatches.
   struct Region {
     uint64_t plan = 0;
     uint32_t count = 0;

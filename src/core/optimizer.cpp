@@ -1863,15 +1863,22 @@ void Optimizer::Impl::refuse_invalid() {
   if (!plan_valid || communicators().empty() || backend->capturing()) return;
   // The refusal runs the plan with the settings it was made for: this rank's current ones may be
   // what is invalid.
-  const bool as_planned = planned.size() == groups.size();
-  if (as_planned) std::swap(groups, planned);
+  struct AsPlanned {
+    Impl& s;
+    const bool swapped = s.planned.size() == s.groups.size();
+    explicit AsPlanned(Impl& impl) : s(impl) {
+      if (swapped) std::swap(s.groups, s.planned);
+    }
+    ~AsPlanned() {
+      if (swapped) std::swap(s.groups, s.planned);
+    }
+  } as_planned(*this);
   try {
     enqueue_step(false, kInvalidHere, true);
     settle_collectives();
-  } catch (const Error&) {
+  } catch (...) {
     // The others stop here as well (the agreement told them); this rank's own reason is the news.
   }
-  if (as_planned) std::swap(groups, planned);
 }
 
 void Optimizer::Impl::validate_or_refuse() {
@@ -1889,7 +1896,7 @@ bool Optimizer::refuse_step() {
   Impl& s = *impl_;
   // It reads the agreement on the host: not in a capture.
   if (s.backend->capturing()) fail("refuse_step cannot be captured in a CUDA graph; call it eagerly");
-  s.validate_for_step();
+  s.validate_or_refuse();
   s.enqueue_step(false, Impl::kNoGradients, true);  // a refused step is not a dropped one: not counted
   s.post_counters();
   s.settle_collectives();

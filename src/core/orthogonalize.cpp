@@ -70,22 +70,18 @@ double gram_ns_flops(int64_t batch, int64_t p, int64_t q, int steps, int n_resta
   return static_cast<double>(batch) * f;
 }
 
-namespace {
-bool half_gram_overflows(const OrthConfig& cfg) { return !(cfg.gram_growth() <= OrthConfig::kMaxHalfGramGrowth); }
-}  // namespace
-
 DType choose_iteration_dtype(const Backend& backend, const OrthConfig& cfg, OrthMethod method) {
   if (cfg.iteration_dtype) return *cfg.iteration_dtype;
   const bool gram = method == OrthMethod::Gram;
   const DType d = backend.default_iteration_dtype(gram);
-  return gram && d == DType::F16 && half_gram_overflows(cfg) ? DType::BF16 : d;
+  return gram && d == DType::F16 && cfg.half_gram_overflows() ? DType::BF16 : d;
 }
 
 OrthMethod choose_orth_method(const Backend& backend, const OrthConfig& cfg, int64_t rows, int64_t cols) {
   if (cfg.method != OrthMethod::Auto) return cfg.method;
   const int64_t p = std::min(rows, cols), q = std::max(rows, cols);
   if (p == q) return OrthMethod::Standard;
-  if (cfg.iteration_dtype == DType::F16 && half_gram_overflows(cfg)) return OrthMethod::Standard;
+  if (cfg.iteration_dtype == DType::F16 && cfg.half_gram_overflows()) return OrthMethod::Standard;
   const int steps = static_cast<int>(cfg.coefficients.size());
   int n_restarts = 0;
   for (int r : cfg.restarts) n_restarts += (r > 0);

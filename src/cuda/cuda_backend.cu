@@ -73,6 +73,17 @@ class Scratch {
   DeviceBuffer buf_;
 };
 
+// Makes `device` current for its lifetime: events and pinned memory belong to the device current
+// when they are made.
+struct OnDevice {
+  int previous = 0;
+  explicit OnDevice(int device) {
+    DION3_CUDA_CHECK(cudaGetDevice(&previous));
+    if (previous != device) DION3_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~OnDevice() { cudaSetDevice(previous); }
+};
+
 struct CudaMatrixSet final : MatrixSet {
   DeviceBuffer table;           // DeviceMat[mats.size()]
   DeviceMat* host = nullptr;    // pinned staging of the table
@@ -165,10 +176,13 @@ class CudaBackend final : public Backend {
   }
   void upload(void* dst, const void* src, std::size_t bytes) override {
     if (!bytes) return;
-    if (capturing()) return copy_from_host(dst, src, bytes);  // refused there, as it must be
+    // A captured copy would read the staging memory at replay, after later uploads reused it.
+    if (capturing()) fail("CUDA backend: upload() while the stream is being captured");
+    const OnDevice on(device_);
     Staging& st = staging_[next_staging_];
     next_staging_ = (next_staging_ + 1) % staging_.size();
-    // The slot's last copy was enqueued several uploads ago: done long since in a step loop.
+    // Waits for the slot's previous copy only: several uploads back, so a host that runs steps
+    // ahead of the GPU waits here only when it is that many uploads ahead.
     if (st.done) DION3_CUDA_CHECK(cudaEventSynchronize(st.done));
     else DION3_CUDA_CHECK(cudaEventCreateWithFlags(&st.done, cudaEventDisableTiming));
     if (st.bytes < bytes) {
@@ -531,7 +545,7 @@ class CudaBackend final : public Backend {
     std::size_t bytes = 0;
     cudaEvent_t done = nullptr;
   };
-  std::array<Staging, 4> staging_{};
+  std::array<Staging, 8> staging_{};
   std::size_t next_staging_ = 0;
 };
 
@@ -586,14 +600,6 @@ class CudaHostCopy final : public HostCopy {
   }
 
  private:
-  struct OnDevice {  // makes `device` current for its lifetime
-    int previous = 0;
-    explicit OnDevice(int device) {
-      DION3_CUDA_CHECK(cudaGetDevice(&previous));
-      if (previous != device) DION3_CUDA_CHECK(cudaSetDevice(device));
-    }
-    ~OnDevice() { cudaSetDevice(previous); }
-  };
   CudaBackend& be_;
   std::size_t bytes_;
   void* host_ = nullptr;

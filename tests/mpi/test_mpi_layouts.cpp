@@ -377,16 +377,23 @@ TEST(Faults, AStepInvalidOnOneRankIsRefusedByEveryRank) {
   fill(1.0);
   ASSERT_TRUE(h.opt.step());
   const GroupConfig kept = h.opt.group(gi);
-  for (bool async : {false, true}) {
-    const std::string where = "rank " + std::to_string(rank) + (async ? ", enqueued" : "");
+  // The others step or only enqueue; the invalid rank steps or has no gradients (refuse_step).
+  for (int mode = 0; mode < 3; ++mode) {
+    const bool async = mode == 1;
+    const std::string where = "rank " + std::to_string(rank) + (async ? ", enqueued" : mode == 2 ? ", refusing" : "");
     const auto before = t3::snapshot(h.opt, all);
     GroupConfig c = kept;
     c.lr = 3.3e38;  // finite, but 8 x 6 matrices scale it by sqrt(8 / 6)
     if (rank == 0) h.opt.set_group(gi, c);
     fill(2.0);
     dion3::Status st = dion3::Status::Ok;
-    const std::string what =
-        t3::error_of([&] { async && rank != 0 ? h.opt.step_async() : static_cast<void>(h.opt.step()); }, &st);
+    const std::string what = t3::error_of(
+        [&] {
+          if (rank == 0 && mode == 2) h.opt.refuse_step();
+          else if (rank != 0 && async) h.opt.step_async();
+          else h.opt.step();
+        },
+        &st);
     if (rank == 0) {
       EXPECT_EQ(st, dion3::Status::InvalidArgument) << where << ": " << what;
       EXPECT_NE(what.find("not finite in float32"), std::string::npos) << where << ": " << what;
