@@ -852,7 +852,13 @@ class _EngineOptimizer(torch.optim.Optimizer):
             if grown:
                 self._check_keys(gi, group)  # a key added since (e.g. another optimizer's name for one)
             view = _ReadKeys(group)
-            engine.update_group(i, _engine_config(view))
+            cfg = _engine_config(view)
+            try:  # here, while the engine still holds the plan a refusal needs (see step)
+                _C.validate_group(cfg)
+            except ValueError as e:
+                msg = str(e)[len("dion3: "):] if str(e).startswith("dion3: ") else str(e)
+                raise ValueError(f"dion3: parameter group {gi}: {msg}") from None
+            engine.update_group(i, cfg)
             keys = tuple(dict.fromkeys(view.read))
             self._pushed[i] = (keys, _plain_snapshot(group, keys), len(group))
 

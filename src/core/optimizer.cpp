@@ -51,6 +51,10 @@ DType update_rows_dtype(const GroupConfig& g, DType momentum_dtype) {
 
 std::string group_error(int g, const std::string& what) { return "group " + std::to_string(g) + ": " + what; }
 
+// How a refused distributed step ends its message: the ranks that compared their step (those of
+// the optimizer's communicators; under HSDP not the other replicas) all dropped it.
+constexpr const char* kNotApplied = "the step was not applied on this rank or on any rank it shares a collective with";
+
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Selected rows of an m-row matrix (algorithm.md §1 step 2).
@@ -534,6 +538,7 @@ void Optimizer::Impl::build_plan() {
   std::vector<std::vector<RowBlock>> blocks_of(params.size());  // refused before anything changes
   for (int i = 0; i < static_cast<int>(params.size()); ++i)
     if (is_matrix_algorithm(groups[params[i].group].algorithm)) blocks_of[i] = row_blocks(i);
+  plan_valid = false;  // until it is built whole
   megabatches.clear();
   // Communicators are keyed by their order of first appearance, never by address: every rank
   // must build its megabatches (and so start its collectives) in the same order.
@@ -1025,8 +1030,9 @@ void Optimizer::Impl::write_starts(const std::vector<float>& hyper) {
     const Region& region = regions[r];
     Fnv f;
     for (int slot : region.hyper_slots) {
-      uint32_t bits;
-      std::memcpy(&bits, &hyper[static_cast<std::size_t>(slot)], sizeof(bits));
+      const float x = hyper[static_cast<std::size_t>(slot)] == 0.0f ? 0.0f : hyper[static_cast<std::size_t>(slot)];
+      uint32_t bits;  // -0 and +0 step alike
+      std::memcpy(&bits, &x, sizeof(bits));
       f.mix(static_cast<int64_t>(bits));
     }
     const auto hy = static_cast<uint32_t>(f.h ^ (f.h >> 32));
@@ -1050,10 +1056,10 @@ void Optimizer::Impl::write_starts(const std::vector<float>& hyper) {
 }
 
 std::string Optimizer::Impl::disagreement_error(const int* words) const {
-  const char* none = "; the step was not applied on any rank";
+  const std::string none = std::string("; ") + kNotApplied;
   if (words[0] & kRankRefused)
-    return std::string("another rank refused this step: a setting or input was invalid there (that rank's error "
-                       "names it)") + none;
+    return "another rank refused this step: a setting or input was invalid there (that rank's error names it)" +
+           none;
   const std::vector<Communicator*> comms = communicators();
   if (words[0] & kPlansDiffer) {
     for (std::size_t r = 0; r < comms.size(); ++r) {
@@ -1073,7 +1079,7 @@ std::string Optimizer::Impl::disagreement_error(const int* words) const {
              "nesterov, cautious_wd, split_sizes, num_heads, the orthogonalizer): every rank must register the "
              "same parameters, in the same order, with the same groups, settings and global shapes" + none;
     }
-    return std::string("the ranks planned different steps") + none;
+    return "the ranks planned different steps" + none;
   }
   if (words[0] & kHyperDiffer) {
     std::string where = "the ranks";
@@ -1088,7 +1094,7 @@ std::string Optimizer::Impl::disagreement_error(const int* words) const {
   }
   if (words[0] & kRankWithoutGradients)
     return "another rank took no part in this step (none of its parameters had a gradient): every rank must step "
-           "the same parameters" + std::string(none);
+           "the same parameters" + none;
   return "";
 }
 
@@ -1151,9 +1157,11 @@ void Optimizer::Impl::validate_for_step() {
     const Param& p = s.params[i];
     if (!p.grad.data && p.weight.numel() > 0) fail(s.describe(i) + " has no gradient; call set_grad before step");
   }
-  for (int g = 0; s.plan_valid && g < num_groups; ++g)
-    if (!same_plan(s.groups[g], s.planned[g])) s.plan_valid = false;
-  if (!s.plan_valid) s.build_plan();
+  // A plan whose settings changed stays valid until build_plan() replaces it: a new setting that
+  // cannot be planned (num_heads that does not divide the rows) leaves the old plan to refuse with.
+  bool replan = !s.plan_valid;
+  for (int g = 0; !replan && g < num_groups; ++g) replan = !same_plan(s.groups[g], s.planned[g]);
+  if (replan) s.build_plan();
   // Gradient dtypes are part of the megabatch key: re-plan if set_grad changed one (a plan just
   // built is keyed by the current ones).
   if (!params_checked)
@@ -1900,9 +1908,12 @@ bool Optimizer::refuse_step() {
   s.enqueue_step(false, Impl::kNoGradients, true);  // a refused step is not a dropped one: not counted
   s.post_counters();
   s.settle_collectives();
+  if (s.backend->read_flag(s.flag.as<int>()) & kRankRefused)
+    fail("another rank refused this step: a setting or input was invalid there (that rank's error names it); " +
+         std::string(kNotApplied));
   if (s.backend->read_flag(s.flag.as<int>() + 1) == 0) return false;  // no rank stepped: nothing to refuse
   fail("no parameter of this rank has a gradient this step while other ranks step: every rank must step the "
-       "same parameters; the step was not applied on any rank");
+       "same parameters; " + std::string(kNotApplied));
 }
 
 bool Optimizer::step() {
@@ -1942,7 +1953,7 @@ bool Optimizer::step() {
              ": the step would make them non-finite, so it was not applied " + policy, Status::NonFinite);
     }
     fail(std::string("a gradient on another rank is non-finite (NaN or Inf) or would make its optimizer state "
-                     "non-finite; the step was not applied on any rank ") + policy, Status::NonFinite);
+                     "non-finite; ") + kNotApplied + " " + policy, Status::NonFinite);
   }
   return false;
 }

@@ -392,14 +392,22 @@ def one_rank_settings(rank, world, mesh):
         opt.step()
         same_everywhere([w, b], f"DDP after {key} on one rank")
         seed += 2
-    # A setting invalid on one rank alone (an lr the engine refuses, betas the front end refuses):
-    # that rank raises its own error, and the others raise with it instead of waiting for it.
-    for gi, key, value, own in ((0, "lr", float("nan"), "lr"), (1, "betas", (0.9,), "betas")):
-        kept = opt.param_groups[gi][key]
-        if rank == 0:
-            opt.param_groups[gi][key] = value
+    # A setting invalid on one rank alone (an lr or betas the front end refuses, num_heads the
+    # planner refuses), or a gradient refused there: that rank raises its own error, and the others
+    # raise with it instead of waiting for it.
+    for gi, key, value, own in ((0, "lr", float("nan"), "lr"), (1, "betas", (0.9,), "betas"),
+                                (0, "num_heads", 5, "num_heads"), (0, "grad", "sparse", "sparse")):
+        kept = None if key == "grad" else opt.param_groups[gi][key]
         grads2(seed)
+        if rank == 0:
+            if key == "grad":
+                w.grad = w.grad.to_sparse()
+            else:
+                opt.param_groups[gi][key] = value
         refused(opt, [w, b], own if rank == 0 else "another rank refused this step")
+        if key == "grad":
+            seed += 2
+            continue
         opt.param_groups[gi][key] = kept
         grads2(seed + 1)
         opt.step()

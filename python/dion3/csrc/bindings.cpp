@@ -517,19 +517,26 @@ class Engine {
       if (needs_rebuild()) return -1;
       for (int i = 0; i < n; ++i)
         if (!(given ? (*given)[i].defined() : weights_[i].grad().defined())) return -1;
-      for (int i = 0; i < n; ++i) {
-        at::Tensor g;
-        try {
-          g = given ? contiguous((*given)[i]) : contiguous_grad(weights_[i]);
-        } catch (const dion3::Error& e) {
-          throw dion3::Error(e.status(), "parameter '" + opt_->param_name(i) + "': " + std::string(e.what()).substr(7));
+      // A gradient refused here is refused on this rank alone: the others, distributed, learn it
+      // from this rank's refusal of their step (Optimizer::refuse_invalid) instead of waiting.
+      try {
+        for (int i = 0; i < n; ++i) {
+          at::Tensor g;
+          try {
+            g = given ? contiguous((*given)[i]) : contiguous_grad(weights_[i]);
+          } catch (const dion3::Error& e) {
+            throw dion3::Error(e.status(), "parameter '" + opt_->param_name(i) + "': " + std::string(e.what()).substr(7));
+          }
+          // The same tensor may have been given other storage in place (p.grad.data = ..., set_).
+          if (!g.is_same(grads_[i]) || grad_pins_[i].moved(g)) {
+            opt_->set_grad(i, view_of(g, "the gradient of " + opt_->param_name(i)));
+            grad_pins_[i] = Pin(g);
+            grads_[i] = std::move(g);
+          }
         }
-        // The same tensor may have been given other storage in place (p.grad.data = ..., set_).
-        if (!g.is_same(grads_[i]) || grad_pins_[i].moved(g)) {
-          opt_->set_grad(i, view_of(g, "the gradient of " + opt_->param_name(i)));
-          grad_pins_[i] = Pin(g);
-          grads_[i] = std::move(g);
-        }
+      } catch (const dion3::Error&) {
+        refuse_invalid();
+        throw;
       }
     }
     // The CPU backend works on this thread's OpenMP threads, PyTorch's intra-op pool; PyTorch sets
