@@ -408,6 +408,12 @@ class _EngineOptimizer(torch.optim.Optimizer):
             raise ValueError(f"dion3: 'workspace_limit' must be a byte count >= 0 or None; got {workspace_limit!r}")
         if blocking not in (None, True, False):
             raise ValueError(f"dion3: 'blocking' must be True, False or None; got {blocking!r}")
+        if distributed_mesh is not None and on_nonfinite == "raise" and blocking is False:
+            # Each rank would raise for a dropped step when its own copy of the verdict arrives:
+            # at different steps, after which their collectives pair the wrong steps.
+            raise ValueError("dion3: on_nonfinite='raise' with blocking=False cannot be distributed: the ranks "
+                             "would learn of a dropped step at different steps; use blocking=True (the "
+                             "default under 'raise') or on_nonfinite='skip'")
         self._on_nonfinite = on_nonfinite
         self._blocking = blocking
         self._workspace_limit = -1 if workspace_limit is None else workspace_limit

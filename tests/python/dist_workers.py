@@ -168,7 +168,8 @@ def state_written_in_place(rank, world, mesh):
 
 
 def refusals(rank, world, mesh):
-    """Bad layouts are refused on every rank, before anything is written."""
+    """Bad layouts, and a deferred non-finite raise, are refused on every rank, before anything
+    is written."""
     p = nn.Parameter(distribute_tensor(torch.randn(2, 8, 6), mesh, [Shard(2)]))
     try:
         dion3.Dion3([p], distributed_mesh=mesh, flatten=True)
@@ -193,6 +194,11 @@ def refusals(rank, world, mesh):
         raise AssertionError("a DTensor with a ProcessGroup accepted")
     except ValueError as e:
         assert "DeviceMesh" in str(e), str(e)
+    try:  # each rank would learn of a dropped step at its own time
+        dion3.Dion3([q], distributed_mesh=mesh, on_nonfinite="raise", blocking=False)
+        raise AssertionError("a deferred raise accepted under a mesh")
+    except ValueError as e:
+        assert "cannot be distributed" in str(e), str(e)
     two = [q, nn.Parameter(distribute_tensor(torch.randn(8, 6), init_device_mesh("cpu", (world,)), [Shard(0)]))]
     if world >= 4:
         other = init_device_mesh("cpu", (2, world // 2))
