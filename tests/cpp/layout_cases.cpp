@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 
 #include "dion3/error.hpp"
 #include "reference.hpp"
@@ -327,6 +328,120 @@ void check_block_case(const RankBackend& be, const std::shared_ptr<dion3::Commun
                        step);
     }
   }
+}
+
+void check_agreement_case(const RankBackend& be, const std::shared_ptr<dion3::Communicator>& comm) {
+  const int P = comm->size(), rank = comm->rank();
+  dion3::Optimizer opt(be.make_backend());
+  GroupConfig matrices;
+  matrices.lr = 0.02;
+  matrices.orth.iteration_dtype = be.iteration;
+  GroupConfig adamw;
+  adamw.algorithm = Algorithm::AdamW;
+  const int gm = opt.add_group(matrices), ge = opt.add_group(adamw);
+  Rng rng(77);  // the same stream on every rank
+  std::vector<std::unique_ptr<DistParam>> ps;
+  auto add = [&](int group, Layout layout, int m, int n) {
+    const Shard rows = layout == Layout::RowShard ? shard_of(m, P, rank) : Shard{0, m};
+    ps.push_back(std::make_unique<DistParam>(be, m, n, rows, Shard{0, n}, rng));
+    dion3::ParamSpec spec = ps.back()->spec("p" + std::to_string(ps.size()));
+    spec.layout.kind = layout;
+    spec.layout.comm = comm;
+    ps.back()->index = opt.add_param(group, spec);
+  };
+  add(gm, Layout::Replicated, 8, 6);
+  add(gm, Layout::Replicated, 8, 6);
+  add(gm, Layout::RowShard, 10, 6);
+  add(ge, Layout::Replicated, 8, 6);
+  auto grads = [&] {
+    for (auto& d : ps) d->g->assign(rows_of(gaussian(d->m, d->n, rng), d->n, d->rows));
+  };
+  // Weights, state and counters, as this rank holds them (reading the counters waits for the step).
+  auto snapshot = [&] {
+    std::vector<double> s = {static_cast<double>(opt.steps_taken()), static_cast<double>(opt.steps_skipped())};
+    for (auto& d : ps) {
+      const std::vector<double> w = d->w->values();
+      s.insert(s.end(), w.begin(), w.end());
+    }
+    for (const dion3::ParamState& p : opt.export_state().params)
+      for (const auto& [name, t] : p.tensors) {
+        Buffer b(t.dtype, t.shape);
+        b.bytes = t.data;
+        const std::vector<double> v = b.values();
+        s.insert(s.end(), v.begin(), v.end());
+      }
+    return s;
+  };
+  auto step_together = [&](const std::string& where) {
+    grads();
+    ASSERT_TRUE(opt.step()) << where;
+    for (auto& d : ps)
+      if (d->rows.count == d->m)
+        EXPECT_TRUE(same_on_every_rank(d->w->values(), be, *comm)) << where << ": the replicas parted";
+  };
+  step_together("rank " + std::to_string(rank) + ", first step");
+
+  const std::vector<std::pair<const char*, std::function<void(GroupConfig&)>>> changes = {
+      {"lr", [](GroupConfig& c) { c.lr *= 1.5; }},
+      {"weight_decay", [](GroupConfig& c) { c.weight_decay += 0.01; }},
+      {"mu", [](GroupConfig& c) { c.mu = 0.9; }},
+      {"betas", [](GroupConfig& c) { c.betas[1] = 0.99; }},
+  };
+  for (int gi : {gm, ge}) {
+    for (const auto& [name, change] : changes) {
+      for (bool async : {false, true}) {
+        const std::string where = "rank " + std::to_string(rank) + ", group " + std::to_string(gi) + ", " + name +
+                                  (async ? ", enqueued" : "");
+        const std::vector<double> before = snapshot();
+        const GroupConfig kept = opt.group(gi);
+        GroupConfig c = kept;
+        change(c);
+        if (rank == P - 1) opt.set_group(gi, c);
+        grads();
+        if (async) {  // nothing is read on the host: the step is dropped on every rank, counted nowhere
+          EXPECT_EQ(error_of([&] { opt.step_async(); }), "") << where;
+        } else {
+          dion3::Status st = dion3::Status::Ok;
+          const std::string what = error_of([&] { opt.step(); }, &st);
+          EXPECT_EQ(st, dion3::Status::InvalidArgument) << where << ": " << what;
+          EXPECT_NE(what.find("stepped with different hyper-parameters"), std::string::npos) << where << ": " << what;
+        }
+        EXPECT_EQ(snapshot(), before) << where << ": a refused step moved something";
+        opt.set_group(gi, kept);
+        step_together(where + ", then alike");
+      }
+    }
+  }
+  // Rank 0's lr is finite but overflows float32 after adjust_lr (8 x 6: times sqrt(8 / 6)).
+  const GroupConfig kept = opt.group(gm);
+  for (int mode = 0; mode < 3; ++mode) {  // 1: the others only enqueue; 2: rank 0 has no gradients
+    const std::string where = "rank " + std::to_string(rank) + (mode == 1 ? ", enqueued" : mode == 2 ? ", refusing" : "");
+    const std::vector<double> before = snapshot();
+    GroupConfig c = kept;
+    c.lr = 3.3e38;
+    if (rank == 0) opt.set_group(gm, c);
+    grads();
+    dion3::Status st = dion3::Status::Ok;
+    const std::string what = error_of(
+        [&] {
+          if (rank == 0 && mode == 2) opt.refuse_step();
+          else if (rank != 0 && mode == 1) opt.step_async();
+          else opt.step();
+        },
+        &st);
+    if (rank == 0 || mode != 1) EXPECT_EQ(st, dion3::Status::InvalidArgument) << where << ": " << what;
+    if (rank == 0) EXPECT_NE(what.find("not finite in float32"), std::string::npos) << where << ": " << what;
+    else if (mode != 1) EXPECT_NE(what.find("another rank refused this step"), std::string::npos) << where << ": " << what;
+    else EXPECT_EQ(what, "") << where;
+    EXPECT_EQ(snapshot(), before) << where << ": a refused step moved something";
+    opt.set_group(gm, kept);
+    step_together(where + ", then valid");
+  }
+}
+
+void check_agreement_on_threads(int ranks, const RankBackend& be) {
+  const auto comms = thread_communicators(ranks, be.device);
+  on_threads(ranks, "agreement", [&](int r) { check_agreement_case(be, comms[r]); });
 }
 
 void check_layouts_on_threads(int ranks, const RankBackend& be) {

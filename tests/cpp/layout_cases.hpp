@@ -79,6 +79,15 @@ void check_layout_case(const LayoutCase& c, const RankBackend& be, const std::sh
 void check_block_case(const RankBackend& be, const std::shared_ptr<dion3::Communicator>& row_comm,
                       const std::shared_ptr<dion3::Communicator>& col_comm);
 
+// Steps the ranks disagree on, checked on rank comm->rank(): hyper-parameters that differ on the
+// last rank (matrix and element-wise groups; the others step or only enqueue) and a step invalid
+// on rank 0 alone (it steps or refuses for want of gradients; the others step or enqueue). Every
+// rank refuses, with the message its part calls for, nothing moves (weights, state, counters),
+// and once alike again the ranks step together, their replicas equal bit for bit.
+void check_agreement_case(const RankBackend& be, const std::shared_ptr<dion3::Communicator>& comm);
+// The same on `ranks` thread ranks.
+void check_agreement_on_threads(int ranks, const RankBackend& be);
+
 // Every case of layout_cases(), then the block layout over the grids (ranks x 1, 1 x ranks, and
 // 2 x 2 for four), on `ranks` thread ranks (thread_comm.hpp) whose parameters live in be.
 void check_layouts_on_threads(int ranks, const RankBackend& be);

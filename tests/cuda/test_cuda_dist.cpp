@@ -289,6 +289,12 @@ TEST_P(ThreadRanksOnOneGpu, LayoutsEqualTheSingleProcessRule) { t3::check_layout
 
 TEST_P(ThreadRanksOnOneGpu, LayoutsInHalfIterations) { t3::check_layouts_on_threads(GetParam(), gpu_backend(std::nullopt)); }
 
+// The agreement on the device: hyper-parameters uploaded through staging memory, the verdict
+// settled by a kernel, and enqueued steps (which do not read it on the host) dropped there.
+TEST_P(ThreadRanksOnOneGpu, StepsTheRanksDisagreeOnAreRefusedByEveryRank) {
+  t3::check_agreement_on_threads(GetParam(), gpu_backend(std::nullopt));
+}
+
 INSTANTIATE_TEST_SUITE_P(Cuda, ThreadRanksOnOneGpu, ::testing::Values(2, 3, 4),
                          [](const ::testing::TestParamInfo<int>& info) { return std::to_string(info.param) + "ranks"; });
 

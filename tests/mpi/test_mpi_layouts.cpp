@@ -11,7 +11,6 @@
 #include <cmath>
 #include <limits>
 #include <cstdio>
-#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -223,10 +222,10 @@ TEST(Faults, MismatchedPlansFailOnEveryRank) {
 // `count` 8 x 6 float32 parameters of group `gi`, replicated over `comm`, Gaussian weights.
 std::vector<std::unique_ptr<t3::HostParam>> replicated_params(t3::Harness& h, int gi,
                                                               const std::shared_ptr<dion3::Communicator>& comm,
-                                                              Rng& rng, int count, const std::string& prefix = "w") {
+                                                              Rng& rng, int count) {
   std::vector<std::unique_ptr<t3::HostParam>> ps;
   for (int i = 0; i < count; ++i) {
-    ps.push_back(std::make_unique<t3::HostParam>(prefix + std::to_string(i), DType::F32, std::vector<int64_t>{8, 6}));
+    ps.push_back(std::make_unique<t3::HostParam>("w" + std::to_string(i), DType::F32, std::vector<int64_t>{8, 6}));
     ps.back()->w.assign(t3::gaussian(8, 6, rng));
     dion3::ParamSpec spec = ps.back()->spec();
     spec.layout.kind = Layout::Replicated;
@@ -289,126 +288,10 @@ TEST(Faults, ARankWithoutGradientsRefusesTheStepOnEveryRank) {
   }
 }
 
-// Every rank's weights equal rank 0's.
-void expect_same_on_every_rank(const std::vector<std::unique_ptr<t3::HostParam>>& ps, const std::string& where) {
-  for (auto& p : ps) {
-    std::vector<double> w = p->w.values(), first = w;
-    MPI_Bcast(first.data(), static_cast<int>(first.size()), MPI_DOUBLE, 0, MPI_COMM_WORLD);
-    EXPECT_EQ(w, first) << where << ": the ranks drifted apart";
-  }
-}
-
-// Hyper-parameters that differ on one rank alone (a schedule computed per rank, a group edited
-// there) would part the replicas: every rank refuses the step, nothing moves, counters included,
-// whether the others step or only enqueue theirs; alike again, the ranks step together. Matrix
-// and element-wise groups alike.
-TEST(Faults, HyperParametersThatDifferAreRefusedByEveryRank) {
-  const int P = world_size(), rank = world_rank();
-  auto comm = dion3::make_mpi_communicator(nullptr, 60.0);
-  t3::Harness h;
-  const int gm = h.opt.add_group(GroupConfig{});
-  GroupConfig adamw;
-  adamw.algorithm = Algorithm::AdamW;
-  const int ge = h.opt.add_group(adamw);
-  Rng rng(17);
-  std::vector<std::unique_ptr<t3::HostParam>> ps = replicated_params(h, gm, comm, rng, 2);
-  for (auto& p : replicated_params(h, ge, comm, rng, 1, "e")) ps.push_back(std::move(p));
-  std::vector<t3::HostParam*> all;
-  for (auto& p : ps) all.push_back(p.get());
-  auto fill = [&](double v) {
-    for (auto& p : ps) p->g.assign(std::vector<double>(48, v));
-  };
-  fill(1.0);
-  ASSERT_TRUE(h.opt.step());
-  const std::vector<std::pair<const char*, std::function<void(GroupConfig&)>>> changes = {
-      {"lr", [](GroupConfig& c) { c.lr *= 1.5; }},
-      {"weight_decay", [](GroupConfig& c) { c.weight_decay += 0.01; }},
-      {"mu", [](GroupConfig& c) { c.mu = 0.9; }},
-      {"betas", [](GroupConfig& c) { c.betas[1] = 0.99; }},
-  };
-  for (int gi : {gm, ge}) {
-    for (const auto& [name, change] : changes) {
-      for (bool async : {false, true}) {
-        const std::string where = "rank " + std::to_string(rank) + ", group " + std::to_string(gi) + ", " + name +
-                                  (async ? ", enqueued" : "");
-        const auto before = t3::snapshot(h.opt, all);
-        const int64_t taken = h.opt.steps_taken(), skipped = h.opt.steps_skipped();
-        const GroupConfig kept = h.opt.group(gi);
-        GroupConfig c = kept;
-        change(c);
-        if (rank == P - 1) h.opt.set_group(gi, c);
-        fill(2.0);
-        if (async) {  // the others learn nothing now; the step is dropped everywhere, counted nowhere
-          EXPECT_EQ(t3::error_of([&] { h.opt.step_async(); }), "") << where;
-        } else {
-          dion3::Status st = dion3::Status::Ok;
-          const std::string what = t3::error_of([&] { h.opt.step(); }, &st);
-          EXPECT_EQ(st, dion3::Status::InvalidArgument) << where << ": " << what;
-          EXPECT_NE(what.find("stepped with different hyper-parameters"), std::string::npos) << where << ": " << what;
-        }
-        EXPECT_EQ(t3::snapshot(h.opt, all), before) << where << ": a refused step moved something";
-        EXPECT_EQ(h.opt.steps_taken(), taken) << where;
-        EXPECT_EQ(h.opt.steps_skipped(), skipped) << where << ": a refused step was counted as dropped";
-        h.opt.set_group(gi, kept);
-        fill(3.0);
-        ASSERT_TRUE(h.opt.step()) << where;
-        expect_same_on_every_rank(ps, where);
-      }
-    }
-  }
-}
-
-// A setting valid on its own that makes one rank's step invalid there alone (an lr whose value
-// after adjust_lr overflows float32): that rank raises its own error, having run the step's
-// collectives as a refusal, so that the others raise "another rank refused" instead of waiting
-// for it; nothing moves; made valid again, the ranks step together.
-TEST(Faults, AStepInvalidOnOneRankIsRefusedByEveryRank) {
-  const int rank = world_rank();
-  auto comm = dion3::make_mpi_communicator(nullptr, 60.0);
-  t3::Harness h;
-  const int gi = h.opt.add_group(GroupConfig{});
-  Rng rng(19);
-  std::vector<std::unique_ptr<t3::HostParam>> ps = replicated_params(h, gi, comm, rng, 3);
-  std::vector<t3::HostParam*> all;
-  for (auto& p : ps) all.push_back(p.get());
-  auto fill = [&](double v) {
-    for (auto& p : ps) p->g.assign(std::vector<double>(48, v));
-  };
-  fill(1.0);
-  ASSERT_TRUE(h.opt.step());
-  const GroupConfig kept = h.opt.group(gi);
-  // The others step or only enqueue; the invalid rank steps or has no gradients (refuse_step).
-  for (int mode = 0; mode < 3; ++mode) {
-    const bool async = mode == 1;
-    const std::string where = "rank " + std::to_string(rank) + (async ? ", enqueued" : mode == 2 ? ", refusing" : "");
-    const auto before = t3::snapshot(h.opt, all);
-    GroupConfig c = kept;
-    c.lr = 3.3e38;  // finite, but 8 x 6 matrices scale it by sqrt(8 / 6)
-    if (rank == 0) h.opt.set_group(gi, c);
-    fill(2.0);
-    dion3::Status st = dion3::Status::Ok;
-    const std::string what = t3::error_of(
-        [&] {
-          if (rank == 0 && mode == 2) h.opt.refuse_step();
-          else if (rank != 0 && async) h.opt.step_async();
-          else h.opt.step();
-        },
-        &st);
-    if (rank == 0) {
-      EXPECT_EQ(st, dion3::Status::InvalidArgument) << where << ": " << what;
-      EXPECT_NE(what.find("not finite in float32"), std::string::npos) << where << ": " << what;
-    } else if (!async) {
-      EXPECT_EQ(st, dion3::Status::InvalidArgument) << where << ": " << what;
-      EXPECT_NE(what.find("another rank refused this step"), std::string::npos) << where << ": " << what;
-    } else {
-      EXPECT_EQ(what, "") << where;
-    }
-    EXPECT_EQ(t3::snapshot(h.opt, all), before) << where << ": a refused step moved something";
-    h.opt.set_group(gi, kept);
-    fill(3.0);
-    ASSERT_TRUE(h.opt.step()) << where;
-    expect_same_on_every_rank(ps, where);
-  }
+// Hyper-parameters that differ on one rank, and a step invalid on one rank alone: refused by
+// every rank (layout_cases.hpp).
+TEST(Faults, StepsTheRanksDisagreeOnAreRefusedByEveryRank) {
+  t3::check_agreement_case(t3::host_backend(), dion3::make_mpi_communicator(nullptr, 60.0));
 }
 
 // A rank that plans anew while the others do not (a setting changed there alone): its first
