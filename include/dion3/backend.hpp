@@ -239,6 +239,8 @@ class DION3_API HostCopy {
   // The copied bytes once the last start() has arrived on the host; null until then (or when
   // nothing was started). Never waits.
   virtual const void* ready() = 0;
+  // The same, waiting for the last start() to arrive (only for it, not for later work).
+  virtual const void* wait() = 0;
 };
 
 class DION3_API Backend {

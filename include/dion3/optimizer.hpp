@@ -233,8 +233,10 @@ class DION3_API Optimizer {
   // Distributed, the first step after the plan was made (and every step on the CPU) reads the
   // ranks' agreement on the host and throws as step() does when their plans differ; such a step
   // cannot be captured. Later steps do not read it: ranks whose plans or hyper-parameters came
-  // to differ then drop the step on the device, counted nowhere (the next step() raises for
-  // hyper-parameters that still differ), and a rank that planned anew throws.
+  // to differ then drop the step on the device, counted nowhere, and the next step(),
+  // step_async() or refuse_step() of every rank throws for it before anything else (a rank that
+  // planned anew throws at once). A step another rank refused (refuse_step, refuse_invalid) is
+  // dropped the same way without a later error: the refusing rank raised.
   void step_async();
   // Hyper-parameters (lr, weight decay, momentum, betas, epsilon, per group) are read by the
   // step's operations from device memory that every step not being captured refreshes first. A

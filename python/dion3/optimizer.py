@@ -930,6 +930,15 @@ class _EngineOptimizer(torch.optim.Optimizer):
 
     def _run_engine(self, engine, asynchronous: bool) -> int:
         """The engine's step; -1 asks for a rebuild (parameters, groups or storage changed: see step)."""
+        try:
+            return self._run_engine_step(engine, asynchronous)
+        except ValueError:
+            # It may report an earlier enqueued step the ranks disagreed on, dropped on the device
+            # though counted here when enqueued: the counters are read back.
+            self._sync_counters()
+            raise
+
+    def _run_engine_step(self, engine, asynchronous: bool) -> int:
         if self._dtensors:
             # DTensor gradients live on the DTensor, not on the local shard the engine holds: hand
             # the engine this step's local gradients.

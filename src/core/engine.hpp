@@ -190,6 +190,11 @@ struct Optimizer::Impl {
   // Whether this plan's digests were seen to agree across the ranks (the first step of a plan
   // reads the agreement on the host; see agree_on_flag).
   bool plan_confirmed = false;
+  // The settled agreement of the last distributed step that only enqueued, on its way to the
+  // host: the next call reads it before anything else (check_posted_agreement).
+  std::unique_ptr<HostCopy> agreement_posted;
+  int agreement_posted_words = 0;
+  bool agreement_pending = false;
   DeviceBuffer arena;  // workspace shared by all chunks (their work is ordered on one stream)
   DeviceBuffer counters;  // int64 [steps applied, steps dropped], on the device
   std::unique_ptr<HostCopy> posted;  // counters on their way to the host after a step
@@ -304,6 +309,9 @@ struct Optimizer::Impl {
   std::string disagreement_error(const int* words) const;
   // The step's stages (see Megabatch).
   void agree_on_flag(int* flag, bool blocking);
+  // Raises, on every rank alike, when the ranks' plans or hyper-parameters differed at the last
+  // step that only enqueued (it was dropped on the device, and nothing told them until now).
+  void check_posted_agreement();
   void settle_collectives();
   // Every communicator of the parameters, once each, in the order every rank meets them.
   std::vector<Communicator*> communicators() const;

@@ -1212,14 +1212,36 @@ void Optimizer::Impl::agree_on_flag(int* flag, bool blocking) {
   for (Communicator* c : comms)
     c->all_reduce_max(flag, static_cast<std::size_t>(flag_words), backend->stream(), "the step's agreement")->wait();
   backend->settle_agreement(flag, static_cast<int>(comms.size()));
+  if (!blocking && !capturing_now) {  // a replay's verdict is not this call's to post
+    if (agreement_posted_words != flag_words) {
+      agreement_posted = backend->new_host_copy(static_cast<std::size_t>(flag_words) * sizeof(int));
+      agreement_posted_words = flag_words;
+    }
+    agreement_posted->start(flag);
+    agreement_pending = true;
+  }
   if (plan_confirmed && !blocking && backend->device() != Device::CPU) return;
   std::vector<int> words(static_cast<std::size_t>(flag_words));
   backend->copy_to_host(words.data(), flag, words.size() * sizeof(int));
   if (words[0] & kPlansDiffer) {
     plan_valid = false;  // planned again (and checked again) by the next step
+    agreement_pending = false;  // raised now
     fail(disagreement_error(words.data()));
   }
   plan_confirmed = true;
+}
+
+void Optimizer::Impl::check_posted_agreement() {
+  if (!agreement_pending) return;
+  agreement_pending = false;
+  // The copy was started at that step's agreement, early in it: waiting for it holds the host
+  // back only when it runs more than a step ahead of the device.
+  const int* words = static_cast<const int*>(agreement_posted->wait());
+  // Only what every rank's own call left unsaid: a rank that refused the step (no gradients, an
+  // invalid setting) raised then, and goes on with its next call as the others must.
+  if (!(words[0] & (kHyperDiffer | kPlansDiffer)) || (words[0] & (kRankRefused | kRankWithoutGradients))) return;
+  if (words[0] & kPlansDiffer) plan_valid = false;  // planned again (and checked again) by the next step
+  fail("the last step, only enqueued (step_async), was not applied: " + disagreement_error(words));
 }
 
 // piece_idx of a row-cut megabatch; Muon / NorMuon (and an empty shard) keep fixed lists: every
@@ -1850,6 +1872,7 @@ void Optimizer::step_async() {
   if (s.backend->capturing() && !s.communicators().empty() && !(s.plan_valid && s.plan_confirmed))
     fail("a distributed step cannot be captured before the ranks' plans were compared: take one step (not "
          "captured) after the plan was made, then capture");
+  if (!s.backend->capturing()) s.check_posted_agreement();
   s.validate_or_refuse();
   s.enqueue_step(true, Impl::kStep, false);  // nothing is raised here, so a dropped step is counted
   s.post_counters();
@@ -1904,6 +1927,7 @@ bool Optimizer::refuse_step() {
   Impl& s = *impl_;
   // It reads the agreement on the host: not in a capture.
   if (s.backend->capturing()) fail("refuse_step cannot be captured in a CUDA graph; call it eagerly");
+  s.check_posted_agreement();
   s.validate_or_refuse();
   s.enqueue_step(false, Impl::kNoGradients, true);  // a refused step is not a dropped one: not counted
   s.post_counters();
@@ -1919,6 +1943,7 @@ bool Optimizer::refuse_step() {
 bool Optimizer::step() {
   Impl& s = *impl_;
   Backend& be = *s.backend;
+  s.check_posted_agreement();
   s.validate_or_refuse();
   s.enqueue_step(s.options.on_nonfinite == NonFinitePolicy::Skip, Impl::kStep, true);
   s.post_counters();

@@ -126,6 +126,7 @@ class CpuBackend final : public Backend {
         started = true;
       }
       const void* ready() override { return started ? buf.data() : nullptr; }
+      const void* wait() override { return ready(); }
     };
     auto c = std::make_unique<Copy>();
     c->buf.resize(bytes);

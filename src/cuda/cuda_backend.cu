@@ -598,6 +598,11 @@ class CudaHostCopy final : public HostCopy {
     DION3_CUDA_CHECK(e);
     return host_;
   }
+  const void* wait() override {
+    if (!started_) return nullptr;
+    DION3_CUDA_CHECK(cudaEventSynchronize(done_));
+    return host_;
+  }
 
  private:
   CudaBackend& be_;

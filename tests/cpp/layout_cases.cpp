@@ -398,7 +398,7 @@ void check_agreement_case(const RankBackend& be, const std::shared_ptr<dion3::Co
         change(c);
         if (rank == P - 1) opt.set_group(gi, c);
         grads();
-        if (async) {  // nothing is read on the host: the step is dropped on every rank, counted nowhere
+        if (async) {  // nothing raised now: the step is dropped on every rank, counted nowhere
           EXPECT_EQ(error_of([&] { opt.step_async(); }), "") << where;
         } else {
           dion3::Status st = dion3::Status::Ok;
@@ -408,6 +408,14 @@ void check_agreement_case(const RankBackend& be, const std::shared_ptr<dion3::Co
         }
         EXPECT_EQ(snapshot(), before) << where << ": a refused step moved something";
         opt.set_group(gi, kept);
+        if (async) {  // the next call tells every rank, before it steps
+          grads();
+          const std::string what = error_of([&] { opt.step(); });
+          EXPECT_NE(what.find("the last step, only enqueued (step_async), was not applied: the ranks"), std::string::npos)
+              << where << ": " << what;
+          EXPECT_NE(what.find("stepped with different hyper-parameters"), std::string::npos) << where << ": " << what;
+          EXPECT_EQ(snapshot(), before) << where << ": the call that reported it stepped";
+        }
         step_together(where + ", then alike");
       }
     }
