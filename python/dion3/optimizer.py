@@ -785,6 +785,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             self._refuse_without_gradients(key)
             return loss
         if stale:
+            self._refuse_if_invalid()
             self._rebuild(key)
         engine = self._engine
         if engine is None:  # no parameter had a gradient: look again (rare, so done in Python)
@@ -816,6 +817,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             if self._mesh is not None and not any(p.grad is not None for g in self.param_groups for p in g["params"]):
                 self._refuse_without_gradients(key)  # with this engine: ValueError unless no rank stepped
                 return loss
+            self._refuse_if_invalid()
             self._rebuild(key)
             engine = self._engine
             if engine is None:
@@ -867,6 +869,19 @@ class _EngineOptimizer(torch.optim.Optimizer):
             engine.update_group(i, cfg)
             keys = tuple(dict.fromkeys(view.read))
             self._pushed[i] = (keys, _plain_snapshot(group, keys), len(group))
+
+    def _refuse_if_invalid(self) -> None:
+        """Before a rebuild, while the engine still holds the plan the other ranks step with: a
+        group invalid on this rank alone is refused with it (Optimizer::refuse_invalid), so that
+        they raise too instead of waiting for this rank; then its error is raised here."""
+        if self._mesh is None or self._engine is None:
+            return
+        try:
+            for gi, group in enumerate(self.param_groups):
+                self._check_group(gi, group)
+        except Exception:
+            self._engine.refuse_invalid()
+            raise
 
     def _refuse_without_gradients(self, key) -> None:
         """No gradient on this rank while the others may step, and no engine to refuse with as it

@@ -440,6 +440,17 @@ def one_rank_settings(rank, world, mesh):
     w0.grad = torch.ones(8, 6)
     opt.step()
     same_everywhere([w0], "DDP after a refusal at the first step")
+    # A group added on every rank makes the next step plan anew; an lr invalid there on one rank
+    # is still refused by all (with the plan the engine held before).
+    extra = nn.Parameter(torch.zeros(5))
+    opt.add_param_group({"params": [extra], "algorithm": "lion"})
+    if rank == 0:
+        opt.param_groups[0]["lr"] = float("nan")
+    w0.grad, extra.grad = torch.ones(8, 6), torch.ones(5)
+    refused(opt, [w0, extra], "lr" if rank == 0 else "another rank refused this step")
+    opt.param_groups[0]["lr"] = 0.02
+    opt.step()
+    same_everywhere([w0, extra], "DDP after a refusal as a group was added")
 
 
 def partial_gradients(rank, world, mesh):
