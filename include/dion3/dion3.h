@@ -299,7 +299,8 @@ DION3_API dion3_status dion3_refuse_step(dion3_optimizer* opt);
  * invalid on this rank alone: runs the step's collectives as a refusal, writing nothing, so that
  * the others' dion3_step returns DION3_INVALID_ARGUMENT ("another rank refused this step")
  * instead of waiting for this rank. Returns DION3_OK; the caller reports its own error. (dion3_step
- * refuses so by itself for what it validates.) Does nothing before the first step. */
+ * refuses so by itself for what it validates.) Does nothing before the first step (without a
+ * plan), or when the others' next call fails for an earlier dion3_step_async (below). */
 DION3_API dion3_status dion3_refuse_invalid(dion3_optimizer* opt);
 /* Steps applied and skipped so far (either pointer may be NULL). On CUDA this waits for the
  * device; dion3_posted_steps does not. */

@@ -225,7 +225,8 @@ class DION3_API Optimizer {
   // "another rank refused this step") instead of waiting for this rank (a step_async() there
   // drops the step on the device, counted nowhere). Never throws: the caller raises its own
   // error next. Does nothing without a plan (before the first step, or after anything that makes
-  // the optimizer plan anew) or under capture.
+  // the optimizer plan anew), under capture, or when the last step_async() is to be reported as
+  // one the ranks disagreed on (the others' next call throws for that, before any collective).
   void refuse_invalid();
   // The same step, only enqueued on the backend's stream: no host synchronisation, so it can
   // be captured in a CUDA graph and replayed. A non-finite gradient drops the step on the
@@ -235,9 +236,14 @@ class DION3_API Optimizer {
   // cannot be captured. Later steps do not read it: ranks whose plans or hyper-parameters came
   // to differ then drop the step on the device, counted nowhere, and the next step(),
   // step_async() or refuse_step() of every rank throws for it before anything else (a rank that
-  // planned anew throws at once). A step another rank refused (refuse_step, refuse_invalid) is
-  // dropped the same way without a later error: the refusing rank raised.
+  // planned anew throws at once). So every rank must make the same kind of call at a step
+  // (step() there throws at once). A step another rank refused (refuse_step, refuse_invalid) is
+  // dropped the same way without a later error: the refusing rank raised. A replayed capture
+  // reports nothing.
   void step_async();
+  // Throws now what the next step would throw first for the last step_async() (above): for a
+  // front end about to drop this optimizer for a new one, which would not know of it.
+  void check_last_agreement();
   // Hyper-parameters (lr, weight decay, momentum, betas, epsilon, per group) are read by the
   // step's operations from device memory that every step not being captured refreshes first. A
   // step captured in a CUDA graph reads them when replayed: call this before each replay (outside

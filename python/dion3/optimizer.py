@@ -785,7 +785,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             self._refuse_without_gradients(key)
             return loss
         if stale:
-            self._refuse_if_invalid()
+            self._before_rebuild()
             self._rebuild(key)
         engine = self._engine
         if engine is None:  # no parameter had a gradient: look again (rare, so done in Python)
@@ -817,7 +817,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             if self._mesh is not None and not any(p.grad is not None for g in self.param_groups for p in g["params"]):
                 self._refuse_without_gradients(key)  # with this engine: ValueError unless no rank stepped
                 return loss
-            self._refuse_if_invalid()
+            self._before_rebuild()
             self._rebuild(key)
             engine = self._engine
             if engine is None:
@@ -870,12 +870,19 @@ class _EngineOptimizer(torch.optim.Optimizer):
             keys = tuple(dict.fromkeys(view.read))
             self._pushed[i] = (keys, _plain_snapshot(group, keys), len(group))
 
-    def _refuse_if_invalid(self) -> None:
-        """Before a rebuild, while the engine still holds the plan the other ranks step with: a
-        group invalid on this rank alone is refused with it (Optimizer::refuse_invalid), so that
-        they raise too instead of waiting for this rank; then its error is raised here."""
+    def _before_rebuild(self) -> None:
+        """Before a rebuild, while the engine still holds the plan the other ranks step with: what
+        it would raise first for its last enqueued step (the ranks disagreed on it) is raised now,
+        as the others' next step raises it; and a group invalid on this rank alone is refused with
+        that plan (Optimizer::refuse_invalid), so that they raise too instead of waiting for this
+        rank; then its error is raised here."""
         if self._mesh is None or self._engine is None:
             return
+        try:
+            self._engine.check_last_agreement()
+        except ValueError:
+            self._sync_counters()  # that step was counted here when it was enqueued
+            raise
         try:
             for gi, group in enumerate(self.param_groups):
                 self._check_group(gi, group)

@@ -309,9 +309,11 @@ struct Optimizer::Impl {
   std::string disagreement_error(const int* words) const;
   // The step's stages (see Megabatch).
   void agree_on_flag(int* flag, bool blocking);
-  // Raises, on every rank alike, when the ranks' plans or hyper-parameters differed at the last
-  // step that only enqueued (it was dropped on the device, and nothing told them until now).
+  // Raises when the ranks' plans or hyper-parameters differed at the last step that only
+  // enqueued (dropped on the device, and nothing told them until now): on every rank alike where
+  // every rank enqueued that step. posted_disagreement() is that error, or empty; both consume it.
   void check_posted_agreement();
+  std::string posted_disagreement();
   void settle_collectives();
   // Every communicator of the parameters, once each, in the order every rank meets them.
   std::vector<Communicator*> communicators() const;

@@ -1221,6 +1221,7 @@ void Optimizer::Impl::agree_on_flag(int* flag, bool blocking) {
     agreement_pending = true;
   }
   if (plan_confirmed && !blocking && backend->device() != Device::CPU) return;
+  settle_collectives();  // a rank that never joins raises a timeout here, not a wait without end
   std::vector<int> words(static_cast<std::size_t>(flag_words));
   backend->copy_to_host(words.data(), flag, words.size() * sizeof(int));
   if (words[0] & kPlansDiffer) {
@@ -1231,18 +1232,30 @@ void Optimizer::Impl::agree_on_flag(int* flag, bool blocking) {
   plan_confirmed = true;
 }
 
-void Optimizer::Impl::check_posted_agreement() {
-  if (!agreement_pending) return;
+std::string Optimizer::Impl::posted_disagreement() {
+  if (!agreement_pending) return "";
   agreement_pending = false;
   // The copy was started at that step's agreement, early in it: waiting for it holds the host
-  // back only when it runs more than a step ahead of the device.
-  const int* words = static_cast<const int*>(agreement_posted->wait());
+  // back only when it runs more than a step ahead of the device. A rank that never joined that
+  // agreement is raised by the communicators' timeout instead of a wait that never ends.
+  const void* ready = agreement_posted->ready();
+  if (!ready) {
+    settle_collectives();
+    ready = agreement_posted->wait();
+  }
+  const int* words = static_cast<const int*>(ready);
   // Only what every rank's own call left unsaid: a rank that refused the step (no gradients, an
   // invalid setting) raised then, and goes on with its next call as the others must.
-  if (!(words[0] & (kHyperDiffer | kPlansDiffer)) || (words[0] & (kRankRefused | kRankWithoutGradients))) return;
+  if (!(words[0] & (kHyperDiffer | kPlansDiffer)) || (words[0] & (kRankRefused | kRankWithoutGradients))) return "";
   if (words[0] & kPlansDiffer) plan_valid = false;  // planned again (and checked again) by the next step
-  fail("the last step, only enqueued (step_async), was not applied: " + disagreement_error(words));
+  return "the last step, only enqueued (step_async), was not applied: " + disagreement_error(words);
 }
+
+void Optimizer::Impl::check_posted_agreement() {
+  if (const std::string e = posted_disagreement(); !e.empty()) fail(e);
+}
+
+void Optimizer::check_last_agreement() { impl_->check_posted_agreement(); }
 
 // piece_idx of a row-cut megabatch; Muon / NorMuon (and an empty shard) keep fixed lists: every
 // row of the shard in order, then padding.
@@ -1892,6 +1905,13 @@ void Optimizer::Impl::settle_collectives() {
 
 void Optimizer::Impl::refuse_invalid() {
   if (!plan_valid || communicators().empty() || backend->capturing()) return;
+  // The other ranks' next call raises for an enqueued step they disagreed on before any
+  // collective: this rank runs none either (its caller raises its own error).
+  try {
+    if (!posted_disagreement().empty()) return;
+  } catch (...) {
+    return;
+  }
   // The refusal runs the plan with the settings it was made for: this rank's current ones may be
   // what is invalid.
   struct AsPlanned {

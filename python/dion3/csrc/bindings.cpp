@@ -487,6 +487,12 @@ class Engine {
     py::gil_scoped_release release;
     return opt_->refuse_step();
   }
+  // What the next step would raise first for the last enqueued one (Optimizer::check_last_agreement).
+  void check_last_agreement() {
+    Guard guard(*this);
+    py::gil_scoped_release release;
+    opt_->check_last_agreement();
+  }
   // This rank cannot step: the front end found a setting invalid here (Optimizer::refuse_invalid).
   void refuse_invalid() {
     if (!cuda_) at::get_num_threads();
@@ -867,6 +873,7 @@ PYBIND11_MODULE(_C, m) {
       .def("refuse_step", guarded(&Engine::refuse_step))
       .def("step_async", guarded(&Engine::step_async))
       .def("refuse_invalid", guarded(&Engine::refuse_invalid))
+      .def("check_last_agreement", guarded(&Engine::check_last_agreement))
       .def("plan", guarded(&Engine::plan))
       .def_property_readonly("num_params", guarded(&Engine::num_params))
       .def_property_readonly("num_groups", guarded(&Engine::num_groups))
