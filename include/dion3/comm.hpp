@@ -4,8 +4,9 @@
 // all-gather (replicated/DDP layout: every rank orthogonalizes a slice of the batch and gets the
 // others' results back; global-scope scores), all-to-all (row-sharded/FSDP2 layout: selected
 // rows travel to their matrix's owner rank and back) and an all-reduce-max of a few ints (every
-// rank takes the same skip/raise decision on a non-finite gradient, and the ranks' plans are
-// compared: the step's agreement, below).
+// rank takes the same skip/raise decision on a non-finite gradient, the ranks' plans and
+// hyper-parameters are compared, and a rank's refusal reaches the others: the step's agreement,
+// below).
 //
 // Collectives are asynchronous: a call starts one after the work already enqueued on `stream`
 // (CUDA; null on the CPU) and returns a request; wait() orders its completion before the work

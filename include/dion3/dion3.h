@@ -311,9 +311,10 @@ DION3_API dion3_status dion3_steps(const dion3_optimizer* opt, int64_t* taken, i
  * non-finite gradient drops the step on the device whatever the policy (counted as skipped).
  * Distributed, the first step after the plan was made (every step on the CPU) reads the ranks'
  * agreement and fails with DION3_INVALID_ARGUMENT, nothing modified, when their plans differ;
- * such a step cannot be captured. A later one whose ranks' plans or hyper-parameters differ is
- * dropped on the device, and the next dion3_step, dion3_step_async or dion3_refuse_step of every
- * rank fails for it (DION3_INVALID_ARGUMENT) before anything else. */
+ * such a step cannot be captured. Otherwise a step whose ranks' plans (later steps) or
+ * hyper-parameters (any step) differ is dropped on the device, and the next dion3_step,
+ * dion3_step_async or dion3_refuse_step of every rank fails for it (DION3_INVALID_ARGUMENT)
+ * before anything else: every rank must make the same kind of call at a step. */
 DION3_API dion3_status dion3_step_async(dion3_optimizer* opt);
 /* The counters of dion3_steps as they stood after the last step that was not being captured,
  * without waiting: *ready (not NULL) is 0 while they have not reached the host yet, and then

@@ -233,10 +233,10 @@ class DION3_API Optimizer {
   // device whatever the policy (steps_skipped() counts it); nothing is raised for it.
   // Distributed, the first step after the plan was made (and every step on the CPU) reads the
   // ranks' agreement on the host and throws as step() does when their plans differ; such a step
-  // cannot be captured. Later steps do not read it: ranks whose plans or hyper-parameters came
-  // to differ then drop the step on the device, counted nowhere, and the next step(),
-  // step_async() or refuse_step() of every rank throws for it before anything else (a rank that
-  // planned anew throws at once). So every rank must make the same kind of call at a step
+  // cannot be captured. Otherwise ranks whose plans (later steps) or hyper-parameters (any step)
+  // differ drop the step on the device, counted nowhere, and the next step(), step_async() or
+  // refuse_step() of every rank throws for it before anything else (a rank that planned anew
+  // throws at once). So every rank must make the same kind of call at a step
   // (step() there throws at once). A step another rank refused (refuse_step, refuse_invalid) is
   // dropped the same way without a later error: the refusing rank raised. A replayed capture
   // reports nothing.

@@ -798,6 +798,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         except Exception:
             if self._mesh is not None:
                 engine.refuse_invalid()  # the other ranks raise too instead of waiting for this one
+                self._sync_counters()  # it may have taken an enqueued step's report, counted here
             raise
         if self._engine_cuda and torch.cuda.is_current_stream_capturing():
             # CUDA-graph capture: the engine's capture-safe step (no host synchronisation). Step
@@ -899,7 +900,11 @@ class _EngineOptimizer(torch.optim.Optimizer):
         the others make when all of theirs have one), with a gradient the refusal never reads,
         and the engine is released after it (the next step builds afresh)."""
         if self._engine is not None:
-            self._engine.refuse_step()  # the plan the others hold, unless they changed it too
+            try:
+                self._engine.refuse_step()  # the plan the others hold, unless they changed it too
+            except ValueError:
+                self._sync_counters()  # it may report an enqueued step, counted here
+                raise
             return
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not params:
@@ -922,8 +927,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
 
     def _run_first(self, engine, asynchronous: bool) -> int:
         """_run_engine, putting back the state a switch of algorithm replaced (_rebuild) when the
-        first step after it is refused (ValueError: another rank's plan differs or it had no
-        gradients; NonFiniteError; nothing was written): that rank's state stays as it was, and
+        first step after it is refused (ValueError: the ranks' plans or hyper-parameters differ,
+        another rank had no gradients or refused the step, or an earlier enqueued step is reported;
+        NonFiniteError; nothing was written): that rank's state stays as it was, and
         the next step builds afresh. A step that only enqueues (blocking=False) learns of a
         dropped step later: the fresh state is kept then."""
         if not self._switched_from:

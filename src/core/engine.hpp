@@ -296,8 +296,8 @@ struct Optimizer::Impl {
   // when step() raises it).
   // start: kStep, or a refusal (refuse_step, refuse_invalid): the step's collectives, with
   // nothing checked or written.
-  // blocking: the caller waits for the verdict (step, refuse_step), so the agreement is read on
-  // the host right away (see agree_on_flag).
+  // blocking: the caller waits for the verdict (step, refuse_step, refuse_invalid), so the
+  // agreement is read on the host right away (see agree_on_flag).
   void enqueue_step(bool count_dropped, Start start, bool blocking);
   // validate_for_step; when it throws in a distributed step with a plan the other ranks may
   // hold, this rank first joins their step's collectives as a refusal (kRankRefused), so that

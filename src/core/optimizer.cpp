@@ -1235,9 +1235,9 @@ void Optimizer::Impl::agree_on_flag(int* flag, bool blocking) {
 std::string Optimizer::Impl::posted_disagreement() {
   if (!agreement_pending) return "";
   agreement_pending = false;
-  // The copy was started at that step's agreement, early in it: waiting for it holds the host
-  // back only when it runs more than a step ahead of the device. A rank that never joined that
-  // agreement is raised by the communicators' timeout instead of a wait that never ends.
+  // The copy was started at that step's agreement, early in it: mostly it has arrived. Where not,
+  // the communicators settle first (their pending collectives, with their timeout), so a rank
+  // that never joined that agreement is raised instead of a wait that never ends.
   const void* ready = agreement_posted->ready();
   if (!ready) {
     settle_collectives();
@@ -1821,7 +1821,7 @@ void Optimizer::Impl::enqueue_step(bool count_dropped, Start start, bool blockin
   const Range step_range(s, "dion3::step");
   {
     const Range r(s, "dion3::check");
-    if (start == kStep) be.check_step(s.lists.checks, flag);  // a refusing rank's gradients are last step's
+    if (start == kStep) be.check_step(s.lists.checks, flag);  // a refusal's gradients are not this step's to judge
     agree_on_flag(flag, blocking);
   }
 

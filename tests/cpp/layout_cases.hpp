@@ -80,8 +80,9 @@ void check_block_case(const RankBackend& be, const std::shared_ptr<dion3::Commun
                       const std::shared_ptr<dion3::Communicator>& col_comm);
 
 // Steps the ranks disagree on, checked on rank comm->rank(): hyper-parameters that differ on the
-// last rank (matrix and element-wise groups; the others step or only enqueue) and a step invalid
-// on rank 0 alone (it steps or refuses for want of gradients; the others step or enqueue). Every
+// last rank (matrix and element-wise groups; every rank steps, or every rank only enqueues and the
+// next call reports it) and a step invalid on rank 0 alone (it steps or refuses for want of
+// gradients; the others step or enqueue). Every
 // rank refuses, with the message its part calls for, nothing moves (weights, state, counters),
 // and once alike again the ranks step together, their replicas equal bit for bit.
 void check_agreement_case(const RankBackend& be, const std::shared_ptr<dion3::Communicator>& comm);

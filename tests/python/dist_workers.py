@@ -411,10 +411,8 @@ def one_rank_settings(rank, world, mesh):
             else:
                 opt.param_groups[gi][key] = value
         refused(opt, [w, b], own if rank == 0 else "another rank refused this step")
-        if key == "grad":
-            seed += 2
-            continue
-        opt.param_groups[gi][key] = kept
+        if key != "grad":
+            opt.param_groups[gi][key] = kept
         grads2(seed + 1)
         opt.step()
         same_everywhere([w, b], f"DDP after an invalid {key} on one rank")
