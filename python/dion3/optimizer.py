@@ -345,6 +345,14 @@ def _structure_key(group: Dict[str, Any]) -> Tuple:
     return (group["algorithm"], bool(group["flatten"]), _dtype_name(group.get("momentum_dtype")))
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+# How a step refused on every rank ends its message (as the engine's own refusals do).
+_NOT_APPLIED = "the step was not applied on this rank or on any rank it shares a collective with"
+
+
 # Running means of squares (NorMuon's row variance, AdamW's second moment): never negative.
 _SECOND_MOMENTS = ("variance_neuron", "variance")
 _PER_ROW = ("variance_neuron",)  # one value per row of the matrix, whatever its columns
@@ -420,6 +428,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._megabatch = bool(megabatch)
         _LIVE.add(self)
         self._engine = None
+        # Distributed: the next step first checks every rank's groups with one all-reduce (see
+        # _agree_on_groups); set where every rank's step builds its first engine alike.
+        self._agree_first = True
         self._switched_from: Dict[torch.Tensor, Any] = {}  # see _rebuild
         self._engine_key = None
         self._engine_params: List[torch.Tensor] = []
@@ -468,6 +479,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._kinds = {}  # unknown after unpickling: the state is taken as made for its group
         self._pushed, self._pushed_to = {}, None
         self._engine, self._engine_key, self._engine_params, self._engine_groups = None, None, [], []
+        self._agree_first = True
         self._switched_from = {}
         _LIVE.add(self)
         self._engine_states = []
@@ -741,6 +753,27 @@ class _EngineOptimizer(torch.optim.Optimizer):
     def _agree_on_load(self, problem: Optional[str]) -> None:
         """Raises `problem` (this rank's) or, under a distributed mesh, the refusal of another rank:
         one all-reduce per mesh dimension of the highest refusing rank, so every rank refuses."""
+        self._agree(problem, lambda r: f"dion3: load_state_dict: rank {r} refused the state_dict (its error says "
+                                       "what is wrong there); nothing was loaded on any rank")
+
+    def _agree_on_groups(self) -> None:
+        """At a step that builds the first engine on every rank (the first step, the first after
+        load_state_dict), where there is no plan yet to refuse through (Optimizer::refuse_invalid):
+        every rank checks its groups, and one all-reduce per mesh dimension makes a group invalid
+        on one rank alone raise on every rank instead of leaving the others waiting."""
+        problem: Optional[BaseException] = None
+        try:
+            for gi, group in enumerate(self.param_groups):
+                self._check_group(gi, group)
+        except Exception as e:  # noqa: BLE001 - raised below, after the others heard of it
+            problem = e
+        self._agree(problem, lambda r: f"dion3: another rank refused this step: a setting was invalid there (rank "
+                                       f"{r}'s error names it); {_NOT_APPLIED}")
+        self._agree_first = False
+
+    def _agree(self, problem: Optional[Union[str, BaseException]], refused_by) -> None:
+        """Raises `problem` (this rank's) or, under a distributed mesh, refused_by(rank) for the
+        highest refusing rank: one all-reduce per mesh dimension, so every rank raises."""
         groups: List[Any] = []
         if isinstance(self._mesh, _torch_dist.ProcessGroup):
             groups.append(self._mesh)
@@ -761,8 +794,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 _torch_dist.all_reduce(flag, op=_torch_dist.ReduceOp.MAX, group=pg)
             refusing = int(flag.item()) - 1
             if problem is None and refusing >= 0:
-                problem = (f"dion3: load_state_dict: rank {refusing} refused the state_dict (its error says "
-                           "what is wrong there); nothing was loaded on any rank")
+                problem = refused_by(refusing)
+        if isinstance(problem, BaseException):
+            raise problem
         if problem is not None:
             raise ValueError(problem)
 
@@ -775,6 +809,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._agree_first and self._mesh is not None and not _capturing():
+            self._agree_on_groups()
         key = self._registration_key()
         stale = self._dirty or key != self._engine_key or self._state_replaced()
         if (stale or self._engine is None) and self._mesh is not None and \

@@ -449,6 +449,22 @@ def one_rank_settings(rank, world, mesh):
     opt.param_groups[0]["lr"] = 0.02
     opt.step()
     same_everywhere([w0, extra], "DDP after a refusal as a group was added")
+    # No plan to refuse through yet (the first step, the first after load_state_dict): the ranks
+    # check their groups together first.
+    for when in ("first step", "first step after a load"):
+        w1 = nn.Parameter(torch.randn(8, 6) * 0.05)
+        opt = dion3.Dion3([w1], distributed_mesh=dist.group.WORLD, lr=0.02)
+        if when != "first step":
+            w1.grad = torch.ones(8, 6)
+            opt.step()
+            opt.load_state_dict(opt.state_dict())
+        if rank == 0:
+            opt.param_groups[0]["lr"] = float("nan")
+        w1.grad = torch.ones(8, 6)
+        refused(opt, [w1], "lr" if rank == 0 else "another rank refused this step")
+        opt.param_groups[0]["lr"] = 0.02
+        opt.step()
+        same_everywhere([w1], f"DDP after a refusal at the {when}")
 
 
 def partial_gradients(rank, world, mesh):
