@@ -13,6 +13,7 @@ import atexit
 import bisect
 import collections
 import difflib
+import gc
 import math
 import numbers
 import weakref
@@ -285,7 +286,8 @@ def _fresh_defaults(cls: type) -> Dict[str, Any]:
 
 # Optimizers that may hold an engine. Their engines (and the process groups their communicators
 # hold) are dropped when the interpreter starts to exit, while torch.distributed is still whole,
-# rather than whenever the interpreter's teardown happens to free them.
+# rather than whenever the interpreter's teardown happens to free them (a gloo group freed then
+# can abort the process). An engine left in a reference cycle needs the collection.
 _LIVE: "weakref.WeakSet[_EngineOptimizer]" = weakref.WeakSet()
 
 
@@ -293,6 +295,9 @@ _LIVE: "weakref.WeakSet[_EngineOptimizer]" = weakref.WeakSet()
 def _drop_engines_at_exit() -> None:
     for opt in list(_LIVE):
         opt._engine, opt._engine_key = None, None
+        opt._pushed, opt._pushed_to = {}, None
+        opt._mesh = None  # a process group too (the optimizer steps no more)
+    gc.collect()
 
 
 # The engine's names of the state tensors, by the group's kind of algorithm.

@@ -366,3 +366,29 @@ def test_model_cast_after_a_step_takes_its_state_along(device):
                 assert t.device == p.device, k
                 if k in ("momentum", "exp_avg"):
                     assert t.dtype == torch.bfloat16, (k, t.dtype)
+
+
+def test_engines_are_released_before_the_interpreter_tears_down(tmp_path):
+    # An optimizer still alive at exit (a global, or one freed only by the cycle collector) holds
+    # its engine, and with it the process groups its communicators hold; freed in the
+    # interpreter's teardown, a gloo group can abort the process. dion3's exit hook releases
+    # every engine first: a hook registered before dion3's runs after it and counts none left.
+    out = tmp_path / "live"
+    script = (
+        "import atexit, sys\n"
+        "def late():\n"
+        "    from dion3 import _C\n"
+        "    open(sys.argv[1], 'w').write(str(_C._live_engines()))\n"
+        "atexit.register(late)\n"
+        "import torch, dion3\n"
+        "ps = [torch.nn.Parameter(torch.randn(8, 6)) for _ in range(2)]\n"
+        "opt = dion3.Dion3(ps, lr=0.02)\n"
+        "for p in ps:\n"
+        "    p.grad = torch.randn(8, 6)\n"
+        "opt.step()\n"
+        "opt.step()\n"
+        "assert dion3._C._live_engines() == 1\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert out.read_text() == "0", "an engine outlived dion3's exit hook"

@@ -10,6 +10,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <map>
 #include <memory>
@@ -305,6 +306,10 @@ dion3::Layout parse_layout(const std::string& kind) {
 }
 
 // One dion3::Optimizer on one device, with the tensors it points into kept alive.
+// Engines alive in this process: the front end drops its own at interpreter exit, while
+// torch.distributed can still release the process groups their communicators hold.
+std::atomic<int64_t> live_engines{0};
+
 class Engine {
  public:
   Engine(const std::string& device_type, int device_index, const std::string& on_nonfinite,
@@ -333,7 +338,11 @@ class Engine {
     }
     opt_ = std::make_unique<dion3::Optimizer>(std::move(backend), options);
     opt_->set_tracer(std::make_shared<TorchTracer>());
+    ++live_engines;
   }
+  ~Engine() { --live_engines; }
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
 
   int add_group(const py::dict& cfg) { return opt_->add_group(group_config(cfg)); }
 
@@ -886,6 +895,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("validate_group", guarded(&validate_group), "Raise ValueError if a normalised group config is invalid");
   m.def("orthogonalize", guarded(&orthogonalize), "Polar factor of each matrix (see dion3.orthogonalize)");
   m.def("cuda_built", &cuda_built, "Whether this build has the CUDA backend");
+  m.def("_live_engines", [] { return live_engines.load(); }, "Engines alive in this process (for tests)");
   m.def("coefficient_sets", [] {
     py::dict sets;
     auto put = [&](const char* name, const std::vector<dion3::Coefficients>& steps) {
