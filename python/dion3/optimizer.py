@@ -296,7 +296,6 @@ def _drop_engines_at_exit() -> None:
     for opt in list(_LIVE):
         opt._engine, opt._engine_key = None, None
         opt._pushed, opt._pushed_to = {}, None
-        opt._mesh = None  # a process group too (the optimizer steps no more)
     gc.collect()
 
 
