@@ -767,8 +767,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         on one rank alone raise on every rank instead of leaving the others waiting."""
         problem: Optional[BaseException] = None
         try:
-            for gi, group in enumerate(self.param_groups):
-                self._check_group(gi, group)
+            self._check_groups()
         except Exception as e:  # noqa: BLE001 - raised below, after the others heard of it
             problem = e
         self._agree(problem, lambda r: f"dion3: another rank refused this step: a setting was invalid there (rank "
@@ -813,6 +812,17 @@ class _EngineOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        try:
+            return self._step(loss)
+        except ValueError:
+            # A refused step may report an earlier enqueued one the ranks disagreed on, dropped on
+            # the device though counted here when it was enqueued: the counters are read back
+            # (not inside a capture, which cannot wait for them).
+            if not _capturing():
+                self._sync_counters()
+            raise
+
+    def _step(self, loss):
         if self._agree_first and self._mesh is not None and not _capturing():
             self._agree_on_groups()
         key = self._registration_key()
@@ -838,7 +848,6 @@ class _EngineOptimizer(torch.optim.Optimizer):
         except Exception:
             if self._mesh is not None:
                 engine.refuse_invalid()  # the other ranks raise too instead of waiting for this one
-                self._sync_counters()  # it may have taken an enqueued step's report, counted here
             raise
         if self._engine_cuda and torch.cuda.is_current_stream_capturing():
             # CUDA-graph capture: the engine's capture-safe step (no host synchronisation). Step
@@ -901,13 +910,12 @@ class _EngineOptimizer(torch.optim.Optimizer):
             if grown:
                 self._check_keys(gi, group)  # a key added since (e.g. another optimizer's name for one)
             view = _ReadKeys(group)
-            cfg = _engine_config(view)
-            try:  # here, while the engine still holds the plan a refusal needs (see step)
-                _C.validate_group(cfg)
+            try:  # validated here, while the engine still holds the plan a refusal needs (see step)
+                engine.update_group(i, _engine_config(view))
             except ValueError as e:
-                msg = str(e)[len("dion3: "):] if str(e).startswith("dion3: ") else str(e)
+                # The engine numbers only the groups it holds: name the group as the caller does.
+                msg = str(e).removeprefix(f"dion3: group {i}: ").removeprefix("dion3: ")
                 raise ValueError(f"dion3: parameter group {gi}: {msg}") from None
-            engine.update_group(i, cfg)
             keys = tuple(dict.fromkeys(view.read))
             self._pushed[i] = (keys, _plain_snapshot(group, keys), len(group))
 
@@ -919,14 +927,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
         rank; then its error is raised here."""
         if self._mesh is None or self._engine is None:
             return
+        self._engine.check_last_agreement()
         try:
-            self._engine.check_last_agreement()
-        except ValueError:
-            self._sync_counters()  # that step was counted here when it was enqueued
-            raise
-        try:
-            for gi, group in enumerate(self.param_groups):
-                self._check_group(gi, group)
+            self._check_groups()
         except Exception:
             self._engine.refuse_invalid()
             raise
@@ -940,11 +943,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         the others make when all of theirs have one), with a gradient the refusal never reads,
         and the engine is released after it (the next step builds afresh)."""
         if self._engine is not None:
-            try:
-                self._engine.refuse_step()  # the plan the others hold, unless they changed it too
-            except ValueError:
-                self._sync_counters()  # it may report an enqueued step, counted here
-                raise
+            self._engine.refuse_step()  # the plan the others hold, unless they changed it too
             return
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not params:
@@ -998,15 +997,6 @@ class _EngineOptimizer(torch.optim.Optimizer):
 
     def _run_engine(self, engine, asynchronous: bool) -> int:
         """The engine's step; -1 asks for a rebuild (parameters, groups or storage changed: see step)."""
-        try:
-            return self._run_engine_step(engine, asynchronous)
-        except ValueError:
-            # It may report an earlier enqueued step the ranks disagreed on, dropped on the device
-            # though counted here when enqueued: the counters are read back.
-            self._sync_counters()
-            raise
-
-    def _run_engine_step(self, engine, asynchronous: bool) -> int:
         if self._dtensors:
             # DTensor gradients live on the DTensor, not on the local shard the engine holds: hand
             # the engine this step's local gradients.
@@ -1160,6 +1150,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
             near = difflib.get_close_matches(key, sorted(known - {"params", "param_names"}), n=1, cutoff=0.75)
             if near:
                 raise ValueError(f"{where}: unknown setting '{key}'; did you mean '{near[0]}'?")
+
+    def _check_groups(self) -> None:
+        for gi, group in enumerate(self.param_groups):
+            self._check_group(gi, group)
 
     def _check_group(self, gi: int, group: Dict[str, Any]) -> None:
         """Everything that can be told before a step, so errors come before any change."""

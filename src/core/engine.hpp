@@ -314,6 +314,7 @@ struct Optimizer::Impl {
   // every rank enqueued that step. posted_disagreement() is that error, or empty; both consume it.
   void check_posted_agreement();
   std::string posted_disagreement();
+  std::vector<int> read_agreement() const;  // the settled agreement in `flag`, on the host
   void settle_collectives();
   // Every communicator of the parameters, once each, in the order every rank meets them.
   std::vector<Communicator*> communicators() const;

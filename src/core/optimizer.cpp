@@ -1222,14 +1222,19 @@ void Optimizer::Impl::agree_on_flag(int* flag, bool blocking) {
   }
   if (plan_confirmed && !blocking && backend->device() != Device::CPU) return;
   settle_collectives();  // a rank that never joins raises a timeout here, not a wait without end
-  std::vector<int> words(static_cast<std::size_t>(flag_words));
-  backend->copy_to_host(words.data(), flag, words.size() * sizeof(int));
+  const std::vector<int> words = read_agreement();
   if (words[0] & kPlansDiffer) {
     plan_valid = false;  // planned again (and checked again) by the next step
     agreement_pending = false;  // raised now
     fail(disagreement_error(words.data()));
   }
   plan_confirmed = true;
+}
+
+std::vector<int> Optimizer::Impl::read_agreement() const {
+  std::vector<int> words(static_cast<std::size_t>(flag_words));
+  backend->copy_to_host(words.data(), flag.get(), words.size() * sizeof(int));
+  return words;
 }
 
 std::string Optimizer::Impl::posted_disagreement() {
@@ -1905,13 +1910,6 @@ void Optimizer::Impl::settle_collectives() {
 
 void Optimizer::Impl::refuse_invalid() {
   if (!plan_valid || communicators().empty() || backend->capturing()) return;
-  // The other ranks' next call raises for an enqueued step they disagreed on before any
-  // collective: this rank runs none either (its caller raises its own error).
-  try {
-    if (!posted_disagreement().empty()) return;
-  } catch (...) {
-    return;
-  }
   // The refusal runs the plan with the settings it was made for: this rank's current ones may be
   // what is invalid.
   struct AsPlanned {
@@ -1923,12 +1921,17 @@ void Optimizer::Impl::refuse_invalid() {
     ~AsPlanned() {
       if (swapped) std::swap(s.groups, s.planned);
     }
-  } as_planned(*this);
+  };
   try {
+    // The other ranks' next call raises for an enqueued step they disagreed on before any
+    // collective: this rank runs none either.
+    if (!posted_disagreement().empty()) return;
+    const AsPlanned as_planned(*this);
     enqueue_step(false, kInvalidHere, true);
     settle_collectives();
   } catch (...) {
-    // The others stop here as well (the agreement told them); this rank's own reason is the news.
+    // The others stop here as well (the agreement told them); this rank's own reason is the news,
+    // raised by the caller.
   }
 }
 
@@ -1952,9 +1955,7 @@ bool Optimizer::refuse_step() {
   s.enqueue_step(false, Impl::kNoGradients, true);  // a refused step is not a dropped one: not counted
   s.post_counters();
   s.settle_collectives();
-  if (s.backend->read_flag(s.flag.as<int>()) & kRankRefused)
-    fail("another rank refused this step: a setting or input was invalid there (that rank's error names it); " +
-         std::string(kNotApplied));
+  if (s.backend->read_flag(s.flag.as<int>()) & kRankRefused) fail(s.disagreement_error(s.read_agreement().data()));
   if (s.backend->read_flag(s.flag.as<int>() + 1) == 0) return false;  // no rank stepped: nothing to refuse
   fail("no parameter of this rank has a gradient this step while other ranks step: every rank must step the "
        "same parameters; " + std::string(kNotApplied));
@@ -1975,9 +1976,7 @@ bool Optimizer::step() {
   if (verdict & kNotAStep) {
     // Every rank keeps its plan (a refusing one's registration is unchanged), so the next step's
     // first collective is this agreement again on all of them, steps enqueued only included.
-    std::vector<int> words(static_cast<std::size_t>(s.flag_words));
-    be.copy_to_host(words.data(), flag, words.size() * sizeof(int));
-    fail(s.disagreement_error(words.data()));
+    fail(s.disagreement_error(s.read_agreement().data()));
   }
   if (s.options.on_nonfinite == NonFinitePolicy::Raise) {
     const char* policy = "(on_nonfinite='raise'; use 'skip' to drop such steps)";

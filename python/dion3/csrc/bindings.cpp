@@ -347,7 +347,8 @@ class Engine {
   int add_group(const py::dict& cfg) { return opt_->add_group(group_config(cfg)); }
 
   // Hyper-parameters are re-read before every step, so schedules that edit the group dict work.
-  void update_group(int index, const py::dict& cfg) { opt_->group(index) = group_config(cfg); }
+  // Validated as it is set: an invalid value never reaches a step.
+  void update_group(int index, const py::dict& cfg) { opt_->set_group(index, group_config(cfg)); }
 
   // Registers a parameter; its gradient (weight.grad(), or the one given, for DTensor shards whose
   // gradient lives on the DTensor) is read again before every step. layout: "local",
