@@ -284,10 +284,10 @@ def _fresh_defaults(cls: type) -> Dict[str, Any]:
     return _FRESH[cls]
 
 
-# Optimizers that may hold an engine. Their engines (and the process groups their communicators
-# hold) are dropped when the interpreter starts to exit, while torch.distributed is still whole,
-# rather than whenever the interpreter's teardown happens to free them (a gloo group freed then
-# can abort the process). An engine left in a reference cycle needs the collection.
+# Optimizers that may hold an engine. Their engines (torch's CUDA memory, pinned tensors) are
+# dropped when the interpreter starts to exit, while torch is still whole, rather than whenever
+# the interpreter's teardown happens to free them. An engine left in a reference cycle needs the
+# collection.
 _LIVE: "weakref.WeakSet[_EngineOptimizer]" = weakref.WeakSet()
 
 
@@ -401,6 +401,24 @@ class _EngineOptimizer(torch.optim.Optimizer):
 
     _default_algorithm = "dion3"
     _name = "Dion3"
+
+    # A ProcessGroup given as distributed_mesh is held weakly, as the engine's communicators hold
+    # it: one the user destroys is freed then, not at the interpreter's teardown (where a gloo
+    # group can abort the process). A DeviceMesh holds its groups by name.
+    @property
+    def _mesh(self) -> Any:
+        held = self.__dict__.get("_mesh_held")
+        if isinstance(held, weakref.ref):
+            held = held()
+            if held is None:
+                raise ValueError(f"dion3: the process group given to {self._name}(distributed_mesh=...) was "
+                                   "destroyed (torch.distributed.destroy_process_group); make the optimizer anew "
+                                   "on a live group")
+        return held
+
+    @_mesh.setter
+    def _mesh(self, mesh: Any) -> None:
+        self._mesh_held = weakref.ref(mesh) if isinstance(mesh, _torch_dist.ProcessGroup) else mesh
 
     def __init__(self, params, distributed_mesh, defaults: Dict[str, Any], on_nonfinite: str,
                  workspace_limit: Optional[int] = None, megabatch: bool = True, blocking: Optional[bool] = None):

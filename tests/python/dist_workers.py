@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import os
 import traceback
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,6 @@ def run(rank, world, tmp, name, args):
                                 world_size=world)
         torch.set_num_threads(1)
         globals()[name](rank, world, tmp, *args)
-        gc.collect()  # optimizers left in reference cycles release their process groups now
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - everything goes to the parent
@@ -92,6 +92,29 @@ def ddp(rank, world, opt_cls, **kw):
     plan = opt.plan()
     assert all(mb["layout"] == "replicated" and mb["ranks"] == world for mb in plan), plan
     assert any(mb["columns"] for mb in plan) == (opt_cls is dion3.Dion2), plan  # SHAPES holds a tall matrix
+
+
+def destroyed_group(rank, world):
+    """A process group given as distributed_mesh is freed when the user destroys it, though the
+    optimizer lives on (neither it nor its engine holds the group: one left to the interpreter's
+    teardown can abort a gloo process), and a step on it after that says what happened."""
+    sub = dist.new_group(list(range(world)))
+    ws = [nn.Parameter(torch.zeros(s)) for s in SHAPES[:2]]
+    opt = dion3.Dion3(ws, distributed_mesh=sub, lr=0.02)
+    for w, g in zip(ws, grads_for(SHAPES[:2], 0)):
+        w.grad = g
+    opt.step()
+    held = weakref.ref(sub)
+    dist.destroy_process_group(sub)
+    del sub
+    gc.collect()
+    assert held() is None, "the optimizer still holds the process group it was given after its destruction"
+    try:
+        opt.step()
+    except ValueError as e:
+        assert "destroyed" in str(e), e
+    else:
+        raise AssertionError("a step on a destroyed process group was not refused")
 
 
 def sharded_params(mesh, placements, seed=0, shapes=None):
@@ -659,6 +682,7 @@ def layouts(rank, world, tmp):
     ddp(rank, world, dion3.Dion3)
     ddp(rank, world, dion3.NorMuon)
     ddp(rank, world, dion3.Dion2)  # its tall matrix goes by columns on every rank
+    destroyed_group(rank, world)
     for kw in (dict(), dict(selection_scope="global"), dict(fraction=0.5)):
         fsdp(rank, world, mesh, [Shard(0)], world, dion3.Dion3, "dion3", **kw)
     fsdp(rank, world, mesh, [Shard(0)], world, dion3.NorMuon, "normuon")

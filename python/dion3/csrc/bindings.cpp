@@ -188,7 +188,9 @@ class TorchCudaAllocator final : public dion3::Allocator {
 // async_op=True; the engine's buffers are wrapped as byte tensors without copies. The engine
 // steps with the GIL released, so each call takes it back for the Python call only. On CUDA,
 // torch orders the collective after the current stream (the engine's) and Work.wait() makes
-// that stream wait for it: no host synchronisation.
+// that stream wait for it: no host synchronisation. The group is held weakly: one the user
+// destroys (destroy_process_group) is freed then, not at the interpreter's teardown (where a
+// gloo group can abort the process), and a step on it says so.
 // Whether Python objects may still be released: an engine collected while the interpreter
 // shuts down (a reference cycle) must not take the GIL then (that aborts the process).
 bool python_alive() {
@@ -230,13 +232,15 @@ class TorchRequest final : public dion3::CommRequest {
 
 class TorchCommunicator final : public dion3::Communicator {
  public:
-  TorchCommunicator(py::object group, dion3::Device device, int device_index)
-      : group_(std::move(group)), device_(device), device_index_(device_index) {
+  TorchCommunicator(const py::object& group, dion3::Device device, int device_index)
+      : group_(py::handle(group), py::handle()), device_(device), device_index_(device_index) {
     dist_ = py::module_::import("torch.distributed");
-    rank_ = py::cast<int>(dist_.attr("get_rank")(group_));
-    size_ = py::cast<int>(dist_.attr("get_world_size")(group_));
-    backend_ = py::str(dist_.attr("get_backend")(group_));
+    rank_ = py::cast<int>(dist_.attr("get_rank")(group));
+    size_ = py::cast<int>(dist_.attr("get_world_size")(group));
+    backend_ = py::str(dist_.attr("get_backend")(group));
   }
+  // The group, or None once it was destroyed. With the GIL held.
+  py::object group() const { return group_(); }
   ~TorchCommunicator() override {
     release_object(group_);
     release_object(dist_);
@@ -252,14 +256,14 @@ class TorchCommunicator final : public dion3::Communicator {
                                                  const std::string& label) override {
     return call(label, [&] {
       return dist_.attr("all_gather_into_tensor")(bytes_of(recv, size_ * bytes), bytes_of(send, bytes),
-                                                  py::arg("group") = group_, py::arg("async_op") = true);
+                                                  py::arg("group") = live_group(label), py::arg("async_op") = true);
     });
   }
   std::unique_ptr<dion3::CommRequest> all_to_all(const void* send, void* recv, std::size_t bytes, void*,
                                                  const std::string& label) override {
     return call(label, [&] {
       return dist_.attr("all_to_all_single")(bytes_of(recv, size_ * bytes), bytes_of(send, size_ * bytes),
-                                             py::arg("group") = group_, py::arg("async_op") = true);
+                                             py::arg("group") = live_group(label), py::arg("async_op") = true);
     });
   }
   std::unique_ptr<dion3::CommRequest> all_reduce_max(int32_t* data, std::size_t count, void*,
@@ -267,7 +271,7 @@ class TorchCommunicator final : public dion3::Communicator {
     return call(label, [&] {
       at::Tensor t = at::from_blob(data, {static_cast<int64_t>(count)}, options(at::kInt));
       return dist_.attr("all_reduce")(t, py::arg("op") = dist_.attr("ReduceOp").attr("MAX"),
-                                      py::arg("group") = group_, py::arg("async_op") = true);
+                                      py::arg("group") = live_group(label), py::arg("async_op") = true);
     });
   }
 
@@ -279,6 +283,14 @@ class TorchCommunicator final : public dion3::Communicator {
   at::Tensor bytes_of(const void* p, std::size_t bytes) const {
     return at::from_blob(const_cast<void*>(p), {static_cast<int64_t>(bytes)}, options(at::kByte));
   }
+  py::object live_group(const std::string& label) const {
+    py::object g = group();
+    if (g.is_none())
+      throw dion3::Error(dion3::Status::InvalidArgument,
+                         label + ": the process group this optimizer steps on was destroyed "
+                                 "(torch.distributed.destroy_process_group); make the optimizer anew on a live group");
+    return g;
+  }
   template <class F>
   std::unique_ptr<dion3::CommRequest> call(const std::string& label, F&& start) {
     py::gil_scoped_acquire gil;
@@ -289,7 +301,8 @@ class TorchCommunicator final : public dion3::Communicator {
     }
   }
 
-  py::object group_, dist_;
+  py::weakref group_;
+  py::object dist_;
   dion3::Device device_;
   int device_index_ = 0;
   int rank_ = 0, size_ = 1;
@@ -665,11 +678,11 @@ class Engine {
 
   // One communicator per process group, shared by every parameter on it.
   std::shared_ptr<dion3::Communicator> communicator(const py::object& group, const at::Tensor& weight) {
-    for (auto& [g, c] : comms_)
-      if (g.is(group)) return c;
+    for (auto& c : comms_)
+      if (c->group().is(group)) return c;
     const dion3::Device device = weight.is_cuda() ? dion3::Device::CUDA : dion3::Device::CPU;
-    comms_.emplace_back(group, std::make_shared<TorchCommunicator>(group, device, device_index_));
-    return comms_.back().second;
+    comms_.push_back(std::make_shared<TorchCommunicator>(group, device, device_index_));
+    return comms_.back();
   }
 
   int device_index_ = 0;
@@ -719,7 +732,7 @@ class Engine {
   std::vector<at::Tensor> watched_;            // parameters without a gradient at build time
   std::vector<std::pair<py::dict, py::dict>> state_watch_;  // (state[p], {key: its state tensor})
   std::vector<std::pair<py::dict, std::vector<py::object>>> groups_watch_;  // (group, its params)
-  std::vector<std::pair<py::object, std::shared_ptr<dion3::Communicator>>> comms_;
+  std::vector<std::shared_ptr<TorchCommunicator>> comms_;
 };
 
 void validate_group(const py::dict& cfg) { group_config(cfg).validate(); }
