@@ -457,6 +457,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._engine_key = None
         self._engine_params: List[torch.Tensor] = []
         self._engine_states: List[Dict[str, Any]] = []
+        self._adamw_steps: List[Tuple[Dict[str, Any], Any]] = []  # see _rebuild
         self._watched_state, self._watched_version = None, 0  # the state the engine registered (_state_replaced)
         self._engine_cuda = False
         self._applied_seen = self._skipped_seen = 0  # engine counters already folded into state
@@ -504,7 +505,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._agree_first = True
         self._switched_from = {}
         _LIVE.add(self)
-        self._engine_states = []
+        self._engine_states, self._adamw_steps = [], []
         self._watched_state, self._watched_version = None, 0
         self._engine_cuda = False
         self._applied_seen = self._skipped_seen = 0
@@ -907,8 +908,13 @@ class _EngineOptimizer(torch.optim.Optimizer):
 
     def _state_replaced(self) -> bool:
         """Whether optimizer.state, or a parameter's dict in it, was replaced (state = ...,
-        state[p] = {}, state.clear()) since the engine registered the state it holds."""
-        return self.state is not self._watched_state or self.state.version != self._watched_version
+        state[p] = {}, state.clear()) since the engine registered the state it holds, or an
+        AdamW parameter's "step" was set (its bias correction reads the engine's count, which
+        the rebuild sets from it)."""
+        if self.state is not self._watched_state or self.state.version != self._watched_version:
+            return True
+        seen = self._applied_seen
+        return any(st.get("step") != base + seen for st, base in self._adamw_steps)
 
     def _registration_key(self) -> Tuple:
         """What the engine's registration depends on: the groups, their sizes and structure."""
@@ -980,7 +986,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             self._restore_switched()  # nothing was applied: a switch of algorithm waits as well
             self._kinds = kinds
             self._engine, self._engine_key, self._pushed, self._pushed_to = None, None, {}, None
-            self._engine_params, self._engine_states = [], []
+            self._engine_params, self._engine_states, self._adamw_steps = [], [], []
 
     def _run_first(self, engine, asynchronous: bool) -> int:
         """_run_engine, putting back the state a switch of algorithm replaced (_rebuild) when the
@@ -1111,7 +1117,16 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._sync_counters()
         self._raise_deferred(poll=False)
         self._own_state()
-        sd = super().state_dict()
+        # torch's post-hooks see the dict as it is returned (dion3's layout below), and run once.
+        name = "_optimizer_state_dict_post_hooks"
+        post = getattr(self, name, None)
+        try:
+            if post is not None:
+                setattr(self, name, type(post)())
+            sd = super().state_dict()
+        finally:
+            if post is not None:
+                setattr(self, name, post)
         switched = self._switched_state()
         if switched:  # torch numbers the parameters group by group, in order
             ids = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
@@ -1124,6 +1139,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
             steps = [sd["state"][i].get("step", 0) for i in g["params"] if i in sd["state"]]
             g["step"] = max(steps, default=0)
         sd["steps_skipped"] = self._steps_skipped  # dion3's own; torch and the reference ignore it
+        for hook in list((post or {}).values()):
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
         return sd
 
     # ---- introspection ---------------------------------------------------------------------
@@ -1326,7 +1345,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 engine.add_param(ei, name_j, _dist.local(p), _engine_state(group, st),
                                  layout.kind, layout.group, layout.global_rows, layout.global_cols,
                                  layout.row_offset, layout.row_chunk, layout.col_group,
-                                 _dist.local_grad(p) if is_dt else None)
+                                 _dist.local_grad(p) if is_dt else None, p if is_dt else None)
                 st["step"] = int(old.get("step", 0))
                 new_state[p] = st
                 engine_params.append(p)
@@ -1357,6 +1376,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._applied_seen, self._skipped_seen = applied_seen, skipped_seen
         self._counters_pending = False
         self._engine_states = [self.state[p] for p in engine_params]
+        # Each AdamW state's "step" less the steps counted since: what _state_replaced expects.
+        self._adamw_steps = [(st, st["step"] - applied_seen) for st, (g, _) in zip(self._engine_states, adamw_check)
+                             if g["algorithm"] == "adamw"]
         engine.watch_state([(st, {k: t for k, t in st.items() if isinstance(t, torch.Tensor)})
                             for st in self._engine_states])
         self._watched_state, self._watched_version = self.state, self.state.version

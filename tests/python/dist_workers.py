@@ -132,6 +132,7 @@ def fsdp(rank, world, mesh, placements, shard_ranks, opt_cls, algorithm, pass_me
     steps_match_reference(opt, ref, ps, shapes or SHAPES, 100, lambda g, p: distribute_tensor(g, mesh, placements),
                           f"{algorithm} {kw}")
     for p in ps:  # state tensors are DTensors placed like their parameter
+        assert p._version > 0 and p.to_local()._version > 0, "a step left a DTensor's version as it was"
         st = opt.state[p]
         assert isinstance(st["momentum"], DTensor) and st["momentum"].placements == p.placements
         if algorithm != "dion2":  # no NorMuon there

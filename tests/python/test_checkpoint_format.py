@@ -339,6 +339,62 @@ def test_load_hooks_run_where_torch_runs_them(which):
     assert sd["state"][0]["momentum"].abs().sum() > 0  # the caller's dict is not edited
 
 
+def test_state_dict_post_hooks_see_the_dict_returned():
+    # A post-hook gets the state_dict in the layout state_dict() returns (the reference's names,
+    # dion3's counters) and what it returns or edits stays; it runs once.
+    ps = [torch.nn.Parameter(torch.randn(8, 8))]
+    opt = dion3.Dion3(ps, lr=0.01)
+    ps[0].grad = torch.randn(8, 8)
+    opt.step()
+    seen = []
+
+    def hook(o, d):
+        seen.append((d["param_groups"][0]["algorithm"], d["param_groups"][0]["step"], "steps_skipped" in d))
+        d["param_groups"][0]["note"] = "mine"
+        del d["steps_skipped"]
+
+    opt.register_state_dict_post_hook(hook)
+    sd = opt.state_dict()
+    assert seen == [("nordion2", 1, True)]
+    assert sd["param_groups"][0]["note"] == "mine" and "steps_skipped" not in sd
+    opt.register_state_dict_post_hook(lambda o, d: {"replaced": True})
+    assert opt.state_dict() == {"replaced": True}
+
+
+def test_setting_an_adamw_step_restarts_its_bias_correction():
+    # torch's AdamW reads state["step"] at every step: set back to 0, the bias correction starts
+    # over. dion3 follows it, and a checkpoint taken after the edit resumes as the live run goes.
+    torch.manual_seed(0)
+    shapes = [(7,), (5, 3)]
+    pa = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    pb = [torch.nn.Parameter(p.detach().clone()) for p in pa]
+    ours = dion3.Dion3([dict(params=pa, algorithm="adamw", lr=1e-2, weight_decay=0.1)])
+    theirs = torch.optim.AdamW(pb, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+    def step(t, opts_params):
+        for opt, ps in opts_params:
+            g = torch.Generator().manual_seed(t)
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+
+    for t in range(4):
+        step(t, [(ours, pa), (theirs, pb)])
+    ours.state[pa[0]]["step"] = 0
+    theirs.state[pb[0]]["step"] = torch.tensor(0.0)
+    step(4, [(ours, pa), (theirs, pb)])
+    sd = copy.deepcopy(ours.state_dict())
+    assert sd["state"][0]["step"] == 1 and sd["state"][1]["step"] == 5
+    qa = [torch.nn.Parameter(p.detach().clone()) for p in pa]
+    resumed = dion3.Dion3([dict(params=qa, algorithm="adamw", lr=1e-2, weight_decay=0.1)])
+    resumed.load_state_dict(sd)
+    for t in range(5, 8):
+        step(t, [(ours, pa), (theirs, pb), (resumed, qa)])
+        for x, y, z in zip(pa, pb, qa):
+            assert torch.allclose(x, y, atol=1e-6, rtol=1e-5), f"step {t}"
+            assert torch.equal(x, z), f"step {t}: the resumed run parted from the live one"
+
+
 def test_a_non_contiguous_state_tensor_loads_and_resumes(device):
     # A state_dict whose momentum is laid out column-major (a transposed copy, as some checkpoint
     # tools write): the load copies it into the layout the engine steps, and the run resumes.

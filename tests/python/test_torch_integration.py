@@ -55,6 +55,28 @@ def test_compiled_train_step_with_optimizer_inside(device):
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.parametrize("algorithm", ["dion3", "adamw"])
+def test_a_step_counts_as_an_in_place_update_for_autograd(device, algorithm):
+    # As torch.optim's in-place updates do: a backward through a graph that saved the weights
+    # before the step (a GAN's generator loss after the discriminator's step) is refused rather
+    # than run on the stepped weights.
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(8, 8, device=device))
+    opt = dion3.Dion3([dict(params=[w], algorithm=algorithm)], lr=0.01)
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    loss = (x @ w).square().sum()
+    w.grad = torch.randn_like(w)
+    version = w._version
+    opt.step()
+    assert w._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    w.grad = None
+    loss = (x @ w).square().sum()
+    opt.step()  # no gradient: nothing stepped
+    loss.backward()
+
+
 @pytest.mark.skipif(not (torch.cuda.is_available() and dion3.cuda_built()), reason="needs CUDA")
 def test_runs_on_a_side_stream():
     p = nn.Parameter(torch.randn(64, 32, device="cuda"))

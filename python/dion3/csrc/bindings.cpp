@@ -370,7 +370,7 @@ class Engine {
   int add_param(int group, const std::string& name, const at::Tensor& weight, const py::dict& state,
                 const std::string& layout, const py::object& process_group, int64_t global_rows,
                 int64_t global_cols, int64_t row_offset, int64_t row_chunk, const py::object& col_process_group,
-                const std::optional<at::Tensor>& given_grad) {
+                const std::optional<at::Tensor>& given_grad, const std::optional<at::Tensor>& wrapper) {
     at::Tensor grad;
     try {
       grad = given_grad ? contiguous(*given_grad) : contiguous_grad(weight);
@@ -399,6 +399,8 @@ class Engine {
     }
     const int index = opt_->add_param(group, spec);
     weights_.push_back(weight);
+    versioned_.push_back(weight);
+    if (wrapper) versioned_.push_back(*wrapper);
     weight_pins_.emplace_back(weight);
     held_.push_back(std::move(held));
     grads_.push_back(grad);
@@ -576,9 +578,18 @@ class Engine {
     py::gil_scoped_release release;
     if (async) {
       opt_->step_async();
+      bump_versions();
       return 2;
     }
-    return opt_->step() ? 1 : 0;
+    if (!opt_->step()) return 0;
+    bump_versions();
+    return 1;
+  }
+  // As an in-place update by torch would: autograd then refuses a backward through a graph that
+  // saved a weight before the step (a GAN's second loss) instead of using the stepped values.
+  void bump_versions() {
+    for (at::Tensor& t : versioned_)
+      if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
   }
 
  public:
@@ -628,6 +639,7 @@ class Engine {
     // Before a replay of a captured step: state written in place since is noticed here, eagerly.
     if (state_written_in_place()) opt_->state_changed();
     opt_->refresh_hyperparameters();
+    bump_versions();  // the replay that follows updates the weights
   }
   // (steps applied, steps dropped) as of the last step_async(), once their copy to the host
   // has arrived; None before (never waits).
@@ -719,6 +731,9 @@ class Engine {
       return first != nullptr && (t.data_ptr() != first || !t.sizes().equals(sizes) || !t.strides().equals(strides));
     }
   };
+  // The weights, and each DTensor parameter's wrapper (a counter of its own): the tensors whose
+  // version a step bumps.
+  std::vector<at::Tensor> versioned_;
   std::vector<Pin> weight_pins_;
   std::vector<std::vector<at::Tensor>> held_;  // weights and state tensors the engine points into
   struct Watched {
@@ -884,7 +899,8 @@ PYBIND11_MODULE(_C, m) {
       .def("add_param", guarded(&Engine::add_param), py::arg("group"), py::arg("name"), py::arg("weight"),
            py::arg("state"), py::arg("layout") = "local", py::arg("process_group") = py::none(),
            py::arg("global_rows") = 0, py::arg("global_cols") = 0, py::arg("row_offset") = -1,
-           py::arg("row_chunk") = 0, py::arg("col_process_group") = py::none(), py::arg("grad") = std::nullopt)
+           py::arg("row_chunk") = 0, py::arg("col_process_group") = py::none(), py::arg("grad") = std::nullopt,
+           py::arg("wrapper") = std::nullopt)
       .def("step_with", guarded(&Engine::step_with))
       .def("step_async_with", guarded(&Engine::step_async_with))
       .def("watch", guarded(&Engine::watch))
