@@ -105,7 +105,7 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
                 opts["lr"] = lr / math.sqrt(head_weights[0].shape[1])
         elif id(p) in emb:
             role, opts = "embedding", dict(base_el)
-        elif p.dim() < 2:
+        elif p.dim() < 2 or p.numel() == 0:  # an empty matrix has nothing to orthogonalize
             role, opts = "vector", dict(base_el)
         else:
             role, opts = "matrix", {}

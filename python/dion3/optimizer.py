@@ -95,6 +95,12 @@ _KEY_ALIASES = {"eps": ("epsilon",), "momentum": ("mu", "ef_decay"), "beta2": ("
                 "adjust_learning_rate": ("adjust_lr",),
                 # the error-feedback decay: Dion2's name in a Dion3 optimizer, Dion3's in a Dion2 one
                 "ef_decay": ("mu",), "mu": ("ef_decay",)}
+# torch.optim options that change the result and that dion3 does not implement: refused when
+# set, never ignored. {key: what to do instead}
+_UNIMPLEMENTED_TORCH_OPTIONS = {"maximize": "minimize the negated objective instead",
+                                "amsgrad": "dion3's AdamW keeps no running maximum of its second moment"}
+_NO_NS_FUNC = ("newton_schulz_func is not supported (the orthogonalization runs in the C++ engine); choose "
+               "orthogonalizer='auto'|'standard'|'gram' and, for other quintic steps, coefficients=[(a, b, c), ...]")
 ELEMENTWISE_ALGORITHMS = ("adamw", "lion")
 ALGORITHMS = MATRIX_ALGORITHMS + ELEMENTWISE_ALGORITHMS
 _ORTHOGONALIZERS = ("auto", "standard", "gram")
@@ -332,6 +338,27 @@ def _state_tensors(group: Dict[str, Any], p: torch.Tensor, old: Dict[str, Any]) 
     return st
 
 
+def _check_restructured(group: Dict[str, Any], p: torch.Tensor, st: Dict[str, Any], who: str) -> None:
+    """Refuses state made for other structural settings than the group's (flatten or
+    momentum_dtype set after the parameter stepped), naming the setting. Other misfits are the
+    engine's to name."""
+    other = dict(group, flatten=not group["flatten"])
+    flipped = {name: shape for name, _, shape in _state_shapes(other, p)} if p.dim() > 2 else {}
+    for name, dtype, shape in _state_shapes(group, p):
+        t = st.get(name)
+        if not isinstance(t, torch.Tensor):
+            continue
+        if tuple(t.shape) != tuple(shape) and tuple(t.shape) == flipped.get(name):
+            what, want = f"has shape {list(t.shape)}", f"{list(shape)} (flatten={bool(group['flatten'])})"
+        elif name == "momentum" and tuple(t.shape) == tuple(shape) and t.dtype != dtype:
+            what, want = f"is {t.dtype}", f"{dtype} (momentum_dtype={group.get('momentum_dtype')})"
+        else:
+            continue
+        raise ValueError(f"dion3: {who}: its state '{name}' {what}, where its group asks for {want}: a "
+                         "parameter's flatten and momentum_dtype cannot change once it has stepped; set them "
+                         "back, or start its state afresh (del optimizer.state[p])")
+
+
 def _engine_state(group: Dict[str, Any], st: Dict[str, Any]) -> Dict[str, torch.Tensor]:
     """This rank's state tensors of a parameter as the engine takes them (views, never copies:
     the engine updates them in place)."""
@@ -427,10 +454,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         if on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"dion3: 'on_nonfinite' must be 'raise' or 'skip'; got {on_nonfinite!r}")
         if defaults.get("newton_schulz_func") is not None:
-            raise NotImplementedError(
-                "dion3: newton_schulz_func is not supported (the orthogonalization runs in the C++ "
-                "engine); choose orthogonalizer='auto'|'standard'|'gram' and, for other quintic "
-                "steps, coefficients=[(a, b, c), ...]")
+            raise NotImplementedError(f"dion3: {_NO_NS_FUNC}")
         if defaults.get("selection_scope", "local") not in ("local", "global"):
             raise ValueError(
                 f"dion3: 'selection_scope' must be 'local' or 'global'; got {defaults['selection_scope']!r}")
@@ -527,19 +551,24 @@ class _EngineOptimizer(torch.optim.Optimizer):
 
     def _switched_state(self) -> Dict[torch.Tensor, Dict[str, Any]]:
         """The fresh state of the parameters whose group moved to another kind of algorithm
-        (adamw -> lion, dion3 -> adamw, ...) since their last step: they start afresh at the next
-        step, so a checkpoint or copy taken before it holds that, not the old kind's moments under
-        the new kind. Nothing here changes: the next step decides on the groups as they are then."""
+        (adamw -> lion, dion3 -> adamw, ...) since their last step, or whose construction-time
+        zeros no longer fit their group (flatten, momentum_dtype set before the first step): they
+        start afresh at the next step, so a checkpoint or copy taken before it holds that. Nothing
+        here changes: the next step decides on the groups as they are then."""
         out = {}
         for g in self.param_groups:
             kind = _kind(g.get("algorithm"))
             for p in g["params"]:
-                if self._kinds.get(p, kind) == kind:
+                switched = self._kinds.get(p, kind) != kind
+                old = {} if switched else self.state.get(p)
+                if not switched and (not old or old.get("step", 0)):
                     continue
                 try:
-                    out[p] = dict(_state_tensors(g, p, {}), step=0)
+                    fresh = _state_tensors(g, p, old)
                 except (ValueError, RuntimeError):
                     continue  # a group the next step refuses anyway
+                if switched or any(t is not old.get(k) for k, t in fresh.items()):
+                    out[p] = dict(fresh, step=0)
         return out
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -1174,8 +1203,14 @@ class _EngineOptimizer(torch.optim.Optimizer):
     def _check_keys(self, gi: int, group: Dict[str, Any]) -> None:
         """A group key dion3 would silently ignore is refused when it is a likely mistake: a
         misspelt setting (the nearest valid one is named), another optimizer's name for a setting,
-        or a reference option not implemented here. Keys far from any setting are carried untouched,
-        as torch.optim does (schedulers' keys, a user's own tags such as a layer index)."""
+        a reference or torch.optim option not implemented here (newton_schulz_func, maximize).
+        Keys far from any setting are carried untouched, as torch.optim does (schedulers' keys, a
+        user's own tags such as a layer index)."""
+        if group.get("newton_schulz_func") is not None:
+            raise NotImplementedError(f"dion3: parameter group {gi}: {_NO_NS_FUNC}")
+        for key, what in _UNIMPLEMENTED_TORCH_OPTIONS.items():
+            if group.get(key):
+                raise ValueError(f"dion3: parameter group {gi}: {key}=True is not implemented ({what})")
         known = set(self.defaults) | {"params", "param_names"}
         for key in group:
             if key in known or key in _SCHEDULER_KEYS or not isinstance(key, str):
@@ -1217,6 +1252,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
                                  f"{device}; one optimizer steps parameters of one device")
             if not p.is_contiguous():
                 raise ValueError(f"dion3: {who} is not contiguous; dion3 needs contiguous parameters")
+            if matrix and p.dim() >= 2 and p.numel() == 0:
+                raise ValueError(f"dion3: {who} has shape {list(p.shape)}: no elements to orthogonalize; leave it "
+                                 "out, or put it in an 'adamw' or 'lion' group (dion3.param_groups(model) does)")
             if matrix and p.dim() < 2:
                 algo = {"muon": "Muon", "normuon": "NorMuon", "dion2": "Dion2"}.get(group["algorithm"], "Dion3")
                 raise ValueError(f"dion3: {who} has shape {list(p.shape)} but {algo} needs a matrix; put "
@@ -1336,6 +1374,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                     switched.add(p)
                 kinds[p] = kind
                 st = _state_tensors(group, p, old)
+                _check_restructured(group, p, st, f"parameter '{name_j}'")
                 if p.grad.device != p.device:
                     raise ValueError(f"dion3: parameter '{name_j}' is on "
                                      f"{p.device} but its gradient is on {p.grad.device}")

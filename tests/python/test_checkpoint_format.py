@@ -395,6 +395,35 @@ def test_setting_an_adamw_step_restarts_its_bias_correction():
             assert torch.equal(x, z), f"step {t}: the resumed run parted from the live one"
 
 
+@pytest.mark.parametrize("setting", ["flatten", "momentum_dtype"])
+def test_structural_settings_follow_until_the_first_step_and_are_refused_after(setting):
+    # Set before the first step, the construction-time zeros are made again for it: a checkpoint
+    # taken then holds state of the group's shape and loads back. Set after a step, the state
+    # cannot follow: the step is refused naming the setting, with nothing changed.
+    value = True if setting == "flatten" else torch.float32
+    p = torch.nn.Parameter(torch.randn(8, 4, 3, 3, dtype=torch.bfloat16))
+    opt = dion3.Dion3([p], lr=0.01)
+    opt.param_groups[0][setting] = value
+    sd = opt.state_dict()
+    fresh = dion3.Dion3([torch.nn.Parameter(p.detach().clone())], lr=0.01, **{setting: value})
+    assert {k: (t.shape, t.dtype) for k, t in sd["state"][0].items() if isinstance(t, torch.Tensor)} == \
+        {k: (t.shape, t.dtype) for k, t in fresh.state_dict()["state"][0].items() if isinstance(t, torch.Tensor)}
+    opt.load_state_dict(sd)
+    p.grad = torch.randn_like(p)
+    opt.step()
+
+    q = torch.nn.Parameter(torch.randn(8, 4, 3, 3, dtype=torch.bfloat16))
+    opt = dion3.Dion3([q], lr=0.01)
+    q.grad = torch.randn_like(q)
+    opt.step()
+    before = {k: t.clone() for k, t in opt.state[q].items() if isinstance(t, torch.Tensor)}
+    w = q.detach().clone()
+    opt.param_groups[0][setting] = value
+    with pytest.raises(ValueError, match=f"its group asks for .*{setting}=.*cannot change once it has stepped"):
+        opt.step()
+    assert torch.equal(q, w) and all(torch.equal(opt.state[q][k], t) for k, t in before.items())
+
+
 def test_a_non_contiguous_state_tensor_loads_and_resumes(device):
     # A state_dict whose momentum is laid out column-major (a transposed copy, as some checkpoint
     # tools write): the load copies it into the layout the engine steps, and the run resumes.

@@ -97,6 +97,39 @@ def test_distributed_mesh_of_the_wrong_type(device):
 def test_newton_schulz_func_not_supported(device):
     with pytest.raises(NotImplementedError, match="newton_schulz_func"):
         dion3.Muon([mat(device)], newton_schulz_func=lambda x: x)
+    with pytest.raises(NotImplementedError, match="parameter group 0: newton_schulz_func"):
+        dion3.Muon([dict(params=[mat(device)], newton_schulz_func=lambda x: x)])
+
+
+@pytest.mark.parametrize("key", ["maximize", "amsgrad"])
+def test_torch_options_that_change_the_result_are_refused(device, key):
+    # torch.optim options dion3 does not implement are refused when set, in a group given at
+    # construction and in one edited between steps; set to False they are carried.
+    dion3.Dion3([dict(params=[mat(device)], algorithm="adamw", **{key: False})])
+    with pytest.raises(ValueError, match=f"parameter group 0: {key}=True is not implemented"):
+        dion3.Dion3([dict(params=[mat(device)], algorithm="adamw", **{key: True})])
+    p = mat(device)
+    opt = dion3.Dion3([dict(params=[p], algorithm="adamw")])
+    p.grad = torch.ones_like(p)
+    opt.step()
+    w = p.detach().clone()
+    opt.param_groups[0][key] = True
+    with pytest.raises(ValueError, match=f"{key}=True is not implemented"):
+        opt.step()
+    assert torch.equal(p, w)
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+def test_an_empty_matrix_is_refused_at_construction_and_param_groups_routes_it_elementwise(device):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 0), torch.nn.Linear(8, 4)).to(device)
+    with pytest.raises(ValueError, match=r"shape \[0, 8\]: no elements to orthogonalize"):
+        dion3.Dion3(model.parameters())
+    groups = dion3.param_groups(model)
+    assert [tuple(p.shape) for g in groups if g["role"] == "matrix" for p in g["params"]] == [(4, 8)]
+    opt = dion3.Dion3(groups, lr=0.01)
+    x = torch.randn(3, 8, device=device)
+    (model[0](x).sum() + model[1](x).sum()).backward()
+    opt.step()
 
 
 def test_reference_flags_accepted(device):
