@@ -376,6 +376,15 @@ def _structure_key(group: Dict[str, Any]) -> Tuple:
     return (group["algorithm"], bool(group["flatten"]), _dtype_name(group.get("momentum_dtype")))
 
 
+def _memory_format_hint(p: torch.Tensor) -> str:
+    """What to do about a parameter laid out channels-last (a CNN converted for its convolutions)."""
+    for fmt, name in ((torch.channels_last, "channels_last"), (torch.channels_last_3d, "channels_last_3d")):
+        if p.dim() == (4 if fmt is torch.channels_last else 5) and p.is_contiguous(memory_format=fmt):
+            return (f" (it is laid out {name}; model.to(memory_format=torch.contiguous_format) gives the "
+                    "layout dion3 steps)")
+    return ""
+
+
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -1251,7 +1260,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"dion3: {who} is on {p.device} but the group's first parameter is on "
                                  f"{device}; one optimizer steps parameters of one device")
             if not p.is_contiguous():
-                raise ValueError(f"dion3: {who} is not contiguous; dion3 needs contiguous parameters")
+                raise ValueError(f"dion3: {who} is not contiguous{_memory_format_hint(p)}; dion3 needs contiguous "
+                                 "parameters")
             if matrix and p.dim() >= 2 and p.numel() == 0:
                 raise ValueError(f"dion3: {who} has shape {list(p.shape)}: no elements to orthogonalize; leave it "
                                  "out, or put it in an 'adamw' or 'lion' group (dion3.param_groups(model) does)")

@@ -119,6 +119,12 @@ def test_torch_options_that_change_the_result_are_refused(device, key):
     assert torch.equal(p, w)
 
 
+def test_a_channels_last_parameter_is_refused_naming_its_layout(device):
+    conv = torch.nn.Conv2d(4, 8, 3).to(device).to(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match="laid out channels_last; model.to.memory_format=torch.contiguous_format"):
+        dion3.Dion3([conv.weight], flatten=True)
+
+
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
 def test_an_empty_matrix_is_refused_at_construction_and_param_groups_routes_it_elementwise(device):
     model = torch.nn.Sequential(torch.nn.Linear(8, 0), torch.nn.Linear(8, 4)).to(device)
