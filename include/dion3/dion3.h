@@ -206,7 +206,10 @@ typedef struct dion3_options {
                                one collective round; 0: each matrix alone (for benchmarks) */
   int32_t record;           /* 1 (default): each orthogonalization is recorded once and replayed
                                (a CUDA graph); 0: op by op */
-  int32_t reserved;         /* 0 */
+  int32_t agree_on_names;   /* 1: distributed, the parameters' names join the ranks' agreement on
+                               the plan (same-shape matrices registered in another order on one
+                               rank are refused); only where every rank names them alike. 0
+                               (default): names are labels for messages only */
   uint64_t workspace_limit; /* bytes the step may use beyond the state; 0 (default) = automatic */
 } dion3_options;
 

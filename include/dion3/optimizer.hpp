@@ -114,6 +114,10 @@ struct OptimizerOptions {
   // most of the host's launch work out of a step. Results are the same bit for bit; false runs
   // it op by op, for benchmarks and as a fallback.
   bool record_orthogonalizer = true;
+  // Distributed: the parameters' names join the ranks' agreement on the plan, so that a rank that
+  // registered same-shape matrices in another order is refused instead of pairing them wrongly.
+  // Only where every rank names each parameter alike (the PyTorch front end does).
+  bool agree_on_names = false;
 };
 
 // A state tensor the engine keeps for a parameter: its name, dtype and shape.

@@ -139,6 +139,7 @@ void dion3_options_default(dion3_options* options) {
   options->on_nonfinite = static_cast<int32_t>(o.on_nonfinite);
   options->megabatch = o.megabatch;
   options->record = o.record_orthogonalizer;
+  options->agree_on_names = o.agree_on_names;
   options->workspace_limit = o.workspace_limit;
 }
 
@@ -157,10 +158,11 @@ dion3_status dion3_create_with_options(dion3_optimizer** out, int device, int de
                                                       std::to_string(c.megabatch) + ", expected 0 or 1");
     require(c.record == 0 || c.record == 1,
             "dion3_create: options.record is " + std::to_string(c.record) + ", expected 0 or 1");
-    require(c.reserved == 0, "dion3_create: options.reserved is " + std::to_string(c.reserved) +
-                                 ", expected 0 (start from dion3_options_default)");
+    require(c.agree_on_names == 0 || c.agree_on_names == 1, "dion3_create: options.agree_on_names is " +
+                                                                std::to_string(c.agree_on_names) + ", expected 0 or 1");
     o.megabatch = c.megabatch != 0;
     o.record_orthogonalizer = c.record != 0;
+    o.agree_on_names = c.agree_on_names != 0;
     o.workspace_limit = static_cast<std::size_t>(c.workspace_limit);
     std::unique_ptr<dion3::Backend> backend =
         dev == dion3::Device::CPU ? dion3::make_cpu_backend()

@@ -957,6 +957,13 @@ struct Fnv {
     std::memcpy(&bits, &x, sizeof(bits));
     mix(bits);
   }
+  void mix(const std::string& s) {
+    for (unsigned char c : s) {
+      h ^= c;
+      h *= 1099511628211ull;
+    }
+    mix(static_cast<int64_t>(s.size()));
+  }
 };
 }  // namespace
 
@@ -1002,6 +1009,8 @@ void Optimizer::Impl::plan_agreement() {
                         static_cast<int64_t>(mb.global_scope)})
         f.mix(v);
       mix_settings(groups[mb.group]);
+      if (options.agree_on_names)
+        for (const Member& m : mb.members) f.mix(params[static_cast<std::size_t>(m.param)].name);
       region.hyper_slots.push_back(mb.hyper_slot);
     }
     // Every parameter over the communicator, element-wise ones included (their algorithm: AdamW
@@ -1076,8 +1085,10 @@ std::string Optimizer::Impl::disagreement_error(const int* words) const {
                                                 : "from " + fewest + " to " + most + " distributed megabatches a rank";
       return "the ranks of " + comms[r]->describe() + " planned different steps (" + counts +
              "; or their shapes, dtypes, layouts, algorithms or plan settings differ: fraction, selection_scope, "
-             "nesterov, cautious_wd, split_sizes, num_heads, the orthogonalizer): every rank must register the "
-             "same parameters, in the same order, with the same groups, settings and global shapes" + none;
+             "nesterov, cautious_wd, split_sizes, num_heads, the orthogonalizer" +
+             (options.agree_on_names ? "; or the parameters' names, in order" : "") +
+             "): every rank must register the same parameters, in the same order, with the same groups, "
+             "settings and global shapes" + none;
     }
     return "the ranks planned different steps" + none;
   }

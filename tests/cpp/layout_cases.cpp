@@ -450,6 +450,29 @@ void check_agreement_case(const RankBackend& be, const std::shared_ptr<dion3::Co
     opt.set_group(gm, kept);
     step_together(where + ", then valid");
   }
+  // Same-shape matrices registered in another order on one rank: with agree_on_names every rank
+  // refuses the first step; without it the names are labels only, and nothing can tell.
+  for (bool agree : {true, false}) {
+    const std::string where = "rank " + std::to_string(rank) + (agree ? ", names agreed" : ", names not agreed");
+    dion3::OptimizerOptions options;
+    options.agree_on_names = agree;
+    dion3::Optimizer named(be.make_backend(), options);
+    const int g = named.add_group(matrices);
+    Rng same(78);
+    std::vector<std::unique_ptr<DistParam>> qs;
+    for (const char* name : {"a", "b"}) {
+      qs.push_back(std::make_unique<DistParam>(be, 8, 6, Shard{0, 8}, Shard{0, 6}, same));
+      const bool swapped = rank == P - 1;
+      dion3::ParamSpec spec = qs.back()->spec(swapped ? (name[0] == 'a' ? "b" : "a") : name);
+      spec.layout.kind = Layout::Replicated;
+      spec.layout.comm = comm;
+      named.add_param(g, spec);
+    }
+    for (auto& d : qs) d->g->assign(gaussian(8, 6, same));
+    const std::string what = error_of([&] { named.step(); });
+    if (agree) EXPECT_NE(what.find("or the parameters' names, in order"), std::string::npos) << where << ": " << what;
+    else EXPECT_EQ(what, "") << where;
+  }
 }
 
 void check_agreement_on_threads(int ranks, const RankBackend& be) {

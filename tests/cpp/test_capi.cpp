@@ -50,7 +50,7 @@ TEST(CApi, OptionsDefaultToTheEnginesAndAreChecked) {
   EXPECT_EQ(o.on_nonfinite, DION3_NONFINITE_RAISE);
   EXPECT_EQ(o.megabatch, 1);
   EXPECT_EQ(o.record, 1);
-  EXPECT_EQ(o.reserved, 0);
+  EXPECT_EQ(o.agree_on_names, 0);
   EXPECT_EQ(o.workspace_limit, 0u);
   dion3_optimizer* opt = nullptr;
   o.megabatch = 2;
@@ -58,7 +58,7 @@ TEST(CApi, OptionsDefaultToTheEnginesAndAreChecked) {
   EXPECT_NE(std::string(dion3_last_error()).find("options.megabatch is 2"), std::string::npos) << dion3_last_error();
   EXPECT_EQ(opt, nullptr);
   dion3_options_default(&o);
-  o.reserved = 7;
+  o.agree_on_names = 7;
   EXPECT_EQ(dion3_create_with_options(&opt, DION3_DEVICE_CPU, 0, nullptr, &o), DION3_INVALID_ARGUMENT);
   dion3_options_default(&o);
   o.on_nonfinite = 5;

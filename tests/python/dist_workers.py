@@ -279,6 +279,20 @@ def agreement(rank, world, mesh):
         every = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(every, mine)
         assert all(torch.equal(every[0], w) for w in every), f"rank {rank}: the ranks drifted apart"
+    # Same-shape matrices listed in another order on one rank (named, as a model names them):
+    # their updates would be swapped there; every rank refuses instead.
+    named = [("a", nn.Parameter(torch.ones(8, 6))), ("b", nn.Parameter(torch.ones(8, 6)))]
+    if rank == world - 1:
+        named.reverse()
+    swapped = dion3.Dion3([dict(params=[p for _, p in named], param_names=[n for n, _ in named])],
+                          distributed_mesh=dist.group.WORLD, lr=0.05)
+    for _, p in named:
+        p.grad = torch.ones(8, 6)
+    try:
+        swapped.step()
+        raise AssertionError(f"rank {rank}: parameters listed in another order on one rank stepped")
+    except ValueError as e:
+        assert "the parameters' names, in order" in str(e), str(e)
 
 
 def one_rank_changes(rank, world, mesh):

@@ -332,6 +332,7 @@ class Engine {
     options.on_nonfinite = dion3::parse_nonfinite(on_nonfinite);
     options.megabatch = megabatch;
     options.record_orthogonalizer = record_orthogonalizer;
+    options.agree_on_names = true;  // every rank names a parameter alike: by the model or by position
     if (workspace_limit >= 0) options.workspace_limit = static_cast<std::size_t>(workspace_limit);
     std::unique_ptr<dion3::Backend> backend;
     if (device_type == "cpu") {
