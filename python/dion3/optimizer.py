@@ -376,6 +376,19 @@ def _structure_key(group: Dict[str, Any]) -> Tuple:
     return (group["algorithm"], bool(group["flatten"]), _dtype_name(group.get("momentum_dtype")))
 
 
+def _saved_steps_skipped(state_dict: Any) -> Any:
+    """The skipped-step counter a state_dict carries: its own key, or (through
+    torch.distributed.checkpoint, which keeps only state and param_groups) its groups' copies."""
+    if not isinstance(state_dict, dict):
+        return None
+    if "steps_skipped" in state_dict:
+        return state_dict["steps_skipped"]
+    groups = state_dict.get("param_groups")
+    found = [g["steps_skipped"] for g in groups if isinstance(g, dict) and "steps_skipped" in g] \
+        if isinstance(groups, list) else []
+    return found[0] if found else None  # every group carries the same count
+
+
 def _memory_format_hint(p: torch.Tensor) -> str:
     """What to do about a parameter laid out channels-last (a CNN converted for its convolutions)."""
     for fmt, name in ((torch.channels_last, "channels_last"), (torch.channels_last_3d, "channels_last_3d")):
@@ -631,7 +644,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        skipped = state_dict.get("steps_skipped") if isinstance(state_dict, dict) else None
+        skipped = _saved_steps_skipped(state_dict)
         if skipped is not None and (isinstance(skipped, bool) or not isinstance(skipped, numbers.Integral) or
                                     skipped < 0):
             raise ValueError(f"dion3: the state_dict's 'steps_skipped' must be a count >= 0; got {skipped!r}")
@@ -683,6 +696,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 b1, b2 = g.get("betas", mine["betas"] if mine is not None else self.defaults["betas"])
                 g["betas"] = (float(g.pop("beta1", b1)), float(g.pop("beta2", b2)))
             group_step = g.pop("step", None)
+            g.pop("steps_skipped", None)  # the optimizer's counter (_saved_steps_skipped), not a setting
             kind = _kind(g.get("algorithm"))
             for j, pid in enumerate(g.get("params", [])):
                 st = saved_state.get(pid)
@@ -783,6 +797,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
             for j, (pid, p) in enumerate(zip(saved["params"], mine["params"])):
                 who = f"parameter {j} '{self._param_name(group, gi, j)}' of group {gi}"
                 st = saved_state.get(pid)
+                if st is None and not p.requires_grad:
+                    # Frozen: torch.distributed.checkpoint keeps no state for it (torch.optim makes
+                    # none until it steps); it starts afresh, as it was made.
+                    st = dict(_state_tensors(group, p, {}), step=0)
                 if not isinstance(st, dict):
                     raise ValueError(f"dion3: load_state_dict: {who} has no state in the state_dict")
                 if "step" not in st:
@@ -1151,7 +1169,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         """torch's state_dict in the reference package's layout, so that its optimizers load it
         and ours load theirs: state as _state_shapes names it (with each parameter's own "step"
         besides), and each group with "step" (the most steps any of its parameters took), "beta1"
-        and "beta2" (besides "betas"), and "nordion2" for Dion3; "steps_skipped" beside "state"."""
+        and "beta2" (besides "betas"), and "nordion2" for Dion3; "steps_skipped" beside "state" and in
+        each group (torch.distributed.checkpoint keeps only state and groups)."""
         self._sync_counters()
         self._raise_deferred(poll=False)
         self._own_state()
@@ -1176,6 +1195,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             g["beta1"], g["beta2"] = (float(b) for b in g["betas"])
             steps = [sd["state"][i].get("step", 0) for i in g["params"] if i in sd["state"]]
             g["step"] = max(steps, default=0)
+            g["steps_skipped"] = self._steps_skipped  # in every group too: DCP keeps only state and groups
         sd["steps_skipped"] = self._steps_skipped  # dion3's own; torch and the reference ignore it
         for hook in list((post or {}).values()):
             result = hook(self, sd)
