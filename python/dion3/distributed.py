@@ -76,6 +76,15 @@ def check_mesh(mesh: Any, name: str) -> None:
                     f"(FSDP2 / HSDP); got {type(mesh).__name__}")
 
 
+def gatherable(t: Any) -> bool:
+    """Whether this process can gather DTensor t (full_tensor()): its mesh's ranks are of the
+    current world and include this one (a per-rank file saved on another world's mesh is not)."""
+    if not dist.is_initialized():
+        return False
+    ranks = t.device_mesh.mesh.flatten().tolist()
+    return max(ranks) < dist.get_world_size() and dist.get_rank() in ranks
+
+
 def same_mesh(a: Any, b: Any) -> bool:
     return a is b or (a.device_type == b.device_type and a.mesh.shape == b.mesh.shape
                       and torch.equal(a.mesh, b.mesh))

@@ -819,6 +819,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
                     if tuple(value.shape) != tuple(shape):
                         raise ValueError(f"dion3: load_state_dict: {what} has shape {list(value.shape)}, "
                                          f"expected {list(shape)}")
+                    if _dist.is_dtensor(value) and not _dist.is_dtensor(p) and not _dist.gatherable(value):
+                        raise ValueError(f"dion3: load_state_dict: {what} is a DTensor on {value.device_mesh}, whose "
+                                         "ranks this process cannot gather it from (load a resharded checkpoint "
+                                         "through torch.distributed.checkpoint)")
                     if _dist.is_dtensor(value) and _dist.is_dtensor(p):
                         want = _dist._placements_for(tuple(shape), p.placements, tuple(p.shape),
                                                      name in _PER_ROW)

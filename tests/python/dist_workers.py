@@ -813,6 +813,9 @@ def checkpoint_save(rank, world, tmp):
     if rank == 0:
         torch.save(saved, os.path.join(tmp, "saved_state.pt"))
     _resume_bit_for_bit(_ddp_model_and_opt, os.path.join(tmp, "ckpt-ddp"))
+    model, opt = _model_and_opt(mesh, seed=3)  # a per-rank file, which checkpoint_reshard cannot gather
+    _train(model, opt, 1, seed=0)
+    torch.save(opt.state_dict(), os.path.join(tmp, f"optim-rank{rank}.pt"))
     _resume_bit_for_bit(lambda seed: _colwise_model_and_opt(mesh, seed), os.path.join(tmp, "ckpt-cols"))
     if world == 4:
         mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -846,6 +849,15 @@ def checkpoint_reshard(rank, world, tmp):
     single = nn.Sequential(nn.Linear(12, 24, bias=False), nn.ReLU(), nn.Linear(24, 7))
     _single_device_round_trip(single, dion3.param_groups(single), lambda: _model_and_opt(mesh, seed=7), "FSDP2")
     _refused_loads(rank, world, mesh)
+    # This rank's file of the 4-rank run (torch.save, not DCP) into a DDP optimizer: its DTensors
+    # live on a mesh this world cannot gather from, and the load says so, changing nothing.
+    _, ddp_opt = _ddp_model_and_opt()
+    per_rank = torch.load(os.path.join(tmp, f"optim-rank{rank}.pt"), weights_only=False)
+    try:
+        ddp_opt.load_state_dict(per_rank)
+        raise AssertionError(f"rank {rank}: another world's per-rank state_dict was loaded")
+    except ValueError as e:
+        assert "cannot gather it from" in str(e) or "refused the state_dict" in str(e), str(e)
 
 
 def _single_device_round_trip(single, groups, make_sharded, what):
