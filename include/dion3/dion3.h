@@ -245,9 +245,11 @@ DION3_API dion3_status dion3_set_stream(dion3_optimizer* opt, void* cuda_stream)
 
 /* ---- communicators (distributed layouts) ------------------------------------------------ */
 
-/* MPI over a duplicate of *mpi_comm (an MPI_Comm*; NULL = MPI_COMM_WORLD), CPU buffers. MPI
- * must be initialised. timeout_seconds: a collective running longer fails the step with
- * DION3_INTERNAL naming it (0 = no limit). DION3_UNSUPPORTED in builds without MPI. */
+/* MPI over a duplicate of *mpi_comm (an MPI_Comm*; NULL = MPI_COMM_WORLD), CPU buffers, whose
+ * MPI errors come back as statuses. MPI must be initialised and not finalised. timeout_seconds:
+ * a collective running longer fails the step with DION3_INTERNAL naming it (0 = no limit); it
+ * stays in flight (collectives cannot be cancelled), so the job should end (MPI_Abort) rather
+ * than go on or free the optimizer's memory under it. DION3_UNSUPPORTED in builds without MPI. */
 DION3_API dion3_status dion3_comm_create_mpi(dion3_comm** out, const void* mpi_comm, double timeout_seconds);
 /* NCCL over an initialised ncclComm_t (not owned) whose rank uses CUDA device `device`.
  * DION3_UNSUPPORTED in builds without NCCL. */

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <climits>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <thread>
 
@@ -61,8 +62,10 @@ class MpiRequest final : public CommRequest {
         // pair with this one on the ranks that are late.
         req_ = MPI_REQUEST_NULL;
         *broken_ = label_;
-        fail(label_ + ": timed out after " + std::to_string(static_cast<int>(timeout_)) +
-                 " s (another rank did not join this collective)",
+        std::ostringstream limit;
+        limit << timeout_;
+        fail(label_ + ": timed out after " + limit.str() +
+                 " s (another rank did not join this collective; the collective stays in flight: end the job)",
              Status::Internal);
       }
       if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
@@ -79,17 +82,30 @@ class MpiRequest final : public CommRequest {
 class MpiCommunicator final : public Communicator {
  public:
   MpiCommunicator(MPI_Comm comm, double timeout) : timeout_(timeout) {
-    int init = 0;
+    int init = 0, finalized = 0;
     MPI_Initialized(&init);
-    if (!init) fail("make_mpi_communicator: MPI is not initialised (call MPI_Init first)");
-    check_mpi(MPI_Comm_dup(comm, &comm_), "MPI_Comm_dup");
+    MPI_Finalized(&finalized);
+    if (!init || finalized)
+      fail(std::string("make_mpi_communicator: MPI is ") + (finalized ? "finalised" : "not initialised (call MPI_Init first)"));
+    if (comm == MPI_COMM_NULL) fail("make_mpi_communicator: the communicator is MPI_COMM_NULL");
+    // Errors come back as return codes, raised as dion3::Error, rather than ending the job.
+    MPI_Errhandler previous;
+    MPI_Comm_get_errhandler(comm, &previous);
+    MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+    const int rc = MPI_Comm_dup(comm, &comm_);
+    MPI_Comm_set_errhandler(comm, previous);
+    MPI_Errhandler_free(&previous);
+    check_mpi(rc, "MPI_Comm_dup");
+    MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
   }
   ~MpiCommunicator() override {
+    // After a timeout a collective is still in flight on comm_: freeing it under that collective
+    // crashes MPI later (the job is ending anyway), so a broken communicator is left to MPI.
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (!finalized) MPI_Comm_free(&comm_);
+    if (!finalized && broken_->empty()) MPI_Comm_free(&comm_);
   }
   int rank() const override { return rank_; }
   int size() const override { return size_; }

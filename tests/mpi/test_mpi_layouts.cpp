@@ -196,6 +196,29 @@ TEST(Faults, CollectiveTimeoutNamesTheCollective) {
   MPI_Barrier(MPI_COMM_WORLD);  // rank 0's abandoned request completes here
 }
 
+// A communicator MPI cannot duplicate is an error returned, not the end of the job (MPI's
+// default handler aborts); the timeout's message keeps its fractions of a second.
+TEST(Faults, ACommunicatorMpiRefusesIsAnError) {
+  MPI_Comm null = MPI_COMM_NULL;
+  dion3::Status st = dion3::Status::Ok;
+  std::string what = t3::error_of([&] { dion3::make_mpi_communicator(&null, 1.0); }, &st);
+  EXPECT_EQ(st, dion3::Status::InvalidArgument);
+  EXPECT_NE(what.find("MPI_COMM_NULL"), std::string::npos) << what;
+  dion3_comm* c = nullptr;
+  EXPECT_EQ(dion3_comm_create_mpi(&c, &null, 1.0), DION3_INVALID_ARGUMENT);
+  EXPECT_EQ(c, nullptr);
+  auto comm = dion3::make_mpi_communicator(nullptr, 0.25);
+  int32_t value = 0;
+  if (world_rank() == 0) {
+    what = t3::error_of([&] { comm->all_reduce_max(&value, 1, nullptr, "a lone collective")->wait(); });
+    EXPECT_NE(what.find("timed out after 0.25 s"), std::string::npos) << what;
+  } else {
+    std::this_thread::sleep_for(std::chrono::milliseconds(600));
+    comm->all_reduce_max(&value, 1, nullptr, "late")->wait();
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 // Ranks that registered different parameters get the same clear error at the step, not a hang.
 TEST(Faults, MismatchedPlansFailOnEveryRank) {
   const int rank = world_rank();
