@@ -292,6 +292,10 @@ struct Optimizer::Impl {
   // Whether mb keeps bounds: it selects rows from scores that bound its momentum.
   bool keeps_state_bounds(const Megabatch& mb) const;
   void forget_state_bounds();  // the state may have been written outside a step: bounds unknown
+  // state_changed(): the second moments (NorMuon's variance, AdamW's exp_avg_sq) are read back
+  // and checked at the next eager step, which no kernel's check covers (check_written_state).
+  bool state_written = false;
+  void check_written_state();
   // count_dropped: whether a step dropped for a non-finite gradient counts in steps_skipped (not
   // when step() raises it).
   // start: kStep, or a refusal (refuse_step, refuse_invalid): the step's collectives, with
@@ -337,5 +341,10 @@ struct Optimizer::Impl {
   void orthogonalize_block(Megabatch& mb, int* flag);
   UpdateParams update_params(const Megabatch& mb) const;
 };
+
+// state.cpp: what no optimizer run can have produced in a state tensor ("" when every value is
+// fine), and which states are running means of squares.
+std::string bad_state_value(const HostTensor& t, bool second_moment);
+bool is_second_moment(const std::string& name);
 
 }  // namespace dion3

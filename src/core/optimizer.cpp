@@ -478,7 +478,10 @@ int64_t Optimizer::steps_skipped() const { return impl_->read_counters()[1]; }
 Backend& Optimizer::backend() { return *impl_->backend; }
 const OptimizerOptions& Optimizer::options() const { return impl_->options; }
 
-void Optimizer::state_changed() { impl_->forget_state_bounds(); }
+void Optimizer::state_changed() {
+  impl_->forget_state_bounds();
+  impl_->state_written = true;
+}
 
 std::vector<std::pair<std::string, TensorView>> Optimizer::state_views(int param) const {
   if (param < 0 || param >= num_params()) fail("no parameter " + std::to_string(param));
@@ -1168,6 +1171,7 @@ void Optimizer::Impl::validate_for_step() {
     const Param& p = s.params[i];
     if (!p.grad.data && p.weight.numel() > 0) fail(s.describe(i) + " has no gradient; call set_grad before step");
   }
+  if (s.state_written && !s.backend->capturing()) s.check_written_state();  // a replay's is not checked
   // A plan whose settings changed stays valid until build_plan() replaces it: a new setting that
   // cannot be planned (num_heads that does not divide the rows) leaves the old plan to refuse with.
   bool replan = !s.plan_valid;
@@ -2003,9 +2007,10 @@ bool Optimizer::step() {
       const StepCheck c = s.step_check(p);
       be.check_step(std::span<const StepCheck>(&c, 1), flag);
       if (be.read_flag(flag))
-        fail(s.describe(i) + " has a finite gradient too large for its " + dtype_name(c.state.dtype) + " " +
+        fail(s.describe(i) + " has a finite gradient, but its " + dtype_name(c.state.dtype) + " " +
              (c.rule == StepCheck::AdamW ? "moments" : "momentum") +
-             ": the step would make them non-finite, so it was not applied " + policy, Status::NonFinite);
+             " would become non-finite at this step (a gradient too large for them, or a NaN or Inf written "
+             "into them), so it was not applied " + policy, Status::NonFinite);
     }
     fail(std::string("a gradient on another rank is non-finite (NaN or Inf) or would make its optimizer state "
                      "non-finite; ") + kNotApplied + " " + policy, Status::NonFinite);

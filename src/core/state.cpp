@@ -10,7 +10,6 @@
 #include "dion3/error.hpp"
 
 namespace dion3 {
-namespace {
 
 // Second moments (NorMuon's row variance, AdamW's exp_avg_sq) are running means of squares.
 bool is_second_moment(const std::string& name) { return name == "variance" || name == "exp_avg_sq"; }
@@ -18,7 +17,7 @@ bool is_second_moment(const std::string& name) { return name == "variance" || na
 // What no optimizer run can have produced in a state tensor, read in its stored dtype: the
 // first NaN or Inf, or a negative second moment ("" when every value is fine). Such a value
 // would poison every later step (NaN spreads, sqrt of a negative variance is NaN).
-std::string bad_value(const HostTensor& t, bool second_moment) {
+std::string bad_state_value(const HostTensor& t, bool second_moment) {
   const std::size_t n = t.data.size() / dtype_size(t.dtype);
   const unsigned char* p = t.data.data();
   for (std::size_t i = 0; i < n; ++i) {
@@ -38,7 +37,18 @@ std::string bad_value(const HostTensor& t, bool second_moment) {
   return "";
 }
 
-}  // namespace
+void Optimizer::Impl::check_written_state() {
+  for (std::size_t i = 0; i < params.size(); ++i)
+    for (const auto& [name, view] : params[i].state) {
+      if (!is_second_moment(name) || view.numel() == 0) continue;
+      HostTensor h{view.dtype, view.shape, std::vector<unsigned char>(view.bytes())};
+      backend->copy_to_host(h.data.data(), view.data, h.data.size());
+      if (const std::string bad = bad_state_value(h, true); !bad.empty())
+        fail(describe(static_cast<int>(i)) + ": state '" + name + "' (" + dtype_name(view.dtype) + "), written " +
+             "since the last step (state_changed), holds " + bad + "; the step was not applied");
+    }
+  state_written = false;
+}
 
 OptimizerState Optimizer::export_state() const {
   const Impl& s = *impl_;
@@ -100,7 +110,7 @@ void Optimizer::import_state(const OptimizerState& state) {
       if (got.data.size() != want.bytes())
         fail("import_state: " + who + " state '" + name + "' holds " + std::to_string(got.data.size()) +
              " bytes, expected " + std::to_string(want.bytes()));
-      if (const std::string bad = bad_value(got, is_second_moment(name)); !bad.empty())
+      if (const std::string bad = bad_state_value(got, is_second_moment(name)); !bad.empty())
         fail("import_state: " + who + " state '" + name + "' (" + dtype_name(got.dtype) + ") holds " + bad);
     }
   }

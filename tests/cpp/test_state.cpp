@@ -1,6 +1,8 @@
 // tests/cpp/test_state.cpp — optimizer state: names, dtypes, shapes and zero initialisation
 // per algorithm, externally owned state tensors, export/import round trips, a resumed run that
 // continues bit for bit, step counters.
+#include <cmath>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -81,6 +83,41 @@ TEST(State, ExternallyOwnedMomentumIsUsedInPlace) {
   ASSERT_TRUE(h.opt.step());
   EXPECT_GT(t3::max_abs(mom.values()), 0.0);
   EXPECT_EQ(mom.values(), t3::state_values(h.opt, p.index, "momentum"));
+}
+
+// A second moment written outside a step (state_views, then state_changed) with a value no run
+// can produce is refused at the next step, before anything is written, as import_state refuses
+// it; a valid write steps. (No kernel's check reads NorMuon's variance.)
+TEST(State, SecondMomentsWrittenOutsideAStepAreChecked) {
+  for (Algorithm a : {Algorithm::Dion3, Algorithm::NorMuon, Algorithm::AdamW}) {
+    for (float bad : {std::nanf(""), -1.0f, 0.5f}) {
+      const std::string what = std::string(dion3::algorithm_name(a)) + " " + std::to_string(bad);
+      Rng rng(3);
+      Harness h;
+      const int gi = h.opt.add_group(algo(a));
+      const bool matrix = a != Algorithm::AdamW;
+      t3::HostParam p("w", DType::F32, matrix ? std::vector<int64_t>{4, 6} : std::vector<int64_t>{24});
+      for (int64_t i = 0; i < p.w.numel(); ++i) p.w.set(i, 0.05 * rng.normal());
+      p.index = h.opt.add_param(gi, p.spec());
+      for (int64_t i = 0; i < p.g.numel(); ++i) p.g.set(i, rng.normal());
+      ASSERT_TRUE(h.opt.step()) << what;
+      const auto views = h.opt.state_views(p.index);
+      ASSERT_EQ(views[1].first, matrix ? "variance" : "exp_avg_sq") << what;
+      static_cast<float*>(views[1].second.data)[2] = bad;
+      h.opt.state_changed();
+      const std::vector<double> w = p.w.values();
+      dion3::Status st = dion3::Status::Ok;
+      const std::string error = t3::error_of([&] { h.opt.step(); }, &st);
+      if (bad == 0.5f) {
+        EXPECT_EQ(error, "") << what;
+        continue;
+      }
+      EXPECT_EQ(st, dion3::Status::InvalidArgument) << what;
+      EXPECT_THAT(error, ::testing::HasSubstr("written since the last step (state_changed), holds")) << what;
+      EXPECT_THAT(error, ::testing::HasSubstr("at element 2")) << what;
+      EXPECT_EQ(p.w.values(), w) << what << ": a refused step moved the weights";
+    }
+  }
 }
 
 TEST(State, ExternalStateOfTheWrongShapeOrNameIsRejected) {

@@ -225,6 +225,26 @@ def test_state_of_wrong_shape_is_refused_without_change(device):
     assert torch.equal(p, w)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), -1.0])
+def test_a_second_moment_written_in_place_with_a_bad_value_is_refused(device, bad):
+    # As load_state_dict refuses it: NaN, or a negative running mean of squares, would poison
+    # every later step. Nothing moves; set right again, the next step goes through.
+    p = mat(device)
+    opt = dion3.Dion3([p])
+    p.grad = torch.randn_like(p)
+    opt.step()
+    var = opt.state[p]["variance_neuron"]
+    keep = var[2, 0].item()
+    var[2, 0] = bad
+    w = p.detach().clone()
+    with pytest.raises(ValueError, match="state 'variance'.*written since the last step .*holds .* at element 2"):
+        opt.step()
+    assert torch.equal(p, w)
+    var[2, 0] = keep
+    opt.step()
+    assert not torch.equal(p, w)
+
+
 def poisoned(device, bad):
     ps = [mat(device), mat(device, 6, 6), nn.Parameter(torch.randn(5, device=device))]
     return ps, [torch.randn_like(p) for p in ps]
