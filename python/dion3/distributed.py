@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+import weakref
 from typing import Any, Optional, Tuple
 
 import torch
@@ -160,14 +161,25 @@ def _is_shard(pl) -> bool:
     return pl.is_shard() or (type(pl).__name__ == "_StridedShard" and hasattr(pl, "dim"))
 
 
-_GROUPS: dict = {}  # flattened process groups by their ranks (new_group is collective: made once)
+# Flattened process groups by their ranks (new_group is collective: made once while it lives).
+# Held weakly, as the optimizer holds its groups: torch keeps a group until it is destroyed.
+_GROUPS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+
+
+def _registered(group: Any) -> bool:
+    try:
+        dist.get_process_group_ranks(group)
+        return True
+    except (KeyError, ValueError, RuntimeError):
+        return False  # destroyed (destroy_process_group): a new one is made
 
 
 def _flat_group(mesh) -> Any:
     ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
-    if ranks not in _GROUPS:
-        _GROUPS[ranks] = dist.new_group(list(ranks))
-    return _GROUPS[ranks]
+    group = _GROUPS.get(ranks)
+    if group is None or not _registered(group):
+        group = _GROUPS[ranks] = dist.new_group(list(ranks))
+    return group
 
 
 def _multi_dim_layout(p, pmesh, placements, shard_dims, who, matrix, flatten) -> ParamLayout:

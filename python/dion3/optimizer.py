@@ -99,6 +99,7 @@ _KEY_ALIASES = {"eps": ("epsilon",), "momentum": ("mu", "ef_decay"), "beta2": ("
 # set, never ignored. {key: what to do instead}
 _UNIMPLEMENTED_TORCH_OPTIONS = {"maximize": "minimize the negated objective instead",
                                 "amsgrad": "dion3's AdamW keeps no running maximum of its second moment"}
+_REFUSED_WHEN_SET = ("newton_schulz_func",) + tuple(_UNIMPLEMENTED_TORCH_OPTIONS)
 _NO_NS_FUNC = ("newton_schulz_func is not supported (the orthogonalization runs in the C++ engine); choose "
                "orthogonalizer='auto'|'standard'|'gram' and, for other quintic steps, coefficients=[(a, b, c), ...]")
 ELEMENTWISE_ALGORITHMS = ("adamw", "lion")
@@ -329,34 +330,28 @@ def _state_tensors(group: Dict[str, Any], p: torch.Tensor, old: Dict[str, Any]) 
                          (t.dtype != dtype or tuple(t.shape) != tuple(shape))):
             t = _dist.zeros_like_layout(p, shape, dtype, name in _PER_ROW)
         elif isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(shape) and \
-                (t.device != p.device or (t.dtype != dtype and dtype == p.dtype)):
+                (t.device != p.device or (t.dtype != dtype and (dtype == p.dtype or name == "momentum"))):
             # The parameter moved to another device or dtype after its state was made
-            # (model.to(...)): state that follows it follows, cast as load_state_dict casts it.
-            # (A changed momentum_dtype is a structural change, refused by the engine.)
+            # (model.to(...)), or its group's momentum_dtype changed: state that follows them
+            # follows, cast as load_state_dict casts it.
             t = t.detach().to(device=p.device, dtype=dtype)
         st[name] = t
     return st
 
 
 def _check_restructured(group: Dict[str, Any], p: torch.Tensor, st: Dict[str, Any], who: str) -> None:
-    """Refuses state made for other structural settings than the group's (flatten or
-    momentum_dtype set after the parameter stepped), naming the setting. Other misfits are the
-    engine's to name."""
-    other = dict(group, flatten=not group["flatten"])
-    flipped = {name: shape for name, _, shape in _state_shapes(other, p)} if p.dim() > 2 else {}
-    for name, dtype, shape in _state_shapes(group, p):
+    """Refuses state shaped for the other flatten than the group's (flatten set after the
+    parameter's state took values), naming the setting. Other misfits are the engine's to name."""
+    if p.dim() <= 2:
+        return
+    flipped = {name: shape for name, _, shape in _state_shapes(dict(group, flatten=not group["flatten"]), p)}
+    for name, _, shape in _state_shapes(group, p):
         t = st.get(name)
-        if not isinstance(t, torch.Tensor):
-            continue
-        if tuple(t.shape) != tuple(shape) and tuple(t.shape) == flipped.get(name):
-            what, want = f"has shape {list(t.shape)}", f"{list(shape)} (flatten={bool(group['flatten'])})"
-        elif name == "momentum" and tuple(t.shape) == tuple(shape) and t.dtype != dtype:
-            what, want = f"is {t.dtype}", f"{dtype} (momentum_dtype={group.get('momentum_dtype')})"
-        else:
-            continue
-        raise ValueError(f"dion3: {who}: its state '{name}' {what}, where its group asks for {want}: a "
-                         "parameter's flatten and momentum_dtype cannot change once it has stepped; set them "
-                         "back, or start its state afresh (del optimizer.state[p])")
+        if isinstance(t, torch.Tensor) and tuple(t.shape) != tuple(shape) and tuple(t.shape) == flipped.get(name):
+            raise ValueError(f"dion3: {who}: its state '{name}' has shape {list(t.shape)}, where its group asks for "
+                             f"{list(shape)} (flatten={bool(group['flatten'])}): a parameter's flatten cannot change "
+                             "once its state holds values (it stepped, or its state was loaded); set it back, or "
+                             "start its state afresh (del optimizer.state[p])")
 
 
 def _engine_state(group: Dict[str, Any], st: Dict[str, Any]) -> Dict[str, torch.Tensor]:
@@ -991,8 +986,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
             grown = last is not None and len(group) != last[2]
             if last is not None and last[1] is not None and not grown and _plain_snapshot(group, last[0]) == last[1]:
                 continue
-            if grown:
-                self._check_keys(gi, group)  # a key added since (e.g. another optimizer's name for one)
+            if grown or group.get("newton_schulz_func") is not None or \
+                    any(group.get(k) for k in _UNIMPLEMENTED_TORCH_OPTIONS):
+                self._check_keys(gi, group)  # a key added or set since (another optimizer's name for one)
             view = _ReadKeys(group)
             try:  # validated here, while the engine still holds the plan a refusal needs (see step)
                 engine.update_group(i, _engine_config(view))
@@ -1000,7 +996,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 # The engine numbers only the groups it holds: name the group as the caller does.
                 msg = str(e).removeprefix(f"dion3: group {i}: ").removeprefix("dion3: ")
                 raise ValueError(f"dion3: parameter group {gi}: {msg}") from None
-            keys = tuple(dict.fromkeys(view.read))
+            keys = tuple(dict.fromkeys(view.read + list(_REFUSED_WHEN_SET)))  # a change of those comes here
             self._pushed[i] = (keys, _plain_snapshot(group, keys), len(group))
 
     def _before_rebuild(self) -> None:
@@ -1388,8 +1384,12 @@ class _EngineOptimizer(torch.optim.Optimizer):
         device = params_with_grad[0][2][0][1].device
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"dion3: parameters are on '{device}'; dion3 runs on cpu and cuda")
+        # Names the caller gave (param_names: the model's) join the ranks' agreement on the plan;
+        # positional ones would refuse ranks whose parameters without gradients differ.
+        named = all("param_names" in group for _, group, _ in params_with_grad)
         engine = _C.Engine(device.type, device.index or 0, self._on_nonfinite, self._workspace_limit,
-                           getattr(self, "_megabatch", True), getattr(self, "_record_orthogonalizer", True))
+                           getattr(self, "_megabatch", True), getattr(self, "_record_orthogonalizer", True),
+                           named)
         new_state: Dict[torch.Tensor, Dict[str, Any]] = {}
         kinds: Dict[torch.Tensor, str] = {}
         switched = set()

@@ -55,7 +55,7 @@ std::string group_error(int g, const std::string& what) { return "group " + std:
 // the optimizer's communicators; under HSDP not the other replicas) all dropped it.
 constexpr const char* kNotApplied = "the step was not applied on this rank or on any rank it shares a collective with";
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }  // a >= 0, b > 0; no overflow
 
 // Selected rows of an m-row matrix (algorithm.md §1 step 2).
 int64_t selected_rows(double fraction, int64_t m) {
@@ -301,6 +301,11 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
            " buffers but this optimizer runs on " + device_name(device));
   if ((L.kind == Layout::Block) != static_cast<bool>(L.col_comm))
     fail(who + ": a block-sharded layout needs a column communicator, and only it takes one");
+  // Far past any real matrix: a bound that keeps every row and column product within int64.
+  constexpr int64_t kMaxGlobal = int64_t{1} << 40;
+  if (L.global_rows < 0 || L.global_rows > kMaxGlobal || L.global_cols < 0 || L.global_cols > kMaxGlobal)
+    fail(who + ": global_rows " + std::to_string(L.global_rows) + " and global_cols " + std::to_string(L.global_cols) +
+         " must lie in [0, 2^40]");
   if (is_matrix_algorithm(g.algorithm)) {
     if (shape.size() < 2)
       fail(who + " has shape " + spec.weight.shape_str() + " but " +

@@ -99,6 +99,13 @@ def test_newton_schulz_func_not_supported(device):
         dion3.Muon([mat(device)], newton_schulz_func=lambda x: x)
     with pytest.raises(NotImplementedError, match="parameter group 0: newton_schulz_func"):
         dion3.Muon([dict(params=[mat(device)], newton_schulz_func=lambda x: x)])
+    p = mat(device)
+    opt = dion3.Muon([p])
+    p.grad = torch.ones_like(p)
+    opt.step()
+    opt.param_groups[0]["newton_schulz_func"] = lambda x: x  # set between steps
+    with pytest.raises(NotImplementedError, match="parameter group 0: newton_schulz_func"):
+        opt.step()
 
 
 @pytest.mark.parametrize("key", ["maximize", "amsgrad"])
@@ -108,15 +115,18 @@ def test_torch_options_that_change_the_result_are_refused(device, key):
     dion3.Dion3([dict(params=[mat(device)], algorithm="adamw", **{key: False})])
     with pytest.raises(ValueError, match=f"parameter group 0: {key}=True is not implemented"):
         dion3.Dion3([dict(params=[mat(device)], algorithm="adamw", **{key: True})])
-    p = mat(device)
-    opt = dion3.Dion3([dict(params=[p], algorithm="adamw")])
-    p.grad = torch.ones_like(p)
-    opt.step()
-    w = p.detach().clone()
-    opt.param_groups[0][key] = True
-    with pytest.raises(ValueError, match=f"{key}=True is not implemented"):
+    for start in ({}, {key: False}):  # the key added between steps, or set where it was False
+        p = mat(device)
+        opt = dion3.Dion3([dict(params=[p], algorithm="adamw", **start)])
+        p.grad = torch.ones_like(p)
         opt.step()
-    assert torch.equal(p, w)
+        w = p.detach().clone()
+        opt.param_groups[0][key] = True
+        with pytest.raises(ValueError, match=f"{key}=True is not implemented"):
+            opt.step()
+        assert torch.equal(p, w)
+        opt.param_groups[0][key] = False
+        opt.step()
 
 
 def test_a_channels_last_parameter_is_refused_naming_its_layout(device):
@@ -498,10 +508,11 @@ def test_load_state_dict_casts_state_to_what_the_group_needs(device):
 
 
 @pytest.mark.parametrize("dtype, value, grad", [(torch.float32, -1.0, 0.5), (torch.float16, -2.0**-24, 6.3e-3)])
-def test_a_negative_adamw_second_moment_written_in_place_drops_the_step(device, dtype, value, grad):
-    # load_state_dict refuses a negative second moment; one written in place is caught by the
-    # step's check instead (the update would divide by its square root): nothing is changed. The
-    # float16 case: the new second moment is negative but rounds to -0 in the state's dtype.
+def test_a_negative_adamw_second_moment_written_in_place_is_refused(device, dtype, value, grad):
+    # load_state_dict refuses a negative second moment; one written in place is refused by the
+    # next step as well (the update would divide by its square root), even under 'skip' (a state
+    # that stays wrong would drop every later step): nothing is changed. The float16 case: a
+    # negative value that would round to -0 in the new second moment.
     p = nn.Parameter(torch.full((8,), 0.5, device=device, dtype=dtype))
     opt = dion3.Dion3([dict(params=[p], algorithm="adamw", betas=(0.9, 0.999))], on_nonfinite="skip")
     p.grad = torch.full_like(p, grad)
@@ -512,8 +523,9 @@ def test_a_negative_adamw_second_moment_written_in_place_drops_the_step(device, 
     state = {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
     before = p.detach().clone()
     p.grad = torch.full_like(p, grad)
-    opt.step()
-    assert opt.steps_skipped == 1 and torch.equal(p, before)
+    with pytest.raises(ValueError, match="state 'exp_avg_sq'.*written since the last step.*cannot be negative"):
+        opt.step()
+    assert opt.steps_skipped == 0 and torch.equal(p, before)
     assert all(torch.equal(opt.state[p][k], v) for k, v in state.items())
 
 

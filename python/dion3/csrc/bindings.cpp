@@ -326,13 +326,13 @@ std::atomic<int64_t> live_engines{0};
 class Engine {
  public:
   Engine(const std::string& device_type, int device_index, const std::string& on_nonfinite,
-         int64_t workspace_limit, bool megabatch, bool record_orthogonalizer)
+         int64_t workspace_limit, bool megabatch, bool record_orthogonalizer, bool agree_on_names)
       : device_index_(device_index) {
     dion3::OptimizerOptions options;
     options.on_nonfinite = dion3::parse_nonfinite(on_nonfinite);
     options.megabatch = megabatch;
     options.record_orthogonalizer = record_orthogonalizer;
-    options.agree_on_names = true;  // every rank names a parameter alike: by the model or by position
+    options.agree_on_names = agree_on_names;
     if (workspace_limit >= 0) options.workspace_limit = static_cast<std::size_t>(workspace_limit);
     std::unique_ptr<dion3::Backend> backend;
     if (device_type == "cpu") {
@@ -879,9 +879,9 @@ py::list state_specs_of(const std::string& algorithm, bool flatten, const std::o
 
 std::unique_ptr<Engine> make_engine(const std::string& device_type, int device_index,
                                     const std::string& on_nonfinite, int64_t workspace_limit, bool megabatch,
-                                    bool record_orthogonalizer) {
+                                    bool record_orthogonalizer, bool agree_on_names) {
   return std::make_unique<Engine>(device_type, device_index, on_nonfinite, workspace_limit, megabatch,
-                                  record_orthogonalizer);
+                                  record_orthogonalizer, agree_on_names);
 }
 
 }  // namespace
@@ -894,7 +894,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Engine>(m, "Engine")
       .def(py::init(guarded(&make_engine)), py::arg("device_type"), py::arg("device_index"),
            py::arg("on_nonfinite"), py::arg("workspace_limit") = -1, py::arg("megabatch") = true,
-           py::arg("record_orthogonalizer") = true)
+           py::arg("record_orthogonalizer") = true, py::arg("agree_on_names") = false)
       .def("add_group", guarded(&Engine::add_group))
       .def("update_group", guarded(&Engine::update_group))
       .def("add_param", guarded(&Engine::add_param), py::arg("group"), py::arg("name"), py::arg("weight"),
