@@ -215,11 +215,36 @@ def _multi_dim_layout(p, pmesh, placements, shard_dims, who, matrix, flatten) ->
         "mesh dimensions (FSDP2 over ColwiseParallel) and row x column blocks (FSDP2 over RowwiseParallel)")
 
 
+# Channels-last layouts dion3 steps in memory order: the permutation of the dimensions that
+# makes such a tensor contiguous.
+_MEMORY_ORDERS = ((4, torch.channels_last, (0, 2, 3, 1)), (5, torch.channels_last_3d, (0, 2, 3, 4, 1)))
+
+
+def memory_format(t: torch.Tensor) -> Optional[torch.memory_format]:
+    """channels_last(_3d) for a plain tensor laid out so (a CNN's convolution weights after
+    model.to(memory_format=...)) and not contiguous as well; None otherwise."""
+    if is_dtensor(t) or t.is_contiguous():
+        return None
+    return next((fmt for dim, fmt, _ in _MEMORY_ORDERS if t.dim() == dim and t.is_contiguous(memory_format=fmt)),
+                None)
+
+
+def memory_order(t: torch.Tensor) -> Optional[Tuple[int, ...]]:
+    """The permutation that gives t's dimensions in memory order when t is channels-last (the
+    view dion3 steps, contiguous and on t's storage); None for a contiguous tensor."""
+    fmt = memory_format(t)
+    return next(perm for _, f, perm in _MEMORY_ORDERS if f == fmt) if fmt is not None else None
+
+
 def zeros_like_layout(p: torch.Tensor, shape: Tuple[int, ...], dtype: torch.dtype,
                       per_row: bool = False) -> torch.Tensor:
-    """A zero state tensor for p: plain, or a DTensor with p's mesh and placements whose global
+    """A zero state tensor for p: plain (laid out as p where it has p's shape: channels-last
+    state for a channels-last weight), or a DTensor with p's mesh and placements whose global
     shape is `shape` (the momentum: p's shape; the per-row variance, per_row: p[..., 0:1]'s)."""
     if not is_dtensor(p):
+        fmt = memory_format(p)
+        if fmt is not None and tuple(shape) == tuple(p.shape):
+            return torch.zeros(shape, dtype=dtype, device=p.device).contiguous(memory_format=fmt)
         return torch.zeros(shape, dtype=dtype, device=p.device)
     placements = _placements_for(shape, p.placements, tuple(p.shape), per_row)
     lt = torch.zeros(_local_shape(shape, p.device_mesh, placements), dtype=dtype, device=p.to_local().device)
@@ -298,4 +323,5 @@ def local_part(full: torch.Tensor, like: torch.Tensor, per_row: bool = False) ->
 
 
 __all__ = ["DTensor", "Shard", "Replicate", "ParamLayout", "LOCAL", "check_mesh", "layout_of", "local", "local_grad",
+           "memory_format", "memory_order",
            "is_dtensor", "same_mesh", "zeros_like_layout", "local_part"]

@@ -335,6 +335,13 @@ def _state_tensors(group: Dict[str, Any], p: torch.Tensor, old: Dict[str, Any]) 
             # (model.to(...)), or its group's momentum_dtype changed: state that follows them
             # follows, cast as load_state_dict casts it.
             t = t.detach().to(device=p.device, dtype=dtype)
+        if isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(p.shape) and not _dist.is_dtensor(t):
+            # The engine steps a channels-last weight in memory order and its state alike: state
+            # laid out otherwise (the weight converted since, one way or the other) follows it.
+            fmt = _dist.memory_format(p) or torch.contiguous_format
+            if not t.is_contiguous(memory_format=fmt) and (fmt != torch.contiguous_format or
+                                                           _dist.memory_format(t) is not None):
+                t = t.detach().contiguous(memory_format=fmt)
         st[name] = t
     return st
 
@@ -354,15 +361,20 @@ def _check_restructured(group: Dict[str, Any], p: torch.Tensor, st: Dict[str, An
                              "start its state afresh (del optimizer.state[p])")
 
 
-def _engine_state(group: Dict[str, Any], st: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+def _engine_state(group: Dict[str, Any], st: Dict[str, Any],
+                  order: Optional[Tuple[int, ...]] = None) -> Dict[str, torch.Tensor]:
     """This rank's state tensors of a parameter as the engine takes them (views, never copies:
-    the engine updates them in place)."""
+    the engine updates them in place), in the weight's memory order where it is channels-last."""
     names = _ENGINE_NAMES[_kind(group["algorithm"])]
     out = {}
     for k, t in st.items():
         if k in names:
             local = _dist.local(t)
-            out[names[k]] = local.view(-1) if k == "variance_neuron" else local
+            if k == "variance_neuron":
+                local = local.view(-1)
+            elif order is not None:
+                local = local.permute(order)
+            out[names[k]] = local
     return out
 
 
@@ -382,15 +394,6 @@ def _saved_steps_skipped(state_dict: Any) -> Any:
     found = [g["steps_skipped"] for g in groups if isinstance(g, dict) and "steps_skipped" in g] \
         if isinstance(groups, list) else []
     return found[0] if found else None  # every group carries the same count
-
-
-def _memory_format_hint(p: torch.Tensor) -> str:
-    """What to do about a parameter laid out channels-last (a CNN converted for its convolutions)."""
-    for fmt, name in ((torch.channels_last, "channels_last"), (torch.channels_last_3d, "channels_last_3d")):
-        if p.dim() == (4 if fmt is torch.channels_last else 5) and p.is_contiguous(memory_format=fmt):
-            return (f" (it is laid out {name}; model.to(memory_format=torch.contiguous_format) gives the "
-                    "layout dion3 steps)")
-    return ""
 
 
 def _capturing() -> bool:
@@ -507,7 +510,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._engine_groups: List[int] = []
         self._steps_skipped = 0
         self._dirty = True
-        self._dtensors = False  # the engine's parameters include DTensor shards
+        self._given_grads = False  # the engine takes each step's gradients (DTensors, channels-last weights)
+        self._engine_orders: Optional[List[Optional[Tuple[int, ...]]]] = None  # see _rebuild
         self._unregistered: List[torch.Tensor] = []  # parameters without a gradient at the last rebuild
         self._alias_index = None  # see _check_aliasing
         # The kind of algorithm ("matrix", "adamw", "lion") each parameter's state was made for:
@@ -537,7 +541,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._workspace_limit = workspace_limit
         self._mesh = mesh
         self._megabatch = megabatch
-        self._dtensors = False
+        self._given_grads, self._engine_orders = False, None
         self._unregistered = []
         self._alias_index = None
         self._kinds = {}  # unknown after unpickling: the state is taken as made for its group
@@ -742,20 +746,22 @@ class _EngineOptimizer(torch.optim.Optimizer):
         problem = None
         for p, who, group, st, step in plan:
             out: Dict[str, Any] = {"step": step}
-            for name, dtype, _ in _state_shapes(group, p):
+            for name, dtype, shape in _state_shapes(group, p):
                 value = st[name]
+                # Laid out as the engine steps it: as a channels-last weight where it has its shape.
+                fmt = (_dist.memory_format(p) if tuple(shape) == tuple(p.shape) else None) or torch.contiguous_format
                 if _dist.is_dtensor(p) and not _dist.is_dtensor(value):
                     # A single-device (full) checkpoint loaded into a sharded run: keep this rank's part.
                     t = _dist.local_part(value, p, name in _PER_ROW)
                     t = t if t.dtype == dtype else t.to(dtype=dtype)
                 elif _dist.is_dtensor(value) and not _dist.is_dtensor(p):
                     t = value.full_tensor().detach().to(device=p.device, dtype=dtype, copy=True,
-                                                        memory_format=torch.contiguous_format)
+                                                        memory_format=fmt)
                 elif _dist.is_dtensor(value):
-                    t = value.detach().to(dtype=dtype, copy=True, memory_format=torch.contiguous_format)
+                    t = value.detach().to(dtype=dtype, copy=True, memory_format=fmt)
                 else:
                     t = value.detach().to(device=p.device, dtype=dtype, copy=True,
-                                          memory_format=torch.contiguous_format)
+                                          memory_format=fmt)
                 if problem is None:
                     bad = _bad_value(_dist.local(t), name in _SECOND_MOMENTS)
                     if bad is not None:
@@ -1077,14 +1083,17 @@ class _EngineOptimizer(torch.optim.Optimizer):
 
     def _run_engine(self, engine, asynchronous: bool) -> int:
         """The engine's step; -1 asks for a rebuild (parameters, groups or storage changed: see step)."""
-        if self._dtensors:
-            # DTensor gradients live on the DTensor, not on the local shard the engine holds: hand
-            # the engine this step's local gradients.
+        if self._given_grads:
+            # DTensor gradients live on the DTensor, not on the local shard the engine holds, and
+            # a channels-last weight's on the weight, not on the view in memory order the engine
+            # holds: hand the engine this step's gradients as it holds the weights.
             if any(p.grad is not None for p in self._unregistered):
                 return -1
             grads = [_dist.local_grad(p) for p in self._engine_params]
             if any(g is None for g in grads):
                 return -1
+            if self._engine_orders is not None:
+                grads = [g if o is None else g.permute(o) for g, o in zip(grads, self._engine_orders)]
             return engine.step_async_with(grads) if asynchronous else engine.step_with(grads)
         return engine.step_async() if asynchronous else engine.step()
 
@@ -1280,8 +1289,15 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"dion3: {who} is on {p.device} but the group's first parameter is on "
                                  f"{device}; one optimizer steps parameters of one device")
             if not p.is_contiguous():
-                raise ValueError(f"dion3: {who} is not contiguous{_memory_format_hint(p)}; dion3 needs contiguous "
-                                 "parameters")
+                fmt = _dist.memory_format(p)
+                if fmt is None:
+                    raise ValueError(f"dion3: {who} is not contiguous; dion3 needs contiguous parameters (or "
+                                     "channels-last convolution weights)")
+                if matrix and not group["flatten"]:
+                    raise ValueError(f"dion3: {who} is laid out {str(fmt).split('.')[-1]}: as a stack of "
+                                     "matrices over its last two dimensions (flatten=False) it is not contiguous; "
+                                     "give its group flatten=True (one matrix per output channel, stepped in "
+                                     "memory order), or model.to(memory_format=torch.contiguous_format)")
             if matrix and p.dim() >= 2 and p.numel() == 0:
                 raise ValueError(f"dion3: {who} has shape {list(p.shape)}: no elements to orthogonalize; leave it "
                                  "out, or put it in an 'adamw' or 'lion' group (dion3.param_groups(model) does)")
@@ -1394,7 +1410,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         kinds: Dict[torch.Tensor, str] = {}
         switched = set()
         engine_params, engine_groups, steps, adamw_check = [], [], [], []
-        dtensors = False
+        given_grads = False
+        orders: List[Optional[Tuple[int, ...]]] = []
         for gi, group, members in params_with_grad:
             ei = engine.add_group(_engine_config(group))
             engine_groups.append(gi)
@@ -1414,11 +1431,16 @@ class _EngineOptimizer(torch.optim.Optimizer):
                                      f"{p.device} but its gradient is on {p.grad.device}")
                 layout = _dist.layout_of(p, self._mesh, f"parameter '{name_j}'", matrix, bool(group["flatten"]))
                 is_dt = _dist.is_dtensor(p)
-                dtensors |= is_dt
-                engine.add_param(ei, name_j, _dist.local(p), _engine_state(group, st),
+                order = _dist.memory_order(p)  # a channels-last weight: stepped in memory order
+                given_grads |= is_dt or order is not None
+                weight, grad = _dist.local(p), _dist.local_grad(p) if is_dt else None
+                if order is not None:
+                    weight, grad = p.permute(order), p.grad.permute(order)
+                engine.add_param(ei, name_j, weight, _engine_state(group, st, order),
                                  layout.kind, layout.group, layout.global_rows, layout.global_cols,
                                  layout.row_offset, layout.row_chunk, layout.col_group,
-                                 _dist.local_grad(p) if is_dt else None, p if is_dt else None)
+                                 grad, p if weight is not p else None)
+                orders.append(order)
                 st["step"] = int(old.get("step", 0))
                 new_state[p] = st
                 engine_params.append(p)
@@ -1457,8 +1479,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._watched_state, self._watched_version = self.state, self.state.version
         self._engine_groups = engine_groups
         self._engine_key = key
-        self._dtensors = dtensors
-        self._unregistered = unregistered if dtensors else []
+        self._given_grads = given_grads
+        self._engine_orders = orders if any(o is not None for o in orders) else None
+        self._unregistered = unregistered if given_grads else []
         self._dirty = False
 
 

@@ -129,10 +129,12 @@ def test_torch_options_that_change_the_result_are_refused(device, key):
         opt.step()
 
 
-def test_a_channels_last_parameter_is_refused_naming_its_layout(device):
+def test_a_channels_last_weight_as_a_stack_of_matrices_is_refused_naming_its_layout(device):
     conv = torch.nn.Conv2d(4, 8, 3).to(device).to(memory_format=torch.channels_last)
-    with pytest.raises(ValueError, match="laid out channels_last; model.to.memory_format=torch.contiguous_format"):
-        dion3.Dion3([conv.weight], flatten=True)
+    with pytest.raises(ValueError, match="laid out channels_last: as a stack of matrices .* give its group flatten=True"):
+        dion3.Dion3([conv.weight])
+    with pytest.raises(ValueError, match="is not contiguous; dion3 needs contiguous parameters"):
+        dion3.Dion3([nn.Parameter(torch.randn(6, 8, device=device).t())])
 
 
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")

@@ -55,6 +55,47 @@ def test_compiled_train_step_with_optimizer_inside(device):
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.parametrize("algorithm", ["dion3", "muon", "adamw"])
+def test_channels_last_weights_step_as_their_contiguous_twins(device, algorithm):
+    # A CNN converted to channels_last: its convolution weights are stepped in memory order (a
+    # flattened matrix's columns permuted, which orthogonalization, row selection and per-row
+    # normalization follow), their state kept in the same layout. Equal to the contiguous model
+    # up to the order of floating-point sums (exactly, element-wise); a checkpoint moves between
+    # the two; converting the model back after steps goes on stepping.
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Conv2d(4, 8, 3), nn.Conv3d(8, 6, (1, 2, 2))).to(device)
+    b = nn.Sequential(nn.Conv2d(4, 8, 3), nn.Conv3d(8, 6, (1, 2, 2))).to(device)
+    b.load_state_dict(a.state_dict())
+    b[0].to(memory_format=torch.channels_last)
+    b[1].to(memory_format=torch.channels_last_3d)
+    assert not b[0].weight.is_contiguous() and not b[1].weight.is_contiguous()
+    weights = lambda m: [m[0].weight, m[1].weight]  # noqa: E731
+    kw = dict(algorithm=algorithm, flatten=True, lr=0.02)
+    oa, ob = dion3.Dion3([dict(params=weights(a), **kw)]), dion3.Dion3([dict(params=weights(b), **kw)])
+    tol = dict(rtol=0, atol=0) if algorithm == "adamw" else dict(rtol=1e-5, atol=1e-6)
+
+    def step(t):
+        g = torch.Generator(device="cpu").manual_seed(t)
+        for pa, pb in zip(weights(a), weights(b)):
+            grad = torch.randn(pa.shape, generator=g).to(device)
+            pa.grad = grad
+            pb.grad = grad.clone(memory_format=torch.preserve_format).contiguous(
+                memory_format=torch.channels_last if pa.dim() == 4 else torch.channels_last_3d)
+        oa.step()
+        ob.step()
+        for pa, pb in zip(weights(a), weights(b)):
+            torch.testing.assert_close(pb.detach(), pa.detach(), **tol, msg=f"step {t}")
+
+    for t in range(3):
+        step(t)
+    state = ob.state[b[0].weight]["momentum"]
+    assert state.is_contiguous(memory_format=torch.channels_last)
+    oa.load_state_dict(ob.state_dict())  # channels-last state into the contiguous model's optimizer
+    step(3)
+    b.to(memory_format=torch.contiguous_format)  # back: the next step plans anew
+    step(4)
+
+
 @pytest.mark.parametrize("algorithm", ["dion3", "adamw"])
 def test_a_step_counts_as_an_in_place_update_for_autograd(device, algorithm):
     # As torch.optim's in-place updates do: a backward through a graph that saved the weights

@@ -400,8 +400,8 @@ class Engine {
     }
     const int index = opt_->add_param(group, spec);
     weights_.push_back(weight);
-    versioned_.push_back(weight);
-    if (wrapper) versioned_.push_back(*wrapper);
+    wrappers_.push_back(wrapper ? *wrapper : at::Tensor());
+    wrapper_pins_.push_back(wrapper ? Pin(*wrapper) : Pin());
     weight_pins_.emplace_back(weight);
     held_.push_back(std::move(held));
     grads_.push_back(grad);
@@ -456,7 +456,8 @@ class Engine {
   // the new one.
   bool storage_moved() const {
     for (std::size_t i = 0; i < weights_.size(); ++i)
-      if (weight_pins_[i].moved(weights_[i])) return true;
+      if (weight_pins_[i].moved(weights_[i]) || (wrappers_[i].defined() && wrapper_pins_[i].moved(wrappers_[i])))
+        return true;
     for (const Watched& w : state_tensors_)
       if (w.pin.moved(w.tensor)) return true;
     return false;
@@ -589,8 +590,9 @@ class Engine {
   // As an in-place update by torch would: autograd then refuses a backward through a graph that
   // saved a weight before the step (a GAN's second loss) instead of using the stepped values.
   void bump_versions() {
-    for (at::Tensor& t : versioned_)
-      if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
+    for (std::size_t i = 0; i < weights_.size(); ++i)
+      for (const at::Tensor* t : {&weights_[i], &wrappers_[i]})
+        if (t->defined() && !t->is_inference()) t->unsafeGetTensorImpl()->bump_version();
   }
 
  public:
@@ -732,10 +734,13 @@ class Engine {
       return first != nullptr && (t.data_ptr() != first || !t.sizes().equals(sizes) || !t.strides().equals(strides));
     }
   };
-  // The weights, and each DTensor parameter's wrapper (a counter of its own): the tensors whose
-  // version a step bumps.
-  std::vector<at::Tensor> versioned_;
   std::vector<Pin> weight_pins_;
+  // The parameter a weight was given for, where the engine holds another tensor: a DTensor's
+  // local shard, or a channels-last weight's view in memory order. Its version is bumped with the
+  // weight's; its storage is pinned as well (model.to(...) gives the parameter, not the view,
+  // other storage).
+  std::vector<at::Tensor> wrappers_;
+  std::vector<Pin> wrapper_pins_;
   std::vector<std::vector<at::Tensor>> held_;  // weights and state tensors the engine points into
   struct Watched {
     at::Tensor tensor;
