@@ -272,9 +272,10 @@ DION3_API dion3_status dion3_set_lr(dion3_optimizer* opt, int group, double lr);
 
 /* Registers a parameter (weight updated in place, grad read at every step). name is copied,
  * must be unique in the optimizer and appears in error messages. grad has the weight's shape
- * and any float dtype (read as float32); it may be NULL: bind it with dion3_set_grad before the
- * first step. A weight may not overlap another parameter's weight or any gradient (it would be
- * updated twice, or read after it was written). param_index may be NULL. */
+ * and dtype float32, bfloat16 or float16 (read as float32); it may be NULL: bind it with
+ * dion3_set_grad before the first step. A weight may not overlap another parameter's weight or
+ * any gradient (it would be updated twice, or read after it was written). param_index may be
+ * NULL. */
 DION3_API dion3_status dion3_add_param(dion3_optimizer* opt, int group, const char* name,
                                        const dion3_tensor* weight, const dion3_tensor* grad, int* param_index);
 /* dion3_add_param for a distributed parameter (layout NULL = local). Every rank must register
@@ -284,8 +285,8 @@ DION3_API dion3_status dion3_add_param(dion3_optimizer* opt, int group, const ch
 DION3_API dion3_status dion3_add_param_layout(dion3_optimizer* opt, int group, const char* name,
                                               const dion3_tensor* weight, const dion3_tensor* grad,
                                               const dion3_layout* layout, int* param_index);
-/* Re-binds the gradient of a parameter (the weight's shape, any float dtype, overlapping no
- * weight). */
+/* Re-binds the gradient of a parameter (the weight's shape; float32, bfloat16 or float16;
+ * overlapping no weight). */
 DION3_API dion3_status dion3_set_grad(dion3_optimizer* opt, int param, const dion3_tensor* grad);
 DION3_API dion3_status dion3_num_params(const dion3_optimizer* opt, int* count);
 

@@ -465,7 +465,19 @@ void Optimizer::set_group(int index, const GroupConfig& config) {
     fail(group_error(index, std::string(e.what()).substr(7)));
   }
   if (const std::string e = impl_->structure_error(index, config); !e.empty()) fail(e);
-  impl_->groups[index] = config;
+  Impl& s = *impl_;
+  const GroupConfig kept = s.groups[index];
+  s.groups[index] = config;
+  // Blocks that do not fit a parameter's rows are refused here rather than at the next step.
+  if (is_matrix_algorithm(config.algorithm) && (config.num_heads != kept.num_heads || config.split_sizes != kept.split_sizes)) {
+    try {
+      for (int i = 0; i < num_params(); ++i)
+        if (s.params[i].group == index) s.row_blocks(i);
+    } catch (const Error&) {
+      s.groups[index] = kept;
+      throw;
+    }
+  }
 }
 int Optimizer::num_groups() const { return static_cast<int>(impl_->groups.size()); }
 int Optimizer::num_params() const { return static_cast<int>(impl_->params.size()); }

@@ -310,6 +310,28 @@ TEST(Errors, CApiMomentumDtypeEditBeforeTheFirstStepIsRefused) {
   EXPECT_EQ(applied, 1);
 }
 
+// Blocks that do not fit a parameter's rows are refused when the group is set, naming the
+// parameter, and the group stays as it was.
+TEST(Errors, BlocksThatDoNotFitAreRefusedWhenTheGroupIsSet) {
+  t3::CApiOptimizer c;
+  std::vector<float> w(4 * 6, 0.5f), gr(4 * 6, 0.25f);
+  dion3_tensor wt = {w.data(), DION3_F32, DION3_DEVICE_CPU, 0, 2, {4, 6}};
+  dion3_tensor gt = {gr.data(), DION3_F32, DION3_DEVICE_CPU, 0, 2, {4, 6}};
+  ASSERT_EQ(dion3_add_param(c.opt, c.group, "w", &wt, &gt, nullptr), DION3_OK);
+  dion3_group_config cfg = c.cfg;
+  cfg.num_heads = 3;
+  EXPECT_EQ(dion3_set_group_config(c.opt, c.group, &cfg), DION3_INVALID_ARGUMENT);
+  EXPECT_THAT(std::string(dion3_last_error()), HasSubstr("'w'"));
+  dion3_group_config now;
+  ASSERT_EQ(dion3_get_group_config(c.opt, c.group, &now), DION3_OK);
+  EXPECT_EQ(now.num_heads, c.cfg.num_heads);
+  cfg.num_heads = 2;
+  EXPECT_EQ(dion3_set_group_config(c.opt, c.group, &cfg), DION3_OK);
+  int applied = 0;
+  EXPECT_EQ(dion3_step(c.opt, &applied), DION3_OK);
+  EXPECT_EQ(applied, 1);
+}
+
 TEST(Errors, TensorOnTheWrongDeviceOrWithoutData) {
   Trained t;
   t3::HostParam p("gpu.w", DType::F32, {8, 8});
