@@ -269,9 +269,12 @@ class DION3_API Optimizer {
   // (or into externally owned state) between steps, call state_changed().
   std::vector<std::pair<std::string, TensorView>> state_views(int param) const;
   // The state was written outside step() and import_state(): the next step's non-finite check
-  // reads all of it again. (Between steps the check may otherwise skip reading momentum that a
-  // bound kept from the optimizer's own last write shows cannot overflow.)
+  // reads all of it again (between steps the check may otherwise skip reading momentum that a
+  // bound kept from the optimizer's own last write shows cannot overflow), and the next eager
+  // step refuses a NaN, an Inf or a negative second moment written there, as import_state does.
+  // state_changed(param): only that parameter's state was written (its second moments are read).
   void state_changed();
+  void state_changed(int param);
   OptimizerState export_state() const;
   // Checks every tensor's name, dtype and shape, its values (no NaN or Inf, no negative second
   // moment: variance, exp_avg_sq) and the step counters (not negative, none that the next step

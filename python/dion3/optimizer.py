@@ -396,6 +396,10 @@ def _saved_steps_skipped(state_dict: Any) -> Any:
     return found[0] if found else None  # every group carries the same count
 
 
+class _Replan(Exception):
+    """Inside step(): the engine's registration is stale, plan anew (see _push_or_refuse)."""
+
+
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -510,8 +514,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._engine_groups: List[int] = []
         self._steps_skipped = 0
         self._dirty = True
-        self._given_grads = False  # the engine takes each step's gradients (DTensors, channels-last weights)
-        self._engine_orders: Optional[List[Optional[Tuple[int, ...]]]] = None  # see _rebuild
+        self._given_grads = False  # the engine takes each step's gradients (DTensor shards)
         self._unregistered: List[torch.Tensor] = []  # parameters without a gradient at the last rebuild
         self._alias_index = None  # see _check_aliasing
         # The kind of algorithm ("matrix", "adamw", "lion") each parameter's state was made for:
@@ -541,7 +544,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._workspace_limit = workspace_limit
         self._mesh = mesh
         self._megabatch = megabatch
-        self._given_grads, self._engine_orders = False, None
+        self._given_grads = False
         self._unregistered = []
         self._alias_index = None
         self._kinds = {}  # unknown after unpickling: the state is taken as made for its group
@@ -915,8 +918,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             self._refuse_without_gradients(key)
             return loss
         if stale:
-            self._before_rebuild()
-            self._rebuild(key)
+            self._replan(key)
         engine = self._engine
         if engine is None:  # no parameter had a gradient: look again (rare, so done in Python)
             if not any(p.grad is not None for g in self.param_groups for p in g["params"]):
@@ -924,11 +926,14 @@ class _EngineOptimizer(torch.optim.Optimizer):
             self._rebuild(key)
             engine = self._engine
         try:
-            self._push_groups(engine)
-        except Exception:
-            if self._mesh is not None:
-                engine.refuse_invalid()  # the other ranks raise too instead of waiting for this one
-            raise
+            self._push_or_refuse(engine, replannable=True)
+        except _Replan:
+            # A group's parameters changed as well as its settings: the new ones are what count.
+            self._replan(key)
+            engine = self._engine
+            if engine is None:
+                return loss
+            self._push_or_refuse(engine)
         if self._engine_cuda and torch.cuda.is_current_stream_capturing():
             # CUDA-graph capture: the engine's capture-safe step (no host synchronisation). Step
             # counters then advance on the device only; _sync_counters() brings them back.
@@ -947,12 +952,11 @@ class _EngineOptimizer(torch.optim.Optimizer):
             if self._mesh is not None and not any(p.grad is not None for g in self.param_groups for p in g["params"]):
                 self._refuse_without_gradients(key)  # with this engine: ValueError unless no rank stepped
                 return loss
-            self._before_rebuild()
-            self._rebuild(key)
+            self._replan(key)
             engine = self._engine
             if engine is None:
                 return loss
-            self._push_groups(engine)
+            self._push_or_refuse(engine)
             status = self._run_first(engine, asynchronous)
             if status < 0:
                 raise RuntimeError("dion3: internal error: the engine still asks for a rebuild")
@@ -1004,6 +1008,29 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"dion3: parameter group {gi}: {msg}") from None
             keys = tuple(dict.fromkeys(view.read + list(_REFUSED_WHEN_SET)))  # a change of those comes here
             self._pushed[i] = (keys, _plain_snapshot(group, keys), len(group))
+
+    def _push_or_refuse(self, engine, replannable: bool = False) -> None:
+        """_push_groups; refused (Optimizer::refuse_invalid) so that the other ranks raise too
+        instead of waiting for this one. replannable: a setting refused for the parameters the
+        engine holds, where the groups' parameters changed since, raises _Replan instead."""
+        try:
+            self._push_groups(engine)
+        except Exception as e:
+            if replannable and isinstance(e, ValueError) and engine.stale_for_replay():
+                raise _Replan() from None
+            if self._mesh is not None:
+                engine.refuse_invalid()
+            raise
+
+    def _replan(self, key) -> None:
+        """_rebuild at a step. State written or replaced since the old engine last checked it is
+        checked by the new engine's first step (Optimizer::state_changed)."""
+        old = self._engine
+        touched = old is not None and (self._state_replaced() or old.state_pending())
+        self._before_rebuild()
+        self._rebuild(key)
+        if touched and self._engine is not None:
+            self._engine.state_changed()
 
     def _before_rebuild(self) -> None:
         """Before a rebuild, while the engine still holds the plan the other ranks step with: what
@@ -1084,16 +1111,14 @@ class _EngineOptimizer(torch.optim.Optimizer):
     def _run_engine(self, engine, asynchronous: bool) -> int:
         """The engine's step; -1 asks for a rebuild (parameters, groups or storage changed: see step)."""
         if self._given_grads:
-            # DTensor gradients live on the DTensor, not on the local shard the engine holds, and
-            # a channels-last weight's on the weight, not on the view in memory order the engine
-            # holds: hand the engine this step's gradients as it holds the weights.
+            # DTensor gradients live on the DTensor, not on the local shard the engine holds: hand
+            # the engine this step's local gradients. (A channels-last weight's view in memory
+            # order has its gradient read from the parameter by the engine itself.)
             if any(p.grad is not None for p in self._unregistered):
                 return -1
             grads = [_dist.local_grad(p) for p in self._engine_params]
             if any(g is None for g in grads):
                 return -1
-            if self._engine_orders is not None:
-                grads = [g if o is None else g.permute(o) for g, o in zip(grads, self._engine_orders)]
             return engine.step_async_with(grads) if asynchronous else engine.step_with(grads)
         return engine.step_async() if asynchronous else engine.step()
 
@@ -1402,7 +1427,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             raise ValueError(f"dion3: parameters are on '{device}'; dion3 runs on cpu and cuda")
         # Names the caller gave (param_names: the model's) join the ranks' agreement on the plan;
         # positional ones would refuse ranks whose parameters without gradients differ.
-        named = all("param_names" in group for _, group, _ in params_with_grad)
+        named = all("param_names" in group for group in self.param_groups)
         engine = _C.Engine(device.type, device.index or 0, self._on_nonfinite, self._workspace_limit,
                            getattr(self, "_megabatch", True), getattr(self, "_record_orthogonalizer", True),
                            named)
@@ -1411,7 +1436,6 @@ class _EngineOptimizer(torch.optim.Optimizer):
         switched = set()
         engine_params, engine_groups, steps, adamw_check = [], [], [], []
         given_grads = False
-        orders: List[Optional[Tuple[int, ...]]] = []
         for gi, group, members in params_with_grad:
             ei = engine.add_group(_engine_config(group))
             engine_groups.append(gi)
@@ -1432,15 +1456,14 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 layout = _dist.layout_of(p, self._mesh, f"parameter '{name_j}'", matrix, bool(group["flatten"]))
                 is_dt = _dist.is_dtensor(p)
                 order = _dist.memory_order(p)  # a channels-last weight: stepped in memory order
-                given_grads |= is_dt or order is not None
+                given_grads |= is_dt
                 weight, grad = _dist.local(p), _dist.local_grad(p) if is_dt else None
                 if order is not None:
                     weight, grad = p.permute(order), p.grad.permute(order)
                 engine.add_param(ei, name_j, weight, _engine_state(group, st, order),
                                  layout.kind, layout.group, layout.global_rows, layout.global_cols,
                                  layout.row_offset, layout.row_chunk, layout.col_group,
-                                 grad, p if weight is not p else None)
-                orders.append(order)
+                                 grad, p if weight is not p else None, list(order or ()))
                 st["step"] = int(old.get("step", 0))
                 new_state[p] = st
                 engine_params.append(p)
@@ -1480,7 +1503,6 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._engine_groups = engine_groups
         self._engine_key = key
         self._given_grads = given_grads
-        self._engine_orders = orders if any(o is not None for o in orders) else None
         self._unregistered = unregistered if given_grads else []
         self._dirty = False
 

@@ -292,9 +292,11 @@ struct Optimizer::Impl {
   // Whether mb keeps bounds: it selects rows from scores that bound its momentum.
   bool keeps_state_bounds(const Megabatch& mb) const;
   void forget_state_bounds();  // the state may have been written outside a step: bounds unknown
-  // state_changed(): the second moments (NorMuon's variance, AdamW's exp_avg_sq) are read back
-  // and checked at the next eager step, which no kernel's check covers (check_written_state).
-  bool state_written = false;
+  // state_changed(): the second moments (NorMuon's variance, AdamW's exp_avg_sq) of the
+  // parameters written are read back and checked at the next eager step, which no kernel's check
+  // covers (check_written_state). all_written: every parameter's.
+  std::vector<int> written_params;
+  bool all_written = false;
   void check_written_state();
   // count_dropped: whether a step dropped for a non-finite gradient counts in steps_skipped (not
   // when step() raises it).

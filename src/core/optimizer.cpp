@@ -497,7 +497,13 @@ const OptimizerOptions& Optimizer::options() const { return impl_->options; }
 
 void Optimizer::state_changed() {
   impl_->forget_state_bounds();
-  impl_->state_written = true;
+  impl_->all_written = true;
+}
+
+void Optimizer::state_changed(int param) {
+  if (param < 0 || param >= num_params()) fail("state_changed: no parameter " + std::to_string(param));
+  impl_->forget_state_bounds();
+  impl_->written_params.push_back(param);
 }
 
 std::vector<std::pair<std::string, TensorView>> Optimizer::state_views(int param) const {
@@ -1188,7 +1194,7 @@ void Optimizer::Impl::validate_for_step() {
     const Param& p = s.params[i];
     if (!p.grad.data && p.weight.numel() > 0) fail(s.describe(i) + " has no gradient; call set_grad before step");
   }
-  if (s.state_written && !s.backend->capturing()) s.check_written_state();  // a replay's is not checked
+  if ((s.all_written || !s.written_params.empty()) && !s.backend->capturing()) s.check_written_state();  // not a replay's
   // A plan whose settings changed stays valid until build_plan() replaces it: a new setting that
   // cannot be planned (num_heads that does not divide the rows) leaves the old plan to refuse with.
   bool replan = !s.plan_valid;

@@ -38,16 +38,20 @@ std::string bad_state_value(const HostTensor& t, bool second_moment) {
 }
 
 void Optimizer::Impl::check_written_state() {
+  std::vector<char> read(params.size(), all_written ? 1 : 0);
+  for (int i : written_params)
+    if (i < static_cast<int>(params.size())) read[static_cast<std::size_t>(i)] = 1;
   for (std::size_t i = 0; i < params.size(); ++i)
     for (const auto& [name, view] : params[i].state) {
-      if (!is_second_moment(name) || view.numel() == 0) continue;
+      if (!read[i] || !is_second_moment(name) || view.numel() == 0) continue;
       HostTensor h{view.dtype, view.shape, std::vector<unsigned char>(view.bytes())};
       backend->copy_to_host(h.data.data(), view.data, h.data.size());
       if (const std::string bad = bad_state_value(h, true); !bad.empty())
         fail(describe(static_cast<int>(i)) + ": state '" + name + "' (" + dtype_name(view.dtype) + "), written " +
              "since the last step (state_changed), holds " + bad + "; the step was not applied");
     }
-  state_written = false;
+  written_params.clear();
+  all_written = false;
 }
 
 OptimizerState Optimizer::export_state() const {

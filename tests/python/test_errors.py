@@ -257,6 +257,36 @@ def test_a_second_moment_written_in_place_with_a_bad_value_is_refused(device, ba
     assert not torch.equal(p, w)
 
 
+def test_a_bad_second_moment_is_refused_across_a_rebuild(device):
+    # Written in place, then the engine planned anew before the next step (a weight given new
+    # storage): the new engine checks what the old one was told of.
+    p = mat(device)
+    opt = dion3.Dion3([p])
+    p.grad = torch.randn_like(p)
+    opt.step()
+    opt.state[p]["variance_neuron"][0, 0] = float("nan")
+    p.data = p.data.clone()  # the next step plans anew
+    w = p.detach().clone()
+    with pytest.raises(ValueError, match="written since the last step"):
+        opt.step()
+    assert torch.equal(p, w)
+
+
+def test_blocks_set_with_the_group_s_new_parameters_step(device):
+    # A group's parameters and its split_sizes changed together: the new blocks are checked
+    # against the new parameters, not the ones the engine held.
+    a, b = mat(device, 8, 6), mat(device, 12, 6)
+    opt = dion3.Dion3([dict(params=[a], split_sizes=[4, 4])])
+    a.grad = torch.randn_like(a)
+    opt.step()
+    opt.param_groups[0]["params"] = [b]
+    opt.param_groups[0]["split_sizes"] = [6, 6]
+    b.grad = torch.randn_like(b)
+    w = b.detach().clone()
+    opt.step()
+    assert not torch.equal(b, w)
+
+
 def poisoned(device, bad):
     ps = [mat(device), mat(device, 6, 6), nn.Parameter(torch.randn(5, device=device))]
     return ps, [torch.randn_like(p) for p in ps]

@@ -371,7 +371,8 @@ class Engine {
   int add_param(int group, const std::string& name, const at::Tensor& weight, const py::dict& state,
                 const std::string& layout, const py::object& process_group, int64_t global_rows,
                 int64_t global_cols, int64_t row_offset, int64_t row_chunk, const py::object& col_process_group,
-                const std::optional<at::Tensor>& given_grad, const std::optional<at::Tensor>& wrapper) {
+                const std::optional<at::Tensor>& given_grad, const std::optional<at::Tensor>& wrapper,
+                const std::vector<int64_t>& order) {
     at::Tensor grad;
     try {
       grad = given_grad ? contiguous(*given_grad) : contiguous_grad(weight);
@@ -406,6 +407,9 @@ class Engine {
     held_.push_back(std::move(held));
     grads_.push_back(grad);
     grad_pins_.emplace_back(grad);
+    orders_.push_back(order);
+    sources_.push_back(!order.empty() && wrapper ? wrapper->grad() : at::Tensor());
+    source_pins_.push_back(sources_.back().defined() ? Pin(sources_.back()) : Pin());
     return index;
   }
 
@@ -437,19 +441,20 @@ class Engine {
   // any more. (The Python side notices state[p] = {} and state.clear() itself.)
   void watch_state(const std::vector<std::pair<py::dict, py::dict>>& entries) {
     state_watch_ = entries;
-    // The tensors whose versions (state_written_in_place) and places (storage_moved) are
+    // The tensors whose versions (note_state_written) and places (storage_moved) are
     // followed: what optimizer.state holds and what the engine was given (a DTensor counts writes
     // through it on itself, not on its local tensor, and a write to the local tensor on that alone).
     // Each tensor once: most state tensors are both.
+    // Entry i is parameter i's (registration order).
     state_tensors_.clear();
     std::unordered_set<const c10::TensorImpl*> seen;
-    auto add = [&](const at::Tensor& t) {
-      if (seen.insert(t.unsafeGetTensorImpl()).second) state_tensors_.push_back({t, t._version(), Pin(t)});
+    auto add = [&](const at::Tensor& t, int param) {
+      if (seen.insert(t.unsafeGetTensorImpl()).second) state_tensors_.push_back({t, t._version(), Pin(t), param});
     };
-    for (const auto& entry : state_watch_)
-      for (auto item : entry.second) add(py::cast<at::Tensor>(item.second));
-    for (const auto& held : held_)
-      for (std::size_t j = 1; j < held.size(); ++j) add(held[j]);
+    for (std::size_t i = 0; i < state_watch_.size(); ++i)
+      for (auto item : state_watch_[i].second) add(py::cast<at::Tensor>(item.second), static_cast<int>(i));
+    for (std::size_t i = 0; i < held_.size(); ++i)
+      for (std::size_t j = 1; j < held_[i].size(); ++j) add(held_[i][j], static_cast<int>(i));
   }
   // Whether a weight or a state tensor now has other storage (p.data = ..., state[p][k].data = ...,
   // resize_): the engine would go on updating the old one, which nobody reads; a rebuild registers
@@ -466,10 +471,30 @@ class Engine {
   // (p.grad.data = ..., set_): step() rebinds it, a replay of a captured step would read the old.
   bool grads_moved() const {
     for (std::size_t i = 0; i < weights_.size(); ++i) {
-      const at::Tensor& g = weights_[i].grad();
-      if (g.defined() && g.is_same(grads_[i]) && grad_pins_[i].moved(g)) return true;
+      const at::Tensor& g = source_grad(static_cast<int>(i));
+      const bool permuted = !orders_[i].empty();
+      if (g.defined() && g.is_same(permuted ? sources_[i] : grads_[i]) &&
+          (permuted ? source_pins_[i] : grad_pins_[i]).moved(g))
+        return true;
     }
     return false;
+  }
+  // The gradient the caller holds for parameter i: its weight's, or for a weight the engine holds
+  // as a view in memory order (channels-last), the parameter's.
+  const at::Tensor& source_grad(int i) const {
+    return orders_[i].empty() ? weights_[i].grad() : wrappers_[i].grad();
+  }
+  // The gradient as the engine takes it. A channels-last parameter's in memory order: a view while
+  // it is laid out alike, kept from step to step while it is the same tensor in the same place.
+  at::Tensor engine_grad(int i) {
+    if (orders_[i].empty()) return contiguous_grad(weights_[i]);
+    const at::Tensor& src = wrappers_[i].grad();
+    if (src.defined() && src.is_same(sources_[i]) && !source_pins_[i].moved(src) && grads_[i].defined() &&
+        grads_[i].data_ptr() == src.data_ptr())
+      return grads_[i];
+    sources_[i] = src;
+    source_pins_[i] = src.defined() ? Pin(src) : Pin();
+    return src.defined() ? contiguous(src.permute(orders_[i])) : src;
   }
   // What step() rebuilds the engine for (its -1): a state tensor replaced in its dict, a weight or
   // state tensor moved, a group's params changed. A captured step cannot follow these either, nor
@@ -549,14 +574,14 @@ class Engine {
         if (w.grad().defined()) return -1;
       if (needs_rebuild()) return -1;
       for (int i = 0; i < n; ++i)
-        if (!(given ? (*given)[i].defined() : weights_[i].grad().defined())) return -1;
+        if (!(given ? (*given)[i].defined() : source_grad(i).defined())) return -1;
       // A gradient refused here is refused on this rank alone: the others, distributed, learn it
       // from this rank's refusal of their step (Optimizer::refuse_invalid) instead of waiting.
       try {
         for (int i = 0; i < n; ++i) {
           at::Tensor g;
           try {
-            g = given ? contiguous((*given)[i]) : contiguous_grad(weights_[i]);
+            g = given ? contiguous((*given)[i]) : engine_grad(i);
           } catch (const dion3::Error& e) {
             throw dion3::Error(e.status(), "parameter '" + opt_->param_name(i) + "': " + std::string(e.what()).substr(7));
           }
@@ -576,14 +601,17 @@ class Engine {
     // their count in a thread when it first asks for it, which a thread new to PyTorch has not.
     if (!cuda_) at::get_num_threads();
     Guard guard(*this);
-    if (state_written_in_place()) opt_->state_changed();
+    note_state_written();
     py::gil_scoped_release release;
     if (async) {
       opt_->step_async();
+      written_ = false;  // checked by the step (what remains is the engine's own)
       bump_versions();
       return 2;
     }
-    if (!opt_->step()) return 0;
+    const bool applied = opt_->step();
+    written_ = false;
+    if (!applied) return 0;
     bump_versions();
     return 1;
   }
@@ -636,11 +664,15 @@ class Engine {
   void state_changed() {
     Guard guard(*this);
     opt_->state_changed();
+    written_ = true;
   }
+  // Whether state was written since this engine's last step checked it: a rebuild hands that on
+  // to the new engine (state_changed), whose first step then checks it.
+  bool state_pending() { return note_state_written() || written_; }
   void refresh_hyperparameters() {
     Guard guard(*this);
     // Before a replay of a captured step: state written in place since is noticed here, eagerly.
-    if (state_written_in_place()) opt_->state_changed();
+    note_state_written();
     opt_->refresh_hyperparameters();
     bump_versions();  // the replay that follows updates the weights
   }
@@ -668,17 +700,18 @@ class Engine {
 #endif
   };
 
-  // Whether a state tensor was written in place since the last call (its version moved; the
-  // engine's own writes do not move it): the engine's check must then read the state whole
-  // again (Optimizer::state_changed).
-  bool state_written_in_place() {
-    bool written = false;
+  // Tells the engine of each parameter whose state tensor was written in place since the last
+  // call (its version moved; the engine's own writes do not move it): its next step checks that
+  // state again (Optimizer::state_changed). Whether there was any.
+  bool note_state_written() {
+    bool any = false;
     for (Watched& w : state_tensors_)
       if (const int64_t now = w.tensor._version(); now != w.version) {
         w.version = now;
-        written = true;
+        opt_->state_changed(w.param);
+        any = written_ = true;
       }
-    return written;
+    return any;
   }
 
   static at::Tensor contiguous(at::Tensor g) {
@@ -741,12 +774,19 @@ class Engine {
   // other storage).
   std::vector<at::Tensor> wrappers_;
   std::vector<Pin> wrapper_pins_;
+  // A channels-last weight's permutation to memory order (the view the engine holds; empty for
+  // others), and the parameter's gradient its bound one was made from.
+  std::vector<std::vector<int64_t>> orders_;
+  std::vector<at::Tensor> sources_;
+  std::vector<Pin> source_pins_;
   std::vector<std::vector<at::Tensor>> held_;  // weights and state tensors the engine points into
   struct Watched {
     at::Tensor tensor;
     int64_t version = 0;  // its last seen _version()
     Pin pin;
+    int param = 0;  // whose state it is
   };
+  bool written_ = false;  // state written since the last step that checked it
   std::vector<Watched> state_tensors_;  // the state tensors
   std::vector<at::Tensor> grads_;              // the gradients bound for the current step
   std::vector<Pin> grad_pins_;                 // ... and where they were when bound
@@ -906,7 +946,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("state"), py::arg("layout") = "local", py::arg("process_group") = py::none(),
            py::arg("global_rows") = 0, py::arg("global_cols") = 0, py::arg("row_offset") = -1,
            py::arg("row_chunk") = 0, py::arg("col_process_group") = py::none(), py::arg("grad") = std::nullopt,
-           py::arg("wrapper") = std::nullopt)
+           py::arg("wrapper") = std::nullopt, py::arg("order") = std::vector<int64_t>{})
       .def("step_with", guarded(&Engine::step_with))
       .def("step_async_with", guarded(&Engine::step_async_with))
       .def("watch", guarded(&Engine::watch))
@@ -927,6 +967,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("plan_generation", guarded(&Engine::plan_generation))
       .def("refresh_hyperparameters", guarded(&Engine::refresh_hyperparameters))
       .def("state_changed", guarded(&Engine::state_changed))
+      .def("state_pending", guarded(&Engine::state_pending))
       .def("posted_counters", guarded(&Engine::posted_counters));
   m.def("validate_group", guarded(&validate_group), "Raise ValueError if a normalised group config is invalid");
   m.def("orthogonalize", guarded(&orthogonalize), "Polar factor of each matrix (see dion3.orthogonalize)");
