@@ -1194,7 +1194,6 @@ void Optimizer::Impl::validate_for_step() {
     const Param& p = s.params[i];
     if (!p.grad.data && p.weight.numel() > 0) fail(s.describe(i) + " has no gradient; call set_grad before step");
   }
-  if ((s.all_written || !s.written_params.empty()) && !s.backend->capturing()) s.check_written_state();  // not a replay's
   // A plan whose settings changed stays valid until build_plan() replaces it: a new setting that
   // cannot be planned (num_heads that does not divide the rows) leaves the old plan to refuse with.
   bool replan = !s.plan_valid;
@@ -1209,6 +1208,8 @@ void Optimizer::Impl::validate_for_step() {
   if (!s.plan_valid) s.build_plan();
   s.validated = s.binding;
   s.check_adjusted_lrs();
+  // Last, with a plan: a refusal (refuse_invalid) runs through it. Not a replay's (no host reads).
+  if ((s.all_written || !s.written_params.empty()) && !s.backend->capturing()) s.check_written_state();
 }
 
 void Optimizer::Impl::check_adjusted_lrs() const {

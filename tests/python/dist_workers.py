@@ -279,6 +279,27 @@ def agreement(rank, world, mesh):
         every = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(every, mine)
         assert all(torch.equal(every[0], w) for w in every), f"rank {rank}: the ranks drifted apart"
+    # A second moment written with a NaN on one rank alone (there also planned anew, the second
+    # time): every rank refuses the step, the bad one naming it, and nothing moves.
+    for rebuild in (False, True):
+        torch.manual_seed(1)
+        qs = [nn.Parameter(torch.randn(8, 6)) for _ in range(2)]
+        opt = dion3.Dion3(qs, distributed_mesh=dist.group.WORLD, lr=0.05)
+        for q in qs:
+            q.grad = torch.ones(8, 6)
+        opt.step()
+        if rank == world - 1:
+            opt.state[qs[0]]["variance_neuron"][0, 0] = float("nan")
+            if rebuild:
+                qs[1].data = qs[1].data.clone()
+        before = [q.detach().clone() for q in qs]
+        try:
+            opt.step()
+            raise AssertionError(f"rank {rank}: a step with a NaN second moment on one rank was applied")
+        except ValueError as e:
+            expect = "written since the last step" if rank == world - 1 else "another rank refused this step"
+            assert expect in str(e), f"rank {rank}: {e}"
+        assert all(torch.equal(q, b) for q, b in zip(qs, before)), f"rank {rank}: a refused step moved weights"
     # Same-shape matrices listed in another order on one rank (named, as a model names them):
     # their updates would be swapped there; every rank refuses instead.
     named = [("a", nn.Parameter(torch.ones(8, 6))), ("b", nn.Parameter(torch.ones(8, 6)))]
