@@ -605,7 +605,7 @@ class Engine {
     py::gil_scoped_release release;
     if (async) {
       opt_->step_async();
-      written_ = false;  // checked by the step (what remains is the engine's own)
+      written_ = false;  // the engine checks it (now, or under capture at its next eager step)
       bump_versions();
       return 2;
     }
