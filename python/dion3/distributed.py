@@ -236,16 +236,20 @@ def memory_order(t: torch.Tensor) -> Optional[Tuple[int, ...]]:
     return next(perm for _, f, perm in _MEMORY_ORDERS if f == fmt) if fmt is not None else None
 
 
+def state_format(p: torch.Tensor, shape: Tuple[int, ...]) -> torch.memory_format:
+    """The layout of p's state tensor of `shape` as the engine steps it: p's channels-last one
+    where the state has p's shape (the engine steps both in memory order), contiguous otherwise."""
+    fmt = memory_format(p)
+    return fmt if fmt is not None and tuple(shape) == tuple(p.shape) else torch.contiguous_format
+
+
 def zeros_like_layout(p: torch.Tensor, shape: Tuple[int, ...], dtype: torch.dtype,
                       per_row: bool = False) -> torch.Tensor:
     """A zero state tensor for p: plain (laid out as p where it has p's shape: channels-last
     state for a channels-last weight), or a DTensor with p's mesh and placements whose global
     shape is `shape` (the momentum: p's shape; the per-row variance, per_row: p[..., 0:1]'s)."""
     if not is_dtensor(p):
-        fmt = memory_format(p)
-        if fmt is not None and tuple(shape) == tuple(p.shape):
-            return torch.zeros(shape, dtype=dtype, device=p.device).contiguous(memory_format=fmt)
-        return torch.zeros(shape, dtype=dtype, device=p.device)
+        return torch.zeros(shape, dtype=dtype, device=p.device).contiguous(memory_format=state_format(p, shape))
     placements = _placements_for(shape, p.placements, tuple(p.shape), per_row)
     lt = torch.zeros(_local_shape(shape, p.device_mesh, placements), dtype=dtype, device=p.to_local().device)
     return DTensor.from_local(lt, p.device_mesh, placements, run_check=False,
@@ -323,5 +327,5 @@ def local_part(full: torch.Tensor, like: torch.Tensor, per_row: bool = False) ->
 
 
 __all__ = ["DTensor", "Shard", "Replicate", "ParamLayout", "LOCAL", "check_mesh", "layout_of", "local", "local_grad",
-           "memory_format", "memory_order",
+           "memory_format", "memory_order", "state_format",
            "is_dtensor", "same_mesh", "zeros_like_layout", "local_part"]

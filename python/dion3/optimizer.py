@@ -335,10 +335,10 @@ def _state_tensors(group: Dict[str, Any], p: torch.Tensor, old: Dict[str, Any]) 
             # (model.to(...)), or its group's momentum_dtype changed: state that follows them
             # follows, cast as load_state_dict casts it.
             t = t.detach().to(device=p.device, dtype=dtype)
-        if isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(p.shape) and not _dist.is_dtensor(t):
+        if isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(shape) and not _dist.is_dtensor(t):
             # The engine steps a channels-last weight in memory order and its state alike: state
             # laid out otherwise (the weight converted since, one way or the other) follows it.
-            fmt = _dist.memory_format(p) or torch.contiguous_format
+            fmt = _dist.state_format(p, shape)
             if not t.is_contiguous(memory_format=fmt) and (fmt != torch.contiguous_format or
                                                            _dist.memory_format(t) is not None):
                 t = t.detach().contiguous(memory_format=fmt)
@@ -394,6 +394,15 @@ def _saved_steps_skipped(state_dict: Any) -> Any:
     found = [g["steps_skipped"] for g in groups if isinstance(g, dict) and "steps_skipped" in g] \
         if isinstance(groups, list) else []
     return found[0] if found else None  # every group carries the same count
+
+
+def _refuse_unimplemented(gi: int, group: Dict[str, Any]) -> None:
+    """Refuses an option set in group gi that dion3 would otherwise ignore (_REFUSED_WHEN_SET)."""
+    if group.get("newton_schulz_func") is not None:
+        raise NotImplementedError(f"dion3: parameter group {gi}: {_NO_NS_FUNC}")
+    for key, what in _UNIMPLEMENTED_TORCH_OPTIONS.items():
+        if group.get(key):
+            raise ValueError(f"dion3: parameter group {gi}: {key}=True is not implemented ({what})")
 
 
 class _Replan(Exception):
@@ -751,8 +760,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             out: Dict[str, Any] = {"step": step}
             for name, dtype, shape in _state_shapes(group, p):
                 value = st[name]
-                # Laid out as the engine steps it: as a channels-last weight where it has its shape.
-                fmt = (_dist.memory_format(p) if tuple(shape) == tuple(p.shape) else None) or torch.contiguous_format
+                fmt = _dist.state_format(p, shape)  # laid out as the engine steps it
                 if _dist.is_dtensor(p) and not _dist.is_dtensor(value):
                     # A single-device (full) checkpoint loaded into a sharded run: keep this rank's part.
                     t = _dist.local_part(value, p, name in _PER_ROW)
@@ -996,9 +1004,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
             grown = last is not None and len(group) != last[2]
             if last is not None and last[1] is not None and not grown and _plain_snapshot(group, last[0]) == last[1]:
                 continue
-            if grown or group.get("newton_schulz_func") is not None or \
-                    any(group.get(k) for k in _UNIMPLEMENTED_TORCH_OPTIONS):
-                self._check_keys(gi, group)  # a key added or set since (another optimizer's name for one)
+            if grown:
+                self._check_keys(gi, group)  # a key added since (e.g. another optimizer's name for one)
+            else:
+                _refuse_unimplemented(gi, group)  # set since: they are in the snapshot
             view = _ReadKeys(group)
             try:  # validated here, while the engine still holds the plan a refusal needs (see step)
                 engine.update_group(i, _engine_config(view))
@@ -1269,11 +1278,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         a reference or torch.optim option not implemented here (newton_schulz_func, maximize).
         Keys far from any setting are carried untouched, as torch.optim does (schedulers' keys, a
         user's own tags such as a layer index)."""
-        if group.get("newton_schulz_func") is not None:
-            raise NotImplementedError(f"dion3: parameter group {gi}: {_NO_NS_FUNC}")
-        for key, what in _UNIMPLEMENTED_TORCH_OPTIONS.items():
-            if group.get(key):
-                raise ValueError(f"dion3: parameter group {gi}: {key}=True is not implemented ({what})")
+        _refuse_unimplemented(gi, group)
         known = set(self.defaults) | {"params", "param_names"}
         for key in group:
             if key in known or key in _SCHEDULER_KEYS or not isinstance(key, str):

@@ -37,16 +37,23 @@ std::string bad_state_value(const HostTensor& t, bool second_moment) {
   return "";
 }
 
+namespace {
+// A state tensor's bytes on the host.
+HostTensor host_copy(Backend& backend, const TensorView& view) {
+  HostTensor h{view.dtype, view.shape, std::vector<unsigned char>(view.bytes())};
+  if (!h.data.empty()) backend.copy_to_host(h.data.data(), view.data, h.data.size());
+  return h;
+}
+}  // namespace
+
 void Optimizer::Impl::check_written_state() {
   std::vector<char> read(params.size(), all_written ? 1 : 0);
   for (int i : written_params)
     if (i < static_cast<int>(params.size())) read[static_cast<std::size_t>(i)] = 1;
   for (std::size_t i = 0; i < params.size(); ++i)
     for (const auto& [name, view] : params[i].state) {
-      if (!read[i] || !is_second_moment(name) || view.numel() == 0) continue;
-      HostTensor h{view.dtype, view.shape, std::vector<unsigned char>(view.bytes())};
-      backend->copy_to_host(h.data.data(), view.data, h.data.size());
-      if (const std::string bad = bad_state_value(h, true); !bad.empty())
+      if (!read[i] || !is_second_moment(name)) continue;
+      if (const std::string bad = bad_state_value(host_copy(*backend, view), true); !bad.empty())
         fail(describe(static_cast<int>(i)) + ": state '" + name + "' (" + dtype_name(view.dtype) + "), written " +
              "since the last step (state_changed), holds " + bad + "; the step was not applied");
     }
@@ -64,14 +71,7 @@ OptimizerState Optimizer::export_state() const {
     ParamState ps;
     ps.name = p.name;
     ps.step = counters[0] - p.step_offset;
-    for (const auto& [name, view] : p.state) {
-      HostTensor h;
-      h.dtype = view.dtype;
-      h.shape = view.shape;
-      h.data.resize(view.bytes());
-      if (!h.data.empty()) s.backend->copy_to_host(h.data.data(), view.data, h.data.size());
-      ps.tensors.emplace_back(name, std::move(h));
-    }
+    for (const auto& [name, view] : p.state) ps.tensors.emplace_back(name, host_copy(*s.backend, view));
     out.params.push_back(std::move(ps));
   }
   return out;

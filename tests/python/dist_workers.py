@@ -75,6 +75,18 @@ def steps_match_reference(opt, ref, ps, shapes, seed, place, what, steps=3):
 
 # ---- layouts --------------------------------------------------------------------------------
 
+def refused(rank, opt, ps, expect):
+    """opt.step() raises a ValueError naming `expect` on this rank, and no weight moved."""
+    before = [full(p.detach()).clone() for p in ps]
+    try:
+        opt.step()
+        raise AssertionError(f"rank {rank}: a step expected to be refused was applied")
+    except ValueError as e:
+        assert expect in str(e), f"rank {rank}: {e}"
+    assert all(torch.equal(full(p.detach()), b) for p, b in zip(ps, before)), \
+        f"rank {rank}: a refused step moved weights"
+
+
 def ddp(rank, world, opt_cls, **kw):
     """DDP (replicated parameters, distributed_mesh = ProcessGroup) equals the single-process run."""
     torch.manual_seed(0)
@@ -261,16 +273,10 @@ def agreement(rank, world, mesh):
     for p in ps:
         p.grad = torch.ones(8, 6)
     opt.step()
-    before = [p.detach().clone() for p in ps]
     for p in ps:
         p.grad = None if rank == world - 1 else torch.full((8, 6), 2.0)
-    try:
-        opt.step()
-        raise AssertionError(f"rank {rank}: a step with a rank without gradients was applied")
-    except ValueError as e:
-        expect = "no parameter of this rank has a gradient" if rank == world - 1 else "another rank took no part"
-        assert expect in str(e), f"rank {rank}: {e}"
-    assert all(torch.equal(p, b) for p, b in zip(ps, before)), f"rank {rank}: a refused step moved weights"
+    mine = "no parameter of this rank has a gradient"
+    refused(rank, opt, ps, mine if rank == world - 1 else "another rank took no part")
     for p in ps:
         p.grad = torch.full((8, 6), 3.0)
     opt.step()
@@ -292,14 +298,8 @@ def agreement(rank, world, mesh):
             opt.state[qs[0]]["variance_neuron"][0, 0] = float("nan")
             if rebuild:
                 qs[1].data = qs[1].data.clone()
-        before = [q.detach().clone() for q in qs]
-        try:
-            opt.step()
-            raise AssertionError(f"rank {rank}: a step with a NaN second moment on one rank was applied")
-        except ValueError as e:
-            expect = "written since the last step" if rank == world - 1 else "another rank refused this step"
-            assert expect in str(e), f"rank {rank}: {e}"
-        assert all(torch.equal(q, b) for q, b in zip(qs, before)), f"rank {rank}: a refused step moved weights"
+        mine = "written since the last step"
+        refused(rank, opt, qs, mine if rank == world - 1 else "another rank refused this step")
     # Same-shape matrices listed in another order on one rank (named, as a model names them):
     # their updates would be swapped there; every rank refuses instead.
     named = [("a", nn.Parameter(torch.ones(8, 6))), ("b", nn.Parameter(torch.ones(8, 6)))]
@@ -341,14 +341,7 @@ def one_rank_changes(rank, world, mesh):
                 p.grad = distribute_tensor(g, mesh, [Shard(0)]) if fsdp_layout else g.clone()
                 s.grad = g.clone()
             if expect_refusal:
-                before = [full(p.detach()).clone() for p in ps]
-                try:
-                    opt.step()
-                    raise AssertionError(f"rank {rank} {what}: a step with different plans was applied")
-                except ValueError as e:
-                    assert "planned different steps" in str(e), f"rank {rank} {what}: {e}"
-                assert all(torch.equal(full(p.detach()), b) for p, b in zip(ps, before)), \
-                    f"rank {rank} {what}: a refused step moved weights"
+                refused(rank, opt, ps, "planned different steps")
                 return
             opt.step()
             if fsdp_layout:
@@ -385,16 +378,6 @@ def one_rank_settings(rank, world, mesh):
     others instead of stepping alone."""
     torch.manual_seed(0)
 
-    def refused(opt, ps, expect):
-        before = [full(p.detach()).clone() for p in ps]
-        try:
-            opt.step()
-            raise AssertionError(f"rank {rank}: a step expected to be refused was applied")
-        except ValueError as e:
-            assert expect in str(e), f"rank {rank}: {e}"
-        assert all(torch.equal(full(p.detach()), b) for p, b in zip(ps, before)), \
-            f"rank {rank}: a refused step moved weights"
-
     def same_everywhere(ps, what):
         for p in ps:
             mine = full(p.detach()).clone()
@@ -417,7 +400,7 @@ def one_rank_settings(rank, world, mesh):
         if rank == 0:
             opt.param_groups[0][key] = changed
         grads(1)
-        refused(opt, ps, "planned different steps")
+        refused(rank, opt, ps, "planned different steps")
         if rank == 0:
             opt.param_groups[0][key] = alike
         grads(2)
@@ -438,7 +421,7 @@ def one_rank_settings(rank, world, mesh):
     if rank == 0:
         opt.param_groups[1]["algorithm"] = "lion"
     grads2(1)
-    refused(opt, [w, b], "planned different steps")
+    refused(rank, opt, [w, b], "planned different steps")
     if rank == 0:
         opt.param_groups[1]["algorithm"] = "adamw"
     grads2(2)
@@ -451,7 +434,7 @@ def one_rank_settings(rank, world, mesh):
         if rank == 0:
             opt.param_groups[gi][key] = value
         grads2(seed)
-        refused(opt, [w, b], "stepped with different hyper-parameters")
+        refused(rank, opt, [w, b], "stepped with different hyper-parameters")
         opt.param_groups[gi][key] = kept
         grads2(seed + 1)
         opt.step()
@@ -469,7 +452,7 @@ def one_rank_settings(rank, world, mesh):
                 w.grad = w.grad.to_sparse()
             else:
                 opt.param_groups[gi][key] = value
-        refused(opt, [w, b], own if rank == 0 else "another rank refused this step")
+        refused(rank, opt, [w, b], own if rank == 0 else "another rank refused this step")
         if key != "grad":
             opt.param_groups[gi][key] = kept
         grads2(seed + 1)
@@ -482,7 +465,7 @@ def one_rank_settings(rank, world, mesh):
     if rank == world - 1:
         w.grad = b.grad = None
     expect = "no parameter of this rank has a gradient" if rank == world - 1 else "another rank took no part"
-    refused(opt, [w, b], expect)
+    refused(rank, opt, [w, b], expect)
     grads2(4)
     opt.step()
     same_everywhere([w, b], "DDP after a refusal right after load_state_dict")
@@ -492,7 +475,7 @@ def one_rank_settings(rank, world, mesh):
     frozen = nn.Parameter(torch.randn(4, 4), requires_grad=False)
     opt = dion3.Dion3([w0, frozen], distributed_mesh=dist.group.WORLD, lr=0.02)
     w0.grad = None if rank == world - 1 else torch.ones(8, 6)
-    refused(opt, [w0], expect)
+    refused(rank, opt, [w0], expect)
     assert "momentum" not in opt.state[w0] or not opt.state[w0]["momentum"].any(), f"rank {rank}: state moved"
     w0.grad = torch.ones(8, 6)
     opt.step()
@@ -504,7 +487,7 @@ def one_rank_settings(rank, world, mesh):
     if rank == 0:
         opt.param_groups[0]["lr"] = float("nan")
     w0.grad, extra.grad = torch.ones(8, 6), torch.ones(5)
-    refused(opt, [w0, extra], "lr" if rank == 0 else "another rank refused this step")
+    refused(rank, opt, [w0, extra], "lr" if rank == 0 else "another rank refused this step")
     opt.param_groups[0]["lr"] = 0.02
     opt.step()
     same_everywhere([w0, extra], "DDP after a refusal as a group was added")
@@ -520,7 +503,7 @@ def one_rank_settings(rank, world, mesh):
         if rank == 0:
             opt.param_groups[0]["lr"] = float("nan")
         w1.grad = torch.ones(8, 6)
-        refused(opt, [w1], "lr" if rank == 0 else "another rank refused this step")
+        refused(rank, opt, [w1], "lr" if rank == 0 else "another rank refused this step")
         opt.param_groups[0]["lr"] = 0.02
         opt.step()
         same_everywhere([w1], f"DDP after a refusal at the {when}")
@@ -914,7 +897,7 @@ def _refused_loads(rank, world, mesh):
                           for pid, st in sd["state"].items()},
                 "param_groups": copy.deepcopy(sd["param_groups"])}
 
-    def refused(opt, sd, what):
+    def load_refused(opt, sd, what):
         try:
             opt.load_state_dict(sd)
         except ValueError as e:
@@ -933,10 +916,10 @@ def _refused_loads(rank, world, mesh):
         local.view(-1)[0] = float("nan")
     sharded["state"][0]["momentum"] = DTensor.from_local(local, m.device_mesh, m.placements, run_check=False,
                                                          shape=m.shape, stride=m.stride())
-    refused(opt, sharded, "state 'momentum' (float32) (this rank's shard) holds NaN at element 0")
+    load_refused(opt, sharded, "state 'momentum' (float32) (this rank's shard) holds NaN at element 0")
     single = copied(opt.state_dict(), lambda v: full(v).clone())
     single["state"][0]["variance_neuron"][-1] = -1.0  # the last row: the last rank's shard
-    refused(opt, single, "state 'variance_neuron' (float32) (this rank's shard) holds -1.0")
+    load_refused(opt, single, "state 'variance_neuron' (float32) (this rank's shard) holds -1.0")
     after = _full_state(opt)
     assert after.keys() == before.keys()
     for key in before:
@@ -949,13 +932,13 @@ def _refused_loads(rank, world, mesh):
     if rank == bad_rank:
         replicated["state"][1]["momentum"][0, 0] = float("inf")
     before = _full_state(opt)
-    refused(opt, replicated, "state 'momentum' (float32) holds +Inf at element 0")
+    load_refused(opt, replicated, "state 'momentum' (float32) holds +Inf at element 0")
     # Refused from its metadata alone (a shape) on one rank: the others refuse too, and none hangs
     # in the next step's collectives.
     truncated = copied(opt.state_dict(), lambda v: v.clone())
     if rank == bad_rank:
         truncated["state"][1]["momentum"] = truncated["state"][1]["momentum"][:1]
-    refused(opt, truncated, "state 'momentum' has shape [1,")
+    load_refused(opt, truncated, "state 'momentum' has shape [1,")
     after = _full_state(opt)
     for key in before:
         assert torch.equal(after[key], before[key]), f"rank {rank}: DDP state {key} changed by a refused load"

@@ -319,8 +319,8 @@ dion3::Layout parse_layout(const std::string& kind) {
 }
 
 // One dion3::Optimizer on one device, with the tensors it points into kept alive.
-// Engines alive in this process: the front end drops its own at interpreter exit, while
-// torch.distributed can still release the process groups their communicators hold.
+// Engines alive in this process: the front end drops its own at interpreter exit, while torch
+// is still whole (its test counts them).
 std::atomic<int64_t> live_engines{0};
 
 class Engine {
