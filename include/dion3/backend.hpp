@@ -171,7 +171,7 @@ DION3_HOST_DEVICE inline void settle_agreement_words(int* words, int regions) {
 // but not written. Views are flat (1 x n), all of one length.
 struct StepCheck {
   enum Rule : int {
-    Momentum = 0,  // M' = a*M + G; with b != 0 also the Nesterov mix b*M' + G
+    Momentum = 0,  // M' = a*M + c*G; with b != 0 also the Nesterov mix b*M' + c*G
     AdamW = 1,     // exp_avg and exp_avg_sq of AdamWElem with beta1 = a, beta2 = b
     Lion = 2,      // exp_avg' = M + (1 - b)*(G - M)
   };
@@ -180,6 +180,7 @@ struct StepCheck {
   MatrixView state;   // momentum / exp_avg
   MatrixView state2;  // AdamW's exp_avg_sq
   Hyper a = 0.0f, b = 0.0f;
+  Hyper c = 1.0f;  // Momentum rule: the gradient's coefficient (1 - mu for an averaged momentum)
   // Momentum rule only, optional: one float in device memory that, when > 0, is at least the
   // largest |state| element (the optimizer keeps one per matrix between steps). Where a gradient
   // element is small enough against it that no state value so bounded could overflow, the state
@@ -198,8 +199,8 @@ DION3_HOST_DEVICE inline float largest_finite(DType t) {
 
 // A |g| up to which a * m + g and the Nesterov mix b * (a * m + g) + g both stay within a quarter
 // of `limit` (a state dtype's largest finite value) whatever m with |m| <= bound, so that float
-// rounding cannot carry either past it. Negative or NaN (no gradient passes) when the bound is
-// unknown or too large.
+// rounding cannot carry either past it (so also with a gradient coefficient |c| <= 1). Negative or
+// NaN (no gradient passes) when the bound is unknown or too large.
 DION3_HOST_DEVICE inline float momentum_gradient_limit(float bound, float a, float b, float limit) {
   if (!(bound > 0.0f)) return -1.0f;
   const float fa = a < 0.0f ? -a : a, fb = b < 0.0f ? -b : b;
@@ -315,10 +316,10 @@ class DION3_API Backend {
   // overflow the momentum or a second moment, and such a step must be dropped before anything
   // is written.
   virtual void check_step(std::span<const StepCheck> xs, int* flag) = 0;
-  // M = decay*M + G for each matrix; if scores != null, scores[i*rows + r] = sum_j |M_i[r,j]|
-  // taken after the update; if row_sumsq != null, row_sumsq[i*rows + r] = sum_j M_i[r,j]^2 (both
-  // of the values as stored).
-  virtual void accumulate(const MatrixSet& set, Hyper decay, float* scores, float* row_sumsq,
+  // M = decay*M + grad_scale*G for each matrix; if scores != null, scores[i*rows + r] =
+  // sum_j |M_i[r,j]| taken after the update; if row_sumsq != null, row_sumsq[i*rows + r] =
+  // sum_j M_i[r,j]^2 (both of the values as stored).
+  virtual void accumulate(const MatrixSet& set, Hyper decay, Hyper grad_scale, float* scores, float* row_sumsq,
                           const int* skip) = 0;
   // For each of `count` score vectors of length m: the k rows of largest score, ties to the
   // lower index, written to idx[i*k ...] in ascending row order; with `largest` (may be null),

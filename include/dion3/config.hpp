@@ -18,7 +18,8 @@ namespace dion3 {
 // Dion2 is Dion3 without the NorMuon normalisation; on a matrix that is not sharded it selects
 // along the shorter dimension (columns of a tall matrix), as the reference's Dion2 does.
 enum class Algorithm : int { Dion3 = 0, NorMuon = 1, Muon = 2, AdamW = 3, Lion = 4, Dion2 = 5 };
-enum class AdjustLR : int { SpectralNorm = 0, RmsNorm = 1, None = 2 };
+// SpectralNormClamped: eta * sqrt(max(1, m / n)), the original Muon's (torch.optim.Muon's default).
+enum class AdjustLR : int { SpectralNorm = 0, RmsNorm = 1, None = 2, SpectralNormClamped = 3 };
 // Auto picks, per shape, the cheaper of the two by the backend's cost model (algorithm.md §2).
 enum class OrthMethod : int { Auto = 0, Standard = 1, Gram = 2 };
 enum class NonFinitePolicy : int { Raise = 0, Skip = 1 };
@@ -29,7 +30,8 @@ enum class SelectionScope : int { Local = 0, Global = 1 };
 DION3_API const char* algorithm_name(Algorithm a);
 // "dion3"/"nordion2", "dion2", "normuon", "muon", "adamw", "lion"
 DION3_API Algorithm parse_algorithm(const std::string& name);
-DION3_API AdjustLR parse_adjust_lr(const std::string& name);   // "spectral_norm", "rms_norm", "none"
+// "spectral_norm", "rms_norm", "none", "spectral_norm_clamped"
+DION3_API AdjustLR parse_adjust_lr(const std::string& name);
 DION3_API OrthMethod parse_orth_method(const std::string& name);  // "auto", "standard", "gram"
 DION3_API NonFinitePolicy parse_nonfinite(const std::string& name);  // "raise", "skip"
 DION3_API SelectionScope parse_selection_scope(const std::string& name);  // "local", "global"
@@ -83,6 +85,9 @@ struct DION3_API GroupConfig {
   AdjustLR adjust_lr = AdjustLR::SpectralNorm;
   bool flatten = false;       // >= 3-D tensors: (dim0, rest) if true, else batches of matrices
   bool nesterov = false;      // Muon / NorMuon
+  // Muon / NorMuon: the momentum as an average, M = mu*M + (1 - mu)*G (with nesterov, the update
+  // reads mu*M + (1 - mu)*G), the buffer torch.optim.Muon keeps; false: M = mu*M + G.
+  bool ema_momentum = false;
   bool cautious_wd = false;   // Muon / NorMuon: decay only where update and weight agree in sign
   bool scale_lr_by_fraction = false;  // Dion3: use lr / sqrt(fraction) (the paper's scaling law)
   std::optional<DType> momentum_dtype;  // nullopt = the parameter's dtype

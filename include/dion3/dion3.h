@@ -84,7 +84,8 @@ typedef enum dion3_algorithm {
 typedef enum dion3_adjust_lr {
   DION3_ADJUST_LR_SPECTRAL_NORM = 0,
   DION3_ADJUST_LR_RMS_NORM = 1,
-  DION3_ADJUST_LR_NONE = 2
+  DION3_ADJUST_LR_NONE = 2,
+  DION3_ADJUST_LR_SPECTRAL_NORM_CLAMPED = 3 /* lr * sqrt(max(1, rows / cols)): the original Muon's */
 } dion3_adjust_lr;
 
 typedef enum dion3_orth_method {
@@ -161,6 +162,9 @@ typedef struct dion3_group_config {
    * one of the two, both 0 by default: */
   int32_t num_heads;            /* h blocks of equal height */
   int32_t num_split_sizes;      /* blocks of heights split_sizes[0 .. num_split_sizes) */
+  /* Muon / NorMuon: 1 keeps the momentum as an average, M = mu*M + (1 - mu)*G (the Nesterov mix
+   * mu*M + (1 - mu)*G), as torch.optim.Muon does; 0 (default): M = mu*M + G. In what was padding. */
+  int32_t ema_momentum;
   int64_t split_sizes[DION3_MAX_SPLITS];
 } dion3_group_config;
 

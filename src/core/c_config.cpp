@@ -2,11 +2,17 @@
 #include "core/c_config.hpp"
 
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <vector>
 
 
 namespace dion3::capi {
+
+// ema_momentum took the padding before split_sizes: programs built against the older header keep
+// the same layout.
+static_assert(offsetof(dion3_group_config, ema_momentum) + sizeof(int32_t) ==
+              offsetof(dion3_group_config, split_sizes));
 namespace {
 
 const std::vector<Coefficients>& preset(int32_t which) {
@@ -33,9 +39,10 @@ GroupConfig config_from_c(const dion3_group_config& c) {
   g.betas = {c.betas[0], c.betas[1]};
   g.weight_decay = c.weight_decay;
   g.epsilon = c.epsilon;
-  g.adjust_lr = to_enum<AdjustLR>(c.adjust_lr, 0, 2, "group config: adjust_lr");
+  g.adjust_lr = to_enum<AdjustLR>(c.adjust_lr, 0, 3, "group config: adjust_lr");
   g.flatten = c.flatten != 0;
   g.nesterov = c.nesterov != 0;
+  g.ema_momentum = c.ema_momentum != 0;
   g.cautious_wd = c.cautious_wd != 0;
   g.scale_lr_by_fraction = c.scale_lr_by_fraction != 0;
   if (c.momentum_dtype >= 0) g.momentum_dtype = dtype_from_c(c.momentum_dtype, "group config: momentum_dtype");
@@ -85,6 +92,7 @@ void config_to_c(const GroupConfig& g, dion3_group_config* c) {
   c->adjust_lr = static_cast<int32_t>(g.adjust_lr);
   c->flatten = g.flatten;
   c->nesterov = g.nesterov;
+  c->ema_momentum = g.ema_momentum;
   c->cautious_wd = g.cautious_wd;
   c->scale_lr_by_fraction = g.scale_lr_by_fraction;
   c->momentum_dtype = g.momentum_dtype ? static_cast<int32_t>(*g.momentum_dtype) : -1;

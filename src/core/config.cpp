@@ -91,7 +91,8 @@ AdjustLR parse_adjust_lr(const std::string& name) {
   if (name == "spectral_norm") return AdjustLR::SpectralNorm;
   if (name == "rms_norm") return AdjustLR::RmsNorm;
   if (name == "none" || name == "None" || name.empty()) return AdjustLR::None;
-  fail("'adjust_lr' must be 'spectral_norm', 'rms_norm' or None; got '" + name + "'");
+  if (name == "spectral_norm_clamped") return AdjustLR::SpectralNormClamped;
+  fail("'adjust_lr' must be 'spectral_norm', 'rms_norm', 'spectral_norm_clamped' or None; got '" + name + "'");
 }
 
 OrthMethod parse_orth_method(const std::string& name) {
@@ -212,6 +213,9 @@ void GroupConfig::validate() const {
     require_unit_interval("betas[0]", betas[0]);
     require_unit_interval("betas[1]", betas[1]);
   }
+  if (ema_momentum && algorithm != Algorithm::Muon && algorithm != Algorithm::NorMuon)
+    fail(std::string("'ema_momentum' is a setting of muon and normuon (the form of their momentum); ") +
+         algorithm_name(algorithm) + " does not take it");
   for (int64_t s : split_sizes)
     if (s < 1) fail("'split_sizes' must hold block heights >= 1, got " + std::to_string(s));
   if (num_heads < 0) fail("'num_heads' must be >= 1 (or 0: none), got " + std::to_string(num_heads));
@@ -263,6 +267,8 @@ double GroupConfig::adjusted_lr(int64_t m, int64_t n) const {
     case AdjustLR::SpectralNorm: return eta * std::sqrt(static_cast<double>(m) / static_cast<double>(n));
     case AdjustLR::RmsNorm: return eta * 0.2 * std::sqrt(static_cast<double>(std::max(m, n)));
     case AdjustLR::None: return eta;
+    case AdjustLR::SpectralNormClamped:
+      return eta * std::sqrt(std::max(1.0, static_cast<double>(m) / static_cast<double>(n)));
   }
   return eta;
 }

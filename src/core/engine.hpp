@@ -209,7 +209,8 @@ struct Optimizer::Impl {
   // group, then each megabatch's adjusted lr, in device memory. upload_hyper() refreshes them
   // before every step that is not being captured, so a captured step replays with the values of
   // the last refresh (Optimizer::refresh_hyperparameters).
-  enum GroupHyper : int { kMu, kDecay, kMuonBeta2, kLr, kBeta1, kBeta2, kWeightDecay, kEpsilon, kGroupHyper };
+  // kGradScale: the gradient's coefficient in the momentum (1, or 1 - mu for ema_momentum).
+  enum GroupHyper : int { kMu, kDecay, kMuonBeta2, kLr, kBeta1, kBeta2, kWeightDecay, kEpsilon, kGradScale, kGroupHyper };
   DeviceBuffer hyper;
   std::vector<float> hyper_uploaded;  // what `hyper` holds
   uint64_t plan_generation = 0;       // counts build_plan() calls

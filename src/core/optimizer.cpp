@@ -754,6 +754,7 @@ Hyper Optimizer::Impl::group_hyper(int g, GroupHyper which) const {
     case kBeta2: return {static_cast<float>(c.betas[1]), at};
     case kWeightDecay: return {static_cast<float>(c.weight_decay), at};
     case kEpsilon: return {static_cast<float>(c.epsilon), at};
+    case kGradScale: return {c.ema_momentum ? static_cast<float>(1.0 - c.mu) : 1.0f, at};
     default: break;
   }
   fail("internal: no such hyper-parameter slot", Status::Internal);
@@ -1359,10 +1360,10 @@ namespace {
 
 // The rows Dion3 / Muon / NorMuon hand to the orthogonalizer, with error feedback where the
 // algorithm has it (algorithm.md §1 steps 3-4, Muon's momentum or its Nesterov mix).
-void gather_update_rows(Backend& be, const GroupConfig& g, Hyper mu, const MatrixSet& set, const int32_t* idx,
-                        int64_t k, MatrixView out, float* row_sumsq, const int* flag) {
+void gather_update_rows(Backend& be, const GroupConfig& g, Hyper mu, Hyper grad_scale, const MatrixSet& set,
+                        const int32_t* idx, int64_t k, MatrixView out, float* row_sumsq, const int* flag) {
   if (selects_rows(g.algorithm)) be.gather_rows(set, idx, k, 1.0f, 0.0f, mu, out, row_sumsq, flag);
-  else if (g.nesterov) be.gather_rows(set, idx, k, mu, 1.0f, 1.0f, out, row_sumsq, flag);
+  else if (g.nesterov) be.gather_rows(set, idx, k, mu, grad_scale, 1.0f, out, row_sumsq, flag);
   else be.gather_rows(set, idx, k, 1.0f, 0.0f, 1.0f, out, row_sumsq, flag);
 }
 
@@ -1410,6 +1411,7 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
   bind(mb);
   const auto n = static_cast<int64_t>(mb.members.size());
   const Hyper mu = group_hyper(mb.group, kMu);
+  const Hyper gs = group_hyper(mb.group, kGradScale);  // the gradient's coefficient in M
   const bool selects = selects_rows(g.algorithm);
   float* scores = mb.scores.as<float>();
   int32_t* idx = mb.indices.as<int32_t>();
@@ -1423,11 +1425,11 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
     if (selects) {
       // Row l1 scores over this rank's columns, summed over the ranks (one GEMM with a row of
       // ones, the same arithmetic on every rank, so every rank selects the same rows).
-      be.accumulate(*mb.set, 1.0f, scores, nullptr, flag);
+      be.accumulate(*mb.set, 1.0f, 1.0f, scores, nullptr, flag);
       be.select_rows(summed_scores(mb, *mb.comm), n, mb.rows, mb.k, idx, flag, mb.bounds.as<float>(), nullptr,
                      nullptr);
     } else {
-      be.accumulate(*mb.set, mu, nullptr, nullptr, flag);
+      be.accumulate(*mb.set, mu, gs, nullptr, nullptr, flag);
     }
     // The others' columns of the selected rows into `send` ([owner][member][k][c], member
     // order), zero-padded to c columns.
@@ -1437,7 +1439,7 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
     for (auto& [first, set] : mb.others) {
       const auto count = static_cast<int64_t>(set->mats.size());
       if (mb.cols > 0)
-        gather_update_rows(be, g, mu, *set, selects ? idx + first * mb.k : nullptr, mb.k,
+        gather_update_rows(be, g, mu, gs, *set, selects ? idx + first * mb.k : nullptr, mb.k,
                            MatrixView{byte_offset(mb.send, first * slot), mb.update_dtype, count, mb.k, mb.cols, c,
                                       mb.k * c},
                            nullptr, flag);
@@ -1449,12 +1451,12 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
   if (mb.layout != Layout::RowShard) {
     if (selects) {
       // M += G, row l1 scores (and sums of squares, for the normalisation in the gather)
-      be.accumulate(*mb.set, 1.0f, scores, row_sumsq, flag);
+      be.accumulate(*mb.set, 1.0f, 1.0f, scores, row_sumsq, flag);
       // S = top-k rows (and, when the gather normalises, their sum of squares)
       be.select_rows(scores, n, mb.rows, mb.k, idx, flag, mb.bounds.as<float>(), row_sumsq,
                      row_sumsq ? selected_sumsq(mb) : nullptr);
     } else {
-      be.accumulate(*mb.set, mu, nullptr, nullptr, flag);  // M = mu M + G
+      be.accumulate(*mb.set, mu, gs, nullptr, nullptr, flag);  // M = mu M + gs G
     }
     return;
   }
@@ -1463,7 +1465,7 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
   const int64_t P = mb.ranks, c = ceil_div(mb.global_rows, P), shard_first = std::min(mb.global_rows, mb.rank * c);
   int32_t* piece_idx = mb.piece_idx.as<int32_t>();
   if (selects) {
-    be.accumulate(*mb.set, 1.0f, scores, row_sumsq, flag);
+    be.accumulate(*mb.set, 1.0f, 1.0f, scores, row_sumsq, flag);
     if (mb.global_scope) {
       // Every rank gathers every shard's scores and selects the whole matrix's top k (the
       // single-device selection), then keeps the rows that fall in its shard.
@@ -1481,7 +1483,7 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
       select_pieces(mb, scores, row_sumsq, flag);
     }
   } else {
-    be.accumulate(*mb.set, mu, nullptr, nullptr, flag);
+    be.accumulate(*mb.set, mu, gs, nullptr, nullptr, flag);
   }
   if (P == 1) return;  // nothing leaves the rank
   // The pieces other ranks orthogonalize (global scope: every piece, the owner compacts them)
@@ -1489,7 +1491,7 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
   const std::size_t slot = static_cast<std::size_t>(mb.piece * mb.cols) * dtype_size(mb.update_dtype);
   auto gather_into_send = [&](const MatrixSet& set, int64_t first) {
     const auto count = static_cast<int64_t>(set.mats.size());
-    gather_update_rows(be, g, mu, set, piece_idx + first * mb.piece, mb.piece,
+    gather_update_rows(be, g, mu, gs, set, piece_idx + first * mb.piece, mb.piece,
                        MatrixView::contiguous(byte_offset(mb.send, first * slot), mb.update_dtype, count, mb.piece,
                                               mb.cols),
                        nullptr, flag);
@@ -1511,6 +1513,7 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
   Backend& be = *backend;
   const GroupConfig& g = groups[mb.group];
   const Hyper mu = group_hyper(mb.group, kMu);
+  const Hyper gs = group_hyper(mb.group, kGradScale);  // the gradient's coefficient in M
   const bool selects = selects_rows(g.algorithm);
   int32_t* idx = mb.indices.as<int32_t>();
   float* row_sumsq = mb.row_sumsq.as<float>();
@@ -1549,14 +1552,14 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
                      byte_offset(mb.recv, (r * mb.block + jl) * mb.k * piece), piece, held * es_u, c.count * mb.k);
         }
         if (mb.cols > 0)
-          gather_update_rows(be, g, mu, *c.set, rows, mb.k,
+          gather_update_rows(be, g, mu, gs, *c.set, rows, mb.k,
                              MatrixView{static_cast<char*>(U.data) + mb.rank * piece, mb.update_dtype, c.count, mb.k,
                                         mb.cols, mb.orth_cols, mb.k * mb.orth_cols},
                              nullptr, flag);
         O = run_orthogonalizer(c, [&] { return c.orth->run(U); });
       } else if (gathers_whole_rows(mb)) {
         float* ss = row_sumsq + c.first * mb.k;  // U's row sums of squares, for its norm
-        gather_update_rows(be, g, mu, *c.set, rows, mb.k, U, ss, flag);
+        gather_update_rows(be, g, mu, gs, *c.set, rows, mb.k, U, ss, flag);
         O = run_orthogonalizer(c, [&] { return c.orth->run(U, ss); });
       } else if (mb.global_scope) {
         // The k selected rows of each member, compacted out of the ranks' padded pieces.
@@ -1573,7 +1576,7 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
           be.copy_2d(static_cast<char*>(U.data) + r * in_slot, P * in_slot,
                      byte_offset(mb.recv, (r * mb.block + jl) * in_slot), in_slot, in_slot, c.count);
         }
-        gather_update_rows(be, g, mu, *c.set, rows, mb.piece,
+        gather_update_rows(be, g, mu, gs, *c.set, rows, mb.piece,
                            strided(static_cast<char*>(U.data) + mb.rank * in_slot, mb.update_dtype, c.count, mb.piece,
                                    mb.cols, mb.orth_rows * mb.cols),
                            nullptr, flag);
@@ -1674,21 +1677,22 @@ void Optimizer::Impl::prepare_block(Megabatch& mb, int* flag) {
   const int64_t Pc = mb.col_ranks, cc = ceil_div(mb.global_cols, Pc), W = mb.orth_cols;
   const std::size_t es_u = dtype_size(mb.update_dtype);
   const Hyper mu = group_hyper(mb.group, kMu);
+  const Hyper gs = group_hyper(mb.group, kGradScale);  // the gradient's coefficient in M
   int32_t* piece_idx = mb.piece_idx.as<int32_t>();
   if (selects) {
     float* scores = mb.scores.as<float>();
-    be.accumulate(*mb.set, 1.0f, scores, nullptr, flag);
+    be.accumulate(*mb.set, 1.0f, 1.0f, scores, nullptr, flag);
     // Row scores over this rank's columns, summed over the column ranks.
     select_pieces(mb, Pc > 1 && mb.rows > 0 ? summed_scores(mb, *mb.col_comm) : scores, nullptr, flag);
   } else {
-    be.accumulate(*mb.set, mu, nullptr, nullptr, flag);
+    be.accumulate(*mb.set, mu, gs, nullptr, nullptr, flag);
   }
   // This rank's columns of every member's pieces, into its block of colbuf (zero-padded to cc).
   const std::size_t block = static_cast<std::size_t>(n * mb.piece * cc) * es_u;
   char* mine = byte_offset(mb.colbuf, mb.col_rank * block);
   if (mb.cols < cc) be.fill_zero(mine, block);
   if (mb.cols > 0)
-    gather_update_rows(be, g, mu, *mb.set, piece_idx, mb.piece,
+    gather_update_rows(be, g, mu, gs, *mb.set, piece_idx, mb.piece,
                        MatrixView{mine, mb.update_dtype, n, mb.piece, mb.cols, cc, mb.piece * cc}, nullptr, flag);
   if (Pc > 1)
     comm_wait(mb.col_comm->all_gather(mine, mb.colbuf.get(), block, be.stream(),
@@ -1835,6 +1839,7 @@ StepCheck Optimizer::Impl::step_check(const Param& p) const {
     case Algorithm::Muon:
       c.a = group_hyper(p.group, kMu);
       c.b = g.nesterov ? group_hyper(p.group, kMu) : Hyper(0.0f);
+      c.c = group_hyper(p.group, kGradScale);
       break;
     case Algorithm::AdamW:
       c.rule = StepCheck::AdamW;

@@ -191,7 +191,7 @@ class CpuBackend final : public Backend {
         load_row(G, 0, 0, g.data());
         bool ok = true;
         const DType st = x.state.dtype;
-        const float a = x.a.get(), b = x.b.get();
+        const float a = x.a.get(), b = x.b.get(), gc = x.c.get();
         if (x.rule == StepCheck::Momentum && x.state_bound) {  // the gradient alone may settle it
           const float limit = momentum_gradient_limit(*x.state_bound, a, b, largest_finite(st));
           bool small = true;
@@ -202,8 +202,8 @@ class CpuBackend final : public Backend {
         switch (x.rule) {
           case StepCheck::Momentum:
             for (int64_t j = 0; j < G.cols; ++j) {
-              const float m1 = cpu::round_to(st, a * m[j] + g[j]);
-              ok &= std::isfinite(g[j]) && std::isfinite(m1) && (b == 0.0f || std::isfinite(b * m1 + g[j]));
+              const float m1 = cpu::round_to(st, a * m[j] + gc * g[j]);
+              ok &= std::isfinite(g[j]) && std::isfinite(m1) && (b == 0.0f || std::isfinite(b * m1 + gc * g[j]));
             }
             break;
           case StepCheck::AdamW:
@@ -226,10 +226,11 @@ class CpuBackend final : public Backend {
     if (bad) *flag |= 1;
   }
 
-  void accumulate(const MatrixSet& set, Hyper decay_h, float* scores, float* row_sumsq, const int* skip) override {
+  void accumulate(const MatrixSet& set, Hyper decay_h, Hyper grad_scale, float* scores, float* row_sumsq,
+                  const int* skip) override {
     if (skipped(skip)) return;
-    if (set.columns) return accumulate_columns(set, decay_h.get(), scores, row_sumsq);
-    const float decay = decay_h.get();
+    if (set.columns) return accumulate_columns(set, decay_h.get(), grad_scale.get(), scores, row_sumsq);
+    const float decay = decay_h.get(), gs = grad_scale.get();
     const int64_t rows = set.rows(), block = cpu::row_block(set.cols()), blocks = (rows + block - 1) / block;
     struct Buffers {
       std::vector<float> m, g;
@@ -244,7 +245,7 @@ class CpuBackend final : public Backend {
       for (int64_t r = r0; r < std::min(rows, r0 + block); ++r) {
         load_row(p.momentum, 0, r, m.data());
         load_row(p.grad, 0, r, g.data());
-        for (int64_t j = 0; j < p.momentum.cols; ++j) m[j] = decay * m[j] + g[j];
+        for (int64_t j = 0; j < p.momentum.cols; ++j) m[j] = decay * m[j] + gs * g[j];
         store_row(p.momentum, 0, r, m.data());
         // Score what is stored: the rounded momentum, as a device kernel reading M back would.
         double l1 = 0.0, sq = 0.0;
@@ -643,7 +644,7 @@ class CpuBackend final : public Backend {
     for (int64_t r = 0; r < v.rows; ++r) store_row(v, 0, r, in.data() + r * v.cols);
   }
 
-  void accumulate_columns(const MatrixSet& set, float decay, float* scores, float* row_sumsq) {
+  void accumulate_columns(const MatrixSet& set, float decay, float gs, float* scores, float* row_sumsq) {
     const int64_t n = set.rows();  // stored columns
     struct Buffers {
       std::vector<float> m, g;
@@ -652,7 +653,7 @@ class CpuBackend final : public Backend {
       const ParamMatrix& p = set.mats[i];
       load_stored(p.momentum, buf.m);
       load_stored(p.grad, buf.g);
-      for (std::size_t e = 0; e < buf.m.size(); ++e) buf.m[e] = decay * buf.m[e] + buf.g[e];
+      for (std::size_t e = 0; e < buf.m.size(); ++e) buf.m[e] = decay * buf.m[e] + gs * buf.g[e];
       store_stored(p.momentum, buf.m);
       std::vector<double> l1(n, 0.0), sq(n, 0.0);
       for (int64_t r = 0; r < p.momentum.rows; ++r)

@@ -19,24 +19,25 @@ constexpr int kTileRowsPerPass = 8;    // block: kTile x kTileRowsPerPass thread
 
 int64_t row_chunks(int64_t rows) { return std::min<int64_t>(kMaxRowChunks, (rows + 63) / 64); }
 
-// M = decay*M + G on rows [z*chunk, (z+1)*chunk) of a stored rows x cols matrix; thread c walks
+// M = decay*M + grad_scale*G on rows [z*chunk, (z+1)*chunk) of a stored rows x cols matrix; thread c walks
 // column c (neighbouring threads read neighbouring elements of a row). Partial ℓ1 and squared
 // sums of the stored values per (chunk, column).
 template <class TM, class TG>
 __global__ void accumulate_columns_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols,
-                                          int64_t chunk, Hyper decay_h, float* __restrict__ part_l1,
+                                          int64_t chunk, Hyper decay_h, Hyper grad_scale_h,
+                                          float* __restrict__ part_l1,
                                           float* __restrict__ part_sq, const int* skip) {
   pdl_wait();
   if (skipped(skip)) return;
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, i = blockIdx.y, z = blockIdx.z;
   if (c >= cols) return;
-  const float decay = decay_h.get();
+  const float decay = decay_h.get(), gs = grad_scale_h.get();
   const DeviceMat d = mats[i];
   float l1 = 0.0f, sq = 0.0f;
   const int64_t r_end = min(rows, (z + 1) * chunk);
   for (int64_t r = z * chunk; r < r_end; ++r) {
     TM* m = static_cast<TM*>(d.m) + r * d.ldm + c;
-    const TM nv = from_f32<TM>(decay * to_f32(*m) + to_f32(static_cast<const TG*>(d.g)[r * d.ldg + c]));
+    const TM nv = from_f32<TM>(decay * to_f32(*m) + gs * to_f32(static_cast<const TG*>(d.g)[r * d.ldg + c]));
     *m = nv;
     const float v = to_f32(nv);
     l1 += fabsf(v);
@@ -182,8 +183,8 @@ int64_t accumulate_columns_scratch_floats(int64_t nmats, int64_t rows, int64_t c
 }
 
 void launch_accumulate_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
-                               DType gdt, Hyper decay, float* scores, float* row_sumsq, float* scratch,
-                               const int* skip, cudaStream_t s) {
+                               DType gdt, Hyper decay, Hyper grad_scale, float* scores, float* row_sumsq,
+                               float* scratch, const int* skip, cudaStream_t s) {
   if (nmats == 0 || cols == 0) return;
   if (rows == 0) {  // empty columns: zero scores
     for (float* out : {scores, row_sumsq})
@@ -198,7 +199,7 @@ void launch_accumulate_columns(const DeviceMat* mats, int64_t nmats, int64_t row
   DION3_DISPATCH_FLOAT(mdt, TM, [&] {
     DION3_DISPATCH_FLOAT(gdt, TG, [&] {
       launch_pdl(accumulate_columns_kernel<TM, TG>, grid, kColumnThreads, 0, s, mats, rows, cols, chunk, decay,
-                 part_l1, part_sq, skip);
+                 grad_scale, part_l1, part_sq, skip);
     });
   });
   const unsigned sum_grid = ceil_div_u(nmats * cols, kColumnThreads);

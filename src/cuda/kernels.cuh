@@ -15,7 +15,7 @@ namespace dion3::cuda {
 
 // --- step kernels (step_kernels.cu) ------------------------------------------------------
 void launch_accumulate(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
-                       DType gdt, Hyper decay, float* scores, float* row_sumsq, const int* skip, cudaStream_t s,
+                       DType gdt, Hyper decay, Hyper grad_scale, float* scores, float* row_sumsq, const int* skip, cudaStream_t s,
                        bool vec);  // vec: every row pointer 4-element aligned, cols % 4 == 0
 void launch_select_rows(const float* scores, int64_t count, int64_t m, int64_t k, int32_t* idx,
                         float* largest, const float* row_sumsq, float* selected_sumsq, const int* skip,
@@ -36,7 +36,8 @@ void launch_apply_update(const DeviceMat* mats, int64_t nmats, int64_t rows, int
 // the *_scratch_floats floats.
 int64_t accumulate_columns_scratch_floats(int64_t nmats, int64_t rows, int64_t cols);
 void launch_accumulate_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
-                               DType gdt, Hyper decay, float* scores, float* row_sumsq, float* scratch,
+                               DType gdt, Hyper decay, Hyper grad_scale, float* scores, float* row_sumsq,
+                               float* scratch,
                                const int* skip, cudaStream_t s);
 int64_t gather_columns_scratch_floats(int64_t nmats, int64_t rows, int64_t k);
 void launch_gather_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt, DType gdt,

@@ -42,7 +42,7 @@ __device__ __forceinline__ void for_row_packs(const Pack4<TM>* m4, const Pack4<T
   }
 }
 
-// ---- accumulate: M = decay*M + G; scores[r] = sum_j |M[r, j]|, row_sumsq[r] = sum_j M[r, j]^2
+// ---- accumulate: M = decay*M + grad_scale*G; scores[r] = sum_j |M[r, j]|, row_sumsq[r] = sum_j M[r, j]^2
 // (of the rounded values) ----------------------------------------------------------------------
 // One warp per row; with VEC each lane loads four 4-element packs of M and of G before it
 // stores any (more bytes in flight than a block per row with one pack per thread). Each lane
@@ -50,10 +50,11 @@ __device__ __forceinline__ void for_row_packs(const Pack4<TM>* m4, const Pack4<T
 template <class TM, class TG, bool VEC>
 __global__ void __launch_bounds__(32 * kRowWarps)
     accumulate_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols, Hyper decay_h,
-                      float* __restrict__ scores, float* __restrict__ row_sumsq, const int* skip) {
+                      Hyper grad_scale_h, float* __restrict__ scores, float* __restrict__ row_sumsq,
+                      const int* skip) {
   pdl_wait();
   if (skipped(skip)) return;
-  const float decay = decay_h.get();
+  const float decay = decay_h.get(), gs = grad_scale_h.get();
   const int lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5), i = blockIdx.y;
   if (r >= rows) return;
@@ -71,14 +72,14 @@ __global__ void __launch_bounds__(32 * kRowWarps)
                      [&](int64_t q, Pack4<TM>& mp, const Pack4<TG>& gp) {
 #pragma unroll
                        for (int e = 0; e < 4; ++e) {
-                         mp.v[e] = from_f32<TM>(decay * to_f32(mp.v[e]) + to_f32(gp.v[e]));
+                         mp.v[e] = from_f32<TM>(decay * to_f32(mp.v[e]) + gs * to_f32(gp.v[e]));
                          add(to_f32(mp.v[e]));
                        }
                        m4[q] = mp;
                      });
   } else {
     for (int64_t j = lane; j < cols; j += 32) {
-      const TM nv = from_f32<TM>(decay * to_f32(m[j]) + to_f32(g[j]));
+      const TM nv = from_f32<TM>(decay * to_f32(m[j]) + gs * to_f32(g[j]));
       m[j] = nv;
       add(to_f32(nv));
     }
@@ -609,7 +610,7 @@ __global__ void check_finite_kernel(const __grid_constant__ FiniteViews args, in
 // elements per thread in flight (16-byte loads of 16-bit data, streaming: read once). One short
 // block per chunk instead left the memory system idle between blocks and fell well short of the
 // device's read rate (bench/cuda_pass_bench.cu measures both against a plain read).
-constexpr int kStepThreads = 256, kStepPacks = 4, kStepSegments = 48;
+constexpr int kStepThreads = 256, kStepPacks = 4, kStepSegments = 40;
 // Segments with a known momentum bound mostly read their gradient alone (CheckMode::Known), half
 // the bytes a pack of the whole read brings; they keep more packs in flight instead, at as many
 // blocks an SM as the whole read (bench/results/ has the pack counts tried).
@@ -620,13 +621,15 @@ struct StepSegment {
   const void* s2;
   const float* bound;  // StepCheck::state_bound (Momentum rule), or null
   int64_t n;
-  Hyper a, b;  // StepCheck's (the rule is the launch's: one kernel per rule)
+  Hyper a, b, c;  // StepCheck's (the rule is the launch's: one kernel per rule)
   bool vec;  // n % 8 == 0 and every pointer aligned to 8 elements
 };
 struct StepSegments {
   StepSegment seg[kStepSegments];
   int count;
 };
+// Kernel parameters past 4 KB need a newer driver path and cost launch time.
+static_assert(sizeof(StepSegments) <= 4096, "fewer segments per launch");
 
 // Rounding a float32 x to T gives a finite value iff |x| < this (round to nearest even: the
 // halfway point above T's largest value rounds up to Inf). NaN compares false, so one test
@@ -646,14 +649,14 @@ __device__ constexpr DType dtype_of() {
 }
 
 // Whether one element's new state (and gradient) is finite, by the rules the update kernels
-// use: accumulate_kernel's decay*m + g, AdamWRule, LionRule.
+// use: accumulate_kernel's decay*m + grad_scale*g (a, c here), AdamWRule, LionRule.
 template <int kRule, class TS>
-__device__ __forceinline__ bool step_element_finite(float g, float m, float v, float a, float b) {
+__device__ __forceinline__ bool step_element_finite(float g, float m, float v, float a, float b, float c) {
   const float bound = overflow_bound<TS>();
   if constexpr (kRule == StepCheck::Momentum) {
-    const float m1 = a * m + g;
+    const float m1 = a * m + c * g;
     if (!(fabsf(m1) < bound)) return false;
-    return b == 0.0f || fabsf(b * to_f32(from_f32<TS>(m1)) + g) < overflow_bound<float>();
+    return b == 0.0f || fabsf(b * to_f32(from_f32<TS>(m1)) + c * g) < overflow_bound<float>();
   } else if constexpr (kRule == StepCheck::AdamW) {
     // The second moment also >= 0: the update divides by its square root (a negative one can only
     // have been written from outside, and the step would make the weights NaN).
@@ -669,7 +672,7 @@ __device__ __forceinline__ bool step_element_finite(float g, float m, float v, f
 // loop keeps the common path's registers few.
 template <int kRule, class TG, class TS>
 __device__ __forceinline__ bool packs_finite(const TG* g, const TS* m, int64_t base, int64_t stride, unsigned need,
-                                          float ca, float cb) {
+                                          float ca, float cb, float cc) {
   bool ok = true;
 #pragma unroll 1
   for (; need != 0; need &= need - 1) {
@@ -677,7 +680,8 @@ __device__ __forceinline__ bool packs_finite(const TG* g, const TS* m, int64_t b
     const PackV<TG, 8> gq = load_streaming(reinterpret_cast<const PackV<TG, 8>*>(g) + q);
     const PackV<TS, 8> mq = load_streaming(reinterpret_cast<const PackV<TS, 8>*>(m) + q);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) ok &= step_element_finite<kRule, TS>(to_f32(gq.v[e]), to_f32(mq.v[e]), 0.0f, ca, cb);
+    for (int e = 0; e < 8; ++e)
+      ok &= step_element_finite<kRule, TS>(to_f32(gq.v[e]), to_f32(mq.v[e]), 0.0f, ca, cb, cc);
   }
   return ok;
 }
@@ -690,7 +694,7 @@ __device__ __forceinline__ bool packs_finite(const TG* g, const TS* m, int64_t b
 template <int kRule, class TG, class TS, bool kBounded, int kPacks>
 __device__ __forceinline__ bool segment_finite(const StepSegment& sg, int64_t tid, int64_t stride, float limit) {
   constexpr bool kSecond = kRule == StepCheck::AdamW;
-  const float ca = sg.a.get(), cb = sg.b.get();
+  const float ca = sg.a.get(), cb = sg.b.get(), cc = sg.c.get();
   const TG* __restrict__ g = static_cast<const TG*>(sg.g);
   const TS* __restrict__ m = static_cast<const TS*>(sg.s);
   const TS* __restrict__ v = static_cast<const TS*>(sg.s2);
@@ -721,7 +725,7 @@ __device__ __forceinline__ bool segment_finite(const StepSegment& sg, int64_t ti
           for (int e = 0; e < 8; ++e) small &= fabsf(to_f32(gp[u].v[e])) <= limit;
           if (!small) need |= 1u << u;
         }
-        if (need != 0) ok &= packs_finite<kRule, TG, TS>(g, m, base, stride, need, ca, cb);
+        if (need != 0) ok &= packs_finite<kRule, TG, TS>(g, m, base, stride, need, ca, cb, cc);
       } else {
 #pragma unroll
         for (int u = 0; u < kPacks; ++u)
@@ -729,14 +733,14 @@ __device__ __forceinline__ bool segment_finite(const StepSegment& sg, int64_t ti
 #pragma unroll
             for (int e = 0; e < 8; ++e)
               ok &= step_element_finite<kRule, TS>(to_f32(gp[u].v[e]), to_f32(mp[u].v[e]),
-                                                   kSecond ? to_f32(vp[u].v[e]) : 0.0f, ca, cb);
+                                                   kSecond ? to_f32(vp[u].v[e]) : 0.0f, ca, cb, cc);
       }
     }
   } else {
     for (int64_t e = tid; e < sg.n; e += stride) {
       const float ge = to_f32(g[e]);
       if (kBounded && fabsf(ge) <= limit) continue;
-      ok &= step_element_finite<kRule, TS>(ge, to_f32(m[e]), kSecond ? to_f32(v[e]) : 0.0f, ca, cb);
+      ok &= step_element_finite<kRule, TS>(ge, to_f32(m[e]), kSecond ? to_f32(v[e]) : 0.0f, ca, cb, cc);
     }
   }
   return ok;
@@ -774,18 +778,18 @@ __global__ void __launch_bounds__(kStepThreads, kMode == CheckMode::Known ? kKno
 }  // namespace
 
 void launch_accumulate(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
-                       DType gdt, Hyper decay, float* scores, float* row_sumsq, const int* skip, cudaStream_t s,
-                       bool vec) {
+                       DType gdt, Hyper decay, Hyper grad_scale, float* scores, float* row_sumsq, const int* skip,
+                       cudaStream_t s, bool vec) {
   if (nmats == 0 || rows == 0) return;
   const dim3 grid(ceil_div_u(rows, kRowWarps), static_cast<unsigned>(nmats));
   DION3_DISPATCH_FLOAT(mdt, TM, [&] {
     DION3_DISPATCH_FLOAT(gdt, TG, [&] {
       if (vec)
-        launch_pdl(accumulate_kernel<TM, TG, true>, grid, 32 * kRowWarps, 0, s, mats, rows, cols, decay, scores,
-                   row_sumsq, skip);
+        launch_pdl(accumulate_kernel<TM, TG, true>, grid, 32 * kRowWarps, 0, s, mats, rows, cols, decay,
+                   grad_scale, scores, row_sumsq, skip);
       else
-        launch_pdl(accumulate_kernel<TM, TG, false>, grid, 32 * kRowWarps, 0, s, mats, rows, cols, decay, scores,
-                   row_sumsq, skip);
+        launch_pdl(accumulate_kernel<TM, TG, false>, grid, 32 * kRowWarps, 0, s, mats, rows, cols, decay,
+                   grad_scale, scores, row_sumsq, skip);
     });
   });
   DION3_CUDA_LAUNCH_CHECK();
@@ -914,7 +918,7 @@ void launch_check_step(std::span<const StepCheck> xs, int* flag, cudaStream_t s)
     if (!tb) tb = &tables.emplace_back(Table{x.rule, x.grad.dtype, x.state.dtype, bounded});
     tb->t.seg[tb->t.count++] =
         StepSegment{x.grad.data, x.state.data, second ? x.state2.data : nullptr, bounded ? x.state_bound : nullptr, n,
-                    x.a, x.b,
+                    x.a, x.b, x.c,
                     n % 8 == 0 && aligned8(x.grad.data, x.grad.dtype) && aligned8(x.state.data, x.state.dtype) &&
                         (!second || aligned8(x.state2.data, x.state2.dtype))};
     if (tb->t.count == kStepSegments) flush(*tb);

@@ -181,6 +181,8 @@ double adjusted_lr(double lr, Adjust adjust, int64_t m, int64_t n) {
       return lr * 0.2 * std::sqrt(static_cast<double>(std::max(m, n)));
     case Adjust::None:
       return lr;
+    case Adjust::SpectralNormClamped:
+      return lr * std::sqrt(std::max(1.0, static_cast<double>(m) / static_cast<double>(n)));
   }
   return lr;
 }
@@ -300,10 +302,11 @@ SelectionReport dion2_step(Mat& W, Mat& M, const Mat& G, int m, int n, const Mat
 
 namespace {
 Mat muon_direction(Mat& M, const Mat& G, int m, int n, const MatrixHyper& h) {
-  for (size_t i = 0; i < M.size(); ++i) M[i] = round_to(h.mu * M[i] + G[i], h.m_store);
+  const double c = h.ema_momentum ? 1.0 - h.mu : 1.0;  // the gradient's share
+  for (size_t i = 0; i < M.size(); ++i) M[i] = round_to(h.mu * M[i] + c * G[i], h.m_store);
   Mat U = M;
   if (h.nesterov)
-    for (size_t i = 0; i < U.size(); ++i) U[i] = h.mu * M[i] + G[i];
+    for (size_t i = 0; i < U.size(); ++i) U[i] = h.mu * M[i] + c * G[i];
   return orth(U, m, n, h);
 }
 std::vector<int> all_rows(int m) {

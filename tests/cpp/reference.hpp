@@ -42,7 +42,7 @@ Mat orth_gram(const Mat& X, int rows, int cols, const std::vector<Coef>& coef,
 double polynomial_map(double sigma, const std::vector<Coef>& coef);
 
 // --- algorithm.md §1 / §4 ---------------------------------------------------------------------------
-enum class Adjust { SpectralNorm, RmsNorm, None };
+enum class Adjust { SpectralNorm, RmsNorm, None, SpectralNormClamped };
 // lr' for an m x n matrix from the base lr (step 8).
 double adjusted_lr(double base_lr, Adjust adjust, int64_t m, int64_t n);
 // The base lr after the opt-in fraction scaling (lr / sqrt(f)).
@@ -60,6 +60,7 @@ struct MatrixHyper {
   Adjust adjust = Adjust::SpectralNorm;
   bool scale_lr_by_fraction = false;  // Dion3 only
   bool nesterov = false;              // Muon / NorMuon
+  bool ema_momentum = false;          // Muon / NorMuon: M = mu M + (1 - mu) G
   OrthKind orth = OrthKind::Standard;
   std::vector<Coef> coef = polar_express();
   std::vector<int> restarts = {2};

@@ -30,6 +30,7 @@ struct MatrixCase {
   Algorithm algorithm;
   int m, n;
   bool nesterov = false;
+  bool ema = false;  // ema_momentum
   AdjustLR adjust = AdjustLR::SpectralNorm;
   double wd = 0.01;
   DType dtype = DType::F32;
@@ -45,6 +46,7 @@ TEST_P(MuonFamilyVsReference, SeveralSteps) {
   g.algorithm = c.algorithm;
   g.lr = 0.02;
   g.nesterov = c.nesterov;
+  g.ema_momentum = c.ema;
   g.adjust_lr = c.adjust;
   g.weight_decay = c.wd;
   Harness h;
@@ -76,6 +78,13 @@ INSTANTIATE_TEST_SUITE_P(
                       MatrixCase{.name = "muon_square_rms", .algorithm = Algorithm::Muon, .m = 32, .n = 32,
                                  .adjust = AdjustLR::RmsNorm},
                       MatrixCase{.name = "muon_bf16", .algorithm = Algorithm::Muon, .m = 32, .n = 48, .dtype = DType::BF16},
+                      // torch.optim.Muon's form: averaged momentum, Nesterov, sqrt(max(1, m/n))
+                      MatrixCase{.name = "muon_ema_tall_nesterov_clamped", .algorithm = Algorithm::Muon, .m = 64, .n = 24,
+                                 .nesterov = true, .ema = true, .adjust = AdjustLR::SpectralNormClamped, .wd = 0.1},
+                      MatrixCase{.name = "muon_ema_wide_clamped_bf16", .algorithm = Algorithm::Muon, .m = 24, .n = 64,
+                                 .ema = true, .adjust = AdjustLR::SpectralNormClamped, .dtype = DType::BF16},
+                      MatrixCase{.name = "normuon_ema_nesterov", .algorithm = Algorithm::NorMuon, .m = 40, .n = 24,
+                                 .nesterov = true, .ema = true},
                       MatrixCase{.name = "normuon_wide", .algorithm = Algorithm::NorMuon, .m = 16, .n = 80},
                       MatrixCase{.name = "normuon_tall_nesterov_none", .algorithm = Algorithm::NorMuon, .m = 80, .n = 16,
                                  .nesterov = true, .adjust = AdjustLR::None, .wd = 0.1},
@@ -111,6 +120,53 @@ TEST(Muon, NesterovChangesOnlyTheOrthogonalizedInput) {
   // Same momentum (Nesterov does not change the stored state), different weights.
   EXPECT_EQ(t3::state_values(t->a.opt, t->pa->index, "momentum"), t3::state_values(t->b.opt, t->pb->index, "momentum"));
   EXPECT_NE(t->pa->w.bytes, t->pb->w.bytes);
+}
+
+TEST(Muon, AveragedMomentumIsTheSumScaledAndStepsAlike) {
+  // At a fixed mu, M = mu M + (1 - mu) G is (1 - mu) times M = mu M + G, and the orthogonalized
+  // update does not see the scale: the same weights (to rounding), the momentum scaled.
+  for (bool nesterov : {false, true}) {
+    GroupConfig g;
+    g.algorithm = Algorithm::Muon;
+    g.nesterov = nesterov;
+    GroupConfig ge = g;
+    ge.ema_momentum = true;
+    const auto t = t3::twin_run(g, ge, 24, 40, 9, 5);
+    ASSERT_TRUE(t->all_applied);
+    EXPECT_LE(t3::max_abs_diff(t->pb->w.values(), t->pa->w.values()), 1e-5 * max_change(t->pa->w.values(), t->w0))
+        << "nesterov " << nesterov;
+    auto summed = t3::state_values(t->a.opt, t->pa->index, "momentum");
+    for (double& x : summed) x *= 1.0 - g.mu;
+    EXPECT_LE(t3::rel_max_diff(t3::state_values(t->b.opt, t->pb->index, "momentum"), summed), 1e-5);
+  }
+}
+
+TEST(Muon, AveragedMomentumFollowsAMomentumSchedule) {
+  // A warm-up of mu (as Muon recipes do) set between steps: the engine reads the new mu for the
+  // decay and for the gradient's share 1 - mu, as the float64 reference does.
+  const int m = 48, n = 32;
+  Rng rng(21);
+  GroupConfig g;
+  g.algorithm = Algorithm::Muon;
+  g.ema_momentum = true;
+  g.nesterov = true;
+  g.adjust_lr = AdjustLR::SpectralNormClamped;
+  g.lr = 0.02;
+  Harness h;
+  const int gi = h.opt.add_group(g);
+  t3::HostParam& p = h.add(gi, "w", DType::F32, {m, n}, rng);
+  ref::Mat W = p.w.values(), M(static_cast<size_t>(m) * n, 0.0);
+  const auto W0 = W;
+  for (double mu : {0.85, 0.88, 0.91, 0.95}) {
+    g.mu = mu;
+    h.opt.set_group(gi, g);
+    h.randomize_grads(rng);
+    ref::muon_step(W, M, p.g.values(), m, n, t3::matrix_hyper(g, DType::F32));
+    ASSERT_TRUE(h.opt.step());
+    EXPECT_LE(t3::max_abs_diff(p.w.values(), W), weight_tol(DType::F32, t3::max_abs(W), max_change(W, W0)))
+        << "mu " << mu;
+  }
+  EXPECT_LE(t3::rel_max_diff(t3::state_values(h.opt, p.index, "momentum"), M), 1e-5);
 }
 
 TEST(Muon, CautiousWeightDecayOnlyWhereUpdateAndWeightAgree) {

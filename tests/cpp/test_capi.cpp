@@ -173,6 +173,28 @@ TEST(CApi, PlanGenerationAndHyperparameterRefresh) {
     EXPECT_NE(std::string(dion3_last_error()).find("not finite in float32"), std::string::npos) << dion3_last_error();
     dion3_destroy(tall);
   }
+  // torch.optim.Muon's settings survive the C struct both ways.
+  ASSERT_EQ(dion3_get_group_config(opt, 0, &cfg), DION3_OK);
+  EXPECT_EQ(cfg.ema_momentum, 0);
+  {
+    dion3_group_config muon;
+    dion3_group_config_default(&muon);
+    muon.algorithm = DION3_ALGO_MUON;
+    muon.ema_momentum = 1;
+    muon.adjust_lr = DION3_ADJUST_LR_SPECTRAL_NORM_CLAMPED;
+    dion3_optimizer* o = nullptr;
+    ASSERT_EQ(dion3_create_with_options(&o, DION3_DEVICE_CPU, 0, nullptr, nullptr), DION3_OK);
+    int mg = -1;
+    ASSERT_EQ(dion3_add_group(o, &muon, &mg), DION3_OK) << dion3_last_error();
+    dion3_group_config back;
+    ASSERT_EQ(dion3_get_group_config(o, mg, &back), DION3_OK);
+    EXPECT_EQ(back.ema_momentum, 1);
+    EXPECT_EQ(back.adjust_lr, DION3_ADJUST_LR_SPECTRAL_NORM_CLAMPED);
+    muon.algorithm = DION3_ALGO_DION3;  // the averaged form is Muon's and NorMuon's
+    EXPECT_EQ(dion3_add_group(o, &muon, &mg), DION3_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(dion3_last_error()).find("ema_momentum"), std::string::npos) << dion3_last_error();
+    dion3_destroy(o);
+  }
   // Settings that choose branches of the step on the host are part of the plan.
   ASSERT_EQ(dion3_get_group_config(opt, 0, &cfg), DION3_OK);
   cfg.cautious_wd = 1;

@@ -409,6 +409,8 @@ ref::Adjust to_ref(dion3::AdjustLR a) {
       return ref::Adjust::RmsNorm;
     case dion3::AdjustLR::None:
       return ref::Adjust::None;
+    case dion3::AdjustLR::SpectralNormClamped:
+      return ref::Adjust::SpectralNormClamped;
   }
   return ref::Adjust::None;
 }
@@ -424,6 +426,7 @@ ref::MatrixHyper matrix_hyper(const dion3::GroupConfig& g, DType param_dtype) {
   h.adjust = to_ref(g.adjust_lr);
   h.scale_lr_by_fraction = g.scale_lr_by_fraction;
   h.nesterov = g.nesterov;
+  h.ema_momentum = g.ema_momentum;
   h.orth = g.orth.method == dion3::OrthMethod::Gram ? ref::OrthKind::Gram : ref::OrthKind::Standard;
   h.coef = to_ref(g.orth.coefficients);
   h.restarts = g.orth.restarts;

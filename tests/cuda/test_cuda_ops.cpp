@@ -99,8 +99,8 @@ TEST_P(Accumulate, MatchesCpu) {
   dion3::DeviceBuffer dsc(gpu->allocator(), hsc.size() * 4);
   Twin ss(*gpu, DType::F32, 3, 37, 1);
   ss.fill_value(-1.0f);
-  cpu->accumulate(*s.hs, 0.9f, hsc.data(), static_cast<float*>(ss.hview().data), nullptr);
-  gpu->accumulate(*s.ds, 0.9f, dsc.as<float>(), static_cast<float*>(ss.dview().data), nullptr);
+  cpu->accumulate(*s.hs, 0.9f, 0.05f, hsc.data(), static_cast<float*>(ss.hview().data), nullptr);
+  gpu->accumulate(*s.ds, 0.9f, 0.05f, dsc.as<float>(), static_cast<float*>(ss.dview().data), nullptr);
   gpu->copy_to_host(dsc_h.data(), dsc.get(), hsc.size() * 4);
   EXPECT_LE(ct::rel_max_diff(s.m.device_values(), s.m.host_values()), storage_tol(c.m));
   EXPECT_LE(ct::rel_max_diff(dsc_h, hsc), 1e-4);  // fp32 tree sum vs the CPU's double sum
@@ -291,7 +291,7 @@ TEST_F(CudaOps, SkipFlagLeavesEverythingUntouched) {
   const auto w0 = s.w.device_values(), m0 = s.m.device_values(), v0 = s.v.device_values();
   Twin out(*gpu, DType::F32, 2, 5, 64);
   out.fill_value(7.0f);
-  gpu->accumulate(*s.ds, 0.5f, scores.as<float>(), nullptr, flag.as<int>());
+  gpu->accumulate(*s.ds, 0.5f, 1.0f, scores.as<float>(), nullptr, flag.as<int>());
   gpu->gather_normalized(*s.ds, nullptr, 20, 0.5f, scores.as<float>(), 1e-7f, Twin(*gpu, DType::F32, 2, 20, 64).dview(),
                          flag.as<int>());
   const std::vector<float> sums0 = {-3.0f, -3.0f};

@@ -29,6 +29,7 @@ struct StepCase {
   std::optional<DType> iter = DType::F32;  // nullopt: the backend's default
   bool nesterov = false, cautious = false;
   dion3::OrthMethod method = dion3::OrthMethod::Auto;
+  bool ema = false;  // ema_momentum (torch.optim.Muon's averaged momentum)
 };
 
 class StepParity : public ct::CudaTest, public ::testing::WithParamInterface<StepCase> {};
@@ -52,6 +53,7 @@ TEST_P(StepParity, SeveralSteps) {
   g.weight_decay = 0.05;
   g.nesterov = c.nesterov;
   g.cautious_wd = c.cautious;
+  g.ema_momentum = c.ema;
   g.orth.iteration_dtype = c.iter;
   g.orth.method = c.method;
   dion3::GroupConfig ga;
@@ -151,7 +153,11 @@ INSTANTIATE_TEST_SUITE_P(
                       StepCase{"normuon_bf16_default_iter", Algorithm::NorMuon, 1.0, DType::BF16, std::nullopt},
                       StepCase{"muon", Algorithm::Muon, 1.0},
                       StepCase{"muon_nesterov_cautious", Algorithm::Muon, 1.0, DType::F32, DType::F32, true, true},
-                      StepCase{"muon_default_iter", Algorithm::Muon, 1.0, DType::F32, std::nullopt}),
+                      StepCase{"muon_default_iter", Algorithm::Muon, 1.0, DType::F32, std::nullopt},
+                      StepCase{"muon_ema_nesterov_bf16", Algorithm::Muon, 1.0, DType::BF16, DType::F32, true, false,
+                               dion3::OrthMethod::Auto, true},
+                      StepCase{"normuon_ema", Algorithm::NorMuon, 1.0, DType::F32, DType::F32, false, false,
+                               dion3::OrthMethod::Auto, true}),
     [](const auto& i) { return i.param.name; });
 
 // A non-finite gradient: step() under Raise throws and counts nothing (the exported state is

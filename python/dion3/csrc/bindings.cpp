@@ -121,6 +121,7 @@ dion3::GroupConfig group_config(const py::dict& d) {
   c.adjust_lr = static_cast<int32_t>(dion3::parse_adjust_lr(py::cast<std::string>(d["adjust_lr"])));
   c.flatten = py::cast<bool>(d["flatten"]);
   c.nesterov = py::cast<bool>(d["nesterov"]);
+  c.ema_momentum = py::cast<bool>(d["ema_momentum"]);
   c.cautious_wd = py::cast<bool>(d["cautious_wd"]);
   c.scale_lr_by_fraction = py::cast<bool>(d["scale_lr_by_fraction"]);
   c.momentum_dtype = c_dtype(d, "momentum_dtype");
@@ -992,6 +993,7 @@ PYBIND11_MODULE(_C, m) {
     const dion3::GroupConfig g;
     const char* adjust = g.adjust_lr == dion3::AdjustLR::SpectralNorm ? "spectral_norm"
                          : g.adjust_lr == dion3::AdjustLR::RmsNorm    ? "rms_norm"
+                         : g.adjust_lr == dion3::AdjustLR::SpectralNormClamped ? "spectral_norm_clamped"
                                                                       : nullptr;
     py::dict d;
     d["algorithm"] = dion3::algorithm_name(g.algorithm);
@@ -1005,6 +1007,7 @@ PYBIND11_MODULE(_C, m) {
     d["adjust_lr"] = adjust ? py::object(py::str(adjust)) : py::object(py::none());
     d["flatten"] = g.flatten;
     d["nesterov"] = g.nesterov;
+    d["ema_momentum"] = g.ema_momentum;
     d["cautious_wd"] = g.cautious_wd;
     d["scale_lr_by_fraction"] = g.scale_lr_by_fraction;
     d["selection_scope"] = g.selection_scope == dion3::SelectionScope::Local ? "local" : "global";
