@@ -31,12 +31,12 @@ except ImportError as e:  # else Python reports a "partially initialized module"
                       "; build and install the package from the repository with `pip install "
                       "--no-build-isolation .` (scripts/setup-python.sh does it), in the environment whose "
                       "PyTorch it is built against") from None
-from . import cuda_graph
+from . import cuda_graph, optim
 from .groups import param_groups
 from .optimizer import ALGORITHMS, Dion2, Dion3, Muon, NonFiniteError, NorDion2, NorMuon
 from .polar import orthogonalize
 
-__all__ = ["Dion3", "NorDion2", "Dion2", "NorMuon", "Muon", "NonFiniteError", "param_groups", "orthogonalize", "ALGORITHMS", "cuda_built"]
+__all__ = ["Dion3", "NorDion2", "Dion2", "NorMuon", "Muon", "NonFiniteError", "param_groups", "orthogonalize", "ALGORITHMS", "cuda_built", "optim"]
 # The version has one home, the repository's VERSION file; the installed metadata carries it.
 __version__ = _metadata.version("dion3")
 

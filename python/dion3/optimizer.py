@@ -163,6 +163,7 @@ def _engine_config(group: Dict[str, Any]) -> Dict[str, Any]:
         "adjust_lr": "none" if adjust_lr is None else str(adjust_lr),
         "flatten": _flag(group, "flatten"),
         "nesterov": _flag(group, "nesterov"),
+        "ema_momentum": _flag(group, "ema_momentum") if "ema_momentum" in group else False,
         "cautious_wd": _flag(group, "cautious_wd"),
         "scale_lr_by_fraction": _flag(group, "scale_lr_by_fraction"),
         "momentum_dtype": _dtype_name(group.get("momentum_dtype")),
@@ -1010,7 +1011,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 _refuse_unimplemented(gi, group)  # set since: they are in the snapshot
             view = _ReadKeys(group)
             try:  # validated here, while the engine still holds the plan a refusal needs (see step)
-                engine.update_group(i, _engine_config(view))
+                engine.update_group(i, _engine_config(self._engine_group(view)))
             except ValueError as e:
                 # The engine numbers only the groups it holds: name the group as the caller does.
                 msg = str(e).removeprefix(f"dion3: group {i}: ").removeprefix("dion3: ")
@@ -1235,11 +1236,13 @@ class _EngineOptimizer(torch.optim.Optimizer):
         for g in sd["param_groups"]:  # torch's copies of the groups
             if g.get("algorithm") == "dion3":
                 g["algorithm"] = "nordion2"
-            g["beta1"], g["beta2"] = (float(b) for b in g["betas"])
+            if "betas" in g:
+                g["beta1"], g["beta2"] = (float(b) for b in g["betas"])
             steps = [sd["state"][i].get("step", 0) for i in g["params"] if i in sd["state"]]
             g["step"] = max(steps, default=0)
             g["steps_skipped"] = self._steps_skipped  # in every group too: DCP keeps only state and groups
         sd["steps_skipped"] = self._steps_skipped  # dion3's own; torch and the reference ignore it
+        sd = self._to_saved_layout(sd)
         for hook in list((post or {}).values()):
             result = hook(self, sd)
             if result is not None:
@@ -1266,6 +1269,17 @@ class _EngineOptimizer(torch.optim.Optimizer):
 
     # ---- internals --------------------------------------------------------------------------
 
+    # Other optimizers' names for settings, refused naming this optimizer's (see _check_keys).
+    _key_aliases = _KEY_ALIASES
+
+    def _engine_group(self, group: Dict[str, Any]) -> Dict[str, Any]:
+        """A group under the keys _engine_config reads; this optimizer's groups already are."""
+        return group
+
+    def _to_saved_layout(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
+        """state_dict()'s last change before its post-hooks; _from_saved_layout reads it back."""
+        return state_dict
+
     def _param_name(self, group: Dict[str, Any], gi: int, j: int) -> str:
         names = group.get("param_names")
         if names is not None and j < len(names):
@@ -1284,7 +1298,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             if key in known or key in _SCHEDULER_KEYS or not isinstance(key, str):
                 continue
             where = f"dion3: parameter group {gi}"
-            target = next((t for t in _KEY_ALIASES.get(key, ()) if t in known), None)
+            target = next((t for t in self._key_aliases.get(key, ()) if t in known), None)
             if target is not None:
                 raise ValueError(f"{where}: unknown setting '{key}'; dion3 calls it '{target}'")
             near = difflib.get_close_matches(key, sorted(known - {"params", "param_names"}), n=1, cutoff=0.75)
@@ -1299,7 +1313,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         """Everything that can be told before a step, so errors come before any change."""
         self._check_keys(gi, group)
         try:
-            cfg = _engine_config(group)
+            cfg = _engine_config(self._engine_group(group))
             _C.validate_group(cfg)
         except ValueError as e:
             msg = str(e)
@@ -1442,7 +1456,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         engine_params, engine_groups, steps, adamw_check = [], [], [], []
         given_grads = False
         for gi, group, members in params_with_grad:
-            ei = engine.add_group(_engine_config(group))
+            ei = engine.add_group(_engine_config(self._engine_group(group)))
             engine_groups.append(gi)
             matrix = group["algorithm"] in MATRIX_ALGORITHMS
             for j, p in members:
@@ -1606,7 +1620,9 @@ class Dion2(_EngineOptimizer):
 
 class NorMuon(_EngineOptimizer):
     """NorMuon: Muon with per-row second-moment normalization (algorithm.md §1 baselines). Same
-    constructor as the reference `dion.NorMuon`, plus Dion3's explicit extra arguments."""
+    constructor as the reference `dion.NorMuon`, plus Dion3's explicit extra arguments and
+    ema_momentum (keep the momentum as an average, M = mu*M + (1 - mu)*G, as torch.optim.Muon does;
+    the orthogonalized update is the same at a fixed mu)."""
 
     _default_algorithm = "normuon"
     _name = "NorMuon"
@@ -1621,7 +1637,8 @@ class NorMuon(_EngineOptimizer):
                  momentum_dtype: Optional[torch.dtype] = None, iteration_dtype: Optional[torch.dtype] = None,
                  coefficients: Optional[Union[str, Sequence[Tuple[float, float, float]]]] = None,
                  restarts: Optional[Sequence[int]] = None, fraction: float = 0.25,
-                 scale_lr_by_fraction: bool = False, megabatch: bool = True, blocking: Optional[bool] = None):
+                 scale_lr_by_fraction: bool = False, megabatch: bool = True, blocking: Optional[bool] = None,
+                 ema_momentum: bool = False):
         defaults = _defaults(
             algorithm=self._default_algorithm, lr=lr, fraction=fraction, mu=mu, muon_beta2=muon_beta2,
             betas=tuple(betas), weight_decay=weight_decay, epsilon=epsilon, adjust_lr=adjust_lr,
@@ -1630,13 +1647,14 @@ class NorMuon(_EngineOptimizer):
             selection_scope="local", orthogonalizer=orthogonalizer,
             scale_lr_by_fraction=scale_lr_by_fraction, momentum_dtype=momentum_dtype,
             iteration_dtype=iteration_dtype, coefficients=coefficients, restarts=restarts,
-            cautious_wd=cautious_wd, nesterov=nesterov, split_sizes=None, num_heads=None)
+            cautious_wd=cautious_wd, nesterov=nesterov, ema_momentum=ema_momentum, split_sizes=None, num_heads=None)
         super().__init__(params, distributed_mesh, defaults, on_nonfinite, workspace_limit, megabatch, blocking)
 
 
 class Muon(_EngineOptimizer):
     """Muon: the orthogonalized momentum update (algorithm.md §1 baselines). Same constructor as the
-    reference `dion.Muon`, plus Dion3's explicit extra arguments."""
+    reference `dion.Muon`, plus Dion3's explicit extra arguments and ema_momentum (as NorMuon's).
+    For torch.optim.Muon's constructor and checkpoints, see dion3.optim.Muon."""
 
     _default_algorithm = "muon"
     _name = "Muon"
@@ -1650,7 +1668,8 @@ class Muon(_EngineOptimizer):
                  iteration_dtype: Optional[torch.dtype] = None,
                  coefficients: Optional[Union[str, Sequence[Tuple[float, float, float]]]] = None,
                  restarts: Optional[Sequence[int]] = None, muon_beta2: float = 0.95, fraction: float = 0.25,
-                 scale_lr_by_fraction: bool = False, megabatch: bool = True, blocking: Optional[bool] = None):
+                 scale_lr_by_fraction: bool = False, megabatch: bool = True, blocking: Optional[bool] = None,
+                 ema_momentum: bool = False):
         defaults = _defaults(
             algorithm=self._default_algorithm, lr=lr, fraction=fraction, mu=mu, muon_beta2=muon_beta2,
             betas=tuple(betas), weight_decay=weight_decay, epsilon=epsilon, adjust_lr=adjust_lr,
@@ -1659,5 +1678,5 @@ class Muon(_EngineOptimizer):
             selection_scope="local", orthogonalizer=orthogonalizer,
             scale_lr_by_fraction=scale_lr_by_fraction, momentum_dtype=momentum_dtype,
             iteration_dtype=iteration_dtype, coefficients=coefficients, restarts=restarts,
-            cautious_wd=cautious_wd, nesterov=nesterov, split_sizes=None, num_heads=None)
+            cautious_wd=cautious_wd, nesterov=nesterov, ema_momentum=ema_momentum, split_sizes=None, num_heads=None)
         super().__init__(params, distributed_mesh, defaults, on_nonfinite, workspace_limit, megabatch, blocking)

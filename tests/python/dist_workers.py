@@ -151,6 +151,27 @@ def fsdp(rank, world, mesh, placements, shard_ranks, opt_cls, algorithm, pass_me
             assert tuple(st["variance_neuron"].shape) == (p.shape[0], 1)
 
 
+def torch_muon_sharded(rank, world, mesh):
+    """dion3.optim.Muon (torch.optim.Muon's form) on row and column shards equals the same
+    optimizer in one process, through a change of its momentum between steps."""
+    for placements in ([Shard(0)], [Shard(1)]):
+        fulls, ps = sharded_params(mesh, placements)
+        single = [nn.Parameter(f.clone()) for f in fulls]
+        opt = dion3.optim.Muon(ps, lr=0.02, distributed_mesh=mesh)
+        ref = dion3.optim.Muon(single, lr=0.02)
+        for step in range(3):
+            for o in (opt, ref):
+                o.param_groups[0]["momentum"] = 0.9 + 0.02 * step
+            for p, s, g in zip(ps, single, grads_for(SHAPES, 200 + step)):
+                p.grad, s.grad = distribute_tensor(g, mesh, placements), g.clone()
+            opt.step()
+            ref.step()
+            for i, (p, s) in enumerate(zip(ps, single)):
+                close(full(p.detach()), s.detach(), f"dion3.optim.Muon {placements} parameter {i} at step {step}")
+        saved = opt.state_dict()["state"][0]["momentum_buffer"]
+        close(full(saved), ref.state_dict()["state"][0]["momentum_buffer"], f"dion3.optim.Muon {placements} buffer")
+
+
 # Column shards: uneven (18 columns), one column (ranks past the first hold none) and, on 4 ranks,
 # one rank without columns (3).
 COL_SHAPES = [(24, 40), (24, 40), (24, 40), (40, 18), (9, 1), (12, 3)]
@@ -701,6 +722,7 @@ def layouts(rank, world, tmp):
     ddp(rank, world, dion3.Dion3)
     ddp(rank, world, dion3.NorMuon)
     ddp(rank, world, dion3.Dion2)  # its tall matrix goes by columns on every rank
+    ddp(rank, world, dion3.optim.Muon)
     destroyed_group(rank, world)
     for kw in (dict(), dict(selection_scope="global"), dict(fraction=0.5)):
         fsdp(rank, world, mesh, [Shard(0)], world, dion3.Dion3, "dion3", **kw)
@@ -708,6 +730,7 @@ def layouts(rank, world, tmp):
     fsdp(rank, world, mesh, [Shard(0)], world, dion3.Dion2, "dion2")  # row shards select rows, as the reference
     fsdp(rank, world, mesh, [Shard(1)], 1, dion3.Dion3, "dion3", shapes=COL_SHAPES)
     fsdp(rank, world, mesh, [Shard(1)], 1, dion3.NorMuon, "normuon", shapes=COL_SHAPES)
+    torch_muon_sharded(rank, world, mesh)
     if world == 4:  # HSDP: (replicate 2, shard 2), given as the 2-D mesh or its shard sub-mesh
         hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         fsdp(rank, world, hsdp, [Replicate(), Shard(0)], 2, dion3.Dion3, "dion3")

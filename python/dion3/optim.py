@@ -1,0 +1,127 @@
+# dion3.optim — optimizers with torch.optim's constructors, groups and checkpoints, stepped by the
+# dion3 engine. Swapping `torch.optim.Muon` for `dion3.optim.Muon` changes nothing else in a
+# training script (docs/guide.md, "Moving from torch.optim.Muon").
+"""torch.optim's Muon on the dion3 engine: ``dion3.optim.Muon`` takes ``torch.optim.Muon``'s
+arguments, keeps its group keys and its momentum (an average: ``B = mu*B + (1 - mu)*G``), and saves
+and loads its checkpoints in both directions. What it adds: megabatched orthogonalization on the
+C++/CUDA engine, ``distributed_mesh`` (DDP, FSDP2, FSDP2 + TP), parameters of 3 or more dimensions
+(stacks of matrices), and the dion3 group keys ``split_sizes`` / ``num_heads`` (fused QKV)."""
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import torch
+
+from .optimizer import _KEY_ALIASES, ENGINE_DEFAULTS, _EngineOptimizer, _integer
+
+__all__ = ["Muon"]
+
+# torch.optim.Muon's adjust_lr_fn values and the engine's names for the same scalings.
+_ADJUST_LR_FN = {None: "spectral_norm_clamped", "original": "spectral_norm_clamped",
+                 "match_rms_adamw": "rms_norm", "spectral_unclamped": "spectral_norm"}
+# The most quintic steps the engine takes (the C API's DION3_MAX_ORTH_STEPS).
+_MAX_NS_STEPS = 16
+# The reference's and dion3's names for torch's keys, refused naming torch's.
+_TORCH_ALIASES = dict(_KEY_ALIASES, mu=("momentum",), adjust_lr=("adjust_lr_fn",), coefficients=("ns_coefficients",),
+                      epsilon=("eps",))
+
+
+class Muon(_EngineOptimizer):
+    """torch.optim.Muon on the dion3 engine: the same arguments, defaults and group keys (lr,
+    weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn), the same
+    update, and state_dicts that load both ways (state "momentum_buffer"). Changing a group's
+    "momentum" between steps (a warm-up) is followed exactly.
+
+    Differences: the Newton–Schulz iteration runs in the engine's precision (float32 on the CPU,
+    16-bit on the GPU with float32 accumulation; torch's runs in bfloat16), and its input is scaled
+    by its Frobenius norm with the engine's own guard, so `eps` (torch's floor on that norm) is
+    kept in the group but only matters for a momentum of norm below it. `opt.state[p]` names the
+    buffer "momentum" (the engine's view of it); state_dict() calls it "momentum_buffer".
+    Parameters of three or more dimensions are stepped as stacks of matrices over their last two.
+
+    Keyword-only extras: distributed_mesh (a ProcessGroup for DDP, a DeviceMesh for FSDP2),
+    orthogonalizer ("auto" | "standard" | "gram"), momentum_dtype, iteration_dtype,
+    on_nonfinite ("raise" | "skip"), workspace_limit, megabatch and blocking, as for dion3.Muon.
+    """
+
+    _default_algorithm = "muon"
+    _name = "Muon"
+    _key_aliases = _TORCH_ALIASES
+
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+                 nesterov: bool = True, ns_coefficients: Tuple[float, float, float] = (3.4445, -4.775, 2.0315),
+                 eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: Optional[str] = None, *,
+                 distributed_mesh=None, orthogonalizer: str = "auto",
+                 momentum_dtype: Optional[torch.dtype] = None, iteration_dtype: Optional[torch.dtype] = None,
+                 on_nonfinite: str = "raise", workspace_limit: Optional[int] = None, megabatch: bool = True,
+                 blocking: Optional[bool] = None):
+        # torch.optim.Muon's own checks, with its messages, before dion3's.
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not 0.0 <= lr:
+            raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
+        if not 0.0 <= momentum:
+            raise ValueError(f"momentum should be >= 0 but is: {momentum}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}")
+        if adjust_lr_fn not in _ADJUST_LR_FN:
+            raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported")
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                        ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
+                        adjust_lr_fn=adjust_lr_fn,
+                        # dion3's keys: the group's algorithm and layout, which torch's Muon fixes
+                        algorithm="muon", flatten=False, split_sizes=None, num_heads=None,
+                        orthogonalizer=orthogonalizer, momentum_dtype=momentum_dtype,
+                        iteration_dtype=iteration_dtype)
+        super().__init__(params, distributed_mesh, defaults, on_nonfinite, workspace_limit, megabatch, blocking)
+
+    def _engine_group(self, group: Dict[str, Any]) -> Dict[str, Any]:
+        """torch's keys as dion3's: momentum is mu with the averaged form, ns_coefficients taken
+        ns_steps times, adjust_lr_fn's scaling by the engine's name for it."""
+        momentum = group["momentum"]
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"dion3: 'momentum' must lie in [0, 1]; got {momentum!r}")
+        steps = _integer("ns_steps", group["ns_steps"])
+        if not 1 <= steps <= _MAX_NS_STEPS:
+            raise ValueError(f"dion3: 'ns_steps' must lie in [1, {_MAX_NS_STEPS}]; got {steps}")
+        abc = group["ns_coefficients"]
+        if not isinstance(abc, Sequence) or len(abc) != 3:
+            raise ValueError(f"dion3: 'ns_coefficients' must be three numbers (a, b, c); got {abc!r}")
+        fn = group["adjust_lr_fn"]
+        if not isinstance(fn, (str, type(None))) or fn not in _ADJUST_LR_FN:
+            raise ValueError(f"dion3: 'adjust_lr_fn' must be None, 'original', 'match_rms_adamw' or "
+                             f"'spectral_unclamped'; got {fn!r}")
+        eps = group["eps"]
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+            raise ValueError(f"dion3: 'eps' must be a number > 0; got {eps!r}")
+        return dict(
+            algorithm="muon", lr=group["lr"], weight_decay=group["weight_decay"], mu=momentum, ema_momentum=True,
+            nesterov=group["nesterov"], adjust_lr=_ADJUST_LR_FN[fn], flatten=group["flatten"],
+            coefficients=[tuple(float(x) for x in abc)] * steps,
+            restarts=[r for r in ENGINE_DEFAULTS["restarts"] if r < steps],
+            orthogonalizer=group.get("orthogonalizer", "auto"), momentum_dtype=group.get("momentum_dtype"),
+            iteration_dtype=group.get("iteration_dtype"), split_sizes=group.get("split_sizes"),
+            num_heads=group.get("num_heads"),
+            # settings torch's Muon does not have, at the values that leave its update as it is
+            fraction=1.0, muon_beta2=ENGINE_DEFAULTS["muon_beta2"], betas=ENGINE_DEFAULTS["betas"],
+            epsilon=ENGINE_DEFAULTS["epsilon"], cautious_wd=False, scale_lr_by_fraction=False)
+
+    def _to_saved_layout(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
+        # torch.optim.Muon's name for the buffer (new dicts: torch's state_dict holds the live ones)
+        state = {i: {("momentum_buffer" if k == "momentum" else k): v for k, v in st.items()}
+                 for i, st in state_dict["state"].items()}
+        return dict(state_dict, state=state)
+
+    def _from_saved_layout(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
+        if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict) \
+                and isinstance(state_dict.get("param_groups"), list):
+            summed = [g for g in state_dict["param_groups"] if isinstance(g, dict) and "mu" in g and "momentum" not in g]
+            named = [st for st in state_dict["state"].values() if isinstance(st, dict) and "momentum" in st]
+            if summed or named:
+                # dion3.Muon and the reference keep M = mu*M + G: 1 / (1 - mu) times this buffer.
+                raise ValueError("dion3: this state_dict is dion3.Muon's or the reference package's (momentum "
+                                 "summed, M = mu*M + G, under 'momentum'); dion3.optim.Muon keeps torch.optim.Muon's "
+                                 "average under 'momentum_buffer': load it into dion3.Muon")
+            # torch's Muon counts no steps, and this one reads none: a missing counter starts at 0.
+            state = {i: (dict({"step": 0}, **{("momentum" if k == "momentum_buffer" else k): v for k, v in st.items()})
+                         if isinstance(st, dict) else st) for i, st in state_dict["state"].items()}
+            state_dict = dict(state_dict, state=state)
+        return super()._from_saved_layout(state_dict)

@@ -1,0 +1,186 @@
+"""dion3.optim.Muon against torch.optim.Muon: the same constructor and group keys, the update of a
+float64 transcription of torch's algorithm (averaged momentum, Nesterov, sqrt(max(1, m/n))),
+checkpoints that load both ways, and dion3's refusals where a key or a checkpoint would be misread."""
+import inspect
+import math
+
+import pytest
+import torch
+
+import dion3
+from reference import orth_standard
+
+torch_muon = pytest.importorskip("torch.optim").Muon if hasattr(torch.optim, "Muon") else None
+needs_torch_muon = pytest.mark.skipif(torch_muon is None, reason="this PyTorch has no torch.optim.Muon")
+
+YOU = [(3.4445, -4.775, 2.0315)] * 5
+
+
+def torch_muon_f64(W, B, G, lr, wd, mu, nesterov, coeffs, adjust_lr_fn):
+    """One step of torch.optim.Muon (its _single_tensor_muon) in float64."""
+    B.mul_(mu).add_((1 - mu) * G)
+    U = (1 - mu) * G + mu * B if nesterov else B
+    O = orth_standard(U, coeffs)
+    m, n = W.shape
+    ratio = {None: math.sqrt(max(1, m / n)), "original": math.sqrt(max(1, m / n)),
+             "match_rms_adamw": 0.2 * math.sqrt(max(m, n)), "spectral_unclamped": math.sqrt(m / n)}[adjust_lr_fn]
+    W.mul_(1 - lr * wd).sub_(lr * ratio * O)
+
+
+@pytest.mark.parametrize("nesterov,adjust_lr_fn,shape", [(True, None, (48, 24)), (False, "match_rms_adamw", (24, 48)),
+                                                          (True, "spectral_unclamped", (32, 32)),
+                                                          (True, "original", (20, 40))])
+def test_steps_as_torch_muon_does_in_float64(nesterov, adjust_lr_fn, shape):
+    torch.manual_seed(1)
+    w = torch.nn.Parameter(torch.randn(*shape))
+    W, B = w.detach().double().clone(), torch.zeros(shape, dtype=torch.float64)
+    opt = dion3.optim.Muon([w], lr=0.02, weight_decay=0.05, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn,
+                           orthogonalizer="standard")
+    W0 = W.clone()
+    for mu in (0.85, 0.9, 0.93, 0.95, 0.95):  # a momentum warm-up, set in the group between steps
+        opt.param_groups[0]["momentum"] = mu
+        w.grad = torch.randn(shape)
+        torch_muon_f64(W, B, w.grad.double(), 0.02, 0.05, mu, nesterov, YOU, adjust_lr_fn)
+        opt.step()
+    moved = (W - W0).abs().max().item()
+    assert (w.detach().double() - W).abs().max().item() <= 2e-4 * moved
+    buf = opt.state_dict()["state"][0]["momentum_buffer"]
+    assert torch.allclose(buf.double(), B, rtol=1e-5, atol=1e-6)
+
+
+@needs_torch_muon
+def test_same_signature_defaults_and_group_keys_as_torch():
+    ours = inspect.signature(dion3.optim.Muon).parameters
+    theirs = inspect.signature(torch_muon).parameters
+    positional = [n for n, p in ours.items() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert positional == list(theirs)  # same names, same order
+    for name, p in theirs.items():
+        if name != "params":
+            assert ours[name].default == p.default, name
+    w = torch.nn.Parameter(torch.randn(8, 4))
+    ours_keys = set(dion3.optim.Muon([w]).param_groups[0])
+    assert set(torch_muon([w]).param_groups[0]) <= ours_keys
+
+
+@needs_torch_muon
+def test_close_to_torch_optim_muon_itself():
+    # torch runs Newton-Schulz in bfloat16: the updates agree to its rounding, not to float32's
+    # (the float64 test above is the tight one).
+    def run(make):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(32, 64, bias=False), torch.nn.Linear(64, 16, bias=False))
+        w0 = [p.detach().clone() for p in net.parameters()]
+        opt = make(net.parameters())
+        x = torch.randn(16, 32)
+        for _ in range(4):
+            opt.zero_grad()
+            net(x).square().mean().backward()
+            opt.step()
+        return [p.detach() - a for p, a in zip(net.parameters(), w0)]
+
+    theirs = run(lambda ps: torch_muon(ps, lr=0.02))
+    ours = run(lambda ps: dion3.optim.Muon(ps, lr=0.02))
+    for a, b in zip(theirs, ours):
+        assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.99
+        assert abs(a.norm() / b.norm() - 1) < 0.03
+
+
+@needs_torch_muon
+def test_checkpoints_load_both_ways():
+    torch.manual_seed(2)
+    shapes = [(24, 16), (16, 40)]
+    params = [torch.nn.Parameter(torch.randn(*s)) for s in shapes]
+    theirs = torch_muon(params, lr=0.01, momentum=0.9)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        theirs.step()
+    ours = dion3.optim.Muon(params, lr=0.01)
+    ours.load_state_dict(theirs.state_dict())
+    assert ours.param_groups[0]["momentum"] == 0.9  # the saved group's settings, as torch loads them
+    saved = ours.state_dict()
+    assert set(saved["state"][0]) >= {"momentum_buffer"}
+    for i, p in enumerate(params):
+        assert torch.equal(saved["state"][i]["momentum_buffer"], theirs.state[p]["momentum_buffer"])
+    # One more step from the same buffers: torch's momentum and ours move alike.
+    for p in params:
+        p.grad = torch.randn_like(p)
+    want = [0.9 * theirs.state[p]["momentum_buffer"] + 0.1 * p.grad for p in params]
+    ours.step()
+    for i in range(len(params)):
+        assert torch.allclose(ours.state_dict()["state"][i]["momentum_buffer"], want[i], rtol=1e-6, atol=1e-7)
+    back = torch_muon(params, lr=0.01)
+    back.load_state_dict(ours.state_dict())
+    for i, p in enumerate(params):
+        assert torch.equal(back.state[p]["momentum_buffer"], ours.state_dict()["state"][i]["momentum_buffer"])
+    back.step()  # torch steps from our checkpoint
+
+
+def test_refuses_the_summed_momentum_of_dion3_muon():
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    w.grad = torch.randn(8, 8)
+    summed = dion3.Muon([w])
+    summed.step()
+    opt = dion3.optim.Muon([w])
+    with pytest.raises(ValueError, match="load it into dion3.Muon"):
+        opt.load_state_dict(summed.state_dict())
+    assert not opt.state_dict()["state"][0]["momentum_buffer"].any()  # nothing loaded
+
+
+def test_refuses_what_it_would_misread():
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    with pytest.raises(TypeError):
+        dion3.optim.Muon([w], mu=0.9)  # not torch's argument
+    with pytest.raises(ValueError, match="unknown setting 'mu'; dion3 calls it 'momentum'"):
+        dion3.optim.Muon([dict(params=[w], mu=0.9)])
+    with pytest.raises(ValueError, match="Adjust learning rate function spectral_norm is not supported"):
+        dion3.optim.Muon([w], adjust_lr_fn="spectral_norm")  # torch's own check and message
+    with pytest.raises(ValueError, match="momentum should be >= 0"):
+        dion3.optim.Muon([w], momentum=-0.1)
+    opt = dion3.optim.Muon([w])
+    w.grad = torch.randn(8, 8)
+    for key, value, match in [("momentum", 1.5, "'momentum' must lie in \\[0, 1\\]"),
+                              ("ns_steps", 0, "'ns_steps' must lie in \\[1, 16\\]"),
+                              ("ns_coefficients", (1.0, 2.0), "three numbers"),
+                              ("adjust_lr_fn", "rms_norm", "'adjust_lr_fn' must be None"),
+                              ("eps", 0.0, "'eps' must be a number > 0")]:
+        good = opt.param_groups[0][key]
+        opt.param_groups[0][key] = value
+        before = w.detach().clone()
+        with pytest.raises(ValueError, match=match):
+            opt.step()
+        assert torch.equal(w.detach(), before)  # refused before anything moved
+        opt.param_groups[0][key] = good
+    opt.step()
+
+
+def test_ns_settings_reach_the_engine():
+    # Fewer or other quintic steps change the update: the engine reads ns_steps and
+    # ns_coefficients from the group (an ignored key would give torch's default iteration).
+    for group, steps in [(dict(ns_steps=2), 2), (dict(ns_coefficients=(2.0, -1.5, 0.5), ns_steps=3), 3)]:
+        torch.manual_seed(3)
+        w = torch.nn.Parameter(torch.randn(16, 32))
+        w0 = w.detach().clone()
+        w.grad = torch.randn(16, 32)
+        dion3.optim.Muon([w], lr=0.1, weight_decay=0.0, **group).step()
+        got = (w0 - w.detach()).double() / 0.1
+        G = w.grad.double()
+        coeffs = [group.get("ns_coefficients", YOU[0])] * steps
+        want = orth_standard((1 - 0.95) * G + 0.95 * (1 - 0.95) * G, coeffs)  # sqrt(max(1, 16/32)) = 1
+        assert (got - want).abs().max() < 1e-4 * want.abs().max()
+        default = orth_standard(G, YOU)
+        assert (got - default).abs().max() > 1e-2 * default.abs().max()
+
+
+def test_lr_scheduler_and_dion3_extras():
+    w = torch.nn.Parameter(torch.randn(3, 8, 4))  # a stack of three 8 x 4 matrices
+    opt = dion3.optim.Muon([w], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(2):
+        w.grad = torch.randn_like(w)
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.025)
+    assert torch.isfinite(w).all()
+    with pytest.raises(ValueError, match="needs a matrix"):
+        dion3.optim.Muon([torch.nn.Parameter(torch.randn(5))])
