@@ -4,8 +4,9 @@
 # engine call inside it (the difference is the Python-side overhead, as a share of the step), and
 # the host launch time of the engine's synchronisation-free step (launch_ms).
 # `--optimizers torch.AdamW` times PyTorch's own AdamW (fused on CUDA) on the same parameters:
-# the AdamW baseline issue 3 quotes. Not a test: it asserts nothing and prints one JSON line per
-# configuration.
+# the AdamW baseline issue 3 quotes. `torch.Muon` times torch.optim.Muon and `optim.Muon`
+# dion3.optim.Muon, its drop-in, both on the matrices alone (torch's Muon takes no vectors). Not a
+# test: it asserts nothing and prints one JSON line per configuration.
 from __future__ import annotations
 
 import argparse
@@ -54,10 +55,14 @@ def make_params(args):
     return device, params_m, params_v
 
 
-def run_torch_adamw(args):
+def run_torch(args, name):
     device, params_m, params_v = make_params(args)
     fused = device.type == "cuda"
-    opt = torch.optim.AdamW(params_m + params_v, lr=1e-3, weight_decay=0.01, fused=fused)
+    if name == "torch.Muon":
+        opt, label, params_v = torch.optim.Muon(params_m, lr=0.02), "torch.optim.Muon", []
+    else:
+        opt = torch.optim.AdamW(params_m + params_v, lr=1e-3, weight_decay=0.01, fused=fused)
+        label = "torch.optim.AdamW" + (" (fused)" if fused else "")
     for _ in range(args.warmup):
         opt.step()
     step_ms = []
@@ -68,20 +73,24 @@ def run_torch_adamw(args):
         sync(device)
         step_ms.append((time.perf_counter() - t0) * 1e3)
     return {
-        "optimizer": "torch.optim.AdamW" + (" (fused)" if fused else ""), "model": args.model,
+        "optimizer": label, "model": args.model,
         "layers": args.layers or MODELS[args.model][0], "device": str(device), "dtype": args.dtype,
         "matrices": len(params_m), "vectors": len(params_v), "step_ms": round(statistics.median(step_ms), 3),
     }
 
 
 def run(args, cls_name, fraction):
-    if cls_name == "torch.AdamW":
-        return run_torch_adamw(args)
+    if cls_name.startswith("torch."):
+        return run_torch(args, cls_name)
     device, params_m, params_v = make_params(args)
-    cls = getattr(dion3, cls_name)
-    kw = dict(fraction=fraction) if cls_name in SELECTING else {}
-    opt = cls([dict(params=params_m), dict(params=params_v, algorithm="adamw", lr=1e-3)], lr=0.01,
-              on_nonfinite=args.on_nonfinite, **kw)
+    if cls_name == "optim.Muon":  # torch.optim.Muon's drop-in: matrices only, as torch's
+        params_v = []
+        opt = dion3.optim.Muon(params_m, lr=0.02, on_nonfinite=args.on_nonfinite)
+    else:
+        cls = getattr(dion3, cls_name)
+        kw = dict(fraction=fraction) if cls_name in SELECTING else {}
+        opt = cls([dict(params=params_m), dict(params=params_v, algorithm="adamw", lr=1e-3)], lr=0.01,
+                  on_nonfinite=args.on_nonfinite, **kw)
     opt._record_orthogonalizer = not args.op_by_op
     for _ in range(args.warmup):
         opt.step()

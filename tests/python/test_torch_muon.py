@@ -184,3 +184,15 @@ def test_lr_scheduler_and_dion3_extras():
     assert torch.isfinite(w).all()
     with pytest.raises(ValueError, match="needs a matrix"):
         dion3.optim.Muon([torch.nn.Parameter(torch.randn(5))])
+
+
+@needs_torch_muon
+def test_benchmark_times_both(capsys):
+    import json
+
+    from dion3 import benchmark
+    benchmark.main(["--model", "tiny", "--layers", "1", "--device", "cpu", "--optimizers", "torch.Muon,optim.Muon",
+                    "--steps", "1", "--warmup", "1"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["optimizer"] for r in rows] == ["torch.optim.Muon", "optim.Muon"]
+    assert all(r["step_ms"] > 0 and r["matrices"] == 6 and r["vectors"] == 0 for r in rows)
