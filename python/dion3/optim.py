@@ -6,6 +6,8 @@ arguments, keeps its group keys and its momentum (an average: ``B = mu*B + (1 - 
 and loads its checkpoints in both directions. What it adds: megabatched orthogonalization on the
 C++/CUDA engine, ``distributed_mesh`` (DDP, FSDP2, FSDP2 + TP), parameters of 3 or more dimensions
 (stacks of matrices), and the dion3 group keys ``split_sizes`` / ``num_heads`` (fused QKV)."""
+import math
+import numbers
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
@@ -19,6 +21,17 @@ _ADJUST_LR_FN = {None: "spectral_norm_clamped", "original": "spectral_norm_clamp
                  "match_rms_adamw": "rms_norm", "spectral_unclamped": "spectral_norm"}
 # The most quintic steps the engine takes (the C API's DION3_MAX_ORTH_STEPS).
 _MAX_NS_STEPS = 16
+# The floor of the norm the engine divides the Newton-Schulz input by (algorithm.md §2).
+_NORM_FLOOR = 1e-7
+
+
+def _real(key: str, v: Any) -> float:
+    """A number as torch takes it (a Python or NumPy scalar, a one-element tensor), as a float."""
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise ValueError(f"dion3: '{key}' must be a number; got {v!r}")
+    return float(v)
 # The reference's and dion3's names for torch's keys, refused naming torch's.
 _TORCH_ALIASES = dict(_KEY_ALIASES, mu=("momentum",), adjust_lr=("adjust_lr_fn",), coefficients=("ns_coefficients",),
                       epsilon=("eps",))
@@ -31,10 +44,10 @@ class Muon(_EngineOptimizer):
     "momentum" between steps (a warm-up) is followed exactly.
 
     Differences: the Newton–Schulz iteration runs in the engine's precision (float32 on the CPU,
-    16-bit on the GPU with float32 accumulation; torch's runs in bfloat16), and its input is scaled
-    by its Frobenius norm with the engine's own guard, so `eps` (torch's floor on that norm) is
-    kept in the group but only matters for a momentum of norm below it. `opt.state[p]` names the
-    buffer "momentum" (the engine's view of it); state_dict() calls it "momentum_buffer".
+    16-bit on the GPU with float32 accumulation; torch's runs in bfloat16); `eps` other than its
+    default 1e-7 (the engine's fixed floor on the input's norm) is refused, as are float64
+    parameters, ns_steps above 16 and momentum of 1 or more; a non-finite gradient raises
+    dion3.NonFiniteError (on_nonfinite="skip" drops the step) where torch would step with it.
     Parameters of three or more dimensions are stepped as stacks of matrices over their last two.
 
     Keyword-only extras: distributed_mesh (a ProcessGroup for DDP, a DeviceMesh for FSDP2),
@@ -45,6 +58,7 @@ class Muon(_EngineOptimizer):
     _default_algorithm = "muon"
     _name = "Muon"
     _key_aliases = _TORCH_ALIASES
+    _state_made_at_first_step = True  # torch's Muon saves no state for a parameter not yet stepped
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients: Tuple[float, float, float] = (3.4445, -4.775, 2.0315),
@@ -76,12 +90,12 @@ class Muon(_EngineOptimizer):
     def _engine_group(self, group: Dict[str, Any]) -> Dict[str, Any]:
         """torch's keys as dion3's: momentum is mu with the averaged form, ns_coefficients taken
         ns_steps times, adjust_lr_fn's scaling by the engine's name for it."""
-        momentum = group["momentum"]
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum <= 1.0:
-            raise ValueError(f"dion3: 'momentum' must lie in [0, 1]; got {momentum!r}")
+        momentum = _real("momentum", group["momentum"])
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"dion3: 'momentum' must lie in [0, 1); got {momentum!r}")
         steps = _integer("ns_steps", group["ns_steps"])
         if not 1 <= steps <= _MAX_NS_STEPS:
-            raise ValueError(f"dion3: 'ns_steps' must lie in [1, {_MAX_NS_STEPS}]; got {steps}")
+            raise ValueError(f"dion3: 'ns_steps' must lie in [1, {_MAX_NS_STEPS}] (the engine's most); got {steps}")
         abc = group["ns_coefficients"]
         if not isinstance(abc, Sequence) or len(abc) != 3:
             raise ValueError(f"dion3: 'ns_coefficients' must be three numbers (a, b, c); got {abc!r}")
@@ -89,13 +103,15 @@ class Muon(_EngineOptimizer):
         if not isinstance(fn, (str, type(None))) or fn not in _ADJUST_LR_FN:
             raise ValueError(f"dion3: 'adjust_lr_fn' must be None, 'original', 'match_rms_adamw' or "
                              f"'spectral_unclamped'; got {fn!r}")
-        eps = group["eps"]
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-            raise ValueError(f"dion3: 'eps' must be a number > 0; got {eps!r}")
+        eps = _real("eps", group["eps"])
+        if not math.isclose(eps, _NORM_FLOOR, rel_tol=1e-6):
+            # torch scales the iteration's input by 1 / max(norm, eps); the engine's floor is fixed.
+            raise ValueError(f"dion3: 'eps' = {eps!r} is not implemented: the engine scales the Newton-Schulz "
+                             f"input by 1 / max(norm, {_NORM_FLOOR:g}), torch.optim.Muon's default eps")
         return dict(
             algorithm="muon", lr=group["lr"], weight_decay=group["weight_decay"], mu=momentum, ema_momentum=True,
             nesterov=group["nesterov"], adjust_lr=_ADJUST_LR_FN[fn], flatten=group["flatten"],
-            coefficients=[tuple(float(x) for x in abc)] * steps,
+            coefficients=[tuple(_real("ns_coefficients", x) for x in abc)] * steps,
             restarts=[r for r in ENGINE_DEFAULTS["restarts"] if r < steps],
             orthogonalizer=group.get("orthogonalizer", "auto"), momentum_dtype=group.get("momentum_dtype"),
             iteration_dtype=group.get("iteration_dtype"), split_sizes=group.get("split_sizes"),
@@ -103,12 +119,6 @@ class Muon(_EngineOptimizer):
             # settings torch's Muon does not have, at the values that leave its update as it is
             fraction=1.0, muon_beta2=ENGINE_DEFAULTS["muon_beta2"], betas=ENGINE_DEFAULTS["betas"],
             epsilon=ENGINE_DEFAULTS["epsilon"], cautious_wd=False, scale_lr_by_fraction=False)
-
-    def _to_saved_layout(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
-        # torch.optim.Muon's name for the buffer (new dicts: torch's state_dict holds the live ones)
-        state = {i: {("momentum_buffer" if k == "momentum" else k): v for k, v in st.items()}
-                 for i, st in state_dict["state"].items()}
-        return dict(state_dict, state=state)
 
     def _from_saved_layout(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
         if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict) \
@@ -121,7 +131,7 @@ class Muon(_EngineOptimizer):
                                  "summed, M = mu*M + G, under 'momentum'); dion3.optim.Muon keeps torch.optim.Muon's "
                                  "average under 'momentum_buffer': load it into dion3.Muon")
             # torch's Muon counts no steps, and this one reads none: a missing counter starts at 0.
-            state = {i: (dict({"step": 0}, **{("momentum" if k == "momentum_buffer" else k): v for k, v in st.items()})
-                         if isinstance(st, dict) else st) for i, st in state_dict["state"].items()}
+            state = {i: (dict({"step": 0}, **st) if isinstance(st, dict) else st)
+                     for i, st in state_dict["state"].items()}
             state_dict = dict(state_dict, state=state)
         return super()._from_saved_layout(state_dict)

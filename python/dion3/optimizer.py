@@ -260,7 +260,7 @@ def _state_shapes(group: Dict[str, Any], p: torch.Tensor) -> List[Tuple[str, tor
     """State tensors of p, named and shaped as the reference package's (checkpoints move both
     ways): the engine's list (_C.state_specs: which tensors, their dtypes and sizes) under the
     reference's names, the per-row variance laid out as p[..., 0:1] (`variance_neuron`)."""
-    to_reference = {engine: name for name, engine in _ENGINE_NAMES[_kind(group["algorithm"])].items()}
+    to_reference = {engine: name for name, engine in _ENGINE_NAMES[_state_kind(group)].items()}
     out = []
     specs = _C.state_specs(group["algorithm"], bool(group["flatten"]), _dtype_name(group.get("momentum_dtype")),
                            _dtype_name(p.dtype), list(p.shape))
@@ -310,7 +310,8 @@ def _drop_engines_at_exit() -> None:
 # The engine's names of the state tensors, by the group's kind of algorithm.
 _ENGINE_NAMES = {"matrix": {"momentum": "momentum", "variance_neuron": "variance"},
                  "adamw": {"momentum": "exp_avg", "variance": "exp_avg_sq"},
-                 "lion": {"momentum": "exp_avg"}}
+                 "lion": {"momentum": "exp_avg"},
+                 "torch_muon": {"momentum_buffer": "momentum"}}
 # Names earlier dion3 versions saved (the engine's), accepted on load: {kind: {old name: name}}.
 _OLD_NAMES = {kind: {engine: name for name, engine in names.items() if engine != name}
               for kind, names in _ENGINE_NAMES.items()}
@@ -318,6 +319,14 @@ _OLD_NAMES = {kind: {engine: name for name, engine in names.items() if engine !=
 
 def _kind(algorithm: str) -> str:
     return "matrix" if algorithm in MATRIX_ALGORITHMS else algorithm
+
+
+def _state_kind(group: Dict[str, Any]) -> str:
+    """The names a group's state goes by: its kind's, or torch.optim.Muon's for the groups of
+    dion3.optim.Muon (which carry torch's keys, ns_steps among them)."""
+    if group.get("algorithm") == "muon" and "ns_steps" in group:
+        return "torch_muon"
+    return _kind(group.get("algorithm"))
 
 
 def _state_tensors(group: Dict[str, Any], p: torch.Tensor, old: Dict[str, Any]) -> Dict[str, torch.Tensor]:
@@ -331,7 +340,7 @@ def _state_tensors(group: Dict[str, Any], p: torch.Tensor, old: Dict[str, Any]) 
                          (t.dtype != dtype or tuple(t.shape) != tuple(shape))):
             t = _dist.zeros_like_layout(p, shape, dtype, name in _PER_ROW)
         elif isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(shape) and \
-                (t.device != p.device or (t.dtype != dtype and (dtype == p.dtype or name == "momentum"))):
+                (t.device != p.device or (t.dtype != dtype and (dtype == p.dtype or name in ("momentum", "momentum_buffer")))):
             # The parameter moved to another device or dtype after its state was made
             # (model.to(...)), or its group's momentum_dtype changed: state that follows them
             # follows, cast as load_state_dict casts it.
@@ -366,7 +375,7 @@ def _engine_state(group: Dict[str, Any], st: Dict[str, Any],
                   order: Optional[Tuple[int, ...]] = None) -> Dict[str, torch.Tensor]:
     """This rank's state tensors of a parameter as the engine takes them (views, never copies:
     the engine updates them in place), in the weight's memory order where it is channels-last."""
-    names = _ENGINE_NAMES[_kind(group["algorithm"])]
+    names = _ENGINE_NAMES[_state_kind(group)]
     out = {}
     for k, t in st.items():
         if k in names:
@@ -709,7 +718,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 g["betas"] = (float(g.pop("beta1", b1)), float(g.pop("beta2", b2)))
             group_step = g.pop("step", None)
             g.pop("steps_skipped", None)  # the optimizer's counter (_saved_steps_skipped), not a setting
-            kind = _kind(g.get("algorithm"))
+            kind = _state_kind(g)
             for j, pid in enumerate(g.get("params", [])):
                 st = saved_state.get(pid)
                 if not isinstance(st, dict):
@@ -810,7 +819,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             for j, (pid, p) in enumerate(zip(saved["params"], mine["params"])):
                 who = f"parameter {j} '{self._param_name(group, gi, j)}' of group {gi}"
                 st = saved_state.get(pid)
-                if st is None and not p.requires_grad:
+                if st is None and (not p.requires_grad or self._state_made_at_first_step):
                     # Frozen: torch.distributed.checkpoint keeps no state for it (torch.optim makes
                     # none until it steps); it starts afresh, as it was made.
                     st = dict(_state_tensors(group, p, {}), step=0)
@@ -1242,7 +1251,6 @@ class _EngineOptimizer(torch.optim.Optimizer):
             g["step"] = max(steps, default=0)
             g["steps_skipped"] = self._steps_skipped  # in every group too: DCP keeps only state and groups
         sd["steps_skipped"] = self._steps_skipped  # dion3's own; torch and the reference ignore it
-        sd = self._to_saved_layout(sd)
         for hook in list((post or {}).values()):
             result = hook(self, sd)
             if result is not None:
@@ -1271,14 +1279,13 @@ class _EngineOptimizer(torch.optim.Optimizer):
 
     # Other optimizers' names for settings, refused naming this optimizer's (see _check_keys).
     _key_aliases = _KEY_ALIASES
+    # Whether a checkpoint without a parameter's state means "not stepped yet" (as for the
+    # torch.optim optimizer this one stands in for) rather than a mismatched checkpoint.
+    _state_made_at_first_step = False
 
     def _engine_group(self, group: Dict[str, Any]) -> Dict[str, Any]:
         """A group under the keys _engine_config reads; this optimizer's groups already are."""
         return group
-
-    def _to_saved_layout(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
-        """state_dict()'s last change before its post-hooks; _from_saved_layout reads it back."""
-        return state_dict
 
     def _param_name(self, group: Dict[str, Any], gi: int, j: int) -> str:
         names = group.get("param_names")
@@ -1450,6 +1457,14 @@ class _EngineOptimizer(torch.optim.Optimizer):
         engine = _C.Engine(device.type, device.index or 0, self._on_nonfinite, self._workspace_limit,
                            getattr(self, "_megabatch", True), getattr(self, "_record_orthogonalizer", True),
                            named)
+        # The engine needs unique names; torch takes a module's local names ('weight') in several
+        # groups: a repeated one is qualified by its group (and position).
+        seen = collections.Counter(self._param_name(g, gi, j) for gi, g in enumerate(self.param_groups)
+                                   for j in range(len(g["params"])))
+
+        def engine_name(group, gi, j):
+            name = self._param_name(group, gi, j)
+            return name if seen[name] == 1 else f"group{gi}.{j}.{name}"
         new_state: Dict[torch.Tensor, Dict[str, Any]] = {}
         kinds: Dict[torch.Tensor, str] = {}
         switched = set()
@@ -1460,7 +1475,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             engine_groups.append(gi)
             matrix = group["algorithm"] in MATRIX_ALGORITHMS
             for j, p in members:
-                name_j = self._param_name(group, gi, j)
+                name_j = engine_name(group, gi, j)
                 old = self.state.get(p, {})
                 kind = _kind(group["algorithm"])
                 if self._kinds.get(p, kind) != kind:

@@ -374,7 +374,7 @@ class CpuBackend final : public Backend {
     const int64_t count = static_cast<int64_t>(set.mats.size());
     std::vector<float> invs(count);
     for (int64_t i = 0; i < count; ++i)  // multiplied, as normalize does
-      invs[i] = static_cast<float>(1.0 / (std::sqrt(static_cast<double>(selected_sumsq[i])) + eps));
+      invs[i] = static_cast<float>(1.0 / std::max(std::sqrt(static_cast<double>(selected_sumsq[i])), double{eps}));
     const int64_t block = cpu::row_block(cols), blocks = (k + block - 1) / block;
     struct Buffers {
       std::vector<float> m, x;
@@ -468,7 +468,7 @@ class CpuBackend final : public Backend {
         for (int64_t r = 0; r < in.rows; ++r) ss += row_sumsq[b * in.rows + r];
       else
         for (float v : x) ss += static_cast<double>(v) * v;
-      const float inv = static_cast<float>(1.0 / (std::sqrt(ss) + eps));
+      const float inv = static_cast<float>(1.0 / std::max(std::sqrt(ss), double{eps}));
       for (float& v : x) v *= inv;
       if (transpose) transpose_into(buf, in.rows, in.cols);
       store_matrix(out, b, x.data());

@@ -48,7 +48,7 @@ __global__ void sum_row_sumsq_kernel(const float* __restrict__ row_sumsq, int64_
   if (threadIdx.x == 0) partial[b * gridDim.x + blockIdx.x] = acc;
 }
 
-// 1 / (||x_b||_F + eps) from the per-block partial sums of squares of matrix b, for every
+// 1 / max(||x_b||_F, eps) from the per-block partial sums of squares of matrix b, for every
 // thread of the block (the first warp reduces, the block waits on shared memory).
 __device__ __forceinline__ float inverse_norm(const float* __restrict__ partial, int nparts, int64_t b, float eps) {
   __shared__ float s_inv;
@@ -56,7 +56,7 @@ __device__ __forceinline__ float inverse_norm(const float* __restrict__ partial,
     float a = 0.0f;
     for (int j = threadIdx.x; j < nparts; j += 32) a += partial[b * nparts + j];
     a = warp_sum(a);
-    if (threadIdx.x == 0) s_inv = 1.0f / (sqrtf(a) + eps);
+    if (threadIdx.x == 0) s_inv = 1.0f / fmaxf(sqrtf(a), eps);
   }
   __syncthreads();
   return s_inv;
@@ -140,7 +140,7 @@ __global__ void convert_flat_kernel(const TI* __restrict__ in, int64_t n4, int64
   }
 }
 
-// out = in^T (times 1/(||in_b||_F + eps) where partial is given: normalize's second pass), by
+// out = in^T (times 1/max(||in_b||_F, eps) where partial is given: normalize's second pass), by
 // 64 x 64 tiles through shared memory in fp32. Two kernels: transpose_pack_kernel moves 16-byte
 // packs (rows of in and out start 16-byte aligned and hold whole packs, out in fp16 or bf16), a
 // warp's access covering 128 contiguous bytes of each row; the element-wise transpose_kernel takes

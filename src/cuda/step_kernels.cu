@@ -222,7 +222,7 @@ __global__ void __launch_bounds__(kSelectThreads)
 }
 
 // ---- gather_rows: out[i][s] = c_i*(scale_m*M[idx[s]] + scale_g*G[idx[s]]); M[idx[s]] *= decay,
-// with c_i = 1 / (sqrt(selected_sumsq[i]) + eps) (gather_normalized's inverse norm) or 1 ----
+// with c_i = 1 / max(sqrt(selected_sumsq[i]), eps) (gather_normalized's inverse norm) or 1 ----
 // One warp per gathered row. With VEC each lane moves 4-element packs, four of them loaded before
 // any is stored (more bytes in flight than a block per row with one pack per thread). With
 // row_sumsq, also the sum of squares of the row as stored (each lane's sum in a fixed order, then
@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(32 * kRowWarps)
   const TG* g = static_cast<const TG*>(d.g) + r * d.ldg;
   const bool use_g = scale_g != 0.0f, do_decay = decay != 1.0f;
   // Applied after the loads (a branch on it would hold them back behind this one).
-  const float c = selected_sumsq ? 1.0f / (sqrtf(selected_sumsq[i]) + eps) : 1.0f;
+  const float c = selected_sumsq ? 1.0f / fmaxf(sqrtf(selected_sumsq[i]), eps) : 1.0f;
   float ss = 0.0f;
   if constexpr (VEC) {
     Pack4<TM>* m4 = reinterpret_cast<Pack4<TM>*>(m);

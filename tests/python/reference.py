@@ -24,7 +24,7 @@ def orth_standard(X, coeffs=POLAR_EXPRESS):
     transposed = X.shape[0] > X.shape[1]
     if transposed:
         X = X.T
-    X = X / (torch.linalg.norm(X) + 1e-7)
+    X = X / torch.linalg.norm(X).clamp(min=1e-7)
     for a, b, c in coeffs:
         A = X @ X.T
         B = b * A + c * (A @ A)
@@ -38,7 +38,7 @@ def orth_gram(X, coeffs=POLAR_EXPRESS, restarts=(2,)):
     transposed = X.shape[0] > X.shape[1]
     if transposed:
         X = X.T
-    X = X / (torch.linalg.norm(X) + 1e-7)
+    X = X / torch.linalg.norm(X).clamp(min=1e-7)
     p = X.shape[0]
     eye = torch.eye(p, dtype=X.dtype)
     R = X @ X.T

@@ -139,11 +139,12 @@ def test_refuses_what_it_would_misread():
         dion3.optim.Muon([w], momentum=-0.1)
     opt = dion3.optim.Muon([w])
     w.grad = torch.randn(8, 8)
-    for key, value, match in [("momentum", 1.5, "'momentum' must lie in \\[0, 1\\]"),
+    for key, value, match in [("momentum", 1.0, "'momentum' must lie in \\[0, 1\\)"),
                               ("ns_steps", 0, "'ns_steps' must lie in \\[1, 16\\]"),
                               ("ns_coefficients", (1.0, 2.0), "three numbers"),
                               ("adjust_lr_fn", "rms_norm", "'adjust_lr_fn' must be None"),
-                              ("eps", 0.0, "'eps' must be a number > 0")]:
+                              ("eps", 1e-3, "'eps' = 0.001 is not implemented"),
+                              ("momentum", "0.9", "'momentum' must be a number")]:
         good = opt.param_groups[0][key]
         opt.param_groups[0][key] = value
         before = w.detach().clone()
@@ -196,3 +197,77 @@ def test_benchmark_times_both(capsys):
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["optimizer"] for r in rows] == ["torch.optim.Muon", "optim.Muon"]
     assert all(r["step_ms"] > 0 and r["matrices"] == 6 and r["vectors"] == 0 for r in rows)
+
+
+def test_small_gradients_and_torch_scalars_as_torch():
+    # The iteration's input is scaled by 1 / max(norm, 1e-7) as torch's is: an update of the same
+    # size whatever the gradients' scale (down to the floor); schedules may write NumPy scalars or
+    # one-element tensors.
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(4)
+    shape = (24, 40)
+    w = torch.nn.Parameter(torch.randn(*shape))
+    W, B = w.detach().double().clone(), torch.zeros(shape, dtype=torch.float64)
+    opt = dion3.optim.Muon([w], lr=0.02, orthogonalizer="standard")
+    W0 = W.clone()
+    for mu in (np.float32(0.9), torch.tensor(0.95), np.float64(0.95)):
+        opt.param_groups[0]["momentum"] = mu
+        w.grad = torch.randn(shape) * 1e-5
+        torch_muon_f64(W, B, w.grad.double(), 0.02, 0.1, float(mu), True, YOU, None)
+        opt.step()
+    assert (w.detach().double() - W).abs().max().item() <= 2e-4 * (W - W0).abs().max().item()
+
+
+def test_state_is_torchs_live_buffer_and_starts_at_the_first_step():
+    torch.manual_seed(5)
+    used, unused = torch.nn.Parameter(torch.randn(8, 6)), torch.nn.Parameter(torch.randn(6, 4))
+    # A checkpoint saved before any step, and one where a parameter never had a gradient: torch
+    # keeps no state for those parameters, and they start afresh here as they would there.
+    fresh = torch_muon([used, unused]).state_dict() if torch_muon else {"state": {}, "param_groups": [
+        dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, ns_coefficients=(3.4445, -4.775, 2.0315),
+             eps=1e-7, ns_steps=5, adjust_lr_fn=None, params=[0, 1])]}
+    opt = dion3.optim.Muon([used, unused], lr=0.1)
+    opt.load_state_dict(fresh)
+    used.grad = torch.randn(8, 6)
+    opt.step()
+    assert set(opt.state[used]) == {"momentum_buffer", "step"}  # torch's name, live
+    opt.load_state_dict(_partial(opt))
+    # Replacing the buffer resets the momentum, as it does in torch.
+    opt.state[used]["momentum_buffer"] = torch.zeros_like(used)
+    g = torch.randn(8, 6)
+    used.grad = g.clone()
+    opt.step()
+    assert torch.allclose(opt.state[used]["momentum_buffer"], 0.05 * g, atol=1e-7)
+
+
+def _partial(opt):
+    sd = opt.state_dict()
+    sd["state"].pop(1, None)  # torch saves no state for a parameter that never stepped
+    return sd
+
+
+def test_local_names_repeated_across_groups():
+    # torch takes named_parameters() of several modules, whose local names repeat ('weight').
+    blocks = [torch.nn.Linear(6, 6, bias=False) for _ in range(2)]
+    opt = dion3.optim.Muon([dict(params=list(b.named_parameters())) for b in blocks], lr=0.02)
+    for b in blocks:
+        b.weight.grad = torch.randn(6, 6)
+    opt.step()
+    assert all(torch.isfinite(b.weight).all() for b in blocks)
+
+
+def test_flattened_distributed_checkpoint_round_trip():
+    # torch.distributed.checkpoint's flattened form (torchtitan's) keys state by the live names.
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    torch.manual_seed(6)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 12, bias=False), torch.nn.Linear(12, 4, bias=False))
+    opt = dion3.optim.Muon(model.parameters(), lr=0.02)
+    model(torch.randn(3, 8)).square().sum().backward()
+    opt.step()
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    saved = get_optimizer_state_dict(model, opt, options=options)
+    again = dion3.optim.Muon(model.parameters(), lr=0.02)
+    set_optimizer_state_dict(model, again, saved, options=options)
+    for p in model.parameters():
+        assert torch.equal(again.state[p]["momentum_buffer"], opt.state[p]["momentum_buffer"])
