@@ -291,7 +291,7 @@ __global__ void gather_rows_16(__nv_bfloat16* m, int64_t rows, int64_t cols, con
   const int64_t r = idx[i * k + s];
   auto* src = reinterpret_cast<dion3::cuda::PackV<__nv_bfloat16, 8>*>(m + (i * rows + r) * cols);
   auto* dst = reinterpret_cast<dion3::cuda::PackV<__half, 8>*>(out + (i * k + s) * cols);
-  const float c = 1.0f / (sqrtf(sumsq[i]) + eps);  // as the library's gather
+  const float c = 1.0f / fmaxf(sqrtf(sumsq[i]), eps);  // as the library's gather
   row_packs<U>(src, cols / 8, lane, [&](int64_t q, dion3::cuda::PackV<__nv_bfloat16, 8> v) {
     dion3::cuda::PackV<__half, 8> o;
 #pragma unroll

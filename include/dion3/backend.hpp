@@ -346,7 +346,7 @@ class DION3_API Backend {
   // to out's dtype), for normalize (spares it a pass over out).
   virtual void gather_rows(const MatrixSet& set, const int32_t* idx, int64_t k, Hyper scale_m,
                            Hyper scale_g, Hyper decay, MatrixView out, float* row_sumsq, const int* skip) = 0;
-  // out[i] (k x cols) = M_i[idx_i] / (sqrt(selected_sumsq[i]) + eps), rounded to out's dtype, then
+  // out[i] (k x cols) = M_i[idx_i] / max(sqrt(selected_sumsq[i]), eps), rounded to out's dtype, then
   // M_i[idx_i] *= decay: the gather and the normalisation of algorithm.md §2 in one pass, with the
   // selected rows' sum of squares select_rows() gave. out is contiguous, any float dtype. Padding
   // entries of idx give zero rows.
@@ -361,7 +361,7 @@ class DION3_API Backend {
                             const UpdateParams& p, const int* skip) = 0;
 
   // --- orthogonalization primitives (contiguous batches, fp32 accumulation) -------------
-  // out[b] = in[b] / (||in[b]||_F + eps), rounded to out.dtype; with `transpose`, its transpose (out
+  // out[b] = in[b] / max(||in[b]||_F, eps), rounded to out.dtype; with `transpose`, its transpose (out
   // has in's shape transposed: a tall input is turned wide in the same pass). With row_sumsq
   // (in.batch x in.rows, each row's sum of squares, as gather_rows gives them) ||in[b]||_F comes
   // from those sums.

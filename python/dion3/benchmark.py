@@ -80,7 +80,7 @@ def run_torch(args, name):
 
 
 def run(args, cls_name, fraction):
-    if cls_name.startswith("torch."):
+    if cls_name in ("torch.AdamW", "torch.Muon"):
         return run_torch(args, cls_name)
     device, params_m, params_v = make_params(args)
     if cls_name == "optim.Muon":  # torch.optim.Muon's drop-in: matrices only, as torch's

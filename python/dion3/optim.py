@@ -32,6 +32,10 @@ def _real(key: str, v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
         raise ValueError(f"dion3: '{key}' must be a number; got {v!r}")
     return float(v)
+# Settings of dion3's own optimizers that this one fixes or does not have: refused, not ignored.
+_DION3_ONLY = frozenset({"fraction", "muon_beta2", "betas", "cautious_wd", "scale_lr_by_fraction", "restarts",
+                         "use_gram_newton_schulz", "use_polar_express", "use_triton", "triton_post_ortho",
+                         "selection_scope", "ema_momentum", "ef_decay"})
 # The reference's and dion3's names for torch's keys, refused naming torch's.
 _TORCH_ALIASES = dict(_KEY_ALIASES, mu=("momentum",), adjust_lr=("adjust_lr_fn",), coefficients=("ns_coefficients",),
                       epsilon=("eps",))
@@ -59,6 +63,21 @@ class Muon(_EngineOptimizer):
     _name = "Muon"
     _key_aliases = _TORCH_ALIASES
     _state_made_at_first_step = True  # torch's Muon saves no state for a parameter not yet stepped
+    _vectors_advice = "optimize 1-D tensors with another optimizer (torch.optim.AdamW, say), as with torch.optim.Muon"
+
+    def _state_kind(self, group: Dict[str, Any]) -> str:
+        return "torch_muon"  # torch's name for the buffer: momentum_buffer
+
+    def _check_keys(self, gi: int, group: Dict[str, Any]) -> None:
+        super()._check_keys(gi, group)
+        if group.get("algorithm", "muon") != "muon":
+            raise ValueError(f"dion3: parameter group {gi}: dion3.optim.Muon steps torch.optim.Muon's update only; "
+                             f"got algorithm={group['algorithm']!r} (dion3.Dion3, NorMuon and Muon take groups of "
+                             "other algorithms)")
+        for key in group:
+            if key in _DION3_ONLY:
+                raise ValueError(f"dion3: parameter group {gi}: '{key}' is a setting of dion3's own optimizers, "
+                                 "which dion3.optim.Muon (torch.optim.Muon's form) does not take; use dion3.Muon")
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients: Tuple[float, float, float] = (3.4445, -4.775, 2.0315),
@@ -123,13 +142,13 @@ class Muon(_EngineOptimizer):
     def _from_saved_layout(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
         if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict) \
                 and isinstance(state_dict.get("param_groups"), list):
-            summed = [g for g in state_dict["param_groups"] if isinstance(g, dict) and "mu" in g and "momentum" not in g]
+            theirs = [g for g in state_dict["param_groups"] if isinstance(g, dict) and "mu" in g and "momentum" not in g]
             named = [st for st in state_dict["state"].values() if isinstance(st, dict) and "momentum" in st]
-            if summed or named:
-                # dion3.Muon and the reference keep M = mu*M + G: 1 / (1 - mu) times this buffer.
-                raise ValueError("dion3: this state_dict is dion3.Muon's or the reference package's (momentum "
-                                 "summed, M = mu*M + G, under 'momentum'); dion3.optim.Muon keeps torch.optim.Muon's "
-                                 "average under 'momentum_buffer': load it into dion3.Muon")
+            if theirs or named:
+                # Their momentum may be summed, M = mu*M + G: 1 / (1 - mu) times this buffer.
+                raise ValueError("dion3: this state_dict is dion3.Muon's or the reference package's (group key 'mu', "
+                                 "state 'momentum'); dion3.optim.Muon keeps torch.optim.Muon's averaged momentum under "
+                                 "'momentum_buffer': load it into dion3.Muon")
             # torch's Muon counts no steps, and this one reads none: a missing counter starts at 0.
             state = {i: (dict({"step": 0}, **st) if isinstance(st, dict) else st)
                      for i, st in state_dict["state"].items()}

@@ -92,7 +92,8 @@ _SCHEDULER_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "base_momentum", 
 # {other name: dion3's names for it}; the first that the optimizer knows is the one it names.
 _KEY_ALIASES = {"eps": ("epsilon",), "momentum": ("mu", "ef_decay"), "beta2": ("muon_beta2",),
                 "rank_fraction": ("fraction",), "nesterov_momentum": ("nesterov",),
-                "adjust_learning_rate": ("adjust_lr",),
+                "adjust_learning_rate": ("adjust_lr",), "adjust_lr_fn": ("adjust_lr",),
+                "ns_coefficients": ("coefficients",), "ns_steps": ("coefficients",),
                 # the error-feedback decay: Dion2's name in a Dion3 optimizer, Dion3's in a Dion2 one
                 "ef_decay": ("mu",), "mu": ("ef_decay",)}
 # torch.optim options that change the result and that dion3 does not implement: refused when
@@ -256,11 +257,14 @@ def _num_heads(value) -> int:
     return int(value)
 
 
-def _state_shapes(group: Dict[str, Any], p: torch.Tensor) -> List[Tuple[str, torch.dtype, Tuple[int, ...]]]:
+def _state_shapes(group: Dict[str, Any], p: torch.Tensor,
+                  kind: Optional[str] = None) -> List[Tuple[str, torch.dtype, Tuple[int, ...]]]:
     """State tensors of p, named and shaped as the reference package's (checkpoints move both
     ways): the engine's list (_C.state_specs: which tensors, their dtypes and sizes) under the
-    reference's names, the per-row variance laid out as p[..., 0:1] (`variance_neuron`)."""
-    to_reference = {engine: name for name, engine in _ENGINE_NAMES[_state_kind(group)].items()}
+    reference's names (or those of `kind`, an optimizer's own), the per-row variance laid out as
+    p[..., 0:1] (`variance_neuron`)."""
+    kind = kind or _kind(group["algorithm"])
+    to_reference = {engine: name for name, engine in _ENGINE_NAMES[kind].items()}
     out = []
     specs = _C.state_specs(group["algorithm"], bool(group["flatten"]), _dtype_name(group.get("momentum_dtype")),
                            _dtype_name(p.dtype), list(p.shape))
@@ -321,18 +325,11 @@ def _kind(algorithm: str) -> str:
     return "matrix" if algorithm in MATRIX_ALGORITHMS else algorithm
 
 
-def _state_kind(group: Dict[str, Any]) -> str:
-    """The names a group's state goes by: its kind's, or torch.optim.Muon's for the groups of
-    dion3.optim.Muon (which carry torch's keys, ns_steps among them)."""
-    if group.get("algorithm") == "muon" and "ns_steps" in group:
-        return "torch_muon"
-    return _kind(group.get("algorithm"))
-
-
-def _state_tensors(group: Dict[str, Any], p: torch.Tensor, old: Dict[str, Any]) -> Dict[str, torch.Tensor]:
-    """p's state tensors for its group: those of `old` that fit, zeros for the rest."""
+def _state_tensors(group: Dict[str, Any], p: torch.Tensor, old: Dict[str, Any],
+                   kind: Optional[str] = None) -> Dict[str, torch.Tensor]:
+    """p's state tensors for its group (named as `kind`'s): those of `old` that fit, zeros for the rest."""
     st = {}
-    for name, dtype, shape in _state_shapes(group, p):
+    for name, dtype, shape in _state_shapes(group, p, kind):
         t = old.get(name)
         # Zero state made at construction for settings (momentum_dtype, flatten, the algorithm)
         # changed before the parameter's first step is made again.
@@ -356,13 +353,14 @@ def _state_tensors(group: Dict[str, Any], p: torch.Tensor, old: Dict[str, Any]) 
     return st
 
 
-def _check_restructured(group: Dict[str, Any], p: torch.Tensor, st: Dict[str, Any], who: str) -> None:
+def _check_restructured(group: Dict[str, Any], p: torch.Tensor, st: Dict[str, Any], who: str,
+                        kind: Optional[str] = None) -> None:
     """Refuses state shaped for the other flatten than the group's (flatten set after the
     parameter's state took values), naming the setting. Other misfits are the engine's to name."""
     if p.dim() <= 2:
         return
-    flipped = {name: shape for name, _, shape in _state_shapes(dict(group, flatten=not group["flatten"]), p)}
-    for name, _, shape in _state_shapes(group, p):
+    flipped = {name: shape for name, _, shape in _state_shapes(dict(group, flatten=not group["flatten"]), p, kind)}
+    for name, _, shape in _state_shapes(group, p, kind):
         t = st.get(name)
         if isinstance(t, torch.Tensor) and tuple(t.shape) != tuple(shape) and tuple(t.shape) == flipped.get(name):
             raise ValueError(f"dion3: {who}: its state '{name}' has shape {list(t.shape)}, where its group asks for "
@@ -371,11 +369,11 @@ def _check_restructured(group: Dict[str, Any], p: torch.Tensor, st: Dict[str, An
                              "start its state afresh (del optimizer.state[p])")
 
 
-def _engine_state(group: Dict[str, Any], st: Dict[str, Any],
-                  order: Optional[Tuple[int, ...]] = None) -> Dict[str, torch.Tensor]:
+def _engine_state(group: Dict[str, Any], st: Dict[str, Any], order: Optional[Tuple[int, ...]] = None,
+                  kind: Optional[str] = None) -> Dict[str, torch.Tensor]:
     """This rank's state tensors of a parameter as the engine takes them (views, never copies:
     the engine updates them in place), in the weight's memory order where it is channels-last."""
-    names = _ENGINE_NAMES[_state_kind(group)]
+    names = _ENGINE_NAMES[kind or _kind(group["algorithm"])]
     out = {}
     for k, t in st.items():
         if k in names:
@@ -607,7 +605,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 if not switched and (not old or old.get("step", 0)):
                     continue
                 try:
-                    fresh = _state_tensors(g, p, old)
+                    fresh = _state_tensors(g, p, old, self._state_kind(g))
                 except (ValueError, RuntimeError):
                     continue  # a group the next step refuses anyway
                 if switched or any(t is not old.get(k) for k, t in fresh.items()):
@@ -646,7 +644,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
 
     def _zero_state(self, group: Dict[str, Any], p: torch.Tensor) -> Dict[str, Any]:
         st: Dict[str, Any] = {}
-        for name, dtype, shape in _state_shapes(group, p):
+        for name, dtype, shape in _state_shapes(group, p, self._state_kind(group)):
             t = _dist.zeros_like_layout(p, shape, dtype, name in _PER_ROW)
             t._dion3_initial = True  # made here, not given: may be remade if the group's settings change
             st[name] = t
@@ -716,9 +714,11 @@ class _EngineOptimizer(torch.optim.Optimizer):
             if "beta1" in g or "beta2" in g:
                 b1, b2 = g.get("betas", mine["betas"] if mine is not None else self.defaults["betas"])
                 g["betas"] = (float(g.pop("beta1", b1)), float(g.pop("beta2", b2)))
+            if "ema_momentum" in self.defaults and g.get("algorithm") in ("muon", "normuon"):
+                g.setdefault("ema_momentum", False)  # saved before the setting existed, or by the reference: summed
             group_step = g.pop("step", None)
             g.pop("steps_skipped", None)  # the optimizer's counter (_saved_steps_skipped), not a setting
-            kind = _state_kind(g)
+            kind = self._state_kind(g)
             for j, pid in enumerate(g.get("params", [])):
                 st = saved_state.get(pid)
                 if not isinstance(st, dict):
@@ -733,7 +733,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                     # here is left to the checks that name it.)
                     full = dict(self.defaults, **g)
                     try:
-                        shapes = _state_shapes(full, mine["params"][j])
+                        shapes = _state_shapes(full, mine["params"][j], kind)
                     except RuntimeError:
                         shapes = []
                     want = dict((n, sh) for n, _, sh in shapes).get("variance_neuron")
@@ -768,7 +768,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         problem = None
         for p, who, group, st, step in plan:
             out: Dict[str, Any] = {"step": step}
-            for name, dtype, shape in _state_shapes(group, p):
+            for name, dtype, shape in _state_shapes(group, p, self._state_kind(group)):
                 value = st[name]
                 fmt = _dist.state_format(p, shape)  # laid out as the engine steps it
                 if _dist.is_dtensor(p) and not _dist.is_dtensor(value):
@@ -822,14 +822,14 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 if st is None and (not p.requires_grad or self._state_made_at_first_step):
                     # Frozen: torch.distributed.checkpoint keeps no state for it (torch.optim makes
                     # none until it steps); it starts afresh, as it was made.
-                    st = dict(_state_tensors(group, p, {}), step=0)
+                    st = dict(_state_tensors(group, p, {}, self._state_kind(group)), step=0)
                 if not isinstance(st, dict):
                     raise ValueError(f"dion3: load_state_dict: {who} has no state in the state_dict")
                 if "step" not in st:
                     raise ValueError(f"dion3: load_state_dict: {who} has no step counter ('step') in the "
                                      "state_dict; it cannot be guessed (AdamW's bias correction reads it)")
                 step = _step_count(st["step"], who)
-                for name, dtype, shape in _state_shapes(group, p):
+                for name, dtype, shape in _state_shapes(group, p, self._state_kind(group)):
                     value = st.get(name)
                     what = f"{who}: state '{name}'"
                     if value is None:
@@ -1282,6 +1282,13 @@ class _EngineOptimizer(torch.optim.Optimizer):
     # Whether a checkpoint without a parameter's state means "not stepped yet" (as for the
     # torch.optim optimizer this one stands in for) rather than a mismatched checkpoint.
     _state_made_at_first_step = False
+    # Where a 1-D tensor given to a matrix group belongs.
+    _vectors_advice = ("put 1-D tensors in an 'adamw' or 'lion' group (dion3.param_groups(model) makes such groups: "
+                       "matrices to {algo}, vectors, embeddings and the head to AdamW)")
+
+    def _state_kind(self, group: Dict[str, Any]) -> str:
+        """Which names (_ENGINE_NAMES) the group's state goes by."""
+        return _kind(group.get("algorithm"))
 
     def _engine_group(self, group: Dict[str, Any]) -> Dict[str, Any]:
         """A group under the keys _engine_config reads; this optimizer's groups already are."""
@@ -1354,9 +1361,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
                                  "out, or put it in an 'adamw' or 'lion' group (dion3.param_groups(model) does)")
             if matrix and p.dim() < 2:
                 algo = {"muon": "Muon", "normuon": "NorMuon", "dion2": "Dion2"}.get(group["algorithm"], "Dion3")
-                raise ValueError(f"dion3: {who} has shape {list(p.shape)} but {algo} needs a matrix; put "
-                                 "1-D tensors in an 'adamw' or 'lion' group (dion3.param_groups(model) makes "
-                                 f"such groups: matrices to {algo}, vectors, embeddings and the head to AdamW)")
+                raise ValueError(f"dion3: {who} has shape {list(p.shape)} but {algo} needs a matrix; "
+                                 + self._vectors_advice.format(algo=algo))
         if matrix and (cfg["split_sizes"] or cfg["num_heads"] > 1):
             for j, p in enumerate(group["params"]):
                 rows = p.shape[0] if (group["flatten"] or p.dim() == 2) else p.shape[-2]
@@ -1482,8 +1488,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
                     old = {}  # another kind of algorithm: its moments mean something else
                     switched.add(p)
                 kinds[p] = kind
-                st = _state_tensors(group, p, old)
-                _check_restructured(group, p, st, f"parameter '{name_j}'")
+                st = _state_tensors(group, p, old, self._state_kind(group))
+                _check_restructured(group, p, st, f"parameter '{name_j}'", self._state_kind(group))
                 if p.grad.device != p.device:
                     raise ValueError(f"dion3: parameter '{name_j}' is on "
                                      f"{p.device} but its gradient is on {p.grad.device}")
@@ -1494,7 +1500,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 weight, grad = _dist.local(p), _dist.local_grad(p) if is_dt else None
                 if order is not None:
                     weight, grad = p.permute(order), p.grad.permute(order)
-                engine.add_param(ei, name_j, weight, _engine_state(group, st, order),
+                engine.add_param(ei, name_j, weight, _engine_state(group, st, order, self._state_kind(group)),
                                  layout.kind, layout.group, layout.global_rows, layout.global_cols,
                                  layout.row_offset, layout.row_chunk, layout.col_group,
                                  grad, p if weight is not p else None, list(order or ()))

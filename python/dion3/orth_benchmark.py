@@ -24,7 +24,7 @@ def torch_newton_schulz(X: torch.Tensor, coefficients, eps: float = 1e-8) -> tor
     """Standard quintic Newton–Schulz in PyTorch (batched, on the wide orientation)."""
     tall = X.size(-2) > X.size(-1)
     Y = X.mT if tall else X
-    Y = Y / (torch.linalg.matrix_norm(Y.float(), keepdim=True) + eps).to(Y.dtype)
+    Y = Y / torch.linalg.matrix_norm(Y.float(), keepdim=True).clamp(min=eps).to(Y.dtype)
     for a, b, c in coefficients:
         A = Y @ Y.mT
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)

@@ -1126,8 +1126,8 @@ std::string Optimizer::Impl::disagreement_error(const int* words) const {
         where = "the ranks of " + comms[r]->describe();
         break;
       }
-    return where + " stepped with different hyper-parameters (lr, weight_decay, mu, muon_beta2, betas, epsilon, or "
-                   "an lr after adjust_lr): applied, the step would part their replicas and shards; every rank "
+    return where + " stepped with different hyper-parameters (lr, weight_decay, mu, muon_beta2, betas, epsilon, "
+                   "ema_momentum, or an lr after adjust_lr): applied, the step would part their replicas and shards; every rank "
                    "must use the same values" + none;
   }
   if (words[0] & kRankWithoutGradients)

@@ -25,7 +25,7 @@ void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int6
                         Hyper decay, const float* selected_sumsq, float eps, const MatrixView& out,
                         float* row_sumsq, const int* skip, cudaStream_t s,
                         bool vec);  // vec: as launch_accumulate's (out is checked here); selected_sumsq, row_sumsq may be null
-// (with selected_sumsq, each matrix's rows are scaled by 1 / (sqrt(selected_sumsq[i]) + eps): gather_normalized)
+// (with selected_sumsq, each matrix's rows are scaled by 1 / max(sqrt(selected_sumsq[i]), eps): gather_normalized)
 // scratch: at least apply_update_scratch_floats(nmats, k) floats.
 int64_t apply_update_scratch_floats(int64_t nmats, int64_t k);
 void launch_apply_update(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType wdt,

@@ -190,6 +190,10 @@ TEST(CApi, PlanGenerationAndHyperparameterRefresh) {
     ASSERT_EQ(dion3_get_group_config(o, mg, &back), DION3_OK);
     EXPECT_EQ(back.ema_momentum, 1);
     EXPECT_EQ(back.adjust_lr, DION3_ADJUST_LR_SPECTRAL_NORM_CLAMPED);
+    muon.mu = 1.0;  // the gradient's share 1 - mu would be nothing: refused, as for every mu of 1
+    EXPECT_EQ(dion3_add_group(o, &muon, &mg), DION3_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(dion3_last_error()).find("'mu' must lie in [0, 1)"), std::string::npos) << dion3_last_error();
+    muon.mu = 0.95;
     muon.algorithm = DION3_ALGO_DION3;  // the averaged form is Muon's and NorMuon's
     EXPECT_EQ(dion3_add_group(o, &muon, &mg), DION3_INVALID_ARGUMENT);
     EXPECT_NE(std::string(dion3_last_error()).find("ema_momentum"), std::string::npos) << dion3_last_error();

@@ -125,12 +125,30 @@ TEST(Orthogonalize, ZeroInputGivesZeroOutput) {
 TEST(Orthogonalize, ScaleInvariantThroughTheNormalisation) {
   Rng rng(8);
   const ref::Mat X = t3::gaussian(16, 40, rng);
-  ref::Mat big = X, small = X;
+  ref::Mat big = X, small = X, tiny = X;
   for (double& x : big) x *= 1e3;
   for (double& x : small) x *= 1e-3;
+  for (double& x : tiny) x *= 1e-5;  // norm ~3e-4: a floor added to the norm would show here
   const auto base = lib_orth(config(OrthMethod::Gram), 1, 16, 40, X);
   EXPECT_LT(t3::rel_max_diff(lib_orth(config(OrthMethod::Gram), 1, 16, 40, big), base), 1e-4);
   EXPECT_LT(t3::rel_max_diff(lib_orth(config(OrthMethod::Gram), 1, 16, 40, small), base), 1e-4);
+  EXPECT_LT(t3::rel_max_diff(lib_orth(config(OrthMethod::Gram), 1, 16, 40, tiny), base), 1e-4);
+}
+
+TEST(Orthogonalize, StepCheckWeighsTheGradientByItsCoefficient) {
+  // M' = a*M + c*G: 1.5e38 + 2e38 overflows float32, 1.5e38 + 0.05 * 2e38 does not.
+  auto be = dion3::make_cpu_backend();
+  t3::Buffer g(DType::F32, {1, 4}, {2e38, 0, 0, 0}), m(DType::F32, {1, 4}, {1.5e38, 0, 0, 0});
+  for (float c : {1.0f, 0.05f}) {
+    dion3::StepCheck x;
+    x.grad = g.matrix(1, 1, 4);
+    x.state = m.matrix(1, 1, 4);
+    x.a = 1.0f;
+    x.c = c;
+    int flag = 0;
+    be->check_step({&x, 1}, &flag);
+    EXPECT_EQ(flag, c == 1.0f ? 1 : 0) << "c " << c;
+  }
 }
 
 TEST(Orthogonalize, BatchEqualsSeparateRuns) {

@@ -387,6 +387,7 @@ TEST_F(CudaOps, CheckStepAgreesWithCpuAtTheOverflowEdge) {
     float a, b;
     float g, m, v;  // the planted element; m and v as stored
     DType state;
+    float c = 1.0f;  // the gradient's coefficient (Momentum rule)
   };
   const float big = 3.0e38f;
   const std::vector<Edge> edges = {
@@ -402,6 +403,8 @@ TEST_F(CudaOps, CheckStepAgreesWithCpuAtTheOverflowEdge) {
       {StepCheck::Lion, 0.9f, 0.95f, -big, big, 0, DType::F32},
       {StepCheck::Lion, 0.9f, 0.95f, 1.0f, big, 0, DType::F32},
       {StepCheck::Momentum, 1.0f, 0.0f, NAN, 0, 0, DType::F32},
+      {StepCheck::Momentum, 1.0f, 0.0f, 2e38f, 1.5e38f, 0, DType::F32, 0.05f},     // fits only by c
+      {StepCheck::Momentum, 0.95f, 0.95f, 1.7e38f, 1.7e38f, 0, DType::F32, 0.05f},  // averaged Nesterov: fits
   };
   for (int64_t n : {int64_t{10000}, int64_t{10003}})
     for (DType gdt : {DType::F32, DType::BF16})
@@ -415,8 +418,8 @@ TEST_F(CudaOps, CheckStepAgreesWithCpuAtTheOverflowEdge) {
           vv[at] = e.v;
           g.set_host(gv), m.set_host(mv), v.set_host(vv);
           g.upload(), m.upload(), v.upload();
-          StepCheck dc{e.rule, g.dview(), m.dview(), v.dview(), e.a, e.b};
-          StepCheck hc{e.rule, g.hview(), m.hview(), v.hview(), e.a, e.b};
+          StepCheck dc{e.rule, g.dview(), m.dview(), v.dview(), e.a, e.b, e.c};
+          StepCheck hc{e.rule, g.hview(), m.hview(), v.hview(), e.a, e.b, e.c};
           gpu->fill_zero(flag.get(), 4);
           gpu->check_step({&dc, 1}, flag.as<int>());
           cpu->fill_zero(hflag.get(), 4);

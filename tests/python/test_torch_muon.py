@@ -271,3 +271,47 @@ def test_flattened_distributed_checkpoint_round_trip():
     set_optimizer_state_dict(model, again, saved, options=options)
     for p in model.parameters():
         assert torch.equal(again.state[p]["momentum_buffer"], opt.state[p]["momentum_buffer"])
+
+
+def test_dion3_muon_with_ema_momentum_is_the_same_update():
+    # dion3.Muon(ema_momentum=True) with torch's settings spelled dion3's way steps as the drop-in.
+    torch.manual_seed(7)
+    w0 = torch.randn(24, 16)
+    a, b = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
+    ours = dion3.Muon([a], lr=0.02, mu=0.9, weight_decay=0.1, nesterov=True, ema_momentum=True,
+                      adjust_lr="spectral_norm_clamped", coefficients=YOU, orthogonalizer="standard")
+    theirs = dion3.optim.Muon([b], lr=0.02, momentum=0.9, orthogonalizer="standard")
+    for _ in range(3):
+        g = torch.randn(24, 16)
+        a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+    assert torch.equal(a, b)
+    assert torch.equal(ours.state[a]["momentum"], theirs.state[b]["momentum_buffer"])
+
+
+def test_keys_of_the_other_form_are_refused_both_ways():
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    with pytest.raises(ValueError, match="dion3 calls it 'coefficients'"):
+        dion3.Muon([dict(params=[w], ns_steps=5)])  # torch's key: no longer a silent no-op
+    with pytest.raises(ValueError, match="'cautious_wd' is a setting of dion3's own optimizers"):
+        dion3.optim.Muon([dict(params=[w], cautious_wd=True)])
+    with pytest.raises(ValueError, match="steps torch.optim.Muon's update only"):
+        dion3.optim.Muon([dict(params=[w]), dict(params=[torch.nn.Parameter(torch.randn(4))], algorithm="adamw")])
+    with pytest.raises(ValueError, match="another optimizer"):
+        dion3.optim.Muon([torch.nn.Parameter(torch.randn(4))])
+
+
+def test_a_summed_checkpoint_stays_summed_in_an_averaging_muon():
+    # A reference (or earlier dion3) checkpoint has no ema_momentum: its momentum is a sum, and the
+    # group it loads into keeps it one rather than taking the constructor's averaged form.
+    w = torch.nn.Parameter(torch.randn(8, 6))
+    w.grad = torch.randn(8, 6)
+    summed = dion3.Muon([w])
+    summed.step()
+    sd = summed.state_dict()
+    for g in sd["param_groups"]:
+        g.pop("ema_momentum")
+    averaging = dion3.Muon([w], ema_momentum=True)
+    averaging.load_state_dict(sd)
+    assert averaging.param_groups[0]["ema_momentum"] is False
