@@ -1,6 +1,6 @@
 # dion3.optim — optimizers with torch.optim's constructors, groups and checkpoints, stepped by the
 # dion3 engine. Swapping `torch.optim.Muon` for `dion3.optim.Muon` changes nothing else in a
-# training script (docs/guide.md, "Moving from torch.optim.Muon").
+# training script (docs/guide.md, "From torch.optim.Muon").
 """torch.optim's Muon on the dion3 engine: ``dion3.optim.Muon`` takes ``torch.optim.Muon``'s
 arguments, keeps its group keys and its momentum (an average: ``B = mu*B + (1 - mu)*G``), and saves
 and loads its checkpoints in both directions. What it adds: megabatched orthogonalization on the
@@ -32,6 +32,8 @@ def _real(key: str, v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
         raise ValueError(f"dion3: '{key}' must be a number; got {v!r}")
     return float(v)
+
+
 # Settings of dion3's own optimizers that this one fixes or does not have: refused, not ignored.
 _DION3_ONLY = frozenset({"fraction", "muon_beta2", "betas", "cautious_wd", "scale_lr_by_fraction", "restarts",
                          "use_gram_newton_schulz", "use_polar_express", "use_triton", "triton_post_ortho",
