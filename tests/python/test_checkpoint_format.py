@@ -519,3 +519,38 @@ def test_state_cleared_by_the_caller_comes_back_for_parameters_without_gradients
         sd = opt.state_dict()
         assert sorted(sd["state"]) == [0, 1] and sd["state"][0]["step"] == 0
         dion3.Dion3([a2, c2]).load_state_dict(sd)
+
+
+def test_torch_dcp_state_dict_keeps_the_skipped_count_and_a_frozen_parameter_loads():
+    # torch.distributed.checkpoint's state_dict keeps only state and param_groups, and keeps no
+    # state for a parameter that does not require gradients: the skipped-step count travels in
+    # the groups, the frozen parameter starts afresh, and the run resumes exactly.
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 24, bias=False), torch.nn.Linear(24, 8, bias=False))
+        model[1].weight.requires_grad_(False)
+        return model, dion3.Dion3(list(model.parameters()), lr=0.02, on_nonfinite="skip")
+
+    def step(model, opt, t, bad=False):
+        torch.manual_seed(100 + t)
+        model(torch.randn(4, 16)).square().sum().backward()
+        if bad:
+            model[0].weight.grad[0, 0] = float("inf")
+        opt.step()
+        opt.zero_grad()
+
+    model, opt = make()
+    step(model, opt, 0)
+    step(model, opt, 1, bad=True)
+    assert opt.steps_skipped == 1
+    msd, osd = get_state_dict(model, opt)
+    model2, opt2 = make()
+    set_state_dict(model2, opt2, model_state_dict=msd, optim_state_dict=osd)
+    assert opt2.steps_skipped == 1
+    assert "steps_skipped" not in opt2.param_groups[0]
+    for t in range(2, 4):
+        step(model, opt, t)
+        step(model2, opt2, t)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
