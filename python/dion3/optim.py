@@ -12,6 +12,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
+from . import _C
 from .optimizer import _KEY_ALIASES, ENGINE_DEFAULTS, _EngineOptimizer, _integer
 
 __all__ = ["Muon"]
@@ -19,10 +20,9 @@ __all__ = ["Muon"]
 # torch.optim.Muon's adjust_lr_fn values and the engine's names for the same scalings.
 _ADJUST_LR_FN = {None: "spectral_norm_clamped", "original": "spectral_norm_clamped",
                  "match_rms_adamw": "rms_norm", "spectral_unclamped": "spectral_norm"}
-# The most quintic steps the engine takes (the C API's DION3_MAX_ORTH_STEPS).
-_MAX_NS_STEPS = 16
-# The floor of the norm the engine divides the Newton-Schulz input by (algorithm.md §2).
-_NORM_FLOOR = 1e-7
+# The most quintic steps the engine takes, and the floor of the norm it divides the Newton-Schulz
+# input by (algorithm.md §2).
+_MAX_NS_STEPS, _NORM_FLOOR = _C.MAX_ORTH_STEPS, _C.NORM_FLOOR
 
 
 def _real(key: str, v: Any) -> float:
@@ -103,7 +103,7 @@ class Muon(_EngineOptimizer):
                         ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
                         adjust_lr_fn=adjust_lr_fn,
                         # dion3's keys: the group's algorithm and layout, which torch's Muon fixes
-                        algorithm="muon", flatten=False, split_sizes=None, num_heads=None,
+                        algorithm=self._default_algorithm, flatten=False, split_sizes=None, num_heads=None,
                         orthogonalizer=orthogonalizer, momentum_dtype=momentum_dtype,
                         iteration_dtype=iteration_dtype)
         super().__init__(params, distributed_mesh, defaults, on_nonfinite, workspace_limit, megabatch, blocking)
@@ -129,17 +129,15 @@ class Muon(_EngineOptimizer):
             # torch scales the iteration's input by 1 / max(norm, eps); the engine's floor is fixed.
             raise ValueError(f"dion3: 'eps' = {eps!r} is not implemented: the engine scales the Newton-Schulz "
                              f"input by 1 / max(norm, {_NORM_FLOOR:g}), torch.optim.Muon's default eps")
+        # The engine's defaults for the settings torch's Muon does not have (fraction 1: every row).
         return dict(
-            algorithm="muon", lr=group["lr"], weight_decay=group["weight_decay"], mu=momentum, ema_momentum=True,
+            ENGINE_DEFAULTS, algorithm="muon", lr=group["lr"], weight_decay=group["weight_decay"], mu=momentum, ema_momentum=True,
             nesterov=group["nesterov"], adjust_lr=_ADJUST_LR_FN[fn], flatten=group["flatten"],
             coefficients=[tuple(_real("ns_coefficients", x) for x in abc)] * steps,
             restarts=[r for r in ENGINE_DEFAULTS["restarts"] if r < steps],
             orthogonalizer=group.get("orthogonalizer", "auto"), momentum_dtype=group.get("momentum_dtype"),
             iteration_dtype=group.get("iteration_dtype"), split_sizes=group.get("split_sizes"),
-            num_heads=group.get("num_heads"),
-            # settings torch's Muon does not have, at the values that leave its update as it is
-            fraction=1.0, muon_beta2=ENGINE_DEFAULTS["muon_beta2"], betas=ENGINE_DEFAULTS["betas"],
-            epsilon=ENGINE_DEFAULTS["epsilon"], cautious_wd=False, scale_lr_by_fraction=False)
+            num_heads=group.get("num_heads"), fraction=1.0)
 
     def _from_saved_layout(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
         if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict) \

@@ -100,7 +100,6 @@ _KEY_ALIASES = {"eps": ("epsilon",), "momentum": ("mu", "ef_decay"), "beta2": ("
 # set, never ignored. {key: what to do instead}
 _UNIMPLEMENTED_TORCH_OPTIONS = {"maximize": "minimize the negated objective instead",
                                 "amsgrad": "dion3's AdamW keeps no running maximum of its second moment"}
-_REFUSED_WHEN_SET = ("newton_schulz_func",) + tuple(_UNIMPLEMENTED_TORCH_OPTIONS)
 _NO_NS_FUNC = ("newton_schulz_func is not supported (the orthogonalization runs in the C++ engine); choose "
                "orthogonalizer='auto'|'standard'|'gram' and, for other quintic steps, coefficients=[(a, b, c), ...]")
 ELEMENTWISE_ALGORITHMS = ("adamw", "lion")
@@ -257,13 +256,11 @@ def _num_heads(value) -> int:
     return int(value)
 
 
-def _state_shapes(group: Dict[str, Any], p: torch.Tensor,
-                  kind: Optional[str] = None) -> List[Tuple[str, torch.dtype, Tuple[int, ...]]]:
+def _state_shapes(group: Dict[str, Any], p: torch.Tensor, kind: str) -> List[Tuple[str, torch.dtype, Tuple[int, ...]]]:
     """State tensors of p, named and shaped as the reference package's (checkpoints move both
     ways): the engine's list (_C.state_specs: which tensors, their dtypes and sizes) under the
-    reference's names (or those of `kind`, an optimizer's own), the per-row variance laid out as
-    p[..., 0:1] (`variance_neuron`)."""
-    kind = kind or _kind(group["algorithm"])
+    reference's names (or those of `kind`, an optimizer's own: _EngineOptimizer._state_kind), the
+    per-row variance laid out as p[..., 0:1] (`variance_neuron`)."""
     to_reference = {engine: name for name, engine in _ENGINE_NAMES[kind].items()}
     out = []
     specs = _C.state_specs(group["algorithm"], bool(group["flatten"]), _dtype_name(group.get("momentum_dtype")),
@@ -325,8 +322,7 @@ def _kind(algorithm: str) -> str:
     return "matrix" if algorithm in MATRIX_ALGORITHMS else algorithm
 
 
-def _state_tensors(group: Dict[str, Any], p: torch.Tensor, old: Dict[str, Any],
-                   kind: Optional[str] = None) -> Dict[str, torch.Tensor]:
+def _state_tensors(group: Dict[str, Any], p: torch.Tensor, old: Dict[str, Any], kind: str) -> Dict[str, torch.Tensor]:
     """p's state tensors for its group (named as `kind`'s): those of `old` that fit, zeros for the rest."""
     st = {}
     for name, dtype, shape in _state_shapes(group, p, kind):
@@ -337,7 +333,7 @@ def _state_tensors(group: Dict[str, Any], p: torch.Tensor, old: Dict[str, Any],
                          (t.dtype != dtype or tuple(t.shape) != tuple(shape))):
             t = _dist.zeros_like_layout(p, shape, dtype, name in _PER_ROW)
         elif isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(shape) and \
-                (t.device != p.device or (t.dtype != dtype and (dtype == p.dtype or name in ("momentum", "momentum_buffer")))):
+                (t.device != p.device or (t.dtype != dtype and (dtype == p.dtype or name not in _SECOND_MOMENTS))):
             # The parameter moved to another device or dtype after its state was made
             # (model.to(...)), or its group's momentum_dtype changed: state that follows them
             # follows, cast as load_state_dict casts it.
@@ -353,8 +349,7 @@ def _state_tensors(group: Dict[str, Any], p: torch.Tensor, old: Dict[str, Any],
     return st
 
 
-def _check_restructured(group: Dict[str, Any], p: torch.Tensor, st: Dict[str, Any], who: str,
-                        kind: Optional[str] = None) -> None:
+def _check_restructured(group: Dict[str, Any], p: torch.Tensor, st: Dict[str, Any], who: str, kind: str) -> None:
     """Refuses state shaped for the other flatten than the group's (flatten set after the
     parameter's state took values), naming the setting. Other misfits are the engine's to name."""
     if p.dim() <= 2:
@@ -369,11 +364,11 @@ def _check_restructured(group: Dict[str, Any], p: torch.Tensor, st: Dict[str, An
                              "start its state afresh (del optimizer.state[p])")
 
 
-def _engine_state(group: Dict[str, Any], st: Dict[str, Any], order: Optional[Tuple[int, ...]] = None,
-                  kind: Optional[str] = None) -> Dict[str, torch.Tensor]:
+def _engine_state(group: Dict[str, Any], st: Dict[str, Any], order: Optional[Tuple[int, ...]],
+                  kind: str) -> Dict[str, torch.Tensor]:
     """This rank's state tensors of a parameter as the engine takes them (views, never copies:
     the engine updates them in place), in the weight's memory order where it is channels-last."""
-    names = _ENGINE_NAMES[kind or _kind(group["algorithm"])]
+    names = _ENGINE_NAMES[kind]
     out = {}
     for k, t in st.items():
         if k in names:
@@ -405,7 +400,7 @@ def _saved_steps_skipped(state_dict: Any) -> Any:
 
 
 def _refuse_unimplemented(gi: int, group: Dict[str, Any]) -> None:
-    """Refuses an option set in group gi that dion3 would otherwise ignore (_REFUSED_WHEN_SET)."""
+    """Refuses an option set in group gi that dion3 would otherwise ignore."""
     if group.get("newton_schulz_func") is not None:
         raise NotImplementedError(f"dion3: parameter group {gi}: {_NO_NS_FUNC}")
     for key, what in _UNIMPLEMENTED_TORCH_OPTIONS.items():
@@ -598,14 +593,14 @@ class _EngineOptimizer(torch.optim.Optimizer):
         here changes: the next step decides on the groups as they are then."""
         out = {}
         for g in self.param_groups:
-            kind = _kind(g.get("algorithm"))
+            kind, state_kind = _kind(g.get("algorithm")), self._state_kind(g)
             for p in g["params"]:
                 switched = self._kinds.get(p, kind) != kind
                 old = {} if switched else self.state.get(p)
                 if not switched and (not old or old.get("step", 0)):
                     continue
                 try:
-                    fresh = _state_tensors(g, p, old, self._state_kind(g))
+                    fresh = _state_tensors(g, p, old, state_kind)
                 except (ValueError, RuntimeError):
                     continue  # a group the next step refuses anyway
                 if switched or any(t is not old.get(k) for k, t in fresh.items()):
@@ -816,20 +811,21 @@ class _EngineOptimizer(torch.optim.Optimizer):
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
             self._check_group(gi, group)
+            state_kind = self._state_kind(group)
             for j, (pid, p) in enumerate(zip(saved["params"], mine["params"])):
                 who = f"parameter {j} '{self._param_name(group, gi, j)}' of group {gi}"
                 st = saved_state.get(pid)
                 if st is None and (not p.requires_grad or self._state_made_at_first_step):
                     # Frozen: torch.distributed.checkpoint keeps no state for it (torch.optim makes
                     # none until it steps); it starts afresh, as it was made.
-                    st = dict(_state_tensors(group, p, {}, self._state_kind(group)), step=0)
+                    st = dict(_state_tensors(group, p, {}, state_kind), step=0)
                 if not isinstance(st, dict):
                     raise ValueError(f"dion3: load_state_dict: {who} has no state in the state_dict")
                 if "step" not in st:
                     raise ValueError(f"dion3: load_state_dict: {who} has no step counter ('step') in the "
                                      "state_dict; it cannot be guessed (AdamW's bias correction reads it)")
                 step = _step_count(st["step"], who)
-                for name, dtype, shape in _state_shapes(group, p, self._state_kind(group)):
+                for name, dtype, shape in _state_shapes(group, p, state_kind):
                     value = st.get(name)
                     what = f"{who}: state '{name}'"
                     if value is None:
@@ -1016,16 +1012,15 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 continue
             if grown:
                 self._check_keys(gi, group)  # a key added since (e.g. another optimizer's name for one)
-            else:
-                _refuse_unimplemented(gi, group)  # set since: they are in the snapshot
             view = _ReadKeys(group)
+            _refuse_unimplemented(gi, view)  # read through the view: its keys join the snapshot
             try:  # validated here, while the engine still holds the plan a refusal needs (see step)
                 engine.update_group(i, _engine_config(self._engine_group(view)))
             except ValueError as e:
                 # The engine numbers only the groups it holds: name the group as the caller does.
                 msg = str(e).removeprefix(f"dion3: group {i}: ").removeprefix("dion3: ")
                 raise ValueError(f"dion3: parameter group {gi}: {msg}") from None
-            keys = tuple(dict.fromkeys(view.read + list(_REFUSED_WHEN_SET)))  # a change of those comes here
+            keys = tuple(dict.fromkeys(view.read))  # a change of those comes here
             self._pushed[i] = (keys, _plain_snapshot(group, keys), len(group))
 
     def _push_or_refuse(self, engine, replannable: bool = False) -> None:
@@ -1465,11 +1460,12 @@ class _EngineOptimizer(torch.optim.Optimizer):
                            named)
         # The engine needs unique names; torch takes a module's local names ('weight') in several
         # groups: a repeated one is qualified by its group (and position).
-        seen = collections.Counter(self._param_name(g, gi, j) for gi, g in enumerate(self.param_groups)
-                                   for j in range(len(g["params"])))
+        given = {(gi, j): self._param_name(g, gi, j) for gi, g in enumerate(self.param_groups)
+                 for j in range(len(g["params"]))}
+        seen = collections.Counter(given.values())
 
         def engine_name(group, gi, j):
-            name = self._param_name(group, gi, j)
+            name = given[gi, j]
             return name if seen[name] == 1 else f"group{gi}.{j}.{name}"
         new_state: Dict[torch.Tensor, Dict[str, Any]] = {}
         kinds: Dict[torch.Tensor, str] = {}
@@ -1480,16 +1476,16 @@ class _EngineOptimizer(torch.optim.Optimizer):
             ei = engine.add_group(_engine_config(self._engine_group(group)))
             engine_groups.append(gi)
             matrix = group["algorithm"] in MATRIX_ALGORITHMS
+            kind, state_kind = _kind(group["algorithm"]), self._state_kind(group)
             for j, p in members:
                 name_j = engine_name(group, gi, j)
                 old = self.state.get(p, {})
-                kind = _kind(group["algorithm"])
                 if self._kinds.get(p, kind) != kind:
                     old = {}  # another kind of algorithm: its moments mean something else
                     switched.add(p)
                 kinds[p] = kind
-                st = _state_tensors(group, p, old, self._state_kind(group))
-                _check_restructured(group, p, st, f"parameter '{name_j}'", self._state_kind(group))
+                st = _state_tensors(group, p, old, state_kind)
+                _check_restructured(group, p, st, f"parameter '{name_j}'", state_kind)
                 if p.grad.device != p.device:
                     raise ValueError(f"dion3: parameter '{name_j}' is on "
                                      f"{p.device} but its gradient is on {p.grad.device}")
@@ -1500,7 +1496,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 weight, grad = _dist.local(p), _dist.local_grad(p) if is_dt else None
                 if order is not None:
                     weight, grad = p.permute(order), p.grad.permute(order)
-                engine.add_param(ei, name_j, weight, _engine_state(group, st, order, self._state_kind(group)),
+                engine.add_param(ei, name_j, weight, _engine_state(group, st, order, state_kind),
                                  layout.kind, layout.group, layout.global_rows, layout.global_cols,
                                  layout.row_offset, layout.row_chunk, layout.col_group,
                                  grad, p if weight is not p else None, list(order or ()))

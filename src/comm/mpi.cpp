@@ -3,6 +3,7 @@
 // waited with a deadline so that a rank that never joins surfaces as an error naming the
 // collective instead of a hang. Built when CMake finds MPI (DION3_HAVE_MPI); otherwise the
 // factory says so.
+#include "core/format.hpp"
 #include "dion3/comm.hpp"
 #include "dion3/error.hpp"
 
@@ -12,7 +13,6 @@
 #include <chrono>
 #include <climits>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <thread>
 
@@ -62,9 +62,7 @@ class MpiRequest final : public CommRequest {
         // pair with this one on the ranks that are late.
         req_ = MPI_REQUEST_NULL;
         *broken_ = label_;
-        std::ostringstream limit;
-        limit << timeout_;
-        fail(label_ + ": timed out after " + limit.str() +
+        fail(label_ + ": timed out after " + format_number(timeout_) +
                  " s (another rank did not join this collective; the collective stays in flight: end the job)",
              Status::Internal);
       }

@@ -5,6 +5,7 @@
 // Errors NCCL reports asynchronously (a peer that failed) are checked at every start and wait;
 // settle() turns a collective that never finishes into an error (and aborts the communicator).
 // Built when CMake finds NCCL (DION3_HAVE_NCCL); otherwise the factory says so.
+#include "core/format.hpp"
 #include "dion3/comm.hpp"
 #include "dion3/error.hpp"
 
@@ -84,7 +85,7 @@ class NcclCommunicator final : public Communicator {
           ncclCommAbort(comm_);  // which frees the ncclComm_t: never touch it again
           aborted_ = p.label;
           pending_.clear();
-          fail(p.label + ": timed out after " + std::to_string(static_cast<int>(timeout_)) +
+          fail(p.label + ": timed out after " + format_number(timeout_) +
                    " s (another rank did not join this collective); the NCCL communicator was aborted",
                Status::Internal);
         }

@@ -10,10 +10,10 @@ import torch
 import dion3
 from reference import orth_standard
 
-torch_muon = pytest.importorskip("torch.optim").Muon if hasattr(torch.optim, "Muon") else None
+torch_muon = getattr(torch.optim, "Muon", None)
 needs_torch_muon = pytest.mark.skipif(torch_muon is None, reason="this PyTorch has no torch.optim.Muon")
 
-YOU = [(3.4445, -4.775, 2.0315)] * 5
+TORCH_NS = [(3.4445, -4.775, 2.0315)] * 5
 
 
 def torch_muon_f64(W, B, G, lr, wd, mu, nesterov, coeffs, adjust_lr_fn):
@@ -40,7 +40,7 @@ def test_steps_as_torch_muon_does_in_float64(nesterov, adjust_lr_fn, shape):
     for mu in (0.85, 0.9, 0.93, 0.95, 0.95):  # a momentum warm-up, set in the group between steps
         opt.param_groups[0]["momentum"] = mu
         w.grad = torch.randn(shape)
-        torch_muon_f64(W, B, w.grad.double(), 0.02, 0.05, mu, nesterov, YOU, adjust_lr_fn)
+        torch_muon_f64(W, B, w.grad.double(), 0.02, 0.05, mu, nesterov, TORCH_NS, adjust_lr_fn)
         opt.step()
     moved = (W - W0).abs().max().item()
     assert (w.detach().double() - W).abs().max().item() <= 2e-4 * moved
@@ -166,10 +166,10 @@ def test_ns_settings_reach_the_engine():
         dion3.optim.Muon([w], lr=0.1, weight_decay=0.0, **group).step()
         got = (w0 - w.detach()).double() / 0.1
         G = w.grad.double()
-        coeffs = [group.get("ns_coefficients", YOU[0])] * steps
+        coeffs = [group.get("ns_coefficients", TORCH_NS[0])] * steps
         want = orth_standard((1 - 0.95) * G + 0.95 * (1 - 0.95) * G, coeffs)  # sqrt(max(1, 16/32)) = 1
         assert (got - want).abs().max() < 1e-4 * want.abs().max()
-        default = orth_standard(G, YOU)
+        default = orth_standard(G, TORCH_NS)
         assert (got - default).abs().max() > 1e-2 * default.abs().max()
 
 
@@ -213,7 +213,7 @@ def test_small_gradients_and_torch_scalars_as_torch():
     for mu in (np.float32(0.9), torch.tensor(0.95), np.float64(0.95)):
         opt.param_groups[0]["momentum"] = mu
         w.grad = torch.randn(shape) * 1e-5
-        torch_muon_f64(W, B, w.grad.double(), 0.02, 0.1, float(mu), True, YOU, None)
+        torch_muon_f64(W, B, w.grad.double(), 0.02, 0.1, float(mu), True, TORCH_NS, None)
         opt.step()
     assert (w.detach().double() - W).abs().max().item() <= 2e-4 * (W - W0).abs().max().item()
 
@@ -231,19 +231,15 @@ def test_state_is_torchs_live_buffer_and_starts_at_the_first_step():
     used.grad = torch.randn(8, 6)
     opt.step()
     assert set(opt.state[used]) == {"momentum_buffer", "step"}  # torch's name, live
-    opt.load_state_dict(_partial(opt))
+    saved = opt.state_dict()
+    saved["state"].pop(1, None)  # torch saves no state for a parameter that never stepped
+    opt.load_state_dict(saved)
     # Replacing the buffer resets the momentum, as it does in torch.
     opt.state[used]["momentum_buffer"] = torch.zeros_like(used)
     g = torch.randn(8, 6)
     used.grad = g.clone()
     opt.step()
     assert torch.allclose(opt.state[used]["momentum_buffer"], 0.05 * g, atol=1e-7)
-
-
-def _partial(opt):
-    sd = opt.state_dict()
-    sd["state"].pop(1, None)  # torch saves no state for a parameter that never stepped
-    return sd
 
 
 def test_local_names_repeated_across_groups():
@@ -279,7 +275,7 @@ def test_dion3_muon_with_ema_momentum_is_the_same_update():
     w0 = torch.randn(24, 16)
     a, b = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
     ours = dion3.Muon([a], lr=0.02, mu=0.9, weight_decay=0.1, nesterov=True, ema_momentum=True,
-                      adjust_lr="spectral_norm_clamped", coefficients=YOU, orthogonalizer="standard")
+                      adjust_lr="spectral_norm_clamped", coefficients=TORCH_NS, orthogonalizer="standard")
     theirs = dion3.optim.Muon([b], lr=0.02, momentum=0.9, orthogonalizer="standard")
     for _ in range(3):
         g = torch.randn(24, 16)

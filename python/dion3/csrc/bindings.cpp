@@ -974,6 +974,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("orthogonalize", guarded(&orthogonalize), "Polar factor of each matrix (see dion3.orthogonalize)");
   m.def("cuda_built", &cuda_built, "Whether this build has the CUDA backend");
   m.def("_live_engines", [] { return live_engines.load(); }, "Engines alive in this process (for tests)");
+  // Limits the Python front end checks its own keys against (dion3.optim.Muon's eps, ns_steps).
+  m.attr("NORM_FLOOR") = dion3::Orthogonalizer::kNormEps;
+  m.attr("MAX_ORTH_STEPS") = DION3_MAX_ORTH_STEPS;
   m.def("coefficient_sets", [] {
     py::dict sets;
     auto put = [&](const char* name, const std::vector<dion3::Coefficients>& steps) {
