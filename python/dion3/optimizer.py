@@ -943,11 +943,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
             self._push_or_refuse(engine, replannable=True)
         except _Replan:
             # A group's parameters changed as well as its settings: the new ones are what count.
-            self._replan(key)
-            engine = self._engine
+            engine = self._replanned(key)
             if engine is None:
                 return loss
-            self._push_or_refuse(engine)
         if self._engine_cuda and torch.cuda.is_current_stream_capturing():
             # CUDA-graph capture: the engine's capture-safe step (no host synchronisation). Step
             # counters then advance on the device only; _sync_counters() brings them back.
@@ -966,11 +964,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
             if self._mesh is not None and not any(p.grad is not None for g in self.param_groups for p in g["params"]):
                 self._refuse_without_gradients(key)  # with this engine: ValueError unless no rank stepped
                 return loss
-            self._replan(key)
-            engine = self._engine
+            engine = self._replanned(key)
             if engine is None:
                 return loss
-            self._push_or_refuse(engine)
             status = self._run_first(engine, asynchronous)
             if status < 0:
                 raise RuntimeError("dion3: internal error: the engine still asks for a rebuild")
@@ -1045,6 +1041,15 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._rebuild(key)
         if touched and self._engine is not None:
             self._engine.state_changed()
+
+    def _replanned(self, key):
+        """_replan, and the groups pushed into the new engine; None where no parameter has a
+        gradient (nothing to step)."""
+        self._replan(key)
+        engine = self._engine
+        if engine is not None:
+            self._push_or_refuse(engine)
+        return engine
 
     def _before_rebuild(self) -> None:
         """Before a rebuild, while the engine still holds the plan the other ranks step with: what
