@@ -595,6 +595,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         for g in self.param_groups:
             kind, state_kind = _kind(g.get("algorithm")), self._state_kind(g)
             for p in g["params"]:
+                if not p.requires_grad and not self.state.get(p):
+                    continue  # frozen and never stepped: no state to start afresh
                 switched = self._kinds.get(p, kind) != kind
                 old = {} if switched else self.state.get(p)
                 if not switched and (not old or old.get("step", 0)):
@@ -630,9 +632,11 @@ class _EngineOptimizer(torch.optim.Optimizer):
             raise
         # State exists from construction (as the reference's): every rank holds the same state
         # keys whatever got a gradient, and torch.distributed.checkpoint finds nothing to create.
+        # A frozen parameter (requires_grad=False on every rank) gets its state at its first step,
+        # as in torch.optim: a model trained in part holds no momentum for the rest.
         group = self.param_groups[-1]
         for p in group["params"]:
-            if not self.state.get(p):
+            if p.requires_grad and not self.state.get(p):
                 self.state[p] = self._zero_state(group, p)
                 self._kinds[p] = _kind(group["algorithm"])
         self._dirty = True
@@ -815,9 +819,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
             for j, (pid, p) in enumerate(zip(saved["params"], mine["params"])):
                 who = f"parameter {j} '{self._param_name(group, gi, j)}' of group {gi}"
                 st = saved_state.get(pid)
-                if st is None and (not p.requires_grad or self._state_made_at_first_step):
-                    # Frozen: torch.distributed.checkpoint keeps no state for it (torch.optim makes
-                    # none until it steps); it starts afresh, as it was made.
+                if st is None and not p.requires_grad:
+                    continue  # frozen, without state (as it was made): it gets it at its first step
+                if st is None and self._state_made_at_first_step:
+                    # torch.optim makes none until a parameter steps: it starts afresh.
                     st = dict(_state_tensors(group, p, {}, state_kind), step=0)
                 if not isinstance(st, dict):
                     raise ValueError(f"dion3: load_state_dict: {who} has no state in the state_dict")
@@ -1427,13 +1432,13 @@ class _EngineOptimizer(torch.optim.Optimizer):
 
     def _own_state(self) -> None:
         """optimizer.state as a _StateMap (torch's load_state_dict, or the caller, may put in a plain
-        dict), with state for every parameter, as from construction on: a parameter whose state
-        the caller cleared (opt.state.clear(), a fresh dict) gets it back, zero."""
+        dict), with state for every parameter that requires a gradient, as from construction on: a
+        parameter whose state the caller cleared (opt.state.clear(), a fresh dict) gets it back, zero."""
         if not isinstance(self.state, _StateMap):
             self.state = _StateMap(dict, self.state)
         for g in self.param_groups:
             for p in g["params"]:
-                if not self.state.get(p):
+                if p.requires_grad and not self.state.get(p):
                     self.state[p].update(self._zero_state(g, p))
 
     def _rebuild(self, key) -> None:

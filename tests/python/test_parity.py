@@ -251,6 +251,49 @@ def test_parameters_without_a_gradient_keep_weights_and_state(device):
     assert saved[0]["step"] == 3
 
 
+@pytest.mark.parametrize("make", [lambda ps: dion3.Dion3(ps, lr=0.02, weight_decay=0.1),
+                                  lambda ps: dion3.optim.Muon(ps, lr=0.02),
+                                  lambda ps: dion3.Dion3([dict(params=ps, algorithm="adamw")], lr=0.01)],
+                         ids=["dion3", "torch_muon", "adamw"])
+def test_a_frozen_parameter_holds_no_state_until_it_steps(device, make):
+    # requires_grad=False: no state at construction, none saved or made by a load (torch.optim
+    # and torch.distributed.checkpoint keep none either); unfrozen, it starts from zero state at
+    # its first step, as in an optimizer made then.
+    shapes = [(16, 24), (16, 24)]
+    params = make_params(shapes, device)
+    params[1].requires_grad_(False)
+    opt = make(params)
+    assert params[0] in opt.state and params[1] not in opt.state
+    for t in range(2):
+        set_grads(params[:1], grads_for(shapes, t)[:1], device)
+        opt.step()
+    sd = opt.state_dict()
+    assert sorted(sd["state"]) == [0]
+    fresh = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fresh[1].requires_grad_(False)
+    opt2 = make(fresh)
+    opt2.load_state_dict(sd)
+    assert fresh[1] not in opt2.state
+    # Unfrozen: compared with an optimizer made for that parameter alone at that point.
+    params[1].requires_grad_(True)
+    alone = [torch.nn.Parameter(params[1].detach().clone())]
+    opt_alone = make(alone)
+    for t in range(2, 4):
+        g = grads_for(shapes, t)
+        set_grads(params, g, device)
+        set_grads(alone, g[1:], device)
+        opt.step()
+        opt_alone.step()
+    assert opt.state[params[1]]["step"] == 2 and opt.state[params[0]]["step"] == 4
+    assert torch.allclose(params[1].detach(), alone[0].detach(), rtol=0, atol=1e-6)
+    # A checkpoint with state for a parameter frozen since is loaded whole.
+    sd = opt.state_dict()
+    opt2.load_state_dict(sd)
+    assert opt2.state[fresh[1]]["step"] == 2
+    assert all(torch.equal(a, b) for k, a in opt2.state[fresh[1]].items() if torch.is_tensor(a)
+               for b in [opt.state[params[1]][k]])
+
+
 # tall, wide, square, tall and wide stacks; 200x70 spans several row chunks and column tiles of the CUDA kernels
 DION2_SHAPES = [(32, 16), (16, 48), (24, 24), (2, 20, 8), (3, 8, 12), (200, 70)]
 
