@@ -63,7 +63,9 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
         list of them. Defaults: the head is the weight (and bias) of a module named lm_head or
         embed_out anywhere, or of a top-level module named head or output; embeddings are all
         nn.Embedding modules. A head tied to an embedding (one Parameter used by both) is an
-        embedding. They go to the element-wise algorithm, as do all tensors with fewer than 2 dims.
+        embedding. They go to the element-wise algorithm, as do all tensors with fewer than 2
+        dimensions larger than 1 (biases, norms, a (1, 1, d) class token, weight_norm's gains).
+        An embedding held as a bare Parameter (a ViT's pos_embed) is not recognised: name it.
     lr: the optimizer's base learning rate. Given, the head's group gets lr / sqrt(d_in) (d_in: the
         head weight's input dimension), the reference's recommendation; every other group keeps
         the optimizer's lr. Not given while a head exists (and no elementwise_options lr): a warning,
@@ -105,7 +107,9 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
                 opts["lr"] = lr / math.sqrt(head_weights[0].shape[1])
         elif id(p) in emb:
             role, opts = "embedding", dict(base_el)
-        elif p.dim() < 2 or p.numel() == 0:  # an empty matrix has nothing to orthogonalize
+        elif sum(d > 1 for d in p.shape) < 2 or p.numel() == 0:
+            # A vector in a matrix's shape ((1, 1, d) tokens, weight_norm's (out, 1) gains), or an
+            # empty matrix: nothing to orthogonalize.
             role, opts = "vector", dict(base_el)
         else:
             role, opts = "matrix", {}

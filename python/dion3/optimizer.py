@@ -152,18 +152,20 @@ def _engine_config(group: Dict[str, Any]) -> Dict[str, Any]:
     adjust_lr = group["adjust_lr"]
     cfg = {
         "algorithm": algorithm,
-        "lr": float(group["lr"]),
-        "fraction": float(group["fraction"]),
-        "mu": float(group["ef_decay"] if "ef_decay" in group else group["mu"]),
-        "muon_beta2": float(group["muon_beta2"]),
-        "beta1": float(betas[0]),
-        "beta2": float(betas[1]),
-        "weight_decay": float(group["weight_decay"]),
-        "epsilon": float(group["epsilon"]),
+        "lr": _number("lr", group["lr"]),
+        "fraction": _number("fraction", group["fraction"]),
+        "mu": _number("ef_decay", group["ef_decay"]) if "ef_decay" in group else _number("mu", group["mu"]),
+        "muon_beta2": _number("muon_beta2", group["muon_beta2"]),
+        "beta1": _number("betas", betas[0]),
+        "beta2": _number("betas", betas[1]),
+        "weight_decay": _number("weight_decay", group["weight_decay"]),
+        "epsilon": _number("epsilon", group["epsilon"]),
         "adjust_lr": "none" if adjust_lr is None else str(adjust_lr),
         "flatten": _flag(group, "flatten"),
         "nesterov": _flag(group, "nesterov"),
-        "ema_momentum": _flag(group, "ema_momentum") if "ema_momentum" in group else False,
+        # The constructor's default reaches every group; only Muon's and NorMuon's momentum reads it.
+        "ema_momentum": _flag(group, "ema_momentum") if "ema_momentum" in group and algorithm in
+        ("muon", "normuon") else False,
         "cautious_wd": _flag(group, "cautious_wd"),
         "scale_lr_by_fraction": _flag(group, "scale_lr_by_fraction"),
         "momentum_dtype": _dtype_name(group.get("momentum_dtype")),
@@ -224,6 +226,14 @@ def _flag(group: Dict[str, Any], key: str) -> bool:
     if isinstance(v, bool) or type(v).__name__ == "bool_" or isinstance(v, numbers.Integral) and v in (0, 1):
         return bool(v)
     raise ValueError(f"dion3: '{key}' must be True or False; got {v!r}")
+
+
+def _number(key: str, v) -> float:
+    """A real-valued setting; a string (a config file's "1e-3") is refused, not parsed: torch's
+    schedulers would later fail on it far from the cause."""
+    if isinstance(v, (str, bytes)):
+        raise ValueError(f"dion3: '{key}' must be a number; got the string {v!r}")
+    return float(v)
 
 
 def _integer(key: str, v) -> int:
@@ -808,6 +818,16 @@ class _EngineOptimizer(torch.optim.Optimizer):
             if len(saved["params"]) != len(mine["params"]):
                 raise ValueError(f"dion3: load_state_dict: parameter group {gi} of the state_dict has "
                                  f"{len(saved['params'])} parameters but the optimizer's has {len(mine['params'])}")
+            names_saved, names_mine = saved.get("param_names"), mine.get("param_names")
+            if isinstance(names_saved, list) and isinstance(names_mine, list) and names_saved != names_mine \
+                    and sorted(map(str, names_saved)) == sorted(map(str, names_mine)):
+                # State is matched by position: the same names in another order would hand each
+                # parameter another one's state (names that differ otherwise may be a prefix, "module.").
+                j = next(i for i, (a, b) in enumerate(zip(names_saved, names_mine)) if a != b)
+                raise ValueError(f"dion3: load_state_dict: parameter group {gi} of the state_dict holds the same "
+                                 f"parameter names in another order (position {j}: '{names_saved[j]}' there, "
+                                 f"'{names_mine[j]}' here); state is matched by position, so build the "
+                                 "optimizer's groups in the checkpoint's order")
             group = {k: v for k, v in saved.items() if k != "params"}  # as torch will set it
             group["params"] = mine["params"]
             if "param_names" in mine and "param_names" not in saved:
@@ -1439,18 +1459,22 @@ class _EngineOptimizer(torch.optim.Optimizer):
         for g in self.param_groups:
             for p in g["params"]:
                 if p.requires_grad and not self.state.get(p):
-                    self.state[p].update(self._zero_state(g, p))
+                    try:
+                        st = self._zero_state(g, p)
+                    except (ValueError, RuntimeError):
+                        continue  # a group the next step refuses (a 1-D tensor appended to a matrix group)
+                    self.state[p].update(st)
 
     def _rebuild(self, key) -> None:
         """Register the parameters that have a gradient with a fresh engine."""
         self._sync_counters()
-        self._own_state()
         self._engine = None
         self._engine_key = None
-        params_with_grad = []
         self._check_aliasing()  # storage may have been re-pointed (p.data = ...) since construction
+        self._check_groups()  # before any state is made for what they hold
+        self._own_state()
+        params_with_grad = []
         for gi, group in enumerate(self.param_groups):
-            self._check_group(gi, group)
             members = [(j, p) for j, p in enumerate(group["params"]) if p.grad is not None]
             if members:
                 params_with_grad.append((gi, group, members))

@@ -105,3 +105,52 @@ def test_param_groups_tied_head_is_an_embedding_and_lr_is_asked_for():
     assert roles["embed.weight"] == "embedding" and "lm_head" not in roles.values()
     with pytest.warns(UserWarning, match="pass lr="):
         dion3.param_groups(_Model())
+
+
+def test_param_groups_call_vectors_in_a_matrix_shape_vectors():
+    # Fewer than two dimensions above 1: a class token, weight_norm's gains, a one-output head.
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cls_token = torch.nn.Parameter(torch.zeros(1, 1, 8))
+            self.pos_embed = torch.nn.Parameter(torch.zeros(1, 5, 8))
+            self.gain = torch.nn.Parameter(torch.ones(8, 1))
+            self.proj = torch.nn.Linear(8, 8)
+            self.conv1x1 = torch.nn.Conv2d(8, 4, 1, bias=False)
+            self.score = torch.nn.Linear(8, 1, bias=False)
+
+    roles = _roles(dion3.param_groups(M(), lr=0.02))
+    assert roles["cls_token"] == roles["gain"] == roles["score.weight"] == "vector"
+    assert roles["proj.weight"] == roles["conv1x1.weight"] == roles["pos_embed"] == "matrix"
+    assert _roles(dion3.param_groups(M(), lr=0.02, embeddings="pos_embed"))["pos_embed"] == "embedding"
+
+
+@pytest.mark.parametrize("cls", [dion3.Muon, dion3.NorMuon])
+def test_ema_momentum_given_to_the_constructor_leaves_the_elementwise_groups_alone(cls):
+    # The constructor's value reaches every group; the AdamW group steps as without it.
+    def run(ema):
+        torch.manual_seed(0)
+        w, b = torch.nn.Parameter(torch.randn(8, 12)), torch.nn.Parameter(torch.randn(8))
+        opt = cls([dict(params=[w]), dict(params=[b], algorithm="adamw")], lr=0.02, ema_momentum=ema)
+        for t in range(3):
+            w.grad, b.grad = torch.randn(8, 12), torch.randn(8)
+            opt.step()
+        return w.detach(), b.detach()
+
+    (w0, b0), (w1, b1) = run(False), run(True)
+    assert torch.equal(b0, b1) and not torch.equal(w0, w1)
+
+
+@pytest.mark.parametrize("key", ["lr", "fraction", "mu", "weight_decay", "epsilon"])
+def test_a_number_given_as_a_string_is_refused(key):
+    # A config file's "1e-3" would step, then fail in a scheduler's arithmetic far from the cause.
+    w = torch.nn.Parameter(torch.randn(8, 12))
+    with pytest.raises(ValueError, match=f"'{key}' must be a number; got the string '0.5'"):
+        dion3.Dion3([w], **{key: "0.5"})
+    opt = dion3.Dion3([w])
+    opt.param_groups[0][key] = "0.5"
+    w.grad = torch.randn(8, 12)
+    before = w.detach().clone()
+    with pytest.raises(ValueError, match="must be a number"):
+        opt.step()
+    assert torch.equal(w.detach(), before)

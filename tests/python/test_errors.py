@@ -757,3 +757,32 @@ def test_a_refused_first_step_after_an_algorithm_switch_keeps_the_old_state(devi
     w.grad = torch.randn(6, device=device)
     opt.step()
     assert opt.state[w]["step"] == 1  # lion's own count, from a fresh start
+
+
+def test_a_vector_appended_to_a_matrix_group_is_refused_by_name():
+    # Appended to the group's list after construction: the step refuses it as the constructor
+    # would (not an internal error from making its state first), and state_dict() still works.
+    w, b = torch.nn.Parameter(torch.randn(8, 12)), torch.nn.Parameter(torch.randn(8))
+    opt = dion3.Dion3([w], lr=0.02)
+    opt.param_groups[0]["params"].append(b)
+    w.grad, b.grad = torch.randn(8, 12), torch.randn(8)
+    with pytest.raises(ValueError, match=r"has shape \[8\] but Dion3 needs a matrix"):
+        opt.step()
+    assert sorted(opt.state_dict()["state"]) == [0]
+
+
+def test_a_checkpoint_with_its_parameter_names_in_another_order_is_refused():
+    # State goes by position: the same names in another order would swap two layers' momenta.
+    a, b = torch.nn.Parameter(torch.randn(8, 12)), torch.nn.Parameter(torch.randn(8, 12))
+    opt = dion3.Dion3([dict(params=[a, b], param_names=["x.weight", "y.weight"])], lr=0.02)
+    a.grad, b.grad = torch.randn(8, 12), torch.randn(8, 12)
+    opt.step()
+    sd = opt.state_dict()
+    swapped = dion3.Dion3([dict(params=[b, a], param_names=["y.weight", "x.weight"])], lr=0.02)
+    before = {k: v.clone() for k, v in swapped.state[b].items() if torch.is_tensor(v)}
+    with pytest.raises(ValueError, match="same parameter names in another order .position 0: 'x.weight' there, "
+                                         "'y.weight' here"):
+        swapped.load_state_dict(sd)
+    assert all(torch.equal(v, swapped.state[b][k]) for k, v in before.items())
+    renamed = dion3.Dion3([dict(params=[a, b], param_names=["module.x.weight", "module.y.weight"])], lr=0.02)
+    renamed.load_state_dict(sd)  # other names (a wrapper's prefix) still load by position
