@@ -278,8 +278,8 @@ DION3_API dion3_status dion3_set_lr(dion3_optimizer* opt, int group, double lr);
  * must be unique in the optimizer and appears in error messages. grad has the weight's shape
  * and dtype float32, bfloat16 or float16 (read as float32); it may be NULL: bind it with
  * dion3_set_grad before the first step. A weight may not overlap another parameter's weight or
- * any gradient (it would be updated twice, or read after it was written). param_index may be
- * NULL. */
+ * any gradient (it would be updated twice, or read after it was written). Every tensor's data
+ * is aligned to its element size. param_index may be NULL. */
 DION3_API dion3_status dion3_add_param(dion3_optimizer* opt, int group, const char* name,
                                        const dion3_tensor* weight, const dion3_tensor* grad, int* param_index);
 /* dion3_add_param for a distributed parameter (layout NULL = local). Every rank must register

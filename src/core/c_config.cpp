@@ -40,11 +40,16 @@ GroupConfig config_from_c(const dion3_group_config& c) {
   g.weight_decay = c.weight_decay;
   g.epsilon = c.epsilon;
   g.adjust_lr = to_enum<AdjustLR>(c.adjust_lr, 0, 3, "group config: adjust_lr");
-  g.flatten = c.flatten != 0;
-  g.nesterov = c.nesterov != 0;
-  g.ema_momentum = c.ema_momentum != 0;
-  g.cautious_wd = c.cautious_wd != 0;
-  g.scale_lr_by_fraction = c.scale_lr_by_fraction != 0;
+  // Switches are 0 or 1: another value is more likely a field filled by mistake than a "yes".
+  auto flag = [](int32_t v, const char* name) {
+    require(v == 0 || v == 1, std::string("group config: ") + name + " is " + std::to_string(v) + ", expected 0 or 1");
+    return v != 0;
+  };
+  g.flatten = flag(c.flatten, "flatten");
+  g.nesterov = flag(c.nesterov, "nesterov");
+  g.ema_momentum = flag(c.ema_momentum, "ema_momentum");
+  g.cautious_wd = flag(c.cautious_wd, "cautious_wd");
+  g.scale_lr_by_fraction = flag(c.scale_lr_by_fraction, "scale_lr_by_fraction");
   if (c.momentum_dtype >= 0) g.momentum_dtype = dtype_from_c(c.momentum_dtype, "group config: momentum_dtype");
   require(c.momentum_dtype >= -1, "group config: momentum_dtype is " +
                                        std::to_string(c.momentum_dtype) + ", expected -1 or a dtype");

@@ -9,6 +9,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "dion3/backend.hpp"
@@ -204,6 +205,14 @@ struct Optimizer::Impl {
   // Memory a step writes (weights, state given by the caller), by start address: [start, end)
   // and what it is. These ranges never overlap each other or any gradient (see memory_clash()).
   std::map<std::uintptr_t, std::pair<std::uintptr_t, std::string>> written;
+  // Every bound gradient's [start, end) by start, with its parameter (gradients may overlap each
+  // other), and the longest one's length: a written range [a, b) meets a gradient only among
+  // those starting in [a - longest, b). With names, registration stays O(log n) a parameter.
+  std::multimap<std::uintptr_t, std::pair<std::uintptr_t, int>> grad_ranges;
+  std::uintptr_t longest_grad = 0;
+  std::unordered_map<std::string, int> param_index;  // by name
+  void note_grad_range(int param);  // params[param].grad as bound now
+  void forget_grad_range(int param);  // before it is rebound
   std::shared_ptr<StepTracer> tracer;  // see Optimizer::set_tracer
   // Hyper-parameters as the step's operations read them (see Hyper): kGroupHyper floats per
   // group, then each megabatch's adjusted lr, in device memory. upload_hyper() refreshes them

@@ -200,6 +200,10 @@ void check_tensor(const std::string& who, const char* role, const TensorView& t,
     fail(who + " " + role + ": " + std::string(e.what()).substr(7));
   }
   if (!t.data && bytes > 0) fail(who + " " + role + " has a null data pointer");
+  // The backends read elements as their type (and the GPU in wider packs where it can).
+  if (reinterpret_cast<std::uintptr_t>(t.data) % dtype_size(t.dtype) != 0)
+    fail(who + " " + role + " is not aligned to its " + std::string(dtype_name(t.dtype)) + " elements (" +
+         std::to_string(dtype_size(t.dtype)) + " bytes)");
   if (t.data && reinterpret_cast<std::uintptr_t>(t.data) > UINTPTR_MAX - bytes)
     fail(who + " " + role + " of " + std::to_string(bytes) + " bytes runs past the end of the address space");
 }
@@ -224,11 +228,27 @@ std::string Optimizer::Impl::memory_clash(const TensorView& t, bool written_role
   if (it != written.end() && it->first < b) return it->second.second;
   if (it != written.begin() && std::prev(it)->second.first > a) return std::prev(it)->second.second;
   if (written_role)
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      const auto [ga, gb] = memory_of(params[i].grad);
-      if (ga < b && a < gb) return "the gradient of " + describe(static_cast<int>(i));
-    }
+    for (auto g = grad_ranges.lower_bound(a > longest_grad ? a - longest_grad : 0); g != grad_ranges.end() &&
+                                                                                  g->first < b; ++g)
+      if (g->second.first > a) return "the gradient of " + describe(g->second.second);
   return {};
+}
+
+void Optimizer::Impl::note_grad_range(int param) {
+  const TensorView& grad = params[param].grad;
+  const auto [a, b] = memory_of(grad);
+  if (!grad.data || a == b) return;
+  grad_ranges.emplace(a, std::make_pair(b, param));
+  longest_grad = std::max(longest_grad, b - a);
+}
+
+void Optimizer::Impl::forget_grad_range(int param) {
+  const auto a = reinterpret_cast<std::uintptr_t>(params[param].grad.data);
+  for (auto [g, end] = grad_ranges.equal_range(a); g != end; ++g)
+    if (g->second.second == param) {
+      grad_ranges.erase(g);
+      return;
+    }
 }
 
 namespace {
@@ -248,9 +268,9 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
   const Device device = be.device();
   check_tensor(who, "weight", spec.weight, be);
   if (spec.grad.data || !spec.grad.shape.empty()) check_grad(who, spec.weight, spec.grad, be);
-  for (const Param& other : s.params)
-    if (other.name == spec.name)
-      fail(who + ": the optimizer already has a parameter named '" + spec.name + "'; names must be unique");
+  if (spec.name.empty()) fail(who + ": a parameter needs a name (error messages and checkpoints use it)");
+  if (s.param_index.count(spec.name))
+    fail(who + ": the optimizer already has a parameter named '" + spec.name + "'; names must be unique");
   // A step writes weights and state: none may share memory with anything else registered, or
   // it would be updated twice or read after it was written.
   {
@@ -393,7 +413,10 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
   try {
     if (is_matrix_algorithm(g.algorithm)) s.row_blocks(index);  // its group's row blocks must fit it
     const auto specs = s.state_specs(added);
-    for (const auto& [name, view] : spec.state) {
+    for (std::size_t i = 0; i < spec.state.size(); ++i) {
+      const std::string& name = spec.state[i].first;
+      for (std::size_t j = 0; j < i; ++j)
+        if (spec.state[j].first == name) fail(who + " was given state '" + name + "' twice");
       bool known = false;
       for (const auto& want : specs) known |= (want.name == name);
       if (!known) fail(who + " was given state '" + name + "', which " + algorithm_name(g.algorithm) + " does not use");
@@ -434,6 +457,8 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
   };
   remember(added.weight, "the weight of " + who);
   for (const auto& [name, view] : spec.state) remember(view, "state '" + name + "' of " + who);
+  s.param_index.emplace(added.name, index);
+  s.note_grad_range(index);
   s.plan_valid = false;
   ++s.binding;
   return index;
@@ -449,7 +474,9 @@ void Optimizer::set_grad(int param, const TensorView& grad) {
     fail(s.describe(param) + ": its new gradient overlaps the memory of " + c);
   TensorView& bound = s.params[param].grad;
   if (bound.data != grad.data || bound.dtype != grad.dtype || bound.shape != grad.shape) ++s.binding;
+  s.forget_grad_range(param);
   bound = grad;
+  s.note_grad_range(param);
 }
 
 GroupConfig& Optimizer::group(int index) {

@@ -197,6 +197,13 @@ TEST(CApi, PlanGenerationAndHyperparameterRefresh) {
     muon.algorithm = DION3_ALGO_DION3;  // the averaged form is Muon's and NorMuon's
     EXPECT_EQ(dion3_add_group(o, &muon, &mg), DION3_INVALID_ARGUMENT);
     EXPECT_NE(std::string(dion3_last_error()).find("ema_momentum"), std::string::npos) << dion3_last_error();
+    // A switch is 0 or 1: anything else is refused naming the field, as the options' are.
+    dion3_group_config seven;
+    dion3_group_config_default(&seven);
+    seven.flatten = 7;
+    EXPECT_EQ(dion3_add_group(o, &seven, &mg), DION3_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(dion3_last_error()).find("flatten is 7, expected 0 or 1"), std::string::npos)
+        << dion3_last_error();
     dion3_destroy(o);
   }
   // Settings that choose branches of the step on the host are part of the plan.

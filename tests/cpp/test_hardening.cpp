@@ -191,6 +191,63 @@ TEST(Hardening, SharedOrAliasedMemoryIsRefused) {
   EXPECT_NO_THROW(h.opt.add_param(gi, spec_of("shares a's gradient", w2.view(), a.g.view())));
 }
 
+// A parameter's spec without state or layout.
+dion3::ParamSpec spec(const char* name, dion3::TensorView w, dion3::TensorView g) {
+  dion3::ParamSpec s;
+  s.name = name;
+  s.weight = w;
+  s.grad = g;
+  return s;
+}
+
+TEST(Hardening, ARebindGradientMovesWhatAWeightMayNotOverlap) {
+  // Registration keeps the gradients' ranges in an index: a gradient rebound by set_grad leaves
+  // its old memory free for a weight and guards its new one.
+  Rng rng(5);
+  Harness h;
+  const int gi = h.opt.add_group(GroupConfig{});
+  t3::HostParam& a = h.add(gi, "a", DType::F32, {8, 8}, rng);
+  t3::Buffer moved(DType::F32, {8, 8}), g1(DType::F32, {8, 8}), g2(DType::F32, {8, 8});
+  h.opt.set_grad(a.index, moved.view());
+  dion3::ParamSpec in_old = spec("in a's old gradient", a.g.view(), g1.view());
+  EXPECT_NO_THROW(h.opt.add_param(gi, in_old));
+  dion3::ParamSpec in_new = spec("in a's new gradient", moved.view(), g2.view());
+  EXPECT_THAT(t3::error_of([&] { h.opt.add_param(gi, in_new); }), HasSubstr("the gradient of parameter 0 'a'"));
+  // A gradient inside a longer one's range, both registered: a weight over the short one is
+  // found though the long one starts first.
+  t3::Buffer long_grad(DType::F32, {64, 8}), long_w(DType::F32, {64, 8}), w3(DType::F32, {8, 8});
+  dion3::ParamSpec long_one = spec("long", long_w.view(), long_grad.view());
+  ASSERT_NO_THROW(h.opt.add_param(gi, long_one));
+  dion3::TensorView tail = long_grad.view();
+  tail.shape = {8, 8};
+  tail.data = long_grad.bytes.data() + 4 * 56 * 8;  // its last 8 rows
+  EXPECT_THAT(t3::error_of([&] { h.opt.add_param(gi, spec("over the tail", tail, w3.view())); }),
+              HasSubstr("the gradient of parameter 2 'long'"));
+  EXPECT_EQ(h.opt.num_params(), 3);
+}
+
+TEST(Hardening, MisalignedUnnamedOrTwiceGivenTensorsAreRefused) {
+  Rng rng(6);
+  Harness h;
+  const int gi = h.opt.add_group(GroupConfig{});
+  t3::Buffer big(DType::F32, {9, 8}), g(DType::F32, {8, 8}), m(DType::F32, {8, 8}), m2(DType::F32, {8, 8});
+  dion3::TensorView odd = g.view();
+  odd.data = big.bytes.data() + 2;  // float32 elements two bytes off their alignment
+  EXPECT_THAT(t3::error_of([&] { h.opt.add_param(gi, spec("w", odd, g.view())); }),
+              HasSubstr("weight is not aligned to its float32 elements (4 bytes)"));
+  t3::Buffer w(DType::F32, {8, 8});
+  EXPECT_THAT(t3::error_of([&] { h.opt.add_param(gi, spec("w", w.view(), odd)); }),
+              HasSubstr("gradient is not aligned"));
+  EXPECT_THAT(t3::error_of([&] { h.opt.add_param(gi, spec("", w.view(), g.view())); }),
+              HasSubstr("a parameter needs a name"));
+  dion3::ParamSpec twice = spec("w", w.view(), g.view());
+  twice.state = {{"momentum", m.view()}, {"momentum", m2.view()}};
+  EXPECT_THAT(t3::error_of([&] { h.opt.add_param(gi, twice); }), HasSubstr("was given state 'momentum' twice"));
+  EXPECT_EQ(h.opt.num_params(), 0);
+  twice.state.pop_back();
+  EXPECT_NO_THROW(h.opt.add_param(gi, twice));
+}
+
 TEST(Hardening, CApiStructuralEditsAreRefusedWhenMadeAndChangeNothing) {
   t3::CApiOptimizer c;
   dion3_optimizer* opt = c.opt;
