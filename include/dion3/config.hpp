@@ -88,9 +88,13 @@ struct DION3_API GroupConfig {
   // Muon / NorMuon: the momentum as an average, M = mu*M + (1 - mu)*G (with nesterov, the update
   // reads mu*M + (1 - mu)*G), the buffer torch.optim.Muon keeps; false: M = mu*M + G.
   bool ema_momentum = false;
-  bool cautious_wd = false;   // Muon / NorMuon: decay only where update and weight agree in sign
+  // Matrix algorithms: decay only where update and weight agree in sign (Dion3 / Dion2: the rows
+  // or columns not selected have no update, so no decay).
+  bool cautious_wd = false;
   bool scale_lr_by_fraction = false;  // Dion3: use lr / sqrt(fraction) (the paper's scaling law)
-  std::optional<DType> momentum_dtype;  // nullopt = the parameter's dtype
+  // Matrix algorithms' momentum; nullopt = the parameter's dtype. AdamW's and Lion's moments
+  // always take the parameter's dtype (as torch.optim's).
+  std::optional<DType> momentum_dtype;
   SelectionScope selection_scope = SelectionScope::Local;  // row-sharded Dion3 only
   // Row blocks of one matrix, each orthogonalized as a matrix of its own (its own selection,
   // NorMuon rescale and shape-adjusted lr), e.g. the query, key and value blocks of a fused QKV

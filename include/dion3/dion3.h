@@ -146,9 +146,10 @@ typedef struct dion3_group_config {
   int32_t adjust_lr;   /* dion3_adjust_lr; default spectral norm */
   int32_t flatten;     /* 0: >=3-D tensors are batches of matrices; 1: (dim0, rest) */
   int32_t nesterov;    /* Muon / NorMuon */
-  int32_t cautious_wd; /* Muon / NorMuon */
+  int32_t cautious_wd; /* matrix algorithms; Dion3 / Dion2 do not decay unselected rows then */
   int32_t scale_lr_by_fraction; /* Dion3: lr / sqrt(fraction); default 0 */
-  int32_t momentum_dtype;       /* dion3_dtype, or -1 = the parameter's dtype (default) */
+  int32_t momentum_dtype;       /* matrix algorithms: dion3_dtype, or -1 = the parameter's dtype
+                                   (default); AdamW / Lion moments take the parameter's dtype */
   /* orthogonalization */
   int32_t orth_method;          /* dion3_orth_method; default AUTO */
   int32_t orth_coefficients;    /* dion3_orth_coefficients; default POLAR_EXPRESS */

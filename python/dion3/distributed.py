@@ -68,6 +68,11 @@ def check_mesh(mesh: Any, name: str) -> None:
         return
     if isinstance(mesh, dist.ProcessGroup):
         return
+    outside = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", None)
+    if outside is not None and type(mesh) is type(outside) and mesh == outside:
+        raise ValueError(f"dion3: {name}(distributed_mesh=...) got torch's marker for a process group this rank "
+                         "is not in (dist.new_group(ranks) returns it on the other ranks): make the optimizer "
+                         "with that group only on its ranks")
     if DeviceMesh is not None and isinstance(mesh, DeviceMesh):
         if mesh.ndim not in (1, 2):
             raise ValueError(f"dion3: {name}(distributed_mesh=...) takes a 1-D DeviceMesh (FSDP2) or a 2-D "

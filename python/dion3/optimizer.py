@@ -1592,7 +1592,8 @@ class Dion3(_EngineOptimizer):
     on_nonfinite='raise'; with blocking=False a 'raise' is reported at a later step(),
     state_dict() or check_nonfinite(), the bad step itself never applied; see docs/cuda-graphs.md),
     momentum_dtype, iteration_dtype, coefficients (a list of (a, b, c) steps, or "polar_express",
-    the default, "reference" for the reference package's default set, or "you") and restarts.
+    the default, "reference" for the reference package's default set, or "you"), restarts and
+    cautious_wd (decay only where update and weight agree in sign: unselected rows keep their values).
     use_triton and triton_post_ortho are accepted and ignored: they pick the reference's kernels,
     not the result (the engine has its own). selection_scope defaults to "local" here, "global"
     in the reference (see docs/distributed.md)."""

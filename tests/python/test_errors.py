@@ -786,3 +786,11 @@ def test_a_checkpoint_with_its_parameter_names_in_another_order_is_refused():
     assert all(torch.equal(v, swapped.state[b][k]) for k, v in before.items())
     renamed = dion3.Dion3([dict(params=[a, b], param_names=["module.x.weight", "module.y.weight"])], lr=0.02)
     renamed.load_state_dict(sd)  # other names (a wrapper's prefix) still load by position
+
+
+def test_a_process_group_this_rank_is_not_in_is_named_as_such():
+    # dist.new_group(ranks) hands the ranks outside it a marker, not a group.
+    import torch.distributed as dist
+    w = nn.Parameter(torch.randn(8, 12))
+    with pytest.raises(ValueError, match="a process group this rank is not in"):
+        dion3.Dion3([w], distributed_mesh=dist.GroupMember.NON_GROUP_MEMBER)
