@@ -96,16 +96,35 @@ def same_mesh(a: Any, b: Any) -> bool:
                       and torch.equal(a.mesh, b.mesh))
 
 
+def _sub_mesh(one: Any, two: Any, dim: int) -> bool:
+    """Whether 1-D mesh `one` is this rank's slice of 2-D mesh `two` along dimension dim."""
+    names = two.mesh_dim_names
+    if names is not None:
+        return same_mesh(one, two[names[dim]])
+    return sorted(dist.get_process_group_ranks(one.get_group())) == sorted(
+        dist.get_process_group_ranks(two.get_group(dim)))
+
+
+def mesh_of(p: Any, mesh: Any) -> Any:
+    """DTensor p's mesh, or distributed_mesh where p's mesh is a 1-D slice of that 2-D mesh (FSDP2
+    over tensor parallel: a layer outside the TP plan), so that such layers may share a group."""
+    pmesh = p.device_mesh
+    if isinstance(mesh, DeviceMesh) and mesh.ndim == 2 and pmesh.ndim == 1 and \
+            any(_sub_mesh(pmesh, mesh, d) for d in range(2)):
+        return mesh
+    return pmesh
+
+
 def _mesh_matches(mesh: Any, pmesh: Any, shard_dim: Optional[int]) -> bool:
-    """distributed_mesh is the parameter's mesh, or (HSDP) the sub-mesh of its sharded dim."""
+    """distributed_mesh is the parameter's mesh, or (HSDP) the sub-mesh of its sharded dim, or
+    (FSDP2 + TP) a 2-D mesh of which the parameter's 1-D mesh is a slice: a layer left out of the
+    tensor-parallel plan and sharded over the data-parallel dimension alone."""
     if same_mesh(mesh, pmesh):
         return True
     if shard_dim is not None and mesh.ndim == 1 and pmesh.ndim == 2:
-        names = pmesh.mesh_dim_names
-        if names is not None:
-            return same_mesh(mesh, pmesh[names[shard_dim]])
-        return sorted(dist.get_process_group_ranks(mesh.get_group())) == sorted(
-            dist.get_process_group_ranks(pmesh.get_group(shard_dim)))
+        return _sub_mesh(mesh, pmesh, shard_dim)
+    if mesh.ndim == 2 and pmesh.ndim == 1:
+        return any(_sub_mesh(pmesh, mesh, d) for d in range(2))
     return False
 
 
@@ -141,7 +160,8 @@ def layout_of(p: torch.Tensor, mesh: Any, who: str, matrix: bool, flatten: bool)
     shard_dim = shard_dims[0] if shard_dims else None
     if not _mesh_matches(mesh, pmesh, shard_dim):
         raise ValueError(f"dion3: {who} lives on {pmesh} but distributed_mesh is {mesh}; pass the mesh given to "
-                         "fully_shard (or, for HSDP, its shard sub-mesh)")
+                         "fully_shard (for HSDP, it or its shard sub-mesh; for FSDP2 over tensor parallel, the "
+                         "whole 2-D mesh)")
     if shard_dim is None:
         return ParamLayout("replicated", pmesh.get_group(pmesh.ndim - 1), int(p.shape[0]) if p.dim() else 0)
     tensor_dim = placements[shard_dim].dim

@@ -1403,8 +1403,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
         for j, p in enumerate(group["params"]):
             who = f"parameter {j} '{self._param_name(group, gi, j)}' of group {gi}"
             _dist.layout_of(p, self._mesh, who, matrix, bool(group["flatten"]))
-            if _dist.is_dtensor(p) and not any(_dist.same_mesh(p.device_mesh, m) for m in meshes):
-                meshes.append(p.device_mesh)
+            if _dist.is_dtensor(p):
+                pmesh = _dist.mesh_of(p, self._mesh)
+                if not any(_dist.same_mesh(pmesh, m) for m in meshes):
+                    meshes.append(pmesh)
         if len(meshes) > 1:
             raise ValueError(f"dion3: parameter group {gi} holds parameters on {len(meshes)} different device "
                              f"meshes ({', '.join(str(m) for m in meshes)}); put each mesh's parameters in a "

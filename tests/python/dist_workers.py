@@ -656,6 +656,32 @@ def tensor_parallel(rank, world, mesh2d):
                               f"FSDP2 over RowwiseParallel ({algo}),")
         assert all(mb["layout"] == "block-sharded" for mb in opt.plan()), opt.plan()
 
+    # A layer left out of the tensor-parallel plan lives on the data-parallel sub-mesh alone: one
+    # optimizer given the whole mesh steps it by the row-sharded rule over dp, next to the TP'd one.
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(16, 30, bias=False), nn.Linear(30, 24, bias=False))
+    fulls = [p.detach().clone() for p in model.parameters()]
+    parallelize_module(model, mesh2d["tp"], {"0": ColwiseParallel()})
+    fully_shard(model[0], mesh=mesh2d["dp"])
+    fully_shard(model[1], mesh=mesh2d["dp"])
+    ps = list(model.parameters())
+    assert ps[0].device_mesh.ndim == 2 and ps[1].device_mesh.ndim == 1
+    opt = dion3.Dion3(ps, distributed_mesh=mesh2d, lr=0.02)
+    refs = [Reference(fulls[:1], lr=0.02, row_shards=two_level), Reference(fulls[1:], lr=0.02, ranks=dp)]
+
+    class Both:  # the two rules, one per layer
+        w = property(lambda self: refs[0].w + refs[1].w)
+
+        def step(self, gs):
+            refs[0].step(gs[:1])
+            refs[1].step(gs[1:])
+
+    steps_match_reference(opt, Both(), ps, [tuple(f.shape) for f in fulls], 500, _placed_like,
+                          "a TP'd layer and a dp-only one, one optimizer,")
+
 
 def rows_cut_over_one_dimension(rank, world):
     """FSDP2 over ColwiseParallel on a (1, P) or (P, 1) mesh: one dimension does the cutting, the
