@@ -44,7 +44,7 @@ DION3_API const char* layout_name(Layout l);
 
 struct ParamLayout {
   Layout kind = Layout::Local;
-  std::shared_ptr<Communicator> comm;  // Replicated / RowShard: the ranks the parameter spans
+  std::shared_ptr<Communicator> comm = nullptr;  // Replicated / RowShard: the ranks the parameter spans
   int64_t global_rows = 0;             // RowShard: m, the rows of the whole matrix
   int64_t global_cols = 0;             // ColShard: n, the columns of the whole matrix
   // RowShard with rows cut otherwise than in ceil(m/P) chunks in rank order (FSDP2 over tensor
@@ -53,7 +53,7 @@ struct ParamLayout {
   // Local selection only.
   int64_t row_offset = -1;
   int64_t row_chunk = 0;
-  std::shared_ptr<Communicator> col_comm;  // Block: the ranks the columns are cut over
+  std::shared_ptr<Communicator> col_comm = nullptr;  // Block: the ranks the columns are cut over
 };
 
 struct ParamSpec {
@@ -63,8 +63,9 @@ struct ParamSpec {
   // Externally owned state (e.g. PyTorch tensors); missing ones are allocated by the engine
   // and zero-filled. Matrix algorithms: "momentum" (weight's shape) and "variance" (fp32,
   // one entry per matrix row). AdamW: "exp_avg", "exp_avg_sq"; Lion: "exp_avg".
-  std::vector<std::pair<std::string, TensorView>> state;
-  ParamLayout layout;  // matrix algorithms; element-wise ones step the local tensor as it is
+  // (Both defaulted: {name, weight, grad} is a whole ParamSpec, also under -Wextra.)
+  std::vector<std::pair<std::string, TensorView>> state = {};
+  ParamLayout layout = {};  // matrix algorithms; element-wise ones step the local tensor as it is
 };
 
 // A host copy of one state tensor.
