@@ -361,17 +361,22 @@ def _state_tensors(group: Dict[str, Any], p: torch.Tensor, old: Dict[str, Any], 
 
 def _check_restructured(group: Dict[str, Any], p: torch.Tensor, st: Dict[str, Any], who: str, kind: str) -> None:
     """Refuses state shaped for the other flatten than the group's (flatten set after the
-    parameter's state took values), naming the setting. Other misfits are the engine's to name."""
-    if p.dim() <= 2:
-        return
-    flipped = {name: shape for name, _, shape in _state_shapes(dict(group, flatten=not group["flatten"]), p, kind)}
+    parameter's state took values), naming the setting, or for another shape of the parameter
+    (resized through .data since), by the names opt.state[p] shows."""
+    flipped = {name: shape for name, _, shape in _state_shapes(dict(group, flatten=not group["flatten"]), p, kind)} \
+        if p.dim() > 2 else {}
     for name, _, shape in _state_shapes(group, p, kind):
         t = st.get(name)
-        if isinstance(t, torch.Tensor) and tuple(t.shape) != tuple(shape) and tuple(t.shape) == flipped.get(name):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) == tuple(shape):
+            continue
+        if tuple(t.shape) == flipped.get(name):
             raise ValueError(f"dion3: {who}: its state '{name}' has shape {list(t.shape)}, where its group asks for "
                              f"{list(shape)} (flatten={bool(group['flatten'])}): a parameter's flatten cannot change "
                              "once its state holds values (it stepped, or its state was loaded); set it back, or "
                              "start its state afresh (del optimizer.state[p])")
+        raise ValueError(f"dion3: {who}: its state '{name}' has shape {list(t.shape)} but the parameter, of shape "
+                         f"{list(p.shape)}, needs {list(shape)} (was it resized since its state was made?); start "
+                         "its state afresh (del optimizer.state[p]), or give it state of that shape")
 
 
 def _engine_state(group: Dict[str, Any], st: Dict[str, Any], order: Optional[Tuple[int, ...]],

@@ -232,9 +232,27 @@ def test_state_of_wrong_shape_is_refused_without_change(device):
     opt.state[p]["momentum"] = torch.zeros(3, 3, device=device)
     p.grad = torch.randn_like(p)
     w = p.detach().clone()
-    with pytest.raises(ValueError, match="state 'momentum' must be float32 \\[8, 4\\]"):
+    with pytest.raises(ValueError, match=r"state 'momentum' has shape \[3, 3\] but the parameter, of shape "
+                                         r"\[8, 4\], needs \[8, 4\] .*del optimizer.state\[p\]"):
         opt.step()
     assert torch.equal(p, w)
+
+
+def test_a_parameter_resized_after_it_stepped_is_named_with_the_state_it_shows():
+    # An AdamW parameter grown through .data (a vocabulary resized): the message uses the name
+    # opt.state[p] shows ("momentum", not the engine's "exp_avg") and says how to go on.
+    e = nn.Parameter(torch.randn(32, 16))
+    opt = dion3.Dion3([dict(params=[e], algorithm="adamw", param_names=["embed.weight"])], lr=0.01)
+    e.grad = torch.randn(32, 16)
+    opt.step()
+    e.data = torch.cat([e.data, torch.zeros(8, 16)])
+    e.grad = torch.randn(40, 16)
+    with pytest.raises(ValueError, match=r"'embed.weight': its state 'momentum' has shape \[32, 16\] but the "
+                                         r"parameter, of shape \[40, 16\], needs \[40, 16\]"):
+        opt.step()
+    del opt.state[e]
+    opt.step()
+    assert opt.state[e]["step"] == 1
 
 
 @pytest.mark.parametrize("bad", [float("nan"), -1.0])
