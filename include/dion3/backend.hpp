@@ -209,7 +209,8 @@ DION3_HOST_DEVICE inline float momentum_gradient_limit(float bound, float a, flo
 
 // The element-wise rules of AdamW and Lion, shared by every backend and by check_step so that
 // the check sees exactly the values the update stores. The second moment multiplies (1 - beta2)
-// into g before squaring: g*g overflows float32 from |g| ~ 2e19, this only from ~ 6e20.
+// into g before squaring: g*g overflows float32 from |g| ~ 2e19, this only from ~ 8e19 at
+// beta2 = 0.95 (~ 6e20 at 0.999).
 struct AdamWRule {
   DION3_HOST_DEVICE static float exp_avg(float m, float g, float beta1) { return m + (1.0f - beta1) * (g - m); }
   DION3_HOST_DEVICE static float exp_avg_sq(float v, float g, float beta2) {

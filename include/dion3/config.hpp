@@ -91,7 +91,7 @@ struct DION3_API GroupConfig {
   // Matrix algorithms: decay only where update and weight agree in sign (Dion3 / Dion2: the rows
   // or columns not selected have no update, so no decay).
   bool cautious_wd = false;
-  bool scale_lr_by_fraction = false;  // Dion3: use lr / sqrt(fraction) (the paper's scaling law)
+  bool scale_lr_by_fraction = false;  // Dion3, Dion2: use lr / sqrt(fraction) (the paper's scaling law)
   // Matrix algorithms' momentum; nullopt = the parameter's dtype. AdamW's and Lion's moments
   // always take the parameter's dtype (as torch.optim's).
   std::optional<DType> momentum_dtype;

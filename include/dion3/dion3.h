@@ -56,7 +56,8 @@ extern "C" {
 typedef enum dion3_status {
   DION3_OK = 0,
   DION3_INVALID_ARGUMENT = 1, /* bad hyper-parameter, shape, dtype, index or state buffer */
-  DION3_NON_FINITE = 2,       /* a gradient held NaN/Inf and the policy is RAISE */
+  DION3_NON_FINITE = 2,       /* a gradient held NaN/Inf, or the state would overflow, and the
+                                 policy is RAISE */
   DION3_UNSUPPORTED = 3,      /* valid request this build cannot serve (e.g. no CUDA) */
   DION3_INTERNAL = 4          /* backend failure (BLAS, CUDA, out of memory) */
 } dion3_status;
@@ -147,7 +148,7 @@ typedef struct dion3_group_config {
   int32_t flatten;     /* 0: >=3-D tensors are batches of matrices; 1: (dim0, rest) */
   int32_t nesterov;    /* Muon / NorMuon */
   int32_t cautious_wd; /* matrix algorithms; Dion3 / Dion2 do not decay unselected rows then */
-  int32_t scale_lr_by_fraction; /* Dion3: lr / sqrt(fraction); default 0 */
+  int32_t scale_lr_by_fraction; /* Dion3, Dion2: lr / sqrt(fraction); default 0 */
   int32_t momentum_dtype;       /* matrix algorithms: dion3_dtype, or -1 = the parameter's dtype
                                    (default); AdamW / Lion moments take the parameter's dtype */
   /* orthogonalization */
@@ -164,7 +165,7 @@ typedef struct dion3_group_config {
   int32_t num_heads;            /* h blocks of equal height */
   int32_t num_split_sizes;      /* blocks of heights split_sizes[0 .. num_split_sizes) */
   /* Muon / NorMuon: 1 keeps the momentum as an average, M = mu*M + (1 - mu)*G (the Nesterov mix
-   * mu*M + (1 - mu)*G), as torch.optim.Muon does; 0 (default): M = mu*M + G. In what was padding. */
+   * mu*M + (1 - mu)*G), as torch.optim.Muon does; 0 (default): M = mu*M + G. */
   int32_t ema_momentum;
   int64_t split_sizes[DION3_MAX_SPLITS];
 } dion3_group_config;
@@ -191,8 +192,9 @@ typedef struct dion3_comm dion3_comm;           /* opaque: a communicator over s
  * shard, possibly empty. */
 typedef struct dion3_layout {
   int32_t kind;        /* dion3_layout_kind */
-  int64_t global_rows; /* ROW_SHARD: m */
-  dion3_comm* comm;    /* REPLICATED / ROW_SHARD / COL_SHARD; not owned, must outlive the optimizer */
+  int64_t global_rows; /* ROW_SHARD, BLOCK: m */
+  dion3_comm* comm;    /* every kind but LOCAL (BLOCK: the rows' ranks); not owned, must outlive the
+                          optimizer */
   int64_t global_cols; /* COL_SHARD, BLOCK: n */
   dion3_comm* col_comm; /* BLOCK: the ranks the columns are cut over; NULL otherwise */
   /* ROW_SHARD with rows cut otherwise than in ceil(m/P) chunks in rank order (FSDP2 over tensor
@@ -335,7 +337,7 @@ DION3_API dion3_status dion3_posted_steps(const dion3_optimizer* opt, int64_t* t
 /* A step captured in a CUDA graph reads the hyper-parameters when replayed: call this before
  * each replay (outside the graph) so that it follows the groups' current values (an lr
  * schedule). DION3_INVALID_ARGUMENT when a group changed a setting the captured plan depends on
- * (fraction, blocks, orthogonalizer): capture again. */
+ * (fraction, blocks, nesterov, cautious_wd, selection_scope, orthogonalizer): capture again. */
 DION3_API dion3_status dion3_refresh_hyperparameters(dion3_optimizer* opt);
 /* Changes whenever the step's plan is rebuilt: a step captured under another generation is
  * stale and must be captured again. */

@@ -1,7 +1,7 @@
 // dion3/error.hpp — the one exception type the library throws.
 //
 // Messages name the offending parameter or argument, what was expected and what was given,
-// e.g. "dion3: parameter 3 'mlp.up.weight' has shape [4096] but Dion3 needs a matrix; ...".
+// e.g. "dion3: parameter 3 'mlp.up.weight' has shape [4096] but dion3 needs a matrix; ...".
 #pragma once
 
 #include <stdexcept>
@@ -14,7 +14,7 @@ namespace dion3 {
 enum class Status : int {
   Ok = 0,
   InvalidArgument = 1,   // bad hyper-parameter, shape, dtype or state
-  NonFinite = 2,         // a gradient held NaN or Inf and on_nonfinite == "raise"
+  NonFinite = 2,         // a gradient held NaN or Inf, or the state would overflow, under Raise
   Unsupported = 3,       // a valid request this build cannot serve (e.g. no CUDA)
   Internal = 4,          // a backend failure (BLAS, CUDA, allocation)
 };

@@ -4,12 +4,13 @@
 // tensors) into groups with a GroupConfig. Matrix parameters are planned into megabatches by
 // (group, matrix shape, dtype, layout); each megabatch runs as one batched pipeline:
 // accumulate -> score -> select -> gather (+ error feedback) -> orthogonalize -> normalize ->
-// update. Element-wise groups (AdamW, Lion) run one fused kernel per parameter.
+// update. Element-wise groups (AdamW, Lion) run as multi-tensor passes over their parameters.
 //
 // Guarantees: every argument is validated before anything is written; a step that meets a
-// non-finite gradient either raises (default, one host synchronisation at the end of the
-// step) or is skipped (no synchronisation), and in both cases leaves weights and state
-// untouched. The same inputs give the same bits on the same backend.
+// non-finite gradient (or whose state would overflow) either raises (default) or is skipped,
+// step() reading the verdict once at its end (one host synchronisation; step_async() does not
+// wait), and in both cases leaves weights and state untouched. The same inputs give the same
+// bits on the same backend.
 #pragma once
 
 #include <cstdint>
@@ -44,9 +45,9 @@ DION3_API const char* layout_name(Layout l);
 
 struct ParamLayout {
   Layout kind = Layout::Local;
-  std::shared_ptr<Communicator> comm = nullptr;  // Replicated / RowShard: the ranks the parameter spans
-  int64_t global_rows = 0;             // RowShard: m, the rows of the whole matrix
-  int64_t global_cols = 0;             // ColShard: n, the columns of the whole matrix
+  std::shared_ptr<Communicator> comm = nullptr;  // every layout but Local: the ranks it spans (Block: its rows')
+  int64_t global_rows = 0;  // RowShard, Block: m, the rows of the whole matrix
+  int64_t global_cols = 0;  // ColShard, Block: n, the columns of the whole matrix
   // RowShard with rows cut otherwise than in ceil(m/P) chunks in rank order (FSDP2 over tensor
   // parallel's column-wise split cuts twice, rank-major over another mesh dimension): this rank's
   // first row, and the largest shard's rows (the same on every rank). -1 / 0: the standard cut.
@@ -61,8 +62,8 @@ struct ParamSpec {
   TensorView weight;
   TensorView grad;  // may be re-bound before each step with set_grad()
   // Externally owned state (e.g. PyTorch tensors); missing ones are allocated by the engine
-  // and zero-filled. Matrix algorithms: "momentum" (weight's shape) and "variance" (fp32,
-  // one entry per matrix row). AdamW: "exp_avg", "exp_avg_sq"; Lion: "exp_avg".
+  // and zero-filled. Matrix algorithms: "momentum" (weight's shape); Dion3 and NorMuon also
+  // "variance" (fp32, one entry per matrix row). AdamW: "exp_avg", "exp_avg_sq"; Lion: "exp_avg".
   // (Both defaulted: {name, weight, grad} is a whole ParamSpec, also under -Wextra.)
   std::vector<std::pair<std::string, TensorView>> state = {};
   ParamLayout layout = {};  // matrix algorithms; element-wise ones step the local tensor as it is
@@ -212,9 +213,9 @@ class DION3_API Optimizer {
   // different steps or hold different hyper-parameters, or when a rank refused the step (an
   // invalid setting there: that rank raises its own error, the others "another rank refused")
   // (comm.hpp).
+  bool step();
   // Ranges of every later step also go to `tracer` (null: none beyond the backend's own).
   void set_tracer(std::shared_ptr<StepTracer> tracer);
-  bool step();
   // For a rank of a distributed optimizer whose parameters have no gradient this step while the
   // others call step(): runs the step's collectives with the gradients bound last (writing
   // nothing), so that every rank refuses the step together instead of pairing later collectives
@@ -253,8 +254,9 @@ class DION3_API Optimizer {
   // step's operations from device memory that every step not being captured refreshes first. A
   // step captured in a CUDA graph reads them when replayed: call this before each replay (outside
   // the graph) so that it follows the groups' current values, e.g. an lr schedule. Throws when a
-  // group changed a setting the plan depends on (fraction, split_sizes, num_heads, the
-  // orthogonalizer): a replay cannot follow that, the step must be captured again.
+  // group changed a setting the plan depends on (fraction, split_sizes, num_heads, nesterov,
+  // cautious_wd, selection_scope, the orthogonalizer): a replay cannot follow that, the step must
+  // be captured again.
   void refresh_hyperparameters();
   // Changes whenever the step's plan (megabatches, buffers) is rebuilt: a captured step is stale.
   uint64_t plan_generation() const;

@@ -22,7 +22,7 @@ class CudaGraphOptimizer(torch.optim.Optimizer):
     """Runs `optimizer.step()` eagerly for `warmup_steps` steps, then captures one step in a
     CUDA graph and replays it. The gradients must stay in the same .grad tensors (zero_grad
     zeroes them in place). A change the graph cannot follow (parameters, groups, fraction,
-    split_sizes, the orthogonalizer, a loaded state) is noticed at the next step, which then runs
+    split_sizes, nesterov, cautious_wd, selection_scope, the orthogonalizer, a loaded state) is noticed at the next step, which then runs
     eagerly and captures again. Call release() before torch.distributed.destroy_process_group()
     under NCCL: a captured graph holds the step's collectives."""
 

@@ -163,9 +163,10 @@ def _engine_config(group: Dict[str, Any]) -> Dict[str, Any]:
         "adjust_lr": "none" if adjust_lr is None else str(adjust_lr),
         "flatten": _flag(group, "flatten"),
         "nesterov": _flag(group, "nesterov"),
-        # The constructor's default reaches every group; only Muon's and NorMuon's momentum reads it.
-        "ema_momentum": _flag(group, "ema_momentum") if "ema_momentum" in group and algorithm in
-        ("muon", "normuon") else False,
+        # The constructor's value reaches every group: the element-wise ones ignore it, as they do
+        # nesterov; a Dion3 or Dion2 group is refused by the engine (the form is Muon's and NorMuon's).
+        "ema_momentum": _flag(group, "ema_momentum") if "ema_momentum" in group and algorithm not in
+        ("adamw", "lion") else False,
         "cautious_wd": _flag(group, "cautious_wd"),
         "scale_lr_by_fraction": _flag(group, "scale_lr_by_fraction"),
         "momentum_dtype": _dtype_name(group.get("momentum_dtype")),
@@ -1234,8 +1235,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         whole training step): write the groups' current lr, weight decay, momentum, betas and
         epsilon where the captured kernels read them, and have the next check read state tensors
         written in place since (see state_changed). RuntimeError when something the captured
-        step cannot follow changed (parameters, groups, fraction, blocks, orthogonalizer): capture
-        again."""
+        step cannot follow changed (parameters, groups, fraction, blocks, nesterov, cautious_wd,
+        selection_scope, orthogonalizer): capture again."""
         engine = self._engine
         if (engine is None or self._dirty or self._registration_key() != self._engine_key or
                 self._state_replaced() or engine.stale_for_replay()):

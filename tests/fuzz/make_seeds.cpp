@@ -2,8 +2,8 @@
 //
 //   dion3-fuzz-seeds write DIR   DIR/state/*: states of the fuzz model (fuzz_model.hpp) after 0..3
 //                                steps, exported and prefixed with the harness's flag byte
-//                                (valid-*), broken ones (bad-*) and ones that import today but
-//                                should not (edge-*); DIR/capi/*: C API programs
+//                                (valid-*), broken ones (bad-*) and well-framed ones import must
+//                                refuse (edge-*); DIR/capi/*: C API programs
 //                                (capi_program.hpp) covering every algorithm, dtype, call and
 //                                error path.
 //   dion3-fuzz-seeds check DIR   every state seed named valid-* imports into the fuzz model and
@@ -118,8 +118,8 @@ void write_state_seeds(const fs::path& dir) {
                p.params[1].step = p.steps + 1;  // more updates than the optimizer's steps
              }));
 
-  // States import accepts today although a step cannot use them (known defects, checked by
-  // DION3_FUZZ_STRICT=state_reserved,state_values,state_step): good starting points there.
+  // Well-framed states a step cannot use, which import refuses (the strict checks
+  // DION3_FUZZ_STRICT=state_reserved,state_values,state_step hold it to that): regression seeds.
   auto edited = [&](auto&& edit) { return reserialized(kFixHash | kStepAfter, edit); };
   auto first_float = [](dion3::OptimizerState& p, const char* tensor) -> unsigned char* {
     for (auto& [name, t] : p.params[0].tensors)

@@ -139,6 +139,9 @@ def test_ema_momentum_given_to_the_constructor_leaves_the_elementwise_groups_alo
 
     (w0, b0), (w1, b1) = run(False), run(True)
     assert torch.equal(b0, b1) and not torch.equal(w0, w1)
+    # A Dion3 group has no averaged form: refused, as the C++ engine does.
+    with pytest.raises(ValueError, match="'ema_momentum' is a setting of muon and normuon"):
+        cls([dict(params=[torch.nn.Parameter(torch.randn(8, 12))], algorithm="dion3")], ema_momentum=True)
 
 
 @pytest.mark.parametrize("key", ["lr", "fraction", "mu", "weight_decay", "epsilon"])
