@@ -16,6 +16,7 @@ import difflib
 import gc
 import math
 import numbers
+import re
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -1159,7 +1160,26 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._dirty = True
 
     def _run_engine(self, engine, asynchronous: bool) -> int:
-        """The engine's step; -1 asks for a rebuild (parameters, groups or storage changed: see step)."""
+        """The engine's step; -1 asks for a rebuild (parameters, groups or storage changed: see step).
+        Its errors name state tensors as opt.state[p] does, not by the engine's names."""
+        try:
+            return self._engine_step(engine, asynchronous)
+        except (ValueError, NonFiniteError) as e:
+            shown = self._shown_state_names(str(e))
+            if shown == str(e):
+                raise
+            raise type(e)(shown) from None
+
+    def _shown_state_names(self, message: str) -> str:
+        """`message` with each "state '<engine name>'" as opt.state[p] names it (exp_avg_sq is an
+        AdamW group's 'variance'); a name two kinds of this optimizer's groups show differently is kept."""
+        shown: Dict[str, Optional[str]] = {}
+        for kind in {self._state_kind(g) for g in self.param_groups}:
+            for name, engine_name in _ENGINE_NAMES.get(kind, {}).items():
+                shown[engine_name] = name if shown.get(engine_name, name) == name else None
+        return re.sub(r"state '(\w+)'", lambda m: f"state '{shown.get(m.group(1)) or m.group(1)}'", message)
+
+    def _engine_step(self, engine, asynchronous: bool) -> int:
         if self._given_grads:
             # DTensor gradients live on the DTensor, not on the local shard the engine holds: hand
             # the engine this step's local gradients. (A channels-last weight's view in memory
