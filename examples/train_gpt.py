@@ -9,7 +9,7 @@ initial weights and the same batches in the same order. At the end the run write
   results.md  final validation loss, the optimizer's share of step time, tokens/s, peak memory
               (GPU: the run's allocated peak; CPU: the process's resident peak, cumulative)
   ckpt-<optimizer>.pt  a checkpoint per optimizer, so an interrupted run resumes (--resume)
-               exactly where it stopped. On the CPU the resumed run computes the same bits as one
+               exactly where it stopped (Ctrl-C saves at the end of the step it is in, and stops). On the CPU the resumed run computes the same bits as one
                that never stopped; on a GPU PyTorch's backward kernels are not deterministic, so
                it matches one as closely as two uninterrupted runs match each other.
   run-<optimizer>.json  each finished run's record (no weights), for --report-only
@@ -31,8 +31,10 @@ import hashlib
 import json
 import math
 import os
+import signal
 import sys
 import sysconfig
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Optional
@@ -318,14 +320,37 @@ def lr_of(optimizer: str, c: "Config") -> float:
     return c.adamw_lr if optimizer == "adamw" else c.lr / math.sqrt(c.fraction) if optimizer == "dion3" else c.lr
 
 
-class Deadline:
-    """--time-limit: the wall-clock second after which a run saves and stops (resumable)."""
+class Stop:
+    """Why a run saves at the end of its step and stops (resumable), if it should: --time-limit's
+    wall-clock second has passed, or Ctrl-C was pressed (a second Ctrl-C quits at once, unsaved).
+    As a context manager it holds the Ctrl-C handler (main thread only)."""
 
     def __init__(self, seconds: Optional[float]):
         self.at = None if seconds is None else time.time() + seconds
+        self.interrupted = False
+        self._held = None
 
-    def passed(self) -> bool:
-        return self.at is not None and time.time() >= self.at
+    def reason(self) -> Optional[str]:
+        if self.interrupted:
+            return "Ctrl-C"
+        return "--time-limit" if self.at is not None and time.time() >= self.at else None
+
+    def _on_sigint(self, signum, frame):
+        if self.interrupted:
+            raise KeyboardInterrupt
+        self.interrupted = True
+        print("\ntrain_gpt: Ctrl-C: saving at the end of this step (Ctrl-C again quits without saving)",
+              file=sys.stderr)
+
+    def __enter__(self) -> "Stop":
+        if threading.current_thread() is threading.main_thread():
+            self._held = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._held is not None:
+            signal.signal(signal.SIGINT, self._held)
+            self._held = None
 
 
 def write_atomically(path: str, text: str) -> None:
@@ -344,7 +369,7 @@ def same_data(what: str, theirs: Optional[str], ours: str) -> None:
 
 
 def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resume: bool,
-              stop_after: Optional[int], deadline: Deadline, corpus_info: str = "") -> Dict:
+              stop_after: Optional[int], stop: Stop, corpus_info: str = "") -> Dict:
     """Trains (or resumes) one run; returns its history and summary."""
     name, cfg = run.name, run.cfg
     path = os.path.join(out, f"ckpt-{name}.pt")
@@ -445,8 +470,7 @@ def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resu
             state["history"].append(dict(step=step, seconds=state["elapsed"], val=val, train=train_loss))
             save()
         progress.show(step, tokens * step / max(state["elapsed"], 1e-9), train_loss, val, final=step == cfg.steps)
-        why = ("--stop-after" if stop_after is not None and ran >= stop_after else
-               "--time-limit" if deadline.passed() else None)
+        why = "--stop-after" if stop_after is not None and ran >= stop_after else stop.reason()
         if why and step < cfg.steps:
             save()
             print(f"\n{name}: stopped at step {step} ({why}); --resume goes on", file=sys.stderr)
@@ -696,12 +720,13 @@ def main(argv=None) -> int:
         del warm
         sync(device)
     runs, results = runs_of(names, cfg, a.scales, a.fractions), {}
-    deadline = Deadline(a.time_limit)
-    for run in runs:
-        results[run.name] = train_one(run, train, windows, device, a.out, a.resume, a.stop_after, deadline,
-                                      corpus_info)
-        if not results[run.name].get("done"):
-            return 0  # stopped on purpose (--stop-after, --time-limit); --resume goes on
+    with Stop(a.time_limit) as stop:
+        for run in runs:
+            results[run.name] = train_one(run, train, windows, device, a.out, a.resume, a.stop_after, stop,
+                                          corpus_info)
+            if not results[run.name].get("done"):
+                # Stopped on purpose (--stop-after, --time-limit, Ctrl-C); --resume goes on.
+                return 130 if stop.interrupted else 0
     write_report(runs, results, cfg, a.out, device, corpus_info)
     write_atomically(os.path.join(a.out, "history.json"),
                      json.dumps({n: r["history"] for n, r in results.items()}, indent=1))

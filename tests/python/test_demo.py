@@ -98,6 +98,32 @@ def test_a_time_limit_stops_and_resume_goes_on_bit_for_bit(tmp_path):
     assert all(torch.equal(v, b[k]) for k, v in a.items())
 
 
+def test_ctrl_c_saves_at_the_end_of_the_step_and_resume_goes_on_bit_for_bit(tmp_path, monkeypatch):
+    # The first Ctrl-C (SIGINT, raised here as step 3 is shown) lets the step finish, saves and
+    # stops with the shell's 130; --resume then computes what one run would have.
+    import signal
+    args = TINY + ["--optimizers", "dion3"]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    assert train_gpt.main(args + ["--out", str(whole)]) == 0
+    show = train_gpt.Progress.show
+
+    def interrupting(self, step, *rest, **kw):
+        show(self, step, *rest, **kw)
+        if step == 3:
+            signal.raise_signal(signal.SIGINT)
+    monkeypatch.setattr(train_gpt.Progress, "show", interrupting)
+    held = signal.getsignal(signal.SIGINT)
+    assert train_gpt.main(args + ["--out", str(parts)]) == 130
+    assert signal.getsignal(signal.SIGINT) is held  # the handler is put back
+    ck = torch.load(parts / "ckpt-dion3.pt", weights_only=False)
+    assert ck["state"]["step"] == 3 and not ck["state"]["done"]
+    monkeypatch.setattr(train_gpt.Progress, "show", show)
+    assert train_gpt.main(args + ["--out", str(parts), "--resume"]) == 0
+    a = torch.load(whole / "ckpt-dion3.pt", weights_only=False)["model"]
+    b = torch.load(parts / "ckpt-dion3.pt", weights_only=False)["model"]
+    assert all(torch.equal(v, b[k]) for k, v in a.items())
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--optimizers", "dion3,sgd"], "--optimizers: unknown sgd"),
     (["--fraction", "0"], "--fraction must be in"),
