@@ -585,7 +585,7 @@ def parse_args(argv=None):
                     help="Muon / NorMuon lr (default 0.02); Dion3 takes lr / sqrt(f)")
     ap.add_argument("--adamw-lr", type=float, default=None,
                     help="AdamW's lr, alone and for Dion3/Muon's embeddings, head and vectors (default: 3e-3, "
-                         "1e-3 for gpu-125m)")
+                         "1e-3 for gpu-125m and gpu-1b)")
     ap.add_argument("--fraction", default="0.25",
                     help="Dion3's f (default 1/4); several, comma-separated, train Dion3 at each")
     ap.add_argument("--lr-scales", default="1",
