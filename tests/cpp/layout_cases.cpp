@@ -375,9 +375,11 @@ void check_agreement_case(const RankBackend& be, const std::shared_ptr<dion3::Co
   auto step_together = [&](const std::string& where) {
     grads();
     ASSERT_TRUE(opt.step()) << where;
-    for (auto& d : ps)
-      if (d->rows.count == d->m)
+    for (auto& d : ps) {
+      if (d->rows.count == d->m) {
         EXPECT_TRUE(same_on_every_rank(d->w->values(), be, *comm)) << where << ": the replicas parted";
+      }
+    }
   };
   step_together("rank " + std::to_string(rank) + ", first step");
 
@@ -442,10 +444,16 @@ void check_agreement_case(const RankBackend& be, const std::shared_ptr<dion3::Co
           else opt.step();
         },
         &st);
-    if (rank == 0 || mode != 1) EXPECT_EQ(st, dion3::Status::InvalidArgument) << where << ": " << what;
-    if (rank == 0) EXPECT_NE(what.find("not finite in float32"), std::string::npos) << where << ": " << what;
-    else if (mode != 1) EXPECT_NE(what.find("another rank refused this step"), std::string::npos) << where << ": " << what;
-    else EXPECT_EQ(what, "") << where;
+    if (rank == 0 || mode != 1) {
+      EXPECT_EQ(st, dion3::Status::InvalidArgument) << where << ": " << what;
+    }
+    if (rank == 0) {
+      EXPECT_NE(what.find("not finite in float32"), std::string::npos) << where << ": " << what;
+    } else if (mode != 1) {
+      EXPECT_NE(what.find("another rank refused this step"), std::string::npos) << where << ": " << what;
+    } else {
+      EXPECT_EQ(what, "") << where;
+    }
     EXPECT_EQ(snapshot(), before) << where << ": a refused step moved something";
     opt.set_group(gm, kept);
     step_together(where + ", then valid");
