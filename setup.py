@@ -136,7 +136,7 @@ class BuildPyWithInfo(build_py):
 def main():
     if os.environ.get("DION3_SDIST_ONLY") == "1":
         # An sdist (set by tools/build-backend): sources only, MANIFEST.in lists them; no PyTorch needed.
-        setup()
+        setup(install_requires=["torch"])
         return
     torch = import_torch()
     from torch.utils.cpp_extension import BuildExtension
@@ -144,7 +144,10 @@ def main():
     info = BuildPyWithInfo.build_info
     ext = extension(info)
     info.update(torch_version=torch.__version__, torch_cuda=torch.version.cuda or "")
+    # dion3._C links against this PyTorch's C++ ABI: the wheel asks for its release (any patch level).
+    major_minor = ".".join(torch.__version__.split("+")[0].split(".")[:2])
     setup(
+        install_requires=[f"torch=={major_minor}.*"],
         ext_modules=[ext],
         cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True), "build_py": BuildPyWithInfo},
         options={"build": {"build_base": os.path.join(ROOT, "build-py-ext")}},
