@@ -323,12 +323,13 @@ def lr_of(optimizer: str, c: "Config") -> float:
 class Stop:
     """Why a run saves at the end of its step and stops (resumable), if it should: --time-limit's
     wall-clock second has passed, or Ctrl-C was pressed (a second Ctrl-C quits at once, unsaved).
-    As a context manager it holds the Ctrl-C handler (main thread only)."""
+    As a context manager it holds the Ctrl-C handler: in the main thread, where Ctrl-C would raise
+    KeyboardInterrupt (Python's default; one ignored or set by the caller is left alone)."""
 
     def __init__(self, seconds: Optional[float]):
         self.at = None if seconds is None else time.time() + seconds
         self.interrupted = False
-        self._held = None
+        self._installed = False
 
     def reason(self) -> Optional[str]:
         if self.interrupted:
@@ -343,14 +344,16 @@ class Stop:
               file=sys.stderr)
 
     def __enter__(self) -> "Stop":
-        if threading.current_thread() is threading.main_thread():
-            self._held = signal.signal(signal.SIGINT, self._on_sigint)
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, self._on_sigint)
+            self._installed = True
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._held is not None:
-            signal.signal(signal.SIGINT, self._held)
-            self._held = None
+        if self._installed:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            self._installed = False
 
 
 def write_atomically(path: str, text: str) -> None:
@@ -722,6 +725,8 @@ def main(argv=None) -> int:
     runs, results = runs_of(names, cfg, a.scales, a.fractions), {}
     with Stop(a.time_limit) as stop:
         for run in runs:
+            if stop.interrupted:  # during the previous run's last step: the next does not start
+                return 130
             results[run.name] = train_one(run, train, windows, device, a.out, a.resume, a.stop_after, stop,
                                           corpus_info)
             if not results[run.name].get("done"):

@@ -9,7 +9,9 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 PY="${DION3_VENV:-$ROOT/.venv}/bin/python"
 for arg in "$@"; do  # --help needs no build once the virtualenv is there
-  if [[ ( "$arg" == --help || "$arg" == -h ) && -x "$PY" ]]; then exec "$PY" examples/train_gpt.py --help; fi
+  if [[ ( "$arg" == --help || "$arg" == -h ) && -x "$PY" ]] && "$PY" -c "import torch" 2>/dev/null; then
+    exec "$PY" examples/train_gpt.py --help
+  fi
 done
 scripts/setup.sh
 bash scripts/setup-python.sh

@@ -105,27 +105,29 @@ def _sub_mesh(one: Any, two: Any, dim: int) -> bool:
         dist.get_process_group_ranks(two.get_group(dim)))
 
 
+def _dp_slice(pmesh: Any, mesh: Any) -> bool:
+    """Whether 1-D pmesh is this rank's slice of 2-D distributed_mesh along its first, data-parallel
+    dimension: FSDP2 over tensor parallel, (dp, tp), where a layer left out of the TP plan is
+    sharded over dp alone and replicated, with equal gradients, over tp. A slice along the second
+    dimension is refused: under HSDP, (replicate, shard), a layer sharded over the shard slice alone
+    would have its gradients never averaged over the replicas."""
+    return isinstance(mesh, DeviceMesh) and mesh.ndim == 2 and pmesh.ndim == 1 and _sub_mesh(pmesh, mesh, 0)
+
+
 def mesh_of(p: Any, mesh: Any) -> Any:
-    """DTensor p's mesh, or distributed_mesh where p's mesh is a 1-D slice of that 2-D mesh (FSDP2
-    over tensor parallel: a layer outside the TP plan), so that such layers may share a group."""
-    pmesh = p.device_mesh
-    if isinstance(mesh, DeviceMesh) and mesh.ndim == 2 and pmesh.ndim == 1 and \
-            any(_sub_mesh(pmesh, mesh, d) for d in range(2)):
-        return mesh
-    return pmesh
+    """DTensor p's mesh, or distributed_mesh where p's mesh is its data-parallel slice (_dp_slice),
+    so that such layers may share a group with the tensor-parallel ones."""
+    return mesh if _dp_slice(p.device_mesh, mesh) else p.device_mesh
 
 
 def _mesh_matches(mesh: Any, pmesh: Any, shard_dim: Optional[int]) -> bool:
     """distributed_mesh is the parameter's mesh, or (HSDP) the sub-mesh of its sharded dim, or
-    (FSDP2 + TP) a 2-D mesh of which the parameter's 1-D mesh is a slice: a layer left out of the
-    tensor-parallel plan and sharded over the data-parallel dimension alone."""
+    (FSDP2 + TP) a 2-D mesh whose data-parallel slice the parameter lives on (_dp_slice)."""
     if same_mesh(mesh, pmesh):
         return True
     if shard_dim is not None and mesh.ndim == 1 and pmesh.ndim == 2:
         return _sub_mesh(mesh, pmesh, shard_dim)
-    if mesh.ndim == 2 and pmesh.ndim == 1:
-        return any(_sub_mesh(pmesh, mesh, d) for d in range(2))
-    return False
+    return _dp_slice(pmesh, mesh)
 
 
 def layout_of(p: torch.Tensor, mesh: Any, who: str, matrix: bool, flatten: bool) -> ParamLayout:

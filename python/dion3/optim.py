@@ -64,7 +64,6 @@ class Muon(_EngineOptimizer):
     _default_algorithm = "muon"
     _name = "Muon"
     _key_aliases = _TORCH_ALIASES
-    _state_made_at_first_step = True  # torch's Muon saves no state for a parameter not yet stepped
     _vectors_advice = "optimize 1-D tensors with another optimizer (torch.optim.AdamW, say), as with torch.optim.Muon"
 
     def _state_kind(self, group: Dict[str, Any]) -> str:

@@ -166,8 +166,8 @@ def _engine_config(group: Dict[str, Any]) -> Dict[str, Any]:
         "nesterov": _flag(group, "nesterov"),
         # The constructor's value reaches every group: the element-wise ones ignore it, as they do
         # nesterov; a Dion3 or Dion2 group is refused by the engine (the form is Muon's and NorMuon's).
-        "ema_momentum": _flag(group, "ema_momentum") if "ema_momentum" in group and algorithm not in
-        ("adamw", "lion") else False,
+        "ema_momentum": "ema_momentum" in group and _flag(group, "ema_momentum") and algorithm not in
+        ("adamw", "lion"),
         "cautious_wd": _flag(group, "cautious_wd"),
         "scale_lr_by_fraction": _flag(group, "scale_lr_by_fraction"),
         "momentum_dtype": _dtype_name(group.get("momentum_dtype")),
@@ -848,11 +848,13 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 st = saved_state.get(pid)
                 if st is None and not p.requires_grad:
                     continue  # frozen, without state (as it was made): it gets it at its first step
-                if st is None and self._state_made_at_first_step:
-                    # torch.optim makes none until a parameter steps: it starts afresh.
+                if st is None:
+                    # No state saved: frozen when the checkpoint was written (or never stepped under
+                    # torch.optim, which makes none until then). It starts afresh, as torch's do.
                     st = dict(_state_tensors(group, p, {}, state_kind), step=0)
                 if not isinstance(st, dict):
-                    raise ValueError(f"dion3: load_state_dict: {who} has no state in the state_dict")
+                    raise ValueError(f"dion3: load_state_dict: {who}: its state in the state_dict is a "
+                                     f"{type(st).__name__}, not a dict")
                 if "step" not in st:
                     raise ValueError(f"dion3: load_state_dict: {who} has no step counter ('step') in the "
                                      "state_dict; it cannot be guessed (AdamW's bias correction reads it)")
@@ -1330,9 +1332,6 @@ class _EngineOptimizer(torch.optim.Optimizer):
 
     # Other optimizers' names for settings, refused naming this optimizer's (see _check_keys).
     _key_aliases = _KEY_ALIASES
-    # Whether a checkpoint without a parameter's state means "not stepped yet" (as for the
-    # torch.optim optimizer this one stands in for) rather than a mismatched checkpoint.
-    _state_made_at_first_step = False
     # Where a 1-D tensor given to a matrix group belongs.
     _vectors_advice = ("put 1-D tensors in an 'adamw' or 'lion' group (dion3.param_groups(model) makes such groups: "
                        "matrices to {algo}, vectors, embeddings and the head to AdamW)")

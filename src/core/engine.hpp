@@ -206,10 +206,10 @@ struct Optimizer::Impl {
   // and what it is. These ranges never overlap each other or any gradient (see memory_clash()).
   std::map<std::uintptr_t, std::pair<std::uintptr_t, std::string>> written;
   // Every bound gradient's [start, end) by start, with its parameter (gradients may overlap each
-  // other), and the longest one's length: a written range [a, b) meets a gradient only among
-  // those starting in [a - longest, b). With names, registration stays O(log n) a parameter.
-  std::multimap<std::uintptr_t, std::pair<std::uintptr_t, int>> grad_ranges;
-  std::uintptr_t longest_grad = 0;
+  // other), one map per length class [2^c, 2^(c+1)) bytes: a written range [a, b) meets a
+  // gradient of class c only among those starting in (a - 2^(c+1), b), so one long gradient does
+  // not widen the search among short ones. With names, registration stays O(log n) a parameter.
+  std::array<std::multimap<std::uintptr_t, std::pair<std::uintptr_t, int>>, 64> grad_ranges;
   std::unordered_map<std::string, int> param_index;  // by name
   void note_grad_range(int param);  // params[param].grad as bound now
   void forget_grad_range(int param);  // before it is rebound

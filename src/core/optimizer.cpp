@@ -201,7 +201,7 @@ void check_tensor(const std::string& who, const char* role, const TensorView& t,
   }
   if (!t.data && bytes > 0) fail(who + " " + role + " has a null data pointer");
   // The backends read elements as their type (and the GPU in wider packs where it can).
-  if (reinterpret_cast<std::uintptr_t>(t.data) % dtype_size(t.dtype) != 0)
+  if (bytes > 0 && reinterpret_cast<std::uintptr_t>(t.data) % dtype_size(t.dtype) != 0)
     fail(who + " " + role + " is not aligned to its " + std::string(dtype_name(t.dtype)) + " elements (" +
          std::to_string(dtype_size(t.dtype)) + " bytes)");
   if (t.data && reinterpret_cast<std::uintptr_t>(t.data) > UINTPTR_MAX - bytes)
@@ -228,32 +228,41 @@ std::string Optimizer::Impl::memory_clash(const TensorView& t, bool written_role
   if (it != written.end() && it->first < b) return it->second.second;
   if (it != written.begin() && std::prev(it)->second.first > a) return std::prev(it)->second.second;
   if (written_role)
-    for (auto g = grad_ranges.lower_bound(a > longest_grad ? a - longest_grad : 0); g != grad_ranges.end() &&
-                                                                                  g->first < b; ++g)
-      if (g->second.first > a) return "the gradient of " + describe(g->second.second);
+    for (int cls = 0; cls < static_cast<int>(grad_ranges.size()); ++cls) {
+      const auto& ranges = grad_ranges[cls];
+      if (ranges.empty()) continue;
+      const std::uintptr_t reach = cls + 1 < 64 ? (std::uintptr_t{1} << (cls + 1)) : UINTPTR_MAX;
+      for (auto g = ranges.lower_bound(a > reach ? a - reach : 0); g != ranges.end() && g->first < b; ++g)
+        if (g->second.first > a) return "the gradient of " + describe(g->second.second);
+    }
   return {};
 }
+
+namespace {
+
+// The length class of a gradient range of `bytes` > 0: floor(log2(bytes)).
+int length_class(std::uintptr_t bytes) { return 63 - __builtin_clzll(static_cast<unsigned long long>(bytes)); }
+
+}  // namespace
 
 void Optimizer::Impl::note_grad_range(int param) {
   const TensorView& grad = params[param].grad;
   const auto [a, b] = memory_of(grad);
   if (!grad.data || a == b) return;
-  grad_ranges.emplace(a, std::make_pair(b, param));
-  longest_grad = std::max(longest_grad, b - a);
+  grad_ranges[length_class(b - a)].emplace(a, std::make_pair(b, param));
 }
 
 void Optimizer::Impl::forget_grad_range(int param) {
-  const auto a = reinterpret_cast<std::uintptr_t>(params[param].grad.data);
-  for (auto [g, end] = grad_ranges.equal_range(a); g != end; ++g)
+  const TensorView& grad = params[param].grad;
+  const auto [a, b] = memory_of(grad);
+  if (!grad.data || a == b) return;
+  auto& ranges = grad_ranges[length_class(b - a)];
+  for (auto [g, end] = ranges.equal_range(a); g != end; ++g)
     if (g->second.second == param) {
-      grad_ranges.erase(g);
+      ranges.erase(g);
       return;
     }
 }
-
-namespace {
-
-}  // namespace
 
 int Optimizer::add_param(int group, const ParamSpec& spec) {
   Impl& s = *impl_;

@@ -761,6 +761,14 @@ def layouts(rank, world, tmp):
         hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         fsdp(rank, world, hsdp, [Replicate(), Shard(0)], 2, dion3.Dion3, "dion3")
         fsdp(rank, world, hsdp, [Replicate(), Shard(0)], 2, dion3.Dion3, "dion3", pass_mesh=hsdp["shard"])
+        # A layer sharded over the shard slice alone would never be averaged over the replicas:
+        # given the whole HSDP mesh, it is refused (only the first, data-parallel, slice is taken).
+        lone = nn.Parameter(distribute_tensor(torch.randn(8, 6), hsdp["shard"], [Shard(0)]))
+        try:
+            dion3.Dion3([lone], distributed_mesh=hsdp)
+            raise AssertionError("a parameter on the shard slice of an HSDP mesh accepted")
+        except ValueError as e:
+            assert "lives on" in str(e), str(e)
         tensor_parallel(rank, world, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
     rows_cut_over_one_dimension(rank, world)
     row_blocks(rank, world, mesh)

@@ -139,6 +139,9 @@ def test_ema_momentum_given_to_the_constructor_leaves_the_elementwise_groups_alo
 
     (w0, b0), (w1, b1) = run(False), run(True)
     assert torch.equal(b0, b1) and not torch.equal(w0, w1)
+    # Ignored by an element-wise group, the value is still checked there.
+    with pytest.raises(ValueError, match="'ema_momentum' must be True or False"):
+        cls([dict(params=[torch.nn.Parameter(torch.randn(8))], algorithm="adamw", ema_momentum="yes")])
     # A Dion3 group has no averaged form: refused, as the C++ engine does.
     with pytest.raises(ValueError, match="'ema_momentum' is a setting of muon and normuon"):
         cls([dict(params=[torch.nn.Parameter(torch.randn(8, 12))], algorithm="dion3")], ema_momentum=True)

@@ -486,7 +486,6 @@ BAD_LOADS = {
     # A parameter without its own counter takes its group's (the reference's layout); with neither:
     "missing_step": (lambda sd: (sd["state"][2].pop("step"), sd["param_groups"][2].pop("step")),
                      "'group2.param0' of group 2 has no step counter"),
-    "missing_entry": (lambda sd: sd["state"].pop(1), "'group1.param0' of group 1 has no state in the state_dict"),
     "momentum_shape": (lambda sd: sd["state"][0].update(momentum=torch.zeros(6, 8)), r"state 'momentum' has shape \[6, 8\], expected \[8, 6\]"),
     "variance_shape": (lambda sd: sd["state"][1].update(variance_neuron=torch.zeros(4)), r"state 'variance_neuron' has shape \[4\], expected \[6, 1\]"),
     "integer_state": (lambda sd: sd["state"][2].update(momentum=torch.zeros(5, dtype=torch.int32)), "state 'momentum' is int32, not a floating-point tensor"),

@@ -1,5 +1,6 @@
 # test_parity.py — dion3.Dion3 / NorMuon / Muon (and the AdamW / Lion groups) against the float64
 # transcription of docs/algorithm.md in reference.py, over several steps, on every device of conftest.
+import copy
 import math
 
 import pytest
@@ -268,6 +269,7 @@ def test_a_frozen_parameter_holds_no_state_until_it_steps(device, make):
         set_grads(params[:1], grads_for(shapes, t)[:1], device)
         opt.step()
     sd = opt.state_dict()
+    sd_frozen = copy.deepcopy(sd)  # torch's state_dict holds the live per-parameter dicts
     assert sorted(sd["state"]) == [0]
     fresh = [torch.nn.Parameter(p.detach().clone()) for p in params]
     fresh[1].requires_grad_(False)
@@ -286,7 +288,15 @@ def test_a_frozen_parameter_holds_no_state_until_it_steps(device, make):
         opt_alone.step()
     assert opt.state[params[1]]["step"] == 2 and opt.state[params[0]]["step"] == 4
     assert torch.allclose(params[1].detach(), alone[0].detach(), rtol=0, atol=1e-6)
+    # A checkpoint saved while it was frozen loads into an optimizer where it trains: it starts
+    # afresh there (as in torch.optim), the others resume.
+    fresh[1].requires_grad_(True)
+    opt3 = make(fresh)
+    opt3.load_state_dict(sd_frozen)
+    assert opt3.state[fresh[1]]["step"] == 0 and opt3.state[fresh[0]]["step"] == 2
+    assert all(not torch.is_tensor(v) or not v.any() for v in opt3.state[fresh[1]].values())
     # A checkpoint with state for a parameter frozen since is loaded whole.
+    fresh[1].requires_grad_(False)
     sd = opt.state_dict()
     opt2.load_state_dict(sd)
     assert opt2.state[fresh[1]]["step"] == 2
