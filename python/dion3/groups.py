@@ -79,7 +79,9 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
     parameters) and "role" ("matrix", "vector", "embedding", "lm_head"). Frozen parameters are left out.
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    names = {id(p): n for n, p in named}
+    # Selectors and overrides may name frozen parameters too (a frozen head): they are matched
+    # against every name, and select nothing that is left out.
+    names = {id(p): n for n, p in model.named_parameters()}
     emb = _ids_of(model, embeddings, names)
     if emb is None:
         emb = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
@@ -91,7 +93,7 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
     base_el = {"algorithm": elementwise, **(elementwise_options or {})}
     overrides = overrides or {}
     for pattern in overrides:
-        if not any(n == pattern or fnmatch.fnmatchcase(n, pattern) for n, _ in named):
+        if not any(n == pattern or fnmatch.fnmatchcase(n, pattern) for n in names.values()):
             raise ValueError(f"dion3.param_groups: override {pattern!r} matches no parameter of the model")
 
     head_weights = [p for n, p in named if id(p) in head and p.dim() == 2]

@@ -230,6 +230,13 @@ def _flag(group: Dict[str, Any], key: str) -> bool:
     raise ValueError(f"dion3: '{key}' must be True or False; got {v!r}")
 
 
+def _no_state(st: Dict[str, Any]) -> bool:
+    """A saved parameter entry that holds nothing: empty (reading opt.state[p] of a parameter
+    without state makes one), or torch.distributed.checkpoint's placeholders ({}) for state it
+    did not find."""
+    return all(isinstance(v, dict) and not v for v in st.values())
+
+
 def _number(key: str, v) -> float:
     """A real-valued setting; a string (a config file's "1e-3") is refused, not parsed: torch's
     schedulers would later fail on it far from the cause."""
@@ -737,8 +744,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
             kind = self._state_kind(g)
             for j, pid in enumerate(g.get("params", [])):
                 st = saved_state.get(pid)
-                if not isinstance(st, dict):
-                    continue
+                if not isinstance(st, dict) or _no_state(st):
+                    continue  # nothing saved for it (_load_plan: frozen, or it starts afresh)
                 st = dict(st)
                 for old_name, name in _OLD_NAMES.get(kind, {}).items():
                     if old_name in st and name not in st:
@@ -846,6 +853,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
             for j, (pid, p) in enumerate(zip(saved["params"], mine["params"])):
                 who = f"parameter {j} '{self._param_name(group, gi, j)}' of group {gi}"
                 st = saved_state.get(pid)
+                if isinstance(st, dict) and _no_state(st):
+                    st = None
                 if st is None and not p.requires_grad:
                     continue  # frozen, without state (as it was made): it gets it at its first step
                 if st is None:
@@ -1290,6 +1299,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
         finally:
             if post is not None:
                 setattr(self, name, post)
+        # A parameter without state (frozen, never stepped) whose entry a read of opt.state[p]
+        # made, empty: saved as none, as for one never read.
+        sd["state"] = {k: v for k, v in sd["state"].items() if v}
         switched = self._switched_state()
         if switched:  # torch numbers the parameters group by group, in order
             ids = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}

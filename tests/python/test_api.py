@@ -160,3 +160,11 @@ def test_a_number_given_as_a_string_is_refused(key):
     with pytest.raises(ValueError, match="must be a number"):
         opt.step()
     assert torch.equal(w.detach(), before)
+
+
+def test_param_groups_may_name_a_frozen_head():
+    # Named while frozen (by name, glob or override): accepted, and left out like every frozen tensor.
+    m = _Model()
+    m.lm_head.weight.requires_grad_(False)
+    groups = dion3.param_groups(m, lm_head="lm_head", overrides={"lm_head.weight": {"lr": 1e-3}}, lr=0.02)
+    assert "lm_head.weight" not in _roles(groups)

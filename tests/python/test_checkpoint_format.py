@@ -554,3 +554,49 @@ def test_torch_dcp_state_dict_keeps_the_skipped_count_and_a_frozen_parameter_loa
         step(model, opt, t)
         step(model2, opt2, t)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+
+
+@pytest.mark.parametrize("flatten", [False, True])
+def test_a_checkpoint_saved_while_a_parameter_was_frozen_loads_where_it_trains(flatten):
+    # torch.distributed.checkpoint keeps no state for a frozen parameter; loading where it trains,
+    # its flattened form hands the optimizer placeholders ({}) for the state it did not find: the
+    # parameter starts afresh, the others resume.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    def make(frozen):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 24, bias=False), torch.nn.Linear(24, 8, bias=False))
+        model[1].weight.requires_grad_(not frozen)
+        return model, dion3.Dion3(list(model.parameters()), lr=0.02)
+
+    model, opt = make(frozen=True)
+    for t in range(2):
+        torch.manual_seed(100 + t)
+        model(torch.randn(4, 16)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten, strict=False)
+    msd, osd = get_state_dict(model, opt, options=options)
+    model2, opt2 = make(frozen=False)
+    set_state_dict(model2, opt2, model_state_dict=msd, optim_state_dict=osd, options=options)
+    assert opt2.state[model2[0].weight]["step"] == 2
+    assert torch.equal(opt2.state[model2[0].weight]["momentum"], opt.state[model[0].weight]["momentum"])
+    assert opt2.state[model2[1].weight]["step"] == 0 and not opt2.state[model2[1].weight]["momentum"].any()
+
+
+def test_reading_a_frozen_parameters_state_leaves_no_entry_to_refuse():
+    # opt.state is a defaultdict: opt.state[p] of a parameter without state inserts {}. It is
+    # saved as no state, and an empty entry given by another writer loads as none.
+    a, b = torch.nn.Parameter(torch.randn(8, 6)), torch.nn.Parameter(torch.randn(8, 6), requires_grad=False)
+    opt = dion3.Dion3([a, b], lr=0.02)
+    assert opt.state[b].get("step") is None
+    a.grad = torch.randn(8, 6)
+    opt.step()
+    sd = opt.state_dict()
+    assert sorted(sd["state"]) == [0]
+    sd["state"][1] = {}
+    dion3.Dion3([a, b], lr=0.02).load_state_dict(sd)
+    b.requires_grad_(True)
+    fresh = dion3.Dion3([a, b], lr=0.02)
+    fresh.load_state_dict(sd)
+    assert fresh.state[b]["step"] == 0
