@@ -230,11 +230,15 @@ def _flag(group: Dict[str, Any], key: str) -> bool:
     raise ValueError(f"dion3: '{key}' must be True or False; got {v!r}")
 
 
-def _no_state(st: Dict[str, Any]) -> bool:
-    """A saved parameter entry that holds nothing: empty (reading opt.state[p] of a parameter
-    without state makes one), or torch.distributed.checkpoint's placeholders ({}) for state it
-    did not find."""
-    return all(isinstance(v, dict) and not v for v in st.values())
+def _without_empty_entries(state_dict: Any) -> Any:
+    """state_dict without the parameter entries that hold nothing: empty (reading opt.state[p] of a
+    parameter without state makes one), or torch.distributed.checkpoint's placeholders ({}) for
+    state it did not find. Such a parameter is one without saved state (see _load_plan)."""
+    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict):
+        return state_dict
+    state = {k: st for k, st in state_dict["state"].items()
+             if not (isinstance(st, dict) and all(isinstance(v, dict) and not v for v in st.values()))}
+    return state_dict if len(state) == len(state_dict["state"]) else dict(state_dict, state=state)
 
 
 def _number(key: str, v) -> float:
@@ -693,7 +697,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._sync_counters()  # steps still in flight count before the loaded counter replaces ours
         # Everything is checked, and every state tensor made, before anything is replaced: a
         # refused load leaves the optimizer as it was.
-        state_dict = self._from_saved_layout(state_dict)
+        state_dict = self._from_saved_layout(_without_empty_entries(state_dict))
         loaded = self._loaded_state(state_dict)
         try:
             for name, hooks in held.items():  # run above and below, not again inside torch's load
@@ -744,8 +748,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
             kind = self._state_kind(g)
             for j, pid in enumerate(g.get("params", [])):
                 st = saved_state.get(pid)
-                if not isinstance(st, dict) or _no_state(st):
-                    continue  # nothing saved for it (_load_plan: frozen, or it starts afresh)
+                if not isinstance(st, dict):
+                    continue
                 st = dict(st)
                 for old_name, name in _OLD_NAMES.get(kind, {}).items():
                     if old_name in st and name not in st:
@@ -853,8 +857,6 @@ class _EngineOptimizer(torch.optim.Optimizer):
             for j, (pid, p) in enumerate(zip(saved["params"], mine["params"])):
                 who = f"parameter {j} '{self._param_name(group, gi, j)}' of group {gi}"
                 st = saved_state.get(pid)
-                if isinstance(st, dict) and _no_state(st):
-                    st = None
                 if st is None and not p.requires_grad:
                     continue  # frozen, without state (as it was made): it gets it at its first step
                 if st is None:
