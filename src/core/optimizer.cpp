@@ -2059,7 +2059,8 @@ bool Optimizer::step() {
     fail(s.disagreement_error(s.read_agreement().data()));
   }
   if (s.options.on_nonfinite == NonFinitePolicy::Raise) {
-    const char* policy = "(on_nonfinite='raise'; use 'skip' to drop such steps)";
+    // Spelled for every front end (Python's on_nonfinite, C++'s NonFinitePolicy, C's DION3_NONFINITE_*).
+    const char* policy = "(the non-finite policy is raise; the skip policy drops such steps instead)";
     for (int i = 0; i < num_params(); ++i) {
       const Param& p = s.params[i];
       if (p.weight.numel() == 0) continue;
