@@ -216,8 +216,8 @@ int transpose_section(bench::Session& ses, double copy) {
     const MatrixView tall = MatrixView::contiguous(y.get(), DType::F16, t.n, t.rows, t.cols);
     const MatrixView twide = MatrixView::contiguous(z.get(), DType::F16, t.n, t.cols, t.rows);
     const float* rss = static_cast<const float*>(ss.get());
-    be.normalize(vin, tall, 1e-7f, nullptr, false);
-    be.normalize(vin, wide, 1e-7f, nullptr, true);
+    be.normalize(vin, tall, dion3::NormGuard{}, nullptr, false);
+    be.normalize(vin, wide, dion3::NormGuard{}, nullptr, true);
     be.convert(tall, twide, true);
     std::vector<uint16_t> a(e), b(e);
     CK(cudaMemcpyAsync(a.data(), x.get(), e * 2, cudaMemcpyDeviceToHost, s));
@@ -228,9 +228,9 @@ int transpose_section(bench::Session& ses, double copy) {
       line(fmt("- %s: the normalised transpose differs from the transpose of the normalised matrix", t.label));
     }
     const auto ms = bench::interleaved_medians(s, 2, ses.args.iters,
-                                               {[&] { be.normalize(vin, tall, 1e-7f, nullptr, false); },
-                                                [&] { be.normalize(vin, wide, 1e-7f, nullptr, true); },
-                                                [&] { be.normalize(vin, wide, 1e-7f, rss, true); },
+                                               {[&] { be.normalize(vin, tall, dion3::NormGuard{}, nullptr, false); },
+                                                [&] { be.normalize(vin, wide, dion3::NormGuard{}, nullptr, true); },
+                                                [&] { be.normalize(vin, wide, dion3::NormGuard{}, rss, true); },
                                                 [&] { be.convert(wide, tall, true); }});
     const double el = static_cast<double>(e) * 2;  // bytes of one bf16 or fp16 pass over the matrices
     auto cell = [&](double m, double bytes) {
@@ -291,7 +291,7 @@ __global__ void gather_rows_16(__nv_bfloat16* m, int64_t rows, int64_t cols, con
   const int64_t r = idx[i * k + s];
   auto* src = reinterpret_cast<dion3::cuda::PackV<__nv_bfloat16, 8>*>(m + (i * rows + r) * cols);
   auto* dst = reinterpret_cast<dion3::cuda::PackV<__half, 8>*>(out + (i * k + s) * cols);
-  const float c = 1.0f / fmaxf(sqrtf(sumsq[i]), eps);  // as the library's gather
+  const float c = 1.0f / (sqrtf(sumsq[i]) + eps);  // as the library's gather (its default guard)
   row_packs<U>(src, cols / 8, lane, [&](int64_t q, dion3::cuda::PackV<__nv_bfloat16, 8> v) {
     dion3::cuda::PackV<__half, 8> o;
 #pragma unroll
@@ -362,7 +362,7 @@ int gather_section(bench::Session& ses, double copy) {
     const MatrixView out = MatrixView::contiguous(ob.get(), DType::F16, g.n, g.k, g.cols);
     auto library = [&] {
       dion3::cuda::launch_gather_rows(table, g.n, g.rows, g.cols, DType::BF16, DType::BF16, id, g.k, 1.0f, 0.0f, decay,
-                                      static_cast<const float*>(ssb.get()), 1e-7f, out, nullptr, nullptr, s, true);
+                                      static_cast<const float*>(ssb.get()), dion3::NormGuard{}, out, nullptr, nullptr, s, true);
     };
     const dim3 grid(static_cast<unsigned>((g.k + 3) / 4), static_cast<unsigned>(g.n));
     auto variant16 = [&] {

@@ -111,7 +111,7 @@ class ProfilingBackend final : public dion3::Backend {
     wrap("gather", [&] { in_->gather_rows(s, i, k, a, b, d, o, ss, sk); });
   }
   void gather_normalized(const dion3::MatrixSet& s, const int32_t* i, int64_t k, dion3::Hyper d, const float* ss,
-                         float eps, dion3::MatrixView o, const int* sk) override {
+                         dion3::NormGuard eps, dion3::MatrixView o, const int* sk) override {
     name(s);
     wrap("gather", [&] { in_->gather_normalized(s, i, k, d, ss, eps, o, sk); });
   }
@@ -121,7 +121,7 @@ class ProfilingBackend final : public dion3::Backend {
     name(s);
     wrap("update", [&] { in_->apply_update(s, i, k, o, p, sk); });
   }
-  void normalize(dion3::MatrixView i, dion3::MatrixView o, float e, const float* ss, bool t) override {
+  void normalize(dion3::MatrixView i, dion3::MatrixView o, dion3::NormGuard e, const float* ss, bool t) override {
     wrap("orth.normalize", [&] { in_->normalize(i, o, e, ss, t); });  // transposed or not
   }
   void convert(dion3::MatrixView i, dion3::MatrixView o, bool t) override {

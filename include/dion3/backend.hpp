@@ -17,6 +17,7 @@
 #include <span>
 #include <vector>
 
+#include "dion3/config.hpp"
 #include "dion3/export.h"
 #include "dion3/view.hpp"
 
@@ -63,6 +64,13 @@ struct DION3_API MatrixSet {
 #else
 #define DION3_HOST_DEVICE
 #endif
+
+// The factor algorithm.md §2 scales the Newton-Schulz input by, from its Frobenius norm.
+template <class T>
+DION3_HOST_DEVICE inline T inverse_norm_of(T norm, NormGuard g) {
+  const T eps = static_cast<T>(g.eps);
+  return T(1) / (g.floor ? (norm > eps ? norm : eps) : norm + eps);
+}
 
 // A hyper-parameter as an operation reads it: `value`, or, where `at` is set, the float there in
 // the backend's memory, read when the operation runs. The engine keeps its groups' values in one
@@ -347,12 +355,12 @@ class DION3_API Backend {
   // to out's dtype), for normalize (spares it a pass over out).
   virtual void gather_rows(const MatrixSet& set, const int32_t* idx, int64_t k, Hyper scale_m,
                            Hyper scale_g, Hyper decay, MatrixView out, float* row_sumsq, const int* skip) = 0;
-  // out[i] (k x cols) = M_i[idx_i] / max(sqrt(selected_sumsq[i]), eps), rounded to out's dtype, then
+  // out[i] (k x cols) = M_i[idx_i] * inverse_norm_of(sqrt(selected_sumsq[i]), norm), rounded to out's dtype, then
   // M_i[idx_i] *= decay: the gather and the normalisation of algorithm.md §2 in one pass, with the
   // selected rows' sum of squares select_rows() gave. out is contiguous, any float dtype. Padding
   // entries of idx give zero rows.
   virtual void gather_normalized(const MatrixSet& set, const int32_t* idx, int64_t k, Hyper decay,
-                                 const float* selected_sumsq, float eps, MatrixView out, const int* skip) = 0;
+                                 const float* selected_sumsq, NormGuard norm, MatrixView out, const int* skip) = 0;
   // Per matrix i with rows idx_i (null = all): optional NorMuon normalisation of O_i with the
   // variance rows idx_i, then W_i *= (1 - lr*wd) on all rows and W_i[idx_i] -= lr' * O_i.
   // Rows of O at padding entries of idx are ignored (neither normalised nor applied). O may be
@@ -362,11 +370,11 @@ class DION3_API Backend {
                             const UpdateParams& p, const int* skip) = 0;
 
   // --- orthogonalization primitives (contiguous batches, fp32 accumulation) -------------
-  // out[b] = in[b] / max(||in[b]||_F, eps), rounded to out.dtype; with `transpose`, its transpose (out
+  // out[b] = in[b] * inverse_norm_of(||in[b]||_F, norm), rounded to out.dtype; with `transpose`, its transpose (out
   // has in's shape transposed: a tall input is turned wide in the same pass). With row_sumsq
   // (in.batch x in.rows, each row's sum of squares, as gather_rows gives them) ||in[b]||_F comes
   // from those sums.
-  virtual void normalize(MatrixView in, MatrixView out, float eps, const float* row_sumsq, bool transpose) = 0;
+  virtual void normalize(MatrixView in, MatrixView out, NormGuard norm, const float* row_sumsq, bool transpose) = 0;
   // out = in (or in^T when `transpose`), converting between any float dtypes.
   virtual void convert(MatrixView in, MatrixView out, bool transpose) = 0;
   // C = alpha*op(A)*op(B) + beta*C.

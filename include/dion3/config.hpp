@@ -51,6 +51,14 @@ DION3_API const std::vector<Coefficients>& you_coefficients();
 // runs on the input as this library normalises it.
 DION3_API const std::vector<Coefficients>& reference_coefficients();
 
+// How the Newton-Schulz input is scaled by its Frobenius norm (algorithm.md §2): X / (||X||_F + eps),
+// the reference's rule, or with `floor` X / max(||X||_F, eps), torch.optim.Muon's (above eps the
+// update is then independent of the momentum's scale).
+struct NormGuard {
+  float eps = 1e-7f;
+  bool floor = false;
+};
+
 struct DION3_API OrthConfig {
   // validate() refuses coefficients that take a singular value in [0, 1] beyond this.
   static constexpr double kMaxSingularValue = 8.0;
@@ -65,6 +73,7 @@ struct DION3_API OrthConfig {
   // Iteration dtype. nullopt = the backend's choice (CPU: F32; CUDA: F16 for Gram, BF16 standard;
   // BF16 for Gram where F16 would overflow: choose_iteration_dtype).
   std::optional<DType> iteration_dtype;
+  NormGuard norm;
   // The largest product of |a| over the steps between two restarts (Gram NS's growth of Q), and
   // whether it passes kMaxHalfGramGrowth.
   double gram_growth() const;

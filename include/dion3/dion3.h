@@ -45,7 +45,7 @@ extern "C" {
 
 /* Raised whenever a public struct changes layout. A program compares it with what the library
  * it loads reports, dion3_api_version(), before its first call that passes a struct. */
-#define DION3_C_API_VERSION 3
+#define DION3_C_API_VERSION 4
 #define DION3_MAX_DIMS 8
 #define DION3_MAX_ORTH_STEPS 16
 #define DION3_MAX_ORTH_RESTARTS 16
@@ -168,6 +168,10 @@ typedef struct dion3_group_config {
    * mu*M + (1 - mu)*G), as torch.optim.Muon does; 0 (default): M = mu*M + G. */
   int32_t ema_momentum;
   int64_t split_sizes[DION3_MAX_SPLITS];
+  /* The Newton-Schulz input is X / (||X||_F + orth_norm_eps) (default 1e-7, the reference's rule);
+   * with orth_norm_floor = 1, X / max(||X||_F, orth_norm_eps) (torch.optim.Muon's). */
+  double orth_norm_eps;
+  int32_t orth_norm_floor;
 } dion3_group_config;
 
 /* One megabatch of the plan (all same-shape matrices of a group orthogonalized together). */

@@ -55,17 +55,17 @@ class DION3_API Orthogonalizer {
   // in_row_sumsq, if not null: the sums of squares of in's rows (batch x rows, as
   // Backend::gather_rows gives them), which spare the normalisation a pass over in.
   MatrixView run(MatrixView in, const float* in_row_sumsq = nullptr);
-  // For callers that normalise while they gather (Backend::gather_normalized, with eps =
-  // kNormEps): where non-transposed runs (rows <= cols) iterate, in the iteration dtype. Write
-  // the normalised input there and call run_normalized(), which returns as run(in) does; the
+  // For callers that normalise while they gather (Backend::gather_normalized, with the config's
+  // norm): where non-transposed runs (rows <= cols) iterate, in the iteration dtype. Write the
+  // normalised input there and call run_normalized(), which returns as run(in) does; the
   // normalising pass over the input is gone.
-  static constexpr float kNormEps = 1e-7f;
   MatrixView normalized_input() const;
   MatrixView run_normalized();
 
   OrthMethod method() const { return method_; }
   DType iteration_dtype() const { return dtype_; }
   bool transposed() const { return transposed_; }
+  NormGuard norm() const { return cfg_.norm; }
   int64_t batch() const { return batch_; }
   std::size_t workspace_bytes() const { return bytes_; }
 

@@ -20,9 +20,8 @@ __all__ = ["Muon"]
 # torch.optim.Muon's adjust_lr_fn values and the engine's names for the same scalings.
 _ADJUST_LR_FN = {None: "spectral_norm_clamped", "original": "spectral_norm_clamped",
                  "match_rms_adamw": "rms_norm", "spectral_unclamped": "spectral_norm"}
-# The most quintic steps the engine takes, and the floor of the norm it divides the Newton-Schulz
-# input by (algorithm.md §2).
-_MAX_NS_STEPS, _NORM_FLOOR = _C.MAX_ORTH_STEPS, _C.NORM_FLOOR
+# The most quintic steps the engine takes.
+_MAX_NS_STEPS = _C.MAX_ORTH_STEPS
 
 
 def _real(key: str, v: Any) -> float:
@@ -50,9 +49,9 @@ class Muon(_EngineOptimizer):
     "momentum" between steps (a warm-up) is followed exactly.
 
     Differences: the Newton–Schulz iteration runs in the engine's precision (float32 on the CPU,
-    16-bit on the GPU with float32 accumulation; torch's runs in bfloat16); `eps` other than its
-    default 1e-7 (the engine's fixed floor on the input's norm) is refused, as are float64
-    parameters, ns_steps above 16 and momentum of 1 or more; a non-finite gradient raises
+    16-bit on the GPU with float32 accumulation; torch's runs in bfloat16); an `eps` that float32
+    rounds to 0 or Inf is refused, as are float64 parameters, ns_steps above 16 and momentum of 1
+    or more; a non-finite gradient raises
     dion3.NonFiniteError (on_nonfinite="skip" drops the step) where torch would step with it.
     Parameters of three or more dimensions are stepped as stacks of matrices over their last two.
 
@@ -124,16 +123,15 @@ class Muon(_EngineOptimizer):
             raise ValueError(f"dion3: 'adjust_lr_fn' must be None, 'original', 'match_rms_adamw' or "
                              f"'spectral_unclamped'; got {fn!r}")
         eps = _real("eps", group["eps"])
-        if not math.isclose(eps, _NORM_FLOOR, rel_tol=1e-6):
-            # torch scales the iteration's input by 1 / max(norm, eps); the engine's floor is fixed.
-            raise ValueError(f"dion3: 'eps' = {eps!r} is not implemented: the engine scales the Newton-Schulz "
-                             f"input by 1 / max(norm, {_NORM_FLOOR:g}), torch.optim.Muon's default eps")
+        if not 0.0 < float(torch.tensor(eps, dtype=torch.float32)) < math.inf:
+            # The engine scales in float32: an eps that rounds to 0 or Inf there would not be torch's.
+            raise ValueError(f"dion3: 'eps' must be a number > 0 that float32 holds (the engine's precision); got {eps!r}")
         # The engine's defaults for the settings torch's Muon does not have (fraction 1: every row).
         return dict(
             ENGINE_DEFAULTS, algorithm="muon", lr=group["lr"], weight_decay=group["weight_decay"], mu=momentum, ema_momentum=True,
             nesterov=group["nesterov"], adjust_lr=_ADJUST_LR_FN[fn], flatten=group["flatten"],
             coefficients=[tuple(_real("ns_coefficients", x) for x in abc)] * steps,
-            restarts=[r for r in ENGINE_DEFAULTS["restarts"] if r < steps],
+            restarts=None, norm_eps=eps, norm_floor=True,  # torch divides by max(norm, eps)
             orthogonalizer=group.get("orthogonalizer", "auto"), momentum_dtype=group.get("momentum_dtype"),
             iteration_dtype=group.get("iteration_dtype"), split_sizes=group.get("split_sizes"),
             num_heads=group.get("num_heads"), fraction=1.0)

@@ -146,7 +146,8 @@ def _engine_config(group: Dict[str, Any]) -> Dict[str, Any]:
         coefficients = COEFFICIENT_SETS[coefficients]
     restarts = group.get("restarts")
     if restarts is None:
-        restarts = ENGINE_DEFAULTS["restarts"]
+        # The default restart positions that a short list of steps never reaches are dropped.
+        restarts = [r for r in ENGINE_DEFAULTS["restarts"] if r < len(coefficients)]
     betas = group["betas"]
     if len(betas) != 2:
         raise ValueError(f"dion3: 'betas' must be a pair (beta1, beta2); got {betas!r}")
@@ -175,6 +176,9 @@ def _engine_config(group: Dict[str, Any]) -> Dict[str, Any]:
         "coefficients": [tuple(float(x) for x in step) for step in coefficients],
         "restarts": [_integer("restarts", r) for r in restarts],
         "iteration_dtype": _dtype_name(group.get("iteration_dtype")),
+        # algorithm.md §2's X / (norm + eps); dion3.optim.Muon asks for torch's X / max(norm, eps).
+        "norm_eps": float(group.get("norm_eps", 1e-7)),
+        "norm_floor": bool(group.get("norm_floor", False)),
         "selection_scope": str(group.get("selection_scope", "local")),
         "split_sizes": _split_sizes(group.get("split_sizes")),
         "num_heads": _num_heads(group.get("num_heads")),

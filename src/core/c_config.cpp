@@ -74,6 +74,7 @@ GroupConfig config_from_c(const dion3_group_config& c) {
                                              ", expected -1 or a dtype");
   if (c.orth_iteration_dtype >= 0)
     g.orth.iteration_dtype = dtype_from_c(c.orth_iteration_dtype, "group config: orth_iteration_dtype");
+  g.orth.norm = {static_cast<float>(c.orth_norm_eps), flag(c.orth_norm_floor, "orth_norm_floor")};
   g.selection_scope = to_enum<SelectionScope>(c.selection_scope, 0, 1, "group config: selection_scope");
   g.num_heads = c.num_heads;
   require(c.num_split_sizes >= 0 && c.num_split_sizes <= DION3_MAX_SPLITS,
@@ -131,6 +132,8 @@ void config_to_c(const GroupConfig& g, dion3_group_config* c) {
   c->orth_num_restarts = static_cast<int32_t>(g.orth.restarts.size());
   for (size_t i = 0; i < g.orth.restarts.size(); ++i) c->orth_restarts[i] = g.orth.restarts[i];
   c->orth_iteration_dtype = g.orth.iteration_dtype ? static_cast<int32_t>(*g.orth.iteration_dtype) : -1;
+  c->orth_norm_eps = g.orth.norm.eps;
+  c->orth_norm_floor = g.orth.norm.floor;
 }
 
 }  // namespace dion3::capi

@@ -169,8 +169,12 @@ void OrthConfig::validate() const {
          "); Newton-Schulz steps must keep them near 1, or the iteration overflows");
   for (int r : restarts)
     if (r < 0 || r >= static_cast<int>(coefficients.size()))
-      fail("'restarts' positions must lie in [0, " + std::to_string(coefficients.size()) +
-           "), got " + std::to_string(r));
+      fail("'restarts' positions must lie in [0, " + std::to_string(coefficients.size()) + "), got " +
+           std::to_string(r) + (restarts == OrthConfig{}.restarts ? " (the default; with fewer steps give 'restarts', "
+                                "e.g. none)" : ""));
+  if (!(norm.eps > 0.0f) || !std::isfinite(norm.eps))
+    fail("'norm_eps' (the guard on the Newton-Schulz input's norm) must be a finite number > 0 in float32, got " +
+         format_number(norm.eps));
   if (iteration_dtype && !is_float_param_dtype(*iteration_dtype))
     fail(std::string("'iteration_dtype' must be float32, float16 or bfloat16, got ") +
          dtype_name(*iteration_dtype));

@@ -1571,7 +1571,7 @@ void Optimizer::Impl::orthogonalize(Megabatch& mb, int* flag) {
     MatrixView O;
     if (mb.gathers_normalized) {
       // X = M[S] / ||M[S]||, straight into the orthogonalizer's buffer; M[S] *= mu.
-      be.gather_normalized(*c.set, rows, listed, mu, selected_sumsq(mb) + c.first, Orthogonalizer::kNormEps,
+      be.gather_normalized(*c.set, rows, listed, mu, selected_sumsq(mb) + c.first, c.orth->norm(),
                            c.orth->normalized_input(), flag);
       O = run_orthogonalizer(c, [&] { return c.orth->run_normalized(); });
     } else {

@@ -158,7 +158,7 @@ MatrixView Orthogonalizer::run(MatrixView in, const float* in_row_sumsq) {
   // A tall input is normalised and turned wide in one pass; its result comes out tall from the
   // last product (see last_product).
   const MatrixView X = wide(0);
-  backend_.normalize(in, X, kNormEps, in_row_sumsq, transposed_);
+  backend_.normalize(in, X, cfg_.norm, in_row_sumsq, transposed_);
   return method_ == OrthMethod::Gram ? gram(X) : standard(X);
 }
 

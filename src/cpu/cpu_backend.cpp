@@ -364,7 +364,7 @@ class CpuBackend final : public Backend {
   }
 
   void gather_normalized(const MatrixSet& set, const int32_t* idx, int64_t k, Hyper decay_h,
-                         const float* selected_sumsq, float eps, MatrixView out, const int* skip) override {
+                         const float* selected_sumsq, NormGuard norm, MatrixView out, const int* skip) override {
     if (skipped(skip)) return;
     check(!set.columns, "gather_normalized takes no column-stepped set");
     const float decay = decay_h.get();
@@ -374,7 +374,7 @@ class CpuBackend final : public Backend {
     const int64_t count = static_cast<int64_t>(set.mats.size());
     std::vector<float> invs(count);
     for (int64_t i = 0; i < count; ++i)  // multiplied, as normalize does
-      invs[i] = static_cast<float>(1.0 / std::max(std::sqrt(static_cast<double>(selected_sumsq[i])), double{eps}));
+      invs[i] = static_cast<float>(inverse_norm_of(std::sqrt(static_cast<double>(selected_sumsq[i])), norm));
     const int64_t block = cpu::row_block(cols), blocks = (k + block - 1) / block;
     struct Buffers {
       std::vector<float> m, x;
@@ -458,7 +458,7 @@ class CpuBackend final : public Backend {
     });
   }
 
-  void normalize(MatrixView in, MatrixView out, float eps, const float* row_sumsq, bool transpose) override {
+  void normalize(MatrixView in, MatrixView out, NormGuard norm, const float* row_sumsq, bool transpose) override {
     check_shapes(in, out, transpose, "normalize shapes");
     cpu::parallel_for(in.batch, [] { return DenseBuffers{}; }, [&](DenseBuffers& buf, int64_t b) {
       std::vector<float>& x = buf.x;
@@ -468,7 +468,7 @@ class CpuBackend final : public Backend {
         for (int64_t r = 0; r < in.rows; ++r) ss += row_sumsq[b * in.rows + r];
       else
         for (float v : x) ss += static_cast<double>(v) * v;
-      const float inv = static_cast<float>(1.0 / std::max(std::sqrt(ss), double{eps}));
+      const float inv = static_cast<float>(inverse_norm_of(std::sqrt(ss), norm));
       for (float& v : x) v *= inv;
       if (transpose) transpose_into(buf, in.rows, in.cols);
       store_matrix(out, b, x.data());

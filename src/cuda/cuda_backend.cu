@@ -327,16 +327,16 @@ class CudaBackend final : public Backend {
       return;
     }
     launch_gather_rows(table(set), n_of(set), set.rows(), set.cols(), set.mdt, set.gdt, idx, k, scale_m,
-                       scale_g, decay, nullptr, 0.0f, out, row_sumsq, skip, stream_, set.vec);
+                       scale_g, decay, nullptr, NormGuard{}, out, row_sumsq, skip, stream_, set.vec);
   }
 
   void gather_normalized(const MatrixSet& base, const int32_t* idx, int64_t k, Hyper decay,
-                         const float* selected_sumsq, float eps, MatrixView out, const int* skip) override {
+                         const float* selected_sumsq, NormGuard norm, MatrixView out, const int* skip) override {
     const auto& set = ready(base);
     if (set.columns) fail("CUDA backend: gather_normalized takes no column-stepped set");
     check_gather_shape(set, idx, k, out, "gather_normalized");
     launch_gather_rows(table(set), n_of(set), set.rows(), set.cols(), set.mdt, set.mdt, idx, k, 1.0f, 0.0f, decay,
-                       selected_sumsq, eps, out, nullptr, skip, stream_, set.vec);
+                       selected_sumsq, norm, out, nullptr, skip, stream_, set.vec);
   }
 
   void apply_update(const MatrixSet& base, const int32_t* idx, int64_t k, MatrixView O,
@@ -357,9 +357,9 @@ class CudaBackend final : public Backend {
   }
 
   // --- orthogonalization primitives ----------------------------------------------------------
-  void normalize(MatrixView in, MatrixView out, float eps, const float* row_sumsq, bool transpose) override {
+  void normalize(MatrixView in, MatrixView out, NormGuard norm, const float* row_sumsq, bool transpose) override {
     float* scr = static_cast<float*>(scratch(scratch_, normalize_scratch_floats(in.batch) * sizeof(float)));
-    launch_normalize(in, out, eps, row_sumsq, scr, transpose, stream_);
+    launch_normalize(in, out, norm, row_sumsq, scr, transpose, stream_);
   }
   void convert(MatrixView in, MatrixView out, bool transpose) override {
     if (transpose) launch_transpose(in, out, stream_);

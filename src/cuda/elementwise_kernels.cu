@@ -48,15 +48,15 @@ __global__ void sum_row_sumsq_kernel(const float* __restrict__ row_sumsq, int64_
   if (threadIdx.x == 0) partial[b * gridDim.x + blockIdx.x] = acc;
 }
 
-// 1 / max(||x_b||_F, eps) from the per-block partial sums of squares of matrix b, for every
+// inverse_norm_of(||x_b||_F, norm) from the per-block partial sums of squares of matrix b, for every
 // thread of the block (the first warp reduces, the block waits on shared memory).
-__device__ __forceinline__ float inverse_norm(const float* __restrict__ partial, int nparts, int64_t b, float eps) {
+__device__ __forceinline__ float inverse_norm(const float* __restrict__ partial, int nparts, int64_t b, NormGuard norm) {
   __shared__ float s_inv;
   if (threadIdx.x < 32) {
     float a = 0.0f;
     for (int j = threadIdx.x; j < nparts; j += 32) a += partial[b * nparts + j];
     a = warp_sum(a);
-    if (threadIdx.x == 0) s_inv = 1.0f / fmaxf(sqrtf(a), eps);
+    if (threadIdx.x == 0) s_inv = inverse_norm_of(sqrtf(a), norm);
   }
   __syncthreads();
   return s_inv;
@@ -65,9 +65,9 @@ __device__ __forceinline__ float inverse_norm(const float* __restrict__ partial,
 template <class TI, class TO>
 __global__ void scale_by_norm_kernel(const TI* __restrict__ x, int64_t rows, int64_t cols, int64_t ld,
                                      int64_t bstride, TO* __restrict__ y, int64_t ldy, int64_t bstride_y,
-                                     const float* __restrict__ partial, int nparts, float eps) {
+                                     const float* __restrict__ partial, int nparts, NormGuard norm) {
   const int64_t b = blockIdx.y;
-  const float inv = inverse_norm(partial, nparts, b, eps);  // multiply by it, as the CPU reference does
+  const float inv = inverse_norm(partial, nparts, b, norm);  // multiply by it, as the CPU reference does
   const TI* xb = x + b * bstride;
   TO* yb = y + b * bstride_y;
   const int64_t total = rows * cols;
@@ -100,9 +100,9 @@ __global__ void sumsq_flat_kernel(const T* __restrict__ x, int64_t n4, int64_t b
 
 template <class TI, class TO>
 __global__ void scale_flat_kernel(const TI* __restrict__ x, int64_t n4, int64_t bstride, TO* __restrict__ y,
-                                  int64_t bstride_y, const float* __restrict__ partial, int nparts, float eps) {
+                                  int64_t bstride_y, const float* __restrict__ partial, int nparts, NormGuard norm) {
   const int64_t b = blockIdx.y;
-  const float inv = inverse_norm(partial, nparts, b, eps);
+  const float inv = inverse_norm(partial, nparts, b, norm);
   const Pack4<TI>* xb = reinterpret_cast<const Pack4<TI>*>(x + b * bstride);
   Pack4<TO>* yb = reinterpret_cast<Pack4<TO>*>(y + b * bstride_y);
   // Four packs loaded before any is stored: more bytes in flight per thread than one at a time.
@@ -140,7 +140,7 @@ __global__ void convert_flat_kernel(const TI* __restrict__ in, int64_t n4, int64
   }
 }
 
-// out = in^T (times 1/max(||in_b||_F, eps) where partial is given: normalize's second pass), by
+// out = in^T (times inverse_norm_of(||in_b||_F) where partial is given: normalize's second pass), by
 // 64 x 64 tiles through shared memory in fp32. Two kernels: transpose_pack_kernel moves 16-byte
 // packs (rows of in and out start 16-byte aligned and hold whole packs, out in fp16 or bf16), a
 // warp's access covering 128 contiguous bytes of each row; the element-wise transpose_kernel takes
@@ -155,7 +155,7 @@ template <class TI, class TO>
 __global__ void __launch_bounds__(kTransposeThreads)
     transpose_kernel(const TI* __restrict__ in, int64_t rows, int64_t cols, int64_t ld, int64_t bstride,
                      TO* __restrict__ out, int64_t ldo, int64_t bstride_o, const float* __restrict__ partial,
-                     int nparts, float eps) {
+                     int nparts, NormGuard norm) {
   constexpr int kSteps = kTT * kTT / kTransposeThreads;
   __shared__ float tile[kTT][kTT + 1];  // +1: a warp's column reads hit 32 banks
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(kTransposeThreads)
     if (r0 + r < rows && c0 + c < cols) v[u] = ib[(r0 + r) * ld + c0 + c];
   }
   pdl_wait();
-  const float inv = partial ? inverse_norm(partial, nparts, b, eps) : 1.0f;
+  const float inv = partial ? inverse_norm(partial, nparts, b, norm) : 1.0f;
 #pragma unroll
   for (int u = 0; u < kSteps; ++u) {
     const int q = u * kTransposeWarps + warp, r = q % kTT, c = (q / kTT) * 32 + lane;
@@ -204,7 +204,7 @@ template <class TI, class TO>
 __global__ void __launch_bounds__(kTransposeThreads)
     transpose_pack_kernel(const TI* __restrict__ in, int64_t rows, int64_t cols, int64_t ld, int64_t bstride,
                           TO* __restrict__ out, int64_t ldo, int64_t bstride_o, const float* __restrict__ partial,
-                          int nparts, float eps) {
+                          int nparts, NormGuard norm) {
   static_assert(sizeof(TO) == 2, "out packs of eight 2-byte elements");
   constexpr int VI = 16 / sizeof(TI), VO = 8;
   constexpr int kInPacks = kTT / VI;                // packs along a tile row of in
@@ -229,7 +229,7 @@ __global__ void __launch_bounds__(kTransposeThreads)
       v[u] = load_streaming(reinterpret_cast<const PackV<TI, VI>*>(ib + (r0 + r) * ld + c0 + c));
   }
   pdl_wait();
-  const float inv = partial ? inverse_norm(partial, nparts, b, eps) : 1.0f;
+  const float inv = partial ? inverse_norm(partial, nparts, b, norm) : 1.0f;
 #pragma unroll
   for (int u = 0; u < kLoads; ++u) {
     int r, c;
@@ -490,7 +490,7 @@ bool rows_in_packs(const MatrixView& v) {
 }
 
 // out = in^T, scaled by matrix b's inverse norm from `partial` where given (see transpose_kernel).
-void transpose_scaled(const MatrixView& in, const MatrixView& out, const float* partial, int nparts, float eps,
+void transpose_scaled(const MatrixView& in, const MatrixView& out, const float* partial, int nparts, NormGuard norm,
                       cudaStream_t s) {
   if (in.batch == 0 || in.rows * in.cols == 0) return;
   if (in.rows > 65535LL * kTT || in.batch > 65535)
@@ -505,10 +505,10 @@ void transpose_scaled(const MatrixView& in, const MatrixView& out, const float* 
       auto* o = static_cast<TO*>(out.data);
       if (partial)
         launch_pdl(kernel, grid, kTransposeThreads, 0, s, i, in.rows, in.cols, in.ld, bstride_of(in), o, out.ld,
-                   bstride_of(out), partial, nparts, eps);
+                   bstride_of(out), partial, nparts, norm);
       else  // the previous kernel may be the one that writes in
         kernel<<<grid, kTransposeThreads, 0, s>>>(i, in.rows, in.cols, in.ld, bstride_of(in), o, out.ld,
-                                                  bstride_of(out), partial, nparts, eps);
+                                                  bstride_of(out), partial, nparts, norm);
     });
   });
   DION3_CUDA_LAUNCH_CHECK();
@@ -518,7 +518,7 @@ void transpose_scaled(const MatrixView& in, const MatrixView& out, const float* 
 
 int64_t normalize_scratch_floats(int64_t batch) { return batch * kNormBlocks; }
 
-void launch_normalize(const MatrixView& in, const MatrixView& out, float eps, const float* row_sumsq,
+void launch_normalize(const MatrixView& in, const MatrixView& out, NormGuard norm, const float* row_sumsq,
                       float* scratch, bool transpose, cudaStream_t s) {
   if (in.batch == 0 || in.rows * in.cols == 0) return;
   if (out.batch != in.batch || out.rows != (transpose ? in.cols : in.rows) ||
@@ -543,18 +543,18 @@ void launch_normalize(const MatrixView& in, const MatrixView& out, float eps, co
     });
   }
   DION3_CUDA_LAUNCH_CHECK();
-  if (transpose) return transpose_scaled(in, out, scratch, nparts, eps, s);
+  if (transpose) return transpose_scaled(in, out, scratch, nparts, norm, s);
   DION3_DISPATCH_FLOAT(in.dtype, TI, [&] {
     DION3_DISPATCH_FLOAT(out.dtype, TO, [&] {
       if (flat) {
         const int64_t n4 = in.rows * in.cols / 4;
         scale_flat_kernel<TI, TO><<<dim3(grid_for(n4, 256, 1024), nb), 256, 0, s>>>(
             static_cast<const TI*>(in.data), n4, in.rows * in.cols, static_cast<TO*>(out.data), out.rows * out.cols,
-            scratch, nparts, eps);
+            scratch, nparts, norm);
       } else {
         scale_by_norm_kernel<TI, TO><<<dim3(grid_for(in.rows * in.cols, 256, 1024), nb), 256, 0, s>>>(
             static_cast<const TI*>(in.data), in.rows, in.cols, in.ld, bstride_of(in),
-            static_cast<TO*>(out.data), out.ld, bstride_of(out), scratch, nparts, eps);
+            static_cast<TO*>(out.data), out.ld, bstride_of(out), scratch, nparts, norm);
       }
     });
   });
@@ -564,7 +564,7 @@ void launch_normalize(const MatrixView& in, const MatrixView& out, float eps, co
 void launch_transpose(const MatrixView& in, const MatrixView& out, cudaStream_t s) {
   if (out.rows != in.cols || out.cols != in.rows || out.batch != in.batch)
     fail("transpose: out must be in's shape transposed");
-  transpose_scaled(in, out, nullptr, 0, 0.0f, s);
+  transpose_scaled(in, out, nullptr, 0, NormGuard{}, s);
 }
 
 void launch_convert(const MatrixView& in, const MatrixView& out, cudaStream_t s) {

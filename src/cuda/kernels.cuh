@@ -22,10 +22,10 @@ void launch_select_rows(const float* scores, int64_t count, int64_t m, int64_t k
                         cudaStream_t s);
 void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
                         DType gdt, const int32_t* idx, int64_t k, Hyper scale_m, Hyper scale_g,
-                        Hyper decay, const float* selected_sumsq, float eps, const MatrixView& out,
+                        Hyper decay, const float* selected_sumsq, NormGuard norm, const MatrixView& out,
                         float* row_sumsq, const int* skip, cudaStream_t s,
                         bool vec);  // vec: as launch_accumulate's (out is checked here); selected_sumsq, row_sumsq may be null
-// (with selected_sumsq, each matrix's rows are scaled by 1 / max(sqrt(selected_sumsq[i]), eps): gather_normalized)
+// (with selected_sumsq, each matrix's rows are scaled by inverse_norm_of(sqrt(selected_sumsq[i]), norm): gather_normalized)
 // scratch: at least apply_update_scratch_floats(nmats, k) floats.
 int64_t apply_update_scratch_floats(int64_t nmats, int64_t k);
 void launch_apply_update(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType wdt,
@@ -63,7 +63,7 @@ void launch_settle_agreement(int* words, int regions, cudaStream_t s);
 int64_t normalize_scratch_floats(int64_t batch);
 // row_sumsq: null, or in's rows' sums of squares (gather_rows'), which spare the first pass.
 // transpose: out is in's shape transposed and receives the normalised in^T.
-void launch_normalize(const MatrixView& in, const MatrixView& out, float eps, const float* row_sumsq,
+void launch_normalize(const MatrixView& in, const MatrixView& out, NormGuard norm, const float* row_sumsq,
                       float* scratch, bool transpose, cudaStream_t s);
 void launch_transpose(const MatrixView& in, const MatrixView& out, cudaStream_t s);
 void launch_convert(const MatrixView& in, const MatrixView& out, cudaStream_t s);  // same shape

@@ -222,7 +222,7 @@ __global__ void __launch_bounds__(kSelectThreads)
 }
 
 // ---- gather_rows: out[i][s] = c_i*(scale_m*M[idx[s]] + scale_g*G[idx[s]]); M[idx[s]] *= decay,
-// with c_i = 1 / max(sqrt(selected_sumsq[i]), eps) (gather_normalized's inverse norm) or 1 ----
+// with c_i = inverse_norm_of(sqrt(selected_sumsq[i]), norm) (gather_normalized's inverse norm) or 1 ----
 // One warp per gathered row. With VEC each lane moves 4-element packs, four of them loaded before
 // any is stored (more bytes in flight than a block per row with one pack per thread). With
 // row_sumsq, also the sum of squares of the row as stored (each lane's sum in a fixed order, then
@@ -231,7 +231,7 @@ template <class TM, class TG, class TO, bool VEC>
 __global__ void __launch_bounds__(32 * kRowWarps)
     gather_rows_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols, const int32_t* __restrict__ idx, int64_t k,
                        Hyper scale_m_h, Hyper scale_g_h, Hyper decay_h, const float* __restrict__ selected_sumsq,
-                       float eps,
+                       NormGuard norm,
                        TO* __restrict__ out, int64_t out_ld, int64_t out_bstride, float* __restrict__ row_sumsq,
                        const int* skip) {
   pdl_wait();
@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(32 * kRowWarps)
   const TG* g = static_cast<const TG*>(d.g) + r * d.ldg;
   const bool use_g = scale_g != 0.0f, do_decay = decay != 1.0f;
   // Applied after the loads (a branch on it would hold them back behind this one).
-  const float c = selected_sumsq ? 1.0f / fmaxf(sqrtf(selected_sumsq[i]), eps) : 1.0f;
+  const float c = selected_sumsq ? inverse_norm_of(sqrtf(selected_sumsq[i]), norm) : 1.0f;
   float ss = 0.0f;
   if constexpr (VEC) {
     Pack4<TM>* m4 = reinterpret_cast<Pack4<TM>*>(m);
@@ -814,7 +814,7 @@ void launch_select_rows(const float* scores, int64_t count, int64_t m, int64_t k
 
 void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
                         DType gdt, const int32_t* idx, int64_t k, Hyper scale_m, Hyper scale_g,
-                        Hyper decay, const float* selected_sumsq, float eps, const MatrixView& out,
+                        Hyper decay, const float* selected_sumsq, NormGuard norm, const MatrixView& out,
                         float* row_sumsq, const int* skip, cudaStream_t s, bool vec) {
   if (nmats == 0 || k == 0) return;
   dim3 grid(ceil_div_u(k, kRowWarps), static_cast<unsigned>(nmats));
@@ -826,10 +826,10 @@ void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int6
         auto* o = static_cast<TO*>(out.data);
         if (vo)
           launch_pdl(gather_rows_kernel<TM, TG, TO, true>, grid, 32 * kRowWarps, 0, s, mats, rows, cols, idx, k, scale_m,
-                     scale_g, decay, selected_sumsq, eps, o, out.ld, obs, row_sumsq, skip);
+                     scale_g, decay, selected_sumsq, norm, o, out.ld, obs, row_sumsq, skip);
         else
           launch_pdl(gather_rows_kernel<TM, TG, TO, false>, grid, 32 * kRowWarps, 0, s, mats, rows, cols, idx, k, scale_m,
-                     scale_g, decay, selected_sumsq, eps, o, out.ld, obs, row_sumsq, skip);
+                     scale_g, decay, selected_sumsq, norm, o, out.ld, obs, row_sumsq, skip);
       });
     });
   });

@@ -101,13 +101,13 @@ Mat plus_identity(Mat A, int n, double gamma) {
   return A;
 }
 
-// algorithm.md §2 preamble: transpose if needed and normalise by max(Frobenius norm, 1e-7).
+// algorithm.md §2 preamble: transpose if needed and normalise by the Frobenius norm + 1e-7.
 Mat prepare(const Mat& X, int rows, int cols, int& p, int& q, bool& transposed) {
   transposed = rows > cols;
   Mat Y = transposed ? transpose(X, rows, cols) : X;
   p = transposed ? cols : rows;
   q = transposed ? rows : cols;
-  const double norm = std::max(frobenius(Y), 1e-7);
+  const double norm = frobenius(Y) + 1e-7;
   for (double& y : Y) y /= norm;
   return Y;
 }

@@ -33,7 +33,7 @@ Mat identity(int n);
 double frobenius(const Mat& A);
 
 // --- algorithm.md §2 --------------------------------------------------------------------------------
-// Standard quintic Newton–Schulz; transposes when rows > cols; normalises by max(||X||_F, 1e-7).
+// Standard quintic Newton–Schulz; transposes when rows > cols; normalises by ||X||_F + 1e-7.
 Mat orth_standard(const Mat& X, int rows, int cols, const std::vector<Coef>& coef);
 // Gram Newton–Schulz with restarts, the pseudo-code of algorithm.md §2 line by line.
 Mat orth_gram(const Mat& X, int rows, int cols, const std::vector<Coef>& coef,

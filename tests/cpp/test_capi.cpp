@@ -190,6 +190,20 @@ TEST(CApi, PlanGenerationAndHyperparameterRefresh) {
     ASSERT_EQ(dion3_get_group_config(o, mg, &back), DION3_OK);
     EXPECT_EQ(back.ema_momentum, 1);
     EXPECT_EQ(back.adjust_lr, DION3_ADJUST_LR_SPECTRAL_NORM_CLAMPED);
+    // The norm's guard: algorithm.md §2's by default, torch's floor with another eps both ways.
+    EXPECT_EQ(back.orth_norm_eps, static_cast<double>(1e-7f));
+    EXPECT_EQ(back.orth_norm_floor, 0);
+    muon.orth_norm_eps = 1e-3;
+    muon.orth_norm_floor = 1;
+    ASSERT_EQ(dion3_add_group(o, &muon, &mg), DION3_OK) << dion3_last_error();
+    ASSERT_EQ(dion3_get_group_config(o, mg, &back), DION3_OK);
+    EXPECT_EQ(back.orth_norm_eps, static_cast<double>(1e-3f));
+    EXPECT_EQ(back.orth_norm_floor, 1);
+    muon.orth_norm_eps = 0.0;
+    EXPECT_EQ(dion3_add_group(o, &muon, &mg), DION3_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(dion3_last_error()).find("'norm_eps'"), std::string::npos) << dion3_last_error();
+    muon.orth_norm_eps = 1e-7;
+    muon.orth_norm_floor = 0;
     muon.mu = 1.0;  // the gradient's share 1 - mu would be nothing: refused, as for every mu of 1
     EXPECT_EQ(dion3_add_group(o, &muon, &mg), DION3_INVALID_ARGUMENT);
     EXPECT_NE(std::string(dion3_last_error()).find("'mu' must lie in [0, 1)"), std::string::npos) << dion3_last_error();

@@ -160,6 +160,16 @@ TEST(Config, FractionOfOneIsValid) {
   EXPECT_NO_THROW(g.validate());
 }
 
+// C++ cannot tell the default restart positions from given ones, so a list of steps too short
+// for them is refused with the remedy named.
+TEST(Config, ShortCoefficientListsNameTheDefaultRestarts) {
+  OrthConfig c;
+  c.coefficients = {{1.5, -0.5, 0.0}};
+  EXPECT_THAT(t3::error_of([&] { c.validate(); }), HasSubstr("got 2 (the default; with fewer steps give 'restarts'"));
+  c.restarts.clear();
+  EXPECT_NO_THROW(c.validate());
+}
+
 // Gram NS's Q grows by the product of the steps' a between restarts (along directions the input
 // does not span): float16 holds it for Polar Express with or without its restart, not for eleven
 // steps without one. Asked for explicitly, that is refused, naming the fix; under 'auto' such a

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <memory>
 
 #include "dion3/backend.hpp"
@@ -122,17 +123,51 @@ TEST(Orthogonalize, ZeroInputGivesZeroOutput) {
   }
 }
 
-TEST(Orthogonalize, ScaleInvariantThroughTheNormalisation) {
+// algorithm.md §2 divides by ||X||_F + 1e-7: the result follows the input's scale only where its
+// norm comes near 1e-7. NormGuard::floor divides by max(||X||_F, eps), torch.optim.Muon's rule,
+// which does not follow it at all above eps.
+TEST(Orthogonalize, NormalisationFollowsItsGuard) {
   Rng rng(8);
   const ref::Mat X = t3::gaussian(16, 40, rng);
   ref::Mat big = X, small = X, tiny = X;
   for (double& x : big) x *= 1e3;
   for (double& x : small) x *= 1e-3;
-  for (double& x : tiny) x *= 1e-5;  // norm ~3e-4: a floor added to the norm would show here
-  const auto base = lib_orth(config(OrthMethod::Gram), 1, 16, 40, X);
-  EXPECT_LT(t3::rel_max_diff(lib_orth(config(OrthMethod::Gram), 1, 16, 40, big), base), 1e-4);
-  EXPECT_LT(t3::rel_max_diff(lib_orth(config(OrthMethod::Gram), 1, 16, 40, small), base), 1e-4);
-  EXPECT_LT(t3::rel_max_diff(lib_orth(config(OrthMethod::Gram), 1, 16, 40, tiny), base), 1e-4);
+  for (double& x : tiny) x *= 1e-5;  // norm ~3e-4: the added 1e-7 shows here
+  const OrthConfig add = config(OrthMethod::Gram);
+  OrthConfig floor = add;
+  floor.norm.floor = true;
+  const auto base = lib_orth(add, 1, 16, 40, X);
+  for (const OrthConfig& c : {add, floor}) {
+    EXPECT_LT(t3::rel_max_diff(lib_orth(c, 1, 16, 40, big), base), 1e-4);
+    EXPECT_LT(t3::rel_max_diff(lib_orth(c, 1, 16, 40, small), base), 1e-4);
+  }
+  EXPECT_LT(t3::rel_max_diff(lib_orth(floor, 1, 16, 40, tiny), base), 1e-4);
+  const auto added = lib_orth(add, 1, 16, 40, tiny);
+  EXPECT_GT(t3::rel_max_diff(added, base), 1e-3);
+  const auto want = ref::orth_gram(tiny, 16, 40, t3::to_ref(dion3::polar_express_coefficients()), {2});
+  EXPECT_LT(t3::rel_max_diff(added, want), 1e-4);
+  // Another eps, either way. A floor of 1 above the norm feeds the polynomial X itself, so both
+  // are that of the input scaled by hand: X / (||X||_F + eps), and X / eps where ||X||_F < eps.
+  OrthConfig unit = floor;
+  unit.norm.eps = 1.0f;
+  const double n = ref::frobenius(tiny);
+  ref::Mat by_sum = tiny, by_floor = tiny;
+  for (double& x : by_sum) x /= n + 1e-3;
+  for (double& x : by_floor) x /= 1e-3;
+  OrthConfig wide = add;
+  wide.norm.eps = 1e-3f;
+  EXPECT_LT(t3::rel_max_diff(lib_orth(wide, 1, 16, 40, tiny), lib_orth(unit, 1, 16, 40, by_sum)), 1e-4);
+  floor.norm.eps = 1e-3f;
+  EXPECT_LT(t3::rel_max_diff(lib_orth(floor, 1, 16, 40, tiny), lib_orth(unit, 1, 16, 40, by_floor)), 1e-4);
+  EXPECT_GT(t3::rel_max_diff(lib_orth(wide, 1, 16, 40, tiny), lib_orth(floor, 1, 16, 40, tiny)), 1e-2);
+}
+
+TEST(Orthogonalize, NormEpsMustBePositiveAndFinite) {
+  for (float eps : {0.0f, -1e-7f, std::numeric_limits<float>::infinity(), std::nanf("")}) {
+    OrthConfig c;
+    c.norm.eps = eps;
+    EXPECT_THAT(t3::error_of([&] { c.validate(); }), ::testing::HasSubstr("'norm_eps'"));
+  }
 }
 
 TEST(Orthogonalize, StepCheckWeighsTheGradientByItsCoefficient) {
@@ -261,7 +296,8 @@ TEST(Orthogonalize, GatherNormalizedIsGatherThenNormalize) {
   Rng rng(15);
   auto be = dion3::make_cpu_backend();
   const int n = 2, rows = 12, cols = 20, k = 5;
-  const float decay = 0.9f, eps = dion3::Orthogonalizer::kNormEps;
+  const float decay = 0.9f;
+  const dion3::NormGuard eps;
   for (DType mdt : {DType::F32, DType::BF16}) {
     t3::Buffer w(DType::F32, {n, rows, cols}), g(DType::F32, {n, rows, cols}, t3::gaussian(n * rows, cols, rng));
     t3::Buffer m1(mdt, {n, rows, cols}, t3::gaussian(n * rows, cols, rng)), m2 = m1;
@@ -373,7 +409,7 @@ TEST(Orthogonalize, RunNormalizedIsRunOnTheNormalisedInput) {
     t3::Buffer in(DType::F32, {B, r, c}, t3::gaussian(B * r, c, rng));
     dion3::Orthogonalizer whole(*be, config(m), B, r, c), split(*be, config(m), B, r, c);
     const dion3::MatrixView a = whole.run(in.matrix(B, r, c));
-    be->normalize(in.matrix(B, r, c), split.normalized_input(), dion3::Orthogonalizer::kNormEps, nullptr, false);
+    be->normalize(in.matrix(B, r, c), split.normalized_input(), dion3::NormGuard{}, nullptr, false);
     const dion3::MatrixView b = split.run_normalized();
     ASSERT_EQ(a.dtype, b.dtype);
     EXPECT_EQ(std::memcmp(a.data, b.data, static_cast<std::size_t>(B * r * c) * dion3::dtype_size(a.dtype)), 0);
@@ -458,7 +494,7 @@ TEST(Orthogonalize, ConditionNumber1e4FollowsTheScalarPolynomial) {
   Rng rng(22);
   const int r = 24, c = 64;
   const ref::Mat X = t3::conditioned(r, c, 1e4, rng);
-  const double fro = std::max(ref::frobenius(X), 1e-7);
+  const double fro = ref::frobenius(X) + 1e-7;
   const auto sin = t3::singular_values(X, r, c);
   for (OrthMethod m : {OrthMethod::Standard, OrthMethod::Gram}) {
     const auto sv = t3::singular_values(lib_orth(config(m), 1, r, c, X), r, c);

@@ -215,7 +215,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, GatherRows,
 // ---- gather_normalized ------------------------------------------------------------------------
 // Against the CPU backend, and against gather_rows + normalize on the device itself, with the
 // selected rows' sums of squares (as select_rows leaves them; computed on the host here).
-struct GatherNormCase { DType m, out; bool with_idx; int64_t rows, cols, k; float decay; };
+struct GatherNormCase { DType m, out; bool with_idx; int64_t rows, cols, k; float decay; dion3::NormGuard norm = {}; };
 class GatherNormalized : public ct::CudaTest, public ::testing::WithParamInterface<GatherNormCase> {};
 
 TEST_P(GatherNormalized, MatchesCpuAndGatherThenNormalize) {
@@ -234,7 +234,7 @@ TEST_P(GatherNormalized, MatchesCpuAndGatherThenNormalize) {
   Twin ss(*gpu, DType::F32, n, 1, 1);
   ss.set_host(selected_sums(row_sums_of_squares(s.m.host_values(), c.cols), hidx, n, c.rows, k));
   ss.upload();
-  const float eps = dion3::Orthogonalizer::kNormEps;
+  const dion3::NormGuard eps = c.norm;
   Twin out(*gpu, c.out, n, k, c.cols);
   out.fill_value(7.0f);
   cpu->gather_normalized(*s.hs, hidx, k, c.decay, static_cast<const float*>(ss.hview().data), eps, out.hview(),
@@ -256,7 +256,10 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(GatherNormCase{DType::BF16, DType::F16, true, 40, 128, 11, 0.95f},
                       GatherNormCase{DType::BF16, DType::BF16, true, 300, 2048, 75, 0.9f},
                       GatherNormCase{DType::F32, DType::F32, false, 40, 130, 40, 0.95f},
-                      GatherNormCase{DType::F16, DType::F16, true, 64, 97, 64, 1.0f}));
+                      GatherNormCase{DType::F16, DType::F16, true, 64, 97, 64, 1.0f},
+                      // Scales other than 1 / (norm + 1e-7): a floor above the norm, a large eps added.
+                      GatherNormCase{DType::BF16, DType::BF16, true, 300, 2048, 75, 0.9f, {1e5f, true}},
+                      GatherNormCase{DType::F32, DType::F32, false, 40, 130, 40, 0.95f, {50.0f, false}}));
 
 // ---- apply_update -----------------------------------------------------------------------------
 struct UpdCase { DType w; bool with_idx, normuon, cautious; };
@@ -300,7 +303,7 @@ TEST_F(CudaOps, SkipFlagLeavesEverythingUntouched) {
   Twin out(*gpu, DType::F32, 2, 5, 64);
   out.fill_value(7.0f);
   gpu->accumulate(*s.ds, 0.5f, 1.0f, scores.as<float>(), nullptr, flag.as<int>());
-  gpu->gather_normalized(*s.ds, nullptr, 20, 0.5f, scores.as<float>(), 1e-7f, Twin(*gpu, DType::F32, 2, 20, 64).dview(),
+  gpu->gather_normalized(*s.ds, nullptr, 20, 0.5f, scores.as<float>(), dion3::NormGuard{}, Twin(*gpu, DType::F32, 2, 20, 64).dview(),
                          flag.as<int>());
   const std::vector<float> sums0 = {-3.0f, -3.0f};
   dion3::DeviceBuffer sums(gpu->allocator(), 2 * 4);
@@ -556,13 +559,16 @@ TEST_P(Conversions, NormalizeConvertTranspose) {
   // Widths that are not whole 16-byte packs (element-wise transposes), whole packs that are not
   // whole 64 x 64 tiles (the 16-byte path and its edge tiles), and rows of in in whole packs
   // while those of its transpose are not (element-wise again).
-  for (auto [nb, rows, cols] : {std::tuple{3, 45, 77}, std::tuple{2, 72, 136}, std::tuple{2, 45, 136}}) {
+  // Each shape with another norm guard: the reference's, a floor above the norm, a large eps added.
+  for (auto [nb, rows, cols, norm] : {std::tuple{3, 45, 77, dion3::NormGuard{}},
+                                      std::tuple{2, 72, 136, dion3::NormGuard{1000.0f, true}},
+                                      std::tuple{2, 45, 136, dion3::NormGuard{100.0f, false}}}) {
     SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols));
     Twin x(*gpu, c.in, nb, rows, cols);
     x.fill_normal(rng, 3.0f);
     Twin y(*gpu, c.out, nb, rows, cols), t(*gpu, c.out, nb, cols, rows), z(*gpu, c.out, nb, rows, cols);
-    cpu->normalize(x.hview(), y.hview(), 1e-7f, nullptr, false);
-    gpu->normalize(x.dview(), y.dview(), 1e-7f, nullptr, false);
+    cpu->normalize(x.hview(), y.hview(), norm, nullptr, false);
+    gpu->normalize(x.dview(), y.dview(), norm, nullptr, false);
     EXPECT_LE(ct::rel_max_diff(y.device_values(), y.host_values()), storage_tol(c.out));
     // From the rows' sums of squares (gather_rows'): the same result, on both backends.
     Twin ss(*gpu, DType::F32, nb, rows, 1), y2(*gpu, c.out, nb, rows, cols);
@@ -570,16 +576,16 @@ TEST_P(Conversions, NormalizeConvertTranspose) {
     ss.upload();
     const float* hss = static_cast<const float*>(ss.hview().data);
     const float* dss = static_cast<const float*>(ss.dview().data);
-    cpu->normalize(x.hview(), y2.hview(), 1e-7f, hss, false);
-    gpu->normalize(x.dview(), y2.dview(), 1e-7f, dss, false);
+    cpu->normalize(x.hview(), y2.hview(), norm, hss, false);
+    gpu->normalize(x.dview(), y2.dview(), norm, dss, false);
     EXPECT_LE(ct::rel_max_diff(y2.host_values(), y.host_values()), storage_tol(c.out));
     EXPECT_LE(ct::rel_max_diff(y2.device_values(), y.host_values()), storage_tol(c.out));
     // Normalised and transposed in one pass: the transpose of the normalised matrix, exactly on
     // the GPU (the same fp32 product, rounded once).
     Twin yt(*gpu, c.out, nb, cols, rows), yt2(*gpu, c.out, nb, cols, rows);
-    cpu->normalize(x.hview(), yt.hview(), 1e-7f, nullptr, true);
-    gpu->normalize(x.dview(), yt.dview(), 1e-7f, nullptr, true);
-    gpu->normalize(x.dview(), yt2.dview(), 1e-7f, dss, true);
+    cpu->normalize(x.hview(), yt.hview(), norm, nullptr, true);
+    gpu->normalize(x.dview(), yt.dview(), norm, nullptr, true);
+    gpu->normalize(x.dview(), yt2.dview(), norm, dss, true);
     gpu->convert(y.dview(), t.dview(), true);
     EXPECT_EQ(yt.device_values(), t.device_values());
     EXPECT_LE(ct::rel_max_diff(yt.host_values(), yt.device_values()), storage_tol(c.out));
@@ -593,7 +599,7 @@ TEST_P(Conversions, NormalizeConvertTranspose) {
   }
   // A transposed output of the wrong shape is refused.
   Twin x(*gpu, c.in, 1, 8, 16), wrong(*gpu, c.out, 1, 8, 16);
-  EXPECT_THROW(gpu->normalize(x.dview(), wrong.dview(), 1e-7f, nullptr, true), dion3::Error);
+  EXPECT_THROW(gpu->normalize(x.dview(), wrong.dview(), dion3::NormGuard{}, nullptr, true), dion3::Error);
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, Conversions,
@@ -1068,9 +1074,9 @@ TEST_F(CudaOps, PaddedGatherUpdateAndDecayOnlyGatherMatchCpu) {
     rs.set_host(selected_sums(row_sums_of_squares(s.m.host_values(), cols), idx.data(), n, rows, k));
     rs.upload();
     Twin xn(*gpu, DType::F16, n, k, cols);
-    cpu->gather_normalized(*s.hs, idx.data(), k, 1.0f, static_cast<const float*>(rs.hview().data), 1e-7f, xn.hview(),
+    cpu->gather_normalized(*s.hs, idx.data(), k, 1.0f, static_cast<const float*>(rs.hview().data), dion3::NormGuard{}, xn.hview(),
                            nullptr);
-    gpu->gather_normalized(*s.ds, didx.as<int32_t>(), k, 1.0f, static_cast<const float*>(rs.dview().data), 1e-7f,
+    gpu->gather_normalized(*s.ds, didx.as<int32_t>(), k, 1.0f, static_cast<const float*>(rs.dview().data), dion3::NormGuard{},
                            xn.dview(), nullptr);
     EXPECT_LE(ct::rel_max_diff(xn.device_values(), xn.host_values()), storage_tol(DType::F16)) << dn(mdt);
     // apply_update ignores the padding rows of O (filled with garbage here).

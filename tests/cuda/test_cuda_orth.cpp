@@ -202,14 +202,14 @@ TEST(CudaGraph, RecordingReplaysAndRefusesAfterScratchMoves) {
   // A larger normalisation grows (moves) the scratch the recording holds.
   Twin big(*gpu, DType::F32, 64, 8, 8), big_out(*gpu, DType::F32, 64, 8, 8);
   big.fill_normal(rng);
-  gpu->normalize(big.dview(), big_out.dview(), 1e-7f, nullptr, false);
+  gpu->normalize(big.dview(), big_out.dview(), dion3::NormGuard{}, nullptr, false);
   EXPECT_FALSE(r->replay());
   // Work that needs more scratch than exists cannot be recorded: it raises, and nothing is left
   // capturing (the next op runs).
   Twin huge(*gpu, DType::F32, 4096, 2, 2), huge_out(*gpu, DType::F32, 4096, 2, 2);
-  EXPECT_THROW(gpu->record([&] { gpu->normalize(huge.dview(), huge_out.dview(), 1e-7f, nullptr, false); }), dion3::Error);
+  EXPECT_THROW(gpu->record([&] { gpu->normalize(huge.dview(), huge_out.dview(), dion3::NormGuard{}, nullptr, false); }), dion3::Error);
   EXPECT_FALSE(gpu->capturing());
-  gpu->normalize(huge.dview(), huge_out.dview(), 1e-7f, nullptr, false);
+  gpu->normalize(huge.dview(), huge_out.dview(), dion3::NormGuard{}, nullptr, false);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 

@@ -18,13 +18,19 @@ YOU = [
 ]
 
 
-def orth_standard(X, coeffs=POLAR_EXPRESS):
+def normalized(X, eps=1e-7, floor=False):
+    """algorithm.md §2's input: X / (||X||_F + eps), or with floor (torch.optim.Muon's rule) X / max(||X||_F, eps)."""
+    norm = torch.linalg.norm(X)
+    return X / (norm.clamp(min=eps) if floor else norm + eps)
+
+
+def orth_standard(X, coeffs=POLAR_EXPRESS, eps=1e-7, floor=False):
     """algorithm.md §2 standard Newton–Schulz on one k x n matrix, in float64."""
     X = X.double()
     transposed = X.shape[0] > X.shape[1]
     if transposed:
         X = X.T
-    X = X / torch.linalg.norm(X).clamp(min=1e-7)
+    X = normalized(X, eps, floor)
     for a, b, c in coeffs:
         A = X @ X.T
         B = b * A + c * (A @ A)
@@ -38,7 +44,7 @@ def orth_gram(X, coeffs=POLAR_EXPRESS, restarts=(2,)):
     transposed = X.shape[0] > X.shape[1]
     if transposed:
         X = X.T
-    X = X / torch.linalg.norm(X).clamp(min=1e-7)
+    X = normalized(X)
     p = X.shape[0]
     eye = torch.eye(p, dtype=X.dtype)
     R = X @ X.T
@@ -63,7 +69,11 @@ def adjusted_lr(lr, m, n, adjust_lr):
         return lr * math.sqrt(m / n)
     if adjust_lr == "rms_norm":
         return lr * 0.2 * math.sqrt(max(m, n))
-    return lr
+    if adjust_lr == "spectral_norm_clamped":
+        return lr * math.sqrt(max(1.0, m / n))
+    if adjust_lr in (None, "none"):
+        return lr
+    raise ValueError(f"reference: unknown adjust_lr {adjust_lr!r}")
 
 
 def matrices(t, flatten):

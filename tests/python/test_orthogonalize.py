@@ -107,3 +107,23 @@ def test_an_unknown_coefficient_set_is_refused_naming_the_known_ones():
     with pytest.raises(ValueError, match="'coefficients' names one of"):
         dion3.Dion3([p], coefficients="quintic")
     dion3.Dion3([p], coefficients="reference")  # accepted
+
+
+def test_short_coefficient_lists_take_the_default_restarts_they_reach():
+    # The default restart position (2) lies past one- and two-step lists: it is dropped, not
+    # refused as a setting the caller never gave; a restart the caller gives is still checked.
+    cubic = (1.5, -0.5, 0.0)
+    X = torch.randn(6, 10, dtype=torch.float64).float()
+    for steps in (1, 2):
+        for method in ("standard", "gram"):
+            got = dion3.orthogonalize(X, method, coefficients=[cubic] * steps, iteration_dtype=torch.float32)
+            Y = X.double() / X.double().norm()
+            for _ in range(steps):
+                Y = 1.5 * Y - 0.5 * (Y @ Y.T) @ Y
+            assert (got.double() - Y).abs().max() < 1e-5
+        p = torch.nn.Parameter(torch.randn(8, 4))
+        opt = dion3.Dion3([p], coefficients=[cubic] * steps)
+        p.grad = torch.randn(8, 4)
+        opt.step()
+    with pytest.raises(ValueError, match=r"'restarts' positions must lie in \[0, 1\), got 2"):
+        dion3.orthogonalize(X, coefficients=[cubic], restarts=[2])

@@ -144,6 +144,8 @@ dion3::GroupConfig group_config(const py::dict& d) {
   }
   c.orth_num_restarts = c_list(py::cast<std::vector<int32_t>>(d["restarts"]), c.orth_restarts, "restarts");
   c.orth_iteration_dtype = c_dtype(d, "iteration_dtype");
+  c.orth_norm_eps = py::cast<double>(d["norm_eps"]);
+  c.orth_norm_floor = py::cast<bool>(d["norm_floor"]);
   c.selection_scope = static_cast<int32_t>(dion3::parse_selection_scope(py::cast<std::string>(d["selection_scope"])));
   c.num_split_sizes = c_list(py::cast<std::vector<int64_t>>(d["split_sizes"]), c.split_sizes, "split_sizes");
   const auto heads = py::cast<int64_t>(d["num_heads"]);
@@ -974,8 +976,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("orthogonalize", guarded(&orthogonalize), "Polar factor of each matrix (see dion3.orthogonalize)");
   m.def("cuda_built", &cuda_built, "Whether this build has the CUDA backend");
   m.def("_live_engines", [] { return live_engines.load(); }, "Engines alive in this process (for tests)");
-  // Limits the Python front end checks its own keys against (dion3.optim.Muon's eps, ns_steps).
-  m.attr("NORM_FLOOR") = dion3::Orthogonalizer::kNormEps;
+  // The limit the Python front end checks its own keys against (dion3.optim.Muon's ns_steps).
   m.attr("MAX_ORTH_STEPS") = DION3_MAX_ORTH_STEPS;
   m.def("coefficient_sets", [] {
     py::dict sets;
