@@ -196,7 +196,8 @@ typedef struct dion3_comm dion3_comm;           /* opaque: a communicator over s
  * shard, possibly empty. */
 typedef struct dion3_layout {
   int32_t kind;        /* dion3_layout_kind */
-  int64_t global_rows; /* ROW_SHARD, BLOCK: m */
+  int64_t global_rows; /* ROW_SHARD, BLOCK: m; REPLICATED element-wise: its rows where every rank
+                          holds it whole (its shape then joins the ranks' agreement), else 0 */
   dion3_comm* comm;    /* every kind but LOCAL (BLOCK: the rows' ranks); not owned, must outlive the
                           optimizer */
   int64_t global_cols; /* COL_SHARD, BLOCK: n */

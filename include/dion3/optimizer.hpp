@@ -46,7 +46,10 @@ DION3_API const char* layout_name(Layout l);
 struct ParamLayout {
   Layout kind = Layout::Local;
   std::shared_ptr<Communicator> comm = nullptr;  // every layout but Local: the ranks it spans (Block: its rows')
-  int64_t global_rows = 0;  // RowShard, Block: m, the rows of the whole matrix
+  // RowShard, Block: m, the rows of the whole matrix. Replicated element-wise parameters: its rows
+  // (> 0) where every rank holds the whole tensor, whose shape then joins the ranks' agreement; 0
+  // for a shard each rank steps as it is.
+  int64_t global_rows = 0;
   int64_t global_cols = 0;  // ColShard, Block: n, the columns of the whole matrix
   // RowShard with rows cut otherwise than in ceil(m/P) chunks in rank order (FSDP2 over tensor
   // parallel's column-wise split cuts twice, rank-major over another mesh dimension): this rank's
@@ -66,7 +69,9 @@ struct ParamSpec {
   // "variance" (fp32, one entry per matrix row). AdamW: "exp_avg", "exp_avg_sq"; Lion: "exp_avg".
   // (Both defaulted: {name, weight, grad} is a whole ParamSpec, also under -Wextra.)
   std::vector<std::pair<std::string, TensorView>> state = {};
-  ParamLayout layout = {};  // matrix algorithms; element-wise ones step the local tensor as it is
+  // Element-wise algorithms step the local tensor as it is, whatever the layout; a replicated one
+  // (DDP) given Layout::Replicated and the communicator joins the ranks' agreement on settings.
+  ParamLayout layout = {};
 };
 
 // A host copy of one state tensor.

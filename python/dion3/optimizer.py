@@ -909,15 +909,21 @@ class _EngineOptimizer(torch.optim.Optimizer):
     def _agree_on_groups(self) -> None:
         """At a step that builds the first engine on every rank (the first step, the first after
         load_state_dict), where there is no plan yet to refuse through (Optimizer::refuse_invalid):
-        every rank checks its groups, and one all-reduce per mesh dimension makes a group invalid
-        on one rank alone raise on every rank instead of leaving the others waiting."""
+        every rank checks its groups and registers its parameters with its new engine, and one
+        all-reduce per mesh dimension makes a refusal on one rank alone (an invalid setting, tied
+        weights, state of the wrong shape) raise on every rank, instead of leaving the others
+        waiting or pairing their step with that rank's next one."""
         problem: Optional[BaseException] = None
         try:
             self._check_groups()
+            key = self._registration_key()
+            if (self._dirty or key != self._engine_key or self._state_replaced()) and \
+                    any(p.grad is not None for g in self.param_groups for p in g["params"]):
+                self._replan(key, agreeing=True)
         except Exception as e:  # noqa: BLE001 - raised below, after the others heard of it
             problem = e
-        self._agree(problem, lambda r: f"dion3: another rank refused this step: a setting was invalid there (rank "
-                                       f"{r}'s error names it); {_NOT_APPLIED}")
+        self._agree(problem, lambda r: f"dion3: another rank refused this step (rank {r}'s error says why); "
+                                       f"{_NOT_APPLIED}")
         self._agree_first = False
 
     def _agree(self, problem: Optional[Union[str, BaseException]], refused_by) -> None:
@@ -1081,13 +1087,20 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 engine.refuse_invalid()
             raise
 
-    def _replan(self, key) -> None:
+    def _replan(self, key, agreeing: bool = False) -> None:
         """_rebuild at a step. State written or replaced since the old engine last checked it is
-        checked by the new engine's first step (Optimizer::state_changed)."""
+        checked by the new engine's first step (Optimizer::state_changed). Refused here on this
+        rank alone (tied weights, state of the wrong shape), the step is refused with the old
+        engine's plan, which the other ranks step with; agreeing: the caller's all-reduce tells them."""
         old = self._engine
         touched = old is not None and (self._state_replaced() or old.state_pending())
         self._before_rebuild()
-        self._rebuild(key)
+        try:
+            self._rebuild(key)
+        except Exception:
+            if self._mesh is not None and old is not None and not agreeing:
+                old.refuse_invalid()
+            raise
         if touched and self._engine is not None:
             self._engine.state_changed()
 

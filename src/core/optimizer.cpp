@@ -1077,11 +1077,17 @@ void Optimizer::Impl::plan_agreement() {
       region.hyper_slots.push_back(mb.hyper_slot);
     }
     // Every parameter over the communicator, element-wise ones included (their algorithm: AdamW
-    // against Lion on one rank would part the replicas).
+    // against Lion on one rank would part the replicas; the shape of one whole on every rank,
+    // global_rows given: a vector longer on one rank would step other elements there).
     for (const Param& p : params)
       if (p.layout.comm.get() == comm || p.layout.col_comm.get() == comm) {
         f.mix(static_cast<int64_t>(p.layout.kind));
         f.mix(static_cast<int64_t>(groups[p.group].algorithm));
+        if (!is_matrix_algorithm(groups[p.group].algorithm) && p.layout.kind == Layout::Replicated &&
+            p.layout.global_rows > 0) {
+          f.mix(static_cast<int64_t>(p.weight.shape.size()));
+          for (int64_t d : p.weight.shape) f.mix(d);
+        }
         reads_group[p.group] = true;
       }
     for (int g = 0; g < static_cast<int>(groups.size()); ++g)
@@ -1144,12 +1150,13 @@ std::string Optimizer::Impl::disagreement_error(const int* words) const {
         return std::to_string(lo | (hi << 16));
       };
       const std::string most = count(0, false), fewest = count(kDigestWords, true);
-      const std::string counts = most == fewest ? "every rank " + most + " distributed megabatches"
-                                                : "from " + fewest + " to " + most + " distributed megabatches a rank";
+      const std::string counts =
+          most != fewest ? "the ranks have from " + fewest + " to " + most + " distributed megabatches"
+                         : "each rank has " + most + (most == "1" ? " distributed megabatch" : " distributed megabatches") +
+                               ", whose parameters' shapes, dtypes, layouts, algorithms or plan settings differ "
+                               "(fraction, selection_scope, nesterov, cautious_wd, split_sizes, num_heads, the "
+                               "orthogonalizer)" + (options.agree_on_names ? ", or the parameters' names, in order" : "");
       return "the ranks of " + comms[r]->describe() + " planned different steps (" + counts +
-             "; or their shapes, dtypes, layouts, algorithms or plan settings differ: fraction, selection_scope, "
-             "nesterov, cautious_wd, split_sizes, num_heads, the orthogonalizer" +
-             (options.agree_on_names ? "; or the parameters' names, in order" : "") +
              "): every rank must register the same parameters, in the same order, with the same groups, "
              "settings and global shapes" + none;
     }

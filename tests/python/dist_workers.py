@@ -448,6 +448,12 @@ def one_rank_settings(rank, world, mesh):
     grads2(2)
     opt.step()
     same_everywhere([w, b], "DDP after an element-wise algorithm")
+    # A replicated vector of another length on one rank alone would step other elements there.
+    w2, b2 = nn.Parameter(torch.randn(8, 6) * 0.05), nn.Parameter(torch.zeros(7 if rank == 0 else 6))
+    opt2 = dion3.Dion3([{"params": [w2]}, {"params": [b2], "algorithm": "adamw"}], distributed_mesh=dist.group.WORLD,
+                       lr=0.02)
+    w2.grad, b2.grad = torch.ones(8, 6), torch.ones_like(b2)
+    refused(rank, opt2, [w2, b2], "planned different steps")
     # Hyper-parameters that differ on one rank alone would part the replicas: refused by every rank.
     seed = 10
     for gi, key, value in ((0, "lr", 0.03), (1, "weight_decay", 0.5), (1, "betas", (0.8, 0.95))):
@@ -528,6 +534,38 @@ def one_rank_settings(rank, world, mesh):
         opt.param_groups[0]["lr"] = 0.02
         opt.step()
         same_everywhere([w1], f"DDP after a refusal at the {when}")
+    # Refused while registering on one rank alone (two parameters tied there; a state tensor given
+    # storage of another shape there), with no plan yet or with the one the others step with:
+    # every rank raises at once, and the next steps pair up as before.
+    for when in ("first step", "first step after a load", "step that plans anew"):
+        pair = [nn.Parameter(torch.randn(8, 6) * 0.05) for _ in range(2)]
+        opt = dion3.Dion3(pair, distributed_mesh=dist.group.WORLD, lr=0.02)
+        if when != "first step":
+            for p in pair:
+                p.grad = torch.ones(8, 6)
+            opt.step()
+            if when == "first step after a load":
+                opt.load_state_dict(opt.state_dict())
+        for p in pair:
+            p.grad = torch.ones(8, 6)
+        kept = pair[1].data
+        if rank == 0 and when != "step that plans anew":
+            pair[1].data = pair[0].data
+        own = "shares memory"
+        if rank == 0 and when == "step that plans anew":
+            kept = opt.state[pair[0]]["momentum"].data
+            opt.state[pair[0]]["momentum"].data = torch.zeros(8, 7)
+            own = "its state 'momentum' has shape [8, 7]"
+        refused(rank, opt, pair, own if rank == 0 else "another rank refused this step")
+        if rank == 0:
+            if when == "step that plans anew":
+                opt.state[pair[0]]["momentum"].data = kept
+            else:
+                pair[1].data = kept
+        for p in pair:
+            p.grad = torch.ones(8, 6)
+        opt.step()
+        same_everywhere(pair, f"DDP after a refusal while registering at the {when}")
 
 
 def partial_gradients(rank, world, mesh):
