@@ -47,8 +47,15 @@ _HEAD_ANYWHERE = ("lm_head", "embed_out")
 _HEAD_TOP_LEVEL = ("head", "output")
 
 
+# Wrappers whose parameters appear under one more prefix: torch.compile's _orig_mod, DDP's and
+# AveragedModel's module. The model's top level lies below them.
+_WRAPPER_PREFIXES = ("_orig_mod", "module")
+
+
 def _is_head_name(name: str) -> bool:
     parts = name.split(".")[:-1]  # the module path of the parameter
+    while len(parts) > 1 and parts[0] in _WRAPPER_PREFIXES:
+        parts = parts[1:]
     return bool(parts) and (parts[-1] in _HEAD_ANYWHERE or (len(parts) == 1 and parts[0] in _HEAD_TOP_LEVEL))
 
 
@@ -61,7 +68,8 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
 
     lm_head, embeddings: a module, a parameter, a parameter name (or module prefix, or glob) or a
         list of them. Defaults: the head is the weight (and bias) of a module named lm_head or
-        embed_out anywhere, or of a top-level module named head or output; embeddings are all
+        embed_out anywhere, or of a top-level module named head or output (below a wrapper's
+        _orig_mod or module); embeddings are all
         nn.Embedding modules. A head tied to an embedding (one Parameter used by both) is an
         embedding. They go to the element-wise algorithm, as do all tensors with fewer than 2
         dimensions larger than 1 (biases, norms, a (1, 1, d) class token, weight_norm's gains).

@@ -355,9 +355,10 @@ def _state_tensors(group: Dict[str, Any], p: torch.Tensor, old: Dict[str, Any], 
     for name, dtype, shape in _state_shapes(group, p, kind):
         t = old.get(name)
         # Zero state made at construction for settings (momentum_dtype, flatten, the algorithm)
-        # changed before the parameter's first step is made again.
+        # changed before the parameter's first step, or for a parameter moved since (meta-device
+        # initialisation, then to_empty), is made again.
         if t is None or (getattr(t, "_dion3_initial", False) and not old.get("step", 0) and
-                         (t.dtype != dtype or tuple(t.shape) != tuple(shape))):
+                         (t.dtype != dtype or tuple(t.shape) != tuple(shape) or t.device != p.device)):
             t = _dist.zeros_like_layout(p, shape, dtype, name in _PER_ROW)
         elif isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(shape) and \
                 (t.device != p.device or (t.dtype != dtype and (dtype == p.dtype or name not in _SECOND_MOMENTS))):
@@ -856,7 +857,14 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 group["param_names"] = mine["param_names"]
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
-            self._check_group(gi, group)
+            try:
+                self._check_group(gi, group)
+            except ValueError as e:
+                if "unknown setting" not in str(e):
+                    raise
+                # Keys this class does not know: most likely another optimizer's checkpoint.
+                raise ValueError(f"{e} (in the state_dict: was it saved by another optimizer class than "
+                                 f"{type(self).__name__}?)") from None
             state_kind = self._state_kind(group)
             for j, (pid, p) in enumerate(zip(saved["params"], mine["params"])):
                 who = f"parameter {j} '{self._param_name(group, gi, j)}' of group {gi}"

@@ -99,6 +99,16 @@ def test_param_groups_find_the_head_and_scale_its_lr(head_name):
     dion3.Dion3(groups, lr=0.02)
 
 
+@pytest.mark.parametrize("head_name", ["head", "output"])
+def test_param_groups_find_a_top_level_head_through_wrappers(head_name):
+    # torch.compile's _orig_mod, DDP's and AveragedModel's module: the model's top level is below.
+    model = _Model(head_name=head_name)
+    for wrapped, prefix in [(torch.compile(model), "_orig_mod."), (torch.optim.swa_utils.AveragedModel(model), "module.")]:
+        roles = _roles(dion3.param_groups(wrapped, lr=0.02))
+        assert roles[f"{prefix}{head_name}.weight"] == "lm_head", prefix
+        assert roles[f"{prefix}block.output.weight"] == "matrix", prefix
+
+
 def test_param_groups_tied_head_is_an_embedding_and_lr_is_asked_for():
     groups = dion3.param_groups(_Model(tie=True), lr=0.02)
     roles = _roles(groups)

@@ -600,3 +600,25 @@ def test_reading_a_frozen_parameters_state_leaves_no_entry_to_refuse():
     fresh = dion3.Dion3([a, b], lr=0.02)
     fresh.load_state_dict(sd)
     assert fresh.state[b]["step"] == 0
+
+
+def test_a_checkpoint_of_another_class_is_named_as_such_or_taken_with_its_algorithm():
+    # Dion2 and Dion3 name the error-feedback decay differently: refused, naming the likely cause.
+    with pytest.raises(ValueError, match=r"unknown setting 'mu'.*saved by another optimizer class than Dion2"):
+        dion3.Dion2([torch.nn.Parameter(torch.randn(8, 6))]).load_state_dict(
+            dion3.Dion3([torch.nn.Parameter(torch.randn(8, 6))]).state_dict())
+    # A group's algorithm comes from the checkpoint, as its lr does; set afterwards, it warm-starts
+    # Dion3 from Muon's momentum.
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(8, 6))
+    muon = dion3.Muon([w], lr=0.02)
+    w.grad = torch.randn(8, 6)
+    muon.step()
+    v = torch.nn.Parameter(w.detach().clone())
+    opt = dion3.Dion3([v], lr=0.02)
+    opt.load_state_dict(muon.state_dict())
+    assert opt.param_groups[0]["algorithm"] == "muon"
+    opt.param_groups[0]["algorithm"] = "dion3"
+    v.grad = torch.randn(8, 6)
+    opt.step()
+    assert opt.plan()[0]["algorithm"] == "dion3" and "variance_neuron" in opt.state[v]

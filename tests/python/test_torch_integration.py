@@ -456,3 +456,45 @@ def test_engines_are_released_before_the_interpreter_tears_down(tmp_path):
     r = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert out.read_text() == "0", "an engine outlived dion3's exit hook"
+
+
+@pytest.mark.parametrize("make", [lambda ps: dion3.Dion3(ps, lr=0.02), lambda ps: dion3.Muon(ps, lr=0.02),
+                                  lambda ps: dion3.optim.Muon(ps, lr=0.02)])
+def test_zero_grad_frees_the_gradients_a_step_read(device, make):
+    # As with torch's optimizers, zero_grad(set_to_none=True) frees the last gradients: the engine
+    # holds none between blocking steps (two copies at the peak of the next backward otherwise).
+    import gc
+    import weakref
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(8, 6, device=device))
+    opt = make([w])
+    for t in range(3):
+        w.grad = torch.randn(8, 6, device=device)
+        before = w.detach().clone()
+        opt.step()
+        assert not torch.equal(w.detach(), before)
+        freed = weakref.ref(w.grad)
+        opt.zero_grad()
+        gc.collect()
+        assert freed() is None, t
+
+
+def test_optimizer_built_on_meta_parameters_steps_after_to_empty():
+    # With the parameter objects kept through to_empty (swap mode, as for DTensor parameters), the
+    # zero state made on 'meta' at construction is made again where the parameters now are.
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        for make in (lambda ps: dion3.Muon(ps, lr=0.02), lambda ps: dion3.optim.Muon(ps, lr=0.02)):
+            with torch.device("meta"):
+                m = nn.Linear(16, 8, bias=False)
+            opt = make(list(m.parameters()))
+            m.to_empty(device="cpu")
+            nn.init.normal_(m.weight)
+            before = m.weight.detach().clone()
+            m(torch.randn(4, 16)).sum().backward()
+            opt.step()
+            assert torch.isfinite(m.weight).all() and not torch.equal(m.weight.detach(), before)
+            assert all(t.device.type == "cpu" for t in opt.state[m.weight].values() if torch.is_tensor(t))
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)

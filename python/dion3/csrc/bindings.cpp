@@ -476,8 +476,8 @@ class Engine {
     for (std::size_t i = 0; i < weights_.size(); ++i) {
       const at::Tensor& g = source_grad(static_cast<int>(i));
       const bool permuted = !orders_[i].empty();
-      if (g.defined() && g.is_same(permuted ? sources_[i] : grads_[i]) &&
-          (permuted ? source_pins_[i] : grad_pins_[i]).moved(g))
+      const Pin& pin = permuted ? source_pins_[i] : grad_pins_[i];
+      if (g.defined() && pin.holds(g) && pin.moved(g))
         return true;
     }
     return false;
@@ -492,8 +492,7 @@ class Engine {
   at::Tensor engine_grad(int i) {
     if (orders_[i].empty()) return contiguous_grad(weights_[i]);
     const at::Tensor& src = wrappers_[i].grad();
-    if (src.defined() && src.is_same(sources_[i]) && !source_pins_[i].moved(src) && grads_[i].defined() &&
-        grads_[i].data_ptr() == src.data_ptr())
+    if (src.defined() && source_pins_[i].same(src) && grads_[i].defined() && grads_[i].data_ptr() == src.data_ptr())
       return grads_[i];
     sources_[i] = src;
     source_pins_[i] = src.defined() ? Pin(src) : Pin();
@@ -589,7 +588,7 @@ class Engine {
             throw dion3::Error(e.status(), "parameter '" + opt_->param_name(i) + "': " + std::string(e.what()).substr(7));
           }
           // The same tensor may have been given other storage in place (p.grad.data = ..., set_).
-          if (!g.is_same(grads_[i]) || grad_pins_[i].moved(g)) {
+          if (!grad_pins_[i].same(g)) {
             opt_->set_grad(i, view_of(g, "the gradient of " + opt_->param_name(i)));
             grad_pins_[i] = Pin(g);
             grads_[i] = std::move(g);
@@ -614,9 +613,19 @@ class Engine {
     }
     const bool applied = opt_->step();
     written_ = false;
+    release_gradients();
     if (!applied) return 0;
     bump_versions();
     return 1;
+  }
+  // After a blocking step nothing reads the gradients until the next step binds them again, so
+  // the engine lets them go (their pins stay): zero_grad(set_to_none=True) then frees them, as
+  // torch's optimizers do. An enqueued step keeps them (a captured step reads them at every replay).
+  void release_gradients() {
+    for (std::size_t i = 0; i < grads_.size(); ++i) {
+      grads_[i] = at::Tensor();
+      sources_[i] = at::Tensor();
+    }
   }
   // As an in-place update by torch would: autograd then refuses a backward through a graph that
   // saved a weight before the step (a GAN's second loss) instead of using the stepped values.
@@ -753,8 +762,12 @@ class Engine {
     std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> storage;
     const void* first = nullptr;
     std::vector<int64_t> sizes, strides;
+    // The tensor itself, compared only (nothing holds it): with the storage's weak reference, a
+    // later tensor at the same address is told apart by its storage.
+    const c10::TensorImpl* impl = nullptr;
     Pin() = default;
     explicit Pin(const at::Tensor& t) {
+      impl = t.unsafeGetTensorImpl();
       const c10::Storage& s = t.unsafeGetTensorImpl()->unsafe_storage();
       if (!s) return;
       storage = s.getWeakStorageImpl();
@@ -769,6 +782,9 @@ class Engine {
         return true;
       return first != nullptr && (t.data_ptr() != first || !t.sizes().equals(sizes) || !t.strides().equals(strides));
     }
+    bool holds(const at::Tensor& t) const { return impl != nullptr && t.unsafeGetTensorImpl() == impl; }
+    // The tensor pinned, where it was.
+    bool same(const at::Tensor& t) const { return holds(t) && !moved(t); }
   };
   std::vector<Pin> weight_pins_;
   // The parameter a weight was given for, where the engine holds another tensor: a DTensor's
