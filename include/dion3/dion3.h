@@ -9,8 +9,10 @@
  *   - a self-describing binary format for optimizer state (export / import).
  *
  * Memory described by a dion3_tensor is owned by the caller and must stay valid (and, for
- * weights, not move) while the optimizer may touch it: weights and gradients are read and
- * written in place by dion3_step(). Tensors are contiguous and row-major.
+ * weights, not move) while the optimizer may touch it: dion3_step() updates weights in place and
+ * only reads gradients, which the caller may change or rebind (dion3_set_grad) between steps.
+ * Tensors are contiguous and row-major. Every group needs a parameter by the first step that
+ * follows its creation (an empty group fails that step and every later one).
  *
  * Typical use:
  *

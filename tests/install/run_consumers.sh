@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # tests/install/run_consumers.sh BUILD_DIR WORK_DIR CC CXX GENERATOR — installs the build into
 # WORK_DIR/prefix with `cmake --install`, then builds and runs the consumer programs of
-# consumer/ against that tree: with find_package(dion3) (shared and static library) and with
+# consumer/ against that tree: with find_package(dion3) (shared and static library; the static
+# one from a C++-only project too, consumer_cxx/) and with
 # pkg-config and the compilers called directly (shared, and static with --static).
 set -euo pipefail
 build=$1
@@ -37,6 +38,11 @@ cmake --build "$work/cmake" >/dev/null
 expect shared "$work/cmake/consumer_c"
 expect static "$work/cmake/consumer_c_static"
 expect shared "$work/cmake/consumer_cpp"
+log "find_package(dion3) from a C++-only project, static"
+cmake -S "$here/consumer_cxx" -B "$work/cmake_cxx" -G "$generator" -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
+cmake --build "$work/cmake_cxx" >/dev/null
+expect static "$work/cmake_cxx/consumer_cpp_static"
 
 log "pkg-config dion3"
 PKG_CONFIG_PATH=$(dirname "$(find "$prefix" -name dion3.pc)")
