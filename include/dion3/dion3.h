@@ -11,8 +11,8 @@
  * Memory described by a dion3_tensor is owned by the caller and must stay valid (and, for
  * weights, not move) while the optimizer may touch it: dion3_step() updates weights in place and
  * only reads gradients, which the caller may change or rebind (dion3_set_grad) between steps.
- * Tensors are contiguous and row-major. Every group needs a parameter by the first step that
- * follows its creation (an empty group fails that step and every later one).
+ * Tensors are contiguous and row-major. A group without parameters fails every step while it is
+ * empty.
  *
  * Typical use:
  *

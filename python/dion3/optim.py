@@ -22,6 +22,7 @@ _ADJUST_LR_FN = {None: "spectral_norm_clamped", "original": "spectral_norm_clamp
                  "match_rms_adamw": "rms_norm", "spectral_unclamped": "spectral_norm"}
 # The most quintic steps the engine takes.
 _MAX_NS_STEPS = _C.MAX_ORTH_STEPS
+_FLOAT32 = torch.finfo(torch.float32)
 
 
 def _real(key: str, v: Any) -> float:
@@ -49,9 +50,9 @@ class Muon(_EngineOptimizer):
     "momentum" between steps (a warm-up) is followed exactly.
 
     Differences: the Newton–Schulz iteration runs in the engine's precision (float32 on the CPU,
-    16-bit on the GPU with float32 accumulation; torch's runs in bfloat16); an `eps` that float32
-    rounds to 0 or Inf is refused, as are float64 parameters, ns_steps above 16 and momentum of 1
-    or more; a non-finite gradient raises
+    16-bit on the GPU with float32 accumulation; torch's runs in bfloat16); an `eps` below
+    float32's smallest normal number or past its range is refused, as are float64 parameters,
+    ns_steps above 16 and momentum of 1 or more; a non-finite gradient raises
     dion3.NonFiniteError (on_nonfinite="skip" drops the step) where torch would step with it.
     Parameters of three or more dimensions are stepped as stacks of matrices over their last two.
 
@@ -123,9 +124,10 @@ class Muon(_EngineOptimizer):
             raise ValueError(f"dion3: 'adjust_lr_fn' must be None, 'original', 'match_rms_adamw' or "
                              f"'spectral_unclamped'; got {fn!r}")
         eps = _real("eps", group["eps"])
-        if not 0.0 < float(torch.tensor(eps, dtype=torch.float32)) < math.inf:
-            # The engine scales in float32: an eps that rounds to 0 or Inf there would not be torch's.
-            raise ValueError(f"dion3: 'eps' must be a number > 0 that float32 holds (the engine's precision); got {eps!r}")
+        if not _FLOAT32.tiny <= float(torch.tensor(eps, dtype=torch.float32)) < math.inf:
+            # The engine scales by 1 / max(norm, eps) in float32, which overflows below its smallest normal number.
+            raise ValueError(f"dion3: 'eps' must be a float32 number from {_FLOAT32.tiny:g} (the engine's precision); "
+                             f"got {eps!r}")
         # The engine's defaults for the settings torch's Muon does not have (fraction 1: every row).
         return dict(
             ENGINE_DEFAULTS, algorithm="muon", lr=group["lr"], weight_decay=group["weight_decay"], mu=momentum, ema_momentum=True,

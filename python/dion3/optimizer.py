@@ -177,8 +177,8 @@ def _engine_config(group: Dict[str, Any]) -> Dict[str, Any]:
         "restarts": [_integer("restarts", r) for r in restarts],
         "iteration_dtype": _dtype_name(group.get("iteration_dtype")),
         # algorithm.md §2's X / (norm + eps); dion3.optim.Muon asks for torch's X / max(norm, eps).
-        "norm_eps": float(group.get("norm_eps", 1e-7)),
-        "norm_floor": bool(group.get("norm_floor", False)),
+        "norm_eps": _number("norm_eps", group["norm_eps"]) if "norm_eps" in group else 1e-7,
+        "norm_floor": _flag(group, "norm_floor") if "norm_floor" in group else False,
         "selection_scope": str(group.get("selection_scope", "local")),
         "split_sizes": _split_sizes(group.get("split_sizes")),
         "num_heads": _num_heads(group.get("num_heads")),
@@ -863,8 +863,11 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 if "unknown setting" not in str(e):
                     raise
                 # Keys this class does not know: most likely another optimizer's checkpoint.
+                cls = type(self)
+                where = cls.__module__ if not cls.__module__.startswith("dion3") else \
+                    "dion3.optim" if cls.__module__ == "dion3.optim" else "dion3"
                 raise ValueError(f"{e} (in the state_dict: was it saved by another optimizer class than "
-                                 f"{type(self).__name__}?)") from None
+                                 f"{where}.{cls.__qualname__}?)") from None
             state_kind = self._state_kind(group)
             for j, (pid, p) in enumerate(zip(saved["params"], mine["params"])):
                 who = f"parameter {j} '{self._param_name(group, gi, j)}' of group {gi}"

@@ -125,7 +125,7 @@ const char* dion3_status_name(int status) {
   switch (status) {
     case DION3_OK: return "ok";
     case DION3_INVALID_ARGUMENT: return "invalid argument";
-    case DION3_NON_FINITE: return "non-finite gradient";
+    case DION3_NON_FINITE: return "non-finite gradient or state";
     case DION3_UNSUPPORTED: return "unsupported";
     case DION3_INTERNAL: return "internal error";
     default: return "unknown status";

@@ -4,6 +4,7 @@
 #include <cfloat>
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "core/format.hpp"
 #include "dion3/error.hpp"
@@ -172,9 +173,10 @@ void OrthConfig::validate() const {
       fail("'restarts' positions must lie in [0, " + std::to_string(coefficients.size()) + "), got " +
            std::to_string(r) + (restarts == OrthConfig{}.restarts ? " (the default; with fewer steps give 'restarts', "
                                 "e.g. none)" : ""));
-  if (!(norm.eps > 0.0f) || !std::isfinite(norm.eps))
-    fail("'norm_eps' (the guard on the Newton-Schulz input's norm) must be a finite number > 0 in float32, got " +
-         format_number(norm.eps));
+  // Below float32's smallest normal number 1 / eps overflows, and a zero input would give NaN.
+  if (!(norm.eps >= std::numeric_limits<float>::min()) || !std::isfinite(norm.eps))
+    fail("'norm_eps' (the guard on the Newton-Schulz input's norm) must be a finite float32 of at least " +
+         format_number(std::numeric_limits<float>::min()) + ", got " + format_number(norm.eps));
   if (iteration_dtype && !is_float_param_dtype(*iteration_dtype))
     fail(std::string("'iteration_dtype' must be float32, float16 or bfloat16, got ") +
          dtype_name(*iteration_dtype));

@@ -37,7 +37,8 @@ bool same_plan(const GroupConfig& a, const GroupConfig& b) {
          a.nesterov == b.nesterov && a.cautious_wd == b.cautious_wd &&
          a.num_heads == b.num_heads && a.orth.method == b.orth.method &&
          a.orth.coefficients == b.orth.coefficients && a.orth.restarts == b.orth.restarts &&
-         a.orth.iteration_dtype == b.orth.iteration_dtype && a.selection_scope == b.selection_scope;
+         a.orth.iteration_dtype == b.orth.iteration_dtype && a.selection_scope == b.selection_scope &&
+         a.orth.norm.eps == b.orth.norm.eps && a.orth.norm.floor == b.orth.norm.floor;
 }
 
 std::size_t align_up(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
@@ -1054,9 +1055,10 @@ void Optimizer::Impl::plan_agreement() {
                         static_cast<int64_t>(g.orth.method), static_cast<int64_t>(g.orth.restarts.size()),
                         g.orth.iteration_dtype ? static_cast<int64_t>(*g.orth.iteration_dtype) : -1,
                         static_cast<int64_t>(g.selection_scope), static_cast<int64_t>(g.split_sizes.size()),
-                        static_cast<int64_t>(g.orth.coefficients.size())})
+                        static_cast<int64_t>(g.orth.coefficients.size()), static_cast<int64_t>(g.orth.norm.floor)})
         f.mix(v);
       f.mix(g.fraction);
+      f.mix(static_cast<double>(g.orth.norm.eps));
       for (int64_t v : g.split_sizes) f.mix(v);
       for (int v : g.orth.restarts) f.mix(static_cast<int64_t>(v));
       for (const Coefficients& c : g.orth.coefficients)
@@ -1950,8 +1952,8 @@ void Optimizer::refresh_hyperparameters() {
     }
     if (!same_plan(s.groups[g], s.planned[g]))
       fail(group_error(g, "a setting the step's plan depends on changed (fraction, split_sizes, num_heads, nesterov, "
-                          "cautious_wd, the orthogonalizer or the structure); a captured step cannot follow it: "
-                          "capture the step again"));
+                          "cautious_wd, the orthogonalizer and its norm guard, or the structure); a captured step "
+                          "cannot follow it: capture the step again"));
   }
   if (s.captured_binding != 0 && s.binding != s.captured_binding)
     fail("refresh_hyperparameters: the memory the captured step reads moved since the capture (a gradient given "

@@ -44,6 +44,13 @@ dion3_optimizer* make(const dion3_options* o, std::vector<Weights>& ws) {
   return opt;
 }
 
+TEST(CApi, StatusNamesSayWhatTheStatusCovers) {
+  // DION3_NON_FINITE also reports a finite gradient that would overflow the state.
+  EXPECT_STREQ(dion3_status_name(DION3_NON_FINITE), "non-finite gradient or state");
+  EXPECT_STREQ(dion3_status_name(DION3_OK), "ok");
+  EXPECT_STREQ(dion3_status_name(99), "unknown status");
+}
+
 TEST(CApi, OptionsDefaultToTheEnginesAndAreChecked) {
   dion3_options o;
   dion3_options_default(&o);
@@ -220,12 +227,17 @@ TEST(CApi, PlanGenerationAndHyperparameterRefresh) {
         << dion3_last_error();
     dion3_destroy(o);
   }
-  // Settings that choose branches of the step on the host are part of the plan.
+  // Settings that choose branches of the step on the host are part of the plan, and so is the
+  // norm's guard (an argument of the recorded kernels).
   ASSERT_EQ(dion3_get_group_config(opt, 0, &cfg), DION3_OK);
   cfg.cautious_wd = 1;
   ASSERT_EQ(dion3_set_group_config(opt, 0, &cfg), DION3_OK) << dion3_last_error();
   EXPECT_EQ(dion3_refresh_hyperparameters(opt), DION3_INVALID_ARGUMENT);
   EXPECT_NE(std::string(dion3_last_error()).find("cautious_wd"), std::string::npos) << dion3_last_error();
+  cfg.cautious_wd = 0;
+  cfg.orth_norm_eps = 1e-3;
+  ASSERT_EQ(dion3_set_group_config(opt, 0, &cfg), DION3_OK) << dion3_last_error();
+  EXPECT_EQ(dion3_refresh_hyperparameters(opt), DION3_INVALID_ARGUMENT);
   dion3_destroy(opt);
 }
 

@@ -163,7 +163,8 @@ TEST(Orthogonalize, NormalisationFollowsItsGuard) {
 }
 
 TEST(Orthogonalize, NormEpsMustBePositiveAndFinite) {
-  for (float eps : {0.0f, -1e-7f, std::numeric_limits<float>::infinity(), std::nanf("")}) {
+  // Below float32's smallest normal number 1 / eps overflows (a zero input would give NaN).
+  for (float eps : {0.0f, -1e-7f, 1e-40f, std::numeric_limits<float>::infinity(), std::nanf("")}) {
     OrthConfig c;
     c.norm.eps = eps;
     EXPECT_THAT(t3::error_of([&] { c.validate(); }), ::testing::HasSubstr("'norm_eps'"));

@@ -477,6 +477,14 @@ def test_zero_grad_frees_the_gradients_a_step_read(device, make):
         opt.zero_grad()
         gc.collect()
         assert freed() is None, t
+    # A step that raises lets them go as well.
+    w.grad = torch.full((8, 6), float("nan"), device=device)
+    with pytest.raises(dion3.NonFiniteError):
+        opt.step()
+    freed = weakref.ref(w.grad)
+    opt.zero_grad()
+    gc.collect()
+    assert freed() is None
 
 
 def test_optimizer_built_on_meta_parameters_steps_after_to_empty():

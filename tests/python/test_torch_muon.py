@@ -143,8 +143,9 @@ def test_refuses_what_it_would_misread():
                               ("ns_steps", 0, "'ns_steps' must lie in \\[1, 16\\]"),
                               ("ns_coefficients", (1.0, 2.0), "three numbers"),
                               ("adjust_lr_fn", "rms_norm", "'adjust_lr_fn' must be None"),
-                              ("eps", 0.0, "'eps' must be a number > 0 that float32 holds"),
-                              ("eps", 1e-50, "'eps' must be a number > 0 that float32 holds"),
+                              ("eps", 0.0, "'eps' must be a float32 number from 1.17549e-38"),
+                              ("eps", 1e-40, "'eps' must be a float32 number from"),  # 1 / eps overflows
+                              ("eps", 1e39, "'eps' must be a float32 number from"),
                               ("momentum", "0.9", "'momentum' must be a number")]:
         good = opt.param_groups[0][key]
         opt.param_groups[0][key] = value
@@ -205,12 +206,14 @@ def test_eps_is_torchs_floor_on_the_norm():
     # shrinks with them; above it, it does not. Any eps float32 holds is followed.
     torch.manual_seed(6)
     shape = (16, 24)
-    for eps, scale in [(1e-3, 1e-6), (1e-3, 1.0), (1e-9, 1e-8)]:
+    for eps, scale, later in [(1e-3, 1e-6, 1e-3), (1e-3, 1.0, 1e-3), (1e-9, 1e-8, 1e-9), (1e-7, 1e-6, 1e-3)]:
         w = torch.nn.Parameter(torch.randn(*shape))
         W, B = w.detach().double().clone(), torch.zeros(shape, dtype=torch.float64)
         W0 = W.clone()
         opt = dion3.optim.Muon([w], lr=0.02, eps=eps, orthogonalizer="standard")
-        for _ in range(2):
+        for t in range(3):
+            if t == 2:  # changed between steps: followed, as torch reads it at each step
+                opt.param_groups[0]["eps"] = eps = later
             w.grad = torch.randn(shape) * scale
             torch_muon_f64(W, B, w.grad.double(), 0.02, 0.1, 0.95, True, TORCH_NS, None, eps=eps)
             opt.step()

@@ -592,6 +592,8 @@ class Engine {
             opt_->set_grad(i, view_of(g, "the gradient of " + opt_->param_name(i)));
             grad_pins_[i] = Pin(g);
             grads_[i] = std::move(g);
+          } else if (!grads_[i].defined()) {
+            grads_[i] = std::move(g);  // held again (released after the last blocking step)
           }
         }
       } catch (const dion3::Error&) {
@@ -611,7 +613,13 @@ class Engine {
       bump_versions();
       return 2;
     }
-    const bool applied = opt_->step();
+    bool applied = false;
+    try {
+      applied = opt_->step();
+    } catch (...) {
+      release_gradients();  // a raised step reads them no more than an applied one
+      throw;
+    }
     written_ = false;
     release_gradients();
     if (!applied) return 0;
