@@ -394,10 +394,22 @@ def test_state_edits_between_steps_are_followed(how):
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
-def test_model_cast_after_a_step_takes_its_state_along(device):
+@pytest.mark.parametrize("swap", [False, True])
+def test_model_cast_after_a_step_takes_its_state_along(device, swap):
     # model.to(dtype) or model.to(device) after steps: the next step casts or moves each state
     # tensor to what the parameter now needs, as load_state_dict would, and trains on, equal to
-    # an optimizer that went through a state_dict round trip after the same cast.
+    # an optimizer that went through a state_dict round trip after the same cast. In PyTorch's
+    # swap mode too (the parameters keep their objects, which get new tensors): the engine holds
+    # no reference to the tensors that would make torch.utils.swap_tensors refuse them.
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(swap)
+    try:
+        _cast_after_steps(device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+
+
+def _cast_after_steps(device):
     def run(round_trip):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))

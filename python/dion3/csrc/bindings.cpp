@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
@@ -371,11 +372,14 @@ class Engine {
   // gradient lives on the DTensor) is read again before every step. layout: "local",
   // "replicated", "row_shard" or "col_shard" over `process_group` (a torch.distributed group);
   // global_rows / global_cols: the whole matrix's rows (row_shard) / columns (col_shard).
-  int add_param(int group, const std::string& name, const at::Tensor& weight, const py::dict& state,
+  int add_param(int group, const std::string& name, const py::object& weight_object, const py::dict& state,
                 const std::string& layout, const py::object& process_group, int64_t global_rows,
                 int64_t global_cols, int64_t row_offset, int64_t row_chunk, const py::object& col_process_group,
-                const std::optional<at::Tensor>& given_grad, const std::optional<at::Tensor>& wrapper,
+                const std::optional<at::Tensor>& given_grad, const py::object& wrapper_object,
                 const std::vector<int64_t>& order) {
+    const at::Tensor& weight = unpack(weight_object, "parameter '" + name + "'");
+    const std::optional<at::Tensor> wrapper =
+        wrapper_object.is_none() ? std::nullopt : std::optional<at::Tensor>(unpack(wrapper_object, name));
     at::Tensor grad;
     try {
       grad = given_grad ? contiguous(*given_grad) : contiguous_grad(weight);
@@ -395,7 +399,8 @@ class Engine {
     spec.name = name;
     spec.weight = view_of(weight, "parameter '" + name + "'");
     spec.grad = view_of(grad, "the gradient of parameter '" + name + "'");
-    std::vector<at::Tensor> held{weight};
+    // The weight itself is held weakly (Held), a channels-last weight's view in memory order here.
+    std::vector<at::Tensor> held{order.empty() ? at::Tensor() : weight};
     for (auto item : state) {
       auto key = py::cast<std::string>(item.first);
       auto t = py::cast<at::Tensor>(item.second);
@@ -403,8 +408,8 @@ class Engine {
       held.push_back(t);
     }
     const int index = opt_->add_param(group, spec);
-    weights_.push_back(weight);
-    wrappers_.push_back(wrapper ? *wrapper : at::Tensor());
+    weights_.push_back(order.empty() ? Held(weight_object) : Held(weight));
+    wrappers_.push_back(wrapper ? Held(wrapper_object) : Held());
     wrapper_pins_.push_back(wrapper ? Pin(*wrapper) : Pin());
     weight_pins_.emplace_back(weight);
     held_.push_back(std::move(held));
@@ -418,7 +423,13 @@ class Engine {
 
   // Parameters of the optimizer that had no gradient when the engine was built: if one gains a
   // gradient, step() asks for a rebuild.
-  void watch(const std::vector<at::Tensor>& params) { watched_ = params; }
+  void watch(const py::list& params) {
+    watched_.clear();
+    for (py::handle p : params) {
+      unpack(py::reinterpret_borrow<py::object>(p), "a watched parameter");
+      watched_.emplace_back(py::reinterpret_borrow<py::object>(p));
+    }
+  }
 
   // Every param group and the parameters its "params" list held when the engine was built: if a
   // list stops holding exactly these (a parameter replaced in place, a new list of the same
@@ -463,9 +474,10 @@ class Engine {
   // resize_): the engine would go on updating the old one, which nobody reads; a rebuild registers
   // the new one.
   bool storage_moved() const {
-    for (std::size_t i = 0; i < weights_.size(); ++i)
-      if (weight_pins_[i].moved(weights_[i]) || (wrappers_[i].defined() && wrapper_pins_[i].moved(wrappers_[i])))
-        return true;
+    for (std::size_t i = 0; i < weights_.size(); ++i) {
+      if (weight_pins_[i].moved(weights_[i].get())) return true;
+      if (wrappers_[i].defined() && wrapper_pins_[i].moved(wrappers_[i].get())) return true;
+    }
     for (const Watched& w : state_tensors_)
       if (w.pin.moved(w.tensor)) return true;
     return false;
@@ -474,7 +486,7 @@ class Engine {
   // (p.grad.data = ..., set_): step() rebinds it, a replay of a captured step would read the old.
   bool grads_moved() const {
     for (std::size_t i = 0; i < weights_.size(); ++i) {
-      const at::Tensor& g = source_grad(static_cast<int>(i));
+      const at::Tensor g = source_grad(static_cast<int>(i));
       const bool permuted = !orders_[i].empty();
       const Pin& pin = permuted ? source_pins_[i] : grad_pins_[i];
       if (g.defined() && pin.holds(g) && pin.moved(g))
@@ -484,14 +496,14 @@ class Engine {
   }
   // The gradient the caller holds for parameter i: its weight's, or for a weight the engine holds
   // as a view in memory order (channels-last), the parameter's.
-  const at::Tensor& source_grad(int i) const {
-    return orders_[i].empty() ? weights_[i].grad() : wrappers_[i].grad();
+  at::Tensor source_grad(int i) const {
+    return orders_[i].empty() ? weights_[i].get().grad() : wrappers_[i].get().grad();
   }
   // The gradient as the engine takes it. A channels-last parameter's in memory order: a view while
   // it is laid out alike, kept from step to step while it is the same tensor in the same place.
   at::Tensor engine_grad(int i) {
-    if (orders_[i].empty()) return contiguous_grad(weights_[i]);
-    const at::Tensor& src = wrappers_[i].grad();
+    if (orders_[i].empty()) return contiguous(source_grad(i));
+    const at::Tensor src = source_grad(i);
     if (src.defined() && source_pins_[i].same(src) && grads_[i].defined() && grads_[i].data_ptr() == src.data_ptr())
       return grads_[i];
     sources_[i] = src;
@@ -572,8 +584,8 @@ class Engine {
                                                               " gradients for " + std::to_string(n) + " parameters");
     {  // a profiler range around the binding alone
       RECORD_FUNCTION("dion3::bind_gradients", std::vector<c10::IValue>());
-      for (const at::Tensor& w : watched_)
-        if (w.grad().defined()) return -1;
+      for (const Held& w : watched_)
+        if (w.get().grad().defined()) return -1;
       if (needs_rebuild()) return -1;
       for (int i = 0; i < n; ++i)
         if (!(given ? (*given)[i].defined() : source_grad(i).defined())) return -1;
@@ -639,8 +651,10 @@ class Engine {
   // saved a weight before the step (a GAN's second loss) instead of using the stepped values.
   void bump_versions() {
     for (std::size_t i = 0; i < weights_.size(); ++i)
-      for (const at::Tensor* t : {&weights_[i], &wrappers_[i]})
-        if (t->defined() && !t->is_inference()) t->unsafeGetTensorImpl()->bump_version();
+      for (const Held* h : {&weights_[i], &wrappers_[i]}) {
+        const at::Tensor& t = h->get();
+        if (t.defined() && !t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
+      }
   }
 
  public:
@@ -759,7 +773,29 @@ class Engine {
   std::unique_ptr<TorchCudaAllocator> allocator_;
 #endif
   std::unique_ptr<dion3::Optimizer> opt_;  // after allocator_: destroyed first
-  std::vector<at::Tensor> weights_;
+  // A parameter as the engine holds it: by its Python object, which keeps no reference to the
+  // tensor itself (torch.utils.swap_tensors, which model.to() uses in swap mode, refuses to swap
+  // a tensor anything else references, weakly or not); get() gives the tensor the object holds
+  // now, a new one after a swap (its pin then reports it moved). A view made for the engine (a
+  // channels-last weight in memory order) is held as a tensor.
+  class Held {
+   public:
+    Held() = default;
+    explicit Held(py::object object) : object_(std::move(object)) {}
+    explicit Held(at::Tensor tensor) : tensor_(std::move(tensor)) {}
+    bool defined() const { return object_ ? true : tensor_.defined(); }
+    const at::Tensor& get() const { return object_ ? THPVariable_Unpack(object_.ptr()) : tensor_; }
+
+   private:
+    py::object object_;
+    at::Tensor tensor_;
+  };
+  static const at::Tensor& unpack(const py::object& o, const std::string& what) {
+    if (!THPVariable_Check(o.ptr()))
+      throw dion3::Error(dion3::Status::InvalidArgument, what + " is not a torch.Tensor");
+    return THPVariable_Unpack(o.ptr());
+  }
+  std::vector<Held> weights_;
   // Where the engine was given a tensor's elements: the tensor's storage (a weak reference: it
   // keeps the StorageImpl object, not its memory, so no later storage can share its identity),
   // its first element's address, sizes and strides. moved(): the tensor now lies elsewhere
@@ -799,7 +835,7 @@ class Engine {
   // local shard, or a channels-last weight's view in memory order. Its version is bumped with the
   // weight's; its storage is pinned as well (model.to(...) gives the parameter, not the view,
   // other storage).
-  std::vector<at::Tensor> wrappers_;
+  std::vector<Held> wrappers_;
   std::vector<Pin> wrapper_pins_;
   // A channels-last weight's permutation to memory order (the view the engine holds; empty for
   // others), and the parameter's gradient its bound one was made from.
@@ -817,7 +853,7 @@ class Engine {
   std::vector<Watched> state_tensors_;  // the state tensors
   std::vector<at::Tensor> grads_;              // the gradients bound for the current step
   std::vector<Pin> grad_pins_;                 // ... and where they were when bound
-  std::vector<at::Tensor> watched_;            // parameters without a gradient at build time
+  std::vector<Held> watched_;                  // parameters without a gradient at build time
   std::vector<std::pair<py::dict, py::dict>> state_watch_;  // (state[p], {key: its state tensor})
   std::vector<std::pair<py::dict, std::vector<py::object>>> groups_watch_;  // (group, its params)
   std::vector<std::shared_ptr<TorchCommunicator>> comms_;
