@@ -928,13 +928,23 @@ class _EngineOptimizer(torch.optim.Optimizer):
         try:
             self._check_groups()
             key = self._registration_key()
-            if (self._dirty or key != self._engine_key or self._state_replaced()) and \
-                    any(p.grad is not None for g in self.param_groups for p in g["params"]):
-                self._replan(key, agreeing=True)
+            stale = self._dirty or key != self._engine_key or self._state_replaced()
+            if any(p.grad is not None for g in self.param_groups for p in g["params"]):
+                if stale:
+                    self._replan(key, agreeing=True)
+            elif stale or self._engine is None:
+                # The step will register this rank's parameters only to refuse it: registered
+                # here first, what would fail there fails before the others hear of it.
+                self._refuse_without_gradients(key, dry=True)
         except Exception as e:  # noqa: BLE001 - raised below, after the others heard of it
             problem = e
-        self._agree(problem, lambda r: f"dion3: another rank refused this step (rank {r}'s error says why); "
-                                       f"{_NOT_APPLIED}")
+        try:
+            self._agree(problem, lambda r: f"dion3: another rank refused this step (rank {r}'s error says why); "
+                                           f"{_NOT_APPLIED}")
+        except Exception:
+            if problem is None and self._switched_from:
+                self._restore_switched()  # as a refused first step would (_run_first): nothing applied
+            raise
         self._agree_first = False
 
     def _agree(self, problem: Optional[Union[str, BaseException]], refused_by) -> None:
@@ -983,6 +993,13 @@ class _EngineOptimizer(torch.optim.Optimizer):
             # (not inside a capture, which cannot wait for them).
             if not _capturing():
                 self._sync_counters()
+                # Refused on every rank: the next step's registration may fail on a rank that has
+                # no plan to refuse through (none made, or dropped), so the ranks check it together.
+                self._agree_first = True
+            raise
+        except NonFiniteError:  # refused on every rank as well
+            if not _capturing():
+                self._agree_first = True
             raise
 
     def _step(self, loss):
@@ -996,6 +1013,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 raise CaptureNotReady("dion3: no parameter of this rank has a gradient and the step must be "
                                       "planned anew; run one eager step before capturing")
             self._refuse_without_gradients(key)
+            self._agree_first = True  # no rank stepped (else this raised): as after a refusal
             return loss
         if stale:
             self._replan(key)
@@ -1103,7 +1121,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         checked by the new engine's first step (Optimizer::state_changed). Refused here on this
         rank alone (tied weights, state of the wrong shape), the step is refused with the old
         engine's plan, which the other ranks step with; agreeing: the caller's all-reduce tells them."""
-        old = self._engine
+        old, old_key = self._engine, self._engine_key
         touched = old is not None and (self._state_replaced() or old.state_pending())
         self._before_rebuild()
         try:
@@ -1111,6 +1129,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
         except Exception:
             if self._mesh is not None and old is not None and not agreeing:
                 old.refuse_invalid()
+            if old is not None and self._engine is None:
+                # Kept: a refusal at the next try goes through the plan the others step with again.
+                self._engine, self._engine_key = old, old_key
             raise
         if touched and self._engine is not None:
             self._engine.state_changed()
@@ -1139,16 +1160,18 @@ class _EngineOptimizer(torch.optim.Optimizer):
             self._engine.refuse_invalid()
             raise
 
-    def _refuse_without_gradients(self, key) -> None:
+    def _refuse_without_gradients(self, key, dry: bool = False) -> None:
         """No gradient on this rank while the others may step, and no engine to refuse with as it
         is (it must be made anew: a first step, a load, a moved tensor): this rank still joins
         their step's collectives, so that every rank refuses it (Optimizer::refuse_step) instead of
         pairing with this rank's next step. With an engine, it refuses as planned; without one,
         every parameter that requires a gradient is registered for this one refusal (the plan
         the others make when all of theirs have one), with a gradient the refusal never reads,
-        and the engine is released after it (the next step builds afresh)."""
+        and the engine is released after it (the next step builds afresh). dry: registered and
+        released, not refused (what would fail, fails)."""
         if self._engine is not None:
-            self._engine.refuse_step()  # the plan the others hold, unless they changed it too
+            if not dry:
+                self._engine.refuse_step()  # the plan the others hold, unless they changed it too
             return
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not params:
@@ -1160,7 +1183,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
             self._rebuild(key)
             if self._engine is not None:
                 self._push_groups(self._engine)
-                self._engine.refuse_step()
+                if not dry:
+                    self._engine.refuse_step()
         finally:
             for p in params:
                 p.grad = None

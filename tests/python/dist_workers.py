@@ -566,6 +566,60 @@ def one_rank_settings(rank, world, mesh):
             p.grad = torch.ones(8, 6)
         opt.step()
         same_everywhere(pair, f"DDP after a refusal while registering at the {when}")
+    # Refused while registering on a rank without a plan to refuse through: the same refusal again
+    # at the next step (the plan kept), after a step no rank had gradients for, and on a rank that
+    # has no gradients at the first step (its registration is tried with the others' agreement).
+    for when in ("twice in a row", "after a step without gradients", "without gradients at the first step"):
+        pair = [nn.Parameter(torch.randn(8, 6) * 0.05) for _ in range(2)]
+        opt = dion3.Dion3(pair, distributed_mesh=dist.group.WORLD, lr=0.02)
+        if when == "twice in a row":
+            for p in pair:
+                p.grad = torch.ones(8, 6)
+            opt.step()
+        elif when == "after a step without gradients":
+            opt.step()  # no rank has gradients: nothing to do anywhere
+        kept = pair[1].data
+        if rank == 0:
+            pair[1].data = pair[0].data
+        for attempt in range(2 if when == "twice in a row" else 1):
+            for p in pair:
+                p.grad = None if rank == 0 and when.startswith("without") else torch.ones(8, 6)
+            refused(rank, opt, pair, "shares memory" if rank == 0 else "another rank refused this step")
+        if rank == 0:
+            pair[1].data = kept
+        for p in pair:
+            p.grad = torch.ones(8, 6)
+        opt.step()
+        same_everywhere(pair, f"DDP after a refusal while registering {when}")
+    # A switch of algorithm at the first step after a load, refused by one rank: the others put the
+    # replaced state back, so switching back leaves every rank's state alike.
+    w3, b3 = nn.Parameter(torch.randn(8, 6) * 0.05), nn.Parameter(torch.zeros(6))
+    other = nn.Parameter(torch.randn(8, 6) * 0.05)
+    opt = dion3.Dion3([{"params": [w3, other]}, {"params": [b3], "algorithm": "adamw"}],
+                      distributed_mesh=dist.group.WORLD, lr=0.02)
+
+    def grads3(seed):
+        g = torch.Generator().manual_seed(seed)
+        w3.grad, other.grad, b3.grad = (torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g),
+                                        torch.randn(6, generator=g))
+
+    for seed in (0, 1):
+        grads3(seed)
+        opt.step()
+    opt.load_state_dict(opt.state_dict())
+    opt.param_groups[1]["algorithm"] = "lion"
+    kept = other.data
+    if rank == 0:
+        other.data = w3.data
+    grads3(2)
+    refused(rank, opt, [w3, b3], "shares memory" if rank == 0 else "another rank refused this step")
+    if rank == 0:
+        other.data = kept
+    opt.param_groups[1]["algorithm"] = "adamw"
+    for seed in (3, 4):
+        grads3(seed)
+        opt.step()
+    same_everywhere([w3, other, b3], "DDP after a switch refused at the first step after a load")
 
 
 def partial_gradients(rank, world, mesh):
