@@ -993,14 +993,22 @@ class _EngineOptimizer(torch.optim.Optimizer):
             # (not inside a capture, which cannot wait for them).
             if not _capturing():
                 self._sync_counters()
-                # Refused on every rank: the next step's registration may fail on a rank that has
-                # no plan to refuse through (none made, or dropped), so the ranks check it together.
-                self._agree_first = True
+                # Refused on every rank (where steps block): the next step's registration may fail
+                # on a rank that has no plan to refuse through (none made, or dropped), so the
+                # ranks check it together first.
+                self._agree_first = self._agree_first or self._refusals_reach_every_rank()
             raise
-        except NonFiniteError:  # refused on every rank as well
+        except NonFiniteError:  # under blocking=False reported a step late, on one rank first
             if not _capturing():
-                self._agree_first = True
+                self._agree_first = self._agree_first or self._refusals_reach_every_rank()
             raise
+
+    def _refusals_reach_every_rank(self) -> bool:
+        """Whether a refused step raises on every rank at that step: where steps block (the CPU;
+        CUDA with blocking), not where they only enqueue (the others then drop it silently). The
+        same answer on every rank: it depends on the parameters' device and the settings only."""
+        first = next((p for g in self.param_groups for p in g["params"]), None)
+        return first is None or _dist.local(first).device.type != "cuda" or self._blocks()
 
     def _step(self, loss):
         if self._agree_first and self._mesh is not None and not _capturing():
@@ -1013,7 +1021,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 raise CaptureNotReady("dion3: no parameter of this rank has a gradient and the step must be "
                                       "planned anew; run one eager step before capturing")
             self._refuse_without_gradients(key)
-            self._agree_first = True  # no rank stepped (else this raised): as after a refusal
+            self._agree_first = self._refusals_reach_every_rank()  # no rank stepped: as after a refusal
             return loss
         if stale:
             self._replan(key)
@@ -1047,6 +1055,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         if status < 0:  # parameters, their groups or gradients changed, or a weight or state tensor moved
             if self._mesh is not None and not any(p.grad is not None for g in self.param_groups for p in g["params"]):
                 self._refuse_without_gradients(key)  # with this engine: ValueError unless no rank stepped
+                self._agree_first = self._refusals_reach_every_rank()  # as above
                 return loss
             engine = self._replanned(key)
             if engine is None:
@@ -1622,7 +1631,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 given_grads |= is_dt
                 weight, grad = _dist.local(p), _dist.local_grad(p) if is_dt else None
                 if order is not None:
-                    weight, grad = p.permute(order), p.grad.permute(order)
+                    # Detached: a view of the parameter itself would reference its tensor, which
+                    # torch.utils.swap_tensors (model.to() in swap mode) then refuses to swap.
+                    weight, grad = p.detach().permute(order), p.grad.permute(order)
                 engine.add_param(ei, name_j, weight, _engine_state(group, st, order, state_kind),
                                  layout.kind, layout.group, layout.global_rows, layout.global_cols,
                                  layout.row_offset, layout.row_chunk, layout.col_group,

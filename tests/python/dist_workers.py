@@ -591,6 +591,18 @@ def one_rank_settings(rank, world, mesh):
             p.grad = torch.ones(8, 6)
         opt.step()
         same_everywhere(pair, f"DDP after a refusal while registering {when}")
+    # Refused because one rank had no gradients, then a step no rank has gradients for (one rank
+    # holds an engine, the other none): both take the same path, and the next step pairs up.
+    w4 = nn.Parameter(torch.randn(8, 6) * 0.05)
+    opt = dion3.Dion3([w4], distributed_mesh=dist.group.WORLD, lr=0.02)
+    w4.grad = torch.ones(8, 6) if rank == 0 else None
+    refused(rank, opt, [w4], "another rank took no part" if rank == 0 else "no parameter of this rank has a gradient")
+    w4.grad = None
+    opt.step()
+    for seed in (5, 6):
+        w4.grad = torch.full((8, 6), float(seed))
+        opt.step()
+    same_everywhere([w4], "DDP after steps some or all ranks had no gradients for")
     # A switch of algorithm at the first step after a load, refused by one rank: the others put the
     # replaced state back, so switching back leaves every rank's state alike.
     w3, b3 = nn.Parameter(torch.randn(8, 6) * 0.05), nn.Parameter(torch.zeros(6))

@@ -410,6 +410,22 @@ def test_the_momentum_bound_stays_in_use_across_plain_steps(device):
     assert _step_past_a_written_momentum(p, opt)
 
 
+def test_refresh_hyperparameters_refuses_a_parameter_that_gained_a_gradient(device):
+    # Without a gradient when the step was planned, it is not in it: a replay would never update
+    # it, so a new capture is asked for; the next eager step takes it in.
+    w, b = mat(device), nn.Parameter(torch.zeros(4, device=device))
+    opt = dion3.Dion3([dict(params=[w]), dict(params=[b], algorithm="adamw")])
+    w.grad = torch.randn_like(w)
+    opt.step()
+    opt.refresh_hyperparameters()
+    b.grad = torch.ones_like(b)
+    with pytest.raises(RuntimeError, match="capture again"):
+        opt.refresh_hyperparameters()
+    opt.step()
+    assert b.detach().abs().sum() > 0
+    opt.refresh_hyperparameters()
+
+
 def test_refresh_hyperparameters_keeps_an_in_place_state_write(device):
     # refresh_hyperparameters() (what a replay of a captured step needs) notices an in-place state
     # write as step() would, and does not swallow it: the step after it still reads the momentum.

@@ -409,6 +409,30 @@ def test_model_cast_after_a_step_takes_its_state_along(device, swap):
         torch.__future__.set_swap_module_params_on_conversion(previous)
 
 
+def test_channels_last_weights_cast_in_swap_mode_after_a_step(device):
+    # The engine's view of a channels-last weight in memory order references no parameter, so
+    # swap_tensors can replace the parameter's tensor; the next step follows it.
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 6 * 6, 4)).to(device)
+        model[0].to(memory_format=torch.channels_last)
+        opt = dion3.Dion3(dion3.param_groups(model), lr=0.02, flatten=True)
+        model(torch.randn(2, 3, 8, 8, device=device)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        model.to(torch.bfloat16)
+        assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+        before = model[0].weight.detach().clone()
+        model(torch.randn(2, 3, 8, 8, device=device, dtype=torch.bfloat16)).square().mean().backward()
+        opt.step()
+        assert not torch.equal(model[0].weight, before)
+        assert opt.state[model[0].weight]["momentum"].dtype == torch.bfloat16
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+
+
 def _cast_after_steps(device):
     def run(round_trip):
         torch.manual_seed(0)

@@ -399,7 +399,8 @@ class Engine {
     spec.name = name;
     spec.weight = view_of(weight, "parameter '" + name + "'");
     spec.grad = view_of(grad, "the gradient of parameter '" + name + "'");
-    // The weight itself is held weakly (Held), a channels-last weight's view in memory order here.
+    // The weight is held through its Python object (Held), a channels-last weight's view in memory
+    // order (made detached, so that it references no parameter) here.
     std::vector<at::Tensor> held{order.empty() ? at::Tensor() : weight};
     for (auto item : state) {
       auto key = py::cast<std::string>(item.first);
@@ -514,7 +515,13 @@ class Engine {
   // state tensor moved, a group's params changed. A captured step cannot follow these either, nor
   // a gradient moved in place (which step() rebinds): stale_for_replay().
   bool needs_rebuild() const { return state_moved() || storage_moved() || groups_changed(); }
-  bool stale_for_replay() const { return needs_rebuild() || grads_moved(); }
+  // A parameter without a gradient at the build that has one now would never be stepped by a replay.
+  bool stale_for_replay() const { return needs_rebuild() || grads_moved() || watched_gained_gradient(); }
+  bool watched_gained_gradient() const {
+    for (const Held& w : watched_)
+      if (w.get().grad().defined()) return true;
+    return false;
+  }
   bool state_moved() const {
     for (const auto& [st, held] : state_watch_)
       for (auto item : held) {  // string keys: their hashes are cached
@@ -584,8 +591,7 @@ class Engine {
                                                               " gradients for " + std::to_string(n) + " parameters");
     {  // a profiler range around the binding alone
       RECORD_FUNCTION("dion3::bind_gradients", std::vector<c10::IValue>());
-      for (const Held& w : watched_)
-        if (w.get().grad().defined()) return -1;
+      if (watched_gained_gradient()) return -1;
       if (needs_rebuild()) return -1;
       for (int i = 0; i < n; ++i)
         if (!(given ? (*given)[i].defined() : source_grad(i).defined())) return -1;
@@ -609,6 +615,7 @@ class Engine {
           }
         }
       } catch (const dion3::Error&) {
+        release_gradients();
         refuse_invalid();
         throw;
       }
