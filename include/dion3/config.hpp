@@ -57,6 +57,7 @@ DION3_API const std::vector<Coefficients>& reference_coefficients();
 struct NormGuard {
   float eps = 1e-7f;
   bool floor = false;
+  bool operator==(const NormGuard&) const = default;
 };
 
 struct DION3_API OrthConfig {

@@ -928,8 +928,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         try:
             self._check_groups()
             key = self._registration_key()
-            stale = self._dirty or key != self._engine_key or self._state_replaced()
-            if any(p.grad is not None for g in self.param_groups for p in g["params"]):
+            stale = self._stale(key)
+            if self._has_gradients():
                 if stale:
                     self._replan(key, agreeing=True)
             elif stale or self._engine is None:
@@ -1014,9 +1014,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         if self._agree_first and self._mesh is not None and not _capturing():
             self._agree_on_groups()
         key = self._registration_key()
-        stale = self._dirty or key != self._engine_key or self._state_replaced()
-        if (stale or self._engine is None) and self._mesh is not None and \
-                not any(p.grad is not None for g in self.param_groups for p in g["params"]):
+        stale = self._stale(key)
+        if (stale or self._engine is None) and self._mesh is not None and not self._has_gradients():
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise CaptureNotReady("dion3: no parameter of this rank has a gradient and the step must be "
                                       "planned anew; run one eager step before capturing")
@@ -1027,7 +1026,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             self._replan(key)
         engine = self._engine
         if engine is None:  # no parameter had a gradient: look again (rare, so done in Python)
-            if not any(p.grad is not None for g in self.param_groups for p in g["params"]):
+            if not self._has_gradients():
                 return loss
             self._rebuild(key)
             engine = self._engine
@@ -1053,7 +1052,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         # The engine reads each parameter's .grad itself (no per-parameter Python work per step).
         status = self._run_first(engine, asynchronous)
         if status < 0:  # parameters, their groups or gradients changed, or a weight or state tensor moved
-            if self._mesh is not None and not any(p.grad is not None for g in self.param_groups for p in g["params"]):
+            if self._mesh is not None and not self._has_gradients():
                 self._refuse_without_gradients(key)  # with this engine: ValueError unless no rank stepped
                 self._agree_first = self._refusals_reach_every_rank()  # as above
                 return loss
@@ -1073,6 +1072,13 @@ class _EngineOptimizer(torch.optim.Optimizer):
         if asynchronous:
             self._counters_pending = True  # the engine posts its counters to the host itself
         return loss
+
+    def _stale(self, key) -> bool:
+        """Whether the engine must be built anew for the groups as they are (see _registration_key)."""
+        return self._dirty or key != self._engine_key or self._state_replaced()
+
+    def _has_gradients(self) -> bool:
+        return any(p.grad is not None for g in self.param_groups for p in g["params"])
 
     def _state_replaced(self) -> bool:
         """Whether optimizer.state, or a parameter's dict in it, was replaced (state = ...,
@@ -1332,8 +1338,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         step cannot follow changed (parameters, groups, fraction, blocks, nesterov, cautious_wd,
         selection_scope, orthogonalizer): capture again."""
         engine = self._engine
-        if (engine is None or self._dirty or self._registration_key() != self._engine_key or
-                self._state_replaced() or engine.stale_for_replay()):
+        if engine is None or self._stale(self._registration_key()) or engine.stale_for_replay():
             raise RuntimeError("dion3: the optimizer's parameters, groups or state tensors changed since the capture; "
                                "capture again")
         self._push_groups(engine)

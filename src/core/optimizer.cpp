@@ -38,7 +38,7 @@ bool same_plan(const GroupConfig& a, const GroupConfig& b) {
          a.num_heads == b.num_heads && a.orth.method == b.orth.method &&
          a.orth.coefficients == b.orth.coefficients && a.orth.restarts == b.orth.restarts &&
          a.orth.iteration_dtype == b.orth.iteration_dtype && a.selection_scope == b.selection_scope &&
-         a.orth.norm.eps == b.orth.norm.eps && a.orth.norm.floor == b.orth.norm.floor;
+         a.orth.norm == b.orth.norm;
 }
 
 std::size_t align_up(std::size_t bytes) { return (bytes + 255) / 256 * 256; }

@@ -382,7 +382,7 @@ class Engine {
         wrapper_object.is_none() ? std::nullopt : std::optional<at::Tensor>(unpack(wrapper_object, name));
     at::Tensor grad;
     try {
-      grad = given_grad ? contiguous(*given_grad) : contiguous_grad(weight);
+      grad = contiguous(given_grad ? *given_grad : weight.grad());
     } catch (const dion3::Error& e) {
       throw dion3::Error(e.status(), "parameter '" + name + "': " + std::string(e.what()).substr(7));
     }
@@ -763,7 +763,6 @@ class Engine {
     if (g.defined() && !g.is_contiguous()) g = g.contiguous();
     return g;
   }
-  static at::Tensor contiguous_grad(const at::Tensor& weight) { return contiguous(weight.grad()); }
 
   // One communicator per process group, shared by every parameter on it.
   std::shared_ptr<dion3::Communicator> communicator(const py::object& group, const at::Tensor& weight) {
