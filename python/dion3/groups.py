@@ -44,6 +44,7 @@ def _ids_of(model: nn.Module, selector: _Selector, names: Dict[int, str]) -> Opt
 # anywhere (Hugging Face, GPT-NeoX), or a top-level module called head or output (timm, Llama's
 # reference code). Deeper "output" / "head" modules are hidden layers (BERT's attention.output).
 _HEAD_ANYWHERE = ("lm_head", "embed_out")
+_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _HEAD_TOP_LEVEL = ("head", "output")
 
 
@@ -74,6 +75,9 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
         embedding. They go to the element-wise algorithm, as do all tensors with fewer than 2
         dimensions larger than 1 (biases, norms, a (1, 1, d) class token, weight_norm's gains).
         An embedding held as a bare Parameter (a ViT's pos_embed) is not recognised: name it.
+        Convolution weights (torch.nn's Conv and ConvTranspose modules) get a matrix group of their
+        own with flatten=True: one (out_channels, rest) matrix each; other weights of three or more
+        dimensions (expert stacks) stay stacks of matrices (flatten=False).
     lr: the optimizer's base learning rate. Given, the head's group gets lr / sqrt(d_in) (d_in: the
         head weight's input dimension), the reference's recommendation; every other group keeps
         the optimizer's lr. Not given while a head exists (and no elementwise_options lr): a warning,
@@ -98,6 +102,8 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
         head = {id(p) for n, p in named if _is_head_name(n)}
         # A weight tied to an embedding appears once, under its first name: it stays an embedding.
         head -= emb
+    conv = {id(m.weight) for m in model.modules() if isinstance(m, _CONVOLUTIONS) and
+            isinstance(getattr(m, "weight", None), torch.Tensor)}
     base_el = {"algorithm": elementwise, **(elementwise_options or {})}
     overrides = overrides or {}
     for pattern in overrides:
@@ -121,6 +127,10 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
             # A vector in a matrix's shape ((1, 1, d) tokens, weight_norm's (out, 1) gains), or an
             # empty matrix: nothing to orthogonalize.
             role, opts = "vector", dict(base_el)
+        elif id(p) in conv and p.dim() > 2:
+            # One (out, in * kernel) matrix per convolution: as a stack of kernel-sized matrices a
+            # 1x1 convolution would be signSGD (each 1 x 1 matrix orthogonalizes to its sign).
+            role, opts = "matrix", {"flatten": True}
         else:
             role, opts = "matrix", {}
         for pattern, extra in overrides.items():

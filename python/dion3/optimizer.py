@@ -349,8 +349,10 @@ def _kind(algorithm: str) -> str:
     return "matrix" if algorithm in MATRIX_ALGORITHMS else algorithm
 
 
-def _state_tensors(group: Dict[str, Any], p: torch.Tensor, old: Dict[str, Any], kind: str) -> Dict[str, torch.Tensor]:
-    """p's state tensors for its group (named as `kind`'s): those of `old` that fit, zeros for the rest."""
+def _state_tensors(group: Dict[str, Any], p: torch.Tensor, old: Dict[str, Any], kind: str,
+                   who: str = "a parameter") -> Dict[str, torch.Tensor]:
+    """p's state tensors for its group (named as `kind`'s): those of `old` that fit, zeros for the rest.
+    who: p as an error message names it."""
     st = {}
     for name, dtype, shape in _state_shapes(group, p, kind):
         t = old.get(name)
@@ -365,7 +367,9 @@ def _state_tensors(group: Dict[str, Any], p: torch.Tensor, old: Dict[str, Any], 
             # The parameter moved to another device or dtype after its state was made
             # (model.to(...)), or its group's momentum_dtype changed: state that follows them
             # follows, cast as load_state_dict casts it.
-            t = t.detach().to(device=p.device, dtype=dtype)
+            cast = t.detach().to(device=p.device, dtype=dtype)
+            _check_cast(t, cast, name, who)
+            t = cast
         if isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(shape) and not _dist.is_dtensor(t):
             # The engine steps a channels-last weight in memory order and its state alike: state
             # laid out otherwise (the weight converted since, one way or the other) follows it.
@@ -375,6 +379,18 @@ def _state_tensors(group: Dict[str, Any], p: torch.Tensor, old: Dict[str, Any], 
                 t = t.detach().contiguous(memory_format=fmt)
         st[name] = t
     return st
+
+
+def _check_cast(before: torch.Tensor, after: torch.Tensor, name: str, who: str) -> None:
+    """Refuses state that a cast to a narrower dtype took out of range (a model cast to half
+    precision after steps): the engine would refuse it as non-finite, a cause the user never sees."""
+    if after.dtype == before.dtype or torch.finfo(after.dtype).max >= torch.finfo(before.dtype).max:
+        return
+    b, a = _dist.local(before), _dist.local(after)
+    if bool((torch.isfinite(b) & ~torch.isfinite(a)).any()):
+        raise ValueError(f"dion3: {who}: its state '{name}' ({before.dtype}) holds values beyond the range of "
+                         f"{after.dtype}, the dtype it follows now (was the model cast after steps?); cast the "
+                         "model back, or start the parameter's state afresh (del optimizer.state[p])")
 
 
 def _check_restructured(group: Dict[str, Any], p: torch.Tensor, st: Dict[str, Any], who: str, kind: str) -> None:
@@ -656,7 +672,20 @@ class _EngineOptimizer(torch.optim.Optimizer):
         return state
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        super().add_param_group(param_group)
+        try:
+            super().add_param_group(param_group)
+        except ValueError as e:
+            if "more than one parameter group" not in str(e):
+                raise
+            # torch's message names no parameter; ours does (its params are a list of tensors by now).
+            index = self._alias_index
+            self.param_groups.append(param_group)
+            try:
+                self._check_aliasing(len(self.param_groups) - 1)
+            finally:
+                self.param_groups.pop()
+                self._alias_index = index
+            raise
         try:
             self._check_group(len(self.param_groups) - 1, self.param_groups[-1])
             self._check_aliasing(len(self.param_groups) - 1)
@@ -1590,9 +1619,12 @@ class _EngineOptimizer(torch.optim.Optimizer):
             self._watched_state, self._watched_version = self.state, self.state.version
             self._dirty = False
             return
-        device = params_with_grad[0][2][0][1].device
+        gi0, group0, ((j0, p0), *_) = params_with_grad[0]
+        device = p0.device
         if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"dion3: parameters are on '{device}'; dion3 runs on cpu and cuda")
+            where = "materialise them first (to_empty)" if device.type == "meta" else "move the model"
+            raise ValueError(f"dion3: parameter {j0} '{self._param_name(group0, gi0, j0)}' of group {gi0} is on "
+                             f"'{device}'; dion3 runs on cpu and cuda ({where})")
         # Names the caller gave (param_names: the model's) join the ranks' agreement on the plan;
         # positional ones would refuse ranks whose parameters without gradients differ.
         named = all("param_names" in group for group in self.param_groups)
@@ -1625,7 +1657,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                     old = {}  # another kind of algorithm: its moments mean something else
                     switched.add(p)
                 kinds[p] = kind
-                st = _state_tensors(group, p, old, state_kind)
+                st = _state_tensors(group, p, old, state_kind, f"parameter '{name_j}'")
                 _check_restructured(group, p, st, f"parameter '{name_j}'", state_kind)
                 if p.grad.device != p.device:
                     raise ValueError(f"dion3: parameter '{name_j}' is on "

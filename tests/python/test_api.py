@@ -172,6 +172,37 @@ def test_a_number_given_as_a_string_is_refused(key):
     assert torch.equal(w.detach(), before)
 
 
+def test_param_groups_flatten_convolutions_only():
+    # A convolution is one (out, in * kernel) matrix; an expert stack stays a stack.
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 16, 3)
+            self.pointwise = torch.nn.Conv2d(16, 8, 1, bias=False)
+            self.experts = torch.nn.Parameter(torch.randn(4, 8, 6))
+            self.proj = torch.nn.Linear(8, 8)
+
+    torch.manual_seed(0)
+    m = M()
+    groups = dion3.param_groups(m, lr=0.02)
+    flat = {n for g in groups if g.get("flatten") for n in g["param_names"]}
+    assert flat == {"conv.weight", "pointwise.weight"}
+    opt = dion3.Muon(groups, lr=0.02)
+    before = m.pointwise.weight.detach().clone()
+    for p in m.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert sorted((b["count"], b["rows"], b["cols"]) for b in opt.plan()) == [(1, 8, 8), (1, 8, 16), (1, 16, 27),
+                                                                              (4, 8, 6)]
+    # Not signSGD: the 1x1 convolution's update is its (8 x 16) gradient orthogonalized, so its
+    # elements move by different amounts.
+    moved = (m.pointwise.weight.detach() - before).abs().flatten()
+    assert moved.max() > 2 * moved.min()
+    # Channels-last convolutions: the groups are accepted (flatten=True steps them in memory order).
+    cl = M().to(memory_format=torch.channels_last)
+    dion3.Dion3(dion3.param_groups(cl, lr=0.02))
+
+
 def test_param_groups_may_name_a_frozen_head():
     # Named while frozen (by name, glob or override): accepted, and left out like every frozen tensor.
     m = _Model()

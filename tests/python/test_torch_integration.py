@@ -542,3 +542,28 @@ def test_optimizer_built_on_meta_parameters_steps_after_to_empty():
             assert all(t.device.type == "cpu" for t in opt.state[m.weight].values() if torch.is_tensor(t))
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
+
+
+@pytest.mark.parametrize("algorithm", ["adamw", "muon"])
+def test_model_cast_that_overflows_its_state_is_refused_by_name(device, algorithm):
+    # model.half() after steps whose state exceeds float16's range: the cast state would hold Inf,
+    # which the engine refuses as non-finite state the user never wrote. The refusal names the
+    # parameter, the state as opt.state[p] shows it and the cast; nothing changes.
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8, bias=False).to(device)
+    opt = dion3.Muon([dict(params=[lin.weight], param_names=["lin.weight"], algorithm=algorithm)], lr=1e-3)
+    lin.weight.grad = torch.full_like(lin.weight, 1e5)
+    opt.step()
+    lin.half()
+    lin.weight.grad = torch.ones_like(lin.weight)
+    weight = lin.weight.detach().clone()
+    state = {k: v.clone() for k, v in opt.state[lin.weight].items() if torch.is_tensor(v)}
+    name = "variance" if algorithm == "adamw" else "momentum"
+    with pytest.raises(ValueError, match=rf"parameter 'lin.weight': its state '{name}' \(torch.float32\) holds values "
+                                         r"beyond the range of torch.float16.*was the model cast after steps"):
+        opt.step()
+    assert torch.equal(lin.weight, weight)
+    assert all(torch.equal(opt.state[lin.weight][k], v) for k, v in state.items())
+    del opt.state[lin.weight]
+    opt.step()
+    assert opt.state[lin.weight]["step"] == 1 and not torch.equal(lin.weight, weight)
