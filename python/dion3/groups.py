@@ -64,7 +64,7 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
                  overrides: Optional[Dict[str, Dict[str, Any]]] = None, *,
                  lr: Optional[float] = None,
                  elementwise: str = "adamw", elementwise_options: Optional[Dict[str, Any]] = None,
-                 ) -> List[Dict[str, Any]]:
+                 include_frozen: bool = False) -> List[Dict[str, Any]]:
     """Build parameter groups for dion3.Dion3 / NorMuon / Muon from a model.
 
     lm_head, embeddings: a module, a parameter, a parameter name (or module prefix, or glob) or a
@@ -87,10 +87,14 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
         a group.
     elementwise: "adamw" or "lion"; elementwise_options: extra options of those groups (lr, ...).
 
+    include_frozen: whether parameters with requires_grad=False join the groups. Left out by default
+        (a frozen base model, quantized weights included, stays outside the optimizer); included,
+        a layer unfrozen later trains from then on (its state is made at its first step).
+
     Returns a list of dicts for the optimizer; each carries "param_names" (so error messages name
-    parameters) and "role" ("matrix", "vector", "embedding", "lm_head"). Frozen parameters are left out.
+    parameters) and "role" ("matrix", "vector", "embedding", "lm_head").
     """
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad or include_frozen]
     # Selectors and overrides may name frozen parameters too (a frozen head): they are matched
     # against every name, and select nothing that is left out.
     names = {id(p): n for n, p in model.named_parameters()}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import bisect
 import collections
+import copy
 import difflib
 import gc
 import math
@@ -670,6 +671,24 @@ class _EngineOptimizer(torch.optim.Optimizer):
         state["_megabatch"] = self._megabatch
         state["_blocking"] = self._blocking
         return state
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "_EngineOptimizer":
+        # A process group is not copied (it cannot be): the copy steps over the same group, as a
+        # copied DeviceMesh names the same groups. Otherwise what deepcopy does by default.
+        mesh = self._mesh
+        if isinstance(mesh, _torch_dist.ProcessGroup):
+            memo.setdefault(id(mesh), mesh)
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return new
+
+    def __reduce_ex__(self, protocol):
+        if isinstance(self.__dict__.get("_mesh_held"), weakref.ref):
+            raise TypeError(f"dion3: a {self._name} optimizer over a ProcessGroup cannot be pickled (a process group "
+                            "cannot be); save its state_dict() and load it into one made over the group where it "
+                            "is needed")
+        return super().__reduce_ex__(protocol)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         try:
@@ -1470,6 +1489,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         for key in group:
             if key in known or key in _SCHEDULER_KEYS or not isinstance(key, str):
                 continue
+            if any(key.startswith(k + "_") or key.endswith("_" + k) for k in known):
+                continue  # a setting's own record or tag (a scheduler's initial_weight_decay), not a typo
             where = f"dion3: parameter group {gi}"
             target = next((t for t in self._key_aliases.get(key, ()) if t in known), None)
             if target is not None:

@@ -5,8 +5,10 @@
 # rescale). Not collected by pytest (no test_ prefix).
 from __future__ import annotations
 
+import copy
 import gc
 import os
+import pickle
 import traceback
 import weakref
 
@@ -104,6 +106,21 @@ def ddp(rank, world, opt_cls, **kw):
     plan = opt.plan()
     assert all(mb["layout"] == "replicated" and mb["ranks"] == world for mb in plan), plan
     assert any(mb["columns"] for mb in plan) == (opt_cls is dion3.Dion2), plan  # SHAPES holds a tall matrix
+    # A deep copy steps over the same process group, as the original does; pickling says why not.
+    ws2, opt2 = copy.deepcopy((ws, opt))
+    assert opt2._mesh is dist.group.WORLD
+    for step in range(3, 5):
+        for w, w2, g in zip(ws, ws2, grads_for(SHAPES, step)):
+            w.grad, w2.grad = g.clone(), g.clone()
+        opt.step()
+        opt2.step()
+        assert all(torch.equal(w, w2) for w, w2 in zip(ws, ws2)), f"DDP {opt_cls.__name__}: a deep copy differs"
+    try:
+        pickle.dumps(opt)
+    except TypeError as e:
+        assert "over a ProcessGroup cannot be pickled" in str(e), e
+    else:
+        raise AssertionError("an optimizer over a ProcessGroup was pickled")
 
 
 def destroyed_group(rank, world):

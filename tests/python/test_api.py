@@ -209,3 +209,21 @@ def test_param_groups_may_name_a_frozen_head():
     m.lm_head.weight.requires_grad_(False)
     groups = dion3.param_groups(m, lm_head="lm_head", overrides={"lm_head.weight": {"lr": 1e-3}}, lr=0.02)
     assert "lm_head.weight" not in _roles(groups)
+
+
+def test_param_groups_include_frozen_layers_that_unfreeze_later():
+    # Left out by default (a frozen base model stays outside the optimizer); with include_frozen a
+    # layer unfrozen during training trains from then on, its state made at its first step.
+    m = _Model()
+    m.block.attn.weight.requires_grad_(False)
+    assert "block.attn.weight" not in _roles(dion3.param_groups(m, lr=0.02))
+    groups = dion3.param_groups(m, lr=0.02, include_frozen=True)
+    assert _roles(groups)["block.attn.weight"] == "matrix"
+    opt = dion3.Dion3(groups, lr=0.02)
+    assert not opt.state.get(m.block.attn.weight)
+    m.block.attn.weight.requires_grad_(True)
+    before = m.block.attn.weight.detach().clone()
+    for p in m.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert opt.state[m.block.attn.weight]["step"] == 1 and not torch.equal(m.block.attn.weight, before)

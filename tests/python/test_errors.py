@@ -730,6 +730,12 @@ def test_scheduler_and_user_keys_are_carried(device):
     opt.step()
     sched.step()
     assert opt.param_groups[0]["layer_id"] == 3 and "initial_lr" in opt.param_groups[0]
+    # A setting's own record or tag: a weight-decay scheduler's initial value (timm's Scheduler base
+    # writes initial_<field>), a per-group multiplier.
+    for key in ("initial_weight_decay", "weight_decay_mult", "initial_fraction"):
+        opt.param_groups[0][key] = 0.5
+    opt.step()
+    assert opt.param_groups[0]["weight_decay_mult"] == 0.5
 
 
 def test_sparse_gradient_is_named(device):
