@@ -8,11 +8,17 @@ initial weights and the same batches in the same order. At the end the run write
   loss.png    validation loss against step and against wall-clock time, one line per optimizer
   results.md  final validation loss, the optimizer's share of step time, tokens/s, peak memory
               (GPU: the run's allocated peak; CPU: the process's resident peak, cumulative)
+  history.json  every run's validation losses by step and by wall-clock second
   ckpt-<optimizer>.pt  a checkpoint per optimizer, so an interrupted run resumes (--resume)
-               exactly where it stopped (Ctrl-C saves at the end of the step it is in, and stops). On the CPU the resumed run computes the same bits as one
-               that never stopped; on a GPU PyTorch's backward kernels are not deterministic, so
-               it matches one as closely as two uninterrupted runs match each other.
+               exactly where it stopped (Ctrl-C or SIGTERM saves at the end of the step it is in,
+               and stops; after a kill, the last evaluation's checkpoint). On the CPU, with the same
+               number of threads, the resumed run computes the same bits as one that never
+               stopped; on a GPU PyTorch's backward kernels are not deterministic, so it matches
+               one as closely as two uninterrupted runs match each other.
   run-<optimizer>.json  each finished run's record (no weights), for --report-only
+
+Exit status: 0 when every run finished; 3 when --time-limit stopped one (--resume goes on);
+130 after Ctrl-C and 143 after SIGTERM (both saved: --resume goes on).
 
     python examples/train_gpt.py                        # the CPU default: under 10 minutes on 2 cores
     python examples/train_gpt.py --preset gpu-125m      # a 125M-parameter GPT on one GPU
@@ -300,6 +306,11 @@ def runs_of(names: List[str], cfg: Config, scales: List[float], fractions: Optio
             for s in scales:
                 c = replace(cfg, adamw_lr=cfg.adamw_lr * s) if name == "adamw" else replace(cfg, lr=cfg.lr * s)
                 out.append(Run(base if len(scales) == 1 else f"{base}@{s:g}x", name, replace(c, fraction=f), s))
+    names = [r.name for r in out]
+    same = sorted({n for n in names if names.count(n) > 1})
+    if same:  # their checkpoints and records would be one file
+        raise SystemExit(f"train_gpt: runs {', '.join(same)} would share a name (fractions or lr scales equal to "
+                         "six significant digits); choose values further apart")
     return out
 
 
@@ -322,38 +333,54 @@ def lr_of(optimizer: str, c: "Config") -> float:
 
 class Stop:
     """Why a run saves at the end of its step and stops (resumable), if it should: --time-limit's
-    wall-clock second has passed, or Ctrl-C was pressed (a second Ctrl-C quits at once, unsaved).
-    As a context manager it holds the Ctrl-C handler: in the main thread, where Ctrl-C would raise
-    KeyboardInterrupt (Python's default; one ignored or set by the caller is left alone)."""
+    wall-clock second has passed, or Ctrl-C or SIGTERM came (what a job scheduler, `timeout` or
+    `docker stop` sends; a second signal quits at once, unsaved). As a context manager it holds the
+    two handlers: in the main thread, where the signals have Python's default handlers (ones
+    ignored or set by the caller are left alone)."""
+
+    NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+    DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
 
     def __init__(self, seconds: Optional[float]):
         self.at = None if seconds is None else time.time() + seconds
-        self.interrupted = False
-        self._installed = False
+        self.signal: Optional[int] = None  # the signal that asked to stop
+        self._installed: List[int] = []
+
+    @property
+    def interrupted(self) -> bool:
+        return self.signal is not None
+
+    def exit_status(self) -> int:
+        """A stop's exit status: 128 + the signal, as a shell reports one; 3 for --time-limit."""
+        return 128 + int(self.signal) if self.signal is not None else 3
 
     def reason(self) -> Optional[str]:
-        if self.interrupted:
-            return "Ctrl-C"
+        if self.signal is not None:
+            return self.NAMES[self.signal]
         return "--time-limit" if self.at is not None and time.time() >= self.at else None
 
-    def _on_sigint(self, signum, frame):
-        if self.interrupted:
-            raise KeyboardInterrupt
-        self.interrupted = True
-        print("\ntrain_gpt: Ctrl-C: saving at the end of this step (Ctrl-C again quits without saving)",
+    def _on_signal(self, signum, frame):
+        if self.signal is not None:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + signum)
+        self.signal = signum
+        name = self.NAMES[signum]
+        print(f"\ntrain_gpt: {name}: saving at the end of this step ({name} again quits without saving)",
               file=sys.stderr)
 
     def __enter__(self) -> "Stop":
-        if threading.current_thread() is threading.main_thread() and \
-                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            signal.signal(signal.SIGINT, self._on_sigint)
-            self._installed = True
+        if threading.current_thread() is threading.main_thread():
+            for sig, default in self.DEFAULTS.items():
+                if signal.getsignal(sig) is default:
+                    signal.signal(sig, self._on_signal)
+                    self._installed.append(sig)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._installed:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            self._installed = False
+        for sig in self._installed:
+            signal.signal(sig, self.DEFAULTS[sig])
+        self._installed = []
 
 
 def write_atomically(path: str, text: str) -> None:
@@ -371,21 +398,50 @@ def same_data(what: str, theirs: Optional[str], ours: str) -> None:
                          "Remove it, or go on where the data is the same")
 
 
+def finished_record(run: Run, out: str) -> Optional[Dict]:
+    """The run's record in `out` if it finished with these settings, else None."""
+    record = os.path.join(out, f"run-{run.name}.json")
+    if not os.path.exists(record):
+        return None
+    try:
+        with open(record) as f:
+            rec = json.load(f)
+        return rec if rec["config"] == asdict(run.cfg) and rec["state"].get("done") else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # unreadable: the run is trained again and the record rewritten
+
+
+def check_checkpoints(runs: List[Run], out: str, resume: bool) -> None:
+    """Before any training: without --resume, a checkpoint of a run that is unfinished or has other
+    settings would be overwritten; said up front rather than after the runs before it trained."""
+    if resume:
+        return
+    for run in runs:
+        path = os.path.join(out, f"ckpt-{run.name}.pt")
+        if os.path.exists(path) and finished_record(run, out) is None:
+            raise SystemExit(f"train_gpt: {path} holds a run that is unfinished or has other settings; add --resume "
+                             "to go on from it (same settings), or remove it or pass another --out to start again")
+
+
+def load_checkpoint(path: str, device) -> Dict:
+    """A checkpoint this script wrote, or a one-line reason why the file is not one."""
+    try:
+        ck = torch.load(path, map_location=device, weights_only=False)
+    except Exception as e:  # noqa: BLE001 - a truncated, empty or foreign file: torch's errors vary
+        raise SystemExit(f"train_gpt: cannot read {path} ({type(e).__name__}: {e}); remove it to train that run "
+                         "again") from None
+    if not isinstance(ck, dict) or "config" not in ck:
+        raise SystemExit(f"train_gpt: {path} is not a checkpoint of this script; remove it to train that run again")
+    return ck
+
+
 def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resume: bool,
               stop_after: Optional[int], stop: Stop, corpus_info: str = "") -> Dict:
     """Trains (or resumes) one run; returns its history and summary."""
     name, cfg = run.name, run.cfg
     path = os.path.join(out, f"ckpt-{name}.pt")
     record = os.path.join(out, f"run-{name}.json")
-    rec = None
-    if os.path.exists(record):
-        with open(record) as f:
-            rec = json.load(f)
-        if not (rec["config"] == asdict(cfg) and rec["state"].get("done")):
-            rec = None
-    if not resume and os.path.exists(path) and rec is None:
-        raise SystemExit(f"train_gpt: {path} holds a run that is unfinished or has other settings; add --resume "
-                         "to go on from it, or remove it to start again")
+    rec = finished_record(run, out)
 
     def write_record(state):
         # The run's record without the weights: what --report-only reads, from any number of sessions.
@@ -404,10 +460,10 @@ def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resu
     batches = Batches(train, cfg.batch, cfg.seq_len, cfg.seed)
     state = dict(step=0, elapsed=0.0, opt_seconds=0.0, history=[], done=False)
     if resume and os.path.exists(path):
-        ck = torch.load(path, map_location=device, weights_only=False)
+        ck = load_checkpoint(path, device)
         if ck["config"] != asdict(cfg):
-            raise SystemExit(f"train_gpt: {path} was written with other settings; remove it or run without "
-                             "--resume")
+            raise SystemExit(f"train_gpt: {path} was written with other settings; pass those settings to go on "
+                             "from it, or remove it or pass another --out to start again")
         same_data(path, ck.get("corpus"), corpus_info)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
@@ -516,15 +572,22 @@ def write_report(runs: List[Run], results: Dict[str, Dict], cfg: Config, out: st
             best[family(r)] = r
     fractions = ", ".join(f"{f:g}" for f in dict.fromkeys(r.cfg.fraction for r in runs if r.optimizer == "dion3"))
     first = results[done[0].name] if done else {}
+
+    def base_lr(key: str) -> str:
+        """--lr or --adamw-lr: one value, or "per run" where records of several sessions differ."""
+        scaled = "adamw_lr" if key == "adamw_lr" else "lr"
+        values = {f"{getattr(r.cfg, key) / (r.scale if (r.optimizer == 'adamw') == (scaled == 'adamw_lr') else 1.0):g}"
+                  for r in runs}
+        return values.pop() if len(values) == 1 else "per run (the table's lr column)"
     lines = [f"# Train a GPT: {', '.join(dict.fromkeys(r.optimizer for r in runs))}", "",
              f"- model: {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads, "
              f"{first.get('parameters', 0) / 1e6:.2f}M parameters; "
              f"{cfg.steps} steps of {cfg.batch} x {cfg.seq_len} bytes "
-             f"({cfg.steps * cfg.batch * cfg.seq_len / 1e6:.1f}M tokens); device {device}",
+             f"({cfg.steps * cfg.batch * cfg.seq_len / 1e6:.3g}M tokens); device {device}",
              f"- data: {corpus_info}",
-             f"- lr: Muon and NorMuon --lr {cfg.lr:g}, Dion3 --lr / sqrt(f) (f = {fractions or cfg.fraction}), AdamW "
-             f"--adamw-lr {cfg.adamw_lr:g} (also Dion3's and Muon's embeddings, head and vectors), times each "
-             f"run's scale; seed {cfg.seed}", "",
+             f"- lr: Muon and NorMuon --lr {base_lr('lr')}, Dion3 --lr / sqrt(f) (f = {fractions or cfg.fraction}), "
+             f"AdamW --adamw-lr {base_lr('adamw_lr')} (also Dion3's and Muon's embeddings, head and vectors), times "
+             f"each run's scale; seed {cfg.seed}", "",
              "| run | lr | final val loss | optimizer share of step time | tokens/s | peak memory | optimizer state |",
              "|---|---|---|---|---|---|---|"]
     for r in done:
@@ -562,10 +625,12 @@ def write_report(runs: List[Run], results: Dict[str, Dict], cfg: Config, out: st
     for ax in (a, b):
         ax.set_ylabel("validation loss (nats per byte)")
         ax.grid(alpha=0.3)
-        ax.legend()
+        if best:  # every run diverged: nothing to label
+            ax.legend()
     fig.suptitle(f"GPT, {cfg.n_layer} layers x {cfg.d_model}, {device}")
     fig.tight_layout()
     fig.savefig(os.path.join(out, "loss.png"), dpi=110)
+    plt.close(fig)
 
 
 # ---- command line ---------------------------------------------------------------------------
@@ -580,7 +645,7 @@ def parse_args(argv=None):
                     help=f"comma-separated, from {', '.join(OPTIMIZERS)} (default: all)")
     for key in INT_KEYS:
         ap.add_argument("--" + key.replace("_", "-"), type=int, default=None, help="overrides the preset")
-    ap.add_argument("--corpus-mb", type=float, default=None, help="bytes of source text to read, in MB")
+    ap.add_argument("--corpus-mb", type=float, default=None, help="source text to read, in MiB")
     ap.add_argument("--corpus", choices=CORPORA, default=None,
                     help="stdlib: the standard library's source; python: it and the installed packages' "
                          "(default: python for gpu-125m, stdlib otherwise)")
@@ -595,10 +660,11 @@ def parse_args(argv=None):
                     help="comma-separated multipliers of each optimizer's lr, one run each (a sweep: "
                          "0.5,1,2); the table marks and the plot shows each optimizer's best")
     ap.add_argument("--time-limit", type=float, default=None,
-                    help="seconds; then the current run saves and stops, and --resume goes on")
+                    help="seconds; then the current run saves and stops (exit status 3), and --resume goes on")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when a GPU is visible)")
-    ap.add_argument("--out", default="train_gpt_out", help="folder for the plot, table and checkpoints")
+    ap.add_argument("--out", default="train_gpt_out",
+                    help="folder for the plot, table and checkpoints (relative to the current directory)")
     ap.add_argument("--resume", action="store_true", help="go on from the checkpoints in --out")
     ap.add_argument("--report-only", action="store_true",
                     help="train nothing: write the table and plot from the run-*.json records in --out "
@@ -696,6 +762,12 @@ def main(argv=None) -> int:
     if device.type == "cpu":
         print(f"train_gpt: no GPU in use; training on the CPU ({torch.get_num_threads()} threads)"
               + ("" if a.device == "cpu" and not torch.cuda.is_available() else " as asked"), file=sys.stderr)
+    try:
+        os.makedirs(a.out, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"train_gpt: --out {a.out}: {e.strerror or e}") from None
+    runs = runs_of(names, cfg, a.scales, a.fractions)
+    check_checkpoints(runs, a.out, a.resume)
     text = read_corpus(cfg.corpus, int(cfg.corpus_mb * 2**20))
     data = torch.frombuffer(bytearray(text), dtype=torch.uint8)
     cut = int(len(data) * 0.95)
@@ -709,7 +781,6 @@ def main(argv=None) -> int:
     what = "standard library" if cfg.corpus == "stdlib" else "standard library and installed packages'"
     corpus_info = (f"Python {sys.version.split()[0]} {what} source, {len(text) / 2**20:.1f} MiB "
                    f"(sha256 {hashlib.sha256(text).hexdigest()[:12]}), last 5% held out")
-    os.makedirs(a.out, exist_ok=True)
     windows = eval_windows(val, cfg.eval_batches, cfg.batch, cfg.seq_len)
     if device.type == "cuda":
         # The process's CUDA start-up (context, cuBLAS, kernel loading) is paid here, untimed, not
@@ -722,20 +793,21 @@ def main(argv=None) -> int:
         evaluate(warm, windows[:1], device)
         del warm
         sync(device)
-    runs, results = runs_of(names, cfg, a.scales, a.fractions), {}
+    results = {}
     with Stop(a.time_limit) as stop:
         for run in runs:
             if stop.interrupted:  # during the previous run's last step: the next does not start
-                return 130
+                return stop.exit_status()
             results[run.name] = train_one(run, train, windows, device, a.out, a.resume, a.stop_after, stop,
                                           corpus_info)
             if not results[run.name].get("done"):
-                # Stopped on purpose (--stop-after, --time-limit, Ctrl-C); --resume goes on.
-                return 130 if stop.interrupted else 0
+                # Stopped on purpose (--stop-after, --time-limit, a signal); --resume goes on.
+                return stop.exit_status()
     write_report(runs, results, cfg, a.out, device, corpus_info)
     write_atomically(os.path.join(a.out, "history.json"),
                      json.dumps({n: r["history"] for n, r in results.items()}, indent=1))
-    print(f"train_gpt: wrote {a.out}/results.md and {a.out}/loss.png", file=sys.stderr)
+    where = os.path.abspath(a.out)
+    print(f"train_gpt: wrote {where}/results.md and {where}/loss.png", file=sys.stderr)
     return 0
 
 

@@ -2,17 +2,16 @@
 # scripts/demo.sh — the main job on a fresh machine: installs what is missing and builds
 # (scripts/setup.sh: system packages, the C++ library; scripts/setup-python.sh: the virtualenv
 # with PyTorch and dion3 built from this tree), then trains a small GPT with Dion3, Muon, NorMuon
-# and AdamW (examples/train_gpt.py) and writes train_gpt_out/results.md and loss.png. Extra
-# arguments go to the demo (--help lists them; --preset gpu-125m on a GPU).
+# and AdamW (examples/train_gpt.py) and writes train_gpt_out/results.md and loss.png in the
+# current directory. Extra arguments go to the demo (--help lists them; --preset gpu-125m on a GPU).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$ROOT"
 PY="${DION3_VENV:-$ROOT/.venv}/bin/python"
 for arg in "$@"; do  # --help needs no build once the virtualenv is there
   if [[ ( "$arg" == --help || "$arg" == -h ) && -x "$PY" ]] && "$PY" -c "import torch" 2>/dev/null; then
-    exec "$PY" examples/train_gpt.py --help
+    exec "$PY" "$ROOT/examples/train_gpt.py" --help
   fi
 done
-scripts/setup.sh
-bash scripts/setup-python.sh
-exec "$PY" examples/train_gpt.py "$@"
+(cd "$ROOT" && scripts/setup.sh && bash scripts/setup-python.sh)
+# Run from the caller's directory: --out (default train_gpt_out) is relative to it.
+exec "$PY" "$ROOT/examples/train_gpt.py" "$@"

@@ -33,8 +33,8 @@ def test_an_interrupted_run_resumes_bit_for_bit(tmp_path):
     args = TINY + ["--optimizers", "dion3,adamw"]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     assert train_gpt.main(args + ["--out", str(whole)]) == 0
-    assert train_gpt.main(args + ["--out", str(parts), "--stop-after", "3"]) == 0   # dion3 stops at step 3
-    assert train_gpt.main(args + ["--out", str(parts), "--resume", "--stop-after", "2"]) == 0  # at 5
+    assert train_gpt.main(args + ["--out", str(parts), "--stop-after", "3"]) == 3   # dion3 stops at step 3
+    assert train_gpt.main(args + ["--out", str(parts), "--resume", "--stop-after", "2"]) == 3  # at 5
     assert train_gpt.main(args + ["--out", str(parts), "--resume"]) == 0
     for name in ("dion3", "adamw"):
         a = torch.load(whole / f"ckpt-{name}.pt", weights_only=False)
@@ -89,7 +89,7 @@ def test_a_time_limit_stops_and_resume_goes_on_bit_for_bit(tmp_path):
     args = TINY + ["--optimizers", "dion3"]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     assert train_gpt.main(args + ["--out", str(whole)]) == 0
-    assert train_gpt.main(args + ["--out", str(parts), "--time-limit", "1e-6"]) == 0  # stops after one step
+    assert train_gpt.main(args + ["--out", str(parts), "--time-limit", "1e-6"]) == 3  # stops after one step
     ck = torch.load(parts / "ckpt-dion3.pt", weights_only=False)
     assert ck["state"]["step"] == 1 and not ck["state"]["done"]
     assert train_gpt.main(args + ["--out", str(parts), "--resume"]) == 0
@@ -98,10 +98,12 @@ def test_a_time_limit_stops_and_resume_goes_on_bit_for_bit(tmp_path):
     assert all(torch.equal(v, b[k]) for k, v in a.items())
 
 
-def test_ctrl_c_saves_at_the_end_of_the_step_and_resume_goes_on_bit_for_bit(tmp_path, monkeypatch):
-    # The first Ctrl-C (SIGINT, raised here as step 3 is shown) lets the step finish, saves and
-    # stops with the shell's 130; --resume then computes what one run would have.
+@pytest.mark.parametrize("signame, status", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_signal_saves_at_the_end_of_the_step_and_resume_goes_on_bit_for_bit(tmp_path, monkeypatch, signame, status):
+    # The first Ctrl-C or SIGTERM (a job scheduler's; raised here as step 3 is shown) lets the step
+    # finish, saves and stops with the shell's status; --resume then computes what one run would have.
     import signal
+    sig = getattr(signal, signame)
     args = TINY + ["--optimizers", "dion3"]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     assert train_gpt.main(args + ["--out", str(whole)]) == 0
@@ -110,11 +112,11 @@ def test_ctrl_c_saves_at_the_end_of_the_step_and_resume_goes_on_bit_for_bit(tmp_
     def interrupting(self, step, *rest, **kw):
         show(self, step, *rest, **kw)
         if step == 3:
-            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(sig)
     monkeypatch.setattr(train_gpt.Progress, "show", interrupting)
-    held = signal.getsignal(signal.SIGINT)
-    assert train_gpt.main(args + ["--out", str(parts)]) == 130
-    assert signal.getsignal(signal.SIGINT) is held  # the handler is put back
+    held = signal.getsignal(sig)
+    assert train_gpt.main(args + ["--out", str(parts)]) == status
+    assert signal.getsignal(sig) is held  # the handler is put back
     ck = torch.load(parts / "ckpt-dion3.pt", weights_only=False)
     assert ck["state"]["step"] == 3 and not ck["state"]["done"]
     monkeypatch.setattr(train_gpt.Progress, "show", show)
@@ -148,19 +150,52 @@ def test_bad_arguments_are_refused_with_a_message(argv, message, capsys):
 
 def test_resuming_with_other_settings_is_refused(tmp_path):
     args = TINY + ["--optimizers", "dion3", "--out", str(tmp_path)]
-    assert train_gpt.main(args + ["--stop-after", "2"]) == 0
-    with pytest.raises(SystemExit, match="written with other settings"):
+    assert train_gpt.main(args + ["--stop-after", "2"]) == 3
+    with pytest.raises(SystemExit, match="written with other settings; pass those settings to go on from it, or "
+                                         "remove it or pass another --out"):
         train_gpt.main(args + ["--resume", "--lr", "0.03"])
 
 
 def test_an_unfinished_checkpoint_is_not_overwritten_without_resume(tmp_path):
     args = TINY + ["--optimizers", "adamw", "--out", str(tmp_path)]
-    assert train_gpt.main(args + ["--stop-after", "6"]) == 0
+    assert train_gpt.main(args + ["--stop-after", "6"]) == 3
     with pytest.raises(SystemExit, match="unfinished or has other settings; add --resume"):
         train_gpt.main(args)
     assert torch.load(tmp_path / "ckpt-adamw.pt", weights_only=False)["state"]["step"] == 6
     assert train_gpt.main(args + ["--resume"]) == 0
     assert train_gpt.main(args) == 0  # a finished run may be trained again from the start
+
+
+def test_an_unfinished_checkpoint_is_found_before_any_run_trains(tmp_path):
+    # Without --resume the refusal comes first, not after the runs before it trained again.
+    args = TINY + ["--optimizers", "muon,adamw", "--out", str(tmp_path)]
+    assert train_gpt.main(args) == 0
+    muon = (tmp_path / "ckpt-muon.pt").stat().st_mtime_ns
+    ck = torch.load(tmp_path / "ckpt-adamw.pt", weights_only=False)
+    ck["state"]["done"] = False
+    torch.save(ck, tmp_path / "ckpt-adamw.pt")
+    (tmp_path / "run-adamw.json").unlink()
+    with pytest.raises(SystemExit, match="ckpt-adamw.pt holds a run that is unfinished"):
+        train_gpt.main(args)
+    assert (tmp_path / "ckpt-muon.pt").stat().st_mtime_ns == muon
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "cannot read"), (b"not a checkpoint", "cannot read"), (None, "is not a checkpoint of this script")])
+def test_a_damaged_or_foreign_checkpoint_is_refused_in_one_line(tmp_path, content, message):
+    path = tmp_path / "ckpt-adamw.pt"
+    if content is None:
+        torch.save({"weights": torch.zeros(2)}, path)
+    else:
+        path.write_bytes(content)
+    with pytest.raises(SystemExit, match=message):
+        train_gpt.main(TINY + ["--optimizers", "adamw", "--out", str(tmp_path), "--resume"])
+
+
+def test_runs_that_would_share_a_name_are_refused_up_front(tmp_path):
+    with pytest.raises(SystemExit, match="runs dion3-f0.333333 would share a name"):
+        train_gpt.main(TINY + ["--optimizers", "dion3", "--fraction", "0.3333331,0.3333332", "--out", str(tmp_path)])
+    assert not list(tmp_path.glob("ckpt-*"))
 
 
 def test_a_diverging_run_ends_as_diverged_and_the_sweep_goes_on(tmp_path):
@@ -187,7 +222,7 @@ def test_a_finished_runs_record_is_written_again_on_resume(tmp_path):
 
 def test_runs_on_other_data_are_neither_resumed_nor_reported_together(tmp_path):
     args = TINY + ["--optimizers", "adamw", "--out", str(tmp_path)]
-    assert train_gpt.main(args + ["--stop-after", "2"]) == 0
+    assert train_gpt.main(args + ["--stop-after", "2"]) == 3
     ck = torch.load(tmp_path / "ckpt-adamw.pt", weights_only=False)
     ck["corpus"] = "Python 0.0 standard library source, 0.5 MiB (sha256 000000000000), last 5% held out"
     torch.save(ck, tmp_path / "ckpt-adamw.pt")
