@@ -97,9 +97,14 @@ class CudaGraphOptimizer(torch.optim.Optimizer):
             self._graph.reset()
             self._graph = None
 
-    def _check_gradients(self) -> None:
+    def _check_capturable(self) -> None:
         for gi, group in enumerate(self.param_groups):
             for j, p in enumerate(group["params"]):
+                if p.device.type != "cuda":
+                    name = self.optimizer._param_name(group, gi, j)
+                    raise RuntimeError(f"dion3: cannot capture the step: parameter {j} '{name}' of group {gi} is on "
+                                       f"{p.device}; a CUDA graph captures steps of CUDA parameters (step the "
+                                       "optimizer itself elsewhere)")
                 if p.requires_grad and p.grad is None:
                     name = self.optimizer._param_name(group, gi, j)
                     raise RuntimeError(
@@ -109,7 +114,7 @@ class CudaGraphOptimizer(torch.optim.Optimizer):
                         "requires_grad=False")
 
     def _capture(self) -> None:
-        self._check_gradients()
+        self._check_capturable()
         inner = self.optimizer
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

@@ -71,15 +71,16 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
         list of them. Defaults: the head is the weight (and bias) of a module named lm_head or
         embed_out anywhere, or of a top-level module named head or output (below a wrapper's
         _orig_mod or module); embeddings are all
-        nn.Embedding modules. A head tied to an embedding (one Parameter used by both) is an
+        nn.Embedding and nn.EmbeddingBag modules. A head tied to an embedding (one Parameter used by both) is an
         embedding. They go to the element-wise algorithm, as do all tensors with fewer than 2
         dimensions larger than 1 (biases, norms, a (1, 1, d) class token, weight_norm's gains).
         An embedding held as a bare Parameter (a ViT's pos_embed) is not recognised: name it.
         Convolution weights (torch.nn's Conv and ConvTranspose modules) get a matrix group of their
-        own with flatten=True: one (out_channels, rest) matrix each; other weights of three or more
+        own with flatten=True: one (dim0, rest) matrix each (dim0: a Conv's output channels, a
+        ConvTranspose's input channels); other weights of three or more
         dimensions (expert stacks) stay stacks of matrices (flatten=False).
-    lr: the optimizer's base learning rate. Given, the head's group gets lr / sqrt(d_in) (d_in: the
-        head weight's input dimension), the reference's recommendation; every other group keeps
+    lr: the optimizer's base learning rate. Given, each head learns at lr / sqrt(d_in) (d_in: its
+        weight's input dimension), the reference's recommendation; every other group keeps
         the optimizer's lr. Not given while a head exists (and no elementwise_options lr): a warning,
         and the head learns at the optimizer's lr.
     overrides: {name or glob: {group option: value}}, e.g. {"*.router.weight": {"algorithm":
@@ -100,7 +101,8 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
     names = {id(p): n for n, p in model.named_parameters()}
     emb = _ids_of(model, embeddings, names)
     if emb is None:
-        emb = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+        emb = {id(p) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+               for p in m.parameters()}
     head = _ids_of(model, lm_head, names)
     if head is None:
         head = {id(p) for n, p in named if _is_head_name(n)}
@@ -115,6 +117,9 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
             raise ValueError(f"dion3.param_groups: override {pattern!r} matches no parameter of the model")
 
     head_weights = [p for n, p in named if id(p) in head and p.dim() == 2]
+    # Each head's input dimension, by its module (a model may have several heads: its bias learns
+    # at its weight's lr).
+    head_din = {n.rpartition(".")[0]: p.shape[1] for n, p in named if id(p) in head and p.dim() == 2}
     if head_weights and lr is None and "lr" not in base_el:
         warnings.warn("dion3.param_groups: pass lr= (the optimizer's learning rate) so that the LM head learns "
                       "at lr / sqrt(d_in) as recommended; without it the head uses the optimizer's lr",
@@ -124,7 +129,7 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
         if id(p) in head:
             role, opts = "lm_head", dict(base_el)
             if lr is not None and "lr" not in opts and head_weights:
-                opts["lr"] = lr / math.sqrt(head_weights[0].shape[1])
+                opts["lr"] = lr / math.sqrt(head_din.get(name.rpartition(".")[0], head_weights[0].shape[1]))
         elif id(p) in emb:
             role, opts = "embedding", dict(base_el)
         elif sum(d > 1 for d in p.shape) < 2 or p.numel() == 0:

@@ -90,6 +90,17 @@ MATRIX_ALGORITHMS = ("dion3", "nordion2", "dion2", "normuon", "muon")
 
 # Group keys that torch's learning-rate schedulers and SWA write into param groups: carried, unread.
 _SCHEDULER_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr"})
+# A setting's name with one of these around it is a record or tag of that setting (a scheduler's
+# initial_weight_decay, a per-group weight_decay_mult), carried untouched: not a typo of it.
+_TAG_PREFIXES = ("initial_",)
+_TAG_SUFFIXES = ("_mult", "_multiplier", "_scale")
+
+
+def _is_setting_tag(key: str, known) -> bool:
+    return any(key == p + k for p in _TAG_PREFIXES for k in known) or \
+        any(key == k + x for x in _TAG_SUFFIXES for k in known)
+
+
 # Other optimizers' names for settings dion3 has under another name.
 # {other name: dion3's names for it}; the first that the optimizer knows is the one it names.
 _KEY_ALIASES = {"eps": ("epsilon",), "momentum": ("mu", "ef_decay"), "beta2": ("muon_beta2",),
@@ -1489,12 +1500,12 @@ class _EngineOptimizer(torch.optim.Optimizer):
         for key in group:
             if key in known or key in _SCHEDULER_KEYS or not isinstance(key, str):
                 continue
-            if any(key.startswith(k + "_") or key.endswith("_" + k) for k in known):
-                continue  # a setting's own record or tag (a scheduler's initial_weight_decay), not a typo
             where = f"dion3: parameter group {gi}"
             target = next((t for t in self._key_aliases.get(key, ()) if t in known), None)
             if target is not None:
                 raise ValueError(f"{where}: unknown setting '{key}'; dion3 calls it '{target}'")
+            if _is_setting_tag(key, known):
+                continue
             near = difflib.get_close_matches(key, sorted(known - {"params", "param_names"}), n=1, cutoff=0.75)
             if near:
                 raise ValueError(f"{where}: unknown setting '{key}'; did you mean '{near[0]}'?")

@@ -227,3 +227,20 @@ def test_param_groups_include_frozen_layers_that_unfreeze_later():
         p.grad = torch.randn_like(p)
     opt.step()
     assert opt.state[m.block.attn.weight]["step"] == 1 and not torch.equal(m.block.attn.weight, before)
+
+
+def test_param_groups_give_each_head_its_own_lr_and_find_embedding_bags():
+    # Two heads of other input widths learn at lr / sqrt(their own d_in), each bias with its weight;
+    # an nn.EmbeddingBag table is an embedding, not a matrix to orthogonalize.
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag = torch.nn.EmbeddingBag(50, 16)
+            self.lm_head = torch.nn.Linear(64, 10)
+            self.aux = torch.nn.ModuleDict(dict(lm_head=torch.nn.Linear(4, 10)))
+
+    groups = dion3.param_groups(M(), lr=0.01)
+    lr = {n: g["lr"] for g in groups if g["role"] == "lm_head" for n in g["param_names"]}
+    assert lr == pytest.approx({"lm_head.weight": 0.01 / 8, "lm_head.bias": 0.01 / 8,
+                                "aux.lm_head.weight": 0.01 / 2, "aux.lm_head.bias": 0.01 / 2})
+    assert _roles(groups)["bag.weight"] == "embedding"

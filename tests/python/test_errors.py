@@ -704,6 +704,11 @@ def test_storage_shared_after_construction_is_refused_at_the_step(device):
     ("momentum", r"dion3 calls it 'mu'"),
     ("split_size", r"unknown setting 'split_size'; did you mean 'split_sizes'\?"),
     ("num_head", r"unknown setting 'num_head'; did you mean 'num_heads'\?"),
+    # Other optimizers' names, refused though they hold a setting's name (a tag's shape).
+    ("rank_fraction", r"unknown setting 'rank_fraction'; dion3 calls it 'fraction'"),
+    ("adjust_lr_fn", r"dion3 calls it 'adjust_lr'"),
+    ("ns_coefficients", r"dion3 calls it 'coefficients'"),
+    ("nesterov_momentum", r"dion3 calls it 'nesterov'"),
 ])
 def test_group_keys_that_would_be_ignored_are_refused(device, key, pattern):
     with pytest.raises(ValueError, match=r"parameter group 0: .*" + pattern):
@@ -732,7 +737,7 @@ def test_scheduler_and_user_keys_are_carried(device):
     assert opt.param_groups[0]["layer_id"] == 3 and "initial_lr" in opt.param_groups[0]
     # A setting's own record or tag: a weight-decay scheduler's initial value (timm's Scheduler base
     # writes initial_<field>), a per-group multiplier.
-    for key in ("initial_weight_decay", "weight_decay_mult", "initial_fraction"):
+    for key in ("initial_weight_decay", "weight_decay_mult", "initial_fraction", "lr_scale"):
         opt.param_groups[0][key] = 0.5
     opt.step()
     assert opt.param_groups[0]["weight_decay_mult"] == 0.5
@@ -843,3 +848,16 @@ def test_a_process_group_this_rank_is_not_in_is_named_as_such():
     w = nn.Parameter(torch.randn(8, 12))
     with pytest.raises(ValueError, match="a process group this rank is not in"):
         dion3.Dion3([w], distributed_mesh=dist.GroupMember.NON_GROUP_MEMBER)
+
+
+def test_cuda_graph_capture_refuses_parameters_off_the_gpu():
+    # The capture would record nothing of a CPU engine's step, and every replay would then leave
+    # the weights alone: refused by name when the capture comes, after the eager warm-up steps.
+    from dion3.cuda_graph import CudaGraphOptimizer
+    w = nn.Parameter(torch.randn(8, 4))
+    opt = CudaGraphOptimizer(dion3.Dion3([dict(params=[w], param_names=["w"])]), warmup_steps=1)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    with pytest.raises(RuntimeError, match="parameter 0 'w' of group 0 is on cpu; a CUDA graph captures steps of "
+                                           "CUDA parameters"):
+        opt.step()

@@ -133,6 +133,8 @@ def test_refuses_what_it_would_misread():
         dion3.optim.Muon([w], mu=0.9)  # not torch's argument
     with pytest.raises(ValueError, match="unknown setting 'mu'; dion3 calls it 'momentum'"):
         dion3.optim.Muon([dict(params=[w], mu=0.9)])
+    with pytest.raises(ValueError, match="unknown setting 'adjust_lr'; dion3 calls it 'adjust_lr_fn'"):
+        dion3.optim.Muon([dict(params=[w], adjust_lr="rms_norm")])  # dion3.Muon's name, though it ends in _lr
     with pytest.raises(ValueError, match="Adjust learning rate function spectral_norm is not supported"):
         dion3.optim.Muon([w], adjust_lr_fn="spectral_norm")  # torch's own check and message
     with pytest.raises(ValueError, match="momentum should be >= 0"):
