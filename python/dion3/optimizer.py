@@ -1847,7 +1847,8 @@ class NorMuon(_EngineOptimizer):
     """NorMuon: Muon with per-row second-moment normalization (algorithm.md §1 baselines). Same
     constructor as the reference `dion.NorMuon`, plus Dion3's explicit extra arguments and
     ema_momentum (keep the momentum as an average, M = mu*M + (1 - mu)*G, as torch.optim.Muon does;
-    the orthogonalized update is the same at a fixed mu)."""
+    the orthogonalized update is the same at a fixed mu). fraction and scale_lr_by_fraction are the
+    defaults of groups set to algorithm='dion3'; NorMuon's own groups do not read them."""
 
     _default_algorithm = "normuon"
     _name = "NorMuon"
@@ -1879,6 +1880,8 @@ class NorMuon(_EngineOptimizer):
 class Muon(_EngineOptimizer):
     """Muon: the orthogonalized momentum update (algorithm.md §1 baselines). Same constructor as the
     reference `dion.Muon`, plus Dion3's explicit extra arguments and ema_momentum (as NorMuon's).
+    fraction, scale_lr_by_fraction and muon_beta2 are the defaults of groups set to another
+    algorithm ('dion3', 'normuon'); Muon's own groups do not read them.
     For torch.optim.Muon's constructor and checkpoints, see dion3.optim.Muon."""
 
     _default_algorithm = "muon"
