@@ -153,7 +153,9 @@ class CpuBackend final : public Backend {
     for (const MatrixView& v : xs)
       for (const cpu::Piece& q : cpu::pieces(v.batch, v.rows, v.cols, kChunk)) items.emplace_back(&v, q);
     std::atomic<bool> bad{false};
-    cpu::parallel_for(static_cast<int64_t>(items.size()), [] { return std::vector<float>(kChunk); },
+    int64_t elems = 0;
+    for (const MatrixView& v : xs) elems += v.batch * v.rows * v.cols;
+    cpu::parallel_for(static_cast<int64_t>(items.size()), elems, [] { return std::vector<float>(kChunk); },
                       [&](std::vector<float>& buf, int64_t i) {
       const MatrixView& v = *items[i].first;
       const cpu::Piece& q = items[i].second;
@@ -182,7 +184,9 @@ class CpuBackend final : public Backend {
       std::vector<float> g = std::vector<float>(kChunk), m = std::vector<float>(kChunk), v = std::vector<float>(kChunk);
     };
     std::atomic<bool> bad{false};
-    cpu::parallel_for(static_cast<int64_t>(items.size()), [] { return Buffers{}; }, [&](Buffers& buf, int64_t i) {
+    int64_t elems = 0;
+    for (const StepCheck& x : xs) elems += x.grad.batch * x.grad.rows * x.grad.cols;
+    cpu::parallel_for(static_cast<int64_t>(items.size()), elems, [] { return Buffers{}; }, [&](Buffers& buf, int64_t i) {
       const StepCheck& x = *items[i].first;
       std::vector<float>&g = buf.g, &m = buf.m, &v = buf.v;
       for (int64_t c0 = items[i].second.c0; c0 < items[i].second.c1 && !bad.load(std::memory_order_relaxed);
@@ -235,7 +239,7 @@ class CpuBackend final : public Backend {
     struct Buffers {
       std::vector<float> m, g;
     };
-    cpu::parallel_for(static_cast<int64_t>(set.mats.size()) * blocks, [] { return Buffers{}; },
+    cpu::parallel_for(static_cast<int64_t>(set.mats.size()) * blocks, elements_of(set), [] { return Buffers{}; },
                       [&](Buffers& buf, int64_t item) {
       const int64_t i = item / blocks, r0 = item % blocks * block;
       const ParamMatrix& p = set.mats[i];
@@ -265,7 +269,9 @@ class CpuBackend final : public Backend {
     if (skipped(skip)) return;
     check(k >= 1 && k <= m, "select_rows needs 1 <= k <= m");
     check(!row_sumsq || selected_sumsq, "select_rows: row_sumsq without selected_sumsq");
-    cpu::parallel_for(count, [m] { return std::vector<int32_t>(m); }, [&](std::vector<int32_t>& order, int64_t i) {
+    // Work: a selection and a sort cost some tens of operations per score.
+    cpu::parallel_for(count, count * m * 32, [m] { return std::vector<int32_t>(m); },
+                      [&](std::vector<int32_t>& order, int64_t i) {
       const float* s = scores + i * m;
       if (largest) largest[i] = *std::max_element(s, s + m) + 1.0f;
       std::iota(order.begin(), order.end(), 0);
@@ -329,7 +335,8 @@ class CpuBackend final : public Backend {
       std::vector<float> m, g, u;
     };
     const auto buffers = [cols] { return Buffers{std::vector<float>(cols), std::vector<float>(cols), std::vector<float>(cols)}; };
-    cpu::parallel_for(static_cast<int64_t>(set.mats.size()) * blocks, buffers, [&](Buffers& buf, int64_t item) {
+    cpu::parallel_for(static_cast<int64_t>(set.mats.size()) * blocks, static_cast<int64_t>(set.mats.size()) * k * cols,
+                      buffers, [&](Buffers& buf, int64_t item) {
       const int64_t i = item / blocks, j0 = item % blocks * block;
       const ParamMatrix& p = set.mats[i];
       std::vector<float>&m = buf.m, &g = buf.g, &u = buf.u;
@@ -380,7 +387,7 @@ class CpuBackend final : public Backend {
       std::vector<float> m, x;
     };
     const auto buffers = [cols] { return Buffers{std::vector<float>(cols), std::vector<float>(cols)}; };
-    cpu::parallel_for(count * blocks, buffers, [&](Buffers& buf, int64_t item) {
+    cpu::parallel_for(count * blocks, count * k * cols, buffers, [&](Buffers& buf, int64_t item) {
       const int64_t i = item / blocks, j0 = item % blocks * block;
       const ParamMatrix& p = set.mats[i];
       const float inv = invs[i];
@@ -415,7 +422,8 @@ class CpuBackend final : public Backend {
     // factors on O's rows; then the weight rows, in blocks.
     std::vector<int32_t> target(static_cast<std::size_t>(count * rows), -1);
     std::vector<float> row_factor(p.normuon ? count * k : 0), factor(count, 1.0f);
-    cpu::parallel_for(count, [] { return std::vector<float>(); }, [&](std::vector<float>& o, int64_t i) {
+    cpu::parallel_for(count, count * k * (p.normuon ? ocols : 1), [] { return std::vector<float>(); },
+                      [&](std::vector<float>& o, int64_t i) {
       const int32_t* sel = idx ? idx + i * k : nullptr;
       for (int64_t j = 0; j < k; ++j) {
         const int64_t r = sel ? sel[j] : j;
@@ -434,7 +442,7 @@ class CpuBackend final : public Backend {
       std::vector<float> u, w;
     };
     const auto buffers = [cols] { return Buffers{std::vector<float>(cols), std::vector<float>(cols)}; };
-    cpu::parallel_for(count * blocks, buffers, [&](Buffers& buf, int64_t item) {
+    cpu::parallel_for(count * blocks, count * rows * cols, buffers, [&](Buffers& buf, int64_t item) {
       const int64_t i = item / blocks, r0 = item % blocks * block;
       const ParamMatrix& pm = set.mats[i];
       std::vector<float>&u = buf.u, &w = buf.w;
@@ -460,7 +468,8 @@ class CpuBackend final : public Backend {
 
   void normalize(MatrixView in, MatrixView out, NormGuard norm, const float* row_sumsq, bool transpose) override {
     check_shapes(in, out, transpose, "normalize shapes");
-    cpu::parallel_for(in.batch, [] { return DenseBuffers{}; }, [&](DenseBuffers& buf, int64_t b) {
+    cpu::parallel_for(in.batch, in.batch * in.rows * in.cols, [] { return DenseBuffers{}; },
+                      [&](DenseBuffers& buf, int64_t b) {
       std::vector<float>& x = buf.x;
       load_matrix(in, b, x);
       double ss = 0.0;
@@ -477,7 +486,8 @@ class CpuBackend final : public Backend {
 
   void convert(MatrixView in, MatrixView out, bool transpose) override {
     check_shapes(in, out, transpose, "convert shapes");
-    cpu::parallel_for(in.batch, [] { return DenseBuffers{}; }, [&](DenseBuffers& buf, int64_t b) {
+    cpu::parallel_for(in.batch, in.batch * in.rows * in.cols, [] { return DenseBuffers{}; },
+                      [&](DenseBuffers& buf, int64_t b) {
       load_matrix(in, b, buf.x);
       if (transpose) transpose_into(buf, in.rows, in.cols);
       store_matrix(out, b, buf.x.data());
@@ -500,8 +510,9 @@ class CpuBackend final : public Backend {
                   c + r0 * ldc, ldc);
     };
     cpu::BlasSerial serial;
+    const int64_t work = C.batch * M * N * K;
     if (all_f32({A, B, C}) && A.data != C.data && B.data != C.data) {  // in place
-      cpu::parallel_for(C.batch * tiles, cpu::no_state, [&](cpu::NoState&, int64_t i) {
+      cpu::parallel_for(C.batch * tiles, work, cpu::no_state, [&](cpu::NoState&, int64_t i) {
         const int64_t b = i / tiles;
         tile(in_place(A, b), in_place(B, b), rows_of(C, b), C.ld, i % tiles);
       });
@@ -510,7 +521,7 @@ class CpuBackend final : public Backend {
     struct Buffers {
       std::vector<float> a, b, c;
     };
-    cpu::parallel_for(C.batch, [] { return Buffers{}; }, [&](Buffers& buf, int64_t b) {
+    cpu::parallel_for(C.batch, work, [] { return Buffers{}; }, [&](Buffers& buf, int64_t b) {
       const F32Operand a = as_f32(A, b, buf.a), bb = as_f32(B, b, buf.b);
       if (beta != 0.0f) load_matrix(C, b, buf.c);
       else buf.c.assign(static_cast<std::size_t>(M * N), 0.0f);
@@ -534,11 +545,12 @@ class CpuBackend final : public Backend {
                   c + r0 * ldc + r0, ldc);
     };
     cpu::BlasSerial serial;
+    const int64_t work = X.batch * p * (p + 1) / 2 * q;
     if (all_f32({X, C}) && X.data != C.data) {  // in place
-      cpu::parallel_for(X.batch * tiles, cpu::no_state, [&](cpu::NoState&, int64_t i) {
+      cpu::parallel_for(X.batch * tiles, work, cpu::no_state, [&](cpu::NoState&, int64_t i) {
         tile(in_place(X, i / tiles), rows_of(C, i / tiles), C.ld, i % tiles);
       });
-      cpu::parallel_for(X.batch * tiles, cpu::no_state, [&](cpu::NoState&, int64_t i) {
+      cpu::parallel_for(X.batch * tiles, X.batch * p * p, cpu::no_state, [&](cpu::NoState&, int64_t i) {
         const int64_t r0 = i % tiles * rows;
         mirror_rows(rows_of(C, i / tiles), C.ld, p, r0, std::min(p, r0 + rows));
       });
@@ -547,7 +559,7 @@ class CpuBackend final : public Backend {
     struct Buffers {
       std::vector<float> x, c;
     };
-    cpu::parallel_for(X.batch, [] { return Buffers{}; }, [&](Buffers& buf, int64_t b) {
+    cpu::parallel_for(X.batch, work, [] { return Buffers{}; }, [&](Buffers& buf, int64_t b) {
       const F32Operand x = as_f32(X, b, buf.x);
       buf.c.resize(static_cast<std::size_t>(p * p));
       for (int64_t t = 0; t < tiles; ++t) tile(x, buf.c.data(), p, t);
@@ -578,14 +590,15 @@ class CpuBackend final : public Backend {
       }
     };
     cpu::BlasSerial serial;
+    const int64_t work = C.batch * p * p * p;
     if (all_f32({A, B, C}) && (!with_d || (D->dtype == DType::F32 && D->data != C.data)) && A.data != C.data &&
         B.data != C.data) {  // in place
-      cpu::parallel_for(C.batch * tiles, cpu::no_state, [&](cpu::NoState&, int64_t i) {
+      cpu::parallel_for(C.batch * tiles, work, cpu::no_state, [&](cpu::NoState&, int64_t i) {
         const int64_t b = i / tiles;
         const F32Operand d = with_d ? in_place(*D, b) : F32Operand{};
         tile(in_place(A, b), in_place(B, b), with_d ? &d : nullptr, rows_of(C, b), C.ld, i % tiles);
       });
-      cpu::parallel_for(C.batch * tiles, cpu::no_state, [&](cpu::NoState&, int64_t i) {
+      cpu::parallel_for(C.batch * tiles, C.batch * p * p, cpu::no_state, [&](cpu::NoState&, int64_t i) {
         const int64_t r0 = i % tiles * cols;
         mirror_rows(rows_of(C, i / tiles), C.ld, p, r0, std::min(p, r0 + cols));
       });
@@ -594,7 +607,7 @@ class CpuBackend final : public Backend {
     struct Buffers {
       std::vector<float> a, b, d, t;
     };
-    cpu::parallel_for(C.batch, [] { return Buffers{}; }, [&](Buffers& buf, int64_t b) {
+    cpu::parallel_for(C.batch, work, [] { return Buffers{}; }, [&](Buffers& buf, int64_t b) {
       const F32Operand a = as_f32(A, b, buf.a), bb = as_f32(B, b, buf.b);
       const F32Operand d = with_d ? as_f32(*D, b, buf.d) : F32Operand{};
       buf.t.resize(static_cast<std::size_t>(p * p));
@@ -606,7 +619,8 @@ class CpuBackend final : public Backend {
 
   void add_identity(MatrixView X, float gamma, MatrixView C) override {
     check(X.rows == X.cols && C.rows == X.rows && C.cols == X.cols && C.batch == X.batch, "add_identity shapes");
-    cpu::parallel_for(X.batch, [] { return std::vector<float>(); }, [&](std::vector<float>& x, int64_t b) {
+    cpu::parallel_for(X.batch, X.batch * X.rows * X.cols, [] { return std::vector<float>(); },
+                      [&](std::vector<float>& x, int64_t b) {
       load_matrix(X, b, x);
       for (int64_t r = 0; r < X.rows; ++r) x[r * X.cols + r] += gamma;
       store_matrix(C, b, x.data());
@@ -619,7 +633,8 @@ class CpuBackend final : public Backend {
     check(ps.size() == hs.size(), "adamw: one set of hyperparameters per parameter");
     if (skipped(skip)) return;
     const auto items = elementwise_pieces(ps);
-    cpu::parallel_for(static_cast<int64_t>(items.size()), cpu::no_state, [&](cpu::NoState&, int64_t i) {
+    cpu::parallel_for(static_cast<int64_t>(items.size()), elementwise_size(ps), cpu::no_state,
+                      [&](cpu::NoState&, int64_t i) {
       adamw_one(ps[items[i].first], hs[items[i].first], items[i].second.c0, items[i].second.c1);
     });
   }
@@ -628,7 +643,8 @@ class CpuBackend final : public Backend {
     check(ps.size() == hs.size(), "lion: one set of hyperparameters per parameter");
     if (skipped(skip)) return;
     const auto items = elementwise_pieces(ps);
-    cpu::parallel_for(static_cast<int64_t>(items.size()), cpu::no_state, [&](cpu::NoState&, int64_t i) {
+    cpu::parallel_for(static_cast<int64_t>(items.size()), elementwise_size(ps), cpu::no_state,
+                      [&](cpu::NoState&, int64_t i) {
       lion_one(ps[items[i].first], hs[items[i].first], items[i].second.c0, items[i].second.c1);
     });
   }
@@ -649,7 +665,8 @@ class CpuBackend final : public Backend {
     struct Buffers {
       std::vector<float> m, g;
     };
-    cpu::parallel_for(static_cast<int64_t>(set.mats.size()), [] { return Buffers{}; }, [&](Buffers& buf, int64_t i) {
+    cpu::parallel_for(static_cast<int64_t>(set.mats.size()), elements_of(set), [] { return Buffers{}; },
+                      [&](Buffers& buf, int64_t i) {
       const ParamMatrix& p = set.mats[i];
       load_stored(p.momentum, buf.m);
       load_stored(p.grad, buf.g);
@@ -675,7 +692,8 @@ class CpuBackend final : public Backend {
     struct Buffers {
       std::vector<float> m, g, u;
     };
-    cpu::parallel_for(static_cast<int64_t>(set.mats.size()), [] { return Buffers{}; }, [&](Buffers& buf, int64_t i) {
+    cpu::parallel_for(static_cast<int64_t>(set.mats.size()), elements_of(set), [] { return Buffers{}; },
+                      [&](Buffers& buf, int64_t i) {
       const ParamMatrix& p = set.mats[i];
       load_stored(p.momentum, buf.m);
       if (scale_g != 0.0f) load_stored(p.grad, buf.g);
@@ -709,7 +727,8 @@ class CpuBackend final : public Backend {
       std::vector<float> w, o;
       std::vector<int32_t> target;
     };
-    cpu::parallel_for(static_cast<int64_t>(set.mats.size()), [] { return Buffers{}; }, [&](Buffers& buf, int64_t i) {
+    cpu::parallel_for(static_cast<int64_t>(set.mats.size()), elements_of(set), [] { return Buffers{}; },
+                      [&](Buffers& buf, int64_t i) {
       const ParamMatrix& pm = set.mats[i];
       buf.target.assign(n, -1);  // the row of O that updates each stored column
       for (int64_t s = 0; s < k; ++s) {
@@ -729,6 +748,16 @@ class CpuBackend final : public Backend {
         }
       store_stored(pm.weight, buf.w);
     });
+  }
+
+  // The elements of all a set's matrices, and of element-wise parameters: the work of a pass.
+  static int64_t elements_of(const MatrixSet& set) {
+    return static_cast<int64_t>(set.mats.size()) * set.rows() * set.cols();
+  }
+  static int64_t elementwise_size(std::span<const ElementwiseParam> ps) {
+    int64_t n = 0;
+    for (const ElementwiseParam& e : ps) n += e.weight.cols;
+    return n;
   }
 
   // Pieces of element-wise parameters (one row each), as (parameter, piece).

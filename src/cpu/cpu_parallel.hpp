@@ -28,22 +28,31 @@ void openblas_set_num_threads(int) __attribute__((weak));
 
 namespace dion3::cpu {
 
+// Work below kParallelWork (multiply-adds, or elements read and written) runs on the calling
+// thread: a parallel region's start and join cost more than it saves, and where another process
+// holds a core, a whole scheduler slice. A thread takes items in chunks of about kGrainWork, so
+// that many tiny items (small matrices, one BLAS call each) are not handed out one by one.
+constexpr int64_t kParallelWork = int64_t{1} << 18, kGrainWork = int64_t{1} << 16;
+
 // Calls body(state, i) for every i in [0, n) over the calling thread's OpenMP team, state being
-// made once per thread by init() (its scratch buffers). Inside another parallel region, or with
-// one thread, it runs on the calling thread. The first exception a body throws is rethrown once
-// every thread is done.
+// made once per thread by init() (its scratch buffers). `work` is the size of all n items
+// together (see kParallelWork). Inside another parallel region, with one thread or with little
+// work, it runs on the calling thread. The first exception a body throws is rethrown once every
+// thread is done.
 template <class Init, class Body>
-void parallel_for(int64_t n, Init&& init, Body&& body) {
+void parallel_for(int64_t n, int64_t work, Init&& init, Body&& body) {
 #ifdef _OPENMP
-  const int threads = static_cast<int>(std::min<int64_t>(n, omp_get_max_threads()));
+  const int threads = work < kParallelWork ? 1 : static_cast<int>(std::min<int64_t>(n, omp_get_max_threads()));
   if (threads > 1 && !omp_in_parallel()) {
+    const int64_t per_item = std::max<int64_t>(work / n, 1);
+    const int64_t chunk = std::clamp<int64_t>(kGrainWork / per_item, 1, std::max<int64_t>(n / (4 * threads), 1));
     std::exception_ptr error;
     std::mutex error_mutex;
 #pragma omp parallel num_threads(threads)
     {
       try {
         auto state = init();
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, chunk)
         for (int64_t i = 0; i < n; ++i) {
           try {
             body(state, i);
@@ -60,6 +69,8 @@ void parallel_for(int64_t n, Init&& init, Body&& body) {
     if (error) std::rethrow_exception(error);
     return;
   }
+#else
+  (void)work;
 #endif
   auto state = init();
   for (int64_t i = 0; i < n; ++i) body(state, i);
