@@ -520,6 +520,20 @@ def _bad_value(t: torch.Tensor, second_moment: bool) -> Optional[str]:
     return f"{text} at element {i}; {why}"
 
 
+def _without_loaded_tensors(state_dict: Dict[str, Any], groups: List[Dict[str, Any]],
+                            loaded: Dict[torch.Tensor, Dict[str, Any]]) -> Dict[str, Any]:
+    """The state_dict for torch's load_state_dict without the state tensors dion3 has read and
+    checked already (they replace torch's copies after it): torch looks each tensor's parameter
+    up among all the groups' parameters, a cost that grows with the square of their number."""
+    ids = {pid: p for saved, mine in zip(state_dict["param_groups"], groups)
+           for pid, p in zip(saved["params"], mine["params"])}
+    state = {}
+    for pid, st in state_dict["state"].items():
+        done = loaded.get(ids.get(pid), {})
+        state[pid] = {k: v for k, v in st.items() if k not in done} if isinstance(st, dict) else st
+    return dict(state_dict, state=state)
+
+
 class _EngineOptimizer(torch.optim.Optimizer):
     """Common machinery of Dion3, Dion2, NorMuon and Muon (not public)."""
 
@@ -766,7 +780,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         try:
             for name, hooks in held.items():  # run above and below, not again inside torch's load
                 setattr(self, name, type(hooks)())
-            super().load_state_dict(state_dict)
+            super().load_state_dict(_without_loaded_tensors(state_dict, self.param_groups, loaded))
         finally:
             for name, hooks in held.items():
                 setattr(self, name, hooks)
