@@ -17,7 +17,7 @@ initial weights and the same batches in the same order. At the end the run write
                one as closely as two uninterrupted runs match each other.
   run-<optimizer>.json  each finished run's record (no weights), for --report-only
 
-Exit status: 0 when every run finished; 3 when --time-limit stopped one (--resume goes on);
+Exit status: 0 when every run finished; 3 when --time-limit (or --stop-after) stopped one (--resume goes on);
 130 after Ctrl-C and 143 after SIGTERM (both saved: --resume goes on).
 
     python examples/train_gpt.py                        # the CPU default: under 10 minutes on 2 cores
@@ -407,7 +407,7 @@ def finished_record(run: Run, out: str) -> Optional[Dict]:
         with open(record) as f:
             rec = json.load(f)
         return rec if rec["config"] == asdict(run.cfg) and rec["state"].get("done") else None
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None  # unreadable: the run is trained again and the record rewritten
 
 
@@ -762,11 +762,11 @@ def main(argv=None) -> int:
     if device.type == "cpu":
         print(f"train_gpt: no GPU in use; training on the CPU ({torch.get_num_threads()} threads)"
               + ("" if a.device == "cpu" and not torch.cuda.is_available() else " as asked"), file=sys.stderr)
+    runs = runs_of(names, cfg, a.scales, a.fractions)
     try:
         os.makedirs(a.out, exist_ok=True)
     except OSError as e:
         raise SystemExit(f"train_gpt: --out {a.out}: {e.strerror or e}") from None
-    runs = runs_of(names, cfg, a.scales, a.fractions)
     check_checkpoints(runs, a.out, a.resume)
     text = read_corpus(cfg.corpus, int(cfg.corpus_mb * 2**20))
     data = torch.frombuffer(bytearray(text), dtype=torch.uint8)

@@ -6,7 +6,11 @@
 # current directory. Extra arguments go to the demo (--help lists them; --preset gpu-125m on a GPU).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-PY="${DION3_VENV:-$ROOT/.venv}/bin/python"
+# The virtualenv: relative to the repo, where scripts/setup-python.sh makes it.
+DION3_VENV=${DION3_VENV:-.venv}
+[[ "$DION3_VENV" == /* ]] || DION3_VENV="$ROOT/$DION3_VENV"
+export DION3_VENV
+PY="$DION3_VENV/bin/python"
 for arg in "$@"; do  # --help needs no build once the virtualenv is there
   if [[ ( "$arg" == --help || "$arg" == -h ) && -x "$PY" ]] && "$PY" -c "import torch" 2>/dev/null; then
     exec "$PY" "$ROOT/examples/train_gpt.py" --help

@@ -105,11 +105,12 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
                for p in m.parameters()}
     head = _ids_of(model, lm_head, names)
     if head is None:
-        head = {id(p) for n, p in named if _is_head_name(n)}
+        head = {id(p) for n, p in model.named_parameters() if _is_head_name(n)}  # frozen ones too: see head_din
         # A weight tied to an embedding appears once, under its first name: it stays an embedding.
         head -= emb
-    conv = {id(m.weight) for m in model.modules() if isinstance(m, _CONVOLUTIONS) and
-            isinstance(getattr(m, "weight", None), torch.Tensor)}
+    # The convolutions' parameters as registered: a parametrized weight (weight_norm, spectral_norm)
+    # is its originals, and reading m.weight would compute it (a power iteration, for spectral_norm).
+    conv = {id(p) for m in model.modules() if isinstance(m, _CONVOLUTIONS) for p in m.parameters()}
     base_el = {"algorithm": elementwise, **(elementwise_options or {})}
     overrides = overrides or {}
     for pattern in overrides:
@@ -119,7 +120,8 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
     head_weights = [p for n, p in named if id(p) in head and p.dim() == 2]
     # Each head's input dimension, by its module (a model may have several heads: its bias learns
     # at its weight's lr).
-    head_din = {n.rpartition(".")[0]: p.shape[1] for n, p in named if id(p) in head and p.dim() == 2}
+    head_din = {n.rpartition(".")[0]: p.shape[1] for n, p in model.named_parameters()
+                if id(p) in head and p.dim() == 2}
     if head_weights and lr is None and "lr" not in base_el:
         warnings.warn("dion3.param_groups: pass lr= (the optimizer's learning rate) so that the LM head learns "
                       "at lr / sqrt(d_in) as recommended; without it the head uses the optimizer's lr",

@@ -399,7 +399,8 @@ def _check_cast(before: torch.Tensor, after: torch.Tensor, name: str, who: str) 
     if after.dtype == before.dtype or torch.finfo(after.dtype).max >= torch.finfo(before.dtype).max:
         return
     b, a = _dist.local(before), _dist.local(after)
-    if bool((torch.isfinite(b) & ~torch.isfinite(a)).any()):
+    lost = ~torch.isfinite(a)  # on the new device; `before` may be on the old one (model.to(device, dtype))
+    if bool(lost.any()) and bool((lost.to(b.device) & torch.isfinite(b)).any()):
         raise ValueError(f"dion3: {who}: its state '{name}' ({before.dtype}) holds values beyond the range of "
                          f"{after.dtype}, the dtype it follows now (was the model cast after steps?); cast the "
                          "model back, or start the parameter's state afresh (del optimizer.state[p])")
@@ -523,7 +524,7 @@ def _bad_value(t: torch.Tensor, second_moment: bool) -> Optional[str]:
 def _without_loaded_tensors(state_dict: Dict[str, Any], groups: List[Dict[str, Any]],
                             loaded: Dict[torch.Tensor, Dict[str, Any]]) -> Dict[str, Any]:
     """The state_dict for torch's load_state_dict without the state tensors dion3 has read and
-    checked already (they replace torch's copies after it): torch looks each tensor's parameter
+    checked already (load_state_dict puts them in after it): torch looks each tensor's parameter
     up among all the groups' parameters, a cost that grows with the square of their number."""
     ids = {pid: p for saved, mine in zip(state_dict["param_groups"], groups)
            for pid, p in zip(saved["params"], mine["params"])}
@@ -708,6 +709,12 @@ class _EngineOptimizer(torch.optim.Optimizer):
         new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         return new
 
+    def __copy__(self) -> "_EngineOptimizer":
+        # What copy.copy does by default, which would go through __reduce_ex__ below.
+        new = type(self).__new__(type(self))
+        new.__setstate__(self.__getstate__())
+        return new
+
     def __reduce_ex__(self, protocol):
         if isinstance(self.__dict__.get("_mesh_held"), weakref.ref):
             raise TypeError(f"dion3: a {self._name} optimizer over a ProcessGroup cannot be pickled (a process group "
@@ -784,8 +791,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         finally:
             for name, hooks in held.items():
                 setattr(self, name, hooks)
-        # torch casts floating state to each parameter's dtype; dion3 keeps fp32 variance (and an
-        # optional fp32 momentum) next to low-precision weights: put the checked tensors in.
+        # The checked tensors, in the dtypes the groups keep (fp32 variance, and an optional fp32
+        # momentum, next to low-precision weights), which torch's load did not see.
         for p, st in loaded.items():
             self.state[p].update(st)
         self._kinds = {p: _kind(g["algorithm"]) for g in self.param_groups for p in g["params"]}

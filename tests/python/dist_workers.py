@@ -121,6 +121,7 @@ def ddp(rank, world, opt_cls, **kw):
         assert "over a ProcessGroup cannot be pickled" in str(e), e
     else:
         raise AssertionError("an optimizer over a ProcessGroup was pickled")
+    assert copy.copy(opt)._mesh is dist.group.WORLD  # a shallow copy is no pickle
 
 
 def destroyed_group(rank, world):

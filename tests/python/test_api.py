@@ -201,6 +201,16 @@ def test_param_groups_flatten_convolutions_only():
     # Channels-last convolutions: the groups are accepted (flatten=True steps them in memory order).
     cl = M().to(memory_format=torch.channels_last)
     dion3.Dion3(dion3.param_groups(cl, lr=0.02))
+    # A parametrized convolution: its original weights are flattened, and building the groups
+    # computes no parametrization (spectral_norm's power iteration would move its vector u).
+    from torch.nn.utils import parametrizations
+    sn = parametrizations.spectral_norm(torch.nn.Conv2d(16, 8, 1, bias=False))
+    wn = parametrizations.weight_norm(torch.nn.Conv2d(16, 8, 3, bias=False))
+    u = sn.parametrizations.weight[0]._u.clone()
+    groups = dion3.param_groups(torch.nn.Sequential(sn, wn), lr=0.02)
+    assert torch.equal(sn.parametrizations.weight[0]._u, u)
+    flat = {n for g in groups if g.get("flatten") for n in g["param_names"]}
+    assert flat == {"0.parametrizations.weight.original", "1.parametrizations.weight.original1"}
 
 
 def test_param_groups_may_name_a_frozen_head():
@@ -239,8 +249,12 @@ def test_param_groups_give_each_head_its_own_lr_and_find_embedding_bags():
             self.lm_head = torch.nn.Linear(64, 10)
             self.aux = torch.nn.ModuleDict(dict(lm_head=torch.nn.Linear(4, 10)))
 
-    groups = dion3.param_groups(M(), lr=0.01)
+    m = M()
+    groups = dion3.param_groups(m, lr=0.01)
     lr = {n: g["lr"] for g in groups if g["role"] == "lm_head" for n in g["param_names"]}
     assert lr == pytest.approx({"lm_head.weight": 0.01 / 8, "lm_head.bias": 0.01 / 8,
                                 "aux.lm_head.weight": 0.01 / 2, "aux.lm_head.bias": 0.01 / 2})
     assert _roles(groups)["bag.weight"] == "embedding"
+    m.lm_head.weight.requires_grad_(False)  # a frozen head weight: its bias keeps the head's lr
+    lr = {n: g["lr"] for g in dion3.param_groups(m, lr=0.01) if g["role"] == "lm_head" for n in g["param_names"]}
+    assert lr["lm_head.bias"] == pytest.approx(0.01 / 8)

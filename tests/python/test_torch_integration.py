@@ -567,3 +567,17 @@ def test_model_cast_that_overflows_its_state_is_refused_by_name(device, algorith
     del opt.state[lin.weight]
     opt.step()
     assert opt.state[lin.weight]["step"] == 1 and not torch.equal(lin.weight, weight)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_model_moved_and_narrowed_in_one_call_takes_its_state_along():
+    # model.to(device, dtype) after steps: the overflow check of the cast state compares values
+    # held on two devices.
+    lin = nn.Linear(8, 8, bias=False)
+    opt = dion3.Muon([lin.weight], lr=1e-3)
+    lin.weight.grad = torch.randn_like(lin.weight)
+    opt.step()
+    lin.to("cuda", torch.bfloat16)
+    lin.weight.grad = torch.randn_like(lin.weight)
+    opt.step()
+    assert opt.state[lin.weight]["momentum"].device.type == "cuda"
