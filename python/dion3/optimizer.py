@@ -14,6 +14,7 @@ import bisect
 import collections
 import copy
 import difflib
+import functools
 import gc
 import math
 import numbers
@@ -295,25 +296,36 @@ def _num_heads(value) -> int:
     return int(value)
 
 
-def _state_shapes(group: Dict[str, Any], p: torch.Tensor, kind: str) -> List[Tuple[str, torch.dtype, Tuple[int, ...]]]:
+def _state_shapes(group: Dict[str, Any], p: torch.Tensor,
+                  kind: str) -> Sequence[Tuple[str, torch.dtype, Tuple[int, ...]]]:
     """State tensors of p, named and shaped as the reference package's (checkpoints move both
     ways): the engine's list (_C.state_specs: which tensors, their dtypes and sizes) under the
     reference's names (or those of `kind`, an optimizer's own: _EngineOptimizer._state_kind), the
     per-row variance laid out as p[..., 0:1] (`variance_neuron`)."""
+    key = (group["algorithm"], bool(group["flatten"]), _dtype_name(group.get("momentum_dtype")), _dtype_name(p.dtype),
+           tuple(p.shape), kind)
+    try:
+        return _state_shapes_of(*key)
+    except TypeError:  # an unhashable setting: the engine refuses it, uncached
+        return _state_shapes_of.__wrapped__(*key)
+
+
+@functools.lru_cache(maxsize=4096)  # asked for every parameter at every (re)registration
+def _state_shapes_of(algorithm: Any, flatten: bool, momentum_dtype: Optional[str], dtype: str,
+                     shape: Tuple[int, ...], kind: str) -> Tuple[Tuple[str, torch.dtype, Tuple[int, ...]], ...]:
     to_reference = {engine: name for name, engine in _ENGINE_NAMES[kind].items()}
     out = []
-    specs = _C.state_specs(group["algorithm"], bool(group["flatten"]), _dtype_name(group.get("momentum_dtype")),
-                           _dtype_name(p.dtype), list(p.shape))
-    for engine_name, dtype, shape in specs:
+    for engine_name, state_dtype, state_shape in _C.state_specs(algorithm, flatten, momentum_dtype, dtype,
+                                                                list(shape)):
         if engine_name == "variance":
             # flatten=True takes a >= 3-D tensor as (dim0, rest): one row per output channel.
-            rows = (p.shape[0], 1) if group["flatten"] and p.dim() > 2 else tuple(p.shape[:-1]) + (1,)
-            if math.prod(rows) != math.prod(shape):
-                raise RuntimeError(f"dion3: internal: variance of {tuple(p.shape)} laid out as {rows}, "
-                                   f"but the engine keeps {tuple(shape)}")
-            shape = rows
-        out.append((to_reference[engine_name], getattr(torch, dtype), tuple(shape)))
-    return out
+            rows = (shape[0], 1) if flatten and len(shape) > 2 else tuple(shape[:-1]) + (1,)
+            if math.prod(rows) != math.prod(state_shape):
+                raise RuntimeError(f"dion3: internal: variance of {shape} laid out as {rows}, "
+                                   f"but the engine keeps {tuple(state_shape)}")
+            state_shape = rows
+        out.append((to_reference[engine_name], getattr(torch, state_dtype), tuple(state_shape)))
+    return tuple(out)
 
 
 # Keys torch.optim.Optimizer adds to an optimizer's defaults itself (not group settings of ours).
