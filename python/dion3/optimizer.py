@@ -219,6 +219,11 @@ class _ReadKeys(dict):
         return dict.__contains__(self, key)
 
 
+# Group keys that schedulers move every step and that the engine's config holds under the same
+# name, as plain numbers (dion3.optim.Muon's groups too): a change of these alone is pushed
+# without building the config anew.
+_SCHEDULED_KEYS = frozenset({"lr", "weight_decay"})
+
 # Values that cannot change in place, so equal snapshots mean equal settings.
 _PLAIN = (bool, int, float, str, type(None), torch.dtype)
 
@@ -1195,20 +1200,32 @@ class _EngineOptimizer(torch.optim.Optimizer):
             group = self.param_groups[gi]
             last = self._pushed.get(i)
             grown = last is not None and len(group) != last[2]
-            if last is not None and last[1] is not None and not grown and _plain_snapshot(group, last[0]) == last[1]:
+            snapshot = _plain_snapshot(group, last[0]) if last is not None and last[1] is not None and not grown \
+                else None
+            if snapshot is not None and snapshot == last[1]:
                 continue
-            if grown:
-                self._check_keys(gi, group)  # a key added since (e.g. another optimizer's name for one)
-            view = _ReadKeys(group)
-            _refuse_unimplemented(gi, view)  # read through the view: its keys join the snapshot
+            changed = {k for k, now, then in zip(last[0], snapshot, last[1]) if now != then} \
+                if snapshot is not None else None
+            # Only what schedulers move (lr, weight decay): the last config with those numbers.
+            scheduled = bool(changed) and changed <= _SCHEDULED_KEYS
+            if not scheduled:
+                if grown:
+                    self._check_keys(gi, group)  # a key added since (e.g. another optimizer's name for one)
+                view = _ReadKeys(group)
+                _refuse_unimplemented(gi, view)  # read through the view: its keys join the snapshot
             try:  # validated here, while the engine still holds the plan a refusal needs (see step)
-                engine.update_group(i, _engine_config(self._engine_group(view)))
+                if scheduled:
+                    keys, cfg = last[0], dict(last[3], **{k: _number(k, group[k]) for k in changed})
+                else:
+                    cfg = _engine_config(self._engine_group(view))
+                    keys = tuple(dict.fromkeys(view.read))  # a change of those comes here
+                    snapshot = _plain_snapshot(group, keys)
+                engine.update_group(i, cfg)
             except ValueError as e:
                 # The engine numbers only the groups it holds: name the group as the caller does.
                 msg = str(e).removeprefix(f"dion3: group {i}: ").removeprefix("dion3: ")
                 raise ValueError(f"dion3: parameter group {gi}: {msg}") from None
-            keys = tuple(dict.fromkeys(view.read))  # a change of those comes here
-            self._pushed[i] = (keys, _plain_snapshot(group, keys), len(group))
+            self._pushed[i] = (keys, snapshot, len(group), cfg)
 
     def _push_or_refuse(self, engine, replannable: bool = False) -> None:
         """_push_groups; refused (Optimizer::refuse_invalid) so that the other ranks raise too

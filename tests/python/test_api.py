@@ -1,6 +1,7 @@
 # test_api.py — the constructor surface of algorithm.md §4: the reference's argument names, order and
 # defaults, so that moving from `dion` is an import change.
 import inspect
+import math
 
 import pytest
 import torch
@@ -170,6 +171,34 @@ def test_a_number_given_as_a_string_is_refused(key):
     with pytest.raises(ValueError, match="must be a number"):
         opt.step()
     assert torch.equal(w.detach(), before)
+    # After a step, where a change of the lr or the weight decay alone takes a shorter path.
+    opt.param_groups[0][key] = 0.02
+    opt.step()
+    before = w.detach().clone()
+    for bad, message in (("0.5", f"parameter group 0: '{key}' must be a number"),
+                         (math.nan, f"parameter group 0: '{key}' must .*, got nan")):
+        opt.param_groups[0][key] = bad
+        with pytest.raises(ValueError, match=message):
+            opt.step()
+        assert torch.equal(w.detach(), before)
+
+
+def test_a_scheduled_lr_alone_reaches_the_engine():
+    # A step whose only change is the lr or the weight decay (a scheduler's) moves the weights as
+    # an optimizer built with those values does.
+    torch.manual_seed(0)
+    w, v = (torch.nn.Parameter(torch.randn(8, 12)) for _ in range(2))
+    v.data.copy_(w.data)
+    a, b = dion3.Dion3([w], lr=0.02, weight_decay=0.1), dion3.Dion3([v], lr=0.02, weight_decay=0.1)
+    for step, (lr, wd) in enumerate([(0.02, 0.1), (0.01, 0.1), (0.01, 0.3), (0.005, 0.0)]):
+        a.param_groups[0].update(lr=lr, weight_decay=wd)
+        b.param_groups[0].update(lr=lr, weight_decay=wd)
+        w.grad = torch.randn(8, 12)
+        v.grad = w.grad.clone()
+        a.step()
+        b._pushed = {}  # b builds its whole config at every step
+        b.step()
+        assert torch.equal(w, v), step
 
 
 def test_param_groups_flatten_convolutions_only():
