@@ -237,9 +237,12 @@ def _plain_snapshot(group: Dict[str, Any], keys: Tuple[str, ...]) -> Optional[Tu
         if type(v) is tuple:
             if not all(type(x) in _PLAIN for x in v):
                 return None
+            values.append((tuple, tuple(map(type, v)), v))
         elif type(v) not in _PLAIN:
             return None
-        values.append(v)
+        else:
+            # With its type: 5.0 == 5 == True, but the engine may accept one and refuse another.
+            values.append((type(v), v))
     return tuple(values)
 
 
@@ -1204,10 +1207,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 else None
             if snapshot is not None and snapshot == last[1]:
                 continue
-            changed = {k for k, now, then in zip(last[0], snapshot, last[1]) if now != then} \
+            changed = [k for k, now, then in zip(last[0], snapshot, last[1]) if now != then] \
                 if snapshot is not None else None
             # Only what schedulers move (lr, weight decay): the last config with those numbers.
-            scheduled = bool(changed) and changed <= _SCHEDULED_KEYS
+            scheduled = bool(changed) and _SCHEDULED_KEYS.issuperset(changed)
             if not scheduled:
                 if grown:
                     self._check_keys(gi, group)  # a key added since (e.g. another optimizer's name for one)

@@ -199,6 +199,13 @@ def test_a_scheduled_lr_alone_reaches_the_engine():
         b._pushed = {}  # b builds its whole config at every step
         b.step()
         assert torch.equal(w, v), step
+    # Another setting rewritten beside the lr with an equal value of another type (True == 1) is
+    # read again, and refused as the full path refuses it.
+    a.param_groups[0].update(num_heads=1)
+    a.step()
+    a.param_groups[0].update(lr=0.001, num_heads=True)
+    with pytest.raises(ValueError, match="'num_heads' must be a positive integer"):
+        a.step()
 
 
 def test_param_groups_flatten_convolutions_only():
