@@ -412,21 +412,31 @@ def finished_record(run: Run, out: str) -> Optional[Dict]:
 
 
 def check_checkpoints(runs: List[Run], out: str, resume: bool) -> None:
-    """Before any training: without --resume, a checkpoint of a run that is unfinished or has other
-    settings would be overwritten; said up front rather than after the runs before it trained."""
-    if resume:
-        return
+    """Before any training, what would stop a later run, said up front rather than after the runs
+    before it trained: without --resume, a checkpoint of a run that is unfinished or has other
+    settings (it would be overwritten); with it, a checkpoint that cannot be read or has other
+    settings (read mapped: only its header is read here)."""
     for run in runs:
         path = os.path.join(out, f"ckpt-{run.name}.pt")
-        if os.path.exists(path) and finished_record(run, out) is None:
+        if not os.path.exists(path):
+            continue
+        if not resume and finished_record(run, out) is None:
             raise SystemExit(f"train_gpt: {path} holds a run that is unfinished or has other settings; add --resume "
                              "to go on from it (same settings), or remove it or pass another --out to start again")
+        if resume:
+            check_settings(path, load_checkpoint(path, "cpu", mmap=True), run.cfg)
 
 
-def load_checkpoint(path: str, device) -> Dict:
+def check_settings(path: str, ck: Dict, cfg: "Config") -> None:
+    if ck["config"] != asdict(cfg):
+        raise SystemExit(f"train_gpt: {path} was written with other settings; pass those settings to go on "
+                         "from it, or remove it or pass another --out to start again")
+
+
+def load_checkpoint(path: str, device, mmap: bool = False) -> Dict:
     """A checkpoint this script wrote, or a one-line reason why the file is not one."""
     try:
-        ck = torch.load(path, map_location=device, weights_only=False)
+        ck = torch.load(path, map_location=device, weights_only=False, mmap=mmap)
     except Exception as e:  # noqa: BLE001 - a truncated, empty or foreign file: torch's errors vary
         raise SystemExit(f"train_gpt: cannot read {path} ({type(e).__name__}: {e}); remove it to train that run "
                          "again") from None
@@ -461,9 +471,7 @@ def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resu
     state = dict(step=0, elapsed=0.0, opt_seconds=0.0, history=[], done=False)
     if resume and os.path.exists(path):
         ck = load_checkpoint(path, device)
-        if ck["config"] != asdict(cfg):
-            raise SystemExit(f"train_gpt: {path} was written with other settings; pass those settings to go on "
-                             "from it, or remove it or pass another --out to start again")
+        check_settings(path, ck, cfg)
         same_data(path, ck.get("corpus"), corpus_info)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])

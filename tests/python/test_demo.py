@@ -180,6 +180,20 @@ def test_an_unfinished_checkpoint_is_found_before_any_run_trains(tmp_path):
     assert (tmp_path / "ckpt-muon.pt").stat().st_mtime_ns == muon
 
 
+def test_a_later_checkpoint_with_other_settings_is_found_before_resuming(tmp_path):
+    # With --resume too: a later run's checkpoint of other settings stops the job before the runs
+    # before it go on.
+    args = TINY + ["--optimizers", "muon,adamw", "--out", str(tmp_path)]
+    assert train_gpt.main(args + ["--stop-after", "2"]) == 3  # muon stopped at step 2
+    ck = torch.load(tmp_path / "ckpt-muon.pt", weights_only=False)
+    ck["config"]["lr"] = 0.5
+    torch.save(ck, tmp_path / "ckpt-adamw.pt")
+    muon = (tmp_path / "ckpt-muon.pt").stat().st_mtime_ns
+    with pytest.raises(SystemExit, match="ckpt-adamw.pt was written with other settings"):
+        train_gpt.main(args + ["--resume"])
+    assert (tmp_path / "ckpt-muon.pt").stat().st_mtime_ns == muon
+
+
 @pytest.mark.parametrize("content, message", [
     (b"", "cannot read"), (b"not a checkpoint", "cannot read"), (None, "is not a checkpoint of this script")])
 def test_a_damaged_or_foreign_checkpoint_is_refused_in_one_line(tmp_path, content, message):
