@@ -415,7 +415,7 @@ def check_checkpoints(runs: List[Run], out: str, resume: bool) -> None:
     """Before any training, what would stop a later run, said up front rather than after the runs
     before it trained: without --resume, a checkpoint of a run that is unfinished or has other
     settings (it would be overwritten); with it, a checkpoint that cannot be read or has other
-    settings (read mapped: only its header is read here)."""
+    settings (loaded mapped: its tensors are not read here)."""
     for run in runs:
         path = os.path.join(out, f"ckpt-{run.name}.pt")
         if not os.path.exists(path):
