@@ -14,9 +14,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+import builds  # bench/builds.py
 
 CASES = ["10x16x16", "1000x16x16", "2000x8x8", "100x64x64", "200x1024x16", "8x512x512", "4x1024x1024",
          "2000x256:adamw"]
@@ -51,7 +52,7 @@ def run_case(case: str, rounds: int) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description="dion3 CPU step on many small matrices, 1 vs 2 threads")
-    ap.add_argument("--build", action="append", default=[], help="NAME=DIR: a dion3 installed in DIR")
+    builds.add_option(ap)
     ap.add_argument("--cases", default=",".join(CASES), help="NxROWSxCOLS[:algorithm], comma-separated")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -59,17 +60,12 @@ def main() -> int:
     if a.worker:
         print(run_case(a.worker, a.rounds))
         return 0
-    builds = [b.split("=", 1) for b in a.build] or [["installed", ""]]
     print(f"load {os.getloadavg()[0]:.2f}; step ms, medians of {a.rounds} rounds of 5 steps\n")
-    for name, site in builds:
+    for name, site in builds.parse(ap, a.build):
         print(f"### {name}\n\n| matrices | 1 thread | 2 threads | 2 / 1 |\n|---|---|---|---|")
-        env = dict(os.environ, OMP_NUM_THREADS="2")
-        if site:
-            env["PYTHONPATH"] = site + os.pathsep + env.get("PYTHONPATH", "")
         for case in a.cases.split(","):
-            out = subprocess.run([sys.executable, __file__, "--worker", case, "--rounds", str(a.rounds)], env=env,
-                                 capture_output=True, text=True, check=True)
-            print(out.stdout.strip(), flush=True)
+            out = builds.run(__file__, site, ["--worker", case, "--rounds", str(a.rounds)], {"OMP_NUM_THREADS": "2"})
+            print(out.strip(), flush=True)
         print()
     return 0
 

@@ -20,9 +20,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+import builds  # bench/builds.py
 
 MODELS = {  # (layers, d_model, d_mlp)
     "tiny": (2, 256, 1024),
@@ -91,15 +92,11 @@ def worker(args) -> None:
 
 def run_config(args, build_dir, setting):
     env_extra, flags = SETTINGS[setting]
-    env = dict(os.environ)
-    env.update(env_extra)
-    if build_dir:
-        env["PYTHONPATH"] = build_dir + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", args.model, "--layers", str(args.layers),
-           "--tokens", str(args.tokens), "--fraction", str(args.fraction), "--steps", str(args.steps),
-           "--warmup", str(args.warmup)] + flags
-    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    out = builds.run(__file__, build_dir, ["--worker", "--model", args.model, "--layers", str(args.layers),
+                                           "--tokens", str(args.tokens), "--fraction", str(args.fraction),
+                                           "--steps", str(args.steps), "--warmup", str(args.warmup)] + flags,
+                     env_extra)
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main(argv=None) -> None:
@@ -113,8 +110,7 @@ def main(argv=None) -> None:
     ap.add_argument("--trials", type=int, default=5, help="processes per configuration, taken in turns")
     ap.add_argument("--settings", default="default,OPENBLAS_NUM_THREADS=1",
                     help="comma-separated, from: " + ", ".join(SETTINGS))
-    ap.add_argument("--build", action="append", default=[], metavar="NAME=DIR",
-                    help="a dion3 installed in DIR (repeatable; default: the one importable here)")
+    builds.add_option(ap)
     ap.add_argument("--configs", default="", metavar="BUILD:SETTING,...",
                     help="the configurations to run (default: every build with every setting)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -124,17 +120,14 @@ def main(argv=None) -> None:
         worker(args)
         return
 
-    builds = [tuple(b.split("=", 1)) for b in args.build] or [("installed", "")]
-    for name, path in builds:
-        if path and not os.path.isdir(path):
-            ap.error(f"--build {name}={path}: no such folder")
+    found = builds.parse(ap, args.build)
     settings = args.settings.split(",")
     for s in settings:
         if s not in SETTINGS:
             ap.error(f"unknown setting {s!r} (known: {', '.join(SETTINGS)})")
-    configs = [(b, p, s) for b, p in builds for s in settings]
+    configs = [(b, p, s) for b, p in found for s in settings]
     if args.configs:
-        paths = dict(builds)
+        paths = dict(found)
         configs = []
         for c in args.configs.split(","):
             b, _, s = c.partition(":")

@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+import builds  # bench/builds.py
 
 CASES = {
     "replan": "a step when one different parameter of N 16x16 matrices has no gradient (ms)",
@@ -67,28 +68,22 @@ def worker(case: str, n: int) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description="dion3's host time with many tensors or groups (CPU)")
-    ap.add_argument("--build", action="append", default=[], help="NAME=DIR: a dion3 installed in DIR")
+    builds.add_option(ap)
     ap.add_argument("--sizes", default="1000,5000,20000", help="N, comma-separated")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         print(f"{worker(a.worker[0], int(a.worker[1])):.1f}")
         return 0
-    builds = [b.split("=", 1) for b in a.build] or [["installed", ""]]
+    found = builds.parse(ap, a.build)
     sizes = [int(x) for x in a.sizes.split(",")]
     print(f"load {os.getloadavg()[0]:.2f}; OMP_NUM_THREADS=1\n")
-    print("| case | N | " + " | ".join(name for name, _ in builds) + " |")
-    print("|---|---|" + "---|" * len(builds))
+    print("| case | N | " + " | ".join(name for name, _ in found) + " |")
+    print("|---|---|" + "---|" * len(found))
     for case, what in CASES.items():
         for n in sizes:
-            cells = []
-            for _, site in builds:
-                env = dict(os.environ, OMP_NUM_THREADS="1")
-                if site:
-                    env["PYTHONPATH"] = site + os.pathsep + env.get("PYTHONPATH", "")
-                out = subprocess.run([sys.executable, __file__, "--worker", case, str(n)], env=env,
-                                     capture_output=True, text=True, check=True)
-                cells.append(out.stdout.strip())
+            cells = [builds.run(__file__, site, ["--worker", case, str(n)], {"OMP_NUM_THREADS": "1"}).strip()
+                     for _, site in found]
             print(f"| {case}: {what} | {n} | " + " | ".join(cells) + " |", flush=True)
     return 0
 

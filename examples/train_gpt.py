@@ -326,6 +326,13 @@ def family(run: Run) -> str:
     return f"dion3 f={run.cfg.fraction:g}" if run.optimizer == "dion3" else run.optimizer
 
 
+def base_lr(run: Run, key: str) -> float:
+    """--lr or --adamw-lr (key "lr" or "adamw_lr") as given for `run`: without the run's scale,
+    which multiplies AdamW's own lr and the others' matrix lr (runs_of)."""
+    scaled = (run.optimizer == "adamw") == (key == "adamw_lr")
+    return getattr(run.cfg, key) / (run.scale if scaled else 1.0)
+
+
 def lr_of(optimizer: str, c: "Config") -> float:
     """The optimizer's lr: AdamW's own; Dion3's matrix lr / sqrt(f); Muon's and NorMuon's matrix lr."""
     return c.adamw_lr if optimizer == "adamw" else c.lr / math.sqrt(c.fraction) if optimizer == "dion3" else c.lr
@@ -581,11 +588,9 @@ def write_report(runs: List[Run], results: Dict[str, Dict], cfg: Config, out: st
     fractions = ", ".join(f"{f:g}" for f in dict.fromkeys(r.cfg.fraction for r in runs if r.optimizer == "dion3"))
     first = results[done[0].name] if done else {}
 
-    def base_lr(key: str) -> str:
+    def given_lr(key: str) -> str:
         """--lr or --adamw-lr: one value, or "per run" where records of several sessions differ."""
-        scaled = "adamw_lr" if key == "adamw_lr" else "lr"
-        values = {f"{getattr(r.cfg, key) / (r.scale if (r.optimizer == 'adamw') == (scaled == 'adamw_lr') else 1.0):g}"
-                  for r in runs}
+        values = {f"{base_lr(r, key):g}" for r in runs}
         return values.pop() if len(values) == 1 else "per run (the table's lr column)"
     lines = [f"# Train a GPT: {', '.join(dict.fromkeys(r.optimizer for r in runs))}", "",
              f"- model: {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads, "
@@ -593,8 +598,8 @@ def write_report(runs: List[Run], results: Dict[str, Dict], cfg: Config, out: st
              f"{cfg.steps} steps of {cfg.batch} x {cfg.seq_len} bytes "
              f"({cfg.steps * cfg.batch * cfg.seq_len / 1e6:.3g}M tokens); device {device}",
              f"- data: {corpus_info}",
-             f"- lr: Muon and NorMuon --lr {base_lr('lr')}, Dion3 --lr / sqrt(f) (f = {fractions or cfg.fraction}), "
-             f"AdamW --adamw-lr {base_lr('adamw_lr')} (also Dion3's and Muon's embeddings, head and vectors), times "
+             f"- lr: Muon and NorMuon --lr {given_lr('lr')}, Dion3 --lr / sqrt(f) (f = {fractions or cfg.fraction}), "
+             f"AdamW --adamw-lr {given_lr('adamw_lr')} (also Dion3's and Muon's embeddings, head and vectors), times "
              f"each run's scale; seed {cfg.seed}", "",
              "| run | lr | final val loss | optimizer share of step time | tokens/s | peak memory | optimizer state |",
              "|---|---|---|---|---|---|---|"]
@@ -744,8 +749,7 @@ def report_only(out: str) -> int:
     runs = sorted((Run(r["name"], r["optimizer"], Config(**r["config"]), r["scale"]) for r in records),
                   key=report_order)
     first = runs[0]
-    cfg = replace(first.cfg, lr=first.cfg.lr / (first.scale if first.optimizer != "adamw" else 1.0),
-                  adamw_lr=first.cfg.adamw_lr / (first.scale if first.optimizer == "adamw" else 1.0))
+    cfg = replace(first.cfg, lr=base_lr(first, "lr"), adamw_lr=base_lr(first, "adamw_lr"))
     shapes = {tuple((k, v) for k, v in r["config"].items() if k not in ("lr", "adamw_lr", "fraction"))
               for r in records}
     if len(shapes) > 1:

@@ -100,13 +100,12 @@ class CudaGraphOptimizer(torch.optim.Optimizer):
     def _check_capturable(self) -> None:
         for gi, group in enumerate(self.param_groups):
             for j, p in enumerate(group["params"]):
+                name = self.optimizer._param_name(group, gi, j)
                 if p.device.type != "cuda":
-                    name = self.optimizer._param_name(group, gi, j)
                     raise RuntimeError(f"dion3: cannot capture the step: parameter {j} '{name}' of group {gi} is on "
                                        f"{p.device}; a CUDA graph captures steps of CUDA parameters (step the "
                                        "optimizer itself elsewhere)")
                 if p.requires_grad and p.grad is None:
-                    name = self.optimizer._param_name(group, gi, j)
                     raise RuntimeError(
                         f"dion3: cannot capture the step: parameter {j} '{name}' of group {gi} requires grad but has "
                         "no gradient, so the captured step could never update it; give every such parameter a "

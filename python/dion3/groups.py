@@ -95,17 +95,18 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
     Returns a list of dicts for the optimizer; each carries "param_names" (so error messages name
     parameters) and "role" ("matrix", "vector", "embedding", "lm_head").
     """
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad or include_frozen]
+    every = list(model.named_parameters())
+    named = [(n, p) for n, p in every if p.requires_grad or include_frozen]
     # Selectors and overrides may name frozen parameters too (a frozen head): they are matched
     # against every name, and select nothing that is left out.
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in every}
     emb = _ids_of(model, embeddings, names)
     if emb is None:
         emb = {id(p) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
                for p in m.parameters()}
     head = _ids_of(model, lm_head, names)
     if head is None:
-        head = {id(p) for n, p in model.named_parameters() if _is_head_name(n)}  # frozen ones too: see head_din
+        head = {id(p) for n, p in every if _is_head_name(n)}  # frozen ones too: see head_din
         # A weight tied to an embedding appears once, under its first name: it stays an embedding.
         head -= emb
     # The convolutions' parameters as registered: a parametrized weight (weight_norm, spectral_norm)
@@ -120,8 +121,7 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
     head_weights = [p for n, p in named if id(p) in head and p.dim() == 2]
     # Each head's input dimension, by its module (a model may have several heads: its bias learns
     # at its weight's lr).
-    head_din = {n.rpartition(".")[0]: p.shape[1] for n, p in model.named_parameters()
-                if id(p) in head and p.dim() == 2}
+    head_din = {n.rpartition(".")[0]: p.shape[1] for n, p in every if id(p) in head and p.dim() == 2}
     if head_weights and lr is None and "lr" not in base_el:
         warnings.warn("dion3.param_groups: pass lr= (the optimizer's learning rate) so that the LM head learns "
                       "at lr / sqrt(d_in) as recommended; without it the head uses the optimizer's lr",

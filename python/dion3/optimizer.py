@@ -98,8 +98,8 @@ _TAG_SUFFIXES = ("_mult", "_multiplier", "_scale")
 
 
 def _is_setting_tag(key: str, known) -> bool:
-    return any(key == p + k for p in _TAG_PREFIXES for k in known) or \
-        any(key == k + x for x in _TAG_SUFFIXES for k in known)
+    return any(key.startswith(p) and key[len(p):] in known for p in _TAG_PREFIXES) or \
+        any(key.endswith(x) and key[:-len(x)] in known for x in _TAG_SUFFIXES)
 
 
 # Other optimizers' names for settings dion3 has under another name.
@@ -234,15 +234,11 @@ def _plain_snapshot(group: Dict[str, Any], keys: Tuple[str, ...]) -> Optional[Tu
     values = []
     for k in keys:
         v = group.get(k)
-        if type(v) is tuple:
-            if not all(type(x) in _PLAIN for x in v):
-                return None
-            values.append((tuple, tuple(map(type, v)), v))
-        elif type(v) not in _PLAIN:
+        items = v if type(v) is tuple else (v,)
+        if not all(type(x) in _PLAIN for x in items):
             return None
-        else:
-            # With its type: 5.0 == 5 == True, but the engine may accept one and refuse another.
-            values.append((type(v), v))
+        # With the types: 5.0 == 5 == True, but the engine may accept one and refuse another.
+        values.append((tuple(map(type, items)), v))
     return tuple(values)
 
 
@@ -310,12 +306,8 @@ def _state_shapes(group: Dict[str, Any], p: torch.Tensor,
     ways): the engine's list (_C.state_specs: which tensors, their dtypes and sizes) under the
     reference's names (or those of `kind`, an optimizer's own: _EngineOptimizer._state_kind), the
     per-row variance laid out as p[..., 0:1] (`variance_neuron`)."""
-    key = (group["algorithm"], bool(group["flatten"]), _dtype_name(group.get("momentum_dtype")), _dtype_name(p.dtype),
-           tuple(p.shape), kind)
-    try:
-        return _state_shapes_of(*key)
-    except TypeError:  # an unhashable setting: the engine refuses it, uncached
-        return _state_shapes_of.__wrapped__(*key)
+    return _state_shapes_of(group["algorithm"], bool(group["flatten"]), _dtype_name(group.get("momentum_dtype")),
+                            _dtype_name(p.dtype), tuple(p.shape), kind)
 
 
 @functools.lru_cache(maxsize=4096)  # asked for every parameter at every (re)registration
@@ -1087,19 +1079,15 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 loss = closure()
         try:
             return self._step(loss)
-        except ValueError:
-            # A refused step may report an earlier enqueued one the ranks disagreed on, dropped on
-            # the device though counted here when it was enqueued: the counters are read back
-            # (not inside a capture, which cannot wait for them).
-            if not _capturing():
-                self._sync_counters()
+        except (ValueError, NonFiniteError) as e:  # NonFiniteError: under blocking=False, on one rank first
+            if not _capturing():  # which cannot wait for the device
+                if isinstance(e, ValueError):
+                    # A refused step may report an earlier enqueued one the ranks disagreed on,
+                    # dropped on the device though counted here when it was enqueued.
+                    self._sync_counters()
                 # Refused on every rank (where steps block): the next step's registration may fail
                 # on a rank that has no plan to refuse through (none made, or dropped), so the
                 # ranks check it together first.
-                self._agree_first = self._agree_first or self._refusals_reach_every_rank()
-            raise
-        except NonFiniteError:  # under blocking=False reported a step late, on one rank first
-            if not _capturing():
                 self._agree_first = self._agree_first or self._refusals_reach_every_rank()
             raise
 
@@ -1120,7 +1108,6 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 raise CaptureNotReady("dion3: no parameter of this rank has a gradient and the step must be "
                                       "planned anew; run one eager step before capturing")
             self._refuse_without_gradients(key)
-            self._agree_first = self._refusals_reach_every_rank()  # no rank stepped: as after a refusal
             return loss
         if stale:
             self._replan(key)
@@ -1154,7 +1141,6 @@ class _EngineOptimizer(torch.optim.Optimizer):
         if status < 0:  # parameters, their groups or gradients changed, or a weight or state tensor moved
             if self._mesh is not None and not self._has_gradients():
                 self._refuse_without_gradients(key)  # with this engine: ValueError unless no rank stepped
-                self._agree_first = self._refusals_reach_every_rank()  # as above
                 return loss
             engine = self._replanned(key)
             if engine is None:
@@ -1296,6 +1282,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         the others make when all of theirs have one), with a gradient the refusal never reads,
         and the engine is released after it (the next step builds afresh). dry: registered and
         released, not refused (what would fail, fails)."""
+        if not dry:  # no rank stepped: the next step checks first, as after a refusal
+            self._agree_first = self._refusals_reach_every_rank()
         if self._engine is not None:
             if not dry:
                 self._engine.refuse_step()  # the plan the others hold, unless they changed it too

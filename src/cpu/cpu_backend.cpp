@@ -154,7 +154,7 @@ class CpuBackend final : public Backend {
       for (const cpu::Piece& q : cpu::pieces(v.batch, v.rows, v.cols, kChunk)) items.emplace_back(&v, q);
     std::atomic<bool> bad{false};
     int64_t elems = 0;
-    for (const MatrixView& v : xs) elems += v.batch * v.rows * v.cols;
+    for (const MatrixView& v : xs) elems += elements_of(v);
     cpu::parallel_for(static_cast<int64_t>(items.size()), elems, [] { return std::vector<float>(kChunk); },
                       [&](std::vector<float>& buf, int64_t i) {
       const MatrixView& v = *items[i].first;
@@ -185,7 +185,7 @@ class CpuBackend final : public Backend {
     };
     std::atomic<bool> bad{false};
     int64_t elems = 0;
-    for (const StepCheck& x : xs) elems += x.grad.batch * x.grad.rows * x.grad.cols;
+    for (const StepCheck& x : xs) elems += elements_of(x.grad);
     cpu::parallel_for(static_cast<int64_t>(items.size()), elems, [] { return Buffers{}; }, [&](Buffers& buf, int64_t i) {
       const StepCheck& x = *items[i].first;
       std::vector<float>&g = buf.g, &m = buf.m, &v = buf.v;
@@ -468,8 +468,7 @@ class CpuBackend final : public Backend {
 
   void normalize(MatrixView in, MatrixView out, NormGuard norm, const float* row_sumsq, bool transpose) override {
     check_shapes(in, out, transpose, "normalize shapes");
-    cpu::parallel_for(in.batch, in.batch * in.rows * in.cols, [] { return DenseBuffers{}; },
-                      [&](DenseBuffers& buf, int64_t b) {
+    cpu::parallel_for(in.batch, elements_of(in), [] { return DenseBuffers{}; }, [&](DenseBuffers& buf, int64_t b) {
       std::vector<float>& x = buf.x;
       load_matrix(in, b, x);
       double ss = 0.0;
@@ -486,8 +485,7 @@ class CpuBackend final : public Backend {
 
   void convert(MatrixView in, MatrixView out, bool transpose) override {
     check_shapes(in, out, transpose, "convert shapes");
-    cpu::parallel_for(in.batch, in.batch * in.rows * in.cols, [] { return DenseBuffers{}; },
-                      [&](DenseBuffers& buf, int64_t b) {
+    cpu::parallel_for(in.batch, elements_of(in), [] { return DenseBuffers{}; }, [&](DenseBuffers& buf, int64_t b) {
       load_matrix(in, b, buf.x);
       if (transpose) transpose_into(buf, in.rows, in.cols);
       store_matrix(out, b, buf.x.data());
@@ -619,7 +617,7 @@ class CpuBackend final : public Backend {
 
   void add_identity(MatrixView X, float gamma, MatrixView C) override {
     check(X.rows == X.cols && C.rows == X.rows && C.cols == X.cols && C.batch == X.batch, "add_identity shapes");
-    cpu::parallel_for(X.batch, X.batch * X.rows * X.cols, [] { return std::vector<float>(); },
+    cpu::parallel_for(X.batch, elements_of(X), [] { return std::vector<float>(); },
                       [&](std::vector<float>& x, int64_t b) {
       load_matrix(X, b, x);
       for (int64_t r = 0; r < X.rows; ++r) x[r * X.cols + r] += gamma;
@@ -750,7 +748,8 @@ class CpuBackend final : public Backend {
     });
   }
 
-  // The elements of all a set's matrices, and of element-wise parameters: the work of a pass.
+  // The elements of a view, of all a set's matrices, and of element-wise parameters: the work of a pass.
+  static int64_t elements_of(const MatrixView& v) { return v.batch * v.rows * v.cols; }
   static int64_t elements_of(const MatrixSet& set) {
     return static_cast<int64_t>(set.mats.size()) * set.rows() * set.cols();
   }
