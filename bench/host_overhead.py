@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 # bench/host_overhead.py — the PyTorch front end's host time where models have many tensors or
-# many groups, on the CPU: a step after the set of parameters with a gradient changed (the engine
-# plans again), steps under an lr schedule on one group per parameter, and load_state_dict. Each
-# case in a fresh process, per build. Not a test: it asserts nothing.
+# many groups, on the CPU: a step after the set of parameters with a gradient changed (a matrix
+# without one keeps the plan, an AdamW vector without one makes the engine plan again), steps under
+# an lr schedule on one group per parameter, and load_state_dict. Each case in a fresh process, per
+# build. Not a test: it asserts nothing.
 #
 #   python bench/host_overhead.py                                  # the installed dion3
 #   python bench/host_overhead.py --build before=/tmp/site-a --build after=/tmp/site-b
@@ -19,7 +20,8 @@ import time
 import builds  # bench/builds.py
 
 CASES = {
-    "replan": "a step when one different parameter of N 16x16 matrices has no gradient (ms)",
+    "absent": "a step when one different matrix of N 16x16 matrices has no gradient (ms)",
+    "replan": "a step of N 16x16 matrices when an AdamW vector's gradient comes or goes (plans again, ms)",
     "all-grads": "a step of the same N matrices, every gradient there (ms)",
     "schedule": "a step of N one-matrix groups under LambdaLR, less one without it, per group (us)",
     "load": "load_state_dict of N 16x16 matrices' state (ms)",
@@ -44,13 +46,23 @@ def worker(case: str, n: int) -> float:
             times.append(time.perf_counter() - t)
         return statistics.median(times[1:])
 
-    if case in ("replan", "all-grads"):
+    if case in ("absent", "all-grads"):
         opt = dion3.Dion3(ps, lr=0.01)
         opt.step()
 
         def step(s):
             for i, p in enumerate(ps):
-                p.grad = None if case == "replan" and i == s % n else grads[i]
+                p.grad = None if case == "absent" and i == s % n else grads[i]
+            opt.step()
+        return timed(step) * 1e3
+    if case == "replan":
+        bias = torch.nn.Parameter(torch.zeros(16))
+        opt = dion3.Dion3([dict(params=ps), dict(params=[bias], algorithm="adamw")], lr=0.01)
+        bias.grad = torch.ones(16)
+        opt.step()
+
+        def step(s):
+            bias.grad = torch.ones(16) if s % 2 else None
             opt.step()
         return timed(step) * 1e3
     if case == "schedule":

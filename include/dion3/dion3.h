@@ -300,7 +300,9 @@ DION3_API dion3_status dion3_add_param_layout(dion3_optimizer* opt, int group, c
                                               const dion3_tensor* weight, const dion3_tensor* grad,
                                               const dion3_layout* layout, int* param_index);
 /* Re-binds the gradient of a parameter (the weight's shape; float32, bfloat16 or float16;
- * overlapping no weight). */
+ * overlapping no weight). grad NULL: the parameter has no gradient this step, and steps leave it
+ * and its state as they are until a gradient is bound again (matrix algorithms only; an AdamW or
+ * Lion parameter is refused). Distributed, every rank must leave out the same parameters. */
 DION3_API dion3_status dion3_set_grad(dion3_optimizer* opt, int param, const dion3_tensor* grad);
 DION3_API dion3_status dion3_num_params(const dion3_optimizer* opt, int* count);
 

@@ -201,6 +201,12 @@ class DION3_API Optimizer {
   int add_group(const GroupConfig& config);
   int add_param(int group, const ParamSpec& spec);
   void set_grad(int param, const TensorView& grad);
+  // The parameter has no gradient this step (torch.optim's rule for a .grad of None): steps leave
+  // it and its state as they are, without planning anew, until set_grad binds one again. Its
+  // matrices still take their place in the step's batched work, as zeros. Matrix algorithms only:
+  // an element-wise parameter (AdamW, Lion) is refused, as its steps count per parameter.
+  // Distributed, which parameters have a gradient joins the ranks' agreement on the plan.
+  void clear_grad(int param);
 
   // Groups may be edited between steps (lr schedules); edits are validated at the next step.
   GroupConfig& group(int index);

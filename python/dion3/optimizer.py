@@ -605,6 +605,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._engine_key = None
         self._engine_params: List[torch.Tensor] = []
         self._engine_states: List[Dict[str, Any]] = []
+        self._absent: List[int] = []  # the engine's parameters the last step left alone (no gradient)
         self._adamw_steps: List[Tuple[Dict[str, Any], Any]] = []  # see _rebuild
         self._watched_state, self._watched_version = None, 0  # the state the engine registered (_state_replaced)
         self._engine_cuda = False
@@ -653,7 +654,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._agree_first = True
         self._switched_from = {}
         _LIVE.add(self)
-        self._engine_states, self._adamw_steps = [], []
+        self._engine_states, self._adamw_steps, self._absent = [], [], []
         self._watched_state, self._watched_version = None, 0
         self._engine_cuda = False
         self._applied_seen = self._skipped_seen = 0
@@ -1148,8 +1149,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
             status = self._run_first(engine, asynchronous)
             if status < 0:
                 raise RuntimeError("dion3: internal error: the engine still asks for a rebuild")
+        # Matrices without a gradient were left alone (the engine's plan keeps them): not counted.
+        self._absent = engine.absent()
         if status > 0:  # applied, or enqueued: counted now; a dropped enqueued step is taken back later
-            for st in self._engine_states:
+            for st in self._counted_states():
                 st["step"] += 1
             self._applied_seen += 1
         else:
@@ -1158,6 +1161,21 @@ class _EngineOptimizer(torch.optim.Optimizer):
         if asynchronous:
             self._counters_pending = True  # the engine posts its counters to the host itself
         return loss
+
+    def _counted_states(self):
+        """The state dicts of the parameters the last step stepped (replays of a capture step the
+        same ones; an enqueued step that is dropped later is taken back from the same ones)."""
+        if not self._absent:
+            return self._engine_states
+        absent = set(self._absent)
+        return [st for i, st in enumerate(self._engine_states) if i not in absent]
+
+    def _absence_changed(self, engine) -> bool:
+        """Whether a replay of the last step would step other parameters than have a gradient now."""
+        if not self._given_grads:
+            return engine.absence_changed()
+        now = [i for i, p in enumerate(self._engine_params) if _dist.local_grad(p) is None]
+        return now != list(self._absent)
 
     def _stale(self, key) -> bool:
         """Whether the engine must be built anew for the groups as they are (see _registration_key)."""
@@ -1306,7 +1324,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             self._restore_switched()  # nothing was applied: a switch of algorithm waits as well
             self._kinds = kinds
             self._engine, self._engine_key, self._pushed, self._pushed_to = None, None, {}, None
-            self._engine_params, self._engine_states, self._adamw_steps = [], [], []
+            self._engine_params, self._engine_states, self._adamw_steps, self._absent = [], [], [], []
 
     def _run_first(self, engine, asynchronous: bool) -> int:
         """_run_engine, putting back the state a switch of algorithm replaced (_rebuild) when the
@@ -1367,8 +1385,6 @@ class _EngineOptimizer(torch.optim.Optimizer):
             if any(p.grad is not None for p in self._unregistered):
                 return -1
             grads = [_dist.local_grad(p) for p in self._engine_params]
-            if any(g is None for g in grads):
-                return -1
             return engine.step_async_with(grads) if asynchronous else engine.step_with(grads)
         return engine.step_async() if asynchronous else engine.step()
 
@@ -1393,7 +1409,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 return  # not the verdict of every step counted so far (or replays since)
         else:
             applied, skipped = self._engine.steps_taken, self._engine.steps_skipped
-        for st in self._engine_states:
+        for st in self._counted_states():
             st["step"] += applied - self._applied_seen
         dropped = skipped - self._skipped_seen
         if self._on_nonfinite == "raise" and not self._blocks():
@@ -1438,9 +1454,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
         step cannot follow changed (parameters, groups, fraction, blocks, nesterov, cautious_wd,
         selection_scope, orthogonalizer): capture again."""
         engine = self._engine
-        if engine is None or self._stale(self._registration_key()) or engine.stale_for_replay():
-            raise RuntimeError("dion3: the optimizer's parameters, groups or state tensors changed since the capture; "
-                               "capture again")
+        if (engine is None or self._stale(self._registration_key()) or engine.stale_for_replay()
+                or self._absence_changed(engine)):
+            raise RuntimeError("dion3: the optimizer's parameters, groups, state tensors or the parameters with a "
+                               "gradient changed since the capture; capture again")
         self._push_groups(engine)
         try:
             engine.refresh_hyperparameters()
@@ -1778,6 +1795,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._applied_seen, self._skipped_seen = applied_seen, skipped_seen
         self._counters_pending = False
         self._engine_states = [self.state[p] for p in engine_params]
+        self._absent = []
         # Each AdamW state's "step" less the steps counted since: what _state_replaced expects.
         self._adamw_steps = [(st, st["step"] - applied_seen) for st, (g, _) in zip(self._engine_states, adamw_check)
                              if g["algorithm"] == "adamw"]

@@ -300,7 +300,8 @@ dion3_status dion3_set_grad(dion3_optimizer* opt, int param, const dion3_tensor*
   return guard([&] {
     checked(opt, "optimizer");
     check_param(opt->engine, param);
-    opt->engine.set_grad(param, to_view(grad, "parameter '" + opt->engine.param_name(param) + "': grad"));
+    if (grad == nullptr) opt->engine.clear_grad(param);
+    else opt->engine.set_grad(param, to_view(grad, "parameter '" + opt->engine.param_name(param) + "': grad"));
   });
 }
 

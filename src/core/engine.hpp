@@ -34,6 +34,9 @@ struct Param {
   // Its momentum's bound for the non-finite check (Megabatch::bounds) when the whole parameter is
   // one member of a megabatch that keeps bounds; null otherwise (the check reads the momentum).
   const float* state_bound = nullptr;
+  // No gradient this step (Optimizer::clear_grad): the step reads and writes zeros in its place
+  // (Impl::zeros), so the plan stays and the parameter and its state are left as they are.
+  bool absent = false;
 
   const TensorView* find_state(const std::string& key) const;
 };
@@ -186,6 +189,7 @@ struct Optimizer::Impl {
     uint64_t plan = 0;
     uint32_t count = 0;
     std::vector<int> hyper_slots;
+    std::vector<int> megabatches;  // whose members' absence (Param::absent) joins the plan digest
   };
   std::vector<Region> regions;
   // Whether this plan's digests were seen to agree across the ranks (the first step of a plan
@@ -228,6 +232,13 @@ struct Optimizer::Impl {
   // kept from step to step and made again only when it moves.
   uint64_t binding = 1;
   uint64_t validated = 0;  // the binding validate_for_step last checked the parameters for
+  // Where absent parameters' matrices point (Param::absent): zeros that every pass keeps zero (a
+  // zero momentum and gradient give a zero update, which leaves a zero weight as it is), so any
+  // number of them can share it. Sized for the largest matrix of the plan when first needed.
+  DeviceBuffer zeros;
+  int absent_now = 0;            // parameters absent now
+  uint64_t absence = 0;          // counts changes of any parameter's Param::absent
+  uint64_t absence_written = 0;  // the `absence` flag_starts were last written for
   struct Elementwise {
     uint64_t bound = 0;
     std::vector<bool> nesterov;  // each group's, as the checks were made for
@@ -292,6 +303,10 @@ struct Optimizer::Impl {
   // flag_starts with the regions' digests over `hyper` (the values the step reads).
   void write_starts(const std::vector<float>& hyper);
   void bind(Megabatch& mb);  // its sets' tables, when the binding moved (or under capture)
+  // A matrix of mb's rows (the whole stored matrix for a set stepped by columns) in `zeros`.
+  MatrixView zero_matrix(int64_t rows, int64_t cols, DType dtype);
+  // Absent members' state bounds are unknown after a step (select_rows bounded the zeros instead).
+  void forget_absent_bounds();
   void build_lists();        // `lists`, when the binding moved
   MatrixView run_orthogonalizer(Chunk& c, const std::function<MatrixView()>& run);
   std::array<int64_t, 2> read_counters() const;

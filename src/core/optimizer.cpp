@@ -482,11 +482,37 @@ void Optimizer::set_grad(int param, const TensorView& grad) {
   check_grad(s.describe(param), s.params[param].weight, grad, *s.backend);
   if (std::string c = s.memory_clash(grad, false); !c.empty())
     fail(s.describe(param) + ": its new gradient overlaps the memory of " + c);
-  TensorView& bound = s.params[param].grad;
-  if (bound.data != grad.data || bound.dtype != grad.dtype || bound.shape != grad.shape) ++s.binding;
+  Param& p = s.params[param];
+  if (p.grad.data != grad.data || p.grad.dtype != grad.dtype || p.grad.shape != grad.shape || p.absent) ++s.binding;
+  if (p.absent) {
+    ++s.absence;
+    --s.absent_now;
+  }
+  p.absent = false;
   s.forget_grad_range(param);
-  bound = grad;
+  p.grad = grad;
   s.note_grad_range(param);
+}
+
+void Optimizer::clear_grad(int param) {
+  Impl& s = *impl_;
+  if (param < 0 || param >= static_cast<int>(s.params.size()))
+    fail("clear_grad: no parameter " + std::to_string(param) + " (the optimizer has " +
+         std::to_string(s.params.size()) + ")");
+  Param& p = s.params[param];
+  const Algorithm a = s.groups[p.group].algorithm;
+  if (!is_matrix_algorithm(a))
+    fail(s.describe(param) + " is stepped by " + algorithm_name(a) + ", whose steps count per parameter: it cannot "
+         "skip a step in this plan; bind a gradient, or register the optimizer again without it");
+  if (p.absent) return;
+  s.forget_grad_range(param);
+  // The dtype stays as last bound (the plan is keyed by it), or the weight's if none ever was.
+  const DType dtype = p.grad.data ? p.grad.dtype : p.weight.dtype;
+  p.grad = TensorView{nullptr, dtype, p.weight.device, p.weight.device_index, p.weight.shape};
+  p.absent = true;
+  ++s.binding;
+  ++s.absence;
+  ++s.absent_now;
 }
 
 GroupConfig& Optimizer::group(int index) {
@@ -816,12 +842,17 @@ void Optimizer::Impl::upload_hyper(bool capturing) {
     if (hyper_uploaded.empty())
       fail("a step is being captured before its hyper-parameters were ever written to the device: take one "
            "step (or call refresh_hyperparameters()) before the capture");
+    if (!regions.empty() && absence_written != absence)
+      fail("a distributed step is being captured after a parameter's gradient came or went (set_grad, clear_grad) "
+           "since the last step: take one step (not captured) first, so that the ranks compare which parameters "
+           "they step");
     return;
   }
   std::vector<float> v = hyper_values();
-  if (v == hyper_uploaded) return;
-  backend->upload(hyper.get(), v.data(), v.size() * sizeof(float));
-  if (!regions.empty()) write_starts(v);  // the agreement compares them
+  const bool absence_moved = absence_written != absence;
+  if (v == hyper_uploaded && !absence_moved) return;
+  if (v != hyper_uploaded) backend->upload(hyper.get(), v.data(), v.size() * sizeof(float));
+  if (!regions.empty()) write_starts(v);  // the agreement compares them, and the absent members
   hyper_uploaded = std::move(v);
 }
 
@@ -1068,6 +1099,7 @@ void Optimizer::Impl::plan_agreement() {
     for (const Megabatch& mb : megabatches) {
       if (mb.comm != comm && mb.col_comm != comm) continue;
       ++region.count;
+      region.megabatches.push_back(static_cast<int>(&mb - megabatches.data()));
       for (int64_t v : {static_cast<int64_t>(mb.members.size()), mb.global_rows, mb.global_cols, mb.piece, mb.k,
                         static_cast<int64_t>(mb.layout), static_cast<int64_t>(mb.weight_dtype),
                         static_cast<int64_t>(mb.momentum_dtype), static_cast<int64_t>(mb.orth_dtype),
@@ -1104,6 +1136,7 @@ void Optimizer::Impl::plan_agreement() {
 }
 
 void Optimizer::Impl::write_starts(const std::vector<float>& hyper) {
+  absence_written = absence;
   static constexpr int kVerdicts[kStarts][2] = {{0, 1}, {kRankWithoutGradients, 0}, {kRankRefused, 0}};
   std::vector<int> starts(static_cast<std::size_t>(kStarts * flag_words), 0);
   for (std::size_t r = 0; r < regions.size(); ++r) {
@@ -1116,7 +1149,19 @@ void Optimizer::Impl::write_starts(const std::vector<float>& hyper) {
       f.mix(static_cast<int64_t>(bits));
     }
     const auto hy = static_cast<uint32_t>(f.h ^ (f.h >> 32));
-    const uint64_t plan = region.plan;
+    // Which members have no gradient this step is part of the plan: a rank stepping a matrix that
+    // another leaves alone would part the replicas (or pair zeros with real rows).
+    Fnv a;
+    a.h = region.plan;
+    for (int i = 0; absent_now > 0 && i < static_cast<int>(region.megabatches.size()); ++i) {
+      const Megabatch& mb = megabatches[static_cast<std::size_t>(region.megabatches[i])];
+      for (std::size_t j = 0; j < mb.members.size(); ++j)
+        if (params[static_cast<std::size_t>(mb.members[j].param)].absent) {
+          a.mix(static_cast<int64_t>(i));
+          a.mix(static_cast<int64_t>(j));
+        }
+    }
+    const uint64_t plan = a.h;
     const uint32_t digest[kDigestWords] = {static_cast<uint32_t>(plan), static_cast<uint32_t>(plan >> 16),
                                            static_cast<uint32_t>(plan >> 32), static_cast<uint32_t>(plan >> 48),
                                            region.count, region.count >> 16, hy, hy >> 16};
@@ -1157,7 +1202,9 @@ std::string Optimizer::Impl::disagreement_error(const int* words) const {
                          : "each rank has " + most + (most == "1" ? " distributed megabatch" : " distributed megabatches") +
                                ", whose parameters' shapes, dtypes, layouts, algorithms or plan settings differ "
                                "(fraction, selection_scope, nesterov, cautious_wd, split_sizes, num_heads, the "
-                               "orthogonalizer)" + (options.agree_on_names ? ", or the parameters' names, in order" : "");
+                               "orthogonalizer)" +
+                               (options.agree_on_names ? ", or the parameters' names, in order" : "") +
+                               ", or which of them have a gradient this step";
       return "the ranks of " + comms[r]->describe() + " planned different steps (" + counts +
              "): every rank must register the same parameters, in the same order, with the same groups, "
              "settings and global shapes" + none;
@@ -1238,7 +1285,8 @@ void Optimizer::Impl::validate_for_step() {
   }
   for (int i = 0; !params_checked && i < static_cast<int>(s.params.size()); ++i) {
     const Param& p = s.params[i];
-    if (!p.grad.data && p.weight.numel() > 0) fail(s.describe(i) + " has no gradient; call set_grad before step");
+    if (!p.grad.data && !p.absent && p.weight.numel() > 0)
+      fail(s.describe(i) + " has no gradient; call set_grad (or clear_grad) before step");
   }
   // A plan whose settings changed stays valid until build_plan() replaces it: a new setting that
   // cannot be planned (num_heads that does not divide the rows) leaves the old plan to refuse with.
@@ -1429,10 +1477,17 @@ void Optimizer::Impl::bind(Megabatch& mb) {
     const int64_t row = m.matrix * p.rows + m.first_row;  // the block's first row in the flattened rows
     ParamMatrix pm;
     const int64_t rows = mb.columns ? p.rows : mb.rows;  // the whole stored matrix when stepped by columns
-    pm.weight = rows_of(p.weight, p.weight.dtype, row, rows, p.cols);
-    pm.grad = rows_of(p.grad, p.grad.dtype, row, rows, p.cols);
-    pm.momentum = rows_of(p.state[0].second, mb.momentum_dtype, row, rows, p.cols);
-    if (p.state.size() > 1) pm.variance = static_cast<float*>(p.state[1].second.data) + row;
+    if (p.absent) {
+      pm.weight = zero_matrix(rows, p.cols, p.weight.dtype);
+      pm.grad = zero_matrix(rows, p.cols, p.grad.dtype);
+      pm.momentum = zero_matrix(rows, p.cols, mb.momentum_dtype);
+      if (p.state.size() > 1) pm.variance = static_cast<float*>(zero_matrix(rows, 1, DType::F32).data);
+    } else {
+      pm.weight = rows_of(p.weight, p.weight.dtype, row, rows, p.cols);
+      pm.grad = rows_of(p.grad, p.grad.dtype, row, rows, p.cols);
+      pm.momentum = rows_of(p.state[0].second, mb.momentum_dtype, row, rows, p.cols);
+      if (p.state.size() > 1) pm.variance = static_cast<float*>(p.state[1].second.data) + row;
+    }
     mb.set->mats.push_back(pm);
   }
   mb.set->columns = mb.columns;
@@ -1446,6 +1501,37 @@ void Optimizer::Impl::bind(Megabatch& mb) {
   for (Chunk& c : mb.chunks) part(*c.set, c.first, c.count);
   // A captured upload runs only when the graph is replayed: the next eager step uploads again.
   mb.bound = capturing_now ? 0 : binding;
+}
+
+MatrixView Optimizer::Impl::zero_matrix(int64_t rows, int64_t cols, DType dtype) {
+  const auto bytes_of = [](int64_t r, int64_t c, DType t) { return static_cast<std::size_t>(r * c) * dtype_size(t); };
+  if (zeros.bytes() < bytes_of(rows, cols, dtype)) {
+    // Once per plan: room for any matrix of it, so that a step captured with some parameters
+    // absent keeps reading the same memory.
+    std::size_t need = bytes_of(rows, cols, dtype);
+    for (const Megabatch& mb : megabatches) {
+      const Param& p = params[mb.members.front().param];
+      const int64_t r = mb.columns ? p.rows : mb.rows;
+      need = std::max(need, bytes_of(r, 1, DType::F32));  // NorMuon's variance
+      for (DType t : {mb.weight_dtype, mb.grad_dtype, mb.momentum_dtype}) need = std::max(need, bytes_of(r, p.cols, t));
+    }
+    zeros = DeviceBuffer(backend->allocator(), align_up(need));
+    backend->fill_zero(zeros.get(), zeros.bytes());
+  }
+  return MatrixView::contiguous(zeros.get(), dtype, 1, rows, cols);
+}
+
+void Optimizer::Impl::forget_absent_bounds() {
+  for (Megabatch& mb : megabatches) {
+    if (mb.bounds.get() == nullptr) continue;
+    const auto n = static_cast<int64_t>(mb.members.size());
+    for (int64_t i = 0; i < n;) {  // runs of absent members, one fill each
+      int64_t end = i;
+      while (end < n && params[mb.members[end].param].absent) ++end;
+      if (end > i) backend->fill_zero(mb.bounds.as<float>() + i, static_cast<std::size_t>(end - i) * sizeof(float));
+      i = end + 1;
+    }
+  }
 }
 
 // Stage 1: momentum, scores and selection; for row-sharded megabatches over several ranks also
@@ -1831,7 +1917,7 @@ void Optimizer::Impl::build_lists() {
   Elementwise l;
   l.nesterov = std::move(nesterov);
   for (const Param& p : params)
-    if (p.weight.numel() > 0) l.checks.push_back(step_check(p));
+    if (p.weight.numel() > 0 && !p.absent) l.checks.push_back(step_check(p));
   // Element-wise parameters: values are read from `hyper` when the update runs (the `live`
   // pointers), so the lists hold for any schedule.
   for (const Param& p : params) {
@@ -1932,6 +2018,7 @@ void Optimizer::Impl::enqueue_step(bool count_dropped, Start start, bool blockin
   stage("dion3::prepare", &Impl::prepare);  // momentum, scores, selection, gather, forward collectives
   stage("dion3::orthogonalize", &Impl::orthogonalize);
   stage("dion3::update", &Impl::apply);  // return collectives, NorMuon, weight update
+  if (s.absent_now > 0) s.forget_absent_bounds();
   const Range r(s, "dion3::elementwise");
 
   // 3. Element-wise parameters: all AdamW ones in one call, all Lion ones in another (the backend
@@ -2072,7 +2159,7 @@ bool Optimizer::step() {
     const char* policy = "(the non-finite policy is raise; the skip policy drops such steps instead)";
     for (int i = 0; i < num_params(); ++i) {
       const Param& p = s.params[i];
-      if (p.weight.numel() == 0) continue;
+      if (p.weight.numel() == 0 || p.absent) continue;
       const MatrixView grad = flat_of(p.grad);
       be.fill_zero(flag, sizeof(int));
       be.check_finite(std::span<const MatrixView>(&grad, 1), flag);

@@ -197,9 +197,18 @@ const std::vector<LayoutCase>& layout_cases() {
       // Five matrices of a shape: on four ranks (blocks of two) the last rank owns none.
       {"ddp_dion3_five", Layout::Replicated, Algorithm::Dion3, S::Local, five},
       {"cols_dion3_five", Layout::ColShard, Algorithm::Dion3, S::Local, five},
+      // Parameters without a gradient at some steps, some megabatches' members together.
+      {"ddp_dion3_absent", Layout::Replicated, Algorithm::Dion3, S::Local, rows, 0.25, 5, true, 0, true},
+      {"ddp_normuon_chunks_absent", Layout::Replicated, Algorithm::NorMuon, S::Local, rows, 0.25, 5, true, 1, true},
+      {"rows_dion3_local_absent", Layout::RowShard, Algorithm::Dion3, S::Local, rows, 0.25, 5, true, 0, true},
+      {"rows_dion3_global_absent", Layout::RowShard, Algorithm::Dion3, S::Global, rows, 0.25, 5, true, 0, true},
+      {"rows_normuon_absent", Layout::RowShard, Algorithm::NorMuon, S::Local, rows, 0.25, 5, true, 0, true},
+      {"cols_dion3_absent", Layout::ColShard, Algorithm::Dion3, S::Local, cols, 0.25, 5, true, 0, true},
   };
   return cases;
 }
+
+bool absent_at(std::size_t param, int step) { return step > 1 && (param + static_cast<std::size_t>(step)) % 3 == 0; }
 
 void check_layout_case(const LayoutCase& c, const RankBackend& be, const std::shared_ptr<dion3::Communicator>& comm) {
   const int P = comm->size(), rank = comm->rank();
@@ -259,6 +268,16 @@ void check_layout_case(const LayoutCase& c, const RankBackend& be, const std::sh
     for (std::size_t i = 0; i < ps.size(); ++i) {
       DistParam& d = *ps[i];
       const ref::Mat G = gaussian(d.m, d.n, rng);
+      const int index = static_cast<int>(i);
+      if (c.absent && absent_at(i, step)) {
+        opt.clear_grad(d.index);
+        if (c.layout == Layout::Replicated) single.clear_grad(index);
+        continue;
+      }
+      if (c.absent) {
+        opt.set_grad(d.index, d.g->view());
+        if (c.layout == Layout::Replicated) single.set_grad(index, single_g[i]->view());
+      }
       d.g->assign(part_of(G, d.n, d.rows, d.cols));
       if (c.layout == Layout::Replicated) single_g[i]->assign(G);
       const bool rows_cut = c.layout == Layout::RowShard;
@@ -268,6 +287,9 @@ void check_layout_case(const LayoutCase& c, const RankBackend& be, const std::sh
       else if (c.algorithm == Algorithm::Dion3) ref::dion3_step(d.W, d.M, d.v, G, d.m, d.n, hyper);
       else ref::normuon_step(d.W, d.M, d.v, G, d.m, d.n, hyper);
     }
+    const dion3::OptimizerState before = opt.export_state();
+    std::vector<std::vector<double>> weights_before;
+    for (const auto& d : ps) weights_before.push_back(d->w->values());
     ASSERT_TRUE(opt.step()) << c.name << ", rank " << rank;
     if (c.layout == Layout::Replicated) {
       ASSERT_TRUE(single.step());
@@ -276,6 +298,13 @@ void check_layout_case(const LayoutCase& c, const RankBackend& be, const std::sh
     for (std::size_t i = 0; i < ps.size(); ++i) {
       const std::string where = c.name + ", rank " + std::to_string(rank) + " of " + std::to_string(P) +
                                 ", parameter " + std::to_string(i);
+      if (c.absent && absent_at(i, step)) {
+        EXPECT_EQ(ps[i]->w->values(), weights_before[i])
+            << where << ": moved at step " << step << " without a gradient";
+        for (const char* state : {"momentum", "variance"})
+          EXPECT_EQ(exported(st, ps[i]->index, state), exported(before, ps[i]->index, state))
+              << where << ": its " << state << " moved at step " << step << " without a gradient";
+      }
       expect_matches(st, *ps[i], be, where, step);
       if (c.layout == Layout::Replicated) {
         const std::vector<double> w = ps[i]->w->values();
@@ -457,6 +486,27 @@ void check_agreement_case(const RankBackend& be, const std::shared_ptr<dion3::Co
     EXPECT_EQ(snapshot(), before) << where << ": a refused step moved something";
     opt.set_group(gm, kept);
     step_together(where + ", then valid");
+  }
+  // A matrix without a gradient on one rank only is refused on every rank, nothing modified (its
+  // replicas would part); without one on every rank it is left alone and the others step.
+  for (bool everywhere : {false, true}) {
+    const std::string where = "rank " + std::to_string(rank) + (everywhere ? ", p2 without a gradient on every rank"
+                                                                           : ", p2 without a gradient on one rank");
+    const std::vector<double> before = snapshot();
+    const std::vector<double> p2 = ps[1]->w->values();
+    grads();
+    if (everywhere || rank == P - 1) opt.clear_grad(ps[1]->index);
+    const std::string what = error_of([&] { opt.step(); });
+    if (everywhere) {
+      EXPECT_EQ(what, "") << where;
+      EXPECT_EQ(ps[1]->w->values(), p2) << where << ": moved without a gradient";
+      EXPECT_NE(snapshot(), before) << where << ": the others did not step";
+    } else {
+      EXPECT_NE(what.find("or which of them have a gradient this step"), std::string::npos) << where << ": " << what;
+      EXPECT_EQ(snapshot(), before) << where << ": a refused step moved something";
+    }
+    opt.set_grad(ps[1]->index, ps[1]->g->view());
+    step_together(where + ", then alike");
   }
   // Same-shape matrices registered in another order on one rank: with agree_on_names every rank
   // refuses the first step; without it the names are labels only, and nothing can tell.

@@ -63,7 +63,11 @@ struct LayoutCase {
   int steps = 3;
   bool megabatch = true;  // false: one collective round per matrix
   std::size_t workspace_limit = 0;  // OptimizerOptions::workspace_limit; 1: chunks of one matrix
+  // Parameter i has no gradient at step s when absent_at(i, s) (Optimizer::clear_grad on every
+  // rank): it and its state must stay as they are while the others step as the reference does.
+  bool absent = false;
 };
+bool absent_at(std::size_t param, int step);
 
 // Replicated, row-sharded (local and global scope, per matrix) and column-sharded cases over
 // shapes with several matrices per megabatch, uneven shards and shards that leave ranks empty.

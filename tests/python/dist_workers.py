@@ -62,13 +62,16 @@ def grads_for(shapes, seed):
     return [torch.randn(s, generator=g) for s in shapes]
 
 
-def steps_match_reference(opt, ref, ps, shapes, seed, place, what, steps=3):
+def steps_match_reference(opt, ref, ps, shapes, seed, place, what, steps=3, absent=None):
     """Steps `opt` and the single-process float64 `ref` on the same full gradients (each placed on
-    its parameter by place(g, p)); every parameter equals the reference after every step."""
+    its parameter by place(g, p)); every parameter equals the reference after every step.
+    absent(step, i): parameter i has no gradient at that step."""
     for step in range(steps):
         gs = grads_for(shapes, seed + step)
+        if absent is not None:
+            gs = [None if absent(step, i) else g for i, g in enumerate(gs)]
         for p, g in zip(ps, gs):
-            p.grad = place(g, p)
+            p.grad = None if g is None else place(g, p)
         opt.step()
         ref.step(gs)
         for i, (p, w) in enumerate(zip(ps, ref.w)):
@@ -652,6 +655,42 @@ def one_rank_settings(rank, world, mesh):
     same_everywhere([w3, other, b3], "DDP after a switch refused at the first step after a load")
 
 
+def absent_gradients(rank, world, mesh):
+    """Matrices without a gradient at some steps (on every rank alike) are left alone and the
+    others step as the reference without them, on row and column shards (DTensor gradients) and
+    replicated (DDP), all in the plan of the first step."""
+    def gone(step, i):
+        return step > 0 and (i + step) % 3 == 0
+
+    def builds(opt):  # counts the engines the optimizer makes
+        made, rebuild = [], opt._rebuild
+        opt._rebuild = lambda *a, **k: (made.append(1), rebuild(*a, **k))[1]
+        return made
+
+    for placements, ranks, shapes in (([Shard(0)], world, SHAPES), ([Shard(1)], 1, COL_SHAPES)):
+        fulls, ps = sharded_params(mesh, placements, shapes=shapes)
+        opt = dion3.Dion3(ps, distributed_mesh=mesh, lr=0.02)
+        made = builds(opt)
+        ref = Reference(fulls, algorithm="dion3", lr=0.02, ranks=ranks)
+        steps_match_reference(opt, ref, ps, shapes, 300, lambda g, p: distribute_tensor(g, mesh, placements),
+                              f"without some gradients, {placements}", steps=5, absent=gone)
+        assert len(made) == 1, f"rank {rank}: {len(made)} engines for {placements}"
+        assert [opt.state[p]["step"] for p in ps] == [5 - sum(gone(s, i) for s in range(5)) for i in range(len(ps))]
+    torch.manual_seed(0)
+    ws = [nn.Parameter(torch.randn(s) * 0.05) for s in SHAPES]
+    single = [nn.Parameter(w.detach().clone()) for w in ws]
+    opt, ref = dion3.NorMuon(ws, distributed_mesh=dist.group.WORLD), dion3.NorMuon(single)
+    made = builds(opt)
+    for step in range(5):
+        for i, (w, s, g) in enumerate(zip(ws, single, grads_for(SHAPES, 400 + step))):
+            w.grad, s.grad = (None, None) if gone(step, i) else (g.clone(), g.clone())
+        opt.step()
+        ref.step()
+        for i, (w, s) in enumerate(zip(ws, single)):
+            assert torch.equal(w, s), f"DDP without some gradients: parameter {i} differs from one process, step {step}"
+    assert len(made) == 1, f"rank {rank}: {len(made)} engines under DDP"
+
+
 def partial_gradients(rank, world, mesh):
     """A gradient that autograd left Partial (a replicated weight under sequence or tensor
     parallelism) is summed over the ranks before the step, as torch.optim does: the result is the
@@ -901,6 +940,7 @@ def layouts(rank, world, tmp):
     one_rank_changes(rank, world, mesh)
     one_rank_settings(rank, world, mesh)
     partial_gradients(rank, world, mesh)
+    absent_gradients(rank, world, mesh)
     fully_sharded_model(rank, world, mesh)
 
 

@@ -130,7 +130,8 @@ class Reference:
 
     def step(self, grads):
         for i, g in enumerate(grads):
-            self._step_one(i, g.detach().double().cpu())
+            if g is not None:  # torch.optim's rule: a parameter without a gradient is not stepped
+                self._step_one(i, g.detach().double().cpu())
 
     def _step_one(self, i, G):
         o, W, st = self.opts, self.w[i], self.state[i]

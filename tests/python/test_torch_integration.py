@@ -1,6 +1,7 @@
 # test_torch_integration.py — dion3 alongside PyTorch machinery: torch.compile'd models (and a
 # compiled training step that calls opt.step()), PyTorch's CPU threads, and, on CUDA, the current
 # stream and CUDA-graph capture of optimizer.step().
+import copy
 import ctypes
 import json
 import os
@@ -581,3 +582,88 @@ def test_model_moved_and_narrowed_in_one_call_takes_its_state_along():
     lin.weight.grad = torch.randn_like(lin.weight)
     opt.step()
     assert opt.state[lin.weight]["momentum"].device.type == "cuda"
+
+
+@pytest.mark.parametrize("algorithm,shape", [("dion3", (16, 24)), ("normuon", (16, 24)), ("muon", (16, 24)),
+                                             ("dion2", (24, 16))])
+def test_matrices_without_a_gradient_are_left_alone_in_the_same_plan(device, algorithm, shape):
+    # Experts of a mixture-of-experts layer that get no tokens at some steps: torch.optim's rule (a
+    # parameter whose .grad is None is not stepped, its state not touched, its "step" not counted)
+    # without planning anew; the other matrices step as each would in an optimizer of its own.
+    torch.manual_seed(0)
+    experts = [nn.Parameter(torch.randn(shape, device=device) * 0.05) for _ in range(4)]
+    alone = [nn.Parameter(e.detach().clone()) for e in experts]
+    bias = nn.Parameter(torch.zeros(shape[1], device=device))
+    opt = dion3.Dion3([dict(params=experts, algorithm=algorithm), dict(params=[bias], algorithm="adamw")], lr=0.02)
+    singles = [dion3.Dion3([dict(params=[a], algorithm=algorithm)], lr=0.02) for a in alone]
+    tol = dict(rtol=1e-5, atol=1e-6) if device == "cpu" else dict(rtol=1e-2, atol=1e-3)
+    engines = []
+    g = torch.Generator().manual_seed(1)
+    for step in range(7):
+        bias.grad = torch.randn(shape[1], generator=g).to(device)
+        kept = {}
+        for i, (e, a) in enumerate(zip(experts, alone)):
+            grad = torch.randn(shape, generator=g).to(device)
+            if step > 0 and (i + step) % 3 == 0:
+                e.grad = a.grad = None
+                kept[i] = [e.detach().clone()] + [v.clone() for v in opt.state[e].values() if torch.is_tensor(v)]
+            else:
+                e.grad, a.grad = grad, grad.clone()
+                singles[i].step()
+        opt.step()
+        engines.append(opt._engine)
+        for i, before in kept.items():
+            after = [experts[i].detach()] + [v for v in opt.state[experts[i]].values() if torch.is_tensor(v)]
+            assert all(torch.equal(x, y) for x, y in zip(after, before)), f"expert {i} moved at step {step}"
+        for i, (e, a) in enumerate(zip(experts, alone)):
+            torch.testing.assert_close(e.detach(), a.detach(), **tol, msg=lambda m: f"expert {i}, step {step}: {m}")
+    assert all(x is engines[0] for x in engines), "the optimizer planned anew"
+    assert [opt.state[e]["step"] for e in experts] == [s.state[a]["step"] for s, a in zip(singles, alone)]
+    assert opt.state[bias]["step"] == 7
+
+
+def test_an_element_wise_parameter_without_a_gradient_is_not_stepped(device):
+    # AdamW counts steps per parameter: a vector without a gradient is left out of a plan made anew
+    # (as before), still matching torch.optim.AdamW.
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(8, 12, device=device))
+    b = nn.Parameter(torch.randn(12, device=device))
+    tb = nn.Parameter(b.detach().clone())
+    opt = dion3.Dion3([dict(params=[w]), dict(params=[b], algorithm="adamw", betas=(0.9, 0.95))], lr=0.01)
+    ref = torch.optim.AdamW([tb], lr=0.01, betas=(0.9, 0.95), weight_decay=0.01)
+    for step in range(4):
+        w.grad = torch.randn_like(w)
+        grad = None if step == 2 else torch.randn_like(b)
+        b.grad, tb.grad = grad, None if grad is None else grad.clone()
+        opt.step()
+        ref.step()
+        torch.testing.assert_close(b.detach(), tb.detach(), rtol=1e-5, atol=1e-6)
+    assert opt.state[b]["step"] == 3
+
+
+def test_a_checkpoint_taken_while_a_matrix_has_no_gradient_resumes_exactly(device):
+    torch.manual_seed(0)
+    ws = [nn.Parameter(torch.randn(16, 24, device=device) * 0.05) for _ in range(3)]
+    opt = dion3.Dion3(ws, lr=0.02)
+    g = torch.Generator().manual_seed(2)
+
+    def grads(step):
+        return [None if (i + step) % 2 == 0 and step > 0 else torch.randn(16, 24, generator=g).to(device)
+                for i in range(3)]
+
+    for step in range(3):
+        for w, gr in zip(ws, grads(step)):
+            w.grad = gr
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    copies = [nn.Parameter(w.detach().clone()) for w in ws]
+    resumed = dion3.Dion3(copies, lr=0.02)
+    resumed.load_state_dict(saved)
+    for step in range(3, 6):
+        gs = grads(step)
+        for w, c, gr in zip(ws, copies, gs):
+            w.grad, c.grad = gr, None if gr is None else gr.clone()
+        opt.step()
+        resumed.step()
+    assert all(torch.equal(w, c) for w, c in zip(ws, copies))
+    assert [opt.state[w]["step"] for w in ws] == [resumed.state[c]["step"] for c in copies]

@@ -409,6 +409,8 @@ class Engine {
       held.push_back(t);
     }
     const int index = opt_->add_param(group, spec);
+    skippable_.push_back(dion3::is_matrix_algorithm(opt_->group(group).algorithm));
+    absent_.push_back(false);
     weights_.push_back(order.empty() ? Held(weight_object) : Held(weight));
     wrappers_.push_back(wrapper ? Held(wrapper_object) : Held());
     wrapper_pins_.push_back(wrapper ? Pin(*wrapper) : Pin());
@@ -517,6 +519,21 @@ class Engine {
   bool needs_rebuild() const { return state_moved() || storage_moved() || groups_changed(); }
   // A parameter without a gradient at the build that has one now would never be stepped by a replay.
   bool stale_for_replay() const { return needs_rebuild() || grads_moved() || watched_gained_gradient(); }
+  // Nor would one without a gradient at the last step (a capture), and one that has none now would
+  // be stepped. Given gradients (DTensor shards) are compared by the front end.
+  bool absence_changed() const {
+    if (given_) return false;
+    for (std::size_t i = 0; i < absent_.size(); ++i)
+      if (source_grad(static_cast<int>(i)).defined() == absent_[i]) return true;
+    return false;
+  }
+  // The parameters the last step left alone for want of a gradient (Optimizer::clear_grad).
+  std::vector<int> absent() const {
+    std::vector<int> out;
+    for (std::size_t i = 0; absent_count_ > 0 && i < absent_.size(); ++i)
+      if (absent_[i]) out.push_back(static_cast<int>(i));
+    return out;
+  }
   bool watched_gained_gradient() const {
     for (const Held& w : watched_)
       if (w.get().grad().defined()) return true;
@@ -574,9 +591,9 @@ class Engine {
     opt_->refuse_invalid();
   }
   // The same with this step's gradients given in registration order (DTensor parameters: the
-  // local shards of their gradients).
-  int step_with(const std::vector<at::Tensor>& grads) { return run(false, &grads); }
-  int step_async_with(const std::vector<at::Tensor>& grads) { return run(true, &grads); }
+  // local shards of their gradients; None where a parameter has none this step).
+  int step_with(const std::vector<std::optional<at::Tensor>>& grads) { return run(false, &grads); }
+  int step_async_with(const std::vector<std::optional<at::Tensor>>& grads) { return run(true, &grads); }
 
   // The capture-safe step (Optimizer::step_async): enqueued on the current stream with no host
   // synchronisation; a non-finite gradient drops the step on the device. Returns 2 (enqueued)
@@ -584,24 +601,50 @@ class Engine {
   int step_async() { return run(true, nullptr); }
 
  private:
-  int run(bool async, const std::vector<at::Tensor>* given) {
+  int run(bool async, const std::vector<std::optional<at::Tensor>>* given) {
     const int n = opt_->num_params();
     if (given && static_cast<int>(given->size()) != n)
       throw dion3::Error(dion3::Status::InvalidArgument, "step: " + std::to_string(given->size()) +
                                                               " gradients for " + std::to_string(n) + " parameters");
+    given_ = given != nullptr;
+    auto has_grad = [&](int i) {
+      return given ? (*given)[i].has_value() && (*given)[i]->defined() : source_grad(i).defined();
+    };
     {  // a profiler range around the binding alone
       RECORD_FUNCTION("dion3::bind_gradients", std::vector<c10::IValue>());
       if (watched_gained_gradient()) return -1;
       if (needs_rebuild()) return -1;
-      for (int i = 0; i < n; ++i)
-        if (!(given ? (*given)[i].defined() : source_grad(i).defined())) return -1;
+      // A matrix without a gradient is left alone in this plan; an element-wise parameter's step
+      // counter is kept per parameter by the engine's plan, which is made anew without it.
+      // None at all: no step (the front end refuses it with the other ranks where distributed).
+      bool any = false;
+      for (int i = 0; i < n; ++i) {
+        const bool has = has_grad(i);
+        if (!skippable_[i] && !has) return -1;
+        any |= has;
+      }
+      if (!any) return -1;
       // A gradient refused here is refused on this rank alone: the others, distributed, learn it
       // from this rank's refusal of their step (Optimizer::refuse_invalid) instead of waiting.
       try {
         for (int i = 0; i < n; ++i) {
+          if (!has_grad(i)) {
+            if (!absent_[i]) {
+              opt_->clear_grad(i);
+              absent_[i] = true;
+              ++absent_count_;
+              grads_[i] = at::Tensor();
+              grad_pins_[i] = Pin();
+            }
+            continue;
+          }
+          if (absent_[i]) {
+            absent_[i] = false;
+            --absent_count_;
+          }
           at::Tensor g;
           try {
-            g = given ? contiguous((*given)[i]) : engine_grad(i);
+            g = given ? contiguous(*(*given)[i]) : engine_grad(i);
           } catch (const dion3::Error& e) {
             throw dion3::Error(e.status(), "parameter '" + opt_->param_name(i) + "': " + std::string(e.what()).substr(7));
           }
@@ -858,6 +901,10 @@ class Engine {
   bool written_ = false;  // state written since the last step that checked it
   std::vector<Watched> state_tensors_;  // the state tensors
   std::vector<at::Tensor> grads_;              // the gradients bound for the current step
+  std::vector<bool> skippable_;                // a matrix algorithm's: it may be absent (clear_grad)
+  std::vector<bool> absent_;                   // without a gradient at the last step
+  int absent_count_ = 0;
+  bool given_ = false;                         // the last step's gradients were given (step_with)
   std::vector<Pin> grad_pins_;                 // ... and where they were when bound
   std::vector<Held> watched_;                  // parameters without a gradient at build time
   std::vector<std::pair<py::dict, py::dict>> state_watch_;  // (state[p], {key: its state tensor})
@@ -1022,6 +1069,8 @@ PYBIND11_MODULE(_C, m) {
       .def("watch_state", guarded(&Engine::watch_state))
       .def("watch_groups", guarded(&Engine::watch_groups))
       .def("stale_for_replay", guarded(&Engine::stale_for_replay))
+      .def("absent", guarded(&Engine::absent))
+      .def("absence_changed", guarded(&Engine::absence_changed))
       .def("set_param_steps", guarded(&Engine::set_param_steps))
       .def("step", guarded(&Engine::step))
       .def("refuse_step", guarded(&Engine::refuse_step))
