@@ -1140,8 +1140,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
         # The engine reads each parameter's .grad itself (no per-parameter Python work per step).
         status = self._run_first(engine, asynchronous)
         if status < 0:  # parameters, their groups or gradients changed, or a weight or state tensor moved
-            if self._mesh is not None and not self._has_gradients():
-                self._refuse_without_gradients(key)  # with this engine: ValueError unless no rank stepped
+            if not self._has_gradients():  # nothing to step: the plan stays for the next step
+                if self._mesh is not None:
+                    self._refuse_without_gradients(key)  # with this engine: ValueError unless no rank stepped
                 return loss
             engine = self._replanned(key)
             if engine is None:
@@ -1692,7 +1693,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
                     self.state[p].update(st)
 
     def _rebuild(self, key) -> None:
-        """Register the parameters that have a gradient with a fresh engine."""
+        """Register the parameters that have a gradient with a fresh engine, and the matrices that
+        require one but have none now (left alone until they have one, in the same plan: an expert
+        without tokens does not make a later step plan again). None at all: no engine."""
         self._sync_counters()
         self._engine = None
         self._engine_key = None
@@ -1701,15 +1704,18 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._own_state()
         params_with_grad = []
         for gi, group in enumerate(self.param_groups):
-            members = [(j, p) for j, p in enumerate(group["params"]) if p.grad is not None]
+            matrix = group["algorithm"] in MATRIX_ALGORITHMS
+            members = [(j, p) for j, p in enumerate(group["params"])
+                       if p.grad is not None or (matrix and p.requires_grad)]
             if members:
                 params_with_grad.append((gi, group, members))
-        if not params_with_grad:
+        if not any(p.grad is not None for _, _, members in params_with_grad for _, p in members):
             self._engine_key = key
             self._watched_state, self._watched_version = self.state, self.state.version
             self._dirty = False
             return
-        gi0, group0, ((j0, p0), *_) = params_with_grad[0]
+        gi0, group0, j0, p0 = next((gi, g, j, p) for gi, g, members in params_with_grad for j, p in members
+                                   if p.grad is not None)
         device = p0.device
         if device.type not in ("cpu", "cuda"):
             where = "materialise them first (to_empty)" if device.type == "meta" else "move the model"
@@ -1749,28 +1755,30 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 kinds[p] = kind
                 st = _state_tensors(group, p, old, state_kind, f"parameter '{name_j}'")
                 _check_restructured(group, p, st, f"parameter '{name_j}'", state_kind)
-                if p.grad.device != p.device:
+                absent = p.grad is None
+                if not absent and p.grad.device != p.device:
                     raise ValueError(f"dion3: parameter '{name_j}' is on "
                                      f"{p.device} but its gradient is on {p.grad.device}")
                 layout = _dist.layout_of(p, self._mesh, f"parameter '{name_j}'", matrix, bool(group["flatten"]))
                 is_dt = _dist.is_dtensor(p)
                 order = _dist.memory_order(p)  # a channels-last weight: stepped in memory order
                 given_grads |= is_dt
-                weight, grad = _dist.local(p), _dist.local_grad(p) if is_dt else None
+                weight, grad = _dist.local(p), _dist.local_grad(p) if is_dt and not absent else None
                 if order is not None:
                     # Detached: a view of the parameter itself would reference its tensor, which
                     # torch.utils.swap_tensors (model.to() in swap mode) then refuses to swap.
-                    weight, grad = p.detach().permute(order), p.grad.permute(order)
+                    weight, grad = p.detach().permute(order), None if absent else p.grad.permute(order)
                 engine.add_param(ei, name_j, weight, _engine_state(group, st, order, state_kind),
                                  layout.kind, layout.group, layout.global_rows, layout.global_cols,
                                  layout.row_offset, layout.row_chunk, layout.col_group,
-                                 grad, p if weight is not p else None, list(order or ()))
+                                 grad, p if weight is not p else None, list(order or ()), absent)
                 st["step"] = int(old.get("step", 0))
                 new_state[p] = st
                 engine_params.append(p)
                 steps.append(st["step"])
                 adamw_check.append((group, p))
-        unregistered = [p for g in self.param_groups for p in g["params"] if p.grad is None]
+        registered = set(engine_params)
+        unregistered = [p for g in self.param_groups for p in g["params"] if p not in registered]
         engine.watch([p for p in unregistered if not _dist.is_dtensor(p)])
         engine.watch_groups([(g, list(g["params"])) for g in self.param_groups])
         # Only AdamW's bias correction reads the engine's per-parameter counters; restoring them

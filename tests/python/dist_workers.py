@@ -689,6 +689,31 @@ def absent_gradients(rank, world, mesh):
         for i, (w, s) in enumerate(zip(ws, single)):
             assert torch.equal(w, s), f"DDP without some gradients: parameter {i} differs from one process, step {step}"
     assert len(made) == 1, f"rank {rank}: {len(made)} engines under DDP"
+    # Steps refused because one rank alone lacks a gradient (a matrix at the first step, or an AdamW
+    # vector, which that rank then plans without) do not keep refusing the steps the ranks agree on.
+    for lacking in ("matrix", "vector"):
+        torch.manual_seed(1)
+        ws = [nn.Parameter(torch.randn(8, 6) * 0.05) for _ in range(3)]
+        b = nn.Parameter(torch.zeros(6))
+        opt = dion3.Dion3([dict(params=ws), dict(params=[b], algorithm="adamw")], distributed_mesh=dist.group.WORLD)
+        for step, missing in enumerate(([], ["one rank"], [1], [0, 2], [])):
+            if lacking == "matrix" and step == 0:
+                missing = ["one rank"]
+            one = missing == ["one rank"] and rank == world - 1
+            for i, w in enumerate(ws):
+                w.grad = None if i in missing or (one and lacking == "matrix" and i == 1) else torch.ones(8, 6)
+            b.grad = None if one and lacking == "vector" else torch.ones(6)
+            before = [w.detach().clone() for w in ws + [b]]
+            try:
+                opt.step()
+                assert missing != ["one rank"], f"rank {rank}: {lacking} lacking on one rank, step {step} applied"
+            except ValueError as e:
+                assert missing == ["one rank"], f"rank {rank}: {lacking}, step {step} the ranks agree on: {e}"
+                assert all(torch.equal(w, x) for w, x in zip(ws + [b], before)), f"rank {rank}: a refused step moved"
+            for w in ws + [b]:
+                every = [torch.empty_like(w) for _ in range(world)]
+                dist.all_gather(every, w.detach())
+                assert all(torch.equal(every[0], x) for x in every), f"rank {rank}: replicas parted, step {step}"
 
 
 def partial_gradients(rank, world, mesh):

@@ -667,3 +667,51 @@ def test_a_checkpoint_taken_while_a_matrix_has_no_gradient_resumes_exactly(devic
         resumed.step()
     assert all(torch.equal(w, c) for w, c in zip(ws, copies))
     assert [opt.state[w]["step"] for w in ws] == [resumed.state[c]["step"] for c in copies]
+
+
+def test_the_plan_holds_every_matrix_that_requires_a_gradient(device):
+    # Matrices without a gradient when a plan is made (at the first step, after an AdamW vector's
+    # gradient came or went, after load_state_dict) are in it: later steps with other experts
+    # missing plan nothing anew. A step with no gradient at all keeps the plan too.
+    torch.manual_seed(0)
+    experts = [nn.Parameter(torch.randn(8, 12, device=device) * 0.05) for _ in range(6)]
+    bias = nn.Parameter(torch.zeros(12, device=device))
+    frozen = nn.Parameter(torch.randn(8, 12, device=device), requires_grad=False)
+    groups = [dict(params=experts + [frozen]), dict(params=[bias], algorithm="adamw")]
+    opt = dion3.Dion3(groups, lr=0.02)
+    builds = []
+    rebuild = opt._rebuild
+    opt._rebuild = lambda *a, **k: (builds.append(len(builds)), rebuild(*a, **k))[1]
+    g = torch.Generator().manual_seed(3)
+
+    def step(t, bias_grad=True):
+        for i, e in enumerate(experts):
+            e.grad = None if (i + t) % 3 == 0 else torch.randn(8, 12, generator=g).to(device)
+        bias.grad = torch.randn(12, generator=g).to(device) if bias_grad else None
+        opt.step()
+
+    for t in range(5):  # experts missing from the first step on
+        step(t)
+    assert len(builds) == 1, builds
+    step(5, bias_grad=False)  # an element-wise parameter without a gradient: planned anew
+    step(6)  # and again once it has one
+    for t in range(7, 11):
+        step(t)
+    assert len(builds) == 3, builds
+    for p in experts + [bias]:
+        p.grad = None
+    engine = opt._engine
+    opt.step()  # nothing to step
+    assert opt._engine is engine
+    step(11)
+    assert len(builds) == 3, builds
+    resumed = dion3.Dion3(groups, lr=0.02)
+    resumed.load_state_dict(opt.state_dict())
+    opt = resumed
+    builds.clear()
+    rebuild = opt._rebuild
+    opt._rebuild = lambda *a, **k: (builds.append(len(builds)), rebuild(*a, **k))[1]
+    for t in range(12, 16):
+        step(t)
+    assert len(builds) == 1, builds
+    assert "step" not in opt.state[frozen] or opt.state[frozen]["step"] == 0

@@ -376,17 +376,19 @@ class Engine {
                 const std::string& layout, const py::object& process_group, int64_t global_rows,
                 int64_t global_cols, int64_t row_offset, int64_t row_chunk, const py::object& col_process_group,
                 const std::optional<at::Tensor>& given_grad, const py::object& wrapper_object,
-                const std::vector<int64_t>& order) {
+                const std::vector<int64_t>& order, bool absent) {
     const at::Tensor& weight = unpack(weight_object, "parameter '" + name + "'");
     const std::optional<at::Tensor> wrapper =
         wrapper_object.is_none() ? std::nullopt : std::optional<at::Tensor>(unpack(wrapper_object, name));
+    // absent: a matrix without a gradient now, registered so that the plan holds it when it has one
+    // (Optimizer::clear_grad until then).
     at::Tensor grad;
     try {
-      grad = contiguous(given_grad ? *given_grad : weight.grad());
+      if (!absent) grad = contiguous(given_grad ? *given_grad : weight.grad());
     } catch (const dion3::Error& e) {
       throw dion3::Error(e.status(), "parameter '" + name + "': " + std::string(e.what()).substr(7));
     }
-    if (!grad.defined())
+    if (!grad.defined() && !absent)
       throw dion3::Error(dion3::Status::InvalidArgument, "parameter '" + name + "' has no gradient");
     dion3::ParamSpec spec;
     spec.layout.kind = parse_layout(layout);
@@ -398,7 +400,7 @@ class Engine {
     if (!col_process_group.is_none()) spec.layout.col_comm = communicator(col_process_group, weight);
     spec.name = name;
     spec.weight = view_of(weight, "parameter '" + name + "'");
-    spec.grad = view_of(grad, "the gradient of parameter '" + name + "'");
+    if (!absent) spec.grad = view_of(grad, "the gradient of parameter '" + name + "'");
     // The weight is held through its Python object (Held), a channels-last weight's view in memory
     // order (made detached, so that it references no parameter) here.
     std::vector<at::Tensor> held{order.empty() ? at::Tensor() : weight};
@@ -409,17 +411,21 @@ class Engine {
       held.push_back(t);
     }
     const int index = opt_->add_param(group, spec);
+    if (absent) {
+      opt_->clear_grad(index);
+      ++absent_count_;
+    }
     skippable_.push_back(dion3::is_matrix_algorithm(opt_->group(group).algorithm));
-    absent_.push_back(false);
+    absent_.push_back(absent);
     weights_.push_back(order.empty() ? Held(weight_object) : Held(weight));
     wrappers_.push_back(wrapper ? Held(wrapper_object) : Held());
     wrapper_pins_.push_back(wrapper ? Pin(*wrapper) : Pin());
     weight_pins_.emplace_back(weight);
     held_.push_back(std::move(held));
     grads_.push_back(grad);
-    grad_pins_.emplace_back(grad);
+    grad_pins_.push_back(grad.defined() ? Pin(grad) : Pin());
     orders_.push_back(order);
-    sources_.push_back(!order.empty() && wrapper ? wrapper->grad() : at::Tensor());
+    sources_.push_back(!order.empty() && wrapper && !absent ? wrapper->grad() : at::Tensor());
     source_pins_.push_back(sources_.back().defined() ? Pin(sources_.back()) : Pin());
     return index;
   }
@@ -1062,7 +1068,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("state"), py::arg("layout") = "local", py::arg("process_group") = py::none(),
            py::arg("global_rows") = 0, py::arg("global_cols") = 0, py::arg("row_offset") = -1,
            py::arg("row_chunk") = 0, py::arg("col_process_group") = py::none(), py::arg("grad") = std::nullopt,
-           py::arg("wrapper") = std::nullopt, py::arg("order") = std::vector<int64_t>{})
+           py::arg("wrapper") = std::nullopt, py::arg("order") = std::vector<int64_t>{}, py::arg("absent") = false)
       .def("step_with", guarded(&Engine::step_with))
       .def("step_async_with", guarded(&Engine::step_async_with))
       .def("watch", guarded(&Engine::watch))
