@@ -21,6 +21,7 @@ import builds  # bench/builds.py
 
 CASES = {
     "absent": "a step when one different matrix of N 16x16 matrices has no gradient (ms)",
+    "absent-5pc": "a step when a different 5% of N 16x16 matrices have no gradient, from the first step on (ms)",
     "replan": "a step of N 16x16 matrices when an AdamW vector's gradient comes or goes (plans again, ms)",
     "all-grads": "a step of the same N matrices, every gradient there (ms)",
     "schedule": "a step of N one-matrix groups under LambdaLR, less one without it, per group (us)",
@@ -55,6 +56,15 @@ def worker(case: str, n: int) -> float:
                 p.grad = None if case == "absent" and i == s % n else grads[i]
             opt.step()
         return timed(step) * 1e3
+    if case == "absent-5pc":
+        opt = dion3.Dion3(ps, lr=0.01)
+
+        def step(s):
+            for i, p in enumerate(ps):
+                p.grad = None if (i + s) % 20 == 0 else grads[i]
+            opt.step()
+        step(0)
+        return timed(lambda s: step(s + 1)) * 1e3
     if case == "replan":
         bias = torch.nn.Parameter(torch.zeros(16))
         opt = dion3.Dion3([dict(params=ps), dict(params=[bias], algorithm="adamw")], lr=0.01)
