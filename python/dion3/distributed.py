@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+import math
 import weakref
 from typing import Any, Optional, Tuple
 
@@ -174,9 +175,16 @@ def layout_of(p: torch.Tensor, mesh: Any, who: str, matrix: bool, flatten: bool)
     group = pmesh.get_group(shard_dim)
     if not matrix:
         return ParamLayout("replicated", group, 0)  # element-wise: the shard is stepped as it is
-    if p.dim() != 2 and not flatten:
-        raise NotImplementedError(f"dion3: {who} has shape {list(p.shape)} and is sharded; use flatten=True "
-                                  "(dim0, rest) for sharded tensors of more than two dimensions")
+    if p.dim() > 2 and not flatten:
+        if tensor_dim < p.dim() - 2:
+            # A stack of matrices (experts) cut between its matrices: each rank holds whole ones and
+            # steps them itself, as one device would; nothing is exchanged.
+            return LOCAL
+        raise NotImplementedError(
+            f"dion3: {who} is a stack of {list(p.shape[-2:])} matrices (shape {list(p.shape)}, flatten=False) "
+            f"sharded inside its matrices (Shard({tensor_dim})); dion3 steps stacks sharded between their "
+            "matrices (on a leading dimension, FSDP2's default Shard(0)). flatten=True would make the stack one "
+            f"{p.shape[0]} x {math.prod(p.shape[1:])} matrix, orthogonalized as a whole: a different update")
     if tensor_dim == 0:
         return ParamLayout("row_shard", group, int(p.shape[0]))
     if tensor_dim == 1 and p.dim() == 2:

@@ -412,7 +412,8 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
              std::to_string(first) + ", " + std::to_string(first + want) + ") (" + std::to_string(want) +
              " columns: contiguous chunks of ceil(n/P), as Shard(1)), but its shard has shape " +
              spec.weight.shape_str());
-    } else if (p.rows < 1 || p.cols < 1 || p.count < 1) {
+    } else if (p.rows < 1 || p.cols < 1) {
+      // An empty stack (no matrices: a rank's share of experts sharded between ranks) steps nothing.
       fail(who + " has shape " + spec.weight.shape_str() + " with an empty dimension; a matrix needs rows and columns");
     }
   }

@@ -543,6 +543,29 @@ TEST(Dion3, FourDimensionalParameterWithoutFlattenBatchesTheLeadingDims) {
   EXPECT_EQ(plan[0].count, 6);
 }
 
+// A stack without matrices (a rank's share of experts cut between ranks, when it holds none)
+// steps nothing and plans nothing; an empty matrix is still refused.
+TEST(Dion3, AnEmptyStackStepsNothing) {
+  Rng rng(15);
+  Harness h;
+  GroupConfig g = plain(0.5);
+  g.flatten = false;
+  const int gi = h.opt.add_group(g);
+  h.add(gi, "none", DType::F32, {0, 8, 12}, rng);
+  t3::HostParam& w = h.add(gi, "w", DType::F32, {8, 12}, rng);
+  h.randomize_grads(rng);
+  const std::vector<double> before = w.w.values();
+  ASSERT_TRUE(h.opt.step());
+  EXPECT_NE(w.w.values(), before);
+  const auto plan = h.opt.plan();
+  ASSERT_EQ(plan.size(), 1u);
+  EXPECT_EQ(plan[0].count, 1);
+  EXPECT_EQ(t3::state_values(h.opt, 0, "momentum").size(), 0u);
+  Harness e;
+  const std::string what = t3::error_of([&] { e.add(e.opt.add_group(g), "empty", DType::F32, {2, 0, 12}, rng); });
+  EXPECT_NE(what.find("with an empty dimension; a matrix needs rows and columns"), std::string::npos) << what;
+}
+
 TEST(Dion3, IdenticalRunsGiveIdenticalBytes) {
   auto run = [] {
     Rng rng(15);

@@ -716,6 +716,34 @@ def absent_gradients(rank, world, mesh):
                 assert all(torch.equal(every[0], x) for x in every), f"rank {rank}: replicas parted, step {step}"
 
 
+def expert_stacks(rank, world, mesh):
+    """A stack of expert matrices (flatten=False) sharded on its expert dimension (FSDP2's
+    Shard(0)) is stepped by each rank on its whole experts with the single-device rule: the same
+    as one process, also with more ranks than experts; sharded inside its matrices, refused."""
+    for opt_cls in (dion3.Dion3, dion3.NorMuon):
+        for experts in (2 * world + 1, world - 1):
+            torch.manual_seed(experts)
+            whole = torch.randn(experts, 12, 8) * 0.05
+            w = nn.Parameter(distribute_tensor(whole.clone(), mesh, [Shard(0)]))
+            s = nn.Parameter(whole.clone())
+            opt = opt_cls([dict(params=[w], flatten=False)], distributed_mesh=mesh, lr=0.02)
+            ref = opt_cls([dict(params=[s], flatten=False)], lr=0.02)
+            for step in range(3):
+                g = torch.randn(experts, 12, 8, generator=torch.Generator().manual_seed(step))
+                w.grad, s.grad = distribute_tensor(g, mesh, [Shard(0)]), g.clone()
+                opt.step()
+                ref.step()
+                close(full(w.detach()), s.detach(), f"{opt_cls.__name__}: {experts} experts sharded, step {step}")
+            assert all(mb["layout"] == "local" for mb in opt.plan()), opt.plan()
+    w = nn.Parameter(distribute_tensor(torch.randn(4, 12, 8), mesh, [Shard(1)]))
+    w.grad = distribute_tensor(torch.randn(4, 12, 8), mesh, [Shard(1)])
+    try:
+        dion3.Dion3([dict(params=[w], flatten=False)], distributed_mesh=mesh).step()
+        raise AssertionError("a stack sharded inside its matrices was stepped")
+    except NotImplementedError as e:
+        assert "sharded inside its matrices (Shard(1))" in str(e) and "a different update" in str(e), str(e)
+
+
 def partial_gradients(rank, world, mesh):
     """A gradient that autograd left Partial (a replicated weight under sequence or tensor
     parallelism) is summed over the ranks before the step, as torch.optim does: the result is the
@@ -966,6 +994,7 @@ def layouts(rank, world, tmp):
     one_rank_settings(rank, world, mesh)
     partial_gradients(rank, world, mesh)
     absent_gradients(rank, world, mesh)
+    expert_stacks(rank, world, mesh)
     fully_sharded_model(rank, world, mesh)
 
 
