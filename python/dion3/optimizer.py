@@ -19,6 +19,7 @@ import gc
 import math
 import numbers
 import re
+import warnings
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -1109,12 +1110,14 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 raise CaptureNotReady("dion3: no parameter of this rank has a gradient and the step must be "
                                       "planned anew; run one eager step before capturing")
             self._refuse_without_gradients(key)
+            self._note_never_a_gradient()
             return loss
         if stale:
             self._replan(key)
         engine = self._engine
         if engine is None:  # no parameter had a gradient: look again (rare, so done in Python)
             if not self._has_gradients():
+                self._note_never_a_gradient()
                 return loss
             self._rebuild(key)
             engine = self._engine
@@ -1162,6 +1165,18 @@ class _EngineOptimizer(torch.optim.Optimizer):
         if asynchronous:
             self._counters_pending = True  # the engine posts its counters to the host itself
         return loss
+
+    def _note_never_a_gradient(self) -> None:
+        """A step() found no gradient, and no parameter of this optimizer has ever had one: at the
+        third such call, say what usually causes it (once; torch's optimizers stay silent)."""
+        if self._engine is not None or getattr(self, "_stepped_once", False):
+            return
+        self._gradless_calls = getattr(self, "_gradless_calls", 0) + 1
+        if self._gradless_calls == 3:
+            warnings.warn("dion3: step() was called 3 times and no parameter of this optimizer has had a gradient "
+                          "yet, so nothing was stepped. If the model was wrapped after the optimizer was built "
+                          "(FSDP2's fully_shard replaces its parameters), the optimizer holds parameters the model "
+                          "no longer uses: build it after wrapping the model", RuntimeWarning, stacklevel=2)
 
     def _counted_states(self):
         """The state dicts of the parameters the last step stepped (replays of a capture step the
@@ -1798,6 +1813,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             self._kinds[p] = kinds[p]
             self.state[p].update(st)
         self._engine = engine
+        self._stepped_once = True  # a parameter had a gradient (see _note_never_a_gradient)
         self._engine_params = engine_params
         self._engine_cuda = device.type == "cuda"
         self._applied_seen, self._skipped_seen = applied_seen, skipped_seen

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import threading
+import warnings
 
 import pytest
 import torch
@@ -715,3 +716,28 @@ def test_the_plan_holds_every_matrix_that_requires_a_gradient(device):
         step(t)
     assert len(builds) == 1, builds
     assert "step" not in opt.state[frozen] or opt.state[frozen]["step"] == 0
+
+
+def test_an_optimizer_whose_parameters_never_get_a_gradient_says_why_once():
+    # The optimizer built before the model was wrapped (FSDP2's fully_shard gives the model new
+    # parameters): every step finds no gradient. torch's optimizers stay silent; dion3 says it once.
+    model = nn.Linear(8, 8, bias=False)
+    opt = dion3.Dion3(model.parameters(), lr=0.02)
+    model.weight = nn.Parameter(model.weight.detach().clone())  # what wrapping does
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(5):
+            model(torch.randn(2, 8)).sum().backward()
+            opt.step()
+    said = [w for w in caught if "no parameter of this optimizer has had a gradient" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]
+    fine = dion3.Dion3(model.parameters(), lr=0.02)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fine.step()  # no backward yet: nothing to say
+        for _ in range(4):
+            model(torch.randn(2, 8)).sum().backward()
+            fine.step()
+            model.weight.grad = None
+            fine.step()
+    assert not [w for w in caught if "has had a gradient" in str(w.message)]
