@@ -33,11 +33,36 @@ def _ids_of(model: nn.Module, selector: _Selector, names: Dict[int, str]) -> Opt
             hits = [pid for pid, name in names.items()
                     if name == item or name.startswith(item + ".") or fnmatch.fnmatchcase(name, item)]
             if not hits:
-                raise ValueError(f"dion3.param_groups: no parameter of the model matches {item!r}")
+                # A module whose parameters are listed under another name: a head tied to the
+                # embedding appears once, as the embedding's.
+                module = _submodule(model, item)
+                hits = [id(p) for p in module.parameters()] if module is not None else []
+            if not hits:
+                raise ValueError(f"dion3.param_groups: no parameter or module of the model matches {item!r}")
             out.update(hits)
         else:
             raise TypeError(f"dion3.param_groups: cannot select parameters with {type(item).__name__}")
     return out
+
+
+def _submodule(model: nn.Module, path: str) -> Optional[nn.Module]:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _is_bias_name(name: str) -> bool:
+    """A bias table held as one parameter per layer (an MoE's [E, out] per-expert biases, a
+    relative position bias table): element-wise, whatever its shape."""
+    return "bias" in name.rpartition(".")[2]
+
+
+def _is_bare_embedding(name: str, p: torch.Tensor, modules: Dict[str, nn.Module]) -> bool:
+    """A table held as a bare Parameter whose name says it is one (a ViT's pos_embed or
+    position_embeddings): not a module's weight."""
+    owner, _, leaf = name.rpartition(".")
+    return "embed" in leaf and not isinstance(modules.get(owner), (nn.Linear, *_CONVOLUTIONS))
 
 
 # The LM head by name, where the caller does not name it: a module called lm_head or embed_out
@@ -45,7 +70,7 @@ def _ids_of(model: nn.Module, selector: _Selector, names: Dict[int, str]) -> Opt
 # reference code). Deeper "output" / "head" modules are hidden layers (BERT's attention.output).
 _HEAD_ANYWHERE = ("lm_head", "embed_out")
 _CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-_HEAD_TOP_LEVEL = ("head", "output")
+_HEAD_TOP_LEVEL = ("head", "output", "classifier")
 
 
 # Wrappers whose parameters appear under one more prefix: torch.compile's _orig_mod, DDP's and
@@ -68,13 +93,15 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
     """Build parameter groups for dion3.Dion3 / NorMuon / Muon from a model.
 
     lm_head, embeddings: a module, a parameter, a parameter name (or module prefix, or glob) or a
-        list of them. Defaults: the head is the weight (and bias) of a module named lm_head or
-        embed_out anywhere, or of a top-level module named head or output (below a wrapper's
-        _orig_mod or module); embeddings are all
-        nn.Embedding and nn.EmbeddingBag modules. A head tied to an embedding (one Parameter used by both) is an
-        embedding. They go to the element-wise algorithm, as do all tensors with fewer than 2
-        dimensions larger than 1 (biases, norms, a (1, 1, d) class token, weight_norm's gains).
-        An embedding held as a bare Parameter (a ViT's pos_embed) is not recognised: name it.
+        list of them (a name may also be a module's path: a head tied to the embedding). Defaults:
+        the head is the weight (and bias) of a module named lm_head or embed_out anywhere, or of a
+        top-level module named head, output or classifier (below a wrapper's _orig_mod or module);
+        embeddings are all nn.Embedding and nn.EmbeddingBag modules and the bare Parameters whose
+        name contains "embed" (a ViT's pos_embed); embeddings= adds to them. A head tied to an
+        embedding (one Parameter used by both) is an embedding. They go to the element-wise
+        algorithm, as do all tensors with fewer than 2 dimensions larger than 1 (biases, norms, a
+        (1, 1, d) class token, weight_norm's gains) and every parameter whose name (its last
+        part) contains "bias" (an MoE's [E, out] per-expert biases, a relative position bias table).
         Convolution weights (torch.nn's Conv and ConvTranspose modules) get a matrix group of their
         own with flatten=True: one (dim0, rest) matrix each (dim0: a Conv's output channels, a
         ConvTranspose's input channels); other weights of three or more
@@ -100,10 +127,10 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
     # Selectors and overrides may name frozen parameters too (a frozen head): they are matched
     # against every name, and select nothing that is left out.
     names = {id(p): n for n, p in every}
-    emb = _ids_of(model, embeddings, names)
-    if emb is None:
-        emb = {id(p) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
-               for p in m.parameters()}
+    modules = dict(model.named_modules())
+    emb = {id(p) for m in modules.values() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for p in m.parameters()}
+    emb |= {id(p) for n, p in every if _is_bare_embedding(n, p, modules)}
+    emb |= _ids_of(model, embeddings, names) or set()
     head = _ids_of(model, lm_head, names)
     if head is None:
         head = {id(p) for n, p in every if _is_head_name(n)}  # frozen ones too: see head_din
@@ -134,9 +161,9 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
                 opts["lr"] = lr / math.sqrt(head_din.get(name.rpartition(".")[0], head_weights[0].shape[1]))
         elif id(p) in emb:
             role, opts = "embedding", dict(base_el)
-        elif sum(d > 1 for d in p.shape) < 2 or p.numel() == 0:
-            # A vector in a matrix's shape ((1, 1, d) tokens, weight_norm's (out, 1) gains), or an
-            # empty matrix: nothing to orthogonalize.
+        elif sum(d > 1 for d in p.shape) < 2 or p.numel() == 0 or _is_bias_name(name):
+            # A vector in a matrix's shape ((1, 1, d) tokens, weight_norm's (out, 1) gains), an
+            # empty matrix, or a table of biases: nothing to orthogonalize.
             role, opts = "vector", dict(base_el)
         elif id(p) in conv and p.dim() > 2:
             # One (out, in * kernel) matrix per convolution: as a stack of kernel-sized matrices a

@@ -132,8 +132,49 @@ def test_param_groups_call_vectors_in_a_matrix_shape_vectors():
 
     roles = _roles(dion3.param_groups(M(), lr=0.02))
     assert roles["cls_token"] == roles["gain"] == roles["score.weight"] == "vector"
-    assert roles["proj.weight"] == roles["conv1x1.weight"] == roles["pos_embed"] == "matrix"
-    assert _roles(dion3.param_groups(M(), lr=0.02, embeddings="pos_embed"))["pos_embed"] == "embedding"
+    assert roles["proj.weight"] == roles["conv1x1.weight"] == "matrix"
+    assert roles["pos_embed"] == "embedding"  # a bare table named as one
+
+
+def test_param_groups_recognise_what_real_models_hold():
+    # Per-expert bias tables and a relative position bias table are biases, whatever their shape; a
+    # top-level classifier is a head; embeddings= adds tables to the nn.Embedding ones; a tied head
+    # can be named by its module's path.
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.zeros(4, 8, 16))
+            self.gate_up_proj_bias = torch.nn.Parameter(torch.zeros(4, 16))
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = torch.nn.Embedding(10, 8)
+            self.latents = torch.nn.Parameter(torch.zeros(6, 8))
+            self.experts = Experts()
+            self.relative_position_bias_table = torch.nn.Parameter(torch.zeros(49, 4))
+            self.block = torch.nn.Linear(8, 8)
+            self.classifier = torch.nn.Linear(8, 3)
+
+    roles = _roles(dion3.param_groups(M(), lr=0.02, embeddings="latents"))
+    assert roles["experts.gate_up_proj"] == roles["block.weight"] == "matrix"
+    assert roles["experts.gate_up_proj_bias"] == roles["relative_position_bias_table"] == "vector"
+    assert roles["tok.weight"] == roles["latents"] == "embedding"
+    assert roles["classifier.weight"] == roles["classifier.bias"] == "lm_head"
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = torch.nn.Embedding(10, 8)
+            self.body = torch.nn.Linear(8, 8)
+            self.lm_head = torch.nn.Linear(8, 10, bias=False)
+            self.lm_head.weight = self.embed_tokens.weight
+
+    groups = dion3.param_groups(Tied(), lm_head="lm_head", lr=0.02)
+    assert _roles(groups)["embed_tokens.weight"] == "lm_head"
+    assert next(g["lr"] for g in groups if g["role"] == "lm_head") == pytest.approx(0.02 / 8 ** 0.5)
+    with pytest.raises(ValueError, match="no parameter or module of the model matches 'head'"):
+        dion3.param_groups(Tied(), lm_head="head", lr=0.02)
 
 
 @pytest.mark.parametrize("cls", [dion3.Muon, dion3.NorMuon])
