@@ -1717,19 +1717,19 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._check_aliasing()  # storage may have been re-pointed (p.data = ...) since construction
         self._check_groups()  # before any state is made for what they hold
         self._own_state()
-        params_with_grad = []
+        registering = []
         for gi, group in enumerate(self.param_groups):
             matrix = group["algorithm"] in MATRIX_ALGORITHMS
             members = [(j, p) for j, p in enumerate(group["params"])
                        if p.grad is not None or (matrix and p.requires_grad)]
             if members:
-                params_with_grad.append((gi, group, members))
-        if not any(p.grad is not None for _, _, members in params_with_grad for _, p in members):
+                registering.append((gi, group, members))
+        if not any(p.grad is not None for _, _, members in registering for _, p in members):
             self._engine_key = key
             self._watched_state, self._watched_version = self.state, self.state.version
             self._dirty = False
             return
-        gi0, group0, j0, p0 = next((gi, g, j, p) for gi, g, members in params_with_grad for j, p in members
+        gi0, group0, j0, p0 = next((gi, g, j, p) for gi, g, members in registering for j, p in members
                                    if p.grad is not None)
         device = p0.device
         if device.type not in ("cpu", "cuda"):
@@ -1756,7 +1756,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         switched = set()
         engine_params, engine_groups, steps, adamw_check = [], [], [], []
         given_grads = False
-        for gi, group, members in params_with_grad:
+        for gi, group, members in registering:
             ei = engine.add_group(_engine_config(self._engine_group(group)))
             engine_groups.append(gi)
             matrix = group["algorithm"] in MATRIX_ALGORITHMS
