@@ -352,6 +352,23 @@ def _fresh_defaults(cls: type) -> Dict[str, Any]:
 _LIVE: "weakref.WeakSet[_EngineOptimizer]" = weakref.WeakSet()
 
 
+def _regrouped(saved_groups, groups) -> str:
+    """For a refused load whose groups differ from the optimizer's: where named parameters sit in
+    each (a few), and what to do."""
+    def where(gs):
+        return {str(n): gi for gi, g in enumerate(gs) if isinstance(g.get("param_names"), list)
+                for n in g["param_names"]}
+    there, here = where(saved_groups), where(groups)
+    moved = [f"'{n}' (group {there[n]} there, {here[n]} here)" for n in here if n in there and there[n] != here[n]]
+    moved += [f"'{n}' (not in the state_dict)" for n in here if n not in there]
+    moved += [f"'{n}' (not in this optimizer)" for n in there if n not in here]
+    if not there or not here or not moved:
+        return "; build the optimizer's groups as the checkpoint's were"
+    shown = ", ".join(moved[:3]) + (f" and {len(moved) - 3} more" if len(moved) > 3 else "")
+    return (f": {shown}. Build the groups as the checkpoint's were (dion3.param_groups of another version, or "
+            "called with other arguments, may group them otherwise)")
+
+
 @atexit.register
 def _drop_engines_at_exit() -> None:
     for opt in list(_LIVE):
@@ -929,12 +946,14 @@ class _EngineOptimizer(torch.optim.Optimizer):
         saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"dion3: load_state_dict: the state_dict has {len(saved_groups)} parameter groups "
-                             f"but the optimizer has {len(self.param_groups)}")
+                             f"but the optimizer has {len(self.param_groups)}"
+                             + _regrouped(saved_groups, self.param_groups))
         plan = []
         for gi, (saved, mine) in enumerate(zip(saved_groups, self.param_groups)):
             if len(saved["params"]) != len(mine["params"]):
                 raise ValueError(f"dion3: load_state_dict: parameter group {gi} of the state_dict has "
-                                 f"{len(saved['params'])} parameters but the optimizer's has {len(mine['params'])}")
+                                 f"{len(saved['params'])} parameters but the optimizer's has {len(mine['params'])}"
+                                 + _regrouped(saved_groups, self.param_groups))
             names_saved, names_mine = saved.get("param_names"), mine.get("param_names")
             if isinstance(names_saved, list) and isinstance(names_mine, list) and names_saved != names_mine \
                     and sorted(map(str, names_saved)) == sorted(map(str, names_mine)):

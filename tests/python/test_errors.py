@@ -861,3 +861,15 @@ def test_cuda_graph_capture_refuses_parameters_off_the_gpu():
     with pytest.raises(RuntimeError, match="parameter 0 'w' of group 0 is on cpu; a CUDA graph captures steps of "
                                            "CUDA parameters"):
         opt.step()
+
+
+def test_a_load_into_groups_built_otherwise_names_the_parameters_that_moved():
+    # A checkpoint whose groups were built otherwise (param_groups of another version, other
+    # overrides): the refusal says which parameters sit in other groups, and what to do.
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    saved = dion3.Dion3(dion3.param_groups(model, lr=0.02), lr=0.02).state_dict()
+    regrouped = dion3.Dion3(dion3.param_groups(model, lr=0.02, overrides={"1.weight": dict(algorithm="adamw")}),
+                            lr=0.02)
+    with pytest.raises(ValueError, match=r"'1\.weight' \(group 0 there, 2 here\)\. Build the groups as the "
+                                         r"checkpoint's were"):
+        regrouped.load_state_dict(saved)
