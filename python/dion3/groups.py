@@ -97,8 +97,9 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
         the head is the weight (and bias) of a module named lm_head or embed_out anywhere, or of a
         top-level module named head, output or classifier (below a wrapper's _orig_mod or module);
         embeddings are all nn.Embedding and nn.EmbeddingBag modules and the bare Parameters whose
-        name contains "embed" (a ViT's pos_embed); embeddings= adds to them. A head tied to an
-        embedding (one Parameter used by both) is an embedding. They go to the element-wise
+        name contains "embed" (a ViT's pos_embed); embeddings= adds to them (overrides can give
+        an nn.Embedding another algorithm). A head tied to an embedding (one Parameter used by
+        both) is an embedding, unless lm_head= names it. They go to the element-wise
         algorithm, as do all tensors with fewer than 2 dimensions larger than 1 (biases, norms, a
         (1, 1, d) class token, weight_norm's gains) and every parameter whose name (its last
         part) contains "bias" (an MoE's [E, out] per-expert biases, a relative position bias table).

@@ -1153,9 +1153,14 @@ class _EngineOptimizer(torch.optim.Optimizer):
             if self._run_first(engine, True) < 0:
                 raise CaptureNotReady("dion3: the parameters with gradients, their groups or their storage "
                                       "changed since the last step; run one eager step before capturing")
+            self._absent = engine.absent()  # what the replays step (counted by _sync_counters)
             self._counters_pending = True
             return loss
         self._raise_deferred(poll=True)
+        if getattr(self, "_replayed", False):
+            # Replays are counted for the parameters the capture stepped, before this step may step others.
+            self._sync_counters()
+            self._replayed = False
         # A step that does not block only enqueues: nothing waits for the GPU, and its verdict
         # comes back through an asynchronous copy of the engine's counters (see _sync_counters).
         asynchronous = self._engine_cuda and not self._blocks()
@@ -1174,6 +1179,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 raise RuntimeError("dion3: internal error: the engine still asks for a rebuild")
         # Matrices without a gradient were left alone (the engine's plan keeps them): not counted.
         self._absent = engine.absent()
+        self._stepped_once = True  # a gradient was seen (see _note_never_a_gradient)
         if status > 0:  # applied, or enqueued: counted now; a dropped enqueued step is taken back later
             for st in self._counted_states():
                 st["step"] += 1
@@ -1186,9 +1192,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
         return loss
 
     def _note_never_a_gradient(self) -> None:
-        """A step() found no gradient, and no parameter of this optimizer has ever had one: at the
+        """A step() found no gradient, and no step of this optimizer has ever run with one: at the
         third such call, say what usually causes it (once; torch's optimizers stay silent)."""
-        if self._engine is not None or getattr(self, "_stepped_once", False):
+        if getattr(self, "_stepped_once", False):
             return
         self._gradless_calls = getattr(self, "_gradless_calls", 0) + 1
         if self._gradless_calls == 3:
@@ -1499,6 +1505,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         except ValueError as e:
             raise RuntimeError(str(e)) from None
         self._counters_pending = True
+        self._replayed = True
 
     def state_dict(self) -> Dict[str, Any]:
         """torch's state_dict in the reference package's layout, so that its optimizers load it
@@ -1832,7 +1839,6 @@ class _EngineOptimizer(torch.optim.Optimizer):
             self._kinds[p] = kinds[p]
             self.state[p].update(st)
         self._engine = engine
-        self._stepped_once = True  # a parameter had a gradient (see _note_never_a_gradient)
         self._engine_params = engine_params
         self._engine_cuda = device.type == "cuda"
         self._applied_seen, self._skipped_seen = applied_seen, skipped_seen

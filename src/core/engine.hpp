@@ -307,6 +307,8 @@ struct Optimizer::Impl {
   MatrixView zero_matrix(int64_t rows, int64_t cols, DType dtype);
   // Absent members' state bounds are unknown after a step (select_rows bounded the zeros instead).
   void forget_absent_bounds();
+  // An applied step leaves absent parameters' step counts (ParamState::step) as they were.
+  void skip_absent_counts();
   void build_lists();        // `lists`, when the binding moved
   MatrixView run_orthogonalizer(Chunk& c, const std::function<MatrixView()>& run);
   std::array<int64_t, 2> read_counters() const;

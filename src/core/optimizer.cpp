@@ -1507,6 +1507,11 @@ void Optimizer::Impl::bind(Megabatch& mb) {
 MatrixView Optimizer::Impl::zero_matrix(int64_t rows, int64_t cols, DType dtype) {
   const auto bytes_of = [](int64_t r, int64_t c, DType t) { return static_cast<std::size_t>(r * c) * dtype_size(t); };
   if (zeros.bytes() < bytes_of(rows, cols, dtype)) {
+    // Memory allocated inside a capture belongs to the graph: later eager steps must not use it.
+    if (backend->capturing())
+      fail("a step is being captured with a parameter without a gradient (clear_grad) for the first time since "
+           "the plan was made: take one step (not captured) with the parameters' gradients as they will be at "
+           "the capture first");
     // Once per plan: room for any matrix of it, so that a step captured with some parameters
     // absent keeps reading the same memory.
     std::size_t need = bytes_of(rows, cols, dtype);
@@ -1520,6 +1525,11 @@ MatrixView Optimizer::Impl::zero_matrix(int64_t rows, int64_t cols, DType dtype)
     backend->fill_zero(zeros.get(), zeros.bytes());
   }
   return MatrixView::contiguous(zeros.get(), dtype, 1, rows, cols);
+}
+
+void Optimizer::Impl::skip_absent_counts() {
+  for (int i = 0; absent_now > 0 && i < static_cast<int>(params.size()); ++i)
+    if (params[static_cast<std::size_t>(i)].absent) ++params[static_cast<std::size_t>(i)].step_offset;
 }
 
 void Optimizer::Impl::forget_absent_bounds() {
@@ -2071,6 +2081,9 @@ void Optimizer::step_async() {
   s.validate_or_refuse();
   s.enqueue_step(true, Impl::kStep, false);  // nothing is raised here, so a dropped step is counted
   s.post_counters();
+  // Absent parameters' step counts leave out this step (without waiting for its verdict: one the
+  // device drops is left out twice; replays of a capture are counted for them).
+  if (!s.backend->capturing()) s.skip_absent_counts();
 }
 
 bool Optimizer::posted_counters(int64_t out[2]) const {
@@ -2149,7 +2162,10 @@ bool Optimizer::step() {
   s.settle_collectives();
   // The verdict: one host synchronisation.
   const int verdict = be.read_flag(flag);
-  if (verdict == 0) return true;
+  if (verdict == 0) {
+    s.skip_absent_counts();
+    return true;
+  }
   if (verdict & kNotAStep) {
     // Every rank keeps its plan (a refusing one's registration is unchanged), so the next step's
     // first collective is this agreement again on all of them, steps enqueued only included.

@@ -107,6 +107,26 @@ TEST(Absent, ParametersWithoutAGradientAreLeftAloneAndTheOthersStepAsWithoutThem
   }
 }
 
+// A parameter's exported step count (ParamState::step) counts the steps that stepped it.
+TEST(Absent, ExportedStepCountsLeaveOutTheStepsWithoutAGradient) {
+  Rng rng(6);
+  Harness h;
+  const int gi = h.opt.add_group(GroupConfig{});
+  HostParam& a = h.add(gi, "a", DType::F32, {8, 12}, rng);
+  HostParam& b = h.add(gi, "b", DType::F32, {8, 12}, rng);
+  h.randomize_grads(rng);
+  ASSERT_TRUE(h.opt.step());
+  h.opt.clear_grad(b.index);
+  ASSERT_TRUE(h.opt.step());
+  h.opt.step_async();
+  h.opt.set_grad(b.index, b.g.view());
+  ASSERT_TRUE(h.opt.step());
+  const dion3::OptimizerState st = h.opt.export_state();
+  EXPECT_EQ(st.steps, 4);
+  EXPECT_EQ(st.params[static_cast<std::size_t>(a.index)].step, 4);
+  EXPECT_EQ(st.params[static_cast<std::size_t>(b.index)].step, 2);
+}
+
 TEST(Absent, ElementwiseParametersAreRefusedAndNothingChanges) {
   for (Algorithm a : {Algorithm::AdamW, Algorithm::Lion}) {
     Rng rng(3);

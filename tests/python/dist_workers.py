@@ -716,6 +716,21 @@ def absent_gradients(rank, world, mesh):
                 assert all(torch.equal(every[0], x) for x in every), f"rank {rank}: replicas parted, step {step}"
 
 
+def never_a_gradient(rank, world, mesh):
+    """An optimizer whose parameters never get a gradient (built before fully_shard replaced them)
+    says so once, on every rank, though each refusal registers them with stand-in gradients."""
+    import warnings
+
+    w = nn.Parameter(torch.zeros(8, 6))
+    opt = dion3.Dion3([w], distributed_mesh=dist.group.WORLD)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(5):
+            opt.step()
+    said = [x for x in caught if "no parameter of this optimizer has had a gradient" in str(x.message)]
+    assert len(said) == 1, f"rank {rank}: {[str(x.message) for x in caught]}"
+
+
 def expert_stacks(rank, world, mesh):
     """A stack of expert matrices (flatten=False) sharded on its expert dimension (FSDP2's
     Shard(0)) is stepped by each rank on its whole experts with the single-device rule: the same
@@ -995,6 +1010,7 @@ def layouts(rank, world, tmp):
     partial_gradients(rank, world, mesh)
     absent_gradients(rank, world, mesh)
     expert_stacks(rank, world, mesh)
+    never_a_gradient(rank, world, mesh)
     fully_sharded_model(rank, world, mesh)
 
 
