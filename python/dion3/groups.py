@@ -59,10 +59,13 @@ def _is_bias_name(name: str) -> bool:
 
 
 def _is_bare_embedding(name: str, p: torch.Tensor, modules: Dict[str, nn.Module]) -> bool:
-    """A table held as a bare Parameter whose name says it is one (a ViT's pos_embed or
-    position_embeddings): not a module's weight."""
+    """A table held as a bare Parameter whose name, or its module's, says it is one (a ViT's
+    pos_embed, TransformerLens's embed.W_E): not a Linear's or a convolution's weight, nor an
+    unembedding."""
     owner, _, leaf = name.rpartition(".")
-    return "embed" in leaf and not isinstance(modules.get(owner), (nn.Linear, *_CONVOLUTIONS))
+    parts = (owner.rpartition(".")[2], leaf)
+    return (any("embed" in part and "unembed" not in part for part in parts)
+            and not isinstance(modules.get(owner), (nn.Linear, *_CONVOLUTIONS)))
 
 
 # The LM head by name, where the caller does not name it: a module called lm_head or embed_out
@@ -97,7 +100,8 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
         the head is the weight (and bias) of a module named lm_head or embed_out anywhere, or of a
         top-level module named head, output or classifier (below a wrapper's _orig_mod or module);
         embeddings are all nn.Embedding and nn.EmbeddingBag modules and the bare Parameters whose
-        name contains "embed" (a ViT's pos_embed); embeddings= adds to them (overrides can give
+        name's last part, or their module's, contains "embed" but not "unembed" (a ViT's
+        pos_embed, TransformerLens's embed.W_E); embeddings= adds to them (overrides can give
         an nn.Embedding another algorithm). A head tied to an embedding (one Parameter used by
         both) is an embedding, unless lm_head= names it. They go to the element-wise
         algorithm, as do all tensors with fewer than 2 dimensions larger than 1 (biases, norms, a

@@ -156,6 +156,17 @@ def test_param_groups_recognise_what_real_models_hold():
             self.block = torch.nn.Linear(8, 8)
             self.classifier = torch.nn.Linear(8, 3)
 
+    class Embed(torch.nn.Module):  # TransformerLens's tables: bare Parameters in modules named so
+        def __init__(self, shape, name):
+            super().__init__()
+            self.register_parameter(name, torch.nn.Parameter(torch.zeros(shape)))
+
+    lens = torch.nn.Module()
+    lens.embed, lens.pos_embed = Embed((10, 8), "W_E"), Embed((6, 8), "W_pos")
+    lens.unembed = Embed((8, 10), "W_U")
+    roles = _roles(dion3.param_groups(lens, lr=0.02))
+    assert roles["embed.W_E"] == roles["pos_embed.W_pos"] == "embedding"
+    assert roles["unembed.W_U"] == "matrix"
     roles = _roles(dion3.param_groups(M(), lr=0.02, embeddings="latents"))
     assert roles["experts.gate_up_proj"] == roles["block.weight"] == "matrix"
     assert roles["experts.gate_up_proj_bias"] == roles["relative_position_bias_table"] == "vector"
