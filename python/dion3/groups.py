@@ -150,6 +150,17 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
         if not any(n == pattern or fnmatch.fnmatchcase(n, pattern) for n in names.values()):
             raise ValueError(f"dion3.param_groups: override {pattern!r} matches no parameter of the model")
 
+    # Hugging Face's Conv1D (GPT-2) stores its weight (in, out): dion3 reads stored rows as outputs.
+    transposed = [f"{path}.weight" for path, m in modules.items()
+                  if type(m).__name__ == "Conv1D" and hasattr(m, "nf") and getattr(m, "weight", None) is not None
+                  and m.weight.dim() == 2 and m.weight.shape[1] == m.nf
+                  and (m.weight.requires_grad or include_frozen)]
+    if transposed:
+        warnings.warn(f"dion3.param_groups: {len(transposed)} weights are stored (in, out) (Hugging Face Conv1D: "
+                      f"{', '.join(transposed[:2])}{', ...' if len(transposed) > 2 else ''}); the matrix algorithms "
+                      "read stored rows as output features, so these are stepped with their input features as rows "
+                      "and an inverted lr adjustment (docs/parameter-groups.md, 'Rows are output features')",
+                      stacklevel=2)
     head_weights = [p for n, p in named if id(p) in head and p.dim() == 2]
     # Each head's input dimension, by its module (a model may have several heads: its bias learns
     # at its weight's lr).
