@@ -58,7 +58,7 @@ def _is_bias_name(name: str) -> bool:
     return "bias" in name.rpartition(".")[2]
 
 
-def _is_bare_embedding(name: str, p: torch.Tensor, modules: Dict[str, nn.Module]) -> bool:
+def _is_bare_embedding(name: str, modules: Dict[str, nn.Module]) -> bool:
     """A table held as a bare Parameter whose name, or its module's, says it is one (a ViT's
     pos_embed, TransformerLens's embed.W_E): not a Linear's or a convolution's weight, nor an
     unembedding."""
@@ -134,7 +134,7 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
     names = {id(p): n for n, p in every}
     modules = dict(model.named_modules())
     emb = {id(p) for m in modules.values() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for p in m.parameters()}
-    emb |= {id(p) for n, p in every if _is_bare_embedding(n, p, modules)}
+    emb |= {id(p) for n, p in every if _is_bare_embedding(n, modules)}
     emb |= _ids_of(model, embeddings, names) or set()
     head = _ids_of(model, lm_head, names)
     if head is None:
@@ -143,7 +143,7 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
         head -= emb
     # The convolutions' parameters as registered: a parametrized weight (weight_norm, spectral_norm)
     # is its originals, and reading m.weight would compute it (a power iteration, for spectral_norm).
-    conv = {id(p) for m in model.modules() if isinstance(m, _CONVOLUTIONS) for p in m.parameters()}
+    conv = {id(p) for m in modules.values() if isinstance(m, _CONVOLUTIONS) for p in m.parameters()}
     base_el = {"algorithm": elementwise, **(elementwise_options or {})}
     overrides = overrides or {}
     for pattern in overrides:

@@ -1216,7 +1216,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         if not self._given_grads:
             return engine.absence_changed()
         now = [i for i, p in enumerate(self._engine_params) if _dist.local_grad(p) is None]
-        return now != list(self._absent)
+        return now != self._absent
 
     def _stale(self, key) -> bool:
         """Whether the engine must be built anew for the groups as they are (see _registration_key)."""

@@ -303,6 +303,7 @@ struct Optimizer::Impl {
   // flag_starts with the regions' digests over `hyper` (the values the step reads).
   void write_starts(const std::vector<float>& hyper);
   void bind(Megabatch& mb);  // its sets' tables, when the binding moved (or under capture)
+  void set_absent(Param& p, bool absent);  // Param::absent, and what follows it
   // A matrix of mb's rows (the whole stored matrix for a set stepped by columns) in `zeros`.
   MatrixView zero_matrix(int64_t rows, int64_t cols, DType dtype);
   // Absent members' state bounds are unknown after a step (select_rows bounded the zeros instead).

@@ -484,12 +484,8 @@ void Optimizer::set_grad(int param, const TensorView& grad) {
   if (std::string c = s.memory_clash(grad, false); !c.empty())
     fail(s.describe(param) + ": its new gradient overlaps the memory of " + c);
   Param& p = s.params[param];
-  if (p.grad.data != grad.data || p.grad.dtype != grad.dtype || p.grad.shape != grad.shape || p.absent) ++s.binding;
-  if (p.absent) {
-    ++s.absence;
-    --s.absent_now;
-  }
-  p.absent = false;
+  if (p.grad.data != grad.data || p.grad.dtype != grad.dtype || p.grad.shape != grad.shape) ++s.binding;
+  s.set_absent(p, false);
   s.forget_grad_range(param);
   p.grad = grad;
   s.note_grad_range(param);
@@ -510,10 +506,15 @@ void Optimizer::clear_grad(int param) {
   // The dtype stays as last bound (the plan is keyed by it), or the weight's if none ever was.
   const DType dtype = p.grad.data ? p.grad.dtype : p.weight.dtype;
   p.grad = TensorView{nullptr, dtype, p.weight.device, p.weight.device_index, p.weight.shape};
-  p.absent = true;
-  ++s.binding;
-  ++s.absence;
-  ++s.absent_now;
+  s.set_absent(p, true);
+}
+
+void Optimizer::Impl::set_absent(Param& p, bool absent) {
+  if (p.absent == absent) return;
+  p.absent = absent;
+  ++binding;  // its matrices point elsewhere
+  ++absence;
+  absent_now += absent ? 1 : -1;
 }
 
 GroupConfig& Optimizer::group(int index) {

@@ -670,6 +670,13 @@ def test_a_checkpoint_taken_while_a_matrix_has_no_gradient_resumes_exactly(devic
     assert [opt.state[w]["step"] for w in ws] == [resumed.state[c]["step"] for c in copies]
 
 
+def _count_builds(opt):
+    """A list that gains an entry whenever opt makes an engine (plans anew)."""
+    builds, rebuild = [], opt._rebuild
+    opt._rebuild = lambda *a, **k: (builds.append(len(builds)), rebuild(*a, **k))[1]
+    return builds
+
+
 def test_the_plan_holds_every_matrix_that_requires_a_gradient(device):
     # Matrices without a gradient when a plan is made (at the first step, after an AdamW vector's
     # gradient came or went, after load_state_dict) are in it: later steps with other experts
@@ -680,9 +687,7 @@ def test_the_plan_holds_every_matrix_that_requires_a_gradient(device):
     frozen = nn.Parameter(torch.randn(8, 12, device=device), requires_grad=False)
     groups = [dict(params=experts + [frozen]), dict(params=[bias], algorithm="adamw")]
     opt = dion3.Dion3(groups, lr=0.02)
-    builds = []
-    rebuild = opt._rebuild
-    opt._rebuild = lambda *a, **k: (builds.append(len(builds)), rebuild(*a, **k))[1]
+    builds = _count_builds(opt)
     g = torch.Generator().manual_seed(3)
 
     def step(t, bias_grad=True):
@@ -709,9 +714,7 @@ def test_the_plan_holds_every_matrix_that_requires_a_gradient(device):
     resumed = dion3.Dion3(groups, lr=0.02)
     resumed.load_state_dict(opt.state_dict())
     opt = resumed
-    builds.clear()
-    rebuild = opt._rebuild
-    opt._rebuild = lambda *a, **k: (builds.append(len(builds)), rebuild(*a, **k))[1]
+    builds = _count_builds(opt)
     for t in range(12, 16):
         step(t)
     assert len(builds) == 1, builds

@@ -623,18 +623,19 @@ class Engine {
       // A matrix without a gradient is left alone in this plan; an element-wise parameter's step
       // counter is kept per parameter by the engine's plan, which is made anew without it.
       // None at all: no step (the front end refuses it with the other ranks where distributed).
+      has_.resize(static_cast<std::size_t>(n));
       bool any = false;
       for (int i = 0; i < n; ++i) {
-        const bool has = has_grad(i);
-        if (!skippable_[i] && !has) return -1;
-        any |= has;
+        has_[i] = has_grad(i);
+        if (!skippable_[i] && !has_[i]) return -1;
+        any |= has_[i] != 0;
       }
       if (!any) return -1;
       // A gradient refused here is refused on this rank alone: the others, distributed, learn it
       // from this rank's refusal of their step (Optimizer::refuse_invalid) instead of waiting.
       try {
         for (int i = 0; i < n; ++i) {
-          if (!has_grad(i)) {
+          if (!has_[i]) {
             if (!absent_[i]) {
               opt_->clear_grad(i);
               absent_[i] = true;
@@ -910,6 +911,7 @@ class Engine {
   std::vector<bool> skippable_;                // a matrix algorithm's: it may be absent (clear_grad)
   std::vector<bool> absent_;                   // without a gradient at the last step
   int absent_count_ = 0;
+  std::vector<char> has_;                      // run(): whether each parameter has a gradient this step
   bool given_ = false;                         // the last step's gradients were given (step_with)
   std::vector<Pin> grad_pins_;                 // ... and where they were when bound
   std::vector<Held> watched_;                  // parameters without a gradient at build time
