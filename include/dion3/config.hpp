@@ -112,6 +112,10 @@ struct DION3_API GroupConfig {
   // h blocks of equal height (attention heads). At most one of the two; empty / 0 or 1: none.
   std::vector<int64_t> split_sizes;
   int64_t num_heads = 0;
+  // Matrix algorithms: the weights are stored (in, out), as x @ W reads them (Hugging Face's
+  // Conv1D, some expert stacks), so their stored columns are the output features: Dion3 selects
+  // and NorMuon normalises columns, and adjust_lr takes the (out, in) shape. Unsharded layouts.
+  bool transposed = false;
   OrthConfig orth;
 
   void validate() const;  // throws dion3::Error naming the offending field

@@ -174,6 +174,10 @@ typedef struct dion3_group_config {
    * with orth_norm_floor = 1, X / max(||X||_F, orth_norm_eps) (torch.optim.Muon's). */
   double orth_norm_eps;
   int32_t orth_norm_floor;
+  /* Matrix algorithms: 1 when the weights are stored (in, out), as x @ W reads them; their
+   * columns are then the output features Dion3 selects and NorMuon normalises, and adjust_lr
+   * takes the (out, in) shape. Local and replicated layouts (default 0). */
+  int32_t transposed;
 } dion3_group_config;
 
 /* One megabatch of the plan (all same-shape matrices of a group orthogonalized together). */

@@ -196,6 +196,7 @@ def _engine_config(group: Dict[str, Any]) -> Dict[str, Any]:
         "selection_scope": str(group.get("selection_scope", "local")),
         "split_sizes": _split_sizes(group.get("split_sizes")),
         "num_heads": _num_heads(group.get("num_heads")),
+        "transposed": _flag(group, "transposed") if "transposed" in group else False,
     }
     return cfg
 

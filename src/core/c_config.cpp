@@ -13,6 +13,8 @@ namespace dion3::capi {
 // the same layout.
 static_assert(offsetof(dion3_group_config, ema_momentum) + sizeof(int32_t) ==
               offsetof(dion3_group_config, split_sizes));
+// transposed took the padding at the end: the struct's size is unchanged.
+static_assert(offsetof(dion3_group_config, transposed) + sizeof(int32_t) == sizeof(dion3_group_config));
 namespace {
 
 const std::vector<Coefficients>& preset(int32_t which) {
@@ -75,6 +77,7 @@ GroupConfig config_from_c(const dion3_group_config& c) {
   if (c.orth_iteration_dtype >= 0)
     g.orth.iteration_dtype = dtype_from_c(c.orth_iteration_dtype, "group config: orth_iteration_dtype");
   g.orth.norm = {static_cast<float>(c.orth_norm_eps), flag(c.orth_norm_floor, "orth_norm_floor")};
+  g.transposed = flag(c.transposed, "transposed");
   g.selection_scope = to_enum<SelectionScope>(c.selection_scope, 0, 1, "group config: selection_scope");
   g.num_heads = c.num_heads;
   require(c.num_split_sizes >= 0 && c.num_split_sizes <= DION3_MAX_SPLITS,
@@ -134,6 +137,7 @@ void config_to_c(const GroupConfig& g, dion3_group_config* c) {
   c->orth_iteration_dtype = g.orth.iteration_dtype ? static_cast<int32_t>(*g.orth.iteration_dtype) : -1;
   c->orth_norm_eps = g.orth.norm.eps;
   c->orth_norm_floor = g.orth.norm.floor;
+  c->transposed = g.transposed;
 }
 
 }  // namespace dion3::capi

@@ -103,6 +103,7 @@ struct Megabatch {
   // Dion2 on a tall matrix that is not sharded: rows / cols (and global_*) are the transposed
   // shape, the row selection picks stored columns (MatrixSet::columns).
   bool columns = false;
+  bool transposed = false;  // the group's matrices are stored (in, out)
   DType weight_dtype = DType::F32, grad_dtype = DType::F32, momentum_dtype = DType::F32;
   std::vector<Member> members;
   std::unique_ptr<MatrixSet> set;                // every member: accumulate and select
@@ -138,6 +139,11 @@ struct Megabatch {
   // The stored matrix's (rows, cols), whatever the orientation the step takes it in: adjust_lr's.
   std::pair<int64_t, int64_t> stored_shape() const {
     return columns ? std::pair{global_cols, global_rows} : std::pair{global_rows, global_cols};
+  }
+  // (out, in): the stored shape, swapped for a transposed group (GroupConfig::transposed).
+  std::pair<int64_t, int64_t> logical_shape() const {
+    const auto [m, n] = stored_shape();
+    return transposed ? std::pair{n, m} : std::pair{m, n};
   }
   // RowShard cut otherwise than in ceil(m/P) chunks in rank order (ParamLayout::row_offset, or
   // row blocks that straddle shards): the largest shard's rows; 0 for the standard cut.

@@ -28,7 +28,8 @@ MatrixView flat_of(const TensorView& t) {
 
 // Structural settings that decide the plan and the state layout.
 bool same_structure(const GroupConfig& a, const GroupConfig& b) {
-  return a.algorithm == b.algorithm && a.flatten == b.flatten && a.momentum_dtype == b.momentum_dtype;
+  return a.algorithm == b.algorithm && a.flatten == b.flatten && a.momentum_dtype == b.momentum_dtype &&
+         a.transposed == b.transposed;
 }
 // Also the settings that pick host-side branches of the step (nesterov, cautious_wd): a captured step
 // has taken its branch, so changing one needs a new plan and a new capture.
@@ -110,11 +111,14 @@ std::string Optimizer::Impl::structure_error(int g, const GroupConfig& now) cons
     what = std::string("'algorithm' from ") + algorithm_name(was.algorithm) + " to " + algorithm_name(now.algorithm);
   else if (now.flatten != was.flatten)
     what = std::string("'flatten' from ") + (was.flatten ? "true" : "false") + " to " + (now.flatten ? "true" : "false");
+  else if (now.transposed != was.transposed)
+    what = std::string("'transposed' from ") + (was.transposed ? "true" : "false") + " to " +
+           (now.transposed ? "true" : "false");
   else
     what = std::string("'momentum_dtype' from ") + (was.momentum_dtype ? dtype_name(*was.momentum_dtype) : "the parameter's") +
            " to " + (now.momentum_dtype ? dtype_name(*now.momentum_dtype) : "the parameter's");
   return group_error(g, "cannot change " + what + ": the group's parameters already have state sized by it "
-                        "(algorithm, flatten and momentum_dtype are fixed once a group has parameters; put "
+                        "(algorithm, flatten, transposed and momentum_dtype are fixed once a group has parameters; put "
                         "parameters that need others in a new group)");
 }
 
@@ -127,11 +131,15 @@ std::vector<StateSpec> state_specs(const GroupConfig& g, DType weight_dtype, con
   switch (g.algorithm) {
     case Algorithm::Dion3:
     case Algorithm::NorMuon: {
-      // One variance entry per matrix row: dim0 for a matrix or a flattened tensor, else the rows
-      // of every matrix of the stack.
+      // One variance entry per output feature: per matrix row (dim0 for a matrix or a flattened
+      // tensor, else the rows of every matrix of the stack), per column of a transposed group's.
       int64_t rows = shape.empty() ? 0 : shape[0];
-      if (!g.flatten)
+      if (g.transposed && shape.size() >= 2) {
+        rows = shape.back();
+        for (std::size_t d = 0; d + 2 < shape.size(); ++d) rows *= shape[d];
+      } else if (!g.flatten) {
         for (std::size_t d = 1; d + 1 < shape.size(); ++d) rows *= shape[d];
+      }
       return {{"momentum", momentum, shape}, {"variance", DType::F32, {rows}}};
     }
     case Algorithm::Dion2:
@@ -343,6 +351,13 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
     if (g.algorithm == Algorithm::Dion2 && (L.kind == Layout::ColShard || L.kind == Layout::Block))
       fail(who + " is " + layout_name(L.kind) + ": dion2 is not available where the columns are sharded (the "
            "reference's Dion2 selects each shard's columns there; dion3 selects whole rows): use dion3");
+    if (g.transposed && normalizes_rows(g.algorithm) && L.kind != Layout::Local && L.kind != Layout::Replicated)
+      fail(who + " is " + layout_name(L.kind) + " in a 'transposed' group: " + algorithm_name(g.algorithm) +
+           " steps a matrix stored (in, out) by its columns, which needs whole matrices on a rank (local or "
+           "replicated layouts); store it (out, in), or shard it by whole matrices");
+    if (g.transposed && g.flatten && shape.size() > 2)
+      fail(who + " has shape " + spec.weight.shape_str() + " in a 'transposed' group with flatten=True, whose "
+           "(dim0, rest) matrices have no stored (in, out) orientation; use flatten=False");
     int64_t trailing = 1;
     for (std::size_t d = 1; d < shape.size(); ++d) trailing *= shape[d];
     if (g.flatten || shape.size() == 2) {
@@ -657,9 +672,11 @@ void Optimizer::Impl::build_plan() {
     const int64_t n = col_cut ? p.layout.global_cols : p.cols;
     const std::vector<RowBlock>& blocks = blocks_of[i];
     // Dion2 selects along the shorter dimension of a matrix no rank cuts (the reference's rule;
-    // a sharded one selects along its cut, the rows).
-    const bool columns = g.algorithm == Algorithm::Dion2 && p.rows > p.cols &&
-                         (p.layout.kind == Layout::Local || p.layout.kind == Layout::Replicated);
+    // a sharded one selects along its cut, the rows). Dion3 and NorMuon select and normalise the
+    // output features, a transposed group's columns (registration refused it sharded).
+    const bool whole = p.layout.kind == Layout::Local || p.layout.kind == Layout::Replicated;
+    const bool columns = whole && (g.algorithm == Algorithm::Dion2 ? p.rows > p.cols
+                                                                   : g.transposed && normalizes_rows(g.algorithm));
     for (int64_t j = 0; j < p.count; ++j) {
       for (int b = 0; b < static_cast<int>(blocks.size()); ++b) {
         const RowBlock& rb = blocks[b];
@@ -676,6 +693,7 @@ void Optimizer::Impl::build_plan() {
           Megabatch mb;
           mb.group = p.group;
           mb.columns = columns;
+          mb.transposed = g.transposed;
           mb.rows = columns ? p.cols : rb.rows;
           mb.cols = columns ? p.rows : p.cols;
           mb.global_rows = columns ? p.cols : rb.global_rows;
@@ -826,7 +844,7 @@ Hyper Optimizer::Impl::group_hyper(int g, GroupHyper which) const {
 }
 
 Hyper Optimizer::Impl::megabatch_lr(const Megabatch& mb) const {
-  const auto [m, n] = mb.stored_shape();
+  const auto [m, n] = mb.logical_shape();
   return {static_cast<float>(groups[mb.group].adjusted_lr(m, n)),  // the whole matrix's shape
           hyper.as<float>() + mb.hyper_slot};
 }
@@ -1088,7 +1106,8 @@ void Optimizer::Impl::plan_agreement() {
                         static_cast<int64_t>(g.orth.method), static_cast<int64_t>(g.orth.restarts.size()),
                         g.orth.iteration_dtype ? static_cast<int64_t>(*g.orth.iteration_dtype) : -1,
                         static_cast<int64_t>(g.selection_scope), static_cast<int64_t>(g.split_sizes.size()),
-                        static_cast<int64_t>(g.orth.coefficients.size()), static_cast<int64_t>(g.orth.norm.floor)})
+                        static_cast<int64_t>(g.orth.coefficients.size()), static_cast<int64_t>(g.orth.norm.floor),
+                        static_cast<int64_t>(g.transposed)})
         f.mix(v);
       f.mix(g.fraction);
       f.mix(static_cast<double>(g.orth.norm.eps));
@@ -1311,7 +1330,7 @@ void Optimizer::Impl::validate_for_step() {
 void Optimizer::Impl::check_adjusted_lrs() const {
   // The learning rate a matrix update applies depends on its shape: it too must be a float32.
   for (const Megabatch& mb : megabatches) {
-    const auto [m, n] = mb.stored_shape();
+    const auto [m, n] = mb.logical_shape();
     const double lr = groups[mb.group].adjusted_lr(m, n);
     if (!std::isfinite(static_cast<float>(lr)))
       fail(group_error(mb.group, "the learning rate of its " + std::to_string(m) + " x " + std::to_string(n) +
@@ -1479,16 +1498,18 @@ void Optimizer::Impl::bind(Megabatch& mb) {
     const int64_t row = m.matrix * p.rows + m.first_row;  // the block's first row in the flattened rows
     ParamMatrix pm;
     const int64_t rows = mb.columns ? p.rows : mb.rows;  // the whole stored matrix when stepped by columns
+    // NorMuon's variance holds one entry per set row: a stored column when stepped by columns.
+    const int64_t variance_first = mb.columns ? m.matrix * p.cols : row;
     if (p.absent) {
       pm.weight = zero_matrix(rows, p.cols, p.weight.dtype);
       pm.grad = zero_matrix(rows, p.cols, p.grad.dtype);
       pm.momentum = zero_matrix(rows, p.cols, mb.momentum_dtype);
-      if (p.state.size() > 1) pm.variance = static_cast<float*>(zero_matrix(rows, 1, DType::F32).data);
+      if (p.state.size() > 1) pm.variance = static_cast<float*>(zero_matrix(mb.rows, 1, DType::F32).data);
     } else {
       pm.weight = rows_of(p.weight, p.weight.dtype, row, rows, p.cols);
       pm.grad = rows_of(p.grad, p.grad.dtype, row, rows, p.cols);
       pm.momentum = rows_of(p.state[0].second, mb.momentum_dtype, row, rows, p.cols);
-      if (p.state.size() > 1) pm.variance = static_cast<float*>(p.state[1].second.data) + row;
+      if (p.state.size() > 1) pm.variance = static_cast<float*>(p.state[1].second.data) + variance_first;
     }
     mb.set->mats.push_back(pm);
   }
@@ -1519,7 +1540,7 @@ MatrixView Optimizer::Impl::zero_matrix(int64_t rows, int64_t cols, DType dtype)
     for (const Megabatch& mb : megabatches) {
       const Param& p = params[mb.members.front().param];
       const int64_t r = mb.columns ? p.rows : mb.rows;
-      need = std::max(need, bytes_of(r, 1, DType::F32));  // NorMuon's variance
+      need = std::max(need, bytes_of(mb.rows, 1, DType::F32));  // NorMuon's variance, one entry per set row
       for (DType t : {mb.weight_dtype, mb.grad_dtype, mb.momentum_dtype}) need = std::max(need, bytes_of(r, p.cols, t));
     }
     zeros = DeviceBuffer(backend->allocator(), align_up(need));

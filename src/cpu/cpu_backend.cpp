@@ -718,11 +718,11 @@ class CpuBackend final : public Backend {
   }
 
   void apply_columns(const MatrixSet& set, const int32_t* idx, int64_t k, const MatrixView& O, const UpdateParams& p) {
-    check(!p.normuon && p.o_col_offset == 0, "apply_update: a column-stepped set takes no NorMuon and no column offset");
+    check(p.o_col_offset == 0, "apply_update: a column-stepped set takes no column offset");
     const int64_t n = set.rows(), m = set.cols();
-    const float decay = p.decay.get(), adjusted_lr = p.adjusted_lr.get();
+    const float decay = p.decay.get(), adjusted_lr = p.adjusted_lr.get(), beta2 = p.beta2.get();
     struct Buffers {
-      std::vector<float> w, o;
+      std::vector<float> w, o, row_factor;
       std::vector<int32_t> target;
     };
     cpu::parallel_for(static_cast<int64_t>(set.mats.size()), elements_of(set), [] { return Buffers{}; },
@@ -734,6 +734,13 @@ class CpuBackend final : public Backend {
         if (c < n) buf.target[c] = static_cast<int32_t>(s);
       }
       load_matrix(O, i, buf.o);  // k x m
+      if (p.normuon) {  // on O's rows, the selected columns' updates
+        buf.row_factor.resize(k);
+        const float f = normuon_factors(buf.o, k, n, O.cols, pm.variance, idx ? idx + i * k : nullptr, beta2,
+                                        buf.row_factor.data());
+        for (int64_t s = 0; s < k; ++s)
+          for (int64_t r = 0; r < O.cols; ++r) buf.o[s * O.cols + r] = buf.o[s * O.cols + r] * buf.row_factor[s] * f;
+      }
       load_stored(pm.weight, buf.w);
       for (int64_t r = 0; r < m; ++r)
         for (int64_t c = 0; c < n; ++c) {

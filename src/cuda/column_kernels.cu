@@ -145,12 +145,13 @@ __global__ void decay_unselected_columns_kernel(const DeviceMat* __restrict__ ma
 
 // The selected columns, tile by tile: O's rows (one per selected column, along the stored rows)
 // are read along their length into the tile, then W[r, c_s] = W*decay - lr'*O[s, r] (cautious:
-// no decay where the update and the weight differ in sign).
+// no decay where the update and the weight differ in sign), lr' times NorMuon's factors with inv.
 template <class TW, class TO>
 __global__ void update_selected_columns_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols,
                                                const int32_t* __restrict__ idx, int64_t k, const TO* __restrict__ O,
                                                int64_t o_ld, int64_t o_bstride, Hyper decay_h, Hyper lr_h,
-                                               bool cautious, const int* skip) {
+                                               bool cautious, const float* __restrict__ inv,
+                                               const float* __restrict__ factor, const int* skip) {
   pdl_wait();
   if (skipped(skip)) return;
   __shared__ float tile[kTile][kTile + 1];
@@ -161,10 +162,12 @@ __global__ void update_selected_columns_kernel(const DeviceMat* __restrict__ mat
     tile[ss][tx] = s < k && r < rows ? to_f32(O[i * o_bstride + s * o_ld + r]) : 0.0f;
   }
   __syncthreads();
-  const float decay = decay_h.get(), lr = lr_h.get();
+  const float decay = decay_h.get();
   const int64_t s = s0 + tx;
   const int64_t c = s < k ? (idx ? idx[i * k + s] : s) : cols;
   if (c >= cols) return;
+  float lr = lr_h.get();
+  if (inv != nullptr) lr *= inv[i * k + s] * factor[i];
   for (int rr = ty; rr < kTile; rr += kTileRowsPerPass) {
     const int64_t r = r0 + rr;
     if (r >= rows) break;
@@ -248,10 +251,12 @@ void launch_gather_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, i
 
 void launch_update_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType wdt,
                            const int32_t* idx, int64_t k, const MatrixView& O, const UpdateParams& p,
-                           const int* skip, cudaStream_t s) {
+                           float* scratch, const int* skip, cudaStream_t s) {
   if (nmats == 0 || rows == 0 || cols == 0) return;
-  if (p.normuon || p.o_col_offset != 0)
-    fail("apply_update: a column-stepped set takes no NorMuon and no column offset");
+  if (p.o_col_offset != 0) fail("apply_update: a column-stepped set takes no column offset");
+  if (p.normuon) launch_normuon_factors(mats, nmats, cols, idx, k, O, p.beta2, scratch, skip, s);
+  const float* inv = p.normuon && k > 0 ? scratch + nmats * k : nullptr;
+  const float* factor = scratch + 2 * nmats * k;
   const int64_t rtiles = (rows + kTile - 1) / kTile;
   if ((k + kTile - 1) / kTile > 65535) fail("apply_update: more than 2^21 selected columns per matrix");
   const int64_t obs = O.batch > 1 ? O.batch_stride : k * O.ld;
@@ -265,7 +270,7 @@ void launch_update_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, i
         launch_pdl(update_selected_columns_kernel<TW, TO>,
                    dim3(static_cast<unsigned>(rtiles), static_cast<unsigned>(nmats), ceil_div_u(k, kTile)),
                    dim3(kTile, kTileRowsPerPass), 0, s, mats, rows, cols, idx, k, static_cast<const TO*>(O.data), O.ld,
-                   obs, p.decay, p.adjusted_lr, p.cautious_wd, skip);
+                   obs, p.decay, p.adjusted_lr, p.cautious_wd, inv, factor, skip);
     });
   });
   DION3_CUDA_LAUNCH_CHECK();

@@ -346,12 +346,12 @@ class CudaBackend final : public Backend {
     if (O.rows != k || O.cols < p.o_col_offset + set.cols() || O.batch != n_of(set))
       fail("apply_update: O must be " + std::to_string(n_of(set)) + " x " + std::to_string(k) + " x " +
            std::to_string(set.cols()));
-    if (set.columns) {
-      launch_update_columns(table(set), n_of(set), set.cols(), set.rows(), set.wdt, idx, k, O, p, skip, stream_);
-      return;
-    }
     float* scr = static_cast<float*>(
         scratch(scratch_, apply_update_scratch_floats(n_of(set), k) * sizeof(float)));
+    if (set.columns) {
+      launch_update_columns(table(set), n_of(set), set.cols(), set.rows(), set.wdt, idx, k, O, p, scr, skip, stream_);
+      return;
+    }
     launch_apply_update(table(set), n_of(set), set.rows(), set.cols(), set.wdt, idx, k, O, p, scr, skip,
                         stream_);
   }

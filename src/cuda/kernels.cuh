@@ -31,6 +31,11 @@ int64_t apply_update_scratch_floats(int64_t nmats, int64_t k);
 void launch_apply_update(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType wdt,
                          const int32_t* idx, int64_t k, const MatrixView& O, const UpdateParams& p,
                          float* scratch, const int* skip, cudaStream_t s);  // alignment checked per row
+// NorMuon on O's k rows per matrix (entry s updates set row idx[s]; those >= rows are padding):
+// the variance moves, and scratch holds the square sums [nmats*k], then the rows' inverse roots
+// [nmats*k], then each matrix's rescale [nmats] (apply_update_scratch_floats in all).
+void launch_normuon_factors(const DeviceMat* mats, int64_t nmats, int64_t rows, const int32_t* idx, int64_t k,
+                            const MatrixView& O, Hyper beta2, float* scratch, const int* skip, cudaStream_t s);
 // Column-stepped sets (column_kernels.cu): rows x cols is the stored shape; the set's rows are
 // its columns. scores / row_sumsq per column; out and O are k x rows per matrix. scratch: at least
 // the *_scratch_floats floats.
@@ -46,7 +51,7 @@ void launch_gather_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, i
                            cudaStream_t s);
 void launch_update_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType wdt,
                            const int32_t* idx, int64_t k, const MatrixView& O, const UpdateParams& p,
-                           const int* skip, cudaStream_t s);
+                           float* scratch, const int* skip, cudaStream_t s);  // scratch: as launch_apply_update's
 void launch_remap_rows(const int32_t* in, int64_t count, int64_t k_in, int64_t lo, int64_t hi, int64_t k_out,
                        int32_t* out, const int* skip, cudaStream_t s);
 void launch_selection_slots(const int32_t* idx, int64_t count, int64_t k, int64_t c, int64_t piece, int64_t block,

@@ -838,6 +838,23 @@ void launch_gather_rows(const DeviceMat* mats, int64_t nmats, int64_t rows, int6
 
 int64_t apply_update_scratch_floats(int64_t nmats, int64_t k) { return 2 * nmats * k + nmats; }
 
+void launch_normuon_factors(const DeviceMat* mats, int64_t nmats, int64_t rows, const int32_t* idx, int64_t k,
+                            const MatrixView& O, Hyper beta2, float* scratch, const int* skip, cudaStream_t s) {
+  if (nmats == 0 || k == 0) return;
+  const int64_t obs = O.batch > 1 ? O.batch_stride : k * O.ld;
+  float* rowsq = scratch;
+  float* inv = scratch + nmats * k;
+  float* factor = scratch + 2 * nmats * k;
+  DION3_DISPATCH_FLOAT(O.dtype, TO, [&] {
+    const bool o4 = O.cols % 4 == 0 && O.ld % 4 == 0 && obs % 4 == 0 && aligned4(O.data, sizeof(TO));
+    launch_pdl(normuon_rows_kernel<TO>, dim3(ceil_div_u(k, kRowWarps), static_cast<unsigned>(nmats)), 32 * kRowWarps,
+               0, s, mats, rows, O.cols, idx, k, static_cast<const TO*>(O.data), O.ld, obs, o4, beta2, rowsq, inv,
+               skip);
+    launch_pdl(normuon_factor_kernel, static_cast<unsigned>(nmats), 256, 0, s, k, rowsq, inv, factor, skip);
+  });
+  DION3_CUDA_LAUNCH_CHECK();
+}
+
 // Bytes moved: NorMuon pass nmats*k*cols*sizeof(O); update nmats*(rows*cols*2*sizeof(W) +
 // k*cols*sizeof(O)) (unselected rows are not touched when decay == 1 or under cautious decay).
 void launch_apply_update(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType wdt,
@@ -846,17 +863,12 @@ void launch_apply_update(const DeviceMat* mats, int64_t nmats, int64_t rows, int
   if (nmats == 0 || rows == 0) return;
   if (cols > INT32_MAX) fail("apply_update: rows longer than 2^31 - 1 elements");
   const int64_t obs = O.batch > 1 ? O.batch_stride : k * O.ld;
-  float* rowsq = scratch;
-  float* inv = scratch + nmats * k;
-  float* factor = scratch + 2 * nmats * k;
+  const float* inv = scratch + nmats * k;
+  const float* factor = scratch + 2 * nmats * k;
+  // Statistics over all of O's columns (whole rows when column-sharded).
+  if (p.normuon) launch_normuon_factors(mats, nmats, rows, idx, k, O, p.beta2, scratch, skip, s);
   DION3_DISPATCH_FLOAT(O.dtype, TO, [&] {
     const TO* o = static_cast<const TO*>(O.data);
-    if (p.normuon && k > 0) {  // statistics over all of O's columns (whole rows when column-sharded)
-      const bool o4 = O.cols % 4 == 0 && O.ld % 4 == 0 && obs % 4 == 0 && aligned4(O.data, sizeof(TO));
-      launch_pdl(normuon_rows_kernel<TO>, dim3(ceil_div_u(k, kRowWarps), static_cast<unsigned>(nmats)),
-                 32 * kRowWarps, 0, s, mats, rows, O.cols, idx, k, o, O.ld, obs, o4, p.beta2, rowsq, inv, skip);
-      launch_pdl(normuon_factor_kernel, static_cast<unsigned>(nmats), 256, 0, s, k, rowsq, inv, factor, skip);
-    }
     DION3_DISPATCH_FLOAT(wdt, TW, [&] {
       const dim3 grid(ceil_div_u(rows, kRowWarps), static_cast<unsigned>(nmats));
       const float* iv = p.normuon && k > 0 ? inv : nullptr;

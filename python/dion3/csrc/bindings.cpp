@@ -147,6 +147,7 @@ dion3::GroupConfig group_config(const py::dict& d) {
   c.orth_iteration_dtype = c_dtype(d, "iteration_dtype");
   c.orth_norm_eps = py::cast<double>(d["norm_eps"]);
   c.orth_norm_floor = py::cast<bool>(d["norm_floor"]);
+  c.transposed = py::cast<bool>(d["transposed"]);
   c.selection_scope = static_cast<int32_t>(dion3::parse_selection_scope(py::cast<std::string>(d["selection_scope"])));
   c.num_split_sizes = c_list(py::cast<std::vector<int64_t>>(d["split_sizes"]), c.split_sizes, "split_sizes");
   const auto heads = py::cast<int64_t>(d["num_heads"]);
