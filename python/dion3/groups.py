@@ -52,6 +52,12 @@ def _submodule(model: nn.Module, path: str) -> Optional[nn.Module]:
         return None
 
 
+def _is_sharded(p: torch.Tensor) -> bool:
+    """A DTensor cut over some mesh dimension (FSDP2, tensor parallel)."""
+    placements = getattr(p, "placements", None)
+    return placements is not None and any(pl.is_shard() for pl in placements)
+
+
 def _is_bias_name(name: str) -> bool:
     """A bias table held as one parameter per layer (an MoE's [E, out] per-expert biases, a
     relative position bias table): element-wise, whatever its shape."""
@@ -110,7 +116,9 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
         Convolution weights (torch.nn's Conv and ConvTranspose modules) get a matrix group of their
         own with flatten=True: one (dim0, rest) matrix each (dim0: a Conv's output channels, a
         ConvTranspose's input channels); other weights of three or more
-        dimensions (expert stacks) stay stacks of matrices (flatten=False).
+        dimensions (expert stacks) stay stacks of matrices (flatten=False). Hugging Face Conv1D
+        weights (GPT-2's), stored (in, out), get a matrix group with transposed=True (one sharded
+        by FSDP2 stays as stored, with a warning).
     lr: the optimizer's base learning rate. Given, each head learns at lr / sqrt(d_in) (d_in: its
         weight's input dimension), the reference's recommendation; every other group keeps
         the optimizer's lr. Not given while a head exists (and no elementwise_options lr): a warning,
@@ -150,17 +158,17 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
         if not any(n == pattern or fnmatch.fnmatchcase(n, pattern) for n in names.values()):
             raise ValueError(f"dion3.param_groups: override {pattern!r} matches no parameter of the model")
 
-    # Hugging Face's Conv1D (GPT-2) stores its weight (in, out): dion3 reads stored rows as outputs.
-    transposed = [f"{path}.weight" for path, m in modules.items()
-                  if type(m).__name__ == "Conv1D" and hasattr(m, "nf") and getattr(m, "weight", None) is not None
-                  and m.weight.dim() == 2 and m.weight.shape[1] == m.nf
-                  and (m.weight.requires_grad or include_frozen)]
-    if transposed:
-        warnings.warn(f"dion3.param_groups: {len(transposed)} weights are stored (in, out) (Hugging Face Conv1D: "
-                      f"{', '.join(transposed[:2])}{', ...' if len(transposed) > 2 else ''}); the matrix algorithms "
-                      "read stored rows as output features, so these are stepped with their input features as rows "
-                      "and an inverted lr adjustment (docs/parameter-groups.md, 'Rows are output features')",
-                      stacklevel=2)
+    # Hugging Face's Conv1D (GPT-2) stores its weight (in, out): a group of its own that says so.
+    # One sharded by FSDP2 stays as stored (Dion3 steps such a weight by columns, whole on a rank).
+    conv1d = {id(m.weight): path for path, m in modules.items()
+              if type(m).__name__ == "Conv1D" and hasattr(m, "nf") and getattr(m, "weight", None) is not None
+              and m.weight.dim() == 2 and m.weight.shape[1] == m.nf}
+    sharded = [f"{conv1d[id(p)]}.weight" for _, p in named if id(p) in conv1d and _is_sharded(p)]
+    if sharded:
+        warnings.warn(f"dion3.param_groups: {len(sharded)} weights stored (in, out) (Hugging Face Conv1D: "
+                      f"{', '.join(sharded[:2])}{', ...' if len(sharded) > 2 else ''}) are sharded, so they are stepped "
+                      "as stored, with their input features as rows and an inverted lr adjustment "
+                      "(docs/parameter-groups.md, 'Rows are output features')", stacklevel=2)
     head_weights = [p for n, p in named if id(p) in head and p.dim() == 2]
     # Each head's input dimension, by its module (a model may have several heads: its bias learns
     # at its weight's lr).
@@ -181,6 +189,8 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
             # A vector in a matrix's shape ((1, 1, d) tokens, weight_norm's (out, 1) gains), an
             # empty matrix, or a table of biases: nothing to orthogonalize.
             role, opts = "vector", dict(base_el)
+        elif id(p) in conv1d and not _is_sharded(p):
+            role, opts = "matrix", {"transposed": True}
         elif id(p) in conv and p.dim() > 2:
             # One (out, in * kernel) matrix per convolution: as a stack of kernel-sized matrices a
             # 1x1 convolution would be signSGD (each 1 x 1 matrix orthogonalizes to its sign).

@@ -196,7 +196,7 @@ def _engine_config(group: Dict[str, Any]) -> Dict[str, Any]:
         "selection_scope": str(group.get("selection_scope", "local")),
         "split_sizes": _split_sizes(group.get("split_sizes")),
         "num_heads": _num_heads(group.get("num_heads")),
-        "transposed": _flag(group, "transposed") if "transposed" in group else False,
+        "transposed": _transposed(group),
     }
     return cfg
 
@@ -307,21 +307,31 @@ def _state_shapes(group: Dict[str, Any], p: torch.Tensor,
     """State tensors of p, named and shaped as the reference package's (checkpoints move both
     ways): the engine's list (_C.state_specs: which tensors, their dtypes and sizes) under the
     reference's names (or those of `kind`, an optimizer's own: _EngineOptimizer._state_kind), the
-    per-row variance laid out as p[..., 0:1] (`variance_neuron`)."""
+    per-row variance laid out as p[..., 0:1] (`variance_neuron`; p[..., 0:1, :] in a transposed
+    group, one value per column)."""
     return _state_shapes_of(group["algorithm"], bool(group["flatten"]), _dtype_name(group.get("momentum_dtype")),
-                            _dtype_name(p.dtype), tuple(p.shape), kind)
+                            _dtype_name(p.dtype), tuple(p.shape), kind, _transposed(group))
+
+
+def _transposed(group: Dict[str, Any]) -> bool:
+    """Whether a group's matrices are stored (in, out) (absent: no)."""
+    return _flag(group, "transposed") if "transposed" in group else False
 
 
 @functools.lru_cache(maxsize=4096)  # asked for every parameter at every (re)registration
 def _state_shapes_of(algorithm: Any, flatten: bool, momentum_dtype: Optional[str], dtype: str,
-                     shape: Tuple[int, ...], kind: str) -> Tuple[Tuple[str, torch.dtype, Tuple[int, ...]], ...]:
+                     shape: Tuple[int, ...], kind: str,
+                     transposed: bool = False) -> Tuple[Tuple[str, torch.dtype, Tuple[int, ...]], ...]:
     to_reference = {engine: name for name, engine in _ENGINE_NAMES[kind].items()}
     out = []
     for engine_name, state_dtype, state_shape in _C.state_specs(algorithm, flatten, momentum_dtype, dtype,
-                                                                list(shape)):
+                                                                list(shape), transposed):
         if engine_name == "variance":
             # flatten=True takes a >= 3-D tensor as (dim0, rest): one row per output channel.
-            rows = (shape[0], 1) if flatten and len(shape) > 2 else tuple(shape[:-1]) + (1,)
+            if transposed and len(shape) >= 2:
+                rows = tuple(shape[:-2]) + (1, shape[-1])
+            else:
+                rows = (shape[0], 1) if flatten and len(shape) > 2 else tuple(shape[:-1]) + (1,)
             if math.prod(rows) != math.prod(state_shape):
                 raise RuntimeError(f"dion3: internal: variance of {shape} laid out as {rows}, "
                                    f"but the engine keeps {tuple(state_shape)}")
@@ -476,7 +486,7 @@ def _engine_state(group: Dict[str, Any], st: Dict[str, Any], order: Optional[Tup
 
 # Group keys whose change alters the engine's registration (everything else is pushed per step).
 def _structure_key(group: Dict[str, Any]) -> Tuple:
-    return (group["algorithm"], bool(group["flatten"]), _dtype_name(group.get("momentum_dtype")))
+    return (group["algorithm"], bool(group["flatten"]), _dtype_name(group.get("momentum_dtype")), _transposed(group))
 
 
 def _saved_steps_skipped(state_dict: Any) -> Any:

@@ -225,6 +225,17 @@ TEST(CApi, PlanGenerationAndHyperparameterRefresh) {
     EXPECT_EQ(dion3_add_group(o, &seven, &mg), DION3_INVALID_ARGUMENT);
     EXPECT_NE(std::string(dion3_last_error()).find("flatten is 7, expected 0 or 1"), std::string::npos)
         << dion3_last_error();
+    // Weights stored (in, out): off by default, kept both ways.
+    dion3_group_config stored;
+    dion3_group_config_default(&stored);
+    EXPECT_EQ(stored.transposed, 0);
+    stored.transposed = 1;
+    ASSERT_EQ(dion3_add_group(o, &stored, &mg), DION3_OK) << dion3_last_error();
+    ASSERT_EQ(dion3_get_group_config(o, mg, &back), DION3_OK);
+    EXPECT_EQ(back.transposed, 1);
+    stored.transposed = 2;
+    EXPECT_EQ(dion3_add_group(o, &stored, &mg), DION3_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(dion3_last_error()).find("transposed is 2"), std::string::npos) << dion3_last_error();
     dion3_destroy(o);
   }
   // Settings that choose branches of the step on the host are part of the plan, and so is the

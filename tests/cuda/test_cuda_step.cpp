@@ -30,6 +30,7 @@ struct StepCase {
   bool nesterov = false, cautious = false;
   dion3::OrthMethod method = dion3::OrthMethod::Auto;
   bool ema = false;  // ema_momentum (torch.optim.Muon's averaged momentum)
+  bool transposed = false;  // matrices stored (in, out): Dion3 and NorMuon step them by columns
 };
 
 class StepParity : public ct::CudaTest, public ::testing::WithParamInterface<StepCase> {};
@@ -54,6 +55,7 @@ TEST_P(StepParity, SeveralSteps) {
   g.nesterov = c.nesterov;
   g.cautious_wd = c.cautious;
   g.ema_momentum = c.ema;
+  g.transposed = c.transposed;
   g.orth.iteration_dtype = c.iter;
   g.orth.method = c.method;
   dion3::GroupConfig ga;
@@ -157,7 +159,17 @@ INSTANTIATE_TEST_SUITE_P(
                       StepCase{"muon_ema_nesterov_bf16", Algorithm::Muon, 1.0, DType::BF16, DType::F32, true, false,
                                dion3::OrthMethod::Auto, true},
                       StepCase{"normuon_ema", Algorithm::NorMuon, 1.0, DType::F32, DType::F32, false, false,
-                               dion3::OrthMethod::Auto, true}),
+                               dion3::OrthMethod::Auto, true},
+                      StepCase{"dion3_f025_transposed", Algorithm::Dion3, 0.25, DType::F32, DType::F32, false, false,
+                               dion3::OrthMethod::Auto, false, true},
+                      StepCase{"dion3_f05_cautious_bf16_transposed", Algorithm::Dion3, 0.5, DType::BF16, DType::F32,
+                               false, true, dion3::OrthMethod::Auto, false, true},
+                      StepCase{"normuon_nesterov_transposed", Algorithm::NorMuon, 1.0, DType::F32, DType::F32, true,
+                               false, dion3::OrthMethod::Auto, false, true},
+                      StepCase{"normuon_default_iter_transposed", Algorithm::NorMuon, 1.0, DType::F32, std::nullopt,
+                               false, false, dion3::OrthMethod::Auto, false, true},
+                      StepCase{"muon_transposed", Algorithm::Muon, 1.0, DType::F32, DType::F32, false, false,
+                               dion3::OrthMethod::Auto, false, true}),
     [](const auto& i) { return i.param.name; });
 
 // A non-finite gradient: step() under Raise throws and counts nothing (the exported state is

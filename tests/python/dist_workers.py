@@ -10,6 +10,7 @@ import gc
 import os
 import pickle
 import traceback
+import warnings
 import weakref
 
 import torch
@@ -759,6 +760,64 @@ def expert_stacks(rank, world, mesh):
         assert "sharded inside its matrices (Shard(1))" in str(e) and "a different update" in str(e), str(e)
 
 
+def transposed_layouts(rank, world, mesh):
+    """Weights stored (in, out) (transposed=True): under DDP equal to one process bit for bit (Dion3
+    and NorMuon step them by columns on every rank); an expert stack sharded by whole experts equals
+    one process; a matrix row-sharded by FSDP2 is refused on every rank, nothing moved; and
+    param_groups leaves a sharded Conv1D weight as stored, with a warning."""
+    from torch.distributed.fsdp import fully_shard
+
+    shapes = [(40, 24), (40, 24), (40, 24), (16, 48), (16, 48)]
+    for opt_cls in (dion3.Dion3, dion3.NorMuon, dion3.Muon):
+        torch.manual_seed(1)
+        ws = [nn.Parameter(torch.randn(s) * 0.05) for s in shapes]
+        single = [nn.Parameter(w.detach().clone()) for w in ws]
+        opt = opt_cls([dict(params=ws, transposed=True)], distributed_mesh=dist.group.WORLD, lr=0.02)
+        ref = opt_cls([dict(params=single, transposed=True)], lr=0.02)
+        for step in range(3):
+            for w, s, g in zip(ws, single, grads_for(shapes, step)):
+                w.grad, s.grad = g.clone(), g.clone()
+            opt.step()
+            ref.step()
+            for i, (w, s) in enumerate(zip(ws, single)):
+                assert torch.equal(w, s), f"DDP transposed {opt_cls.__name__}: parameter {i} differs at step {step}"
+        plan = opt.plan()
+        assert all(mb["layout"] == "replicated" and mb["columns"] == (opt_cls is not dion3.Muon) for mb in plan), plan
+    experts = 2 * world + 1
+    torch.manual_seed(experts)
+    whole = torch.randn(experts, 12, 8) * 0.05
+    w = nn.Parameter(distribute_tensor(whole.clone(), mesh, [Shard(0)]))
+    s = nn.Parameter(whole.clone())
+    opt = dion3.Dion3([dict(params=[w], flatten=False, transposed=True)], distributed_mesh=mesh, lr=0.02)
+    ref = dion3.Dion3([dict(params=[s], flatten=False, transposed=True)], lr=0.02)
+    for step in range(3):
+        g = torch.randn(experts, 12, 8, generator=torch.Generator().manual_seed(step))
+        w.grad, s.grad = distribute_tensor(g, mesh, [Shard(0)]), g.clone()
+        opt.step()
+        ref.step()
+        close(full(w.detach()), s.detach(), f"transposed stack of {experts} experts sharded, step {step}")
+    w = nn.Parameter(distribute_tensor(torch.randn(24, 16) * 0.05, mesh, [Shard(0)]))
+    w.grad = distribute_tensor(torch.randn(24, 16), mesh, [Shard(0)])
+    refused(rank, dion3.Dion3([dict(params=[w], transposed=True)], distributed_mesh=mesh), [w], "'transposed' group")
+
+    class Conv1D(nn.Module):  # Hugging Face's: x @ W + b, W stored (in, out)
+        def __init__(self, nf, nx):
+            super().__init__()
+            self.nf = nf
+            self.weight = nn.Parameter(torch.randn(nx, nf) * 0.05)
+            self.bias = nn.Parameter(torch.zeros(nf))
+
+    model = nn.Module()
+    model.c_fc, model.c_proj = Conv1D(32, 8), Conv1D(8, 32)
+    fully_shard(model, mesh=mesh)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        groups = dion3.param_groups(model)
+    assert any("2 weights stored (in, out)" in str(c.message) and "are sharded" in str(c.message) for c in caught), \
+        [str(c.message) for c in caught]
+    assert not any(g.get("transposed") for g in groups), groups
+
+
 def partial_gradients(rank, world, mesh):
     """A gradient that autograd left Partial (a replicated weight under sequence or tensor
     parallelism) is summed over the ranks before the step, as torch.optim does: the result is the
@@ -1010,6 +1069,7 @@ def layouts(rank, world, tmp):
     partial_gradients(rank, world, mesh)
     absent_gradients(rank, world, mesh)
     expert_stacks(rank, world, mesh)
+    transposed_layouts(rank, world, mesh)
     never_a_gradient(rank, world, mesh)
     fully_sharded_model(rank, world, mesh)
 

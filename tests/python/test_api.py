@@ -347,22 +347,3 @@ def test_param_groups_give_each_head_its_own_lr_and_find_embedding_bags():
     m.lm_head.weight.requires_grad_(False)  # a frozen head weight: its bias keeps the head's lr
     lr = {n: g["lr"] for g in dion3.param_groups(m, lr=0.01) if g["role"] == "lm_head" for n in g["param_names"]}
     assert lr["lm_head.bias"] == pytest.approx(0.01 / 8)
-
-
-def test_param_groups_warn_of_weights_stored_in_out():
-    # Hugging Face's Conv1D (GPT-2's attention and MLP) holds its weight as (in, out).
-    class Conv1D(torch.nn.Module):
-        def __init__(self, nf, nx):
-            super().__init__()
-            self.nf = nf
-            self.weight = torch.nn.Parameter(torch.zeros(nx, nf))
-            self.bias = torch.nn.Parameter(torch.zeros(nf))
-
-    m = torch.nn.Module()
-    m.c_fc, m.c_proj, m.lin = Conv1D(32, 8), Conv1D(8, 32), torch.nn.Linear(8, 8)
-    with pytest.warns(UserWarning, match=r"2 weights are stored \(in, out\) \(Hugging Face Conv1D: c_fc.weight, "
-                                         r"c_proj.weight\)"):
-        dion3.param_groups(m, lr=0.02)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        dion3.param_groups(torch.nn.Sequential(torch.nn.Linear(8, 8)), lr=0.02)

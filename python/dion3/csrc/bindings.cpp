@@ -1034,12 +1034,13 @@ auto guarded(R (*f)(A...)) {
 }
 
 // The state tensors the engine keeps for a parameter of `shape` in a group of `algorithm` (the
-// settings that decide them: flatten, momentum_dtype, None = the weight's).
+// settings that decide them: flatten, momentum_dtype, None = the weight's, transposed).
 py::list state_specs_of(const std::string& algorithm, bool flatten, const std::optional<std::string>& momentum_dtype,
-                        const std::string& weight_dtype, const std::vector<int64_t>& shape) {
+                        const std::string& weight_dtype, const std::vector<int64_t>& shape, bool transposed) {
   dion3::GroupConfig g;
   g.algorithm = dion3::parse_algorithm(algorithm);
   g.flatten = flatten;
+  g.transposed = transposed;
   if (momentum_dtype) g.momentum_dtype = to_dtype(to_scalar_type(*momentum_dtype));
   py::list out;
   for (const auto& s : dion3::state_specs(g, to_dtype(to_scalar_type(weight_dtype)), shape))
