@@ -51,9 +51,10 @@ struct ParamMatrix {
 struct DION3_API MatrixSet {
   virtual ~MatrixSet() = default;
   std::vector<ParamMatrix> mats;
-  // Stepped by columns (Dion2 on a tall matrix): row r of the set is column r of every stored
-  // matrix, so rows() and cols() give the transposed shape. Only accumulate, gather_rows and
-  // apply_update (without NorMuon) take such sets; M, G and W keep their stored layout.
+  // Stepped by columns (Dion2 on a tall matrix; Dion3 and NorMuon on a transposed group's): row r
+  // of the set is column r of every stored matrix, so rows() and cols() give the transposed shape,
+  // and NorMuon's variance holds one entry per stored column. Only accumulate, gather_rows and
+  // apply_update take such sets; M, G and W keep their stored layout.
   bool columns = false;
   int64_t rows() const { return mats.empty() ? 0 : columns ? mats.front().weight.cols : mats.front().weight.rows; }
   int64_t cols() const { return mats.empty() ? 0 : columns ? mats.front().weight.rows : mats.front().weight.cols; }

@@ -168,8 +168,8 @@ struct MegabatchInfo {
   int group = 0;
   Algorithm algorithm = Algorithm::Dion3;
   int64_t rows = 0, cols = 0;  // m x n of each matrix
-  // Dion2 on tall matrices: stepped by columns, rows x cols is the transposed shape (n x m) and
-  // selected_rows counts columns.
+  // Stepped by columns (Dion2 on tall matrices; Dion3 and NorMuon in a transposed group): rows x
+  // cols is the transposed shape (n x m) and selected_rows counts columns.
   bool columns = false;
   DType dtype = DType::F32;
   int64_t count = 0;           // matrices in the batch

@@ -52,10 +52,11 @@ def _submodule(model: nn.Module, path: str) -> Optional[nn.Module]:
         return None
 
 
-def _is_sharded(p: torch.Tensor) -> bool:
-    """A DTensor cut over some mesh dimension (FSDP2, tensor parallel)."""
-    placements = getattr(p, "placements", None)
-    return placements is not None and any(pl.is_shard() for pl in placements)
+def _cut_by_inputs_at_most(p: torch.Tensor) -> bool:
+    """A (in, out) weight whole on each rank, or cut along its stored rows over one mesh dimension
+    (FSDP2's Shard(0)): the cuts a transposed group takes."""
+    shards = [pl for pl in getattr(p, "placements", ()) if pl.is_shard()]
+    return not shards or (len(shards) == 1 and type(shards[0]).__name__ == "Shard" and shards[0].dim == 0)
 
 
 def _is_bias_name(name: str) -> bool:
@@ -117,8 +118,8 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
         own with flatten=True: one (dim0, rest) matrix each (dim0: a Conv's output channels, a
         ConvTranspose's input channels); other weights of three or more
         dimensions (expert stacks) stay stacks of matrices (flatten=False). Hugging Face Conv1D
-        weights (GPT-2's), stored (in, out), get a matrix group with transposed=True (one sharded
-        by FSDP2 stays as stored, with a warning).
+        weights (GPT-2's), stored (in, out), get a matrix group with transposed=True (one cut
+        otherwise than FSDP2's Shard(0), by tensor parallelism, stays as stored, with a warning).
     lr: the optimizer's base learning rate. Given, each head learns at lr / sqrt(d_in) (d_in: its
         weight's input dimension), the reference's recommendation; every other group keeps
         the optimizer's lr. Not given while a head exists (and no elementwise_options lr): a warning,
@@ -159,16 +160,17 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
             raise ValueError(f"dion3.param_groups: override {pattern!r} matches no parameter of the model")
 
     # Hugging Face's Conv1D (GPT-2) stores its weight (in, out): a group of its own that says so.
-    # One sharded by FSDP2 stays as stored (Dion3 steps such a weight by columns, whole on a rank).
+    # One cut otherwise than FSDP2's Shard(0) stays as stored (transposed takes no other cut).
     conv1d = {id(m.weight): path for path, m in modules.items()
               if type(m).__name__ == "Conv1D" and hasattr(m, "nf") and getattr(m, "weight", None) is not None
               and m.weight.dim() == 2 and m.weight.shape[1] == m.nf}
-    sharded = [f"{conv1d[id(p)]}.weight" for _, p in named if id(p) in conv1d and _is_sharded(p)]
-    if sharded:
-        warnings.warn(f"dion3.param_groups: {len(sharded)} weights stored (in, out) (Hugging Face Conv1D: "
-                      f"{', '.join(sharded[:2])}{', ...' if len(sharded) > 2 else ''}) are sharded, so they are stepped "
-                      "as stored, with their input features as rows and an inverted lr adjustment "
-                      "(docs/parameter-groups.md, 'Rows are output features')", stacklevel=2)
+    as_stored = [f"{conv1d[id(p)]}.weight" for _, p in named if id(p) in conv1d and not _cut_by_inputs_at_most(p)]
+    if as_stored:
+        warnings.warn(f"dion3.param_groups: {len(as_stored)} weights stored (in, out) (Hugging Face Conv1D: "
+                      f"{', '.join(as_stored[:2])}{', ...' if len(as_stored) > 2 else ''}) are sharded otherwise than "
+                      "along their input features (FSDP2's Shard(0)), so they are stepped as stored, with their input "
+                      "features as rows and an inverted lr adjustment (docs/parameter-groups.md, 'Rows are output "
+                      "features')", stacklevel=2)
     head_weights = [p for n, p in named if id(p) in head and p.dim() == 2]
     # Each head's input dimension, by its module (a model may have several heads: its bias learns
     # at its weight's lr).
@@ -189,7 +191,7 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
             # A vector in a matrix's shape ((1, 1, d) tokens, weight_norm's (out, 1) gains), an
             # empty matrix, or a table of biases: nothing to orthogonalize.
             role, opts = "vector", dict(base_el)
-        elif id(p) in conv1d and not _is_sharded(p):
+        elif id(p) in conv1d and _cut_by_inputs_at_most(p):
             role, opts = "matrix", {"transposed": True}
         elif id(p) in conv and p.dim() > 2:
             # One (out, in * kernel) matrix per convolution: as a stack of kernel-sized matrices a

@@ -351,10 +351,14 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
     if (g.algorithm == Algorithm::Dion2 && (L.kind == Layout::ColShard || L.kind == Layout::Block))
       fail(who + " is " + layout_name(L.kind) + ": dion2 is not available where the columns are sharded (the "
            "reference's Dion2 selects each shard's columns there; dion3 selects whole rows): use dion3");
-    if (g.transposed && normalizes_rows(g.algorithm) && L.kind != Layout::Local && L.kind != Layout::Replicated)
-      fail(who + " is " + layout_name(L.kind) + " in a 'transposed' group: " + algorithm_name(g.algorithm) +
-           " steps a matrix stored (in, out) by its columns, which needs whole matrices on a rank (local or "
-           "replicated layouts); store it (out, in), or shard it by whole matrices");
+    // Stepped by columns, a transposed matrix may be cut along its stored rows (its input
+    // features: FSDP2's Shard(0)) in the standard chunks, and stepped column-sharded.
+    if (g.transposed && normalizes_rows(g.algorithm) && L.kind != Layout::Local && L.kind != Layout::Replicated &&
+        !(L.kind == Layout::RowShard && L.row_offset < 0 && L.row_chunk == 0))
+      fail(who + " is " + layout_name(L.kind) + (L.kind == Layout::RowShard ? " in other than ceil(m/P) chunks" : "") +
+           " in a 'transposed' group: " + algorithm_name(g.algorithm) +
+           " steps a matrix stored (in, out) by its columns, whole or cut along its stored rows (the input "
+           "features) in ceil(m/P) chunks in rank order (FSDP2's Shard(0)); store it (out, in), or shard it so");
     if (g.transposed && g.flatten && shape.size() > 2)
       fail(who + " has shape " + spec.weight.shape_str() + " in a 'transposed' group with flatten=True, whose "
            "(dim0, rest) matrices have no stored (in, out) orientation; use flatten=False");
@@ -675,18 +679,25 @@ void Optimizer::Impl::build_plan() {
     // a sharded one selects along its cut, the rows). Dion3 and NorMuon select and normalise the
     // output features, a transposed group's columns (registration refused it sharded).
     const bool whole = p.layout.kind == Layout::Local || p.layout.kind == Layout::Replicated;
-    const bool columns = whole && (g.algorithm == Algorithm::Dion2 ? p.rows > p.cols
-                                                                   : g.transposed && normalizes_rows(g.algorithm));
+    // A transposed matrix cut along its stored rows is column-sharded as the rule sees it.
+    const bool cut_inputs = g.transposed && normalizes_rows(g.algorithm) && p.layout.kind == Layout::RowShard;
+    const bool columns = cut_inputs || (whole && (g.algorithm == Algorithm::Dion2
+                                                      ? p.rows > p.cols
+                                                      : g.transposed && normalizes_rows(g.algorithm)));
     for (int64_t j = 0; j < p.count; ++j) {
       for (int b = 0; b < static_cast<int>(blocks.size()); ++b) {
         const RowBlock& rb = blocks[b];
         const bool local = rb.layout == Layout::Local;
+        const Layout layout = cut_inputs ? Layout::ColShard : rb.layout;
+        // The set's whole rows and columns (a transposed one's columns cut as its stored rows are).
+        const int64_t set_rows = columns ? p.cols : rb.global_rows;
+        const int64_t set_cols = cut_inputs ? p.layout.global_rows : columns ? p.rows : n;
         // A row-sharded block's cut depends on where it lies in the whole matrix: blocks share a
         // megabatch only where their cuts, and so their shards' rows, are the same.
-        const bool cut = rb.layout == Layout::RowShard;
-        const Key key{p.group, rb.global_rows, n, rb.row_chunk, cut ? p.layout.global_rows : -1,
+        const bool cut = layout == Layout::RowShard;
+        const Key key{p.group, set_rows, set_cols, rb.row_chunk, cut ? p.layout.global_rows : -1,
                       cut ? rb.global_first : -1, static_cast<int>(p.weight.dtype), static_cast<int>(p.grad.dtype),
-                      static_cast<int>(mom), static_cast<int>(rb.layout), local ? -1 : ci, local ? -1 : cci,
+                      static_cast<int>(mom), static_cast<int>(layout), local ? -1 : ci, local ? -1 : cci,
                       options.megabatch ? -1 : i, options.megabatch ? -1 : j, options.megabatch ? -1 : b, columns};
         auto [it, fresh] = index.try_emplace(key, megabatches.size());
         if (fresh) {
@@ -696,13 +707,13 @@ void Optimizer::Impl::build_plan() {
           mb.transposed = g.transposed;
           mb.rows = columns ? p.cols : rb.rows;
           mb.cols = columns ? p.rows : p.cols;
-          mb.global_rows = columns ? p.cols : rb.global_rows;
-          mb.global_cols = columns ? p.rows : n;
+          mb.global_rows = set_rows;
+          mb.global_cols = set_cols;
           mb.row_chunk = rb.row_chunk;
           mb.weight_dtype = p.weight.dtype;
           mb.grad_dtype = p.grad.dtype;
           mb.momentum_dtype = mom;
-          mb.layout = rb.layout;
+          mb.layout = layout;
           mb.comm = local ? nullptr : p.layout.comm.get();
           mb.col_comm = local ? nullptr : p.layout.col_comm.get();
           megabatches.push_back(std::move(mb));

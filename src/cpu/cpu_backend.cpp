@@ -718,7 +718,6 @@ class CpuBackend final : public Backend {
   }
 
   void apply_columns(const MatrixSet& set, const int32_t* idx, int64_t k, const MatrixView& O, const UpdateParams& p) {
-    check(p.o_col_offset == 0, "apply_update: a column-stepped set takes no column offset");
     const int64_t n = set.rows(), m = set.cols();
     const float decay = p.decay.get(), adjusted_lr = p.adjusted_lr.get(), beta2 = p.beta2.get();
     struct Buffers {
@@ -745,7 +744,7 @@ class CpuBackend final : public Backend {
       for (int64_t r = 0; r < m; ++r)
         for (int64_t c = 0; c < n; ++c) {
           const int32_t s = buf.target[c];
-          const float uc = s >= 0 ? buf.o[s * O.cols + r] : 0.0f;
+          const float uc = s >= 0 ? buf.o[s * O.cols + p.o_col_offset + r] : 0.0f;
           float& w = buf.w[r * n + c];
           float d = decay;
           if (p.cautious_wd && !(uc * w > 0.0f)) d = 1.0f;

@@ -1,6 +1,7 @@
 // column_kernels.cu — the matrix step on column-stepped sets (MatrixSet::columns: Dion2 on a
-// tall matrix, whose set rows are the stored columns): accumulate with column ℓ1 scores, the
-// gather of selected columns with error-feedback decay, and the update of the selected columns.
+// tall matrix, Dion3 and NorMuon on a transposed group's, whose set rows are the stored columns):
+// accumulate with column ℓ1 scores, the gather of selected columns with error-feedback decay, and
+// the update of the selected columns (with NorMuon's factors).
 // Rows are cut into chunks so that a few wide matrices still fill the GPU; per-chunk partial sums
 // go to scratch and are added in chunk order afterwards, so results do not depend on scheduling.
 // Selected columns travel through 32 x 32 shared-memory tiles: the rows of the gathered matrix
@@ -252,9 +253,11 @@ void launch_gather_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, i
 void launch_update_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType wdt,
                            const int32_t* idx, int64_t k, const MatrixView& O, const UpdateParams& p,
                            float* scratch, const int* skip, cudaStream_t s) {
-  if (nmats == 0 || rows == 0 || cols == 0) return;
-  if (p.o_col_offset != 0) fail("apply_update: a column-stepped set takes no column offset");
+  if (nmats == 0 || cols == 0) return;
+  // Statistics over all of O's columns: a rank that holds none of the stored rows (column-sharded
+  // as the rule sees it) still moves the variance.
   if (p.normuon) launch_normuon_factors(mats, nmats, cols, idx, k, O, p.beta2, scratch, skip, s);
+  if (rows == 0) return;
   const float* inv = p.normuon && k > 0 ? scratch + nmats * k : nullptr;
   const float* factor = scratch + 2 * nmats * k;
   const int64_t rtiles = (rows + kTile - 1) / kTile;
@@ -269,8 +272,9 @@ void launch_update_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, i
       if (k > 0)
         launch_pdl(update_selected_columns_kernel<TW, TO>,
                    dim3(static_cast<unsigned>(rtiles), static_cast<unsigned>(nmats), ceil_div_u(k, kTile)),
-                   dim3(kTile, kTileRowsPerPass), 0, s, mats, rows, cols, idx, k, static_cast<const TO*>(O.data), O.ld,
-                   obs, p.decay, p.adjusted_lr, p.cautious_wd, inv, factor, skip);
+                   dim3(kTile, kTileRowsPerPass), 0, s, mats, rows, cols, idx, k,
+                   static_cast<const TO*>(O.data) + p.o_col_offset, O.ld, obs, p.decay, p.adjusted_lr, p.cautious_wd,
+                   inv, factor, skip);
     });
   });
   DION3_CUDA_LAUNCH_CHECK();

@@ -82,26 +82,33 @@ class RankTensor {
 struct DistParam {
   int m = 0, n = 0;
   Shard rows{0, 0}, cols{0, 0};  // held here
+  bool transposed = false;       // held (and registered) as the part's transpose
   ref::Mat W, M;
   ref::Vec v;
   std::unique_ptr<RankTensor> w, g;
   int index = -1;
 
-  DistParam(const RankBackend& be, int m_, int n_, Shard r, Shard c, Rng& rng) : m(m_), n(n_), rows(r), cols(c) {
+  DistParam(const RankBackend& be, int m_, int n_, Shard r, Shard c, Rng& rng, bool t = false)
+      : m(m_), n(n_), rows(r), cols(c), transposed(t) {
     W = gaussian(m, n, rng, 0.05);
     M.assign(static_cast<std::size_t>(m) * n, 0.0);
     v.assign(m, 0.0);
-    w = std::make_unique<RankTensor>(be, rows.count, cols.count);
-    g = std::make_unique<RankTensor>(be, rows.count, cols.count);
-    w->assign(part_of(W, n, rows, cols));
+    w = std::make_unique<RankTensor>(be, t ? cols.count : rows.count, t ? rows.count : cols.count);
+    g = std::make_unique<RankTensor>(be, t ? cols.count : rows.count, t ? rows.count : cols.count);
+    w->assign(held(W));
+  }
+  // This rank's part of a whole m x n matrix, as it is held.
+  std::vector<double> held(const ref::Mat& full) const {
+    const std::vector<double> part = part_of(full, n, rows, cols);
+    return transposed ? ref::transpose(part, rows.count, cols.count) : part;
   }
   dion3::ParamSpec spec(const std::string& name) const {
     dion3::ParamSpec s;
     s.name = name;
     s.weight = w->view();
     s.grad = g->view();
-    s.layout.global_rows = m;
-    s.layout.global_cols = n;
+    s.layout.global_rows = transposed ? n : m;
+    s.layout.global_cols = transposed ? m : n;
     return s;
   }
   std::vector<double> variance_rows() const {
@@ -125,7 +132,7 @@ std::vector<double> exported(const dion3::OptimizerState& st, int param, const s
 // columns or without) against the reference after `step` steps.
 void expect_matches(const dion3::OptimizerState& st, const DistParam& d, const RankBackend& be, const std::string& where,
                     int step) {
-  const std::vector<double> want = part_of(d.W, d.n, d.rows, d.cols);
+  const std::vector<double> want = d.held(d.W);
   // A 16-bit iteration moves each weight by lr times an orthogonalized entry off by its rounding.
   const bool f32 = be.iteration == DType::F32;
   const double off = f32 ? 0.0 : 0.05;
@@ -133,7 +140,7 @@ void expect_matches(const dion3::OptimizerState& st, const DistParam& d, const R
   const double variance_tol = f32 ? 1e-3 : 2 * off;
   EXPECT_LE(max_abs_diff(d.w->values(), want), tol) << where << " (" << d.m << "x" << d.n << "), step " << step;
   if (d.rows.count > 0 && d.cols.count > 0) {
-    EXPECT_LE(rel_max_diff(exported(st, d.index, "momentum"), part_of(d.M, d.n, d.rows, d.cols)), 1e-5)
+    EXPECT_LE(rel_max_diff(exported(st, d.index, "momentum"), d.held(d.M)), 1e-5)
         << "momentum: " << where << ", step " << step;
   }
   if (d.rows.count > 0) {
@@ -204,6 +211,13 @@ const std::vector<LayoutCase>& layout_cases() {
       {"rows_dion3_global_absent", Layout::RowShard, Algorithm::Dion3, S::Global, rows, 0.25, 5, true, 0, true},
       {"rows_normuon_absent", Layout::RowShard, Algorithm::NorMuon, S::Local, rows, 0.25, 5, true, 0, true},
       {"cols_dion3_absent", Layout::ColShard, Algorithm::Dion3, S::Local, cols, 0.25, 5, true, 0, true},
+      // Transposed groups (weights stored (in, out)): replicated, and cut along the stored rows
+      // (FSDP2's Shard(0)), which the rule steps column-sharded.
+      {"ddp_dion3_transposed", Layout::Replicated, Algorithm::Dion3, S::Local, rows, 0.25, 3, true, 0, false, true},
+      {"fsdp_dion3_transposed", Layout::RowShard, Algorithm::Dion3, S::Local, cols, 0.25, 3, true, 0, false, true},
+      {"fsdp_normuon_transposed_chunks", Layout::RowShard, Algorithm::NorMuon, S::Local, cols, 0.25, 3, true, 1, false,
+       true},
+      {"fsdp_dion3_transposed_absent", Layout::RowShard, Algorithm::Dion3, S::Local, cols, 0.5, 5, true, 0, true, true},
   };
   return cases;
 }
@@ -218,6 +232,7 @@ void check_layout_case(const LayoutCase& c, const RankBackend& be, const std::sh
   g.fraction = c.fraction;
   g.weight_decay = 0.01;
   g.selection_scope = c.scope;
+  g.transposed = c.transposed;
   g.orth.iteration_dtype = be.iteration;
   const ref::MatrixHyper hyper = matrix_hyper(g, DType::F32);
 
@@ -235,18 +250,21 @@ void check_layout_case(const LayoutCase& c, const RankBackend& be, const std::sh
   std::vector<std::unique_ptr<DistParam>> ps;
   for (std::size_t i = 0; i < c.shapes.size(); ++i) {
     const auto [m, n] = c.shapes[i];
-    const Shard rows = c.layout == Layout::RowShard ? shard_of(m, P, rank) : Shard{0, m};
-    const Shard cols = c.layout == Layout::ColShard ? shard_of(n, P, rank) : Shard{0, n};
-    auto d = std::make_unique<DistParam>(be, m, n, rows, cols, rng);
+    // A transposed group's stored rows are the rule's columns.
+    const bool cut_rows = c.layout == (c.transposed ? Layout::ColShard : Layout::RowShard);
+    const bool cut_cols = c.layout == (c.transposed ? Layout::RowShard : Layout::ColShard);
+    const Shard rows = cut_rows ? shard_of(m, P, rank) : Shard{0, m};
+    const Shard cols = cut_cols ? shard_of(n, P, rank) : Shard{0, n};
+    auto d = std::make_unique<DistParam>(be, m, n, rows, cols, rng, c.transposed);
     const std::string name = "layer" + std::to_string(i) + ".weight";
     dion3::ParamSpec spec = d->spec(name);
     spec.layout.kind = c.layout;
     spec.layout.comm = comm;
     d->index = opt.add_param(gi, spec);
     if (c.layout == Layout::Replicated) {
-      single_w.push_back(std::make_unique<RankTensor>(be, m, n));
-      single_g.push_back(std::make_unique<RankTensor>(be, m, n));
-      single_w.back()->assign(d->W);
+      single_w.push_back(std::make_unique<RankTensor>(be, c.transposed ? n : m, c.transposed ? m : n));
+      single_g.push_back(std::make_unique<RankTensor>(be, c.transposed ? n : m, c.transposed ? m : n));
+      single_w.back()->assign(d->held(d->W));
       dion3::ParamSpec s;
       s.name = name;
       s.weight = single_w.back()->view();
@@ -278,9 +296,9 @@ void check_layout_case(const LayoutCase& c, const RankBackend& be, const std::sh
         opt.set_grad(d.index, d.g->view());
         if (c.layout == Layout::Replicated) single.set_grad(index, single_g[i]->view());
       }
-      d.g->assign(part_of(G, d.n, d.rows, d.cols));
-      if (c.layout == Layout::Replicated) single_g[i]->assign(G);
-      const bool rows_cut = c.layout == Layout::RowShard;
+      d.g->assign(d.held(G));
+      if (c.layout == Layout::Replicated) single_g[i]->assign(d.held(G));
+      const bool rows_cut = c.layout == Layout::RowShard && !c.transposed;
       const ref::Scope scope = c.scope == dion3::SelectionScope::Global ? ref::Scope::Global : ref::Scope::Local;
       if (rows_cut && c.algorithm == Algorithm::Dion3) ref::dion3_step_sharded(d.W, d.M, d.v, G, d.m, d.n, hyper, P, scope);
       else if (rows_cut) ref::normuon_step_sharded(d.W, d.M, d.v, G, d.m, d.n, hyper, P);

@@ -66,6 +66,9 @@ struct LayoutCase {
   // Parameter i has no gradient at step s when absent_at(i, s) (Optimizer::clear_grad on every
   // rank): it and its state must stay as they are while the others step as the reference does.
   bool absent = false;
+  // The group is transposed: each rank registers the (out, in) matrix of the reference stored as
+  // (in, out), `layout` cutting the stored rows (RowShard: the rule's columns).
+  bool transposed = false;
 };
 bool absent_at(std::size_t param, int step);
 

@@ -194,35 +194,44 @@ TEST(Transposed, WhatIsRefused) {
   t3::HostParam stack("experts", DType::F32, {2, 8, 16});
   EXPECT_NE(t3::error_of([&] { h.opt.add_param(fi, stack.spec()); }).find("flatten=False"), std::string::npos);
 
-  // Dion3 and NorMuon step such a matrix by its columns, which needs it whole on the rank.
+  // Dion3 and NorMuon step such a matrix by its columns: whole, or cut along its stored rows in
+  // the standard chunks (column-sharded as the rule sees it); other cuts are refused.
   const auto comm = dion3::make_loopback_communicator();
   for (Algorithm a : {Algorithm::Dion3, Algorithm::NorMuon}) {
     GroupConfig ga = g;
     ga.algorithm = a;
-    const int gai = h.opt.add_group(ga);
-    for (Layout kind : {Layout::RowShard, Layout::ColShard}) {
+    for (int cut = 0; cut < 3; ++cut) {
+      Harness hc;
+      const int gai = hc.opt.add_group(ga);
       t3::HostParam w("h.0.mlp.c_fc.weight", DType::F32, {8, 16});
       dion3::ParamSpec spec = w.spec();
-      spec.layout.kind = kind;
+      spec.layout.kind = cut == 0 ? Layout::ColShard : Layout::RowShard;
       spec.layout.comm = comm;
       spec.layout.global_rows = 8;
       spec.layout.global_cols = 16;
-      const std::string e = t3::error_of([&] { h.opt.add_param(gai, spec); });
+      if (cut == 1) spec.layout.row_offset = 0;  // a cut of its own (FSDP2 over tensor parallel)
+      if (cut == 2) {
+        EXPECT_NO_THROW(hc.opt.add_param(gai, spec)) << dion3::algorithm_name(a);
+        continue;
+      }
+      spec.layout.row_chunk = cut == 1 ? 8 : 0;
+      const std::string e = t3::error_of([&] { hc.opt.add_param(gai, spec); });
       EXPECT_NE(e.find("'transposed' group"), std::string::npos) << e;
-      EXPECT_NE(e.find("local or replicated"), std::string::npos) << e;
+      EXPECT_NE(e.find("ceil(m/P) chunks in rank order"), std::string::npos) << e;
     }
   }
-  // Muon is the same rule either way round: a sharded transposed matrix is stepped (only the
-  // learning-rate adjustment reads the orientation).
+  // Muon is the same rule either way round: a transposed matrix sharded anyhow is stepped (only
+  // the learning-rate adjustment reads the orientation).
   GroupConfig muon = g;
   muon.algorithm = Algorithm::Muon;
+  Harness hm;
   t3::HostParam w("w", DType::F32, {8, 16});
   dion3::ParamSpec spec = w.spec();
-  spec.layout.kind = Layout::RowShard;
+  spec.layout.kind = Layout::ColShard;
   spec.layout.comm = comm;
   spec.layout.global_rows = 8;
   spec.layout.global_cols = 16;
-  EXPECT_NO_THROW(h.opt.add_param(h.opt.add_group(muon), spec));
+  EXPECT_NO_THROW(hm.opt.add_param(hm.opt.add_group(muon), spec));
 }
 
 // The setting is structural (the variance's length, the plan): a group with parameters keeps it.

@@ -762,12 +762,14 @@ def expert_stacks(rank, world, mesh):
 
 def transposed_layouts(rank, world, mesh):
     """Weights stored (in, out) (transposed=True): under DDP equal to one process bit for bit (Dion3
-    and NorMuon step them by columns on every rank); an expert stack sharded by whole experts equals
-    one process; a matrix row-sharded by FSDP2 is refused on every rank, nothing moved; and
-    param_groups leaves a sharded Conv1D weight as stored, with a warning."""
+    and NorMuon step them by columns on every rank); cut along their stored rows by FSDP2 (the
+    rule's columns), an expert stack sharded by whole experts, equal to one process; cut along
+    their stored columns, refused on every rank, nothing moved; param_groups gives a Conv1D
+    weight under fully_shard a transposed group, and leaves one cut by tensor parallelism as
+    stored, with a warning."""
     from torch.distributed.fsdp import fully_shard
 
-    shapes = [(40, 24), (40, 24), (40, 24), (16, 48), (16, 48)]
+    shapes = [(40, 24), (40, 24), (40, 24), (16, 48), (16, 48), (3, 12)]  # (in, out); 3 rows leave ranks empty
     for opt_cls in (dion3.Dion3, dion3.NorMuon, dion3.Muon):
         torch.manual_seed(1)
         ws = [nn.Parameter(torch.randn(s) * 0.05) for s in shapes]
@@ -783,6 +785,23 @@ def transposed_layouts(rank, world, mesh):
                 assert torch.equal(w, s), f"DDP transposed {opt_cls.__name__}: parameter {i} differs at step {step}"
         plan = opt.plan()
         assert all(mb["layout"] == "replicated" and mb["columns"] == (opt_cls is not dion3.Muon) for mb in plan), plan
+    for opt_cls in (dion3.Dion3, dion3.NorMuon):
+        for kw in (dict(), dict(fraction=0.5)):
+            torch.manual_seed(2)
+            whole = [torch.randn(s) * 0.05 for s in shapes]
+            ws = [nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)])) for w in whole]
+            single = [nn.Parameter(w.clone()) for w in whole]
+            opt = opt_cls([dict(params=ws, transposed=True)], distributed_mesh=mesh, lr=0.02, **kw)
+            ref = opt_cls([dict(params=single, transposed=True)], lr=0.02, **kw)
+            for step in range(3):
+                for w, s, g in zip(ws, single, grads_for(shapes, 10 + step)):
+                    w.grad, s.grad = distribute_tensor(g, mesh, [Shard(0)]), g.clone()
+                opt.step()
+                ref.step()
+                for i, (w, s) in enumerate(zip(ws, single)):
+                    close(full(w.detach()), s.detach(), f"FSDP2 transposed {opt_cls.__name__} {kw} parameter {i}, "
+                                                        f"step {step}")
+            assert all(mb["layout"] == "column-sharded" and mb["columns"] for mb in opt.plan()), opt.plan()
     experts = 2 * world + 1
     torch.manual_seed(experts)
     whole = torch.randn(experts, 12, 8) * 0.05
@@ -796,8 +815,8 @@ def transposed_layouts(rank, world, mesh):
         opt.step()
         ref.step()
         close(full(w.detach()), s.detach(), f"transposed stack of {experts} experts sharded, step {step}")
-    w = nn.Parameter(distribute_tensor(torch.randn(24, 16) * 0.05, mesh, [Shard(0)]))
-    w.grad = distribute_tensor(torch.randn(24, 16), mesh, [Shard(0)])
+    w = nn.Parameter(distribute_tensor(torch.randn(24, 16) * 0.05, mesh, [Shard(1)]))
+    w.grad = distribute_tensor(torch.randn(24, 16), mesh, [Shard(1)])
     refused(rank, dion3.Dion3([dict(params=[w], transposed=True)], distributed_mesh=mesh), [w], "'transposed' group")
 
     class Conv1D(nn.Module):  # Hugging Face's: x @ W + b, W stored (in, out)
@@ -810,12 +829,17 @@ def transposed_layouts(rank, world, mesh):
     model = nn.Module()
     model.c_fc, model.c_proj = Conv1D(32, 8), Conv1D(8, 32)
     fully_shard(model, mesh=mesh)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        groups = dion3.param_groups(model)
+    assert sorted(n for g in groups if g.get("transposed") for n in g["param_names"]) == ["c_fc.weight", "c_proj.weight"]
+    model.c_fc.weight = nn.Parameter(distribute_tensor(torch.randn(8, 32), mesh, [Shard(1)]))  # tensor parallel's cut
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         groups = dion3.param_groups(model)
-    assert any("2 weights stored (in, out)" in str(c.message) and "are sharded" in str(c.message) for c in caught), \
+    assert any("1 weights stored (in, out)" in str(c.message) and "c_fc.weight" in str(c.message) for c in caught), \
         [str(c.message) for c in caught]
-    assert not any(g.get("transposed") for g in groups), groups
+    assert [n for g in groups if g.get("transposed") for n in g["param_names"]] == ["c_proj.weight"], groups
 
 
 def partial_gradients(rank, world, mesh):
