@@ -50,16 +50,21 @@ struct Variant {
   // The non-finite check told before every step that the state changed (Optimizer::state_changed),
   // so that it reads all the momentum, as it did before Dion3 kept a bound on it.
   bool exact_check = false;
+  // The weights stored (in, out) in a transposed group: Dion3 steps them by columns.
+  bool transposed = false;
 };
 
-// Registers every matrix of `shapes` in group g: bf16 weights W[i] and gradients G[i] on the GPU.
+// Registers every matrix of `shapes` in group g: bf16 weights W[i] and gradients G[i] on the GPU,
+// stored (cols, rows) when `transposed`.
 void add_matrices(dion3::Optimizer& opt, int g, const std::vector<dion3::bench::MatrixShape>& shapes,
-                  const std::vector<void*>& W, const std::vector<void*>& G) {
+                  const std::vector<void*>& W, const std::vector<void*>& G, bool transposed = false) {
   for (std::size_t i = 0; i < shapes.size(); ++i) {
     dion3::ParamSpec spec;
     spec.name = shapes[i].name;
-    spec.weight = {W[i], dion3::DType::BF16, dion3::Device::CUDA, 0, {shapes[i].rows, shapes[i].cols}};
-    spec.grad = {G[i], dion3::DType::BF16, dion3::Device::CUDA, 0, {shapes[i].rows, shapes[i].cols}};
+    const std::vector<int64_t> shape = transposed ? std::vector<int64_t>{shapes[i].cols, shapes[i].rows}
+                                                  : std::vector<int64_t>{shapes[i].rows, shapes[i].cols};
+    spec.weight = {W[i], dion3::DType::BF16, dion3::Device::CUDA, 0, shape};
+    spec.grad = {G[i], dion3::DType::BF16, dion3::Device::CUDA, 0, shape};
     opt.add_param(g, spec);
   }
 }
@@ -129,7 +134,9 @@ int main(int argc, char** argv) {
                                          {"Dion3 f=1/4", dion3::Algorithm::Dion3, 0.25},
                                          {"Dion3 f=1/8", dion3::Algorithm::Dion3, 0.125},
                                          {"Dion3 f=1/4, check reads M", dion3::Algorithm::Dion3, 0.25, false, true},
-                                         {"Dion3 f=1/8, check reads M", dion3::Algorithm::Dion3, 0.125, false, true}};
+                                         {"Dion3 f=1/8, check reads M", dion3::Algorithm::Dion3, 0.125, false, true},
+                                         {"Dion3 f=1/4, stored (in, out)", dion3::Algorithm::Dion3, 0.25, false, false,
+                                          true}};
   for (const std::string& model : models) {
     const auto shapes = dion3::bench::model_matrices(dion3::bench::find_preset(model), 0);
     const int64_t total = dion3::bench::total_elements(shapes);
@@ -276,12 +283,13 @@ int main(int argc, char** argv) {
         dion3::GroupConfig cfg;
         cfg.algorithm = v.algo;
         cfg.fraction = v.fraction;
+        cfg.transposed = v.transposed;
         if (v.plain_cublas) {
           dion3::cuda::set_symmetric_options(opt.backend(), {false, 0, false});
           cfg.orth.method = dion3::OrthMethod::Standard;
           cfg.orth.iteration_dtype = dion3::DType::BF16;
         }
-        add_matrices(opt, opt.add_group(cfg), shapes, W, G);
+        add_matrices(opt, opt.add_group(cfg), shapes, W, G, v.transposed);
         opt.step();
         first_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         const double after = used_bytes();
