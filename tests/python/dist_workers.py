@@ -93,23 +93,28 @@ def refused(rank, opt, ps, expect):
         f"rank {rank}: a refused step moved weights"
 
 
-def ddp(rank, world, opt_cls, **kw):
-    """DDP (replicated parameters, distributed_mesh = ProcessGroup) equals the single-process run."""
+def ddp(rank, world, opt_cls, transposed=False, **kw):
+    """DDP (replicated parameters, distributed_mesh = ProcessGroup) equals the single-process run;
+    transposed: SHAPES stored (in, out) in a transposed group."""
     torch.manual_seed(0)
     ws = [nn.Parameter(torch.randn(s) * 0.05) for s in SHAPES]
     single = [nn.Parameter(w.detach().clone()) for w in ws]
-    opt = opt_cls(ws, distributed_mesh=dist.group.WORLD, **kw)
-    ref = opt_cls(single, **kw)
+    opt = opt_cls([dict(params=ws, transposed=True)] if transposed else ws, distributed_mesh=dist.group.WORLD, **kw)
+    ref = opt_cls([dict(params=single, transposed=True)] if transposed else single, **kw)
+    what = f"DDP {opt_cls.__name__}{' transposed' if transposed else ''}"
     for step in range(3):
         for w, s, g in zip(ws, single, grads_for(SHAPES, step)):
             w.grad, s.grad = g.clone(), g.clone()
         opt.step()
         ref.step()
         for i, (w, s) in enumerate(zip(ws, single)):
-            assert torch.equal(w, s), f"DDP {opt_cls.__name__}: parameter {i} differs from one process at step {step}"
+            assert torch.equal(w, s), f"{what}: parameter {i} differs from one process at step {step}"
     plan = opt.plan()
     assert all(mb["layout"] == "replicated" and mb["ranks"] == world for mb in plan), plan
-    assert any(mb["columns"] for mb in plan) == (opt_cls is dion3.Dion2), plan  # SHAPES holds a tall matrix
+    if transposed:  # Dion3 and NorMuon step every matrix by columns (its output features)
+        assert all(mb["columns"] == (opt_cls is not dion3.Muon) for mb in plan), plan
+    else:
+        assert any(mb["columns"] for mb in plan) == (opt_cls is dion3.Dion2), plan  # SHAPES holds a tall matrix
     # A deep copy steps over the same process group, as the original does; pickling says why not.
     ws2, opt2 = copy.deepcopy((ws, opt))
     assert opt2._mesh is dist.group.WORLD
@@ -769,22 +774,9 @@ def transposed_layouts(rank, world, mesh):
     stored, with a warning."""
     from torch.distributed.fsdp import fully_shard
 
-    shapes = [(40, 24), (40, 24), (40, 24), (16, 48), (16, 48), (3, 12)]  # (in, out); 3 rows leave ranks empty
     for opt_cls in (dion3.Dion3, dion3.NorMuon, dion3.Muon):
-        torch.manual_seed(1)
-        ws = [nn.Parameter(torch.randn(s) * 0.05) for s in shapes]
-        single = [nn.Parameter(w.detach().clone()) for w in ws]
-        opt = opt_cls([dict(params=ws, transposed=True)], distributed_mesh=dist.group.WORLD, lr=0.02)
-        ref = opt_cls([dict(params=single, transposed=True)], lr=0.02)
-        for step in range(3):
-            for w, s, g in zip(ws, single, grads_for(shapes, step)):
-                w.grad, s.grad = g.clone(), g.clone()
-            opt.step()
-            ref.step()
-            for i, (w, s) in enumerate(zip(ws, single)):
-                assert torch.equal(w, s), f"DDP transposed {opt_cls.__name__}: parameter {i} differs at step {step}"
-        plan = opt.plan()
-        assert all(mb["layout"] == "replicated" and mb["columns"] == (opt_cls is not dion3.Muon) for mb in plan), plan
+        ddp(rank, world, opt_cls, transposed=True, lr=0.02)
+    shapes = [(40, 24), (40, 24), (40, 24), (16, 48), (16, 48), (3, 12)]  # (in, out); 3 rows leave ranks empty
     for opt_cls in (dion3.Dion3, dion3.NorMuon):
         for kw in (dict(), dict(fraction=0.5)):
             torch.manual_seed(2)
