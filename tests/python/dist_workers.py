@@ -740,21 +740,23 @@ def never_a_gradient(rank, world, mesh):
 def expert_stacks(rank, world, mesh):
     """A stack of expert matrices (flatten=False) sharded on its expert dimension (FSDP2's
     Shard(0)) is stepped by each rank on its whole experts with the single-device rule: the same
-    as one process, also with more ranks than experts; sharded inside its matrices, refused."""
-    for opt_cls in (dion3.Dion3, dion3.NorMuon):
+    as one process, also with more ranks than experts, and stored (in, out) in a transposed group;
+    sharded inside its matrices, refused."""
+    for opt_cls, transposed in ((dion3.Dion3, False), (dion3.NorMuon, False), (dion3.Dion3, True)):
         for experts in (2 * world + 1, world - 1):
             torch.manual_seed(experts)
             whole = torch.randn(experts, 12, 8) * 0.05
             w = nn.Parameter(distribute_tensor(whole.clone(), mesh, [Shard(0)]))
             s = nn.Parameter(whole.clone())
-            opt = opt_cls([dict(params=[w], flatten=False)], distributed_mesh=mesh, lr=0.02)
-            ref = opt_cls([dict(params=[s], flatten=False)], lr=0.02)
+            opt = opt_cls([dict(params=[w], flatten=False, transposed=transposed)], distributed_mesh=mesh, lr=0.02)
+            ref = opt_cls([dict(params=[s], flatten=False, transposed=transposed)], lr=0.02)
             for step in range(3):
                 g = torch.randn(experts, 12, 8, generator=torch.Generator().manual_seed(step))
                 w.grad, s.grad = distribute_tensor(g, mesh, [Shard(0)]), g.clone()
                 opt.step()
                 ref.step()
-                close(full(w.detach()), s.detach(), f"{opt_cls.__name__}: {experts} experts sharded, step {step}")
+                close(full(w.detach()), s.detach(),
+                      f"{opt_cls.__name__}{' transposed' if transposed else ''}: {experts} experts sharded, step {step}")
             assert all(mb["layout"] == "local" for mb in opt.plan()), opt.plan()
     w = nn.Parameter(distribute_tensor(torch.randn(4, 12, 8), mesh, [Shard(1)]))
     w.grad = distribute_tensor(torch.randn(4, 12, 8), mesh, [Shard(1)])
@@ -768,8 +770,8 @@ def expert_stacks(rank, world, mesh):
 def transposed_layouts(rank, world, mesh):
     """Weights stored (in, out) (transposed=True): under DDP equal to one process bit for bit (Dion3
     and NorMuon step them by columns on every rank); cut along their stored rows by FSDP2 (the
-    rule's columns), an expert stack sharded by whole experts, equal to one process; cut along
-    their stored columns, refused on every rank, nothing moved; param_groups gives a Conv1D
+    rule's columns) equal to one process (expert stacks: expert_stacks); cut along their stored
+    columns, refused on every rank, nothing moved; param_groups gives a Conv1D
     weight under fully_shard a transposed group, and leaves one cut by tensor parallelism as
     stored, with a warning."""
     from torch.distributed.fsdp import fully_shard
@@ -794,19 +796,6 @@ def transposed_layouts(rank, world, mesh):
                     close(full(w.detach()), s.detach(), f"FSDP2 transposed {opt_cls.__name__} {kw} parameter {i}, "
                                                         f"step {step}")
             assert all(mb["layout"] == "column-sharded" and mb["columns"] for mb in opt.plan()), opt.plan()
-    experts = 2 * world + 1
-    torch.manual_seed(experts)
-    whole = torch.randn(experts, 12, 8) * 0.05
-    w = nn.Parameter(distribute_tensor(whole.clone(), mesh, [Shard(0)]))
-    s = nn.Parameter(whole.clone())
-    opt = dion3.Dion3([dict(params=[w], flatten=False, transposed=True)], distributed_mesh=mesh, lr=0.02)
-    ref = dion3.Dion3([dict(params=[s], flatten=False, transposed=True)], lr=0.02)
-    for step in range(3):
-        g = torch.randn(experts, 12, 8, generator=torch.Generator().manual_seed(step))
-        w.grad, s.grad = distribute_tensor(g, mesh, [Shard(0)]), g.clone()
-        opt.step()
-        ref.step()
-        close(full(w.detach()), s.detach(), f"transposed stack of {experts} experts sharded, step {step}")
     w = nn.Parameter(distribute_tensor(torch.randn(24, 16) * 0.05, mesh, [Shard(1)]))
     w.grad = distribute_tensor(torch.randn(24, 16), mesh, [Shard(1)])
     refused(rank, dion3.Dion3([dict(params=[w], transposed=True)], distributed_mesh=mesh), [w], "'transposed' group")
