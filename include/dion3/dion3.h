@@ -176,7 +176,8 @@ typedef struct dion3_group_config {
   int32_t orth_norm_floor;
   /* Matrix algorithms: 1 when the weights are stored (in, out), as x @ W reads them; their
    * columns are then the output features Dion3 selects and NorMuon normalises, and adjust_lr
-   * takes the (out, in) shape. Local and replicated layouts (default 0). */
+   * takes the (out, in) shape. Dion3 and NorMuon take whole matrices (local, replicated) or ones
+   * row-sharded in ceil(m/P) chunks (the input features cut). Default 0. */
   int32_t transposed;
 } dion3_group_config;
 
@@ -191,7 +192,8 @@ typedef struct dion3_megabatch_info {
   int32_t method;          /* dion3_orth_method actually used (STANDARD or GRAM) */
   int32_t iteration_dtype; /* dion3_dtype */
   uint64_t workspace_bytes;
-  int32_t columns; /* 1: DION3_ALGO_DION2 stepping tall matrices by columns (rows x cols is n x m) */
+  int32_t columns; /* 1: stepped by columns (Dion2 on tall matrices, a transposed group's Dion3 and
+                      NorMuon); rows x cols is then n x m */
 } dion3_megabatch_info;
 
 typedef struct dion3_optimizer dion3_optimizer; /* opaque */
@@ -281,8 +283,8 @@ DION3_API dion3_status dion3_comm_rank(const dion3_comm* comm, int* rank, int* s
 DION3_API void dion3_group_config_default(dion3_group_config* cfg);
 DION3_API dion3_status dion3_add_group(dion3_optimizer* opt, const dion3_group_config* cfg, int* group_index);
 /* Read and replace a group's configuration between steps. The new one is validated first
- * (nothing changes when it is refused); algorithm, flatten and momentum_dtype cannot change
- * once the group has parameters. */
+ * (nothing changes when it is refused); algorithm, flatten, transposed and momentum_dtype
+ * cannot change once the group has parameters. */
 DION3_API dion3_status dion3_get_group_config(const dion3_optimizer* opt, int group, dion3_group_config* out);
 DION3_API dion3_status dion3_set_group_config(dion3_optimizer* opt, int group, const dion3_group_config* cfg);
 /* Shortcut for learning-rate schedules. */

@@ -159,10 +159,12 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
         if not any(n == pattern or fnmatch.fnmatchcase(n, pattern) for n in names.values()):
             raise ValueError(f"dion3.param_groups: override {pattern!r} matches no parameter of the model")
 
-    # Hugging Face's Conv1D (GPT-2) stores its weight (in, out): a group of its own that says so.
+    # Hugging Face's Conv1D (GPT-2) stores its weight (in, out): a group of its own that says so
+    # (its class, or a wrapper's made from it: fully_shard's FSDPConv1D).
     # One cut otherwise than FSDP2's Shard(0) stays as stored (transposed takes no other cut).
     conv1d = {id(m.weight): path for path, m in modules.items()
-              if type(m).__name__ == "Conv1D" and hasattr(m, "nf") and getattr(m, "weight", None) is not None
+              if any(c.__name__ == "Conv1D" for c in type(m).__mro__) and hasattr(m, "nf")
+              and getattr(m, "weight", None) is not None
               and m.weight.dim() == 2 and m.weight.shape[1] == m.nf}
     as_stored = [f"{conv1d[id(p)]}.weight" for _, p in named if id(p) in conv1d and not _cut_by_inputs_at_most(p)]
     if as_stored:

@@ -136,7 +136,7 @@ class Muon(_EngineOptimizer):
             restarts=None, norm_eps=eps, norm_floor=True,  # torch divides by max(norm, eps)
             orthogonalizer=group.get("orthogonalizer", "auto"), momentum_dtype=group.get("momentum_dtype"),
             iteration_dtype=group.get("iteration_dtype"), split_sizes=group.get("split_sizes"),
-            num_heads=group.get("num_heads"), fraction=1.0)
+            num_heads=group.get("num_heads"), transposed=group.get("transposed", False), fraction=1.0)
 
     def _from_saved_layout(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
         if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict) \

@@ -453,15 +453,19 @@ def _check_restructured(group: Dict[str, Any], p: torch.Tensor, st: Dict[str, An
     (resized through .data since), by the names opt.state[p] shows."""
     flipped = {name: shape for name, _, shape in _state_shapes(dict(group, flatten=not group["flatten"]), p, kind)} \
         if p.dim() > 2 else {}
+    transposed = _transposed(group)
+    turned = {name: shape for name, _, shape in _state_shapes(dict(group, transposed=not transposed), p, kind)} \
+        if p.dim() >= 2 and kind == "matrix" else {}
     for name, _, shape in _state_shapes(group, p, kind):
         t = st.get(name)
         if not isinstance(t, torch.Tensor) or tuple(t.shape) == tuple(shape):
             continue
-        if tuple(t.shape) == flipped.get(name):
-            raise ValueError(f"dion3: {who}: its state '{name}' has shape {list(t.shape)}, where its group asks for "
-                             f"{list(shape)} (flatten={bool(group['flatten'])}): a parameter's flatten cannot change "
-                             "once its state holds values (it stepped, or its state was loaded); set it back, or "
-                             "start its state afresh (del optimizer.state[p])")
+        for key, value, other in (("flatten", bool(group["flatten"]), flipped), ("transposed", transposed, turned)):
+            if tuple(t.shape) == other.get(name):
+                raise ValueError(f"dion3: {who}: its state '{name}' has shape {list(t.shape)}, where its group asks "
+                                 f"for {list(shape)} ({key}={value}): a parameter's {key} cannot change once its "
+                                 "state holds values (it stepped, or its state was loaded); set it back, or start its "
+                                 "state afresh (del optimizer.state[p])")
         raise ValueError(f"dion3: {who}: its state '{name}' has shape {list(t.shape)} but the parameter, of shape "
                          f"{list(p.shape)}, needs {list(shape)} (was it resized since its state was made?); start "
                          "its state afresh (del optimizer.state[p]), or give it state of that shape")

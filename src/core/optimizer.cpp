@@ -675,14 +675,16 @@ void Optimizer::Impl::build_plan() {
     const bool col_cut = p.layout.kind == Layout::ColShard || p.layout.kind == Layout::Block;
     const int64_t n = col_cut ? p.layout.global_cols : p.cols;
     const std::vector<RowBlock>& blocks = blocks_of[i];
-    // Dion2 selects along the shorter dimension of a matrix no rank cuts (the reference's rule;
-    // a sharded one selects along its cut, the rows). Dion3 and NorMuon select and normalise the
-    // output features, a transposed group's columns (registration refused it sharded).
+    // Dion2 selects along the shorter dimension of a matrix no rank cuts, its columns when it is
+    // tall (the reference's rule, on the (out, in) matrix: a transposed square one by its stored
+    // columns; a sharded one selects along its cut, the rows). Dion3 and NorMuon select and
+    // normalise the output features, a transposed group's columns.
     const bool whole = p.layout.kind == Layout::Local || p.layout.kind == Layout::Replicated;
     // A transposed matrix cut along its stored rows is column-sharded as the rule sees it.
     const bool cut_inputs = g.transposed && normalizes_rows(g.algorithm) && p.layout.kind == Layout::RowShard;
+    const bool tall = g.transposed ? p.cols > p.rows : p.rows > p.cols;  // as the rule sees it
     const bool columns = cut_inputs || (whole && (g.algorithm == Algorithm::Dion2
-                                                      ? p.rows > p.cols
+                                                      ? tall != g.transposed
                                                       : g.transposed && normalizes_rows(g.algorithm)));
     for (int64_t j = 0; j < p.count; ++j) {
       for (int b = 0; b < static_cast<int>(blocks.size()); ++b) {

@@ -809,6 +809,7 @@ def transposed_layouts(rank, world, mesh):
 
     model = nn.Module()
     model.c_fc, model.c_proj = Conv1D(32, 8), Conv1D(8, 32)
+    fully_shard(model.c_fc, mesh=mesh)  # its class becomes FSDPConv1D
     fully_shard(model, mesh=mesh)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -20,7 +20,8 @@ def _grads(shapes, step, device="cpu", dtype=torch.float32):
                                                 ("dion2", 0.5)])
 def test_transposed_weights_follow_the_rule_on_out_in(algorithm, fraction):
     torch.manual_seed(0)
-    stored = [(32, 96), (96, 24), (3, 16, 40)]  # (in, out): GPT-2's c_fc and c_proj, an expert stack
+    # (in, out): GPT-2's c_fc, c_proj and attention's square c_proj, an expert stack
+    stored = [(32, 96), (96, 24), (24, 24), (3, 16, 40)]
     ws = [torch.randn(s) * 0.05 for s in stored]
     ps = [torch.nn.Parameter(w.clone()) for w in ws]
     opt = dion3.Dion3([dict(params=ps, algorithm=algorithm, fraction=fraction, transposed=True)], lr=0.02)
@@ -37,7 +38,7 @@ def test_transposed_weights_follow_the_rule_on_out_in(algorithm, fraction):
             err = (p.detach().double() - want).abs().max().item() / want.abs().max().item()
             assert err < 2e-5, f"{algorithm} f={fraction} {tuple(p.shape)} at step {step}: {err:.3g}"
     if algorithm in ("dion3", "normuon"):
-        assert [tuple(opt.state[p]["variance_neuron"].shape) for p in ps] == [(1, 96), (1, 24), (3, 1, 40)]
+        assert [tuple(opt.state[p]["variance_neuron"].shape) for p in ps] == [(1, 96), (1, 24), (1, 24), (3, 1, 40)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -94,6 +95,34 @@ def test_transposed_state_resumes_bit_for_bit():
         opt2.step()
     assert all(torch.equal(p, q) for p, q in zip(ps, ps2))
     assert all(torch.equal(opt.state[p]["variance_neuron"], opt2.state[q]["variance_neuron"]) for p, q in zip(ps, ps2))
+
+
+def test_torch_style_muon_takes_the_setting():
+    torch.manual_seed(4)
+    w = torch.randn(32, 96) * 0.05  # (in, out): adjust_lr_fn's scaling reads (96, 32)
+    p, q = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.T.contiguous())
+    opt = dion3.optim.Muon([dict(params=[p], transposed=True)], lr=0.02)
+    plain = dion3.optim.Muon([q], lr=0.02)
+    for step in range(3):
+        g = _grads([(32, 96)], step)[0]
+        p.grad, q.grad = g, g.T.contiguous()
+        opt.step()
+        plain.step()
+    assert torch.allclose(p.detach().T, q.detach(), rtol=0, atol=1e-6)
+
+
+def test_the_setting_cannot_turn_once_the_state_holds_values():
+    w = torch.nn.Parameter(torch.randn(24, 72) * 0.05)
+    opt = dion3.Dion3([dict(params=[w], transposed=True)], lr=0.02)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    before = w.detach().clone()
+    opt.param_groups[0]["transposed"] = False
+    with pytest.raises(ValueError, match=r"\(transposed=False\): a parameter's transposed cannot change"):
+        opt.step()
+    assert torch.equal(w, before)
+    opt.param_groups[0]["transposed"] = True
+    opt.step()
 
 
 def test_transposed_is_refused_where_it_cannot_apply():
