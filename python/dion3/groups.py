@@ -52,6 +52,24 @@ def _submodule(model: nn.Module, path: str) -> Optional[nn.Module]:
         return None
 
 
+def _stored_in_out(modules: Dict[str, nn.Module]) -> Dict[int, str]:
+    """The weights Hugging Face stores (in, out) and uses as x @ W, by id: Conv1D's (GPT-2; its
+    class, or a wrapper's made from it: fully_shard's FSDPConv1D), and the expert stacks
+    [E, in, out] of modules that say so (the experts implementation's is_transposed: gpt-oss,
+    Aria) or Llama 4's."""
+    out = {}
+    for path, m in modules.items():
+        classes = {c.__name__ for c in type(m).__mro__}
+        prefix = f"{path}." if path else ""
+        weight = getattr(m, "weight", None)
+        if "Conv1D" in classes and hasattr(m, "nf") and isinstance(weight, torch.Tensor) and weight.dim() == 2 \
+                and weight.shape[1] == m.nf:
+            out[id(weight)] = f"{prefix}weight"
+        elif getattr(m, "is_transposed", False) is True or "Llama4TextExperts" in classes:
+            out.update({id(p): f"{prefix}{n}" for n, p in m.named_parameters(recurse=False) if p.dim() >= 3})
+    return out
+
+
 def _cut_by_inputs_at_most(p: torch.Tensor) -> bool:
     """A (in, out) weight whole on each rank, or cut along its stored rows over one mesh dimension
     (FSDP2's Shard(0)): the cuts a transposed group takes."""
@@ -118,8 +136,9 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
         own with flatten=True: one (dim0, rest) matrix each (dim0: a Conv's output channels, a
         ConvTranspose's input channels); other weights of three or more
         dimensions (expert stacks) stay stacks of matrices (flatten=False). Hugging Face Conv1D
-        weights (GPT-2's), stored (in, out), get a matrix group with transposed=True (one cut
-        otherwise than FSDP2's Shard(0), by tensor parallelism, stays as stored, with a warning).
+        weights (GPT-2's) and the expert stacks of gpt-oss, Aria and Llama 4, stored (in, out),
+        get a matrix group with transposed=True (one cut otherwise than FSDP2's Shard(0), by
+        tensor parallelism, stays as stored, with a warning).
     lr: the optimizer's base learning rate. Given, each head learns at lr / sqrt(d_in) (d_in: its
         weight's input dimension), the reference's recommendation; every other group keeps
         the optimizer's lr. Not given while a head exists (and no elementwise_options lr): a warning,
@@ -159,20 +178,15 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
         if not any(n == pattern or fnmatch.fnmatchcase(n, pattern) for n in names.values()):
             raise ValueError(f"dion3.param_groups: override {pattern!r} matches no parameter of the model")
 
-    # Hugging Face's Conv1D (GPT-2) stores its weight (in, out): a group of its own that says so
-    # (its class, or a wrapper's made from it: fully_shard's FSDPConv1D).
-    # One cut otherwise than FSDP2's Shard(0) stays as stored (transposed takes no other cut).
-    conv1d = {id(m.weight): path for path, m in modules.items()
-              if any(c.__name__ == "Conv1D" for c in type(m).__mro__) and hasattr(m, "nf")
-              and getattr(m, "weight", None) is not None
-              and m.weight.dim() == 2 and m.weight.shape[1] == m.nf}
-    as_stored = [f"{conv1d[id(p)]}.weight" for _, p in named if id(p) in conv1d and not _cut_by_inputs_at_most(p)]
+    # Weights stored (in, out) get a group of their own that says so; one cut otherwise than
+    # FSDP2's Shard(0) stays as stored (transposed takes no other cut).
+    in_out = _stored_in_out(modules)
+    as_stored = [in_out[id(p)] for _, p in named if id(p) in in_out and not _cut_by_inputs_at_most(p)]
     if as_stored:
-        warnings.warn(f"dion3.param_groups: {len(as_stored)} weights stored (in, out) (Hugging Face Conv1D: "
-                      f"{', '.join(as_stored[:2])}{', ...' if len(as_stored) > 2 else ''}) are sharded otherwise than "
-                      "along their input features (FSDP2's Shard(0)), so they are stepped as stored, with their input "
-                      "features as rows and an inverted lr adjustment (docs/parameter-groups.md, 'Rows are output "
-                      "features')", stacklevel=2)
+        warnings.warn(f"dion3.param_groups: {len(as_stored)} weights stored (in, out) (Hugging Face's: "
+                      f"{', '.join(as_stored[:2])}{', ...' if len(as_stored) > 2 else ''}) are cut otherwise than by "
+                      "FSDP2's Shard(0), so they are stepped as stored, with their input features as rows and an "
+                      "inverted lr adjustment (docs/parameter-groups.md, 'Rows are output features')", stacklevel=2)
     head_weights = [p for n, p in named if id(p) in head and p.dim() == 2]
     # Each head's input dimension, by its module (a model may have several heads: its bias learns
     # at its weight's lr).
@@ -193,7 +207,7 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
             # A vector in a matrix's shape ((1, 1, d) tokens, weight_norm's (out, 1) gains), an
             # empty matrix, or a table of biases: nothing to orthogonalize.
             role, opts = "vector", dict(base_el)
-        elif id(p) in conv1d and _cut_by_inputs_at_most(p):
+        elif id(p) in in_out and _cut_by_inputs_at_most(p):
             role, opts = "matrix", {"transposed": True}
         elif id(p) in conv and p.dim() > 2:
             # One (out, in * kernel) matrix per convolution: as a stack of kernel-sized matrices a

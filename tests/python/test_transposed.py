@@ -170,3 +170,34 @@ def test_param_groups_give_conv1d_weights_a_transposed_group():
     opt.step()
     ref.step()
     assert torch.allclose(m.c_fc.weight.detach().T, lin.weight.detach(), rtol=0, atol=1e-6)
+
+
+def test_param_groups_find_the_in_out_weights_of_hugging_face_models():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(5)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64,
+                                                                n_positions=16))
+    oss = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        num_hidden_layers=1, hidden_size=32, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, num_local_experts=4, num_experts_per_tok=2, vocab_size=64, layer_types=["full_attention"]))
+    llama4 = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(
+        num_hidden_layers=1, hidden_size=32, intermediate_size=16, intermediate_size_mlp=32, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, num_local_experts=4, num_experts_per_tok=1, vocab_size=64,
+        max_position_embeddings=32, interleave_moe_layer_step=1, no_rope_layers=[1]))
+    h, experts = "transformer.h.0.", "model.layers.0.{}.experts."
+    cases = [(gpt2, {h + "attn.c_attn.weight", h + "attn.c_proj.weight", h + "mlp.c_fc.weight", h + "mlp.c_proj.weight"}),
+             (oss, {experts.format("mlp") + "gate_up_proj", experts.format("mlp") + "down_proj"}),
+             (llama4, {experts.format("feed_forward") + "gate_up_proj", experts.format("feed_forward") + "down_proj"})]
+    x = torch.randint(0, 64, (2, 8))
+    for model, want in cases:
+        groups = dion3.param_groups(model, lr=0.02)
+        assert {n for g in groups if g.get("transposed") for n in g["param_names"]} == want, type(model).__name__
+        opt = dion3.Dion3(groups, lr=0.02)
+        losses = []
+        for _ in range(3):
+            loss = model(x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        assert losses[-1] < losses[0], (type(model).__name__, losses)
