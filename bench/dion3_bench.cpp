@@ -63,6 +63,9 @@ Run:
                       a machine whose speed drifts (a shared CPU) biases none of them; needs
                       every optimizer's state in memory at once. sequential: one optimizer
                       at a time. Default: interleaved on cpu, sequential on cuda.
+  --transposed        also time NorMuon and each Dion3 fraction on the same weights stored
+                      (in, out) in a transposed group (stepped by columns): the rows whose
+                      label ends with (in, out)
   --no-orth-table     skip the orthogonalization-only table
   --seed N            random seed of weights and gradients (default 1)
   --csv FILE          also write every table row to FILE (CSV with a header)
@@ -97,6 +100,7 @@ struct Options {
   int warmup = 0;
   int iters = 3;
   bool orth_table = true;
+  bool transposed = false;
   unsigned seed = 1;
   std::string csv;
   std::string schedule;  // "interleaved" | "sequential"; empty = by device
@@ -196,6 +200,8 @@ Options parse_args(int argc, char** argv) {
         usage_error("--schedule is interleaved or sequential, got '" + o.schedule + "'");
     } else if (key == "--no-orth-table") {
       o.orth_table = false;
+    } else if (key == "--transposed") {
+      o.transposed = true;
     } else if (key == "--seed") {
       o.seed = static_cast<unsigned>(parse_int(value(), key, 0));
     } else if (key == "--csv") {
@@ -332,6 +338,7 @@ struct Variant {
   std::string label;
   dion3::Algorithm algorithm;
   double fraction = 1.0;
+  bool transposed = false;  // the weights stored (in, out), in a transposed group
 };
 
 struct Row {
@@ -393,6 +400,7 @@ struct Runner {
     opt = std::make_unique<dion3::Optimizer>(make_backend(o));
     cfg.algorithm = v.algorithm;
     cfg.fraction = v.fraction;
+    cfg.transposed = v.transposed;
     cfg.orth.method = orth_method(o);
     int g = opt->add_group(cfg);
     const dion3::Device dev = o.device == "cuda" ? dion3::Device::CUDA : dion3::Device::CPU;
@@ -400,6 +408,7 @@ struct Runner {
       dion3::ParamSpec spec;
       spec.name = shapes[i].name;
       std::vector<int64_t> shape = {shapes[i].rows, shapes[i].cols};
+      if (v.transposed) std::swap(shape[0], shape[1]);
       spec.weight = dion3::TensorView{t.weights[i].get(), t.dtype, dev, 0, shape};
       spec.grad = dion3::TensorView{t.grads[i].get(), t.dtype, dev, 0, shape};
       opt->add_param(g, spec);
@@ -637,6 +646,12 @@ int run(const Options& o) {
   if (wants("dion3"))
     for (double f : o.fractions)
       variants.push_back({"Dion3 f=" + fraction_label(f), dion3::Algorithm::Dion3, f});
+  if (o.transposed) {
+    const std::size_t plain = variants.size();
+    for (std::size_t i = 0; i < plain; ++i)
+      if (dion3::normalizes_rows(variants[i].algorithm))
+        variants.push_back({variants[i].label + " (in, out)", variants[i].algorithm, variants[i].fraction, true});
+  }
   if (wants("adamw")) variants.push_back({"AdamW", dion3::Algorithm::AdamW, 1.0});
 
   Progress progress;
@@ -665,12 +680,12 @@ int run(const Options& o) {
   std::printf("\n");
   print_plan(plan, plan_title);
   std::printf("\nOptimizer step (%s, %s, %s):\n", workload.c_str(), o.device.c_str(), o.dtype.c_str());
-  std::printf("  %-14s %12s %12s %14s %16s\n", "optimizer", "median ms", "min ms", "vs Muon", "eff. GFLOP/s");
+  std::printf("  %-22s %12s %12s %14s %16s\n", "optimizer", "median ms", "min ms", "vs Muon", "eff. GFLOP/s");
   for (const auto& r : rows) {
     char speed[32] = "-", gf[32] = "-";
     if (r.speedup > 0) std::snprintf(speed, sizeof speed, "%.2fx", r.speedup);
     if (r.eff_gflops > 0) std::snprintf(gf, sizeof gf, "%.1f", r.eff_gflops);
-    std::printf("  %-14s %12.2f %12.2f %14s %16s\n", r.label.c_str(), r.median_ms, r.min_ms, speed, gf);
+    std::printf("  %-22s %12.2f %12.2f %14s %16s\n", r.label.c_str(), r.median_ms, r.min_ms, speed, gf);
   }
 
   if (o.orth_table) {
