@@ -135,8 +135,10 @@ int main(int argc, char** argv) {
                                          {"Dion3 f=1/8", dion3::Algorithm::Dion3, 0.125},
                                          {"Dion3 f=1/4, check reads M", dion3::Algorithm::Dion3, 0.25, false, true},
                                          {"Dion3 f=1/8, check reads M", dion3::Algorithm::Dion3, 0.125, false, true},
-                                         {"Dion3 f=1/4, stored (in, out)", dion3::Algorithm::Dion3, 0.25, false, false,
-                                          true}};
+                                         {.label = "Dion3 f=1/4, stored (in, out)",
+                                          .algo = dion3::Algorithm::Dion3,
+                                          .fraction = 0.25,
+                                          .transposed = true}};
   for (const std::string& model : models) {
     const auto shapes = dion3::bench::model_matrices(dion3::bench::find_preset(model), 0);
     const int64_t total = dion3::bench::total_elements(shapes);

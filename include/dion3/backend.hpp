@@ -43,7 +43,7 @@ struct ParamMatrix {
   MatrixView weight;
   MatrixView grad;
   MatrixView momentum;
-  float* variance = nullptr;  // `rows` fp32 entries (NorMuon second moment), null for Muon
+  float* variance = nullptr;  // one fp32 entry per set row (NorMuon second moment), null for Muon
 };
 
 // The matrices of one megabatch. Backends may derive from it to keep device-side copies of

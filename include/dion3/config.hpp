@@ -16,7 +16,7 @@
 namespace dion3 {
 
 // Dion2 is Dion3 without the NorMuon normalisation; on a matrix that is not sharded it selects
-// along the shorter dimension (columns of a tall matrix), as the reference's Dion2 does.
+// along the shorter dimension (columns of a tall (out, in) matrix), as the reference's Dion2 does.
 enum class Algorithm : int { Dion3 = 0, NorMuon = 1, Muon = 2, AdamW = 3, Lion = 4, Dion2 = 5 };
 // SpectralNormClamped: eta * sqrt(max(1, m / n)), the original Muon's (torch.optim.Muon's default).
 enum class AdjustLR : int { SpectralNorm = 0, RmsNorm = 1, None = 2, SpectralNormClamped = 3 };
@@ -114,7 +114,9 @@ struct DION3_API GroupConfig {
   int64_t num_heads = 0;
   // Matrix algorithms: the weights are stored (in, out), as x @ W reads them (Hugging Face's
   // Conv1D, some expert stacks), so their stored columns are the output features: Dion3 selects
-  // and NorMuon normalises columns, and adjust_lr takes the (out, in) shape. Unsharded layouts.
+  // and NorMuon normalises columns, and adjust_lr takes the (out, in) shape. Those two take whole
+  // matrices, or ones cut along their stored rows in ceil(m/P) chunks. Element-wise algorithms
+  // ignore it, as they do flatten.
   bool transposed = false;
   OrthConfig orth;
 

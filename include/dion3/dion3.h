@@ -177,7 +177,9 @@ typedef struct dion3_group_config {
   /* Matrix algorithms: 1 when the weights are stored (in, out), as x @ W reads them; their
    * columns are then the output features Dion3 selects and NorMuon normalises, and adjust_lr
    * takes the (out, in) shape. Dion3 and NorMuon take whole matrices (local, replicated) or ones
-   * row-sharded in ceil(m/P) chunks (the input features cut). Default 0. */
+   * row-sharded in ceil(m/P) chunks (the input features cut). Element-wise algorithms ignore it.
+   * Default 0. It took what was the struct's tail padding: programs that start from
+   * dion3_group_config_default() (as they must) keep working with either header. */
   int32_t transposed;
 } dion3_group_config;
 

@@ -69,7 +69,8 @@ struct ParamSpec {
   TensorView grad;  // may be re-bound before each step with set_grad()
   // Externally owned state (e.g. PyTorch tensors); missing ones are allocated by the engine
   // and zero-filled. Matrix algorithms: "momentum" (weight's shape); Dion3 and NorMuon also
-  // "variance" (fp32, one entry per matrix row). AdamW: "exp_avg", "exp_avg_sq"; Lion: "exp_avg".
+  // "variance" (fp32, one entry per output feature: per matrix row, per column in a transposed
+  // group). AdamW: "exp_avg", "exp_avg_sq"; Lion: "exp_avg".
   // (Both defaulted: {name, weight, grad} is a whole ParamSpec, also under -Wextra.)
   std::vector<std::pair<std::string, TensorView>> state = {};
   // Element-wise algorithms step the local tensor as it is, whatever the layout; a replicated one
@@ -139,7 +140,8 @@ struct StateSpec {
 // The state tensors of a parameter of `shape` and `weight_dtype` in a group configured as `group`
 // (the one definition: the engine makes them, the front ends lay out their checkpoints by it).
 // Matrices keep "momentum" and, with NorMuon normalization, "variance" (fp32, one entry per
-// matrix row, flat); AdamW "exp_avg" and "exp_avg_sq"; Lion "exp_avg".
+// output feature, flat: per matrix row, per column in a transposed group); AdamW "exp_avg" and
+// "exp_avg_sq"; Lion "exp_avg".
 DION3_API std::vector<StateSpec> state_specs(const GroupConfig& group, DType weight_dtype,
                                              const std::vector<int64_t>& shape);
 

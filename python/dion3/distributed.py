@@ -283,27 +283,30 @@ def state_format(p: torch.Tensor, shape: Tuple[int, ...]) -> torch.memory_format
 
 
 def zeros_like_layout(p: torch.Tensor, shape: Tuple[int, ...], dtype: torch.dtype,
-                      per_row: bool = False) -> torch.Tensor:
+                      single: Optional[int] = None) -> torch.Tensor:
     """A zero state tensor for p: plain (laid out as p where it has p's shape: channels-last
     state for a channels-last weight), or a DTensor with p's mesh and placements whose global
-    shape is `shape` (the momentum: p's shape; the per-row variance, per_row: p[..., 0:1]'s)."""
+    shape is `shape` (the momentum: p's shape; NorMuon's variance, one value per output feature:
+    p[..., 0:1]'s, or p[..., 0:1, :]'s in a transposed group, `single` the dimension of size one,
+    -1 or -2)."""
     if not is_dtensor(p):
         return torch.zeros(shape, dtype=dtype, device=p.device).contiguous(memory_format=state_format(p, shape))
-    placements = _placements_for(shape, p.placements, tuple(p.shape), per_row)
+    placements = _placements_for(shape, p.placements, tuple(p.shape), single)
     lt = torch.zeros(_local_shape(shape, p.device_mesh, placements), dtype=dtype, device=p.to_local().device)
     return DTensor.from_local(lt, p.device_mesh, placements, run_check=False,
                               shape=torch.Size(shape), stride=_contiguous_stride(shape))
 
 
-def _placements_for(shape: Tuple[int, ...], placements, like: Tuple[int, ...], per_row: bool = False) -> Tuple:
+def _placements_for(shape: Tuple[int, ...], placements, like: Tuple[int, ...], single: Optional[int] = None) -> Tuple:
     """Placements of a state tensor of `shape` for a parameter of shape `like` placed so: a
-    tensor of the parameter's shape is placed as the parameter; the per-row variance (per_row:
-    p[..., 0:1], its last dimension one column, even where the parameter has one column too)
-    keeps the row shards and drops the shards of its column (every rank of a column shard holds
-    all its rows' values), as it drops shards of dimensions it does not have."""
+    tensor of the parameter's shape is placed as the parameter; NorMuon's variance (`single`: its
+    dimension of size one, -1 for p[..., 0:1], -2 for a transposed group's p[..., 0:1, :], even
+    where the parameter has one column or row there too) keeps the shards of the output features
+    and drops those of the dimension it holds one value of (every rank of such a shard holds all
+    the features' values), as it drops shards of dimensions it does not have."""
     out = []
     for pl in placements:
-        if _is_shard(pl) and (pl.dim >= len(shape) or (per_row and pl.dim == len(shape) - 1) or
+        if _is_shard(pl) and (pl.dim >= len(shape) or (single is not None and pl.dim == len(shape) + single) or
                               (pl.dim < len(like) and shape[pl.dim] != like[pl.dim])):
             out.append(Replicate())
         else:
@@ -350,12 +353,12 @@ def _local_shape(shape: Tuple[int, ...], mesh: Any, placements) -> Tuple[int, ..
     return _local_box(shape, mesh, placements)[1]
 
 
-def local_part(full: torch.Tensor, like: torch.Tensor, per_row: bool = False) -> torch.Tensor:
+def local_part(full: torch.Tensor, like: torch.Tensor, single: Optional[int] = None) -> torch.Tensor:
     """This rank's part of a full (unsharded) tensor, as a DTensor placed like `like` (a DTensor
-    parameter or state tensor; per_row as for zeros_like_layout): loading a single-device
+    parameter or state tensor; single as for zeros_like_layout): loading a single-device
     checkpoint into a sharded run."""
     shape = tuple(full.shape)
-    mesh, placements = like.device_mesh, _placements_for(shape, like.placements, tuple(like.shape), per_row)
+    mesh, placements = like.device_mesh, _placements_for(shape, like.placements, tuple(like.shape), single)
     part = full
     for d, (start, n) in enumerate(zip(*_local_box(shape, mesh, placements))):
         if n != shape[d]:

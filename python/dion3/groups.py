@@ -61,9 +61,9 @@ def _stored_in_out(modules: Dict[str, nn.Module]) -> Dict[int, str]:
     for path, m in modules.items():
         classes = {c.__name__ for c in type(m).__mro__}
         prefix = f"{path}." if path else ""
-        weight = getattr(m, "weight", None)
-        if "Conv1D" in classes and hasattr(m, "nf") and isinstance(weight, torch.Tensor) and weight.dim() == 2 \
-                and weight.shape[1] == m.nf:
+        # m.weight is read only here: on a parametrized module reading it computes it.
+        weight = getattr(m, "weight", None) if "Conv1D" in classes and hasattr(m, "nf") else None
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[1] == m.nf:
             out[id(weight)] = f"{prefix}weight"
         elif getattr(m, "is_transposed", False) is True or "Llama4TextExperts" in classes:
             out.update({id(p): f"{prefix}{n}" for n, p in m.named_parameters(recurse=False) if p.dim() >= 3})
@@ -71,8 +71,9 @@ def _stored_in_out(modules: Dict[str, nn.Module]) -> Dict[int, str]:
 
 
 def _cut_by_inputs_at_most(p: torch.Tensor) -> bool:
-    """A (in, out) weight whole on each rank, or cut along its stored rows over one mesh dimension
-    (FSDP2's Shard(0)): the cuts a transposed group takes."""
+    """An (in, out) weight whole on each rank, or cut along its first dimension over one mesh
+    dimension (FSDP2's Shard(0): a matrix's input features, a stack's experts): the cuts a
+    transposed group takes."""
     shards = [pl for pl in getattr(p, "placements", ()) if pl.is_shard()]
     return not shards or (len(shards) == 1 and type(shards[0]).__name__ == "Shard" and shards[0].dim == 0)
 
@@ -182,6 +183,7 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
     # FSDP2's Shard(0) stays as stored (transposed takes no other cut).
     in_out = _stored_in_out(modules)
     as_stored = [in_out[id(p)] for _, p in named if id(p) in in_out and not _cut_by_inputs_at_most(p)]
+    transposed = {pid for pid, name in in_out.items() if name not in as_stored}
     if as_stored:
         warnings.warn(f"dion3.param_groups: {len(as_stored)} weights stored (in, out) (Hugging Face's: "
                       f"{', '.join(as_stored[:2])}{', ...' if len(as_stored) > 2 else ''}) are cut otherwise than by "
@@ -207,7 +209,7 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
             # A vector in a matrix's shape ((1, 1, d) tokens, weight_norm's (out, 1) gains), an
             # empty matrix, or a table of biases: nothing to orthogonalize.
             role, opts = "vector", dict(base_el)
-        elif id(p) in in_out and _cut_by_inputs_at_most(p):
+        elif id(p) in transposed:
             role, opts = "matrix", {"transposed": True}
         elif id(p) in conv and p.dim() > 2:
             # One (out, in * kernel) matrix per convolution: as a stack of kernel-sized matrices a

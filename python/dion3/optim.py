@@ -5,7 +5,8 @@
 arguments, keeps its group keys and its momentum (an average: ``B = mu*B + (1 - mu)*G``), and saves
 and loads its checkpoints in both directions. What it adds: megabatched orthogonalization on the
 C++/CUDA engine, ``distributed_mesh`` (DDP, FSDP2, FSDP2 + TP), parameters of 3 or more dimensions
-(stacks of matrices), and the dion3 group keys ``split_sizes`` / ``num_heads`` (fused QKV)."""
+(stacks of matrices), and the dion3 group keys ``split_sizes`` / ``num_heads`` (fused QKV) and
+``transposed`` (weights stored (in, out): adjust_lr_fn reads the (out, in) shape)."""
 import math
 import numbers
 from typing import Any, Dict, Optional, Sequence, Tuple

@@ -414,7 +414,7 @@ def _state_tensors(group: Dict[str, Any], p: torch.Tensor, old: Dict[str, Any], 
         # initialisation, then to_empty), is made again.
         if t is None or (getattr(t, "_dion3_initial", False) and not old.get("step", 0) and
                          (t.dtype != dtype or tuple(t.shape) != tuple(shape) or t.device != p.device)):
-            t = _dist.zeros_like_layout(p, shape, dtype, name in _PER_ROW)
+            t = _dist.zeros_like_layout(p, shape, dtype, _single_dim(group, name))
         elif isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(shape) and \
                 (t.device != p.device or (t.dtype != dtype and (dtype == p.dtype or name not in _SECOND_MOMENTS))):
             # The parameter moved to another device or dtype after its state was made
@@ -529,7 +529,12 @@ _NOT_APPLIED = "the step was not applied on this rank or on any rank it shares a
 
 # Running means of squares (NorMuon's row variance, AdamW's second moment): never negative.
 _SECOND_MOMENTS = ("variance_neuron", "variance")
-_PER_ROW = ("variance_neuron",)  # one value per row of the matrix, whatever its columns
+_PER_FEATURE = ("variance_neuron",)  # one value per output feature (row; a transposed group's column)
+
+
+def _single_dim(group: Dict[str, Any], name: str) -> Optional[int]:
+    """The dimension along which a state tensor holds a single value (distributed.zeros_like_layout)."""
+    return (-2 if _transposed(group) else -1) if name in _PER_FEATURE else None
 # The engine counts steps in int64 and adds one per step: the largest count it can go on from.
 _MAX_STEP = 2**63 - 2
 
@@ -803,7 +808,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
     def _zero_state(self, group: Dict[str, Any], p: torch.Tensor) -> Dict[str, Any]:
         st: Dict[str, Any] = {}
         for name, dtype, shape in _state_shapes(group, p, self._state_kind(group)):
-            t = _dist.zeros_like_layout(p, shape, dtype, name in _PER_ROW)
+            t = _dist.zeros_like_layout(p, shape, dtype, _single_dim(group, name))
             t._dion3_initial = True  # made here, not given: may be remade if the group's settings change
             st[name] = t
         st["step"] = 0
@@ -931,7 +936,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 fmt = _dist.state_format(p, shape)  # laid out as the engine steps it
                 if _dist.is_dtensor(p) and not _dist.is_dtensor(value):
                     # A single-device (full) checkpoint loaded into a sharded run: keep this rank's part.
-                    t = _dist.local_part(value, p, name in _PER_ROW)
+                    t = _dist.local_part(value, p, _single_dim(group, name))
                     t = t if t.dtype == dtype else t.to(dtype=dtype)
                 elif _dist.is_dtensor(value) and not _dist.is_dtensor(p):
                     t = value.full_tensor().detach().to(device=p.device, dtype=dtype, copy=True,
@@ -1031,7 +1036,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                                          "through torch.distributed.checkpoint)")
                     if _dist.is_dtensor(value) and _dist.is_dtensor(p):
                         want = _dist._placements_for(tuple(shape), p.placements, tuple(p.shape),
-                                                     name in _PER_ROW)
+                                                     _single_dim(group, name))
                         if not _dist.same_mesh(value.device_mesh, p.device_mesh) or tuple(value.placements) != want:
                             raise ValueError(f"dion3: load_state_dict: {what} is placed {list(value.placements)} "
                                              f"on {value.device_mesh}, expected {list(want)} on {p.device_mesh} "

@@ -230,9 +230,6 @@ void GroupConfig::validate() const {
   if ((!split_sizes.empty() || num_heads > 1) && !is_matrix_algorithm(algorithm))
     fail(std::string("'split_sizes' and 'num_heads' cut matrices into row blocks; ") + algorithm_name(algorithm) +
          " steps element-wise and takes neither");
-  if (transposed && !is_matrix_algorithm(algorithm))
-    fail(std::string("'transposed' says how a matrix is stored; ") + algorithm_name(algorithm) +
-         " steps element-wise and does not take it");
   if (transposed && (!split_sizes.empty() || num_heads > 1))
     fail("'split_sizes' and 'num_heads' cut the stored rows, which a 'transposed' group's matrices hold as input "
          "features: give the blocks as separate parameters");

@@ -90,7 +90,8 @@ struct Chunk {
 //    through `send` / `recv` ([rank][member][k][ceil(n/P)]) to the owner, which places them side
 //    by side (its own gathered in place), orthogonalizes, applies its columns at once and copies
 //    the whole result rows into its slot of an in-place all-gather in `send`: NorMuon and the
-//    update of the others see whole rows, as on one device.
+//    update of the others see whole rows, as on one device. A transposed group's matrix cut
+//    along its stored rows takes this path stepped by columns: its stored rows are the columns.
 //  - Block: rows cut over `comm` (as RowShard), columns over `col_comm`. Partial row scores are
 //    summed over the column ranks; each rank's pieces of its block are all-gathered over them
 //    (`colbuf`) into whole-width pieces (`send`), which then take the RowShard exchange over the
@@ -100,8 +101,9 @@ struct Chunk {
 struct Megabatch {
   int group = 0;
   int64_t rows = 0, cols = 0, k = 0;  // rows: of the local matrices (a shard under RowShard)
-  // Dion2 on a tall matrix that is not sharded: rows / cols (and global_*) are the transposed
-  // shape, the row selection picks stored columns (MatrixSet::columns).
+  // Stepped by columns (Dion2 on a tall matrix that is not sharded, a transposed group's Dion3 and
+  // NorMuon): rows / cols (and global_*) are the transposed shape, the row selection picks stored
+  // columns (MatrixSet::columns).
   bool columns = false;
   bool transposed = false;  // the group's matrices are stored (in, out)
   DType weight_dtype = DType::F32, grad_dtype = DType::F32, momentum_dtype = DType::F32;
@@ -136,14 +138,11 @@ struct Megabatch {
   int col_ranks = 1, col_rank = 0;
   int64_t global_rows = 0;    // m of the whole matrix
   int64_t global_cols = 0;    // n of the whole matrix (cols is the local count under ColShard)
-  // The stored matrix's (rows, cols), whatever the orientation the step takes it in: adjust_lr's.
-  std::pair<int64_t, int64_t> stored_shape() const {
-    return columns ? std::pair{global_cols, global_rows} : std::pair{global_rows, global_cols};
-  }
-  // (out, in): the stored shape, swapped for a transposed group (GroupConfig::transposed).
+  // The whole matrix's (out, in), whatever the orientation the step takes it in: adjust_lr's.
+  // Stepped by columns, rows x cols is the stored shape transposed; a transposed group's stored
+  // shape is (in, out).
   std::pair<int64_t, int64_t> logical_shape() const {
-    const auto [m, n] = stored_shape();
-    return transposed ? std::pair{n, m} : std::pair{m, n};
+    return columns != transposed ? std::pair{global_cols, global_rows} : std::pair{global_rows, global_cols};
   }
   // RowShard cut otherwise than in ceil(m/P) chunks in rank order (ParamLayout::row_offset, or
   // row blocks that straddle shards): the largest shard's rows; 0 for the standard cut.

@@ -26,11 +26,16 @@ MatrixView flat_of(const TensorView& t) {
   return MatrixView::contiguous(t.data, t.dtype, 1, 1, t.numel());
 }
 
-// Structural settings that decide the plan and the state layout.
+// Structural settings that decide the plan and the state layout (element-wise algorithms ignore
+// transposed).
 bool same_structure(const GroupConfig& a, const GroupConfig& b) {
   return a.algorithm == b.algorithm && a.flatten == b.flatten && a.momentum_dtype == b.momentum_dtype &&
-         a.transposed == b.transposed;
+         (a.transposed == b.transposed || !is_matrix_algorithm(a.algorithm));
 }
+
+// Dion3 and NorMuon select and normalise output features: a transposed group's stored columns,
+// so they step its matrices by columns.
+bool steps_by_columns(const GroupConfig& g) { return g.transposed && normalizes_rows(g.algorithm); }
 // Also the settings that pick host-side branches of the step (nesterov, cautious_wd): a captured step
 // has taken its branch, so changing one needs a new plan and a new capture.
 bool same_plan(const GroupConfig& a, const GroupConfig& b) {
@@ -353,7 +358,7 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
            "reference's Dion2 selects each shard's columns there; dion3 selects whole rows): use dion3");
     // Stepped by columns, a transposed matrix may be cut along its stored rows (its input
     // features: FSDP2's Shard(0)) in the standard chunks, and stepped column-sharded.
-    if (g.transposed && normalizes_rows(g.algorithm) && L.kind != Layout::Local && L.kind != Layout::Replicated &&
+    if (steps_by_columns(g) && L.kind != Layout::Local && L.kind != Layout::Replicated &&
         !(L.kind == Layout::RowShard && L.row_offset < 0 && L.row_chunk == 0))
       fail(who + " is " + layout_name(L.kind) + (L.kind == Layout::RowShard ? " in other than ceil(m/P) chunks" : "") +
            " in a 'transposed' group: " + algorithm_name(g.algorithm) +
@@ -675,17 +680,15 @@ void Optimizer::Impl::build_plan() {
     const bool col_cut = p.layout.kind == Layout::ColShard || p.layout.kind == Layout::Block;
     const int64_t n = col_cut ? p.layout.global_cols : p.cols;
     const std::vector<RowBlock>& blocks = blocks_of[i];
-    // Dion2 selects along the shorter dimension of a matrix no rank cuts, its columns when it is
-    // tall (the reference's rule, on the (out, in) matrix: a transposed square one by its stored
-    // columns; a sharded one selects along its cut, the rows). Dion3 and NorMuon select and
-    // normalise the output features, a transposed group's columns.
+    // Dion2 selects along the shorter side of the (out, in) matrix when no rank cuts it (the
+    // reference's rule: rows unless it is tall), a transposed one's rows being stored columns; a
+    // sharded one selects along its cut, the stored rows. A transposed matrix cut along its stored
+    // rows is column-sharded as Dion3 and NorMuon step it.
     const bool whole = p.layout.kind == Layout::Local || p.layout.kind == Layout::Replicated;
-    // A transposed matrix cut along its stored rows is column-sharded as the rule sees it.
-    const bool cut_inputs = g.transposed && normalizes_rows(g.algorithm) && p.layout.kind == Layout::RowShard;
-    const bool tall = g.transposed ? p.cols > p.rows : p.rows > p.cols;  // as the rule sees it
-    const bool columns = cut_inputs || (whole && (g.algorithm == Algorithm::Dion2
-                                                      ? tall != g.transposed
-                                                      : g.transposed && normalizes_rows(g.algorithm)));
+    const bool dion2_columns = g.transposed ? p.rows >= p.cols : p.rows > p.cols;
+    const bool cut_inputs = steps_by_columns(g) && p.layout.kind == Layout::RowShard;
+    const bool columns =
+        cut_inputs || (whole && (g.algorithm == Algorithm::Dion2 ? dion2_columns : steps_by_columns(g)));
     for (int64_t j = 0; j < p.count; ++j) {
       for (int b = 0; b < static_cast<int>(blocks.size()); ++b) {
         const RowBlock& rb = blocks[b];

@@ -732,13 +732,14 @@ class CpuBackend final : public Backend {
         const int64_t c = idx ? idx[i * k + s] : s;
         if (c < n) buf.target[c] = static_cast<int32_t>(s);
       }
-      load_matrix(O, i, buf.o);  // k x m
+      load_matrix(O, i, buf.o);  // k x O.cols, whole rows; columns [o_col_offset, + m) are this set's
       if (p.normuon) {  // on O's rows, the selected columns' updates
         buf.row_factor.resize(k);
         const float f = normuon_factors(buf.o, k, n, O.cols, pm.variance, idx ? idx + i * k : nullptr, beta2,
                                         buf.row_factor.data());
         for (int64_t s = 0; s < k; ++s)
-          for (int64_t r = 0; r < O.cols; ++r) buf.o[s * O.cols + r] = buf.o[s * O.cols + r] * buf.row_factor[s] * f;
+          for (int64_t r = p.o_col_offset; r < p.o_col_offset + m; ++r)
+            buf.o[s * O.cols + r] = buf.o[s * O.cols + r] * buf.row_factor[s] * f;
       }
       load_stored(pm.weight, buf.w);
       for (int64_t r = 0; r < m; ++r)

@@ -37,8 +37,8 @@ void launch_apply_update(const DeviceMat* mats, int64_t nmats, int64_t rows, int
 void launch_normuon_factors(const DeviceMat* mats, int64_t nmats, int64_t rows, const int32_t* idx, int64_t k,
                             const MatrixView& O, Hyper beta2, float* scratch, const int* skip, cudaStream_t s);
 // Column-stepped sets (column_kernels.cu): rows x cols is the stored shape; the set's rows are
-// its columns. scores / row_sumsq per column; out and O are k x rows per matrix. scratch: at least
-// the *_scratch_floats floats.
+// its columns. scores / row_sumsq per column; out is k x rows per matrix, O too or wider (its
+// columns [o_col_offset, + rows) update these rows). scratch: at least the *_scratch_floats floats.
 int64_t accumulate_columns_scratch_floats(int64_t nmats, int64_t rows, int64_t cols);
 void launch_accumulate_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
                                DType gdt, Hyper decay, Hyper grad_scale, float* scores, float* row_sumsq,
