@@ -59,6 +59,7 @@ enum ConfigField : uint8_t {
   kOrthRestart,      // slot (pick 16), int_field 0..6
   kOrthIterDtype,    // int_field -1..2
   kSelectionScope,   // int_field 0..1
+  kTransposed,       // int_field 0..1
   kConfigFields
 };
 inline constexpr unsigned kMaxEdits = 6;

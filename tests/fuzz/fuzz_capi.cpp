@@ -227,6 +227,7 @@ class Session {
         }
         case fuzz::kOrthIterDtype: c.orth_iteration_dtype = in_.int_field(-1, 2); break;
         case fuzz::kSelectionScope: c.selection_scope = in_.int_field(0, 1); break;
+        case fuzz::kTransposed: c.transposed = in_.int_field(0, 1); break;
       }
     }
   }

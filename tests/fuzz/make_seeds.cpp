@@ -269,7 +269,8 @@ class Program {
         case kNesterov:
         case kCautiousWd:
         case kScaleLrByFraction:
-        case kSelectionScope: o_.int_field(0, 1, i); break;
+        case kSelectionScope:
+        case kTransposed: o_.int_field(0, 1, i); break;
         case kMomentumDtype:
         case kOrthIterDtype: o_.int_field(-1, 2, i); break;
         case kOrthMethod:
@@ -366,6 +367,8 @@ void write_capi_seeds(const fs::path& dir) {
   put("wide-and-tall", Program().add_group({dion3, {kScaleLrByFraction, 1}, {kCautiousWd, 1}})
                            .add_param(0, kW0, T({3, 6})).add_param(0, kW1, T({6, 3})).add_param(0, kW2, T({6, 3}))
                            .step(2).plan());
+  put("transposed-in-out", Program().add_group({dion3, {kTransposed, 1}, {kCautiousWd, 1}})
+                               .add_param(0, kW0, T({3, 6})).add_param(0, kW1, T({2, 6, 3})).step(2).plan());
   put("nonfinite-raise", Program().add_group({adamw}).add_param(0, kW0, T({5})).fill(1, kFillNaN, 3).step()
                              .fill(1, kFillNoise, 4).step().queries());
   put("nonfinite-skip", Program(DION3_NONFINITE_SKIP).add_group({dion3}).add_param(0, kW0, T({4, 4}))
