@@ -182,8 +182,8 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
     # Weights stored (in, out) get a group of their own that says so; one cut otherwise than
     # FSDP2's Shard(0) stays as stored (transposed takes no other cut).
     in_out = _stored_in_out(modules)
-    as_stored = [in_out[id(p)] for _, p in named if id(p) in in_out and not _cut_by_inputs_at_most(p)]
-    transposed = {pid for pid, name in in_out.items() if name not in as_stored}
+    transposed = {id(p) for _, p in named if id(p) in in_out and _cut_by_inputs_at_most(p)}
+    as_stored = [in_out[id(p)] for _, p in named if id(p) in in_out and id(p) not in transposed]
     if as_stored:
         warnings.warn(f"dion3.param_groups: {len(as_stored)} weights stored (in, out) (Hugging Face's: "
                       f"{', '.join(as_stored[:2])}{', ...' if len(as_stored) > 2 else ''}) are cut otherwise than by "

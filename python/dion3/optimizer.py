@@ -448,20 +448,20 @@ def _check_cast(before: torch.Tensor, after: torch.Tensor, name: str, who: str) 
 
 
 def _check_restructured(group: Dict[str, Any], p: torch.Tensor, st: Dict[str, Any], who: str, kind: str) -> None:
-    """Refuses state shaped for the other flatten than the group's (flatten set after the
+    """Refuses state shaped for the other flatten or transposed than the group's (set after the
     parameter's state took values), naming the setting, or for another shape of the parameter
     (resized through .data since), by the names opt.state[p] shows."""
-    flipped = {name: shape for name, _, shape in _state_shapes(dict(group, flatten=not group["flatten"]), p, kind)} \
-        if p.dim() > 2 else {}
-    transposed = _transposed(group)
-    turned = {name: shape for name, _, shape in _state_shapes(dict(group, transposed=not transposed), p, kind)} \
-        if p.dim() >= 2 and kind == "matrix" else {}
+    def shape_with(key: str, value: bool, name: str):  # the state's shape were the group's `key` `value`
+        return {n: s for n, _, s in _state_shapes(dict(group, **{key: value}), p, kind)}.get(name)
+
+    settings = (("flatten", bool(group["flatten"]), p.dim() > 2),
+                ("transposed", _transposed(group), p.dim() >= 2 and kind == "matrix"))
     for name, _, shape in _state_shapes(group, p, kind):
         t = st.get(name)
         if not isinstance(t, torch.Tensor) or tuple(t.shape) == tuple(shape):
             continue
-        for key, value, other in (("flatten", bool(group["flatten"]), flipped), ("transposed", transposed, turned)):
-            if tuple(t.shape) == other.get(name):
+        for key, value, applies in settings:
+            if applies and tuple(t.shape) == shape_with(key, not value, name):
                 raise ValueError(f"dion3: {who}: its state '{name}' has shape {list(t.shape)}, where its group asks "
                                  f"for {list(shape)} ({key}={value}): a parameter's {key} cannot change once its "
                                  "state holds values (it stepped, or its state was loaded); set it back, or start its "

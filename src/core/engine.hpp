@@ -105,7 +105,6 @@ struct Megabatch {
   // NorMuon): rows / cols (and global_*) are the transposed shape, the row selection picks stored
   // columns (MatrixSet::columns).
   bool columns = false;
-  bool transposed = false;  // the group's matrices are stored (in, out)
   DType weight_dtype = DType::F32, grad_dtype = DType::F32, momentum_dtype = DType::F32;
   std::vector<Member> members;
   std::unique_ptr<MatrixSet> set;                // every member: accumulate and select
@@ -139,9 +138,9 @@ struct Megabatch {
   int64_t global_rows = 0;    // m of the whole matrix
   int64_t global_cols = 0;    // n of the whole matrix (cols is the local count under ColShard)
   // The whole matrix's (out, in), whatever the orientation the step takes it in: adjust_lr's.
-  // Stepped by columns, rows x cols is the stored shape transposed; a transposed group's stored
-  // shape is (in, out).
-  std::pair<int64_t, int64_t> logical_shape() const {
+  // Stepped by columns, rows x cols is the stored shape transposed; a transposed group's
+  // (GroupConfig::transposed) stored shape is (in, out).
+  std::pair<int64_t, int64_t> logical_shape(bool transposed) const {
     return columns != transposed ? std::pair{global_cols, global_rows} : std::pair{global_rows, global_cols};
   }
   // RowShard cut otherwise than in ceil(m/P) chunks in rank order (ParamLayout::row_offset, or

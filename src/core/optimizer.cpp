@@ -709,7 +709,6 @@ void Optimizer::Impl::build_plan() {
           Megabatch mb;
           mb.group = p.group;
           mb.columns = columns;
-          mb.transposed = g.transposed;
           mb.rows = columns ? p.cols : rb.rows;
           mb.cols = columns ? p.rows : p.cols;
           mb.global_rows = set_rows;
@@ -860,7 +859,7 @@ Hyper Optimizer::Impl::group_hyper(int g, GroupHyper which) const {
 }
 
 Hyper Optimizer::Impl::megabatch_lr(const Megabatch& mb) const {
-  const auto [m, n] = mb.logical_shape();
+  const auto [m, n] = mb.logical_shape(groups[mb.group].transposed);
   return {static_cast<float>(groups[mb.group].adjusted_lr(m, n)),  // the whole matrix's shape
           hyper.as<float>() + mb.hyper_slot};
 }
@@ -1346,7 +1345,7 @@ void Optimizer::Impl::validate_for_step() {
 void Optimizer::Impl::check_adjusted_lrs() const {
   // The learning rate a matrix update applies depends on its shape: it too must be a float32.
   for (const Megabatch& mb : megabatches) {
-    const auto [m, n] = mb.logical_shape();
+    const auto [m, n] = mb.logical_shape(groups[mb.group].transposed);
     const double lr = groups[mb.group].adjusted_lr(m, n);
     if (!std::isfinite(static_cast<float>(lr)))
       fail(group_error(mb.group, "the learning rate of its " + std::to_string(m) + " x " + std::to_string(n) +
@@ -1566,8 +1565,9 @@ MatrixView Optimizer::Impl::zero_matrix(int64_t rows, int64_t cols, DType dtype)
 }
 
 void Optimizer::Impl::skip_absent_counts() {
-  for (int i = 0; absent_now > 0 && i < static_cast<int>(params.size()); ++i)
-    if (params[static_cast<std::size_t>(i)].absent) ++params[static_cast<std::size_t>(i)].step_offset;
+  if (absent_now == 0) return;
+  for (Param& p : params)
+    if (p.absent) ++p.step_offset;
 }
 
 void Optimizer::Impl::forget_absent_bounds() {

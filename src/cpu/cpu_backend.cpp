@@ -733,19 +733,18 @@ class CpuBackend final : public Backend {
         if (c < n) buf.target[c] = static_cast<int32_t>(s);
       }
       load_matrix(O, i, buf.o);  // k x O.cols, whole rows; columns [o_col_offset, + m) are this set's
-      if (p.normuon) {  // on O's rows, the selected columns' updates
+      float f = 1.0f;  // NorMuon's factors on O's rows, the selected columns' updates
+      if (p.normuon) {
         buf.row_factor.resize(k);
-        const float f = normuon_factors(buf.o, k, n, O.cols, pm.variance, idx ? idx + i * k : nullptr, beta2,
-                                        buf.row_factor.data());
-        for (int64_t s = 0; s < k; ++s)
-          for (int64_t r = p.o_col_offset; r < p.o_col_offset + m; ++r)
-            buf.o[s * O.cols + r] = buf.o[s * O.cols + r] * buf.row_factor[s] * f;
+        f = normuon_factors(buf.o, k, n, O.cols, pm.variance, idx ? idx + i * k : nullptr, beta2,
+                            buf.row_factor.data());
       }
       load_stored(pm.weight, buf.w);
       for (int64_t r = 0; r < m; ++r)
         for (int64_t c = 0; c < n; ++c) {
           const int32_t s = buf.target[c];
-          const float uc = s >= 0 ? buf.o[s * O.cols + p.o_col_offset + r] : 0.0f;
+          float uc = s >= 0 ? buf.o[s * O.cols + p.o_col_offset + r] : 0.0f;
+          if (s >= 0 && p.normuon) uc = uc * buf.row_factor[s] * f;
           float& w = buf.w[r * n + c];
           float d = decay;
           if (p.cautious_wd && !(uc * w > 0.0f)) d = 1.0f;
