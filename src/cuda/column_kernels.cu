@@ -14,6 +14,9 @@ namespace dion3::cuda {
 namespace {
 
 constexpr int kColumnThreads = 256;
+// The decay's selection bitmap stays within the default dynamic shared memory of a block.
+constexpr std::size_t kMaxBitmapBytes = 32 * 1024;
+constexpr int64_t kDecayBlocks = 4096;  // blocks of the decay, over all matrices
 constexpr int64_t kMaxRowChunks = 32;  // row chunks of the accumulate
 constexpr int kTile = 32;              // selected columns x rows per gather / update tile
 constexpr int kTileRowsPerPass = 8;    // block: kTile x kTileRowsPerPass threads
@@ -115,33 +118,31 @@ __global__ void gather_columns_kernel(const DeviceMat* __restrict__ mats, int64_
   }
 }
 
-// Position of c in the ascending selection sel[0, k) (padding entries sort last), or -1.
-__device__ __forceinline__ int64_t find_column(const int32_t* __restrict__ sel, int64_t k, int64_t c) {
-  int64_t lo = 0, hi = k;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi) / 2;
-    if (sel[mid] < c) lo = mid + 1;
-    else hi = mid;
-  }
-  return lo < k && sel[lo] == c ? lo : -1;
-}
-
 // Weight decay on the columns no selection entry names (nothing under cautious decay: their
-// update is zero). One thread per stored element.
+// update is zero). Each block marks its matrix's selected columns in a shared bitmap, then walks
+// rows of the matrix, a row's elements across the threads (coalesced), decaying the unmarked ones.
 template <class TW>
 __global__ void decay_unselected_columns_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols,
                                                 const int32_t* __restrict__ idx, int64_t k, Hyper decay_h,
                                                 const int* skip) {
+  extern __shared__ uint32_t selected[];  // bit c % 32 of word c / 32: column c is selected
   pdl_wait();
   if (skipped(skip)) return;
-  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, i = blockIdx.y;
-  if (e >= rows * cols) return;
   const float decay = decay_h.get();
   if (decay == 1.0f) return;
-  const int64_t r = e / cols, c = e % cols;
-  if ((idx ? find_column(idx + i * k, k, c) : (c < k ? c : -1)) >= 0) return;
-  TW* w = static_cast<TW*>(mats[i].w) + r * mats[i].ldw + c;
-  *w = from_f32<TW>(to_f32(*w) * decay);
+  const int64_t i = blockIdx.y, words = (cols + 31) / 32;
+  for (int64_t word = threadIdx.x; word < words; word += blockDim.x) selected[word] = 0u;
+  __syncthreads();
+  for (int64_t s = threadIdx.x; s < k; s += blockDim.x) {
+    const int64_t c = idx ? idx[i * k + s] : s;
+    if (c < cols) atomicOr(&selected[c >> 5], 1u << (c & 31));  // padding entries name no column
+  }
+  __syncthreads();
+  TW* const w = static_cast<TW*>(mats[i].w);
+  const int64_t ldw = mats[i].ldw;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x)
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+      if (!((selected[c >> 5] >> (c & 31)) & 1u)) w[r * ldw + c] = from_f32<TW>(to_f32(w[r * ldw + c]) * decay);
 }
 
 // The selected columns, tile by tile: O's rows (one per selected column, along the stored rows)
@@ -265,10 +266,15 @@ void launch_update_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, i
   const int64_t obs = O.batch > 1 ? O.batch_stride : k * O.ld;
   DION3_DISPATCH_FLOAT(O.dtype, TO, [&] {
     DION3_DISPATCH_FLOAT(wdt, TW, [&] {
-      if (!p.cautious_wd)  // else unselected columns keep their weights (their update is zero)
-        launch_pdl(decay_unselected_columns_kernel<TW>,
-                   dim3(ceil_div_u(rows * cols, kColumnThreads), static_cast<unsigned>(nmats)), kColumnThreads, 0, s,
-                   mats, rows, cols, idx, k, p.decay, skip);
+      if (!p.cautious_wd) {  // else unselected columns keep their weights (their update is zero)
+        // Blocks enough to fill the GPU a few times over, each building its bitmap once.
+        const std::size_t bitmap = static_cast<std::size_t>((cols + 31) / 32) * sizeof(uint32_t);
+        if (bitmap > kMaxBitmapBytes) fail("apply_update: more than 2^18 columns in a matrix stepped by columns");
+        const unsigned row_blocks =
+            static_cast<unsigned>(std::min<int64_t>(rows, std::max<int64_t>(1, kDecayBlocks / nmats)));
+        launch_pdl(decay_unselected_columns_kernel<TW>, dim3(row_blocks, static_cast<unsigned>(nmats)),
+                   kColumnThreads, bitmap, s, mats, rows, cols, idx, k, p.decay, skip);
+      }
       if (k > 0)
         launch_pdl(update_selected_columns_kernel<TW, TO>,
                    dim3(static_cast<unsigned>(rtiles), static_cast<unsigned>(nmats), ceil_div_u(k, kTile)),
