@@ -176,6 +176,7 @@ class Session {
     opt_ = nullptr;
     buffers_.clear();
     weights_.clear();
+    weight_groups_.clear();
     groups_ = params_ = steps_ = 0;
   }
 
@@ -407,6 +408,7 @@ class Session {
     check(index_null || index == params_, "dion3_add_param returned an unexpected index");
     ++params_;
     weights_.push_back(w);
+    weight_groups_.push_back(group);
   }
 
   void set_grad() {
@@ -448,16 +450,44 @@ class Session {
     return fuzz::sane_values(dion3::parse_state(st.data(), st.size()));
   }
 
+  // Whether a step's arithmetic stays inside every weight's dtype whatever the update's signs:
+  // max|w|·|1 − η·λ| + η·S within half the dtype's largest finite value, η the group's base lr
+  // and S a bound of one entry of η′/η times the update: orthogonalized updates have entries of
+  // at most about 1 and NorMuon's at most ‖O‖_F, both scaled by η′/η <= √numel (so 2·numel
+  // bounds them); Lion's are ±1; AdamW's m̂/(√v̂ + ε) has no bound over imported moments, and
+  // 10^6 is where the check stops judging. Past this a finite step may legitimately overflow.
+  bool steps_fit() {
+    for (size_t i = 0; i < weights_.size(); ++i) {
+      const dion3_tensor& w = weights_[i];
+      dion3_group_config c;
+      int64_t n = 0;
+      if (!get_config(weight_groups_[i], c) || !w.data || backing(w, n) != Backing::Ok) return false;
+      double eta = c.lr;
+      const bool selects = c.algorithm == DION3_ALGO_DION3 || c.algorithm == DION3_ALGO_DION2;
+      if (selects && c.scale_lr_by_fraction) eta /= std::sqrt(c.fraction);
+      const double entry = c.algorithm == DION3_ALGO_LION    ? 1.0
+                           : c.algorithm == DION3_ALGO_ADAMW ? 1e6
+                                                             : 2.0 * static_cast<double>(std::max<int64_t>(n, 1));
+      double largest_w = 0.0;
+      for (int64_t j = 0; j < n; ++j)
+        largest_w = std::max(largest_w, std::fabs(double(fuzz::load(static_cast<const unsigned char*>(w.data), w.dtype, j))));
+      const double limit = w.dtype == DION3_F16 ? 65504.0 : w.dtype == DION3_BF16 ? 3.38953e38 : 3.40282e38;
+      const double reach = largest_w * std::fabs(1.0 - eta * c.weight_decay) + eta * entry;
+      if (!(reach <= 0.5 * limit)) return false;
+    }
+    return true;
+  }
+
   // A step that fails or is skipped changes no weight and no state (a skipped one only counts
   // itself in steps_skipped). Strict check "finite_steps": an applied step from finite weights
-  // and state leaves them finite.
+  // and state whose size fits the weights' dtypes (steps_fit) leaves them finite.
   void step() {
     const bool applied_null = in_.flag();
     if (steps_ >= kMaxSteps) return;
     ++steps_;
     const auto weights_before = snapshot();
     const std::vector<uint8_t> state_before = opt_ ? fuzz::export_state(opt_) : std::vector<uint8_t>{};
-    const bool finite_before = opt_ && fuzz::strict("finite_steps") && all_finite();
+    const bool finite_before = opt_ && fuzz::strict("finite_steps") && all_finite() && steps_fit();
     int applied = -1;
     const dion3_status s = traced(dion3_step(opt_, applied_null ? nullptr : &applied), "dion3_step");
     if (s == DION3_OK && finite_before && (applied_null || applied == 1))
@@ -581,6 +611,7 @@ class Session {
   dion3_optimizer* opt_ = nullptr;
   std::vector<std::unique_ptr<Buffer>> buffers_;  // outlive opt_: destroyed after it in reset()
   std::vector<dion3_tensor> weights_;             // of the accepted parameters, by index
+  std::vector<int> weight_groups_;                // their groups
   int groups_ = 0, params_ = 0, steps_ = 0;
   bool overflow_ = false;  // the call being decoded has a shape whose element count overflows
 };

@@ -435,6 +435,9 @@ void write_capi_seeds(const fs::path& dir) {
   put("large-values", Program().add_group({normuon, {kLr, 1e39}}).add_group({adamw, {kEpsilon, 1e-50}})
                           .add_param(1, kW1, T({5}), own_grad(kFillVeryLarge, 3))
                           .add_param(0, kW0, T({3, 5}, DION3_BF16), own_grad(kFillTiny, 4)).step(2));
+  // A finite step that leaves fp16's range (lr·λ far above 1): not judged by "finite_steps".
+  put("overflowing-step", Program().add_group({normuon, {kLr, 3.4028234663852886e38}})
+                              .add_param(0, kW0, T({3, 5}, DION3_F16)).step());
   {
     Tensor big = T({4096, 4096});  // more than the harness backs: skipped
     Tensor wraps = T({4, 4});      // [2^62+1, 2, 2]: wraps to 4 elements
