@@ -4,8 +4,9 @@
 // the update of the selected columns (with NorMuon's factors).
 // Rows are cut into chunks so that a few wide matrices still fill the GPU; per-chunk partial sums
 // go to scratch and are added in chunk order afterwards, so results do not depend on scheduling.
-// Selected columns travel through 32 x 32 shared-memory tiles: the rows of the gathered matrix
-// (and of the update O) are read and written along their length. Each kernel honours `skip`.
+// Selected columns of the gather travel through 32 x 32 shared-memory tiles, so that the rows of
+// the gathered matrix are written along their length; the update stages bands of weight rows in
+// shared memory instead, reading and writing the weights once. Each kernel honours `skip`.
 #include <algorithm>
 
 #include "cuda/kernels.cuh"
@@ -14,9 +15,10 @@ namespace dion3::cuda {
 namespace {
 
 constexpr int kColumnThreads = 256;
-// The decay's selection bitmap stays within the default dynamic shared memory of a block.
-constexpr std::size_t kMaxBitmapBytes = 32 * 1024;
-constexpr int64_t kDecayBlocks = 4096;  // blocks of the decay, over all matrices
+// The update's band of weights (and its bitmap) stays within the default dynamic shared memory
+// of a block, leaving room for several blocks per multiprocessor.
+constexpr int kBandRows = 8;
+constexpr int64_t kBandBytes = 32 * 1024;
 constexpr int64_t kMaxRowChunks = 32;  // row chunks of the accumulate
 constexpr int kTile = 32;              // selected columns x rows per gather / update tile
 constexpr int kTileRowsPerPass = 8;    // block: kTile x kTileRowsPerPass threads
@@ -118,67 +120,63 @@ __global__ void gather_columns_kernel(const DeviceMat* __restrict__ mats, int64_
   }
 }
 
-// Weight decay on the columns no selection entry names (nothing under cautious decay: their
-// update is zero). Each block marks its matrix's selected columns in a shared bitmap, then walks
-// rows of the matrix, a row's elements across the threads (coalesced), decaying the unmarked ones.
-template <class TW>
-__global__ void decay_unselected_columns_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols,
-                                                const int32_t* __restrict__ idx, int64_t k, Hyper decay_h,
-                                                const int* skip) {
-  extern __shared__ uint32_t selected[];  // bit c % 32 of word c / 32: column c is selected
-  pdl_wait();
-  if (skipped(skip)) return;
-  const float decay = decay_h.get();
-  if (decay == 1.0f) return;
-  const int64_t i = blockIdx.y, words = (cols + 31) / 32;
-  for (int64_t word = threadIdx.x; word < words; word += blockDim.x) selected[word] = 0u;
-  __syncthreads();
-  for (int64_t s = threadIdx.x; s < k; s += blockDim.x) {
-    const int64_t c = idx ? idx[i * k + s] : s;
-    if (c < cols) atomicOr(&selected[c >> 5], 1u << (c & 31));  // padding entries name no column
-  }
-  __syncthreads();
-  TW* const w = static_cast<TW*>(mats[i].w);
-  const int64_t ldw = mats[i].ldw;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x)
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
-      if (!((selected[c >> 5] >> (c & 31)) & 1u)) w[r * ldw + c] = from_f32<TW>(to_f32(w[r * ldw + c]) * decay);
-}
-
-// The selected columns, tile by tile: O's rows (one per selected column, along the stored rows)
-// are read along their length into the tile, then W[r, c_s] = W*decay - lr'*O[s, r] (cautious:
-// no decay where the update and the weight differ in sign), lr' times NorMuon's factors with inv.
+// The update of one band of kBandRows stored rows x `chunk` columns, staged in shared memory so
+// that the weights are read and written once, along their rows: the selected columns of the band
+// (entries of idx in the chunk; O's rows read kBandRows values at a time) take
+// W*decay - lr'*O[s, r] (cautious: no decay where the update and the weight differ in sign), lr'
+// times NorMuon's factors with inv; the other columns take the decay (none under cautious decay:
+// their update is zero, so they are not written).
 template <class TW, class TO>
-__global__ void update_selected_columns_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols,
-                                               const int32_t* __restrict__ idx, int64_t k, const TO* __restrict__ O,
-                                               int64_t o_ld, int64_t o_bstride, Hyper decay_h, Hyper lr_h,
-                                               bool cautious, const float* __restrict__ inv,
-                                               const float* __restrict__ factor, const int* skip) {
+__global__ void update_columns_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols,
+                                      const int32_t* __restrict__ idx, int64_t k, const TO* __restrict__ O,
+                                      int64_t o_ld, int64_t o_bstride, Hyper decay_h, Hyper lr_h, bool cautious,
+                                      const float* __restrict__ inv, const float* __restrict__ factor,
+                                      int64_t chunk, const int* skip) {
+  extern __shared__ __align__(16) unsigned char band_bytes[];
+  TW* const band = reinterpret_cast<TW*>(band_bytes);  // kBandRows x chunk
+  uint32_t* const selected = reinterpret_cast<uint32_t*>(band + kBandRows * chunk);  // bit per chunk column
   pdl_wait();
   if (skipped(skip)) return;
-  __shared__ float tile[kTile][kTile + 1];
-  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kTile, i = blockIdx.y, s0 = static_cast<int64_t>(blockIdx.z) * kTile;
-  const int tx = threadIdx.x, ty = threadIdx.y;
-  for (int ss = ty; ss < kTile; ss += kTileRowsPerPass) {
-    const int64_t s = s0 + ss, r = r0 + tx;
-    tile[ss][tx] = s < k && r < rows ? to_f32(O[i * o_bstride + s * o_ld + r]) : 0.0f;
+  const int64_t i = blockIdx.y, chunks = (cols + chunk - 1) / chunk;
+  const int64_t r0 = (blockIdx.x / chunks) * kBandRows, c0 = (blockIdx.x % chunks) * chunk;
+  const int64_t nr = min(static_cast<int64_t>(kBandRows), rows - r0), nc = min(chunk, cols - c0);
+  TW* const w = static_cast<TW*>(mats[i].w) + r0 * mats[i].ldw + c0;
+  const int64_t ldw = mats[i].ldw;
+  const int tid = threadIdx.x, nt = blockDim.x;
+  for (int64_t word = tid; word < (nc + 31) / 32; word += nt) selected[word] = 0u;
+  // Rows whose start and length are 16-byte multiples move 16 bytes per thread.
+  constexpr int kVec = 16 / sizeof(TW);
+  for (int64_t rr = 0; rr < nr; ++rr) {
+    const TW* src = w + rr * ldw;
+    TW* dst = band + rr * chunk;
+    if (reinterpret_cast<uintptr_t>(src) % 16 == 0 && nc % kVec == 0)
+      for (int64_t v = tid; v < nc / kVec; v += nt) reinterpret_cast<uint4*>(dst)[v] = reinterpret_cast<const uint4*>(src)[v];
+    else
+      for (int64_t c = tid; c < nc; c += nt) dst[c] = src[c];
   }
   __syncthreads();
-  const float decay = decay_h.get();
-  const int64_t s = s0 + tx;
-  const int64_t c = s < k ? (idx ? idx[i * k + s] : s) : cols;
-  if (c >= cols) return;
-  float lr = lr_h.get();
-  if (inv != nullptr) lr *= inv[i * k + s] * factor[i];
-  for (int rr = ty; rr < kTile; rr += kTileRowsPerPass) {
-    const int64_t r = r0 + rr;
-    if (r >= rows) break;
-    TW* w = static_cast<TW*>(mats[i].w) + r * mats[i].ldw + c;
-    const float wv = to_f32(*w), x = tile[tx][rr] * lr;
+  const float decay = decay_h.get(), lr = lr_h.get();
+  for (int64_t e = tid; e < k * kBandRows; e += nt) {
+    const int64_t s = e / kBandRows, rr = e % kBandRows;
+    const int64_t c = (idx ? idx[i * k + s] : s) - c0;  // padding entries name no column
+    if (c < 0 || c >= nc || rr >= nr) continue;
+    if (rr == 0) atomicOr(&selected[c >> 5], 1u << (c & 31));
+    float l = lr;
+    if (inv != nullptr) l *= inv[i * k + s] * factor[i];
+    TW* b = band + rr * chunk + c;
+    const float wv = to_f32(*b), x = to_f32(O[i * o_bstride + s * o_ld + r0 + rr]) * l;
     float dec = decay;
     if (cautious && !(x * wv > 0.0f)) dec = 1.0f;
-    *w = from_f32<TW>(wv * dec - x);
+    *b = from_f32<TW>(wv * dec - x);
   }
+  __syncthreads();
+  for (int64_t rr = 0; rr < nr; ++rr)
+    for (int64_t c = tid; c < nc; c += nt) {
+      const bool sel = (selected[c >> 5] >> (c & 31)) & 1u;
+      if (cautious && !sel) continue;
+      const TW v = band[rr * chunk + c];
+      w[rr * ldw + c] = sel ? v : from_f32<TW>(to_f32(v) * decay);
+    }
 }
 
 }  // namespace
@@ -261,26 +259,17 @@ void launch_update_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, i
   if (rows == 0) return;
   const float* inv = p.normuon && k > 0 ? scratch + nmats * k : nullptr;
   const float* factor = scratch + 2 * nmats * k;
-  const int64_t rtiles = (rows + kTile - 1) / kTile;
-  if ((k + kTile - 1) / kTile > 65535) fail("apply_update: more than 2^21 selected columns per matrix");
   const int64_t obs = O.batch > 1 ? O.batch_stride : k * O.ld;
   DION3_DISPATCH_FLOAT(O.dtype, TO, [&] {
     DION3_DISPATCH_FLOAT(wdt, TW, [&] {
-      if (!p.cautious_wd) {  // else unselected columns keep their weights (their update is zero)
-        // Blocks enough to fill the GPU a few times over, each building its bitmap once.
-        const std::size_t bitmap = static_cast<std::size_t>((cols + 31) / 32) * sizeof(uint32_t);
-        if (bitmap > kMaxBitmapBytes) fail("apply_update: more than 2^18 columns in a matrix stepped by columns");
-        const unsigned row_blocks =
-            static_cast<unsigned>(std::min<int64_t>(rows, std::max<int64_t>(1, kDecayBlocks / nmats)));
-        launch_pdl(decay_unselected_columns_kernel<TW>, dim3(row_blocks, static_cast<unsigned>(nmats)),
-                   kColumnThreads, bitmap, s, mats, rows, cols, idx, k, p.decay, skip);
-      }
-      if (k > 0)
-        launch_pdl(update_selected_columns_kernel<TW, TO>,
-                   dim3(static_cast<unsigned>(rtiles), static_cast<unsigned>(nmats), ceil_div_u(k, kTile)),
-                   dim3(kTile, kTileRowsPerPass), 0, s, mats, rows, cols, idx, k,
-                   static_cast<const TO*>(O.data) + p.o_col_offset, O.ld, obs, p.decay, p.adjusted_lr, p.cautious_wd,
-                   inv, factor, skip);
+      // Columns per band: kBandBytes of weights, a multiple of 32 (whole bitmap words).
+      const int64_t chunk = std::min<int64_t>(kBandBytes / (kBandRows * sizeof(TW)), (cols + 31) / 32 * 32);
+      const int64_t blocks = ((rows + kBandRows - 1) / kBandRows) * ((cols + chunk - 1) / chunk);
+      if (blocks > 0x7fffffff) fail("apply_update: too many row bands in a matrix stepped by columns");
+      const std::size_t smem = kBandRows * chunk * sizeof(TW) + chunk / 8;
+      launch_pdl(update_columns_kernel<TW, TO>, dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(nmats)),
+                 kColumnThreads, smem, s, mats, rows, cols, idx, k, static_cast<const TO*>(O.data) + p.o_col_offset,
+                 O.ld, obs, p.decay, p.adjusted_lr, p.cautious_wd, inv, factor, chunk, skip);
     });
   });
   DION3_CUDA_LAUNCH_CHECK();

@@ -65,8 +65,11 @@ TEST_P(StepParity, SeveralSteps) {
   gl.algorithm = Algorithm::Lion;
   gl.lr = 0.001;
 
-  // 200x70 and the 130x40 stack are tall: Dion2 steps them by columns over several row chunks and tiles.
-  const std::vector<std::vector<int64_t>> shapes = {{64, 96}, {64, 96}, {96, 64}, {50, 130}, {3, 40, 72}, {200, 70}, {2, 130, 40}};
+  // 200x70, the 130x40 stack and 2100x20 are tall: Dion2 steps them by columns over several row
+  // chunks and tiles. 20x2100 stepped by columns (transposed) spans several column chunks and
+  // partial row bands of the update, with rows that are not 16-byte aligned in 16-bit weights.
+  const std::vector<std::vector<int64_t>> shapes = {{64, 96}, {64, 96},  {96, 64},   {50, 130},
+                                                    {3, 40, 72}, {200, 70}, {2, 130, 40}, {20, 2100}, {2100, 20}};
   dion3::Optimizer ocpu(dion3::make_cpu_backend()), ogpu(dion3::make_cuda_backend(0));
   std::vector<std::unique_ptr<Twin>> W, G;
   auto add = [&](int gi_c, int gi_g, const std::vector<int64_t>& shape, const std::string& name) {
