@@ -110,6 +110,7 @@ struct DION3_API GroupConfig {
   // NorMuon rescale and shape-adjusted lr), e.g. the query, key and value blocks of a fused QKV
   // weight. split_sizes: the blocks' heights, summing to the rows of each matrix; num_heads = h:
   // h blocks of equal height (attention heads). At most one of the two; empty / 0 or 1: none.
+  // In a transposed group (Dion3, NorMuon) the blocks are of output features: stored columns.
   std::vector<int64_t> split_sizes;
   int64_t num_heads = 0;
   // Matrix algorithms: the weights are stored (in, out), as x @ W reads them (Hugging Face's

@@ -1675,14 +1675,17 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"dion3: {who} has shape {list(p.shape)} but {algo} needs a matrix; "
                                  + self._vectors_advice.format(algo=algo))
         if matrix and (cfg["split_sizes"] or cfg["num_heads"] > 1):
+            # A transposed group's blocks are of output features: stored columns.
+            unit = "stored columns" if cfg["transposed"] else "rows"
             for j, p in enumerate(group["params"]):
-                rows = p.shape[0] if (group["flatten"] or p.dim() == 2) else p.shape[-2]
+                rows = (p.shape[-1] if cfg["transposed"] else
+                        p.shape[0] if (group["flatten"] or p.dim() == 2) else p.shape[-2])
                 blocks = cfg["split_sizes"] or [rows // cfg["num_heads"]] * cfg["num_heads"]
                 if sum(blocks) != rows:
-                    what = (f"'split_sizes' {list(blocks)} sum to {sum(blocks)} rows" if cfg["split_sizes"] else
-                            f"'num_heads' = {cfg['num_heads']} does not divide them into heads of equal height")
+                    what = (f"'split_sizes' {list(blocks)} sum to {sum(blocks)} {unit}" if cfg["split_sizes"] else
+                            f"'num_heads' = {cfg['num_heads']} does not divide them into heads of equal size")
                     raise ValueError(f"dion3: parameter {j} '{self._param_name(group, gi, j)}' of group {gi} has "
-                                     f"{rows} rows per matrix but {what}; put parameters of other heights in a "
+                                     f"{rows} {unit} per matrix but {what}; put parameters of other sizes in a "
                                      "group of their own")
         # Layouts: every rank sees the same metadata, so every rank raises alike, before any step.
         meshes = []

@@ -230,9 +230,11 @@ void GroupConfig::validate() const {
   if ((!split_sizes.empty() || num_heads > 1) && !is_matrix_algorithm(algorithm))
     fail(std::string("'split_sizes' and 'num_heads' cut matrices into row blocks; ") + algorithm_name(algorithm) +
          " steps element-wise and takes neither");
-  if (transposed && (!split_sizes.empty() || num_heads > 1))
-    fail("'split_sizes' and 'num_heads' cut the stored rows, which a 'transposed' group's matrices hold as input "
-         "features: give the blocks as separate parameters");
+  // A transposed group's blocks are of output features, its stored columns: the cut Dion3 and
+  // NorMuon step by columns; Muon steps the stored matrix as it is.
+  if (transposed && (!split_sizes.empty() || num_heads > 1) && algorithm == Algorithm::Muon)
+    fail("'split_sizes' and 'num_heads' in a 'transposed' group cut the output features, its stored columns, "
+         "which muon does not step apart: use dion3 or normuon, or give the blocks as separate parameters");
   if ((!split_sizes.empty() || num_heads > 1) && algorithm == Algorithm::Dion2)
     fail("'split_sizes' and 'num_heads' are not available for dion2 (it may select columns, which cross the row "
          "blocks; the reference's Dion2 takes whole matrices): use dion3, or give the blocks as separate parameters");
@@ -250,10 +252,12 @@ double GroupConfig::base_lr() const {
 }
 
 std::vector<int64_t> GroupConfig::row_blocks(int64_t rows) const {
+  // What the blocks cut: a transposed group's are of stored columns (output features).
+  const std::string what = transposed ? " stored columns" : " rows";
   if (num_heads > 1) {
     if (rows % num_heads != 0)
       fail("'num_heads' = " + std::to_string(num_heads) + " does not divide the matrix's " + std::to_string(rows) +
-           " rows into heads of equal height");
+           what + " into heads of equal size");
     return std::vector<int64_t>(static_cast<std::size_t>(num_heads), rows / num_heads);
   }
   if (split_sizes.empty()) return {rows};
@@ -264,8 +268,8 @@ std::vector<int64_t> GroupConfig::row_blocks(int64_t rows) const {
     std::string list;
     for (int64_t s : split_sizes) list += (list.empty() ? "" : ", ") + std::to_string(s);
     fail("'split_sizes' [" + list + "] sum to " +
-         (past ? "more rows than the matrix's " + std::to_string(rows) :
-                 std::to_string(sum) + " rows but the matrix has " + std::to_string(rows)));
+         (past ? "more" + what + " than the matrix's " + std::to_string(rows) :
+                 std::to_string(sum) + what + " but the matrix has " + std::to_string(rows)));
   }
   return split_sizes;
 }

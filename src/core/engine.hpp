@@ -43,7 +43,7 @@ struct Param {
 
 // One matrix of a megabatch: matrix `matrix` of parameter `param`, or the row block of it that
 // starts at its local row `first_row` (GroupConfig::split_sizes / num_heads); the megabatch's
-// `rows` rows from there.
+// `rows` rows from there. Stepped by columns, first_row is the block's first stored column.
 struct Member {
   int param = 0;
   int64_t matrix = 0;
@@ -280,7 +280,8 @@ struct Optimizer::Impl {
   // one that straddles shards is row-sharded with a cut of its own (row_chunk). Throws naming the
   // parameter when the group's blocks do not fit its rows or layout.
   struct RowBlock {
-    int64_t first_row = 0;     // this rank's first row of the block, in its local matrix
+    int64_t first_row = 0;     // this rank's first row of the block, in its local matrix (stepped by
+                               // columns: the block's first column, every field counting columns)
     int64_t rows = 0;          // this rank's rows of it (0: a straddling block it holds none of)
     int64_t global_rows = 0;   // the block's height
     int64_t global_first = 0;  // the block's first row in the whole matrix

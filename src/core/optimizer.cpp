@@ -16,10 +16,12 @@ namespace dion3 {
 
 namespace {
 
-// Rows [first, first + rows) of t seen as a stack of rows of `cols` elements.
-MatrixView rows_of(const TensorView& t, DType dtype, int64_t first, int64_t rows, int64_t cols) {
-  char* base = static_cast<char*>(t.data) + static_cast<std::size_t>(first * cols) * dtype_size(dtype);
-  return MatrixView::contiguous(base, dtype, 1, rows, cols);
+// Rows [first, first + rows) and columns [col, col + cols) of t seen as a stack of rows of `ld`
+// elements.
+MatrixView block_of(const TensorView& t, DType dtype, int64_t first, int64_t rows, int64_t col, int64_t cols,
+                    int64_t ld) {
+  char* base = static_cast<char*>(t.data) + static_cast<std::size_t>(first * ld + col) * dtype_size(dtype);
+  return MatrixView{base, dtype, 1, rows, cols, ld, rows * ld};
 }
 
 MatrixView flat_of(const TensorView& t) {
@@ -604,15 +606,26 @@ std::vector<Optimizer::Impl::RowBlock> Optimizer::Impl::row_blocks(int i) const 
   const Param& p = params[i];
   const ParamLayout& L = p.layout;
   const bool row_cut = L.kind == Layout::RowShard || L.kind == Layout::Block;
-  const int64_t M = row_cut ? L.global_rows : p.rows;
+  // Stepped by columns, the blocks are of stored columns, which no layout cuts.
+  const bool by_columns = steps_by_columns(groups[p.group]);
+  const int64_t M = by_columns ? p.cols : row_cut ? L.global_rows : p.rows;
   std::vector<int64_t> heights;
   try {
     heights = groups[p.group].row_blocks(M);
   } catch (const Error& e) {
     fail(describe(i) + " (group " + std::to_string(p.group) + "): " + std::string(e.what()).substr(7));
   }
-  if (heights.size() == 1)
-    return {RowBlock{0, p.rows, M, 0, L.kind, L.kind == Layout::RowShard ? L.row_chunk : 0}};
+  const int64_t chunk = L.kind == Layout::RowShard ? L.row_chunk : 0;
+  if (by_columns) {  // blocks [b0, b0 + s) of columns
+    std::vector<RowBlock> out;
+    int64_t b0 = 0;
+    for (int64_t s : heights) {
+      out.push_back(RowBlock{b0, s, s, b0, L.kind, chunk});
+      b0 += s;
+    }
+    return out;
+  }
+  if (heights.size() == 1) return {RowBlock{0, p.rows, M, 0, L.kind, chunk}};
   if (L.kind == Layout::Block)
     fail(describe(i) + ": split_sizes / num_heads are not available for block-sharded parameters (rows and "
          "columns both cut); give the blocks as separate parameters");
@@ -694,8 +707,10 @@ void Optimizer::Impl::build_plan() {
         const RowBlock& rb = blocks[b];
         const bool local = rb.layout == Layout::Local;
         const Layout layout = cut_inputs ? Layout::ColShard : rb.layout;
-        // The set's whole rows and columns (a transposed one's columns cut as its stored rows are).
-        const int64_t set_rows = columns ? p.cols : rb.global_rows;
+        // The set's whole rows and columns (a transposed one's columns cut as its stored rows are);
+        // stepped by columns, a block is of stored columns (only a transposed group's has several).
+        const int64_t width = steps_by_columns(g) ? rb.rows : p.cols;
+        const int64_t set_rows = columns ? width : rb.global_rows;
         const int64_t set_cols = cut_inputs ? p.layout.global_rows : columns ? p.rows : n;
         // A row-sharded block's cut depends on where it lies in the whole matrix: blocks share a
         // megabatch only where their cuts, and so their shards' rows, are the same.
@@ -709,7 +724,7 @@ void Optimizer::Impl::build_plan() {
           Megabatch mb;
           mb.group = p.group;
           mb.columns = columns;
-          mb.rows = columns ? p.cols : rb.rows;
+          mb.rows = columns ? width : rb.rows;
           mb.cols = columns ? p.rows : p.cols;
           mb.global_rows = set_rows;
           mb.global_cols = set_cols;
@@ -1510,20 +1525,23 @@ void Optimizer::Impl::bind(Megabatch& mb) {
   mb.set->mats.clear();
   for (const Member& m : mb.members) {
     Param& p = params[m.param];
-    const int64_t row = m.matrix * p.rows + m.first_row;  // the block's first row in the flattened rows
+    // Stepped by columns, a member is every stored row of the block of mb.rows stored columns
+    // from column first_row; else mb.rows whole rows from there.
+    const int64_t row = m.matrix * p.rows + (mb.columns ? 0 : m.first_row);  // in the flattened rows
+    const int64_t col = mb.columns ? m.first_row : 0;
+    const int64_t rows = mb.columns ? p.rows : mb.rows, cols = mb.columns ? mb.rows : p.cols;
     ParamMatrix pm;
-    const int64_t rows = mb.columns ? p.rows : mb.rows;  // the whole stored matrix when stepped by columns
     // NorMuon's variance holds one entry per set row: a stored column when stepped by columns.
-    const int64_t variance_first = mb.columns ? m.matrix * p.cols : row;
+    const int64_t variance_first = mb.columns ? m.matrix * p.cols + col : row;
     if (p.absent) {
-      pm.weight = zero_matrix(rows, p.cols, p.weight.dtype);
-      pm.grad = zero_matrix(rows, p.cols, p.grad.dtype);
-      pm.momentum = zero_matrix(rows, p.cols, mb.momentum_dtype);
+      pm.weight = zero_matrix(rows, cols, p.weight.dtype);
+      pm.grad = zero_matrix(rows, cols, p.grad.dtype);
+      pm.momentum = zero_matrix(rows, cols, mb.momentum_dtype);
       if (p.state.size() > 1) pm.variance = static_cast<float*>(zero_matrix(mb.rows, 1, DType::F32).data);
     } else {
-      pm.weight = rows_of(p.weight, p.weight.dtype, row, rows, p.cols);
-      pm.grad = rows_of(p.grad, p.grad.dtype, row, rows, p.cols);
-      pm.momentum = rows_of(p.state[0].second, mb.momentum_dtype, row, rows, p.cols);
+      pm.weight = block_of(p.weight, p.weight.dtype, row, rows, col, cols, p.cols);
+      pm.grad = block_of(p.grad, p.grad.dtype, row, rows, col, cols, p.cols);
+      pm.momentum = block_of(p.state[0].second, mb.momentum_dtype, row, rows, col, cols, p.cols);
       if (p.state.size() > 1) pm.variance = static_cast<float*>(p.state[1].second.data) + variance_first;
     }
     mb.set->mats.push_back(pm);

@@ -178,6 +178,81 @@ TEST(Transposed, StepsAsAPlainGroupOnTheTransposedCopy) {
   }
 }
 
+// split_sizes / num_heads in a transposed group cut the output features (GPT-2's fused c_attn,
+// stored (in, 3 * d)): as a plain group's row blocks of the transposed copy, selection, NorMuon's
+// variance and the learning-rate adjustment per block.
+TEST(Transposed, BlocksOfOutputFeaturesStepAsThePlainGroupsRowBlocks) {
+  struct Setting {
+    std::string name;
+    Algorithm algorithm;
+    double fraction;
+    std::vector<int64_t> split;
+    int64_t heads = 0;
+    int count = 1;
+    bool cautious = false;
+  };
+  const std::vector<Setting> settings = {
+      {"dion3 q, k, v", Algorithm::Dion3, 0.25, {16, 4, 4}},
+      {"dion3 heads, a stack, cautious", Algorithm::Dion3, 0.5, {}, 3, 2, true},
+      {"normuon heads", Algorithm::NorMuon, 1.0, {}, 4},
+  };
+  const int in = 20, out = 24;
+  for (const Setting& s : settings) {
+    GroupConfig g;
+    g.algorithm = s.algorithm;
+    g.lr = 0.03;
+    g.weight_decay = 0.1;
+    g.fraction = s.fraction;
+    g.cautious_wd = s.cautious;
+    g.split_sizes = s.split;
+    g.num_heads = s.heads;
+    g.adjust_lr = AdjustLR::RmsNorm;  // reads the block's shape
+    GroupConfig gt = g;
+    gt.transposed = true;
+    Harness plain, transposed;
+    Rng rng(91), rng_t(91);
+    const int64_t mats = s.count;
+    std::vector<int64_t> ps = {out, in}, qs = {in, out};
+    if (s.count > 1) ps.insert(ps.begin(), s.count), qs.insert(qs.begin(), s.count);
+    t3::HostParam& p = plain.add(plain.opt.add_group(g), "w", DType::F32, ps, rng);
+    t3::HostParam& q = transposed.add(transposed.opt.add_group(gt), "w", DType::F32, qs, rng_t);
+    const auto transpose_each = [&](const std::vector<double>& v, int rows, int cols) {
+      std::vector<double> t;
+      for (int64_t j = 0; j < mats; ++j) {
+        const auto one = ref::transpose(t3::slice(v, static_cast<size_t>(j) * rows * cols, static_cast<size_t>(rows) * cols), rows, cols);
+        t.insert(t.end(), one.begin(), one.end());
+      }
+      return t;
+    };
+    q.w.assign(transpose_each(p.w.values(), out, in));
+    Rng grads(6);
+    for (int step = 0; step < 4; ++step) {
+      std::vector<double> G(static_cast<size_t>(mats) * out * in);
+      for (double& x : G) x = grads.normal();
+      p.g.assign(G);
+      q.g.assign(transpose_each(G, out, in));
+      ASSERT_TRUE(plain.opt.step()) << s.name;
+      ASSERT_TRUE(transposed.opt.step()) << s.name;
+      const std::vector<double> want = transpose_each(p.w.values(), out, in);
+      EXPECT_LE(t3::max_abs_diff(q.w.values(), want), 1e-6 * t3::max_abs(want)) << s.name << ", step " << step + 1;
+    }
+    if (dion3::normalizes_rows(s.algorithm)) {
+      EXPECT_LE(t3::rel_max_diff(t3::state_values(transposed.opt, q.index, "variance"),
+                                 t3::state_values(plain.opt, p.index, "variance")),
+                1e-5)
+          << s.name;
+    }
+    const size_t blocks = s.heads ? static_cast<size_t>(s.heads) : s.split.size();
+    const auto plan = transposed.opt.plan();
+    size_t members = 0;
+    for (const auto& mb : plan) {
+      EXPECT_TRUE(mb.columns) << s.name;
+      members += static_cast<size_t>(mb.count);
+    }
+    EXPECT_EQ(members, blocks * static_cast<size_t>(mats)) << s.name;
+  }
+}
+
 // What a transposed group refuses, with the reason (and what it takes).
 TEST(Transposed, WhatIsRefused) {
   Harness h;
@@ -185,10 +260,16 @@ TEST(Transposed, WhatIsRefused) {
   adamw.algorithm = Algorithm::AdamW;
   adamw.transposed = true;
   EXPECT_NO_THROW(h.opt.add_group(adamw));
-  GroupConfig blocks;
+  GroupConfig blocks;  // blocks of output features: Muon steps the stored matrix as it is
+  blocks.algorithm = Algorithm::Muon;
   blocks.transposed = true;
   blocks.num_heads = 4;
   EXPECT_NE(t3::error_of([&] { h.opt.add_group(blocks); }).find("separate parameters"), std::string::npos);
+  GroupConfig heads = blocks;
+  heads.algorithm = Algorithm::Dion3;
+  t3::HostParam c_attn("c_attn.weight", DType::F32, {8, 18});  // 18 output features: not 4 heads
+  const std::string e = t3::error_of([&] { h.opt.add_param(h.opt.add_group(heads), c_attn.spec()); });
+  EXPECT_NE(e.find("18 stored columns"), std::string::npos) << e;
 
   GroupConfig g;
   g.transposed = true;
