@@ -218,6 +218,11 @@ const std::vector<LayoutCase>& layout_cases() {
       {"fsdp_normuon_transposed_chunks", Layout::RowShard, Algorithm::NorMuon, S::Local, cols, 0.25, 3, true, 1, false,
        true},
       {"fsdp_dion3_transposed_absent", Layout::RowShard, Algorithm::Dion3, S::Local, cols, 0.5, 5, true, 0, true, true},
+      // Blocks of output features (GPT-2's fused c_attn): each its own matrix, sharded or not.
+      {"fsdp_dion3_transposed_heads", Layout::RowShard, Algorithm::Dion3, S::Local, cols, 0.25, 3, true, 0, false, true,
+       4},
+      {"ddp_normuon_transposed_heads", Layout::Replicated, Algorithm::NorMuon, S::Local, cols, 0.25, 3, true, 0, false,
+       true, 4},
   };
   return cases;
 }
@@ -233,6 +238,7 @@ void check_layout_case(const LayoutCase& c, const RankBackend& be, const std::sh
   g.weight_decay = 0.01;
   g.selection_scope = c.scope;
   g.transposed = c.transposed;
+  g.num_heads = c.heads;
   g.orth.iteration_dtype = be.iteration;
   const ref::MatrixHyper hyper = matrix_hyper(g, DType::F32);
 
@@ -302,8 +308,17 @@ void check_layout_case(const LayoutCase& c, const RankBackend& be, const std::sh
       const ref::Scope scope = c.scope == dion3::SelectionScope::Global ? ref::Scope::Global : ref::Scope::Local;
       if (rows_cut && c.algorithm == Algorithm::Dion3) ref::dion3_step_sharded(d.W, d.M, d.v, G, d.m, d.n, hyper, P, scope);
       else if (rows_cut) ref::normuon_step_sharded(d.W, d.M, d.v, G, d.m, d.n, hyper, P);
-      else if (c.algorithm == Algorithm::Dion3) ref::dion3_step(d.W, d.M, d.v, G, d.m, d.n, hyper);
-      else ref::normuon_step(d.W, d.M, d.v, G, d.m, d.n, hyper);
+      else
+        for (int h = 0, b = d.m / std::max(c.heads, 1); h < std::max(c.heads, 1); ++h) {  // each block its own matrix
+          const std::size_t at = static_cast<std::size_t>(h) * b * d.n, len = static_cast<std::size_t>(b) * d.n;
+          ref::Mat W = slice(d.W, at, len), M = slice(d.M, at, len);
+          ref::Vec v = slice(d.v, static_cast<std::size_t>(h) * b, b);
+          if (c.algorithm == Algorithm::Dion3) ref::dion3_step(W, M, v, slice(G, at, len), b, d.n, hyper);
+          else ref::normuon_step(W, M, v, slice(G, at, len), b, d.n, hyper);
+          std::copy(W.begin(), W.end(), d.W.begin() + at);
+          std::copy(M.begin(), M.end(), d.M.begin() + at);
+          std::copy(v.begin(), v.end(), d.v.begin() + static_cast<std::ptrdiff_t>(h) * b);
+        }
     }
     const dion3::OptimizerState before = opt.export_state();
     std::vector<std::vector<double>> weights_before;

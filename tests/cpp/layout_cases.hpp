@@ -69,6 +69,9 @@ struct LayoutCase {
   // The group is transposed: each rank registers the (out, in) matrix of the reference stored as
   // (in, out), `layout` cutting the stored rows (RowShard: the rule's columns).
   bool transposed = false;
+  // > 1: the group's num_heads, the rule stepping each block of m / heads rows (output features)
+  // as a matrix of its own (transposed cases).
+  int heads = 0;
 };
 bool absent_at(std::size_t param, int step);
 

@@ -31,6 +31,7 @@ struct StepCase {
   dion3::OrthMethod method = dion3::OrthMethod::Auto;
   bool ema = false;  // ema_momentum (torch.optim.Muon's averaged momentum)
   bool transposed = false;  // matrices stored (in, out): Dion3 and NorMuon step them by columns
+  int64_t heads = 0;        // num_heads: blocks of rows (transposed: of stored columns)
 };
 
 class StepParity : public ct::CudaTest, public ::testing::WithParamInterface<StepCase> {};
@@ -56,6 +57,7 @@ TEST_P(StepParity, SeveralSteps) {
   g.cautious_wd = c.cautious;
   g.ema_momentum = c.ema;
   g.transposed = c.transposed;
+  g.num_heads = c.heads;
   g.orth.iteration_dtype = c.iter;
   g.orth.method = c.method;
   dion3::GroupConfig ga;
@@ -172,7 +174,9 @@ INSTANTIATE_TEST_SUITE_P(
                       StepCase{"normuon_default_iter_transposed", Algorithm::NorMuon, 1.0, DType::F32, std::nullopt,
                                false, false, dion3::OrthMethod::Auto, false, true},
                       StepCase{"muon_transposed", Algorithm::Muon, 1.0, DType::F32, DType::F32, false, false,
-                               dion3::OrthMethod::Auto, false, true}),
+                               dion3::OrthMethod::Auto, false, true},
+                      StepCase{"dion3_f025_transposed_heads", Algorithm::Dion3, 0.25, DType::F32, DType::F32, false,
+                               false, dion3::OrthMethod::Auto, false, true, 2}),
     [](const auto& i) { return i.param.name; });
 
 // A non-finite gradient: step() under Raise throws and counts nothing (the exported state is
