@@ -770,7 +770,8 @@ def expert_stacks(rank, world, mesh):
 def transposed_layouts(rank, world, mesh):
     """Weights stored (in, out) (transposed=True): under DDP equal to one process bit for bit (Dion3
     and NorMuon step them by columns on every rank); cut along their stored rows by FSDP2 (the
-    rule's columns) equal to one process (expert stacks: expert_stacks); cut along their stored
+    rule's columns) equal to one process, also cut into heads of output features (expert stacks:
+    expert_stacks); cut along their stored
     columns, refused on every rank, nothing moved; param_groups gives a Conv1D
     weight under fully_shard a transposed group, and leaves one cut by tensor parallelism as
     stored, with a warning."""
@@ -781,21 +782,22 @@ def transposed_layouts(rank, world, mesh):
     # (in, out); 3 rows leave ranks empty, 1 row all but one (its variance is replicated all the same)
     shapes = [(40, 24), (40, 24), (40, 24), (16, 48), (16, 48), (3, 12), (1, 12)]
     for opt_cls in (dion3.Dion3, dion3.NorMuon):
-        for kw in (dict(), dict(fraction=0.5)):
+        # num_heads: blocks of output features, stored columns (12, 24 and 48 of them)
+        for kw, blocks in ((dict(), {}), (dict(fraction=0.5), {}), (dict(), dict(num_heads=4))):
             torch.manual_seed(2)
             whole = [torch.randn(s) * 0.05 for s in shapes]
             ws = [nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)])) for w in whole]
             single = [nn.Parameter(w.clone()) for w in whole]
-            opt = opt_cls([dict(params=ws, transposed=True)], distributed_mesh=mesh, lr=0.02, **kw)
-            ref = opt_cls([dict(params=single, transposed=True)], lr=0.02, **kw)
+            opt = opt_cls([dict(params=ws, transposed=True, **blocks)], distributed_mesh=mesh, lr=0.02, **kw)
+            ref = opt_cls([dict(params=single, transposed=True, **blocks)], lr=0.02, **kw)
             for step in range(3):
                 for w, s, g in zip(ws, single, grads_for(shapes, 10 + step)):
                     w.grad, s.grad = distribute_tensor(g, mesh, [Shard(0)]), g.clone()
                 opt.step()
                 ref.step()
                 for i, (w, s) in enumerate(zip(ws, single)):
-                    close(full(w.detach()), s.detach(), f"FSDP2 transposed {opt_cls.__name__} {kw} parameter {i}, "
-                                                        f"step {step}")
+                    close(full(w.detach()), s.detach(), f"FSDP2 transposed {opt_cls.__name__} {kw} {blocks} "
+                                                        f"parameter {i}, step {step}")
             assert all(mb["layout"] == "column-sharded" and mb["columns"] for mb in opt.plan()), opt.plan()
     w = nn.Parameter(distribute_tensor(torch.randn(24, 16) * 0.05, mesh, [Shard(1)]))
     w.grad = distribute_tensor(torch.randn(24, 16), mesh, [Shard(1)])

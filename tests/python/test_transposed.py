@@ -127,10 +127,39 @@ def test_the_setting_cannot_turn_once_the_state_holds_values():
 
 def test_transposed_is_refused_where_it_cannot_apply():
     w = torch.nn.Parameter(torch.randn(8, 16))
-    with pytest.raises(ValueError, match="separate parameters"):
-        dion3.Dion3([dict(params=[w], transposed=True, num_heads=2)])
+    with pytest.raises(ValueError, match="separate parameters"):  # Muon steps the stored matrix as it is
+        dion3.Dion3([dict(params=[w], algorithm="muon", transposed=True, num_heads=2)])
+    with pytest.raises(ValueError, match="16 stored columns per matrix but 'split_sizes'"):
+        dion3.Dion3([dict(params=[w], transposed=True, split_sizes=(8, 4))])
     with pytest.raises(ValueError, match="True or False"):
         dion3.Dion3([dict(params=[w], transposed="yes")])
+
+
+@pytest.mark.parametrize("algorithm,blocks", [("dion3", dict(split_sizes=(32, 16, 16))), ("normuon", dict(num_heads=4))])
+def test_blocks_of_a_transposed_weight_are_output_features(device, algorithm, blocks):
+    # GPT-2's fused c_attn stored (in, q + k + v): each block steps as the plain group's row block
+    # of the transposed copy (its own selection, variance and learning-rate adjustment).
+    torch.manual_seed(4)
+    stored = [(48, 64), (2, 48, 64)]
+    ws = [(torch.randn(s) * 0.05).to(device) for s in stored]
+    ps = [torch.nn.Parameter(w.clone()) for w in ws]
+    qs = [torch.nn.Parameter(w.transpose(-2, -1).contiguous()) for w in ws]
+    kw = dict(algorithm=algorithm, fraction=0.25, adjust_lr="rms_norm", **blocks)
+    opt = dion3.Dion3([dict(params=ps, transposed=True, **kw)], lr=0.02, weight_decay=0.1)
+    plain = dion3.Dion3([dict(params=qs, **kw)], lr=0.02, weight_decay=0.1)
+    for step in range(3):
+        for p, q, g in zip(ps, qs, _grads(stored, step, device)):
+            p.grad, q.grad = g, g.transpose(-2, -1).contiguous()
+        opt.step()
+        plain.step()
+    tol = 2e-6 if device == "cpu" else 2e-2
+    for i, (p, q, w) in enumerate(zip(ps, qs, ws)):
+        moved = (q.detach() - w.transpose(-2, -1)).abs().max().item()
+        err = (p.detach().transpose(-2, -1) - q.detach()).abs().max().item()
+        assert moved > 0 and err <= tol * moved, f"{algorithm} parameter {i}: {err:.3g} of a change {moved:.3g}"
+        v, u = opt.state[p]["variance_neuron"].flatten(), plain.state[q]["variance_neuron"].flatten()
+        assert torch.allclose(v, u, rtol=1e-4, atol=0), (v - u).abs().max()
+    assert sum(mb["count"] for mb in opt.plan()) == 3 * 3 if "split_sizes" in blocks else 4 * 3
 
 
 class Conv1D(torch.nn.Module):
@@ -174,6 +203,29 @@ def test_param_groups_give_conv1d_weights_a_transposed_group():
     m.zero_grad()
     m.c_proj(m.c_fc(x)).sum().backward()
     opt.step()
+
+
+def test_gpt2_fused_c_attn_split_into_q_k_v():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(6)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64,
+                                                                n_positions=16))
+    c_attn = "transformer.h.0.attn.c_attn.weight"  # stored (32, 96): q, k, v side by side
+    groups = dion3.param_groups(gpt2, lr=0.02, overrides={"*.attn.c_attn.weight": dict(split_sizes=(32, 32, 32))})
+    g = next(g for g in groups if c_attn in g["param_names"])
+    assert g.get("transposed") is True and tuple(g["split_sizes"]) == (32, 32, 32)
+    opt = dion3.Dion3(groups, lr=0.02)
+    x = torch.randint(0, 64, (2, 8))
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = gpt2(x, labels=x).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+    blocks = [mb for mb in opt.plan() if mb["group"] == groups.index(g)]
+    assert [(mb["rows"], mb["cols"], mb["count"]) for mb in blocks] == [(32, 32, 3)], blocks
 
 
 def test_param_groups_find_the_in_out_weights_of_hugging_face_models():
