@@ -163,7 +163,8 @@ typedef struct dion3_group_config {
   int32_t orth_iteration_dtype; /* dion3_dtype, or -1 = the backend's choice (default) */
   int32_t selection_scope;      /* dion3_selection_scope: row-sharded Dion3; default LOCAL */
   /* Row blocks orthogonalized as matrices of their own (fused QKV, attention heads); at most
-   * one of the two, both 0 by default: */
+   * one of the two, both 0 by default. With transposed = 1 (Dion3, NorMuon) the blocks are of
+   * output features, the stored columns: */
   int32_t num_heads;            /* h blocks of equal height */
   int32_t num_split_sizes;      /* blocks of heights split_sizes[0 .. num_split_sizes) */
   /* Muon / NorMuon: 1 keeps the momentum as an average, M = mu*M + (1 - mu)*G (the Nesterov mix
