@@ -4,9 +4,9 @@
 // the update of the selected columns (with NorMuon's factors).
 // Rows are cut into chunks so that a few wide matrices still fill the GPU; per-chunk partial sums
 // go to scratch and are added in chunk order afterwards, so results do not depend on scheduling.
-// The gather and the update stage bands of stored rows in shared memory, read (and the update's
-// written) along the rows; the gathered matrix's rows are written 32 values at a time. Each kernel
-// honours `skip`.
+// Selected columns of the gather travel through 32 x 32 shared-memory tiles, so that the rows of
+// the gathered matrix are written along their length; the update stages bands of weight rows in
+// shared memory instead, reading and writing the weights once. Each kernel honours `skip`.
 #include <algorithm>
 
 #include "cuda/kernels.cuh"
@@ -20,66 +20,39 @@ constexpr int kColumnThreads = 256;
 constexpr int kBandRows = 8;
 constexpr int64_t kBandBytes = 32 * 1024;
 constexpr int64_t kMaxRowChunks = 32;  // row chunks of the accumulate
-constexpr int kColumnRowsInFlight = 4;  // rows of 4-element packs the vectorized accumulate loads ahead
-constexpr int kGatherRows = 32;        // stored rows per band of the gather: a warp's lanes
-constexpr int64_t kGatherBytes = 32 * 1024;  // the gather's band of M in shared memory
+constexpr int kTile = 32;              // selected columns x rows per gather / update tile
+constexpr int kTileRowsPerPass = 8;    // block: kTile x kTileRowsPerPass threads
 
 int64_t row_chunks(int64_t rows) { return std::min<int64_t>(kMaxRowChunks, (rows + 63) / 64); }
 
-// M = decay*M + grad_scale*G on rows [z*chunk, (z+1)*chunk) of a stored rows x cols matrix; thread q
-// walks column q (VEC: columns 4q.. 4q+3, in 4-element packs, kColumnRowsInFlight rows of them
-// loaded before any is stored), neighbouring threads reading neighbouring elements of a row.
-// Partial ℓ1 and squared sums of the stored values per (chunk, column), each summed in row order.
-template <class TM, class TG, bool VEC>
+// M = decay*M + grad_scale*G on rows [z*chunk, (z+1)*chunk) of a stored rows x cols matrix; thread c walks
+// column c (neighbouring threads read neighbouring elements of a row). Partial ℓ1 and squared
+// sums of the stored values per (chunk, column).
+template <class TM, class TG>
 __global__ void accumulate_columns_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols,
                                           int64_t chunk, Hyper decay_h, Hyper grad_scale_h,
                                           float* __restrict__ part_l1,
                                           float* __restrict__ part_sq, const int* skip) {
   pdl_wait();
   if (skipped(skip)) return;
-  constexpr int V = VEC ? 4 : 1;
-  const int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, i = blockIdx.y, z = blockIdx.z;
-  if (q * V >= cols) return;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, i = blockIdx.y, z = blockIdx.z;
+  if (c >= cols) return;
   const float decay = decay_h.get(), gs = grad_scale_h.get();
   const DeviceMat d = mats[i];
-  float l1[V] = {}, sq[V] = {};
+  float l1 = 0.0f, sq = 0.0f;
   const int64_t r_end = min(rows, (z + 1) * chunk);
-  auto step = [&](TM* m, const TG* g, int e) {
-    const TM nv = from_f32<TM>(decay * to_f32(*m) + gs * to_f32(*g));
+  for (int64_t r = z * chunk; r < r_end; ++r) {
+    TM* m = static_cast<TM*>(d.m) + r * d.ldm + c;
+    const TM nv = from_f32<TM>(decay * to_f32(*m) + gs * to_f32(static_cast<const TG*>(d.g)[r * d.ldg + c]));
     *m = nv;
     const float v = to_f32(nv);
-    l1[e] += fabsf(v);
-    sq[e] += v * v;
-  };
-  if constexpr (VEC) {
-    for (int64_t r0 = z * chunk; r0 < r_end; r0 += kColumnRowsInFlight) {
-      Pack4<TM> mp[kColumnRowsInFlight];
-      Pack4<TG> gp[kColumnRowsInFlight];
-#pragma unroll
-      for (int u = 0; u < kColumnRowsInFlight; ++u)
-        if (r0 + u < r_end) {
-          mp[u] = reinterpret_cast<const Pack4<TM>*>(static_cast<TM*>(d.m) + (r0 + u) * d.ldm)[q];
-          gp[u] = reinterpret_cast<const Pack4<TG>*>(static_cast<const TG*>(d.g) + (r0 + u) * d.ldg)[q];
-        }
-#pragma unroll
-      for (int u = 0; u < kColumnRowsInFlight; ++u)
-        if (r0 + u < r_end) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) step(&mp[u].v[e], &gp[u].v[e], e);
-          reinterpret_cast<Pack4<TM>*>(static_cast<TM*>(d.m) + (r0 + u) * d.ldm)[q] = mp[u];
-        }
-    }
-  } else {
-    for (int64_t r = z * chunk; r < r_end; ++r)
-      step(static_cast<TM*>(d.m) + r * d.ldm + q, static_cast<const TG*>(d.g) + r * d.ldg + q, 0);
+    l1 += fabsf(v);
+    sq += v * v;
   }
   if (part_l1 == nullptr) return;
-  const int64_t at = (i * gridDim.z + z) * cols + q * V;
-#pragma unroll
-  for (int e = 0; e < V; ++e) {
-    part_l1[at + e] = l1[e];
-    part_sq[at + e] = sq[e];
-  }
+  const int64_t at = (i * gridDim.z + z) * cols + c;
+  part_l1[at] = l1;
+  part_sq[at] = sq;
 }
 
 // out[o*inner + c] = the sum over z < parts, in order, of part[(o*parts + z)*inner + c]: the
@@ -96,80 +69,53 @@ __global__ void sum_parts_kernel(const float* __restrict__ part, int64_t outer, 
   out[t] = a;
 }
 
-// One band of kGatherRows stored rows x `chunk` columns of M, read along its rows into shared
-// memory (the 16-byte groups of columns that hold a selected one); then one warp per selection
-// entry s whose column c lies in the chunk (lane = row):
-// out[i][s][r] = scale_m*M[r, c] + scale_g*G[r, c], M[r, c] *= decay, and the band's sum of
-// squares of out's stored values in part_sq[(i*k + s)*bands + band]. Padding entries (columns
-// past the matrix) are zero rows, written by the first chunk's blocks.
+// One tile: selected columns s0.. (entries idx[i*k + s]) x stored rows r0... Threads (x, y): x
+// runs along the selection when reading M (entries of one row), along the rows when writing out.
+// out[i][s][r] = scale_m*M[r, c_s] + scale_g*G[r, c_s] (padding: zeros), then M[r, c_s] *= decay;
+// part_sq[(i*k + s)*rtiles + tile] = the tile's sum of squares of out's stored values.
 template <class TM, class TG, class TO>
 __global__ void gather_columns_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols,
                                       const int32_t* __restrict__ idx, int64_t k, Hyper scale_m_h, Hyper scale_g_h,
                                       Hyper decay_h, TO* __restrict__ out, int64_t out_ld, int64_t out_bstride,
-                                      float* __restrict__ part_sq, int64_t chunk, const int* skip) {
-  extern __shared__ __align__(16) unsigned char gather_bytes[];
-  constexpr int kVec = 16 / sizeof(TM);
-  __shared__ uint32_t wanted[kGatherBytes / kGatherRows / 16 / 32 + 1];  // bit per group of kVec columns
-  TM* const band = reinterpret_cast<TM*>(gather_bytes);
-  // One 4-byte word past each row: a column read down the rows touches every bank once.
-  const int64_t stride = chunk + 4 / sizeof(TM);
+                                      float* __restrict__ part_sq, const int* skip) {
   pdl_wait();
   if (skipped(skip)) return;
-  const int64_t i = blockIdx.y, chunks = (cols + chunk - 1) / chunk, bands = (rows + kGatherRows - 1) / kGatherRows;
-  const int64_t b = blockIdx.x / chunks, c0 = (blockIdx.x % chunks) * chunk, r0 = b * kGatherRows;
-  const int64_t nr = min(static_cast<int64_t>(kGatherRows), rows - r0), nc = min(chunk, cols - c0);
-  const DeviceMat d = mats[i];
-  TM* const m = static_cast<TM*>(d.m) + r0 * d.ldm + c0;
-  const int tid = threadIdx.x, nt = blockDim.x;
-  for (int w = tid; w < static_cast<int>(sizeof wanted / sizeof wanted[0]); w += nt) wanted[w] = 0u;
-  __syncthreads();
-  for (int64_t s = tid; s < k; s += nt) {
-    const int64_t c = (idx ? idx[i * k + s] : s) - c0;
-    if (c >= 0 && c < nc) atomicOr(&wanted[c / kVec / 32], 1u << (c / kVec % 32));
-  }
-  __syncthreads();
-  auto is_wanted = [&](int64_t c) { return (wanted[c / kVec / 32] >> (c / kVec % 32)) & 1u; };
-  for (int64_t rr = 0; rr < nr; ++rr) {
-    const TM* src = m + rr * d.ldm;
-    TM* dst = band + rr * stride;
-    if (reinterpret_cast<uintptr_t>(src) % 16 == 0 && nc % kVec == 0) {
-      for (int64_t v = tid; v < nc / kVec; v += nt) {
-        if (!is_wanted(v * kVec)) continue;
-        const uint4 pack = reinterpret_cast<const uint4*>(src)[v];
-        const TM* e = reinterpret_cast<const TM*>(&pack);
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) dst[v * kVec + j] = e[j];
-      }
-    } else {
-      for (int64_t c = tid; c < nc; c += nt)
-        if (is_wanted(c)) dst[c] = src[c];
-    }
-  }
-  __syncthreads();
+  __shared__ float tile[kTile][kTile + 1];
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kTile, i = blockIdx.y, s0 = static_cast<int64_t>(blockIdx.z) * kTile;
+  const int tx = threadIdx.x, ty = threadIdx.y;
   const float scale_m = scale_m_h.get(), scale_g = scale_g_h.get(), decay = decay_h.get();
-  const int lane = tid & 31;
-  for (int64_t s = tid >> 5; s < k; s += nt >> 5) {
-    const int64_t col = idx ? idx[i * k + s] : s;
-    const bool padding = col >= cols;
-    if (padding ? c0 != 0 : (col < c0 || col >= c0 + nc)) continue;
-    float u = 0.0f;
-    if (!padding && lane < nr) {
-      const int64_t c = col - c0;
-      const float mv = to_f32(band[lane * stride + c]);
-      u = scale_m * mv;
-      if (scale_g != 0.0f) u += scale_g * to_f32(static_cast<const TG*>(d.g)[(r0 + lane) * d.ldg + col]);
-      if (decay != 1.0f) m[lane * d.ldm + c] = from_f32<TM>(mv * decay);
+  const DeviceMat d = mats[i];
+  {
+    const int64_t s = s0 + tx;
+    const int64_t c = s < k ? (idx ? idx[i * k + s] : s) : cols;  // beyond k, or padding: no column
+    for (int rr = ty; rr < kTile; rr += kTileRowsPerPass) {
+      const int64_t r = r0 + rr;
+      float u = 0.0f;
+      if (c < cols && r < rows) {
+        TM* m = static_cast<TM*>(d.m) + r * d.ldm + c;
+        const float mv = to_f32(*m);
+        u = scale_m * mv;
+        if (scale_g != 0.0f) u += scale_g * to_f32(static_cast<const TG*>(d.g)[r * d.ldg + c]);
+        if (decay != 1.0f) *m = from_f32<TM>(mv * decay);
+      }
+      tile[rr][tx] = u;
     }
-    if (out == nullptr) continue;
+  }
+  __syncthreads();
+  if (out == nullptr) return;
+  const int64_t r = r0 + tx;
+  for (int ss = ty; ss < kTile; ss += kTileRowsPerPass) {
+    const int64_t s = s0 + ss;
+    if (s >= k) break;
     float v = 0.0f;
-    if (lane < nr) {
-      const TO stored = from_f32<TO>(u);
-      out[i * out_bstride + s * out_ld + r0 + lane] = stored;
+    if (r < rows) {
+      const TO stored = from_f32<TO>(tile[tx][ss]);
+      out[i * out_bstride + s * out_ld + r] = stored;
       v = to_f32(stored);
     }
     if (part_sq) {
-      const float t = warp_sum(v * v);
-      if (lane == 0) part_sq[(i * k + s) * bands + b] = t;
+      const float t = warp_sum(v * v);  // the warp is the tile's 32 rows of row s
+      if (tx == 0) part_sq[(i * k + s) * gridDim.x + blockIdx.x] = t;
     }
   }
 }
@@ -241,7 +187,7 @@ int64_t accumulate_columns_scratch_floats(int64_t nmats, int64_t rows, int64_t c
 
 void launch_accumulate_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
                                DType gdt, Hyper decay, Hyper grad_scale, float* scores, float* row_sumsq,
-                               float* scratch, const int* skip, cudaStream_t s, bool vec) {
+                               float* scratch, const int* skip, cudaStream_t s) {
   if (nmats == 0 || cols == 0) return;
   if (rows == 0) {  // empty columns: zero scores
     for (float* out : {scores, row_sumsq})
@@ -252,12 +198,11 @@ void launch_accumulate_columns(const DeviceMat* mats, int64_t nmats, int64_t row
   const bool sums = scores != nullptr || row_sumsq != nullptr;
   float* part_l1 = sums ? scratch : nullptr;
   float* part_sq = sums ? scratch + nmats * chunks * cols : nullptr;
-  const dim3 grid(ceil_div_u(vec ? cols / 4 : cols, kColumnThreads), static_cast<unsigned>(nmats),
-                  static_cast<unsigned>(chunks));
+  const dim3 grid(ceil_div_u(cols, kColumnThreads), static_cast<unsigned>(nmats), static_cast<unsigned>(chunks));
   DION3_DISPATCH_FLOAT(mdt, TM, [&] {
     DION3_DISPATCH_FLOAT(gdt, TG, [&] {
-      launch_pdl(vec ? accumulate_columns_kernel<TM, TG, true> : accumulate_columns_kernel<TM, TG, false>, grid,
-                 kColumnThreads, 0, s, mats, rows, cols, chunk, decay, grad_scale, part_l1, part_sq, skip);
+      launch_pdl(accumulate_columns_kernel<TM, TG>, grid, kColumnThreads, 0, s, mats, rows, cols, chunk, decay,
+                 grad_scale, part_l1, part_sq, skip);
     });
   });
   const unsigned sum_grid = ceil_div_u(nmats * cols, kColumnThreads);
@@ -271,7 +216,7 @@ void launch_accumulate_columns(const DeviceMat* mats, int64_t nmats, int64_t row
 }
 
 int64_t gather_columns_scratch_floats(int64_t nmats, int64_t rows, int64_t k) {
-  return nmats * k * ((rows + kGatherRows - 1) / kGatherRows);
+  return nmats * k * ((rows + kTile - 1) / kTile);
 }
 
 void launch_gather_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt, DType gdt,
@@ -283,27 +228,24 @@ void launch_gather_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, i
     if (row_sumsq && out.data) DION3_CUDA_CHECK(cudaMemsetAsync(row_sumsq, 0, nmats * k * sizeof(float), s));
     return;
   }
-  const int64_t bands = (rows + kGatherRows - 1) / kGatherRows;
+  const int64_t rtiles = (rows + kTile - 1) / kTile;
+  if ((k + kTile - 1) / kTile > 65535) fail("gather_rows: more than 2^21 selected columns per matrix");
+  const dim3 grid(static_cast<unsigned>(rtiles), static_cast<unsigned>(nmats), ceil_div_u(k, kTile));
+  const dim3 block(kTile, kTileRowsPerPass);
   const int64_t obs = out.batch > 1 ? out.batch_stride : k * out.ld;
   const DType odt = out.data ? out.dtype : DType::F32;
   float* part = row_sumsq && out.data ? scratch : nullptr;
   DION3_DISPATCH_FLOAT(mdt, TM, [&] {
-    // Columns per band: kGatherBytes of M over kGatherRows rows, a multiple of 32.
-    const int64_t chunk = std::min<int64_t>(kGatherBytes / (kGatherRows * sizeof(TM)), (cols + 31) / 32 * 32);
-    const int64_t blocks = bands * ((cols + chunk - 1) / chunk);
-    if (blocks > 0x7fffffff) fail("gather_rows: too many row bands in a matrix stepped by columns");
-    const std::size_t smem = kGatherRows * (chunk + 4 / sizeof(TM)) * sizeof(TM);
     DION3_DISPATCH_FLOAT(gdt, TG, [&] {
       DION3_DISPATCH_FLOAT(odt, TO, [&] {
-        launch_pdl(gather_columns_kernel<TM, TG, TO>, dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(nmats)),
-                   kColumnThreads, smem, s, mats, rows, cols, idx, k, scale_m, scale_g, decay,
-                   static_cast<TO*>(out.data), out.ld, obs, part, chunk, skip);
+        launch_pdl(gather_columns_kernel<TM, TG, TO>, grid, block, 0, s, mats, rows, cols, idx, k, scale_m, scale_g,
+                   decay, static_cast<TO*>(out.data), out.ld, obs, part, skip);
       });
     });
   });
-  if (part)  // row_sumsq[i*k + s] = the bands' sums in order
+  if (part)  // row_sumsq[i*k + s] = the tiles' sums in order
     launch_pdl(sum_parts_kernel, ceil_div_u(nmats * k, kColumnThreads), kColumnThreads, 0, s,
-               static_cast<const float*>(part), nmats * k, int64_t{1}, bands, row_sumsq, skip);
+               static_cast<const float*>(part), nmats * k, int64_t{1}, rtiles, row_sumsq, skip);
   DION3_CUDA_LAUNCH_CHECK();
 }
 
