@@ -20,7 +20,9 @@ namespace {
 // elements.
 MatrixView block_of(const TensorView& t, DType dtype, int64_t first, int64_t rows, int64_t col, int64_t cols,
                     int64_t ld) {
-  char* base = static_cast<char*>(t.data) + static_cast<std::size_t>(first * ld + col) * dtype_size(dtype);
+  // No data (a rank holding none of the stored rows): no pointer arithmetic on it.
+  char* base = t.data ? static_cast<char*>(t.data) + static_cast<std::size_t>(first * ld + col) * dtype_size(dtype)
+                      : nullptr;
   return MatrixView{base, dtype, 1, rows, cols, ld, rows * ld};
 }
 

@@ -454,20 +454,20 @@ class Session {
   // max|w|·|1 − η·λ| + η·S within half the dtype's largest finite value, η the group's base lr
   // and S a bound of one entry of η′/η times the update: orthogonalized updates have entries of
   // at most about 1 and NorMuon's at most ‖O‖_F, both scaled by η′/η <= √numel (so 2·numel
-  // bounds them); Lion's are ±1; AdamW's m̂/(√v̂ + ε) has no bound over imported moments, and
-  // 10^6 is where the check stops judging. Past this a finite step may legitimately overflow.
+  // bounds them); Lion's are ±1. AdamW's m̂/(√v̂ + ε) has no such bound (imported moments, or a
+  // small β₂ after a large gradient), so a program stepping an AdamW parameter is not judged.
   bool steps_fit() {
     for (size_t i = 0; i < weights_.size(); ++i) {
       const dion3_tensor& w = weights_[i];
       dion3_group_config c;
+      if (!get_config(weight_groups_[i], c)) return false;
       int64_t n = 0;
-      if (!get_config(weight_groups_[i], c) || !w.data || backing(w, n) != Backing::Ok) return false;
+      if (!w.data || backing(w, n) != Backing::Ok || n == 0) continue;  // nothing to overflow
+      if (c.algorithm == DION3_ALGO_ADAMW) return false;
       double eta = c.lr;
       const bool selects = c.algorithm == DION3_ALGO_DION3 || c.algorithm == DION3_ALGO_DION2;
       if (selects && c.scale_lr_by_fraction) eta /= std::sqrt(c.fraction);
-      const double entry = c.algorithm == DION3_ALGO_LION    ? 1.0
-                           : c.algorithm == DION3_ALGO_ADAMW ? 1e6
-                                                             : 2.0 * static_cast<double>(std::max<int64_t>(n, 1));
+      const double entry = c.algorithm == DION3_ALGO_LION ? 1.0 : 2.0 * static_cast<double>(n);
       double largest_w = 0.0;
       for (int64_t j = 0; j < n; ++j)
         largest_w = std::max(largest_w, std::fabs(double(fuzz::load(static_cast<const unsigned char*>(w.data), w.dtype, j))));
