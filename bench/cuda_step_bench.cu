@@ -11,7 +11,8 @@
 // --profile: where the time of one step goes — per megabatch and phase (accumulate, select,
 // gather, orthogonalization ops, update), timed with CUDA events around every backend op, with
 // the achieved bandwidth of the memory-bound phases and their share of the device's copy bandwidth
-// (measured in the same run); for several workspace limits and methods.
+// (measured in the same run); for several workspace limits and methods; with --transposed, of
+// the weights stored (in, out) in a transposed group (stepped by columns).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -83,7 +84,7 @@ int main(int argc, char** argv) {
   int iters = 5, warmup = 1;
   std::string out_path;
   std::string only;  // --only LABEL: just the optimizer rows whose label contains LABEL
-  bool profile = false;
+  bool profile = false, prof_transposed = false;
   std::vector<double> prof_fractions = {0.25};
   std::vector<std::size_t> prof_ws_mib = {512};
   std::vector<std::string> prof_methods = {"auto"};
@@ -97,6 +98,7 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--profile") { profile = true; continue; }
+    if (a == "--transposed") { prof_transposed = true; continue; }
     if (a == "--fractions" && i + 1 < argc) {
       prof_fractions.clear();
       for (auto& x : split(argv[++i])) prof_fractions.push_back(std::atof(x.c_str()));
@@ -115,7 +117,8 @@ int main(int argc, char** argv) {
     else if (a == "--only" && i + 1 < argc) only = argv[++i];
     else {
       std::fprintf(stderr, "usage: dion3-cuda-step-bench [--model NAME] [--iters N] [--warmup N] [--out FILE] [--only LABEL]\n"
-                           "       [--profile [--fractions 0.25,...] [--workspace-mib 512,...] [--methods auto,gram,standard]]\n");
+                           "       [--profile [--fractions 0.25,...] [--workspace-mib 512,...] [--methods auto,gram,standard]\n"
+                           "                  [--transposed]]\n");
       return 2;
     }
   }
@@ -173,7 +176,8 @@ int main(int argc, char** argv) {
             cfg.fraction = frac;
             if (meth == "gram") cfg.orth.method = dion3::OrthMethod::Gram;
             else if (meth == "standard") cfg.orth.method = dion3::OrthMethod::Standard;
-            add_matrices(opt, opt.add_group(cfg), shapes, W, G);
+            cfg.transposed = prof_transposed;
+            add_matrices(opt, opt.add_group(cfg), shapes, W, G, prof_transposed);
             for (int i = 0; i < 2; ++i) opt.step();
             std::vector<double> t;
             for (int i = 0; i < iters; ++i) {
@@ -192,8 +196,8 @@ int main(int argc, char** argv) {
             pb->enabled = false;
             double sum_ms = 0;
             for (auto& [key, ms] : pb->totals) sum_ms += ms / prof_steps;
-            line(fmt("### Where the time goes: %s Dion3 f=%g, workspace limit %zu MiB, method %s", model.c_str(), frac,
-                     ws, meth.c_str()));
+            line(fmt("### Where the time goes: %s Dion3 f=%g, workspace limit %zu MiB, method %s%s", model.c_str(), frac,
+                     ws, meth.c_str(), prof_transposed ? ", stored (in, out)" : ""));
             line("");
             line(fmt("Step %.2f ms (median of %d, unprofiled); the profiled ops sum to %.2f ms (mean of %d steps; "
                      "events around every backend op). GB/s: bytes each phase must move (bf16 W/G/M and U, O in "
