@@ -1678,6 +1678,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
             # A transposed group's blocks are of output features: stored columns.
             unit = "stored columns" if cfg["transposed"] else "rows"
             for j, p in enumerate(group["params"]):
+                if cfg["transposed"] and group["flatten"] and p.dim() > 2:
+                    continue  # refused by the engine for what it is (no stored (in, out) orientation)
                 rows = (p.shape[-1] if cfg["transposed"] else
                         p.shape[0] if (group["flatten"] or p.dim() == 2) else p.shape[-2])
                 blocks = cfg["split_sizes"] or [rows // cfg["num_heads"]] * cfg["num_heads"]

@@ -223,12 +223,12 @@ void GroupConfig::validate() const {
     fail(std::string("'ema_momentum' is a setting of muon and normuon (the form of their momentum); ") +
          algorithm_name(algorithm) + " does not take it");
   for (int64_t s : split_sizes)
-    if (s < 1) fail("'split_sizes' must hold block heights >= 1, got " + std::to_string(s));
+    if (s < 1) fail("'split_sizes' must hold block sizes >= 1, got " + std::to_string(s));
   if (num_heads < 0) fail("'num_heads' must be >= 1 (or 0: none), got " + std::to_string(num_heads));
   if (!split_sizes.empty() && num_heads > 1)
-    fail("'split_sizes' and 'num_heads' both cut the rows; give one of them");
+    fail("'split_sizes' and 'num_heads' both cut the matrices into blocks; give one of them");
   if ((!split_sizes.empty() || num_heads > 1) && !is_matrix_algorithm(algorithm))
-    fail(std::string("'split_sizes' and 'num_heads' cut matrices into row blocks; ") + algorithm_name(algorithm) +
+    fail(std::string("'split_sizes' and 'num_heads' cut matrices into blocks; ") + algorithm_name(algorithm) +
          " steps element-wise and takes neither");
   // A transposed group's blocks are of output features, its stored columns: the cut Dion3 and
   // NorMuon step by columns; Muon steps the stored matrix as it is.
