@@ -99,7 +99,7 @@ def test_blocks_of_an_expert_stack_and_a_plan_that_batches_equal_heights():
     (dict(split_sizes=(24, 8)), r"'split_sizes' \[24, 8\] sum to 32 rows"),
     (dict(num_heads=3), r"'num_heads' = 3 does not divide"),
     (dict(split_sizes=(24, 8, 8), num_heads=5), "give one of them"),
-    (dict(split_sizes=(24, 0, 16)), "heights >= 1"),
+    (dict(split_sizes=(24, 0, 16)), "sizes >= 1"),
     (dict(split_sizes="qkv"), "sequence of row counts"),
     (dict(num_heads=2.5), "positive integer"),
     (dict(split_sizes=(24, 8, 8), algorithm="adamw"), "takes neither"),
