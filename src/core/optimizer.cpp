@@ -617,23 +617,14 @@ std::vector<Optimizer::Impl::RowBlock> Optimizer::Impl::row_blocks(int i) const 
   } catch (const Error& e) {
     fail(describe(i) + " (group " + std::to_string(p.group) + "): " + std::string(e.what()).substr(7));
   }
-  const int64_t chunk = L.kind == Layout::RowShard ? L.row_chunk : 0;
-  if (by_columns) {  // blocks [b0, b0 + s) of columns
-    std::vector<RowBlock> out;
-    int64_t b0 = 0;
-    for (int64_t s : heights) {
-      out.push_back(RowBlock{b0, s, s, b0, L.kind, chunk});
-      b0 += s;
-    }
-    return out;
-  }
-  if (heights.size() == 1) return {RowBlock{0, p.rows, M, 0, L.kind, chunk}};
+  if (heights.size() == 1 && !by_columns)
+    return {RowBlock{0, p.rows, M, 0, L.kind, L.kind == Layout::RowShard ? L.row_chunk : 0}};
   if (L.kind == Layout::Block)
     fail(describe(i) + ": split_sizes / num_heads are not available for block-sharded parameters (rows and "
          "columns both cut); give the blocks as separate parameters");
   std::vector<RowBlock> out;
   int64_t b0 = 0;
-  if (L.kind != Layout::RowShard) {
+  if (by_columns || L.kind != Layout::RowShard) {  // whole blocks on every rank
     for (int64_t s : heights) {
       out.push_back(RowBlock{b0, s, s, b0, L.kind, 0});
       b0 += s;

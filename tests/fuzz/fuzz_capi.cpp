@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "capi_program.hpp"
+#include "dion3/backend.hpp"
 #include "dion3/state_format.hpp"
 #include "fuzz_input.hpp"
 #include "fuzz_model.hpp"
@@ -471,7 +472,7 @@ class Session {
       double largest_w = 0.0;
       for (int64_t j = 0; j < n; ++j)
         largest_w = std::max(largest_w, std::fabs(double(fuzz::load(static_cast<const unsigned char*>(w.data), w.dtype, j))));
-      const double limit = w.dtype == DION3_F16 ? 65504.0 : w.dtype == DION3_BF16 ? 3.38953e38 : 3.40282e38;
+      const double limit = dion3::largest_finite(static_cast<dion3::DType>(w.dtype));  // C and C++ dtypes agree
       const double reach = largest_w * std::fabs(1.0 - eta * c.weight_decay) + eta * entry;
       if (!(reach <= 0.5 * limit)) return false;
     }
