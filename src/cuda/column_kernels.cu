@@ -20,39 +20,66 @@ constexpr int kColumnThreads = 256;
 constexpr int kBandRows = 8;
 constexpr int64_t kBandBytes = 32 * 1024;
 constexpr int64_t kMaxRowChunks = 32;  // row chunks of the accumulate
-constexpr int kTile = 32;              // selected columns x rows per gather / update tile
+constexpr int kColumnRowsInFlight = 4;  // rows of 4-element packs the vectorized accumulate loads ahead
+constexpr int kTile = 32;              // selected columns x rows per gather tile
 constexpr int kTileRowsPerPass = 8;    // block: kTile x kTileRowsPerPass threads
 
 int64_t row_chunks(int64_t rows) { return std::min<int64_t>(kMaxRowChunks, (rows + 63) / 64); }
 
-// M = decay*M + grad_scale*G on rows [z*chunk, (z+1)*chunk) of a stored rows x cols matrix; thread c walks
-// column c (neighbouring threads read neighbouring elements of a row). Partial ℓ1 and squared
-// sums of the stored values per (chunk, column).
-template <class TM, class TG>
+// M = decay*M + grad_scale*G on rows [z*chunk, (z+1)*chunk) of a stored rows x cols matrix; thread q
+// walks column q (VEC: columns 4q.. 4q+3, in 4-element packs, kColumnRowsInFlight rows of them
+// loaded before any is stored), neighbouring threads reading neighbouring elements of a row.
+// Partial ℓ1 and squared sums of the stored values per (chunk, column), each summed in row order.
+template <class TM, class TG, bool VEC>
 __global__ void accumulate_columns_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols,
                                           int64_t chunk, Hyper decay_h, Hyper grad_scale_h,
                                           float* __restrict__ part_l1,
                                           float* __restrict__ part_sq, const int* skip) {
   pdl_wait();
   if (skipped(skip)) return;
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, i = blockIdx.y, z = blockIdx.z;
-  if (c >= cols) return;
+  constexpr int V = VEC ? 4 : 1;
+  const int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, i = blockIdx.y, z = blockIdx.z;
+  if (q * V >= cols) return;
   const float decay = decay_h.get(), gs = grad_scale_h.get();
   const DeviceMat d = mats[i];
-  float l1 = 0.0f, sq = 0.0f;
+  float l1[V] = {}, sq[V] = {};
   const int64_t r_end = min(rows, (z + 1) * chunk);
-  for (int64_t r = z * chunk; r < r_end; ++r) {
-    TM* m = static_cast<TM*>(d.m) + r * d.ldm + c;
-    const TM nv = from_f32<TM>(decay * to_f32(*m) + gs * to_f32(static_cast<const TG*>(d.g)[r * d.ldg + c]));
+  auto step = [&](TM* m, const TG* g, int e) {
+    const TM nv = from_f32<TM>(decay * to_f32(*m) + gs * to_f32(*g));
     *m = nv;
     const float v = to_f32(nv);
-    l1 += fabsf(v);
-    sq += v * v;
+    l1[e] += fabsf(v);
+    sq[e] += v * v;
+  };
+  if constexpr (VEC) {
+    for (int64_t r0 = z * chunk; r0 < r_end; r0 += kColumnRowsInFlight) {
+      Pack4<TM> mp[kColumnRowsInFlight];
+      Pack4<TG> gp[kColumnRowsInFlight];
+#pragma unroll
+      for (int u = 0; u < kColumnRowsInFlight; ++u)
+        if (r0 + u < r_end) {
+          mp[u] = reinterpret_cast<const Pack4<TM>*>(static_cast<TM*>(d.m) + (r0 + u) * d.ldm)[q];
+          gp[u] = reinterpret_cast<const Pack4<TG>*>(static_cast<const TG*>(d.g) + (r0 + u) * d.ldg)[q];
+        }
+#pragma unroll
+      for (int u = 0; u < kColumnRowsInFlight; ++u)
+        if (r0 + u < r_end) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) step(&mp[u].v[e], &gp[u].v[e], e);
+          reinterpret_cast<Pack4<TM>*>(static_cast<TM*>(d.m) + (r0 + u) * d.ldm)[q] = mp[u];
+        }
+    }
+  } else {
+    for (int64_t r = z * chunk; r < r_end; ++r)
+      step(static_cast<TM*>(d.m) + r * d.ldm + q, static_cast<const TG*>(d.g) + r * d.ldg + q, 0);
   }
   if (part_l1 == nullptr) return;
-  const int64_t at = (i * gridDim.z + z) * cols + c;
-  part_l1[at] = l1;
-  part_sq[at] = sq;
+  const int64_t at = (i * gridDim.z + z) * cols + q * V;
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+    part_l1[at + e] = l1[e];
+    part_sq[at + e] = sq[e];
+  }
 }
 
 // out[o*inner + c] = the sum over z < parts, in order, of part[(o*parts + z)*inner + c]: the
@@ -120,12 +147,23 @@ __global__ void gather_columns_kernel(const DeviceMat* __restrict__ mats, int64_
   }
 }
 
+// The first position of a sorted run of n column indices holding one >= c (n if none).
+__device__ int64_t first_at_least(const int32_t* sorted, int64_t n, int64_t c) {
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (sorted[mid] < c) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
 // The update of one band of kBandRows stored rows x `chunk` columns, staged in shared memory so
 // that the weights are read and written once, along their rows: the selected columns of the band
-// (entries of idx in the chunk; O's rows read kBandRows values at a time) take
-// W*decay - lr'*O[s, r] (cautious: no decay where the update and the weight differ in sign), lr'
-// times NorMuon's factors with inv; the other columns take the decay (none under cautious decay:
-// their update is zero, so they are not written).
+// (the entries of the ascending idx in the chunk, found by a binary search; O's rows read
+// kBandRows values at a time) take W*decay - lr'*O[s, r] (cautious: no decay where the update and
+// the weight differ in sign), lr' times NorMuon's factors with inv; the other columns take the
+// decay (none under cautious decay, their update being zero, nor without decay: not written).
 template <class TW, class TO>
 __global__ void update_columns_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols,
                                       const int32_t* __restrict__ idx, int64_t k, const TO* __restrict__ O,
@@ -154,12 +192,24 @@ __global__ void update_columns_kernel(const DeviceMat* __restrict__ mats, int64_
     else
       for (int64_t c = tid; c < nc; c += nt) dst[c] = src[c];
   }
+  // The entries whose columns lie in the chunk: [s_lo, s_hi) of the ascending selection.
+  __shared__ int64_t s_range[2];
+  if (tid == 0) {
+    if (idx == nullptr) {
+      s_range[0] = min(c0, k);
+      s_range[1] = min(c0 + nc, k);
+    } else {
+      s_range[0] = first_at_least(idx + i * k, k, c0);
+      s_range[1] = first_at_least(idx + i * k, k, c0 + nc);
+    }
+  }
   __syncthreads();
   const float decay = decay_h.get(), lr = lr_h.get();
-  for (int64_t e = tid; e < k * kBandRows; e += nt) {
-    const int64_t s = e / kBandRows, rr = e % kBandRows;
-    const int64_t c = (idx ? idx[i * k + s] : s) - c0;  // padding entries name no column
-    if (c < 0 || c >= nc || rr >= nr) continue;
+  const int64_t s_lo = s_range[0], s_hi = s_range[1];
+  for (int64_t e = tid; e < (s_hi - s_lo) * kBandRows; e += nt) {
+    const int64_t s = s_lo + e / kBandRows, rr = e % kBandRows;
+    const int64_t c = (idx ? idx[i * k + s] : s) - c0;
+    if (rr >= nr) continue;
     if (rr == 0) atomicOr(&selected[c >> 5], 1u << (c & 31));
     float l = lr;
     if (inv != nullptr) l *= inv[i * k + s] * factor[i];
@@ -173,7 +223,7 @@ __global__ void update_columns_kernel(const DeviceMat* __restrict__ mats, int64_
   for (int64_t rr = 0; rr < nr; ++rr)
     for (int64_t c = tid; c < nc; c += nt) {
       const bool sel = (selected[c >> 5] >> (c & 31)) & 1u;
-      if (cautious && !sel) continue;
+      if (!sel && (cautious || decay == 1.0f)) continue;  // unchanged
       const TW v = band[rr * chunk + c];
       w[rr * ldw + c] = sel ? v : from_f32<TW>(to_f32(v) * decay);
     }
@@ -187,7 +237,7 @@ int64_t accumulate_columns_scratch_floats(int64_t nmats, int64_t rows, int64_t c
 
 void launch_accumulate_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
                                DType gdt, Hyper decay, Hyper grad_scale, float* scores, float* row_sumsq,
-                               float* scratch, const int* skip, cudaStream_t s) {
+                               float* scratch, const int* skip, cudaStream_t s, bool vec) {
   if (nmats == 0 || cols == 0) return;
   if (rows == 0) {  // empty columns: zero scores
     for (float* out : {scores, row_sumsq})
@@ -198,11 +248,12 @@ void launch_accumulate_columns(const DeviceMat* mats, int64_t nmats, int64_t row
   const bool sums = scores != nullptr || row_sumsq != nullptr;
   float* part_l1 = sums ? scratch : nullptr;
   float* part_sq = sums ? scratch + nmats * chunks * cols : nullptr;
-  const dim3 grid(ceil_div_u(cols, kColumnThreads), static_cast<unsigned>(nmats), static_cast<unsigned>(chunks));
+  const dim3 grid(ceil_div_u(vec ? cols / 4 : cols, kColumnThreads), static_cast<unsigned>(nmats),
+                  static_cast<unsigned>(chunks));
   DION3_DISPATCH_FLOAT(mdt, TM, [&] {
     DION3_DISPATCH_FLOAT(gdt, TG, [&] {
-      launch_pdl(accumulate_columns_kernel<TM, TG>, grid, kColumnThreads, 0, s, mats, rows, cols, chunk, decay,
-                 grad_scale, part_l1, part_sq, skip);
+      launch_pdl(vec ? accumulate_columns_kernel<TM, TG, true> : accumulate_columns_kernel<TM, TG, false>, grid,
+                 kColumnThreads, 0, s, mats, rows, cols, chunk, decay, grad_scale, part_l1, part_sq, skip);
     });
   });
   const unsigned sum_grid = ceil_div_u(nmats * cols, kColumnThreads);

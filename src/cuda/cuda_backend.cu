@@ -290,7 +290,7 @@ class CudaBackend final : public Backend {
       float* scr = static_cast<float*>(scratch(
           scratch_, accumulate_columns_scratch_floats(n_of(set), set.cols(), set.rows()) * sizeof(float)));
       launch_accumulate_columns(table(set), n_of(set), set.cols(), set.rows(), set.mdt, set.gdt, decay, grad_scale,
-                                scores, row_sumsq, scr, skip, stream_);
+                                scores, row_sumsq, scr, skip, stream_, set.vec);
       return;
     }
     launch_accumulate(table(set), n_of(set), set.rows(), set.cols(), set.mdt, set.gdt, decay, grad_scale, scores,
@@ -501,9 +501,10 @@ class CudaBackend final : public Backend {
   // discount for a symmetric product (one constant, not calibrated per device).
   static constexpr double kMeasuredSymFactor = 0.65;
 
-  // Every row of W, G and M starts 4-element aligned and cols % 4 == 0 (the 4-wide kernels).
+  // Every stored row of W, G and M starts 4-element aligned and the stored columns are a multiple
+  // of 4 (the 4-wide kernels; a column-stepped set's stored columns are its rows).
   static bool vec_of(const CudaMatrixSet& set) {
-    bool vec = set.cols() % 4 == 0;
+    bool vec = (set.columns ? set.rows() : set.cols()) % 4 == 0;
     for (const auto& pm : set.mats) {
       auto ok = [](const MatrixView& v) {
         return v.data == nullptr || (aligned4(v.data, dtype_size(v.dtype)) && (v.ld == 0 || v.ld % 4 == 0));

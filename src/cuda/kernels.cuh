@@ -42,8 +42,8 @@ void launch_normuon_factors(const DeviceMat* mats, int64_t nmats, int64_t rows, 
 int64_t accumulate_columns_scratch_floats(int64_t nmats, int64_t rows, int64_t cols);
 void launch_accumulate_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
                                DType gdt, Hyper decay, Hyper grad_scale, float* scores, float* row_sumsq,
-                               float* scratch,
-                               const int* skip, cudaStream_t s);
+                               float* scratch, const int* skip, cudaStream_t s,
+                               bool vec);  // vec: every stored row 4-element aligned, cols % 4 == 0
 int64_t gather_columns_scratch_floats(int64_t nmats, int64_t rows, int64_t k);
 void launch_gather_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt, DType gdt,
                            const int32_t* idx, int64_t k, Hyper scale_m, Hyper scale_g, Hyper decay,
