@@ -133,9 +133,11 @@ std::vector<double> exported(const dion3::OptimizerState& st, int param, const s
 void expect_matches(const dion3::OptimizerState& st, const DistParam& d, const RankBackend& be, const std::string& where,
                     int step) {
   const std::vector<double> want = d.held(d.W);
-  // A 16-bit iteration moves each weight by lr times an orthogonalized entry off by its rounding.
+  // A 16-bit iteration moves each weight by lr times an orthogonalized entry off by its rounding:
+  // up to a tenth in bf16 on the smallest blocks (a 1 x 1 or 3 x 3 head), whose few entries
+  // average nothing out of Polar Express's first step (terms twenty times its result cancel).
   const bool f32 = be.iteration == DType::F32;
-  const double off = f32 ? 0.0 : 0.05;
+  const double off = f32 ? 0.0 : 0.1;
   const double tol = weight_tol(DType::F32, max_abs(d.W), 0.02 * step) + off * 0.02 * step;
   const double variance_tol = f32 ? 1e-3 : 2 * off;
   EXPECT_LE(max_abs_diff(d.w->values(), want), tol) << where << " (" << d.m << "x" << d.n << "), step " << step;
