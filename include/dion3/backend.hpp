@@ -53,8 +53,8 @@ struct DION3_API MatrixSet {
   std::vector<ParamMatrix> mats;
   // Stepped by columns (Dion2 on a tall matrix; Dion3 and NorMuon on a transposed group's): row r
   // of the set is column r of every stored matrix, so rows() and cols() give the transposed shape,
-  // and NorMuon's variance holds one entry per stored column. Only accumulate, gather_rows and
-  // apply_update take such sets; M, G and W keep their stored layout.
+  // and NorMuon's variance holds one entry per stored column. Only accumulate, gather_rows,
+  // gather_normalized and apply_update take such sets; M, G and W keep their stored layout.
   bool columns = false;
   int64_t rows() const { return mats.empty() ? 0 : columns ? mats.front().weight.cols : mats.front().weight.rows; }
   int64_t cols() const { return mats.empty() ? 0 : columns ? mats.front().weight.rows : mats.front().weight.cols; }

@@ -755,7 +755,7 @@ void Optimizer::Impl::build_plan() {
     // except over one rank, where the rank's rows are the whole input. Block ones always gather
     // U (their rows are whole only after the column all-gather).
     const bool sharded = mb.layout == Layout::RowShard || mb.layout == Layout::ColShard || mb.layout == Layout::Block;
-    mb.gathers_normalized = selects_rows(g.algorithm) && !mb.columns && (!sharded || mb.ranks == 1) &&
+    mb.gathers_normalized = selects_rows(g.algorithm) && (!sharded || mb.ranks == 1) &&
                             mb.layout != Layout::Block && mb.orth_rows <= mb.orth_cols;
     auto layout = [&](int64_t count, Chunk* c) {
       const std::size_t u = mb.gathers_normalized

@@ -329,7 +329,7 @@ class CpuBackend final : public Backend {
     const int64_t rows = set.rows(), cols = set.cols();
     check(!out.data || (out.rows == k && out.cols == cols && out.batch == static_cast<int64_t>(set.mats.size())),
           "gather_rows output shape");
-    if (set.columns) return gather_columns(set, idx, k, scale_m, scale_g, decay, out, row_sumsq);
+    if (set.columns) return gather_columns(set, idx, k, scale_m, scale_g, decay, nullptr, out, row_sumsq);
     const int64_t block = cpu::row_block(cols), blocks = (k + block - 1) / block;
     struct Buffers {
       std::vector<float> m, g, u;
@@ -373,7 +373,6 @@ class CpuBackend final : public Backend {
   void gather_normalized(const MatrixSet& set, const int32_t* idx, int64_t k, Hyper decay_h,
                          const float* selected_sumsq, NormGuard norm, MatrixView out, const int* skip) override {
     if (skipped(skip)) return;
-    check(!set.columns, "gather_normalized takes no column-stepped set");
     const float decay = decay_h.get();
     const int64_t rows = set.rows(), cols = set.cols();
     check(out.rows == k && out.cols == cols && out.batch == static_cast<int64_t>(set.mats.size()),
@@ -382,6 +381,7 @@ class CpuBackend final : public Backend {
     std::vector<float> invs(count);
     for (int64_t i = 0; i < count; ++i)  // multiplied, as normalize does
       invs[i] = static_cast<float>(inverse_norm_of(std::sqrt(static_cast<double>(selected_sumsq[i])), norm));
+    if (set.columns) return gather_columns(set, idx, k, 1.0f, 0.0f, decay, invs.data(), out, nullptr);
     const int64_t block = cpu::row_block(cols), blocks = (k + block - 1) / block;
     struct Buffers {
       std::vector<float> m, x;
@@ -684,8 +684,9 @@ class CpuBackend final : public Backend {
     });
   }
 
+  // inv, if not null: each matrix's gathered columns times inv[i] (gather_normalized).
   void gather_columns(const MatrixSet& set, const int32_t* idx, int64_t k, float scale_m, float scale_g, float decay,
-                      MatrixView out, float* row_sumsq) {
+                      const float* inv, MatrixView out, float* row_sumsq) {
     const int64_t n = set.rows(), m = set.cols();
     struct Buffers {
       std::vector<float> m, g, u;
@@ -703,6 +704,8 @@ class CpuBackend final : public Backend {
         } else {
           for (int64_t r = 0; r < m; ++r)
             buf.u[r] = scale_m * buf.m[r * n + c] + (scale_g != 0.0f ? scale_g * buf.g[r * n + c] : 0.0f);
+          if (inv)
+            for (int64_t r = 0; r < m; ++r) buf.u[r] *= inv[i];
           if (decay != 1.0f)
             for (int64_t r = 0; r < m; ++r) buf.m[r * n + c] *= decay;
         }

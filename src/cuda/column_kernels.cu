@@ -19,6 +19,8 @@ constexpr int kColumnThreads = 256;
 // of a block, leaving room for several blocks per multiprocessor.
 constexpr int kBandRows = 8;
 constexpr int64_t kBandBytes = 32 * 1024;
+// A band row is one 16-byte pack per thread of the update's block.
+static_assert(kBandBytes / kBandRows / 16 == kColumnThreads);
 constexpr int64_t kMaxRowChunks = 32;  // row chunks of the accumulate
 constexpr int kColumnRowsInFlight = 4;  // rows of 4-element packs the vectorized accumulate loads ahead
 constexpr int kTile = 32;              // selected columns x rows per gather tile
@@ -98,12 +100,14 @@ __global__ void sum_parts_kernel(const float* __restrict__ part, int64_t outer, 
 
 // One tile: selected columns s0.. (entries idx[i*k + s]) x stored rows r0... Threads (x, y): x
 // runs along the selection when reading M (entries of one row), along the rows when writing out.
-// out[i][s][r] = scale_m*M[r, c_s] + scale_g*G[r, c_s] (padding: zeros), then M[r, c_s] *= decay;
+// out[i][s][r] = c_i*(scale_m*M[r, c_s] + scale_g*G[r, c_s]) (padding: zeros), then M[r, c_s] *= decay,
+// with c_i = inverse_norm_of(sqrt(selected_sumsq[i]), norm) or 1;
 // part_sq[(i*k + s)*rtiles + tile] = the tile's sum of squares of out's stored values.
 template <class TM, class TG, class TO>
 __global__ void gather_columns_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols,
                                       const int32_t* __restrict__ idx, int64_t k, Hyper scale_m_h, Hyper scale_g_h,
-                                      Hyper decay_h, TO* __restrict__ out, int64_t out_ld, int64_t out_bstride,
+                                      Hyper decay_h, const float* __restrict__ selected_sumsq, NormGuard norm,
+                                      TO* __restrict__ out, int64_t out_ld, int64_t out_bstride,
                                       float* __restrict__ part_sq, const int* skip) {
   pdl_wait();
   if (skipped(skip)) return;
@@ -131,12 +135,13 @@ __global__ void gather_columns_kernel(const DeviceMat* __restrict__ mats, int64_
   __syncthreads();
   if (out == nullptr) return;
   const int64_t r = r0 + tx;
+  const float c = selected_sumsq ? inverse_norm_of(sqrtf(selected_sumsq[i]), norm) : 1.0f;
   for (int ss = ty; ss < kTile; ss += kTileRowsPerPass) {
     const int64_t s = s0 + ss;
     if (s >= k) break;
     float v = 0.0f;
     if (r < rows) {
-      const TO stored = from_f32<TO>(tile[tx][ss]);
+      const TO stored = from_f32<TO>(c * tile[tx][ss]);
       out[i * out_bstride + s * out_ld + r] = stored;
       v = to_f32(stored);
     }
@@ -182,15 +187,22 @@ __global__ void update_columns_kernel(const DeviceMat* __restrict__ mats, int64_
   const int64_t ldw = mats[i].ldw;
   const int tid = threadIdx.x, nt = blockDim.x;
   for (int64_t word = tid; word < (nc + 31) / 32; word += nt) selected[word] = 0u;
-  // Rows whose start and length are 16-byte multiples move 16 bytes per thread.
+  // Rows whose start and length are 16-byte multiples move 16 bytes per thread, each thread one
+  // pack of every row of the band (a band row is at most nt packs), all loaded before any is kept.
   constexpr int kVec = 16 / sizeof(TW);
-  for (int64_t rr = 0; rr < nr; ++rr) {
-    const TW* src = w + rr * ldw;
-    TW* dst = band + rr * chunk;
-    if (reinterpret_cast<uintptr_t>(src) % 16 == 0 && nc % kVec == 0)
-      for (int64_t v = tid; v < nc / kVec; v += nt) reinterpret_cast<uint4*>(dst)[v] = reinterpret_cast<const uint4*>(src)[v];
-    else
-      for (int64_t c = tid; c < nc; c += nt) dst[c] = src[c];
+  const bool packed = reinterpret_cast<uintptr_t>(w) % 16 == 0 && (ldw * sizeof(TW)) % 16 == 0 && nc % kVec == 0;
+  const bool has_pack = tid < nc / kVec;
+  if (packed) {
+    uint4 p[kBandRows];
+#pragma unroll
+    for (int rr = 0; rr < kBandRows; ++rr)
+      if (rr < nr && has_pack) p[rr] = reinterpret_cast<const uint4*>(w + rr * ldw)[tid];
+#pragma unroll
+    for (int rr = 0; rr < kBandRows; ++rr)
+      if (rr < nr && has_pack) reinterpret_cast<uint4*>(band + rr * chunk)[tid] = p[rr];
+  } else {
+    for (int64_t rr = 0; rr < nr; ++rr)
+      for (int64_t c = tid; c < nc; c += nt) band[rr * chunk + c] = w[rr * ldw + c];
   }
   // The entries whose columns lie in the chunk: [s_lo, s_hi) of the ascending selection.
   __shared__ int64_t s_range[2];
@@ -220,10 +232,31 @@ __global__ void update_columns_kernel(const DeviceMat* __restrict__ mats, int64_
     *b = from_f32<TW>(wv * dec - x);
   }
   __syncthreads();
+  const bool keep_others = cautious || decay == 1.0f;  // unselected columns keep their values
+  if (packed) {
+    if (!has_pack) return;
+    // The pack's kVec columns share a bitmap word; a pack with nothing to change is not written,
+    // one with a selected column is written whole (its other columns as they were read, or decayed).
+    const uint32_t bits = (selected[(tid * kVec) >> 5] >> ((tid * kVec) & 31)) & ((1u << kVec) - 1u);
+    if (keep_others && bits == 0u) return;
+#pragma unroll
+    for (int rr = 0; rr < kBandRows; ++rr) {
+      if (rr >= nr) break;
+      uint4 p = reinterpret_cast<const uint4*>(band + rr * chunk)[tid];
+      if (!keep_others) {
+        TW* e = reinterpret_cast<TW*>(&p);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j)
+          if (!((bits >> j) & 1u)) e[j] = from_f32<TW>(to_f32(e[j]) * decay);
+      }
+      reinterpret_cast<uint4*>(w + rr * ldw)[tid] = p;
+    }
+    return;
+  }
   for (int64_t rr = 0; rr < nr; ++rr)
     for (int64_t c = tid; c < nc; c += nt) {
       const bool sel = (selected[c >> 5] >> (c & 31)) & 1u;
-      if (!sel && (cautious || decay == 1.0f)) continue;  // unchanged
+      if (!sel && keep_others) continue;  // unchanged
       const TW v = band[rr * chunk + c];
       w[rr * ldw + c] = sel ? v : from_f32<TW>(to_f32(v) * decay);
     }
@@ -272,8 +305,8 @@ int64_t gather_columns_scratch_floats(int64_t nmats, int64_t rows, int64_t k) {
 
 void launch_gather_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt, DType gdt,
                            const int32_t* idx, int64_t k, Hyper scale_m, Hyper scale_g, Hyper decay,
-                           const MatrixView& out, float* row_sumsq, float* scratch, const int* skip,
-                           cudaStream_t s) {
+                           const float* selected_sumsq, NormGuard norm, const MatrixView& out, float* row_sumsq,
+                           float* scratch, const int* skip, cudaStream_t s) {
   if (nmats == 0 || k == 0) return;
   if (rows == 0) {  // empty columns: zero rows and zero sums
     if (row_sumsq && out.data) DION3_CUDA_CHECK(cudaMemsetAsync(row_sumsq, 0, nmats * k * sizeof(float), s));
@@ -290,7 +323,7 @@ void launch_gather_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, i
     DION3_DISPATCH_FLOAT(gdt, TG, [&] {
       DION3_DISPATCH_FLOAT(odt, TO, [&] {
         launch_pdl(gather_columns_kernel<TM, TG, TO>, grid, block, 0, s, mats, rows, cols, idx, k, scale_m, scale_g,
-                   decay, static_cast<TO*>(out.data), out.ld, obs, part, skip);
+                   decay, selected_sumsq, norm, static_cast<TO*>(out.data), out.ld, obs, part, skip);
       });
     });
   });

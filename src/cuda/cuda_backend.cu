@@ -323,7 +323,7 @@ class CudaBackend final : public Backend {
       float* scr = static_cast<float*>(
           scratch(scratch_, gather_columns_scratch_floats(n_of(set), set.cols(), k) * sizeof(float)));
       launch_gather_columns(table(set), n_of(set), set.cols(), set.rows(), set.mdt, set.gdt, idx, k, scale_m,
-                            scale_g, decay, out, row_sumsq, scr, skip, stream_);
+                            scale_g, decay, nullptr, NormGuard{}, out, row_sumsq, scr, skip, stream_);
       return;
     }
     launch_gather_rows(table(set), n_of(set), set.rows(), set.cols(), set.mdt, set.gdt, idx, k, scale_m,
@@ -333,8 +333,12 @@ class CudaBackend final : public Backend {
   void gather_normalized(const MatrixSet& base, const int32_t* idx, int64_t k, Hyper decay,
                          const float* selected_sumsq, NormGuard norm, MatrixView out, const int* skip) override {
     const auto& set = ready(base);
-    if (set.columns) fail("CUDA backend: gather_normalized takes no column-stepped set");
     check_gather_shape(set, idx, k, out, "gather_normalized");
+    if (set.columns) {
+      launch_gather_columns(table(set), n_of(set), set.cols(), set.rows(), set.mdt, set.mdt, idx, k, 1.0f, 0.0f,
+                            decay, selected_sumsq, norm, out, nullptr, nullptr, skip, stream_);
+      return;
+    }
     launch_gather_rows(table(set), n_of(set), set.rows(), set.cols(), set.mdt, set.mdt, idx, k, 1.0f, 0.0f, decay,
                        selected_sumsq, norm, out, nullptr, skip, stream_, set.vec);
   }

@@ -45,10 +45,12 @@ void launch_accumulate_columns(const DeviceMat* mats, int64_t nmats, int64_t row
                                float* scratch, const int* skip, cudaStream_t s,
                                bool vec);  // vec: every stored row 4-element aligned, cols % 4 == 0
 int64_t gather_columns_scratch_floats(int64_t nmats, int64_t rows, int64_t k);
+// With selected_sumsq, each matrix's gathered columns are scaled by
+// inverse_norm_of(sqrt(selected_sumsq[i]), norm), as gather_normalized's rows.
 void launch_gather_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt, DType gdt,
                            const int32_t* idx, int64_t k, Hyper scale_m, Hyper scale_g, Hyper decay,
-                           const MatrixView& out, float* row_sumsq, float* scratch, const int* skip,
-                           cudaStream_t s);
+                           const float* selected_sumsq, NormGuard norm, const MatrixView& out, float* row_sumsq,
+                           float* scratch, const int* skip, cudaStream_t s);
 void launch_update_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType wdt,
                            const int32_t* idx, int64_t k, const MatrixView& O, const UpdateParams& p,
                            float* scratch, const int* skip, cudaStream_t s);  // scratch: as launch_apply_update's

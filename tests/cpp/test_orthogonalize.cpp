@@ -292,23 +292,26 @@ TEST(Orthogonalize, GivenRowSumsOfSquaresGiveTheSameResult) {
 // Dion3's engine gathers the selected momentum rows already normalised, with the row sums of
 // squares accumulate gave, summed over the selection by select_rows (Backend::gather_normalized):
 // the same input as gathering them and normalising in a second pass, and the same error-feedback
-// decay of the gathered rows.
+// decay of the gathered rows; also for a column-stepped set (the set's rows stored as columns).
 TEST(Orthogonalize, GatherNormalizedIsGatherThenNormalize) {
   Rng rng(15);
   auto be = dion3::make_cpu_backend();
   const int n = 2, rows = 12, cols = 20, k = 5;
   const float decay = 0.9f;
   const dion3::NormGuard eps;
+  for (const bool columns : {false, true})
   for (DType mdt : {DType::F32, DType::BF16}) {
-    t3::Buffer w(DType::F32, {n, rows, cols}), g(DType::F32, {n, rows, cols}, t3::gaussian(n * rows, cols, rng));
-    t3::Buffer m1(mdt, {n, rows, cols}, t3::gaussian(n * rows, cols, rng)), m2 = m1;
+    const int sr = columns ? cols : rows, sc = columns ? rows : cols;  // stored shape
+    t3::Buffer w(DType::F32, {n, sr, sc}), g(DType::F32, {n, sr, sc}, t3::gaussian(n * sr, sc, rng));
+    t3::Buffer m1(mdt, {n, sr, sc}, t3::gaussian(n * sr, sc, rng)), m2 = m1;
     auto set_of = [&](t3::Buffer& m) {
       auto set = be->new_matrix_set();
+      set->columns = columns;
       for (int i = 0; i < n; ++i) {
         dion3::ParamMatrix pm;
-        pm.weight = w.matrix(n, rows, cols).at(i);
-        pm.grad = g.matrix(n, rows, cols).at(i);
-        pm.momentum = m.matrix(n, rows, cols).at(i);
+        pm.weight = w.matrix(n, sr, sc).at(i);
+        pm.grad = g.matrix(n, sr, sc).at(i);
+        pm.momentum = m.matrix(n, sr, sc).at(i);
         set->mats.push_back(pm);
       }
       be->refresh(*set);
@@ -331,7 +334,8 @@ TEST(Orthogonalize, GatherNormalizedIsGatherThenNormalize) {
     be->gather_rows(*s2, idx.data(), k, 1.0f, 0.0f, decay, u.matrix(n, k, cols), nullptr, nullptr);
     be->normalize(u.matrix(n, k, cols), two.matrix(n, k, cols), eps, nullptr, false);
     const std::vector<double> a = fused.values(), b = two.values();
-    for (std::size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 1e-6) << dion3::dtype_name(mdt) << " " << i;
+    for (std::size_t i = 0; i < a.size(); ++i)
+      ASSERT_NEAR(a[i], b[i], 1e-6) << dion3::dtype_name(mdt) << (columns ? " by columns " : " ") << i;
     // Normalised into the transpose: the same values, transposed; an output of in's own shape is
     // refused.
     t3::Buffer tr(DType::F32, {n, cols, k});

@@ -215,24 +215,47 @@ INSTANTIATE_TEST_SUITE_P(Cases, GatherRows,
 // ---- gather_normalized ------------------------------------------------------------------------
 // Against the CPU backend, and against gather_rows + normalize on the device itself, with the
 // selected rows' sums of squares (as select_rows leaves them; computed on the host here).
-struct GatherNormCase { DType m, out; bool with_idx; int64_t rows, cols, k; float decay; dion3::NormGuard norm = {}; };
+// columns: a column-stepped set, its rows x cols stored cols x rows.
+struct GatherNormCase {
+  DType m, out;
+  bool with_idx;
+  int64_t rows, cols, k;
+  float decay;
+  dion3::NormGuard norm = {};
+  bool columns = false;
+};
 class GatherNormalized : public ct::CudaTest, public ::testing::WithParamInterface<GatherNormCase> {};
 
 TEST_P(GatherNormalized, MatchesCpuAndGatherThenNormalize) {
   const GatherNormCase c = GetParam();
   std::mt19937_64 rng(31);
   const int64_t n = 3, k = c.with_idx ? c.k : c.rows;
-  SetTwin s(*cpu, *gpu, n, c.rows, c.cols, DType::F32, DType::F32, c.m, rng);
-  SetTwin t(*cpu, *gpu, n, c.rows, c.cols, DType::F32, DType::F32, c.m, rng);  // the two-pass path's
+  const int64_t sr = c.columns ? c.cols : c.rows, sc = c.columns ? c.rows : c.cols;  // stored
+  SetTwin s(*cpu, *gpu, n, sr, sc, DType::F32, DType::F32, c.m, rng);
+  SetTwin t(*cpu, *gpu, n, sr, sc, DType::F32, DType::F32, c.m, rng);  // the two-pass path's
+  for (SetTwin* x : {&s, &t}) {
+    x->hs->columns = x->ds->columns = c.columns;
+    cpu->refresh(*x->hs);
+    gpu->refresh(*x->ds);
+  }
   t.m.set_host(s.m.host_values());
   t.m.upload();
+  // M's values in the set's row-major order.
+  std::vector<float> mv = s.m.host_values();
+  if (c.columns) {
+    std::vector<float> tr(mv.size());
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t r = 0; r < sr; ++r)
+        for (int64_t q = 0; q < sc; ++q) tr[(i * sc + q) * sr + r] = mv[(i * sr + r) * sc + q];
+    mv = tr;
+  }
   const std::vector<int32_t> idx = random_row_sets(n, c.rows, k, rng);
   dion3::DeviceBuffer didx(gpu->allocator(), idx.size() * 4);
   gpu->copy_from_host(didx.get(), idx.data(), idx.size() * 4);
   const int32_t* hidx = c.with_idx ? idx.data() : nullptr;
   const int32_t* di = c.with_idx ? didx.as<int32_t>() : nullptr;
   Twin ss(*gpu, DType::F32, n, 1, 1);
-  ss.set_host(selected_sums(row_sums_of_squares(s.m.host_values(), c.cols), hidx, n, c.rows, k));
+  ss.set_host(selected_sums(row_sums_of_squares(mv, c.cols), hidx, n, c.rows, k));
   ss.upload();
   const dion3::NormGuard eps = c.norm;
   Twin out(*gpu, c.out, n, k, c.cols);
@@ -259,7 +282,10 @@ INSTANTIATE_TEST_SUITE_P(
                       GatherNormCase{DType::F16, DType::F16, true, 64, 97, 64, 1.0f},
                       // Scales other than 1 / (norm + 1e-7): a floor above the norm, a large eps added.
                       GatherNormCase{DType::BF16, DType::BF16, true, 300, 2048, 75, 0.9f, {1e5f, true}},
-                      GatherNormCase{DType::F32, DType::F32, false, 40, 130, 40, 0.95f, {50.0f, false}}));
+                      GatherNormCase{DType::F32, DType::F32, false, 40, 130, 40, 0.95f, {50.0f, false}},
+                      // Column-stepped: 16-bit rows of odd length, several gather tiles each way.
+                      GatherNormCase{DType::BF16, DType::F16, true, 300, 77, 75, 0.9f, {}, true},
+                      GatherNormCase{DType::F32, DType::BF16, false, 40, 130, 40, 1.0f, {}, true}));
 
 // ---- apply_update -----------------------------------------------------------------------------
 struct UpdCase { DType w; bool with_idx, normuon, cautious; };
