@@ -64,17 +64,22 @@ def test_transposed_steps_like_a_plain_group_on_the_transposed_copy(device, dtyp
         opt.step()
         plain.step()
     # The same selection, normalisation and learning rate: the weights agree to the
-    # orthogonalizer's precision (the column path normalises the gathered input in a pass of its
-    # own; blocks gathered by columns and by rows round apart a little more than whole matrices).
-    tol = (1e-5 if blocks else 2e-6) if device == "cpu" and dtype == torch.float32 else 2e-2
+    # orthogonalizer's precision (the column path sums the norm in another order; Muon steps the
+    # stored matrix as it is; blocks gathered by columns and by rows round apart a little more than
+    # whole matrices). CUDA iterates in 16 bits; there updates a little apart can round a bf16
+    # weight to neighbouring values, up to two units in the last place of the largest weight.
+    exact = device == "cpu" and dtype == torch.float32
+    tol = (1e-5 if blocks else 2e-6) if exact else 2e-2
     for i, (p, q, w) in enumerate(zip(ps, qs, ws)):
         moved = (q.detach().float() - w.transpose(-2, -1).float()).abs().max().item()
         err = (p.detach().float().transpose(-2, -1) - q.detach().float()).abs().max().item()
-        assert moved > 0 and err <= tol * moved, f"{algorithm} {dtype} parameter {i}: {err:.3g} of a change {moved:.3g}"
+        ulps = 2 * 2.0 ** -7 * q.detach().float().abs().max().item() if dtype == torch.bfloat16 else 0.0
+        assert moved > 0 and err <= tol * moved + ulps, \
+            f"{algorithm} {dtype} parameter {i}: {err:.3g} of a change {moved:.3g}"
     if algorithm != "muon":
         for p, q in zip(ps, qs):
             v, u = opt.state[p]["variance_neuron"].flatten(), plain.state[q]["variance_neuron"].flatten()
-            assert torch.allclose(v, u, rtol=1e-4 if dtype == torch.float32 else 5e-2, atol=0), (v - u).abs().max()
+            assert torch.allclose(v, u, rtol=1e-4 if exact else 5e-2, atol=0), (v - u).abs().max()
         assert all(mb["columns"] for mb in opt.plan())
     if blocks:  # every block of every matrix a member
         assert sum(mb["count"] for mb in opt.plan()) == blocks["num_heads"] * (3 + 4)
