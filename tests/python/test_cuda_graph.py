@@ -86,17 +86,24 @@ def test_an_lr_scheduler_drives_the_replayed_step():
 
 def test_capture_refuses_a_parameter_without_gradient_and_recaptures_after_a_plan_change():
     mats, _ = _model(2)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in mats]
+    eager = dion3.Dion3(twins, lr=0.02)
     wrapped = dion3.cuda_graph.CudaGraphOptimizer(dion3.Dion3(mats, lr=0.02), warmup_steps=1)
-    for p in mats[:3]:
+    for p, q in zip(mats[:3], twins[:3]):
         p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
     wrapped.step()  # eager
+    eager.step()
     with pytest.raises(RuntimeError, match=r"parameter 3 'group0.param3' of group 0 requires grad but has no gradient"):
         wrapped.step()
     mats[3].grad = torch.randn_like(mats[3])
-    wrapped.step()  # eager: the engine is rebuilt for all four parameters
-    assert not wrapped.captured
+    twins[3].grad = mats[3].grad.clone()
+    # One process plans every parameter from the first step (a gradient that is absent is read so
+    # on the device): its arrival needs no eager step before the capture, which steps all four.
     wrapped.step()
+    eager.step()
     assert wrapped.captured
+    assert all(torch.equal(p, q) for p, q in zip(mats, twins))
     wrapped.param_groups[0]["fraction"] = 0.5  # the plan changes: the graph cannot follow
     wrapped.step()
     assert not wrapped.captured
