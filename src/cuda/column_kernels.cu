@@ -152,6 +152,10 @@ __global__ void gather_columns_kernel(const DeviceMat* __restrict__ mats, int64_
   }
 }
 
+// Elements from one band row of the column update to the next (see update_columns_kernel).
+template <class TW>
+__host__ __device__ constexpr int64_t band_pitch(int64_t chunk) { return chunk + 16 / static_cast<int64_t>(sizeof(TW)); }
+
 // The first position of a sorted run of n column indices holding one >= c (n if none).
 __device__ int64_t first_at_least(const int32_t* sorted, int64_t n, int64_t c) {
   int64_t lo = 0, hi = n;
@@ -176,8 +180,11 @@ __global__ void update_columns_kernel(const DeviceMat* __restrict__ mats, int64_
                                       const float* __restrict__ inv, const float* __restrict__ factor,
                                       int64_t chunk, const int* skip) {
   extern __shared__ __align__(16) unsigned char band_bytes[];
-  TW* const band = reinterpret_cast<TW*>(band_bytes);  // kBandRows x chunk
-  uint32_t* const selected = reinterpret_cast<uint32_t*>(band + kBandRows * chunk);  // bit per chunk column
+  // kBandRows x chunk, rows band_pitch apart: 16 bytes more than a row, so that the threads that
+  // walk one column down the band (the selected update) reach different shared-memory banks.
+  const int64_t pitch = band_pitch<TW>(chunk);
+  TW* const band = reinterpret_cast<TW*>(band_bytes);
+  uint32_t* const selected = reinterpret_cast<uint32_t*>(band + kBandRows * pitch);  // bit per chunk column
   pdl_wait();
   if (skipped(skip)) return;
   const int64_t i = blockIdx.y, chunks = (cols + chunk - 1) / chunk;
@@ -199,10 +206,10 @@ __global__ void update_columns_kernel(const DeviceMat* __restrict__ mats, int64_
       if (rr < nr && has_pack) p[rr] = reinterpret_cast<const uint4*>(w + rr * ldw)[tid];
 #pragma unroll
     for (int rr = 0; rr < kBandRows; ++rr)
-      if (rr < nr && has_pack) reinterpret_cast<uint4*>(band + rr * chunk)[tid] = p[rr];
+      if (rr < nr && has_pack) reinterpret_cast<uint4*>(band + rr * pitch)[tid] = p[rr];
   } else {
     for (int64_t rr = 0; rr < nr; ++rr)
-      for (int64_t c = tid; c < nc; c += nt) band[rr * chunk + c] = w[rr * ldw + c];
+      for (int64_t c = tid; c < nc; c += nt) band[rr * pitch + c] = w[rr * ldw + c];
   }
   // The entries whose columns lie in the chunk: [s_lo, s_hi) of the ascending selection.
   __shared__ int64_t s_range[2];
@@ -225,7 +232,7 @@ __global__ void update_columns_kernel(const DeviceMat* __restrict__ mats, int64_
     if (rr == 0) atomicOr(&selected[c >> 5], 1u << (c & 31));
     float l = lr;
     if (inv != nullptr) l *= inv[i * k + s] * factor[i];
-    TW* b = band + rr * chunk + c;
+    TW* b = band + rr * pitch + c;
     const float wv = to_f32(*b), x = to_f32(O[i * o_bstride + s * o_ld + r0 + rr]) * l;
     float dec = decay;
     if (cautious && !(x * wv > 0.0f)) dec = 1.0f;
@@ -242,7 +249,7 @@ __global__ void update_columns_kernel(const DeviceMat* __restrict__ mats, int64_
 #pragma unroll
     for (int rr = 0; rr < kBandRows; ++rr) {
       if (rr >= nr) break;
-      uint4 p = reinterpret_cast<const uint4*>(band + rr * chunk)[tid];
+      uint4 p = reinterpret_cast<const uint4*>(band + rr * pitch)[tid];
       if (!keep_others) {
         TW* e = reinterpret_cast<TW*>(&p);
 #pragma unroll
@@ -257,7 +264,7 @@ __global__ void update_columns_kernel(const DeviceMat* __restrict__ mats, int64_
     for (int64_t c = tid; c < nc; c += nt) {
       const bool sel = (selected[c >> 5] >> (c & 31)) & 1u;
       if (!sel && keep_others) continue;  // unchanged
-      const TW v = band[rr * chunk + c];
+      const TW v = band[rr * pitch + c];
       w[rr * ldw + c] = sel ? v : from_f32<TW>(to_f32(v) * decay);
     }
 }
@@ -350,7 +357,7 @@ void launch_update_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, i
       const int64_t chunk = std::min<int64_t>(kBandBytes / (kBandRows * sizeof(TW)), (cols + 31) / 32 * 32);
       const int64_t blocks = ((rows + kBandRows - 1) / kBandRows) * ((cols + chunk - 1) / chunk);
       if (blocks > 0x7fffffff) fail("apply_update: too many row bands in a matrix stepped by columns");
-      const std::size_t smem = kBandRows * chunk * sizeof(TW) + chunk / 8;
+      const std::size_t smem = kBandRows * band_pitch<TW>(chunk) * sizeof(TW) + chunk / 8;
       launch_pdl(update_columns_kernel<TW, TO>, dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(nmats)),
                  kColumnThreads, smem, s, mats, rows, cols, idx, k, static_cast<const TO*>(O.data) + p.o_col_offset,
                  O.ld, obs, p.decay, p.adjusted_lr, p.cautious_wd, inv, factor, chunk, skip);
