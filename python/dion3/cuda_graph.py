@@ -118,8 +118,12 @@ class CudaGraphOptimizer(torch.optim.Optimizer):
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
-                inner.step()
+            # A capture the engine declines records nothing; PyTorch's warning about the empty
+            # graph would only alarm the user.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+                with torch.cuda.graph(graph):
+                    inner.step()
         except CaptureNotReady:
             # The parameters with gradients changed since the last eager step: take this one
             # eagerly (the engine is rebuilt for them) and capture at the next.
