@@ -172,7 +172,8 @@ __device__ int64_t first_at_least(const int32_t* sorted, int64_t n, int64_t c) {
 // (the entries of the ascending idx in the chunk, found by a binary search; O's rows read
 // kBandRows values at a time) take W*decay - lr'*O[s, r] (cautious: no decay where the update and
 // the weight differ in sign), lr' times NorMuon's factors with inv; the other columns take the
-// decay (none under cautious decay, their update being zero, nor without decay: not written).
+// decay (none under cautious decay, their update being zero, nor without decay: written back only
+// as they were read, where they share a 16-byte pack with a selected column).
 template <class TW, class TO>
 __global__ void update_columns_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols,
                                       const int32_t* __restrict__ idx, int64_t k, const TO* __restrict__ O,
@@ -228,7 +229,7 @@ __global__ void update_columns_kernel(const DeviceMat* __restrict__ mats, int64_
   for (int64_t e = tid; e < (s_hi - s_lo) * kBandRows; e += nt) {
     const int64_t s = s_lo + e / kBandRows, rr = e % kBandRows;
     const int64_t c = (idx ? idx[i * k + s] : s) - c0;
-    if (rr >= nr) continue;
+    if (rr >= nr || c < 0 || c >= nc) continue;  // a list out of order: no write outside the band
     if (rr == 0) atomicOr(&selected[c >> 5], 1u << (c & 31));
     float l = lr;
     if (inv != nullptr) l *= inv[i * k + s] * factor[i];
@@ -320,7 +321,7 @@ void launch_gather_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, i
     return;
   }
   const int64_t rtiles = (rows + kTile - 1) / kTile;
-  if ((k + kTile - 1) / kTile > 65535) fail("gather_rows: more than 2^21 selected columns per matrix");
+  if ((k + kTile - 1) / kTile > 65535) fail("gather of columns: more than 2^21 selected columns per matrix");
   const dim3 grid(static_cast<unsigned>(rtiles), static_cast<unsigned>(nmats), ceil_div_u(k, kTile));
   const dim3 block(kTile, kTileRowsPerPass);
   const int64_t obs = out.batch > 1 ? out.batch_stride : k * out.ld;

@@ -93,7 +93,7 @@ struct CudaMatrixSet final : MatrixSet {
   DType wdt = DType::F32, gdt = DType::F32, mdt = DType::F32;
   std::size_t uploaded_count = 0;
   std::vector<DeviceMat> uploaded_table;  // what the device table holds (a step that changes nothing skips the copy)
-  bool vec = false;  // all rows of W, G, M start 4-element aligned and cols % 4 == 0
+  bool vec = false;  // all stored rows of W, G, M start 4-element aligned and their width % 4 == 0
   ~CudaMatrixSet() override {
     if (uploaded) { cudaEventSynchronize(uploaded); cudaEventDestroy(uploaded); }
     if (host) cudaFreeHost(host);

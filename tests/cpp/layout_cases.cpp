@@ -133,9 +133,9 @@ std::vector<double> exported(const dion3::OptimizerState& st, int param, const s
 void expect_matches(const dion3::OptimizerState& st, const DistParam& d, const RankBackend& be, const std::string& where,
                     int step) {
   const std::vector<double> want = d.held(d.W);
-  // A 16-bit iteration moves each weight by lr times an orthogonalized entry off by its rounding:
-  // up to a tenth in bf16 on the smallest blocks (a 1 x 1 or 3 x 3 head), whose few entries
-  // average nothing out of Polar Express's first step (terms twenty times its result cancel).
+  // A 16-bit iteration moves each weight by lr times an orthogonalized entry off by its rounding,
+  // most on the smallest blocks (a 1 x 1 or 3 x 3 head): their few entries average nothing out,
+  // and Polar Express's first step cancels terms much larger than its result.
   const bool f32 = be.iteration == DType::F32;
   const double off = f32 ? 0.0 : 0.1;
   const double tol = weight_tol(DType::F32, max_abs(d.W), 0.02 * step) + off * 0.02 * step;

@@ -299,55 +299,56 @@ TEST(Orthogonalize, GatherNormalizedIsGatherThenNormalize) {
   const int n = 2, rows = 12, cols = 20, k = 5;
   const float decay = 0.9f;
   const dion3::NormGuard eps;
-  for (const bool columns : {false, true})
-  for (DType mdt : {DType::F32, DType::BF16}) {
-    const int sr = columns ? cols : rows, sc = columns ? rows : cols;  // stored shape
-    t3::Buffer w(DType::F32, {n, sr, sc}), g(DType::F32, {n, sr, sc}, t3::gaussian(n * sr, sc, rng));
-    t3::Buffer m1(mdt, {n, sr, sc}, t3::gaussian(n * sr, sc, rng)), m2 = m1;
-    auto set_of = [&](t3::Buffer& m) {
-      auto set = be->new_matrix_set();
-      set->columns = columns;
+  for (const bool columns : {false, true}) {
+    for (DType mdt : {DType::F32, DType::BF16}) {
+      const int sr = columns ? cols : rows, sc = columns ? rows : cols;  // stored shape
+      t3::Buffer w(DType::F32, {n, sr, sc}), g(DType::F32, {n, sr, sc}, t3::gaussian(n * sr, sc, rng));
+      t3::Buffer m1(mdt, {n, sr, sc}, t3::gaussian(n * sr, sc, rng)), m2 = m1;
+      auto set_of = [&](t3::Buffer& m) {
+        auto set = be->new_matrix_set();
+        set->columns = columns;
+        for (int i = 0; i < n; ++i) {
+          dion3::ParamMatrix pm;
+          pm.weight = w.matrix(n, sr, sc).at(i);
+          pm.grad = g.matrix(n, sr, sc).at(i);
+          pm.momentum = m.matrix(n, sr, sc).at(i);
+          set->mats.push_back(pm);
+        }
+        be->refresh(*set);
+        return set;
+      };
+      auto s1 = set_of(m1), s2 = set_of(m2);
+      std::vector<float> scores(n * rows), ss(n * rows);
+      be->accumulate(*s1, 1.0f, 1.0f, scores.data(), ss.data(), nullptr);
+      be->accumulate(*s2, 1.0f, 1.0f, nullptr, nullptr, nullptr);
+      std::vector<int32_t> idx(n * k);
+      std::vector<float> selected(n);
+      be->select_rows(scores.data(), n, rows, k, idx.data(), nullptr, nullptr, ss.data(), selected.data());
       for (int i = 0; i < n; ++i) {
-        dion3::ParamMatrix pm;
-        pm.weight = w.matrix(n, sr, sc).at(i);
-        pm.grad = g.matrix(n, sr, sc).at(i);
-        pm.momentum = m.matrix(n, sr, sc).at(i);
-        set->mats.push_back(pm);
+        double want = 0.0;
+        for (int j = 0; j < k; ++j) want += ss[i * rows + idx[i * k + j]];
+        ASSERT_NEAR(selected[i], want, 1e-6 * want) << i;
       }
-      be->refresh(*set);
-      return set;
-    };
-    auto s1 = set_of(m1), s2 = set_of(m2);
-    std::vector<float> scores(n * rows), ss(n * rows);
-    be->accumulate(*s1, 1.0f, 1.0f, scores.data(), ss.data(), nullptr);
-    be->accumulate(*s2, 1.0f, 1.0f, nullptr, nullptr, nullptr);
-    std::vector<int32_t> idx(n * k);
-    std::vector<float> selected(n);
-    be->select_rows(scores.data(), n, rows, k, idx.data(), nullptr, nullptr, ss.data(), selected.data());
-    for (int i = 0; i < n; ++i) {
-      double want = 0.0;
-      for (int j = 0; j < k; ++j) want += ss[i * rows + idx[i * k + j]];
-      ASSERT_NEAR(selected[i], want, 1e-6 * want) << i;
+      t3::Buffer fused(DType::F32, {n, k, cols}), u(DType::F32, {n, k, cols}), two(DType::F32, {n, k, cols});
+      be->gather_normalized(*s1, idx.data(), k, decay, selected.data(), eps, fused.matrix(n, k, cols), nullptr);
+      be->gather_rows(*s2, idx.data(), k, 1.0f, 0.0f, decay, u.matrix(n, k, cols), nullptr, nullptr);
+      be->normalize(u.matrix(n, k, cols), two.matrix(n, k, cols), eps, nullptr, false);
+      const std::vector<double> a = fused.values(), b = two.values();
+      for (std::size_t i = 0; i < a.size(); ++i)
+        ASSERT_NEAR(a[i], b[i], 1e-6) << dion3::dtype_name(mdt) << (columns ? " by columns " : " ") << i;
+      // Normalised into the transpose: the same values, transposed; an output of in's own shape is
+      // refused.
+      t3::Buffer tr(DType::F32, {n, cols, k});
+      be->normalize(u.matrix(n, k, cols), tr.matrix(n, cols, k), eps, nullptr, true);
+      const std::vector<double> t = tr.values();
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t r = 0; r < k; ++r)
+          for (int64_t c = 0; c < cols; ++c)
+            ASSERT_EQ(t[(i * cols + c) * k + r], b[(i * k + r) * cols + c]) << dion3::dtype_name(mdt);
+      EXPECT_THROW(be->normalize(u.matrix(n, k, cols), two.matrix(n, k, cols), eps, nullptr, true), dion3::Error);
+      EXPECT_EQ(m1.values(), m2.values()) << dion3::dtype_name(mdt);
+      EXPECT_NE(m1.values(), t3::Buffer(mdt, {n, rows, cols}).values());
     }
-    t3::Buffer fused(DType::F32, {n, k, cols}), u(DType::F32, {n, k, cols}), two(DType::F32, {n, k, cols});
-    be->gather_normalized(*s1, idx.data(), k, decay, selected.data(), eps, fused.matrix(n, k, cols), nullptr);
-    be->gather_rows(*s2, idx.data(), k, 1.0f, 0.0f, decay, u.matrix(n, k, cols), nullptr, nullptr);
-    be->normalize(u.matrix(n, k, cols), two.matrix(n, k, cols), eps, nullptr, false);
-    const std::vector<double> a = fused.values(), b = two.values();
-    for (std::size_t i = 0; i < a.size(); ++i)
-      ASSERT_NEAR(a[i], b[i], 1e-6) << dion3::dtype_name(mdt) << (columns ? " by columns " : " ") << i;
-    // Normalised into the transpose: the same values, transposed; an output of in's own shape is
-    // refused.
-    t3::Buffer tr(DType::F32, {n, cols, k});
-    be->normalize(u.matrix(n, k, cols), tr.matrix(n, cols, k), eps, nullptr, true);
-    const std::vector<double> t = tr.values();
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t r = 0; r < k; ++r)
-        for (int64_t c = 0; c < cols; ++c)
-          ASSERT_EQ(t[(i * cols + c) * k + r], b[(i * k + r) * cols + c]) << dion3::dtype_name(mdt);
-    EXPECT_THROW(be->normalize(u.matrix(n, k, cols), two.matrix(n, k, cols), eps, nullptr, true), dion3::Error);
-    EXPECT_EQ(m1.values(), m2.values()) << dion3::dtype_name(mdt);
-    EXPECT_NE(m1.values(), t3::Buffer(mdt, {n, rows, cols}).values());
   }
 }
 

@@ -32,6 +32,7 @@ struct StepCase {
   bool ema = false;  // ema_momentum (torch.optim.Muon's averaged momentum)
   bool transposed = false;  // matrices stored (in, out): Dion3 and NorMuon step them by columns
   int64_t heads = 0;        // num_heads: blocks of rows (transposed: of stored columns)
+  double weight_decay = 0.05;  // 0: unselected weights keep their values (not rewritten)
 };
 
 class StepParity : public ct::CudaTest, public ::testing::WithParamInterface<StepCase> {};
@@ -52,7 +53,7 @@ TEST_P(StepParity, SeveralSteps) {
   g.algorithm = c.algo;
   g.lr = 0.02;
   g.fraction = c.fraction;
-  g.weight_decay = 0.05;
+  g.weight_decay = c.weight_decay;
   g.nesterov = c.nesterov;
   g.cautious_wd = c.cautious;
   g.ema_momentum = c.ema;
@@ -176,7 +177,9 @@ INSTANTIATE_TEST_SUITE_P(
                       StepCase{"muon_transposed", Algorithm::Muon, 1.0, DType::F32, DType::F32, false, false,
                                dion3::OrthMethod::Auto, false, true},
                       StepCase{"dion3_f025_transposed_heads", Algorithm::Dion3, 0.25, DType::F32, DType::F32, false,
-                               false, dion3::OrthMethod::Auto, false, true, 2}),
+                               false, dion3::OrthMethod::Auto, false, true, 2},
+                      StepCase{"dion3_f025_bf16_transposed_no_decay", Algorithm::Dion3, 0.25, DType::BF16, DType::F32,
+                               false, false, dion3::OrthMethod::Auto, false, true, 0, 0.0}),
     [](const auto& i) { return i.param.name; });
 
 // A non-finite gradient: step() under Raise throws and counts nothing (the exported state is
