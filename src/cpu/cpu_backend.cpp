@@ -648,38 +648,38 @@ class CpuBackend final : public Backend {
   }
 
  private:
-  // Column-stepped sets (MatrixSet::columns): each stored matrix is read whole, worked on column
-  // by column, and written back; the row of the set is the stored column.
-  static void load_stored(const MatrixView& v, std::vector<float>& out) {
-    out.resize(static_cast<std::size_t>(v.rows * v.cols));
-    for (int64_t r = 0; r < v.rows; ++r) load_row(v, 0, r, out.data() + r * v.cols);
-  }
-  static void store_stored(const MatrixView& v, const std::vector<float>& in) {
-    for (int64_t r = 0; r < v.rows; ++r) store_row(v, 0, r, in.data() + r * v.cols);
-  }
+  // Column-stepped sets (MatrixSet::columns): the row of the set is the stored column. Each pass
+  // streams a stored matrix a row at a time (read, worked on, written back), so that it moves
+  // along memory once; what a stored row gives each selected column is kept in a selected x
+  // stored-rows buffer, which the walk down the rows fills a column at a time.
 
   void accumulate_columns(const MatrixSet& set, float decay, float gs, float* scores, float* row_sumsq) {
     const int64_t n = set.rows();  // stored columns
     struct Buffers {
       std::vector<float> m, g;
+      std::vector<double> l1, sq;
     };
     cpu::parallel_for(static_cast<int64_t>(set.mats.size()), elements_of(set), [] { return Buffers{}; },
                       [&](Buffers& buf, int64_t i) {
       const ParamMatrix& p = set.mats[i];
-      load_stored(p.momentum, buf.m);
-      load_stored(p.grad, buf.g);
-      for (std::size_t e = 0; e < buf.m.size(); ++e) buf.m[e] = decay * buf.m[e] + gs * buf.g[e];
-      store_stored(p.momentum, buf.m);
-      std::vector<double> l1(n, 0.0), sq(n, 0.0);
-      for (int64_t r = 0; r < p.momentum.rows; ++r)
-        for (int64_t c = 0; c < n; ++c) {  // of the values as stored
-          const double v = cpu::round_to(p.momentum.dtype, buf.m[r * n + c]);
-          l1[c] += std::fabs(v);
-          sq[c] += v * v;
+      buf.m.resize(n);
+      buf.g.resize(n);
+      buf.l1.assign(n, 0.0);
+      buf.sq.assign(n, 0.0);
+      for (int64_t r = 0; r < p.momentum.rows; ++r) {
+        load_row(p.momentum, 0, r, buf.m.data());
+        load_row(p.grad, 0, r, buf.g.data());
+        for (int64_t c = 0; c < n; ++c) buf.m[c] = decay * buf.m[c] + gs * buf.g[c];
+        store_row(p.momentum, 0, r, buf.m.data());
+        for (int64_t c = 0; c < n; ++c) {  // of the values as stored, summed in row order
+          const double v = cpu::round_to(p.momentum.dtype, buf.m[c]);
+          buf.l1[c] += std::fabs(v);
+          buf.sq[c] += v * v;
         }
+      }
       for (int64_t c = 0; c < n; ++c) {
-        if (scores) scores[i * n + c] = static_cast<float>(l1[c]);
-        if (row_sumsq) row_sumsq[i * n + c] = static_cast<float>(sq[c]);
+        if (scores) scores[i * n + c] = static_cast<float>(buf.l1[c]);
+        if (row_sumsq) row_sumsq[i * n + c] = static_cast<float>(buf.sq[c]);
       }
     });
   }
@@ -694,29 +694,38 @@ class CpuBackend final : public Backend {
     cpu::parallel_for(static_cast<int64_t>(set.mats.size()), elements_of(set), [] { return Buffers{}; },
                       [&](Buffers& buf, int64_t i) {
       const ParamMatrix& p = set.mats[i];
-      load_stored(p.momentum, buf.m);
-      if (scale_g != 0.0f) load_stored(p.grad, buf.g);
-      buf.u.resize(m);
-      for (int64_t s = 0; s < k; ++s) {
-        const int64_t c = idx ? idx[i * k + s] : s;
-        if (c >= n) {  // padding
-          std::fill(buf.u.begin(), buf.u.end(), 0.0f);
-        } else {
-          for (int64_t r = 0; r < m; ++r)
-            buf.u[r] = scale_m * buf.m[r * n + c] + (scale_g != 0.0f ? scale_g * buf.g[r * n + c] : 0.0f);
-          if (inv)
-            for (int64_t r = 0; r < m; ++r) buf.u[r] *= inv[i];
-          if (decay != 1.0f)
-            for (int64_t r = 0; r < m; ++r) buf.m[r * n + c] *= decay;
+      const int32_t* sel = idx ? idx + i * k : nullptr;
+      buf.m.resize(n);
+      buf.g.resize(n);
+      buf.u.assign(static_cast<std::size_t>(k * m), 0.0f);  // padding entries stay zero rows
+      for (int64_t r = 0; r < m; ++r) {
+        load_row(p.momentum, 0, r, buf.m.data());
+        if (scale_g != 0.0f) load_row(p.grad, 0, r, buf.g.data());
+        for (int64_t s = 0; s < k; ++s) {
+          const int64_t c = sel ? sel[s] : s;
+          if (c >= n) continue;
+          float& u = buf.u[s * m + r];
+          u = scale_m * buf.m[c] + (scale_g != 0.0f ? scale_g * buf.g[c] : 0.0f);
+          if (inv) u *= inv[i];
         }
-        if (out.data) store_row(out, i, s, buf.u.data());
+        if (decay != 1.0f) {
+          for (int64_t s = 0; s < k; ++s) {
+            const int64_t c = sel ? sel[s] : s;
+            if (c < n) buf.m[c] *= decay;
+          }
+          store_row(p.momentum, 0, r, buf.m.data());
+        }
+      }
+      for (int64_t s = 0; s < k; ++s) {
+        const float* u = buf.u.data() + s * m;
+        if (out.data) store_row(out, i, s, u);
         if (row_sumsq && out.data) {
           double ss = 0.0;
-          for (float v : buf.u) ss += static_cast<double>(cpu::round_to(out.dtype, v)) * cpu::round_to(out.dtype, v);
+          for (int64_t r = 0; r < m; ++r)
+            ss += static_cast<double>(cpu::round_to(out.dtype, u[r])) * cpu::round_to(out.dtype, u[r]);
           row_sumsq[i * k + s] = static_cast<float>(ss);
         }
       }
-      if (decay != 1.0f) store_stored(p.momentum, buf.m);
     });
   }
 
@@ -742,18 +751,20 @@ class CpuBackend final : public Backend {
         f = normuon_factors(buf.o, k, n, O.cols, pm.variance, idx ? idx + i * k : nullptr, beta2,
                             buf.row_factor.data());
       }
-      load_stored(pm.weight, buf.w);
-      for (int64_t r = 0; r < m; ++r)
+      buf.w.resize(n);
+      for (int64_t r = 0; r < m; ++r) {
+        load_row(pm.weight, 0, r, buf.w.data());
         for (int64_t c = 0; c < n; ++c) {
           const int32_t s = buf.target[c];
           float uc = s >= 0 ? buf.o[s * O.cols + p.o_col_offset + r] : 0.0f;
           if (s >= 0 && p.normuon) uc = uc * buf.row_factor[s] * f;
-          float& w = buf.w[r * n + c];
+          float& w = buf.w[c];
           float d = decay;
           if (p.cautious_wd && !(uc * w > 0.0f)) d = 1.0f;
           w = w * d - adjusted_lr * uc;
         }
-      store_stored(pm.weight, buf.w);
+        store_row(pm.weight, 0, r, buf.w.data());
+      }
     });
   }
 
