@@ -661,6 +661,9 @@ void Optimizer::Impl::build_plan() {
     if (is_matrix_algorithm(groups[params[i].group].algorithm)) blocks_of[i] = row_blocks(i);
   plan_valid = false;  // until it is built whole
   megabatches.clear();
+  // Sized afresh for the new plan at its first use: grown later, it would leave the sets bound
+  // before the growth pointing at freed memory.
+  zeros = DeviceBuffer();
   // Communicators are keyed by their order of first appearance, never by address: every rank
   // must build its megabatches (and so start its collectives) in the same order.
   std::vector<const Communicator*> comms;

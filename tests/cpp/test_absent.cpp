@@ -107,6 +107,44 @@ TEST(Absent, ParametersWithoutAGradientAreLeftAloneAndTheOthersStepAsWithoutThem
   }
 }
 
+// New blocks after a step with a parameter absent: the zeros absent parameters read are sized for
+// the new plan before any of its matrices is bound to them (a larger block bound after a smaller
+// one must not move them), and the absent parameter stays as it was.
+TEST(Absent, NewBlocksWithAParameterAbsentStepAsAlone) {
+  for (const Algorithm a : {Algorithm::NorMuon, Algorithm::Dion3, Algorithm::Muon}) {
+    const std::string name = dion3::algorithm_name(a);
+    Rng rng(7);
+    GroupConfig g;
+    g.algorithm = a;
+    g.lr = 0.05;
+    g.fraction = 0.25;
+    g.num_heads = 6;
+    Harness h, alone;
+    const int gi = h.opt.add_group(g), ga = alone.opt.add_group(g);
+    HostParam& p = h.add(gi, "p", DType::F32, {96, 5}, rng);
+    HostParam& idle = h.add(gi, "idle", DType::F32, {96, 5}, rng);
+    Rng unused(0);
+    HostParam& q = alone.add(ga, "p", DType::F32, {96, 5}, unused);
+    q.w.bytes = p.w.bytes;
+    for (int step = 0; step < 3; ++step) {
+      if (step == 1) {  // blocks of 16 rows, then of 6 and 90: the smaller bound first
+        g.num_heads = 0;
+        g.split_sizes = {6, 90};
+        h.opt.set_group(gi, g);
+        alone.opt.set_group(ga, g);
+      }
+      h.randomize_grads(rng);
+      q.g.bytes = p.g.bytes;
+      h.opt.clear_grad(idle.index);
+      const std::vector<unsigned char> before = t3::snapshot(h.opt, {&idle});
+      ASSERT_TRUE(h.opt.step()) << name << ", step " << step;
+      ASSERT_TRUE(alone.opt.step()) << name << ", step " << step;
+      EXPECT_EQ(t3::snapshot(h.opt, {&idle}), before) << name << ", step " << step << ": moved without a gradient";
+      EXPECT_LE(t3::rel_max_diff(p.w.values(), q.w.values()), 1e-6) << name << ", step " << step;
+    }
+  }
+}
+
 // A parameter's exported step count (ParamState::step) counts the steps that stepped it.
 TEST(Absent, ExportedStepCountsLeaveOutTheStepsWithoutAGradient) {
   Rng rng(6);
