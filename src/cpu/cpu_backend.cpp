@@ -701,20 +701,15 @@ class CpuBackend final : public Backend {
       for (int64_t r = 0; r < m; ++r) {
         load_row(p.momentum, 0, r, buf.m.data());
         if (scale_g != 0.0f) load_row(p.grad, 0, r, buf.g.data());
-        for (int64_t s = 0; s < k; ++s) {
+        for (int64_t s = 0; s < k; ++s) {  // a selection names each column once
           const int64_t c = sel ? sel[s] : s;
           if (c >= n) continue;
           float& u = buf.u[s * m + r];
           u = scale_m * buf.m[c] + (scale_g != 0.0f ? scale_g * buf.g[c] : 0.0f);
           if (inv) u *= inv[i];
+          if (decay != 1.0f) buf.m[c] *= decay;
         }
-        if (decay != 1.0f) {
-          for (int64_t s = 0; s < k; ++s) {
-            const int64_t c = sel ? sel[s] : s;
-            if (c < n) buf.m[c] *= decay;
-          }
-          store_row(p.momentum, 0, r, buf.m.data());
-        }
+        if (decay != 1.0f) store_row(p.momentum, 0, r, buf.m.data());
       }
       for (int64_t s = 0; s < k; ++s) {
         const float* u = buf.u.data() + s * m;

@@ -156,17 +156,6 @@ __global__ void gather_columns_kernel(const DeviceMat* __restrict__ mats, int64_
 template <class TW>
 __host__ __device__ constexpr int64_t band_pitch(int64_t chunk) { return chunk + 16 / static_cast<int64_t>(sizeof(TW)); }
 
-// The first position of a sorted run of n column indices holding one >= c (n if none).
-__device__ int64_t first_at_least(const int32_t* sorted, int64_t n, int64_t c) {
-  int64_t lo = 0, hi = n;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi) / 2;
-    if (sorted[mid] < c) lo = mid + 1;
-    else hi = mid;
-  }
-  return lo;
-}
-
 // The update of one band of kBandRows stored rows x `chunk` columns, staged in shared memory so
 // that the weights are read and written once, along their rows: the selected columns of the band
 // (the entries of the ascending idx in the chunk, found by a binary search; O's rows read
@@ -219,8 +208,8 @@ __global__ void update_columns_kernel(const DeviceMat* __restrict__ mats, int64_
       s_range[0] = min(c0, k);
       s_range[1] = min(c0 + nc, k);
     } else {
-      s_range[0] = first_at_least(idx + i * k, k, c0);
-      s_range[1] = first_at_least(idx + i * k, k, c0 + nc);
+      s_range[0] = lower_bound_i32(idx + i * k, k, c0);
+      s_range[1] = lower_bound_i32(idx + i * k, k, c0 + nc);
     }
   }
   __syncthreads();

@@ -145,6 +145,21 @@ struct DeviceMat {
   int64_t ldw, ldg, ldm;
 };
 
+// The first position of the ascending a[0..n) whose value is >= x (n if none).
+__device__ __forceinline__ int64_t lower_bound_i32(const int32_t* a, int64_t n, int64_t x) {
+  int64_t lo = 0;
+  while (n > 0) {
+    const int64_t half = n / 2;
+    if (a[lo + half] < x) {
+      lo += half + 1;
+      n -= half + 1;
+    } else {
+      n = half;
+    }
+  }
+  return lo;
+}
+
 // Warp-wide sum (all 32 lanes); result valid in every lane. Fixed order: reproducible.
 __device__ __forceinline__ float warp_sum(float x) {
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);

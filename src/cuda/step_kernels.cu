@@ -988,23 +988,8 @@ void launch_check_finite(std::span<const MatrixView> xs, int* flag, cudaStream_t
   flush_strided();
 }
 
-
 // ---- remap_rows: one block per list; the list is ascending, so the entries in [lo, hi) are one
 // run, found by two binary searches ------------------------------------------------------------
-__device__ __forceinline__ int64_t lower_bound_i32(const int32_t* a, int64_t n, int64_t x) {
-  int64_t lo = 0;
-  while (n > 0) {
-    const int64_t half = n / 2;
-    if (a[lo + half] < x) {
-      lo += half + 1;
-      n -= half + 1;
-    } else {
-      n = half;
-    }
-  }
-  return lo;
-}
-
 __global__ void remap_rows_kernel(const int32_t* __restrict__ in, int64_t k_in, int64_t lo, int64_t hi,
                                   int64_t k_out, int32_t* __restrict__ out, const int* skip) {
   pdl_wait();
