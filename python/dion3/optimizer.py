@@ -571,6 +571,22 @@ def _bad_value(t: torch.Tensor, second_moment: bool) -> Optional[str]:
     return f"{text} at element {i}; {why}"
 
 
+def _loaded_tensor(value: torch.Tensor, p: torch.Tensor, group: Dict[str, Any], name: str, shape: Tuple[int, ...],
+                   dtype: torch.dtype) -> torch.Tensor:
+    """A saved state tensor as p's state holds it: a copy in `dtype` on p's device, laid out as the
+    engine steps it; this rank's part where p is sharded, the whole where only the saved one was."""
+    fmt = _dist.state_format(p, shape)
+    if _dist.is_dtensor(p) and not _dist.is_dtensor(value):
+        # A single-device (full) checkpoint loaded into a sharded run: keep this rank's part.
+        t = _dist.local_part(value, p, _single_dim(group, name))
+        return t if t.dtype == dtype else t.to(dtype=dtype)
+    if _dist.is_dtensor(value) and not _dist.is_dtensor(p):
+        return value.full_tensor().detach().to(device=p.device, dtype=dtype, copy=True, memory_format=fmt)
+    if _dist.is_dtensor(value):
+        return value.detach().to(dtype=dtype, copy=True, memory_format=fmt)
+    return value.detach().to(device=p.device, dtype=dtype, copy=True, memory_format=fmt)
+
+
 def _without_loaded_tensors(state_dict: Dict[str, Any], groups: List[Dict[str, Any]],
                             loaded: Dict[torch.Tensor, Dict[str, Any]]) -> Dict[str, Any]:
     """The state_dict for torch's load_state_dict without the state tensors dion3 has read and
@@ -726,13 +742,19 @@ class _EngineOptimizer(torch.optim.Optimizer):
                     continue  # frozen and never stepped: no state to start afresh
                 switched = self._kinds.get(p, kind) != kind
                 old = {} if switched else self.state.get(p)
-                if not switched and (not old or old.get("step", 0)):
+                if not old and not switched:
                     continue
                 try:
                     fresh = _state_tensors(g, p, old, state_kind)
                 except (ValueError, RuntimeError):
                     continue  # a group the next step refuses anyway
-                if switched or any(t is not old.get(k) for k, t in fresh.items()):
+                if not switched and old.get("step", 0):
+                    # Stepped state keeps its values; a tensor the group's algorithm needs and the
+                    # state lacks (muon -> dion3: the variance) starts at zero at the next step.
+                    missing = {k: t for k, t in fresh.items() if k not in old}
+                    if missing:
+                        out[p] = dict(old, **missing)
+                elif switched or any(t is not old.get(k) for k, t in fresh.items()):
                     out[p] = dict(fresh, step=0)
         return out
 
@@ -932,20 +954,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         for p, who, group, st, step in plan:
             out: Dict[str, Any] = {"step": step}
             for name, dtype, shape in _state_shapes(group, p, self._state_kind(group)):
-                value = st[name]
-                fmt = _dist.state_format(p, shape)  # laid out as the engine steps it
-                if _dist.is_dtensor(p) and not _dist.is_dtensor(value):
-                    # A single-device (full) checkpoint loaded into a sharded run: keep this rank's part.
-                    t = _dist.local_part(value, p, _single_dim(group, name))
-                    t = t if t.dtype == dtype else t.to(dtype=dtype)
-                elif _dist.is_dtensor(value) and not _dist.is_dtensor(p):
-                    t = value.full_tensor().detach().to(device=p.device, dtype=dtype, copy=True,
-                                                        memory_format=fmt)
-                elif _dist.is_dtensor(value):
-                    t = value.detach().to(dtype=dtype, copy=True, memory_format=fmt)
-                else:
-                    t = value.detach().to(device=p.device, dtype=dtype, copy=True,
-                                          memory_format=fmt)
+                t = _loaded_tensor(st[name], p, group, name, shape, dtype)
                 if problem is None:
                     bad = _bad_value(_dist.local(t), name in _SECOND_MOMENTS)
                     if bad is not None:
@@ -953,6 +962,15 @@ class _EngineOptimizer(torch.optim.Optimizer):
                         problem = (f"dion3: load_state_dict: {who}: state '{name}' ({_dtype_name(dtype)}){shard} "
                                    f"holds {bad}; nothing was loaded")
                 out[name] = t
+            for name, value in st.items():
+                # A second moment the group's algorithm does not use now (dion3 -> muon keeps the
+                # variance for a switch back) keeps its dtype: torch's load would cast it to p's.
+                if name in _SECOND_MOMENTS and name not in out and isinstance(value, torch.Tensor) \
+                        and value.is_floating_point():
+                    try:
+                        out[name] = _loaded_tensor(value, p, group, name, tuple(value.shape), value.dtype)
+                    except (RuntimeError, ValueError):
+                        pass  # shaped for another parameter: left to torch's load, as any other entry
             loaded[p] = out
         self._agree_on_load(problem)
         return loaded
@@ -1290,8 +1308,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
                     snapshot = _plain_snapshot(group, keys)
                 engine.update_group(i, cfg)
             except ValueError as e:
-                # The engine numbers only the groups it holds: name the group as the caller does.
-                msg = str(e).removeprefix(f"dion3: group {i}: ").removeprefix("dion3: ")
+                # The engine numbers only the groups and parameters it holds: name them as the caller does.
+                msg = self._shown_parameters(str(e).removeprefix(f"dion3: group {i}: ").removeprefix("dion3: "))
+                if re.match(r"parameter \d+ '[^']*' of group \d+", msg):
+                    raise ValueError(f"dion3: {msg}") from None
                 raise ValueError(f"dion3: parameter group {gi}: {msg}") from None
             self._pushed[i] = (keys, snapshot, len(group), cfg)
 
@@ -1424,10 +1444,23 @@ class _EngineOptimizer(torch.optim.Optimizer):
         try:
             return self._engine_step(engine, asynchronous)
         except (ValueError, NonFiniteError) as e:
-            shown = self._shown_state_names(str(e))
+            shown = self._shown_state_names(self._shown_parameters(str(e)))
             if shown == str(e):
                 raise
             raise type(e)(shown) from None
+
+    def _shown_parameters(self, message: str) -> str:
+        """`message` with each engine-numbered "parameter <k> '<name>'" (and the engine's group
+        after it) as the constructor names the parameter: its position in its own group, and that group."""
+        where = {id(p): (gi, j) for gi, g in enumerate(self.param_groups) for j, p in enumerate(g["params"])}
+
+        def shown(m):
+            k = int(m.group(1))
+            if k >= len(self._engine_params) or id(self._engine_params[k]) not in where:
+                return m.group(0)
+            gi, j = where[id(self._engine_params[k])]
+            return f"parameter {j} '{self._param_name(self.param_groups[gi], gi, j)}' of group {gi}"
+        return re.sub(r"parameter (\d+) '[^']*'(?: \(group \d+\))?", shown, message)
 
     def _shown_state_names(self, message: str) -> str:
         """`message` with each "state '<engine name>'" as opt.state[p] names it (exp_avg_sq is an

@@ -123,3 +123,17 @@ def test_blocks_set_later_are_refused_at_the_step_with_nothing_changed():
     opt.param_groups[0]["num_heads"] = 4  # a fitting value: the next step re-plans
     opt.step()
     assert sum(mb["count"] for mb in opt.plan()) == 4
+
+
+def test_blocks_refused_at_the_step_name_the_parameter_as_the_constructor_does():
+    # The engine numbers parameters across all its groups; the message numbers them within their
+    # own group, as the constructor's refusal of the same setting does.
+    a, b = torch.nn.Parameter(torch.randn(4, 6)), torch.nn.Parameter(torch.randn(7, 6))
+    opt = dion3.Dion3([dict(params=[a], param_names=["a"]), dict(params=[b], param_names=["b"])], lr=0.02)
+    a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+    opt.step()
+    opt.param_groups[1]["num_heads"] = 3
+    with pytest.raises(ValueError, match=r"^dion3: parameter 0 'b' of group 1: 'num_heads' = 3 does not divide"):
+        opt.step()
+    with pytest.raises(ValueError, match=r"^dion3: parameter 0 'b' of group 1 has 7 rows per matrix but 'num_heads' = 3"):
+        dion3.Dion3([dict(params=[a], param_names=["a"]), dict(params=[b], param_names=["b"], num_heads=3)])

@@ -304,6 +304,52 @@ def test_a_checkpoint_after_an_algorithm_switch_resumes_exactly(frm, to):
     assert torch.equal(ps[0], qs[0]) and torch.equal(ps[0], cps[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("path", ["muon, dion3 | dion3", "dion3, muon | muon, dion3"])
+def test_a_checkpoint_within_matrix_algorithms_resumes_exactly(path, dtype):
+    # Switches among the matrix algorithms keep the state: muon -> dion3 adds a variance that starts
+    # at zero (a checkpoint taken before the next step must carry it, or a fresh optimizer cannot
+    # load it), and dion3 -> muon keeps the float32 variance for a switch back, through a checkpoint
+    # too (not cast to the weight's dtype, which the next dion3 step would refuse).
+    # path: the algorithms stepped (two steps each), | the checkpoint, then those stepped on.
+    import io
+    before, after = ([a.strip() for a in part.split(",")] for part in path.split("|"))
+
+    def grad(ps, t):
+        g = torch.Generator().manual_seed(100 + t)
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g).to(dtype)
+
+    g0 = torch.Generator().manual_seed(0)
+    ps = [torch.nn.Parameter((torch.randn(9, 5, generator=g0) * 0.5).to(dtype))]
+    opt = dion3.Dion3([dict(params=ps, algorithm=before[0])], lr=0.02)
+    t = 0
+    for i, algo in enumerate(before):
+        opt.param_groups[0]["algorithm"] = algo
+        for _ in range(2 if i + 1 < len(before) else 0):
+            grad(ps, t)
+            opt.step()
+            t += 1
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    qs = [torch.nn.Parameter(ps[0].detach().clone())]
+    resumed = dion3.Dion3([dict(params=qs, algorithm="muon")], lr=0.02)
+    buf.seek(0)
+    resumed.load_state_dict(torch.load(buf, weights_only=False))
+    for algo in after:
+        for o in (opt, resumed):
+            o.param_groups[0]["algorithm"] = algo
+        for _ in range(2):
+            grad(ps, t)
+            opt.step()
+            grad(qs, t)
+            resumed.step()
+            t += 1
+    assert torch.equal(ps[0], qs[0])
+    assert opt.state[ps[0]]["variance_neuron"].dtype == resumed.state[qs[0]]["variance_neuron"].dtype == torch.float32
+    assert torch.equal(opt.state[ps[0]]["variance_neuron"], resumed.state[qs[0]]["variance_neuron"])
+
+
 @pytest.mark.parametrize("which", ["pre", "post"])
 def test_load_hooks_run_where_torch_runs_them(which):
     # A pre-hook edits the dict before anything reads it; a post-hook sees (and may edit) the state
