@@ -50,13 +50,54 @@ void Optimizer::Impl::check_written_state() {
   std::vector<char> read(params.size(), all_written ? 1 : 0);
   for (int i : written_params)
     if (i < static_cast<int>(params.size())) read[static_cast<std::size_t>(i)] = 1;
+  auto check = [&](std::size_t i, const std::string& name, const HostTensor& h) {
+    if (const std::string bad = bad_state_value(h, true); !bad.empty())
+      fail(describe(static_cast<int>(i)) + ": state '" + name + "' (" + dtype_name(h.dtype) + "), written " +
+           "since the last step (state_changed), holds " + bad + "; the step was not applied");
+  };
+  // Read back in batches: the tensors gathered into one device buffer, copied to the host at
+  // once, so that many small second moments cost one wait for the device, not one each.
+  constexpr std::size_t kBatchBytes = std::size_t{64} << 20;
+  struct Entry {
+    std::size_t param, offset;
+    const std::string* name;
+    const TensorView* view;
+  };
+  std::vector<Entry> batch;
+  std::size_t batch_bytes = 0;
+  DeviceBuffer gathered;
+  auto flush = [&] {
+    if (batch.empty()) return;
+    if (gathered.bytes() < batch_bytes) gathered = DeviceBuffer(backend->allocator(), batch_bytes);
+    for (const Entry& e : batch)
+      backend->copy(gathered.as<unsigned char>() + e.offset, e.view->data, e.view->bytes());
+    std::vector<unsigned char> host(batch_bytes);
+    backend->copy_to_host(host.data(), gathered.get(), batch_bytes);
+    for (const Entry& e : batch) {
+      const auto* at = host.data() + e.offset;
+      check(e.param, *e.name, HostTensor{e.view->dtype, e.view->shape, {at, at + e.view->bytes()}});
+    }
+    batch.clear();
+    batch_bytes = 0;
+  };
   for (std::size_t i = 0; i < params.size(); ++i)
     for (const auto& [name, view] : params[i].state) {
-      if (!read[i] || !is_second_moment(name)) continue;
-      if (const std::string bad = bad_state_value(host_copy(*backend, view), true); !bad.empty())
-        fail(describe(static_cast<int>(i)) + ": state '" + name + "' (" + dtype_name(view.dtype) + "), written " +
-             "since the last step (state_changed), holds " + bad + "; the step was not applied");
+      const std::size_t bytes = view.bytes();
+      if (!read[i] || !is_second_moment(name) || bytes == 0) continue;
+      if (bytes > kBatchBytes) {
+        flush();  // in parameter order, so that the first bad tensor is the one named
+        check(i, name, host_copy(*backend, view));
+        continue;
+      }
+      std::size_t offset = (batch_bytes + 15) / 16 * 16;
+      if (offset + bytes > kBatchBytes) {
+        flush();
+        offset = 0;
+      }
+      batch.push_back({i, offset, &name, &view});
+      batch_bytes = offset + bytes;
     }
+  flush();
   written_params.clear();
   all_written = false;
 }
