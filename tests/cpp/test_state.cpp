@@ -2,6 +2,7 @@
 // per algorithm, externally owned state tensors, export/import round trips, a resumed run that
 // continues bit for bit, step counters.
 #include <cmath>
+#include <utility>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -118,6 +119,45 @@ TEST(State, SecondMomentsWrittenOutsideAStepAreChecked) {
       EXPECT_EQ(p.w.values(), w) << what << ": a refused step moved the weights";
     }
   }
+}
+
+// Many second moments written at once are read back together (one batch, odd sizes at aligned
+// offsets) and a tensor larger than a batch alone, in parameter order: the first bad value in
+// that order is the one named, at its own element.
+TEST(State, WrittenSecondMomentsAreCheckedInParameterOrder) {
+  const int64_t big = (int64_t{64} << 20) / 4 + 5;  // an AdamW variance just over one batch
+  Rng rng(5);
+  Harness h;
+  const int d = h.opt.add_group(algo(Algorithm::Dion3)), ad = h.opt.add_group(algo(Algorithm::AdamW));
+  std::vector<std::unique_ptr<t3::HostParam>> ps;
+  ps.push_back(std::make_unique<t3::HostParam>("a", DType::F32, std::vector<int64_t>{3, 4}));
+  ps.push_back(std::make_unique<t3::HostParam>("b", DType::F32, std::vector<int64_t>{5, 4}));
+  ps.push_back(std::make_unique<t3::HostParam>("big", DType::F32, std::vector<int64_t>{big}));
+  ps.push_back(std::make_unique<t3::HostParam>("c", DType::F32, std::vector<int64_t>{7, 4}));
+  for (auto& p : ps) {
+    for (int64_t i = 0; i < p->w.numel(); ++i) p->w.set(i, 0.05 * rng.normal());
+    for (int64_t i = 0; i < p->g.numel(); ++i) p->g.set(i, rng.normal());
+    p->index = h.opt.add_param(p->w.numel() == big ? ad : d, p->spec());
+  }
+  ASSERT_TRUE(h.opt.step());
+  auto variance = [&](int b) -> float& {
+    return static_cast<float*>(h.opt.state_views(ps[b]->index)[1].second.data)[b == 2 ? big - 1 : 2];
+  };
+  for (const std::vector<int>& bad_in : std::vector<std::vector<int>>{{1, 2}, {3}, {2, 3}}) {
+    std::string what = "bad in";
+    for (int b : bad_in) what += " " + std::to_string(b);
+    std::vector<float> kept;
+    for (int b : bad_in) kept.push_back(std::exchange(variance(b), -1.0f));
+    h.opt.state_changed();
+    const int first = bad_in[0];
+    const std::string error = t3::error_of([&] { h.opt.step(); });
+    EXPECT_THAT(error, ::testing::HasSubstr("parameter " + std::to_string(first) + " '" + ps[first]->name + "'"))
+        << what;
+    EXPECT_THAT(error, ::testing::HasSubstr("at element " + std::to_string(first == 2 ? big - 1 : 2))) << what;
+    for (std::size_t j = 0; j < bad_in.size(); ++j) variance(bad_in[j]) = kept[j];
+  }
+  h.opt.state_changed();
+  EXPECT_TRUE(h.opt.step());
 }
 
 TEST(State, ExternalStateOfTheWrongShapeOrNameIsRejected) {
