@@ -331,6 +331,12 @@ struct Optimizer::Impl {
   std::vector<int> written_params;
   bool all_written = false;
   void check_written_state();
+  // Its read-back, kept between calls: a device buffer the written second moments are gathered
+  // into (up to kReadBackBatchBytes at a time) and the pinned host copy of it.
+  static constexpr std::size_t kReadBackBatchBytes = std::size_t{16} << 20;
+  DeviceBuffer written_gathered;
+  std::unique_ptr<HostCopy> written_readback;
+  std::size_t written_readback_bytes = 0;
   // count_dropped: whether a step dropped for a non-finite gradient counts in steps_skipped (not
   // when step() raises it).
   // start: kStep, or a refusal (refuse_step, refuse_invalid): the step's collectives, with
@@ -380,6 +386,7 @@ struct Optimizer::Impl {
 // state.cpp: what no optimizer run can have produced in a state tensor ("" when every value is
 // fine), and which states are running means of squares.
 std::string bad_state_value(const HostTensor& t, bool second_moment);
+std::string bad_state_value(DType dtype, const unsigned char* data, std::size_t n, bool second_moment);
 bool is_second_moment(const std::string& name);
 
 }  // namespace dion3

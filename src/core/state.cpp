@@ -17,13 +17,24 @@ bool is_second_moment(const std::string& name) { return name == "variance" || na
 // What no optimizer run can have produced in a state tensor, read in its stored dtype: the
 // first NaN or Inf, or a negative second moment ("" when every value is fine). Such a value
 // would poison every later step (NaN spreads, sqrt of a negative variance is NaN).
-std::string bad_state_value(const HostTensor& t, bool second_moment) {
-  const std::size_t n = t.data.size() / dtype_size(t.dtype);
-  const unsigned char* p = t.data.data();
+std::string bad_state_value(DType dtype, const unsigned char* p, std::size_t n, bool second_moment) {
+  if (dtype == DType::F32) {
+    // Every value in range, told in one pass the compiler vectorises (NaN fails both tests);
+    // only a tensor that fails it is walked for the first bad value.
+    const float lo = second_moment ? 0.0f : -std::numeric_limits<float>::max(),
+                hi = std::numeric_limits<float>::max();
+    int bad = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      float v;
+      std::memcpy(&v, p + 4 * i, 4);
+      bad |= static_cast<int>(!(v >= lo)) | static_cast<int>(!(v <= hi));
+    }
+    if (!bad) return "";
+  }
   for (std::size_t i = 0; i < n; ++i) {
     float v = 0.0f;
     uint16_t h = 0;
-    switch (t.dtype) {
+    switch (dtype) {
       case DType::F32: std::memcpy(&v, p + 4 * i, 4); break;
       case DType::F16: std::memcpy(&h, p + 2 * i, 2); v = cpu::f16_to_float(h); break;
       case DType::BF16: std::memcpy(&h, p + 2 * i, 2); v = cpu::bf16_to_float(h); break;
@@ -35,6 +46,10 @@ std::string bad_state_value(const HostTensor& t, bool second_moment) {
            (std::isfinite(v) ? "; a second moment cannot be negative" : "; state values must be finite");
   }
   return "";
+}
+
+std::string bad_state_value(const HostTensor& t, bool second_moment) {
+  return bad_state_value(t.dtype, t.data.data(), t.data.size() / dtype_size(t.dtype), second_moment);
 }
 
 namespace {
@@ -50,51 +65,56 @@ void Optimizer::Impl::check_written_state() {
   std::vector<char> read(params.size(), all_written ? 1 : 0);
   for (int i : written_params)
     if (i < static_cast<int>(params.size())) read[static_cast<std::size_t>(i)] = 1;
-  auto check = [&](std::size_t i, const std::string& name, const HostTensor& h) {
-    if (const std::string bad = bad_state_value(h, true); !bad.empty())
-      fail(describe(static_cast<int>(i)) + ": state '" + name + "' (" + dtype_name(h.dtype) + "), written " +
+  auto check = [&](std::size_t i, const std::string& name, const TensorView& view, const unsigned char* host) {
+    const std::size_t n = view.bytes() / dtype_size(view.dtype);
+    if (const std::string bad = bad_state_value(view.dtype, host, n, true); !bad.empty())
+      fail(describe(static_cast<int>(i)) + ": state '" + name + "' (" + dtype_name(view.dtype) + "), written " +
            "since the last step (state_changed), holds " + bad + "; the step was not applied");
   };
-  // Read back in batches: the tensors gathered into one device buffer, copied to the host at
-  // once, so that many small second moments cost one wait for the device, not one each.
-  constexpr std::size_t kBatchBytes = std::size_t{64} << 20;
-  struct Entry {
-    std::size_t param, offset;
-    const std::string* name;
-    const TensorView* view;
-  };
-  std::vector<Entry> batch;
+  // Read back in batches: the tensors gathered into one device buffer and copied to pinned host
+  // memory at once (both kept for the next call), so that many small second moments cost one
+  // wait for the device, not one each.
+  std::vector<std::pair<std::size_t, const std::pair<std::string, TensorView>*>> batch;  // offset, state
+  std::vector<std::size_t> of_param;
   std::size_t batch_bytes = 0;
-  DeviceBuffer gathered;
   auto flush = [&] {
     if (batch.empty()) return;
-    if (gathered.bytes() < batch_bytes) gathered = DeviceBuffer(backend->allocator(), batch_bytes);
-    for (const Entry& e : batch)
-      backend->copy(gathered.as<unsigned char>() + e.offset, e.view->data, e.view->bytes());
-    std::vector<unsigned char> host(batch_bytes);
-    backend->copy_to_host(host.data(), gathered.get(), batch_bytes);
-    for (const Entry& e : batch) {
-      const auto* at = host.data() + e.offset;
-      check(e.param, *e.name, HostTensor{e.view->dtype, e.view->shape, {at, at + e.view->bytes()}});
+    if (written_readback_bytes < batch_bytes) {
+      written_readback.reset();
+      written_gathered = DeviceBuffer();
+      written_readback_bytes = 0;
+      written_gathered = DeviceBuffer(backend->allocator(), batch_bytes);
+      written_readback = backend->new_host_copy(batch_bytes);
+      written_readback_bytes = batch_bytes;
     }
+    for (const auto& [offset, state] : batch)
+      backend->copy(written_gathered.as<unsigned char>() + offset, state->second.data, state->second.bytes());
+    written_readback->start(written_gathered.get());
+    const auto* host = static_cast<const unsigned char*>(written_readback->wait());
+    for (std::size_t j = 0; j < batch.size(); ++j)
+      check(of_param[j], batch[j].second->first, batch[j].second->second, host + batch[j].first);
     batch.clear();
+    of_param.clear();
     batch_bytes = 0;
   };
   for (std::size_t i = 0; i < params.size(); ++i)
-    for (const auto& [name, view] : params[i].state) {
+    for (const auto& state : params[i].state) {
+      const auto& [name, view] = state;
       const std::size_t bytes = view.bytes();
       if (!read[i] || !is_second_moment(name) || bytes == 0) continue;
-      if (bytes > kBatchBytes) {
+      if (bytes > kReadBackBatchBytes) {
         flush();  // in parameter order, so that the first bad tensor is the one named
-        check(i, name, host_copy(*backend, view));
+        const HostTensor h = host_copy(*backend, view);
+        check(i, name, view, h.data.data());
         continue;
       }
       std::size_t offset = (batch_bytes + 15) / 16 * 16;
-      if (offset + bytes > kBatchBytes) {
+      if (offset + bytes > kReadBackBatchBytes) {
         flush();
         offset = 0;
       }
-      batch.push_back({i, offset, &name, &view});
+      batch.emplace_back(offset, &state);
+      of_param.push_back(i);
       batch_bytes = offset + bytes;
     }
   flush();
