@@ -702,7 +702,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._given_grads = False
         self._unregistered = []
         self._alias_index = None
-        self._kinds = {}  # unknown after unpickling: the state is taken as made for its group
+        # The state was made for its group (__getstate__ applied pending switches): its kind is the
+        # group's, so a later switch of the group is told as one.
+        self._kinds = {p: _kind(g.get("algorithm")) for g in self.param_groups for p in g["params"]}
         self._pushed, self._pushed_to = {}, None
         self._engine, self._engine_key, self._engine_params, self._engine_groups = None, None, [], []
         self._agree_first = True
@@ -1876,6 +1878,20 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 engine_params.append(p)
                 steps.append(st["step"])
                 adamw_check.append((group, p))
+        # A switched group's parameters this step leaves alone (no gradient, frozen with state)
+        # start afresh with it too, as a checkpoint taken before the step holds them (_switched_state).
+        for group in self.param_groups:
+            kind, state_kind = _kind(group["algorithm"]), self._state_kind(group)
+            for p in group["params"]:
+                if p in new_state or self._kinds.get(p, kind) == kind or (not p.requires_grad and not self.state.get(p)):
+                    continue
+                try:
+                    st = _state_tensors(group, p, {}, state_kind)
+                except (ValueError, RuntimeError):
+                    continue  # as _switched_state: left to the step that registers it
+                new_state[p] = dict(st, step=0)
+                kinds[p] = kind
+                switched.add(p)
         registered = set(engine_params)
         unregistered = [p for g in self.param_groups for p in g["params"] if p not in registered]
         engine.watch([p for p in unregistered if not _dist.is_dtensor(p)])

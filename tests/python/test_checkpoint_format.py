@@ -304,6 +304,74 @@ def test_a_checkpoint_after_an_algorithm_switch_resumes_exactly(frm, to):
     assert torch.equal(ps[0], qs[0]) and torch.equal(ps[0], cps[0])
 
 
+@pytest.mark.parametrize("frm,to", [("dion3", "adamw"), ("adamw", "lion"), ("muon", "lion"), ("lion", "normuon")])
+def test_a_copied_optimizer_tells_a_later_switch_of_algorithm(frm, to):
+    # A deepcopy or an unpickled copy knows which kind of algorithm its state was made for: a
+    # switch after the copy starts the state afresh there too, not reading one kind's moments as
+    # another's.
+    import io
+    g0 = torch.Generator().manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(8, 6, generator=g0))]
+    opt = dion3.Dion3([dict(params=ps, algorithm=frm)], lr=0.01)
+    for t in range(2):
+        ps[0].grad = torch.randn(8, 6, generator=torch.Generator().manual_seed(t))
+        opt.step()
+    copied = copy.deepcopy((ps, opt))
+    buf = io.BytesIO()
+    torch.save((ps, opt), buf)
+    buf.seek(0)
+    pickled = torch.load(buf, weights_only=False)
+    runs = [(ps, opt), copied, pickled]
+    for qs, o in runs:
+        o.param_groups[0]["algorithm"] = to
+        for t in range(2, 4):
+            qs[0].grad = torch.randn(8, 6, generator=torch.Generator().manual_seed(t))
+            o.step()
+    for qs, o in runs[1:]:
+        assert torch.equal(qs[0], ps[0])
+        assert set(o.state[qs[0]]) == set(opt.state[ps[0]])
+
+
+@pytest.mark.parametrize("left_alone", ["no gradient", "frozen"])
+def test_a_checkpoint_while_a_switch_waits_for_a_parameter_resumes_exactly(left_alone):
+    # A group switched to another kind of algorithm starts all its parameters afresh at its next
+    # step, those the step leaves alone (no gradient, frozen with state) too: what a checkpoint
+    # taken before that step holds, so a resumed run switched back matches the uninterrupted one.
+    def grad(s, i, shape):
+        return torch.randn(shape, generator=torch.Generator().manual_seed(100 * s + i))
+
+    def run(resume):
+        g0 = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(8, 6, generator=g0)), torch.nn.Parameter(torch.randn(6, 4, generator=g0))]
+        opt = dion3.Dion3([dict(params=ps)], lr=0.01)
+        for s in range(3):
+            for i, p in enumerate(ps):
+                p.grad = grad(s, i, p.shape)
+            opt.step()
+        opt.param_groups[0]["algorithm"] = "adamw"
+        if left_alone == "frozen":
+            ps[0].requires_grad_(False)
+        if resume:
+            sd = opt.state_dict()
+            ps = [torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in ps]
+            opt = dion3.Dion3([dict(params=ps)], lr=0.01)
+            opt.load_state_dict(sd)
+        ps[0].grad, ps[1].grad = None, grad(3, 1, ps[1].shape)  # the AdamW step leaves ps[0] alone
+        opt.step()
+        opt.param_groups[0]["algorithm"] = "dion3"
+        ps[0].requires_grad_(True)
+        for s in (4, 5):
+            for i, p in enumerate(ps):
+                p.grad = grad(s, i, p.shape)
+            opt.step()
+        return ps, opt
+
+    (a, oa), (b, ob) = run(False), run(True)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert oa.state[a[0]]["step"] == ob.state[b[0]]["step"] == 2  # afresh at the switch back
+    assert torch.equal(oa.state[a[0]]["momentum"], ob.state[b[0]]["momentum"])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("path", ["muon, dion3 | dion3", "dion3, muon | muon, dion3"])
 def test_a_checkpoint_within_matrix_algorithms_resumes_exactly(path, dtype):
