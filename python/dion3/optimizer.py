@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import bisect
 import collections
+import collections.abc
 import copy
 import difflib
 import functools
@@ -163,7 +164,7 @@ def _engine_config(group: Dict[str, Any]) -> Dict[str, Any]:
         # The default restart positions that a short list of steps never reaches are dropped.
         restarts = [r for r in ENGINE_DEFAULTS["restarts"] if r < len(coefficients)]
     betas = group["betas"]
-    if len(betas) != 2:
+    if not isinstance(betas, collections.abc.Sequence) or isinstance(betas, str) or len(betas) != 2:
         raise ValueError(f"dion3: 'betas' must be a pair (beta1, beta2); got {betas!r}")
     adjust_lr = group["adjust_lr"]
     cfg = {
@@ -269,7 +270,10 @@ def _number(key: str, v) -> float:
     schedulers would later fail on it far from the cause."""
     if isinstance(v, (str, bytes)):
         raise ValueError(f"dion3: '{key}' must be a number; got the string {v!r}")
-    return float(v)
+    try:
+        return float(v)
+    except (TypeError, ValueError, RuntimeError):  # None, a sequence, a tensor of several values
+        raise ValueError(f"dion3: '{key}' must be a number; got {v!r}") from None
 
 
 def _integer(key: str, v) -> int:
@@ -899,12 +903,19 @@ class _EngineOptimizer(torch.optim.Optimizer):
             if mine is not None and g.get("algorithm") in same_algorithm and mine["algorithm"] in same_algorithm:
                 g["algorithm"] = mine["algorithm"]
             if "beta1" in g or "beta2" in g:
-                b1, b2 = g.get("betas", mine["betas"] if mine is not None else self.defaults["betas"])
-                g["betas"] = (float(g.pop("beta1", b1)), float(g.pop("beta2", b2)))
+                betas = g.get("betas", mine["betas"] if mine is not None else self.defaults["betas"])
+                pair = tuple(betas) if isinstance(betas, (tuple, list)) and len(betas) == 2 else (None, None)
+                b1, b2 = g.pop("beta1", pair[0]), g.pop("beta2", pair[1])
+                # Numbers as saved; anything else is left to the group's check, which names it.
+                g["betas"] = (b1, b2) if not all(isinstance(b, numbers.Real) for b in (b1, b2)) \
+                    else (float(b1), float(b2))
             if "ema_momentum" in self.defaults and g.get("algorithm") in ("muon", "normuon"):
                 g.setdefault("ema_momentum", False)  # saved before the setting existed, or by the reference: summed
             group_step = g.pop("step", None)
             g.pop("steps_skipped", None)  # the optimizer's counter (_saved_steps_skipped), not a setting
+            if not isinstance(g.get("algorithm", ""), str):
+                groups.append(g)  # refused by the group's check, which names it
+                continue
             kind = self._state_kind(g)
             for j, pid in enumerate(g.get("params", [])):
                 st = saved_state.get(pid)
@@ -921,8 +932,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
                     full = dict(self.defaults, **g)
                     try:
                         shapes = _state_shapes(full, mine["params"][j], kind)
-                    except RuntimeError:
-                        shapes = []
+                    except (RuntimeError, ValueError):
+                        shapes = []  # settings the group's check refuses, naming them
                     want = dict((n, sh) for n, _, sh in shapes).get("variance_neuron")
                     v = st["variance_neuron"]
                     if want is not None and v.dim() == 1 and v.numel() == math.prod(want):
@@ -990,6 +1001,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
                              + _regrouped(saved_groups, self.param_groups))
         plan = []
         for gi, (saved, mine) in enumerate(zip(saved_groups, self.param_groups)):
+            if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)):
+                raise ValueError(f"dion3: load_state_dict: parameter group {gi} of the state_dict is not a dict "
+                                 "with a 'params' list (what state_dict() returns)")
             if len(saved["params"]) != len(mine["params"]):
                 raise ValueError(f"dion3: load_state_dict: parameter group {gi} of the state_dict has "
                                  f"{len(saved['params'])} parameters but the optimizer's has {len(mine['params'])}"
@@ -1047,6 +1061,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
                     if not isinstance(value, torch.Tensor) or not value.is_floating_point():
                         kind = _dtype_name(value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__
                         raise ValueError(f"dion3: load_state_dict: {what} is {kind}, not a floating-point tensor")
+                    if value.device.type == "meta":
+                        raise ValueError(f"dion3: load_state_dict: {what} is on the meta device: it holds no values")
                     if tuple(value.shape) != tuple(shape):
                         raise ValueError(f"dion3: load_state_dict: {what} has shape {list(value.shape)}, "
                                          f"expected {list(shape)}")

@@ -555,6 +555,41 @@ def test_load_state_dict_checks_half_precision_values_as_stored(device):
     _same_state_dict(opt.state_dict(), before)
 
 
+@pytest.mark.parametrize("edit,message", [
+    (lambda sd: sd["param_groups"][1].update(lr=None), r"parameter group 1: 'lr' must be a number; got None"),
+    (lambda sd: sd["param_groups"][2].update(weight_decay=[0.1]), r"parameter group 2: 'weight_decay' must be a number"),
+    (lambda sd: sd["param_groups"][0].update(algorithm=["dion3"]), r"parameter group 0: 'algorithm' must be one of"),
+    (lambda sd: sd["param_groups"][1].update(transposed="no"), r"parameter group 1: 'transposed' must be True or False"),
+    (lambda sd: sd["param_groups"][2].pop("params"), r"parameter group 2 of the state_dict is not a dict with a 'params' list"),
+    (lambda sd: sd["state"][0].update(momentum=torch.empty(8, 6, device="meta")),
+     r"parameter 0 'group0.param0' of group 0: state 'momentum' is on the meta device"),
+])
+def test_a_malformed_checkpoint_is_refused_naming_what_is_wrong(device, edit, message):
+    # Settings of the wrong type or structure read as a ValueError that names the group (or the
+    # parameter), not as a TypeError or KeyError from deep inside the load; nothing is loaded.
+    import copy
+    _, src = _trained(device, seed=7)
+    sd = copy.deepcopy(src.state_dict())
+    edit(sd)
+    _, opt = _trained(device, seed=8)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(sd)
+    _same_state_dict(opt.state_dict(), before)
+
+
+@pytest.mark.parametrize("key,value", [("lr", None), ("weight_decay", None), ("betas", None), ("betas", 0.9)])
+def test_a_setting_of_the_wrong_type_is_refused_at_the_step_naming_its_group(device, key, value):
+    ps, opt = _trained(device, seed=9)
+    opt.param_groups[2][key] = value
+    before = [p.detach().clone() for p in ps]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    with pytest.raises(ValueError, match=rf"^dion3: parameter group 2: '{key}' must be"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(ps, before))
+
+
 def test_load_state_dict_casts_state_to_what_the_group_needs(device):
     # fp32 state saved next to fp32 weights loads next to bf16 ones: momentum and AdamW moments
     # follow the weights (as torch's optimizers do), the NorMuon variance stays fp32.
