@@ -197,6 +197,17 @@ double OrthConfig::gram_growth() const {
 }
 
 void GroupConfig::validate() const {
+  // Enums set from integers out of range (C++ casts; the C API's reader refuses them itself).
+  auto known = [](const char* what, auto value, auto last) {
+    const int v = static_cast<int>(value);
+    if (v < 0 || v > static_cast<int>(last))
+      fail(std::string("'") + what + "' = " + std::to_string(v) + " names no value (0 to " +
+           std::to_string(static_cast<int>(last)) + ")");
+  };
+  known("algorithm", algorithm, Algorithm::Dion2);
+  known("adjust_lr", adjust_lr, AdjustLR::SpectralNormClamped);
+  known("orth.method", orth.method, OrthMethod::Gram);
+  known("selection_scope", selection_scope, SelectionScope::Global);
   require_nonnegative("lr", lr);
   require_float("lr", lr);
   require_nonnegative("weight_decay", weight_decay);

@@ -293,6 +293,7 @@ struct Optimizer::Impl {
   // The one place that decides whether group g's structure may change: never once its
   // parameters' state is sized by it. Empty when the group may go on as configured.
   std::string structure_error(int g) const;
+  void check_group(int g) const;  // groups[g]'s settings and structure, as a step checks them (fails)
   std::string structure_error(int g, const GroupConfig& candidate) const;  // were groups[g] = candidate
   // What already registered memory [t.data, + t.bytes()) overlaps, if anything it must not: a
   // written range (weights, state) for any role, and for a written role also every gradient.

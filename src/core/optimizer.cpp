@@ -1277,7 +1277,11 @@ std::string Optimizer::Impl::disagreement_error(const int* words) const {
 
 std::vector<MegabatchInfo> Optimizer::plan() {
   Impl& s = *impl_;
-  if (!s.plan_valid) s.build_plan();
+  if (!s.plan_valid) {
+    // Planned only from settings a step accepts: a later refusal runs through this plan.
+    for (int g = 0; g < static_cast<int>(s.groups.size()); ++g) s.check_group(g);
+    s.build_plan();
+  }
   std::vector<MegabatchInfo> out;
   for (const Megabatch& mb : s.megabatches) {
     const GroupConfig& g = s.groups[mb.group];
@@ -1310,6 +1314,15 @@ std::vector<MegabatchInfo> Optimizer::plan() {
   return out;
 }
 
+void Optimizer::Impl::check_group(int g) const {
+  try {
+    groups[g].validate();
+  } catch (const Error& e) {
+    fail(group_error(g, std::string(e.what()).substr(7)));
+  }
+  if (const std::string e = structure_error(g); !e.empty()) fail(e);
+}
+
 void Optimizer::Impl::validate_for_step() {
   Impl& s = *this;
   // 1. Validate everything before touching memory.
@@ -1323,12 +1336,7 @@ void Optimizer::Impl::validate_for_step() {
   for (int g = 0; g < num_groups; ++g) {
     if (!params_checked && group_size[g] == 0)
       fail(group_error(g, "the group is empty; every group needs at least one parameter"));
-    try {
-      s.groups[g].validate();
-    } catch (const Error& e) {
-      fail(group_error(g, std::string(e.what()).substr(7)));
-    }
-    if (const std::string e = s.structure_error(g); !e.empty()) fail(e);
+    s.check_group(g);
   }
   for (int i = 0; !params_checked && i < static_cast<int>(s.params.size()); ++i) {
     const Param& p = s.params[i];

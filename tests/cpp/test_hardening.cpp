@@ -586,4 +586,67 @@ TEST(Hardening, Float16AdamWUnderALargeGradientNeverWritesNonFiniteWeights) {
   EXPECT_EQ(o.h.opt.steps_skipped(), dropped);
 }
 
+// ---- settings set through the C++ structs, outside what a step accepts ----------------------
+
+// Enums cast from integers out of range are refused when the group is added, naming the field
+// (before, an unknown algorithm made no state and the step read past it).
+TEST(Hardening, EnumsOutOfRangeAreRefusedByName) {
+  const std::vector<std::pair<const char*, std::function<void(GroupConfig&)>>> cases = {
+      {"'algorithm' = 42", [](GroupConfig& g) { g.algorithm = static_cast<Algorithm>(42); }},
+      {"'algorithm' = -1", [](GroupConfig& g) { g.algorithm = static_cast<Algorithm>(-1); }},
+      {"'adjust_lr' = 4", [](GroupConfig& g) { g.adjust_lr = static_cast<dion3::AdjustLR>(4); }},
+      {"'orth.method' = 3", [](GroupConfig& g) { g.orth.method = static_cast<dion3::OrthMethod>(3); }},
+      {"'selection_scope' = 2", [](GroupConfig& g) { g.selection_scope = static_cast<dion3::SelectionScope>(2); }},
+  };
+  for (const auto& [what, edit] : cases) {
+    Harness h;
+    GroupConfig g;
+    edit(g);
+    EXPECT_THAT(t3::error_of([&] { h.opt.add_group(g); }), HasSubstr(what)) << what;
+    // Set later through the group's reference: the step refuses it, nothing moves.
+    Harness later;
+    const int gi = later.opt.add_group(GroupConfig{});
+    t3::HostParam p("w", DType::F32, {8, 12});
+    Rng rng(4);
+    for (int64_t i = 0; i < p.w.numel(); ++i) p.w.set(i, 0.05 * rng.normal());
+    for (int64_t i = 0; i < p.g.numel(); ++i) p.g.set(i, rng.normal());
+    p.index = later.opt.add_param(gi, p.spec());
+    ASSERT_TRUE(later.opt.step()) << what;
+    const std::vector<double> w = p.w.values();
+    edit(later.opt.group(gi));
+    EXPECT_THAT(t3::error_of([&] { later.opt.step(); }), HasSubstr(what)) << what;
+    EXPECT_EQ(p.w.values(), w) << what;
+  }
+}
+
+// plan() builds a plan only from settings a step accepts: an edit the step refuses is refused by
+// plan() too, with the step's words, and the step that follows refuses it through the plan it
+// still has (before, plan() planned the edit and that refusal read state the parameter lacks).
+TEST(Hardening, PlanRefusesSettingsTheStepRefuses) {
+  for (bool with_comm : {false, true}) {
+    Harness h;
+    GroupConfig c;
+    c.algorithm = Algorithm::Lion;
+    const int g = h.opt.add_group(c);
+    t3::HostParam p("w", DType::F32, {16});
+    for (int64_t i = 0; i < 16; ++i) p.w.set(i, 0.5), p.g.set(i, 0.1);
+    dion3::ParamSpec spec = p.spec();
+    if (with_comm) {
+      spec.layout.kind = dion3::Layout::Replicated;
+      spec.layout.comm = dion3::make_loopback_communicator();
+      spec.layout.global_rows = 16;
+    }
+    p.index = h.opt.add_param(g, spec);
+    ASSERT_TRUE(h.opt.step());
+    const std::vector<double> w = p.w.values();
+    h.opt.group(g).algorithm = Algorithm::AdamW;
+    h.opt.add_group(GroupConfig{});  // the plan is stale
+    const std::string refused = t3::error_of([&] { h.opt.plan(); });
+    EXPECT_THAT(refused, HasSubstr("cannot change 'algorithm' from lion to adamw")) << with_comm;
+    EXPECT_THAT(t3::error_of([&] { h.opt.step(); }), HasSubstr("cannot change 'algorithm' from lion to adamw"))
+        << with_comm;
+    EXPECT_EQ(p.w.values(), w) << with_comm;
+  }
+}
+
 }  // namespace
