@@ -14,7 +14,6 @@ import bisect
 import collections
 import collections.abc
 import copy
-import difflib
 import functools
 import gc
 import math
@@ -97,6 +96,17 @@ _SCHEDULER_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "base_momentum", 
 # initial_weight_decay, a per-group weight_decay_mult), carried untouched: not a typo of it.
 _TAG_PREFIXES = ("initial_",)
 _TAG_SUFFIXES = ("_mult", "_multiplier", "_scale")
+
+
+def _one_edit_apart(a: str, b: str) -> bool:
+    """Whether a becomes b by one letter inserted, deleted, replaced, or two neighbours swapped:
+    a typo. Keys further away (no_weight_decay, a user's own tag) are not taken for one."""
+    if a == b or abs(len(a) - len(b)) > 1:
+        return False
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    if len(a) == len(b):
+        return a[i + 1:] == b[i + 1:] or (a[i + 2:] == b[i + 2:] and a[i:i + 2] == b[i:i + 2][::-1])
+    return (a[i + 1:] == b[i:]) if len(a) > len(b) else (a[i:] == b[i + 1:])
 
 
 def _is_setting_tag(key: str, known) -> bool:
@@ -255,13 +265,13 @@ def _flag(group: Dict[str, Any], key: str) -> bool:
 
 
 def _without_empty_entries(state_dict: Any) -> Any:
-    """state_dict without the parameter entries that hold nothing: empty (reading opt.state[p] of a
+    """state_dict without the parameter entries that hold nothing: None, empty (reading opt.state[p] of a
     parameter without state makes one), or torch.distributed.checkpoint's placeholders ({}) for
     state it did not find. Such a parameter is one without saved state (see _load_plan)."""
     if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict):
         return state_dict
     state = {k: st for k, st in state_dict["state"].items()
-             if not (isinstance(st, dict) and all(isinstance(v, dict) and not v for v in st.values()))}
+             if st is not None and not (isinstance(st, dict) and all(isinstance(v, dict) and not v for v in st.values()))}
     return state_dict if len(state) == len(state_dict["state"]) else dict(state_dict, state=state)
 
 
@@ -861,8 +871,12 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._sync_counters()  # steps still in flight count before the loaded counter replaces ours
         # Everything is checked, and every state tensor made, before anything is replaced: a
         # refused load leaves the optimizer as it was.
-        state_dict = self._from_saved_layout(_without_empty_entries(state_dict))
-        loaded = self._loaded_state(state_dict)
+        try:
+            state_dict = self._from_saved_layout(_without_empty_entries(state_dict))
+            malformed = None
+        except Exception as e:  # noqa: BLE001 - refused in _loaded_state, on every rank
+            malformed = e
+        loaded = self._loaded_state(state_dict, malformed)
         try:
             for name, hooks in held.items():  # run above and below, not again inside torch's load
                 setattr(self, name, type(hooks)())
@@ -947,7 +961,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
             groups.append(g)
         return dict(state_dict, state=saved_state, param_groups=groups)
 
-    def _loaded_state(self, state_dict: Dict[str, Any]) -> Dict[torch.Tensor, Dict[str, Any]]:
+    def _loaded_state(self, state_dict: Dict[str, Any],
+                      malformed: Optional[BaseException] = None) -> Dict[torch.Tensor, Dict[str, Any]]:
         """The state load_state_dict would give each parameter: every state tensor the group's
         algorithm needs, of its shape, converted to its dtype (and this rank's part of it), finite,
         second moments not negative, and a step counter. ValueError naming the parameter and the
@@ -957,9 +972,14 @@ class _EngineOptimizer(torch.optim.Optimizer):
         #    full_tensor() calls are collectives that a rank refusing here would never join.
         plan, problem = [], None
         try:
+            if malformed is not None:
+                raise malformed
             plan = self._load_plan(state_dict)
         except ValueError as e:
             problem = str(e)
+        except Exception as e:  # noqa: BLE001 - a structure no check foresaw: refused like the rest
+            problem = (f"dion3: load_state_dict: the state_dict is malformed ({type(e).__name__}: {e}); "
+                       "nothing was loaded")
         self._agree_on_load(problem)  # raises this rank's problem, or another rank's refusal
         # 2. The tensors as this optimizer will hold them, and their values (rank-local for shards).
         loaded: Dict[torch.Tensor, Dict[str, Any]] = {}
@@ -1156,7 +1176,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 loss = closure()
         try:
             return self._step(loss)
-        except (ValueError, NonFiniteError) as e:  # NonFiniteError: under blocking=False, on one rank first
+        except Exception as e:  # NonFiniteError: under blocking=False, on one rank first
+            # Any error: a refusal of this rank's (_push_or_refuse refuses whatever it raises)
+            # reaches the other ranks as a ValueError; all of them must then agree first.
             if not _capturing():  # which cannot wait for the device
                 if isinstance(e, ValueError):
                     # A refused step may report an earlier enqueued one the ranks disagreed on,
@@ -1677,7 +1699,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{where}: unknown setting '{key}'; dion3 calls it '{target}'")
             if _is_setting_tag(key, known):
                 continue
-            near = difflib.get_close_matches(key, sorted(known - {"params", "param_names"}), n=1, cutoff=0.75)
+            near = [k for k in sorted(known - {"params", "param_names"}) if isinstance(k, str) and _one_edit_apart(key, k)]
             if near:
                 raise ValueError(f"{where}: unknown setting '{key}'; did you mean '{near[0]}'?")
 

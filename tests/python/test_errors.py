@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import dion3
+import dion3.optim
 
 
 def mat(device, *shape, dtype=torch.float32):
@@ -760,6 +761,19 @@ def test_group_keys_that_would_be_ignored_are_refused(device, key, pattern):
     with pytest.raises(ValueError, match=pattern):
         opt.step()
     assert torch.equal(p.detach(), before)
+
+
+@pytest.mark.parametrize("key", ["no_weight_decay", "use_weight_decay", "weight_decay_rate", "apply_weight_decay",
+                                 "num_steps", "moment", "momentum_decay"])
+def test_user_tags_more_than_one_letter_from_a_setting_are_carried(device, key):
+    # Only a key one edit from a setting's name is taken for a typo; a training script's own group
+    # tags, however alike, are carried as torch.optim carries them (dion3.optim.Muon included).
+    for cls in (dion3.Dion3, dion3.optim.Muon):
+        p = mat(device)
+        opt = cls([dict(params=[p], **{key: True})])
+        p.grad = torch.ones_like(p)
+        opt.step()
+        assert opt.param_groups[0][key] is True
 
 
 def test_scheduler_and_user_keys_are_carried(device):
