@@ -1136,9 +1136,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
             raise
         self._agree_first = False
 
-    def _agree(self, problem: Optional[Union[str, BaseException]], refused_by) -> None:
-        """Raises `problem` (this rank's) or, under a distributed mesh, refused_by(rank) for the
-        highest refusing rank: one all-reduce per mesh dimension, so every rank raises."""
+    def _agreement_groups(self) -> List[Any]:
+        """The process groups an agreement reduces over: the mesh's, and every dimension of the
+        parameters' meshes (each once)."""
         groups: List[Any] = []
         if isinstance(self._mesh, _torch_dist.ProcessGroup):
             groups.append(self._mesh)
@@ -1151,10 +1151,41 @@ class _EngineOptimizer(torch.optim.Optimizer):
                     continue
                 seen.append(m)
                 groups.extend(m.get_group(d) for d in range(m.ndim))
+        return groups
+
+    def _agreement_device(self) -> torch.device:
+        first = next((p for g in self.param_groups for p in g["params"]), None)
+        return _dist.local(first).device if first is not None else torch.device("cpu")
+
+    def _agree_on_partial_gradients(self) -> None:
+        """A replicated DTensor weight's gradient may come Partial (sequence or tensor
+        parallelism), which is summed over the ranks (a collective) before the step: every rank
+        must then have that gradient, or none. (Sharded weights' gradients come placed as they are.) One all-reduce per mesh dimension tells it before
+        any of those collectives run; a gradient on some ranks only is refused on every rank."""
+        which = [(gi, j, p) for gi, g in enumerate(self.param_groups) for j, p in enumerate(g["params"])
+                 if _dist.is_dtensor(p) and all(isinstance(pl, _dist.Replicate) for pl in p.placements)]
+        if not which or self._mesh is None:
+            return
+        groups = self._agreement_groups()
+        # [has, lacks] per weight, reduced with MAX: both 1 where the ranks differ.
+        have = torch.tensor([[p.grad is not None, p.grad is None] for _, _, p in which], dtype=torch.int64,
+                            device=self._agreement_device())
+        for pg in groups:
+            _torch_dist.all_reduce(have, op=_torch_dist.ReduceOp.MAX, group=pg)
+        mixed = next(((gi, j) for (gi, j, _), (h, l) in zip(which, have.tolist()) if h and l), None)
+        if mixed is not None:
+            gi, j = mixed
+            raise ValueError(f"dion3: parameter {j} '{self._param_name(self.param_groups[gi], gi, j)}' of group {gi} "
+                             "has a gradient on some ranks and none on others; a replicated weight's gradient "
+                             f"(summed over the ranks when it is Partial) must be on every rank or on none; {_NOT_APPLIED}")
+
+    def _agree(self, problem: Optional[Union[str, BaseException]], refused_by) -> None:
+        """Raises `problem` (this rank's) or, under a distributed mesh, refused_by(rank) for the
+        highest refusing rank: one all-reduce per mesh dimension, so every rank raises."""
+        groups = self._agreement_groups()
         if groups:
-            first = next((p for g in self.param_groups for p in g["params"]), None)
-            device = _dist.local(first).device if first is not None else torch.device("cpu")
-            flag = torch.tensor([_torch_dist.get_rank() + 1 if problem else 0], dtype=torch.int64, device=device)
+            flag = torch.tensor([_torch_dist.get_rank() + 1 if problem else 0], dtype=torch.int64,
+                                device=self._agreement_device())
             for pg in groups:
                 _torch_dist.all_reduce(flag, op=_torch_dist.ReduceOp.MAX, group=pg)
             refusing = int(flag.item()) - 1
@@ -1200,6 +1231,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
     def _step(self, loss):
         if self._agree_first and self._mesh is not None and not _capturing():
             self._agree_on_groups()
+        if self._mesh is not None and not _capturing():
+            self._agree_on_partial_gradients()
         key = self._registration_key()
         stale = self._stale(key)
         if (stale or self._engine is None) and self._mesh is not None and not self._has_gradients():

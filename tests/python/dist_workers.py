@@ -853,6 +853,68 @@ def partial_gradients(rank, world, mesh):
     close(b.to_local(), sb.detach(), "a Partial gradient's AdamW step")
 
 
+def one_rank_errors(rank, world, mesh):
+    """Errors on one rank alone that are not invalid settings of the engine's: every rank refuses
+    and the ranks step together afterwards. An option refused with NotImplementedError there; a
+    replicated weight's Partial gradient absent there (its sum over the ranks is a collective the
+    rank would not join); a state_dict malformed there (a structure no check foresaw), which
+    every rank refuses; a None state entry there, which is no saved state."""
+    from torch.distributed.tensor import Partial
+
+    torch.manual_seed(0)
+    last = rank == world - 1
+    w = nn.Parameter(torch.randn(8, 6) * 0.1)
+    opt = dion3.Dion3([dict(params=[w], param_names=["w"])], distributed_mesh=dist.group.WORLD, lr=0.02)
+
+    def grad(seed):
+        w.grad = torch.randn(8, 6, generator=torch.Generator().manual_seed(seed))
+
+    grad(0)
+    opt.step()
+    if last:
+        opt.param_groups[0]["newton_schulz_func"] = lambda x: x
+    grad(1)
+    before = w.detach().clone()
+    try:
+        opt.step()
+        raise AssertionError(f"rank {rank}: a step expected to be refused was applied")
+    except (ValueError, NotImplementedError) as e:
+        assert ("newton_schulz_func" if last else "another rank refused") in str(e), f"rank {rank}: {e}"
+    assert torch.equal(w.detach(), before)
+    opt.param_groups[0].pop("newton_schulz_func", None)
+    grad(2)
+    opt.step()  # before, the ranks' next collectives no longer paired (gloo aborted)
+
+    sd = copy.deepcopy(opt.state_dict())
+    if last:
+        sd["param_groups"][0]["param_names"] = 3
+    try:
+        opt.load_state_dict(sd)
+        raise AssertionError(f"rank {rank}: a state_dict malformed on rank {world - 1} was loaded")
+    except ValueError as e:
+        assert ("malformed" if last else "refused the state_dict") in str(e), f"rank {rank}: {e}"
+    sd = copy.deepcopy(opt.state_dict())
+    if last:
+        sd["state"][0] = None
+    opt.load_state_dict(sd)
+    assert set(opt.state[w]) >= {"momentum", "step"}
+
+    ps = [nn.Parameter(distribute_tensor(torch.randn(8, 6) * 0.1, mesh, [Replicate()])) for _ in range(2)]
+    opt = dion3.Dion3(ps, distributed_mesh=mesh, lr=0.02)
+    for step in range(3):
+        for p in ps:
+            p.grad = DTensor.from_local(torch.full((8, 6), float(rank + 1)), mesh, [Partial()], run_check=False)
+        if step != 1:
+            opt.step()
+            continue
+        if last:
+            ps[0].grad = None
+        refused(rank, opt, ps, "has a gradient on some ranks and none on others")
+    full0 = [torch.empty(8, 6) for _ in range(world)]
+    dist.all_gather(full0, ps[0].to_local().contiguous())
+    assert all(torch.equal(full0[0], t) for t in full0), f"rank {rank}: the ranks drifted apart"
+
+
 def fully_sharded_model(rank, world, mesh):
     """A real FSDP2 model (fully_shard) trained on identical batches on every rank equals one
     process running the reference rule with ranks=world on the same model."""
@@ -1076,6 +1138,7 @@ def layouts(rank, world, tmp):
     one_rank_changes(rank, world, mesh)
     one_rank_settings(rank, world, mesh)
     partial_gradients(rank, world, mesh)
+    one_rank_errors(rank, world, mesh)
     absent_gradients(rank, world, mesh)
     expert_stacks(rank, world, mesh)
     transposed_layouts(rank, world, mesh)

@@ -4,7 +4,8 @@
 # empty shards, HSDP) and a real fully_shard model equal algorithm.md §3's rule computed in one process;
 # non-finite gradients on one rank and bad layouts are decided alike on every rank; DCP save /
 # load resumes bit for bit and reshards from 4 ranks to 2; a single-device state_dict loads into
-# a sharded optimizer and back; a state_dict bad on one rank only is refused on every rank.
+# a sharded optimizer and back; a state_dict bad on one rank only is refused on every rank, as are
+# errors of other kinds there and a replicated weight's Partial gradient absent there.
 import os
 import sys
 import time
