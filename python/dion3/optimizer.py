@@ -1160,8 +1160,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
     def _agree_on_partial_gradients(self) -> None:
         """A replicated DTensor weight's gradient may come Partial (sequence or tensor
         parallelism), which is summed over the ranks (a collective) before the step: every rank
-        must then have that gradient, or none. (Sharded weights' gradients come placed as they are.) One all-reduce per mesh dimension tells it before
-        any of those collectives run; a gradient on some ranks only is refused on every rank."""
+        must then have that gradient, or none (sharded weights' gradients come placed as they
+        are). One all-reduce per mesh dimension tells it before any of those collectives run; a
+        gradient on some ranks only is refused on every rank."""
         which = [(gi, j, p) for gi, g in enumerate(self.param_groups) for j, p in enumerate(g["params"])
                  if _dist.is_dtensor(p) and all(isinstance(pl, _dist.Replicate) for pl in p.placements)]
         if not which or self._mesh is None:
