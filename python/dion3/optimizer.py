@@ -271,7 +271,8 @@ def _without_empty_entries(state_dict: Any) -> Any:
     if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict):
         return state_dict
     state = {k: st for k, st in state_dict["state"].items()
-             if st is not None and not (isinstance(st, dict) and all(isinstance(v, dict) and not v for v in st.values()))}
+             if st is not None and
+             not (isinstance(st, dict) and all(isinstance(v, dict) and not v for v in st.values()))}
     return state_dict if len(state) == len(state_dict["state"]) else dict(state_dict, state=state)
 
 
@@ -1178,7 +1179,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
             gi, j = mixed
             raise ValueError(f"dion3: parameter {j} '{self._param_name(self.param_groups[gi], gi, j)}' of group {gi} "
                              "has a gradient on some ranks and none on others; a replicated weight's gradient "
-                             f"(summed over the ranks when it is Partial) must be on every rank or on none; {_NOT_APPLIED}")
+                             "(summed over the ranks when it is Partial) must be on every rank or on none; "
+                             f"{_NOT_APPLIED}")
 
     def _agree(self, problem: Optional[Union[str, BaseException]], refused_by) -> None:
         """Raises `problem` (this rank's) or, under a distributed mesh, refused_by(rank) for the
@@ -1733,7 +1735,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{where}: unknown setting '{key}'; dion3 calls it '{target}'")
             if _is_setting_tag(key, known):
                 continue
-            near = [k for k in sorted(known - {"params", "param_names"}) if isinstance(k, str) and _one_edit_apart(key, k)]
+            near = [k for k in sorted(known - {"params", "param_names"})
+                    if isinstance(k, str) and _one_edit_apart(key, k)]
             if near:
                 raise ValueError(f"{where}: unknown setting '{key}'; did you mean '{near[0]}'?")
 
@@ -1955,7 +1958,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             kind, state_kind = _kind(group["algorithm"]), self._state_kind(group)
             for p in group["params"]:
-                if p in new_state or self._kinds.get(p, kind) == kind or (not p.requires_grad and not self.state.get(p)):
+                if p in new_state or self._kinds.get(p, kind) == kind or \
+                        (not p.requires_grad and not self.state.get(p)):
                     continue
                 try:
                     st = _state_tensors(group, p, {}, state_kind)
