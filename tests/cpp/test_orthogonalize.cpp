@@ -381,6 +381,12 @@ TEST(Orthogonalize, PlanningIntrospection) {
   EXPECT_EQ(dion3::choose_orth_method(*be, config(OrthMethod::Auto), 48, 48), OrthMethod::Standard);
   EXPECT_EQ(dion3::choose_orth_method(*be, config(OrthMethod::Gram), 48, 48), OrthMethod::Gram);
   EXPECT_EQ(dion3::choose_orth_method(*be, config(OrthMethod::Standard), 8, 96), OrthMethod::Standard);
+  // auto takes Gram for a wide matrix where it saves work, but not in bfloat16, whose rounding
+  // lets Gram's iterations leave the polynomial's band (asked for, Gram still runs in bfloat16).
+  EXPECT_EQ(dion3::choose_orth_method(*be, config(OrthMethod::Auto), 8, 96), OrthMethod::Gram);
+  EXPECT_EQ(dion3::choose_orth_method(*be, config(OrthMethod::Auto, DType::F16), 8, 96), OrthMethod::Gram);
+  EXPECT_EQ(dion3::choose_orth_method(*be, config(OrthMethod::Auto, DType::BF16), 8, 96), OrthMethod::Standard);
+  EXPECT_EQ(dion3::choose_orth_method(*be, config(OrthMethod::Gram, DType::BF16), 8, 96), OrthMethod::Gram);
 }
 
 // Workspace is only the buffers live at once (in elements of the iteration dtype): Gram NS two
