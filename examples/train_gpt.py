@@ -16,6 +16,7 @@ initial weights and the same batches in the same order. At the end the run write
                stopped; on a GPU PyTorch's backward kernels are not deterministic, so it matches
                one as closely as two uninterrupted runs match each other.
   run-<optimizer>.json  each finished run's record (no weights), for --report-only
+  .lock       held while a session trains there: a second session on the same --out is refused
 
 Exit status: 0 when every run finished; 3 when --time-limit (or --stop-after) stopped one (--resume goes on);
 130 after Ctrl-C and 143 after SIGTERM (both saved: --resume goes on).
@@ -27,12 +28,15 @@ Exit status: 0 when every run finished; 3 when --time-limit (or --stop-after) st
 
 Learning rates: Muon and NorMuon at --lr; Dion3 at --lr / sqrt(f) (the 1/sqrt(f) rule: a step
 that moves f of the rows moves them further); embeddings, the head and vectors with AdamW at
---adamw-lr; AdamW alone at --adamw-lr. A run whose loss turns non-finite stops there and is
-reported as diverged; a sweep goes on with the next run.
+--adamw-lr; AdamW alone at --adamw-lr. A run whose loss (or validation loss) turns non-finite
+stops there and is reported as diverged; a sweep goes on with the next run. A finished run stays
+finished when only settings it does not use change (Muon's lr for AdamW, Dion3's fraction for
+the others).
 """
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import math
@@ -405,6 +409,13 @@ def same_data(what: str, theirs: Optional[str], ours: str) -> None:
                          "Remove it, or go on where the data is the same")
 
 
+def used_settings(optimizer: str, config: Dict) -> Dict:
+    """The settings an optimizer's run depends on: Dion3's fraction, and the matrix lr, mean nothing
+    to AdamW's run (and the fraction to Muon's and NorMuon's), so a change of them leaves it valid."""
+    unused = {"adamw": ("lr", "fraction"), "dion3": ()}.get(optimizer, ("fraction",))
+    return {k: v for k, v in config.items() if k not in unused}
+
+
 def finished_record(run: Run, out: str) -> Optional[Dict]:
     """The run's record in `out` if it finished with these settings, else None."""
     record = os.path.join(out, f"run-{run.name}.json")
@@ -413,7 +424,8 @@ def finished_record(run: Run, out: str) -> Optional[Dict]:
     try:
         with open(record) as f:
             rec = json.load(f)
-        return rec if rec["config"] == asdict(run.cfg) and rec["state"].get("done") else None
+        same = used_settings(run.optimizer, rec["config"]) == used_settings(run.optimizer, asdict(run.cfg))
+        return rec if same and rec["state"].get("done") else None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None  # unreadable: the run is trained again and the record rewritten
 
@@ -431,11 +443,12 @@ def check_checkpoints(runs: List[Run], out: str, resume: bool) -> None:
             raise SystemExit(f"train_gpt: {path} holds a run that is unfinished or has other settings; add --resume "
                              "to go on from it (same settings), or remove it or pass another --out to start again")
         if resume:
-            check_settings(path, load_checkpoint(path, "cpu", mmap=True), run.cfg)
+            check_settings(path, load_checkpoint(path, "cpu", mmap=True), run)
 
 
-def check_settings(path: str, ck: Dict, cfg: "Config") -> None:
-    if ck["config"] != asdict(cfg):
+def check_settings(path: str, ck: Dict, run: Run) -> None:
+    if not isinstance(ck["config"], dict) or \
+            used_settings(run.optimizer, ck["config"]) != used_settings(run.optimizer, asdict(run.cfg)):
         raise SystemExit(f"train_gpt: {path} was written with other settings; pass those settings to go on "
                          "from it, or remove it or pass another --out to start again")
 
@@ -478,15 +491,19 @@ def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resu
     state = dict(step=0, elapsed=0.0, opt_seconds=0.0, history=[], done=False)
     if resume and os.path.exists(path):
         ck = load_checkpoint(path, device)
-        check_settings(path, ck, cfg)
+        check_settings(path, ck, run)
         same_data(path, ck.get("corpus"), corpus_info)
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
-        sched.load_state_dict(ck["scheduler"])
-        # map_location moved the RNG states to the device too; generators take theirs on the CPU.
-        batches.gen.set_state(ck["batches"].cpu())
-        torch.set_rng_state(ck["torch_rng"].cpu())
-        state = ck["state"]
+        try:
+            model.load_state_dict(ck["model"])
+            opt.load_state_dict(ck["optimizer"])
+            sched.load_state_dict(ck["scheduler"])
+            # map_location moved the RNG states to the device too; generators take theirs on the CPU.
+            batches.gen.set_state(ck["batches"].cpu())
+            torch.set_rng_state(ck["torch_rng"].cpu())
+            state = dict(ck["state"])
+        except Exception as e:  # noqa: BLE001 - readable, but its contents damaged: the loaders' errors vary
+            raise SystemExit(f"train_gpt: {path} cannot be resumed ({type(e).__name__}: {e}); remove it to train "
+                             "that run again") from None
         del ck  # the checkpoint's tensors (on the device) would count in the peak memory
         if state["done"]:
             print(f"{name}: finished earlier ({path})", file=sys.stderr)
@@ -541,6 +558,11 @@ def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resu
         step = state["step"]
         if step % cfg.eval_every == 0 or step == cfg.steps:
             val = evaluate(model, val_windows, device)
+            if not math.isfinite(val):  # the weights themselves went non-finite
+                state["diverged"] = step
+                print(f"\n{name}: the validation loss is not finite at step {step}; the run ends here as diverged",
+                      file=sys.stderr)
+                break
             state["history"].append(dict(step=step, seconds=state["elapsed"], val=val, train=train_loss))
             save()
         progress.show(step, tokens * step / max(state["elapsed"], 1e-9), train_loss, val, final=step == cfg.steps)
@@ -737,8 +759,17 @@ def report_only(out: str) -> int:
     records, files = [], {}
     for f in sorted(os.listdir(out)) if os.path.isdir(out) else []:
         if f.startswith("run-") and f.endswith(".json"):
-            with open(os.path.join(out, f)) as fh:
-                records.append(json.load(fh))
+            try:
+                with open(os.path.join(out, f)) as fh:
+                    rec = json.load(fh)
+                Config(**rec["config"])  # raises unless the record holds a whole configuration
+                if not isinstance(rec["state"], dict) or not all(k in rec for k in ("name", "optimizer", "scale")):
+                    raise KeyError("name, optimizer, scale or state")
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                print(f"train_gpt: --report-only: skipping {f}, which cannot be read ({type(e).__name__}: {e})",
+                      file=sys.stderr)
+                continue
+            records.append(rec)
             name = records[-1]["name"]
             if name in files:  # the table and plot are keyed by run name: one record per run
                 raise SystemExit(f"train_gpt: --report-only: {files[name]} and {f} are both run {name!r}; "
@@ -775,10 +806,23 @@ def main(argv=None) -> int:
         print(f"train_gpt: no GPU in use; training on the CPU ({torch.get_num_threads()} threads)"
               + ("" if a.device == "cpu" and not torch.cuda.is_available() else " as asked"), file=sys.stderr)
     runs = runs_of(names, cfg, a.scales, a.fractions)
+    for run in runs:  # the lrs the optimizers take (scales, Dion3's 1/sqrt(f)): dion3 steps in float32
+        for v in {lr_of(run.optimizer, run.cfg), run.cfg.adamw_lr}:
+            if not v < 3.4e38:
+                raise SystemExit(f"train_gpt: run {run.name} would step with lr {v:g}, beyond float32's range; "
+                                 "choose smaller --lr, --adamw-lr or --lr-scales (or a larger --fraction)")
     try:
         os.makedirs(a.out, exist_ok=True)
+        # One session a folder: two would write the same checkpoints. The lock also shows, before
+        # any training, that the folder can be written to; it goes with the process.
+        lock = open(os.path.join(a.out, ".lock"), "w")
     except OSError as e:
         raise SystemExit(f"train_gpt: --out {a.out}: {e.strerror or e}") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        raise SystemExit(f"train_gpt: --out {a.out} is in use by another session; wait for it, or pass "
+                         "another --out") from None
     check_checkpoints(runs, a.out, a.resume)
     text = read_corpus(cfg.corpus, int(cfg.corpus_mb * 2**20))
     data = torch.frombuffer(bytearray(text), dtype=torch.uint8)

@@ -2,6 +2,7 @@
 # optimizer, writes the table and the plot, refuses bad arguments with a message, and a run
 # interrupted and resumed computes the same bits as one that never stopped.
 import importlib.util
+import json
 import os
 import sys
 
@@ -186,7 +187,7 @@ def test_a_later_checkpoint_with_other_settings_is_found_before_resuming(tmp_pat
     args = TINY + ["--optimizers", "muon,adamw", "--out", str(tmp_path)]
     assert train_gpt.main(args + ["--stop-after", "2"]) == 3  # muon stopped at step 2
     ck = torch.load(tmp_path / "ckpt-muon.pt", weights_only=False)
-    ck["config"]["lr"] = 0.5
+    ck["config"]["adamw_lr"] = 0.5  # a setting AdamW's run uses (Muon's lr it does not)
     torch.save(ck, tmp_path / "ckpt-adamw.pt")
     muon = (tmp_path / "ckpt-muon.pt").stat().st_mtime_ns
     with pytest.raises(SystemExit, match="ckpt-adamw.pt was written with other settings"):
@@ -204,6 +205,64 @@ def test_a_damaged_or_foreign_checkpoint_is_refused_in_one_line(tmp_path, conten
         path.write_bytes(content)
     with pytest.raises(SystemExit, match=message):
         train_gpt.main(TINY + ["--optimizers", "adamw", "--out", str(tmp_path), "--resume"])
+
+
+def test_a_checkpoint_that_reads_but_does_not_load_is_refused_in_one_line(tmp_path):
+    args = TINY + ["--optimizers", "dion3", "--out", str(tmp_path)]
+    assert train_gpt.main(args + ["--stop-after", "2"]) == 3
+    ck = torch.load(tmp_path / "ckpt-dion3.pt", weights_only=False)
+    for st in ck["optimizer"]["state"].values():  # damaged, yet a checkpoint: negative second moments
+        for key in ("variance", "variance_neuron"):
+            if key in st:
+                st[key].fill_(-1.0)
+    torch.save(ck, tmp_path / "ckpt-dion3.pt")
+    with pytest.raises(SystemExit, match="ckpt-dion3.pt cannot be resumed .*; remove it to train that run again"):
+        train_gpt.main(args + ["--resume"])
+
+
+def test_settings_a_run_does_not_use_leave_it_finished(tmp_path):
+    # Muon's lr and Dion3's fractions mean nothing to AdamW's run: changing them does not make a
+    # finished AdamW run "other settings" (it is not trained again).
+    args = TINY + ["--optimizers", "adamw", "--out", str(tmp_path)]
+    assert train_gpt.main(args) == 0
+    ckpt = (tmp_path / "ckpt-adamw.pt").stat().st_mtime_ns
+    assert train_gpt.main(args + ["--resume", "--lr", "0.05", "--fraction", "0.5,0.25"]) == 0
+    assert (tmp_path / "ckpt-adamw.pt").stat().st_mtime_ns == ckpt
+    with pytest.raises(SystemExit, match="written with other settings"):
+        train_gpt.main(args + ["--resume", "--adamw-lr", "0.01"])
+
+
+def test_one_session_a_folder(tmp_path):
+    import fcntl
+    with open(tmp_path / ".lock", "w") as held:  # another session holds the folder
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(SystemExit, match="is in use by another session"):
+            train_gpt.main(TINY + ["--optimizers", "adamw", "--out", str(tmp_path)])
+    assert not list(tmp_path.glob("ckpt-*"))
+    assert train_gpt.main(TINY + ["--optimizers", "adamw", "--out", str(tmp_path)]) == 0
+
+
+def test_a_learning_rate_beyond_float32_is_refused_up_front(tmp_path):
+    with pytest.raises(SystemExit, match="run dion3@1e\\+40x would step with lr .* beyond float32's range"):
+        train_gpt.main(TINY + ["--optimizers", "adamw,dion3", "--lr-scales", "1,1e40", "--out", str(tmp_path)])
+    assert not list(tmp_path.glob("ckpt-*"))
+
+
+def test_weights_that_turn_non_finite_end_the_run_as_diverged(tmp_path):
+    assert train_gpt.main(TINY + ["--optimizers", "adamw", "--steps", "2", "--eval-every", "1", "--adamw-lr", "1e30",
+                                  "--out", str(tmp_path)]) == 0
+    assert "| adamw | 1e+30 | diverged (step 1" in (tmp_path / "results.md").read_text()
+    json.loads((tmp_path / "history.json").read_text())  # no bare NaN
+
+
+def test_report_only_skips_a_damaged_record(tmp_path, capsys):
+    args = TINY + ["--optimizers", "muon,adamw", "--out", str(tmp_path)]
+    assert train_gpt.main(args) == 0
+    (tmp_path / "run-muon.json").write_text("{ not json")
+    assert train_gpt.main(["--report-only", "--out", str(tmp_path)]) == 0
+    assert "skipping run-muon.json, which cannot be read" in capsys.readouterr().err
+    table = (tmp_path / "results.md").read_text()
+    assert "| adamw | 0.003 |" in table and "muon" not in table.split("\n", 1)[0]
 
 
 def test_runs_that_would_share_a_name_are_refused_up_front(tmp_path):
