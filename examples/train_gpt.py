@@ -36,7 +36,6 @@ the others).
 from __future__ import annotations
 
 import argparse
-import fcntl
 import hashlib
 import json
 import math
@@ -501,6 +500,9 @@ def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resu
             batches.gen.set_state(ck["batches"].cpu())
             torch.set_rng_state(ck["torch_rng"].cpu())
             state = dict(ck["state"])
+            int(state["step"]), bool(state["done"]), list(state["history"])  # raise if missing
+        except torch.cuda.OutOfMemoryError:
+            raise  # the machine's, not the checkpoint's
         except Exception as e:  # noqa: BLE001 - readable, but its contents damaged: the loaders' errors vary
             raise SystemExit(f"train_gpt: {path} cannot be resumed ({type(e).__name__}: {e}); remove it to train "
                              "that run again") from None
@@ -808,21 +810,31 @@ def main(argv=None) -> int:
     runs = runs_of(names, cfg, a.scales, a.fractions)
     for run in runs:  # the lrs the optimizers take (scales, Dion3's 1/sqrt(f)): dion3 steps in float32
         for v in {lr_of(run.optimizer, run.cfg), run.cfg.adamw_lr}:
-            if not v < 3.4e38:
-                raise SystemExit(f"train_gpt: run {run.name} would step with lr {v:g}, beyond float32's range; "
-                                 "choose smaller --lr, --adamw-lr or --lr-scales (or a larger --fraction)")
+            # adjust_lr scales a matrix's lr by up to 2 here (sqrt of the MLP's 4d x d shape)
+            if not v * 2 <= torch.finfo(torch.float32).max:
+                raise SystemExit(f"train_gpt: run {run.name} would step with lr {v:g}, which adjust_lr (up to 2x "
+                                 "here) takes beyond float32's range; choose smaller --lr, --adamw-lr or --lr-scales "
+                                 "(or a larger --fraction)")
     try:
         os.makedirs(a.out, exist_ok=True)
         # One session a folder: two would write the same checkpoints. The lock also shows, before
-        # any training, that the folder can be written to; it goes with the process.
+        # any training, that the folder can be written to.
         lock = open(os.path.join(a.out, ".lock"), "w")
     except OSError as e:
         raise SystemExit(f"train_gpt: --out {a.out}: {e.strerror or e}") from None
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        raise SystemExit(f"train_gpt: --out {a.out} is in use by another session; wait for it, or pass "
-                         "another --out") from None
+    with lock:
+        try:
+            import fcntl  # POSIX; elsewhere sessions are not kept apart
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except ImportError:
+            pass
+        except OSError:
+            raise SystemExit(f"train_gpt: --out {a.out} is in use by another session; wait for it, or pass "
+                             "another --out") from None
+        return train_all(a, cfg, runs, device)
+
+
+def train_all(a, cfg: Config, runs: List[Run], device) -> int:
     check_checkpoints(runs, a.out, a.resume)
     text = read_corpus(cfg.corpus, int(cfg.corpus_mb * 2**20))
     data = torch.frombuffer(bytearray(text), dtype=torch.uint8)

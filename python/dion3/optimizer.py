@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import bisect
 import collections
-import collections.abc
 import copy
 import functools
 import gc
@@ -174,7 +173,7 @@ def _engine_config(group: Dict[str, Any]) -> Dict[str, Any]:
         # The default restart positions that a short list of steps never reaches are dropped.
         restarts = [r for r in ENGINE_DEFAULTS["restarts"] if r < len(coefficients)]
     betas = group["betas"]
-    if not isinstance(betas, collections.abc.Sequence) or isinstance(betas, str) or len(betas) != 2:
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
         raise ValueError(f"dion3: 'betas' must be a pair (beta1, beta2); got {betas!r}")
     adjust_lr = group["adjust_lr"]
     cfg = {
@@ -1159,14 +1158,18 @@ class _EngineOptimizer(torch.optim.Optimizer):
         return _dist.local(first).device if first is not None else torch.device("cpu")
 
     def _agree_on_partial_gradients(self) -> None:
-        """A replicated DTensor weight's gradient may come Partial (sequence or tensor
-        parallelism), which is summed over the ranks (a collective) before the step: every rank
-        must then have that gradient, or none (sharded weights' gradients come placed as they
-        are). One all-reduce per mesh dimension tells it before any of those collectives run; a
-        gradient on some ranks only is refused on every rank."""
+        """A DTensor weight replicated over a mesh dimension may get a Partial gradient there
+        (sequence or tensor parallelism), which is summed over the ranks (a collective) before the
+        step: every rank must then have that gradient, or none. One all-reduce per mesh dimension
+        tells it before any of those collectives run, and the host waits for its answer; a gradient
+        on some ranks only is refused on every rank. Not where steps only enqueue (blocking=False),
+        which would then wait here every step."""
+        if self._mesh is None or not self._blocks():
+            return
         which = [(gi, j, p) for gi, g in enumerate(self.param_groups) for j, p in enumerate(g["params"])
-                 if _dist.is_dtensor(p) and all(isinstance(pl, _dist.Replicate) for pl in p.placements)]
-        if not which or self._mesh is None:
+                 if _dist.is_dtensor(p) and p.requires_grad and any(isinstance(pl, _dist.Replicate)
+                                                                   for pl in p.placements)]
+        if not which:
             return
         groups = self._agreement_groups()
         # [has, lacks] per weight, reduced with MAX: both 1 where the ranks differ.
@@ -1210,9 +1213,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 loss = closure()
         try:
             return self._step(loss)
-        except Exception as e:  # NonFiniteError: under blocking=False, on one rank first
-            # Any error: a refusal of this rank's (_push_or_refuse refuses whatever it raises)
-            # reaches the other ranks as a ValueError; all of them must then agree first.
+        except Exception as e:
+            # Any error (a NonFiniteError under blocking=False comes on one rank first): a refusal
+            # of this rank's (_push_or_refuse refuses whatever it raises) reaches the other ranks
+            # as a ValueError; all of them must then agree first at the next step.
             if not _capturing():  # which cannot wait for the device
                 if isinstance(e, ValueError):
                     # A refused step may report an earlier enqueued one the ranks disagreed on,
@@ -1232,10 +1236,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
         return first is None or _dist.local(first).device.type != "cuda" or self._blocks()
 
     def _step(self, loss):
+        if self._mesh is not None and not _capturing():
+            self._agree_on_partial_gradients()  # first: any registration below may sum a gradient
         if self._agree_first and self._mesh is not None and not _capturing():
             self._agree_on_groups()
-        if self._mesh is not None and not _capturing():
-            self._agree_on_partial_gradients()
         key = self._registration_key()
         stale = self._stale(key)
         if (stale or self._engine is None) and self._mesh is not None and not self._has_gradients():
@@ -1736,7 +1740,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             if _is_setting_tag(key, known):
                 continue
             near = [k for k in sorted(known - {"params", "param_names"})
-                    if isinstance(k, str) and _one_edit_apart(key, k)]
+                    if isinstance(k, str) and len(key) > 2 and _one_edit_apart(key, k)]
             if near:
                 raise ValueError(f"{where}: unknown setting '{key}'; did you mean '{near[0]}'?")
 

@@ -20,7 +20,8 @@ def orthogonalize(X: torch.Tensor, method: str = "auto", *, coefficients: Option
     a X + b (X X^T) X + c (X X^T)^2 X. Returns a new tensor of X's dtype on X's device (CUDA: on
     the current stream).
 
-    method: "auto" (the cheaper of the two for the shape, by the backend's cost model),
+    method: "auto" (the cheaper of the two for the shape, by the backend's cost model; standard
+        where Gram would iterate in bfloat16),
     "standard", or "gram" (Gram Newton–Schulz, restarting at the step indices in `restarts`).
     coefficients: the (a, b, c) steps, or a set by name: "polar_express" (the default; with
     `use_polar_express=False`, Muon's classic quintic), "reference" (the reference package's

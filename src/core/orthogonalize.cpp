@@ -82,8 +82,9 @@ OrthMethod choose_orth_method(const Backend& backend, const OrthConfig& cfg, int
   const int64_t p = std::min(rows, cols), q = std::max(rows, cols);
   if (p == q) return OrthMethod::Standard;
   if (cfg.iteration_dtype == DType::F16 && cfg.half_gram_overflows()) return OrthMethod::Standard;
-  // bf16's 8-bit mantissa lets Gram's p x p iterations drift out of the polynomial's band.
-  if (cfg.iteration_dtype == DType::BF16) return OrthMethod::Standard;
+  // bf16's 8-bit mantissa lets Gram's p x p iterations drift out of the polynomial's band: not
+  // where Gram would iterate in it (asked for, or the backend's choice where fp16 would overflow).
+  if (choose_iteration_dtype(backend, cfg, OrthMethod::Gram) == DType::BF16) return OrthMethod::Standard;
   const int steps = static_cast<int>(cfg.coefficients.size());
   int n_restarts = 0;
   for (int r : cfg.restarts) n_restarts += (r > 0);

@@ -589,7 +589,7 @@ TEST(Hardening, Float16AdamWUnderALargeGradientNeverWritesNonFiniteWeights) {
 // ---- settings set through the C++ structs, outside what a step accepts ----------------------
 
 // Enums cast from integers out of range are refused when the group is added, naming the field
-// (before, an unknown algorithm made no state and the step read past it).
+// (an unknown algorithm would make no state, and the step read past it).
 TEST(Hardening, EnumsOutOfRangeAreRefusedByName) {
   const std::vector<std::pair<const char*, std::function<void(GroupConfig&)>>> cases = {
       {"'algorithm' = 42", [](GroupConfig& g) { g.algorithm = static_cast<Algorithm>(42); }},
@@ -621,7 +621,7 @@ TEST(Hardening, EnumsOutOfRangeAreRefusedByName) {
 
 // plan() builds a plan only from settings a step accepts: an edit the step refuses is refused by
 // plan() too, with the step's words, and the step that follows refuses it through the plan it
-// still has (before, plan() planned the edit and that refusal read state the parameter lacks).
+// still has (a plan of the edit would have that refusal read state the parameter lacks).
 TEST(Hardening, PlanRefusesSettingsTheStepRefuses) {
   for (bool with_comm : {false, true}) {
     Harness h;

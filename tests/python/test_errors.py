@@ -2,6 +2,7 @@
 # what is wrong, and nothing (weights, state, groups) is changed by a call that fails.
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -764,7 +765,7 @@ def test_group_keys_that_would_be_ignored_are_refused(device, key, pattern):
 
 
 @pytest.mark.parametrize("key", ["no_weight_decay", "use_weight_decay", "weight_decay_rate", "apply_weight_decay",
-                                 "num_steps", "moment", "momentum_decay"])
+                                 "num_steps", "moment", "momentum_decay", "l1", "l2", "nu"])
 def test_user_tags_more_than_one_letter_from_a_setting_are_carried(device, key):
     # Only a key one edit from a setting's name is taken for a typo; a training script's own group
     # tags, however alike, are carried as torch.optim carries them (dion3.optim.Muon included).
@@ -774,6 +775,14 @@ def test_user_tags_more_than_one_letter_from_a_setting_are_carried(device, key):
         p.grad = torch.ones_like(p)
         opt.step()
         assert opt.param_groups[0][key] is True
+
+
+def test_betas_may_be_any_pair_of_numbers(device):
+    for betas in ((0.9, 0.95), [0.9, 0.95], torch.tensor([0.9, 0.95]), np.array([0.9, 0.95])):
+        p = mat(device)
+        opt = dion3.Dion3([dict(params=[p], algorithm="adamw", betas=betas)])
+        p.grad = torch.ones_like(p)
+        opt.step()
 
 
 def test_scheduler_and_user_keys_are_carried(device):
