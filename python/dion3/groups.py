@@ -22,7 +22,13 @@ def _ids_of(model: nn.Module, selector: _Selector, names: Dict[int, str]) -> Opt
     """Parameter ids named by a selector: a module, a parameter, a name or glob, or a list."""
     if selector is None:
         return None
-    items = [selector] if isinstance(selector, (str, nn.Module, torch.Tensor)) else list(selector)
+    if isinstance(selector, (str, nn.Module, torch.Tensor)):
+        items = [selector]
+    else:
+        try:
+            items = list(selector)
+        except TypeError:
+            raise TypeError(f"dion3.param_groups: cannot select parameters with {type(selector).__name__}") from None
     out = set()
     for item in items:
         if isinstance(item, nn.Module):
@@ -30,13 +36,20 @@ def _ids_of(model: nn.Module, selector: _Selector, names: Dict[int, str]) -> Opt
         elif isinstance(item, torch.Tensor):
             out.add(id(item))
         elif isinstance(item, str):
+            if not item:  # the root module's path: every parameter, surely not what was meant
+                raise ValueError("dion3.param_groups: an empty name selects no module or parameter")
             hits = [pid for pid, name in names.items()
                     if name == item or name.startswith(item + ".") or fnmatch.fnmatchcase(name, item)]
             if not hits:
-                # A module whose parameters are listed under another name: a head tied to the
-                # embedding appears once, as the embedding's.
+                # A module or parameter listed under another name: a head tied to the embedding
+                # appears once, as the embedding's.
                 module = _submodule(model, item)
                 hits = [id(p) for p in module.parameters()] if module is not None else []
+                if not hits:
+                    try:
+                        hits = [id(model.get_parameter(item))]
+                    except AttributeError:
+                        pass
             if not hits:
                 raise ValueError(f"dion3.param_groups: no parameter or module of the model matches {item!r}")
             out.update(hits)
@@ -107,8 +120,17 @@ _HEAD_TOP_LEVEL = ("head", "output", "classifier")
 _WRAPPER_PREFIXES = ("_orig_mod", "module")
 
 
+def _module_path(name: str) -> str:
+    """The path of the module a parameter belongs to; a parametrized weight's (weight_norm,
+    spectral_norm: module.parametrizations.weight.original0) is the module's."""
+    parts = name.split(".")[:-1]
+    if "parametrizations" in parts:
+        parts = parts[:parts.index("parametrizations")]
+    return ".".join(parts)
+
+
 def _is_head_name(name: str) -> bool:
-    parts = name.split(".")[:-1]  # the module path of the parameter
+    parts = _module_path(name).split(".") if _module_path(name) else []
     while len(parts) > 1 and parts[0] in _WRAPPER_PREFIXES:
         parts = parts[1:]
     return bool(parts) and (parts[-1] in _HEAD_ANYWHERE or (len(parts) == 1 and parts[0] in _HEAD_TOP_LEVEL))
@@ -142,8 +164,8 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
         tensor parallelism, stays as stored, with a warning).
     lr: the optimizer's base learning rate. Given, each head learns at lr / sqrt(d_in) (d_in: its
         weight's input dimension), the reference's recommendation; every other group keeps
-        the optimizer's lr. Not given while a head exists (and no elementwise_options lr): a warning,
-        and the head learns at the optimizer's lr.
+        the optimizer's lr. An lr in elementwise_options is the head's too, as given (not scaled).
+        Neither given while a head exists: a warning, and the head learns at the optimizer's lr.
     overrides: {name or glob: {group option: value}}, e.g. {"*.router.weight": {"algorithm":
         "adamw", "lr": 3e-4}}; the first matching pattern wins. Parameters with equal options share
         a group.
@@ -189,11 +211,14 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
                       f"{', '.join(as_stored[:2])}{', ...' if len(as_stored) > 2 else ''}) are cut otherwise than by "
                       "FSDP2's Shard(0), so they are stepped as stored, with their input features as rows and an "
                       "inverted lr adjustment (docs/parameter-groups.md, 'Rows are output features')", stacklevel=2)
-    head_weights = [p for n, p in named if id(p) in head and p.dim() == 2]
     # Each head's input dimension, by its module (a model may have several heads: its bias learns
-    # at its weight's lr).
-    head_din = {n.rpartition(".")[0]: p.shape[1] for n, p in every if id(p) in head and p.dim() == 2}
-    if head_weights and lr is None and "lr" not in base_el:
+    # at its weight's lr, frozen or not); a parametrized weight's widest original (weight_norm's
+    # direction, not its (out, 1) gain).
+    head_din: Dict[str, int] = {}
+    for n, p in every:
+        if id(p) in head and p.dim() == 2:
+            head_din[_module_path(n)] = max(head_din.get(_module_path(n), 0), p.shape[1])
+    if head_din and lr is None and "lr" not in base_el:
         warnings.warn("dion3.param_groups: pass lr= (the optimizer's learning rate) so that the LM head learns "
                       "at lr / sqrt(d_in) as recommended; without it the head uses the optimizer's lr",
                       stacklevel=2)
@@ -201,8 +226,8 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
     for name, p in named:
         if id(p) in head:
             role, opts = "lm_head", dict(base_el)
-            if lr is not None and "lr" not in opts and head_weights:
-                opts["lr"] = lr / math.sqrt(head_din.get(name.rpartition(".")[0], head_weights[0].shape[1]))
+            if lr is not None and "lr" not in opts and head_din:
+                opts["lr"] = lr / math.sqrt(head_din.get(_module_path(name), max(head_din.values())))
         elif id(p) in emb:
             role, opts = "embedding", dict(base_el)
         elif sum(d > 1 for d in p.shape) < 2 or p.numel() == 0 or _is_bias_name(name):

@@ -310,6 +310,40 @@ def test_param_groups_may_name_a_frozen_head():
     assert "lm_head.weight" not in _roles(groups)
 
 
+@pytest.mark.parametrize("norm", ["weight_norm", "spectral_norm"])
+def test_param_groups_find_a_parametrized_head_and_scale_it_by_its_input_width(norm):
+    # The head's weight is registered as parametrizations.weight.original(0/1): still the head's,
+    # with its bias, at lr / sqrt(d_in) (weight_norm's (out, 1) gain is no input width).
+    from torch.nn.utils import parametrizations
+    m = _Model()
+    m.lm_head = getattr(parametrizations, norm)(torch.nn.Linear(16, 50))
+    groups = dion3.param_groups(m, lr=0.02)
+    head = [g for g in groups if g["role"] == "lm_head"]
+    assert len(head) == 1 and head[0]["lr"] == pytest.approx(0.02 / 4.0)
+    assert {n for n in head[0]["param_names"]} == {n for n, _ in m.lm_head.named_parameters(prefix="lm_head")}
+
+
+def test_param_groups_scale_a_head_bias_whose_weight_is_frozen():
+    m = _Model()
+    m.lm_head = torch.nn.Linear(16, 50)
+    m.lm_head.weight.requires_grad_(False)
+    groups = dion3.param_groups(m, lr=0.02)
+    (head,) = [g for g in groups if g["role"] == "lm_head"]
+    assert head["param_names"] == ["lm_head.bias"] and head["lr"] == pytest.approx(0.02 / 4.0)
+
+
+def test_param_group_selectors_name_parameters_and_refuse_what_selects_nothing_meant():
+    tied = _Model(tie=True)
+    roles = _roles(dion3.param_groups(tied, lm_head="lm_head.weight", lr=0.02))
+    assert roles["embed.weight"] == "lm_head"  # the tied weight, named by the head's parameter name
+    with pytest.raises(ValueError, match="an empty name selects no module or parameter"):
+        dion3.param_groups(_Model(), lm_head="", lr=0.02)
+    with pytest.raises(ValueError, match="an empty name selects no module or parameter"):
+        dion3.param_groups(_Model(), embeddings=[""], lr=0.02)
+    with pytest.raises(TypeError, match="cannot select parameters with int"):
+        dion3.param_groups(_Model(), lm_head=3, lr=0.02)
+
+
 def test_param_groups_include_frozen_layers_that_unfreeze_later():
     # Left out by default (a frozen base model stays outside the optimizer); with include_frozen a
     # layer unfrozen during training trains from then on, its state made at its first step.
