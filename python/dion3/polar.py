@@ -18,7 +18,8 @@ def orthogonalize(X: torch.Tensor, method: str = "auto", *, coefficients: Option
     batch (rows x cols, or batch x rows x cols), by Newton–Schulz as the optimizers run it
     (algorithm.md §2): X is scaled by its Frobenius norm, then each (a, b, c) step maps X to
     a X + b (X X^T) X + c (X X^T)^2 X. Returns a new tensor of X's dtype on X's device (CUDA: on
-    the current stream).
+    the current stream). Inputs are not checked for NaN or Inf (the optimizers check theirs): a
+    matrix holding one comes back all NaN, the batch's others as they would alone.
 
     method: "auto" (the cheaper of the two for the shape, by the backend's cost model; standard
         where Gram would iterate in bfloat16),
