@@ -408,11 +408,14 @@ def same_data(what: str, theirs: Optional[str], ours: str) -> None:
                          "Remove it, or go on where the data is the same")
 
 
-def used_settings(optimizer: str, config: Dict) -> Dict:
-    """The settings an optimizer's run depends on: Dion3's fraction, and the matrix lr, mean nothing
-    to AdamW's run (and the fraction to Muon's and NorMuon's), so a change of them leaves it valid."""
-    unused = {"adamw": ("lr", "fraction"), "dion3": ()}.get(optimizer, ("fraction",))
-    return {k: v for k, v in config.items() if k not in unused}
+def same_settings(run: Run, config) -> bool:
+    """Whether a saved config is `run`'s in the settings its optimizer uses: Dion3's fraction, and
+    the matrix lr, mean nothing to AdamW's run (and the fraction to Muon's and NorMuon's)."""
+    unused = {"adamw": ("lr", "fraction"), "dion3": ()}.get(run.optimizer, ("fraction",))
+
+    def used(c: Dict) -> Dict:
+        return {k: v for k, v in c.items() if k not in unused}
+    return isinstance(config, dict) and used(config) == used(asdict(run.cfg))
 
 
 def finished_record(run: Run, out: str) -> Optional[Dict]:
@@ -423,8 +426,7 @@ def finished_record(run: Run, out: str) -> Optional[Dict]:
     try:
         with open(record) as f:
             rec = json.load(f)
-        same = used_settings(run.optimizer, rec["config"]) == used_settings(run.optimizer, asdict(run.cfg))
-        return rec if same and rec["state"].get("done") else None
+        return rec if same_settings(run, rec["config"]) and rec["state"].get("done") else None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None  # unreadable: the run is trained again and the record rewritten
 
@@ -446,8 +448,7 @@ def check_checkpoints(runs: List[Run], out: str, resume: bool) -> None:
 
 
 def check_settings(path: str, ck: Dict, run: Run) -> None:
-    if not isinstance(ck["config"], dict) or \
-            used_settings(run.optimizer, ck["config"]) != used_settings(run.optimizer, asdict(run.cfg)):
+    if not same_settings(run, ck["config"]):
         raise SystemExit(f"train_gpt: {path} was written with other settings; pass those settings to go on "
                          "from it, or remove it or pass another --out to start again")
 

@@ -130,7 +130,8 @@ def _module_path(name: str) -> str:
 
 
 def _is_head_name(name: str) -> bool:
-    parts = _module_path(name).split(".") if _module_path(name) else []
+    path = _module_path(name)
+    parts = path.split(".") if path else []
     while len(parts) > 1 and parts[0] in _WRAPPER_PREFIXES:
         parts = parts[1:]
     return bool(parts) and (parts[-1] in _HEAD_ANYWHERE or (len(parts) == 1 and parts[0] in _HEAD_TOP_LEVEL))

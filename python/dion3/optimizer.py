@@ -754,9 +754,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         for g in self.param_groups:
             kind, state_kind = _kind(g.get("algorithm")), self._state_kind(g)
             for p in g["params"]:
-                if not p.requires_grad and not self.state.get(p):
-                    continue  # frozen and never stepped: no state to start afresh
-                switched = self._kinds.get(p, kind) != kind
+                switched = self._restarts_with_group(p, kind)
                 old = {} if switched else self.state.get(p)
                 if not old and not switched:
                     continue
@@ -773,6 +771,11 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 elif switched or any(t is not old.get(k) for k, t in fresh.items()):
                     out[p] = dict(fresh, step=0)
         return out
+
+    def _restarts_with_group(self, p: torch.Tensor, kind: str) -> bool:
+        """Whether p's state starts afresh at its group's next step: the group moved to another
+        kind of algorithm since the state was made (a frozen parameter without state has none)."""
+        return self._kinds.get(p, kind) != kind and (p.requires_grad or bool(self.state.get(p)))
 
     def __getstate__(self) -> Dict[str, Any]:
         state = super().__getstate__()
@@ -1962,8 +1965,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             kind, state_kind = _kind(group["algorithm"]), self._state_kind(group)
             for p in group["params"]:
-                if p in new_state or self._kinds.get(p, kind) == kind or \
-                        (not p.requires_grad and not self.state.get(p)):
+                if p in new_state or not self._restarts_with_group(p, kind):
                     continue
                 try:
                     st = _state_tensors(group, p, {}, state_kind)

@@ -333,11 +333,10 @@ struct Optimizer::Impl {
   bool all_written = false;
   void check_written_state();
   // Its read-back, kept between calls: a device buffer the written second moments are gathered
-  // into (up to kReadBackBatchBytes at a time) and the pinned host copy of it.
+  // into (up to kReadBackBatchBytes at a time) and the pinned host copy of it, of its size.
   static constexpr std::size_t kReadBackBatchBytes = std::size_t{16} << 20;
   DeviceBuffer written_gathered;
   std::unique_ptr<HostCopy> written_readback;
-  std::size_t written_readback_bytes = 0;
   // count_dropped: whether a step dropped for a non-finite gradient counts in steps_skipped (not
   // when step() raises it).
   // start: kStep, or a refusal (refuse_step, refuse_invalid): the step's collectives, with

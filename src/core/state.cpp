@@ -74,32 +74,30 @@ void Optimizer::Impl::check_written_state() {
   // Read back in batches: the tensors gathered into one device buffer and copied to pinned host
   // memory at once (both kept for the next call), so that many small second moments cost one
   // wait for the device, not one each.
-  std::vector<std::pair<std::size_t, const std::pair<std::string, TensorView>*>> batch;  // offset, state
-  std::vector<std::size_t> of_param;
+  struct Entry {
+    std::size_t param, offset;
+    const std::string* name;
+    const TensorView* view;
+  };
+  std::vector<Entry> batch;
   std::size_t batch_bytes = 0;
   auto flush = [&] {
     if (batch.empty()) return;
-    if (written_readback_bytes < batch_bytes) {
-      written_readback.reset();
-      written_gathered = DeviceBuffer();
-      written_readback_bytes = 0;
+    if (!written_readback || written_gathered.bytes() < batch_bytes) {
+      written_readback.reset();  // the pair is remade together (either may fail to allocate)
       written_gathered = DeviceBuffer(backend->allocator(), batch_bytes);
       written_readback = backend->new_host_copy(batch_bytes);
-      written_readback_bytes = batch_bytes;
     }
-    for (const auto& [offset, state] : batch)
-      backend->copy(written_gathered.as<unsigned char>() + offset, state->second.data, state->second.bytes());
+    for (const Entry& e : batch)
+      backend->copy(written_gathered.as<unsigned char>() + e.offset, e.view->data, e.view->bytes());
     written_readback->start(written_gathered.get());
     const auto* host = static_cast<const unsigned char*>(written_readback->wait());
-    for (std::size_t j = 0; j < batch.size(); ++j)
-      check(of_param[j], batch[j].second->first, batch[j].second->second, host + batch[j].first);
+    for (const Entry& e : batch) check(e.param, *e.name, *e.view, host + e.offset);
     batch.clear();
-    of_param.clear();
     batch_bytes = 0;
   };
   for (std::size_t i = 0; i < params.size(); ++i)
-    for (const auto& state : params[i].state) {
-      const auto& [name, view] = state;
+    for (const auto& [name, view] : params[i].state) {
       const std::size_t bytes = view.bytes();
       if (!read[i] || !is_second_moment(name) || bytes == 0) continue;
       if (bytes > kReadBackBatchBytes) {
@@ -113,8 +111,7 @@ void Optimizer::Impl::check_written_state() {
         flush();
         offset = 0;
       }
-      batch.emplace_back(offset, &state);
-      of_param.push_back(i);
+      batch.push_back({i, offset, &name, &view});
       batch_bytes = offset + bytes;
     }
   flush();
