@@ -4,9 +4,10 @@
 // the update of the selected columns (with NorMuon's factors).
 // Rows are cut into chunks so that a few wide matrices still fill the GPU; per-chunk partial sums
 // go to scratch and are added in chunk order afterwards, so results do not depend on scheduling.
-// Selected columns of the gather travel through 32 x 32 shared-memory tiles, so that the rows of
-// the gathered matrix are written along their length; the update stages bands of weight rows in
-// shared memory instead, reading and writing the weights once. Each kernel honours `skip`.
+// The gather stages 32 stored rows of a chunk of columns in shared memory, so that M is read along
+// its rows and the rows of the gathered matrix are written along their length; the update stages
+// bands of weight rows likewise, reading and writing the weights once. Both find a chunk's entries
+// of the ascending selection with a search by two warps. Each kernel honours `skip`.
 #include <algorithm>
 
 #include "cuda/kernels.cuh"
@@ -23,8 +24,10 @@ constexpr int64_t kBandBytes = 32 * 1024;
 static_assert(kBandBytes / kBandRows / 16 == kColumnThreads);
 constexpr int64_t kMaxRowChunks = 32;  // row chunks of the accumulate
 constexpr int kColumnRowsInFlight = 4;  // rows of 4-element packs the vectorized accumulate loads ahead
-constexpr int kTile = 32;              // selected columns x rows per gather tile
-constexpr int kTileRowsPerPass = 8;    // block: kTile x kTileRowsPerPass threads
+constexpr int kGatherRows = 32;         // stored rows of a gather block: one per lane
+constexpr int kGatherThreads = 256;
+constexpr int kGatherBlocksPerSm = 1;  // __launch_bounds__'s minimum
+constexpr int64_t kGatherRowBytes = 1024;  // M's bytes per row of a gather block (its column chunk)
 
 int64_t row_chunks(int64_t rows) { return std::min<int64_t>(kMaxRowChunks, (rows + 63) / 64); }
 
@@ -98,68 +101,162 @@ __global__ void sum_parts_kernel(const float* __restrict__ part, int64_t outer, 
   out[t] = a;
 }
 
-// One tile: selected columns s0.. (entries idx[i*k + s]) x stored rows r0... Threads (x, y): x
-// runs along the selection when reading M (entries of one row), along the rows when writing out.
-// out[i][s][r] = c_i*(scale_m*M[r, c_s] + scale_g*G[r, c_s]) (padding: zeros), then M[r, c_s] *= decay,
-// with c_i = inverse_norm_of(sqrt(selected_sumsq[i]), norm) or 1;
-// part_sq[(i*k + s)*rtiles + tile] = the tile's sum of squares of out's stored values.
-template <class TM, class TG, class TO>
-__global__ void gather_columns_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols,
-                                      const int32_t* __restrict__ idx, int64_t k, Hyper scale_m_h, Hyper scale_g_h,
-                                      Hyper decay_h, const float* __restrict__ selected_sumsq, NormGuard norm,
-                                      TO* __restrict__ out, int64_t out_ld, int64_t out_bstride,
-                                      float* __restrict__ part_sq, const int* skip) {
-  pdl_wait();
-  if (skipped(skip)) return;
-  __shared__ float tile[kTile][kTile + 1];
-  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kTile, i = blockIdx.y, s0 = static_cast<int64_t>(blockIdx.z) * kTile;
-  const int tx = threadIdx.x, ty = threadIdx.y;
-  const float scale_m = scale_m_h.get(), scale_g = scale_g_h.get(), decay = decay_h.get();
-  const DeviceMat d = mats[i];
-  {
-    const int64_t s = s0 + tx;
-    const int64_t c = s < k ? (idx ? idx[i * k + s] : s) : cols;  // beyond k, or padding: no column
-    for (int rr = ty; rr < kTile; rr += kTileRowsPerPass) {
-      const int64_t r = r0 + rr;
-      float u = 0.0f;
-      if (c < cols && r < rows) {
-        TM* m = static_cast<TM*>(d.m) + r * d.ldm + c;
-        const float mv = to_f32(*m);
-        u = scale_m * mv;
-        if (scale_g != 0.0f) u += scale_g * to_f32(static_cast<const TG*>(d.g)[r * d.ldg + c]);
-        if (decay != 1.0f) *m = from_f32<TM>(mv * decay);
-      }
-      tile[rr][tx] = u;
-    }
+// The entries of the ascending list idx[0, k) (null: 0, 1, ..) whose columns lie in
+// [c0, c0 + nc), as [lo, hi); in the last chunk (c0 + nc == cols) hi = k, so that padding entries
+// (>= cols) fall there too. Warps 0 and 1 search one bound each; every thread of the block calls
+// this, and the result is in range[0..1] after the block's next __syncthreads().
+__device__ __forceinline__ void chunk_entries(const int32_t* __restrict__ idx, int64_t k, int64_t c0, int64_t nc,
+                                              int64_t cols, int64_t* range) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (warp > 1) return;
+  const int64_t x = warp == 0 ? c0 : c0 + nc;
+  int64_t at;
+  if (warp == 1 && c0 + nc >= cols) at = k;
+  else if (idx == nullptr) at = min(x, k);
+  else if (x == 0) at = 0;
+  else at = warp_lower_bound_i32(idx, k, x, lane);
+  if (lane == 0) range[warp] = at;
+}
+
+// Shared-memory tiles of the gather: kGatherRows stored rows of a chunk of columns, each row one
+// 4-byte word longer than the chunk, so that the rows' entries of one column lie in 32 banks.
+template <class T>
+__host__ __device__ constexpr int64_t tile_pitch(int64_t chunk) { return chunk + 4 / static_cast<int64_t>(sizeof(T)); }
+
+// tile[rr * pitch + c] = g[rr * ld + c] for rr < nr, c < nc: 16-byte packs along the rows, several
+// in flight per thread, where `packed` (g and ld 16-byte aligned, nc whole packs).
+template <class T>
+__device__ __forceinline__ void load_tile(const T* __restrict__ g, int64_t ld, int nr, int nc, T* tile, int64_t pitch,
+                                          bool packed) {
+  const int tid = threadIdx.x, nt = blockDim.x;
+  if (!packed) {
+    for (int e = tid; e < nr * nc; e += nt) tile[(e / nc) * pitch + e % nc] = g[(e / nc) * ld + e % nc];
+    return;
   }
-  __syncthreads();
-  if (out == nullptr) return;
-  const int64_t r = r0 + tx;
-  const float c = selected_sumsq ? inverse_norm_of(sqrtf(selected_sumsq[i]), norm) : 1.0f;
-  for (int ss = ty; ss < kTile; ss += kTileRowsPerPass) {
-    const int64_t s = s0 + ss;
-    if (s >= k) break;
-    float v = 0.0f;
-    if (r < rows) {
-      const TO stored = from_f32<TO>(c * tile[tx][ss]);
-      out[i * out_bstride + s * out_ld + r] = stored;
-      v = to_f32(stored);
+  constexpr int kVec = 16 / sizeof(T), kInFlight = 8;
+  const int per_row = nc / kVec, n = nr * per_row;
+  for (int e0 = 0; e0 < n; e0 += kInFlight * nt) {
+    uint4 p[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int e = e0 + u * nt + tid;
+      if (e < n) p[u] = reinterpret_cast<const uint4*>(g + (e / per_row) * ld)[e % per_row];
     }
-    if (part_sq) {
-      const float t = warp_sum(v * v);  // the warp is the tile's 32 rows of row s
-      if (tx == 0) part_sq[(i * k + s) * gridDim.x + blockIdx.x] = t;
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int e = e0 + u * nt + tid;
+      if (e >= n) continue;
+      // Rows start 4-byte aligned in the padded tile: the pack goes in as four words.
+      uint32_t* d = reinterpret_cast<uint32_t*>(tile + (e / per_row) * pitch + (e % per_row) * kVec);
+      d[0] = p[u].x;
+      d[1] = p[u].y;
+      d[2] = p[u].z;
+      d[3] = p[u].w;
     }
   }
 }
 
-// Elements from one band row of the column update to the next (see update_columns_kernel).
-template <class TW>
-__host__ __device__ constexpr int64_t band_pitch(int64_t chunk) { return chunk + 16 / static_cast<int64_t>(sizeof(TW)); }
+// One block: stored rows r0.. (kGatherRows, one per lane) x the chunk of columns c0.. of matrix i.
+// M's tile (and G's, with `with_g`) is read along its rows into shared memory; each warp takes the
+// chunk's selected entries s in turn (entry idx[i*k + s], ascending; padding past the last column):
+// out[i][s][r] = c_i*(scale_m*M[r, c_s] + scale_g*G[r, c_s]) (padding: zeros), M[r, c_s] *= decay,
+// with c_i = inverse_norm_of(sqrt(selected_sumsq[i]), norm) or 1, so the rows of the gathered matrix
+// are written along their length; part_sq[(i*k + s)*rtiles + tile] = the sum of squares of out's
+// stored values over the block's rows. The 16-byte packs of M holding a selected column go back.
+template <class TM, class TG, class TO>
+__global__ void __launch_bounds__(kGatherThreads, kGatherBlocksPerSm)
+    gather_columns_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols, const int32_t* __restrict__ idx,
+                          int64_t k, int64_t chunk, bool with_g, Hyper scale_m_h, Hyper scale_g_h, Hyper decay_h,
+                          const float* __restrict__ selected_sumsq, NormGuard norm, TO* __restrict__ out,
+                          int64_t out_ld, int64_t out_bstride, float* __restrict__ part_sq, const int* skip) {
+  extern __shared__ __align__(16) unsigned char gather_bytes[];
+  const int64_t pm = tile_pitch<TM>(chunk), pg = tile_pitch<TG>(chunk);
+  TM* const mt = reinterpret_cast<TM*>(gather_bytes);
+  TG* const gt = reinterpret_cast<TG*>(mt + kGatherRows * pm);
+  uint32_t* const selected = reinterpret_cast<uint32_t*>(gt + (with_g ? kGatherRows * pg : 0));  // bit per column
+  __shared__ int64_t range[2];
+  pdl_wait();
+  if (skipped(skip)) return;
+  const int64_t i = blockIdx.y, chunks = (cols + chunk - 1) / chunk, tile = blockIdx.x / chunks;
+  const int64_t r0 = tile * kGatherRows, c0 = (blockIdx.x % chunks) * chunk;
+  const int nr = static_cast<int>(min(static_cast<int64_t>(kGatherRows), rows - r0));
+  const int nc = static_cast<int>(min(chunk, cols - c0));
+  const int32_t* const list = idx ? idx + i * k : nullptr;
+  chunk_entries(list, k, c0, nc, cols, range);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = blockDim.x >> 5;
+  for (int w = tid; w < (nc + 31) / 32; w += blockDim.x) selected[w] = 0u;
+  const DeviceMat d = mats[i];
+  TM* const m = static_cast<TM*>(d.m) + r0 * d.ldm + c0;
+  const TG* const g = static_cast<const TG*>(d.g) + r0 * d.ldg + c0;
+  const float scale_m = scale_m_h.get(), scale_g = scale_g_h.get(), decay = decay_h.get();
+  const bool use_g = with_g && scale_g != 0.0f;
+  __syncthreads();
+  const int64_t lo = range[0], hi = range[1];
+  if (lo >= hi) return;  // nothing selected in the chunk
+  constexpr int kVecM = 16 / sizeof(TM), kVecG = 16 / sizeof(TG);
+  const bool packed_m = reinterpret_cast<uintptr_t>(m) % 16 == 0 && (d.ldm * sizeof(TM)) % 16 == 0 && nc % kVecM == 0;
+  load_tile(m, d.ldm, nr, nc, mt, pm, packed_m);
+  if (use_g) {
+    const bool packed_g = reinterpret_cast<uintptr_t>(g) % 16 == 0 && (d.ldg * sizeof(TG)) % 16 == 0 && nc % kVecG == 0;
+    load_tile(g, d.ldg, nr, nc, gt, pg, packed_g);
+  }
+  __syncthreads();
+  const float ci = selected_sumsq ? inverse_norm_of(sqrtf(selected_sumsq[i]), norm) : 1.0f;
+  const int64_t rtiles = (rows + kGatherRows - 1) / kGatherRows, r = r0 + lane;
+  // Warp w takes entries lo + w, lo + w + warps, ..; each lane loads one of the next 32 of them.
+  for (int64_t base = lo + warp; base < hi; base += 32 * warps) {
+    const int64_t mine = base + lane * warps;
+    const int64_t my_entry = mine < hi ? (list ? list[mine] : mine) : cols;
+    const int count = static_cast<int>(min(static_cast<int64_t>(32), (hi - base + warps - 1) / warps));
+    for (int j = 0; j < count; ++j) {
+      const int64_t s = base + j * warps;
+      const int64_t c = static_cast<int64_t>(__shfl_sync(0xffffffffu, my_entry, j)) - c0;
+      const bool in = c >= 0 && c < nc;  // else padding: a row of zeros
+      float u = 0.0f;
+      if (in && lane < nr) {
+        TM* const e = mt + lane * pm + c;
+        const float mv = to_f32(*e);
+        u = scale_m * mv;
+        if (use_g) u += scale_g * to_f32(gt[lane * pg + c]);
+        if (decay != 1.0f) *e = from_f32<TM>(mv * decay);
+      }
+      if (in && lane == 0) atomicOr(&selected[c >> 5], 1u << (c & 31));
+      if (out == nullptr) continue;
+      float v = 0.0f;
+      if (lane < nr) {
+        const TO stored = from_f32<TO>(ci * u);
+        out[i * out_bstride + s * out_ld + r] = stored;
+        v = to_f32(stored);
+      }
+      if (part_sq) {
+        const float t = warp_sum(v * v);
+        if (lane == 0) part_sq[(i * k + s) * rtiles + tile] = t;
+      }
+    }
+  }
+  if (decay == 1.0f) return;  // M unchanged
+  __syncthreads();
+  // The decayed columns go back: whole 16-byte packs that hold one (their other columns as read).
+  if (packed_m) {
+    const int per_row = nc / kVecM;
+    for (int e = tid; e < nr * per_row; e += blockDim.x) {
+      const int rr = e / per_row, q = e % per_row;
+      if (((selected[(q * kVecM) >> 5] >> ((q * kVecM) & 31)) & ((1u << kVecM) - 1u)) == 0u) continue;
+      const uint32_t* sw = reinterpret_cast<const uint32_t*>(mt + rr * pm + q * kVecM);
+      reinterpret_cast<uint4*>(m + rr * d.ldm)[q] = make_uint4(sw[0], sw[1], sw[2], sw[3]);
+    }
+    return;
+  }
+  for (int e = tid; e < nr * nc; e += blockDim.x) {
+    const int rr = e / nc, c = e % nc;
+    if ((selected[c >> 5] >> (c & 31)) & 1u) m[rr * d.ldm + c] = mt[rr * pm + c];
+  }
+}
 
 // The update of one band of kBandRows stored rows x `chunk` columns, staged in shared memory so
 // that the weights are read and written once, along their rows: the selected columns of the band
-// (the entries of the ascending idx in the chunk, found by a binary search; O's rows read
-// kBandRows values at a time) take W*decay - lr'*O[s, r] (cautious: no decay where the update and
+// (the entries of the ascending idx in the chunk, a thread per entry reading kBandRows values of
+// its row of O at once) take W*decay - lr'*O[s, r] (cautious: no decay where the update and
 // the weight differ in sign), lr' times NorMuon's factors with inv; the other columns take the
 // decay (none under cautious decay, their update being zero, nor without decay: written back only
 // as they were read, where they share a 16-byte pack with a selected column).
@@ -170,9 +267,7 @@ __global__ void update_columns_kernel(const DeviceMat* __restrict__ mats, int64_
                                       const float* __restrict__ inv, const float* __restrict__ factor,
                                       int64_t chunk, const int* skip) {
   extern __shared__ __align__(16) unsigned char band_bytes[];
-  // kBandRows x chunk, rows band_pitch apart: 16 bytes more than a row, so that the threads that
-  // walk one column down the band (the selected update) reach different shared-memory banks.
-  const int64_t pitch = band_pitch<TW>(chunk);
+  const int64_t pitch = chunk;  // kBandRows x chunk
   TW* const band = reinterpret_cast<TW*>(band_bytes);
   uint32_t* const selected = reinterpret_cast<uint32_t*>(band + kBandRows * pitch);  // bit per chunk column
   pdl_wait();
@@ -189,44 +284,58 @@ __global__ void update_columns_kernel(const DeviceMat* __restrict__ mats, int64_
   constexpr int kVec = 16 / sizeof(TW);
   const bool packed = reinterpret_cast<uintptr_t>(w) % 16 == 0 && (ldw * sizeof(TW)) % 16 == 0 && nc % kVec == 0;
   const bool has_pack = tid < nc / kVec;
+  __shared__ int64_t range[2];
+  const int32_t* const list = idx ? idx + i * k : nullptr;
   if (packed) {
     uint4 p[kBandRows];
 #pragma unroll
     for (int rr = 0; rr < kBandRows; ++rr)
       if (rr < nr && has_pack) p[rr] = reinterpret_cast<const uint4*>(w + rr * ldw)[tid];
+    chunk_entries(list, k, c0, nc, cols, range);  // while the band's loads are in flight
 #pragma unroll
     for (int rr = 0; rr < kBandRows; ++rr)
       if (rr < nr && has_pack) reinterpret_cast<uint4*>(band + rr * pitch)[tid] = p[rr];
   } else {
+    chunk_entries(list, k, c0, nc, cols, range);
     for (int64_t rr = 0; rr < nr; ++rr)
       for (int64_t c = tid; c < nc; c += nt) band[rr * pitch + c] = w[rr * ldw + c];
   }
-  // The entries whose columns lie in the chunk: [s_lo, s_hi) of the ascending selection.
-  __shared__ int64_t s_range[2];
-  if (tid == 0) {
-    if (idx == nullptr) {
-      s_range[0] = min(c0, k);
-      s_range[1] = min(c0 + nc, k);
-    } else {
-      s_range[0] = lower_bound_i32(idx + i * k, k, c0);
-      s_range[1] = lower_bound_i32(idx + i * k, k, c0 + nc);
-    }
-  }
   __syncthreads();
   const float decay = decay_h.get(), lr = lr_h.get();
-  const int64_t s_lo = s_range[0], s_hi = s_range[1];
-  for (int64_t e = tid; e < (s_hi - s_lo) * kBandRows; e += nt) {
-    const int64_t s = s_lo + e / kBandRows, rr = e % kBandRows;
-    const int64_t c = (idx ? idx[i * k + s] : s) - c0;
-    if (rr >= nr || c < 0 || c >= nc) continue;  // a list out of order: no write outside the band
-    if (rr == 0) atomicOr(&selected[c >> 5], 1u << (c & 31));
+  const int64_t s_lo = range[0], s_hi = range[1];
+  // A thread per entry of the chunk: its column of the band takes O[s, r0 .. r0 + nr), read as one
+  // 16-byte load where O's band rows allow it.
+  const TO* const o_band = O + i * o_bstride + r0;
+  constexpr int kVecO = 16 / sizeof(TO);
+  const bool o_packed = kBandRows % kVecO == 0 && nr == kBandRows && reinterpret_cast<uintptr_t>(o_band) % 16 == 0 &&
+                        (o_ld * sizeof(TO)) % 16 == 0;
+  for (int64_t s = s_lo + tid; s < s_hi; s += nt) {
+    const int64_t c = (list ? list[s] : s) - c0;
+    float x[kBandRows];
+    if (o_packed) {
+      uint4 q[kBandRows / kVecO];
+#pragma unroll
+      for (int h = 0; h < kBandRows / kVecO; ++h) q[h] = reinterpret_cast<const uint4*>(o_band + s * o_ld)[h];
+      const TO* const o = reinterpret_cast<const TO*>(q);
+#pragma unroll
+      for (int rr = 0; rr < kBandRows; ++rr) x[rr] = to_f32(o[rr]);
+    } else {
+#pragma unroll
+      for (int rr = 0; rr < kBandRows; ++rr) x[rr] = rr < nr ? to_f32(o_band[s * o_ld + rr]) : 0.0f;
+    }
+    if (c < 0 || c >= nc) continue;  // padding, or a list out of order: no write outside the band
+    atomicOr(&selected[c >> 5], 1u << (c & 31));
     float l = lr;
     if (inv != nullptr) l *= inv[i * k + s] * factor[i];
-    TW* b = band + rr * pitch + c;
-    const float wv = to_f32(*b), x = to_f32(O[i * o_bstride + s * o_ld + r0 + rr]) * l;
-    float dec = decay;
-    if (cautious && !(x * wv > 0.0f)) dec = 1.0f;
-    *b = from_f32<TW>(wv * dec - x);
+#pragma unroll
+    for (int rr = 0; rr < kBandRows; ++rr) {
+      if (rr >= nr) break;
+      TW* b = band + rr * pitch + c;
+      const float wv = to_f32(*b), xv = x[rr] * l;
+      float dec = decay;
+      if (cautious && !(xv * wv > 0.0f)) dec = 1.0f;
+      *b = from_f32<TW>(wv * dec - xv);
+    }
   }
   __syncthreads();
   const bool keep_others = cautious || decay == 1.0f;  // unselected columns keep their values
@@ -297,7 +406,7 @@ void launch_accumulate_columns(const DeviceMat* mats, int64_t nmats, int64_t row
 }
 
 int64_t gather_columns_scratch_floats(int64_t nmats, int64_t rows, int64_t k) {
-  return nmats * k * ((rows + kTile - 1) / kTile);
+  return nmats * k * ((rows + kGatherRows - 1) / kGatherRows);
 }
 
 void launch_gather_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt, DType gdt,
@@ -309,18 +418,25 @@ void launch_gather_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, i
     if (row_sumsq && out.data) DION3_CUDA_CHECK(cudaMemsetAsync(row_sumsq, 0, nmats * k * sizeof(float), s));
     return;
   }
-  const int64_t rtiles = (rows + kTile - 1) / kTile;
-  if ((k + kTile - 1) / kTile > 65535) fail("gather of columns: more than 2^21 selected columns per matrix");
-  const dim3 grid(static_cast<unsigned>(rtiles), static_cast<unsigned>(nmats), ceil_div_u(k, kTile));
-  const dim3 block(kTile, kTileRowsPerPass);
+  const int64_t rtiles = (rows + kGatherRows - 1) / kGatherRows;
+  // G is staged only where its scale may be non-zero (a device value may change between launches).
+  const bool with_g = scale_g.at != nullptr || scale_g.value != 0.0f;
   const int64_t obs = out.batch > 1 ? out.batch_stride : k * out.ld;
   const DType odt = out.data ? out.dtype : DType::F32;
   float* part = row_sumsq && out.data ? scratch : nullptr;
   DION3_DISPATCH_FLOAT(mdt, TM, [&] {
     DION3_DISPATCH_FLOAT(gdt, TG, [&] {
+      // Columns per block: kGatherRowBytes of M and G together per row, whole bitmap words.
+      const int64_t row_bytes = sizeof(TM) + (with_g ? sizeof(TG) : 0);
+      const int64_t chunk = std::min<int64_t>(kGatherRowBytes / row_bytes / 32 * 32, (cols + 31) / 32 * 32);
+      const int64_t blocks = rtiles * ((cols + chunk - 1) / chunk);
+      if (blocks > 0x7fffffff) fail("gather of columns: too many blocks in a matrix stepped by columns");
+      const std::size_t smem = kGatherRows * tile_pitch<TM>(chunk) * sizeof(TM) +
+                               (with_g ? kGatherRows * tile_pitch<TG>(chunk) * sizeof(TG) : 0) + chunk / 8;
       DION3_DISPATCH_FLOAT(odt, TO, [&] {
-        launch_pdl(gather_columns_kernel<TM, TG, TO>, grid, block, 0, s, mats, rows, cols, idx, k, scale_m, scale_g,
-                   decay, selected_sumsq, norm, static_cast<TO*>(out.data), out.ld, obs, part, skip);
+        launch_pdl(gather_columns_kernel<TM, TG, TO>, dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(nmats)),
+                   kGatherThreads, smem, s, mats, rows, cols, idx, k, chunk, with_g, scale_m, scale_g, decay,
+                   selected_sumsq, norm, static_cast<TO*>(out.data), out.ld, obs, part, skip);
       });
     });
   });
@@ -347,7 +463,7 @@ void launch_update_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, i
       const int64_t chunk = std::min<int64_t>(kBandBytes / (kBandRows * sizeof(TW)), (cols + 31) / 32 * 32);
       const int64_t blocks = ((rows + kBandRows - 1) / kBandRows) * ((cols + chunk - 1) / chunk);
       if (blocks > 0x7fffffff) fail("apply_update: too many row bands in a matrix stepped by columns");
-      const std::size_t smem = kBandRows * band_pitch<TW>(chunk) * sizeof(TW) + chunk / 8;
+      const std::size_t smem = kBandRows * chunk * sizeof(TW) + chunk / 8;
       launch_pdl(update_columns_kernel<TW, TO>, dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(nmats)),
                  kColumnThreads, smem, s, mats, rows, cols, idx, k, static_cast<const TO*>(O.data) + p.o_col_offset,
                  O.ld, obs, p.decay, p.adjusted_lr, p.cautious_wd, inv, factor, chunk, skip);

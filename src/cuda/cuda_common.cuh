@@ -160,6 +160,23 @@ __device__ __forceinline__ int64_t lower_bound_i32(const int32_t* a, int64_t n, 
   return lo;
 }
 
+// lower_bound_i32 searched by a whole warp (every lane calls it and gets the result): each step
+// probes 32 evenly spaced entries, so n <= 32768 takes three dependent loads instead of log2(n).
+__device__ __forceinline__ int64_t warp_lower_bound_i32(const int32_t* __restrict__ a, int64_t n, int64_t x,
+                                                        int lane) {
+  int64_t lo = 0;
+  while (n > 32) {
+    const int64_t step = (n + 31) >> 5, p = lo + lane * step;
+    // The probes below x are a prefix; the answer lies after the last of them, up to the next probe.
+    const int below = __popc(__ballot_sync(0xffffffffu, p < lo + n && a[p] < x));
+    if (below == 0) return lo;
+    const int64_t next = lo + (below - 1) * step + 1;
+    n = min(step - 1, lo + n - next);
+    lo = next;
+  }
+  return lo + __popc(__ballot_sync(0xffffffffu, lane < n && a[lo + lane] < x));
+}
+
 // Warp-wide sum (all 32 lanes); result valid in every lane. Fixed order: reproducible.
 __device__ __forceinline__ float warp_sum(float x) {
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);

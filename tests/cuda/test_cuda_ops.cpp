@@ -26,19 +26,21 @@ using dion3::MatrixView;
 
 const char* dn(DType t) { return dion3::dtype_name(t); }
 
-// nmats matrices (rows x cols) of weight, grad, momentum and variance, on both sides.
+// nmats matrices (rows x cols) of weight, grad, momentum and variance, on both sides; with
+// `columns`, a column-stepped set (its rows are the stored columns, one variance entry each).
 struct SetTwin {
   int64_t n, rows, cols;
   Twin w, g, m, v;
   std::unique_ptr<dion3::MatrixSet> hs, ds;
   SetTwin(dion3::Backend& cpu, dion3::Backend& gpu, int64_t n_, int64_t r, int64_t c, DType wdt, DType gdt,
-          DType mdt, std::mt19937_64& rng)
+          DType mdt, std::mt19937_64& rng, bool columns = false)
       : n(n_), rows(r), cols(c), w(gpu, wdt, n_, r, c), g(gpu, gdt, n_, r, c), m(gpu, mdt, n_, r, c),
-        v(gpu, DType::F32, n_, 1, r) {
+        v(gpu, DType::F32, n_, 1, columns ? c : r) {
     w.fill_normal(rng);
     g.fill_normal(rng, 0.5f);
     m.fill_normal(rng, 0.3f);
-    std::vector<float> vv = ct::normal_values(rng, n * r, 0.1f);
+    const int64_t vr = columns ? c : r;
+    std::vector<float> vv = ct::normal_values(rng, n * vr, 0.1f);
     for (auto& x : vv) x = x * x;
     v.set_host(vv);
     v.upload();
@@ -47,12 +49,13 @@ struct SetTwin {
     for (int64_t i = 0; i < n; ++i) {
       dion3::ParamMatrix hp, dp;
       hp.weight = w.hview().at(i); hp.grad = g.hview().at(i); hp.momentum = m.hview().at(i);
-      hp.variance = reinterpret_cast<float*>(v.host.data()) + i * r;
+      hp.variance = reinterpret_cast<float*>(v.host.data()) + i * vr;
       dp.weight = w.dview().at(i); dp.grad = g.dview().at(i); dp.momentum = m.dview().at(i);
-      dp.variance = v.dev.as<float>() + i * r;
+      dp.variance = v.dev.as<float>() + i * vr;
       hs->mats.push_back(hp);
       ds->mats.push_back(dp);
     }
+    hs->columns = ds->columns = columns;
     cpu.refresh(*hs);
     gpu.refresh(*ds);
   }
@@ -1115,6 +1118,69 @@ TEST_F(CudaOps, PaddedGatherUpdateAndDecayOnlyGatherMatchCpu) {
     EXPECT_LE(ct::rel_max_diff(s.w.device_values(), s.w.host_values()), storage_tol(DType::BF16)) << dn(mdt);
     EXPECT_LE(ct::rel_max_diff(s.v.device_values(), s.v.host_values()), 1e-5) << dn(mdt);
   }
+}
+
+// Column-stepped sets (weights stored (in, out)) against the CPU: the gather with padding entries,
+// G's term and decay, the decay-only gather, gather_normalized, and apply_update (NorMuon, then
+// cautious decay). 1040 x 72 spans several column chunks of the gather (fewer with G staged beside
+// M) and, in fp32, of the update, in 16-byte packs with a partial chunk and row tile; 301 x 77 has
+// rows of odd length, and O rows that are not 16-byte multiples.
+TEST_F(CudaOps, ColumnSetsGatherAndUpdateMatchCpu) {
+  std::mt19937_64 rng(91);
+  struct Shape { int64_t rows, cols, k_real, k; };  // the set's rows: the stored columns
+  for (const Shape sh : {Shape{1040, 72, 300, 320}, Shape{301, 77, 60, 64}})
+    for (DType mdt : {DType::F32, DType::BF16}) {
+      const int64_t n = 3, k = sh.k;
+      const std::string at = std::string(dn(mdt)) + " " + std::to_string(sh.rows) + "x" + std::to_string(sh.cols);
+      SetTwin s(*cpu, *gpu, n, sh.cols, sh.rows, mdt, DType::F32, mdt, rng, true);
+      const auto idx = padded_rows(n, sh.rows, sh.k_real, k, rng);
+      auto didx = upload_ints(*gpu, idx);
+      Twin out(*gpu, DType::F32, n, k, sh.cols), ss(*gpu, DType::F32, n, k, 1);
+      out.fill_value(5.0f);
+      ss.fill_value(-1.0f);
+      cpu->gather_rows(*s.hs, idx.data(), k, 0.9f, 1.0f, 0.95f, out.hview(), static_cast<float*>(ss.hview().data),
+                       nullptr);
+      gpu->gather_rows(*s.ds, didx.as<int32_t>(), k, 0.9f, 1.0f, 0.95f, out.dview(),
+                       static_cast<float*>(ss.dview().data), nullptr);
+      const auto got = out.device_values();
+      EXPECT_LE(ct::rel_max_diff(got, out.host_values()), storage_tol(DType::F32)) << at;
+      EXPECT_LE(ct::rel_max_diff(s.m.device_values(), s.m.host_values()), storage_tol(mdt)) << at;
+      EXPECT_LE(ct::rel_max_diff(ss.device_values(), row_sums_of_squares(got, sh.cols)), 1e-5) << at;
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = sh.k_real; j < k; ++j)
+          for (int64_t c = 0; c < sh.cols; ++c) ASSERT_EQ(got[(i * k + j) * sh.cols + c], 0.0f) << at << ": padding";
+      cpu->gather_rows(*s.hs, idx.data(), k, 1.0f, 0.0f, 0.5f, MatrixView{}, nullptr, nullptr);
+      gpu->gather_rows(*s.ds, didx.as<int32_t>(), k, 1.0f, 0.0f, 0.5f, MatrixView{}, nullptr, nullptr);
+      EXPECT_LE(ct::rel_max_diff(s.m.device_values(), s.m.host_values()), storage_tol(mdt)) << at << ": decay only";
+      // The CPU's M as the device's, so that the normalised gather starts from equal values.
+      s.m.set_host(s.m.device_values());
+      Twin rs(*gpu, DType::F32, n, 1, 1);
+      std::vector<float> mt(n * sh.rows * sh.cols);  // M in the set's row-major order
+      const std::vector<float> mv = s.m.host_values();
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t r = 0; r < sh.cols; ++r)
+          for (int64_t q = 0; q < sh.rows; ++q) mt[(i * sh.rows + q) * sh.cols + r] = mv[(i * sh.cols + r) * sh.rows + q];
+      rs.set_host(selected_sums(row_sums_of_squares(mt, sh.cols), idx.data(), n, sh.rows, k));
+      rs.upload();
+      Twin xn(*gpu, DType::F16, n, k, sh.cols);
+      cpu->gather_normalized(*s.hs, idx.data(), k, 0.9f, static_cast<const float*>(rs.hview().data),
+                             dion3::NormGuard{}, xn.hview(), nullptr);
+      gpu->gather_normalized(*s.ds, didx.as<int32_t>(), k, 0.9f, static_cast<const float*>(rs.dview().data),
+                             dion3::NormGuard{}, xn.dview(), nullptr);
+      EXPECT_LE(ct::rel_max_diff(xn.device_values(), xn.host_values()), storage_tol(DType::F16)) << at;
+      EXPECT_LE(ct::rel_max_diff(s.m.device_values(), s.m.host_values()), storage_tol(mdt)) << at << ": normalized";
+      for (bool normuon : {true, false}) {
+        Twin O(*gpu, DType::BF16, n, k, sh.cols);
+        O.fill_normal(rng, 0.05f);
+        dion3::UpdateParams p;
+        p.decay = 1.0f - 0.02f * 0.1f; p.adjusted_lr = 0.03f; p.normuon = normuon; p.beta2 = 0.95f;
+        p.cautious_wd = !normuon;
+        cpu->apply_update(*s.hs, idx.data(), k, O.hview(), p, nullptr);
+        gpu->apply_update(*s.ds, didx.as<int32_t>(), k, O.dview(), p, nullptr);
+        EXPECT_LE(ct::rel_max_diff(s.w.device_values(), s.w.host_values()), storage_tol(mdt)) << at << normuon;
+        EXPECT_LE(ct::rel_max_diff(s.v.device_values(), s.v.host_values()), 1e-5) << at << normuon;
+      }
+    }
 }
 
 TEST_F(CudaOps, RemapRowsAndSelectionSlotsExactlyCpu) {
