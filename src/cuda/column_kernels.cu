@@ -26,7 +26,7 @@ constexpr int64_t kMaxRowChunks = 32;  // row chunks of the accumulate
 constexpr int kColumnRowsInFlight = 4;  // rows of 4-element packs the vectorized accumulate loads ahead
 constexpr int kGatherRows = 32;         // stored rows of a gather block: one per lane
 constexpr int kGatherThreads = 256;
-constexpr int kGatherBlocksPerSm = 1;  // __launch_bounds__'s minimum
+constexpr int kGatherBlocksPerSm = 4;  // __launch_bounds__'s minimum
 constexpr int64_t kGatherRowBytes = 1024;  // M's bytes per row of a gather block (its column chunk)
 
 int64_t row_chunks(int64_t rows) { return std::min<int64_t>(kMaxRowChunks, (rows + 63) / 64); }
@@ -123,6 +123,17 @@ __device__ __forceinline__ void chunk_entries(const int32_t* __restrict__ idx, i
 template <class T>
 __host__ __device__ constexpr int64_t tile_pitch(int64_t chunk) { return chunk + 4 / static_cast<int64_t>(sizeof(T)); }
 
+// Where the e-th 16-byte pack of a tile goes: packs move in groups of 32, four rows x eight
+// neighbouring packs (lane l: pack l % 8 of row l / 8), so that a warp's loads take whole 128-byte
+// lines and its four-word accesses to the padded rows fall in 32 banks. False past the tile.
+__device__ __forceinline__ bool pack_slot(int e, int nr, int per_row, int& rr, int& q) {
+  const int octets = (per_row + 7) / 8, g = e >> 5, l = e & 31;
+  rr = (g / octets) * 4 + (l >> 3);
+  q = (g % octets) * 8 + (l & 7);
+  return rr < nr && q < per_row;
+}
+__device__ __forceinline__ int pack_slots(int nr, int per_row) { return (nr + 3) / 4 * ((per_row + 7) / 8) * 32; }
+
 // tile[rr * pitch + c] = g[rr * ld + c] for rr < nr, c < nc: 16-byte packs along the rows, several
 // in flight per thread, where `packed` (g and ld 16-byte aligned, nc whole packs).
 template <class T>
@@ -133,21 +144,19 @@ __device__ __forceinline__ void load_tile(const T* __restrict__ g, int64_t ld, i
     for (int e = tid; e < nr * nc; e += nt) tile[(e / nc) * pitch + e % nc] = g[(e / nc) * ld + e % nc];
     return;
   }
-  constexpr int kVec = 16 / sizeof(T), kInFlight = 8;
-  const int per_row = nc / kVec, n = nr * per_row;
+  constexpr int kVec = 16 / sizeof(T), kInFlight = 4;
+  const int per_row = nc / kVec, n = pack_slots(nr, per_row);
   for (int e0 = 0; e0 < n; e0 += kInFlight * nt) {
     uint4 p[kInFlight];
+    int rr, q;
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u)
+      if (pack_slot(e0 + u * nt + tid, nr, per_row, rr, q)) p[u] = reinterpret_cast<const uint4*>(g + rr * ld)[q];
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
-      const int e = e0 + u * nt + tid;
-      if (e < n) p[u] = reinterpret_cast<const uint4*>(g + (e / per_row) * ld)[e % per_row];
-    }
-#pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      const int e = e0 + u * nt + tid;
-      if (e >= n) continue;
+      if (!pack_slot(e0 + u * nt + tid, nr, per_row, rr, q)) continue;
       // Rows start 4-byte aligned in the padded tile: the pack goes in as four words.
-      uint32_t* d = reinterpret_cast<uint32_t*>(tile + (e / per_row) * pitch + (e % per_row) * kVec);
+      uint32_t* d = reinterpret_cast<uint32_t*>(tile + rr * pitch + q * kVec);
       d[0] = p[u].x;
       d[1] = p[u].y;
       d[2] = p[u].z;
@@ -239,8 +248,9 @@ __global__ void __launch_bounds__(kGatherThreads, kGatherBlocksPerSm)
   // The decayed columns go back: whole 16-byte packs that hold one (their other columns as read).
   if (packed_m) {
     const int per_row = nc / kVecM;
-    for (int e = tid; e < nr * per_row; e += blockDim.x) {
-      const int rr = e / per_row, q = e % per_row;
+    for (int e = tid; e < pack_slots(nr, per_row); e += blockDim.x) {
+      int rr, q;
+      if (!pack_slot(e, nr, per_row, rr, q)) continue;
       if (((selected[(q * kVecM) >> 5] >> ((q * kVecM) & 31)) & ((1u << kVecM) - 1u)) == 0u) continue;
       const uint32_t* sw = reinterpret_cast<const uint32_t*>(mt + rr * pm + q * kVecM);
       reinterpret_cast<uint4*>(m + rr * d.ldm)[q] = make_uint4(sw[0], sw[1], sw[2], sw[3]);
