@@ -125,14 +125,21 @@ __host__ __device__ constexpr int64_t tile_pitch(int64_t chunk) { return chunk +
 
 // Where the e-th 16-byte pack of a tile goes: packs move in groups of 32, four rows x eight
 // neighbouring packs (lane l: pack l % 8 of row l / 8), so that a warp's loads take whole 128-byte
-// lines and its four-word accesses to the padded rows fall in 32 banks. False past the tile.
-__device__ __forceinline__ bool pack_slot(int e, int nr, int per_row, int& rr, int& q) {
-  const int octets = (per_row + 7) / 8, g = e >> 5, l = e & 31;
-  rr = (g / octets) * 4 + (l >> 3);
-  q = (g % octets) * 8 + (l & 7);
-  return rr < nr && q < per_row;
-}
-__device__ __forceinline__ int pack_slots(int nr, int per_row) { return (nr + 3) / 4 * ((per_row + 7) / 8) * 32; }
+// lines and its four-word accesses to the padded rows fall in 32 banks. A row quad takes a power
+// of two of groups (shifts, not divisions); slots past the tile are skipped.
+struct PackSlots {
+  int nr, per_row, shift = 0;
+  __device__ PackSlots(int nr_, int per_row_) : nr(nr_), per_row(per_row_) {
+    while ((8 << shift) < per_row) ++shift;
+  }
+  __device__ int count() const { return ((nr + 3) / 4) << shift << 5; }
+  __device__ bool at(int e, int& rr, int& q) const {
+    const int g = e >> 5, l = e & 31;
+    rr = ((g >> shift) << 2) + (l >> 3);
+    q = ((g & ((1 << shift) - 1)) << 3) + (l & 7);
+    return rr < nr && q < per_row;
+  }
+};
 
 // tile[rr * pitch + c] = g[rr * ld + c] for rr < nr, c < nc: 16-byte packs along the rows, several
 // in flight per thread, where `packed` (g and ld 16-byte aligned, nc whole packs).
@@ -145,16 +152,17 @@ __device__ __forceinline__ void load_tile(const T* __restrict__ g, int64_t ld, i
     return;
   }
   constexpr int kVec = 16 / sizeof(T), kInFlight = 4;
-  const int per_row = nc / kVec, n = pack_slots(nr, per_row);
+  const PackSlots slots(nr, nc / kVec);
+  const int n = slots.count();
   for (int e0 = 0; e0 < n; e0 += kInFlight * nt) {
     uint4 p[kInFlight];
     int rr, q;
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u)
-      if (pack_slot(e0 + u * nt + tid, nr, per_row, rr, q)) p[u] = reinterpret_cast<const uint4*>(g + rr * ld)[q];
+      if (slots.at(e0 + u * nt + tid, rr, q)) p[u] = reinterpret_cast<const uint4*>(g + rr * ld)[q];
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
-      if (!pack_slot(e0 + u * nt + tid, nr, per_row, rr, q)) continue;
+      if (!slots.at(e0 + u * nt + tid, rr, q)) continue;
       // Rows start 4-byte aligned in the padded tile: the pack goes in as four words.
       uint32_t* d = reinterpret_cast<uint32_t*>(tile + rr * pitch + q * kVec);
       d[0] = p[u].x;
@@ -211,30 +219,33 @@ __global__ void __launch_bounds__(kGatherThreads, kGatherBlocksPerSm)
   }
   __syncthreads();
   const float ci = selected_sumsq ? inverse_norm_of(sqrtf(selected_sumsq[i]), norm) : 1.0f;
-  const int64_t rtiles = (rows + kGatherRows - 1) / kGatherRows, r = r0 + lane;
+  const int64_t rtiles = (rows + kGatherRows - 1) / kGatherRows;
+  TM* const m_lane = mt + lane * pm;
+  const TG* const g_lane = gt + lane * pg;
+  TO* const out_lane = out ? out + i * out_bstride + r0 + lane : nullptr;
   // Warp w takes entries lo + w, lo + w + warps, ..; each lane loads one of the next 32 of them.
   for (int64_t base = lo + warp; base < hi; base += 32 * warps) {
     const int64_t mine = base + lane * warps;
-    const int64_t my_entry = mine < hi ? (list ? list[mine] : mine) : cols;
+    // Entries relative to the chunk; past the list (and padding past the last column): none.
+    const int my_c = mine < hi ? static_cast<int>((list ? list[mine] : mine) - c0) : nc;
     const int count = static_cast<int>(min(static_cast<int64_t>(32), (hi - base + warps - 1) / warps));
     for (int j = 0; j < count; ++j) {
       const int64_t s = base + j * warps;
-      const int64_t c = static_cast<int64_t>(__shfl_sync(0xffffffffu, my_entry, j)) - c0;
+      const int c = __shfl_sync(0xffffffffu, my_c, j);
       const bool in = c >= 0 && c < nc;  // else padding: a row of zeros
       float u = 0.0f;
       if (in && lane < nr) {
-        TM* const e = mt + lane * pm + c;
-        const float mv = to_f32(*e);
+        const float mv = to_f32(m_lane[c]);
         u = scale_m * mv;
-        if (use_g) u += scale_g * to_f32(gt[lane * pg + c]);
-        if (decay != 1.0f) *e = from_f32<TM>(mv * decay);
+        if (use_g) u += scale_g * to_f32(g_lane[c]);
+        if (decay != 1.0f) m_lane[c] = from_f32<TM>(mv * decay);
       }
       if (in && lane == 0) atomicOr(&selected[c >> 5], 1u << (c & 31));
       if (out == nullptr) continue;
       float v = 0.0f;
       if (lane < nr) {
         const TO stored = from_f32<TO>(ci * u);
-        out[i * out_bstride + s * out_ld + r] = stored;
+        out_lane[s * out_ld] = stored;
         v = to_f32(stored);
       }
       if (part_sq) {
@@ -247,10 +258,10 @@ __global__ void __launch_bounds__(kGatherThreads, kGatherBlocksPerSm)
   __syncthreads();
   // The decayed columns go back: whole 16-byte packs that hold one (their other columns as read).
   if (packed_m) {
-    const int per_row = nc / kVecM;
-    for (int e = tid; e < pack_slots(nr, per_row); e += blockDim.x) {
+    const PackSlots slots(nr, nc / kVecM);
+    for (int e = tid; e < slots.count(); e += blockDim.x) {
       int rr, q;
-      if (!pack_slot(e, nr, per_row, rr, q)) continue;
+      if (!slots.at(e, rr, q)) continue;
       if (((selected[(q * kVecM) >> 5] >> ((q * kVecM) & 31)) & ((1u << kVecM) - 1u)) == 0u) continue;
       const uint32_t* sw = reinterpret_cast<const uint32_t*>(mt + rr * pm + q * kVecM);
       reinterpret_cast<uint4*>(m + rr * d.ldm)[q] = make_uint4(sw[0], sw[1], sw[2], sw[3]);
