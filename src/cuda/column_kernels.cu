@@ -27,7 +27,7 @@ constexpr int kColumnRowsInFlight = 4;  // rows of 4-element packs the vectorize
 constexpr int kGatherRows = 32;         // stored rows of a gather block: one per lane
 constexpr int kGatherThreads = 256;
 constexpr int kGatherBlocksPerSm = 4;  // __launch_bounds__'s minimum
-constexpr int64_t kGatherRowBytes = 1024;  // M's bytes per row of a gather block (its column chunk)
+constexpr int64_t kGatherRowBytes = 1024;  // bytes of M (and G, staged) per row of a gather block
 
 int64_t row_chunks(int64_t rows) { return std::min<int64_t>(kMaxRowChunks, (rows + 63) / 64); }
 
@@ -141,6 +141,11 @@ struct PackSlots {
   }
 };
 
+// Column chunks of a gather block row; one where there are no columns (its entries are padding).
+__host__ __device__ inline int64_t column_chunks(int64_t cols, int64_t chunk) {
+  return cols > 0 ? (cols + chunk - 1) / chunk : 1;
+}
+
 // tile[rr * pitch + c] = g[rr * ld + c] for rr < nr, c < nc: 16-byte packs along the rows, several
 // in flight per thread, where `packed` (g and ld 16-byte aligned, nc whole packs).
 template <class T>
@@ -174,12 +179,14 @@ __device__ __forceinline__ void load_tile(const T* __restrict__ g, int64_t ld, i
 }
 
 // One block: stored rows r0.. (kGatherRows, one per lane) x the chunk of columns c0.. of matrix i.
-// M's tile (and G's, with `with_g`) is read along its rows into shared memory; each warp takes the
+// M's tile (and G's, where its scale is non-zero) is read along its rows into shared memory; each warp takes the
 // chunk's selected entries s in turn (entry idx[i*k + s], ascending; padding past the last column):
 // out[i][s][r] = c_i*(scale_m*M[r, c_s] + scale_g*G[r, c_s]) (padding: zeros), M[r, c_s] *= decay,
 // with c_i = inverse_norm_of(sqrt(selected_sumsq[i]), norm) or 1, so the rows of the gathered matrix
 // are written along their length; part_sq[(i*k + s)*rtiles + tile] = the sum of squares of out's
-// stored values over the block's rows. The 16-byte packs of M holding a selected column go back.
+// stored values over the block's rows. The decayed columns go back (whole 16-byte packs, where M's
+// rows are read in packs). With no stored columns (cols == 0) one block per row tile writes the
+// padding rows.
 template <class TM, class TG, class TO>
 __global__ void __launch_bounds__(kGatherThreads, kGatherBlocksPerSm)
     gather_columns_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols, const int32_t* __restrict__ idx,
@@ -194,7 +201,7 @@ __global__ void __launch_bounds__(kGatherThreads, kGatherBlocksPerSm)
   __shared__ int64_t range[2];
   pdl_wait();
   if (skipped(skip)) return;
-  const int64_t i = blockIdx.y, chunks = (cols + chunk - 1) / chunk, tile = blockIdx.x / chunks;
+  const int64_t i = blockIdx.y, chunks = column_chunks(cols, chunk), tile = blockIdx.x / chunks;
   const int64_t r0 = tile * kGatherRows, c0 = (blockIdx.x % chunks) * chunk;
   const int nr = static_cast<int>(min(static_cast<int64_t>(kGatherRows), rows - r0));
   const int nc = static_cast<int>(min(chunk, cols - c0));
@@ -244,7 +251,7 @@ __global__ void __launch_bounds__(kGatherThreads, kGatherBlocksPerSm)
       if (out == nullptr) continue;
       float v = 0.0f;
       if (lane < nr) {
-        const TO stored = from_f32<TO>(ci * u);
+        const TO stored = in ? from_f32<TO>(ci * u) : from_f32<TO>(0.0f);
         out_lane[s * out_ld] = stored;
         v = to_f32(stored);
       }
@@ -449,8 +456,8 @@ void launch_gather_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, i
     DION3_DISPATCH_FLOAT(gdt, TG, [&] {
       // Columns per block: kGatherRowBytes of M and G together per row, whole bitmap words.
       const int64_t row_bytes = sizeof(TM) + (with_g ? sizeof(TG) : 0);
-      const int64_t chunk = std::min<int64_t>(kGatherRowBytes / row_bytes / 32 * 32, (cols + 31) / 32 * 32);
-      const int64_t blocks = rtiles * ((cols + chunk - 1) / chunk);
+      const int64_t chunk = std::clamp<int64_t>((cols + 31) / 32 * 32, 32, kGatherRowBytes / row_bytes / 32 * 32);
+      const int64_t blocks = rtiles * column_chunks(cols, chunk);
       if (blocks > 0x7fffffff) fail("gather of columns: too many blocks in a matrix stepped by columns");
       const std::size_t smem = kGatherRows * tile_pitch<TM>(chunk) * sizeof(TM) +
                                (with_g ? kGatherRows * tile_pitch<TG>(chunk) * sizeof(TG) : 0) + chunk / 8;

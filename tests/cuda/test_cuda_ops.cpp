@@ -1122,65 +1122,79 @@ TEST_F(CudaOps, PaddedGatherUpdateAndDecayOnlyGatherMatchCpu) {
 
 // Column-stepped sets (weights stored (in, out)) against the CPU: the gather with padding entries,
 // G's term and decay, the decay-only gather, gather_normalized, and apply_update (NorMuon, then
-// cautious decay). 1040 x 72 spans several column chunks of the gather (fewer with G staged beside
-// M) and, in fp32, of the update, in 16-byte packs with a partial chunk and row tile; 301 x 77 has
-// rows of odd length, and O rows that are not 16-byte multiples.
+// cautious decay). The shapes take the gather's column chunks (more of them with G staged beside M)
+// and the update's bands through their paths: 16-byte packs with a partial chunk, row tile and
+// band (1040 x 72, 2104 x 37), rows of odd length (301 x 77); more than 1024 entries (the search's
+// second step) and more than 256 in one chunk (2104 x 37), entries in the first columns only (chunks
+// without any), a list of padding alone, 16-bit G, fp32 O.
 TEST_F(CudaOps, ColumnSetsGatherAndUpdateMatchCpu) {
   std::mt19937_64 rng(91);
-  struct Shape { int64_t rows, cols, k_real, k; };  // the set's rows: the stored columns
-  for (const Shape sh : {Shape{1040, 72, 300, 320}, Shape{301, 77, 60, 64}})
-    for (DType mdt : {DType::F32, DType::BF16}) {
-      const int64_t n = 3, k = sh.k;
-      const std::string at = std::string(dn(mdt)) + " " + std::to_string(sh.rows) + "x" + std::to_string(sh.cols);
-      SetTwin s(*cpu, *gpu, n, sh.cols, sh.rows, mdt, DType::F32, mdt, rng, true);
-      const auto idx = padded_rows(n, sh.rows, sh.k_real, k, rng);
-      auto didx = upload_ints(*gpu, idx);
-      Twin out(*gpu, DType::F32, n, k, sh.cols), ss(*gpu, DType::F32, n, k, 1);
-      out.fill_value(5.0f);
-      ss.fill_value(-1.0f);
-      cpu->gather_rows(*s.hs, idx.data(), k, 0.9f, 1.0f, 0.95f, out.hview(), static_cast<float*>(ss.hview().data),
-                       nullptr);
-      gpu->gather_rows(*s.ds, didx.as<int32_t>(), k, 0.9f, 1.0f, 0.95f, out.dview(),
-                       static_cast<float*>(ss.dview().data), nullptr);
-      const auto got = out.device_values();
-      EXPECT_LE(ct::rel_max_diff(got, out.host_values()), storage_tol(DType::F32)) << at;
-      EXPECT_LE(ct::rel_max_diff(s.m.device_values(), s.m.host_values()), storage_tol(mdt)) << at;
-      EXPECT_LE(ct::rel_max_diff(ss.device_values(), row_sums_of_squares(got, sh.cols)), 1e-5) << at;
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t j = sh.k_real; j < k; ++j)
-          for (int64_t c = 0; c < sh.cols; ++c) ASSERT_EQ(got[(i * k + j) * sh.cols + c], 0.0f) << at << ": padding";
-      cpu->gather_rows(*s.hs, idx.data(), k, 1.0f, 0.0f, 0.5f, MatrixView{}, nullptr, nullptr);
-      gpu->gather_rows(*s.ds, didx.as<int32_t>(), k, 1.0f, 0.0f, 0.5f, MatrixView{}, nullptr, nullptr);
-      EXPECT_LE(ct::rel_max_diff(s.m.device_values(), s.m.host_values()), storage_tol(mdt)) << at << ": decay only";
-      // The CPU's M as the device's, so that the normalised gather starts from equal values.
-      s.m.set_host(s.m.device_values());
-      Twin rs(*gpu, DType::F32, n, 1, 1);
-      std::vector<float> mt(n * sh.rows * sh.cols);  // M in the set's row-major order
-      const std::vector<float> mv = s.m.host_values();
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t r = 0; r < sh.cols; ++r)
-          for (int64_t q = 0; q < sh.rows; ++q) mt[(i * sh.rows + q) * sh.cols + r] = mv[(i * sh.cols + r) * sh.rows + q];
-      rs.set_host(selected_sums(row_sums_of_squares(mt, sh.cols), idx.data(), n, sh.rows, k));
-      rs.upload();
-      Twin xn(*gpu, DType::F16, n, k, sh.cols);
-      cpu->gather_normalized(*s.hs, idx.data(), k, 0.9f, static_cast<const float*>(rs.hview().data),
-                             dion3::NormGuard{}, xn.hview(), nullptr);
-      gpu->gather_normalized(*s.ds, didx.as<int32_t>(), k, 0.9f, static_cast<const float*>(rs.dview().data),
-                             dion3::NormGuard{}, xn.dview(), nullptr);
-      EXPECT_LE(ct::rel_max_diff(xn.device_values(), xn.host_values()), storage_tol(DType::F16)) << at;
-      EXPECT_LE(ct::rel_max_diff(s.m.device_values(), s.m.host_values()), storage_tol(mdt)) << at << ": normalized";
-      for (bool normuon : {true, false}) {
-        Twin O(*gpu, DType::BF16, n, k, sh.cols);
-        O.fill_normal(rng, 0.05f);
-        dion3::UpdateParams p;
-        p.decay = 1.0f - 0.02f * 0.1f; p.adjusted_lr = 0.03f; p.normuon = normuon; p.beta2 = 0.95f;
-        p.cautious_wd = !normuon;
-        cpu->apply_update(*s.hs, idx.data(), k, O.hview(), p, nullptr);
-        gpu->apply_update(*s.ds, didx.as<int32_t>(), k, O.dview(), p, nullptr);
-        EXPECT_LE(ct::rel_max_diff(s.w.device_values(), s.w.host_values()), storage_tol(mdt)) << at << normuon;
-        EXPECT_LE(ct::rel_max_diff(s.v.device_values(), s.v.host_values()), 1e-5) << at << normuon;
-      }
+  struct Case {
+    int64_t rows, cols, k_real, k;  // the set's rows: the stored columns
+    DType m, g, o;                  // M (and W), G, the update's O
+    int64_t first = 0;              // > 0: the entries lie in the first `first` columns
+  };
+  const Case cases[] = {{1040, 72, 300, 320, DType::F32, DType::F32, DType::BF16},
+                        {1040, 72, 300, 320, DType::BF16, DType::F32, DType::F32},
+                        {301, 77, 60, 64, DType::F32, DType::F32, DType::BF16},
+                        {301, 77, 60, 64, DType::BF16, DType::F32, DType::BF16},
+                        {2104, 37, 1500, 1536, DType::BF16, DType::BF16, DType::BF16},
+                        {2104, 37, 1500, 1536, DType::F32, DType::BF16, DType::F32},
+                        {2104, 40, 200, 256, DType::BF16, DType::BF16, DType::BF16, 600},
+                        {1040, 72, 0, 32, DType::BF16, DType::F32, DType::BF16}};
+  for (const Case& cs : cases) {
+    const int64_t n = 3, k = cs.k;
+    const std::string at = std::string(dn(cs.m)) + "/" + dn(cs.g) + "/" + dn(cs.o) + " " + std::to_string(cs.rows) +
+                           "x" + std::to_string(cs.cols) + " k " + std::to_string(k);
+    SetTwin s(*cpu, *gpu, n, cs.cols, cs.rows, cs.m, cs.g, cs.m, rng, true);
+    const auto idx = padded_rows(n, cs.first > 0 ? cs.first : cs.rows, cs.k_real, k, rng);
+    auto didx = upload_ints(*gpu, idx);
+    Twin out(*gpu, DType::F32, n, k, cs.cols), ss(*gpu, DType::F32, n, k, 1);
+    out.fill_value(5.0f);
+    ss.fill_value(-1.0f);
+    cpu->gather_rows(*s.hs, idx.data(), k, 0.9f, 1.0f, 0.95f, out.hview(), static_cast<float*>(ss.hview().data),
+                     nullptr);
+    gpu->gather_rows(*s.ds, didx.as<int32_t>(), k, 0.9f, 1.0f, 0.95f, out.dview(), static_cast<float*>(ss.dview().data),
+                     nullptr);
+    const auto got = out.device_values();
+    EXPECT_LE(ct::rel_max_diff(got, out.host_values()), storage_tol(DType::F32)) << at;
+    EXPECT_LE(ct::rel_max_diff(s.m.device_values(), s.m.host_values()), storage_tol(cs.m)) << at;
+    EXPECT_LE(ct::rel_max_diff(ss.device_values(), row_sums_of_squares(got, cs.cols)), 1e-5) << at;
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = cs.k_real; j < k; ++j)
+        for (int64_t c = 0; c < cs.cols; ++c) ASSERT_EQ(got[(i * k + j) * cs.cols + c], 0.0f) << at << ": padding";
+    cpu->gather_rows(*s.hs, idx.data(), k, 1.0f, 0.0f, 0.5f, MatrixView{}, nullptr, nullptr);
+    gpu->gather_rows(*s.ds, didx.as<int32_t>(), k, 1.0f, 0.0f, 0.5f, MatrixView{}, nullptr, nullptr);
+    EXPECT_LE(ct::rel_max_diff(s.m.device_values(), s.m.host_values()), storage_tol(cs.m)) << at << ": decay only";
+    // The CPU's M as the device's, so that the normalised gather starts from equal values.
+    s.m.set_host(s.m.device_values());
+    Twin rs(*gpu, DType::F32, n, 1, 1);
+    std::vector<float> mt(n * cs.rows * cs.cols);  // M in the set's row-major order
+    const std::vector<float> mv = s.m.host_values();
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t r = 0; r < cs.cols; ++r)
+        for (int64_t q = 0; q < cs.rows; ++q) mt[(i * cs.rows + q) * cs.cols + r] = mv[(i * cs.cols + r) * cs.rows + q];
+    rs.set_host(selected_sums(row_sums_of_squares(mt, cs.cols), idx.data(), n, cs.rows, k));
+    rs.upload();
+    Twin xn(*gpu, DType::F16, n, k, cs.cols);
+    cpu->gather_normalized(*s.hs, idx.data(), k, 0.9f, static_cast<const float*>(rs.hview().data), dion3::NormGuard{},
+                           xn.hview(), nullptr);
+    gpu->gather_normalized(*s.ds, didx.as<int32_t>(), k, 0.9f, static_cast<const float*>(rs.dview().data),
+                           dion3::NormGuard{}, xn.dview(), nullptr);
+    EXPECT_LE(ct::rel_max_diff(xn.device_values(), xn.host_values()), storage_tol(DType::F16)) << at;
+    EXPECT_LE(ct::rel_max_diff(s.m.device_values(), s.m.host_values()), storage_tol(cs.m)) << at << ": normalized";
+    for (bool normuon : {true, false}) {
+      Twin O(*gpu, cs.o, n, k, cs.cols);
+      O.fill_normal(rng, 0.05f);
+      dion3::UpdateParams p;
+      p.decay = 1.0f - 0.02f * 0.1f; p.adjusted_lr = 0.03f; p.normuon = normuon; p.beta2 = 0.95f;
+      p.cautious_wd = !normuon;
+      cpu->apply_update(*s.hs, idx.data(), k, O.hview(), p, nullptr);
+      gpu->apply_update(*s.ds, didx.as<int32_t>(), k, O.dview(), p, nullptr);
+      EXPECT_LE(ct::rel_max_diff(s.w.device_values(), s.w.host_values()), storage_tol(cs.m)) << at << normuon;
+      EXPECT_LE(ct::rel_max_diff(s.v.device_values(), s.v.host_values()), 1e-5) << at << normuon;
     }
+  }
 }
 
 TEST_F(CudaOps, RemapRowsAndSelectionSlotsExactlyCpu) {
