@@ -303,6 +303,8 @@ def _split_sizes(value) -> List[int]:
     for v in value:
         if isinstance(v, bool) or not isinstance(v, numbers.Integral):
             raise ValueError(f"dion3: 'split_sizes' must hold integers; got {value!r}")
+        if not 1 <= v < 2**63:  # the engine's sizes are 64-bit
+            raise ValueError(f"dion3: 'split_sizes' must hold block sizes >= 1, got {int(v)}")
         out.append(int(v))
     return out
 
@@ -311,8 +313,8 @@ def _num_heads(value) -> int:
     """A group's num_heads as an int (0 for None)."""
     if value is None:
         return 0
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"dion3: 'num_heads' must be a positive integer or None; got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value < 2**63:
+        raise ValueError(f"dion3: 'num_heads' must be a positive integer (64-bit) or None; got {value!r}")
     return int(value)
 
 
@@ -1732,7 +1734,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         Keys far from any setting are carried untouched, as torch.optim does (schedulers' keys, a
         user's own tags such as a layer index)."""
         _refuse_unimplemented(gi, group)
-        known = set(self.defaults) | {"params", "param_names"}
+        # 'transposed' is no default (groups carry it only where given) but is a setting all the same.
+        known = set(self.defaults) | {"params", "param_names", "transposed"}
         for key in group:
             if key in known or key in _SCHEDULER_KEYS or not isinstance(key, str):
                 continue
@@ -1799,9 +1802,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
                     continue  # refused by the engine for what it is (no stored (in, out) orientation)
                 rows = (p.shape[-1] if cfg["transposed"] else
                         p.shape[0] if (group["flatten"] or p.dim() == 2) else p.shape[-2])
-                blocks = cfg["split_sizes"] or [rows // cfg["num_heads"]] * cfg["num_heads"]
-                if sum(blocks) != rows:
-                    what = (f"'split_sizes' {list(blocks)} sum to {sum(blocks)} {unit}" if cfg["split_sizes"] else
+                split = cfg["split_sizes"]
+                if (sum(split) != rows) if split else (rows % cfg["num_heads"] != 0):
+                    what = (f"'split_sizes' {list(split)} sum to {sum(split)} {unit}" if split else
                             f"'num_heads' = {cfg['num_heads']} does not divide them into heads of equal size")
                     raise ValueError(f"dion3: parameter {j} '{self._param_name(group, gi, j)}' of group {gi} has "
                                      f"{rows} {unit} per matrix but {what}; put parameters of other sizes in a "

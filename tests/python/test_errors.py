@@ -293,6 +293,34 @@ def test_a_bad_second_moment_is_refused_across_a_rebuild(device):
     assert torch.equal(p, w)
 
 
+@pytest.mark.parametrize("cls", [dion3.Dion3, dion3.optim.Muon])
+def test_a_misspelt_transposed_is_refused_by_every_matrix_optimizer(device, cls):
+    with pytest.raises(ValueError, match=r"parameter group 0: unknown setting 'Transposed'; did you mean 'transposed'"):
+        cls([dict(params=[mat(device)], Transposed=True)])
+
+
+@pytest.mark.parametrize("setting, pattern", [
+    (dict(split_sizes=(2**63, 12)), r"'split_sizes' must hold block sizes >= 1, got 9223372036854775808"),
+    (dict(split_sizes=(-2**63 - 1, 12)), r"'split_sizes' must hold block sizes >= 1, got -9223372036854775809"),
+    (dict(split_sizes=(2**64,)), r"'split_sizes' must hold block sizes >= 1"),
+    (dict(num_heads=2**63), r"'num_heads' must be a positive integer \(64-bit\) or None"),
+    # Refused for not dividing the rows at once, without a list of two billion heads first.
+    (dict(num_heads=2**31 - 1), r"'num_heads' = 2147483647 does not divide them"),
+])
+def test_block_settings_past_64_bits_or_the_rows_are_refused_naming_the_group(device, setting, pattern):
+    with pytest.raises(ValueError, match=r"group 0.*" + pattern):
+        dion3.Dion3([dict(params=[mat(device, 12, 6)], **setting)])
+    # Set after construction: refused at the next step, nothing changed.
+    p = mat(device, 12, 6)
+    opt = dion3.Dion3([p])
+    opt.param_groups[0].update(setting)
+    p.grad = torch.ones_like(p)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match=r"group 0.*" + pattern):
+        opt.step()
+    assert torch.equal(p.detach(), before)
+
+
 def test_blocks_set_with_the_group_s_new_parameters_step(device):
     # A group's parameters and its split_sizes changed together: the new blocks are checked
     # against the new parameters, not the ones the engine held.
@@ -741,6 +769,9 @@ def test_storage_shared_after_construction_is_refused_at_the_step(device):
     ("momentum", r"dion3 calls it 'mu'"),
     ("split_size", r"unknown setting 'split_size'; did you mean 'split_sizes'\?"),
     ("num_head", r"unknown setting 'num_head'; did you mean 'num_heads'\?"),
+    # A setting no optimizer puts in its defaults, all the same.
+    ("transpose", r"unknown setting 'transpose'; did you mean 'transposed'\?"),
+    ("tranposed", r"unknown setting 'tranposed'; did you mean 'transposed'\?"),
     # Other optimizers' names, refused though they hold a setting's name (a tag's shape).
     ("rank_fraction", r"unknown setting 'rank_fraction'; dion3 calls it 'fraction'"),
     ("adjust_lr_fn", r"dion3 calls it 'adjust_lr'"),
