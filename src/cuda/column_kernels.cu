@@ -26,7 +26,7 @@ constexpr int64_t kMaxRowChunks = 32;  // row chunks of the accumulate
 constexpr int kColumnRowsInFlight = 4;  // rows of 4-element packs the vectorized accumulate loads ahead
 constexpr int kGatherRows = 32;         // stored rows of a gather block: one per lane
 constexpr int kGatherThreads = 256;
-constexpr int kGatherBlocksPerSm = 4;  // __launch_bounds__'s minimum
+constexpr int kGatherBlocksPerSm = 4;  // compiled for four blocks an SM: at most 64 registers
 constexpr int64_t kGatherRowBytes = 1024;  // bytes of M (and G, staged) per row of a gather block
 
 int64_t row_chunks(int64_t rows) { return std::min<int64_t>(kMaxRowChunks, (rows + 63) / 64); }
