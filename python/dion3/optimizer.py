@@ -870,13 +870,14 @@ class _EngineOptimizer(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         skipped = _saved_steps_skipped(state_dict)
-        if skipped is not None and (isinstance(skipped, bool) or not isinstance(skipped, numbers.Integral) or
-                                    skipped < 0):
-            raise ValueError(f"dion3: the state_dict's 'steps_skipped' must be a count >= 0; got {skipped!r}")
         self._sync_counters()  # steps still in flight count before the loaded counter replaces ours
         # Everything is checked, and every state tensor made, before anything is replaced: a
-        # refused load leaves the optimizer as it was.
+        # refused load leaves the optimizer as it was. What is refused here is refused on every
+        # rank (_loaded_state's agreement): a rank raising alone would leave the others waiting.
         try:
+            if skipped is not None and (isinstance(skipped, bool) or not isinstance(skipped, numbers.Integral) or
+                                        skipped < 0):
+                raise ValueError(f"dion3: the state_dict's 'steps_skipped' must be a count >= 0; got {skipped!r}")
             state_dict = self._from_saved_layout(_without_empty_entries(state_dict))
             malformed = None
         except Exception as e:  # noqa: BLE001 - refused in _loaded_state, on every rank

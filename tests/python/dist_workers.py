@@ -858,7 +858,8 @@ def one_rank_errors(rank, world, mesh):
     and the ranks step together afterwards. An option refused with NotImplementedError there; a
     replicated weight's Partial gradient absent there (its sum over the ranks is a collective the
     rank would not join), at a first step and at a later one; a state_dict malformed there (a
-    structure no check foresaw), which every rank refuses; a None state entry there, which is no
+    structure no check foresaw) or with a bad skipped-step count there, which every rank refuses; a
+    None state entry there, which is no
     saved state (that rank's parameter starts afresh) rather than a half-made load."""
     from torch.distributed.tensor import Partial
 
@@ -894,6 +895,14 @@ def one_rank_errors(rank, world, mesh):
         raise AssertionError(f"rank {rank}: a state_dict malformed on rank {world - 1} was loaded")
     except ValueError as e:
         assert ("malformed" if last else "refused the state_dict") in str(e), f"rank {rank}: {e}"
+    sd = copy.deepcopy(opt.state_dict())
+    if last:
+        sd["steps_skipped"] = -1
+    try:
+        opt.load_state_dict(sd)
+        raise AssertionError(f"rank {rank}: a skipped-step count bad on rank {world - 1} was loaded")
+    except ValueError as e:
+        assert ("'steps_skipped' must be a count" if last else "refused the state_dict") in str(e), f"rank {rank}: {e}"
     sd = copy.deepcopy(opt.state_dict())
     if last:
         sd["state"][0] = None
