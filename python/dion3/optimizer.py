@@ -883,6 +883,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         except Exception as e:  # noqa: BLE001 - refused in _loaded_state, on every rank
             malformed = e
         loaded = self._loaded_state(state_dict, malformed)
+        names = [g.get("param_names") for g in self.param_groups]
         try:
             for name, hooks in held.items():  # run above and below, not again inside torch's load
                 setattr(self, name, type(hooks)())
@@ -890,6 +891,15 @@ class _EngineOptimizer(torch.optim.Optimizer):
         finally:
             for name, hooks in held.items():
                 setattr(self, name, hooks)
+        # Saved names that do not match a group's parameters in number are another model's (a
+        # distributed checkpoint's groups are rebuilt by name, its name lists kept): not taken.
+        for group, mine in zip(self.param_groups, names):
+            saved = group.get("param_names")
+            if isinstance(saved, list) and len(saved) != len(group["params"]):
+                if mine is None:
+                    group.pop("param_names")
+                else:
+                    group["param_names"] = mine
         # The checked tensors, in the dtypes the groups keep (fp32 variance, and an optional fp32
         # momentum, next to low-precision weights), which torch's load did not see.
         for p, st in loaded.items():

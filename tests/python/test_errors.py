@@ -931,6 +931,25 @@ def test_a_checkpoint_with_its_parameter_names_in_another_order_is_refused():
     renamed.load_state_dict(sd)  # other names (a wrapper's prefix) still load by position
 
 
+def test_saved_names_that_do_not_match_the_group_in_number_are_not_taken():
+    # A distributed checkpoint of a larger model loads by name (its groups' params rebuilt for
+    # the live model) but keeps its name lists: the live names stay, so errors name the right layer.
+    a, b = torch.nn.Parameter(torch.randn(8, 12)), torch.nn.Parameter(torch.randn(8, 12))
+    opt = dion3.Dion3([dict(params=[a, b], param_names=["x.weight", "z.weight"])], lr=0.02)
+    a.grad, b.grad = torch.randn(8, 12), torch.randn(8, 12)
+    opt.step()
+    sd = opt.state_dict()
+    sd["param_groups"][0]["param_names"] = ["x.weight", "y.weight", "z.weight"]
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["param_names"] == ["x.weight", "z.weight"]
+    b.grad = torch.full((8, 12), float("nan"))
+    with pytest.raises(dion3.NonFiniteError, match="'z.weight'"):
+        opt.step()
+    unnamed = dion3.Dion3([a, b], lr=0.02)
+    unnamed.load_state_dict(sd)
+    assert "param_names" not in unnamed.param_groups[0]
+
+
 def test_a_process_group_this_rank_is_not_in_is_named_as_such():
     # dist.new_group(ranks) hands the ranks outside it a marker, not a group.
     import torch.distributed as dist
