@@ -1056,8 +1056,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
                                  "optimizer's groups in the checkpoint's order")
             group = {k: v for k, v in saved.items() if k != "params"}  # as torch will set it
             group["params"] = mine["params"]
-            if "param_names" in mine and "param_names" not in saved:
-                group["param_names"] = mine["param_names"]
+            if "param_names" in mine and ("param_names" not in saved or isinstance(names_saved, list)
+                                          and len(names_saved) != len(mine["params"])):
+                group["param_names"] = mine["param_names"]  # as load_state_dict keeps them
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
             try:
