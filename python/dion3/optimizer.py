@@ -509,6 +509,20 @@ def _structure_key(group: Dict[str, Any]) -> Tuple:
     return (group["algorithm"], bool(group["flatten"]), _dtype_name(group.get("momentum_dtype")), _transposed(group))
 
 
+def _without_names_that_do_not_fit(state_dict: Any) -> Any:
+    """The state_dict without the name lists of groups whose parameters they do not match in
+    number: another model's (a distributed checkpoint's groups get their params rebuilt by name but
+    keep their name lists). Torch's load then keeps the live names, as where none were saved."""
+    groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    if not isinstance(groups, list):
+        return state_dict
+    fit = [{k: v for k, v in g.items() if k != "param_names"}
+           if isinstance(g, dict) and isinstance(g.get("param_names"), list)
+           and isinstance(g.get("params"), (list, tuple)) and len(g["param_names"]) != len(g["params"]) else g
+           for g in groups]
+    return state_dict if all(a is b for a, b in zip(fit, groups)) else dict(state_dict, param_groups=fit)
+
+
 def _saved_steps_skipped(state_dict: Any) -> Any:
     """The skipped-step counter a state_dict carries: its own key, or (through
     torch.distributed.checkpoint, which keeps only state and param_groups) its groups' copies."""
@@ -878,12 +892,11 @@ class _EngineOptimizer(torch.optim.Optimizer):
             if skipped is not None and (isinstance(skipped, bool) or not isinstance(skipped, numbers.Integral) or
                                         skipped < 0):
                 raise ValueError(f"dion3: the state_dict's 'steps_skipped' must be a count >= 0; got {skipped!r}")
-            state_dict = self._from_saved_layout(_without_empty_entries(state_dict))
+            state_dict = _without_names_that_do_not_fit(self._from_saved_layout(_without_empty_entries(state_dict)))
             malformed = None
         except Exception as e:  # noqa: BLE001 - refused in _loaded_state, on every rank
             malformed = e
         loaded = self._loaded_state(state_dict, malformed)
-        names = [g.get("param_names") for g in self.param_groups]
         try:
             for name, hooks in held.items():  # run above and below, not again inside torch's load
                 setattr(self, name, type(hooks)())
@@ -891,15 +904,6 @@ class _EngineOptimizer(torch.optim.Optimizer):
         finally:
             for name, hooks in held.items():
                 setattr(self, name, hooks)
-        # Saved names that do not match a group's parameters in number are another model's (a
-        # distributed checkpoint's groups are rebuilt by name, its name lists kept): not taken.
-        for group, mine in zip(self.param_groups, names):
-            saved = group.get("param_names")
-            if isinstance(saved, list) and len(saved) != len(group["params"]):
-                if mine is None:
-                    group.pop("param_names")
-                else:
-                    group["param_names"] = mine
         # The checked tensors, in the dtypes the groups keep (fp32 variance, and an optional fp32
         # momentum, next to low-precision weights), which torch's load did not see.
         for p, st in loaded.items():
@@ -1056,9 +1060,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
                                  "optimizer's groups in the checkpoint's order")
             group = {k: v for k, v in saved.items() if k != "params"}  # as torch will set it
             group["params"] = mine["params"]
-            if "param_names" in mine and ("param_names" not in saved or isinstance(names_saved, list)
-                                          and len(names_saved) != len(mine["params"])):
-                group["param_names"] = mine["param_names"]  # as load_state_dict keeps them
+            if "param_names" in mine and "param_names" not in saved:
+                group["param_names"] = mine["param_names"]
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
             try:
