@@ -20,7 +20,8 @@ namespace dion3 {
 enum class Algorithm : int { Dion3 = 0, NorMuon = 1, Muon = 2, AdamW = 3, Lion = 4, Dion2 = 5 };
 // SpectralNormClamped: eta * sqrt(max(1, m / n)), the original Muon's (torch.optim.Muon's default).
 enum class AdjustLR : int { SpectralNorm = 0, RmsNorm = 1, None = 2, SpectralNormClamped = 3 };
-// Auto picks, per shape, the cheaper of the two by the backend's cost model (algorithm.md §2).
+// Auto picks, per shape, the cheaper of the two by the backend's cost model, and standard where Gram
+// would iterate in bfloat16 (algorithm.md §2).
 enum class OrthMethod : int { Auto = 0, Standard = 1, Gram = 2 };
 enum class NonFinitePolicy : int { Raise = 0, Skip = 1 };
 // Row selection of row-sharded Dion3 (algorithm.md §3): each shard picks its own top rows (Local), or

@@ -47,7 +47,7 @@ extern "C" {
 
 /* Raised whenever a public struct changes layout. A program compares it with what the library
  * it loads reports, dion3_api_version(), before its first call that passes a struct. */
-#define DION3_C_API_VERSION 4
+#define DION3_C_API_VERSION 5
 #define DION3_MAX_DIMS 8
 #define DION3_MAX_ORTH_STEPS 16
 #define DION3_MAX_ORTH_RESTARTS 16
@@ -92,7 +92,8 @@ typedef enum dion3_adjust_lr {
 } dion3_adjust_lr;
 
 typedef enum dion3_orth_method {
-  DION3_ORTH_AUTO = 0, /* per shape, the cheaper of the two by the backend's cost model */
+  DION3_ORTH_AUTO = 0, /* per shape, the cheaper of the two by the backend's cost model; standard
+                          where Gram would iterate in bfloat16 */
   DION3_ORTH_STANDARD = 1,
   DION3_ORTH_GRAM = 2
 } dion3_orth_method;
@@ -179,8 +180,7 @@ typedef struct dion3_group_config {
    * columns are then the output features Dion3 selects and NorMuon normalises, and adjust_lr
    * takes the (out, in) shape. Dion3 and NorMuon take whole matrices (local, replicated) or ones
    * row-sharded in ceil(m/P) chunks (the input features cut). Element-wise algorithms ignore it.
-   * Default 0. It took what was the struct's tail padding: programs that start from
-   * dion3_group_config_default() (as they must) keep working with either header. */
+   * Default 0. */
   int32_t transposed;
 } dion3_group_config;
 

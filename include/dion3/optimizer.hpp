@@ -213,7 +213,7 @@ class DION3_API Optimizer {
   // Groups may be edited between steps (lr schedules); edits are validated at the next step.
   GroupConfig& group(int index);
   // Replaces a group's settings after validating them, and refuses a structural change (algorithm,
-  // flatten, momentum_dtype) once the group has parameters; nothing changes when it throws.
+  // flatten, transposed, momentum_dtype) once the group has parameters; nothing changes when it throws.
   void set_group(int index, const GroupConfig& config);
   const GroupConfig& group(int index) const;
   int num_groups() const;

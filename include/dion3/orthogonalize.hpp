@@ -21,7 +21,8 @@ DION3_API double effective_ns_flops(int64_t batch, int64_t rows, int64_t cols, i
 DION3_API double standard_ns_flops(int64_t batch, int64_t p, int64_t q, int steps, double sym_factor);
 DION3_API double gram_ns_flops(int64_t batch, int64_t p, int64_t q, int steps, int n_restarts, double sym_factor);
 // The method `auto` resolves to for p x q (p <= q) on this backend (always standard when p == q,
-// and when a float16 iteration asked for would overflow Gram's Q: OrthConfig::gram_growth).
+// when a float16 iteration asked for would overflow Gram's Q (OrthConfig::gram_growth), and where
+// Gram would iterate in bfloat16, asked for or chosen because float16 would overflow).
 DION3_API OrthMethod choose_orth_method(const Backend& backend, const OrthConfig& cfg, int64_t rows, int64_t cols);
 // The dtype `method` iterates in: the configured one, else the backend's choice (bfloat16 where
 // the backend's float16 would overflow Gram's Q).

@@ -1,10 +1,10 @@
 # benchmark.py — `python -m dion3.benchmark`: the Python front end's own cost on model-shaped
-# parameter sets (issue 4, item 8). Times dion3.<Optimizer>.step() end to end, the host time
+# parameter sets. Times dion3.<Optimizer>.step() end to end, the host time
 # it takes to return (host_ms; step() waits for its non-finite verdict), the time spent in the
 # engine call inside it (the difference is the Python-side overhead, as a share of the step), and
 # the host launch time of the engine's synchronisation-free step (launch_ms).
 # `--optimizers torch.AdamW` times PyTorch's own AdamW (fused on CUDA) on the same parameters:
-# the AdamW baseline issue 3 quotes. `torch.Muon` times torch.optim.Muon and `optim.Muon`
+# the baseline a user compares with. `torch.Muon` times torch.optim.Muon and `optim.Muon`
 # dion3.optim.Muon, its drop-in, both on the matrices alone (torch's Muon takes no vectors). Not a
 # test: it asserts nothing and prints one JSON line per configuration.
 from __future__ import annotations

@@ -55,7 +55,7 @@ def local_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
 class ParamLayout:
     """What the engine is told about one parameter."""
 
-    kind: str  # "local", "replicated", "row_shard" or "col_shard"
+    kind: str  # "local", "replicated", "row_shard", "col_shard" or "block"
     group: Any = None  # the torch.distributed process group it spans
     global_rows: int = 0  # row_shard: the whole matrix's rows
     global_cols: int = 0  # col_shard: the whole matrix's columns

@@ -53,7 +53,7 @@ class Muon(_EngineOptimizer):
     Differences: the Newton–Schulz iteration runs in the engine's precision (float32 on the CPU,
     16-bit on the GPU with float32 accumulation; torch's runs in bfloat16); an `eps` below
     float32's smallest normal number or past its range is refused, as are float64 parameters,
-    ns_steps of 0 or above 16, a nesterov that is not a bool, and momentum of 1 or more; a
+    ns_steps of 0 or above 16, a nesterov other than True or False (or 0 or 1), and momentum of 1 or more; a
     non-finite gradient raises dion3.NonFiniteError (on_nonfinite="skip" drops the step) where
     torch would step with it.
     Parameters of three or more dimensions are stepped as stacks of matrices over their last two.

@@ -258,7 +258,8 @@ def _flag(group: Dict[str, Any], key: str) -> bool:
     """A group's on/off setting: True or False (numpy's bools and the ints 0 and 1 too), so that a
     string such as "False" is refused rather than read as true."""
     v = group[key]
-    if isinstance(v, bool) or type(v).__name__ == "bool_" or isinstance(v, numbers.Integral) and v in (0, 1):
+    numpy_bool = type(v).__module__ == "numpy" and type(v).__name__ in ("bool", "bool_")  # numpy 2, numpy 1
+    if isinstance(v, bool) or numpy_bool or isinstance(v, numbers.Integral) and v in (0, 1):
         return bool(v)
     raise ValueError(f"dion3: '{key}' must be True or False; got {v!r}")
 

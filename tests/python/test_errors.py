@@ -161,6 +161,18 @@ def test_reference_flags_accepted(device):
     assert opt.plan()[0]["method"] == "gram"
 
 
+def test_numpy_bools_are_flags(device):
+    np = pytest.importorskip("numpy")
+    p = mat(device, 8, 16)
+    opt = dion3.Dion3([p], flatten=np.False_, cautious_wd=np.True_)
+    assert opt.param_groups[0]["cautious_wd"]
+    p.grad = torch.randn_like(p)
+    opt.step()
+    m = dion3.optim.Muon([mat(device, 8, 16)], nesterov=np.True_)
+    m.param_groups[0]["params"][0].grad = torch.ones(8, 16, device=device)
+    m.step()
+
+
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int32])
 def test_unsupported_dtype(device, dtype):
