@@ -194,6 +194,9 @@ struct Optimizer::Impl {
     uint32_t count = 0;
     std::vector<int> hyper_slots;
     std::vector<int> megabatches;  // whose members' absence (Param::absent) joins the plan digest
+    // The matrix parameters over the communicator, whose absence joins it too: one cut into blocks
+    // that each lie within a shard steps in local megabatches, outside `megabatches`.
+    std::vector<int> matrix_params;
   };
   std::vector<Region> regions;
   // Whether this plan's digests were seen to agree across the ranks (the first step of a plan

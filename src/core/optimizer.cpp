@@ -348,6 +348,9 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
            " buffers but this optimizer runs on " + device_name(device));
   if ((L.kind == Layout::Block) != static_cast<bool>(L.col_comm))
     fail(who + ": a block-sharded layout needs a column communicator, and only it takes one");
+  if (L.col_comm && L.col_comm == L.comm)
+    fail(who + ": a block-sharded layout cuts rows and columns over two communicators (two dimensions of a "
+         "mesh), but both are " + L.comm->describe());
   // Far past any real matrix: a bound that keeps every row and column product within int64.
   constexpr int64_t kMaxGlobal = int64_t{1} << 40;
   if (L.global_rows < 0 || L.global_rows > kMaxGlobal || L.global_cols < 0 || L.global_cols > kMaxGlobal)
@@ -415,6 +418,9 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
         fail(who + ": selection_scope 'global' needs the standard cut (ceil(m/P) rows in rank order); this "
              "parameter is cut otherwise (e.g. FSDP2 over tensor parallel): use 'local'");
     } else if (L.kind == Layout::RowShard) {
+      if (L.row_chunk != 0)
+        fail(who + " gives row_chunk " + std::to_string(L.row_chunk) + " without row_offset: a cut of its own "
+             "needs both (this rank's first row, the largest shard's rows); the standard cut neither");
       const int64_t m = L.global_rows, P = L.comm->size(), r = L.comm->rank();
       if (m < 1 || p.cols < 1)
         fail(who + " is row-sharded with " + std::to_string(m) + " rows and " + std::to_string(p.cols) +
@@ -1160,12 +1166,22 @@ void Optimizer::Impl::plan_agreement() {
     // Every parameter over the communicator, element-wise ones included (their algorithm: AdamW
     // against Lion on one rank would part the replicas; the shape of one whole on every rank,
     // global_rows given: a vector longer on one rank would step other elements there).
+    // A matrix one's group settings and whole shape as well: cut into blocks that each lie within
+    // one shard (split_sizes, num_heads), it steps in local megabatches that the loop above skips.
     for (const Param& p : params)
       if (p.layout.comm.get() == comm || p.layout.col_comm.get() == comm) {
         f.mix(static_cast<int64_t>(p.layout.kind));
         f.mix(static_cast<int64_t>(groups[p.group].algorithm));
-        if (!is_matrix_algorithm(groups[p.group].algorithm) && p.layout.kind == Layout::Replicated &&
-            p.layout.global_rows > 0) {
+        if (is_matrix_algorithm(groups[p.group].algorithm)) {
+          const Layout k = p.layout.kind;
+          const bool rows_cut = k == Layout::RowShard || k == Layout::Block;
+          const bool cols_cut = k == Layout::ColShard || k == Layout::Block;
+          for (int64_t v : {p.count, rows_cut ? p.layout.global_rows : p.rows, cols_cut ? p.layout.global_cols : p.cols,
+                            k == Layout::RowShard ? p.layout.row_chunk : 0})
+            f.mix(v);
+          mix_settings(groups[p.group]);
+          region.matrix_params.push_back(static_cast<int>(&p - params.data()));
+        } else if (p.layout.kind == Layout::Replicated && p.layout.global_rows > 0) {
           f.mix(static_cast<int64_t>(p.weight.shape.size()));
           for (int64_t d : p.weight.shape) f.mix(d);
         }
@@ -1208,6 +1224,11 @@ void Optimizer::Impl::write_starts(const std::vector<float>& hyper) {
           a.mix(static_cast<int64_t>(j));
         }
     }
+    for (int i = 0; absent_now > 0 && i < static_cast<int>(region.matrix_params.size()); ++i)
+      if (params[static_cast<std::size_t>(region.matrix_params[i])].absent) {
+        a.mix(static_cast<int64_t>(-1));
+        a.mix(static_cast<int64_t>(i));
+      }
     const uint64_t plan = a.h;
     const uint32_t digest[kDigestWords] = {static_cast<uint32_t>(plan), static_cast<uint32_t>(plan >> 16),
                                            static_cast<uint32_t>(plan >> 32), static_cast<uint32_t>(plan >> 48),

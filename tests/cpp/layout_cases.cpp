@@ -543,6 +543,35 @@ void check_agreement_case(const RankBackend& be, const std::shared_ptr<dion3::Co
     opt.set_grad(ps[1]->index, ps[1]->g->view());
     step_together(where + ", then alike");
   }
+  // A row-sharded matrix cut into heads that each lie within one shard steps in local megabatches,
+  // yet its settings, its shape and whether it has a gradient are still part of the plan: a
+  // difference on one rank is refused on every rank, nothing moved.
+  for (const std::string mode : {"fraction", "num_heads", "columns", "absent"}) {
+    const std::string where = "rank " + std::to_string(rank) + ", heads within shards, " + mode + " differs";
+    const bool odd = rank == P - 1;
+    dion3::Optimizer heads(be.make_backend());
+    GroupConfig hc = matrices;
+    hc.fraction = mode == "fraction" && odd ? 0.25 : 0.5;
+    hc.num_heads = mode == "num_heads" && odd ? 2 * P : P;
+    const int g = heads.add_group(hc);
+    Rng same(79);
+    const int m = 4 * P, n = mode == "columns" && odd ? 7 : 6;
+    DistParam d(be, m, n, shard_of(m, P, rank), Shard{0, n}, same);
+    dion3::ParamSpec spec = d.spec("h");
+    spec.layout.kind = Layout::RowShard;
+    spec.layout.comm = comm;
+    spec.layout.global_rows = m;
+    d.index = heads.add_param(g, spec);
+    d.g->assign(rows_of(gaussian(m, n, same), n, d.rows));
+    if (mode == "absent") {
+      ASSERT_TRUE(heads.step()) << where << ": the first step, alike";
+      if (odd) heads.clear_grad(d.index);
+    }
+    const std::vector<double> w = d.w->values();
+    const std::string what = error_of([&] { heads.step(); });
+    EXPECT_NE(what.find("planned different steps"), std::string::npos) << where << ": " << what;
+    EXPECT_EQ(d.w->values(), w) << where << ": a refused step moved something";
+  }
   // Same-shape matrices registered in another order on one rank: with agree_on_names every rank
   // refuses the first step; without it the names are labels only, and nothing can tell.
   for (bool agree : {true, false}) {

@@ -98,3 +98,29 @@ TEST(ThreadRanksNarrow, PaddedShardsOrthogonalizeAsOneDevice) {
     }
   }
 }
+
+// Layouts that name no cut of the matrix are refused when the parameter is registered: a row
+// chunk without this rank's first row (the standard cut takes neither), and a block layout whose
+// rows and columns are cut over one communicator (each rank would hold its diagonal block only).
+TEST(ThreadRanksNarrow, LayoutsThatAreNoCutAreRefusedAtRegistration) {
+  const auto comms = t3::thread_communicators(2, dion3::Device::CPU);
+  t3::Harness h;
+  const int gi = h.opt.add_group(dion3::GroupConfig{});
+  auto q = std::make_unique<t3::HostParam>("w", dion3::DType::F32, std::vector<int64_t>{3, 4});
+  dion3::ParamSpec row = q->spec();
+  row.layout.kind = dion3::Layout::RowShard;
+  row.layout.comm = comms[0];
+  row.layout.global_rows = 5;
+  row.layout.row_chunk = 3;
+  EXPECT_NE(t3::error_of([&] { h.opt.add_param(gi, row); }).find("gives row_chunk 3 without row_offset"),
+            std::string::npos);
+  dion3::ParamSpec block = q->spec();
+  block.layout.kind = dion3::Layout::Block;
+  block.layout.comm = comms[0];
+  block.layout.col_comm = comms[0];
+  block.layout.global_rows = 6;
+  block.layout.global_cols = 8;
+  EXPECT_NE(t3::error_of([&] { h.opt.add_param(gi, block); }).find("cuts rows and columns over two communicators"),
+            std::string::npos);
+  EXPECT_EQ(h.opt.num_params(), 0);
+}
