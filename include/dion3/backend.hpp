@@ -153,6 +153,10 @@ inline constexpr int kNotAStep = kRankWithoutGradients | kPlansDiffer | kRankRef
 inline constexpr int kDigestWords = 8;
 inline constexpr int kPlanDigestWords = 6;  // the first ones: the plan's
 inline constexpr int kAgreementWords = 2 + 2 * kDigestWords;
+// Regions in every distributed agreement, however many communicators the rank's parameters span
+// (the unused ones hold an empty digest): the all-reduce has one length on every rank, so a rank
+// whose communicators differ in number is refused by the digests instead of a truncated message.
+inline constexpr int kAgreementRegions = 8;
 // Whether the ranks' digest words [first, last) in one reduced region of the agreement differ.
 DION3_HOST_DEVICE inline bool agreement_words_differ(const int* region, int first, int last) {
   const int* d = region + 2;

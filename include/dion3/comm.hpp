@@ -31,7 +31,8 @@ namespace dion3 {
 
 // A step's agreement, its first collectives: one region of kAgreementWords ints per communicator
 // of the optimizer, {verdict, took part, digest, complement} (verdict and took part are the first
-// region's), the whole buffer all-reduced (max) over every communicator in turn. Verdict: 0, 1
+// region's), padded with empty regions to kAgreementRegions so that it has one length on every
+// rank, the whole buffer all-reduced (max) over every communicator in turn. Verdict: 0, 1
 // for a non-finite gradient, kRankWithoutGradients from a rank that runs the step's collectives
 // without gradients of its own (Optimizer::refuse_step), kRankRefused from one that runs them
 // because a setting is invalid there (Optimizer::refuse_invalid); took part: 1 from a rank that

@@ -346,6 +346,14 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
     if (c && c->device() != device)
       fail(who + ": its communicator (" + c->describe() + ") moves " + device_name(c->device()) +
            " buffers but this optimizer runs on " + device_name(device));
+  {
+    std::vector<Communicator*> spanned = s.communicators();
+    for (Communicator* c : {L.comm.get(), L.col_comm.get()})
+      if (c && std::find(spanned.begin(), spanned.end(), c) == spanned.end()) spanned.push_back(c);
+    if (spanned.size() > static_cast<std::size_t>(kAgreementRegions))
+      fail(who + ": the optimizer's parameters would span " + std::to_string(spanned.size()) +
+           " communicators; one optimizer agrees on its steps over at most " + std::to_string(kAgreementRegions));
+  }
   if ((L.kind == Layout::Block) != static_cast<bool>(L.col_comm))
     fail(who + ": a block-sharded layout needs a column communicator, and only it takes one");
   if (L.col_comm && L.col_comm == L.comm)
@@ -1124,7 +1132,7 @@ struct Fnv {
 void Optimizer::Impl::plan_agreement() {
   const std::vector<Communicator*> comms = communicators();
   regions.assign(comms.size(), Region{});
-  flag_words = comms.empty() ? 2 : static_cast<int>(comms.size()) * kAgreementWords;
+  flag_words = comms.empty() ? 2 : kAgreementRegions * kAgreementWords;
   for (std::size_t r = 0; r < comms.size(); ++r) {
     const Communicator* comm = comms[r];
     Region& region = regions[r];
@@ -1241,6 +1249,9 @@ void Optimizer::Impl::write_starts(const std::vector<float>& hyper) {
       }
     }
   }
+  for (int r = static_cast<int>(regions.size()); !regions.empty() && r < kAgreementRegions; ++r)
+    for (int start = 0; start < kStarts; ++start)  // an empty digest: words 0, complements 0xFFFF
+      std::fill_n(starts.data() + start * flag_words + r * kAgreementWords + 2 + kDigestWords, kDigestWords, 0xFFFF);
   for (int start = 0; start < kStarts; ++start) {
     starts[static_cast<std::size_t>(start * flag_words)] = kVerdicts[start][0];
     starts[static_cast<std::size_t>(start * flag_words + 1)] = kVerdicts[start][1];
@@ -1255,7 +1266,18 @@ std::string Optimizer::Impl::disagreement_error(const int* words) const {
            none;
   const std::vector<Communicator*> comms = communicators();
   if (words[0] & kPlansDiffer) {
-    for (std::size_t r = 0; r < comms.size(); ++r) {
+    // A region empty on some rank but not on all (each complement at its most, or past this rank's
+    // communicators): the ranks' parameters span different numbers of communicators.
+    for (int r = 0; r < kAgreementRegions; ++r) {
+      const int* d = words + r * kAgreementWords + 2;
+      if (agreement_plans_differ(words + r * kAgreementWords) &&
+          (r >= static_cast<int>(comms.size()) ||
+           std::all_of(d + kDigestWords, d + 2 * kDigestWords, [](int w) { return w == 0xFFFF; })))
+        return "the ranks planned different steps: their parameters span different numbers of communicators (" +
+               std::to_string(comms.size()) + " on this rank); every rank must register the same parameters, in "
+               "the same order, with the same layouts" + none;
+    }
+    for (int r = 0; r < static_cast<int>(comms.size()); ++r) {
       if (!agreement_plans_differ(words + r * kAgreementWords)) continue;
       const int* d = words + r * kAgreementWords + 2;
       // Words 4 and 5 hold the count of distributed megabatches: the most and the fewest any rank has.
@@ -1273,7 +1295,7 @@ std::string Optimizer::Impl::disagreement_error(const int* words) const {
                                "orthogonalizer)" +
                                (options.agree_on_names ? ", or the parameters' names, in order" : "") +
                                ", or which of them have a gradient this step";
-      return "the ranks of " + comms[r]->describe() + " planned different steps (" + counts +
+      return "the ranks of " + comms[static_cast<std::size_t>(r)]->describe() + " planned different steps (" + counts +
              "): every rank must register the same parameters, in the same order, with the same groups, "
              "settings and global shapes" + none;
     }
@@ -1420,7 +1442,7 @@ void Optimizer::Impl::agree_on_flag(int* flag, bool blocking) {
   if (comms.empty()) return;
   for (Communicator* c : comms)
     c->all_reduce_max(flag, static_cast<std::size_t>(flag_words), backend->stream(), "the step's agreement")->wait();
-  backend->settle_agreement(flag, static_cast<int>(comms.size()));
+  backend->settle_agreement(flag, kAgreementRegions);
   if (!blocking && !capturing_now) {  // a replay's verdict is not this call's to post
     if (agreement_posted_words != flag_words) {
       agreement_posted = backend->new_host_copy(static_cast<std::size_t>(flag_words) * sizeof(int));

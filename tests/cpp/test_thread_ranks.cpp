@@ -124,3 +124,22 @@ TEST(ThreadRanksNarrow, LayoutsThatAreNoCutAreRefusedAtRegistration) {
             std::string::npos);
   EXPECT_EQ(h.opt.num_params(), 0);
 }
+
+// One optimizer agrees on its steps over at most kAgreementRegions communicators: the next one a
+// parameter would bring is refused when it is registered.
+TEST(ThreadRanksNarrow, ParametersOverTooManyCommunicatorsAreRefused) {
+  t3::Harness h;
+  const int gi = h.opt.add_group(dion3::GroupConfig{});
+  std::vector<std::unique_ptr<t3::HostParam>> ps;
+  for (int i = 0; i <= dion3::kAgreementRegions; ++i) {
+    ps.push_back(std::make_unique<t3::HostParam>("w" + std::to_string(i), dion3::DType::F32, std::vector<int64_t>{2, 3}));
+    dion3::ParamSpec spec = ps.back()->spec();
+    spec.layout.kind = dion3::Layout::Replicated;
+    spec.layout.comm = t3::thread_communicators(1, dion3::Device::CPU)[0];
+    const std::string what = t3::error_of([&] { h.opt.add_param(gi, spec); });
+    if (i < dion3::kAgreementRegions) EXPECT_EQ(what, "") << i;
+    else EXPECT_NE(what.find("would span 9 communicators; one optimizer agrees on its steps over at most 8"),
+                   std::string::npos) << what;
+  }
+  EXPECT_EQ(h.opt.num_params(), dion3::kAgreementRegions);
+}

@@ -450,6 +450,40 @@ TEST(Faults, APlanThatDiffersOverOneCommunicatorIsRefusedByEveryRank) {
   MPI_Comm_free(&cols_comm);
 }
 
+// Ranks whose parameters span different numbers of communicators: the agreement has one length
+// on every rank (its regions are padded), so its digests tell instead of a truncated all-reduce
+// (MPI_ERR_TRUNCATE, which ends the job). Ranks 0 .. P-2 hold `second` over a communicator of
+// their own; the last rank holds it locally and spans one communicator.
+TEST(Faults, RanksSpanningDifferentCommunicatorsAreRefusedByEveryRank) {
+  const int P = world_size(), rank = world_rank();
+  const bool last = rank == P - 1;
+  MPI_Comm some;
+  MPI_Comm_split(MPI_COMM_WORLD, last ? MPI_UNDEFINED : 0, rank, &some);
+  auto world = dion3::make_mpi_communicator(nullptr, 60.0);
+  {
+    t3::Harness h;
+    const int gi = h.opt.add_group(GroupConfig{});
+    Rng rng(19);
+    std::vector<std::unique_ptr<t3::HostParam>> ps = replicated_params(h, gi, world, rng, 1);
+    t3::HostParam second("second", DType::F32, {8, 6});
+    second.w.assign(t3::gaussian(8, 6, rng));
+    dion3::ParamSpec spec = second.spec();
+    if (!last) {
+      spec.layout.kind = Layout::Replicated;
+      spec.layout.comm = dion3::make_mpi_communicator(&some, 60.0);
+    }
+    second.index = h.opt.add_param(gi, spec);
+    ps[0]->g.assign(t3::gaussian(8, 6, rng));
+    second.g.assign(t3::gaussian(8, 6, rng));
+    const auto before = t3::snapshot(h.opt, {ps[0].get(), &second});
+    const std::string what = t3::error_of([&] { h.opt.step(); });
+    EXPECT_NE(what.find("span different numbers of communicators (" + std::string(last ? "1" : "2") + " on this rank)"),
+              std::string::npos) << "rank " << rank << ": " << what;
+    EXPECT_EQ(t3::snapshot(h.opt, {ps[0].get(), &second}), before) << "rank " << rank << ": a refused step moved something";
+  }
+  if (!last) MPI_Comm_free(&some);
+}
+
 TEST(Faults, WrongShardIsRefusedWithTheRowsItShouldHold) {
   const int P = world_size(), rank = world_rank();
   auto comm = dion3::make_mpi_communicator(nullptr, 60.0);
