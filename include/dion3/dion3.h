@@ -322,9 +322,9 @@ DION3_API dion3_status dion3_num_params(const dion3_optimizer* opt, int* count);
  * DION3_NON_FINITE; in both cases weights and state are untouched. */
 DION3_API dion3_status dion3_step(dion3_optimizer* opt, int* applied);
 /* For a rank of a distributed optimizer with no gradients this step while other ranks call
- * dion3_step: runs the step's collectives with the gradients bound last, writing nothing, so that
- * every rank refuses the step (DION3_INVALID_ARGUMENT here and in the others' dion3_step) instead
- * of pairing later collectives wrongly. DION3_OK, with nothing done, when every rank refused. */
+ * dion3_step: runs the step's collectives, reading no gradient (none need be bound) and writing
+ * nothing, so that every rank refuses the step (DION3_INVALID_ARGUMENT here and in the others'
+ * dion3_step) instead of pairing later collectives wrongly. DION3_OK, with nothing done, when every rank refused. */
 DION3_API dion3_status dion3_refuse_step(dion3_optimizer* opt);
 /* For a rank of a distributed optimizer that cannot step because the caller found something
  * invalid on this rank alone: runs the step's collectives as a refusal, writing nothing, so that

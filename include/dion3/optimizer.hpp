@@ -233,9 +233,9 @@ class DION3_API Optimizer {
   // Ranges of every later step also go to `tracer` (null: none beyond the backend's own).
   void set_tracer(std::shared_ptr<StepTracer> tracer);
   // For a rank of a distributed optimizer whose parameters have no gradient this step while the
-  // others call step(): runs the step's collectives with the gradients bound last (writing
-  // nothing), so that every rank refuses the step together instead of pairing later collectives
-  // wrongly. Throws dion3::Error (InvalidArgument) here and in the others' step() when some rank
+  // others call step(): runs the step's collectives (reading no gradient, so none need be bound,
+  // at the first step too; writing nothing), so that every rank refuses the step together instead
+  // of pairing later collectives wrongly. Throws dion3::Error (InvalidArgument) here and in the others' step() when some rank
   // stepped; returns false, with nothing done, when every rank refused. Nothing is modified on
   // any rank, counters included, and every rank keeps its plan (unless the ranks' plans differed:
   // then the next step plans anew, and is compared again).

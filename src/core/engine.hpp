@@ -323,7 +323,9 @@ struct Optimizer::Impl {
   MatrixView run_orthogonalizer(Chunk& c, const std::function<MatrixView()>& run);
   std::array<int64_t, 2> read_counters() const;
   void post_counters();  // starts the copy posted_counters() answers from
-  void validate_for_step();
+  // grads_bound false (refuse_step): parameters without a bound gradient pass, since a refusal
+  // reads none, and the parameters count as unchecked for the next step.
+  void validate_for_step(bool grads_bound = true);
   void check_adjusted_lrs() const;  // each megabatch's lr after adjust_lr is finite in float32
   StepCheck step_check(const Param& p) const;  // what check_step evaluates for p's step
   // Whether mb keeps bounds: it selects rows from scores that bound its momentum.
@@ -350,7 +352,7 @@ struct Optimizer::Impl {
   // validate_for_step; when it throws in a distributed step with a plan the other ranks may
   // hold, this rank first joins their step's collectives as a refusal (kRankRefused), so that
   // they raise too instead of waiting for it.
-  void validate_or_refuse();
+  void validate_or_refuse(bool grads_bound = true);
   void refuse_invalid();  // see Optimizer::refuse_invalid
   // The error every rank raises for a step some rank refused or the ranks disagreed on (the
   // verdict's bits), from the settled agreement `words` (host); empty for none of those.

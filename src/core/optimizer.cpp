@@ -1366,7 +1366,7 @@ void Optimizer::Impl::check_group(int g) const {
   if (const std::string e = structure_error(g); !e.empty()) fail(e);
 }
 
-void Optimizer::Impl::validate_for_step() {
+void Optimizer::Impl::validate_for_step(bool grads_bound) {
   Impl& s = *this;
   // 1. Validate everything before touching memory.
   if (s.groups.empty()) fail("step: the optimizer has no parameter groups");
@@ -1383,7 +1383,7 @@ void Optimizer::Impl::validate_for_step() {
   }
   for (int i = 0; !params_checked && i < static_cast<int>(s.params.size()); ++i) {
     const Param& p = s.params[i];
-    if (!p.grad.data && !p.absent && p.weight.numel() > 0)
+    if (grads_bound && !p.grad.data && !p.absent && p.weight.numel() > 0)
       fail(s.describe(i) + " has no gradient; call set_grad (or clear_grad) before step");
   }
   // A plan whose settings changed stays valid until build_plan() replaces it: a new setting that
@@ -1398,7 +1398,7 @@ void Optimizer::Impl::validate_for_step() {
       for (const Member& m : mb.members)
         if (s.params[m.param].grad.dtype != mb.grad_dtype) s.plan_valid = false;
   if (!s.plan_valid) s.build_plan();
-  s.validated = s.binding;
+  if (grads_bound) s.validated = s.binding;
   s.check_adjusted_lrs();
   // Last, with a plan: a refusal (refuse_invalid) runs through it. Not a replay's (no host reads).
   if ((s.all_written || !s.written_params.empty()) && !s.backend->capturing()) s.check_written_state();
@@ -2228,9 +2228,9 @@ void Optimizer::Impl::refuse_invalid() {
   }
 }
 
-void Optimizer::Impl::validate_or_refuse() {
+void Optimizer::Impl::validate_or_refuse(bool grads_bound) {
   try {
-    validate_for_step();
+    validate_for_step(grads_bound);
   } catch (const Error&) {
     refuse_invalid();
     throw;
@@ -2244,7 +2244,7 @@ bool Optimizer::refuse_step() {
   // It reads the agreement on the host: not in a capture.
   if (s.backend->capturing()) fail("refuse_step cannot be captured in a CUDA graph; call it eagerly");
   s.check_posted_agreement();
-  s.validate_or_refuse();
+  s.validate_or_refuse(false);  // a refusal reads no gradient: none need be bound
   s.enqueue_step(false, Impl::kNoGradients, true);  // a refused step is not a dropped one: not counted
   s.post_counters();
   s.settle_collectives();

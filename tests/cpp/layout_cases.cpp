@@ -543,6 +543,29 @@ void check_agreement_case(const RankBackend& be, const std::shared_ptr<dion3::Co
     opt.set_grad(ps[1]->index, ps[1]->g->view());
     step_together(where + ", then alike");
   }
+  // A rank whose parameters were registered without gradients refuses the first step
+  // (refuse_step reads none): every rank raises at once, nothing moved, and later steps pair.
+  {
+    const std::string where = "rank " + std::to_string(rank) + ", first step refused by a rank without gradients";
+    const bool odd = rank == P - 1;
+    dion3::Optimizer fresh(be.make_backend());
+    const int g = fresh.add_group(matrices);
+    Rng same(80);
+    DistParam d(be, 8, 6, Shard{0, 8}, Shard{0, 6}, same);
+    dion3::ParamSpec spec = d.spec("u");
+    spec.layout.kind = Layout::Replicated;
+    spec.layout.comm = comm;
+    if (odd) spec.grad = dion3::TensorView{};
+    d.index = fresh.add_param(g, spec);
+    d.g->assign(gaussian(8, 6, same));
+    const std::vector<double> w = d.w->values();
+    const std::string what = error_of([&] { odd ? fresh.refuse_step() : fresh.step(); });
+    EXPECT_NE(what.find(odd ? "no parameter of this rank has a gradient" : "another rank took no part"), std::string::npos)
+        << where << ": " << what;
+    EXPECT_EQ(d.w->values(), w) << where << ": a refused step moved something";
+    if (odd) fresh.set_grad(d.index, d.g->view());
+    EXPECT_TRUE(fresh.step()) << where << ": then with gradients everywhere";
+  }
   // A row-sharded matrix cut into heads that each lie within one shard steps in local megabatches,
   // yet its settings, its shape and whether it has a gradient are still part of the plan: a
   // difference on one rank is refused on every rank, nothing moved.
