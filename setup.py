@@ -124,6 +124,14 @@ class BuildPyWithInfo(build_py):
     build_info = {}
 
     def run(self):
+        # build_lib persists between builds (build-py-ext/): a module since deleted from the sources
+        # would otherwise ship in the next wheel.
+        built = os.path.join(self.build_lib, "dion3")
+        sources = self.get_package_dir("dion3")
+        if not self.dry_run and os.path.isdir(built):
+            for name in os.listdir(built):
+                if name.endswith(".py") and name != "_build_info.py" and not os.path.exists(os.path.join(sources, name)):
+                    os.remove(os.path.join(built, name))
         super().run()
         if not self.dry_run and self.build_info:
             path = os.path.join(self.build_lib, "dion3", "_build_info.py")

@@ -1,4 +1,4 @@
-# cmake/install.cmake — `cmake --install`: the public headers, libdion3.so.<major> and libdion3.a,
+# cmake/install.cmake — `cmake --install`: the public headers, libdion3.so.<soversion> and libdion3.a,
 # the CMake package (find_package(dion3): dion3::dion3, dion3::dion3_static) and dion3.pc for
 # pkg-config. Both are relocatable: they locate the prefix from where they are installed.
 include(CMakePackageConfigHelpers)

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,8 @@ def test_sdist_builds_a_working_wheel(tmp_path):
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     wheels = list((tmp_path / "wheels").glob(f"dion3-{VERSION}-*.whl"))
     assert len(wheels) == 1, wheels
+    with zipfile.ZipFile(wheels[0]) as whl:
+        assert "dion3/py.typed" in whl.namelist(), "the wheel lacks its py.typed marker"
     # --ignore-installed: the dion3 this suite runs, visible through the .pth, stays untouched.
     r = run([python, "-m", "pip", "install", "--no-deps", "--ignore-installed", wheels[0]], cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
