@@ -38,6 +38,13 @@ cmake --build "$work/cmake" >/dev/null
 expect shared "$work/cmake/consumer_c"
 expect static "$work/cmake/consumer_c_static"
 expect shared "$work/cmake/consumer_cpp"
+log "find_package(dion3), shared only, with BLAS, OpenMP and MPI hidden"
+cmake -S "$here/consumer_shared" -B "$work/cmake_shared" -G "$generator" -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_C_COMPILER="$cc" -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_PREFIX_PATH="$prefix" \
+  -DCMAKE_DISABLE_FIND_PACKAGE_BLAS=ON -DCMAKE_DISABLE_FIND_PACKAGE_OpenMP=ON -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON >/dev/null
+cmake --build "$work/cmake_shared" >/dev/null
+expect shared "$work/cmake_shared/consumer_c"
+expect shared "$work/cmake_shared/consumer_cpp"
 log "find_package(dion3) from a C++-only project, static"
 cmake -S "$here/consumer_cxx" -B "$work/cmake_cxx" -G "$generator" -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
