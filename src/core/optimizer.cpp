@@ -356,7 +356,8 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
   }
   if ((L.kind == Layout::Block) != static_cast<bool>(L.col_comm))
     fail(who + ": a block-sharded layout needs a column communicator, and only it takes one");
-  if (L.col_comm && L.col_comm == L.comm)
+  // One communicator of one rank may serve both (a 1 x 1 grid): nothing is cut.
+  if (L.col_comm && L.col_comm == L.comm && L.comm->size() > 1)
     fail(who + ": a block-sharded layout cuts rows and columns over two communicators (two dimensions of a "
          "mesh), but both are " + L.comm->describe());
   // Far past any real matrix: a bound that keeps every row and column product within int64.

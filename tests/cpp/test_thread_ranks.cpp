@@ -123,6 +123,16 @@ TEST(ThreadRanksNarrow, LayoutsThatAreNoCutAreRefusedAtRegistration) {
   EXPECT_NE(t3::error_of([&] { h.opt.add_param(gi, block); }).find("cuts rows and columns over two communicators"),
             std::string::npos);
   EXPECT_EQ(h.opt.num_params(), 0);
+  // One rank: the same communicator serves both dimensions of a 1 x 1 grid.
+  const auto one = t3::thread_communicators(1, dion3::Device::CPU);
+  auto whole = std::make_unique<t3::HostParam>("whole", dion3::DType::F32, std::vector<int64_t>{6, 8});
+  dion3::ParamSpec grid = whole->spec();
+  grid.layout.kind = dion3::Layout::Block;
+  grid.layout.comm = one[0];
+  grid.layout.col_comm = one[0];
+  grid.layout.global_rows = 6;
+  grid.layout.global_cols = 8;
+  EXPECT_EQ(t3::error_of([&] { h.opt.add_param(gi, grid); }), "");
 }
 
 // One optimizer agrees on its steps over at most kAgreementRegions communicators: the next one a
