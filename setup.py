@@ -13,6 +13,7 @@
 # TORCH_CUDA_ARCH_LIST picks the GPU architectures (default 9.0a: Hopper, for wgmma).
 import glob
 import os
+import subprocess
 import sys
 
 from setuptools import setup
@@ -75,6 +76,23 @@ def want_cuda():
     return True, f"{label}, nvcc found and a GPU visible"
 
 
+def check_cblas(library, include_dirs):
+    """Fail at once, saying what to install, where the compiler cannot find cblas.h (the build
+    would otherwise stop a minute in, at the CPU backend's first object)."""
+    cxx = os.environ.get("CXX", "c++")
+    flags = [f"-I{d}" for d in include_dirs]
+    try:
+        r = subprocess.run([cxx, "-E", "-x", "c++", "-", *flags], input="#include <cblas.h>\n",
+                           capture_output=True, text=True)
+    except OSError as e:
+        raise SystemExit(f"dion3: no C++ compiler to build with ({cxx}: {e}); install a C++20 compiler or set CXX")
+    if r.returncode != 0:
+        raise SystemExit(
+            f"dion3: cblas.h not found for the BLAS '{library}' ({cxx}: {(r.stderr.strip().splitlines() or [''])[-1]}); "
+            "install its development files (OpenBLAS, the default: Debian/Ubuntu libopenblas-dev, "
+            "Fedora openblas-devel), or name another BLAS with DION3_BLAS and its prefix with DION3_BLAS_DIR")
+
+
 def extension(build_info):
     from torch.utils import cpp_extension
 
@@ -92,9 +110,12 @@ def extension(build_info):
     blas_dir = os.environ.get("DION3_BLAS_DIR")
     include_dirs = [os.path.join(ROOT, "include"), os.path.join(ROOT, "src")]
     library_dirs = []
+    runtime_dirs = []  # where the extension finds that BLAS when it is loaded (its rpath)
     if blas_dir:
         include_dirs.append(os.path.join(blas_dir, "include"))
         library_dirs.append(os.path.join(blas_dir, "lib"))
+        runtime_dirs.append(os.path.join(blas_dir, "lib"))
+    check_cblas(libraries[0], include_dirs)
     if cuda:
         sources = [s for s in sources if os.path.basename(s) != "no_cuda.cpp"]
         sources += rel("src/cuda/*.cu") + rel("src/cuda/*.cpp")
@@ -108,14 +129,14 @@ def extension(build_info):
         nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
         return cpp_extension.CUDAExtension(
             "dion3._C", sources, include_dirs=include_dirs, library_dirs=library_dirs,
-            define_macros=define_macros, libraries=libraries, extra_link_args=link_args,
-            extra_compile_args={"cxx": cxx, "nvcc": nvcc})
+            runtime_library_dirs=runtime_dirs, define_macros=define_macros, libraries=libraries,
+            extra_link_args=link_args, extra_compile_args={"cxx": cxx, "nvcc": nvcc})
     report(f"backends: cpu ({why}); PyTorch {torch.__version__}")
     build_info.update(backends=("cpu",), cuda_archs="", cuda_reason=why)
     return cpp_extension.CppExtension(
         "dion3._C", sources, include_dirs=include_dirs, library_dirs=library_dirs,
-        define_macros=define_macros, libraries=libraries, extra_link_args=link_args,
-        extra_compile_args={"cxx": cxx})
+        runtime_library_dirs=runtime_dirs, define_macros=define_macros, libraries=libraries,
+        extra_link_args=link_args, extra_compile_args={"cxx": cxx})
 
 
 class BuildPyWithInfo(build_py):

@@ -26,6 +26,11 @@ except ImportError as e:  # else Python reports a "partially initialized module"
     import glob as _glob
     import os as _os
     _built = _glob.glob(_os.path.join(_os.path.dirname(__file__), "_C*"))
+    if _built and "cannot open shared object file" in str(e):
+        # Built and installed, but a library it links is not on this machine (the BLAS, mostly).
+        raise ImportError(f"dion3: the compiled extension dion3._C does not load ({e}): a library it was "
+                          "linked against is missing here; install it (OpenBLAS by default: Debian/Ubuntu "
+                          "libopenblas0) or put its directory on LD_LIBRARY_PATH") from None
     raise ImportError("dion3: the compiled extension dion3._C " +
                       (f"does not load ({e})" if _built else "is missing") +
                       "; build and install the package from the repository with `pip install "

@@ -92,6 +92,16 @@ def test_cuda_requested_without_nvcc_fails_loudly(tmp_path):
     assert "DION3_CUDA='maybe' is not one of" in r.stderr, r.stderr
 
 
+def test_missing_cblas_fails_clearly(tmp_path):
+    # A compiler that finds no headers stands in for a machine without OpenBLAS's development files.
+    cxx = tmp_path / "cxx-without-headers"
+    cxx.write_text("#!/bin/sh\nexec c++ -nostdinc \"$@\"\n")
+    cxx.chmod(0o755)
+    r = setup_py(DION3_CUDA="0", CXX=str(cxx))
+    assert r.returncode != 0
+    assert "cblas.h not found for the BLAS 'openblas'" in r.stderr and "libopenblas-dev" in r.stderr, r.stderr
+
+
 def test_cuda_choice_is_reported():
     r = setup_py(DION3_CUDA="0")
     assert r.returncode == 0, r.stderr
