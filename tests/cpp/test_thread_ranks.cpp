@@ -114,25 +114,24 @@ TEST(ThreadRanksNarrow, LayoutsThatAreNoCutAreRefusedAtRegistration) {
   row.layout.row_chunk = 3;
   EXPECT_NE(t3::error_of([&] { h.opt.add_param(gi, row); }).find("gives row_chunk 3 without row_offset"),
             std::string::npos);
-  dion3::ParamSpec block = q->spec();
-  block.layout.kind = dion3::Layout::Block;
-  block.layout.comm = comms[0];
-  block.layout.col_comm = comms[0];
-  block.layout.global_rows = 6;
-  block.layout.global_cols = 8;
-  EXPECT_NE(t3::error_of([&] { h.opt.add_param(gi, block); }).find("cuts rows and columns over two communicators"),
+  // A block of a 6 x 8 matrix whose rows and columns are both cut over `comm`.
+  auto block_over = [](t3::HostParam& p, const std::shared_ptr<dion3::Communicator>& comm) {
+    dion3::ParamSpec spec = p.spec();
+    spec.layout.kind = dion3::Layout::Block;
+    spec.layout.comm = comm;
+    spec.layout.col_comm = comm;
+    spec.layout.global_rows = 6;
+    spec.layout.global_cols = 8;
+    return spec;
+  };
+  EXPECT_NE(t3::error_of([&] { h.opt.add_param(gi, block_over(*q, comms[0])); })
+                .find("cuts rows and columns over two communicators"),
             std::string::npos);
   EXPECT_EQ(h.opt.num_params(), 0);
   // One rank: the same communicator serves both dimensions of a 1 x 1 grid.
-  const auto one = t3::thread_communicators(1, dion3::Device::CPU);
-  auto whole = std::make_unique<t3::HostParam>("whole", dion3::DType::F32, std::vector<int64_t>{6, 8});
-  dion3::ParamSpec grid = whole->spec();
-  grid.layout.kind = dion3::Layout::Block;
-  grid.layout.comm = one[0];
-  grid.layout.col_comm = one[0];
-  grid.layout.global_rows = 6;
-  grid.layout.global_cols = 8;
-  EXPECT_EQ(t3::error_of([&] { h.opt.add_param(gi, grid); }), "");
+  t3::HostParam whole("whole", dion3::DType::F32, {6, 8});
+  EXPECT_EQ(t3::error_of([&] { h.opt.add_param(gi, block_over(whole, t3::thread_communicators(1, dion3::Device::CPU)[0])); }),
+            "");
 }
 
 // One optimizer agrees on its steps over at most kAgreementRegions communicators: the next one a
