@@ -210,7 +210,8 @@ typedef struct dion3_layout {
   int64_t global_rows; /* ROW_SHARD, BLOCK: m; REPLICATED element-wise: its rows where every rank
                           holds it whole (its shape then joins the ranks' agreement), else 0 */
   dion3_comm* comm;    /* every kind but LOCAL (BLOCK: the rows' ranks); not owned, must outlive the
-                          optimizer */
+                          optimizer; one optimizer's parameters span at most 8 comm objects, so
+                          parameters over one group share one */
   int64_t global_cols; /* COL_SHARD, BLOCK: n */
   dion3_comm* col_comm; /* BLOCK: the ranks the columns are cut over; NULL otherwise */
   /* ROW_SHARD with rows cut otherwise than in ceil(m/P) chunks in rank order (FSDP2 over tensor

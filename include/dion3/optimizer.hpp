@@ -49,6 +49,7 @@ DION3_API const char* layout_name(Layout l);
 struct ParamLayout {
   Layout kind = Layout::Local;
   std::shared_ptr<Communicator> comm = nullptr;  // every layout but Local: the ranks it spans (Block: its rows')
+  // (an optimizer's parameters span at most kAgreementRegions communicator objects: share one per group)
   // RowShard, Block: m, the rows of the whole matrix. Replicated element-wise parameters: its rows
   // (> 0) where every rank holds the whole tensor, whose shape then joins the ranks' agreement; 0
   // for a shard each rank steps as it is.

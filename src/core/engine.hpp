@@ -366,8 +366,10 @@ struct Optimizer::Impl {
   std::string posted_disagreement();
   std::vector<int> read_agreement() const;  // the settled agreement in `flag`, on the host
   void settle_collectives();
-  // Every communicator of the parameters, once each, in the order every rank meets them.
-  std::vector<Communicator*> communicators() const;
+  // Every communicator of the parameters, once each, in the order every rank meets them (kept
+  // as parameters are added: a scan of them at every add_param and step would cost O(n) each).
+  const std::vector<Communicator*>& communicators() const { return comms_met; }
+  std::vector<Communicator*> comms_met;
   void prepare(Megabatch& mb, int* flag);
   void orthogonalize(Megabatch& mb, int* flag);
   void apply(Megabatch& mb, int* flag);

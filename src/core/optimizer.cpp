@@ -346,14 +346,16 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
     if (c && c->device() != device)
       fail(who + ": its communicator (" + c->describe() + ") moves " + device_name(c->device()) +
            " buffers but this optimizer runs on " + device_name(device));
-  {
-    std::vector<Communicator*> spanned = s.communicators();
-    for (Communicator* c : {L.comm.get(), L.col_comm.get()})
-      if (c && std::find(spanned.begin(), spanned.end(), c) == spanned.end()) spanned.push_back(c);
-    if (spanned.size() > static_cast<std::size_t>(kAgreementRegions))
-      fail(who + ": the optimizer's parameters would span " + std::to_string(spanned.size()) +
-           " communicators; one optimizer agrees on its steps over at most " + std::to_string(kAgreementRegions));
-  }
+  // The communicators this parameter would add to those the others span (each object counts).
+  std::vector<Communicator*> new_comms;
+  for (Communicator* c : {L.comm.get(), L.col_comm.get()})
+    if (c && std::find(s.comms_met.begin(), s.comms_met.end(), c) == s.comms_met.end() &&
+        std::find(new_comms.begin(), new_comms.end(), c) == new_comms.end())
+      new_comms.push_back(c);
+  if (s.comms_met.size() + new_comms.size() > static_cast<std::size_t>(kAgreementRegions))
+    fail(who + ": the optimizer's parameters would span " + std::to_string(s.comms_met.size() + new_comms.size()) +
+         " communicator objects; one optimizer agrees on its steps over at most " +
+         std::to_string(kAgreementRegions) + " (share one object per process group)");
   if ((L.kind == Layout::Block) != static_cast<bool>(L.col_comm))
     fail(who + ": a block-sharded layout needs a column communicator, and only it takes one");
   // One communicator of one rank may serve both (a 1 x 1 grid): nothing is cut.
@@ -503,6 +505,7 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
     s.params.pop_back();
     throw;
   }
+  s.comms_met.insert(s.comms_met.end(), new_comms.begin(), new_comms.end());
   if (s.structure.size() <= static_cast<std::size_t>(group)) s.structure.resize(group + 1);
   if (!s.structure[group]) s.structure[group] = g;  // its state is sized by these settings from now on
   auto remember = [&](const TensorView& t, const std::string& what) {
@@ -1090,14 +1093,6 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
   }
 }
 
-std::vector<Communicator*> Optimizer::Impl::communicators() const {
-  std::vector<Communicator*> comms;
-  for (const Param& p : params)
-    for (Communicator* c : {p.layout.comm.get(), p.layout.col_comm.get()})
-      if (c && std::find(comms.begin(), comms.end(), c) == comms.end()) comms.push_back(c);
-  return comms;
-}
-
 namespace {
 // FNV-1a over 64-bit numbers: the agreement's digests.
 struct Fnv {
@@ -1131,7 +1126,7 @@ struct Fnv {
 // with the others' step. The region's hyper-parameters are hashed apart (write_starts): they
 // change from step to step, the plan does not.
 void Optimizer::Impl::plan_agreement() {
-  const std::vector<Communicator*> comms = communicators();
+  const std::vector<Communicator*>& comms = communicators();
   regions.assign(comms.size(), Region{});
   flag_words = comms.empty() ? 2 : kAgreementRegions * kAgreementWords;
   for (std::size_t r = 0; r < comms.size(); ++r) {
@@ -1186,7 +1181,7 @@ void Optimizer::Impl::plan_agreement() {
           const bool rows_cut = k == Layout::RowShard || k == Layout::Block;
           const bool cols_cut = k == Layout::ColShard || k == Layout::Block;
           for (int64_t v : {p.count, rows_cut ? p.layout.global_rows : p.rows, cols_cut ? p.layout.global_cols : p.cols,
-                            k == Layout::RowShard ? p.layout.row_chunk : 0})
+                            k == Layout::RowShard ? p.layout.row_chunk : 0, static_cast<int64_t>(p.weight.dtype)})
             f.mix(v);
           mix_settings(groups[p.group]);
           region.matrix_params.push_back(static_cast<int>(&p - params.data()));
@@ -1219,6 +1214,13 @@ void Optimizer::Impl::write_starts(const std::vector<float>& hyper) {
       uint32_t bits;  // -0 and +0 step alike
       std::memcpy(&bits, &x, sizeof(bits));
       f.mix(static_cast<int64_t>(bits));
+    }
+    // What turns the group's lr into each matrix's, for the matrices whose blocks step in local
+    // megabatches (heads within shards), whose lr slots are not in hyper_slots.
+    for (int i : region.matrix_params) {
+      const GroupConfig& g = groups[static_cast<std::size_t>(params[static_cast<std::size_t>(i)].group)];
+      f.mix(static_cast<int64_t>(g.adjust_lr));
+      f.mix(static_cast<int64_t>(g.scale_lr_by_fraction));
     }
     const auto hy = static_cast<uint32_t>(f.h ^ (f.h >> 32));
     // Which members have no gradient this step is part of the plan: a rank stepping a matrix that
@@ -1265,7 +1267,7 @@ std::string Optimizer::Impl::disagreement_error(const int* words) const {
   if (words[0] & kRankRefused)
     return "another rank refused this step: a setting or input was invalid there (that rank's error names it)" +
            none;
-  const std::vector<Communicator*> comms = communicators();
+  const std::vector<Communicator*>& comms = communicators();
   if (words[0] & kPlansDiffer) {
     // A region empty on some rank but not on all (each complement at its most, or past this rank's
     // communicators): the ranks' parameters span different numbers of communicators.
@@ -1439,7 +1441,7 @@ UpdateParams Optimizer::Impl::update_params(const Megabatch& mb) const {
 // agree before: after planning anew, in every step that waits for its verdict anyway, and always
 // on the CPU, where the read costs nothing.
 void Optimizer::Impl::agree_on_flag(int* flag, bool blocking) {
-  const std::vector<Communicator*> comms = communicators();
+  const std::vector<Communicator*>& comms = communicators();
   if (comms.empty()) return;
   for (Communicator* c : comms)
     c->all_reduce_max(flag, static_cast<std::size_t>(flag_words), backend->stream(), "the step's agreement")->wait();

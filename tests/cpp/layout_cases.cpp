@@ -569,13 +569,15 @@ void check_agreement_case(const RankBackend& be, const std::shared_ptr<dion3::Co
   // A row-sharded matrix cut into heads that each lie within one shard steps in local megabatches,
   // yet its settings, its shape and whether it has a gradient are still part of the plan: a
   // difference on one rank is refused on every rank, nothing moved.
-  for (const std::string mode : {"fraction", "num_heads", "columns", "absent"}) {
+  for (const std::string mode : {"fraction", "num_heads", "columns", "absent", "adjust_lr", "scale_lr_by_fraction"}) {
     const std::string where = "rank " + std::to_string(rank) + ", heads within shards, " + mode + " differs";
     const bool odd = rank == P - 1;
     dion3::Optimizer heads(be.make_backend());
     GroupConfig hc = matrices;
     hc.fraction = mode == "fraction" && odd ? 0.25 : 0.5;
     hc.num_heads = mode == "num_heads" && odd ? 2 * P : P;
+    if (mode == "adjust_lr" && odd) hc.adjust_lr = dion3::AdjustLR::None;
+    hc.scale_lr_by_fraction = mode == "scale_lr_by_fraction" && odd;
     const int g = heads.add_group(hc);
     Rng same(79);
     const int m = 4 * P, n = mode == "columns" && odd ? 7 : 6;
@@ -592,7 +594,9 @@ void check_agreement_case(const RankBackend& be, const std::shared_ptr<dion3::Co
     }
     const std::vector<double> w = d.w->values();
     const std::string what = error_of([&] { heads.step(); });
-    EXPECT_NE(what.find("planned different steps"), std::string::npos) << where << ": " << what;
+    const bool lr = mode == "adjust_lr" || mode == "scale_lr_by_fraction";  // each matrix's lr, not the plan
+    EXPECT_NE(what.find(lr ? "stepped with different hyper-parameters" : "planned different steps"), std::string::npos)
+        << where << ": " << what;
     EXPECT_EQ(d.w->values(), w) << where << ": a refused step moved something";
   }
   // Same-shape matrices registered in another order on one rank: with agree_on_names every rank

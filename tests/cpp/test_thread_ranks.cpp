@@ -147,7 +147,7 @@ TEST(ThreadRanksNarrow, ParametersOverTooManyCommunicatorsAreRefused) {
     spec.layout.comm = t3::thread_communicators(1, dion3::Device::CPU)[0];
     const std::string what = t3::error_of([&] { h.opt.add_param(gi, spec); });
     if (i < dion3::kAgreementRegions) EXPECT_EQ(what, "") << i;
-    else EXPECT_NE(what.find("would span 9 communicators; one optimizer agrees on its steps over at most 8"),
+    else EXPECT_NE(what.find("would span 9 communicator objects; one optimizer agrees on its steps over at most 8"),
                    std::string::npos) << what;
   }
   EXPECT_EQ(h.opt.num_params(), dion3::kAgreementRegions);
