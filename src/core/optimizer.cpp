@@ -674,9 +674,23 @@ std::vector<Optimizer::Impl::RowBlock> Optimizer::Impl::row_blocks(int i) const 
 }
 
 void Optimizer::Impl::build_plan() {
-  std::vector<std::vector<RowBlock>> blocks_of(params.size());  // refused before anything changes
-  for (int i = 0; i < static_cast<int>(params.size()); ++i)
-    if (is_matrix_algorithm(groups[params[i].group].algorithm)) blocks_of[i] = row_blocks(i);
+  // Refused before anything changes, so that the plan in place can still run this rank's refusal
+  // with the others (refuse_invalid) where a group was edited into what cannot be planned.
+  std::vector<std::vector<RowBlock>> blocks_of(params.size());
+  for (int i = 0; i < static_cast<int>(params.size()); ++i) {
+    const Param& p = params[i];
+    const GroupConfig& g = groups[p.group];
+    if (!is_matrix_algorithm(g.algorithm)) continue;
+    blocks_of[i] = row_blocks(i);
+    if (!(selects_rows(g.algorithm) && g.selection_scope == SelectionScope::Global && p.layout.comm &&
+          p.layout.comm->size() > 1))
+      continue;
+    for (const RowBlock& b : blocks_of[i])
+      if (b.layout == Layout::RowShard && b.row_chunk > 0)
+        fail(group_error(p.group, "selection_scope 'global' needs the standard row cut (ceil(m/P) rows in rank "
+                                  "order); '" + p.name + "' is cut otherwise (FSDP2 over tensor parallel, or "
+                                  "split_sizes / num_heads blocks that straddle shards): use 'local'"));
+  }
   plan_valid = false;  // until it is built whole
   megabatches.clear();
   // Sized afresh for the new plan at its first use: grown later, it would leave the sets bound

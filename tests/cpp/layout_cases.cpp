@@ -566,6 +566,35 @@ void check_agreement_case(const RankBackend& be, const std::shared_ptr<dion3::Co
     if (odd) fresh.set_grad(d.index, d.g->view());
     EXPECT_TRUE(fresh.step()) << where << ": then with gradients everywhere";
   }
+  // A group edited on one rank into what cannot be planned there (global selection of blocks that
+  // straddle shards) is refused with the plan in place: every rank raises at once, nothing moved.
+  {
+    const std::string where = "rank " + std::to_string(rank) + ", global scope over straddling blocks";
+    dion3::Optimizer straddle(be.make_backend());
+    GroupConfig sc = matrices;
+    const int m = 4 * P + 2;
+    sc.split_sizes = {m - 2, 2};  // the first block spans every rank's shard
+    const int g = straddle.add_group(sc);
+    Rng same(81);
+    DistParam d(be, m, 6, shard_of(m, P, rank), Shard{0, 6}, same);
+    dion3::ParamSpec spec = d.spec("s");
+    spec.layout.kind = Layout::RowShard;
+    spec.layout.comm = comm;
+    spec.layout.global_rows = m;
+    d.index = straddle.add_param(g, spec);
+    d.g->assign(rows_of(gaussian(m, 6, same), 6, d.rows));
+    ASSERT_TRUE(straddle.step()) << where << ": the first step, alike";
+    if (rank == P - 1) {
+      GroupConfig edited = straddle.group(g);
+      edited.selection_scope = dion3::SelectionScope::Global;
+      straddle.set_group(g, edited);
+    }
+    const std::vector<double> w = d.w->values();
+    const std::string what = error_of([&] { straddle.step(); });
+    EXPECT_NE(what.find(rank == P - 1 ? "selection_scope 'global' needs the standard row cut" : "another rank refused"),
+              std::string::npos) << where << ": " << what;
+    EXPECT_EQ(d.w->values(), w) << where << ": a refused step moved something";
+  }
   // A row-sharded matrix cut into heads that each lie within one shard steps in local megabatches,
   // yet its settings, its shape and whether it has a gradient are still part of the plan: a
   // difference on one rank is refused on every rank, nothing moved.
