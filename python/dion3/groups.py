@@ -112,6 +112,7 @@ def _is_bare_embedding(name: str, modules: Dict[str, nn.Module]) -> bool:
 # reference code). Deeper "output" / "head" modules are hidden layers (BERT's attention.output).
 _HEAD_ANYWHERE = ("lm_head", "embed_out")
 _CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_MATRIX_BLOCK_KEYS = ("split_sizes", "num_heads")
 _HEAD_TOP_LEVEL = ("head", "output", "classifier")
 
 
@@ -245,6 +246,10 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
             role, opts = "matrix", {}
         for pattern, extra in overrides.items():
             if name == pattern or fnmatch.fnmatchcase(name, pattern):
+                if role != "matrix" and "algorithm" not in extra:
+                    # A pattern for a fused weight ("*.qkv*") matches its bias too: the blocks of
+                    # a matrix mean nothing to an element-wise group, which would refuse them.
+                    extra = {k: v for k, v in extra.items() if k not in _MATRIX_BLOCK_KEYS}
                 opts.update(extra)
                 break
         key = (role, tuple(sorted((k, repr(v)) for k, v in opts.items())))

@@ -137,3 +137,17 @@ def test_blocks_refused_at_the_step_name_the_parameter_as_the_constructor_does()
         opt.step()
     with pytest.raises(ValueError, match=r"^dion3: parameter 0 'b' of group 1 has 7 rows per matrix but 'num_heads' = 3"):
         dion3.Dion3([dict(params=[a], param_names=["a"]), dict(params=[b], param_names=["b"], num_heads=3)])
+
+
+def test_a_block_override_that_matches_the_bias_too_leaves_it_alone():
+    # "*.qkv*" names the fused weight and its bias: the bias's element-wise group takes no blocks.
+    model = torch.nn.Sequential()
+    model.add_module("qkv", torch.nn.Linear(8, 24))
+    groups = dion3.param_groups(model, overrides={"*qkv*": {"split_sizes": (8, 8, 8)}})
+    by_name = {n: g for g in groups for n in g["param_names"]}
+    assert by_name["qkv.weight"]["split_sizes"] == (8, 8, 8)
+    assert "split_sizes" not in by_name["qkv.bias"]
+    opt = dion3.Dion3(groups, lr=0.02)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
