@@ -9,6 +9,7 @@ install(TARGETS dion3 dion3_shared EXPORT dion3Targets
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
         RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 install(DIRECTORY include/dion3 DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+install(FILES LICENSE README.md DESTINATION ${CMAKE_INSTALL_DOCDIR})
 install(EXPORT dion3Targets NAMESPACE dion3:: DESTINATION ${DION3_CMAKE_DIR})
 configure_package_config_file(cmake/dion3Config.cmake.in ${CMAKE_CURRENT_BINARY_DIR}/dion3Config.cmake
                               INSTALL_DESTINATION ${DION3_CMAKE_DIR})

@@ -2,7 +2,8 @@
 # tests/install/run_consumers.sh BUILD_DIR WORK_DIR CC CXX GENERATOR — installs the build into
 # WORK_DIR/prefix with `cmake --install`, then builds and runs the consumer programs of
 # consumer/ against that tree: with find_package(dion3) (shared and static library; the static
-# one from a C++-only project too, consumer_cxx/) and with
+# one from a C++-only project too, consumer_cxx/; the shared one with its dependencies hidden,
+# consumer_shared/), a project holding dion3 as its subdirectory (configured only) and with
 # pkg-config and the compilers called directly (shared, and static with --static).
 set -euo pipefail
 build=$1
@@ -50,6 +51,12 @@ cmake -S "$here/consumer_cxx" -B "$work/cmake_cxx" -G "$generator" -DCMAKE_BUILD
   -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
 cmake --build "$work/cmake_cxx" >/dev/null
 expect static "$work/cmake_cxx/consumer_cpp_static"
+
+log "add_subdirectory(dion3): configured only"
+cmake -S "$here/consumer_subdir" -B "$work/subdir" -G "$generator" -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_C_COMPILER="$cc" -DCMAKE_CXX_COMPILER="$cxx" -DDION3_SOURCE="$(cd "$here/../.." && pwd)" >/dev/null
+grep -q '^DION3_TESTS:BOOL=OFF' "$work/subdir/CMakeCache.txt" || { echo "a subproject dion3 builds its tests" >&2; exit 1; }
+[ -f "$prefix/share/doc/dion3/LICENSE" ] || { echo "cmake --install put no LICENSE under share/doc/dion3" >&2; exit 1; }
 
 log "pkg-config dion3"
 PKG_CONFIG_PATH=$(dirname "$(find "$prefix" -name dion3.pc)")
