@@ -114,7 +114,7 @@ def extension(build_info):
     if blas_dir:
         include_dirs.append(os.path.join(blas_dir, "include"))
         library_dirs.append(os.path.join(blas_dir, "lib"))
-        runtime_dirs.append(os.path.join(blas_dir, "lib"))
+        runtime_dirs.append(library_dirs[-1])
     check_cblas(libraries[0], include_dirs)
     if cuda:
         sources = [s for s in sources if os.path.basename(s) != "no_cuda.cpp"]

@@ -197,6 +197,7 @@ struct Optimizer::Impl {
     // The matrix parameters over the communicator, whose absence joins it too: one cut into blocks
     // that each lie within a shard steps in local megabatches, outside `megabatches`.
     std::vector<int> matrix_params;
+    std::vector<int> matrix_groups;  // their groups, whose lr rule joins the hyper-parameters' digest
   };
   std::vector<Region> regions;
   // Whether this plan's digests were seen to agree across the ranks (the first step of a plan

@@ -1007,7 +1007,6 @@ ExchangePlan exchange_plan(Layout layout, const GroupConfig& g, int64_t count, i
 }
 
 void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
-  const Param& first = params[mb.members.front().param];
   const GroupConfig& g = groups[mb.group];
   const auto n = static_cast<int64_t>(mb.members.size());
   const bool selects = selects_rows(g.algorithm);
@@ -1023,11 +1022,7 @@ void Optimizer::Impl::plan_distribution(Megabatch& mb, int index) {
   // The exchange's row counts decide the orthogonalizer's shape, and so its result dtype (decided
   // from the shape alone so that every rank agrees, even one that orthogonalizes nothing).
   const int64_t ncols = mb.global_cols;
-  const int64_t chunk = mb.row_chunk;
-  if (mb.global_scope && chunk > 0)
-    fail(group_error(mb.group, "selection_scope 'global' needs the standard row cut (ceil(m/P) rows in rank "
-                               "order); '" + first.name + "' is cut otherwise (FSDP2 over tensor parallel, or "
-                               "split_sizes / num_heads blocks that straddle shards): use 'local'"));
+  const int64_t chunk = mb.row_chunk;  // 0 under the global scope (build_plan refuses the rest)
   const ExchangePlan shape =
       exchange_plan(mb.layout, g, n, m, ncols, mb.ranks, mb.update_dtype, DType::F32, chunk, mb.col_ranks);
   const OrthMethod method = choose_orth_method(*backend, g.orth, shape.orth_rows, shape.orth_cols);
@@ -1205,8 +1200,10 @@ void Optimizer::Impl::plan_agreement() {
         }
         reads_group[p.group] = true;
       }
-    for (int g = 0; g < static_cast<int>(groups.size()); ++g)
+    for (int g = 0; g < static_cast<int>(groups.size()); ++g) {
       for (int w = 0; reads_group[g] && w < kGroupHyper; ++w) region.hyper_slots.push_back(g * kGroupHyper + w);
+      if (reads_group[g] && is_matrix_algorithm(groups[g].algorithm)) region.matrix_groups.push_back(g);
+    }
     region.plan = f.h;
   }
   const std::size_t bytes = static_cast<std::size_t>(flag_words) * sizeof(int);
@@ -1229,10 +1226,10 @@ void Optimizer::Impl::write_starts(const std::vector<float>& hyper) {
       std::memcpy(&bits, &x, sizeof(bits));
       f.mix(static_cast<int64_t>(bits));
     }
-    // What turns the group's lr into each matrix's, for the matrices whose blocks step in local
+    // What turns a group's lr into each matrix's, for the matrices whose blocks step in local
     // megabatches (heads within shards), whose lr slots are not in hyper_slots.
-    for (int i : region.matrix_params) {
-      const GroupConfig& g = groups[static_cast<std::size_t>(params[static_cast<std::size_t>(i)].group)];
+    for (int gi : region.matrix_groups) {
+      const GroupConfig& g = groups[static_cast<std::size_t>(gi)];
       f.mix(static_cast<int64_t>(g.adjust_lr));
       f.mix(static_cast<int64_t>(g.scale_lr_by_fraction));
     }

@@ -926,12 +926,18 @@ def test_a_vector_appended_to_a_matrix_group_is_refused_by_name():
     assert sorted(opt.state_dict()["state"]) == [0]
 
 
-def test_a_checkpoint_with_its_parameter_names_in_another_order_is_refused():
-    # State goes by position: the same names in another order would swap two layers' momenta.
+def _stepped_pair(names):
+    """Two 8 x 12 parameters named `names` in one Dion3 group, stepped once: (a, b, opt)."""
     a, b = torch.nn.Parameter(torch.randn(8, 12)), torch.nn.Parameter(torch.randn(8, 12))
-    opt = dion3.Dion3([dict(params=[a, b], param_names=["x.weight", "y.weight"])], lr=0.02)
+    opt = dion3.Dion3([dict(params=[a, b], param_names=list(names))], lr=0.02)
     a.grad, b.grad = torch.randn(8, 12), torch.randn(8, 12)
     opt.step()
+    return a, b, opt
+
+
+def test_a_checkpoint_with_its_parameter_names_in_another_order_is_refused():
+    # State goes by position: the same names in another order would swap two layers' momenta.
+    a, b, opt = _stepped_pair(["x.weight", "y.weight"])
     sd = opt.state_dict()
     swapped = dion3.Dion3([dict(params=[b, a], param_names=["y.weight", "x.weight"])], lr=0.02)
     before = {k: v.clone() for k, v in swapped.state[b].items() if torch.is_tensor(v)}
@@ -946,10 +952,7 @@ def test_a_checkpoint_with_its_parameter_names_in_another_order_is_refused():
 def test_saved_names_that_do_not_match_the_group_in_number_are_not_taken():
     # A distributed checkpoint of a larger model loads by name (its groups' params rebuilt for
     # the live model) but keeps its name lists: the live names stay, so errors name the right layer.
-    a, b = torch.nn.Parameter(torch.randn(8, 12)), torch.nn.Parameter(torch.randn(8, 12))
-    opt = dion3.Dion3([dict(params=[a, b], param_names=["x.weight", "z.weight"])], lr=0.02)
-    a.grad, b.grad = torch.randn(8, 12), torch.randn(8, 12)
-    opt.step()
+    a, b, opt = _stepped_pair(["x.weight", "z.weight"])
     sd = opt.state_dict()
     sd["param_groups"][0]["param_names"] = ["x.weight", "y.weight", "z.weight"]
     opt.load_state_dict(sd)
