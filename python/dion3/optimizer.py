@@ -254,12 +254,16 @@ def _plain_snapshot(group: Dict[str, Any], keys: Tuple[str, ...]) -> Optional[Tu
     return tuple(values)
 
 
+def _is_bool(v) -> bool:
+    """Python's bool or numpy's (numpy.bool in numpy 2, numpy.bool_ in numpy 1)."""
+    return isinstance(v, bool) or type(v).__module__ == "numpy" and type(v).__name__ in ("bool", "bool_")
+
+
 def _flag(group: Dict[str, Any], key: str) -> bool:
     """A group's on/off setting: True or False (numpy's bools and the ints 0 and 1 too), so that a
     string such as "False" is refused rather than read as true."""
     v = group[key]
-    numpy_bool = type(v).__module__ == "numpy" and type(v).__name__ in ("bool", "bool_")  # numpy 2, numpy 1
-    if isinstance(v, bool) or numpy_bool or isinstance(v, numbers.Integral) and v in (0, 1):
+    if _is_bool(v) or isinstance(v, numbers.Integral) and v in (0, 1):
         return bool(v)
     raise ValueError(f"dion3: '{key}' must be True or False; got {v!r}")
 
@@ -278,9 +282,11 @@ def _without_empty_entries(state_dict: Any) -> Any:
 
 def _number(key: str, v) -> float:
     """A real-valued setting; a string (a config file's "1e-3") is refused, not parsed: torch's
-    schedulers would later fail on it far from the cause."""
+    schedulers would later fail on it far from the cause. A bool is refused too."""
     if isinstance(v, (str, bytes)):
         raise ValueError(f"dion3: '{key}' must be a number; got the string {v!r}")
+    if _is_bool(v):  # float(True) is 1: fraction=True would select every row without a word
+        raise ValueError(f"dion3: '{key}' must be a number; got the bool {bool(v)}")
     try:
         return float(v)
     except (TypeError, ValueError, RuntimeError):  # None, a sequence, a tensor of several values
@@ -866,7 +872,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
     def _zero_state(self, group: Dict[str, Any], p: torch.Tensor) -> Dict[str, Any]:
         st: Dict[str, Any] = {}
         for name, dtype, shape in _state_shapes(group, p, self._state_kind(group)):
-            t = _dist.zeros_like_layout(p, shape, dtype, _single_dim(group, name))
+            # Never inference tensors (an optimizer built under torch.inference_mode): the engine
+            # watches the state's version counters, which those lack.
+            with torch.inference_mode(False):
+                t = _dist.zeros_like_layout(p, shape, dtype, _single_dim(group, name))
             t._dion3_initial = True  # made here, not given: may be remade if the group's settings change
             st[name] = t
         st["step"] = 0

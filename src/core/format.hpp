@@ -3,13 +3,20 @@
 #pragma once
 
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 namespace dion3 {
 
+// The fewest of 6, 9 or 17 significant digits that read back as v (as a float where v is one): a
+// value just past a bound (fraction 1.0000001) is not printed as the bound itself.
 inline std::string format_number(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%g", v);
+  const bool is_float = static_cast<double>(static_cast<float>(v)) == v;
+  char buf[40];
+  for (int digits : {6, 9, 17}) {
+    std::snprintf(buf, sizeof(buf), "%.*g", digits, v);
+    if (is_float ? std::strtof(buf, nullptr) == static_cast<float>(v) : std::strtod(buf, nullptr) == v) break;
+  }
   return buf;
 }
 

@@ -57,6 +57,23 @@ def test_bad_hyper_parameters(device, field, value, pattern):
         dion3.Dion3([mat(device)], **{field: value})
 
 
+def test_value_just_past_a_bound_is_printed_as_given(device):
+    with pytest.raises(ValueError, match=r"'fraction' must lie in \(0, 1\], got 1.0000001"):
+        dion3.Dion3([mat(device)], fraction=1.0000001)
+
+
+@pytest.mark.parametrize("value", [True, np.True_])
+def test_bools_are_not_numbers(device, value):
+    with pytest.raises(ValueError, match="'fraction' must be a number; got the bool True"):
+        dion3.Dion3([mat(device)], fraction=value)
+    p = mat(device)
+    p.grad = torch.randn_like(p)
+    opt = dion3.Dion3([p])
+    opt.param_groups[0]["lr"] = value
+    with pytest.raises(ValueError, match="'lr' must be a number; got the bool True"):
+        opt.step()
+
+
 def test_bad_betas_for_elementwise_group(device):
     with pytest.raises(ValueError, match=r"parameter group 0: 'betas\[1\]' must lie"):
         dion3.Dion3([dict(params=[mat(device)], algorithm="adamw", betas=(0.9, 1.5))])

@@ -121,6 +121,30 @@ def test_a_step_counts_as_an_in_place_update_for_autograd(device, algorithm):
     loss.backward()
 
 
+@pytest.mark.parametrize("algorithm", ["dion3", "adamw"])
+def test_built_or_first_stepped_under_inference_mode_then_trains(device, algorithm):
+    # torch.optim makes its state at the first step, so a factory under torch.inference_mode builds
+    # an optimizer that trains; dion3's state, made at construction (or at a frozen parameter's
+    # first step), must not be inference tensors either. Steps equal those of one built plainly.
+    def run(mode):
+        torch.manual_seed(0)
+        a, b, c = (nn.Parameter(torch.randn(16, 8, device=device)) for _ in range(3))
+        c.requires_grad_(False)
+        with torch.inference_mode(mode == "inference"):
+            opt = dion3.Dion3([dict(params=[a, c], algorithm=algorithm)], lr=0.01)
+            opt.add_param_group(dict(params=[b], algorithm=algorithm))
+        c.requires_grad_(True)
+        for step in range(3):
+            for p in (a, b, c):
+                p.grad = torch.randn_like(p)
+            with torch.inference_mode(mode == "inference" and step == 0):
+                opt.step()
+        return [p.detach().clone() for p in (a, b, c)]
+
+    for plain, built in zip(run("plain"), run("inference")):
+        assert torch.equal(plain, built)
+
+
 @pytest.mark.skipif(not (torch.cuda.is_available() and dion3.cuda_built()), reason="needs CUDA")
 def test_runs_on_a_side_stream():
     p = nn.Parameter(torch.randn(64, 32, device="cuda"))
