@@ -82,6 +82,9 @@ struct DION3_API OrthConfig {
   bool half_gram_overflows() const { return !(gram_growth() <= kMaxHalfGramGrowth); }
 
   void validate() const;
+  // Throws unless eps is a finite float32 of at least FLT_MIN; checked in double, so a value a
+  // front end has yet to narrow (1e-50) is named as given rather than as 0.
+  static void check_norm_eps(double eps);
 };
 
 struct DION3_API GroupConfig {

@@ -386,7 +386,7 @@ DION3_API dion3_status dion3_export_state(const dion3_optimizer* opt, void* buf,
 /* Restores state written by dion3_export_state into an optimizer with the same parameters,
  * added in the same order (each one's name must match). The whole buffer is checked (format,
  * hash, reserved field, names, dtypes, shapes, values: no NaN/Inf and no negative second moment,
- * step counters: none negative or INT64_MAX) before anything changes; on failure the optimizer
+ * step counters: none negative or above 2^62) before anything changes; on failure the optimizer
  * is untouched. This rank's alone (no collective): distributed ranks agree on the outcome
  * themselves before the next step. */
 DION3_API dion3_status dion3_import_state(dion3_optimizer* opt, const void* buf, size_t size);

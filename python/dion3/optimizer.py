@@ -572,8 +572,9 @@ _PER_FEATURE = ("variance_neuron",)  # one value per output feature (row; a tran
 def _single_dim(group: Dict[str, Any], name: str) -> Optional[int]:
     """The dimension along which a state tensor holds a single value (distributed.zeros_like_layout)."""
     return (-2 if _transposed(group) else -1) if name in _PER_FEATURE else None
-# The engine counts steps in int64 and adds one per step: the largest count it can go on from.
-_MAX_STEP = 2**63 - 2
+# The engine counts steps in int64 and adds one per step, unchecked: a count above 2**62 (no run's)
+# is refused, so that no number of steps after a load can overflow it.
+_MAX_STEP = 2**62
 
 
 def _step_count(value: Any, who: str) -> int:
@@ -586,7 +587,7 @@ def _step_count(value: Any, who: str) -> int:
         v = int(v)
     if not isinstance(v, numbers.Integral) or isinstance(v, bool) or not 0 <= int(v) <= _MAX_STEP:
         raise ValueError(f"dion3: load_state_dict: {who} has step {value!r}; a step counter must be an "
-                         f"integer in [0, 2**63 - 2]")
+                         f"integer in [0, 2**62]")
     return int(v)
 
 

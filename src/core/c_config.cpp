@@ -76,6 +76,7 @@ GroupConfig config_from_c(const dion3_group_config& c) {
                                              ", expected -1 or a dtype");
   if (c.orth_iteration_dtype >= 0)
     g.orth.iteration_dtype = dtype_from_c(c.orth_iteration_dtype, "group config: orth_iteration_dtype");
+  OrthConfig::check_norm_eps(c.orth_norm_eps);  // before narrowing, which would make 1e-50 a 0
   g.orth.norm = {static_cast<float>(c.orth_norm_eps), flag(c.orth_norm_floor, "orth_norm_floor")};
   g.transposed = flag(c.transposed, "transposed");
   g.selection_scope = to_enum<SelectionScope>(c.selection_scope, 0, 1, "group config: selection_scope");

@@ -157,6 +157,13 @@ const std::vector<Coefficients>& reference_coefficients() {
   return c;
 }
 
+void OrthConfig::check_norm_eps(double eps) {
+  // Below float32's smallest normal number 1 / eps overflows, and a zero input would give NaN.
+  if (!(eps >= std::numeric_limits<float>::min()) || !(eps <= std::numeric_limits<float>::max()))
+    fail("'norm_eps' (the guard on the Newton-Schulz input's norm) must be a finite float32 of at least " +
+         format_number(std::numeric_limits<float>::min()) + ", got " + format_number(eps));
+}
+
 void OrthConfig::validate() const {
   if (coefficients.empty()) fail("'coefficients' must hold at least one (a, b, c) step, got none");
   for (std::size_t i = 0; i < coefficients.size(); ++i)
@@ -173,10 +180,7 @@ void OrthConfig::validate() const {
       fail("'restarts' positions must lie in [0, " + std::to_string(coefficients.size()) + "), got " +
            std::to_string(r) + (restarts == OrthConfig{}.restarts ? " (the default; with fewer steps give 'restarts', "
                                 "e.g. none)" : ""));
-  // Below float32's smallest normal number 1 / eps overflows, and a zero input would give NaN.
-  if (!(norm.eps >= std::numeric_limits<float>::min()) || !std::isfinite(norm.eps))
-    fail("'norm_eps' (the guard on the Newton-Schulz input's norm) must be a finite float32 of at least " +
-         format_number(std::numeric_limits<float>::min()) + ", got " + format_number(norm.eps));
+  check_norm_eps(norm.eps);
   if (iteration_dtype && !is_float_param_dtype(*iteration_dtype))
     fail(std::string("'iteration_dtype' must be float32, float16 or bfloat16, got ") +
          dtype_name(*iteration_dtype));

@@ -1334,9 +1334,12 @@ std::string Optimizer::Impl::disagreement_error(const int* words) const {
 
 std::vector<MegabatchInfo> Optimizer::plan() {
   Impl& s = *impl_;
-  if (!s.plan_valid) {
+  // The plan the next step runs: a setting it depends on may have changed since the last one.
+  bool replan = !s.plan_valid;
+  for (int g = 0; !replan && g < num_groups(); ++g) replan = !same_plan(s.groups[g], s.planned[g]);
+  if (replan) {
     // Planned only from settings a step accepts: a later refusal runs through this plan.
-    for (int g = 0; g < static_cast<int>(s.groups.size()); ++g) s.check_group(g);
+    for (int g = 0; g < num_groups(); ++g) s.check_group(g);
     s.build_plan();
   }
   std::vector<MegabatchInfo> out;

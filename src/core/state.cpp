@@ -137,15 +137,16 @@ OptimizerState Optimizer::export_state() const {
 
 void Optimizer::import_state(const OptimizerState& state) {
   Impl& s = *impl_;
-  // The counters advance on the device by one per step: refuse values that are negative or
-  // would overflow (signed) at the next step.
+  // The counters advance on the device by one per step, unchecked: a count above 2^62 (no run's)
+  // is refused, so that no number of steps after an import can overflow it.
+  constexpr int64_t kMaxCount = int64_t{1} << 62;
   for (const auto& [field, value] : {std::pair<const char*, int64_t>{"steps", state.steps},
                                      std::pair<const char*, int64_t>{"skipped", state.skipped}}) {
     if (value < 0) fail(std::string("import_state: step counter '") + field + "' is " + std::to_string(value) +
                         "; step counters cannot be negative");
-    if (value == std::numeric_limits<int64_t>::max())
+    if (value > kMaxCount)
       fail(std::string("import_state: step counter '") + field + "' is " + std::to_string(value) +
-           " (INT64_MAX); the next step would overflow it");
+           "; step counters above 2^62 are refused (the steps after it could overflow the counter)");
   }
   if (state.params.size() != s.params.size())
     fail("import_state: the state holds " + std::to_string(state.params.size()) +

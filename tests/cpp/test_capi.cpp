@@ -209,6 +209,11 @@ TEST(CApi, PlanGenerationAndHyperparameterRefresh) {
     muon.orth_norm_eps = 0.0;
     EXPECT_EQ(dion3_add_group(o, &muon, &mg), DION3_INVALID_ARGUMENT);
     EXPECT_NE(std::string(dion3_last_error()).find("'norm_eps'"), std::string::npos) << dion3_last_error();
+    for (auto [eps, shown] : {std::pair{1e-50, ", got 1e-50"}, std::pair{1e39, ", got 1e+39"}}) {
+      muon.orth_norm_eps = eps;  // named as given, not as float32 makes them (0, inf)
+      EXPECT_EQ(dion3_add_group(o, &muon, &mg), DION3_INVALID_ARGUMENT);
+      EXPECT_NE(std::string(dion3_last_error()).find(shown), std::string::npos) << dion3_last_error();
+    }
     muon.orth_norm_eps = 1e-7;
     muon.orth_norm_floor = 0;
     muon.mu = 1.0;  // the gradient's share 1 - mu would be nothing: refused, as for every mu of 1

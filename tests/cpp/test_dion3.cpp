@@ -196,6 +196,28 @@ TEST(Dion3, SelectedCountIsCeilFractionTimesRowsAtLeastOne) {
   }
 }
 
+TEST(Dion3, PlanReportsTheNextStepsSettings) {
+  // plan() after a step and a changed group: the plan the next step runs, not the last one.
+  Rng rng(4);
+  Harness h;
+  const int gi = h.opt.add_group(plain(0.25));
+  h.add(gi, "w", DType::F32, {64, 16}, rng);
+  ASSERT_TRUE(h.opt.step());
+  ASSERT_EQ(h.opt.plan().at(0).selected_rows, 16);
+  dion3::GroupConfig g = h.opt.group(gi);
+  g.fraction = 0.5;
+  g.orth.iteration_dtype = DType::BF16;
+  h.opt.set_group(gi, g);
+  const auto before = h.opt.plan();
+  ASSERT_TRUE(h.opt.step());
+  const auto after = h.opt.plan();
+  EXPECT_EQ(before.at(0).selected_rows, 32);
+  EXPECT_EQ(before.at(0).iteration_dtype, DType::BF16);
+  EXPECT_EQ(before.at(0).selected_rows, after.at(0).selected_rows);
+  EXPECT_EQ(before.at(0).method, after.at(0).method);
+  EXPECT_EQ(before.at(0).iteration_dtype, after.at(0).iteration_dtype);
+}
+
 TEST(Dion3, ErrorFeedbackScalesOnlyTheSelectedRows) {
   const int m = 12, n = 8;
   Rng rng(4);

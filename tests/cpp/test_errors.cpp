@@ -421,13 +421,13 @@ TEST_P(BadImport, IsRejectedBeforeAnythingIsCopied) {
       set_f32(st.params[0].tensors[1].second, 3, -1e-3f);
       expect = "'variance' (float32) holds -0.001 at element 3";
       break;
-    case 10:  // a counter that the next step would overflow
-      st.steps = std::numeric_limits<int64_t>::max();
-      expect = "'steps' is 9223372036854775807 (INT64_MAX)";
+    case 10:  // counters that later steps could overflow
+      st.steps = (int64_t{1} << 62) + 1;
+      expect = "'steps' is 4611686018427387905; step counters above 2^62 are refused";
       break;
     case 11:
-      st.skipped = std::numeric_limits<int64_t>::max();
-      expect = "'skipped' is 9223372036854775807 (INT64_MAX)";
+      st.skipped = std::numeric_limits<int64_t>::max() - 1;
+      expect = "'skipped' is 9223372036854775806; step counters above 2^62";
       break;
     case 12:
       st.skipped = -1;

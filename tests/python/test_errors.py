@@ -571,6 +571,7 @@ BAD_LOADS = {
     "negative_variance_neuron": (lambda sd: sd["state"][1]["variance_neuron"].view(-1).__setitem__(3, -1e-3), "state 'variance_neuron' .* holds -0.001.* at element 3"),
     "negative_step": (lambda sd: sd["state"][0].update(step=-1), "has step -1; a step counter must be an integer in"),
     "step_would_overflow": (lambda sd: sd["state"][2].update(step=2**63 - 1), "has step 9223372036854775807"),
+    "step_later_steps_would_overflow": (lambda sd: sd["state"][2].update(step=2**63 - 2), r"has step 9223372036854775806; a step counter must be an integer in \[0, 2\*\*62\]"),
     "fractional_step": (lambda sd: sd["state"][2].update(step=1.5), "has step 1.5"),
     "bad_group_setting": (lambda sd: sd["param_groups"][1].update(lr=-1.0), "parameter group 1: 'lr' must be a finite number"),
     "group_count": (lambda sd: sd["param_groups"].pop(), "the state_dict has 2 parameter groups but the optimizer has 3"),
