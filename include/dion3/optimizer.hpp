@@ -297,8 +297,8 @@ class DION3_API Optimizer {
   void state_changed(int param);
   OptimizerState export_state() const;
   // Checks every tensor's name, dtype and shape, its values (no NaN or Inf, no negative second
-  // moment: variance, exp_avg_sq) and the step counters (not negative, none that the next step
-  // would overflow) before copying any of them. This rank's alone: no collective, so distributed
+  // moment: variance, exp_avg_sq) and the step counters (not negative, none above 2^62, so that
+  // later steps cannot overflow them) before copying any of them. This rank's alone: no collective, so distributed
   // ranks agree on the outcome themselves (checkpoints.md).
   void import_state(const OptimizerState& state);
 

@@ -197,7 +197,7 @@ def _engine_config(group: Dict[str, Any]) -> Dict[str, Any]:
         "scale_lr_by_fraction": _flag(group, "scale_lr_by_fraction"),
         "momentum_dtype": _dtype_name(group.get("momentum_dtype")),
         "orthogonalizer": orth,
-        "coefficients": [tuple(float(x) for x in step) for step in coefficients],
+        "coefficients": [tuple(_number("coefficients", x) for x in step) for step in coefficients],
         "restarts": [_integer("restarts", r) for r in restarts],
         "iteration_dtype": _dtype_name(group.get("iteration_dtype")),
         # algorithm.md §2's X / (norm + eps); dion3.optim.Muon asks for torch's X / max(norm, eps).
@@ -425,6 +425,12 @@ def _kind(algorithm: str) -> str:
     return "matrix" if algorithm in MATRIX_ALGORITHMS else algorithm
 
 
+# State tensors are never inference tensors, wherever the optimizer is built, stepped or loaded
+# (under torch.inference_mode): the engine watches the state's version counters, which those lack.
+_STATE_MADE = torch.inference_mode(False)
+
+
+@_STATE_MADE
 def _state_tensors(group: Dict[str, Any], p: torch.Tensor, old: Dict[str, Any], kind: str,
                    who: str = "a parameter") -> Dict[str, torch.Tensor]:
     """p's state tensors for its group (named as `kind`'s): those of `old` that fit, zeros for the rest.
@@ -579,7 +585,7 @@ _MAX_STEP = 2**62
 
 def _step_count(value: Any, who: str) -> int:
     """A saved step counter as an int; ValueError naming `who` when it is not a count the engine
-    can go on from (not an integer, negative, or one the next step would overflow)."""
+    can go on from (not an integer, negative, or above 2**62)."""
     v = value
     if isinstance(v, torch.Tensor):
         v = v.item() if v.numel() == 1 and not v.is_complex() and v.dtype != torch.bool else None
@@ -609,6 +615,7 @@ def _bad_value(t: torch.Tensor, second_moment: bool) -> Optional[str]:
     return f"{text} at element {i}; {why}"
 
 
+@_STATE_MADE
 def _loaded_tensor(value: torch.Tensor, p: torch.Tensor, group: Dict[str, Any], name: str, shape: Tuple[int, ...],
                    dtype: torch.dtype) -> torch.Tensor:
     """A saved state tensor as p's state holds it: a copy in `dtype` on p's device, laid out as the
@@ -870,13 +877,11 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 self._kinds[p] = _kind(group["algorithm"])
         self._dirty = True
 
+    @_STATE_MADE
     def _zero_state(self, group: Dict[str, Any], p: torch.Tensor) -> Dict[str, Any]:
         st: Dict[str, Any] = {}
         for name, dtype, shape in _state_shapes(group, p, self._state_kind(group)):
-            # Never inference tensors (an optimizer built under torch.inference_mode): the engine
-            # watches the state's version counters, which those lack.
-            with torch.inference_mode(False):
-                t = _dist.zeros_like_layout(p, shape, dtype, _single_dim(group, name))
+            t = _dist.zeros_like_layout(p, shape, dtype, _single_dim(group, name))
             t._dion3_initial = True  # made here, not given: may be remade if the group's settings change
             st[name] = t
         st["step"] = 0
@@ -901,8 +906,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
         # rank (_loaded_state's agreement): a rank raising alone would leave the others waiting.
         try:
             if skipped is not None and (isinstance(skipped, bool) or not isinstance(skipped, numbers.Integral) or
-                                        skipped < 0):
-                raise ValueError(f"dion3: the state_dict's 'steps_skipped' must be a count >= 0; got {skipped!r}")
+                                        not 0 <= skipped <= _MAX_STEP):
+                raise ValueError(f"dion3: the state_dict's 'steps_skipped' must be a count in [0, 2**62]; "
+                                 f"got {skipped!r}")
             state_dict = _without_names_that_do_not_fit(self._from_saved_layout(_without_empty_entries(state_dict)))
             malformed = None
         except Exception as e:  # noqa: BLE001 - refused in _loaded_state, on every rank

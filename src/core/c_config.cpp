@@ -76,7 +76,14 @@ GroupConfig config_from_c(const dion3_group_config& c) {
                                              ", expected -1 or a dtype");
   if (c.orth_iteration_dtype >= 0)
     g.orth.iteration_dtype = dtype_from_c(c.orth_iteration_dtype, "group config: orth_iteration_dtype");
-  OrthConfig::check_norm_eps(c.orth_norm_eps);  // before narrowing, which would make 1e-50 a 0
+  // Checked before narrowing to float32 (which makes 1e-50 a 0), where the algorithm uses it.
+  if (is_matrix_algorithm(g.algorithm)) {
+    try {
+      OrthConfig::check_norm_eps(c.orth_norm_eps);
+    } catch (const Error& e) {
+      fail("group config: " + std::string(e.what()).substr(7));
+    }
+  }
   g.orth.norm = {static_cast<float>(c.orth_norm_eps), flag(c.orth_norm_floor, "orth_norm_floor")};
   g.transposed = flag(c.transposed, "transposed");
   g.selection_scope = to_enum<SelectionScope>(c.selection_scope, 0, 1, "group config: selection_scope");

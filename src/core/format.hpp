@@ -8,12 +8,12 @@
 
 namespace dion3 {
 
-// The fewest of 6, 9 or 17 significant digits that read back as v (as a float where v is one): a
-// value just past a bound (fraction 1.0000001) is not printed as the bound itself.
+// 6 significant digits, or 9 where 6 do not read back as v (as a float where v is one): a value
+// just past a bound (fraction 1.0000001) is not printed as the bound itself.
 inline std::string format_number(double v) {
   const bool is_float = static_cast<double>(static_cast<float>(v)) == v;
   char buf[40];
-  for (int digits : {6, 9, 17}) {
+  for (int digits : {6, 9}) {
     std::snprintf(buf, sizeof(buf), "%.*g", digits, v);
     if (is_float ? std::strtof(buf, nullptr) == static_cast<float>(v) : std::strtod(buf, nullptr) == v) break;
   }

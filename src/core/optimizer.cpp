@@ -1334,10 +1334,11 @@ std::string Optimizer::Impl::disagreement_error(const int* words) const {
 
 std::vector<MegabatchInfo> Optimizer::plan() {
   Impl& s = *impl_;
-  // The plan the next step runs: a setting it depends on may have changed since the last one.
-  bool replan = !s.plan_valid;
-  for (int g = 0; !replan && g < num_groups(); ++g) replan = !same_plan(s.groups[g], s.planned[g]);
-  if (replan) {
+  // The plan the next step runs: what it depends on may have changed since the last one.
+  if (s.plan_stale()) {
+    if (s.backend->capturing() && !s.communicators().empty())
+      fail("plan: a distributed plan cannot be made during a CUDA graph capture (the ranks compare it on the "
+           "host); take one step (not captured) after the change, then capture");
     // Planned only from settings a step accepts: a later refusal runs through this plan.
     for (int g = 0; g < num_groups(); ++g) s.check_group(g);
     s.build_plan();
@@ -1381,6 +1382,16 @@ void Optimizer::Impl::check_group(int g) const {
     fail(group_error(g, std::string(e.what()).substr(7)));
   }
   if (const std::string e = structure_error(g); !e.empty()) fail(e);
+}
+
+bool Optimizer::Impl::plan_stale() const {
+  if (!plan_valid) return true;
+  for (std::size_t g = 0; g < groups.size(); ++g)
+    if (!same_plan(groups[g], planned[g])) return true;
+  for (const Megabatch& mb : megabatches)
+    for (const Member& m : mb.members)
+      if (params[m.param].grad.dtype != mb.grad_dtype) return true;
+  return false;
 }
 
 void Optimizer::Impl::validate_for_step(bool grads_bound) {
@@ -2194,7 +2205,7 @@ void Optimizer::step_async() {
   Impl& s = *impl_;
   // Before anything is planned or enqueued: planning uploads to the device, and the agreement of
   // a new plan is read on the host.
-  if (s.backend->capturing() && !s.communicators().empty() && !(s.plan_valid && s.plan_confirmed))
+  if (s.backend->capturing() && !s.communicators().empty() && (s.plan_stale() || !s.plan_confirmed))
     fail("a distributed step cannot be captured before the ranks' plans were compared: take one step (not "
          "captured) after the plan was made, then capture");
   if (!s.backend->capturing()) s.check_posted_agreement();

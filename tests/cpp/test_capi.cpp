@@ -141,6 +141,26 @@ TEST(CApi, StepAsyncIsTheStepAndPostsItsCounters) {
   dion3_destroy(async);
 }
 
+TEST(CApi, PlanIsTheNextStepsAfterAGradientOfAnotherDtype) {
+  // Megabatches are keyed by the gradient's dtype: one given anew in bfloat16 splits them.
+  std::vector<Weights> a;
+  dion3_optimizer* opt = make(nullptr, a);
+  ASSERT_EQ(dion3_step(opt, nullptr), DION3_OK);
+  dion3_megabatch_info info[4];
+  size_t n = 0;
+  ASSERT_EQ(dion3_plan(opt, info, 4, &n), DION3_OK);
+  ASSERT_EQ(n, 1u);
+  std::vector<uint16_t> bf16(16 * 24, 0x3c00);  // 2^-7
+  dion3_tensor g{bf16.data(), DION3_BF16, DION3_DEVICE_CPU, 0, 2, {16, 24}};
+  ASSERT_EQ(dion3_set_grad(opt, 1, &g), DION3_OK) << dion3_last_error();
+  ASSERT_EQ(dion3_plan(opt, info, 4, &n), DION3_OK);
+  EXPECT_EQ(n, 2u);
+  ASSERT_EQ(dion3_step(opt, nullptr), DION3_OK);
+  ASSERT_EQ(dion3_plan(opt, info, 4, &n), DION3_OK);
+  EXPECT_EQ(n, 2u);
+  dion3_destroy(opt);
+}
+
 TEST(CApi, PlanGenerationAndHyperparameterRefresh) {
   std::vector<Weights> a;
   dion3_optimizer* opt = make(nullptr, a);
@@ -214,6 +234,12 @@ TEST(CApi, PlanGenerationAndHyperparameterRefresh) {
       EXPECT_EQ(dion3_add_group(o, &muon, &mg), DION3_INVALID_ARGUMENT);
       EXPECT_NE(std::string(dion3_last_error()).find(shown), std::string::npos) << dion3_last_error();
     }
+    dion3_group_config adamw;  // an element-wise group does not read it
+    dion3_group_config_default(&adamw);
+    adamw.algorithm = DION3_ALGO_ADAMW;
+    adamw.orth_norm_eps = 0.0;
+    int ag = -1;
+    EXPECT_EQ(dion3_add_group(o, &adamw, &ag), DION3_OK) << dion3_last_error();
     muon.orth_norm_eps = 1e-7;
     muon.orth_norm_floor = 0;
     muon.mu = 1.0;  // the gradient's share 1 - mu would be nothing: refused, as for every mu of 1

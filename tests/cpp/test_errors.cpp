@@ -452,6 +452,22 @@ TEST_P(BadImport, IsRejectedBeforeAnythingIsCopied) {
 
 INSTANTIATE_TEST_SUITE_P(Cases, BadImport, ::testing::Range(0, 14));
 
+TEST(Import, CountersOfTwoToThe62AreTakenAndGoOn) {
+  Trained t;
+  dion3::OptimizerState st = t.h.opt.export_state();
+  const int64_t cap = int64_t{1} << 62;
+  st.steps = st.skipped = cap;
+  for (auto& p : st.params) p.step = cap;
+  t.h.opt.import_state(st);
+  Rng rng(5);
+  t.h.randomize_grads(rng);
+  ASSERT_TRUE(t.h.opt.step());
+  const dion3::OptimizerState after = t.h.opt.export_state();
+  EXPECT_EQ(after.steps, cap + 1);
+  EXPECT_EQ(after.skipped, cap);
+  EXPECT_EQ(after.params[1].step, cap + 1);
+}
+
 // Values are checked in the stored dtype: half-precision NaN, Inf and negative second moments
 // (bit patterns that have no fp32 counterpart in the buffer) are refused too.
 TEST(BadImport16, HalfPrecisionValuesAreCheckedAsStored) {

@@ -623,7 +623,8 @@ TEST(Hardening, EnumsOutOfRangeAreRefusedByName) {
 // plan() too, with the step's words, and the step that follows refuses it through the plan it
 // still has (a plan of the edit would have that refusal read state the parameter lacks).
 TEST(Hardening, PlanRefusesSettingsTheStepRefuses) {
-  for (bool with_comm : {false, true}) {
+  // The plan is stale from the changed algorithm alone, or also from an added group.
+  for (auto [with_comm, add_group] : {std::pair{false, false}, {false, true}, {true, false}, {true, true}}) {
     Harness h;
     GroupConfig c;
     c.algorithm = Algorithm::Lion;
@@ -640,12 +641,12 @@ TEST(Hardening, PlanRefusesSettingsTheStepRefuses) {
     ASSERT_TRUE(h.opt.step());
     const std::vector<double> w = p.w.values();
     h.opt.group(g).algorithm = Algorithm::AdamW;
-    h.opt.add_group(GroupConfig{});  // the plan is stale
+    if (add_group) h.opt.add_group(GroupConfig{});
     const std::string refused = t3::error_of([&] { h.opt.plan(); });
-    EXPECT_THAT(refused, HasSubstr("cannot change 'algorithm' from lion to adamw")) << with_comm;
+    EXPECT_THAT(refused, HasSubstr("cannot change 'algorithm' from lion to adamw")) << with_comm << add_group;
     EXPECT_THAT(t3::error_of([&] { h.opt.step(); }), HasSubstr("cannot change 'algorithm' from lion to adamw"))
-        << with_comm;
-    EXPECT_EQ(p.w.values(), w) << with_comm;
+        << with_comm << add_group;
+    EXPECT_EQ(p.w.values(), w) << with_comm << add_group;
   }
 }
 

@@ -588,10 +588,30 @@ def test_the_count_of_skipped_steps_resumes():
     resumed = dion3.Dion3([torch.nn.Parameter(torch.randn(8, 8))], on_nonfinite="skip")
     resumed.load_state_dict(sd)
     assert resumed.steps_skipped == 2
-    sd["steps_skipped"] = -1
-    with pytest.raises(ValueError, match="'steps_skipped' must be a count >= 0; got -1"):
-        resumed.load_state_dict(sd)
-    assert resumed.steps_skipped == 2
+    for bad in (-1, 2**62 + 1, 2**70):  # 2**62 at most: the engine's counter goes on from it
+        sd["steps_skipped"] = bad
+        with pytest.raises(ValueError, match=rf"'steps_skipped' must be a count in \[0, 2\*\*62\]; got {bad}"):
+            resumed.load_state_dict(sd)
+        assert resumed.steps_skipped == 2
+    sd["steps_skipped"] = 2**62
+    resumed.load_state_dict(sd)
+    resumed.param_groups[0]["params"][0].grad = torch.full((8, 8), float("nan"))
+    resumed.step()
+    assert resumed.steps_skipped == 2**62 + 1
+
+
+def test_step_counts_up_to_two_to_the_62_load_and_go_on():
+    # The bound load_state_dict keeps (counts above it are refused, test_errors.py).
+    w, b = torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(torch.randn(8))
+    opt = dion3.Dion3([dict(params=[w]), dict(params=[b], algorithm="adamw")])
+    sd = opt.state_dict()
+    for st in sd["state"].values():
+        st["step"] = 2**62
+    opt.load_state_dict(sd)
+    w.grad, b.grad = torch.randn(8, 8), torch.randn(8)
+    opt.step()
+    assert [opt.state[p]["step"] for p in (w, b)] == [2**62 + 1] * 2
+    assert torch.isfinite(w).all() and torch.isfinite(b).all()
 
 
 def test_a_checkpoint_of_other_groups_is_refused_with_the_parameter_named():

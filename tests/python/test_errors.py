@@ -46,6 +46,8 @@ def test_fraction_out_of_range(device, fraction):
     ("selection_scope", "world", "'selection_scope' must be 'local' or 'global'"),
     ("on_nonfinite", "ignore", "'on_nonfinite' must be 'raise' or 'skip'"),
     ("coefficients", [(1.0, 2.0)], r"\(a, b, c\) triples"),
+    ("coefficients", [(True, False, False)], "'coefficients' must be a number; got the bool True"),
+    ("coefficients", [("1.5", "-0.5", "0")], "'coefficients' must be a number; got the string '1.5'"),
     ("restarts", [7], "'restarts' positions must lie"),
     ("workspace_limit", -5, "'workspace_limit' must be a byte count"),
     ("flatten", "False", "'flatten' must be True or False; got 'False'"),

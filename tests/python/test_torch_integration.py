@@ -121,27 +121,32 @@ def test_a_step_counts_as_an_in_place_update_for_autograd(device, algorithm):
     loss.backward()
 
 
-@pytest.mark.parametrize("algorithm", ["dion3", "adamw"])
-def test_built_or_first_stepped_under_inference_mode_then_trains(device, algorithm):
+@pytest.mark.parametrize("algorithm,switch_to", [("dion3", "normuon"), ("adamw", "lion")])
+def test_built_loaded_or_first_stepped_under_inference_mode_then_trains(device, algorithm, switch_to):
     # torch.optim makes its state at the first step, so a factory under torch.inference_mode builds
-    # an optimizer that trains; dion3's state, made at construction (or at a frozen parameter's
-    # first step), must not be inference tensors either. Steps equal those of one built plainly.
-    def run(mode):
+    # an optimizer that trains; dion3's state, made at construction, at a frozen parameter's or a
+    # switched group's first step, or by a load, must not be inference tensors either. Steps equal
+    # those of one built, loaded and stepped plainly.
+    def run(inference):
         torch.manual_seed(0)
-        a, b, c = (nn.Parameter(torch.randn(16, 8, device=device)) for _ in range(3))
+        a, b, c, d = (nn.Parameter(torch.randn(16, 8, device=device)) for _ in range(4))
         c.requires_grad_(False)
-        with torch.inference_mode(mode == "inference"):
+        with torch.inference_mode(inference):
             opt = dion3.Dion3([dict(params=[a, c], algorithm=algorithm)], lr=0.01)
             opt.add_param_group(dict(params=[b], algorithm=algorithm))
+            opt.add_param_group(dict(params=[d], algorithm=algorithm))
         c.requires_grad_(True)
-        for step in range(3):
-            for p in (a, b, c):
+        opt.param_groups[2]["algorithm"] = switch_to  # fresh state at its first step
+        for step in range(4):
+            for p in (a, b, c, d):
                 p.grad = torch.randn_like(p)
-            with torch.inference_mode(mode == "inference" and step == 0):
+            with torch.inference_mode(inference and step in (0, 2)):
+                if step == 2:
+                    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
                 opt.step()
-        return [p.detach().clone() for p in (a, b, c)]
+        return [p.detach().clone() for p in (a, b, c, d)]
 
-    for plain, built in zip(run("plain"), run("inference")):
+    for plain, built in zip(run(False), run(True)):
         assert torch.equal(plain, built)
 
 
