@@ -64,22 +64,22 @@ struct NormGuard {
 struct DION3_API OrthConfig {
   // validate() refuses coefficients that take a singular value in [0, 1] beyond this.
   static constexpr double kMaxSingularValue = 8.0;
-  // The most a float16 Gram iteration's Q may grow between two restarts: half float16's range.
-  // Along directions the input does not span (zero rows of a padded stack, null singular values)
-  // Q is the product of the steps' a there, and Inf there turns the next Gram into NaN.
-  static constexpr double kMaxHalfGramGrowth = 32768.0;
-
   OrthMethod method = OrthMethod::Auto;
   std::vector<Coefficients> coefficients = polar_express_coefficients();
   std::vector<int> restarts = {2};       // Gram NS restart positions (t > 0 take effect)
-  // Iteration dtype. nullopt = the backend's choice (CPU: F32; CUDA: F16 for Gram, BF16 standard;
-  // BF16 for Gram where F16 would overflow: choose_iteration_dtype).
+  // Iteration dtype. nullopt = the backend's choice (CPU: F32; CUDA: F16 for Gram, BF16 standard).
   std::optional<DType> iteration_dtype;
   NormGuard norm;
-  // The largest product of |a| over the steps between two restarts (Gram NS's growth of Q), and
-  // whether it passes kMaxHalfGramGrowth.
+  // The largest product of |a| over the steps between two restarts: Gram NS's growth of Q along
+  // directions the input does not span (zero rows, null singular values). R's eigenvalues there,
+  // rounding noise of either sign about the iteration dtype's unit roundoff u, grow by its square,
+  // and a negative one that reaches order 1 diverges (NaN from a finite rank-deficient input).
+  // max_gram_growth keeps growth^2 * u at most 128: 512 in float16, about 46341 in float32.
   double gram_growth() const;
-  bool half_gram_overflows() const { return !(gram_growth() <= kMaxHalfGramGrowth); }
+  static double max_gram_growth(DType iteration);
+  bool gram_diverges(DType iteration) const { return !(gram_growth() <= max_gram_growth(iteration)); }
+  // Empty, or why Gram NS must not iterate in `iteration` with these coefficients and restarts.
+  std::string gram_divergence_error(DType iteration) const;
 
   void validate() const;
   // Throws unless eps is a finite float32 of at least FLT_MIN; checked in double, so a value a

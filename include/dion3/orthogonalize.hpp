@@ -21,11 +21,10 @@ DION3_API double effective_ns_flops(int64_t batch, int64_t rows, int64_t cols, i
 DION3_API double standard_ns_flops(int64_t batch, int64_t p, int64_t q, int steps, double sym_factor);
 DION3_API double gram_ns_flops(int64_t batch, int64_t p, int64_t q, int steps, int n_restarts, double sym_factor);
 // The method `auto` resolves to for p x q (p <= q) on this backend (always standard when p == q,
-// when a float16 iteration asked for would overflow Gram's Q (OrthConfig::gram_growth), and where
-// Gram would iterate in bfloat16, asked for or chosen because float16 would overflow).
+// where Gram would iterate in bfloat16, and where its coefficients and restarts would let it
+// diverge in its iteration dtype: OrthConfig::gram_diverges).
 DION3_API OrthMethod choose_orth_method(const Backend& backend, const OrthConfig& cfg, int64_t rows, int64_t cols);
-// The dtype `method` iterates in: the configured one, else the backend's choice (bfloat16 where
-// the backend's float16 would overflow Gram's Q).
+// The dtype `method` iterates in: the configured one, else the backend's choice.
 DION3_API DType choose_iteration_dtype(const Backend& backend, const OrthConfig& cfg, OrthMethod method);
 
 class DION3_API Orthogonalizer {

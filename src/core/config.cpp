@@ -184,10 +184,8 @@ void OrthConfig::validate() const {
   if (iteration_dtype && !is_float_param_dtype(*iteration_dtype))
     fail(std::string("'iteration_dtype' must be float32, float16 or bfloat16, got ") +
          dtype_name(*iteration_dtype));
-  if (method == OrthMethod::Gram && iteration_dtype == DType::F16 && half_gram_overflows())
-    fail("Gram Newton-Schulz in float16 with these coefficients and restarts grows Q by " + format_number(gram_growth()) +
-         " between restarts (the product of their a), more than " + format_number(kMaxHalfGramGrowth) +
-         ": it overflows float16; add 'restarts', or use iteration_dtype bfloat16 or float32");
+  if (method == OrthMethod::Gram && iteration_dtype)
+    if (const std::string e = gram_divergence_error(*iteration_dtype); !e.empty()) fail(e);
 }
 
 double OrthConfig::gram_growth() const {
@@ -198,6 +196,22 @@ double OrthConfig::gram_growth() const {
     worst = std::max(worst, product);
   }
   return worst;
+}
+
+double OrthConfig::max_gram_growth(DType iteration) {
+  // Measured on rank-deficient inputs: finite up to growth^2 * u of 119 (float16) and 278 (float32),
+  // NaN from 316 (float16) and 3300 (float32).
+  const double u = iteration == DType::F32 ? 0x1p-24 : iteration == DType::F16 ? 0x1p-11 : 0x1p-8;
+  return std::sqrt(128.0 / u);
+}
+
+std::string OrthConfig::gram_divergence_error(DType iteration) const {
+  if (!gram_diverges(iteration)) return "";
+  return std::string("Gram Newton-Schulz in ") + dtype_name(iteration) + " with these coefficients and restarts grows Q by " +
+         format_number(gram_growth()) + " between restarts (the product of their a), more than " +
+         format_number(max_gram_growth(iteration)) + ": rounding noise along directions the input does not span (a " +
+         "rank-deficient gradient) would then diverge to NaN; add 'restarts', use the standard method" +
+         (iteration == DType::F32 ? "" : ", or iterate in float32");
 }
 
 void GroupConfig::validate() const {

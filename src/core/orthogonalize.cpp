@@ -43,6 +43,8 @@ bool keeps_rows(int64_t rows, int64_t cols, int64_t real_rows) {
 Plan plan_of(const Backend& backend, const OrthConfig& cfg, int64_t rows, int64_t cols, int64_t real_rows) {
   const OrthMethod method = choose_orth_method(backend, cfg, rows, cols);
   const DType dtype = choose_iteration_dtype(backend, cfg, method);
+  if (method == OrthMethod::Gram)  // asked for, in the backend's dtype (validate() checks a given one)
+    if (const std::string e = cfg.gram_divergence_error(dtype); !e.empty()) fail(e);
   if (keeps_rows(rows, cols, real_rows)) return {method, dtype, rows, cols};
   return {method, dtype, std::min(rows, cols), std::max(rows, cols)};
 }
@@ -72,19 +74,17 @@ double gram_ns_flops(int64_t batch, int64_t p, int64_t q, int steps, int n_resta
 
 DType choose_iteration_dtype(const Backend& backend, const OrthConfig& cfg, OrthMethod method) {
   if (cfg.iteration_dtype) return *cfg.iteration_dtype;
-  const bool gram = method == OrthMethod::Gram;
-  const DType d = backend.default_iteration_dtype(gram);
-  return gram && d == DType::F16 && cfg.half_gram_overflows() ? DType::BF16 : d;
+  return backend.default_iteration_dtype(method == OrthMethod::Gram);
 }
 
 OrthMethod choose_orth_method(const Backend& backend, const OrthConfig& cfg, int64_t rows, int64_t cols) {
   if (cfg.method != OrthMethod::Auto) return cfg.method;
   const int64_t p = std::min(rows, cols), q = std::max(rows, cols);
   if (p == q) return OrthMethod::Standard;
-  if (cfg.iteration_dtype == DType::F16 && cfg.half_gram_overflows()) return OrthMethod::Standard;
   // bf16's 8-bit mantissa lets Gram's p x p iterations drift out of the polynomial's band: not
-  // where Gram would iterate in it (asked for, or the backend's choice where fp16 would overflow).
-  if (choose_iteration_dtype(backend, cfg, OrthMethod::Gram) == DType::BF16) return OrthMethod::Standard;
+  // where Gram would iterate in it; nor where its coefficients and restarts would let it diverge.
+  const DType gram_dtype = choose_iteration_dtype(backend, cfg, OrthMethod::Gram);
+  if (gram_dtype == DType::BF16 || cfg.gram_diverges(gram_dtype)) return OrthMethod::Standard;
   const int steps = static_cast<int>(cfg.coefficients.size());
   int n_restarts = 0;
   for (int r : cfg.restarts) n_restarts += (r > 0);
