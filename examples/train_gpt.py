@@ -436,6 +436,9 @@ def check_checkpoints(runs: List[Run], out: str, resume: bool) -> None:
     before it trained: without --resume, a checkpoint of a run that is unfinished or has other
     settings (it would be overwritten); with it, a checkpoint that cannot be read or has other
     settings (loaded mapped: its tensors are not read here)."""
+    if resume and not any(os.path.exists(os.path.join(out, f"{kind}-{run.name}.{ext}"))
+                          for run in runs for kind, ext in (("ckpt", "pt"), ("run", "json"))):
+        print(f"train_gpt: --resume: {out} holds none of these runs; training them from the start", file=sys.stderr)
     for run in runs:
         path = os.path.join(out, f"ckpt-{run.name}.pt")
         if not os.path.exists(path):
@@ -449,8 +452,11 @@ def check_checkpoints(runs: List[Run], out: str, resume: bool) -> None:
 
 def check_settings(path: str, ck: Dict, run: Run) -> None:
     if not same_settings(run, ck["config"]):
-        raise SystemExit(f"train_gpt: {path} was written with other settings; pass those settings to go on "
-                         "from it, or remove it or pass another --out to start again")
+        saved, now = ck["config"], asdict(run.cfg)
+        diff = [f"{k} {saved.get(k)!r} (now {v!r})" for k, v in now.items()
+                if isinstance(saved, dict) and saved.get(k) != v][:4]
+        raise SystemExit(f"train_gpt: {path} was written with other settings ({', '.join(diff) or 'unreadable'}); "
+                         "pass those settings to go on from it, or remove it or pass another --out to start again")
 
 
 def load_checkpoint(path: str, device, mmap: bool = False) -> Dict:
@@ -502,6 +508,9 @@ def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resu
             torch.set_rng_state(ck["torch_rng"].cpu())
             state = dict(ck["state"])
             int(state["step"]), bool(state["done"]), list(state["history"])  # raise if missing
+            bad = [k for k, t in model.state_dict().items() if t.is_floating_point() and not bool(t.isfinite().all())]
+            if bad and not state["done"]:  # a damaged file: an unfinished run's weights are finite
+                raise ValueError(f"the weights hold NaN or Inf ({', '.join(bad[:3])})")
         except torch.cuda.OutOfMemoryError:
             raise  # the machine's, not the checkpoint's
         except Exception as e:  # noqa: BLE001 - readable, but its contents damaged: the loaders' errors vary
@@ -514,6 +523,10 @@ def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resu
                 write_record(state)
             return state
         print(f"{name}: resuming at step {state['step']}", file=sys.stderr)
+    elif os.path.exists(record):
+        # Trained again from the start: the old record would otherwise vouch for the new, unfinished
+        # checkpoint (a plain re-run would then overwrite it instead of asking for --resume).
+        os.remove(record)
 
     def save():
         tmp = path + ".tmp"
@@ -656,8 +669,9 @@ def write_report(runs: List[Run], results: Dict[str, Dict], cfg: Config, out: st
     for r in best.values():
         h = results[r.name]["history"]
         label = label_of(r, " f={:g}") + f", lr {lr_of(r.optimizer, r.cfg):.3g}"
-        a.plot([e["step"] for e in h], [e["val"] for e in h], label=label)
-        b.plot([e["seconds"] for e in h], [e["val"] for e in h], label=label)
+        # Markers: a run evaluated once (gpu-1b's default) is one point, which a bare line leaves out.
+        a.plot([e["step"] for e in h], [e["val"] for e in h], label=label, marker=".")
+        b.plot([e["seconds"] for e in h], [e["val"] for e in h], label=label, marker=".")
     a.set_xlabel("step")
     b.set_xlabel("wall-clock seconds (training steps only)")
     for ax in (a, b):
@@ -686,7 +700,7 @@ def parse_args(argv=None):
     ap.add_argument("--corpus-mb", type=float, default=None, help="source text to read, in MiB")
     ap.add_argument("--corpus", choices=CORPORA, default=None,
                     help="stdlib: the standard library's source; python: it and the installed packages' "
-                         "(default: python for gpu-125m, stdlib otherwise)")
+                         "(default: python for gpu-125m and gpu-1b, stdlib otherwise)")
     ap.add_argument("--lr", type=float, default=0.02,
                     help="Muon / NorMuon lr (default 0.02); Dion3 takes lr / sqrt(f)")
     ap.add_argument("--adamw-lr", type=float, default=None,
@@ -699,7 +713,7 @@ def parse_args(argv=None):
                          "0.5,1,2); the table marks and the plot shows each optimizer's best")
     ap.add_argument("--time-limit", type=float, default=None,
                     help="seconds; then the current run saves and stops (exit status 3), and --resume goes on")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=seed_arg, default=0)
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when a GPU is visible)")
     ap.add_argument("--out", default="train_gpt_out",
                     help="folder for the plot, table and checkpoints (relative to the current directory)")
@@ -800,10 +814,20 @@ def report_only(out: str) -> int:
     return 0
 
 
+def seed_arg(text: str) -> int:
+    v = int(text)
+    if not 0 <= v < 2**62:  # torch seeds are 64-bit, and the GPU warm-up takes seed + 1
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**62), got {v}")
+    return v
+
+
 def main(argv=None) -> int:
     a, names, cfg = parse_args(argv)
     if a.report_only:
-        return report_only(a.out)
+        try:
+            return report_only(a.out)
+        except OSError as e:
+            raise SystemExit(f"train_gpt: --report-only: {e.filename or a.out}: {e.strerror or e}") from None
     device = torch.device(a.device)
     if device.type == "cpu":
         print(f"train_gpt: no GPU in use; training on the CPU ({torch.get_num_threads()} threads)"
@@ -872,13 +896,18 @@ def train_all(a, cfg: Config, runs: List[Run], device) -> int:
             if not results[run.name].get("done"):
                 # Stopped on purpose (--stop-after, --time-limit, a signal); --resume goes on.
                 return stop.exit_status()
-    write_report(runs, results, cfg, a.out, device, corpus_info)
-    write_atomically(os.path.join(a.out, "history.json"),
-                     json.dumps({n: r["history"] for n, r in results.items()}, indent=1))
+        # Still under the handlers: a first Ctrl-C here lets the report be written whole.
+        write_report(runs, results, cfg, a.out, device, corpus_info)
+        write_atomically(os.path.join(a.out, "history.json"),
+                         json.dumps({n: r["history"] for n, r in results.items()}, indent=1))
     where = os.path.abspath(a.out)
     print(f"train_gpt: wrote {where}/results.md and {where}/loss.png", file=sys.stderr)
-    return 0
+    return stop.exit_status() if stop.interrupted else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # outside a run's steps (reading the corpus), or a second Ctrl-C
+        print("\ntrain_gpt: interrupted; finished and saved runs are kept, --resume goes on", file=sys.stderr)
+        sys.exit(130)

@@ -152,8 +152,8 @@ def test_bad_arguments_are_refused_with_a_message(argv, message, capsys):
 def test_resuming_with_other_settings_is_refused(tmp_path):
     args = TINY + ["--optimizers", "dion3", "--out", str(tmp_path)]
     assert train_gpt.main(args + ["--stop-after", "2"]) == 3
-    with pytest.raises(SystemExit, match="written with other settings; pass those settings to go on from it, or "
-                                         "remove it or pass another --out"):
+    with pytest.raises(SystemExit, match=r"written with other settings \(lr 0.02 \(now 0.03\)\); pass those "
+                                         "settings to go on from it, or remove it or pass another --out"):
         train_gpt.main(args + ["--resume", "--lr", "0.03"])
 
 
@@ -165,6 +165,11 @@ def test_an_unfinished_checkpoint_is_not_overwritten_without_resume(tmp_path):
     assert torch.load(tmp_path / "ckpt-adamw.pt", weights_only=False)["state"]["step"] == 6
     assert train_gpt.main(args + ["--resume"]) == 0
     assert train_gpt.main(args) == 0  # a finished run may be trained again from the start
+    # ... and when that retraining stops, its record no longer vouches for the unfinished checkpoint.
+    assert train_gpt.main(args + ["--stop-after", "5"]) == 3
+    with pytest.raises(SystemExit, match="unfinished or has other settings; add --resume"):
+        train_gpt.main(args)
+    assert torch.load(tmp_path / "ckpt-adamw.pt", weights_only=False)["state"]["step"] == 5
 
 
 def test_an_unfinished_checkpoint_is_found_before_any_run_trains(tmp_path):
@@ -217,6 +222,16 @@ def test_a_checkpoint_that_reads_but_does_not_load_is_refused_in_one_line(tmp_pa
                 st[key].fill_(-1.0)
     torch.save(ck, tmp_path / "ckpt-dion3.pt")
     with pytest.raises(SystemExit, match="ckpt-dion3.pt cannot be resumed .*; remove it to train that run again"):
+        train_gpt.main(args + ["--resume"])
+
+
+def test_a_checkpoint_with_non_finite_weights_is_refused_not_reported_as_diverged(tmp_path):
+    args = TINY + ["--optimizers", "muon", "--out", str(tmp_path)]
+    assert train_gpt.main(args + ["--stop-after", "2"]) == 3
+    ck = torch.load(tmp_path / "ckpt-muon.pt", weights_only=False)
+    next(t for k, t in ck["model"].items() if k.endswith("weight"))[0, 0] = float("nan")
+    torch.save(ck, tmp_path / "ckpt-muon.pt")
+    with pytest.raises(SystemExit, match=r"ckpt-muon.pt cannot be resumed \(ValueError: the weights hold NaN or Inf"):
         train_gpt.main(args + ["--resume"])
 
 
