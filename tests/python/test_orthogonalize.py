@@ -64,6 +64,19 @@ def test_errors(device):
     assert dion3.orthogonalize(torch.randn(0, 4, 4, device=device)).shape == (0, 4, 4)
 
 
+def test_a_lazily_negated_view_reads_as_its_values_and_a_fake_tensor_is_refused(device):
+    X = torch.randn(4, 8, device=device)
+    neg = torch._neg_view(X)  # what .conj().imag of a complex tensor gives: the neg bit, not values
+    assert neg.is_neg()
+    assert torch.equal(dion3.orthogonalize(neg), dion3.orthogonalize(-X))
+    if device == "cpu":  # FakeTensorMode reports the CPU: nothing to read, refused (it crashed)
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        with FakeTensorMode():
+            fake = torch.empty(4, 8)
+        with pytest.raises(ValueError, match="has no data"):
+            dion3.orthogonalize(fake)
+
+
 # The reference package's default set, as it runs there: X / (1.02 |X|_F + eps), then five
 # quintic steps of the Polar Express set with a 2% safety factor (float64 here).
 REFERENCE_RAW = [

@@ -73,8 +73,16 @@ dion3::TensorView view_of(const at::Tensor& t, const std::string& who) {
       static_cast<std::size_t>(t.storage_offset() + t.numel()) * t.itemsize() > t.storage().nbytes())
     throw dion3::Error(dion3::Status::InvalidArgument,
                        who + " reaches past the end of its storage (was the storage resized in place?)");
+  // The engine reads memory as it lies: a lazy negation (the neg bit) would be read unnegated.
+  if (t.is_neg())
+    throw dion3::Error(dion3::Status::InvalidArgument,
+                       who + " is a lazily negated view (is_neg()); pass t.resolve_neg()");
   dion3::TensorView v;
   v.data = t.data_ptr();
+  // A tensor without memory (torch's FakeTensor reports the CPU): nothing the engine may read.
+  if (t.numel() > 0 && v.data == nullptr)
+    throw dion3::Error(dion3::Status::InvalidArgument,
+                       who + " has no data (a fake tensor?); dion3 runs on real cpu and cuda tensors");
   v.dtype = to_dtype(t.scalar_type());
   if (t.is_cuda()) {
     v.device = dion3::Device::CUDA;
@@ -959,7 +967,7 @@ at::Tensor orthogonalize(const at::Tensor& x, const py::dict& cfg) {
     throw dion3::Error(dion3::Status::InvalidArgument,
                        "orthogonalize: expected a matrix or a batch of matrices (2 or 3 dimensions), got " +
                            std::to_string(x.dim()));
-  const at::Tensor in = x.contiguous();
+  const at::Tensor in = x.resolve_neg().contiguous();  // a negated view's values, as they read
   at::Tensor out = at::empty_like(in);
   const dion3::TensorView v = view_of(in, "orthogonalize: the tensor");
   if (!dion3::is_float_param_dtype(v.dtype))
