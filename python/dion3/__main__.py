@@ -1,5 +1,6 @@
 # python -m dion3 — what this installation of dion3 is: version, the backends it was built with
 # (and for which GPU architectures), the PyTorch it was built against and the one it runs with.
+import argparse
 import sys
 
 import torch
@@ -7,7 +8,11 @@ import torch
 import dion3
 
 
-def main():
+def main(argv=None):
+    argparse.ArgumentParser(
+        prog="python -m dion3",
+        description="What this installation of dion3 is: its version, the backends it was built with (and for "
+                    "which GPU architectures), the PyTorch it was built against and the one it runs with.").parse_args(argv)
     print(f"dion3 {dion3.__version__} ({dion3.__file__})")
     try:
         from dion3 import _build_info as info

@@ -28,6 +28,41 @@ MODELS = {
 
 # The optimizers that take a fraction (--fractions).
 SELECTING = ("Dion3", "NorDion2", "Dion2")
+OPTIMIZERS = ("Dion3", "NorDion2", "Dion2", "NorMuon", "Muon", "optim.Muon", "torch.AdamW", "torch.Muon")
+
+
+def at_least(low: int):
+    """An argparse type: an int of at least `low` (argparse's own error otherwise)."""
+    def parse(text: str) -> int:
+        v = int(text)
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {v}")
+        return v
+    return parse
+
+
+def listed(parse_item, what: str):
+    """An argparse type: a comma-separated list, each item read by parse_item."""
+    def parse(text: str):
+        try:
+            items = [parse_item(t) for t in text.split(",")]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {what} ({e})") from None
+        return items
+    return parse
+
+
+def optimizer_name(text: str) -> str:
+    if text not in OPTIMIZERS:
+        raise ValueError(f"{text!r} is none of {', '.join(OPTIMIZERS)}")
+    return text
+
+
+def fraction(text: str) -> float:
+    v = float(text)
+    if not 0.0 < v <= 1.0:
+        raise ValueError(f"{text} is not in (0, 1]")
+    return v
 
 
 def model_shapes(name: str, layers: int = 0):
@@ -165,15 +200,24 @@ def run(args, cls_name, fraction):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="python -m dion3.benchmark",
+        description="The Python front end's own cost on model-shaped parameter sets: each optimizer's step "
+                    "timed end to end, the time inside the engine call, the Python-side overhead, and the host "
+                    "launch time of the synchronisation-free step. One JSON line per configuration.")
     ap.add_argument("--model", default="llama-7b", choices=sorted(MODELS))
-    ap.add_argument("--layers", type=int, default=0, help="override the layer count (0: the model's)")
+    ap.add_argument("--layers", type=at_least(0), default=0, help="override the layer count (0: the model's)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default=None, help="parameter dtype (default: bfloat16 on cuda, float32 on cpu)")
-    ap.add_argument("--optimizers", default="Dion3,NorMuon,Muon")
-    ap.add_argument("--fractions", default="0.25,0.5,1.0")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="parameter dtype (default: bfloat16 on cuda, float32 on cpu)")
+    ap.add_argument("--optimizers", type=listed(optimizer_name, "optimizer names"), default="Dion3,NorMuon,Muon",
+                    help=f"comma-separated, from {', '.join(OPTIMIZERS)} (torch.*: PyTorch's own; optim.Muon: "
+                         "dion3's drop-in for torch.optim.Muon)")
+    ap.add_argument("--fractions", type=listed(fraction, "fractions in (0, 1]"), default="0.25,0.5,1.0",
+                    help=f"comma-separated fractions for {', '.join(SELECTING)}")
+    ap.add_argument("--steps", type=at_least(1), default=10, help="timed steps (the median is reported)")
+    ap.add_argument("--warmup", type=at_least(1), default=2,
+                    help="untimed steps first (at least one: the first step builds the engine)")
     ap.add_argument("--on-nonfinite", default="raise", choices=["raise", "skip"])
     ap.add_argument("--op-by-op", action="store_true",
                     help="launch each orthogonalization op by op instead of replaying its recording "
@@ -181,8 +225,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
-    for name in args.optimizers.split(","):
-        fractions = [float(f) for f in args.fractions.split(",")] if name in SELECTING else [1.0]
+    for name in args.optimizers:
+        fractions = args.fractions if name in SELECTING else [1.0]
         for f in fractions:
             print(json.dumps(run(args, name, f)), flush=True)
             torch.cuda.empty_cache() if torch.cuda.is_available() else None

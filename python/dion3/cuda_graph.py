@@ -46,9 +46,18 @@ class CudaGraphOptimizer(torch.optim.Optimizer):
             setattr(self, name, OrderedDict())
 
     def __getattr__(self, name):
-        if name == "optimizer":  # not yet set (unpickling): no recursion
+        # "optimizer" is not yet set while unpickling (no recursion); the copy and pickle protocol's
+        # names (__deepcopy__, __reduce_ex__, ...) are the wrapper's own, not the inner optimizer's.
+        if name == "optimizer" or name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
         return getattr(self.optimizer, name)
+
+    def __getstate__(self):
+        # A captured graph is this process's and these buffers': a copy warms up and captures anew.
+        return dict(self.__dict__, _graph=None, _steps=0)
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)  # not torch's Optimizer.__setstate__: the groups are the inner's
 
     @property
     def param_groups(self):

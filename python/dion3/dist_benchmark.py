@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import dion3
-from dion3.benchmark import MODELS, model_shapes
+from dion3.benchmark import MODELS, at_least, fraction, listed, model_shapes
 
 MODELS_WITH_SMALL = dict(MODELS, **{"gpt-small": (12, 768, 4 * 768)})
 
@@ -64,17 +64,33 @@ def time_steps(opt, iters, device):
     return statistics.median(times)
 
 
+LAYOUTS = ("local", "ddp", "fsdp", "fsdp-global")
+
+
+def layout_name(text: str) -> str:
+    if text not in LAYOUTS:
+        raise ValueError(f"{text!r} is none of {', '.join(LAYOUTS)}")
+    return text
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="torchrun --nproc-per-node P -m dion3.dist_benchmark",
+        description="dion3's distributed layouts through torch.distributed (gloo on CPU tensors, NCCL on GPUs): "
+                    "per layout, the median step time of the slowest rank, the collective rounds and bytes each "
+                    "rank sends per step, megabatched against one collective per matrix.")
     ap.add_argument("--model", default="gpt-small", choices=sorted(MODELS_WITH_SMALL))
-    ap.add_argument("--layers", type=int, default=2, help="first N layers (default 2; 0: all)")
-    ap.add_argument("--fraction", type=float, default=0.25)
-    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--layers", type=at_least(0), default=2, help="first N layers (default 2; 0: all)")
+    ap.add_argument("--fraction", type=fraction, default=0.25, help="Dion3's fraction f, in (0, 1]")
+    ap.add_argument("--iters", type=at_least(1), default=5, help="timed steps (the median is reported)")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
-    ap.add_argument("--layouts", default="ddp,fsdp,fsdp-global",
-                    help="from local (single-device path, the baseline), ddp, fsdp, fsdp-global")
-    ap.add_argument("--repeat", type=int, default=1, help="run the layout list N times in a row")
+    ap.add_argument("--layouts", type=listed(layout_name, "layouts"), default="ddp,fsdp,fsdp-global",
+                    help="comma-separated, from local (single-device path, the baseline), ddp, fsdp, fsdp-global")
+    ap.add_argument("--repeat", type=at_least(1), default=1, help="run the layout list N times in a row")
     args = ap.parse_args(argv)
+    if "RANK" not in os.environ:
+        ap.error("run it under torchrun (torchrun --nproc-per-node P -m dion3.dist_benchmark), which sets RANK "
+                 "and the rendezvous")
 
     cuda = torch.cuda.is_available() and os.environ.get("DION3_BENCH_DEVICE", "") != "cpu"
     backend = "nccl" if cuda else "gloo"
@@ -96,7 +112,7 @@ def main(argv=None):
         print("| layout | collectives | megabatches | rounds/step | MiB sent/rank/step | step ms | "
               "megabatched vs per matrix |\n|---|---|---|---|---|---|---|")
     local_ms = None
-    for layout in args.layouts.split(",") * args.repeat:
+    for layout in args.layouts * args.repeat:
         per = None
         for megabatch in ((True,) if layout == "local" else (False, True)):
             params = build(layout, shapes, device, dtype, mesh)

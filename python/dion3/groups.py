@@ -31,10 +31,14 @@ def _ids_of(model: nn.Module, selector: _Selector, names: Dict[int, str]) -> Opt
             raise TypeError(f"dion3.param_groups: cannot select parameters with {type(selector).__name__}") from None
     out = set()
     for item in items:
-        if isinstance(item, nn.Module):
-            out.update(id(p) for p in item.parameters())
-        elif isinstance(item, torch.Tensor):
-            out.add(id(item))
+        if isinstance(item, (nn.Module, torch.Tensor)):
+            # One of the model's own: a copy, or one kept from before to_empty() or fully_shard
+            # (which make new parameters), would select nothing without a word.
+            ids = {id(p) for p in item.parameters()} if isinstance(item, nn.Module) else {id(item)}
+            if not ids or not ids <= names.keys():
+                raise ValueError(f"dion3.param_groups: a {type(item).__name__} given as a selector is not (all) "
+                                 "of the model's parameters; pass the model's own module or parameter, or its name")
+            out.update(ids)
         elif isinstance(item, str):
             if not item:  # the root module's path: every parameter, surely not what was meant
                 raise ValueError("dion3.param_groups: an empty name selects no module or parameter")
@@ -197,11 +201,27 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
     # The convolutions' parameters as registered: a parametrized weight (weight_norm, spectral_norm)
     # is its originals, and reading m.weight would compute it (a power iteration, for spectral_norm).
     conv = {id(p) for m in modules.values() if isinstance(m, _CONVOLUTIONS) for p in m.parameters()}
+    if elementwise not in ("adamw", "lion"):
+        raise ValueError(f"dion3.param_groups: elementwise must be 'adamw' or 'lion', got {elementwise!r}")
+    reserved = sorted({"params", "param_names", "role"} & set(elementwise_options or {}))
+    if reserved:
+        raise ValueError(f"dion3.param_groups: elementwise_options may not set {', '.join(reserved)} "
+                         "(param_groups fills them in)")
     base_el = {"algorithm": elementwise, **(elementwise_options or {})}
     overrides = overrides or {}
+    if not isinstance(overrides, dict) or not all(isinstance(v, dict) for v in overrides.values()):
+        raise TypeError("dion3.param_groups: overrides must map name patterns to dicts of group settings, "
+                        "e.g. {'*.qkv.weight': {'split_sizes': [d, d, d]}}")
+    # A parameter listed under another name (a head tied to the embedding appears once, as the
+    # embedding's) may be named by that name too, as selectors may.
+    aliases: Dict[str, int] = {}
     for pattern in overrides:
         if not any(n == pattern or fnmatch.fnmatchcase(n, pattern) for n in names.values()):
-            raise ValueError(f"dion3.param_groups: override {pattern!r} matches no parameter of the model")
+            try:
+                aliases[pattern] = id(model.get_parameter(pattern))
+            except AttributeError:
+                raise ValueError(f"dion3.param_groups: override {pattern!r} matches no parameter of the model") \
+                    from None
 
     # Weights stored (in, out) get a group of their own that says so; one cut otherwise than
     # FSDP2's Shard(0) stays as stored (transposed takes no other cut).
@@ -245,7 +265,7 @@ def param_groups(model: nn.Module, lm_head: _Selector = None, embeddings: _Selec
         else:
             role, opts = "matrix", {}
         for pattern, extra in overrides.items():
-            if name == pattern or fnmatch.fnmatchcase(name, pattern):
+            if name == pattern or fnmatch.fnmatchcase(name, pattern) or aliases.get(pattern) == id(p):
                 if role != "matrix" and "algorithm" not in extra:
                     # A pattern for a fused weight ("*.qkv*") matches its bias too: the blocks of
                     # a matrix mean nothing to an element-wise group, which would refuse them.

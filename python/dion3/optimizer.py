@@ -134,7 +134,7 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # Quintic Newton–Schulz coefficient sets by name (group key "coefficients", dion3.orthogonalize),
 # the engine's own tables (algorithm.md §2): Polar Express (the default; use_polar_express=False gives
-# Muon's classic "you" set) and "reference", the reference package's default set.
+# the "you" set of five tuned steps) and "reference", the reference package's default set.
 COEFFICIENT_SETS = _C.coefficient_sets()
 # The engine's defaults of the group settings: the constructors' signatures repeat them for
 # help() and introspection (tests/python/test_api.py checks that the two agree).
@@ -162,7 +162,8 @@ def _engine_config(group: Dict[str, Any]) -> Dict[str, Any]:
         orth = "gram"  # the reference's flag maps onto our explicit argument
     coefficients = group.get("coefficients")
     if coefficients is None:
-        coefficients = POLAR_EXPRESS if group.get("use_polar_express", True) else YOU
+        coefficients = POLAR_EXPRESS if _flag(dict(use_polar_express=group.get("use_polar_express", True)),
+                                              "use_polar_express") else YOU
     elif isinstance(coefficients, str):
         if coefficients not in COEFFICIENT_SETS:
             raise ValueError(f"dion3: 'coefficients' names one of {', '.join(COEFFICIENT_SETS)} or is a list of "
@@ -172,6 +173,8 @@ def _engine_config(group: Dict[str, Any]) -> Dict[str, Any]:
     if restarts is None:
         # The default restart positions that a short list of steps never reaches are dropped.
         restarts = [r for r in ENGINE_DEFAULTS["restarts"] if r < len(coefficients)]
+    elif isinstance(restarts, (str, bytes)) or not hasattr(restarts, "__iter__"):
+        raise ValueError(f"dion3: 'restarts' must be a list of step positions (e.g. [2]); got {restarts!r}")
     betas = group["betas"]
     if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
         raise ValueError(f"dion3: 'betas' must be a pair (beta1, beta2); got {betas!r}")

@@ -25,8 +25,8 @@ def orthogonalize(X: torch.Tensor, method: str = "auto", *, coefficients: Option
         where Gram would iterate in bfloat16),
     "standard", or "gram" (Gram Newton–Schulz, restarting at the step indices in `restarts`).
     coefficients: the (a, b, c) steps, or a set by name: "polar_express" (the default; with
-    `use_polar_express=False`, Muon's classic quintic), "reference" (the reference package's
-    default Polar Express set), "you" (Muon's classic quintic). iteration_dtype: float32, float16 or bfloat16 (default: the backend's
+    `use_polar_express=False`, the "you" set), "reference" (the reference package's
+    default Polar Express set), "you" (five tuned quintic steps, one (a, b, c) each). iteration_dtype: float32, float16 or bfloat16 (default: the backend's
     choice, float32 on the CPU)."""
     if not isinstance(X, torch.Tensor):
         raise TypeError(f"dion3.orthogonalize: expected a torch.Tensor, got {type(X).__name__}")

@@ -2,6 +2,7 @@
 # defaults, so that moving from `dion` is an import change.
 import inspect
 import math
+import re
 import warnings
 
 import pytest
@@ -187,6 +188,57 @@ def test_param_groups_recognise_what_real_models_hold():
     assert next(g["lr"] for g in groups if g["role"] == "lm_head") == pytest.approx(0.02 / 8 ** 0.5)
     with pytest.raises(ValueError, match="no parameter or module of the model matches 'head'"):
         dion3.param_groups(Tied(), lm_head="head", lr=0.02)
+    # A module or tensor that is not the model's own (a copy, or one from before to_empty) is
+    # refused too, rather than selecting nothing and leaving the head in the matrix group.
+    model, stale = Tied(), Tied()
+    for selector in (stale.lm_head, stale.lm_head.weight, torch.randn(3), torch.nn.Identity()):
+        with pytest.raises(ValueError, match="given as a selector is not \\(all\\) of the model's parameters"):
+            dion3.param_groups(model, lm_head=selector, lr=0.02)
+    assert _roles(dion3.param_groups(model, lm_head=model.lm_head, lr=0.02))["embed_tokens.weight"] == "lm_head"
+    # Overrides may name the tied head by its own name too, as selectors may.
+    groups = dion3.param_groups(model, lm_head="lm_head", lr=0.02, overrides={"lm_head.weight": {"lr": 0.5}})
+    assert next(g["lr"] for g in groups if "embed_tokens.weight" in g["param_names"]) == 0.5
+
+
+@pytest.mark.parametrize("module,argv,error", [
+    ("benchmark", ["--optimizers", "Foo"], "'Foo' is none of Dion3"),
+    ("benchmark", ["--fractions", "0.5,2"], r"2 is not in \(0, 1\]"),
+    ("benchmark", ["--warmup", "0"], "--warmup: must be at least 1"),
+    ("benchmark", ["--dtype", "float64"], "invalid choice"),
+    ("dist_benchmark", ["--layouts", "ddp,bogus"], "'bogus' is none of local, ddp"),
+    ("dist_benchmark", [], "run it under torchrun"),
+    ("__main__", ["--bogus"], "unrecognized arguments"),
+])
+def test_command_lines_refuse_bad_arguments_with_usage(module, argv, error, capsys, monkeypatch):
+    import importlib
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(f"dion3.{module}").main(argv)
+    assert e.value.code == 2
+    assert re.search(error, capsys.readouterr().err)
+
+
+def test_the_cuda_graph_wrapper_copies_and_pickles_as_itself():
+    import copy
+    import pickle
+
+    from dion3.cuda_graph import CudaGraphOptimizer
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    opt = CudaGraphOptimizer(dion3.Dion3([p]), warmup_steps=3)
+    for twin in (copy.copy(opt), copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        assert type(twin) is CudaGraphOptimizer and twin.warmup_steps == 3 and not twin.captured
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    (dict(elementwise="sgd"), "elementwise must be 'adamw' or 'lion', got 'sgd'"),
+    (dict(elementwise_options={"params": []}), "elementwise_options may not set params"),
+    (dict(overrides={"body.weight": 0.1}), "overrides must map name patterns to dicts"),
+    (dict(overrides=[{"body.weight": {}}]), "overrides must map name patterns to dicts"),
+])
+def test_param_groups_refuses_settings_it_cannot_use(kwargs, error):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    with pytest.raises((ValueError, TypeError), match=error):
+        dion3.param_groups(model, **kwargs)
 
 
 @pytest.mark.parametrize("cls", [dion3.Muon, dion3.NorMuon])

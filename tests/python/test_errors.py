@@ -53,6 +53,8 @@ def test_fraction_out_of_range(device, fraction):
     ("flatten", "False", "'flatten' must be True or False; got 'False'"),
     ("scale_lr_by_fraction", 2, "'scale_lr_by_fraction' must be True or False"),
     ("restarts", [1.5], "'restarts' must hold integers; got 1.5"),
+    ("restarts", 2, r"'restarts' must be a list of step positions \(e.g. \[2\]\); got 2"),
+    ("use_polar_express", "no", "'use_polar_express' must be True or False; got 'no'"),
 ])
 def test_bad_hyper_parameters(device, field, value, pattern):
     with pytest.raises(ValueError, match=pattern):
