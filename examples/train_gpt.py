@@ -408,10 +408,14 @@ def same_data(what: str, theirs: Optional[str], ours: str) -> None:
                          "Remove it, or go on where the data is the same")
 
 
+# Settings an optimizer's run does not read (the rest, and the fraction, for Muon and NorMuon).
+UNUSED_SETTINGS = {"adamw": ("lr", "fraction"), "dion3": ()}
+
+
 def same_settings(run: Run, config) -> bool:
     """Whether a saved config is `run`'s in the settings its optimizer uses: Dion3's fraction, and
     the matrix lr, mean nothing to AdamW's run (and the fraction to Muon's and NorMuon's)."""
-    unused = {"adamw": ("lr", "fraction"), "dion3": ()}.get(run.optimizer, ("fraction",))
+    unused = UNUSED_SETTINGS.get(run.optimizer, ("fraction",))
 
     def used(c: Dict) -> Dict:
         return {k: v for k, v in c.items() if k not in unused}
@@ -453,8 +457,9 @@ def check_checkpoints(runs: List[Run], out: str, resume: bool) -> None:
 def check_settings(path: str, ck: Dict, run: Run) -> None:
     if not same_settings(run, ck["config"]):
         saved, now = ck["config"], asdict(run.cfg)
+        unused = UNUSED_SETTINGS.get(run.optimizer, ("fraction",))
         diff = [f"{k} {saved.get(k)!r} (now {v!r})" for k, v in now.items()
-                if isinstance(saved, dict) and saved.get(k) != v][:4]
+                if isinstance(saved, dict) and saved.get(k) != v and k not in unused][:4]
         raise SystemExit(f"train_gpt: {path} was written with other settings ({', '.join(diff) or 'unreadable'}); "
                          "pass those settings to go on from it, or remove it or pass another --out to start again")
 
@@ -469,6 +474,10 @@ def load_checkpoint(path: str, device, mmap: bool = False) -> Dict:
     if not isinstance(ck, dict) or "config" not in ck:
         raise SystemExit(f"train_gpt: {path} is not a checkpoint of this script; remove it to train that run again")
     return ck
+
+
+def weights_finite(model: nn.Module) -> bool:
+    return all(bool(t.isfinite().all()) for t in model.state_dict().values() if t.is_floating_point())
 
 
 def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resume: bool,
@@ -509,7 +518,7 @@ def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resu
             state = dict(ck["state"])
             int(state["step"]), bool(state["done"]), list(state["history"])  # raise if missing
             bad = [k for k, t in model.state_dict().items() if t.is_floating_point() and not bool(t.isfinite().all())]
-            if bad and not state["done"]:  # a damaged file: an unfinished run's weights are finite
+            if bad and not state["done"]:  # a damaged file: an unfinished run is saved with finite weights
                 raise ValueError(f"the weights hold NaN or Inf ({', '.join(bad[:3])})")
         except torch.cuda.OutOfMemoryError:
             raise  # the machine's, not the checkpoint's
@@ -523,10 +532,6 @@ def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resu
                 write_record(state)
             return state
         print(f"{name}: resuming at step {state['step']}", file=sys.stderr)
-    elif os.path.exists(record):
-        # Trained again from the start: the old record would otherwise vouch for the new, unfinished
-        # checkpoint (a plain re-run would then overwrite it instead of asking for --resume).
-        os.remove(record)
 
     def save():
         tmp = path + ".tmp"
@@ -534,6 +539,10 @@ def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resu
                         optimizer=opt.state_dict(), scheduler=sched.state_dict(),
                         batches=batches.gen.get_state(), torch_rng=torch.get_rng_state(), state=state), tmp)
         os.replace(tmp, path)  # never a half-written checkpoint
+        if not state["done"] and os.path.exists(record):
+            # A finished run's record must not vouch for an unfinished checkpoint (one trained again
+            # from the start): a plain re-run would overwrite it instead of asking for --resume.
+            os.remove(record)
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -574,7 +583,7 @@ def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resu
         step = state["step"]
         if step % cfg.eval_every == 0 or step == cfg.steps:
             val = evaluate(model, val_windows, device)
-            if not math.isfinite(val):  # the weights themselves went non-finite
+            if not math.isfinite(val) or not weights_finite(model):  # the weights themselves went non-finite
                 state["diverged"] = step
                 print(f"\n{name}: the validation loss is not finite at step {step}; the run ends here as diverged",
                       file=sys.stderr)
@@ -583,6 +592,12 @@ def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resu
             save()
         progress.show(step, tokens * step / max(state["elapsed"], 1e-9), train_loss, val, final=step == cfg.steps)
         why = "--stop-after" if stop_after is not None and ran >= stop_after else stop.reason()
+        if why and step < cfg.steps and not weights_finite(model):
+            # Saved unfinished only with finite weights (what resuming checks): this step diverged.
+            state["diverged"] = step
+            print(f"\n{name}: the weights are not finite at step {step}; the run ends here as diverged",
+                  file=sys.stderr)
+            break
         if why and step < cfg.steps:
             save()
             print(f"\n{name}: stopped at step {step} ({why}); --resume goes on", file=sys.stderr)
@@ -815,9 +830,12 @@ def report_only(out: str) -> int:
 
 
 def seed_arg(text: str) -> int:
-    v = int(text)
-    if not 0 <= v < 2**62:  # torch seeds are 64-bit, and the GPU warm-up takes seed + 1
-        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**62), got {v}")
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not -2**62 <= v < 2**62:  # torch seeds are 64-bit, and the GPU warm-up takes seed + 1
+        raise argparse.ArgumentTypeError(f"must be an integer in [-2**62, 2**62), got {v}")
     return v
 
 
@@ -902,7 +920,7 @@ def train_all(a, cfg: Config, runs: List[Run], device) -> int:
                          json.dumps({n: r["history"] for n, r in results.items()}, indent=1))
     where = os.path.abspath(a.out)
     print(f"train_gpt: wrote {where}/results.md and {where}/loss.png", file=sys.stderr)
-    return stop.exit_status() if stop.interrupted else 0
+    return 0  # every run finished and the report is written, even if a signal came during it
 
 
 if __name__ == "__main__":

@@ -34,7 +34,10 @@ OPTIMIZERS = ("Dion3", "NorDion2", "Dion2", "NorMuon", "Muon", "optim.Muon", "to
 def at_least(low: int):
     """An argparse type: an int of at least `low` (argparse's own error otherwise)."""
     def parse(text: str) -> int:
-        v = int(text)
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if v < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {v}")
         return v
@@ -59,10 +62,18 @@ def optimizer_name(text: str) -> str:
 
 
 def fraction(text: str) -> float:
+    """A fraction in (0, 1]; as an argparse type its ValueError names the value (listed, fraction_arg)."""
     v = float(text)
     if not 0.0 < v <= 1.0:
         raise ValueError(f"{text} is not in (0, 1]")
     return v
+
+
+def fraction_arg(text: str) -> float:
+    try:
+        return fraction(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in (0, 1] ({e})") from None
 
 
 def model_shapes(name: str, layers: int = 0):

@@ -54,7 +54,10 @@ class CudaGraphOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self):
         # A captured graph is this process's and these buffers': a copy warms up and captures anew.
-        return dict(self.__dict__, _graph=None, _steps=0)
+        # An lr scheduler's patched `step` (an instance attribute bound to this object) stays behind.
+        state = dict(self.__dict__, _graph=None, _steps=0)
+        state.pop("step", None)
+        return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)  # not torch's Optimizer.__setstate__: the groups are the inner's

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import dion3
-from dion3.benchmark import MODELS, at_least, fraction, listed, model_shapes
+from dion3.benchmark import MODELS, at_least, fraction_arg, listed, model_shapes
 
 MODELS_WITH_SMALL = dict(MODELS, **{"gpt-small": (12, 768, 4 * 768)})
 
@@ -81,7 +81,7 @@ def main(argv=None):
                     "rank sends per step, megabatched against one collective per matrix.")
     ap.add_argument("--model", default="gpt-small", choices=sorted(MODELS_WITH_SMALL))
     ap.add_argument("--layers", type=at_least(0), default=2, help="first N layers (default 2; 0: all)")
-    ap.add_argument("--fraction", type=fraction, default=0.25, help="Dion3's fraction f, in (0, 1]")
+    ap.add_argument("--fraction", type=fraction_arg, default=0.25, help="Dion3's fraction f, in (0, 1]")
     ap.add_argument("--iters", type=at_least(1), default=5, help="timed steps (the median is reported)")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     ap.add_argument("--layouts", type=listed(layout_name, "layouts"), default="ddp,fsdp,fsdp-global",

@@ -35,7 +35,10 @@ def _ids_of(model: nn.Module, selector: _Selector, names: Dict[int, str]) -> Opt
             # One of the model's own: a copy, or one kept from before to_empty() or fully_shard
             # (which make new parameters), would select nothing without a word.
             ids = {id(p) for p in item.parameters()} if isinstance(item, nn.Module) else {id(item)}
-            if not ids or not ids <= names.keys():
+            if not ids:
+                raise ValueError(f"dion3.param_groups: the {type(item).__name__} given as a selector has no "
+                                 "parameters")
+            if not ids <= names.keys():
                 raise ValueError(f"dion3.param_groups: a {type(item).__name__} given as a selector is not (all) "
                                  "of the model's parameters; pass the model's own module or parameter, or its name")
             out.update(ids)

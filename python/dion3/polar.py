@@ -22,8 +22,10 @@ def orthogonalize(X: torch.Tensor, method: str = "auto", *, coefficients: Option
     matrix holding one comes back all NaN, the batch's others as they would alone.
 
     method: "auto" (the cheaper of the two for the shape, by the backend's cost model; standard
-        where Gram would iterate in bfloat16),
-    "standard", or "gram" (Gram Newton–Schulz, restarting at the step indices in `restarts`).
+        where Gram would iterate in bfloat16, or where the coefficients and restarts would let it
+        diverge: algorithm.md §2),
+    "standard", or "gram" (Gram Newton–Schulz, restarting at the step indices in `restarts`;
+        refused where it would diverge).
     coefficients: the (a, b, c) steps, or a set by name: "polar_express" (the default; with
     `use_polar_express=False`, the "you" set), "reference" (the reference package's
     default Polar Express set), "you" (five tuned quintic steps, one (a, b, c) each). iteration_dtype: float32, float16 or bfloat16 (default: the backend's

@@ -210,8 +210,8 @@ std::string OrthConfig::gram_divergence_error(DType iteration) const {
   return std::string("Gram Newton-Schulz in ") + dtype_name(iteration) + " with these coefficients and restarts grows Q by " +
          format_number(gram_growth()) + " between restarts (the product of their a), more than " +
          format_number(max_gram_growth(iteration)) + ": rounding noise along directions the input does not span (a " +
-         "rank-deficient gradient) would then diverge to NaN; add 'restarts', use the standard method" +
-         (iteration == DType::F32 ? "" : ", or iterate in float32");
+         "rank-deficient gradient) would then diverge to NaN; add 'restarts' or fewer steps, " +
+         (iteration == DType::F32 ? "or use the standard method" : "use the standard method, or iterate in float32");
 }
 
 void GroupConfig::validate() const {

@@ -1381,6 +1381,13 @@ void Optimizer::Impl::check_group(int g) const {
   } catch (const Error& e) {
     fail(group_error(g, std::string(e.what()).substr(7)));
   }
+  // Gram asked for in the backend's own dtype (validate() checks a dtype given): refused here,
+  // before the plan is built, rather than by the orthogonalizer's planning.
+  const OrthConfig& orth = groups[g].orth;
+  if (is_matrix_algorithm(groups[g].algorithm) && orth.method == OrthMethod::Gram && !orth.iteration_dtype)
+    if (const std::string e = orth.gram_divergence_error(choose_iteration_dtype(*backend, orth, OrthMethod::Gram));
+        !e.empty())
+      fail(group_error(g, e));
   if (const std::string e = structure_error(g); !e.empty()) fail(e);
 }
 

@@ -452,6 +452,24 @@ TEST_P(BadImport, IsRejectedBeforeAnythingIsCopied) {
 
 INSTANTIATE_TEST_SUITE_P(Cases, BadImport, ::testing::Range(0, 14));
 
+TEST(Config, GramThatWouldDivergeInTheBackendsDtypeIsRefusedByTheGroupBeforeAnything) {
+  Harness h;
+  GroupConfig g;
+  g.orth.method = dion3::OrthMethod::Gram;
+  g.orth.coefficients.assign(12, dion3::Coefficients{3.4445, -4.775, 2.0315});  // the CPU's float32
+  const int gi = h.opt.add_group(g);
+  Rng rng(3);
+  t3::HostParam& p = h.add(gi, "w", DType::F32, {8, 32}, rng);
+  h.randomize_grads(rng);
+  const auto w = p.w.values();
+  EXPECT_THAT(t3::error_of([&] { h.opt.step(); }),
+              HasSubstr("group 0: Gram Newton-Schulz in float32 with these coefficients"));
+  EXPECT_EQ(p.w.values(), w);
+  g.orth.restarts = {2, 4, 6, 8, 10};
+  h.opt.set_group(gi, g);
+  EXPECT_TRUE(h.opt.step());
+}
+
 TEST(Import, CountersOfTwoToThe62AreTakenAndGoOn) {
   Trained t;
   dion3::OptimizerState st = t.h.opt.export_state();

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "cuda/cuda_backend.hpp"
@@ -84,20 +85,27 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(i.param.cols) + "_t" + std::to_string(i.param.tile);
     });
 
-// Eleven Polar Express steps without a restart grow Gram's Q past float16's range along the
-// directions the input does not span (here zero rows, as a padded stack has): the backend's own
-// dtype choice goes to bfloat16 there, and the result is finite, its real rows in the band and
-// its zero rows zero.
+// Eleven Polar Express steps without a restart grow Gram's Q, and R's rounding noise, along the
+// directions the input does not span (here zero rows, as a padded stack has) past what the
+// backend's float16 holds (OrthConfig::gram_diverges): Gram asked for is refused, and 'auto'
+// iterates standard, its result finite, its real rows in the band and its zero rows zero.
 class OrthLongSegments : public ct::CudaTest {};
 
-TEST_F(OrthLongSegments, GramWithoutRestartsStaysFiniteOnZeroRows) {
+TEST_F(OrthLongSegments, LongSegmentsIterateStandardAndStayFiniteOnZeroRows) {
   dion3::OrthConfig cfg;
   cfg.method = OrthMethod::Gram;
   cfg.restarts.clear();
   while (cfg.coefficients.size() < 11) cfg.coefficients.push_back(cfg.coefficients.back());
-  ASSERT_EQ(dion3::choose_iteration_dtype(*gpu, cfg, OrthMethod::Gram), DType::BF16);
-  std::mt19937_64 rng(23);
+  ASSERT_EQ(dion3::choose_iteration_dtype(*gpu, cfg, OrthMethod::Gram), DType::F16);
   const int64_t rows = 96, cols = 384, real = 64;
+  try {
+    dion3::Orthogonalizer(*gpu, cfg, 2, rows, cols, nullptr, real);
+    ADD_FAILURE() << "Gram with a diverging float16 segment was not refused";
+  } catch (const dion3::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("Gram Newton-Schulz in float16"), std::string::npos) << e.what();
+  }
+  cfg.method = OrthMethod::Auto;
+  std::mt19937_64 rng(23);
   Twin in(*gpu, DType::F32, 2, rows, cols), out(*gpu, DType::F32, 2, rows, cols);
   in.fill_normal(rng);
   std::vector<float> v = in.host_values();
@@ -107,6 +115,7 @@ TEST_F(OrthLongSegments, GramWithoutRestartsStaysFiniteOnZeroRows) {
   in.set_host(v);
   in.upload();
   dion3::Orthogonalizer o(*gpu, cfg, 2, rows, cols, nullptr, real);
+  EXPECT_EQ(o.method(), OrthMethod::Standard);
   o.run(in.dview(), out.dview());
   const std::vector<float> od = out.device_values();
   std::vector<float> kept;

@@ -191,9 +191,11 @@ def test_param_groups_recognise_what_real_models_hold():
     # A module or tensor that is not the model's own (a copy, or one from before to_empty) is
     # refused too, rather than selecting nothing and leaving the head in the matrix group.
     model, stale = Tied(), Tied()
-    for selector in (stale.lm_head, stale.lm_head.weight, torch.randn(3), torch.nn.Identity()):
+    for selector in (stale.lm_head, stale.lm_head.weight, torch.randn(3)):
         with pytest.raises(ValueError, match="given as a selector is not \\(all\\) of the model's parameters"):
             dion3.param_groups(model, lm_head=selector, lr=0.02)
+    with pytest.raises(ValueError, match="the Identity given as a selector has no parameters"):
+        dion3.param_groups(model, lm_head=torch.nn.Identity(), lr=0.02)
     assert _roles(dion3.param_groups(model, lm_head=model.lm_head, lr=0.02))["embed_tokens.weight"] == "lm_head"
     # Overrides may name the tied head by its own name too, as selectors may.
     groups = dion3.param_groups(model, lm_head="lm_head", lr=0.02, overrides={"lm_head.weight": {"lr": 0.5}})
@@ -225,8 +227,10 @@ def test_the_cuda_graph_wrapper_copies_and_pickles_as_itself():
     from dion3.cuda_graph import CudaGraphOptimizer
     p = torch.nn.Parameter(torch.randn(8, 8))
     opt = CudaGraphOptimizer(dion3.Dion3([p]), warmup_steps=3)
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)  # patches opt.step, bound to opt
     for twin in (copy.copy(opt), copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
         assert type(twin) is CudaGraphOptimizer and twin.warmup_steps == 3 and not twin.captured
+        assert twin.step.__self__ is twin  # its own step, not the original's
 
 
 @pytest.mark.parametrize("kwargs,error", [
