@@ -314,7 +314,8 @@ def _split_sizes(value) -> List[int]:
         if isinstance(v, bool) or not isinstance(v, numbers.Integral):
             raise ValueError(f"dion3: 'split_sizes' must hold integers; got {value!r}")
         if not 1 <= v < 2**63:  # the engine's sizes are 64-bit
-            raise ValueError(f"dion3: 'split_sizes' must hold block sizes >= 1, got {int(v)}")
+            raise ValueError(f"dion3: 'split_sizes' must hold block sizes >= 1 and below 2**63 (64-bit), "
+                             f"got {int(v)}")
         out.append(int(v))
     return out
 
@@ -1737,8 +1738,11 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._sync_counters()
 
     def plan(self) -> List[Dict[str, Any]]:
-        """The engine's megabatches (shape, count, selected rows, orthogonalizer, workspace)."""
-        return [] if self._engine is None else self._engine.plan()
+        """The engine's megabatches (shape, count, selected rows, orthogonalizer, workspace); "group"
+        is the index in param_groups (the engine leaves out groups without parameters to step)."""
+        if self._engine is None:
+            return []
+        return [dict(mb, group=self._engine_groups[mb["group"]]) for mb in self._engine.plan()]
 
     # ---- internals --------------------------------------------------------------------------
 

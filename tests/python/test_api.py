@@ -437,3 +437,12 @@ def test_param_groups_give_each_head_its_own_lr_and_find_embedding_bags():
     m.lm_head.weight.requires_grad_(False)  # a frozen head weight: its bias keeps the head's lr
     lr = {n: g["lr"] for g in dion3.param_groups(m, lr=0.01) if g["role"] == "lm_head" for n in g["param_names"]}
     assert lr["lm_head.bias"] == pytest.approx(0.01 / 8)
+
+
+def test_plan_names_each_megabatchs_group_by_its_param_groups_index():
+    # The engine leaves out groups without parameters to step; the plan maps back.
+    p, q = (torch.nn.Parameter(torch.randn(8, 16)) for _ in range(2))
+    opt = dion3.Dion3([dict(params=[p]), dict(params=[]), dict(params=[q], fraction=0.5)])
+    p.grad, q.grad = torch.randn(8, 16), torch.randn(8, 16)
+    opt.step()
+    assert sorted((mb["group"], mb["selected_rows"]) for mb in opt.plan()) == [(0, 2), (2, 4)]

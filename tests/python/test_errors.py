@@ -333,8 +333,8 @@ def test_a_misspelt_transposed_is_refused_by_every_matrix_optimizer(device, cls)
 
 
 @pytest.mark.parametrize("setting, pattern", [
-    (dict(split_sizes=(2**63, 12)), r"'split_sizes' must hold block sizes >= 1, got 9223372036854775808"),
-    (dict(split_sizes=(-2**63 - 1, 12)), r"'split_sizes' must hold block sizes >= 1, got -9223372036854775809"),
+    (dict(split_sizes=(2**63, 12)), r"'split_sizes' must hold block sizes >= 1 and below 2\*\*63 \(64-bit\), got 9223372036854775808"),
+    (dict(split_sizes=(-2**63 - 1, 12)), r"'split_sizes' must hold block sizes >= 1 and below 2\*\*63 \(64-bit\), got -9223372036854775809"),
     (dict(split_sizes=(2**64,)), r"'split_sizes' must hold block sizes >= 1"),
     (dict(num_heads=2**63), r"'num_heads' must be a positive integer \(64-bit\) or None"),
     # Refused for not dividing the rows at once, without a list of two billion heads first.
