@@ -476,8 +476,9 @@ def load_checkpoint(path: str, device, mmap: bool = False) -> Dict:
     return ck
 
 
-def weights_finite(model: nn.Module) -> bool:
-    return all(bool(t.isfinite().all()) for t in model.state_dict().values() if t.is_floating_point())
+def non_finite_weights(model: nn.Module) -> List[str]:
+    """The names of the model's floating-point tensors that hold NaN or Inf."""
+    return [k for k, t in model.state_dict().items() if t.is_floating_point() and not bool(t.isfinite().all())]
 
 
 def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resume: bool,
@@ -517,8 +518,8 @@ def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resu
             torch.set_rng_state(ck["torch_rng"].cpu())
             state = dict(ck["state"])
             int(state["step"]), bool(state["done"]), list(state["history"])  # raise if missing
-            bad = [k for k, t in model.state_dict().items() if t.is_floating_point() and not bool(t.isfinite().all())]
-            if bad and not state["done"]:  # a damaged file: an unfinished run is saved with finite weights
+            bad = [] if state["done"] else non_finite_weights(model)
+            if bad:  # a damaged file: an unfinished run is saved with finite weights
                 raise ValueError(f"the weights hold NaN or Inf ({', '.join(bad[:3])})")
         except torch.cuda.OutOfMemoryError:
             raise  # the machine's, not the checkpoint's
@@ -583,7 +584,7 @@ def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resu
         step = state["step"]
         if step % cfg.eval_every == 0 or step == cfg.steps:
             val = evaluate(model, val_windows, device)
-            if not math.isfinite(val) or not weights_finite(model):  # the weights themselves went non-finite
+            if not math.isfinite(val) or non_finite_weights(model):  # the weights themselves went non-finite
                 state["diverged"] = step
                 print(f"\n{name}: the validation loss is not finite at step {step}; the run ends here as diverged",
                       file=sys.stderr)
@@ -592,7 +593,7 @@ def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resu
             save()
         progress.show(step, tokens * step / max(state["elapsed"], 1e-9), train_loss, val, final=step == cfg.steps)
         why = "--stop-after" if stop_after is not None and ran >= stop_after else stop.reason()
-        if why and step < cfg.steps and not weights_finite(model):
+        if why and step < cfg.steps and non_finite_weights(model):
             # Saved unfinished only with finite weights (what resuming checks): this step diverged.
             state["diverged"] = step
             print(f"\n{name}: the weights are not finite at step {step}; the run ends here as diverged",

@@ -83,7 +83,7 @@ struct DION3_API OrthConfig {
 
   void validate() const;
   // Throws unless eps is a finite float32 of at least FLT_MIN; checked in double, so a value a
-  // front end has yet to narrow (1e-50) is named as given rather than as 0.
+  // front end has yet to narrow is named as given rather than as its float32 rounding.
   static void check_norm_eps(double eps);
 };
 

@@ -162,8 +162,8 @@ def _engine_config(group: Dict[str, Any]) -> Dict[str, Any]:
         orth = "gram"  # the reference's flag maps onto our explicit argument
     coefficients = group.get("coefficients")
     if coefficients is None:
-        coefficients = POLAR_EXPRESS if _flag(dict(use_polar_express=group.get("use_polar_express", True)),
-                                              "use_polar_express") else YOU
+        polar_express = _flag(group, "use_polar_express") if "use_polar_express" in group else True
+        coefficients = POLAR_EXPRESS if polar_express else YOU
     elif isinstance(coefficients, str):
         if coefficients not in COEFFICIENT_SETS:
             raise ValueError(f"dion3: 'coefficients' names one of {', '.join(COEFFICIENT_SETS)} or is a list of "

@@ -76,7 +76,7 @@ GroupConfig config_from_c(const dion3_group_config& c) {
                                              ", expected -1 or a dtype");
   if (c.orth_iteration_dtype >= 0)
     g.orth.iteration_dtype = dtype_from_c(c.orth_iteration_dtype, "group config: orth_iteration_dtype");
-  // Checked before narrowing to float32 (which makes 1e-50 a 0), where the algorithm uses it.
+  // Checked before narrowing to float32 (which turns a tiny value into 0), where the algorithm uses it.
   if (is_matrix_algorithm(g.algorithm)) {
     try {
       OrthConfig::check_norm_eps(c.orth_norm_eps);

@@ -303,9 +303,9 @@ struct Optimizer::Impl {
   // written range (weights, state) for any role, and for a written role also every gradient.
   std::string memory_clash(const TensorView& t, bool written_role) const;
   void build_plan();
-  // Whether the next step would plan anew: no plan, a group's planned setting changed, or a
-  // gradient given in another dtype (megabatches are keyed by it).
-  bool plan_stale() const;
+  // Whether the next step would plan anew: no plan, a group's planned setting changed, or (with
+  // grad_dtypes) a gradient given in another dtype (megabatches are keyed by it).
+  bool plan_stale(bool grad_dtypes = true) const;
   Hyper group_hyper(int g, GroupHyper which) const;
   Hyper megabatch_lr(const Megabatch& mb) const;
   std::vector<float> hyper_values() const;

@@ -9,7 +9,7 @@
 namespace dion3 {
 
 // 6 significant digits, or 9 where 6 do not read back as v (as a float where v is one): a value
-// just past a bound (fraction 1.0000001) is not printed as the bound itself.
+// just past a bound is not printed as the bound itself.
 inline std::string format_number(double v) {
   const bool is_float = static_cast<double>(static_cast<float>(v)) == v;
   char buf[40];

@@ -1391,10 +1391,11 @@ void Optimizer::Impl::check_group(int g) const {
   if (const std::string e = structure_error(g); !e.empty()) fail(e);
 }
 
-bool Optimizer::Impl::plan_stale() const {
+bool Optimizer::Impl::plan_stale(bool grad_dtypes) const {
   if (!plan_valid) return true;
   for (std::size_t g = 0; g < groups.size(); ++g)
     if (!same_plan(groups[g], planned[g])) return true;
+  if (!grad_dtypes) return false;
   for (const Megabatch& mb : megabatches)
     for (const Member& m : mb.members)
       if (params[m.param].grad.dtype != mb.grad_dtype) return true;
@@ -1423,16 +1424,8 @@ void Optimizer::Impl::validate_for_step(bool grads_bound) {
   }
   // A plan whose settings changed stays valid until build_plan() replaces it: a new setting that
   // cannot be planned (num_heads that does not divide the rows) leaves the old plan to refuse with.
-  bool replan = !s.plan_valid;
-  for (int g = 0; !replan && g < num_groups; ++g) replan = !same_plan(s.groups[g], s.planned[g]);
-  if (replan) s.build_plan();
-  // Gradient dtypes are part of the megabatch key: re-plan if set_grad changed one (a plan just
-  // built is keyed by the current ones).
-  if (!params_checked)
-    for (const Megabatch& mb : s.megabatches)
-      for (const Member& m : mb.members)
-        if (s.params[m.param].grad.dtype != mb.grad_dtype) s.plan_valid = false;
-  if (!s.plan_valid) s.build_plan();
+  // Gradient dtypes can have changed (set_grad) only where the binding moved.
+  if (s.plan_stale(!params_checked)) s.build_plan();
   if (grads_bound) s.validated = s.binding;
   s.check_adjusted_lrs();
   // Last, with a plan: a refusal (refuse_invalid) runs through it. Not a replay's (no host reads).
