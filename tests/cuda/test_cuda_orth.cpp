@@ -6,7 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/cuda_backend.hpp"
@@ -128,6 +130,58 @@ TEST_F(OrthLongSegments, LongSegmentsIterateStandardAndStayFiniteOnZeroRows) {
         else kept.push_back(x);
       }
   EXPECT_LE(max_row_gram_dev(kept, 2, real, cols), 0.35);
+}
+
+// The other side of the bound, on the GPU's float16 Gram path (full GEMMs, cuBLAS tiles, the fused kernel;
+// fp32 accumulation): five classic steps without a restart grow Q by 3.4445^5, just under the
+// float16 bound, and rank-one inputs (R's noise in every other direction) stay finite and in band.
+TEST_F(OrthLongSegments, GramJustUnderTheFloat16BoundStaysFiniteOnRankOneInputs) {
+  dion3::OrthConfig cfg;
+  cfg.method = OrthMethod::Gram;
+  cfg.iteration_dtype = DType::F16;
+  cfg.coefficients.assign(5, dion3::Coefficients{3.4445, -4.775, 2.0315});
+  cfg.restarts.clear();
+  ASSERT_FALSE(cfg.gram_diverges(DType::F16));
+  cfg.coefficients.push_back(cfg.coefficients.back());
+  ASSERT_TRUE(cfg.gram_diverges(DType::F16));
+  cfg.coefficients.pop_back();
+  // Full GEMMs, cuBLAS tiles, the default (the fused kernel where it runs).
+  const std::vector<dion3::cuda::SymmetricOptions> paths{{false, 0}, {true, 64, false}, {}};
+  for (std::size_t path = 0; path < paths.size(); ++path) {
+    dion3::cuda::set_symmetric_options(*gpu, paths[path]);
+    for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{96, 384}, {320, 1024}}) {
+      const int64_t batch = 4;
+      std::mt19937_64 rng(rows + path);
+      std::normal_distribution<float> nd;
+      std::vector<float> v(static_cast<std::size_t>(batch * rows * cols));
+      for (int64_t m = 0; m < batch; ++m) {
+        std::vector<float> u(rows), w(cols);
+        for (float& x : u) x = nd(rng);
+        for (float& x : w) x = nd(rng);
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t j = 0; j < cols; ++j) v[(m * rows + i) * cols + j] = u[i] * w[j];
+      }
+      Twin in(*gpu, DType::F32, batch, rows, cols), out(*gpu, DType::F32, batch, rows, cols);
+      in.set_host(v);
+      in.upload();
+      dion3::Orthogonalizer o(*gpu, cfg, batch, rows, cols);
+      ASSERT_EQ(o.method(), OrthMethod::Gram);
+      o.run(in.dview(), out.dview());
+      const std::vector<float> od = out.device_values();
+      for (int64_t m = 0; m < batch; ++m) {
+        // Rank one in, rank one out: the Frobenius norm is the one singular value.
+        double ss = 0;
+        for (int64_t i = 0; i < rows * cols; ++i) {
+          const float x = od[m * rows * cols + i];
+          ASSERT_TRUE(std::isfinite(x)) << rows << "x" << cols << " path " << path << ", matrix " << m;
+          ss += static_cast<double>(x) * x;
+        }
+        EXPECT_GT(std::sqrt(ss), 0.6) << rows << "x" << cols << " path " << path << ", matrix " << m;
+        EXPECT_LT(std::sqrt(ss), 1.3) << rows << "x" << cols << " path " << path << ", matrix " << m;
+      }
+    }
+  }
+  dion3::cuda::set_symmetric_options(*gpu, {});
 }
 
 // Whether intermediates are banded is decided at every run, so the backend's symmetric path may
