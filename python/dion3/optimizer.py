@@ -262,6 +262,11 @@ def _is_bool(v) -> bool:
     return isinstance(v, bool) or type(v).__module__ == "numpy" and type(v).__name__ in ("bool", "bool_")
 
 
+def _real(v) -> bool:
+    """A plain real number (not a bool)."""
+    return isinstance(v, numbers.Real) and not _is_bool(v)
+
+
 def _flag(group: Dict[str, Any], key: str) -> bool:
     """A group's on/off setting: True or False (numpy's bools and the ints 0 and 1 too), so that a
     string such as "False" is refused rather than read as true."""
@@ -394,7 +399,7 @@ def _regrouped(saved_groups, groups) -> str:
     """For a refused load whose groups differ from the optimizer's: where named parameters sit in
     each (a few), and what to do."""
     def where(gs):
-        return {str(n): gi for gi, g in enumerate(gs) if isinstance(g.get("param_names"), list)
+        return {str(n): gi for gi, g in enumerate(gs) if isinstance(g, dict) and isinstance(g.get("param_names"), list)
                 for n in g["param_names"]}
     there, here = where(saved_groups), where(groups)
     moved = [f"'{n}' (group {there[n]} there, {here[n]} here)" for n in here if n in there and there[n] != here[n]]
@@ -405,6 +410,27 @@ def _regrouped(saved_groups, groups) -> str:
     shown = ", ".join(moved[:3]) + (f" and {len(moved) - 3} more" if len(moved) > 3 else "")
     return (f": {shown}. Build the groups as the checkpoint's were (dion3.param_groups of another version, or "
             "called with other arguments, may group them otherwise)")
+
+
+def _refuse_misplaced_names(saved_groups, groups) -> None:
+    """Where both sides name their parameters, a name the state_dict holds in another group than
+    here is refused: a load matches state and settings by position, so two same-shape matrices in
+    swapped groups (which pass every shape check) would take each other's; and after
+    torch.distributed.checkpoint matched the state by name, a group's settings and names are those
+    of its first parameter's saved group, or missing. Names that differ otherwise may be a prefix
+    ("module."); a reordering within one group is _load_plan's."""
+    def where(gs):
+        at = {}
+        for gi, g in enumerate(gs):
+            names = g.get("param_names") if isinstance(g, dict) else None
+            for n in names if isinstance(names, list) else []:
+                at.setdefault(str(n), gi)
+        return at
+    there, here = where(saved_groups), where(groups)
+    if any(n in there and there[n] != gi for n, gi in here.items()):
+        raise ValueError("dion3: load_state_dict: the state_dict's parameter groups hold these parameters "
+                         "otherwise than this optimizer's, so a parameter would take another one's state or "
+                         "another group's settings" + _regrouped(saved_groups, groups))
 
 
 @atexit.register
@@ -960,6 +986,14 @@ class _EngineOptimizer(torch.optim.Optimizer):
             if "beta1" in g or "beta2" in g:
                 betas = g.get("betas", mine["betas"] if mine is not None else self.defaults["betas"])
                 pair = tuple(betas) if isinstance(betas, (tuple, list)) and len(betas) == 2 else (None, None)
+                # state_dict() writes both spellings; one edited without the other (a load pre-hook
+                # setting betas, say) leaves no way to tell which is meant.
+                if "betas" in g and any(k in g and _real(g[k]) and _real(b) and float(g[k]) != float(b)
+                                        for k, b in zip(("beta1", "beta2"), pair)):
+                    raise ValueError(f"dion3: load_state_dict: parameter group {gi} of the state_dict holds betas "
+                                     f"{tuple(betas)!r} and beta1/beta2 ({g.get('beta1', pair[0])!r}, "
+                                     f"{g.get('beta2', pair[1])!r}), which disagree; set both spellings, or "
+                                     "remove beta1/beta2 (the reference package's keys)")
                 b1, b2 = g.pop("beta1", pair[0]), g.pop("beta2", pair[1])
                 # Numbers as saved; anything else is left to the group's check, which names it.
                 g["betas"] = (b1, b2) if not all(isinstance(b, numbers.Real) for b in (b1, b2)) \
@@ -1060,6 +1094,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             raise ValueError(f"dion3: load_state_dict: the state_dict has {len(saved_groups)} parameter groups "
                              f"but the optimizer has {len(self.param_groups)}"
                              + _regrouped(saved_groups, self.param_groups))
+        _refuse_misplaced_names(saved_groups, self.param_groups)
         plan = []
         for gi, (saved, mine) in enumerate(zip(saved_groups, self.param_groups)):
             if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)):

@@ -718,6 +718,35 @@ def test_a_checkpoint_saved_while_a_parameter_was_frozen_loads_where_it_trains(f
     assert opt2.state[model2[1].weight]["step"] == 0 and not opt2.state[model2[1].weight]["momentum"].any()
 
 
+@pytest.mark.parametrize("flatten", [False, True])
+def test_a_distributed_checkpoint_whose_groups_held_the_weights_otherwise_is_refused(flatten):
+    # torch.distributed.checkpoint matches state by name, but a group whose weights come from
+    # several saved groups gets its first weight's saved settings and names (flattened), or none
+    # (dion3 then took the defaults: a silent change of lr). Named groups show it: refused.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    def make(order):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8, bias=False) for _ in range(4)])
+        named = dict(model.named_parameters())
+        return model, dion3.Dion3([dict(params=[named[k] for k in ks], param_names=ks, lr=lr)
+                                   for ks, lr in zip(order, (0.02, 0.005))])
+    saved = [["0.weight", "1.weight"], ["2.weight", "3.weight"]]
+    model, opt = make(saved)
+    model(torch.randn(4, 8)).square().sum().backward()
+    opt.step()
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    msd, osd = get_state_dict(model, opt, options=options)
+    model2, opt2 = make([["0.weight", "3.weight"], ["2.weight", "1.weight"]])
+    with pytest.raises(ValueError, match=r"hold these parameters otherwise.*'3.weight' \(group 1 there, 0 here\)"):
+        set_state_dict(model2, opt2, model_state_dict=msd, optim_state_dict=osd, options=options)
+    assert [g["lr"] for g in opt2.param_groups] == [0.02, 0.005]
+    assert all(not opt2.state[p]["momentum"].any() for p in model2.parameters())
+    model3, opt3 = make(saved)  # the groups as saved: loads
+    set_state_dict(model3, opt3, model_state_dict=msd, optim_state_dict=osd, options=options)
+    assert torch.equal(opt3.state[model3[3].weight]["momentum"], opt.state[model[3].weight]["momentum"])
+
+
 def test_reading_a_frozen_parameters_state_leaves_no_entry_to_refuse():
     # opt.state is a defaultdict: opt.state[p] of a parameter without state inserts {}. It is
     # saved as no state, and an empty entry given by another writer loads as none.

@@ -971,6 +971,61 @@ def test_a_checkpoint_with_its_parameter_names_in_another_order_is_refused():
     renamed.load_state_dict(sd)  # other names (a wrapper's prefix) still load by position
 
 
+def _state_copy(opt):
+    """The optimizer's state as plain values, to compare before and after a refused load."""
+    return [{k: v.tolist() if torch.is_tensor(v) else v for k, v in opt.state[p].items()}
+            for g in opt.param_groups for p in g["params"]]
+
+
+def test_a_checkpoint_whose_groups_hold_the_named_parameters_otherwise_is_refused():
+    # Two same-shape parameters in swapped groups pass every shape check; by position each would
+    # take the other's state and lr.
+    a, b, c = (torch.nn.Parameter(torch.randn(8, 12)) for _ in range(3))
+
+    def build(first, second):
+        return dion3.Dion3([dict(params=[c], param_names=["mid"]),
+                            dict(params=[first[1]], param_names=[first[0]], algorithm="adamw", lr=1e-3),
+                            dict(params=[second[1]], param_names=[second[0]], algorithm="adamw", lr=1e-4)], lr=0.02)
+    opt = build(("embed", a), ("head", b))
+    for p in (a, b, c):
+        p.grad = torch.randn(8, 12)
+    opt.step()
+    sd = opt.state_dict()
+    swapped = build(("head", b), ("embed", a))
+    before = _state_copy(swapped)
+    with pytest.raises(ValueError, match=r"hold these parameters otherwise.*'head' \(group 2 there, 1 here\)"):
+        swapped.load_state_dict(sd)
+    assert _state_copy(swapped) == before and swapped.param_groups[1]["lr"] == 1e-3
+    build(("embed", a), ("head", b)).load_state_dict(sd)
+
+
+def test_betas_and_beta1_beta2_that_disagree_are_refused():
+    # state_dict() writes both spellings: one of them edited (a load pre-hook setting betas) is
+    # not silently overridden by the other.
+    w, v = torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4))
+    groups = lambda: [dict(params=[w]), dict(params=[v], algorithm="adamw")]  # noqa: E731
+    opt = dion3.Dion3(groups(), lr=0.02, betas=(0.9, 0.95))
+    w.grad, v.grad = torch.randn(8, 4), torch.randn(4)
+    opt.step()
+    sd = opt.state_dict()
+    sd["param_groups"][1]["betas"] = (0.5, 0.999)
+    fresh = dion3.Dion3(groups(), lr=0.02, betas=(0.9, 0.95))
+    before = _state_copy(fresh)
+    with pytest.raises(ValueError, match=r"group 1 of the state_dict holds betas \(0.5, 0.999\) and beta1/beta2 "
+                                         r"\(0.9, 0.95\), which disagree"):
+        fresh.load_state_dict(sd)
+    assert _state_copy(fresh) == before and fresh.param_groups[1]["betas"] == (0.9, 0.95)
+    del sd["param_groups"][1]["beta1"], sd["param_groups"][1]["beta2"]
+    fresh.load_state_dict(sd)
+    assert tuple(fresh.param_groups[1]["betas"]) == (0.5, 0.999)
+    ref = opt.state_dict()  # the reference package's keys alone still replace betas
+    for g in ref["param_groups"]:
+        del g["betas"]
+    ref["param_groups"][1]["beta1"] = 0.8
+    fresh.load_state_dict(ref)
+    assert tuple(fresh.param_groups[1]["betas"]) == (0.8, 0.95)
+
+
 def test_saved_names_that_do_not_match_the_group_in_number_are_not_taken():
     # A distributed checkpoint of a larger model loads by name (its groups' params rebuilt for
     # the live model) but keeps its name lists: the live names stay, so errors name the right layer.
