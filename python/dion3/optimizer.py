@@ -18,6 +18,7 @@ import gc
 import math
 import numbers
 import re
+import threading
 import warnings
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -740,7 +741,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._engine_cuda = False
         self._applied_seen = self._skipped_seen = 0  # engine counters already folded into state
         self._counters_pending = False
+        self._absent_from_engine = False  # _absent is the engine's (a step's count was cut short)
         self._raised_pending = 0    # dropped steps a deferred on_nonfinite='raise' has yet to raise
+        self._step_lock = threading.RLock()  # see step()
         self._engine_groups: List[int] = []
         self._steps_skipped = 0
         self._dirty = True
@@ -768,6 +771,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
         megabatch = state.get("_megabatch", getattr(self, "_megabatch", True))
         blocking = state.get("_blocking", getattr(self, "_blocking", None))
         super().__setstate__(state)
+        if "_step_lock" not in self.__dict__:  # (load_state_dict keeps the one a step may hold)
+            self._step_lock = threading.RLock()
+        self._absent_from_engine = False
         self._blocking = blocking
         self._raised_pending = 0
         self._on_nonfinite = on_nonfinite
@@ -1283,6 +1289,18 @@ class _EngineOptimizer(torch.optim.Optimizer):
     @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None):
+        # One thread at a time: the engine steps without the GIL, and a second thread's step
+        # beneath it would rebind gradients or rebuild the engine (the engine refuses its own calls
+        # too; this also keeps the counting in Python whole). The same thread may come back in.
+        if not self._step_lock.acquire(blocking=False):
+            raise RuntimeError("dion3: this optimizer is stepping in another thread: an optimizer steps in one "
+                               "thread at a time")
+        try:
+            return self._locked_step(closure)
+        finally:
+            self._step_lock.release()
+
+    def _locked_step(self, closure):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -1358,8 +1376,16 @@ class _EngineOptimizer(torch.optim.Optimizer):
         # A step that does not block only enqueues: nothing waits for the GPU, and its verdict
         # comes back through an asynchronous copy of the engine's counters (see _sync_counters).
         asynchronous = self._engine_cuda and not self._blocks()
-        # The engine reads each parameter's .grad itself (no per-parameter Python work per step).
-        status = self._run_first(engine, asynchronous)
+
+        def run(engine):
+            if not asynchronous:
+                # Counted from the engine's counters (_sync_counters), not by one: a KeyboardInterrupt
+                # that lands between the engine's return and the count is then folded in later, so
+                # a checkpoint saved on it holds the step the weights took.
+                self._counters_pending = self._absent_from_engine = True
+            # The engine reads each parameter's .grad itself (no per-parameter Python work per step).
+            return self._run_first(engine, asynchronous)
+        status = run(engine)
         if status < 0:  # parameters, their groups or gradients changed, or a weight or state tensor moved
             if not self._has_gradients():  # nothing to step: the plan stays for the next step
                 if self._mesh is not None:
@@ -1368,21 +1394,23 @@ class _EngineOptimizer(torch.optim.Optimizer):
             engine = self._replanned(key)
             if engine is None:
                 return loss
-            status = self._run_first(engine, asynchronous)
+            status = run(engine)
             if status < 0:
                 raise RuntimeError("dion3: internal error: the engine still asks for a rebuild")
         # Matrices without a gradient were left alone (the engine's plan keeps them): not counted.
-        self._absent = engine.absent()
+        self._absent, self._absent_from_engine = engine.absent(), False
         self._stepped_once = True  # a gradient was seen (see _note_never_a_gradient)
-        if status > 0:  # applied, or enqueued: counted now; a dropped enqueued step is taken back later
+        if not asynchronous:
+            self._sync_counters()
+            return loss
+        if status > 0:  # enqueued: counted now; a dropped enqueued step is taken back later
             for st in self._counted_states():
                 st["step"] += 1
             self._applied_seen += 1
         else:
             self._steps_skipped += 1
             self._skipped_seen += 1
-        if asynchronous:
-            self._counters_pending = True  # the engine posts its counters to the host itself
+        self._counters_pending = True  # the engine posts its counters to the host itself
         return loss
 
     def _note_never_a_gradient(self) -> None:
@@ -1650,6 +1678,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         wait=False: only if the last asynchronous copy of the counters has arrived."""
         if not self._counters_pending or self._engine is None:
             return
+        if self._absent_from_engine:  # the last step's count was cut short before _absent was set
+            self._absent, self._absent_from_engine = self._engine.absent(), False
         if not wait:
             posted = self._engine.posted_counters()
             if posted is None:

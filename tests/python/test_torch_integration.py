@@ -773,3 +773,114 @@ def test_an_optimizer_whose_parameters_never_get_a_gradient_says_why_once():
             model.weight.grad = None
             fine.step()
     assert not [w for w in caught if "has had a gradient" in str(w.message)]
+
+
+def test_a_step_from_a_second_thread_while_one_runs_is_refused():
+    # The engine steps without the GIL: a second thread's step beneath it rebound the gradients
+    # (freed memory, NaN weights). It raises instead, and the running step ends as if alone.
+    torch.manual_seed(0)
+    ws = [nn.Parameter(torch.randn(64, 48)) for _ in range(2)]
+    grads = [torch.randn(64, 48) for _ in ws]
+    alone = dion3.Dion3([w.detach().clone().requires_grad_() for w in ws], lr=0.02)
+    for p, g in zip(alone.param_groups[0]["params"], grads):
+        p.grad = g.clone()
+    alone.step()
+    opt = dion3.Dion3(ws, lr=0.02)
+    inside, release, errors = threading.Event(), threading.Event(), []
+
+    def closure():  # runs inside the first thread's step
+        for p, g in zip(ws, grads):
+            p.grad = g.clone()
+        inside.set()
+        release.wait(30)
+
+    t = threading.Thread(target=lambda: opt.step(closure))
+    t.start()
+    assert inside.wait(30)
+    try:
+        opt.step()
+    except RuntimeError as e:
+        errors.append(str(e))
+    release.set()
+    t.join(30)
+    assert errors and "stepping in another thread" in errors[0]
+    assert all(torch.equal(a, b) for a, b in zip(ws, alone.param_groups[0]["params"]))
+    assert [opt.state[w]["step"] for w in ws] == [1, 1]
+
+
+def test_engine_calls_from_another_thread_during_a_native_step_are_refused():
+    # The guard at the engine itself: while one thread's step runs natively (GIL released), a
+    # call that reaches the engine from another thread raises rather than racing it.
+    torch.manual_seed(0)
+    ws = [nn.Parameter(torch.randn(512, 512)) for _ in range(4)]
+    opt = dion3.Dion3(ws, lr=0.02, fraction=1.0)
+    for w in ws:
+        w.grad = torch.randn(512, 512)
+    opt.step()  # builds the engine
+    engine, done, refused = opt._engine, threading.Event(), []
+
+    def steps():
+        for _ in range(5):
+            opt.step()
+        done.set()
+
+    t = threading.Thread(target=steps)
+    t.start()
+    while not done.is_set():
+        try:
+            engine.steps_taken
+        except RuntimeError as e:
+            refused.append(str(e))
+    t.join(60)
+    assert refused and "in use by another thread" in refused[0]
+    assert engine.steps_taken == 6 and all(torch.isfinite(w).all() for w in ws)
+
+
+def test_a_cycle_through_a_stepped_optimizer_is_collected():
+    # A parameter's hook that refers to the optimizer makes a cycle through the engine, which
+    # holds the parameters, their state dicts and the groups: the collector sees those references.
+    import gc
+    import weakref
+
+    def build():
+        p = nn.Parameter(torch.randn(64, 32))
+        opt = dion3.Dion3([p], lr=0.02)
+        p.register_hook(lambda g: (opt, g)[1])
+        (p * 2).sum().backward()
+        opt.step()
+        return weakref.ref(opt)
+
+    gc.collect()
+    before = dion3._C._live_engines()
+    refs = [build() for _ in range(3)]
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert dion3._C._live_engines() == before
+
+
+def test_a_step_interrupted_right_after_the_engine_returns_is_counted():
+    # A signal (KeyboardInterrupt) lands once the native step returns: the weights have stepped,
+    # so the counters a checkpoint saved in the handler holds must say so.
+    torch.manual_seed(0)
+    w, b = nn.Parameter(torch.randn(32, 16)), nn.Parameter(torch.randn(16))
+    opt = dion3.Dion3([dict(params=[w]), dict(params=[b], algorithm="adamw")], lr=0.02)
+    ref = dion3.Dion3([dict(params=[w.detach().clone().requires_grad_()]),
+                       dict(params=[b.detach().clone().requires_grad_()], algorithm="adamw")], lr=0.02)
+    for o, (pw, pb) in ((opt, (w, b)), (ref, ref.param_groups[0]["params"] + ref.param_groups[1]["params"])):
+        pw.grad, pb.grad = torch.ones(32, 16), torch.ones(16)
+        o.step()
+    run_first = opt._run_first
+
+    def interrupted(*args):
+        run_first(*args)
+        raise KeyboardInterrupt
+
+    opt._run_first = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    del opt._run_first
+    ref.step()
+    sd = opt.state_dict()
+    assert [st["step"] for st in sd["state"].values()] == [2, 2]
+    assert torch.equal(w, ref.param_groups[0]["params"][0]) and torch.equal(b, ref.param_groups[1]["params"][0])
+    assert opt.state[b]["step"] == 2

@@ -18,6 +18,7 @@
 #include <optional>
 #include <unordered_set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/c_config.hpp"
@@ -370,6 +371,54 @@ class Engine {
   ~Engine() { --live_engines; }
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
+
+  // Every call from Python holds one (see guarded): an engine serves one thread at a time. Its
+  // steps run without the GIL, so a second thread could otherwise rebind the gradients, or step,
+  // beneath a running step (freed memory, NaN weights); it is told so instead. A call from the
+  // thread already inside passes.
+  class Entry {
+   public:
+    explicit Entry(const Engine& e) : e_(e) {
+      std::thread::id none{};
+      const std::thread::id me = std::this_thread::get_id();
+      if (e.user_.compare_exchange_strong(none, me)) owner_ = true;
+      else if (none != me)
+        throw dion3::Error(dion3::Status::Internal,
+                           "this optimizer is in use by another thread (a step runs there): an optimizer steps, "
+                           "saves and loads in one thread at a time");
+    }
+    ~Entry() {
+      if (owner_) e_.user_.store(std::thread::id{});
+    }
+    Entry(const Entry&) = delete;
+    Entry& operator=(const Entry&) = delete;
+
+   private:
+    const Engine& e_;
+    bool owner_ = false;
+  };
+
+  // The cycle collector's view of the Python objects the engine holds (the parameters, their
+  // state dicts, the groups): without it a cycle through the engine (a parameter's hook that
+  // refers to the optimizer) is never collected. clear() drops them (the engine is then dead).
+  int traverse(visitproc visit, void* arg) const {
+    for (const auto* held : {&weights_, &wrappers_, &watched_})
+      for (const Held& h : *held) Py_VISIT(h.object());
+    for (const auto& [state, tensors] : state_watch_) {
+      Py_VISIT(state.ptr());
+      Py_VISIT(tensors.ptr());
+    }
+    for (const auto& [group, params] : groups_watch_) {
+      Py_VISIT(group.ptr());
+      for (const py::object& p : params) Py_VISIT(p.ptr());
+    }
+    return 0;
+  }
+  void clear() {
+    for (auto* held : {&weights_, &wrappers_, &watched_}) held->clear();
+    state_watch_.clear();
+    groups_watch_.clear();
+  }
 
   int add_group(const py::dict& cfg) { return opt_->add_group(group_config(cfg)); }
 
@@ -850,6 +899,7 @@ class Engine {
     explicit Held(at::Tensor tensor) : tensor_(std::move(tensor)) {}
     bool defined() const { return object_ ? true : tensor_.defined(); }
     const at::Tensor& get() const { return object_ ? THPVariable_Unpack(object_.ptr()) : tensor_; }
+    PyObject* object() const { return object_.ptr(); }  // null where a tensor is held
 
    private:
     py::object object_;
@@ -927,6 +977,7 @@ class Engine {
   std::vector<std::pair<py::dict, py::dict>> state_watch_;  // (state[p], {key: its state tensor})
   std::vector<std::pair<py::dict, std::vector<py::object>>> groups_watch_;  // (group, its params)
   std::vector<std::shared_ptr<TorchCommunicator>> comms_;
+  mutable std::atomic<std::thread::id> user_{};  // the thread inside a call (see Entry)
 };
 
 void validate_group(const py::dict& cfg) { group_config(cfg).validate(); }
@@ -1011,6 +1062,7 @@ template <class R, class C, class... A>
 auto guarded(R (C::*f)(A...)) {
   return [f](C& self, A... a) -> R {
     try {
+      const Engine::Entry entry(self);
       return (self.*f)(std::forward<A>(a)...);
     } catch (const dion3::Error& e) {
       set_python_error(e);
@@ -1022,6 +1074,7 @@ template <class R, class C, class... A>
 auto guarded(R (C::*f)(A...) const) {
   return [f](const C& self, A... a) -> R {
     try {
+      const Engine::Entry entry(self);
       return (self.*f)(std::forward<A>(a)...);
     } catch (const dion3::Error& e) {
       set_python_error(e);
@@ -1070,7 +1123,23 @@ PYBIND11_MODULE(_C, m) {
   g_nonfinite_error = PyErr_NewException("dion3._C.NonFiniteError", PyExc_FloatingPointError, nullptr);
   m.attr("NonFiniteError") = py::handle(g_nonfinite_error);
 
-  py::class_<Engine>(m, "Engine")
+  // Whether an Engine object's C++ value exists (__init__ ran): the collector may visit one before.
+  static constexpr auto constructed = [](PyObject* self) {
+    return reinterpret_cast<py::detail::instance*>(self)->get_value_and_holder().holder_constructed();
+  };
+  py::class_<Engine>(m, "Engine", py::custom_type_setup([](PyHeapTypeObject* heap_type) {
+                       auto* type = &heap_type->ht_type;
+                       type->tp_flags |= Py_TPFLAGS_HAVE_GC;
+                       type->tp_traverse = [](PyObject* self, visitproc visit, void* arg) {
+                         Py_VISIT(Py_TYPE(self));  // a heap type: its instances hold it
+                         if (!constructed(self)) return 0;
+                         return py::cast<const Engine&>(py::handle(self)).traverse(visit, arg);
+                       };
+                       type->tp_clear = [](PyObject* self) {
+                         if (constructed(self)) py::cast<Engine&>(py::handle(self)).clear();
+                         return 0;
+                       };
+                     }))
       .def(py::init(guarded(&make_engine)), py::arg("device_type"), py::arg("device_index"),
            py::arg("on_nonfinite"), py::arg("workspace_limit") = -1, py::arg("megabatch") = true,
            py::arg("record_orthogonalizer") = true, py::arg("agree_on_names") = false)
