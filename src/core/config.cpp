@@ -199,9 +199,10 @@ double OrthConfig::gram_growth() const {
 }
 
 double OrthConfig::max_gram_growth(DType iteration) {
-  // Inside the edge the CPU sweeps over rank-deficient inputs found (bench/results/, gram-divergence).
+  // growth^2 * u <= 1: well inside the edge where the sweeps over rank-deficient inputs saw the
+  // result's largest singular value leave the band (bench/results/, gram-divergence).
   const double u = iteration == DType::F32 ? 0x1p-24 : iteration == DType::F16 ? 0x1p-11 : 0x1p-8;
-  return std::sqrt(128.0 / u);
+  return std::sqrt(1.0 / u);
 }
 
 std::string OrthConfig::gram_divergence_error(DType iteration) const {
@@ -209,7 +210,7 @@ std::string OrthConfig::gram_divergence_error(DType iteration) const {
   return std::string("Gram Newton-Schulz in ") + dtype_name(iteration) + " with these coefficients and restarts grows Q by " +
          format_number(gram_growth()) + " between restarts (the product of their a), more than " +
          format_number(max_gram_growth(iteration)) + ": rounding noise along directions the input does not span (a " +
-         "rank-deficient gradient) would then diverge to NaN; add 'restarts' or fewer steps, " +
+         "rank-deficient gradient) would then diverge; add 'restarts' or fewer steps, " +
          (iteration == DType::F32 ? "or use the standard method" : "use the standard method, or iterate in float32");
 }
 
