@@ -100,7 +100,7 @@ typedef enum dion3_orth_method {
 
 typedef enum dion3_orth_coefficients {
   DION3_COEFF_POLAR_EXPRESS = 0, /* Polar Express, safety 1.05 (default) */
-  DION3_COEFF_YOU = 1,           /* Muon's classic quintic */
+  DION3_COEFF_YOU = 1,           /* five tuned quintic steps, "You" (torch's classic Muon: CUSTOM) */
   DION3_COEFF_CUSTOM = 2,        /* orth_custom[0 .. orth_num_custom-1] */
   DION3_COEFF_REFERENCE = 3      /* the reference package's default Polar Express set */
 } dion3_orth_coefficients;
