@@ -1330,6 +1330,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         return first is None or _dist.local(first).device.type != "cuda" or self._blocks()
 
     def _step(self, loss):
+        if self._absent_from_engine and not _capturing():
+            self._sync_counters()  # a step cut short before its count: counted for its own parameters
         if self._mesh is not None and not _capturing():
             self._agree_on_partial_gradients()  # first: any registration below may sum a gradient
         if self._agree_first and self._mesh is not None and not _capturing():
@@ -1400,8 +1402,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         # Matrices without a gradient were left alone (the engine's plan keeps them): not counted.
         self._absent, self._absent_from_engine = engine.absent(), False
         self._stepped_once = True  # a gradient was seen (see _note_never_a_gradient)
-        if not asynchronous:
-            self._sync_counters()
+        if not asynchronous:  # the verdict is known: no read of the engine's counters
+            self._fold_counters(self._applied_seen + (status > 0), self._skipped_seen + (status == 0))
             return loss
         if status > 0:  # enqueued: counted now; a dropped enqueued step is taken back later
             for st in self._counted_states():
@@ -1678,17 +1680,26 @@ class _EngineOptimizer(torch.optim.Optimizer):
         wait=False: only if the last asynchronous copy of the counters has arrived."""
         if not self._counters_pending or self._engine is None:
             return
-        if self._absent_from_engine:  # the last step's count was cut short before _absent was set
-            self._absent, self._absent_from_engine = self._engine.absent(), False
-        if not wait:
-            posted = self._engine.posted_counters()
-            if posted is None:
+        # Under the step's lock: a reader in another thread would otherwise fold a step's count
+        # before the step runs (and the step's own fold then find nothing pending), or fold twice.
+        with self._step_lock:
+            if not self._counters_pending or self._engine is None:
                 return
-            applied, skipped = posted
-            if applied + skipped != self._applied_seen + self._skipped_seen:
-                return  # not the verdict of every step counted so far (or replays since)
-        else:
-            applied, skipped = self._engine.steps_taken, self._engine.steps_skipped
+            if self._absent_from_engine:  # the last step's count was cut short before _absent was set
+                self._absent, self._absent_from_engine = self._engine.absent(), False
+            if not wait:
+                posted = self._engine.posted_counters()
+                if posted is None:
+                    return
+                applied, skipped = posted
+                if applied + skipped != self._applied_seen + self._skipped_seen:
+                    return  # not the verdict of every step counted so far (or replays since)
+            else:
+                applied, skipped = self._engine.steps_taken, self._engine.steps_skipped
+            self._fold_counters(applied, skipped)
+
+    def _fold_counters(self, applied: int, skipped: int) -> None:
+        """The engine's counters (steps applied, dropped) into state[p]["step"] and steps_skipped."""
         for st in self._counted_states():
             st["step"] += applied - self._applied_seen
         dropped = skipped - self._skipped_seen

@@ -776,8 +776,8 @@ def test_an_optimizer_whose_parameters_never_get_a_gradient_says_why_once():
 
 
 def test_a_step_from_a_second_thread_while_one_runs_is_refused():
-    # The engine steps without the GIL: a second thread's step beneath it rebound the gradients
-    # (freed memory, NaN weights). It raises instead, and the running step ends as if alone.
+    # The engine steps without the GIL: a second thread's step beneath it would rebind the
+    # gradients (freed memory, NaN weights). It raises instead, and the running step ends as if alone.
     torch.manual_seed(0)
     ws = [nn.Parameter(torch.randn(64, 48)) for _ in range(2)]
     grads = [torch.randn(64, 48) for _ in ws]
@@ -884,3 +884,58 @@ def test_a_step_interrupted_right_after_the_engine_returns_is_counted():
     assert [st["step"] for st in sd["state"].values()] == [2, 2]
     assert torch.equal(w, ref.param_groups[0]["params"][0]) and torch.equal(b, ref.param_groups[1]["params"][0])
     assert opt.state[b]["step"] == 2
+
+
+def test_an_interrupted_step_is_counted_for_its_own_parameters():
+    # The cut-short count is folded before the next step runs, with the parameters that step had:
+    # a matrix without a gradient then is not credited with it.
+    torch.manual_seed(0)
+    w, v = nn.Parameter(torch.randn(16, 8)), nn.Parameter(torch.randn(16, 8))
+    opt = dion3.Dion3([w, v], lr=0.02)
+    w.grad, v.grad = torch.randn(16, 8), torch.randn(16, 8)
+    opt.step()
+    run_first = opt._run_first
+
+    def interrupted(*args):
+        run_first(*args)
+        raise KeyboardInterrupt
+
+    opt._run_first = interrupted
+    w.grad, v.grad = None, torch.randn(16, 8)
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    del opt._run_first
+    w.grad, v.grad = torch.randn(16, 8), torch.randn(16, 8)
+    opt.step()
+    assert [opt.state[p]["step"] for p in (w, v)] == [2, 3]
+
+
+def test_a_reader_in_another_thread_waits_for_the_step_to_count():
+    # A read of the counters (steps_skipped, state_dict) from a logging thread while a step runs
+    # waits for it: folded in the middle, the step's count was lost.
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(64, 32))
+    opt = dion3.Dion3([w], lr=0.02)
+    w.grad = torch.randn(64, 32)
+    opt.step()
+    run_first, inside, read = opt._run_first, threading.Event(), threading.Event()
+
+    def paused(engine, asynchronous):  # the step's count is pending; the engine has not run
+        inside.set()
+        read.wait(1)
+        return run_first(engine, asynchronous)
+
+    opt._run_first = paused
+
+    def reader():
+        inside.wait(10)
+        opt.steps_skipped
+        read.set()
+
+    t = threading.Thread(target=reader)
+    t.start()
+    w.grad = torch.randn(64, 32)
+    opt.step()
+    t.join(10)
+    del opt._run_first
+    assert [st["step"] for st in opt.state_dict()["state"].values()] == [2]

@@ -379,6 +379,8 @@ class Engine {
   class Entry {
    public:
     explicit Entry(const Engine& e) : e_(e) {
+      if (e.cleared_)
+        throw dion3::Error(dion3::Status::Internal, "this optimizer's engine was cleared by the garbage collector");
       std::thread::id none{};
       const std::thread::id me = std::this_thread::get_id();
       if (e.user_.compare_exchange_strong(none, me)) owner_ = true;
@@ -400,7 +402,7 @@ class Engine {
 
   // The cycle collector's view of the Python objects the engine holds (the parameters, their
   // state dicts, the groups): without it a cycle through the engine (a parameter's hook that
-  // refers to the optimizer) is never collected. clear() drops them (the engine is then dead).
+  // refers to the optimizer) is never collected. clear() drops them; the engine then refuses calls.
   int traverse(visitproc visit, void* arg) const {
     for (const auto* held : {&weights_, &wrappers_, &watched_})
       for (const Held& h : *held) Py_VISIT(h.object());
@@ -415,6 +417,7 @@ class Engine {
     return 0;
   }
   void clear() {
+    cleared_ = true;
     for (auto* held : {&weights_, &wrappers_, &watched_}) held->clear();
     state_watch_.clear();
     groups_watch_.clear();
@@ -978,6 +981,7 @@ class Engine {
   std::vector<std::pair<py::dict, std::vector<py::object>>> groups_watch_;  // (group, its params)
   std::vector<std::shared_ptr<TorchCommunicator>> comms_;
   mutable std::atomic<std::thread::id> user_{};  // the thread inside a call (see Entry)
+  bool cleared_ = false;                         // by the collector (see clear)
 };
 
 void validate_group(const py::dict& cfg) { group_config(cfg).validate(); }
