@@ -593,6 +593,16 @@ class _Replan(Exception):
     """Inside step(): the engine's registration is stale, plan anew (see _push_or_refuse)."""
 
 
+def _under_state_lock(method):
+    """The method holds the optimizer's _state_lock: from another thread it waits for a running
+    step's body (and a step waits for it), so it neither reads nor writes state beneath the step."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._state_lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -741,9 +751,12 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._engine_cuda = False
         self._applied_seen = self._skipped_seen = 0  # engine counters already folded into state
         self._counters_pending = False
-        self._absent_from_engine = False  # _absent is the engine's (a step's count was cut short)
+        self._unfolded = False      # a blocking step ran and its count is not folded yet (see _step)
+        self._bumps = None          # state[p]["step"] values a fold has yet to write (_fold_counters)
         self._raised_pending = 0    # dropped steps a deferred on_nonfinite='raise' has yet to raise
-        self._step_lock = threading.RLock()  # see step()
+        # step() holds _step_lock (one stepping thread; a second is refused); a step's body,
+        # state_dict(), load_state_dict() and the counters' folds hold _state_lock (others wait).
+        self._step_lock, self._state_lock = threading.RLock(), threading.RLock()
         self._engine_groups: List[int] = []
         self._steps_skipped = 0
         self._dirty = True
@@ -771,9 +784,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
         megabatch = state.get("_megabatch", getattr(self, "_megabatch", True))
         blocking = state.get("_blocking", getattr(self, "_blocking", None))
         super().__setstate__(state)
-        if "_step_lock" not in self.__dict__:  # (load_state_dict keeps the one a step may hold)
-            self._step_lock = threading.RLock()
-        self._absent_from_engine = False
+        if "_step_lock" not in self.__dict__:  # (load_state_dict keeps those a step may hold)
+            self._step_lock, self._state_lock = threading.RLock(), threading.RLock()
+        self._unfolded, self._bumps = False, None
         self._blocking = blocking
         self._raised_pending = 0
         self._on_nonfinite = on_nonfinite
@@ -845,6 +858,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         return self._kinds.get(p, kind) != kind and (p.requires_grad or bool(self.state.get(p)))
 
     def __getstate__(self) -> Dict[str, Any]:
+        self._sync_counters()  # a copy holds the steps the weights took (pending counts folded)
         state = super().__getstate__()
         switched = self._switched_state()
         if switched:
@@ -923,6 +937,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         st["step"] = 0
         return st
 
+    @_under_state_lock
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         # torch's load hooks run where torch runs them: the pre-hooks on the dict before anything
         # reads it, the post-hooks once everything (dion3's own state tensors too) is in place.
@@ -1292,21 +1307,25 @@ class _EngineOptimizer(torch.optim.Optimizer):
         # One thread at a time: the engine steps without the GIL, and a second thread's step
         # beneath it would rebind gradients or rebuild the engine (the engine refuses its own calls
         # too; this also keeps the counting in Python whole). The same thread may come back in.
-        if not self._step_lock.acquire(blocking=False):
-            raise RuntimeError("dion3: this optimizer is stepping in another thread: an optimizer steps in one "
-                               "thread at a time")
+        acquired = False
         try:
+            acquired = self._step_lock.acquire(blocking=False)
+            if not acquired:
+                raise RuntimeError("dion3: this optimizer is stepping in another thread: an optimizer steps in "
+                                   "one thread at a time")
             return self._locked_step(closure)
         finally:
-            self._step_lock.release()
+            if acquired:
+                self._step_lock.release()
 
     def _locked_step(self, closure):
         loss = None
-        if closure is not None:
+        if closure is not None:  # outside _state_lock: what it waits for may read the counters
             with torch.enable_grad():
                 loss = closure()
         try:
-            return self._step(loss)
+            with self._state_lock:
+                return self._step(loss)
         except Exception as e:
             # Any error (a NonFiniteError under blocking=False comes on one rank first): a refusal
             # of this rank's (_push_or_refuse refuses whatever it raises) reaches the other ranks
@@ -1330,7 +1349,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         return first is None or _dist.local(first).device.type != "cuda" or self._blocks()
 
     def _step(self, loss):
-        if self._absent_from_engine and not _capturing():
+        self._finish_bumps()
+        if self._unfolded and not _capturing():
             self._sync_counters()  # a step cut short before its count: counted for its own parameters
         if self._mesh is not None and not _capturing():
             self._agree_on_partial_gradients()  # first: any registration below may sum a gradient
@@ -1384,7 +1404,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 # Counted from the engine's counters (_sync_counters), not by one: a KeyboardInterrupt
                 # that lands between the engine's return and the count is then folded in later, so
                 # a checkpoint saved on it holds the step the weights took.
-                self._counters_pending = self._absent_from_engine = True
+                self._counters_pending = self._unfolded = True
             # The engine reads each parameter's .grad itself (no per-parameter Python work per step).
             return self._run_first(engine, asynchronous)
         status = run(engine)
@@ -1400,7 +1420,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             if status < 0:
                 raise RuntimeError("dion3: internal error: the engine still asks for a rebuild")
         # Matrices without a gradient were left alone (the engine's plan keeps them): not counted.
-        self._absent, self._absent_from_engine = engine.absent(), False
+        self._absent = engine.absent()
         self._stepped_once = True  # a gradient was seen (see _note_never_a_gradient)
         if not asynchronous:  # the verdict is known: no read of the engine's counters
             self._fold_counters(self._applied_seen + (status > 0), self._skipped_seen + (status == 0))
@@ -1678,15 +1698,16 @@ class _EngineOptimizer(torch.optim.Optimizer):
         """Fold the steps the engine applied or dropped without us seeing them (steps that did
         not wait, replays of a captured CUDA graph) into state[p]["step"] and steps_skipped.
         wait=False: only if the last asynchronous copy of the counters has arrived."""
-        if not self._counters_pending or self._engine is None:
+        if not self._counters_pending and self._bumps is None:
             return
-        # Under the step's lock: a reader in another thread would otherwise fold a step's count
-        # before the step runs (and the step's own fold then find nothing pending), or fold twice.
-        with self._step_lock:
+        # Under _state_lock: a reader in another thread would otherwise fold a step's count before
+        # the step runs (and the step's own fold then find nothing pending), or fold twice.
+        with self._state_lock:
+            self._finish_bumps()
             if not self._counters_pending or self._engine is None:
                 return
-            if self._absent_from_engine:  # the last step's count was cut short before _absent was set
-                self._absent, self._absent_from_engine = self._engine.absent(), False
+            if self._unfolded:  # a blocking step's count was cut short: the absences it stepped with
+                self._absent = self._engine.absent()
             if not wait:
                 posted = self._engine.posted_counters()
                 if posted is None:
@@ -1699,16 +1720,29 @@ class _EngineOptimizer(torch.optim.Optimizer):
             self._fold_counters(applied, skipped)
 
     def _fold_counters(self, applied: int, skipped: int) -> None:
-        """The engine's counters (steps applied, dropped) into state[p]["step"] and steps_skipped."""
-        for st in self._counted_states():
-            st["step"] += applied - self._applied_seen
-        dropped = skipped - self._skipped_seen
-        if self._on_nonfinite == "raise" and not self._blocks():
-            self._raised_pending += dropped  # raised, not skipped (as a blocking step would)
+        """The engine's counters (steps applied, dropped) into state[p]["step"] and steps_skipped.
+        A signal may land at any call or loop: what it would leave half done is either not yet
+        committed (the fold runs again) or the new step values, written again by _finish_bumps."""
+        delta, dropped = applied - self._applied_seen, skipped - self._skipped_seen
+        bumps = [(st, st["step"] + delta) for st in self._counted_states()] if delta else []
+        deferred = self._on_nonfinite == "raise" and not self._blocks()  # raised, not skipped
+        # Plain stores from here to _finish_bumps (no call a signal could land at).
+        self._bumps = bumps
+        self._applied_seen, self._skipped_seen = applied, skipped
+        if deferred:
+            self._raised_pending += dropped
         else:
             self._steps_skipped += dropped
-        self._applied_seen, self._skipped_seen = applied, skipped
-        self._counters_pending = False
+        self._counters_pending = self._unfolded = False
+        self._finish_bumps()
+
+    def _finish_bumps(self) -> None:
+        """The step counters a fold committed to, written (again: idempotent)."""
+        bumps = self._bumps
+        if bumps is not None:
+            for st, value in bumps:
+                st["step"] = value
+            self._bumps = None
 
     def _raise_deferred(self, poll: bool) -> None:
         """Under on_nonfinite='raise' with blocking=False: raise for a step that was dropped."""
@@ -1757,6 +1791,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._counters_pending = True
         self._replayed = True
 
+    @_under_state_lock
     def state_dict(self) -> Dict[str, Any]:
         """torch's state_dict in the reference package's layout, so that its optimizers load it
         and ours load theirs: state as _state_shapes names it (with each parameter's own "step"

@@ -939,3 +939,81 @@ def test_a_reader_in_another_thread_waits_for_the_step_to_count():
     t.join(10)
     del opt._run_first
     assert [st["step"] for st in opt.state_dict()["state"].values()] == [2]
+
+
+def _interrupt_once(opt, name, after=False, skip=0):
+    """Make opt.<name> raise KeyboardInterrupt at its call after `skip` others (having run, with
+    after): a signal landing there."""
+    real, calls = getattr(opt, name), []
+
+    def once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) <= skip:
+            return real(*args, **kwargs)
+        delattr(opt, name)
+        if after:
+            real(*args, **kwargs)
+        raise KeyboardInterrupt
+    setattr(opt, name, once)
+
+
+@pytest.mark.parametrize("where", ["before the fold commits", "after it commits", "after the engine, then deepcopy"])
+def test_a_count_cut_short_anywhere_is_folded_once(where):
+    # A signal lands in the count of a step that ran: not yet committed (folded again later),
+    # committed but not written (written again), or right after the engine (folded by a copy).
+    torch.manual_seed(0)
+    w, b = nn.Parameter(torch.randn(16, 8)), nn.Parameter(torch.randn(8))
+
+    def build(w, b):
+        return dion3.Dion3([dict(params=[w]), dict(params=[b], algorithm="adamw")], lr=0.02)
+    opt = build(w, b)
+    rw, rb = (nn.Parameter(t.detach().clone()) for t in (w, b))
+    ref = build(rw, rb)
+    for step in range(3):
+        for o, (pw, pb) in ((opt, (w, b)), (ref, (rw, rb))):
+            pw.grad, pb.grad = torch.full((16, 8), 0.1 * (step + 1)), torch.full((8,), 0.1 * (step + 1))
+        if step == 1:
+            if where == "before the fold commits":
+                _interrupt_once(opt, "_counted_states")
+            elif where == "after it commits":
+                _interrupt_once(opt, "_finish_bumps", skip=1)  # the fold's, not the step's first
+            else:
+                _interrupt_once(opt, "_run_first", after=True)
+            with pytest.raises(KeyboardInterrupt):
+                opt.step()
+            if where.endswith("deepcopy"):
+                opt = copy.deepcopy(opt)
+                w, b = opt.param_groups[0]["params"][0], opt.param_groups[1]["params"][0]
+        else:
+            opt.step()
+        ref.step()
+    assert [st["step"] for st in opt.state_dict()["state"].values()] == [3, 3]
+    assert torch.equal(w, rw) and torch.equal(b, rb)
+
+
+def test_a_thread_reading_the_counters_does_not_make_steps_fail():
+    # Readers (a logging thread's steps_skipped or state_dict) wait for a running step's body; the
+    # training thread's steps never see them as a second stepping thread.
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(32, 16))
+    opt = dion3.Dion3([w], lr=0.02, on_nonfinite="skip")
+    stop, errors = threading.Event(), []
+
+    def reader():
+        while not stop.is_set():
+            try:
+                opt.steps_skipped
+                opt.state_dict()
+            except Exception as e:  # noqa: BLE001 - any error is the finding
+                errors.append(repr(e))
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        for i in range(200):
+            w.grad = torch.full((32, 16), float("nan")) if i % 7 == 3 else torch.randn(32, 16)
+            opt.step()
+    finally:
+        stop.set()
+        t.join(30)
+    assert not errors
+    assert opt.state[w]["step"] == 200 - len([i for i in range(200) if i % 7 == 3]) and opt.steps_skipped == 29
