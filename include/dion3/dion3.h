@@ -31,7 +31,8 @@
  * dion3_last_error() describes what went wrong, naming the parameter or field at fault.
  * Nothing is modified by a failing call, except that a failing create function (dion3_create*,
  * dion3_comm_create_*) sets its *out to NULL. An optimizer handle may be used from one thread at
- * a time; distinct handles are independent.
+ * a time (a step or registration called from a second thread while one runs fails with
+ * DION3_INVALID_ARGUMENT); distinct handles are independent.
  */
 #ifndef DION3_DION3_H
 #define DION3_DION3_H

@@ -3,12 +3,14 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -172,6 +174,21 @@ struct Megabatch {
 };
 
 struct Optimizer::Impl {
+  // One thread at a time (optimizer.hpp): each entry point that writes or steps holds a Use; a call
+  // from a second thread while one is inside fails instead of racing it (a step beneath a running
+  // one would read half-bound gradients). The thread inside may call in again.
+  class Use {
+   public:
+    explicit Use(const Impl& s);
+    ~Use();
+    Use(const Use&) = delete;
+    Use& operator=(const Use&) = delete;
+
+   private:
+    const Impl& s_;
+    bool owner_ = false;
+  };
+  mutable std::atomic<std::thread::id> user{};
   std::unique_ptr<Backend> backend;
   OptimizerOptions options;
   std::vector<GroupConfig> groups;

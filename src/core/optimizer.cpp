@@ -176,7 +176,20 @@ Optimizer::Optimizer(std::unique_ptr<Backend> backend, OptimizerOptions options)
 
 Optimizer::~Optimizer() = default;
 
+Optimizer::Impl::Use::Use(const Impl& s) : s_(s) {
+  std::thread::id none{};
+  const std::thread::id me = std::this_thread::get_id();
+  if (s.user.compare_exchange_strong(none, me)) owner_ = true;
+  else if (none != me)
+    fail("this optimizer is in use by another thread (a step or a registration runs there): an optimizer is "
+         "used from one thread at a time");
+}
+Optimizer::Impl::Use::~Use() {
+  if (owner_) s_.user.store(std::thread::id{});
+}
+
 int Optimizer::add_group(const GroupConfig& config) {
+  const Impl::Use use(*impl_);
   const int g = static_cast<int>(impl_->groups.size());
   try {
     config.validate();
@@ -283,6 +296,7 @@ void Optimizer::Impl::forget_grad_range(int param) {
 }
 
 int Optimizer::add_param(int group, const ParamSpec& spec) {
+  const Impl::Use use(*impl_);
   Impl& s = *impl_;
   const int index = static_cast<int>(s.params.size());
   const std::string who = "parameter " + std::to_string(index) + " '" + spec.name + "'";
@@ -522,6 +536,7 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
 }
 
 void Optimizer::set_grad(int param, const TensorView& grad) {
+  const Impl::Use use(*impl_);
   Impl& s = *impl_;
   if (param < 0 || param >= static_cast<int>(s.params.size()))
     fail("set_grad: no parameter " + std::to_string(param) + " (the optimizer has " +
@@ -538,6 +553,7 @@ void Optimizer::set_grad(int param, const TensorView& grad) {
 }
 
 void Optimizer::clear_grad(int param) {
+  const Impl::Use use(*impl_);
   Impl& s = *impl_;
   if (param < 0 || param >= static_cast<int>(s.params.size()))
     fail("clear_grad: no parameter " + std::to_string(param) + " (the optimizer has " +
@@ -569,6 +585,7 @@ GroupConfig& Optimizer::group(int index) {
 }
 const GroupConfig& Optimizer::group(int index) const { return const_cast<Optimizer*>(this)->group(index); }
 void Optimizer::set_group(int index, const GroupConfig& config) {
+  const Impl::Use use(*impl_);
   group(index);  // the range check
   try {
     config.validate();
@@ -607,11 +624,13 @@ Backend& Optimizer::backend() { return *impl_->backend; }
 const OptimizerOptions& Optimizer::options() const { return impl_->options; }
 
 void Optimizer::state_changed() {
+  const Impl::Use use(*impl_);
   impl_->forget_state_bounds();
   impl_->all_written = true;
 }
 
 void Optimizer::state_changed(int param) {
+  const Impl::Use use(*impl_);
   if (param < 0 || param >= num_params()) fail("state_changed: no parameter " + std::to_string(param));
   impl_->forget_state_bounds();
   impl_->written_params.push_back(param);
@@ -1333,6 +1352,7 @@ std::string Optimizer::Impl::disagreement_error(const int* words) const {
 }
 
 std::vector<MegabatchInfo> Optimizer::plan() {
+  const Impl::Use use(*impl_);
   Impl& s = *impl_;
   // The plan the next step runs: what it depends on may have changed since the last one.
   if (s.plan_stale()) {
@@ -1519,7 +1539,10 @@ void Optimizer::Impl::check_posted_agreement() {
   if (const std::string e = posted_disagreement(); !e.empty()) fail(e);
 }
 
-void Optimizer::check_last_agreement() { impl_->check_posted_agreement(); }
+void Optimizer::check_last_agreement() {
+  const Impl::Use use(*impl_);
+  impl_->check_posted_agreement();
+}
 
 // piece_idx of a row-cut megabatch; Muon / NorMuon (and an empty shard) keep fixed lists: every
 // row of the shard in order, then padding.
@@ -2171,6 +2194,7 @@ void Optimizer::Impl::enqueue_step(bool count_dropped, Start start, bool blockin
 }
 
 void Optimizer::refresh_hyperparameters() {
+  const Impl::Use use(*impl_);
   Impl& s = *impl_;
   if (!s.plan_valid) fail("refresh_hyperparameters: no step has been planned yet (take one step first)");
   for (int g = 0; g < num_groups(); ++g) {
@@ -2202,6 +2226,7 @@ void Optimizer::Impl::post_counters() {
 }
 
 void Optimizer::step_async() {
+  const Impl::Use use(*impl_);
   Impl& s = *impl_;
   // Before anything is planned or enqueued: planning uploads to the device, and the agreement of
   // a new plan is read on the host.
@@ -2265,9 +2290,13 @@ void Optimizer::Impl::validate_or_refuse(bool grads_bound) {
   }
 }
 
-void Optimizer::refuse_invalid() { impl_->refuse_invalid(); }
+void Optimizer::refuse_invalid() {
+  const Impl::Use use(*impl_);
+  impl_->refuse_invalid();
+}
 
 bool Optimizer::refuse_step() {
+  const Impl::Use use(*impl_);
   Impl& s = *impl_;
   // It reads the agreement on the host: not in a capture.
   if (s.backend->capturing()) fail("refuse_step cannot be captured in a CUDA graph; call it eagerly");
@@ -2283,6 +2312,7 @@ bool Optimizer::refuse_step() {
 }
 
 bool Optimizer::step() {
+  const Impl::Use use(*impl_);
   Impl& s = *impl_;
   Backend& be = *s.backend;
   s.check_posted_agreement();

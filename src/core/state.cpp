@@ -120,6 +120,7 @@ void Optimizer::Impl::check_written_state() {
 }
 
 OptimizerState Optimizer::export_state() const {
+  const Impl::Use use(*impl_);
   const Impl& s = *impl_;
   OptimizerState out;
   const auto counters = s.read_counters();
@@ -136,6 +137,7 @@ OptimizerState Optimizer::export_state() const {
 }
 
 void Optimizer::import_state(const OptimizerState& state) {
+  const Impl::Use use(*impl_);
   Impl& s = *impl_;
   // The counters advance on the device by one per step, unchecked: a count above 2^62 (no run's)
   // is refused, so that no number of steps after an import can overflow it.

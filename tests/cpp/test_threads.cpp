@@ -9,9 +9,13 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <future>
 #include <map>
+#include <memory>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #ifdef _OPENMP
@@ -164,6 +168,56 @@ TEST(CpuThreads, ResultsAreBitIdenticalWhateverTheThreadCount) {
   std::size_t differ = 0;
   for (std::size_t i = 0; i < one.size(); ++i) differ += one[i] != four[i];
   EXPECT_EQ(differ, 0u) << "of " << one.size() << " bytes";
+}
+
+// Holds the step inside its first traced stage until released, telling the test it got there.
+class Gate final : public dion3::StepTracer {
+ public:
+  void begin(const char*) override {
+    if (done_) return;
+    done_ = true;
+    inside_.set_value();
+    release_.get_future().wait();
+  }
+  void end() override {}
+  std::promise<void> inside_, release_;
+
+ private:
+  bool done_ = false;
+};
+
+// An Optimizer is used from one thread at a time (optimizer.hpp): a second thread's step or
+// gradient binding while a step runs fails, naming the cause, instead of racing it (which wrote
+// NaN weights); the running step ends as if alone, and the optimizer serves the other thread after.
+TEST(Threads, ASecondThreadsCallWhileAStepRunsIsRefused) {
+  Rng rng(4);
+  Harness h, alone;
+  GroupConfig g;
+  g.lr = 0.02;
+  auto& p = h.add(h.opt.add_group(g), "w", DType::F32, {16, 12}, rng);
+  Rng same(4);
+  auto& q = alone.add(alone.opt.add_group(g), "w", DType::F32, {16, 12}, same);
+  h.randomize_grads(rng);
+  q.g.assign(p.g.values());
+  ASSERT_TRUE(alone.opt.step());
+  auto gate = std::make_shared<Gate>();
+  h.opt.set_tracer(gate);
+  std::future<void> inside = gate->inside_.get_future();
+  std::thread stepping([&] { EXPECT_TRUE(h.opt.step()); });
+  inside.wait();
+  for (auto call : {std::function<void()>([&] { h.opt.step(); }),
+                    std::function<void()>([&] { h.opt.set_grad(0, p.g.view()); })}) {
+    try {
+      call();
+      ADD_FAILURE() << "a call from a second thread during a step was not refused";
+    } catch (const dion3::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("in use by another thread"), std::string::npos) << e.what();
+    }
+  }
+  gate->release_.set_value();
+  stepping.join();
+  EXPECT_EQ(p.w.values(), q.w.values());
+  EXPECT_TRUE(h.opt.step());  // this thread now
 }
 
 }  // namespace
