@@ -869,16 +869,9 @@ def test_a_step_interrupted_right_after_the_engine_returns_is_counted():
     for o, (pw, pb) in ((opt, (w, b)), (ref, ref.param_groups[0]["params"] + ref.param_groups[1]["params"])):
         pw.grad, pb.grad = torch.ones(32, 16), torch.ones(16)
         o.step()
-    run_first = opt._run_first
-
-    def interrupted(*args):
-        run_first(*args)
-        raise KeyboardInterrupt
-
-    opt._run_first = interrupted
+    _interrupt_once(opt, "_run_first", after=True)
     with pytest.raises(KeyboardInterrupt):
         opt.step()
-    del opt._run_first
     ref.step()
     sd = opt.state_dict()
     assert [st["step"] for st in sd["state"].values()] == [2, 2]
@@ -894,17 +887,10 @@ def test_an_interrupted_step_is_counted_for_its_own_parameters():
     opt = dion3.Dion3([w, v], lr=0.02)
     w.grad, v.grad = torch.randn(16, 8), torch.randn(16, 8)
     opt.step()
-    run_first = opt._run_first
-
-    def interrupted(*args):
-        run_first(*args)
-        raise KeyboardInterrupt
-
-    opt._run_first = interrupted
+    _interrupt_once(opt, "_run_first", after=True)
     w.grad, v.grad = None, torch.randn(16, 8)
     with pytest.raises(KeyboardInterrupt):
         opt.step()
-    del opt._run_first
     w.grad, v.grad = torch.randn(16, 8), torch.randn(16, 8)
     opt.step()
     assert [opt.state[p]["step"] for p in (w, v)] == [2, 3]
