@@ -11,9 +11,10 @@
 // step() reading the verdict once at its end (one host synchronisation; step_async() does not
 // wait), and in both cases leaves weights and state untouched. The same inputs give the same
 // bits on the same backend. An Optimizer is used from one thread at a time (a step or
-// registration from a second thread while one runs throws); distinct ones are independent. Its API passes standard-library types by value: build against it with the
-// compiler, standard library and ABI settings of the library's own build (the C API, dion3.h,
-// is the interface that holds across them).
+// registration from a second thread while one runs throws); distinct ones are independent. Its
+// API passes standard-library types by value: build against it with the compiler, standard
+// library and ABI settings of the library's own build (the C API, dion3.h, is the interface that
+// holds across them).
 #pragma once
 
 #include <cstdint>

@@ -396,13 +396,16 @@ def _fresh_defaults(cls: type) -> Dict[str, Any]:
 _LIVE: "weakref.WeakSet[_EngineOptimizer]" = weakref.WeakSet()
 
 
+def _name_groups(groups) -> Dict[str, int]:
+    """Each parameter name the groups give (param_names) -> the index of its group."""
+    return {str(n): gi for gi, g in enumerate(groups) if isinstance(g, dict) and isinstance(g.get("param_names"), list)
+            for n in g["param_names"]}
+
+
 def _regrouped(saved_groups, groups) -> str:
     """For a refused load whose groups differ from the optimizer's: where named parameters sit in
     each (a few), and what to do."""
-    def where(gs):
-        return {str(n): gi for gi, g in enumerate(gs) if isinstance(g, dict) and isinstance(g.get("param_names"), list)
-                for n in g["param_names"]}
-    there, here = where(saved_groups), where(groups)
+    there, here = _name_groups(saved_groups), _name_groups(groups)
     moved = [f"'{n}' (group {there[n]} there, {here[n]} here)" for n in here if n in there and there[n] != here[n]]
     moved += [f"'{n}' (not in the state_dict)" for n in here if n not in there]
     moved += [f"'{n}' (not in this optimizer)" for n in there if n not in here]
@@ -420,14 +423,7 @@ def _refuse_misplaced_names(saved_groups, groups) -> None:
     torch.distributed.checkpoint matched the state by name, a group's settings and names are those
     of its first parameter's saved group, or missing. Names that differ otherwise may be a prefix
     ("module."); a reordering within one group is _load_plan's."""
-    def where(gs):
-        at = {}
-        for gi, g in enumerate(gs):
-            names = g.get("param_names") if isinstance(g, dict) else None
-            for n in names if isinstance(names, list) else []:
-                at.setdefault(str(n), gi)
-        return at
-    there, here = where(saved_groups), where(groups)
+    there, here = _name_groups(saved_groups), _name_groups(groups)
     if any(n in there and there[n] != gi for n, gi in here.items()):
         raise ValueError("dion3: load_state_dict: the state_dict's parameter groups hold these parameters "
                          "otherwise than this optimizer's, so a parameter would take another one's state or "
@@ -1422,17 +1418,11 @@ class _EngineOptimizer(torch.optim.Optimizer):
         # Matrices without a gradient were left alone (the engine's plan keeps them): not counted.
         self._absent = engine.absent()
         self._stepped_once = True  # a gradient was seen (see _note_never_a_gradient)
-        if not asynchronous:  # the verdict is known: no read of the engine's counters
-            self._fold_counters(self._applied_seen + (status > 0), self._skipped_seen + (status == 0))
-            return loss
-        if status > 0:  # enqueued: counted now; a dropped enqueued step is taken back later
-            for st in self._counted_states():
-                st["step"] += 1
-            self._applied_seen += 1
-        else:
-            self._steps_skipped += 1
-            self._skipped_seen += 1
-        self._counters_pending = True  # the engine posts its counters to the host itself
+        # Counted from the verdict (no read of the engine's counters); an enqueued step counts as
+        # applied, and one the device drops is taken back when the engine posts its counters.
+        self._fold_counters(self._applied_seen + (status > 0), self._skipped_seen + (status == 0))
+        if asynchronous:
+            self._counters_pending = True
         return loss
 
     def _note_never_a_gradient(self) -> None:

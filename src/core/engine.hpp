@@ -3,20 +3,19 @@
 #pragma once
 
 #include <array>
-#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 #include <set>
 #include <string>
-#include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include "dion3/backend.hpp"
 #include "dion3/optimizer.hpp"
 #include "dion3/orthogonalize.hpp"
+#include "core/one_thread.hpp"
 
 namespace dion3 {
 
@@ -174,21 +173,15 @@ struct Megabatch {
 };
 
 struct Optimizer::Impl {
-  // One thread at a time (optimizer.hpp): each entry point that writes or steps holds a Use; a call
-  // from a second thread while one is inside fails instead of racing it (a step beneath a running
-  // one would read half-bound gradients). The thread inside may call in again.
-  class Use {
-   public:
-    explicit Use(const Impl& s);
-    ~Use();
-    Use(const Use&) = delete;
-    Use& operator=(const Use&) = delete;
-
-   private:
-    const Impl& s_;
-    bool owner_ = false;
+  // One thread at a time (optimizer.hpp): each entry point that writes or steps holds a Use (a
+  // step beneath a running one would read half-bound gradients).
+  struct Use : ThreadOwner::Use {
+    explicit Use(const Impl& s)
+        : ThreadOwner::Use(s.user, Status::InvalidArgument,
+                           "this optimizer is in use by another thread (a step or a registration runs "
+                           "there): an optimizer is used from one thread at a time") {}
   };
-  mutable std::atomic<std::thread::id> user{};
+  ThreadOwner user;
   std::unique_ptr<Backend> backend;
   OptimizerOptions options;
   std::vector<GroupConfig> groups;

@@ -176,18 +176,6 @@ Optimizer::Optimizer(std::unique_ptr<Backend> backend, OptimizerOptions options)
 
 Optimizer::~Optimizer() = default;
 
-Optimizer::Impl::Use::Use(const Impl& s) : s_(s) {
-  std::thread::id none{};
-  const std::thread::id me = std::this_thread::get_id();
-  if (s.user.compare_exchange_strong(none, me)) owner_ = true;
-  else if (none != me)
-    fail("this optimizer is in use by another thread (a step or a registration runs there): an optimizer is "
-         "used from one thread at a time");
-}
-Optimizer::Impl::Use::~Use() {
-  if (owner_) s_.user.store(std::thread::id{});
-}
-
 int Optimizer::add_group(const GroupConfig& config) {
   const Impl::Use use(*impl_);
   const int g = static_cast<int>(impl_->groups.size());

@@ -1,5 +1,5 @@
-# The coefficient lists and helpers the later sweeps share (sweep_cuda.py, sweep_sigma.py,
-# sweep_cuda_sigma.py).
+# The coefficient lists and helpers the sweeps share.
+import dion3
 import torch
 
 classic = (3.4445, -4.775, 2.0315)
@@ -24,3 +24,24 @@ def growth(coefs, restarts):
 def sigma(Y):
     """The largest singular value over a batch (inf where a value is not finite)."""
     return torch.linalg.matrix_norm(Y.double(), ord=2).max().item() if torch.isfinite(Y).all() else float("inf")
+
+
+def nonfinite_count(shapes, iteration_dtype, device="cpu", batch=None, **kw):
+    """Gram NS forced on rank-deficient p x q inputs (ranks 1, 2, p/4, p/2, p - 1; two seeds each,
+    in batches of `batch` copies where given): (results holding a non-finite value, results), or
+    None where the configuration is refused."""
+    bad = n = 0
+    for p, q in shapes:
+        for rank in (1, 2, p // 4, p // 2, p - 1):
+            for seed in range(2):
+                torch.manual_seed(seed * 100 + rank)
+                X = torch.randn(p, rank, device=device) @ torch.randn(rank, q, device=device)
+                if batch:
+                    X = X.expand(batch, p, q).contiguous()
+                try:
+                    Y = dion3.orthogonalize(X, "gram", iteration_dtype=iteration_dtype, **kw)
+                except ValueError:
+                    return None
+                n += 1
+                bad += int(not torch.isfinite(Y).all())
+    return bad, n

@@ -1,13 +1,5 @@
 import torch, dion3
-classic = (3.4445, -4.775, 2.0315)
-pe = [(7.892582874424408, -20.383013945879568, 13.555306149406924),(3.911484868135431, -2.546463592906088, 0.426898831967307),(3.760657955697423, -2.512819018216563, 0.432364734907007),(3.160399673686287, -2.149649518898498, 0.399636690766439),(2.191097161861730, -1.441662010214663, 0.328146487623155)]
-you = [(4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037), (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012)]
-def growth(coefs, restarts):
-    worst, prod = 0.0, 1.0
-    for t, c in enumerate(coefs):
-        if t > 0 and t in restarts: prod = 1.0
-        prod *= abs(c[0]); worst = max(worst, prod)
-    return worst
+from common import classic, pe, you, growth, nonfinite_count
 cases = [("pe", pe, []), ("pe+pe[-1]x2", pe + [pe[-1]]*2, []), ("you", you, []), ("you+1", you + [you[-1]], []),
          ("pe+you", pe + you, [5]), ("pe x2 norestart-first", pe + pe, [5]), ("pe+pe", pe + pe, []),
          ("classic6", [classic]*6, []), ("classic5+pe4", [classic]*5 + [pe[4]], []), ("pe[1:]x3", pe[1:]*3, [4,8]),
@@ -15,18 +7,6 @@ cases = [("pe", pe, []), ("pe+pe[-1]x2", pe + [pe[-1]]*2, []), ("you", you, []),
 for dt in (torch.float16, torch.float32):
     for name, coefs, restarts in cases:
         g = growth(coefs, set(restarts))
-        bad = n = 0
-        for p, q in [(16, 512), (64, 1024), (48, 256)]:
-            for rank in (1, 2, p // 4, p // 2, p - 1):
-                for seed in range(2):
-                    torch.manual_seed(seed * 100 + rank)
-                    X = torch.randn(p, rank) @ torch.randn(rank, q)
-                    try:
-                        Y = dion3.orthogonalize(X, "gram", coefficients=coefs, restarts=restarts, iteration_dtype=dt)
-                    except ValueError:
-                        bad = -1; break
-                    n += 1; bad += int(not torch.isfinite(Y).all())
-                if bad < 0: break
-            if bad < 0: break
+        counted = nonfinite_count([(16, 512), (64, 1024), (48, 256)], dt, coefficients=coefs, restarts=restarts)
         u = 2**-11 if dt == torch.float16 else 2**-24
-        print(f"{str(dt)[6:]:8s} {name:22s} growth {g:9.4g} u*g^2 {u*g*g:9.3g}", "refused" if bad < 0 else f"nonfinite {bad}/{n}", flush=True)
+        print(f"{str(dt)[6:]:8s} {name:22s} growth {g:9.4g} u*g^2 {u*g*g:9.3g}", "refused" if counted is None else "nonfinite %d/%d" % counted, flush=True)

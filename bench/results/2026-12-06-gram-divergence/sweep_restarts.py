@@ -1,12 +1,6 @@
 import torch, dion3, itertools, math
 torch.manual_seed(0)
-classic = (3.4445, -4.775, 2.0315)
-def gram_growth(coefs, restarts):
-    worst, prod = 0.0, 1.0
-    for t, c in enumerate(coefs):
-        if t > 0 and t in restarts: prod = 1.0
-        prod *= abs(c[0]); worst = max(worst, prod)
-    return worst
+from common import classic, growth as gram_growth
 from dion3 import polar
 sets = {"classic": None}
 res = []

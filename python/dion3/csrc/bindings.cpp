@@ -18,10 +18,10 @@
 #include <optional>
 #include <unordered_set>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "core/c_config.hpp"
+#include "core/one_thread.hpp"
 #include "dion3/backend.hpp"
 #include "dion3/config.hpp"
 #include "dion3/error.hpp"
@@ -376,28 +376,16 @@ class Engine {
   // steps run without the GIL, so a second thread could otherwise rebind the gradients, or step,
   // beneath a running step (freed memory, NaN weights); it is told so instead. A call from the
   // thread already inside passes.
-  class Entry {
-   public:
-    explicit Entry(const Engine& e) : e_(e) {
+  struct Entry : dion3::ThreadOwner::Use {
+    explicit Entry(const Engine& e)
+        : dion3::ThreadOwner::Use(live(e).user_, dion3::Status::Internal,
+                                  "this optimizer is in use by another thread (a step runs there): an optimizer "
+                                  "steps, saves and loads in one thread at a time") {}
+    static const Engine& live(const Engine& e) {
       if (e.cleared_)
         throw dion3::Error(dion3::Status::Internal, "this optimizer's engine was cleared by the garbage collector");
-      std::thread::id none{};
-      const std::thread::id me = std::this_thread::get_id();
-      if (e.user_.compare_exchange_strong(none, me)) owner_ = true;
-      else if (none != me)
-        throw dion3::Error(dion3::Status::Internal,
-                           "this optimizer is in use by another thread (a step runs there): an optimizer steps, "
-                           "saves and loads in one thread at a time");
+      return e;
     }
-    ~Entry() {
-      if (owner_) e_.user_.store(std::thread::id{});
-    }
-    Entry(const Entry&) = delete;
-    Entry& operator=(const Entry&) = delete;
-
-   private:
-    const Engine& e_;
-    bool owner_ = false;
   };
 
   // The cycle collector's view of the Python objects the engine holds (the parameters, their
@@ -980,7 +968,7 @@ class Engine {
   std::vector<std::pair<py::dict, py::dict>> state_watch_;  // (state[p], {key: its state tensor})
   std::vector<std::pair<py::dict, std::vector<py::object>>> groups_watch_;  // (group, its params)
   std::vector<std::shared_ptr<TorchCommunicator>> comms_;
-  mutable std::atomic<std::thread::id> user_{};  // the thread inside a call (see Entry)
+  dion3::ThreadOwner user_;  // the thread inside a call (see Entry)
   bool cleared_ = false;                         // by the collector (see clear)
 };
 
