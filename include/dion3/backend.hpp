@@ -9,6 +9,7 @@
 // non-finite gradient is dropped without a host round trip).
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -223,11 +224,15 @@ DION3_HOST_DEVICE inline float momentum_gradient_limit(float bound, float a, flo
 // The element-wise rules of AdamW and Lion, shared by every backend and by check_step so that
 // the check sees exactly the values the update stores. The second moment multiplies (1 - beta2)
 // into g before squaring: g*g overflows float32 from |g| ~ 2e19, this only from ~ 8e19 at
-// beta2 = 0.95 (~ 6e20 at 0.999).
+// beta2 = 0.95 (~ 6e20 at 0.999). The update divides sqrt(v) by sqrt(1 - beta2^t) (as torch):
+// v / (1 - beta2^t) itself overflows from |g| ~ 1.8e19 and would stop those elements.
 struct AdamWRule {
   DION3_HOST_DEVICE static float exp_avg(float m, float g, float beta1) { return m + (1.0f - beta1) * (g - m); }
   DION3_HOST_DEVICE static float exp_avg_sq(float v, float g, float beta2) {
     return beta2 * v + ((1.0f - beta2) * g) * g;
+  }
+  DION3_HOST_DEVICE static float sqrt_bias_correction2(float beta2, double t) {
+    return static_cast<float>(sqrt(1.0 - pow(static_cast<double>(beta2), t)));
   }
 };
 struct LionRule {

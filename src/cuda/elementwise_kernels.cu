@@ -275,11 +275,10 @@ __global__ void convert_kernel(const TI* __restrict__ in, int64_t rows, int64_t 
 struct AdamWElem {
   // The CPU backend's rules (unrounded moments, bias-corrected).
   __device__ __forceinline__ static void apply(float& w, float g, float& m, float& v, const AdamWParams& h,
-                                               float decay, float bc1, float bc2) {
+                                               float decay, float bc1, float sqrt_bc2) {
     m = AdamWRule::exp_avg(m, g, h.beta1);
     v = AdamWRule::exp_avg_sq(v, g, h.beta2);
-    const float mhat = m / bc1, vhat = v / bc2;
-    w = w * decay - h.lr * mhat / (sqrtf(vhat) + h.epsilon);
+    w = w * decay - h.lr * (m / bc1) / (sqrtf(v) / sqrt_bc2 + h.epsilon);
   }
 };
 
@@ -327,7 +326,7 @@ __global__ void adamw_kernel(const __grid_constant__ MultiTensor<AdamWParams> t,
   // Bias correction from the device step counter (as the CPU backend: double pow, float result).
   const double tt = adamw_step_number(h, *h.applied_steps);
   const float bc1 = static_cast<float>(1.0 - pow(static_cast<double>(h.beta1), tt));
-  const float bc2 = static_cast<float>(1.0 - pow(static_cast<double>(h.beta2), tt));
+  const float sqrt_bc2 = AdamWRule::sqrt_bias_correction2(h.beta2, tt);
   if (t.vec[blockIdx.y]) {
     for (int64_t q = start; 4 * q < n; q += stride) {
       Pack4<TW> wp = reinterpret_cast<const Pack4<TW>*>(w)[q];
@@ -337,7 +336,7 @@ __global__ void adamw_kernel(const __grid_constant__ MultiTensor<AdamWParams> t,
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float wv = to_f32(wp.v[e]), mv = to_f32(mp.v[e]), vv = to_f32(vp.v[e]);
-        AdamWElem::apply(wv, to_f32(gp.v[e]), mv, vv, h, decay, bc1, bc2);
+        AdamWElem::apply(wv, to_f32(gp.v[e]), mv, vv, h, decay, bc1, sqrt_bc2);
         wp.v[e] = from_f32<TW>(wv);
         mp.v[e] = from_f32<TS>(mv);
         vp.v[e] = from_f32<TS>(vv);
@@ -350,7 +349,7 @@ __global__ void adamw_kernel(const __grid_constant__ MultiTensor<AdamWParams> t,
   }
   for (int64_t e = start; e < n; e += stride) {
     float wv = to_f32(w[e]), mv = to_f32(m[e]), vv = to_f32(v[e]);
-    AdamWElem::apply(wv, to_f32(g[e]), mv, vv, h, decay, bc1, bc2);
+    AdamWElem::apply(wv, to_f32(g[e]), mv, vv, h, decay, bc1, sqrt_bc2);
     m[e] = from_f32<TS>(mv);
     v[e] = from_f32<TS>(vv);
     w[e] = from_f32<TW>(wv);

@@ -326,6 +326,26 @@ TEST(Hardening, AdamWSecondMomentOfALargeFiniteGradientStaysFinite) {
   }
 }
 
+TEST(Hardening, AdamWMovesElementsOfLargeFiniteGradientsByTheLearningRate) {
+  // Step 1 of AdamW moves each element by lr * sign(g) (bias correction: m_hat = g, v_hat = g^2),
+  // as torch.optim.AdamW does up to the second moment's own overflow (|g| ~ 5.8e20 at
+  // beta2 = 0.999): v_hat = v / (1 - beta2) overflows from |g| ~ 1.8e19 and must not stop them.
+  for (DType dt : {DType::F32}) {  // the rule runs in float32 for every storage dtype
+    Overflow o(Algorithm::AdamW, dt, NonFinitePolicy::Raise);
+    const std::vector<double> g = {1.0, -1e10, 1e19, -2e19, 1e20, -5e20};
+    for (int64_t i = 0; i < o.p->g.numel(); ++i) o.p->g.set(i, g[static_cast<std::size_t>(i) % g.size()]);
+    const auto W0 = o.p->w.values();
+    ASSERT_TRUE(o.h.opt.step()) << dion3::dtype_name(dt);
+    const auto W1 = o.p->w.values();
+    const double lr = GroupConfig{}.lr, wd = GroupConfig{}.weight_decay;
+    for (std::size_t i = 0; i < W0.size(); ++i) {
+      const double sign = g[i % g.size()] > 0 ? 1.0 : -1.0, want = W0[i] * (1 - lr * wd) - lr * sign;
+      EXPECT_NEAR(W1[i], want, 1e-6 * std::max(1.0, std::fabs(want)))
+          << dion3::dtype_name(dt) << " element " << i << " gradient " << g[i % g.size()];
+    }
+  }
+}
+
 TEST(Hardening, StepsThatWouldOverflowTheStateAreDroppedWithNothingWritten) {
   struct Case {
     Algorithm alg;

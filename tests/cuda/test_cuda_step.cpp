@@ -222,6 +222,38 @@ TEST_F(CudaStep, RaisedStepChangesNoCounter) {
   }
 }
 
+// AdamW's first step moves every element by lr * sign(g), large finite gradients included (the
+// CPU suite's Hardening.AdamWMovesElementsOfLargeFiniteGradientsByTheLearningRate): 128 elements
+// on the 4-element path, 7 on the scalar one.
+TEST_F(CudaStep, AdamWMovesElementsOfLargeFiniteGradientsByTheLearningRate) {
+  const std::vector<float> g = {1.0f, -1e10f, 1e19f, -2e19f, 1e20f, -5e20f};
+  for (int64_t n : {128, 7}) {
+    dion3::Optimizer opt(dion3::make_cuda_backend(0));
+    Twin w(*gpu, DType::F32, 1, 1, n), gr(*gpu, DType::F32, 1, 1, n);
+    std::vector<float> w0(static_cast<std::size_t>(n)), gv(w0.size());
+    for (std::size_t i = 0; i < w0.size(); ++i) {
+      w0[i] = 0.5f + 0.01f * static_cast<float>(i % 7);
+      gv[i] = g[i % g.size()];
+    }
+    w.set_host(w0);
+    w.upload();
+    gr.set_host(gv);
+    gr.upload();
+    dion3::GroupConfig ga;
+    ga.algorithm = Algorithm::AdamW;
+    ga.weight_decay = 0.0;
+    dion3::ParamSpec spec;
+    spec.name = "b";
+    spec.weight = {w.dev.get(), DType::F32, dion3::Device::CUDA, 0, {n}};
+    spec.grad = {gr.dev.get(), DType::F32, dion3::Device::CUDA, 0, {n}};
+    opt.add_param(opt.add_group(ga), spec);
+    ASSERT_TRUE(opt.step());
+    const auto w1 = w.device_values();
+    for (std::size_t i = 0; i < w0.size(); ++i)
+      EXPECT_NEAR(w1[i], w0[i] - ga.lr * (gv[i] > 0 ? 1.0 : -1.0), 1e-6) << "n " << n << " element " << i;
+  }
+}
+
 // The non-finite check's momentum bound on the GPU (the CPU suite's Hardening tests say more):
 // the same verdicts and results as a check told to read everything before every step
 // (state_changed()), with the CPU suite's gradient scales on two elements of a 64 x 96 matrix (the
