@@ -66,7 +66,7 @@ class Muon(_EngineOptimizer):
     _default_algorithm = "muon"
     _name = "Muon"
     _key_aliases = _TORCH_ALIASES
-    _vectors_advice = "optimize 1-D tensors with another optimizer (torch.optim.AdamW, say), as with torch.optim.Muon"
+    _vectors_advice = "optimize 1-D tensors and scalars with another optimizer (torch.optim.AdamW, say), as with torch.optim.Muon"
 
     def _state_kind(self, group: Dict[str, Any]) -> str:
         return "torch_muon"  # torch's name for the buffer: momentum_buffer

@@ -296,6 +296,8 @@ def _number(key: str, v) -> float:
         raise ValueError(f"dion3: '{key}' must be a number; got the string {v!r}")
     if _is_bool(v):  # float(True) is 1: fraction=True would select every row without a word
         raise ValueError(f"dion3: '{key}' must be a number; got the bool {bool(v)}")
+    if isinstance(v, torch.Tensor):
+        v = v.detach()  # a schedule's tensor that requires grad: float() of it would warn
     try:
         return float(v)
     except (TypeError, ValueError, RuntimeError):  # None, a sequence, a tensor of several values
@@ -1850,7 +1852,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
     # Other optimizers' names for settings, refused naming this optimizer's (see _check_keys).
     _key_aliases = _KEY_ALIASES
     # Where a 1-D tensor given to a matrix group belongs.
-    _vectors_advice = ("put 1-D tensors in an 'adamw' or 'lion' group (dion3.param_groups(model) makes such groups: "
+    _vectors_advice = ("put 1-D tensors and scalars in an 'adamw' or 'lion' group (dion3.param_groups(model) makes such groups: "
                        "matrices to {algo}, vectors, embeddings and the head to AdamW)")
 
     def _state_kind(self, group: Dict[str, Any]) -> str:
@@ -1920,8 +1922,12 @@ class _EngineOptimizer(torch.optim.Optimizer):
             if not p.is_contiguous():
                 fmt = _dist.memory_format(p)
                 if fmt is None:
+                    hint = ("; it is a transposed view: give it storage of its own (nn.Parameter(w.contiguous())), "
+                            "or keep the (in, out) tensor contiguous in a group with transposed=True"
+                            if p.dim() == 2 and p.t().is_contiguous() else
+                            "; give it storage of its own (nn.Parameter(w.contiguous()))")
                     raise ValueError(f"dion3: {who} is not contiguous; dion3 needs contiguous parameters (or "
-                                     "channels-last convolution weights)")
+                                     f"channels-last convolution weights){hint}")
                 if matrix and not group["flatten"]:
                     raise ValueError(f"dion3: {who} is laid out {str(fmt).split('.')[-1]}: as a stack of "
                                      "matrices over its last two dimensions (flatten=False) it is not contiguous; "

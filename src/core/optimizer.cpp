@@ -193,38 +193,39 @@ int Optimizer::add_group(const GroupConfig& config) {
 namespace {
 
 void check_tensor(const std::string& who, const char* role, const TensorView& t, const Backend& be) {
+  const std::string what = who + ": its " + role;
   if (!is_float_param_dtype(t.dtype))
-    fail(who + " " + role + " has dtype " + dtype_name(t.dtype) +
+    fail(what + " has dtype " + dtype_name(t.dtype) +
          " but dion3 supports float32, float16 and bfloat16");
   const Device device = be.device();
   if (t.device != device)
-    fail(who + " " + role + " is on " + device_name(t.device) + " but this optimizer runs on " +
+    fail(what + " is on " + device_name(t.device) + " but this optimizer runs on " +
          device_name(device));
   // The kernels run on the backend's GPU and would dereference another GPU's pointers there.
   if (device == Device::CUDA && t.device_index != be.device_index())
-    fail(who + " " + role + " is on CUDA device " + std::to_string(t.device_index) + " but this optimizer runs on " +
+    fail(what + " is on CUDA device " + std::to_string(t.device_index) + " but this optimizer runs on " +
          "CUDA device " + std::to_string(be.device_index()));
   for (int64_t s : t.shape)
-    if (s < 0) fail(who + " " + role + " has a negative dimension in shape " + t.shape_str());
+    if (s < 0) fail(what + " has a negative dimension in shape " + t.shape_str());
   // Products of some of the dimensions (rows x cols of a batched tensor) must fit as well, also
   // where an empty dimension makes the whole count 0.
   int64_t nonzero = 1;
   for (int64_t s : t.shape)
     if (s > 0 && __builtin_mul_overflow(nonzero, s, &nonzero))
-      fail(who + " " + role + " has shape " + t.shape_str() + ", whose dimensions multiply past 2^63 - 1");
+      fail(what + " has shape " + t.shape_str() + ", whose dimensions multiply past 2^63 - 1");
   std::size_t bytes = 0;
   try {
     bytes = t.bytes();
   } catch (const Error& e) {
-    fail(who + " " + role + ": " + std::string(e.what()).substr(7));
+    fail(what + ": " + std::string(e.what()).substr(7));
   }
-  if (!t.data && bytes > 0) fail(who + " " + role + " has a null data pointer");
+  if (!t.data && bytes > 0) fail(what + " has a null data pointer");
   // The backends read elements as their type (and the GPU in wider packs where it can).
   if (bytes > 0 && reinterpret_cast<std::uintptr_t>(t.data) % dtype_size(t.dtype) != 0)
-    fail(who + " " + role + " is not aligned to its " + std::string(dtype_name(t.dtype)) + " elements (" +
+    fail(what + " is not aligned to its " + std::string(dtype_name(t.dtype)) + " elements (" +
          std::to_string(dtype_size(t.dtype)) + " bytes)");
   if (t.data && reinterpret_cast<std::uintptr_t>(t.data) > UINTPTR_MAX - bytes)
-    fail(who + " " + role + " of " + std::to_string(bytes) + " bytes runs past the end of the address space");
+    fail(what + " of " + std::to_string(bytes) + " bytes runs past the end of the address space");
 }
 
 void check_grad(const std::string& who, const TensorView& weight, const TensorView& grad, const Backend& be) {

@@ -17,9 +17,11 @@ def mat(device, *shape, dtype=torch.float32):
 
 @pytest.mark.parametrize("cls", [dion3.Dion3, dion3.NorMuon, dion3.Muon])
 def test_1d_param_in_matrix_group(device, cls):
-    with pytest.raises(ValueError, match=r"has shape \[8\] but (\w+) needs a matrix; put 1-D tensors in an 'adamw'"
+    with pytest.raises(ValueError, match=r"has shape \[8\] but (\w+) needs a matrix; put 1-D tensors and scalars in an 'adamw'"
                                          r".*matrices to \1, vectors"):
         cls([mat(device), nn.Parameter(torch.randn(8, device=device))])
+    with pytest.raises(ValueError, match=r"has shape \[\] but \w+ needs a matrix; put 1-D tensors and scalars"):
+        cls([nn.Parameter(torch.tensor(1.0, device=device))])
 
 
 def test_1d_param_named_in_error(device):
@@ -156,8 +158,11 @@ def test_a_channels_last_weight_as_a_stack_of_matrices_is_refused_naming_its_lay
     conv = torch.nn.Conv2d(4, 8, 3).to(device).to(memory_format=torch.channels_last)
     with pytest.raises(ValueError, match="laid out channels_last: as a stack of matrices .* give its group flatten=True"):
         dion3.Dion3([conv.weight])
-    with pytest.raises(ValueError, match="is not contiguous; dion3 needs contiguous parameters"):
+    with pytest.raises(ValueError, match="is not contiguous; dion3 needs contiguous parameters.*transposed view: "
+                                         r"give it storage of its own .*group with transposed=True"):
         dion3.Dion3([nn.Parameter(torch.randn(6, 8, device=device).t())])
+    with pytest.raises(ValueError, match=r"is not contiguous; .*weights\); give it storage of its own"):
+        dion3.Dion3([nn.Parameter(torch.randn(6, 8, device=device)[:, ::2])])
 
 
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")

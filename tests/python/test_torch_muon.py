@@ -3,6 +3,7 @@ float64 transcription of torch's algorithm (averaged momentum, Nesterov, sqrt(ma
 checkpoints that load both ways, and dion3's refusals where a key or a checkpoint would be misread."""
 import inspect
 import math
+import warnings
 
 import pytest
 import torch
@@ -239,6 +240,18 @@ def test_small_gradients_and_torch_scalars_as_torch():
         torch_muon_f64(W, B, w.grad.double(), 0.02, 0.1, float(mu), True, TORCH_NS, None)
         opt.step()
     assert (w.detach().double() - W).abs().max().item() <= 2e-4 * (W - W0).abs().max().item()
+
+
+def test_a_learning_rate_tensor_that_requires_grad_steps_without_a_warning():
+    # A learned or scheduled lr may be a tensor that requires grad; reading it is no autograd use.
+    w = torch.nn.Parameter(torch.randn(8, 6))
+    lr = torch.tensor(0.02, requires_grad=True)
+    opt = dion3.optim.Muon([w], lr=lr)
+    w.grad = torch.randn(8, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+    assert opt.param_groups[0]["lr"] is lr
 
 
 def test_state_is_torchs_live_buffer_and_starts_at_the_first_step():
