@@ -278,6 +278,9 @@ class DION3_API Optimizer {
   void refresh_hyperparameters();
   // Changes whenever the step's plan (megabatches, buffers) is rebuilt: a captured step is stale.
   uint64_t plan_generation() const;
+  // Whether the next step plans anew (none yet, or parameters, groups, a setting the plan depends
+  // on or a bound gradient's dtype changed since): such a step cannot be captured in a CUDA graph.
+  bool needs_new_plan() const;
   // Counters kept on the device (reading them synchronises): steps applied, steps dropped.
   int64_t steps_taken() const;
   int64_t steps_skipped() const;

@@ -1363,6 +1363,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
             self._refuse_without_gradients(key)
             self._note_never_a_gradient()
             return loss
+        if (stale or self._engine is None) and _capturing():
+            # Building an engine or a plan allocates and uploads: not in a capture.
+            raise CaptureNotReady("dion3: the step must be planned anew (the first step, or the parameters, their "
+                                  "groups or storage changed); run one eager step before capturing")
         if stale:
             self._replan(key)
         engine = self._engine
@@ -1376,6 +1380,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
             self._push_or_refuse(engine, replannable=True)
         except _Replan:
             # A group's parameters changed as well as its settings: the new ones are what count.
+            if _capturing():
+                raise CaptureNotReady("dion3: the parameters with gradients, their groups or their storage changed "
+                                      "since the last step; run one eager step before capturing") from None
             engine = self._replanned(key)
             if engine is None:
                 return loss
@@ -1701,6 +1708,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
             if self._unfolded:  # a blocking step's count was cut short: the absences it stepped with
                 self._absent = self._engine.absent()
             if not wait:
+                if getattr(self, "_replayed", False):
+                    return  # replays since the last posted verdict: counted from the engine's counters
                 posted = self._engine.posted_counters()
                 if posted is None:
                     return
@@ -1772,9 +1781,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
         selection_scope, orthogonalizer): capture again."""
         engine = self._engine
         if (engine is None or self._stale(self._registration_key()) or engine.stale_for_replay()
-                or self._absence_changed(engine)):
-            raise RuntimeError("dion3: the optimizer's parameters, groups, state tensors or the parameters with a "
-                               "gradient changed since the capture; capture again")
+                or engine.grads_replaced() or self._absence_changed(engine)):
+            raise RuntimeError("dion3: the optimizer's parameters, groups, state tensors, the parameters with a "
+                               "gradient or their .grad tensors changed since the capture; capture again")
         self._push_groups(engine)
         try:
             engine.refresh_hyperparameters()

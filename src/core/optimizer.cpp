@@ -1434,7 +1434,14 @@ void Optimizer::Impl::validate_for_step(bool grads_bound) {
   // A plan whose settings changed stays valid until build_plan() replaces it: a new setting that
   // cannot be planned (num_heads that does not divide the rows) leaves the old plan to refuse with.
   // Gradient dtypes can have changed (set_grad) only where the binding moved.
-  if (s.plan_stale(!params_checked)) s.build_plan();
+  if (s.plan_stale(!params_checked)) {
+    // Planning allocates and uploads, which a CUDA graph cannot capture.
+    if (s.backend->capturing())
+      fail("step: this step must be planned anew (the first step, or parameters, groups, a setting the plan "
+           "depends on or a gradient's dtype changed), which cannot be captured in a CUDA graph; take one step "
+           "(not captured) first, then capture");
+    s.build_plan();
+  }
   if (grads_bound) s.validated = s.binding;
   s.check_adjusted_lrs();
   // Last, with a plan: a refusal (refuse_invalid) runs through it. Not a replay's (no host reads).
@@ -2205,6 +2212,8 @@ void Optimizer::refresh_hyperparameters() {
 }
 
 uint64_t Optimizer::plan_generation() const { return impl_->plan_generation; }
+
+bool Optimizer::needs_new_plan() const { return impl_->plan_stale(); }
 
 void Optimizer::set_tracer(std::shared_ptr<StepTracer> tracer) { impl_->tracer = std::move(tracer); }
 

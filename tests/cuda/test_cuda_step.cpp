@@ -446,6 +446,65 @@ TEST_F(CudaStep, AnEagerStepAfterACaptureThatWasNotReplayedBindsAfresh) {
   cudaStreamDestroy(stream);
 }
 
+// A step that must be planned (the first, or one after a change of a setting the plan depends on)
+// cannot be captured: step_async() refuses it, naming why, with nothing enqueued, and the capture
+// ends valid; an eager step then plans and steps as if the capture had not been tried.
+TEST_F(CudaStep, AStepThatMustBePlannedIsRefusedUnderCapture) {
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  {
+    std::mt19937_64 rng(89);
+    const std::vector<int64_t> shape = {48, 64};
+    const std::vector<float> w0 = ct::normal_values(rng, 48 * 64, 0.5f), g0 = ct::normal_values(rng, 48 * 64, 1.0f);
+    struct Run {
+      std::unique_ptr<dion3::Optimizer> opt;
+      std::unique_ptr<Twin> w, g;
+    } runs[2];
+    for (Run& r : runs) {
+      r.opt = std::make_unique<dion3::Optimizer>(dion3::make_cuda_backend(0, stream));
+      r.w = std::make_unique<Twin>(*gpu, DType::F32, 1, 48, 64);
+      r.g = std::make_unique<Twin>(*gpu, DType::F32, 1, 48, 64);
+      r.w->set_host(w0);
+      r.w->upload();
+      r.g->set_host(g0);
+      r.g->upload();
+      dion3::ParamSpec spec;
+      spec.name = "w";
+      spec.weight = {r.w->dev.get(), DType::F32, dion3::Device::CUDA, 0, shape};
+      spec.grad = {r.g->dev.get(), DType::F32, dion3::Device::CUDA, 0, shape};
+      r.opt->add_param(r.opt->add_group(dion3::GroupConfig{}), spec);
+    }
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    dion3::Optimizer& opt = *runs[0].opt;
+    for (int change = 0; change < 2; ++change) {
+      if (change == 1) {
+        for (Run& r : runs) ASSERT_TRUE(r.opt->step());
+        opt.group(0).fraction = 0.5;
+        runs[1].opt->group(0).fraction = 0.5;
+      }
+      EXPECT_TRUE(opt.needs_new_plan());
+      ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+      try {
+        opt.step_async();
+        ADD_FAILURE() << "a step that must be planned was captured (change " << change << ")";
+      } catch (const dion3::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("cannot be captured in a CUDA graph"), std::string::npos) << e.what();
+      }
+      cudaGraph_t graph = nullptr;
+      ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);  // not invalidated
+      size_t nodes = 1;
+      ASSERT_EQ(cudaGraphGetNodes(graph, nullptr, &nodes), cudaSuccess);
+      EXPECT_EQ(nodes, 0u) << "change " << change;
+      cudaGraphDestroy(graph);
+    }
+    for (Run& r : runs) ASSERT_TRUE(r.opt->step());
+    EXPECT_FALSE(opt.needs_new_plan());
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    EXPECT_EQ(runs[0].w->device_values(), runs[1].w->device_values());
+  }
+  cudaStreamDestroy(stream);
+}
+
 // A captured step reads the memory bound when it was captured: once a gradient is bound anew, a
 // refresh (the call before each replay) refuses; so does a tensor on another GPU than the
 // optimizer's, which the kernels would dereference on the wrong device.

@@ -574,6 +574,18 @@ class Engine {
   bool needs_rebuild() const { return state_moved() || storage_moved() || groups_changed(); }
   // A parameter without a gradient at the build that has one now would never be stepped by a replay.
   bool stale_for_replay() const { return needs_rebuild() || grads_moved() || watched_gained_gradient(); }
+  // A parameter's .grad is now another tensor than the one the last step bound (model.zero_grad()
+  // sets them to None, backward makes new ones): a replay would read the old one, which the engine
+  // still holds after an enqueued step. Given gradients (DTensor shards) are the front end's.
+  bool grads_replaced() const {
+    if (given_) return false;
+    for (std::size_t i = 0; i < weights_.size(); ++i) {
+      const at::Tensor g = source_grad(static_cast<int>(i));
+      const at::Tensor& bound = sources_[i].defined() ? sources_[i] : grads_[i];
+      if (g.defined() && bound.defined() && g.unsafeGetTensorImpl() != bound.unsafeGetTensorImpl()) return true;
+    }
+    return false;
+  }
   // Nor would one without a gradient at the last step (a capture), and one that has none now would
   // be stepped. Given gradients (DTensor shards) are compared by the front end.
   bool absence_changed() const {
@@ -704,6 +716,11 @@ class Engine {
           } catch (const dion3::Error& e) {
             throw dion3::Error(e.status(), "parameter '" + opt_->param_name(i) + "': " + std::string(e.what()).substr(7));
           }
+          // Where the engine takes a contiguous copy, the caller's tensor is what grads_replaced() compares.
+          if (!given && orders_[i].empty()) {
+            const at::Tensor src = source_grad(i);
+            sources_[i] = src.unsafeGetTensorImpl() == g.unsafeGetTensorImpl() ? at::Tensor() : src;
+          }
           // The same tensor may have been given other storage in place (p.grad.data = ..., set_).
           if (!grad_pins_[i].same(g)) {
             opt_->set_grad(i, view_of(g, "the gradient of " + opt_->param_name(i)));
@@ -723,6 +740,9 @@ class Engine {
     // their count in a thread when it first asks for it, which a thread new to PyTorch has not.
     if (!cuda_) at::get_num_threads();
     Guard guard(*this);
+    // A step that must plan anew cannot be captured (planning allocates and uploads): -1, as for a
+    // rebuild, with nothing enqueued, so that the front end raises CaptureNotReady.
+    if (async && capturing() && opt_->needs_new_plan()) return -1;
     note_state_written();
     py::gil_scoped_release release;
     if (async) {
@@ -839,6 +859,18 @@ class Engine {
     explicit Guard(Engine&) {}
 #endif
   };
+
+  // Whether the engine's stream (set by a Guard) is being captured in a CUDA graph.
+  bool capturing() const {
+#ifdef DION3_HAVE_CUDA
+    if (!cuda_) return false;
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    return cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(device_index_).stream(), &status) == cudaSuccess &&
+           status != cudaStreamCaptureStatusNone;
+#else
+    return false;
+#endif
+  }
 
   // Tells the engine of each parameter whose state tensor was written in place since the last
   // call (its version moved; the engine's own writes do not move it): its next step checks that
@@ -1148,6 +1180,7 @@ PYBIND11_MODULE(_C, m) {
       .def("watch_state", guarded(&Engine::watch_state))
       .def("watch_groups", guarded(&Engine::watch_groups))
       .def("stale_for_replay", guarded(&Engine::stale_for_replay))
+      .def("grads_replaced", guarded(&Engine::grads_replaced))
       .def("absent", guarded(&Engine::absent))
       .def("absence_changed", guarded(&Engine::absence_changed))
       .def("set_param_steps", guarded(&Engine::set_param_steps))
