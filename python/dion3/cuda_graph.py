@@ -85,14 +85,31 @@ class CudaGraphOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group) -> None:
         self.release()
+        self._steps = 0  # warm up again: the new parameters' state is made by eager steps
         self.optimizer.add_param_group(param_group)
 
+    # torch's Optimizer.state_dict / load_state_dict call the hooks registered on this object
+    # around the inner optimizer's (whose own hooks run inside).
     def state_dict(self):
-        return self.optimizer.state_dict()
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        state_dict = self.optimizer.state_dict()
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def load_state_dict(self, state_dict) -> None:
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         self.release()  # the state tensors are replaced: the graph would write the old ones
+        self._steps = 0
         self.optimizer.load_state_dict(state_dict)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         if set_to_none and not self._warned:
@@ -108,6 +125,8 @@ class CudaGraphOptimizer(torch.optim.Optimizer):
             torch.cuda.synchronize()
             self._graph.reset()
             self._graph = None
+        # An eager step plans for what changed (a capture cannot); warm-up that has not ended stays as it is.
+        self._steps = min(self._steps, self.warmup_steps - 1)
 
     def _check_capturable(self) -> None:
         for gi, group in enumerate(self.param_groups):
@@ -117,6 +136,11 @@ class CudaGraphOptimizer(torch.optim.Optimizer):
                     raise RuntimeError(f"dion3: cannot capture the step: parameter {j} '{name}' of group {gi} is on "
                                        f"{p.device}; a CUDA graph captures steps of CUDA parameters (step the "
                                        "optimizer itself elsewhere)")
+                if p.device.index != torch.cuda.current_device():
+                    # torch.cuda.graph captures the current device's stream; the engine steps on its own device's.
+                    raise RuntimeError(f"dion3: cannot capture the step: parameter {j} '{name}' of group {gi} is on "
+                                       f"{p.device} but the current device is cuda:{torch.cuda.current_device()}; "
+                                       f"call torch.cuda.set_device({p.device.index}) first")
                 if p.requires_grad and p.grad is None:
                     raise RuntimeError(
                         f"dion3: cannot capture the step: parameter {j} '{name}' of group {gi} requires grad but has "
@@ -145,7 +169,11 @@ class CudaGraphOptimizer(torch.optim.Optimizer):
         inner.refresh_hyperparameters()
         graph.replay()  # capture records the step; this runs it
 
+    # Wrapped as torch wraps its optimizers' step (Optimizer.__init__, not called here, would): the
+    # step hooks registered on this object, and the global ones, run around each call.
+    @torch.optim.Optimizer.profile_hook_step
     def step(self, closure: Optional[Callable] = None):
+        """One step: eager during warm-up, then captured once and replayed."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -233,6 +233,27 @@ def test_the_cuda_graph_wrapper_copies_and_pickles_as_itself():
         assert twin.step.__self__ is twin  # its own step, not the original's
 
 
+def test_hooks_registered_on_the_cuda_graph_wrapper_run():
+    # Its eager warm-up steps run on the CPU too; torch.optim's hook signatures.
+    from dion3.cuda_graph import CudaGraphOptimizer
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    opt = CudaGraphOptimizer(dion3.Dion3([p]), warmup_steps=10)
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append(("pre", o is opt)))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append(("post", o is opt)))
+    opt.register_state_dict_pre_hook(lambda o: calls.append(("sd pre", o is opt)))
+    opt.register_state_dict_post_hook(lambda o, sd: dict(sd, tagged=True))
+    opt.register_load_state_dict_pre_hook(lambda o, sd: {k: v for k, v in sd.items() if k != "tagged"})
+    opt.register_load_state_dict_post_hook(lambda o: calls.append(("load post", o is opt)))
+    for _ in range(2):
+        p.grad = torch.randn(8, 8)
+        opt.step()
+    saved = opt.state_dict()
+    assert saved["tagged"]
+    opt.load_state_dict(saved)  # the pre-hook takes the tag out again
+    assert calls == [("pre", True), ("post", True)] * 2 + [("sd pre", True), ("load post", True)]
+
+
 @pytest.mark.parametrize("kwargs,error", [
     (dict(elementwise="sgd"), "elementwise must be 'adamw' or 'lion', got 'sgd'"),
     (dict(elementwise_options={"params": []}), "elementwise_options may not set params"),

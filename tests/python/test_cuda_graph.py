@@ -213,3 +213,119 @@ def test_a_replay_after_an_in_place_state_write_reads_the_momentum():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(p, before) and torch.isfinite(opt.state[p]["momentum"]).all()
+
+
+def _pair(seed, warmup_steps, **kwargs):
+    """An eager optimizer and a wrapped twin over the same starting weights (matrices and AdamW
+    vectors), the twin's gradients allocated once."""
+    eager_p, graph_p = _model(seed), _model(seed)
+    groups = lambda ps: [dict(params=ps[0]), dict(params=ps[1], algorithm="adamw", lr=1e-3)]  # noqa: E731
+    eager = dion3.Dion3(groups(eager_p), lr=0.02, **kwargs)
+    wrapped = dion3.cuda_graph.CudaGraphOptimizer(dion3.Dion3(groups(graph_p), lr=0.02, **kwargs),
+                                                  warmup_steps=warmup_steps)
+    ea, ga = eager_p[0] + eager_p[1], graph_p[0] + graph_p[1]
+    for p in ga:
+        p.grad = torch.zeros_like(p)
+    return eager, wrapped, ea, ga
+
+
+def _steps_of(opt, n):
+    return [opt.state_dict()["state"][i]["step"] for i in range(n)]
+
+
+def test_a_load_or_a_new_group_through_the_wrapper_is_stepped_eagerly_then_captured():
+    eager, wrapped, ea, ga = _pair(5, 1)
+    for step in range(3):  # eager, capture, replay
+        _same_grads(step, ea, ga)
+        eager.step()
+        wrapped.step()
+    assert wrapped.captured
+    saved = eager.state_dict()
+    eager.load_state_dict(saved)
+    wrapped.load_state_dict(saved)
+    for step in range(3, 7):
+        _same_grads(step, ea, ga)
+        eager.step()
+        wrapped.step()  # the first plans the loaded state eagerly, the second captures
+        assert wrapped.captured == (step >= 4), step
+        assert all(torch.equal(p, q) for p, q in zip(ea, ga)), step
+    extra = [torch.nn.Parameter(torch.randn(64, 48, device="cuda", dtype=torch.bfloat16)) for _ in range(2)]
+    extra[1].grad = torch.zeros_like(extra[1])
+    eager.add_param_group(dict(params=[extra[0]]))
+    wrapped.add_param_group(dict(params=[extra[1]]))
+    for step in range(7, 10):
+        _same_grads(step, ea + extra[:1], ga + extra[1:])
+        eager.step()
+        wrapped.step()
+        assert wrapped.captured == (step >= 8), step
+        assert all(torch.equal(p, q) for p, q in zip(ea + extra[:1], ga + extra[1:])), step
+    assert _steps_of(wrapped, len(ga) + 1) == _steps_of(eager, len(ea) + 1)
+    wrapped.release()
+
+
+def test_a_plan_change_at_the_step_the_wrapper_captures_is_stepped_eagerly():
+    eager, wrapped, ea, ga = _pair(6, 2)
+    for step in range(5):
+        _same_grads(step, ea, ga)
+        if step == 2:  # the step the wrapper would capture
+            eager.param_groups[0]["fraction"] = wrapped.param_groups[0]["fraction"] = 0.5
+        eager.step()
+        wrapped.step()
+        assert wrapped.captured == (step >= 3), step
+        assert all(torch.equal(p, q) for p, q in zip(ea, ga)), step
+    wrapped.release()
+
+
+def test_a_capture_before_the_first_step_is_declined_with_nothing_enqueued():
+    eager_p, graph_p = _model(7), _model(7)
+    eager, opt = dion3.Dion3(eager_p[0], lr=0.02), dion3.Dion3(graph_p[0], lr=0.02)
+    for p, q, g in zip(eager_p[0], graph_p[0], _grads(0, eager_p[0])):
+        p.grad, q.grad = g.clone(), g.clone()
+    graph = torch.cuda.CUDAGraph()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's warning of an empty graph
+        with pytest.raises(dion3.optimizer.CaptureNotReady, match="run one eager step before capturing"):
+            with torch.cuda.graph(graph):
+                opt.step()
+    for step in range(3):
+        for p, q, g in zip(eager_p[0], graph_p[0], _grads(step, eager_p[0])):
+            p.grad, q.grad = g.clone(), g.clone()
+        eager.step()
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(eager_p[0], graph_p[0]))
+
+
+def test_new_gradient_tensors_between_replays_are_not_left_unread():
+    # model.zero_grad() (set_to_none) and a backward give each parameter a new .grad: the graph
+    # reads the old tensors, so the wrapper steps eagerly again instead of replaying.
+    eager, wrapped, ea, ga = _pair(8, 1)
+    for step in range(6):
+        if step >= 3:
+            for q in ga:
+                q.grad = None
+            for q, g in zip(ga, _grads(step, ga)):
+                q.grad = g.clone()
+            for p, g in zip(ea, _grads(step, ea)):
+                p.grad = g.clone()
+        else:
+            _same_grads(step, ea, ga)
+        eager.step()
+        wrapped.step()
+        assert all(torch.equal(p, q) for p, q in zip(ea, ga)), step
+    wrapped.release()
+
+
+def test_replays_are_counted_when_a_step_that_does_not_wait_raises_for_none():
+    # blocking=False under on_nonfinite="raise": the eager step after replays (here one that
+    # re-plans for a weight moved to other storage) counts the replays before the engine is rebuilt.
+    eager, wrapped, ea, ga = _pair(9, 1, blocking=False)
+    for step in range(7):
+        _same_grads(step, ea, ga)
+        if step == 4:
+            ea[0].data = ea[0].data.clone()
+            ga[0].data = ga[0].data.clone()
+        eager.step()
+        wrapped.step()
+    assert all(torch.equal(p, q) for p, q in zip(ea, ga))
+    assert _steps_of(wrapped, len(ga)) == _steps_of(eager, len(ea)) == [7] * len(ea)
+    wrapped.release()
