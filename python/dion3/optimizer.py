@@ -1071,6 +1071,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
             plan = self._load_plan(state_dict)
         except ValueError as e:
             problem = str(e)
+        except MemoryError:  # not the checkpoint's fault: said so, and refused with the ranks as the rest
+            problem = "dion3: load_state_dict: out of memory while checking the state_dict; nothing was loaded"
         except Exception as e:  # noqa: BLE001 - a structure no check foresaw: refused like the rest
             problem = (f"dion3: load_state_dict: the state_dict is malformed ({type(e).__name__}: {e}); "
                        "nothing was loaded")

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -41,10 +42,13 @@ struct dion3_comm {
 
 namespace {
 
-thread_local std::string g_last_error;
+// A fixed buffer, trivially destructible: a thread's first error then needs no allocation (a
+// thread_local std::string registers a destructor, which fails when memory is out).
+thread_local char g_last_error[8192];
 
-dion3_status set_error(dion3_status s, const std::string& message) {
-  g_last_error = message;
+dion3_status set_error(dion3_status s, const char* prefix, const char* message) noexcept {
+  const int n = std::snprintf(g_last_error, sizeof g_last_error, "%s%s", prefix, message);
+  if (n >= static_cast<int>(sizeof g_last_error)) std::memcpy(g_last_error + sizeof g_last_error - 4, "...", 4);
   return s;
 }
 
@@ -54,13 +58,13 @@ dion3_status guard(F&& body) noexcept {
     body();
     return DION3_OK;
   } catch (const dion3::Error& e) {
-    return set_error(static_cast<dion3_status>(static_cast<int>(e.status())), e.what());
+    return set_error(static_cast<dion3_status>(static_cast<int>(e.status())), "", e.what());
   } catch (const std::bad_alloc&) {
-    return set_error(DION3_INTERNAL, "dion3: out of memory");
+    return set_error(DION3_INTERNAL, "", "dion3: out of memory");
   } catch (const std::exception& e) {
-    return set_error(DION3_INTERNAL, std::string("dion3: internal error: ") + e.what());
+    return set_error(DION3_INTERNAL, "dion3: internal error: ", e.what());
   } catch (...) {
-    return set_error(DION3_INTERNAL, "dion3: internal error: unknown exception");
+    return set_error(DION3_INTERNAL, "", "dion3: internal error: unknown exception");
   }
 }
 
@@ -107,7 +111,7 @@ void check_param(const dion3::Optimizer& e, int param) {
 
 extern "C" {
 
-const char* dion3_last_error(void) { return g_last_error.c_str(); }
+const char* dion3_last_error(void) { return g_last_error; }
 
 int dion3_api_version(void) { return DION3_C_API_VERSION; }
 

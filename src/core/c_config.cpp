@@ -150,8 +150,16 @@ void config_to_c(const GroupConfig& g, dion3_group_config* c) {
 
 }  // namespace dion3::capi
 
+namespace {
+// The C++ defaults are the single source of truth (Polar Express, one restart: they fit). Made
+// when the library loads: dion3_group_config_default() cannot report a failed allocation.
+const dion3_group_config kDefaultConfig = [] {
+  dion3_group_config c{};
+  dion3::capi::config_to_c(dion3::GroupConfig{}, &c);
+  return c;
+}();
+}  // namespace
+
 extern "C" void dion3_group_config_default(dion3_group_config* c) {
-  if (!c) return;
-  // The C++ defaults are the single source of truth (Polar Express, one restart: they fit).
-  dion3::capi::config_to_c(dion3::GroupConfig{}, c);
+  if (c) *c = kDefaultConfig;
 }
