@@ -7,6 +7,7 @@
 #include <cstring>
 #include <map>
 #include <tuple>
+#include <type_traits>
 
 #include "core/engine.hpp"
 #include "core/format.hpp"
@@ -508,17 +509,33 @@ int Optimizer::add_param(int group, const ParamSpec& spec) {
     s.params.pop_back();
     throw;
   }
-  s.comms_met.insert(s.comms_met.end(), new_comms.begin(), new_comms.end());
-  if (s.structure.size() <= static_cast<std::size_t>(group)) s.structure.resize(group + 1);
-  if (!s.structure[group]) s.structure[group] = g;  // its state is sized by these settings from now on
-  auto remember = [&](const TensorView& t, const std::string& what) {
-    const auto [a, b] = memory_of(t);
-    if (a < b) s.written.emplace(a, std::make_pair(b, what));
-  };
-  remember(added.weight, "the weight of " + who);
-  for (const auto& [name, view] : spec.state) remember(view, "state '" + name + "' of " + who);
-  s.param_index.emplace(added.name, index);
-  s.note_grad_range(index);
+  // Each step below may fail to allocate: a failed call undoes the ones before it and leaves
+  // nothing registered (a retry would otherwise register the weight twice).
+  const std::size_t comms_before = s.comms_met.size();
+  const bool had_structure = s.structure.size() > static_cast<std::size_t>(group) && s.structure[group];
+  std::vector<std::uintptr_t> remembered;
+  bool indexed = false;
+  try {
+    s.comms_met.insert(s.comms_met.end(), new_comms.begin(), new_comms.end());
+    if (s.structure.size() <= static_cast<std::size_t>(group)) s.structure.resize(group + 1);
+    if (!s.structure[group]) s.structure[group] = g;  // its state is sized by these settings from now on
+    remembered.reserve(1 + spec.state.size());
+    auto remember = [&](const TensorView& t, const std::string& what) {
+      const auto [a, b] = memory_of(t);
+      if (a < b && s.written.emplace(a, std::make_pair(b, what)).second) remembered.push_back(a);
+    };
+    remember(added.weight, "the weight of " + who);
+    for (const auto& [name, view] : spec.state) remember(view, "state '" + name + "' of " + who);
+    indexed = s.param_index.emplace(added.name, index).second;
+    s.note_grad_range(index);
+  } catch (...) {
+    if (indexed) s.param_index.erase(added.name);
+    for (std::uintptr_t a : remembered) s.written.erase(a);
+    if (!had_structure && s.structure.size() > static_cast<std::size_t>(group)) s.structure[group].reset();
+    s.comms_met.resize(comms_before);
+    s.params.pop_back();
+    throw;
+  }
   s.plan_valid = false;
   ++s.binding;
   return index;
@@ -573,6 +590,9 @@ GroupConfig& Optimizer::group(int index) {
   return impl_->groups[index];
 }
 const GroupConfig& Optimizer::group(int index) const { return const_cast<Optimizer*>(this)->group(index); }
+static_assert(std::is_nothrow_move_constructible_v<GroupConfig> && std::is_nothrow_move_assignable_v<GroupConfig>,
+              "set_group swaps settings in and back without a failure in between");
+
 void Optimizer::set_group(int index, const GroupConfig& config) {
   const Impl::Use use(*impl_);
   group(index);  // the range check
@@ -583,15 +603,17 @@ void Optimizer::set_group(int index, const GroupConfig& config) {
   }
   if (const std::string e = impl_->structure_error(index, config); !e.empty()) fail(e);
   Impl& s = *impl_;
-  const GroupConfig kept = s.groups[index];
-  s.groups[index] = config;
+  // Copied before the group changes and swapped in (moves do not allocate): a failed copy, or a
+  // refusal below, leaves the group's settings as they were.
+  GroupConfig kept = config;
+  std::swap(s.groups[index], kept);
   // Blocks that do not fit a parameter's rows are refused here rather than at the next step.
   if (is_matrix_algorithm(config.algorithm) && (config.num_heads != kept.num_heads || config.split_sizes != kept.split_sizes)) {
     try {
       for (int i = 0; i < num_params(); ++i)
         if (s.params[i].group == index) s.row_blocks(i);
-    } catch (const Error&) {
-      s.groups[index] = kept;
+    } catch (...) {
+      std::swap(s.groups[index], kept);
       throw;
     }
   }

@@ -1,0 +1,149 @@
+/* out_of_memory.c — the C API when allocations fail: each call that fails for lack of memory
+ * returns DION3_INTERNAL with a message (never aborts, even when every later allocation fails
+ * too), and leaves the optimizer as it was, so that the same call retried with memory back
+ * behaves as if it had never failed. Each call is swept over every allocation it makes. */
+#include <stdio.h>
+#include <string.h>
+
+#include "dion3/dion3.h"
+#include "fail_alloc.h"
+
+#define R 32
+#define C 48
+static float wa[R * C], ga[R * C], wb[R * C], gb[R * C], want[R * C];
+static int failures;
+
+#define CHECK(cond, ...)                 \
+  do {                                   \
+    if (!(cond)) {                       \
+      printf("FAIL: " __VA_ARGS__);      \
+      printf("\n");                      \
+      ++failures;                        \
+    }                                    \
+  } while (0)
+
+static dion3_tensor view(float* d) {
+  dion3_tensor t;
+  memset(&t, 0, sizeof t);
+  t.data = d;
+  t.dtype = DION3_F32;
+  t.ndim = 2;
+  t.shape[0] = R;
+  t.shape[1] = C;
+  return t;
+}
+
+/* An optimizer with parameter "a"; fresh weights for "a" and "b". */
+static dion3_optimizer* make(int* group) {
+  for (int i = 0; i < R * C; ++i) {
+    wa[i] = wb[i] = 0.01f * (float)(i % 13);
+    ga[i] = gb[i] = (float)(i % 7) - 3.0f;
+  }
+  dion3_optimizer* o = NULL;
+  dion3_group_config cfg;
+  dion3_group_config_default(&cfg);
+  dion3_tensor t = view(wa), g = view(ga);
+  if (dion3_create(&o, DION3_DEVICE_CPU, 0, NULL, DION3_NONFINITE_RAISE) != DION3_OK ||
+      dion3_add_group(o, &cfg, group) != DION3_OK || dion3_add_param(o, *group, "a", &t, &g, NULL) != DION3_OK) {
+    printf("FAIL: setup: %s\n", dion3_last_error());
+    ++failures;
+  }
+  return o;
+}
+
+/* add_param("b") failing at each allocation: nothing registered; the retry steps as a clean run. */
+static void add_param_is_all_or_nothing(void) {
+  int group, points = 0;
+  dion3_optimizer* o = make(&group);
+  dion3_tensor t = view(wb), g = view(gb);
+  dion3_add_param(o, group, "b", &t, &g, NULL);
+  dion3_step(o, NULL);
+  memcpy(want, wb, sizeof want);
+  dion3_destroy(o);
+  for (long n = 1;; ++n) {
+    o = make(&group);
+    fail_alloc_arm(n, 0);
+    const dion3_status s = dion3_add_param(o, group, "b", &t, &g, NULL);
+    const long failed = fail_alloc_disarm();
+    if (!failed) {
+      CHECK(s == DION3_OK, "add_param with every allocation granted: %s", dion3_last_error());
+      dion3_destroy(o);
+      break;
+    }
+    ++points;
+    int count = -1;
+    dion3_num_params(o, &count);
+    if (s != DION3_OK) {
+      CHECK(s == DION3_INTERNAL && strstr(dion3_last_error(), "memory"), "allocation %ld: status %d '%s'", n, s,
+            dion3_last_error());
+      CHECK(count == 1, "allocation %ld: a failed add_param left %d parameters", n, count);
+      CHECK(dion3_add_param(o, group, "b", &t, &g, NULL) == DION3_OK, "allocation %ld: the retry: %s", n,
+            dion3_last_error());
+    }
+    CHECK(dion3_step(o, NULL) == DION3_OK && memcmp(wb, want, sizeof want) == 0,
+          "allocation %ld: the step after it differs from a run that never failed", n);
+    dion3_destroy(o);
+  }
+  printf("add_param: %d allocations failed in turn\n", points);
+}
+
+/* set_group_config failing at each allocation: the group keeps its settings. */
+static void set_group_config_is_all_or_nothing(void) {
+  int group, points = 0;
+  for (long n = 1;; ++n) {
+    dion3_optimizer* o = make(&group);
+    dion3_group_config before, next, after;
+    dion3_get_group_config(o, group, &before);
+    next = before;
+    next.fraction = 0.5;
+    next.num_heads = 2;
+    next.orth_num_restarts = 0;
+    fail_alloc_arm(n, 0);
+    const dion3_status s = dion3_set_group_config(o, group, &next);
+    const long failed = fail_alloc_disarm();
+    dion3_get_group_config(o, group, &after);
+    if (!failed) {
+      CHECK(s == DION3_OK && after.fraction == 0.5, "set_group_config with every allocation granted: %s",
+            dion3_last_error());
+      dion3_destroy(o);
+      break;
+    }
+    ++points;
+    if (s != DION3_OK)
+      CHECK(after.fraction == before.fraction && after.num_heads == before.num_heads &&
+                after.orth_num_restarts == before.orth_num_restarts,
+            "allocation %ld: a failed set_group_config changed the group", n);
+    dion3_destroy(o);
+  }
+  printf("set_group_config: %d allocations failed in turn\n", points);
+}
+
+/* With no memory at all from some point on, calls still return (an error, or OK where they need
+ * none); the defaults need no allocation. */
+static void no_memory_at_all(void) {
+  int group;
+  dion3_optimizer* o = make(&group);
+  dion3_tensor t = view(wb), g = view(gb);
+  dion3_group_config cfg;
+  memset(&cfg, 0, sizeof cfg);
+  fail_alloc_arm(1, 1);
+  dion3_group_config_default(&cfg);
+  const dion3_status added = dion3_add_param(o, group, "b", &t, &g, NULL);
+  const dion3_status stepped = dion3_step(o, NULL);
+  const dion3_status bad = dion3_set_lr(o, 99, 0.1);  /* a refusal: its message needs no allocation */
+  fail_alloc_disarm();
+  CHECK(cfg.lr > 0, "group_config_default filled nothing without memory");
+  CHECK(added == DION3_INTERNAL, "add_param without memory: %d", added);
+  CHECK(stepped == DION3_INTERNAL || stepped == DION3_OK, "step without memory: %d", stepped);
+  CHECK(bad != DION3_OK && dion3_last_error()[0] != '\0', "a refusal without memory: %d '%s'", bad,
+        dion3_last_error());
+  dion3_destroy(o);
+}
+
+int main(void) {
+  add_param_is_all_or_nothing();
+  set_group_config_is_all_or_nothing();
+  no_memory_at_all();
+  printf(failures ? "%d failures\n" : "ok\n", failures);
+  return failures != 0;
+}
