@@ -170,7 +170,8 @@ class CudaGraphOptimizer(torch.optim.Optimizer):
         graph.replay()  # capture records the step; this runs it
 
     # Wrapped as torch wraps its optimizers' step (Optimizer.__init__, not called here, would): the
-    # step hooks registered on this object, and the global ones, run around each call.
+    # step hooks registered on this object, and the global ones, run around each call (the global
+    # ones also around the inner optimizer's eager steps, as for any optimizer calling another).
     @torch.optim.Optimizer.profile_hook_step
     def step(self, closure: Optional[Callable] = None):
         """One step: eager during warm-up, then captured once and replayed."""
@@ -192,3 +193,5 @@ class CudaGraphOptimizer(torch.optim.Optimizer):
             self._capture()
         self._steps += 1
         return loss
+
+    step.hooked = True  # already wrapped: torch's _patch_step_function must not wrap it again

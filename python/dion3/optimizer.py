@@ -1397,11 +1397,12 @@ class _EngineOptimizer(torch.optim.Optimizer):
             self._absent = engine.absent()  # what the replays step (counted by _sync_counters)
             self._counters_pending = True
             return loss
-        self._raise_deferred(poll=True)
         if getattr(self, "_replayed", False):
-            # Replays are counted for the parameters the capture stepped, before this step may step others.
+            # Replays are counted for the parameters the capture stepped, before this step may step
+            # others, and before the poll below, which then reports a dropped replay at once.
             self._sync_counters()
             self._replayed = False
+        self._raise_deferred(poll=True)
         # A step that does not block only enqueues: nothing waits for the GPU, and its verdict
         # comes back through an asynchronous copy of the engine's counters (see _sync_counters).
         asynchronous = self._engine_cuda and not self._blocks()

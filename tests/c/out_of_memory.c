@@ -130,7 +130,7 @@ static void no_memory_at_all(void) {
   dion3_group_config_default(&cfg);
   const dion3_status added = dion3_add_param(o, group, "b", &t, &g, NULL);
   const dion3_status stepped = dion3_step(o, NULL);
-  const dion3_status bad = dion3_set_lr(o, 99, 0.1);  /* a refusal: its message needs no allocation */
+  const dion3_status bad = dion3_set_lr(o, 99, 0.1);  /* refused, for the group or for memory */
   fail_alloc_disarm();
   CHECK(cfg.lr > 0, "group_config_default filled nothing without memory");
   CHECK(added == DION3_INTERNAL, "add_param without memory: %d", added);

@@ -329,3 +329,24 @@ def test_replays_are_counted_when_a_step_that_does_not_wait_raises_for_none():
     assert all(torch.equal(p, q) for p, q in zip(ea, ga))
     assert _steps_of(wrapped, len(ga)) == _steps_of(eager, len(ea)) == [7] * len(ea)
     wrapped.release()
+
+
+def test_new_gradient_tensors_over_the_same_memory_are_replayed():
+    # A bucketed trainer hands each parameter a new view of one flat buffer every step: the graph
+    # reads the same memory, so it keeps replaying.
+    eager, wrapped, ea, ga = _pair(10, 1)
+    flat = torch.zeros(sum(p.numel() for p in ga), device="cuda", dtype=torch.bfloat16)
+    for step in range(5):
+        offset = 0
+        for q, g in zip(ga, _grads(step, ga)):
+            view = flat[offset:offset + q.numel()].view_as(q)
+            view.copy_(g)
+            q.grad = view  # a new tensor each step
+            offset += q.numel()
+        for p, g in zip(ea, _grads(step, ea)):
+            p.grad = g.clone()
+        eager.step()
+        wrapped.step()
+        assert wrapped.captured == (step >= 1), step
+        assert all(torch.equal(p, q) for p, q in zip(ea, ga)), step
+    wrapped.release()

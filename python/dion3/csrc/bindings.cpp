@@ -476,6 +476,7 @@ class Engine {
     orders_.push_back(order);
     sources_.push_back(!order.empty() && wrapper && !absent ? wrapper->grad() : at::Tensor());
     source_pins_.push_back(sources_.back().defined() ? Pin(sources_.back()) : Pin());
+    bound_memory_.push_back(0);
     return index;
   }
 
@@ -574,17 +575,27 @@ class Engine {
   bool needs_rebuild() const { return state_moved() || storage_moved() || groups_changed(); }
   // A parameter without a gradient at the build that has one now would never be stepped by a replay.
   bool stale_for_replay() const { return needs_rebuild() || grads_moved() || watched_gained_gradient(); }
-  // A parameter's .grad is now another tensor than the one the last step bound (model.zero_grad()
-  // sets them to None, backward makes new ones): a replay would read the old one, which the engine
-  // still holds after an enqueued step. Given gradients (DTensor shards) are the front end's.
+  // A parameter's .grad now lies in other memory than the one the last step bound (model.zero_grad()
+  // sets them to None and backward makes new ones): a replay reads by address, so it would read
+  // the old memory. A new tensor over the same memory (a view of a flat buffer) is still read.
+  // Given gradients (DTensor shards) are not compared here.
   bool grads_replaced() const {
     if (given_) return false;
     for (std::size_t i = 0; i < weights_.size(); ++i) {
+      if (absent_[i]) continue;
       const at::Tensor g = source_grad(static_cast<int>(i));
-      const at::Tensor& bound = sources_[i].defined() ? sources_[i] : grads_[i];
-      if (g.defined() && bound.defined() && g.unsafeGetTensorImpl() != bound.unsafeGetTensorImpl()) return true;
+      if (g.defined() && bound_memory_[i] != memory_key(g)) return true;
     }
     return false;
+  }
+  // Where a gradient's elements lie: its first element's address, shape, strides and dtype, as one
+  // number (no allocation, per parameter and step).
+  static std::size_t memory_key(const at::Tensor& g) {
+    std::size_t h = std::hash<const void*>{}(g.data_ptr()) ^ static_cast<std::size_t>(g.scalar_type());
+    auto mix = [&](int64_t v) { h ^= std::hash<int64_t>{}(v) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2); };
+    for (int64_t d : g.sizes()) mix(d);
+    for (int64_t d : g.strides()) mix(d);
+    return h;
   }
   // Nor would one without a gradient at the last step (a capture), and one that has none now would
   // be stepped. Given gradients (DTensor shards) are compared by the front end.
@@ -716,11 +727,8 @@ class Engine {
           } catch (const dion3::Error& e) {
             throw dion3::Error(e.status(), "parameter '" + opt_->param_name(i) + "': " + std::string(e.what()).substr(7));
           }
-          // Where the engine takes a contiguous copy, the caller's tensor is what grads_replaced() compares.
-          if (!given && orders_[i].empty()) {
-            const at::Tensor src = source_grad(i);
-            sources_[i] = src.unsafeGetTensorImpl() == g.unsafeGetTensorImpl() ? at::Tensor() : src;
-          }
+          // The caller's memory, which a captured step reads (through its copy, where one is made).
+          if (!given) bound_memory_[i] = memory_key(source_grad(i));
           // The same tensor may have been given other storage in place (p.grad.data = ..., set_).
           if (!grad_pins_[i].same(g)) {
             opt_->set_grad(i, view_of(g, "the gradient of " + opt_->param_name(i)));
@@ -980,6 +988,7 @@ class Engine {
   std::vector<std::vector<int64_t>> orders_;
   std::vector<at::Tensor> sources_;
   std::vector<Pin> source_pins_;
+  std::vector<std::size_t> bound_memory_;  // each gradient's memory_key() as the last step bound it
   std::vector<std::vector<at::Tensor>> held_;  // weights and state tensors the engine points into
   struct Watched {
     at::Tensor tensor;
