@@ -40,6 +40,14 @@ def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def placed_local_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
+    """p's local gradient where it is placed as p is (no collective needed), else None."""
+    g = p.grad
+    if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+        return None
+    return local(g)
+
+
 def local_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
     """The local part of p's gradient placed as p is. A DTensor gradient placed otherwise (Partial:
     what autograd leaves a replicated weight under sequence or tensor parallelism) is

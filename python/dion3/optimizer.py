@@ -1783,8 +1783,11 @@ class _EngineOptimizer(torch.optim.Optimizer):
         step cannot follow changed (parameters, groups, fraction, blocks, nesterov, cautious_wd,
         selection_scope, orthogonalizer): capture again."""
         engine = self._engine
+        # DTensor gradients: this step's local shards, where no collective is needed to place them
+        # (a Partial one is compared by the replay's own redistribution, not here).
+        given = [_dist.placed_local_grad(p) for p in self._engine_params] if self._given_grads else None
         if (engine is None or self._stale(self._registration_key()) or engine.stale_for_replay()
-                or engine.grads_replaced() or self._absence_changed(engine)):
+                or engine.grads_replaced(given) or self._absence_changed(engine)):
             raise RuntimeError("dion3: the optimizer's parameters, groups, state tensors, the parameters with a "
                                "gradient or their .grad tensors changed since the capture; capture again")
         self._push_groups(engine)

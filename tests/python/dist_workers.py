@@ -251,6 +251,27 @@ def state_written_in_place(rank, world, mesh):
             assert torch.equal(p.to_local(), b), f"rank {rank} moved its shard"
 
 
+def replay_gradients_compared(rank, world, mesh):
+    """refresh_hyperparameters() (before a replay) compares DTensor gradients' local memory with
+    what the last step bound: new gradient DTensors ask for a new capture, in-place writes do not."""
+    fulls, ps = sharded_params(mesh, [Shard(0)], seed=6)
+    opt = dion3.Dion3(ps, distributed_mesh=mesh)
+    for p in ps:
+        p.grad = distribute_tensor(torch.randn(p.shape), mesh, [Shard(0)])
+    opt.step()
+    opt.refresh_hyperparameters()
+    ps[0].grad.mul_(2.0)
+    opt.refresh_hyperparameters()
+    ps[1].grad = distribute_tensor(torch.randn(ps[1].shape), mesh, [Shard(0)])
+    try:
+        opt.refresh_hyperparameters()
+        raise AssertionError(f"rank {rank}: a new gradient DTensor was not noticed before a replay")
+    except RuntimeError as e:
+        assert "capture again" in str(e), str(e)
+    opt.step()
+    opt.refresh_hyperparameters()
+
+
 def refusals(rank, world, mesh):
     """Bad layouts, and a deferred non-finite raise, are refused on every rank, before anything
     is written."""
@@ -1138,6 +1159,7 @@ def layouts(rank, world, tmp):
     row_blocks(rank, world, mesh)
     nonfinite(rank, world, mesh)
     state_written_in_place(rank, world, mesh)
+    replay_gradients_compared(rank, world, mesh)
     refusals(rank, world, mesh)
     agreement(rank, world, mesh)
     one_rank_changes(rank, world, mesh)

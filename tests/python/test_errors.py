@@ -495,6 +495,31 @@ def test_refresh_hyperparameters_refuses_a_parameter_that_gained_a_gradient(devi
     opt.refresh_hyperparameters()
 
 
+def test_refresh_hyperparameters_refuses_gradients_in_other_memory(device):
+    # A replay reads the gradients where the last step bound them: new .grad tensors elsewhere
+    # (model.zero_grad(), then backward) ask for a new capture; the same memory does not (a new
+    # view of a flat buffer, or a gradient written in place).
+    w, v = mat(device), mat(device, 4, 6)
+    flat = torch.zeros(w.numel() + v.numel(), device=device)
+    opt = dion3.Dion3([w, v])
+
+    def from_flat():
+        w.grad, v.grad = flat[:w.numel()].view_as(w), flat[w.numel():].view_as(v)
+
+    from_flat()
+    flat.normal_()
+    opt.step()
+    opt.refresh_hyperparameters()
+    from_flat()  # new tensors, same memory
+    w.grad.mul_(2.0)
+    opt.refresh_hyperparameters()
+    v.grad = torch.randn_like(v)
+    with pytest.raises(RuntimeError, match="capture again"):
+        opt.refresh_hyperparameters()
+    opt.step()  # binds the new one
+    opt.refresh_hyperparameters()
+
+
 def test_refresh_hyperparameters_keeps_an_in_place_state_write(device):
     # refresh_hyperparameters() (what a replay of a captured step needs) notices an in-place state
     # write as step() would, and does not swallow it: the step after it still reads the momentum.

@@ -578,12 +578,12 @@ class Engine {
   // A parameter's .grad now lies in other memory than the one the last step bound (model.zero_grad()
   // sets them to None and backward makes new ones): a replay reads by address, so it would read
   // the old memory. A new tensor over the same memory (a view of a flat buffer) is still read.
-  // Given gradients (DTensor shards) are not compared here.
-  bool grads_replaced() const {
-    if (given_) return false;
+  // Given gradients (DTensor shards): the front end passes this step's, as to step_with.
+  bool grads_replaced(const std::optional<std::vector<std::optional<at::Tensor>>>& given) const {
+    if (given_ && (!given || given->size() != weights_.size())) return true;  // cannot tell: capture again
     for (std::size_t i = 0; i < weights_.size(); ++i) {
       if (absent_[i]) continue;
-      const at::Tensor g = source_grad(static_cast<int>(i));
+      const at::Tensor g = given_ ? ((*given)[i] ? *(*given)[i] : at::Tensor()) : source_grad(static_cast<int>(i));
       if (g.defined() && bound_memory_[i] != memory_key(g)) return true;
     }
     return false;
@@ -728,7 +728,7 @@ class Engine {
             throw dion3::Error(e.status(), "parameter '" + opt_->param_name(i) + "': " + std::string(e.what()).substr(7));
           }
           // The caller's memory, which a captured step reads (through its copy, where one is made).
-          if (!given) bound_memory_[i] = memory_key(source_grad(i));
+          bound_memory_[i] = memory_key(given ? *(*given)[i] : source_grad(i));
           // The same tensor may have been given other storage in place (p.grad.data = ..., set_).
           if (!grad_pins_[i].same(g)) {
             opt_->set_grad(i, view_of(g, "the gradient of " + opt_->param_name(i)));
@@ -1189,7 +1189,7 @@ PYBIND11_MODULE(_C, m) {
       .def("watch_state", guarded(&Engine::watch_state))
       .def("watch_groups", guarded(&Engine::watch_groups))
       .def("stale_for_replay", guarded(&Engine::stale_for_replay))
-      .def("grads_replaced", guarded(&Engine::grads_replaced))
+      .def("grads_replaced", guarded(&Engine::grads_replaced), py::arg("grads") = std::nullopt)
       .def("absent", guarded(&Engine::absent))
       .def("absence_changed", guarded(&Engine::absence_changed))
       .def("set_param_steps", guarded(&Engine::set_param_steps))
