@@ -20,10 +20,10 @@ from .optimizer import CaptureNotReady, _EngineOptimizer
 
 class CudaGraphOptimizer(torch.optim.Optimizer):
     """Runs `optimizer.step()` eagerly for `warmup_steps` steps, then captures one step in a
-    CUDA graph and replays it. The gradients must stay in the same .grad tensors (zero_grad
-    zeroes them in place). A change the graph cannot follow (parameters, groups, fraction,
-    split_sizes, nesterov, cautious_wd, selection_scope, the orthogonalizer, a loaded state) is noticed at the next step, which then runs
-    eagerly and captures again. Call release() before torch.distributed.destroy_process_group()
+    CUDA graph and replays it. The gradients must stay in the same memory (zero_grad zeroes them
+    in place). A change the graph cannot follow (parameters, groups, fraction, split_sizes,
+    nesterov, cautious_wd, selection_scope, the orthogonalizer, a loaded state, gradients in other
+    memory) is noticed at the next step, which then runs eagerly and captures again after warm-up. Call release() before torch.distributed.destroy_process_group()
     under NCCL: a captured graph holds the step's collectives."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, warmup_steps: int = 10):
