@@ -84,8 +84,7 @@ class CudaGraphOptimizer(torch.optim.Optimizer):
         return self._graph is not None
 
     def add_param_group(self, param_group) -> None:
-        self.release()
-        self._steps = 0  # warm up again: the new parameters' state is made by eager steps
+        self._warm_up_again()  # the new parameters' state is made by eager steps
         self.optimizer.add_param_group(param_group)
 
     # torch's Optimizer.state_dict / load_state_dict call the hooks registered on this object
@@ -105,8 +104,7 @@ class CudaGraphOptimizer(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        self.release()  # the state tensors are replaced: the graph would write the old ones
-        self._steps = 0
+        self._warm_up_again()  # the state tensors are replaced: the graph would write the old ones
         self.optimizer.load_state_dict(state_dict)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
@@ -127,6 +125,11 @@ class CudaGraphOptimizer(torch.optim.Optimizer):
             self._graph = None
         # An eager step plans for what changed (a capture cannot); warm-up that has not ended stays as it is.
         self._steps = min(self._steps, self.warmup_steps - 1)
+
+    def _warm_up_again(self) -> None:
+        """Drop the graph; capture again after warmup_steps eager steps."""
+        self.release()
+        self._steps = 0
 
     def _check_capturable(self) -> None:
         for gi, group in enumerate(self.param_groups):
@@ -183,8 +186,7 @@ class CudaGraphOptimizer(torch.optim.Optimizer):
             try:
                 self.optimizer.refresh_hyperparameters()
             except RuntimeError:
-                self.release()  # something the graph cannot follow changed: step eagerly, capture later
-                self._steps = 0
+                self._warm_up_again()  # something the graph cannot follow changed
         if self._graph is not None:
             self._graph.replay()
         elif self._steps < self.warmup_steps:

@@ -40,12 +40,14 @@ def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _placed_otherwise(p: torch.Tensor, g: Optional[torch.Tensor]) -> bool:
+    """Whether DTensor gradient g is placed otherwise than its DTensor parameter p."""
+    return isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements  # tuples, both
+
+
 def placed_local_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
     """p's local gradient where it is placed as p is (no collective needed), else None."""
-    g = p.grad
-    if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
-        return None
-    return local(g)
+    return None if _placed_otherwise(p, p.grad) else local(p.grad)
 
 
 def local_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
@@ -54,7 +56,7 @@ def local_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
     redistributed first, as torch.optim's DTensor ops do: stepping each rank's partial sum would
     let the ranks drift apart."""
     g = p.grad
-    if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:  # tuples, both
+    if _placed_otherwise(p, g):
         g = g.redistribute(p.device_mesh, p.placements)
     return local(g)
 

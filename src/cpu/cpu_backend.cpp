@@ -787,13 +787,13 @@ class CpuBackend final : public Backend {
     const AdamWParams h = given.resolved();
     const float decay = 1.0f - h.lr * h.weight_decay;
     const double t = adamw_step_number(h, *h.applied_steps);
-    const float bc1 = static_cast<float>(1.0 - std::pow(static_cast<double>(h.beta1), t));
+    const float bc1 = AdamWRule::bias_correction1(h.beta1, t);
     const float sqrt_bc2 = AdamWRule::sqrt_bias_correction2(h.beta2, t);
     auto update = [&](float* w, const float* g, float* m, float* v, int64_t n) {
       for (int64_t j = 0; j < n; ++j) {
         m[j] = AdamWRule::exp_avg(m[j], g[j], h.beta1);
         v[j] = AdamWRule::exp_avg_sq(v[j], g[j], h.beta2);
-        w[j] = w[j] * decay - h.lr * (m[j] / bc1) / (std::sqrt(v[j]) / sqrt_bc2 + h.epsilon);
+        w[j] = AdamWRule::weight(w[j], m[j], v[j], h.lr, decay, h.epsilon, bc1, sqrt_bc2);
       }
     };
     if (all_f32({e.weight, e.grad, e.exp_avg, e.exp_avg_sq})) {  // in place, no copies

@@ -278,7 +278,7 @@ struct AdamWElem {
                                                float decay, float bc1, float sqrt_bc2) {
     m = AdamWRule::exp_avg(m, g, h.beta1);
     v = AdamWRule::exp_avg_sq(v, g, h.beta2);
-    w = w * decay - h.lr * (m / bc1) / (sqrtf(v) / sqrt_bc2 + h.epsilon);
+    w = AdamWRule::weight(w, m, v, h.lr, decay, h.epsilon, bc1, sqrt_bc2);
   }
 };
 
@@ -323,9 +323,9 @@ __global__ void adamw_kernel(const __grid_constant__ MultiTensor<AdamWParams> t,
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   if (start >= n) return;  // blocks past a smaller parameter's end
   const float decay = 1.0f - h.lr * h.weight_decay;
-  // Bias correction from the device step counter (as the CPU backend: double pow, float result).
+  // Bias correction from the device step counter, by the CPU backend's rule.
   const double tt = adamw_step_number(h, *h.applied_steps);
-  const float bc1 = static_cast<float>(1.0 - pow(static_cast<double>(h.beta1), tt));
+  const float bc1 = AdamWRule::bias_correction1(h.beta1, tt);
   const float sqrt_bc2 = AdamWRule::sqrt_bias_correction2(h.beta2, tt);
   if (t.vec[blockIdx.y]) {
     for (int64_t q = start; 4 * q < n; q += stride) {

@@ -750,7 +750,7 @@ class Engine {
     Guard guard(*this);
     // A step that must plan anew cannot be captured (planning allocates and uploads): -1, as for a
     // rebuild, with nothing enqueued, so that the front end raises CaptureNotReady.
-    if (async && capturing() && opt_->needs_new_plan()) return -1;
+    if (async && opt_->backend().capturing() && opt_->needs_new_plan()) return -1;
     note_state_written();
     py::gil_scoped_release release;
     if (async) {
@@ -867,18 +867,6 @@ class Engine {
     explicit Guard(Engine&) {}
 #endif
   };
-
-  // Whether the engine's stream (set by a Guard) is being captured in a CUDA graph.
-  bool capturing() const {
-#ifdef DION3_HAVE_CUDA
-    if (!cuda_) return false;
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    return cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(device_index_).stream(), &status) == cudaSuccess &&
-           status != cudaStreamCaptureStatusNone;
-#else
-    return false;
-#endif
-  }
 
   // Tells the engine of each parameter whose state tensor was written in place since the last
   // call (its version moved; the engine's own writes do not move it): its next step checks that
