@@ -60,8 +60,7 @@ inline void fill(void* p, dion3::DType dt, int64_t n, uint64_t seed, float scale
 // Medians of `iters` CUDA-event timings of each candidate, after `warmup` untimed calls of each,
 // the candidates timed in turn (f0, f1, ..., f0, f1, ...): a drift of the clocks or the power
 // state during the run reaches every candidate alike, so the ratios between them hold steadier
-// than those of medians taken one candidate after the other (cuBLAS on one shape measured
-// 3.96-4.73 ms across runs that way while the kernel timed after it held within 4%).
+// than those of medians taken one candidate after the other.
 inline std::vector<double> interleaved_medians(cudaStream_t s, int warmup, int iters,
                                                const std::vector<std::function<void()>>& fs) {
   for (int i = 0; i < warmup; ++i)
