@@ -297,6 +297,12 @@ class DION3_API Backend {
   virtual void range_push(const char* name) { (void)name; }
   virtual void range_pop() {}
 
+  // Around each step: begin_step() before it writes anything, end_step() after it, failed or
+  // not. A backend whose ops take memory as they go reserves it in begin_step, so that running
+  // out part way cannot leave the state half updated.
+  virtual void begin_step() {}
+  virtual void end_step() noexcept {}
+
   // --- memory --------------------------------------------------------------------------
   virtual void fill_zero(void* ptr, std::size_t bytes) = 0;
   virtual void copy_to_host(void* host_dst, const void* src, std::size_t bytes) = 0;

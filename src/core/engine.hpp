@@ -334,7 +334,9 @@ struct Optimizer::Impl {
   // An applied step leaves absent parameters' step counts (ParamState::step) as they were.
   void skip_absent_counts();
   void build_lists();        // `lists`, when the binding moved
-  MatrixView run_orthogonalizer(Chunk& c, const std::function<MatrixView()>& run);
+  // A template, not a std::function: wrapping the caller's lambda could allocate mid-step.
+  template <class Run>
+  MatrixView run_orthogonalizer(Chunk& c, Run&& run);
   std::array<int64_t, 2> read_counters() const;
   void post_counters();  // starts the copy posted_counters() answers from
   // grads_bound false (refuse_step): parameters without a bound gradient pass, since a refusal

@@ -2071,7 +2071,8 @@ void Optimizer::Impl::orthogonalize_block(Megabatch& mb, int* flag) {
                                       "the return all-to-all of " + mb.label);
 }
 
-MatrixView Optimizer::Impl::run_orthogonalizer(Chunk& c, const std::function<MatrixView()>& run) {
+template <class Run>
+MatrixView Optimizer::Impl::run_orthogonalizer(Chunk& c, Run&& run) {
   // Under the caller's capture the ops join the caller's graph as they are.
   if (!options.record_orthogonalizer || c.eager_only || capturing_now) return run();
   if (c.recording) {
@@ -2174,6 +2175,11 @@ void Optimizer::Impl::enqueue_step(bool count_dropped, Start start, bool blockin
   Backend& be = *s.backend;
   // 1. Non-finite gradients, and finite ones that would overflow the state, raise a device flag that every mutating op below obeys; distributed
   //    runs agree on it across ranks first.
+  be.begin_step();
+  struct EndStep {
+    Backend& be;
+    ~EndStep() { be.end_step(); }
+  } const end_step{be};
   int* flag = s.flag.as<int>();
   s.capturing_now = be.capturing();
   if (s.capturing_now) s.captured_binding = s.binding;

@@ -17,6 +17,7 @@
 
 #include "cpu/cpu_numeric.hpp"
 #include "cpu/cpu_parallel.hpp"
+#include "cpu/cpu_scratch.hpp"
 #include "dion3/backend.hpp"
 #include "dion3/error.hpp"
 
@@ -27,6 +28,8 @@ using cpu::load_matrix;
 using cpu::load_row;
 using cpu::store_matrix;
 using cpu::store_row;
+using Floats = cpu::Scratch<float>;
+using Ints = cpu::Scratch<int32_t>;
 
 class CpuAllocator final : public Allocator {
  public:
@@ -68,7 +71,7 @@ struct F32Operand {
   const float* ptr;
   int64_t ld;
 };
-F32Operand as_f32(const MatrixView& v, int64_t b, std::vector<float>& scratch) {
+F32Operand as_f32(const MatrixView& v, int64_t b, Floats& scratch) {
   if (v.dtype == DType::F32)
     return {reinterpret_cast<const float*>(cpu::elem_ptr(v, b, 0)), v.ld};
   load_matrix(v, b, scratch);
@@ -91,7 +94,7 @@ void check_shapes(const MatrixView& in, const MatrixView& out, bool transpose, c
 
 // A dense rows x cols matrix in x and its transpose in t, for normalize and convert.
 struct DenseBuffers {
-  std::vector<float> x, t;
+  Floats x, t;
 };
 // x = x^T (x dense rows x cols), through t.
 void transpose_into(DenseBuffers& buf, int64_t rows, int64_t cols) {
@@ -105,6 +108,8 @@ class CpuBackend final : public Backend {
  public:
   Device device() const override { return Device::CPU; }
   Allocator& allocator() override { return alloc_; }
+  void begin_step() override { pool_.begin_step(); }
+  void end_step() noexcept override { pool_.end_step(); }
 
   void fill_zero(void* ptr, std::size_t bytes) override { std::memset(ptr, 0, bytes); }
   void copy_to_host(void* dst, const void* src, std::size_t bytes) override { std::memcpy(dst, src, bytes); }
@@ -237,13 +242,13 @@ class CpuBackend final : public Backend {
     const float decay = decay_h.get(), gs = grad_scale.get();
     const int64_t rows = set.rows(), block = cpu::row_block(set.cols()), blocks = (rows + block - 1) / block;
     struct Buffers {
-      std::vector<float> m, g;
+      Floats m, g;
     };
-    cpu::parallel_for(static_cast<int64_t>(set.mats.size()) * blocks, elements_of(set), [] { return Buffers{}; },
-                      [&](Buffers& buf, int64_t item) {
+    cpu::parallel_for(static_cast<int64_t>(set.mats.size()) * blocks, elements_of(set),
+                      [this] { return Buffers{floats(), floats()}; }, [&](Buffers& buf, int64_t item) {
       const int64_t i = item / blocks, r0 = item % blocks * block;
       const ParamMatrix& p = set.mats[i];
-      std::vector<float>&m = buf.m, &g = buf.g;
+      Floats &m = buf.m, &g = buf.g;
       m.resize(p.momentum.cols);
       g.resize(p.grad.cols);
       for (int64_t r = r0; r < std::min(rows, r0 + block); ++r) {
@@ -270,8 +275,7 @@ class CpuBackend final : public Backend {
     check(k >= 1 && k <= m, "select_rows needs 1 <= k <= m");
     check(!row_sumsq || selected_sumsq, "select_rows: row_sumsq without selected_sumsq");
     // Work: a selection and a sort cost some tens of operations per score.
-    cpu::parallel_for(count, count * m * 32, [m] { return std::vector<int32_t>(m); },
-                      [&](std::vector<int32_t>& order, int64_t i) {
+    cpu::parallel_for(count, count * m * 32, [this, m] { return ints(m); }, [&](Ints& order, int64_t i) {
       const float* s = scores + i * m;
       if (largest) largest[i] = *std::max_element(s, s + m) + 1.0f;
       std::iota(order.begin(), order.end(), 0);
@@ -332,14 +336,14 @@ class CpuBackend final : public Backend {
     if (set.columns) return gather_columns(set, idx, k, scale_m, scale_g, decay, nullptr, out, row_sumsq);
     const int64_t block = cpu::row_block(cols), blocks = (k + block - 1) / block;
     struct Buffers {
-      std::vector<float> m, g, u;
+      Floats m, g, u;
     };
-    const auto buffers = [cols] { return Buffers{std::vector<float>(cols), std::vector<float>(cols), std::vector<float>(cols)}; };
+    const auto buffers = [this, cols] { return Buffers{floats(cols), floats(cols), floats(cols)}; };
     cpu::parallel_for(static_cast<int64_t>(set.mats.size()) * blocks, static_cast<int64_t>(set.mats.size()) * k * cols,
                       buffers, [&](Buffers& buf, int64_t item) {
       const int64_t i = item / blocks, j0 = item % blocks * block;
       const ParamMatrix& p = set.mats[i];
-      std::vector<float>&m = buf.m, &g = buf.g, &u = buf.u;
+      Floats &m = buf.m, &g = buf.g, &u = buf.u;
       for (int64_t j = j0; j < std::min(k, j0 + block); ++j) {
         const int64_t r = idx ? idx[i * k + j] : j;
         if (r >= rows) {  // padding
@@ -378,20 +382,20 @@ class CpuBackend final : public Backend {
     check(out.rows == k && out.cols == cols && out.batch == static_cast<int64_t>(set.mats.size()),
           "gather_normalized output shape");
     const int64_t count = static_cast<int64_t>(set.mats.size());
-    std::vector<float> invs(count);
+    Floats invs = floats(count);
     for (int64_t i = 0; i < count; ++i)  // multiplied, as normalize does
       invs[i] = static_cast<float>(inverse_norm_of(std::sqrt(static_cast<double>(selected_sumsq[i])), norm));
     if (set.columns) return gather_columns(set, idx, k, 1.0f, 0.0f, decay, invs.data(), out, nullptr);
     const int64_t block = cpu::row_block(cols), blocks = (k + block - 1) / block;
     struct Buffers {
-      std::vector<float> m, x;
+      Floats m, x;
     };
-    const auto buffers = [cols] { return Buffers{std::vector<float>(cols), std::vector<float>(cols)}; };
+    const auto buffers = [this, cols] { return Buffers{floats(cols), floats(cols)}; };
     cpu::parallel_for(count * blocks, count * k * cols, buffers, [&](Buffers& buf, int64_t item) {
       const int64_t i = item / blocks, j0 = item % blocks * block;
       const ParamMatrix& p = set.mats[i];
       const float inv = invs[i];
-      std::vector<float>&m = buf.m, &x = buf.x;
+      Floats &m = buf.m, &x = buf.x;
       for (int64_t j = j0; j < std::min(k, j0 + block); ++j) {
         const int64_t r = idx ? idx[i * k + j] : j;
         if (r >= rows) {  // padding
@@ -420,10 +424,9 @@ class CpuBackend final : public Backend {
     const float decay = p.decay.get(), adjusted_lr = p.adjusted_lr.get(), beta2 = p.beta2.get();
     // Per matrix first: the row of O that updates each weight row (-1: none) and NorMuon's
     // factors on O's rows; then the weight rows, in blocks.
-    std::vector<int32_t> target(static_cast<std::size_t>(count * rows), -1);
-    std::vector<float> row_factor(p.normuon ? count * k : 0), factor(count, 1.0f);
-    cpu::parallel_for(count, count * k * (p.normuon ? ocols : 1), [] { return std::vector<float>(); },
-                      [&](std::vector<float>& o, int64_t i) {
+    Ints target = ints(static_cast<std::size_t>(count * rows), -1);
+    Floats row_factor = floats(p.normuon ? count * k : 0), factor = floats(count, 1.0f);
+    cpu::parallel_for(count, count * k * (p.normuon ? ocols : 1), [this] { return floats(); }, [&](Floats& o, int64_t i) {
       const int32_t* sel = idx ? idx + i * k : nullptr;
       for (int64_t j = 0; j < k; ++j) {
         const int64_t r = sel ? sel[j] : j;
@@ -431,7 +434,7 @@ class CpuBackend final : public Backend {
       }
       if (p.normuon) {
         load_matrix(O, i, o);
-        factor[i] = normuon_factors(o, k, rows, ocols, set.mats[i].variance, sel, beta2, &row_factor[i * k]);
+        factor[i] = normuon_factors(o.data(), k, rows, ocols, set.mats[i].variance, sel, beta2, &row_factor[i * k]);
       }
     });
     MatrixView U = O;  // the columns of O this set takes
@@ -439,13 +442,13 @@ class CpuBackend final : public Backend {
     U.cols = cols;
     const int64_t block = cpu::row_block(cols), blocks = (rows + block - 1) / block;
     struct Buffers {
-      std::vector<float> u, w;
+      Floats u, w;
     };
-    const auto buffers = [cols] { return Buffers{std::vector<float>(cols), std::vector<float>(cols)}; };
+    const auto buffers = [this, cols] { return Buffers{floats(cols), floats(cols)}; };
     cpu::parallel_for(count * blocks, count * rows * cols, buffers, [&](Buffers& buf, int64_t item) {
       const int64_t i = item / blocks, r0 = item % blocks * block;
       const ParamMatrix& pm = set.mats[i];
-      std::vector<float>&u = buf.u, &w = buf.w;
+      Floats &u = buf.u, &w = buf.w;
       for (int64_t r = r0; r < std::min(rows, r0 + block); ++r) {
         const int64_t j = target[i * rows + r];
         if (j < 0 && decay == 1.0f) continue;
@@ -468,8 +471,8 @@ class CpuBackend final : public Backend {
 
   void normalize(MatrixView in, MatrixView out, NormGuard norm, const float* row_sumsq, bool transpose) override {
     check_shapes(in, out, transpose, "normalize shapes");
-    cpu::parallel_for(in.batch, elements_of(in), [] { return DenseBuffers{}; }, [&](DenseBuffers& buf, int64_t b) {
-      std::vector<float>& x = buf.x;
+    cpu::parallel_for(in.batch, elements_of(in), [this] { return DenseBuffers{floats(), floats()}; }, [&](DenseBuffers& buf, int64_t b) {
+      Floats& x = buf.x;
       load_matrix(in, b, x);
       double ss = 0.0;
       if (row_sumsq)
@@ -485,7 +488,7 @@ class CpuBackend final : public Backend {
 
   void convert(MatrixView in, MatrixView out, bool transpose) override {
     check_shapes(in, out, transpose, "convert shapes");
-    cpu::parallel_for(in.batch, elements_of(in), [] { return DenseBuffers{}; }, [&](DenseBuffers& buf, int64_t b) {
+    cpu::parallel_for(in.batch, elements_of(in), [this] { return DenseBuffers{floats(), floats()}; }, [&](DenseBuffers& buf, int64_t b) {
       load_matrix(in, b, buf.x);
       if (transpose) transpose_into(buf, in.rows, in.cols);
       store_matrix(out, b, buf.x.data());
@@ -517,9 +520,9 @@ class CpuBackend final : public Backend {
       return;
     }
     struct Buffers {
-      std::vector<float> a, b, c;
+      Floats a, b, c;
     };
-    cpu::parallel_for(C.batch, work, [] { return Buffers{}; }, [&](Buffers& buf, int64_t b) {
+    cpu::parallel_for(C.batch, work, [this] { return Buffers{floats(), floats(), floats()}; }, [&](Buffers& buf, int64_t b) {
       const F32Operand a = as_f32(A, b, buf.a), bb = as_f32(B, b, buf.b);
       if (beta != 0.0f) load_matrix(C, b, buf.c);
       else buf.c.assign(static_cast<std::size_t>(M * N), 0.0f);
@@ -555,9 +558,9 @@ class CpuBackend final : public Backend {
       return;
     }
     struct Buffers {
-      std::vector<float> x, c;
+      Floats x, c;
     };
-    cpu::parallel_for(X.batch, work, [] { return Buffers{}; }, [&](Buffers& buf, int64_t b) {
+    cpu::parallel_for(X.batch, work, [this] { return Buffers{floats(), floats()}; }, [&](Buffers& buf, int64_t b) {
       const F32Operand x = as_f32(X, b, buf.x);
       buf.c.resize(static_cast<std::size_t>(p * p));
       for (int64_t t = 0; t < tiles; ++t) tile(x, buf.c.data(), p, t);
@@ -603,9 +606,10 @@ class CpuBackend final : public Backend {
       return;
     }
     struct Buffers {
-      std::vector<float> a, b, d, t;
+      Floats a, b, d, t;
     };
-    cpu::parallel_for(C.batch, work, [] { return Buffers{}; }, [&](Buffers& buf, int64_t b) {
+    cpu::parallel_for(C.batch, work, [this] { return Buffers{floats(), floats(), floats(), floats()}; },
+                      [&](Buffers& buf, int64_t b) {
       const F32Operand a = as_f32(A, b, buf.a), bb = as_f32(B, b, buf.b);
       const F32Operand d = with_d ? as_f32(*D, b, buf.d) : F32Operand{};
       buf.t.resize(static_cast<std::size_t>(p * p));
@@ -617,8 +621,7 @@ class CpuBackend final : public Backend {
 
   void add_identity(MatrixView X, float gamma, MatrixView C) override {
     check(X.rows == X.cols && C.rows == X.rows && C.cols == X.cols && C.batch == X.batch, "add_identity shapes");
-    cpu::parallel_for(X.batch, elements_of(X), [] { return std::vector<float>(); },
-                      [&](std::vector<float>& x, int64_t b) {
+    cpu::parallel_for(X.batch, elements_of(X), [this] { return floats(); }, [&](Floats& x, int64_t b) {
       load_matrix(X, b, x);
       for (int64_t r = 0; r < X.rows; ++r) x[r * X.cols + r] += gamma;
       store_matrix(C, b, x.data());
@@ -656,10 +659,11 @@ class CpuBackend final : public Backend {
   void accumulate_columns(const MatrixSet& set, float decay, float gs, float* scores, float* row_sumsq) {
     const int64_t n = set.rows();  // stored columns
     struct Buffers {
-      std::vector<float> m, g;
-      std::vector<double> l1, sq;
+      Floats m, g;
+      cpu::Scratch<double> l1, sq;
     };
-    cpu::parallel_for(static_cast<int64_t>(set.mats.size()), elements_of(set), [] { return Buffers{}; },
+    cpu::parallel_for(static_cast<int64_t>(set.mats.size()), elements_of(set),
+                      [this] { return Buffers{floats(), floats(), doubles(), doubles()}; },
                       [&](Buffers& buf, int64_t i) {
       const ParamMatrix& p = set.mats[i];
       buf.m.resize(n);
@@ -689,9 +693,10 @@ class CpuBackend final : public Backend {
                       const float* inv, MatrixView out, float* row_sumsq) {
     const int64_t n = set.rows(), m = set.cols();
     struct Buffers {
-      std::vector<float> m, g, u;
+      Floats m, g, u;
     };
-    cpu::parallel_for(static_cast<int64_t>(set.mats.size()), elements_of(set), [] { return Buffers{}; },
+    cpu::parallel_for(static_cast<int64_t>(set.mats.size()), elements_of(set),
+                      [this] { return Buffers{floats(), floats(), floats()}; },
                       [&](Buffers& buf, int64_t i) {
       const ParamMatrix& p = set.mats[i];
       const int32_t* sel = idx ? idx + i * k : nullptr;
@@ -728,10 +733,11 @@ class CpuBackend final : public Backend {
     const int64_t n = set.rows(), m = set.cols();
     const float decay = p.decay.get(), adjusted_lr = p.adjusted_lr.get(), beta2 = p.beta2.get();
     struct Buffers {
-      std::vector<float> w, o, row_factor;
-      std::vector<int32_t> target;
+      Floats w, o, row_factor;
+      Ints target;
     };
-    cpu::parallel_for(static_cast<int64_t>(set.mats.size()), elements_of(set), [] { return Buffers{}; },
+    cpu::parallel_for(static_cast<int64_t>(set.mats.size()), elements_of(set),
+                      [this] { return Buffers{floats(), floats(), floats(), ints()}; },
                       [&](Buffers& buf, int64_t i) {
       const ParamMatrix& pm = set.mats[i];
       buf.target.assign(n, -1);  // the row of O that updates each stored column
@@ -743,7 +749,7 @@ class CpuBackend final : public Backend {
       float f = 1.0f;  // NorMuon's factors on O's rows, the selected columns' updates
       if (p.normuon) {
         buf.row_factor.resize(k);
-        f = normuon_factors(buf.o, k, n, O.cols, pm.variance, idx ? idx + i * k : nullptr, beta2,
+        f = normuon_factors(buf.o.data(), k, n, O.cols, pm.variance, idx ? idx + i * k : nullptr, beta2,
                             buf.row_factor.data());
       }
       buf.w.resize(n);
@@ -775,10 +781,10 @@ class CpuBackend final : public Backend {
   }
 
   // Pieces of element-wise parameters (one row each), as (parameter, piece).
-  static std::vector<std::pair<std::size_t, cpu::Piece>> elementwise_pieces(std::span<const ElementwiseParam> ps) {
-    std::vector<std::pair<std::size_t, cpu::Piece>> items;
+  cpu::Scratch<std::pair<std::size_t, cpu::Piece>> elementwise_pieces(std::span<const ElementwiseParam> ps) {
+    cpu::Scratch<std::pair<std::size_t, cpu::Piece>> items(pool_);
     for (std::size_t i = 0; i < ps.size(); ++i)
-      for (const cpu::Piece& q : cpu::pieces(1, 1, ps[i].weight.cols, kChunk)) items.emplace_back(i, q);
+      cpu::for_each_piece(1, 1, ps[i].weight.cols, kChunk, [&](const cpu::Piece& q) { items.emplace_back(i, q); });
     return items;
   }
 
@@ -800,7 +806,7 @@ class CpuBackend final : public Backend {
       update(f32(e.weight) + c0, f32(e.grad) + c0, f32(e.exp_avg) + c0, f32(e.exp_avg_sq) + c0, c1 - c0);
       return;
     }
-    std::vector<float> w(kChunk), g(kChunk), m(kChunk), v(kChunk);
+    Floats w = floats(kChunk), g = floats(kChunk), m = floats(kChunk), v = floats(kChunk);
     for (int64_t c = c0; c < c1; c += kChunk) {  // c0 and c1: multiples of kChunk, or the end
       const MatrixView W = cols_slice(e.weight, c), G = cols_slice(e.grad, c);
       const MatrixView M = cols_slice(e.exp_avg, c), V = cols_slice(e.exp_avg_sq, c);
@@ -830,7 +836,7 @@ class CpuBackend final : public Backend {
       update(f32(e.weight) + c0, f32(e.grad) + c0, f32(e.exp_avg) + c0, c1 - c0);
       return;
     }
-    std::vector<float> w(kChunk), g(kChunk), m(kChunk);
+    Floats w = floats(kChunk), g = floats(kChunk), m = floats(kChunk);
     for (int64_t c = c0; c < c1; c += kChunk) {
       const MatrixView W = cols_slice(e.weight, c), G = cols_slice(e.grad, c), M = cols_slice(e.exp_avg, c);
       load_row(W, 0, 0, w.data());
@@ -851,7 +857,7 @@ class CpuBackend final : public Backend {
   // NorMuon (algorithm.md §1 step 6) on k rows of an update o, in fp32, updating variance[rows]: row j
   // of the result is o's row j times row_factor[j], then times the factor returned. Padding
   // rows (index >= m) take no part.
-  static float normuon_factors(const std::vector<float>& o, int64_t k, int64_t m, int64_t cols, float* variance,
+  static float normuon_factors(const float* o, int64_t k, int64_t m, int64_t cols, float* variance,
                                const int32_t* rows, float beta2, float* row_factor) {
     double norm_o = 0.0, norm_n = 0.0;
     for (int64_t j = 0; j < k; ++j) {
@@ -861,7 +867,7 @@ class CpuBackend final : public Backend {
     for (int64_t j = 0; j < k; ++j) {
       row_factor[j] = 1.0f;
       if (rows && rows[j] >= m) continue;
-      const float* row = o.data() + j * cols;
+      const float* row = o + j * cols;
       double ss = 0.0;
       for (int64_t c = 0; c < cols; ++c) ss += static_cast<double>(row[c]) * row[c];
       const float r = static_cast<float>(ss / static_cast<double>(cols));
@@ -877,7 +883,14 @@ class CpuBackend final : public Backend {
     return static_cast<float>(std::sqrt(norm_o) / std::max(std::sqrt(norm_n), 1e-8));
   }
 
+  // Scratch vectors from the pool (cpu_scratch.hpp): every op after the step's check takes its
+  // buffers this way.
+  Floats floats(std::size_t n = 0, float value = 0.0f) { return Floats(n, value, pool_); }
+  Ints ints(std::size_t n = 0, int32_t value = 0) { return Ints(n, value, pool_); }
+  cpu::Scratch<double> doubles() { return cpu::Scratch<double>(pool_); }
+
   CpuAllocator alloc_;
+  cpu::Pool pool_;
 };
 
 }  // namespace

@@ -151,8 +151,9 @@ inline void store_row(const MatrixView& v, int64_t b, int64_t r, const float* sr
   }
 }
 
-// Matrix b as a dense rows x cols fp32 array.
-inline void load_matrix(const MatrixView& v, int64_t b, std::vector<float>& dst) {
+// Matrix b as a dense rows x cols fp32 array (a std::vector of float, any allocator).
+template <class Floats>
+void load_matrix(const MatrixView& v, int64_t b, Floats& dst) {
   dst.resize(static_cast<std::size_t>(v.rows * v.cols));
   for (int64_t r = 0; r < v.rows; ++r) load_row(v, b, r, dst.data() + r * v.cols);
 }

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #ifdef _OPENMP
@@ -50,20 +51,24 @@ void parallel_for(int64_t n, int64_t work, Init&& init, Body&& body) {
     std::mutex error_mutex;
 #pragma omp parallel num_threads(threads)
     {
+      std::optional<decltype(init())> state;
       try {
-        auto state = init();
-#pragma omp for schedule(dynamic, chunk)
-        for (int64_t i = 0; i < n; ++i) {
-          try {
-            body(state, i);
-          } catch (...) {
-            std::lock_guard<std::mutex> lock(error_mutex);
-            if (!error) error = std::current_exception();
-          }
-        }
-      } catch (...) {  // init() threw (out of memory): this thread took no items
+        state.emplace(init());
+      } catch (...) {  // out of memory: the op fails
         std::lock_guard<std::mutex> lock(error_mutex);
         if (!error) error = std::current_exception();
+      }
+      // Every thread of the team must meet the loop, a thread without state too (it skips its
+      // items), or the others would wait for it at the loop's end for ever.
+#pragma omp for schedule(dynamic, chunk)
+      for (int64_t i = 0; i < n; ++i) {
+        if (!state) continue;
+        try {
+          body(*state, i);
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(error_mutex);
+          if (!error) error = std::current_exception();
+        }
       }
     }
     if (error) std::rethrow_exception(error);
@@ -147,18 +152,23 @@ inline int64_t row_block(int64_t cols) { return std::max<int64_t>(1, kPieceElems
 struct Piece {
   int64_t b, r0, r1, c0, c1;
 };
-inline std::vector<Piece> pieces(int64_t batch, int64_t rows, int64_t cols, int64_t align) {
-  std::vector<Piece> out;
+// Calls emit(piece) for each.
+template <class Emit>
+void for_each_piece(int64_t batch, int64_t rows, int64_t cols, int64_t align, Emit&& emit) {
   if (cols > kPieceElems) {
     const int64_t width = std::max<int64_t>(1, kPieceElems / align) * align;
     for (int64_t b = 0; b < batch; ++b)
       for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c0 = 0; c0 < cols; c0 += width) out.push_back({b, r, r + 1, c0, std::min(cols, c0 + width)});
-    return out;
+        for (int64_t c0 = 0; c0 < cols; c0 += width) emit(Piece{b, r, r + 1, c0, std::min(cols, c0 + width)});
+    return;
   }
   const int64_t block = row_block(cols);
   for (int64_t b = 0; b < batch; ++b)
-    for (int64_t r0 = 0; r0 < rows; r0 += block) out.push_back({b, r0, std::min(rows, r0 + block), 0, cols});
+    for (int64_t r0 = 0; r0 < rows; r0 += block) emit(Piece{b, r0, std::min(rows, r0 + block), 0, cols});
+}
+inline std::vector<Piece> pieces(int64_t batch, int64_t rows, int64_t cols, int64_t align) {
+  std::vector<Piece> out;
+  for_each_piece(batch, rows, cols, align, [&](const Piece& q) { out.push_back(q); });
   return out;
 }
 

@@ -3,14 +3,19 @@
  * too), and leaves the optimizer as it was, so that the same call retried with memory back
  * behaves as if it had never failed. Each call is swept over every allocation it makes. */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "dion3/dion3.h"
 #include "fail_alloc.h"
 
-#define R 32
-#define C 48
-static float wa[R * C], ga[R * C], wb[R * C], gb[R * C], want[R * C];
+/* The matrices: R x C, and C x R for the second of make_two; main() sets them larger for the
+ * run with several threads (`threads` argument), so that the passes split over the team. */
+static int R = 32, C = 48;
+#define MAX_ELEMS (512 * 768)
+static float wa[MAX_ELEMS], ga[MAX_ELEMS], wb[MAX_ELEMS], gb[MAX_ELEMS], want[MAX_ELEMS];
+static float clean[MAX_ELEMS], before_a[MAX_ELEMS], before_b[MAX_ELEMS];
+#define BYTES (sizeof(float) * (size_t)R * (size_t)C)
 static int failures;
 
 #define CHECK(cond, ...)                 \
@@ -58,7 +63,7 @@ static void add_param_is_all_or_nothing(void) {
   dion3_tensor t = view(wb), g = view(gb);
   dion3_add_param(o, group, "b", &t, &g, NULL);
   dion3_step(o, NULL);
-  memcpy(want, wb, sizeof want);
+  memcpy(want, wb, BYTES);
   dion3_destroy(o);
   for (long n = 1;; ++n) {
     o = make(&group);
@@ -80,7 +85,7 @@ static void add_param_is_all_or_nothing(void) {
       CHECK(dion3_add_param(o, group, "b", &t, &g, NULL) == DION3_OK, "allocation %ld: the retry: %s", n,
             dion3_last_error());
     }
-    CHECK(dion3_step(o, NULL) == DION3_OK && memcmp(wb, want, sizeof want) == 0,
+    CHECK(dion3_step(o, NULL) == DION3_OK && memcmp(wb, want, BYTES) == 0,
           "allocation %ld: the step after it differs from a run that never failed", n);
     dion3_destroy(o);
   }
@@ -118,6 +123,87 @@ static void set_group_config_is_all_or_nothing(void) {
   printf("set_group_config: %d allocations failed in turn\n", points);
 }
 
+/* Two groups of one matrix each, the second matrix of the other shape (C x R), with the settings
+ * `setup` gives them. */
+typedef void (*setup_fn)(dion3_group_config* first, dion3_group_config* second);
+static dion3_optimizer* make_two(setup_fn setup) {
+  for (int i = 0; i < R * C; ++i) {
+    wa[i] = wb[i] = 0.01f * (float)(i % 13);
+    ga[i] = gb[i] = (float)(i % 7) - 3.0f;
+  }
+  dion3_group_config first, second;
+  dion3_group_config_default(&first);
+  dion3_group_config_default(&second);
+  setup(&first, &second);
+  dion3_optimizer* o = NULL;
+  int g0, g1;
+  dion3_tensor t = view(wa), g = view(ga), t2 = view(wb), g2 = view(gb);
+  t2.shape[0] = g2.shape[0] = C;
+  t2.shape[1] = g2.shape[1] = R;
+  if (dion3_create(&o, DION3_DEVICE_CPU, 0, NULL, DION3_NONFINITE_RAISE) != DION3_OK ||
+      dion3_add_group(o, &first, &g0) != DION3_OK || dion3_add_group(o, &second, &g1) != DION3_OK ||
+      dion3_add_param(o, g0, "a", &t, &g, NULL) != DION3_OK || dion3_add_param(o, g1, "b", &t2, &g2, NULL) != DION3_OK) {
+    printf("FAIL: setup: %s\n", dion3_last_error());
+    ++failures;
+  }
+  return o;
+}
+static void dion3_halves(dion3_group_config* a, dion3_group_config* b) { a->fraction = b->fraction = 0.5; }
+static void stored_in_out_and_adamw(dion3_group_config* a, dion3_group_config* b) {
+  a->transposed = 1;
+  b->algorithm = DION3_ALGO_ADAMW;
+}
+static void normuon_and_lion(dion3_group_config* a, dion3_group_config* b) {
+  a->algorithm = DION3_ALGO_NORMUON;
+  b->algorithm = DION3_ALGO_LION;
+}
+static void muon_and_dion2_columns(dion3_group_config* a, dion3_group_config* b) {
+  a->algorithm = DION3_ALGO_MUON;
+  b->algorithm = DION3_ALGO_DION2;  /* a tall matrix: it selects columns */
+}
+
+/* A step failing at each allocation: the weights and the state stay as they were, so that the
+ * step retried with memory back gives what a run that never failed gives (two more steps
+ * compared, so that a momentum or second moment left half updated would show in the weights).
+ * The step swept is the second one: the first of a plan reserves its scratch as it goes (see
+ * src/cpu/cpu_scratch.hpp), so it can fail part way. */
+static void step_is_all_or_nothing(const char* name, setup_fn setup) {
+  int points = 0;
+  for (long n = 0;; ++n) {
+    dion3_optimizer* o = make_two(setup);
+    dion3_step(o, NULL);
+    memcpy(before_a, wa, BYTES);
+    memcpy(before_b, wb, BYTES);
+    if (n > 0) fail_alloc_arm(n, 0);
+    const dion3_status s = dion3_step(o, NULL);
+    const long failed = n > 0 ? fail_alloc_disarm() : 0;
+    if (n > 0 && !failed) {
+      CHECK(s == DION3_OK, "%s: step with every allocation granted: %s", name, dion3_last_error());
+      dion3_destroy(o);
+      break;
+    }
+    if (n > 0) {
+      ++points;
+      if (s != DION3_OK) {
+        CHECK(s == DION3_INTERNAL && strstr(dion3_last_error(), "memory"), "%s, allocation %ld: status %d '%s'", name,
+              n, s, dion3_last_error());
+        CHECK(memcmp(wa, before_a, BYTES) == 0 && memcmp(wb, before_b, BYTES) == 0,
+              "%s, allocation %ld: a failed step changed the weights", name, n);
+        CHECK(dion3_step(o, NULL) == DION3_OK, "%s, allocation %ld: the retry: %s", name, n, dion3_last_error());
+      }
+    }
+    CHECK(dion3_step(o, NULL) == DION3_OK && dion3_step(o, NULL) == DION3_OK, "%s, allocation %ld: the steps after: %s",
+          name, n, dion3_last_error());
+    if (n == 0)
+      memcpy(clean, wb, BYTES);
+    else
+      CHECK(memcmp(wb, clean, BYTES) == 0, "%s, allocation %ld: the steps after differ from a run that never failed",
+            name, n);
+    dion3_destroy(o);
+  }
+  printf("step (%s): %d allocations failed in turn\n", name, points);
+}
+
 /* With no memory at all from some point on, calls still return (an error, or OK where they need
  * none); the defaults need no allocation. */
 static void no_memory_at_all(void) {
@@ -140,9 +226,21 @@ static void no_memory_at_all(void) {
   dion3_destroy(o);
 }
 
-int main(void) {
+int main(int argc, char** argv) {
+  if (argc > 1 && strcmp(argv[1], "threads") == 0) {
+    R = 512;
+    C = 768;
+    step_is_all_or_nothing("Dion3, fraction 1/2, larger", dion3_halves);
+    step_is_all_or_nothing("Dion3 stored (in, out), AdamW, larger", stored_in_out_and_adamw);
+    printf(failures ? "%d failures\n" : "ok\n", failures);
+    return failures != 0;
+  }
   add_param_is_all_or_nothing();
   set_group_config_is_all_or_nothing();
+  step_is_all_or_nothing("Dion3, fraction 1/2", dion3_halves);
+  step_is_all_or_nothing("Dion3 stored (in, out), AdamW", stored_in_out_and_adamw);
+  step_is_all_or_nothing("NorMuon, Lion", normuon_and_lion);
+  step_is_all_or_nothing("Muon, Dion2 on columns", muon_and_dion2_columns);
   no_memory_at_all();
   printf(failures ? "%d failures\n" : "ok\n", failures);
   return failures != 0;
