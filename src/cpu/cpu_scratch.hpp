@@ -2,12 +2,12 @@
 //
 // A step that ran out of memory part way would leave the momentum or the weights half updated,
 // so the step reserves its scratch before it writes anything: Pool::begin_step() sets aside, for
-// each thread of the team, as much as that thread took in the step before, and the ops' buffers
+// each thread of the team, the most one op has taken on that thread so far, and the ops' buffers
 // (row buffers, converted operands, index tables: the Scratch vectors) are carved from it. A step
-// of an unchanged plan therefore allocates nothing once it has begun. Beyond the reservation (the
-// first step of a plan, a larger team, an op called outside a step) buffers come from the heap,
-// and what was taken is remembered for the next step. end_step() gives the memory back, so the
-// footprint between steps stays what it would be without the pool.
+// like an earlier one therefore allocates nothing once it has begun. Beyond the reservation (the
+// first step, a plan that needs more, a larger team) buffers come from the heap, and what was
+// taken is remembered for the next step. end_step() gives the memory back, so the footprint
+// between steps stays what it would be without the pool.
 #pragma once
 
 #include <algorithm>
@@ -80,7 +80,7 @@ class Pool {
       ::operator delete(p, std::align_val_t{kAlign});
       s = slot();
     }
-    if (s && --s->live == 0) {  // the op is done with this slot: remember what it took
+    if (s && s->live > 0 && --s->live == 0) {  // the op is done with this slot: remember what it took
       s->high = std::max(s->high, s->taken);
       s->taken = s->used = 0;
     }
