@@ -634,9 +634,9 @@ class CpuBackend final : public Backend {
     check(ps.size() == hs.size(), "adamw: one set of hyperparameters per parameter");
     if (skipped(skip)) return;
     const auto items = elementwise_pieces(ps);
-    cpu::parallel_for(static_cast<int64_t>(items.size()), elementwise_size(ps), cpu::no_state,
-                      [&](cpu::NoState&, int64_t i) {
-      adamw_one(ps[items[i].first], hs[items[i].first], items[i].second.c0, items[i].second.c1);
+    cpu::parallel_for(static_cast<int64_t>(items.size()), elementwise_size(ps), [this] { return chunk_buffers(); },
+                      [&](ChunkBuffers& buf, int64_t i) {
+      adamw_one(ps[items[i].first], hs[items[i].first], items[i].second.c0, items[i].second.c1, buf);
     });
   }
 
@@ -644,9 +644,9 @@ class CpuBackend final : public Backend {
     check(ps.size() == hs.size(), "lion: one set of hyperparameters per parameter");
     if (skipped(skip)) return;
     const auto items = elementwise_pieces(ps);
-    cpu::parallel_for(static_cast<int64_t>(items.size()), elementwise_size(ps), cpu::no_state,
-                      [&](cpu::NoState&, int64_t i) {
-      lion_one(ps[items[i].first], hs[items[i].first], items[i].second.c0, items[i].second.c1);
+    cpu::parallel_for(static_cast<int64_t>(items.size()), elementwise_size(ps), [this] { return chunk_buffers(); },
+                      [&](ChunkBuffers& buf, int64_t i) {
+      lion_one(ps[items[i].first], hs[items[i].first], items[i].second.c0, items[i].second.c1, buf);
     });
   }
 
@@ -788,8 +788,14 @@ class CpuBackend final : public Backend {
     return items;
   }
 
+  // A thread's chunks of weight, gradient and the two moments, loaded where a parameter is not fp32.
+  struct ChunkBuffers {
+    Floats w, g, m, v;
+  };
+  ChunkBuffers chunk_buffers() { return {floats(kChunk), floats(kChunk), floats(kChunk), floats(kChunk)}; }
+
   // Elements [c0, c1) of one parameter.
-  void adamw_one(const ElementwiseParam& e, const AdamWParams& given, int64_t c0, int64_t c1) {
+  void adamw_one(const ElementwiseParam& e, const AdamWParams& given, int64_t c0, int64_t c1, ChunkBuffers& buf) {
     const AdamWParams h = given.resolved();
     const float decay = 1.0f - h.lr * h.weight_decay;
     const double t = adamw_step_number(h, *h.applied_steps);
@@ -806,7 +812,7 @@ class CpuBackend final : public Backend {
       update(f32(e.weight) + c0, f32(e.grad) + c0, f32(e.exp_avg) + c0, f32(e.exp_avg_sq) + c0, c1 - c0);
       return;
     }
-    Floats w = floats(kChunk), g = floats(kChunk), m = floats(kChunk), v = floats(kChunk);
+    Floats &w = buf.w, &g = buf.g, &m = buf.m, &v = buf.v;
     for (int64_t c = c0; c < c1; c += kChunk) {  // c0 and c1: multiples of kChunk, or the end
       const MatrixView W = cols_slice(e.weight, c), G = cols_slice(e.grad, c);
       const MatrixView M = cols_slice(e.exp_avg, c), V = cols_slice(e.exp_avg_sq, c);
@@ -821,7 +827,7 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void lion_one(const ElementwiseParam& e, const LionParams& given, int64_t c0, int64_t c1) {
+  void lion_one(const ElementwiseParam& e, const LionParams& given, int64_t c0, int64_t c1, ChunkBuffers& buf) {
     const LionParams h = given.resolved();
     const float decay = 1.0f - h.lr * h.weight_decay;
     auto update = [&](float* w, const float* g, float* m, int64_t n) {
@@ -836,7 +842,7 @@ class CpuBackend final : public Backend {
       update(f32(e.weight) + c0, f32(e.grad) + c0, f32(e.exp_avg) + c0, c1 - c0);
       return;
     }
-    Floats w = floats(kChunk), g = floats(kChunk), m = floats(kChunk);
+    Floats &w = buf.w, &g = buf.g, &m = buf.m;
     for (int64_t c = c0; c < c1; c += kChunk) {
       const MatrixView W = cols_slice(e.weight, c), G = cols_slice(e.grad, c), M = cols_slice(e.exp_avg, c);
       load_row(W, 0, 0, w.data());

@@ -43,7 +43,10 @@ constexpr int64_t kParallelWork = int64_t{1} << 18, kGrainWork = int64_t{1} << 1
 template <class Init, class Body>
 void parallel_for(int64_t n, int64_t work, Init&& init, Body&& body) {
 #ifdef _OPENMP
-  const int threads = work < kParallelWork ? 1 : static_cast<int>(std::min<int64_t>(n, omp_get_max_threads()));
+  // The whole team even where there are fewer items (the spare threads take none): libgomp keeps
+  // a team of the size last asked for, and one of a new size is an allocation it cannot fail
+  // without ending the process.
+  const int threads = work < kParallelWork || n < 2 ? 1 : omp_get_max_threads();
   if (threads > 1 && !omp_in_parallel()) {
     const int64_t per_item = std::max<int64_t>(work / n, 1);
     const int64_t chunk = std::clamp<int64_t>(kGrainWork / per_item, 1, std::max<int64_t>(n / (4 * threads), 1));

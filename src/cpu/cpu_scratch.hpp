@@ -24,8 +24,9 @@ namespace dion3::cpu {
 
 class Pool {
  public:
-  // Before the step writes anything; throws std::bad_alloc (nothing written yet) when the
-  // reservation cannot be had.
+  // Before the step writes anything; throws std::bad_alloc (nothing written yet, nothing kept)
+  // when the reservation cannot be had. Every thread gets the most one op has taken on any
+  // thread: which thread takes which items changes from step to step.
   void begin_step() {
 #ifdef _OPENMP
     const std::size_t threads = static_cast<std::size_t>(std::max(omp_get_max_threads(), 1));
@@ -33,12 +34,19 @@ class Pool {
     const std::size_t threads = 1;
 #endif
     if (slots_.size() < threads) slots_.resize(threads);
-    for (Slot& s : slots_) {
-      if (s.live != 0 || s.size >= s.high) continue;
-      s.block.reset();
-      s.size = 0;
-      s.block.reset(new std::byte[s.high]);  // not value-initialized: no pages touched here
-      s.size = s.high;
+    std::size_t most = 0;
+    for (const Slot& s : slots_) most = std::max(most, s.high);
+    try {
+      for (Slot& s : slots_) {
+        if (s.live != 0 || s.size >= most) continue;
+        s.block.reset();
+        s.size = 0;
+        s.block.reset(static_cast<std::byte*>(::operator new(most, std::align_val_t{kAlign})));
+        s.size = most;
+      }
+    } catch (...) {
+      end_step();
+      throw;
     }
   }
 
@@ -88,8 +96,12 @@ class Pool {
 
  private:
   static constexpr std::size_t kAlign = 64;
-  struct Slot {
-    std::unique_ptr<std::byte[]> block;
+  struct BlockFree {
+    void operator()(std::byte* p) const noexcept { ::operator delete(p, std::align_val_t{kAlign}); }
+  };
+  // A cache line each: the threads update their own slots' counts as they take and give.
+  struct alignas(64) Slot {
+    std::unique_ptr<std::byte, BlockFree> block;  // pages untouched until an op writes them
     std::size_t size = 0;   // of the block
     std::size_t used = 0;   // from its front
     std::size_t taken = 0;  // bytes taken since the slot was last empty, in the block or not

@@ -2,6 +2,7 @@
  * returns DION3_INTERNAL with a message (never aborts, even when every later allocation fails
  * too), and leaves the optimizer as it was, so that the same call retried with memory back
  * behaves as if it had never failed. Each call is swept over every allocation it makes. */
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -123,6 +124,13 @@ static void set_group_config_is_all_or_nothing(void) {
   printf("set_group_config: %d allocations failed in turn\n", points);
 }
 
+static int second_bf16; /* make_two's second parameter in bf16 (element-wise rules load chunks) */
+static uint16_t to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return (uint16_t)(u >> 16);
+}
+
 /* Two groups of one matrix each, the second matrix of the other shape (C x R), with the settings
  * `setup` gives them. */
 typedef void (*setup_fn)(dion3_group_config* first, dion3_group_config* second);
@@ -140,6 +148,14 @@ static dion3_optimizer* make_two(setup_fn setup) {
   dion3_tensor t = view(wa), g = view(ga), t2 = view(wb), g2 = view(gb);
   t2.shape[0] = g2.shape[0] = C;
   t2.shape[1] = g2.shape[1] = R;
+  if (second_bf16) { /* the same values in bf16, in the front half of the arrays */
+    uint16_t *w16 = (uint16_t*)wb, *g16 = (uint16_t*)gb;
+    for (int i = 0; i < R * C; ++i) {
+      w16[i] = to_bf16(0.01f * (float)(i % 13));
+      g16[i] = to_bf16((float)(i % 7) - 3.0f);
+    }
+    t2.dtype = g2.dtype = DION3_BF16;
+  }
   if (dion3_create(&o, DION3_DEVICE_CPU, 0, NULL, DION3_NONFINITE_RAISE) != DION3_OK ||
       dion3_add_group(o, &first, &g0) != DION3_OK || dion3_add_group(o, &second, &g1) != DION3_OK ||
       dion3_add_param(o, g0, "a", &t, &g, NULL) != DION3_OK || dion3_add_param(o, g1, "b", &t2, &g2, NULL) != DION3_OK) {
@@ -232,6 +248,9 @@ int main(int argc, char** argv) {
     C = 768;
     step_is_all_or_nothing("Dion3, fraction 1/2, larger", dion3_halves);
     step_is_all_or_nothing("Dion3 stored (in, out), AdamW, larger", stored_in_out_and_adamw);
+    second_bf16 = 1;
+    step_is_all_or_nothing("Dion3 stored (in, out), AdamW in bf16, larger", stored_in_out_and_adamw);
+    step_is_all_or_nothing("NorMuon, Lion in bf16, larger", normuon_and_lion);
     printf(failures ? "%d failures\n" : "ok\n", failures);
     return failures != 0;
   }
