@@ -1,13 +1,13 @@
 // cpu_scratch.hpp — where the CPU ops' scratch memory comes from.
 //
 // A step that ran out of memory part way would leave the momentum or the weights half updated,
-// so the step reserves its scratch before it writes anything: Pool::begin_step() sets aside, for
-// each thread of the team, the most one op has taken on that thread so far, and the ops' buffers
-// (row buffers, converted operands, index tables: the Scratch vectors) are carved from it. A step
-// like an earlier one therefore allocates nothing once it has begun. Beyond the reservation (the
-// first step, a plan that needs more, a larger team) buffers come from the heap, and what was
-// taken is remembered for the next step. end_step() gives the memory back, so the footprint
-// between steps stays what it would be without the pool.
+// so the step reserves its scratch before it writes anything: Pool::begin_step() sets aside
+// blocks sized by what the ops took in earlier steps, and the ops' buffers (row buffers,
+// converted operands, index tables: the Scratch vectors) are carved from them. A step like an
+// earlier one therefore allocates nothing once it has begun. Beyond the reservation (the first
+// step, a plan that needs more, a larger team) buffers come from the heap, and what was taken is
+// remembered for the next step. end_step() gives the memory back, so the footprint between steps
+// stays what it would be without the pool.
 #pragma once
 
 #include <algorithm>
@@ -25,25 +25,21 @@ namespace dion3::cpu {
 class Pool {
  public:
   // Before the step writes anything; throws std::bad_alloc (nothing written yet, nothing kept)
-  // when the reservation cannot be had. Every thread gets the most one op has taken on any
-  // thread: which thread takes which items changes from step to step.
+  // when the reservation cannot be had. The calling thread's own slot (what an op takes outside
+  // its parallel region: index tables, and the buffers of work too small to split) gets what it
+  // took before; every slot of the team gets the most one op has taken on any of them, since
+  // which thread takes which items changes from step to step.
   void begin_step() {
 #ifdef _OPENMP
     const std::size_t threads = static_cast<std::size_t>(std::max(omp_get_max_threads(), 1));
 #else
     const std::size_t threads = 1;
 #endif
-    if (slots_.size() < threads) slots_.resize(threads);
-    std::size_t most = 0;
-    for (const Slot& s : slots_) most = std::max(most, s.high);
+    for (const Slot& s : team_) team_most_ = std::max(team_most_, s.high);
+    if (team_.size() != threads) team_ = std::vector<Slot>(threads);  // between steps every slot is empty
     try {
-      for (Slot& s : slots_) {
-        if (s.live != 0 || s.size >= most) continue;
-        s.block.reset();
-        s.size = 0;
-        s.block.reset(static_cast<std::byte*>(::operator new(most, std::align_val_t{kAlign})));
-        s.size = most;
-      }
+      reserve(caller_, caller_.high);
+      for (Slot& s : team_) reserve(s, team_most_);
     } catch (...) {
       end_step();
       throw;
@@ -52,16 +48,14 @@ class Pool {
 
   // After the step, failed or not: the blocks go back to the heap.
   void end_step() noexcept {
-    for (Slot& s : slots_)
-      if (s.live == 0) {
-        s.block.reset();
-        s.size = s.used = 0;
-      }
+    release(caller_);
+    for (Slot& s : team_) release(s);
   }
 
-  // Memory for the calling thread (OpenMP thread number; 0 outside a parallel region). Every
-  // piece a thread takes in one op is given back by that thread before the op ends, and a slot
-  // whose pieces are all back starts again at the front of its block.
+  // Memory for the calling thread: its own slot outside a parallel region, its team slot (by
+  // OpenMP thread number) inside one. Every piece a thread takes in one op is given back by that
+  // thread, in the same region, before the op ends, and a slot whose pieces are all back starts
+  // again at the front of its block.
   void* take(std::size_t bytes) {
     bytes = (bytes + kAlign - 1) / kAlign * kAlign;
     Slot* s = slot();
@@ -81,13 +75,8 @@ class Pool {
   }
 
   void give(void* p, std::size_t /*bytes*/) noexcept {
-    Slot* s = nullptr;
-    for (Slot& o : slots_)
-      if (in_block(o, p)) s = &o;
-    if (!s) {
-      ::operator delete(p, std::align_val_t{kAlign});
-      s = slot();
-    }
+    Slot* s = slot();
+    if (!s || !in_block(*s, p)) ::operator delete(p, std::align_val_t{kAlign});
     if (s && s->live > 0 && --s->live == 0) {  // the op is done with this slot: remember what it took
       s->high = std::max(s->high, s->taken);
       s->taken = s->used = 0;
@@ -105,24 +94,39 @@ class Pool {
     std::size_t size = 0;   // of the block
     std::size_t used = 0;   // from its front
     std::size_t taken = 0;  // bytes taken since the slot was last empty, in the block or not
-    std::size_t high = 0;   // the most an op took: what begin_step reserves
+    std::size_t high = 0;   // the most an op took here
     std::size_t live = 0;   // pieces not yet given back
   };
+  static void reserve(Slot& s, std::size_t bytes) {
+    if (s.live != 0 || s.size >= bytes) return;
+    s.block.reset();
+    s.size = 0;
+    s.block.reset(static_cast<std::byte*>(::operator new(bytes, std::align_val_t{kAlign})));
+    s.size = bytes;
+  }
+  static void release(Slot& s) noexcept {
+    if (s.live != 0) return;
+    s.block.reset();
+    s.size = s.used = 0;
+  }
   static bool in_block(const Slot& s, const void* p) {
     const auto* b = static_cast<const std::byte*>(p);
     return s.block && b >= s.block.get() && b < s.block.get() + s.size;
   }
   Slot* slot() {
 #ifdef _OPENMP
+    if (!omp_in_parallel()) return &caller_;
     const std::size_t t = static_cast<std::size_t>(omp_get_thread_num());
+    // Team slots are made by begin_step only, never inside a parallel region; a thread beyond
+    // them takes from the heap, uncounted.
+    return t < team_.size() ? &team_[t] : nullptr;
 #else
-    const std::size_t t = 0;
+    return &caller_;
 #endif
-    // Slots are made by begin_step only, never inside a parallel region; a thread beyond them
-    // takes from the heap, uncounted.
-    return t < slots_.size() ? &slots_[t] : nullptr;
   }
-  std::vector<Slot> slots_;
+  Slot caller_;
+  std::vector<Slot> team_;
+  std::size_t team_most_ = 0;  // the most one op took on a team slot, over every step so far
 };
 
 // A std::allocator that takes from a Pool (from the heap where it has none).
