@@ -1130,11 +1130,14 @@ py::list state_specs_of(const std::string& algorithm, bool flatten, const std::o
   return out;
 }
 
-std::unique_ptr<Engine> make_engine(const std::string& device_type, int device_index,
-                                    const std::string& on_nonfinite, int64_t workspace_limit, bool megabatch,
-                                    bool record_orthogonalizer, bool agree_on_names) {
-  return std::make_unique<Engine>(device_type, device_index, on_nonfinite, workspace_limit, megabatch,
-                                  record_orthogonalizer, agree_on_names);
+// A plain pointer, which pybind11 owns from the moment it has it. Returned in a unique_ptr, the
+// engine would be owned twice while pybind11 registers the instance: an allocation failing there
+// freed it once through the unique_ptr and once more when the half-made instance was released
+// (now such a failure frees it once, without running its destructor: a leak, not a corruption).
+Engine* make_engine(const std::string& device_type, int device_index, const std::string& on_nonfinite,
+                    int64_t workspace_limit, bool megabatch, bool record_orthogonalizer, bool agree_on_names) {
+  return new Engine(device_type, device_index, on_nonfinite, workspace_limit, megabatch, record_orthogonalizer,
+                    agree_on_names);
 }
 
 }  // namespace
