@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "c_tensor.h"
 #include "dion3/dion3.h"
 #include "fail_alloc.h"
 
@@ -28,27 +29,21 @@ static int failures;
     }                                    \
   } while (0)
 
-static dion3_tensor view(float* d) {
-  dion3_tensor t;
-  memset(&t, 0, sizeof t);
-  t.data = d;
-  t.dtype = DION3_F32;
-  t.ndim = 2;
-  t.shape[0] = R;
-  t.shape[1] = C;
-  return t;
-}
-
-/* An optimizer with parameter "a"; fresh weights for "a" and "b". */
-static dion3_optimizer* make(int* group) {
+/* Fresh weights and gradients for "a" and "b" (fp32). */
+static void fresh_values(void) {
   for (int i = 0; i < R * C; ++i) {
     wa[i] = wb[i] = 0.01f * (float)(i % 13);
     ga[i] = gb[i] = (float)(i % 7) - 3.0f;
   }
+}
+
+/* An optimizer with parameter "a"; fresh weights for "a" and "b". */
+static dion3_optimizer* make(int* group) {
+  fresh_values();
   dion3_optimizer* o = NULL;
   dion3_group_config cfg;
   dion3_group_config_default(&cfg);
-  dion3_tensor t = view(wa), g = view(ga);
+  dion3_tensor t = f32_matrix(wa, R, C), g = f32_matrix(ga, R, C);
   if (dion3_create(&o, DION3_DEVICE_CPU, 0, NULL, DION3_NONFINITE_RAISE) != DION3_OK ||
       dion3_add_group(o, &cfg, group) != DION3_OK || dion3_add_param(o, *group, "a", &t, &g, NULL) != DION3_OK) {
     printf("FAIL: setup: %s\n", dion3_last_error());
@@ -61,7 +56,7 @@ static dion3_optimizer* make(int* group) {
 static void add_param_is_all_or_nothing(void) {
   int group, points = 0;
   dion3_optimizer* o = make(&group);
-  dion3_tensor t = view(wb), g = view(gb);
+  dion3_tensor t = f32_matrix(wb, R, C), g = f32_matrix(gb, R, C);
   dion3_add_param(o, group, "b", &t, &g, NULL);
   dion3_step(o, NULL);
   memcpy(want, wb, BYTES);
@@ -135,19 +130,15 @@ static uint16_t to_bf16(float f) {
  * `setup` gives them. */
 typedef void (*setup_fn)(dion3_group_config* first, dion3_group_config* second);
 static dion3_optimizer* make_two(setup_fn setup) {
-  for (int i = 0; i < R * C; ++i) {
-    wa[i] = wb[i] = 0.01f * (float)(i % 13);
-    ga[i] = gb[i] = (float)(i % 7) - 3.0f;
-  }
+  fresh_values();
   dion3_group_config first, second;
   dion3_group_config_default(&first);
   dion3_group_config_default(&second);
   setup(&first, &second);
   dion3_optimizer* o = NULL;
   int g0, g1;
-  dion3_tensor t = view(wa), g = view(ga), t2 = view(wb), g2 = view(gb);
-  t2.shape[0] = g2.shape[0] = C;
-  t2.shape[1] = g2.shape[1] = R;
+  dion3_tensor t = f32_matrix(wa, R, C), g = f32_matrix(ga, R, C);
+  dion3_tensor t2 = f32_matrix(wb, C, R), g2 = f32_matrix(gb, C, R);
   if (second_bf16) { /* the same values in bf16, in the front half of the arrays */
     uint16_t *w16 = (uint16_t*)wb, *g16 = (uint16_t*)gb;
     for (int i = 0; i < R * C; ++i) {
@@ -225,7 +216,7 @@ static void step_is_all_or_nothing(const char* name, setup_fn setup) {
 static void no_memory_at_all(void) {
   int group;
   dion3_optimizer* o = make(&group);
-  dion3_tensor t = view(wb), g = view(gb);
+  dion3_tensor t = f32_matrix(wb, R, C), g = f32_matrix(gb, R, C);
   dion3_group_config cfg;
   memset(&cfg, 0, sizeof cfg);
   fail_alloc_arm(1, 1);

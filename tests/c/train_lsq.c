@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "c_tensor.h"
 #include "dion3/dion3.h"
 
 #define M 16     /* rows of W (outputs) */
@@ -108,20 +109,9 @@ static double loss_and_grad(const float* w, const float* b, float* gw, float* gb
 
 /* ---- helpers ------------------------------------------------------------------------------ */
 
-static dion3_tensor view2(float* data, int64_t rows, int64_t cols) {
-  dion3_tensor t;
-  memset(&t, 0, sizeof t);
-  t.data = data;
-  t.dtype = DION3_F32;
-  t.device = DION3_DEVICE_CPU;
-  t.ndim = 2;
-  t.shape[0] = rows;
-  t.shape[1] = cols;
-  return t;
-}
 
 static dion3_tensor view1(float* data, int64_t n) {
-  dion3_tensor t = view2(data, n, 1);
+  dion3_tensor t = f32_matrix(data, n, 1);
   t.ndim = 1;
   t.shape[1] = 0;
   return t;
@@ -155,8 +145,8 @@ static void model_init(model* md, dion3_nonfinite_policy policy) {
   cfg.weight_decay = 0.0;
   CHECK_OK(dion3_add_group(md->opt, &cfg, &md->g_bias));
 
-  w = view2(md->w, M, N);
-  gw = view2(md->gw, M, N);
+  w = f32_matrix(md->w, M, N);
+  gw = f32_matrix(md->gw, M, N);
   b = view1(md->b, M);
   gb = view1(md->gb, M);
   CHECK_OK(dion3_add_param(md->opt, md->g_matrix, "proj.weight", &w, &gw, NULL));
@@ -244,8 +234,8 @@ static void test_errors(void) {
   memset(gw, 0, sizeof gw);
   tv = view1(v, M);
   tgv = view1(gv, M);
-  tw = view2(w, M, N);
-  tgw = view2(gw, M, N);
+  tw = f32_matrix(w, M, N);
+  tgw = f32_matrix(gw, M, N);
   CHECK_OK(dion3_add_param(opt, g, "ok.weight", &tw, &tgw, NULL));
   s = dion3_add_param(opt, g, "layer3.norm.scale", &tv, &tgv, NULL);
   if (s == DION3_OK) s = dion3_step(opt, NULL);
@@ -260,7 +250,7 @@ static void test_errors(void) {
   CHECK_OK(dion3_create(&opt, DION3_DEVICE_CPU, 0, NULL, DION3_NONFINITE_RAISE));
   dion3_group_config_default(&cfg);
   CHECK_OK(dion3_add_group(opt, &cfg, &g));
-  tgw = view2(gw, N, M);
+  tgw = f32_matrix(gw, N, M);
   s = dion3_add_param(opt, g, "transposed.grad", &tw, &tgw, NULL);
   if (s == DION3_OK) s = dion3_step(opt, NULL);
   CHECK(s == DION3_INVALID_ARGUMENT, "grad of shape [32, 16] for weight [16, 32] gave %d", (int)s);
@@ -278,7 +268,7 @@ static void test_errors(void) {
   s = dion3_step(opt, NULL);
   CHECK(s == DION3_INVALID_ARGUMENT && strstr(dion3_last_error(), "late.grad") != NULL,
         "step without a gradient gave %d: %s", (int)s, dion3_last_error());
-  tgw = view2(gw, M, N);
+  tgw = f32_matrix(gw, M, N);
   CHECK_OK(dion3_set_grad(opt, n, &tgw));
   gw[0] = 1.0f;
   CHECK_OK(dion3_step(opt, NULL));
@@ -403,7 +393,7 @@ static void test_train_and_roundtrip(void) {
     /* An optimizer whose parameter names differ refuses the buffer. */
     dion3_optimizer* other = NULL;
     dion3_group_config cfg;
-    dion3_tensor tw = view2(b.w, M, N), tg = view2(b.gw, M, N);
+    dion3_tensor tw = f32_matrix(b.w, M, N), tg = f32_matrix(b.gw, M, N);
     int g;
     CHECK_OK(dion3_create(&other, DION3_DEVICE_CPU, 0, NULL, DION3_NONFINITE_RAISE));
     dion3_group_config_default(&cfg);
