@@ -1997,9 +1997,19 @@ class _EngineOptimizer(torch.optim.Optimizer):
         new_group: check only that group against the others, which were checked when they were
         added (add_param_group stays linear per group); None: all of them afresh."""
         if new_group is None or self._alias_index is None:
-            spans, ids, groups = [], {}, range(len(self.param_groups))
-        else:  # copies: a refused group leaves the index as it was
-            spans, ids, groups = list(self._alias_index[0]), dict(self._alias_index[1]), [new_group]
+            self._alias_index = self._alias_scan([], {}, range(len(self.param_groups)))
+            return
+        try:  # copies: a refused group leaves the index as it was
+            self._alias_index = self._alias_scan(list(self._alias_index[0]), dict(self._alias_index[1]),
+                                                 [new_group])
+        except ValueError:
+            # The index may be stale (a parameter since moved out of its group, a group deleted,
+            # storage re-pointed by model.half()): only a scan of the groups as they are now refuses.
+            self._alias_index = self._alias_scan([], {}, range(len(self.param_groups)))
+
+    def _alias_scan(self, spans: list, ids: dict, groups) -> Tuple[list, dict]:
+        """_check_aliasing's walk over the given groups, adding to spans and ids; raises on the
+        first parameter that repeats or overlaps one seen before."""
 
         def who(gi: int, j: int) -> str:
             return f"parameter {j} '{self._param_name(self.param_groups[gi], gi, j)}' of group {gi}"
@@ -2022,7 +2032,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                                          "(views of one tensor, or the same storage given twice); each would "
                                          "be updated twice per step: optimize the tensor once")
                 spans.insert(k, span + (gi, j))
-        self._alias_index = (spans, ids)
+        return spans, ids
 
     def _own_state(self) -> None:
         """optimizer.state as a _StateMap (torch's load_state_dict, or the caller, may put in a plain

@@ -815,6 +815,35 @@ def test_disjoint_views_and_tied_weights_given_once_are_fine(device):
     assert all(opt.state[p]["step"] == 1 for p in [a, b] + tied)
 
 
+def test_add_param_group_checks_the_groups_as_they_are_now(device):
+    # Moving a parameter to a group of its own (torch's idiom for a learning rate of its own),
+    # re-adding a deleted group, and a cast that frees the storage the index remembers: each is
+    # accepted, as by torch.optim; a real repeat is still refused.
+    a, b = mat(device), mat(device)
+    opt = dion3.Dion3([a, b], lr=0.02)
+    a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+    opt.step()
+    del opt.param_groups[0]["params"][1]
+    opt.add_param_group(dict(params=[b], lr=1e-3))
+    opt.step()
+    assert [len(g["params"]) for g in opt.param_groups] == [1, 1] and opt.state[b]["step"] == 2
+    with pytest.raises(ValueError, match="parameter 0 'group2.param0' of group 2 is the same tensor as "
+                                         "parameter 0 'group1.param0' of group 1"):
+        opt.add_param_group(dict(params=[b]))
+    opt = dion3.Dion3([dict(params=[a]), dict(params=[b], lr=0.1)], lr=0.02)
+    del opt.param_groups[1]
+    opt.add_param_group(dict(params=[b], lr=1e-3))
+    model = nn.Linear(64, 64, bias=False).to(device)
+    opt = dion3.Dion3(model.parameters())
+    old = model.weight.detach()
+    model.half()
+    del old  # the index's span is free memory now
+    new = [nn.Parameter(torch.randn(64, 64, device=device, dtype=torch.half)) for _ in range(4)]
+    for p in new:
+        opt.add_param_group(dict(params=[p]))
+    assert len(opt.param_groups) == 5
+
+
 def test_storage_shared_after_construction_is_refused_at_the_step(device):
     a, b = mat(device), mat(device)
     opt = dion3.Dion3([a, b])
