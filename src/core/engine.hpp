@@ -257,6 +257,16 @@ struct Optimizer::Impl {
   int absent_now = 0;            // parameters absent now
   uint64_t absence = 0;          // counts changes of any parameter's Param::absent
   uint64_t absence_written = 0;  // the `absence` flag_starts were last written for
+  // step_async does not wait for its verdict, so the steps it applies while parameters are absent
+  // are counted on the device: one counter per absent set (absent_sets[i] counts in slot i),
+  // folded into those parameters' step_offset by fold_absent_counts().
+  static constexpr int kAbsentSlots = 16;
+  DeviceBuffer absent_counts;  // int64 [kAbsentSlots][2]: finish_step's layout, slot [0] used
+  struct AbsentSet {
+    uint64_t absence;  // the `absence` it was taken at
+    std::vector<int> params;
+  };
+  std::vector<AbsentSet> absent_sets;
   struct Elementwise {
     uint64_t bound = 0;
     std::vector<bool> nesterov;  // each group's, as the checks were made for
@@ -333,6 +343,11 @@ struct Optimizer::Impl {
   void forget_absent_bounds();
   // An applied step leaves absent parameters' step counts (ParamState::step) as they were.
   void skip_absent_counts();
+  // Before step_async enqueues a step: a slot of absent_counts for the absent set of now (may
+  // read the device, to free the slots). -1 when no parameter is absent.
+  int absent_slot();
+  // The device's counts of absent_sets into step_offset, and the slots zeroed (reads the device).
+  void fold_absent_counts();
   void build_lists();        // `lists`, when the binding moved
   // A template, not a std::function: wrapping the caller's lambda could allocate mid-step.
   template <class Run>

@@ -1704,6 +1704,31 @@ void Optimizer::Impl::skip_absent_counts() {
     if (p.absent) ++p.step_offset;
 }
 
+int Optimizer::Impl::absent_slot() {
+  if (absent_now == 0) return -1;
+  if (!absent_sets.empty() && absent_sets.back().absence == absence) return static_cast<int>(absent_sets.size()) - 1;
+  if (absent_counts.get() == nullptr) {
+    absent_counts = DeviceBuffer(backend->allocator(), kAbsentSlots * 2 * sizeof(int64_t));
+    backend->fill_zero(absent_counts.get(), absent_counts.bytes());
+  }
+  if (static_cast<int>(absent_sets.size()) == kAbsentSlots) fold_absent_counts();
+  AbsentSet set{absence, {}};
+  for (int i = 0; i < static_cast<int>(params.size()); ++i)
+    if (params[i].absent) set.params.push_back(i);
+  absent_sets.push_back(std::move(set));
+  return static_cast<int>(absent_sets.size()) - 1;
+}
+
+void Optimizer::Impl::fold_absent_counts() {
+  if (absent_sets.empty()) return;
+  std::vector<int64_t> applied(2 * absent_sets.size());
+  backend->copy_to_host(applied.data(), absent_counts.get(), applied.size() * sizeof(int64_t));
+  backend->fill_zero(absent_counts.get(), applied.size() * sizeof(int64_t));
+  for (std::size_t i = 0; i < absent_sets.size(); ++i)
+    for (int p : absent_sets[i].params) params[p].step_offset += applied[2 * i];
+  absent_sets.clear();
+}
+
 void Optimizer::Impl::forget_absent_bounds() {
   for (Megabatch& mb : megabatches) {
     if (mb.bounds.get() == nullptr) continue;
@@ -2261,11 +2286,12 @@ void Optimizer::step_async() {
          "captured) after the plan was made, then capture");
   if (!s.backend->capturing()) s.check_posted_agreement();
   s.validate_or_refuse();
+  // Absent parameters' step counts leave out this step if it is applied: a counter on the device
+  // follows its verdict (replays of a capture are counted for them).
+  const int slot = s.backend->capturing() ? -1 : s.absent_slot();
   s.enqueue_step(true, Impl::kStep, false);  // nothing is raised here, so a dropped step is counted
+  if (slot >= 0) s.backend->finish_step(s.flag.as<int>(), s.absent_counts.as<int64_t>() + 2 * slot, false);
   s.post_counters();
-  // Absent parameters' step counts leave out this step (without waiting for its verdict: one the
-  // device drops is left out twice; replays of a capture are counted for them).
-  if (!s.backend->capturing()) s.skip_absent_counts();
 }
 
 bool Optimizer::posted_counters(int64_t out[2]) const {

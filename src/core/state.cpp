@@ -121,6 +121,7 @@ void Optimizer::Impl::check_written_state() {
 
 OptimizerState Optimizer::export_state() const {
   const Impl::Use use(*impl_);
+  impl_->fold_absent_counts();  // what step_async counted on the device (the counts are unchanged)
   const Impl& s = *impl_;
   OptimizerState out;
   const auto counters = s.read_counters();
@@ -182,6 +183,7 @@ void Optimizer::import_state(const OptimizerState& state) {
   // Everything checked: now copy (the momentum bounds forgotten first, so that a copy that fails
   // part way leaves none trusted).
   s.forget_state_bounds();
+  s.fold_absent_counts();  // the offsets are set anew below
   ++s.binding;  // the step offsets AdamW's cached parameters carry
   for (std::size_t i = 0; i < s.params.size(); ++i) {
     Param& p = s.params[i];
