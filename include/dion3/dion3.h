@@ -289,7 +289,9 @@ DION3_API void dion3_group_config_default(dion3_group_config* cfg);
 DION3_API dion3_status dion3_add_group(dion3_optimizer* opt, const dion3_group_config* cfg, int* group_index);
 /* Read and replace a group's configuration between steps. The new one is validated first
  * (nothing changes when it is refused); algorithm, flatten, transposed and momentum_dtype
- * cannot change once the group has parameters. */
+ * cannot change once the group has parameters. What depends on the step's plan as well, such as
+ * the learning rate after adjust_lr (finite in float32 for every matrix shape), is checked by
+ * the next step, which refuses it with nothing changed. */
 DION3_API dion3_status dion3_get_group_config(const dion3_optimizer* opt, int group, dion3_group_config* out);
 DION3_API dion3_status dion3_set_group_config(dion3_optimizer* opt, int group, const dion3_group_config* cfg);
 /* Shortcut for learning-rate schedules. */
