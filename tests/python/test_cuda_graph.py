@@ -249,7 +249,8 @@ def test_a_load_or_a_new_group_through_the_wrapper_is_stepped_eagerly_then_captu
         wrapped.step()  # the first plans the loaded state eagerly, the second captures
         assert wrapped.captured == (step >= 4), step
         assert all(torch.equal(p, q) for p, q in zip(ea, ga)), step
-    extra = [torch.nn.Parameter(torch.randn(64, 48, device="cuda", dtype=torch.bfloat16)) for _ in range(2)]
+    w = torch.randn(64, 48, device="cuda", dtype=torch.bfloat16)
+    extra = [torch.nn.Parameter(w.clone()) for _ in range(2)]  # one for each optimizer, equal
     extra[1].grad = torch.zeros_like(extra[1])
     eager.add_param_group(dict(params=[extra[0]]))
     wrapped.add_param_group(dict(params=[extra[1]]))
