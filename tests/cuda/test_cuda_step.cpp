@@ -222,6 +222,42 @@ TEST_F(CudaStep, RaisedStepChangesNoCounter) {
   }
 }
 
+// step_async on the GPU: a parameter without a gradient counts neither the step the device drops
+// nor the one it applies (the CPU suite's Absent.StepsEnqueuedWithoutTheirVerdictCountOnlyWhenApplied).
+TEST_F(CudaStep, AbsentParametersCountOnlyTheStepsTheDeviceApplies) {
+  std::mt19937_64 rng(85);
+  dion3::Optimizer opt(dion3::make_cuda_backend(0));
+  const int g = opt.add_group(dion3::GroupConfig{});
+  std::vector<std::unique_ptr<Twin>> ws, gs;
+  for (int i = 0; i < 2; ++i) {
+    ws.push_back(std::make_unique<Twin>(*gpu, DType::F32, 1, 16, 24));
+    gs.push_back(std::make_unique<Twin>(*gpu, DType::F32, 1, 16, 24));
+    ws[i]->fill_normal(rng, 0.5f);
+    gs[i]->fill_normal(rng, 1.0f);
+    dion3::ParamSpec spec;
+    spec.name = "w" + std::to_string(i);
+    spec.weight = {ws[i]->dev.get(), DType::F32, dion3::Device::CUDA, 0, {16, 24}};
+    spec.grad = {gs[i]->dev.get(), DType::F32, dion3::Device::CUDA, 0, {16, 24}};
+    opt.add_param(g, spec);
+  }
+  ASSERT_TRUE(opt.step());  // plans while both are present
+  opt.clear_grad(1);
+  std::vector<float> gv = gs[0]->host_values();
+  gv[3] = NAN;
+  gs[0]->set_host(gv);
+  gs[0]->upload();
+  opt.step_async();  // dropped
+  gs[0]->fill_normal(rng, 1.0f);
+  opt.step_async();  // applied
+  const dion3::OptimizerState st = opt.export_state();
+  EXPECT_EQ(st.steps, 2);
+  EXPECT_EQ(st.skipped, 1);
+  EXPECT_EQ(st.params[0].step, 2);
+  EXPECT_EQ(st.params[1].step, 1);
+  opt.import_state(st);
+  EXPECT_EQ(opt.export_state().params[1].step, 1);
+}
+
 // AdamW's first step moves every element by lr * sign(g), large finite gradients included (the
 // CPU suite's Hardening.AdamWMovesElementsOfLargeFiniteGradientsByTheLearningRate): 128 elements
 // on the 4-element path, 7 on the scalar one.
