@@ -1415,6 +1415,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 self._counters_pending = self._unfolded = True
             # The engine reads each parameter's .grad itself (no per-parameter Python work per step).
             return self._run_first(engine, asynchronous)
+        if asynchronous and self._counters_pending and self._absence_changed(engine):
+            # A step in flight that the device drops is taken back from the parameters the steps
+            # in flight stepped (_counted_states): wait for their verdicts before that set changes.
+            self._sync_counters()
         status = run(engine)
         if status < 0:  # parameters, their groups or gradients changed, or a weight or state tensor moved
             if not self._has_gradients():  # nothing to step: the plan stays for the next step

@@ -422,6 +422,24 @@ def test_nonfinite_grad_skip_leaves_everything_unchanged(device):
     assert all(opt.state[p]["step"] == 2 for p in ps) and opt.steps_skipped == 1
 
 
+def test_dropped_steps_and_parameters_without_a_gradient_count_exactly(device):
+    # Under 'skip' a CUDA step does not wait for its verdict: a dropped step is taken back from the
+    # parameters it would have stepped, though the steps after it leave others without a gradient.
+    torch.manual_seed(0)
+    ps = [nn.Parameter(torch.randn(16, 24, device=device)) for _ in range(3)]
+    opt = dion3.Dion3(ps, on_nonfinite="skip")
+    want = [0, 0, 0]
+    for absent, bad in [(None, False), (2, True), (0, False), (None, True), (1, False), (1, True), (2, False)]:
+        for i, p in enumerate(ps):
+            p.grad = None if i == absent else torch.randn_like(p)
+        if bad:
+            ps[1 if absent == 0 else 0].grad[0, 0] = float("nan")
+        opt.step()
+        want = [w + (not bad and i != absent) for i, w in enumerate(want)]
+    assert opt.steps_skipped == 3
+    assert [int(opt.state[p]["step"]) for p in ps] == want
+
+
 def _after_small_steps(device, dtype=torch.float32):
     """A Dion3 matrix after two applied steps of small gradients: its momentum bound is known."""
     p = mat(device, 16, 8, dtype=dtype)
