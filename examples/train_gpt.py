@@ -40,13 +40,14 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import sysconfig
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn as nn
@@ -197,13 +198,16 @@ class GPT(nn.Module):
 
 # ---- optimizers -----------------------------------------------------------------------------
 
+ADAMW_BETAS = (0.9, 0.95)
+
+
 def make_optimizer(name: str, model: GPT, cfg: "Config"):
     if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=cfg.adamw_lr, betas=(0.9, 0.95), weight_decay=0.0)
+        return torch.optim.AdamW(model.parameters(), lr=cfg.adamw_lr, betas=ADAMW_BETAS, weight_decay=0.0)
     import dion3
     lr = lr_of(name, cfg)
     groups = dion3.param_groups(model, lm_head=model.lm_head, lr=cfg.adamw_lr,
-                                elementwise_options=dict(lr=cfg.adamw_lr, betas=(0.9, 0.95), weight_decay=0.0))
+                                elementwise_options=dict(lr=cfg.adamw_lr, betas=ADAMW_BETAS, weight_decay=0.0))
     kw = dict(fraction=cfg.fraction) if name == "dion3" else {}
     cls = {"dion3": dion3.Dion3, "muon": dion3.Muon, "normuon": dion3.NorMuon}[name]
     return cls(groups, lr=lr, weight_decay=0.0, **kw)
@@ -356,10 +360,6 @@ class Stop:
         self.signal: Optional[int] = None  # the signal that asked to stop
         self._installed: List[int] = []
 
-    @property
-    def interrupted(self) -> bool:
-        return self.signal is not None
-
     def exit_status(self) -> int:
         """A stop's exit status: 128 + the signal, as a shell reports one; 3 for --time-limit."""
         return 128 + int(self.signal) if self.signal is not None else 3
@@ -393,12 +393,31 @@ class Stop:
         self._installed = []
 
 
-def write_atomically(path: str, text: str) -> None:
-    """Writes a file whole or not at all: an interruption leaves the previous version."""
+def replace_atomically(path: str, write: Callable[[str], None]) -> None:
+    """Writes path whole or not at all (write(tmp) then a rename): an interruption, or a disk that
+    fills up, leaves the previous version; the latter stops the session with a one-line message."""
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # torch.save reports a short write as a RuntimeError
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        try:
+            free = f"; {shutil.disk_usage(os.path.dirname(path) or '.').free / 1e6:.0f} MB free there"
+        except OSError:
+            free = ""
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0]
+        raise SystemExit(f"train_gpt: could not write {path} ({why}{free}); the version before it is kept") from None
+
+
+def write_atomically(path: str, text: str) -> None:
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            f.write(text)
+    replace_atomically(path, write)
 
 
 def same_data(what: str, theirs: Optional[str], ours: str) -> None:
@@ -535,11 +554,10 @@ def train_one(run: Run, train: torch.Tensor, val_windows, device, out: str, resu
         print(f"{name}: resuming at step {state['step']}", file=sys.stderr)
 
     def save():
-        tmp = path + ".tmp"
-        torch.save(dict(config=asdict(cfg), corpus=corpus_info, model=model.state_dict(),
-                        optimizer=opt.state_dict(), scheduler=sched.state_dict(),
-                        batches=batches.gen.get_state(), torch_rng=torch.get_rng_state(), state=state), tmp)
-        os.replace(tmp, path)  # never a half-written checkpoint
+        ckpt = dict(config=asdict(cfg), corpus=corpus_info, model=model.state_dict(), optimizer=opt.state_dict(),
+                    scheduler=sched.state_dict(), batches=batches.gen.get_state(), torch_rng=torch.get_rng_state(),
+                    state=state)
+        replace_atomically(path, lambda tmp: torch.save(ckpt, tmp))  # never a half-written checkpoint
         if not state["done"] and os.path.exists(record):
             # A finished run's record must not vouch for an unfinished checkpoint (one trained again
             # from the start): a plain re-run would overwrite it instead of asking for --resume.
@@ -852,12 +870,17 @@ def main(argv=None) -> int:
         print(f"train_gpt: no GPU in use; training on the CPU ({torch.get_num_threads()} threads)"
               + ("" if a.device == "cpu" and not torch.cuda.is_available() else " as asked"), file=sys.stderr)
     runs = runs_of(names, cfg, a.scales, a.fractions)
-    for run in runs:  # the lrs the optimizers take (scales, Dion3's 1/sqrt(f)): dion3 steps in float32
+    for run in runs:  # the lrs the optimizers take (scales, Dion3's 1/sqrt(f)), stepped in float32:
+        # adjust_lr scales a matrix's lr by up to 2 here (sqrt of the MLP's 4d x d shape); torch's
+        # AdamW divides its first step's lr by 1 - beta1 (and raises where that overflows).
+        if run.optimizer == "adamw":
+            factor, by = 1 / (1 - ADAMW_BETAS[0]), f"torch's AdamW's first step (lr / (1 - {ADAMW_BETAS[0]:g}))"
+        else:
+            factor, by = 2.0, "adjust_lr (up to 2x here)"
         for v in {lr_of(run.optimizer, run.cfg), run.cfg.adamw_lr}:
-            # adjust_lr scales a matrix's lr by up to 2 here (sqrt of the MLP's 4d x d shape)
-            if not v * 2 <= torch.finfo(torch.float32).max:
-                raise SystemExit(f"train_gpt: run {run.name} would step with lr {v:g}, which adjust_lr (up to 2x "
-                                 "here) takes beyond float32's range; choose smaller --lr, --adamw-lr or --lr-scales "
+            if not v * factor <= torch.finfo(torch.float32).max:
+                raise SystemExit(f"train_gpt: run {run.name} would step with lr {v:g}, which {by} takes beyond "
+                                 "float32's range; choose smaller --lr, --adamw-lr or --lr-scales "
                                  "(or a larger --fraction)")
     try:
         os.makedirs(a.out, exist_ok=True)
@@ -907,8 +930,8 @@ def train_all(a, cfg: Config, runs: List[Run], device) -> int:
         sync(device)
     results = {}
     with Stop(a.time_limit) as stop:
-        for run in runs:
-            if stop.interrupted:  # during the previous run's last step: the next does not start
+        for i, run in enumerate(runs):
+            if i > 0 and stop.reason() is not None:  # during the previous run's end: the next does not start
                 return stop.exit_status()
             results[run.name] = train_one(run, train, windows, device, a.out, a.resume, a.stop_after, stop,
                                           corpus_info)

@@ -99,6 +99,27 @@ def test_a_time_limit_stops_and_resume_goes_on_bit_for_bit(tmp_path):
     assert all(torch.equal(v, b[k]) for k, v in a.items())
 
 
+def test_a_time_limit_passed_at_the_end_of_a_run_starts_no_other(tmp_path):
+    # One step a run: the limit has passed when adamw's run ends, and muon's does not begin.
+    args = TINY + ["--optimizers", "adamw,muon", "--steps", "1", "--eval-every", "1", "--out", str(tmp_path)]
+    assert train_gpt.main(args + ["--time-limit", "1e-6"]) == 3
+    assert (tmp_path / "ckpt-adamw.pt").exists() and not (tmp_path / "ckpt-muon.pt").exists()
+    assert train_gpt.main(args + ["--resume"]) == 0
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_with_a_message_and_keeps_the_last(tmp_path):
+    args = TINY + ["--optimizers", "adamw", "--out", str(tmp_path)]
+    assert train_gpt.main(args + ["--stop-after", "4"]) == 3
+    before = (tmp_path / "ckpt-adamw.pt").read_bytes()
+    (tmp_path / "ckpt-adamw.pt.tmp").mkdir()  # where the next checkpoint would be written first
+    with pytest.raises(SystemExit, match=r"could not write .*ckpt-adamw\.pt \(.*Is a directory.*; .* MB free there\); "
+                                         "the version before it is kept"):
+        train_gpt.main(args + ["--resume"])
+    assert (tmp_path / "ckpt-adamw.pt").read_bytes() == before
+    (tmp_path / "ckpt-adamw.pt.tmp").rmdir()
+    assert train_gpt.main(args + ["--resume"]) == 0
+
+
 @pytest.mark.parametrize("signame, status", [("SIGINT", 130), ("SIGTERM", 143)])
 def test_a_signal_saves_at_the_end_of_the_step_and_resume_goes_on_bit_for_bit(tmp_path, monkeypatch, signame, status):
     # The first Ctrl-C or SIGTERM (a job scheduler's; raised here as step 3 is shown) lets the step
@@ -260,6 +281,13 @@ def test_one_session_a_folder(tmp_path):
 def test_a_learning_rate_beyond_float32_is_refused_up_front(tmp_path):
     with pytest.raises(SystemExit, match="run dion3@1e\\+40x would step with lr .* beyond float32's range"):
         train_gpt.main(TINY + ["--optimizers", "adamw,dion3", "--lr-scales", "1,1e40", "--out", str(tmp_path)])
+    assert not list(tmp_path.glob("ckpt-*"))
+
+
+def test_an_adamw_learning_rate_whose_first_step_overflows_is_refused_up_front(tmp_path):
+    # torch's AdamW divides its first step's lr by 1 - beta1 = 0.1, and raises where that overflows.
+    with pytest.raises(SystemExit, match="run adamw would step with lr 1e\\+38, which torch's AdamW's first step"):
+        train_gpt.main(TINY + ["--optimizers", "adamw", "--adamw-lr", "1e38", "--out", str(tmp_path)])
     assert not list(tmp_path.glob("ckpt-*"))
 
 
