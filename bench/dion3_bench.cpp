@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -211,6 +212,10 @@ Options parse_args(int argc, char** argv) {
     }
   }
   if (o.schedule.empty()) o.schedule = o.device == "cpu" ? "interleaved" : "sequential";
+  if (!o.shapes.empty() && (o.model_given || o.layers > 0))
+    usage_error("--shapes replaces a model's matrices: give --shapes, or --model and --layers, not both");
+  if (!o.csv.empty() && !std::ofstream(o.csv, std::ios::app))  // before the run, not after it
+    usage_error("--csv " + o.csv + ": cannot be written (" + std::strerror(errno) + ")");
   return o;
 }
 

@@ -234,6 +234,12 @@ def main(argv=None):
                     help="launch each orthogonalization op by op instead of replaying its recording "
                          "(OptimizerOptions::record_orthogonalizer), for an A/B of the host time")
     args = ap.parse_args(argv)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        ap.error(f"--device {args.device}: {e}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: PyTorch sees no GPU here")
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     for name in args.optimizers:

@@ -106,7 +106,8 @@ def main(argv=None):
     mesh = init_device_mesh(device.type, (world,))
     shapes = shapes_of(args.model, args.layers)
     if rank == 0:
-        print(f"dion3.dist_benchmark: {args.model}, {args.layers} layers ({len(shapes)} matrices), Dion3 "
+        layers = args.layers or MODELS_WITH_SMALL[args.model][0]
+        print(f"dion3.dist_benchmark: {args.model}, {layers} layers ({len(shapes)} matrices), Dion3 "
               f"f = {args.fraction:g}, {device.type} {str(dtype).replace('torch.', '')}, {world} ranks "
               f"({backend}), median of {args.iters} steps (slowest rank)\n")
         print("| layout | collectives | megabatches | rounds/step | MiB sent/rank/step | step ms | "

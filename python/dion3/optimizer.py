@@ -437,7 +437,10 @@ def _drop_engines_at_exit() -> None:
     for opt in list(_LIVE):
         opt._engine, opt._engine_key = None, None
         opt._pushed, opt._pushed_to = {}, None
-    gc.collect()
+    try:
+        gc.collect()
+    except KeyboardInterrupt:  # a second Ctrl-C while exiting: exit without the traceback
+        pass
 
 
 # The engine's names of the state tensors, by the group's kind of algorithm.

@@ -207,6 +207,7 @@ def test_param_groups_recognise_what_real_models_hold():
     ("benchmark", ["--fractions", "0.5,2"], r"2 is not in \(0, 1\]"),
     ("benchmark", ["--warmup", "0"], "--warmup: must be at least 1"),
     ("benchmark", ["--dtype", "float64"], "invalid choice"),
+    ("benchmark", ["--device", "foo"], "--device foo: Expected one of cpu"),
     ("dist_benchmark", ["--layouts", "ddp,bogus"], "'bogus' is none of local, ddp"),
     ("dist_benchmark", [], "run it under torchrun"),
     ("__main__", ["--bogus"], "unrecognized arguments"),
