@@ -83,9 +83,12 @@ struct DION3_API OrthConfig {
   std::string gram_divergence_error(DType iteration) const;
 
   void validate() const;
-  // Throws unless eps is a finite float32 of at least FLT_MIN; checked in double, so a value a
-  // front end has yet to narrow is named as given rather than as its float32 rounding.
+  // Throws unless eps is a finite float32 of at least kMinNormEps; checked in double, so a value
+  // a front end has yet to narrow is named as given rather than as its float32 rounding.
   static void check_norm_eps(double eps);
+  // The smallest norm_eps: a norm of it squares to 1e-36, summed over up to a million rows
+  // without falling into float32's subnormal range, where the sums would lose their precision.
+  static constexpr double kMinNormEps = 1e-18;
 };
 
 struct DION3_API GroupConfig {

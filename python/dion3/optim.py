@@ -23,7 +23,8 @@ _ADJUST_LR_FN = {None: "spectral_norm_clamped", "original": "spectral_norm_clamp
                  "match_rms_adamw": "rms_norm", "spectral_unclamped": "spectral_norm"}
 # The most quintic steps the engine takes.
 _MAX_NS_STEPS = _C.MAX_ORTH_STEPS
-_FLOAT32 = torch.finfo(torch.float32)
+# The smallest eps the engine takes (it sums the norm from squares kept in float32).
+_MIN_EPS = _C.MIN_NORM_EPS
 
 
 def _real(key: str, v: Any) -> float:
@@ -52,7 +53,7 @@ class Muon(_EngineOptimizer):
 
     Differences: the Newton–Schulz iteration runs in the engine's precision (float32 on the CPU,
     16-bit on the GPU with float32 accumulation; torch's runs in bfloat16); an `eps` below
-    float32's smallest normal number or past its range is refused, as are float64 parameters,
+    1e-18 (the norm is summed from squares kept in float32) or past float32's range is refused, as are float64 parameters,
     ns_steps of 0 or above 16, a nesterov other than True or False (or 0 or 1), and momentum of 1 or more; a
     non-finite gradient raises dion3.NonFiniteError (on_nonfinite="skip" drops the step) where
     torch would step with it.
@@ -126,10 +127,9 @@ class Muon(_EngineOptimizer):
             raise ValueError(f"dion3: 'adjust_lr_fn' must be None, 'original', 'match_rms_adamw' or "
                              f"'spectral_unclamped'; got {fn!r}")
         eps = _real("eps", group["eps"])
-        if not _FLOAT32.tiny <= float(torch.tensor(eps, dtype=torch.float32)) < math.inf:
-            # The engine scales by 1 / max(norm, eps) in float32, which overflows below its smallest normal number.
-            raise ValueError(f"dion3: 'eps' must be a float32 number from {_FLOAT32.tiny:g} (the engine's precision); "
-                             f"got {eps!r}")
+        if not _MIN_EPS <= float(torch.tensor(eps, dtype=torch.float32)) < math.inf:
+            raise ValueError(f"dion3: 'eps' must be a float32 number from {_MIN_EPS:g} (the engine sums the norm "
+                             f"from squares kept in float32); got {eps!r}")
         # The engine's defaults for the settings torch's Muon does not have (fraction 1: every row).
         return dict(
             ENGINE_DEFAULTS, algorithm="muon", lr=group["lr"], weight_decay=group["weight_decay"], mu=momentum, ema_momentum=True,

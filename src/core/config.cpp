@@ -158,10 +158,12 @@ const std::vector<Coefficients>& reference_coefficients() {
 }
 
 void OrthConfig::check_norm_eps(double eps) {
-  // Below float32's smallest normal number 1 / eps overflows, and a zero input would give NaN.
-  if (!(eps >= std::numeric_limits<float>::min()) || !(eps <= std::numeric_limits<float>::max()))
+  // The norm is summed from squares kept in float32: a norm below this floor may lose its
+  // precision there (to nothing, whereupon 1 / eps would blow the input up past the band).
+  if (!(eps >= kMinNormEps) || !(eps <= std::numeric_limits<float>::max()))
     fail("'norm_eps' (the guard on the Newton-Schulz input's norm) must be a finite float32 of at least " +
-         format_number(std::numeric_limits<float>::min()) + ", got " + format_number(eps));
+         format_number(kMinNormEps) + " (the norm comes from sums of squares kept in float32), got " +
+         format_number(eps));
 }
 
 void OrthConfig::validate() const {

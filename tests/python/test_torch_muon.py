@@ -146,8 +146,8 @@ def test_refuses_what_it_would_misread():
                               ("ns_steps", 0, "'ns_steps' must lie in \\[1, 16\\]"),
                               ("ns_coefficients", (1.0, 2.0), "three numbers"),
                               ("adjust_lr_fn", "rms_norm", "'adjust_lr_fn' must be None"),
-                              ("eps", 0.0, "'eps' must be a float32 number from 1.17549e-38"),
-                              ("eps", 1e-40, "'eps' must be a float32 number from"),  # 1 / eps overflows
+                              ("eps", 0.0, "'eps' must be a float32 number from 1e-18"),
+                              ("eps", 1e-30, "'eps' must be a float32 number from"),  # a norm's square underflows
                               ("eps", 1e39, "'eps' must be a float32 number from"),
                               ("momentum", "0.9", "'momentum' must be a number")]:
         good = opt.param_groups[0][key]

@@ -1205,6 +1205,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("_live_engines", [] { return live_engines.load(); }, "Engines alive in this process (for tests)");
   // The limit the Python front end checks its own keys against (dion3.optim.Muon's ns_steps).
   m.attr("MAX_ORTH_STEPS") = DION3_MAX_ORTH_STEPS;
+  m.attr("MIN_NORM_EPS") = dion3::OrthConfig::kMinNormEps;
   m.def("coefficient_sets", [] {
     py::dict sets;
     auto put = [&](const char* name, const std::vector<dion3::Coefficients>& steps) {
