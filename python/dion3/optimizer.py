@@ -966,22 +966,30 @@ class _EngineOptimizer(torch.optim.Optimizer):
         except Exception as e:  # noqa: BLE001 - refused in _loaded_state, on every rank
             malformed = e
         loaded = self._loaded_state(state_dict, malformed)
+        # torch's load replaces state and param_groups whole (new objects), and the dion3 tensors go
+        # in after it: anything that stops the load part way (a Ctrl-C) puts the optimizer's own
+        # attributes back, and with them the state as it was (one update, not interruptible).
+        before = dict(self.__dict__)
         try:
-            for name, hooks in held.items():  # run above and below, not again inside torch's load
-                setattr(self, name, type(hooks)())
-            super().load_state_dict(_without_loaded_tensors(state_dict, self.param_groups, loaded))
-        finally:
-            for name, hooks in held.items():
-                setattr(self, name, hooks)
-        # The checked tensors, in the dtypes the groups keep (fp32 variance, and an optional fp32
-        # momentum, next to low-precision weights), which torch's load did not see.
-        for p, st in loaded.items():
-            self.state[p].update(st)
-        self._kinds = {p: _kind(g["algorithm"]) for g in self.param_groups for p in g["params"]}
-        self._fill_missing_keys()
-        self._dirty = True
-        if skipped is not None:
-            self._steps_skipped = int(skipped)
+            try:
+                for name, hooks in held.items():  # run above and below, not again inside torch's load
+                    setattr(self, name, type(hooks)())
+                super().load_state_dict(_without_loaded_tensors(state_dict, self.param_groups, loaded))
+            finally:
+                for name, hooks in held.items():
+                    setattr(self, name, hooks)
+            # The checked tensors, in the dtypes the groups keep (fp32 variance, and an optional fp32
+            # momentum, next to low-precision weights), which torch's load did not see.
+            for p, st in loaded.items():
+                self.state[p].update(st)
+            self._kinds = {p: _kind(g["algorithm"]) for g in self.param_groups for p in g["params"]}
+            self._fill_missing_keys()
+            self._dirty = True
+            if skipped is not None:
+                self._steps_skipped = int(skipped)
+        except BaseException:
+            self.__dict__.update(before)
+            raise
         for hook in list(post.values()):
             hook(self)
 
@@ -1310,16 +1318,21 @@ class _EngineOptimizer(torch.optim.Optimizer):
         # One thread at a time: the engine steps without the GIL, and a second thread's step
         # beneath it would rebind gradients or rebuild the engine (the engine refuses its own calls
         # too; this also keeps the counting in Python whole). The same thread may come back in.
-        acquired = False
+        lock = self._step_lock
+        if lock._is_owned():  # this thread's own step, re-entered (a hook, a closure)
+            return self._locked_step(closure)
         try:
-            acquired = self._step_lock.acquire(blocking=False)
-            if not acquired:
+            if not lock.acquire(blocking=False):
                 raise RuntimeError("dion3: this optimizer is stepping in another thread: an optimizer steps in "
                                    "one thread at a time")
             return self._locked_step(closure)
         finally:
-            if acquired:
-                self._step_lock.release()
+            # Released whether or not the acquire's result was seen: a signal's exception may land
+            # right after it. Not this thread's lock (the refusal): release() refuses, nothing else.
+            try:
+                lock.release()
+            except RuntimeError:
+                pass
 
     def _locked_step(self, closure):
         loss = None
@@ -2065,6 +2078,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._engine_key = None
         self._check_aliasing()  # storage may have been re-pointed (p.data = ...) since construction
         self._check_groups()  # before any state is made for what they hold
+        # A parameter taken out of every group, its state dropped too, is forgotten: remembered,
+        # its tensor would live as long as the optimizer.
+        live = {id(p) for g in self.param_groups for p in g["params"]}
+        self._kinds = {p: k for p, k in self._kinds.items() if id(p) in live or self.state.get(p)}
         self._own_state()
         registering = []
         for gi, group in enumerate(self.param_groups):

@@ -1,5 +1,6 @@
 # test_errors.py — every error path of the Python front end: each raises a clear error naming
 # what is wrong, and nothing (weights, state, groups) is changed by a call that fails.
+import copy
 import warnings
 
 import numpy as np
@@ -1150,3 +1151,107 @@ def test_a_load_into_groups_built_otherwise_names_the_parameters_that_moved():
     with pytest.raises(ValueError, match=r"'1\.weight' \(group 0 there, 2 here\)\. Build the groups as the "
                                          r"checkpoint's were"):
         regrouped.load_state_dict(saved)
+
+
+# ---- interrupted calls and what they leave ------------------------------------------------------
+
+def _interrupts(seconds):
+    """A context manager that raises KeyboardInterrupt (as Ctrl-C does) after `seconds`, once."""
+    import contextlib
+    import signal
+
+    @contextlib.contextmanager
+    def timer():
+        armed = [True]
+
+        def handler(signum, frame):
+            if armed[0]:
+                raise KeyboardInterrupt
+        old = signal.signal(signal.SIGALRM, handler)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            yield
+        finally:
+            armed[0] = False
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+    return timer()
+
+
+def test_a_step_interrupted_anywhere_leaves_its_lock_free():
+    # A Ctrl-C landing right after the step lock was taken, before the step saw it had, kept it
+    # held: every later step from another thread was then refused.
+    import random
+    import threading
+    rng = random.Random(0)
+    w = nn.Parameter(torch.randn(16, 24))
+    opt = dion3.Dion3([w], lr=0.02)
+    interrupted = 0
+    for _ in range(3000):
+        w.grad = torch.randn(16, 24)
+        try:
+            with _interrupts(rng.uniform(1e-6, 40e-6)):
+                opt.step()
+        except KeyboardInterrupt:
+            interrupted += 1
+        assert not opt._step_lock._is_owned()
+    # torch.no_grad around the step (as around torch.optim's) may be left entered by the interrupt.
+    torch.set_grad_enabled(True)
+    assert interrupted > 0
+    errors = []
+    thread = threading.Thread(target=lambda: errors.append(opt._step_lock.acquire(blocking=False)))
+    thread.start()
+    thread.join()
+    assert errors == [True]
+
+
+def test_a_load_interrupted_anywhere_leaves_the_state_as_it_was_or_as_loaded():
+    import random
+    torch.manual_seed(0)
+    w, b = nn.Parameter(torch.randn(16, 24)), nn.Parameter(torch.randn(24))
+    opt = dion3.Dion3([dict(params=[w]), dict(params=[b], algorithm="adamw")], lr=0.02)
+
+    def steps(n):
+        for _ in range(n):
+            w.grad, b.grad = torch.randn(16, 24), torch.randn(24)
+            opt.step()
+    steps(3)
+    saved = copy.deepcopy(opt.state_dict())
+    steps(2)
+    now = copy.deepcopy(opt.state_dict())
+    rng = random.Random(0)
+    interrupted = 0
+    for _ in range(400):
+        try:
+            with _interrupts(rng.uniform(50e-6, 600e-6)):
+                opt.load_state_dict(saved)
+        except KeyboardInterrupt:
+            interrupted += 1
+        sd = opt.state_dict()
+        for st, a, c in zip(sd["state"].values(), now["state"].values(), saved["state"].values()):
+            assert st.keys() == a.keys()  # as it was (a) or as loaded (c), never a mix or nothing
+            assert all(torch.equal(st[k], a[k]) if torch.is_tensor(a[k]) else st[k] == a[k] for k in a) or \
+                all(torch.equal(st[k], c[k]) if torch.is_tensor(c[k]) else st[k] == c[k] for k in c)
+        opt.load_state_dict(now)
+    torch.set_grad_enabled(True)  # as after the steps above
+    assert interrupted > 0
+
+
+def test_parameters_taken_out_of_the_optimizer_are_freed():
+    import gc
+    import weakref
+    w = nn.Parameter(torch.randn(16, 24))
+    opt = dion3.Dion3([w], lr=0.02)
+    refs = []
+    for _ in range(3):
+        extra = nn.Parameter(torch.randn(16, 24))
+        opt.add_param_group(dict(params=[extra]))
+        w.grad, extra.grad = torch.randn(16, 24), torch.randn(16, 24)
+        opt.step()
+        opt.param_groups.pop()
+        del opt.state[extra]
+        opt.step()
+        refs.append(weakref.ref(extra))
+        del extra
+    gc.collect()
+    assert all(r() is None for r in refs)
