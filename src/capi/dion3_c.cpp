@@ -257,6 +257,11 @@ dion3_status dion3_add_param_layout(dion3_optimizer* opt, int group, const char*
       if (layout->comm) spec.layout.comm = layout->comm->comm;
       require(layout->row_chunk >= 0, "parameter '" + n + "': layout row_chunk is " +
                                           std::to_string(layout->row_chunk) + ", expected >= 0");
+      // As the C++ ParamLayout: an offset without a chunk is no cut, not the standard one.
+      require(layout->row_chunk > 0 || layout->row_offset == 0,
+              "parameter '" + n + "': layout row_offset is " + std::to_string(layout->row_offset) +
+                  " but row_chunk is 0 (the standard cut, which takes no offset); give the largest shard's "
+                  "rows in row_chunk");
       if (layout->row_chunk > 0) {  // a row cut of its own
         require(layout->kind == DION3_LAYOUT_ROW_SHARD,
                 "parameter '" + n + "': row_offset / row_chunk describe a ROW_SHARD cut; this layout is " +

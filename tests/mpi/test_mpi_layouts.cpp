@@ -620,6 +620,12 @@ TEST(CApi, RowShardedParameterWithItsOwnCut) {
   bad.row_offset = -1;
   EXPECT_EQ(dion3_add_param_layout(opt, g, "w2", &wt, &gt, &bad, nullptr), DION3_INVALID_ARGUMENT);
   EXPECT_NE(std::string(dion3_last_error()).find("row_offset is -1"), std::string::npos) << dion3_last_error();
+  bad = layout;  // an offset without its chunk: refused, as by the C++ ParamLayout
+  bad.row_offset = 3;
+  bad.row_chunk = 0;
+  EXPECT_EQ(dion3_add_param_layout(opt, g, "w2", &wt, &gt, &bad, nullptr), DION3_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(dion3_last_error()).find("row_offset is 3 but row_chunk is 0"), std::string::npos)
+      << dion3_last_error();
   // A chunk larger than the matrix, or one whose P copies wrap past int64, is no cut of it (own
   // buffers, so that no memory overlap is what refuses them).
   std::vector<float> w2 = wc, g2 = gc;
