@@ -296,6 +296,9 @@ def _number(key: str, v) -> float:
         raise ValueError(f"dion3: '{key}' must be a number; got the string {v!r}")
     if _is_bool(v):  # float(True) is 1: fraction=True would select every row without a word
         raise ValueError(f"dion3: '{key}' must be a number; got the bool {bool(v)}")
+    # The common case outside the try: a signal handler's exception is then not taken for a bad value.
+    if type(v) in (float, int):
+        return float(v)
     if isinstance(v, torch.Tensor):
         v = v.detach()  # a schedule's tensor that requires grad: float() of it would warn
     try:
