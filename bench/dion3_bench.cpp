@@ -7,11 +7,11 @@
 // table times orthogonalization alone (standard vs Gram Newton–Schulz) on the largest shape.
 // Unit tests never time anything; this program is where speed is measured.
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>

@@ -109,7 +109,6 @@ static double loss_and_grad(const float* w, const float* b, float* gw, float* gb
 
 /* ---- helpers ------------------------------------------------------------------------------ */
 
-
 static dion3_tensor view1(float* data, int64_t n) {
   dion3_tensor t = f32_matrix(data, n, 1);
   t.ndim = 1;

@@ -1,6 +1,8 @@
 # test_errors.py — every error path of the Python front end: each raises a clear error naming
 # what is wrong, and nothing (weights, state, groups) is changed by a call that fails.
+import contextlib
 import copy
+import signal
 import warnings
 
 import numpy as np
@@ -1155,27 +1157,22 @@ def test_a_load_into_groups_built_otherwise_names_the_parameters_that_moved():
 
 # ---- interrupted calls and what they leave ------------------------------------------------------
 
+@contextlib.contextmanager
 def _interrupts(seconds):
-    """A context manager that raises KeyboardInterrupt (as Ctrl-C does) after `seconds`, once."""
-    import contextlib
-    import signal
+    """Raises KeyboardInterrupt (as Ctrl-C does) after `seconds`, once, inside the block."""
+    armed = True
 
-    @contextlib.contextmanager
-    def timer():
-        armed = [True]
-
-        def handler(signum, frame):
-            if armed[0]:
-                raise KeyboardInterrupt
-        old = signal.signal(signal.SIGALRM, handler)
-        signal.setitimer(signal.ITIMER_REAL, seconds)
-        try:
-            yield
-        finally:
-            armed[0] = False
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, old)
-    return timer()
+    def handler(signum, frame):
+        if armed:
+            raise KeyboardInterrupt
+    old = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        armed = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def test_a_step_interrupted_anywhere_leaves_its_lock_free():
