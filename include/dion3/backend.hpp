@@ -416,9 +416,10 @@ class DION3_API Backend {
   }
   // C = X*X^T (symmetric; both triangles written, or banded with banded_out).
   virtual void gram(MatrixView X, MatrixView C, bool banded_out) = 0;
-  // C = alpha*A*B + beta*D + gamma*I, for A, B, D symmetric and commuting (so A*B is
-  // symmetric); D may be null. C must not alias A or B; it may alias D. banded_in: A, B and D
-  // may be banded; banded_out: C may be written banded.
+  // C = alpha*A*B^T + beta*D + gamma*I from its lower triangle, mirrored, for A and D symmetric and
+  // A*B^T symmetric: B symmetric and commuting with A, or B = A*S with S symmetric (then C is
+  // A*S*A). D may be null. C must not alias A or B; it may alias D. banded_in: A, B and D are
+  // symmetric and may be banded; banded_out: C may be written banded.
   virtual void sym_product(float alpha, MatrixView A, MatrixView B, float beta, const MatrixView* D,
                            float gamma, MatrixView C, bool banded_in, bool banded_out) = 0;
   // C = X + gamma*I (square matrices; C may alias X).

@@ -22,6 +22,12 @@ int wides_of(OrthMethod m, int64_t p, int64_t q) { return m == OrthMethod::Stand
 
 bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
 
+// Gram NS's R update at step t forms W·R whole (a gemm) where R was just rebuilt at a restart.
+// Rounded, R and W = q(R) do not commute exactly, so R·W is not symmetric: its mirrored lower
+// triangle is off by their commutator, of order u·|R|·|W|, and |R| is largest there (the steps
+// before a restart may push X past norm 1). That error, carried on, leaves the polynomial's band.
+bool whole_update(const OrthConfig& cfg, int t) { return t > 0 && contains(cfg.restarts, t); }
+
 // What a (rows, cols) problem resolves to with this config on this backend: the method, the
 // iteration dtype, and p x q, the shape it iterates on (p <= q, except below).
 struct Plan {
@@ -67,8 +73,10 @@ double gram_ns_flops(int64_t batch, int64_t p, int64_t q, int steps, int n_resta
   double f = 2 * P * P * Q * sym + 2 * P * P * Q;           // first Gram, final Q X
   f += n_restarts * (2 * P * P * Q + 2 * P * P * Q * sym);  // X = Q X, R = X X^T
   f += steps * sq;                                          // Z
-  f += std::max(0, steps - 1 - n_restarts) * sq;            // Q = Q Z + a Q
-  f += std::max(0, steps - 1 - n_restarts) * 2 * sq;        // R updates
+  const int updates = std::max(0, steps - 1 - n_restarts);
+  const int whole = std::min(n_restarts, updates);          // counted as if each restart has one
+  f += updates * sq;                                        // Q = Q Z + a Q
+  f += (updates - whole) * 2 * sq + whole * (2 * P * P * P + sq);  // R updates (whole_update)
   return static_cast<double>(batch) * f;
 }
 
@@ -223,22 +231,29 @@ MatrixView Orthogonalizer::gram(MatrixView X) {
     const float b = static_cast<float>(cfg_.coefficients[t][1]);
     const float c = static_cast<float>(cfg_.coefficients[t][2]);
     const bool restart = contains(cfg_.restarts, t);
+    const bool update = t < steps - 1 && !contains(cfg_.restarts, t + 1);  // R for the next step
+    const bool whole = update && whole_update(cfg_, t);  // that update's R and W read by a gemm
     if (restart && t > 0) {  // X = Q X; R = X X^T; Q = I
       backend_.gemm(false, false, 1.0f, Q, X, 0.0f, X2);
       std::swap(X.data, X2.data);
-      backend_.gram(X, R, banded);
+      backend_.gram(X, R, banded && !whole);
     }
     const bool q_to_gemm = t == steps - 1 || contains(cfg_.restarts, t + 1);
     const bool w_is_q = t == 0 || restart;
-    backend_.sym_product(c, R, R, b, &R, a, W, banded, banded && !(w_is_q && q_to_gemm));  // W = b R + c R^2 + a I
+    // W = b R + c R^2 + a I. A whole symmetric matrix also reads as banded (its lower band is there).
+    backend_.sym_product(c, R, R, b, &R, a, W, banded, banded && !whole && !(w_is_q && q_to_gemm));
     if (w_is_q) {
       std::swap(Q.data, W.data);  // Q = W (no copy: W's buffer becomes Q's)
     } else {
       backend_.sym_product(1.0f, Q, W, 0.0f, nullptr, 0.0f, S, banded, banded && !q_to_gemm);  // Q = Q W
       std::swap(Q.data, S.data);
     }
-    if (t < steps - 1 && !contains(cfg_.restarts, t + 1)) {
-      const MatrixView& w = w_is_q ? Q : W;
+    if (!update) continue;
+    const MatrixView& w = w_is_q ? Q : W;
+    if (whole) {
+      backend_.gemm(false, false, 1.0f, w, R, 0.0f, S);                           // S = W R
+      backend_.sym_product(1.0f, w, S, 0.0f, nullptr, 0.0f, R, false, banded);  // R = W S^T = W R W
+    } else {
       backend_.sym_product(1.0f, R, w, 0.0f, nullptr, 0.0f, S, banded, banded);  // S = R W
       backend_.sym_product(1.0f, w, S, 0.0f, nullptr, 0.0f, R, banded, banded);  // R = W S
     }

@@ -575,14 +575,15 @@ class CpuBackend final : public Backend {
     check(!banded_in, "sym_product: banded operands (this backend never makes them)");
     check(A.rows == p && A.cols == p && B.rows == p && B.cols == p && C.cols == p, "sym_product shapes");
     const bool with_d = D && beta != 0.0f;
-    // Tiles of columns of A*B, one SYMM call each, which also add beta*D + gamma*I to their part
-    // of the lower triangle; then the upper triangle mirrored from it (rounding in A*B can break
-    // exact symmetry: the lower triangle is kept, as the GPU's symmetric kernels do).
+    // Tiles of columns of A*B^T, one GEMM call each (B need not be symmetric), which also add
+    // beta*D + gamma*I to their part of the lower triangle; then the upper triangle mirrored from
+    // it (rounding in A*B^T can break exact symmetry: the lower triangle is kept, as the GPU's
+    // symmetric kernels do).
     const int64_t cols = cpu::tile_rows(p, p * p), tiles = (p + cols - 1) / cols;
     auto tile = [&](F32Operand a, F32Operand bb, const F32Operand* d, float* t, int64_t ldt, int64_t i) {
       const int64_t c0 = i * cols, c1 = std::min(p, c0 + cols);
-      cblas_ssymm(CblasRowMajor, CblasLeft, CblasLower, p, c1 - c0, alpha, a.ptr, a.ld, bb.ptr + c0, bb.ld, 0.0f,
-                  t + c0, ldt);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, p, c1 - c0, p, alpha, a.ptr, a.ld, bb.ptr + c0 * bb.ld,
+                  bb.ld, 0.0f, t + c0, ldt);
       for (int64_t r = c0; r < p; ++r) {
         float* row = t + r * ldt;
         if (d)

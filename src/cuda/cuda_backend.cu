@@ -426,7 +426,7 @@ class CudaBackend final : public Backend {
     const int64_t tile = tile_for(p);
     if (has_d) launch_sym_prepare(*D, beta, gamma, C, tile, stream_);
     const float gemm_beta = has_d ? 1.0f : 0.0f;
-    // Row-major C = A·B, and B symmetric: A·B = A·Bᵀ, the "T,N" form of the tile schedule.
+    // Row-major C = A·Bᵀ (the backend's contract): the "T,N" form of the tile schedule.
     if (tile >= p) {
       cublas_gemm(handle_, false, true, alpha, A, B, gemm_beta, C);
       launch_mirror_lower(C, has_d ? 0.0f : gamma, true, stream_);

@@ -582,6 +582,30 @@ TEST(Orthogonalize, Fp16GramRestartKeepsIllConditionedInputsInBand) {
               ::testing::HasSubstr("Gram Newton-Schulz in float16"));
 }
 
+// fp16 Gram NS on spectra where its products' rounding weighs most: two clusters (half the singular
+// values 1e-2 of the rest) and rank-deficient inputs. Its largest singular value stays in the band
+// and near the standard iteration's (the whole R update after the restart, orthogonalize.cpp).
+TEST(Orthogonalize, Fp16GramStaysInBandOnClusteredAndRankDeficientSpectra) {
+  Rng rng(32);
+  for (auto [r, c] : {std::pair{64, 512}, std::pair{96, 384}}) {
+    std::vector<double> clusters(r, 1.0);
+    std::fill(clusters.begin() + r / 2, clusters.end(), 1e-2);
+    const std::pair<const char*, ref::Mat> inputs[] = {{"two clusters", t3::with_spectrum(r, c, clusters, rng)},
+                                                       {"rank p/2", t3::low_rank(r, c, r / 2, rng)},
+                                                       {"rank p/4", t3::low_rank(r, c, r / 4, rng)}};
+    for (const auto& [name, X] : inputs) {
+      const double gram =
+          t3::singular_values(lib_orth(config(OrthMethod::Gram, DType::F16), 1, r, c, X), r, c).front();
+      const double standard =
+          t3::singular_values(lib_orth(config(OrthMethod::Standard, DType::F16), 1, r, c, X), r, c).front();
+      std::printf("[ fp16 %s %dx%d ] largest singular value: gram %.4f, standard %.4f\n", name, r, c, gram,
+                  standard);
+      EXPECT_LE(gram, 1.2) << name << " " << r << "x" << c;
+      EXPECT_NEAR(gram, standard, 0.04) << name << " " << r << "x" << c;
+    }
+  }
+}
+
 // A finite rank-deficient input (the gradient of a batch of one) with coefficients that grow Q
 // past the bound between restarts: 'auto' iterates standard and stays finite, where Gram gave NaN.
 TEST(Orthogonalize, AutoStaysFiniteOnRankDeficientInputsWithLongCoefficientLists) {

@@ -55,14 +55,29 @@ ref::Mat random_orthogonal(int n, Rng& rng) {
 
 ref::Mat conditioned(int rows, int cols, double kappa, Rng& rng) {
   const int p = std::min(rows, cols);
+  std::vector<double> sigmas(p);
+  for (int s = 0; s < p; ++s) sigmas[s] = p == 1 ? 1.0 : std::pow(kappa, -static_cast<double>(s) / (p - 1));
+  return with_spectrum(rows, cols, sigmas, rng);
+}
+
+ref::Mat with_spectrum(int rows, int cols, const std::vector<double>& sigmas, Rng& rng) {
   const ref::Mat U = random_orthogonal(rows, rng), V = random_orthogonal(cols, rng);
   ref::Mat X(static_cast<size_t>(rows) * cols, 0.0);
-  for (int s = 0; s < p; ++s) {
-    const double sigma = p == 1 ? 1.0 : std::pow(kappa, -static_cast<double>(s) / (p - 1));
+  for (size_t s = 0; s < sigmas.size(); ++s)
     for (int i = 0; i < rows; ++i)
       for (int j = 0; j < cols; ++j)
-        X[static_cast<size_t>(i) * cols + j] += sigma * U[static_cast<size_t>(i) * rows + s] * V[static_cast<size_t>(s) * cols + j];
-  }
+        X[static_cast<size_t>(i) * cols + j] +=
+            sigmas[s] * U[static_cast<size_t>(i) * rows + s] * V[s * static_cast<size_t>(cols) + j];
+  return X;
+}
+
+ref::Mat low_rank(int rows, int cols, int rank, Rng& rng) {
+  const ref::Mat A = gaussian(rows, rank, rng), B = gaussian(rank, cols, rng);
+  ref::Mat X(static_cast<size_t>(rows) * cols, 0.0);
+  for (int i = 0; i < rows; ++i)
+    for (int k = 0; k < rank; ++k)
+      for (int j = 0; j < cols; ++j)
+        X[static_cast<size_t>(i) * cols + j] += A[static_cast<size_t>(i) * rank + k] * B[static_cast<size_t>(k) * cols + j];
   return X;
 }
 

@@ -34,6 +34,10 @@ class Rng {
 ref::Mat gaussian(int rows, int cols, Rng& rng, double scale = 1.0);
 // rows x cols with singular values log-spaced from 1 down to 1/kappa, random singular vectors.
 ref::Mat conditioned(int rows, int cols, double kappa, Rng& rng);
+// rows x cols with the given singular values (at most min(rows, cols)), random singular vectors.
+ref::Mat with_spectrum(int rows, int cols, const std::vector<double>& sigmas, Rng& rng);
+// A Gaussian rows x rank times a Gaussian rank x cols: rank-deficient where rank < min(rows, cols).
+ref::Mat low_rank(int rows, int cols, int rank, Rng& rng);
 // n x n orthogonal (Gram–Schmidt of a Gaussian matrix).
 ref::Mat random_orthogonal(int n, Rng& rng);
 

@@ -5,7 +5,9 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <random>
 #include <string>
 #include <utility>
@@ -15,6 +17,7 @@
 #include "cuda_test_util.hpp"
 #include "dion3/error.hpp"
 #include "dion3/orthogonalize.hpp"
+#include "test_util.hpp"
 
 namespace {
 
@@ -24,6 +27,28 @@ using dion3::OrthMethod;
 
 struct OrthCase { OrthMethod method; DType dt; int64_t batch, rows, cols, tile; };
 class Orth : public ct::CudaTest, public ::testing::WithParamInterface<OrthCase> {};
+
+// The largest singular value of a rows x cols matrix (power iteration on Yᵀ·Y).
+double largest_singular_value(const float* y, int64_t rows, int64_t cols) {
+  std::vector<double> x(cols, 1.0), t(rows);
+  double top = 0;
+  for (int it = 0; it < 100; ++it) {
+    for (int64_t i = 0; i < rows; ++i) {
+      t[i] = 0;
+      for (int64_t j = 0; j < cols; ++j) t[i] += y[i * cols + j] * x[j];
+    }
+    double n = 0;
+    for (int64_t j = 0; j < cols; ++j) {
+      x[j] = 0;
+      for (int64_t i = 0; i < rows; ++i) x[j] += y[i * cols + j] * t[i];
+      n += x[j] * x[j];
+    }
+    n = std::sqrt(n);
+    top = std::sqrt(n);  // |YᵀY x| for the unit x of the last round
+    for (double& e : x) e /= n;
+  }
+  return top;
+}
 
 // Largest |eigenvalue of O Oᵀ - 1| bound via Frobenius: a cheap proxy of the singular-value band.
 double max_row_gram_dev(const std::vector<float>& o, int64_t b, int64_t rows, int64_t cols) {
@@ -182,28 +207,47 @@ TEST_F(OrthLongSegments, GramJustUnderTheFloat16BoundStaysInBandOnRankOneInputs)
         for (int64_t i = 0; i < rows; ++i)
           for (int64_t j = 0; j < cols; ++j) s += us[m][i] * y[i * cols + j] * ws[m][j];
         s /= std::sqrt(nu * nw);
-        std::vector<double> x(cols, 1.0), t(rows);
-        double top = 0;
-        for (int it = 0; it < 100; ++it) {
-          for (int64_t i = 0; i < rows; ++i) {
-            t[i] = 0;
-            for (int64_t j = 0; j < cols; ++j) t[i] += y[i * cols + j] * x[j];
-          }
-          double n = 0;
-          for (int64_t j = 0; j < cols; ++j) {
-            x[j] = 0;
-            for (int64_t i = 0; i < rows; ++i) x[j] += y[i * cols + j] * t[i];
-            n += x[j] * x[j];
-          }
-          n = std::sqrt(n);
-          top = std::sqrt(n);  // |YᵀY x| for the unit x of the last round
-          for (double& e : x) e /= n;
-        }
+        const double top = largest_singular_value(y, rows, cols);
         const std::string at = std::to_string(rows) + "x" + std::to_string(cols) + " path " + std::to_string(path) +
                                ", matrix " + std::to_string(m);
         EXPECT_GT(s, 0.6) << at;
         EXPECT_LT(s, 1.3) << at;
         EXPECT_LT(top, 1.3) << at;
+      }
+    }
+  }
+  dion3::cuda::set_symmetric_options(*gpu, {});
+}
+
+// The default Gram iteration (float16, Polar Express, the restart at 2) on spectra where its
+// products' rounding weighs most: two clusters (half the singular values 1e-2 of the rest) and
+// rank-deficient inputs, on every symmetric path. Its largest singular value stays in the band,
+// as the standard iteration's does (the whole R update after the restart, orthogonalize.cpp).
+TEST_F(OrthLongSegments, DefaultGramStaysInBandOnClusteredAndRankDeficientSpectra) {
+  dion3::OrthConfig cfg;
+  cfg.method = OrthMethod::Gram;
+  ASSERT_EQ(dion3::choose_iteration_dtype(*gpu, cfg, OrthMethod::Gram), DType::F16);
+  const std::vector<dion3::cuda::SymmetricOptions> paths{{false, 0}, {true, 64, false}, {}};
+  for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{96, 384}, {320, 1024}}) {
+    t3::Rng rng(static_cast<uint64_t>(rows));
+    std::vector<double> clusters(rows, 1.0);
+    std::fill(clusters.begin() + rows / 2, clusters.end(), 1e-2);
+    const std::pair<const char*, std::vector<double>> inputs[] = {
+        {"two clusters", t3::with_spectrum(rows, cols, clusters, rng)},
+        {"rank p/2", t3::low_rank(rows, cols, rows / 2, rng)},
+        {"rank p/4", t3::low_rank(rows, cols, rows / 4, rng)}};
+    for (std::size_t path = 0; path < paths.size(); ++path) {
+      dion3::cuda::set_symmetric_options(*gpu, paths[path]);
+      for (const auto& [name, X] : inputs) {
+        Twin in(*gpu, DType::F32, 1, rows, cols), out(*gpu, DType::F32, 1, rows, cols);
+        in.set_host(std::vector<float>(X.begin(), X.end()));
+        in.upload();
+        dion3::Orthogonalizer o(*gpu, cfg, 1, rows, cols);
+        o.run(in.dview(), out.dview());
+        const double top = largest_singular_value(out.device_values().data(), rows, cols);
+        std::printf("[ default gram, %s %ldx%ld, path %zu ] largest singular value %.4f\n", name,
+                    static_cast<long>(rows), static_cast<long>(cols), path, top);
+        EXPECT_LE(top, 1.2) << name << " " << rows << "x" << cols << " path " << path;
       }
     }
   }
