@@ -17,7 +17,8 @@ namespace dion3 {
 // FLOPs of standard NS on a batch of p x q (p <= q) inputs, the "effective" convention of algorithm.md §2:
 // T*(4p^2 q + 2p^3) per matrix, no symmetry savings.
 DION3_API double effective_ns_flops(int64_t batch, int64_t rows, int64_t cols, int steps);
-// FLOPs a method really performs (full GEMMs; symmetric products scaled by `sym_factor`).
+// FLOPs a method really performs (full GEMMs; symmetric products scaled by `sym_factor`; Gram's
+// R update after each restart, which forms one of its products whole, counted as if each has one).
 DION3_API double standard_ns_flops(int64_t batch, int64_t p, int64_t q, int steps, double sym_factor);
 DION3_API double gram_ns_flops(int64_t batch, int64_t p, int64_t q, int steps, int n_restarts, double sym_factor);
 // The method `auto` resolves to for p x q (p <= q) on this backend (always standard when p == q,
