@@ -28,6 +28,34 @@ bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.
 // before a restart may push X past norm 1). That error, carried on, leaves the polynomial's band.
 bool whole_update(const OrthConfig& cfg, int t) { return t > 0 && contains(cfg.restarts, t); }
 
+// What Gram NS runs per matrix: restarts that take effect, R updates (as many Q·W products), and
+// the updates formed whole.
+struct GramCounts {
+  int restarts, updates, whole;
+};
+GramCounts gram_counts(const OrthConfig& cfg) {
+  const int steps = static_cast<int>(cfg.coefficients.size());
+  GramCounts n{0, 0, 0};
+  for (int t = 0; t < steps; ++t) {
+    n.restarts += t > 0 && contains(cfg.restarts, t);
+    if (t < steps - 1 && !contains(cfg.restarts, t + 1)) {
+      ++n.updates;
+      n.whole += whole_update(cfg, t);
+    }
+  }
+  return n;
+}
+double gram_flops(int64_t batch, int64_t p, int64_t q, int steps, GramCounts n, double sym) {
+  const double P = static_cast<double>(p), Q = static_cast<double>(q);
+  const double sq = 2 * P * P * P * sym;
+  double f = 2 * P * P * Q * sym + 2 * P * P * Q;          // first Gram, final Q X
+  f += n.restarts * (2 * P * P * Q + 2 * P * P * Q * sym);  // X = Q X, R = X X^T
+  f += steps * sq;                                         // W
+  f += n.updates * sq;                                     // Q = Q W
+  f += (n.updates - n.whole) * 2 * sq + n.whole * (2 * P * P * P + sq);  // R updates
+  return static_cast<double>(batch) * f;
+}
+
 // What a (rows, cols) problem resolves to with this config on this backend: the method, the
 // iteration dtype, and p x q, the shape it iterates on (p <= q, except below).
 struct Plan {
@@ -68,16 +96,8 @@ double standard_ns_flops(int64_t batch, int64_t p, int64_t q, int steps, double 
 }
 
 double gram_ns_flops(int64_t batch, int64_t p, int64_t q, int steps, int n_restarts, double sym) {
-  const double P = static_cast<double>(p), Q = static_cast<double>(q);
-  const double sq = 2 * P * P * P * sym;
-  double f = 2 * P * P * Q * sym + 2 * P * P * Q;           // first Gram, final Q X
-  f += n_restarts * (2 * P * P * Q + 2 * P * P * Q * sym);  // X = Q X, R = X X^T
-  f += steps * sq;                                          // Z
   const int updates = std::max(0, steps - 1 - n_restarts);
-  const int whole = std::min(n_restarts, updates);          // counted as if each restart has one
-  f += updates * sq;                                        // Q = Q Z + a Q
-  f += (updates - whole) * 2 * sq + whole * (2 * P * P * P + sq);  // R updates (whole_update)
-  return static_cast<double>(batch) * f;
+  return gram_flops(batch, p, q, steps, {n_restarts, updates, std::min(n_restarts, updates)}, sym);
 }
 
 DType choose_iteration_dtype(const Backend& backend, const OrthConfig& cfg, OrthMethod method) {
@@ -94,10 +114,8 @@ OrthMethod choose_orth_method(const Backend& backend, const OrthConfig& cfg, int
   const DType gram_dtype = choose_iteration_dtype(backend, cfg, OrthMethod::Gram);
   if (gram_dtype == DType::BF16 || cfg.gram_diverges(gram_dtype)) return OrthMethod::Standard;
   const int steps = static_cast<int>(cfg.coefficients.size());
-  int n_restarts = 0;
-  for (int r : cfg.restarts) n_restarts += (r > 0);
   const double sym = backend.symmetric_cost_factor();
-  return gram_ns_flops(1, p, q, steps, n_restarts, sym) < standard_ns_flops(1, p, q, steps, sym)
+  return gram_flops(1, p, q, steps, gram_counts(cfg), sym) < standard_ns_flops(1, p, q, steps, sym)
              ? OrthMethod::Gram
              : OrthMethod::Standard;
 }

@@ -582,6 +582,40 @@ TEST(Orthogonalize, Fp16GramRestartKeepsIllConditionedInputsInBand) {
               ::testing::HasSubstr("Gram Newton-Schulz in float16"));
 }
 
+// The CPU backend's symmetric product with a general B (Gram's update after a restart passes
+// B = W·R): alpha·A·Bᵀ + beta·D + gamma·I from the lower triangle, mirrored, against float64; one
+// column tile and several, with D separate and D aliasing C.
+TEST(Orthogonalize, CpuSymProductWithAGeneralBIsABTransposed) {
+  auto be = dion3::make_cpu_backend();
+  Rng rng(33);
+  for (int p : {50, 300}) {
+    const ref::Mat S = t3::gaussian(p, p, rng), B = t3::gaussian(p, p, rng), D0 = t3::gaussian(p, p, rng);
+    ref::Mat A(static_cast<std::size_t>(p) * p), D(D0);
+    for (int i = 0; i < p; ++i)
+      for (int j = 0; j < p; ++j) {
+        A[static_cast<std::size_t>(i) * p + j] = S[static_cast<std::size_t>(i) * p + j] + S[static_cast<std::size_t>(j) * p + i];
+        D[static_cast<std::size_t>(i) * p + j] = D0[static_cast<std::size_t>(i) * p + j] + D0[static_cast<std::size_t>(j) * p + i];
+      }
+    const double alpha = 0.5, beta = -1.25, gamma = 2.0;
+    ref::Mat want(static_cast<std::size_t>(p) * p);
+    for (int i = 0; i < p; ++i)
+      for (int j = 0; j <= i; ++j) {
+        double v = beta * D[static_cast<std::size_t>(i) * p + j] + (i == j ? gamma : 0.0);
+        for (int k = 0; k < p; ++k) v += alpha * A[static_cast<std::size_t>(i) * p + k] * B[static_cast<std::size_t>(j) * p + k];
+        want[static_cast<std::size_t>(i) * p + j] = want[static_cast<std::size_t>(j) * p + i] = v;
+      }
+    for (bool aliased : {false, true}) {
+      t3::Buffer a(DType::F32, {1, p, p}, A), bb(DType::F32, {1, p, p}, B), d(DType::F32, {1, p, p}, D),
+          out(DType::F32, {1, p, p});
+      t3::Buffer& c = aliased ? d : out;
+      const dion3::MatrixView dv = d.matrix(1, p, p);
+      be->sym_product(static_cast<float>(alpha), a.matrix(1, p, p), bb.matrix(1, p, p), static_cast<float>(beta), &dv,
+                      static_cast<float>(gamma), c.matrix(1, p, p), false, false);
+      EXPECT_LT(t3::rel_max_diff(c.values(), want), 1e-5) << "p " << p << (aliased ? ", C aliasing D" : "");
+    }
+  }
+}
+
 // fp16 Gram NS on spectra where its products' rounding weighs most: two clusters (half the singular
 // values 1e-2 of the rest) and rank-deficient inputs. Its largest singular value stays in the band
 // and near the standard iteration's (the whole R update after the restart, orthogonalize.cpp).

@@ -724,6 +724,15 @@ TEST_P(Symmetric, GramAndSymProductMatchCpu) {
   cpu->sym_product(0.5f, R.hview(), Z.hview(), 0.25f, &Qh, 1.0f, Q.hview(), false, false);
   gpu->sym_product(0.5f, R.dview(), Z.dview(), 0.25f, &Qdv, 1.0f, Q.dview(), false, false);
   EXPECT_LE(ct::rel_max_diff(Q.device_values(), Q.host_values()), 2 * tol);
+  // A general B: the product is A·Bᵀ on both backends (Gram's update after a restart passes
+  // B = W·R for W·R·W), its lower triangle mirrored.
+  Twin G(*gpu, c.dt, b, c.p, c.p), S(*gpu, c.dt, b, c.p, c.p);
+  G.fill_normal(rng, 1.0f / std::sqrt(static_cast<float>(c.p)));
+  cpu->sym_product(1.0f, Z.hview(), G.hview(), 0.0f, nullptr, 0.0f, S.hview(), false, false);
+  gpu->sym_product(1.0f, Z.dview(), G.dview(), 0.0f, nullptr, 0.0f, S.dview(), false, false);
+  const auto Sd = S.device_values();
+  EXPECT_LE(ct::rel_max_diff(Sd, S.host_values()), 2 * tol);
+  EXPECT_TRUE(exactly_symmetric(Sd, b, c.p));
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, Symmetric,
