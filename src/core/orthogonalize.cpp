@@ -22,11 +22,17 @@ int wides_of(OrthMethod m, int64_t p, int64_t q) { return m == OrthMethod::Stand
 
 bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
 
-// Gram NS's R update at step t forms W·R whole (a gemm) where R was just rebuilt at a restart.
+// Whether Gram NS's step t forms R for the next step: not the last step, nor one before a restart
+// (which rebuilds R from X = Q X, so Q goes to that gemm instead).
+bool r_update(const OrthConfig& cfg, int t) {
+  return t + 1 < static_cast<int>(cfg.coefficients.size()) && !contains(cfg.restarts, t + 1);
+}
+
+// Whether that update forms W·R whole (a gemm): where R was just rebuilt at a restart.
 // Rounded, R and W = q(R) do not commute exactly, so R·W is not symmetric: its mirrored lower
 // triangle is off by their commutator, of order u·|R|·|W|, and |R| is largest there (the steps
 // before a restart may push X past norm 1). That error, carried on, leaves the polynomial's band.
-bool whole_update(const OrthConfig& cfg, int t) { return t > 0 && contains(cfg.restarts, t); }
+bool whole_update(const OrthConfig& cfg, int t) { return t > 0 && contains(cfg.restarts, t) && r_update(cfg, t); }
 
 // What Gram NS runs per matrix: restarts that take effect, R updates (as many Q·W products), and
 // the updates formed whole.
@@ -38,10 +44,8 @@ GramCounts gram_counts(const OrthConfig& cfg) {
   GramCounts n{0, 0, 0};
   for (int t = 0; t < steps; ++t) {
     n.restarts += t > 0 && contains(cfg.restarts, t);
-    if (t < steps - 1 && !contains(cfg.restarts, t + 1)) {
-      ++n.updates;
-      n.whole += whole_update(cfg, t);
-    }
+    n.updates += r_update(cfg, t);
+    n.whole += whole_update(cfg, t);
   }
   return n;
 }
@@ -249,21 +253,20 @@ MatrixView Orthogonalizer::gram(MatrixView X) {
     const float b = static_cast<float>(cfg_.coefficients[t][1]);
     const float c = static_cast<float>(cfg_.coefficients[t][2]);
     const bool restart = contains(cfg_.restarts, t);
-    const bool update = t < steps - 1 && !contains(cfg_.restarts, t + 1);  // R for the next step
-    const bool whole = update && whole_update(cfg_, t);  // that update's R and W read by a gemm
+    const bool update = r_update(cfg_, t);     // else Q goes to a gemm next (X = Q X)
+    const bool whole = whole_update(cfg_, t);  // that update's R and W read by a gemm
     if (restart && t > 0) {  // X = Q X; R = X X^T; Q = I
       backend_.gemm(false, false, 1.0f, Q, X, 0.0f, X2);
       std::swap(X.data, X2.data);
       backend_.gram(X, R, banded && !whole);
     }
-    const bool q_to_gemm = t == steps - 1 || contains(cfg_.restarts, t + 1);
     const bool w_is_q = t == 0 || restart;
     // W = b R + c R^2 + a I. A whole symmetric matrix also reads as banded (its lower band is there).
-    backend_.sym_product(c, R, R, b, &R, a, W, banded, banded && !whole && !(w_is_q && q_to_gemm));
+    backend_.sym_product(c, R, R, b, &R, a, W, banded, banded && !whole && !(w_is_q && !update));
     if (w_is_q) {
       std::swap(Q.data, W.data);  // Q = W (no copy: W's buffer becomes Q's)
     } else {
-      backend_.sym_product(1.0f, Q, W, 0.0f, nullptr, 0.0f, S, banded, banded && !q_to_gemm);  // Q = Q W
+      backend_.sym_product(1.0f, Q, W, 0.0f, nullptr, 0.0f, S, banded, banded && update);  // Q = Q W
       std::swap(Q.data, S.data);
     }
     if (!update) continue;
