@@ -586,11 +586,13 @@ TEST_P(Conversions, NormalizeConvertTranspose) {
   const ConvCase c = GetParam();
   std::mt19937_64 rng(21);
   // Widths that are not whole 16-byte packs (element-wise transposes), whole packs that are not
-  // whole 64 x 64 tiles (the 16-byte path and its edge tiles), and rows of in in whole packs
-  // while those of its transpose are not (element-wise again).
-  // Each shape with another norm guard: the reference's, a floor above the norm, a large eps added.
+  // whole 64 x 64 tiles (the 16-byte path and its edge tiles), several tiles of 128 either way
+  // with edges, and rows of in in whole packs while those of its transpose are not (element-wise
+  // again). Each shape with another norm guard: the reference's, a floor above the norm, a large
+  // eps added.
   for (auto [nb, rows, cols, norm] : {std::tuple{3, 45, 77, dion3::NormGuard{}},
                                       std::tuple{2, 72, 136, dion3::NormGuard{1000.0f, true}},
+                                      std::tuple{2, 200, 264, dion3::NormGuard{}},
                                       std::tuple{2, 45, 136, dion3::NormGuard{100.0f, false}}}) {
     SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols));
     Twin x(*gpu, c.in, nb, rows, cols);
