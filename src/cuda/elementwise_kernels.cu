@@ -4,8 +4,6 @@
 // Lion, and the helpers of the symmetric products (scaled-add prologue, mirror of the lower
 // triangle with a diagonal shift).
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -196,32 +194,28 @@ __device__ __forceinline__ uint16_t bits16(T x) {
   return u;
 }
 
-// The pack kernel's tile: rows of 4-float groups (16 bytes), group g of row r stored at position
-// g ^ (r / 8 % 8) ^ (g / 8 % 2). Then the 16-byte group stores of eight lanes along a row, and
-// the element reads of a warp down eight rows (8 rows apart) of four columns, each hit 32
-// distinct banks.
+// The pack kernel's tile: 64 rows of sixteen 4-float groups (16 bytes), group g of row r stored
+// at position g ^ (r / 8 % 8) ^ (g / 8). Then the 16-byte group stores of eight lanes along a
+// row, and the element reads of a warp down eight rows (8 rows apart) of four columns, each hit
+// 32 distinct banks.
 __device__ __forceinline__ int swizzled_group(int r, int g) { return g ^ ((r >> 3) & 7) ^ ((g >> 3) & 1); }
 
-// A kR x kC tile (rows x columns of in) in dynamic shared memory.
-template <class TI, class TO, int kR, int kC>
+template <class TI, class TO>
 __global__ void __launch_bounds__(kTransposeThreads)
     transpose_pack_kernel(const TI* __restrict__ in, int64_t rows, int64_t cols, int64_t ld, int64_t bstride,
                           TO* __restrict__ out, int64_t ldo, int64_t bstride_o, const float* __restrict__ partial,
                           int nparts, NormGuard norm) {
   static_assert(sizeof(TO) == 2, "out packs of eight 2-byte elements");
   constexpr int VI = 16 / sizeof(TI), VO = 8;
-  constexpr int kInPacks = kC / VI;  // packs along a tile row of in
-  static_assert(kInPacks <= 32 && 32 % kInPacks == 0 && kR % 64 == 0 && kC % 32 == 0, "tile shape");
-  static_assert(sizeof(float) * kR * kC <= 48 * 1024, "within the default dynamic shared memory");
-  constexpr int kLoads = kR * kInPacks / kTransposeThreads, kStores = kC * kR / VO / kTransposeThreads;
-  extern __shared__ __align__(16) float tile_mem[];
-  auto tile = reinterpret_cast<float(*)[kC]>(tile_mem);
+  constexpr int kInPacks = kTT / VI;                // packs along a tile row of in
+  constexpr int kLoads = kTT * kInPacks / kTransposeThreads, kStores = kTT * kTT / VO / kTransposeThreads;
+  __shared__ __align__(16) float tile[kTT][kTT];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t b = blockIdx.z;
-  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kR, c0 = static_cast<int64_t>(blockIdx.x) * kC;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTT, c0 = static_cast<int64_t>(blockIdx.x) * kTT;
   const TI* ib = in + b * bstride;
   TO* ob = out + b * bstride_o;
-  // Load step u: a warp reads 32 / kInPacks whole tile rows (kC elements each).
+  // Load step u: a warp reads 32 / kInPacks whole tile rows (128 or 256 bytes each).
   auto load_at = [&](int u, int& r, int& c) {
     r = (u * kTransposeWarps + warp) * (32 / kInPacks) + lane / kInPacks;
     c = (lane % kInPacks) * VI;
@@ -251,12 +245,10 @@ __global__ void __launch_bounds__(kTransposeThreads)
     }
   }
   __syncthreads();
-  // Store step u: out rows c .. c + 3 (tile columns), eight lanes along 64 of each (128 bytes);
-  // a warp's next steps take the next 64 of the same rows.
-  constexpr int kHalves = kR / 64;
+  // Store step u: out rows c .. c + 3 (tile columns), eight lanes along each: 128 bytes.
 #pragma unroll
   for (int u = 0; u < kStores; ++u) {
-    const int c = ((u / kHalves) * kTransposeWarps + warp) * 4 + lane / 8, r = (u % kHalves) * 64 + (lane % 8) * VO;
+    const int c = (u * kTransposeWarps + warp) * 4 + lane / 8, r = (lane % 8) * VO;
     if (c0 + c >= cols || r0 + r >= rows) continue;
     // Words packed by hand and stored by __stwb: one 16-byte store (a plain assignment of a pack
     // of 2-byte elements may be split into narrower stores).
@@ -481,44 +473,19 @@ unsigned grid_for(int64_t n, int threads, unsigned cap = 4096) {
   return std::max(1u, std::min<unsigned>(ceil_div_u(n, threads * 4), cap));
 }
 
+// The pack kernel where it applies (packs: both views allow it), else the element-wise one.
+template <class TI, class TO>
+auto transpose_kernel_for(bool packs) {
+  if constexpr (sizeof(TO) == 2)
+    if (packs) return transpose_pack_kernel<TI, TO>;
+  return transpose_kernel<TI, TO>;
+}
+
 // Whether every row of v starts on a 16-byte boundary and holds whole 16-byte packs.
 bool rows_in_packs(const MatrixView& v) {
   const int64_t pack = 16 / static_cast<int64_t>(dtype_size(v.dtype));
   return reinterpret_cast<std::uintptr_t>(v.data) % 16 == 0 && v.cols % pack == 0 && v.ld % pack == 0 &&
          (v.batch == 1 || v.batch_stride % pack == 0);
-}
-
-// The pack kernel's tile (rows x columns of in). An experiment's knob for now: the pass bench
-// times the shapes side by side (DION3_TRANSPOSE_TILE=RxC: 64x64, 128x64 or 64x128).
-struct PackTile {
-  int r, c;
-};
-PackTile pack_tile() {
-  static const PackTile t = [] {
-    PackTile v{64, 64};
-    if (const char* e = std::getenv("DION3_TRANSPOSE_TILE")) std::sscanf(e, "%dx%d", &v.r, &v.c);
-    return v;
-  }();
-  return t;
-}
-
-// Which transpose kernel runs, over which tiles: the pack kernel where both views allow it, else
-// the element-wise one.
-template <class TI, class TO>
-struct TransposeLaunch {
-  decltype(&transpose_kernel<TI, TO>) kernel;
-  int tr, tc;
-  std::size_t smem;
-};
-template <class TI, class TO>
-TransposeLaunch<TI, TO> transpose_launch(bool packs) {
-  if constexpr (sizeof(TO) == 2) {
-    const PackTile t = pack_tile();
-    if (packs && t.r == 128) return {transpose_pack_kernel<TI, TO, 128, 64>, 128, 64, sizeof(float) * 128 * 64};
-    if (packs && t.c == 128) return {transpose_pack_kernel<TI, TO, 64, 128>, 64, 128, sizeof(float) * 64 * 128};
-    if (packs) return {transpose_pack_kernel<TI, TO, 64, 64>, 64, 64, sizeof(float) * 64 * 64};
-  }
-  return {transpose_kernel<TI, TO>, kTT, kTT, 0};
 }
 
 // out = in^T, scaled by matrix b's inverse norm from `partial` where given (see transpose_kernel).
@@ -528,19 +495,19 @@ void transpose_scaled(const MatrixView& in, const MatrixView& out, const float* 
   if (in.rows > 65535LL * kTT || in.batch > 65535)
     fail("transpose: at most " + std::to_string(65535LL * kTT) + " rows and 65535 matrices, got " +
          std::to_string(in.batch) + " of " + std::to_string(in.rows) + "x" + std::to_string(in.cols));
+  const dim3 grid(ceil_div_u(in.cols, kTT), ceil_div_u(in.rows, kTT), static_cast<unsigned>(in.batch));
   const bool packs = rows_in_packs(in) && rows_in_packs(out) && dtype_size(out.dtype) == 2;
   DION3_DISPATCH_FLOAT(in.dtype, TI, [&] {
     DION3_DISPATCH_FLOAT(out.dtype, TO, [&] {
-      const auto l = transpose_launch<TI, TO>(packs);
-      const dim3 grid(ceil_div_u(in.cols, l.tc), ceil_div_u(in.rows, l.tr), static_cast<unsigned>(in.batch));
+      auto kernel = transpose_kernel_for<TI, TO>(packs);
       const auto* i = static_cast<const TI*>(in.data);
       auto* o = static_cast<TO*>(out.data);
       if (partial)
-        launch_pdl(l.kernel, grid, kTransposeThreads, l.smem, s, i, in.rows, in.cols, in.ld, bstride_of(in), o,
-                   out.ld, bstride_of(out), partial, nparts, norm);
+        launch_pdl(kernel, grid, kTransposeThreads, 0, s, i, in.rows, in.cols, in.ld, bstride_of(in), o, out.ld,
+                   bstride_of(out), partial, nparts, norm);
       else  // the previous kernel may be the one that writes in
-        l.kernel<<<grid, kTransposeThreads, l.smem, s>>>(i, in.rows, in.cols, in.ld, bstride_of(in), o, out.ld,
-                                                         bstride_of(out), partial, nparts, norm);
+        kernel<<<grid, kTransposeThreads, 0, s>>>(i, in.rows, in.cols, in.ld, bstride_of(in), o, out.ld,
+                                                  bstride_of(out), partial, nparts, norm);
     });
   });
   DION3_CUDA_LAUNCH_CHECK();
