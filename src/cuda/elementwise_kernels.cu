@@ -272,26 +272,13 @@ __global__ void convert_kernel(const TI* __restrict__ in, int64_t rows, int64_t 
   }
 }
 
-// One parameter's AdamW scalars, resolved (live hyperparameters, the device step counter) and
-// bias-corrected by the CPU backend's rule.
-struct AdamWCoef {
-  float lr, beta1, beta2, epsilon, decay, bc1, sqrt_bc2;
-  __device__ static AdamWCoef of(const AdamWParams& given) {
-    const AdamWParams h = given.resolved();
-    const double tt = adamw_step_number(h, *h.applied_steps);
-    return {h.lr,
-            h.beta1,
-            h.beta2,
-            h.epsilon,
-            1.0f - h.lr * h.weight_decay,
-            AdamWRule::bias_correction1(h.beta1, tt),
-            AdamWRule::sqrt_bias_correction2(h.beta2, tt)};
-  }
-  // The CPU backend's rules (unrounded moments).
-  __device__ __forceinline__ void apply(float& w, float g, float& m, float& v) const {
-    m = AdamWRule::exp_avg(m, g, beta1);
-    v = AdamWRule::exp_avg_sq(v, g, beta2);
-    w = AdamWRule::weight(w, m, v, lr, decay, epsilon, bc1, sqrt_bc2);
+struct AdamWElem {
+  // The CPU backend's rules (unrounded moments, bias-corrected).
+  __device__ __forceinline__ static void apply(float& w, float g, float& m, float& v, const AdamWParams& h,
+                                               float decay, float bc1, float sqrt_bc2) {
+    m = AdamWRule::exp_avg(m, g, h.beta1);
+    v = AdamWRule::exp_avg_sq(v, g, h.beta2);
+    w = AdamWRule::weight(w, m, v, h.lr, decay, h.epsilon, bc1, sqrt_bc2);
   }
 };
 
@@ -331,18 +318,16 @@ __global__ void adamw_kernel(const __grid_constant__ MultiTensor<AdamWParams> t,
   pdl_wait();
   if (skipped(skip)) return;
   const auto [w, g, m, v, n, given] = entry<TW, TG, TS>(t, blockIdx.y);
-  const bool vec = t.vec[blockIdx.y];
+  const AdamWParams h = given.resolved();
   const int64_t start = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  // Blocks past a smaller parameter's end leave before the block-wide wait below.
-  if (blockIdx.x * static_cast<int64_t>(blockDim.x) * (vec ? 4 : 1) >= n) return;
-  // The scalars once per block: the bias correction's double-precision powers would otherwise
-  // cost each thread more than its few elements' loads.
-  __shared__ AdamWCoef s_coef;
-  if (threadIdx.x == 0) s_coef = AdamWCoef::of(given);
-  __syncthreads();
-  const AdamWCoef k = s_coef;
-  if (vec) {
+  if (start >= n) return;  // blocks past a smaller parameter's end
+  const float decay = 1.0f - h.lr * h.weight_decay;
+  // Bias correction from the device step counter, by the CPU backend's rule.
+  const double tt = adamw_step_number(h, *h.applied_steps);
+  const float bc1 = AdamWRule::bias_correction1(h.beta1, tt);
+  const float sqrt_bc2 = AdamWRule::sqrt_bias_correction2(h.beta2, tt);
+  if (t.vec[blockIdx.y]) {
     for (int64_t q = start; 4 * q < n; q += stride) {
       Pack4<TW> wp = reinterpret_cast<const Pack4<TW>*>(w)[q];
       const Pack4<TG> gp = reinterpret_cast<const Pack4<TG>*>(g)[q];
@@ -351,7 +336,7 @@ __global__ void adamw_kernel(const __grid_constant__ MultiTensor<AdamWParams> t,
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float wv = to_f32(wp.v[e]), mv = to_f32(mp.v[e]), vv = to_f32(vp.v[e]);
-        k.apply(wv, to_f32(gp.v[e]), mv, vv);
+        AdamWElem::apply(wv, to_f32(gp.v[e]), mv, vv, h, decay, bc1, sqrt_bc2);
         wp.v[e] = from_f32<TW>(wv);
         mp.v[e] = from_f32<TS>(mv);
         vp.v[e] = from_f32<TS>(vv);
@@ -364,7 +349,7 @@ __global__ void adamw_kernel(const __grid_constant__ MultiTensor<AdamWParams> t,
   }
   for (int64_t e = start; e < n; e += stride) {
     float wv = to_f32(w[e]), mv = to_f32(m[e]), vv = to_f32(v[e]);
-    k.apply(wv, to_f32(g[e]), mv, vv);
+    AdamWElem::apply(wv, to_f32(g[e]), mv, vv, h, decay, bc1, sqrt_bc2);
     m[e] = from_f32<TS>(mv);
     v[e] = from_f32<TS>(vv);
     w[e] = from_f32<TW>(wv);
