@@ -105,6 +105,9 @@ struct ElementwiseParam {
   MatrixView grad;
   MatrixView exp_avg;
   MatrixView exp_avg_sq;  // AdamW only
+  // AdamW only, optional: two floats in device memory that each applied step raises to at least
+  // the largest |exp_avg| and the largest exp_avg_sq it stores (StepCheck::state_bound).
+  float* state_bound = nullptr;
 };
 
 struct AdamWParams {
@@ -195,10 +198,11 @@ struct StepCheck {
   MatrixView state2;  // AdamW's exp_avg_sq
   Hyper a = 0.0f, b = 0.0f;
   Hyper c = 1.0f;  // Momentum rule: the gradient's coefficient (1 - mu for an averaged momentum)
-  // Momentum rule only, optional: one float in device memory that, when > 0, is at least the
-  // largest |state| element (the optimizer keeps one per matrix between steps). Where a gradient
-  // element is small enough against it that no state value so bounded could overflow, the state
-  // element is not read. 0, NaN, Inf or a null pointer: unknown, the state is read.
+  // Optional, in device memory. Momentum rule: one float that, when > 0, is at least the largest
+  // |state| element (the optimizer keeps one per matrix between steps). AdamW rule: two, bounds
+  // on |state| and on state2 (ElementwiseParam::state_bound), and a state2 that is >= 0. Where a
+  // gradient element is small enough against them that no state so bounded could overflow, the
+  // state is not read. 0, NaN, Inf or a null pointer: unknown, the state is read.
   const float* state_bound = nullptr;
 };
 
@@ -219,6 +223,24 @@ DION3_HOST_DEVICE inline float momentum_gradient_limit(float bound, float a, flo
   if (!(bound > 0.0f)) return -1.0f;
   const float fa = a < 0.0f ? -a : a, fb = b < 0.0f ? -b : b;
   return (0.25f * limit - fa * (fb > 1.0f ? fb : 1.0f) * bound) / (1.0f + fb);
+}
+
+// The AdamW rule's counterpart (StepCheck::state_bound, two floats): a |g| up to which the new
+// exp_avg (m + (1 - beta1)*(g - m), |m| <= bounds[0]) and exp_avg_sq (beta2*v + (1 - beta2)*g*g,
+// 0 <= v <= bounds[1]) stay within a quarter of `limit`, and exp_avg_sq >= 0 (0 <= beta2 <= 1).
+// At most a quarter of `limit`; negative when a bound is unknown or too large, or beta2 is
+// outside [0, 1].
+DION3_HOST_DEVICE inline float adamw_gradient_limit(const float* bounds, float beta1, float beta2, float limit) {
+  const float bm = bounds[0], bv = bounds[1], room = 0.25f * limit;
+  if (!(bm > 0.0f) || !(bv > 0.0f) || !(beta2 >= 0.0f && beta2 <= 1.0f)) return -1.0f;
+  const float f1 = beta1 > 1.0f ? beta1 - 1.0f : 1.0f - beta1;  // |1 - beta1|
+  const float lm = f1 > 0.0f ? (room - (1.0f + f1) * bm) / f1 : (bm <= room ? room : -1.0f);
+  const float rv = room - beta2 * bv, f2 = 1.0f - beta2;
+  // sqrt(rv) / sqrt(f2), not sqrt(rv / f2): the quotient may overflow where the limit does not.
+  const float lv = !(rv >= 0.0f) ? -1.0f : f2 > 0.0f ? sqrtf(rv) / sqrtf(f2) : room;
+  if (!(lm >= 0.0f) || !(lv >= 0.0f)) return -1.0f;
+  const float l = lm < lv ? lm : lv;
+  return l < room ? l : room;  // finite (lm or lv overflow where they exceed it): an Inf gradient is read
 }
 
 // The element-wise rules of AdamW and Lion, shared by every backend and by check_step so that

@@ -32,9 +32,10 @@ struct Param {
   // Steps applied to this parameter = optimizer's applied steps - step_offset (AdamW's t).
   int64_t step_offset = 0;
   ParamLayout layout;  // RowShard: rows is this rank's shard, layout.global_rows the matrix's
-  // Its momentum's bound for the non-finite check (Megabatch::bounds) when the whole parameter is
-  // one member of a megabatch that keeps bounds; null otherwise (the check reads the momentum).
-  const float* state_bound = nullptr;
+  // Its state's bound for the non-finite check (StepCheck::state_bound): the momentum's
+  // (Megabatch::bounds) when the whole parameter is one member of a megabatch that keeps bounds;
+  // an AdamW parameter's two (Impl::adamw_bounds); null otherwise (the check reads the state).
+  float* state_bound = nullptr;
   // No gradient this step (Optimizer::clear_grad): the step reads and writes zeros in its place
   // (Impl::zeros), so the plan stays and the parameter and its state are left as they are.
   bool absent = false;
@@ -219,6 +220,9 @@ struct Optimizer::Impl {
   int agreement_posted_words = 0;
   bool agreement_pending = false;
   DeviceBuffer arena;  // workspace shared by all chunks (their work is ordered on one stream)
+  // Two floats per AdamW parameter (ElementwiseParam::state_bound): raised by every applied step,
+  // zero (unknown) after planning and whenever the state may have been written otherwise.
+  DeviceBuffer adamw_bounds;
   DeviceBuffer counters;  // int64 [steps applied, steps dropped], on the device
   std::unique_ptr<HostCopy> posted;  // counters on their way to the host after a step
   // The structural settings (algorithm, flatten, momentum_dtype) each group had when its first

@@ -887,6 +887,16 @@ void Optimizer::Impl::build_plan() {
     for (std::size_t i = 0; i < mb.members.size(); ++i)
       if (mb.bounds.get() != nullptr && members_of[mb.members[i].param] == 1)
         params[mb.members[i].param].state_bound = mb.bounds.as<float>() + i;
+  // AdamW parameters' bounds, two floats each.
+  std::vector<Param*> adamw;
+  for (Param& p : params)
+    if (groups[p.group].algorithm == Algorithm::AdamW) adamw.push_back(&p);
+  adamw_bounds = DeviceBuffer();
+  if (!adamw.empty()) {
+    adamw_bounds = DeviceBuffer(alloc, adamw.size() * 2 * sizeof(float));
+    backend->fill_zero(adamw_bounds.get(), adamw_bounds.bytes());
+    for (std::size_t i = 0; i < adamw.size(); ++i) adamw[i]->state_bound = adamw_bounds.as<float>() + 2 * i;
+  }
   // Orthogonalizers are planned on the arena (Chunk::orth_offset).
   for (Megabatch& mb : megabatches) {
     const GroupConfig& g = groups[mb.group];
@@ -2140,6 +2150,7 @@ void Optimizer::Impl::build_lists() {
     const float b1 = static_cast<float>(g.betas[0]), b2 = static_cast<float>(g.betas[1]);
     if (g.algorithm == Algorithm::AdamW) {
       e.exp_avg_sq = flat_of(p.state[1].second);
+      e.state_bound = p.state_bound;
       l.adamw_ps.push_back(e);
       l.adamw_hs.push_back({lr, b1, b2, wd, static_cast<float>(g.epsilon), counters.as<int64_t>(), p.step_offset,
                             group_hyper(p.group, kLr).at});
@@ -2162,6 +2173,7 @@ bool Optimizer::Impl::keeps_state_bounds(const Megabatch& mb) const {
 void Optimizer::Impl::forget_state_bounds() {
   for (Megabatch& mb : megabatches)
     if (mb.bounds.get() != nullptr) backend->fill_zero(mb.bounds.get(), mb.bounds.bytes());
+  if (adamw_bounds.get() != nullptr) backend->fill_zero(adamw_bounds.get(), adamw_bounds.bytes());
 }
 
 StepCheck Optimizer::Impl::step_check(const Param& p) const {
@@ -2184,6 +2196,7 @@ StepCheck Optimizer::Impl::step_check(const Param& p) const {
     case Algorithm::AdamW:
       c.rule = StepCheck::AdamW;
       c.state2 = flat_of(p.state[1].second);
+      c.state_bound = p.state_bound;
       c.a = group_hyper(p.group, kBeta1);
       c.b = group_hyper(p.group, kBeta2);
       break;

@@ -24,6 +24,26 @@
 namespace dion3 {
 namespace {
 
+// |x| as bits that order as unsigned integers (NaN above every number): the bounds of
+// ElementwiseParam::state_bound are raised by comparing these.
+uint32_t bound_bits(float x) {
+  x = std::fabs(x);
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+// Raises *bound to the float whose bits are u where that is larger; threads stepping other
+// pieces of the parameter may raise it at the same time.
+void raise_bound(float* bound, uint32_t u) {
+  if (u == 0) return;
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  std::atomic_ref<float> r(*bound);
+  float cur = r.load(std::memory_order_relaxed);
+  while (bound_bits(cur) < u && !r.compare_exchange_weak(cur, x, std::memory_order_relaxed)) {
+  }
+}
+
 using cpu::load_matrix;
 using cpu::load_row;
 using cpu::store_matrix;
@@ -201,8 +221,10 @@ class CpuBackend final : public Backend {
         bool ok = true;
         const DType st = x.state.dtype;
         const float a = x.a.get(), b = x.b.get(), gc = x.c.get();
-        if (x.rule == StepCheck::Momentum && x.state_bound) {  // the gradient alone may settle it
-          const float limit = momentum_gradient_limit(*x.state_bound, a, b, largest_finite(st));
+        if (x.state_bound && x.rule != StepCheck::Lion) {  // the gradient alone may settle it
+          const float limit = x.rule == StepCheck::AdamW
+                                  ? adamw_gradient_limit(x.state_bound, a, b, largest_finite(st))
+                                  : momentum_gradient_limit(*x.state_bound, a, b, largest_finite(st));
           bool small = true;
           for (int64_t j = 0; j < G.cols; ++j) small &= std::fabs(g[j]) <= limit;
           if (small) continue;
@@ -802,29 +824,38 @@ class CpuBackend final : public Backend {
     const double t = adamw_step_number(h, *h.applied_steps);
     const float bc1 = AdamWRule::bias_correction1(h.beta1, t);
     const float sqrt_bc2 = AdamWRule::sqrt_bias_correction2(h.beta2, t);
+    const DType st = e.exp_avg.dtype;
+    // The largest |exp_avg| and exp_avg_sq stored (ElementwiseParam::state_bound), as rounded.
+    uint32_t bm = 0, bv = 0;
     auto update = [&](float* w, const float* g, float* m, float* v, int64_t n) {
       for (int64_t j = 0; j < n; ++j) {
         m[j] = AdamWRule::exp_avg(m[j], g[j], h.beta1);
         v[j] = AdamWRule::exp_avg_sq(v[j], g[j], h.beta2);
         w[j] = AdamWRule::weight(w[j], m[j], v[j], h.lr, decay, h.epsilon, bc1, sqrt_bc2);
+        bm = std::max(bm, bound_bits(cpu::round_to(st, m[j])));
+        bv = std::max(bv, bound_bits(cpu::round_to(st, v[j])));
       }
     };
     if (all_f32({e.weight, e.grad, e.exp_avg, e.exp_avg_sq})) {  // in place, no copies
       update(f32(e.weight) + c0, f32(e.grad) + c0, f32(e.exp_avg) + c0, f32(e.exp_avg_sq) + c0, c1 - c0);
-      return;
+    } else {
+      Floats &w = buf.w, &g = buf.g, &m = buf.m, &v = buf.v;
+      for (int64_t c = c0; c < c1; c += kChunk) {  // c0 and c1: multiples of kChunk, or the end
+        const MatrixView W = cols_slice(e.weight, c), G = cols_slice(e.grad, c);
+        const MatrixView M = cols_slice(e.exp_avg, c), V = cols_slice(e.exp_avg_sq, c);
+        load_row(W, 0, 0, w.data());
+        load_row(G, 0, 0, g.data());
+        load_row(M, 0, 0, m.data());
+        load_row(V, 0, 0, v.data());
+        update(w.data(), g.data(), m.data(), v.data(), W.cols);
+        store_row(W, 0, 0, w.data());
+        store_row(M, 0, 0, m.data());
+        store_row(V, 0, 0, v.data());
+      }
     }
-    Floats &w = buf.w, &g = buf.g, &m = buf.m, &v = buf.v;
-    for (int64_t c = c0; c < c1; c += kChunk) {  // c0 and c1: multiples of kChunk, or the end
-      const MatrixView W = cols_slice(e.weight, c), G = cols_slice(e.grad, c);
-      const MatrixView M = cols_slice(e.exp_avg, c), V = cols_slice(e.exp_avg_sq, c);
-      load_row(W, 0, 0, w.data());
-      load_row(G, 0, 0, g.data());
-      load_row(M, 0, 0, m.data());
-      load_row(V, 0, 0, v.data());
-      update(w.data(), g.data(), m.data(), v.data(), W.cols);
-      store_row(W, 0, 0, w.data());
-      store_row(M, 0, 0, m.data());
-      store_row(V, 0, 0, v.data());
+    if (e.state_bound) {
+      raise_bound(e.state_bound, bm);
+      raise_bound(e.state_bound + 1, bv);
     }
   }
 

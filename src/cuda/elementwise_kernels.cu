@@ -286,13 +286,14 @@ struct AdamWElem {
 // combination, blockIdx.y picking the parameter (its pointers, size and hyperparameters ride in
 // the kernel's parameter space). vec[i]: 4 elements per access (n % 4 == 0, every pointer
 // 4-element aligned).
-constexpr int kMultiTensors = 32;  // ~2.7 KB of the 4 KB parameter space with AdamW's
+constexpr int kMultiTensors = 32;  // ~3.1 KB of the 4 KB parameter space with AdamW's
 template <class H>
 struct MultiTensor {
   void* w[kMultiTensors];
   const void* g[kMultiTensors];
   void* m[kMultiTensors];
   void* v[kMultiTensors];  // AdamW's second moment
+  float* bound[kMultiTensors];  // AdamW: ElementwiseParam::state_bound, or null
   int64_t n[kMultiTensors];
   H h[kMultiTensors];
   bool vec[kMultiTensors];
@@ -313,15 +314,44 @@ __device__ __forceinline__ TableEntry<TW, TG, TS, H> entry(const MultiTensor<H>&
           static_cast<TS*>(t.v[i]), t.n[i], t.h[i]};
 }
 
+// Raises bound[0] and bound[1] to the block's largest of a and b: the bit patterns of floats >= 0
+// (or NaN, which stays largest) order as unsigned integers. Every thread of the block takes part.
+// One thread per block compares with the bounds before it raises them: atomics of every warp on
+// the same two words would serialise, and once the bounds settle most blocks have none to do.
+__device__ __forceinline__ void raise_bounds(float* bound, unsigned a, unsigned b) {
+  __shared__ unsigned part[2][32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    a = max(a, __shfl_xor_sync(0xffffffffu, a, o));
+    b = max(b, __shfl_xor_sync(0xffffffffu, b, o));
+  }
+  const int warp = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) == 0) part[0][warp] = a, part[1][warp] = b;
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w) a = max(a, part[0][w]), b = max(b, part[1][w]);
+  auto* words = reinterpret_cast<unsigned*>(bound);
+  if (a > __ldcg(words)) atomicMax(words, a);
+  if (b > __ldcg(words + 1)) atomicMax(words + 1, b);
+}
+
 template <class TW, class TG, class TS>
 __global__ void adamw_kernel(const __grid_constant__ MultiTensor<AdamWParams> t, const int* skip) {
   pdl_wait();
   if (skipped(skip)) return;
   const auto [w, g, m, v, n, given] = entry<TW, TG, TS>(t, blockIdx.y);
+  float* const bound = t.bound[blockIdx.y];
+  // Blocks past a smaller parameter's end (whole blocks: raise_bounds needs every thread).
+  if (blockIdx.x * static_cast<int64_t>(blockDim.x) * (t.vec[blockIdx.y] ? 4 : 1) >= n) return;
   const AdamWParams h = given.resolved();
   const int64_t start = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  if (start >= n) return;  // blocks past a smaller parameter's end
+  // The largest |exp_avg| and exp_avg_sq this thread stores, as bits (see raise_bounds).
+  unsigned bm = 0, bv = 0;
+  auto note = [&](float m1, float v1) {
+    bm = max(bm, __float_as_uint(fabsf(m1)));
+    bv = max(bv, __float_as_uint(fabsf(v1)));
+  };
   const float decay = 1.0f - h.lr * h.weight_decay;
   // Bias correction from the device step counter, by the CPU backend's rule.
   const double tt = adamw_step_number(h, *h.applied_steps);
@@ -340,20 +370,24 @@ __global__ void adamw_kernel(const __grid_constant__ MultiTensor<AdamWParams> t,
         wp.v[e] = from_f32<TW>(wv);
         mp.v[e] = from_f32<TS>(mv);
         vp.v[e] = from_f32<TS>(vv);
+        note(to_f32(mp.v[e]), to_f32(vp.v[e]));
       }
       reinterpret_cast<Pack4<TW>*>(w)[q] = wp;
       reinterpret_cast<Pack4<TS>*>(m)[q] = mp;
       reinterpret_cast<Pack4<TS>*>(v)[q] = vp;
     }
-    return;
+  } else {
+    for (int64_t e = start; e < n; e += stride) {
+      float wv = to_f32(w[e]), mv = to_f32(m[e]), vv = to_f32(v[e]);
+      AdamWElem::apply(wv, to_f32(g[e]), mv, vv, h, decay, bc1, sqrt_bc2);
+      const TS ms = from_f32<TS>(mv), vs = from_f32<TS>(vv);
+      m[e] = ms;
+      v[e] = vs;
+      w[e] = from_f32<TW>(wv);
+      note(to_f32(ms), to_f32(vs));
+    }
   }
-  for (int64_t e = start; e < n; e += stride) {
-    float wv = to_f32(w[e]), mv = to_f32(m[e]), vv = to_f32(v[e]);
-    AdamWElem::apply(wv, to_f32(g[e]), mv, vv, h, decay, bc1, sqrt_bc2);
-    m[e] = from_f32<TS>(mv);
-    v[e] = from_f32<TS>(vv);
-    w[e] = from_f32<TW>(wv);
-  }
+  if (bound) raise_bounds(bound, bm, bv);
 }
 
 template <class TW, class TG, class TS>
@@ -636,6 +670,7 @@ void for_each_table(std::span<const ElementwiseParam> ps, std::span<const H> hs,
     t.g[used] = p.grad.data;
     t.m[used] = p.exp_avg.data;
     t.v[used] = p.exp_avg_sq.data;
+    t.bound[used] = p.state_bound;
     t.n[used] = n;
     t.h[used] = hs[i];
     t.vec[used] = n % 4 == 0 && aligned4(p.weight.data, dtype_size(p.weight.dtype)) &&

@@ -619,7 +619,7 @@ struct StepSegment {
   const void* g;
   const void* s;
   const void* s2;
-  const float* bound;  // StepCheck::state_bound (Momentum rule), or null
+  const float* bound;  // StepCheck::state_bound (Momentum and AdamW rules), or null
   int64_t n;
   Hyper a, b, c;  // StepCheck's (the rule is the launch's: one kernel per rule)
   bool vec;  // n % 8 == 0 and every pointer aligned to 8 elements
@@ -668,29 +668,40 @@ __device__ __forceinline__ bool step_element_finite(float g, float m, float v, f
 }
 
 // Packs base + u * stride for each bit u of `need`, gradient and state loaded again and checked
-// exactly, one pack at a time: rare (a gradient the momentum bound does not settle), and a rolled
+// exactly, one pack at a time: rare (a gradient the state bound does not settle), and a rolled
 // loop keeps the common path's registers few.
 template <int kRule, class TG, class TS>
-__device__ __forceinline__ bool packs_finite(const TG* g, const TS* m, int64_t base, int64_t stride, unsigned need,
-                                          float ca, float cb, float cc) {
+__device__ __forceinline__ bool packs_finite(const TG* g, const TS* m, const TS* v, int64_t base, int64_t stride,
+                                          unsigned need, float ca, float cb, float cc) {
   bool ok = true;
 #pragma unroll 1
   for (; need != 0; need &= need - 1) {
     const int64_t q = base + (__ffs(need) - 1) * stride;
     const PackV<TG, 8> gq = load_streaming(reinterpret_cast<const PackV<TG, 8>*>(g) + q);
     const PackV<TS, 8> mq = load_streaming(reinterpret_cast<const PackV<TS, 8>*>(m) + q);
+    PackV<TS, 8> vq{};
+    if constexpr (kRule == StepCheck::AdamW) vq = load_streaming(reinterpret_cast<const PackV<TS, 8>*>(v) + q);
 #pragma unroll
     for (int e = 0; e < 8; ++e)
-      ok &= step_element_finite<kRule, TS>(to_f32(gq.v[e]), to_f32(mq.v[e]), 0.0f, ca, cb, cc);
+      ok &= step_element_finite<kRule, TS>(to_f32(gq.v[e]), to_f32(mq.v[e]), to_f32(vq.v[e]), ca, cb, cc);
   }
   return ok;
 }
 
+// The |g| below which a segment's state need not be read (momentum_gradient_limit,
+// adamw_gradient_limit); negative where its bound is unknown.
+template <int kRule, class TS>
+__device__ __forceinline__ float gradient_limit(const StepSegment& sg) {
+  const float largest = largest_finite(dtype_of<TS>());
+  if constexpr (kRule == StepCheck::AdamW) return adamw_gradient_limit(sg.bound, sg.a.get(), sg.b.get(), largest);
+  else return momentum_gradient_limit(*sg.bound, sg.a.get(), sg.b.get(), largest);
+}
+
 // This thread's share of one segment: packs tid, tid + stride, ... (kPacks of them loaded
 // before any is used), or elements so where the segment does not allow 16-byte loads. kBounded
-// (Momentum rule, a known state bound): only the gradient packs are loaded ahead; a pack whose
-// gradient is not below the bound's limit (momentum_gradient_limit) is then loaded again with
-// its state and checked exactly, the others being finite whatever the state holds.
+// (a known state bound): only the gradient packs are loaded ahead; a pack whose gradient is not
+// below the bound's limit (gradient_limit) is then loaded again with its state and checked
+// exactly, the others being finite whatever the state holds.
 template <int kRule, class TG, class TS, bool kBounded, int kPacks>
 __device__ __forceinline__ bool segment_finite(const StepSegment& sg, int64_t tid, int64_t stride, float limit) {
   constexpr bool kSecond = kRule == StepCheck::AdamW;
@@ -705,14 +716,14 @@ __device__ __forceinline__ bool segment_finite(const StepSegment& sg, int64_t ti
     const int64_t npacks = sg.n / 8;
     for (int64_t base = tid; base < npacks; base += stride * kPacks) {
       PG gp[kPacks];
-      [[maybe_unused]] PS mp[kBounded ? 1 : kPacks], vp[kSecond ? kPacks : 1];
+      [[maybe_unused]] PS mp[kBounded ? 1 : kPacks], vp[kSecond && !kBounded ? kPacks : 1];
 #pragma unroll
       for (int u = 0; u < kPacks; ++u) {
         const int64_t q = base + u * stride;
         if (q < npacks) {
           gp[u] = load_streaming(reinterpret_cast<const PG*>(g) + q);
           if constexpr (!kBounded) mp[u] = load_streaming(reinterpret_cast<const PS*>(m) + q);
-          if constexpr (kSecond) vp[u] = load_streaming(reinterpret_cast<const PS*>(v) + q);
+          if constexpr (kSecond && !kBounded) vp[u] = load_streaming(reinterpret_cast<const PS*>(v) + q);
         }
       }
       if constexpr (kBounded) {
@@ -725,7 +736,7 @@ __device__ __forceinline__ bool segment_finite(const StepSegment& sg, int64_t ti
           for (int e = 0; e < 8; ++e) small &= fabsf(to_f32(gp[u].v[e])) <= limit;
           if (!small) need |= 1u << u;
         }
-        if (need != 0) ok &= packs_finite<kRule, TG, TS>(g, m, base, stride, need, ca, cb, cc);
+        if (need != 0) ok &= packs_finite<kRule, TG, TS>(g, m, v, base, stride, need, ca, cb, cc);
       } else {
 #pragma unroll
         for (int u = 0; u < kPacks; ++u)
@@ -748,9 +759,9 @@ __device__ __forceinline__ bool segment_finite(const StepSegment& sg, int64_t ti
 
 // One rule per kernel: the three rules' bodies in one kernel took twice the registers of the
 // Momentum rule's alone, halving the blocks per SM and the loads in flight. A table of segments
-// with momentum bounds (Momentum rule) takes two launches, each lean in registers: Known, the
-// segments whose bound the device finds known, reading the gradients alone (with more packs in
-// flight, kKnownPacks); then Unknown, the others, read whole.
+// with state bounds (Momentum and AdamW rules) takes two launches, each lean in registers: Known,
+// the segments whose bound the device finds known, reading the gradients alone (with more packs
+// in flight, kKnownPacks); then Unknown, the others, read whole.
 enum class CheckMode { Whole, Known, Unknown };
 template <int kRule, class TG, class TS, CheckMode kMode>
 __global__ void __launch_bounds__(kStepThreads, kMode == CheckMode::Known ? kKnownBlocksPerSm : 1)
@@ -765,8 +776,7 @@ __global__ void __launch_bounds__(kStepThreads, kMode == CheckMode::Known ? kKno
       ok &= segment_finite<kRule, TG, TS, false, kStepPacks>(sg, tid, stride, -1.0f);
     } else {
       // Known and Unknown launches compute this same value: each segment is checked by one of them.
-      const float limit =
-          momentum_gradient_limit(*sg.bound, sg.a.get(), sg.b.get(), largest_finite(dtype_of<TS>()));
+      const float limit = gradient_limit<kRule, TS>(sg);
       if ((limit >= 0.0f) != (kMode == CheckMode::Known)) continue;
       if constexpr (kMode == CheckMode::Known) ok &= segment_finite<kRule, TG, TS, true, kKnownPacks>(sg, tid, stride, limit);
       else ok &= segment_finite<kRule, TG, TS, false, kStepPacks>(sg, tid, stride, -1.0f);
@@ -911,7 +921,16 @@ void launch_check_step(std::span<const StepCheck> xs, int* flag, cudaStream_t s)
           launch(Momentum{}, Whole{});
         }
         break;
-      case StepCheck::AdamW: launch(std::integral_constant<int, StepCheck::AdamW>{}, Whole{}); break;
+      case StepCheck::AdamW: {
+        using AdamW = std::integral_constant<int, StepCheck::AdamW>;
+        if (tb.bounded) {
+          launch(AdamW{}, std::integral_constant<CheckMode, CheckMode::Known>{});
+          launch(AdamW{}, std::integral_constant<CheckMode, CheckMode::Unknown>{});
+        } else {
+          launch(AdamW{}, Whole{});
+        }
+        break;
+      }
       default: launch(std::integral_constant<int, StepCheck::Lion>{}, Whole{}); break;
     }
     DION3_CUDA_LAUNCH_CHECK();
@@ -923,7 +942,7 @@ void launch_check_step(std::span<const StepCheck> xs, int* flag, cudaStream_t s)
     if (n == 0) continue;
     const bool second = x.rule == StepCheck::AdamW;
     if (second && x.state2.dtype != x.state.dtype) fail("check_step: exp_avg and exp_avg_sq dtypes differ");
-    const bool bounded = x.rule == StepCheck::Momentum && x.state_bound != nullptr;
+    const bool bounded = (x.rule == StepCheck::Momentum || second) && x.state_bound != nullptr;
     Table* tb = nullptr;
     for (Table& t : tables)
       if (t.rule == x.rule && t.gdt == x.grad.dtype && t.sdt == x.state.dtype && t.bounded == bounded) tb = &t;

@@ -491,6 +491,114 @@ TEST(Hardening, TheMomentumBoundNeverChangesAVerdict) {
     }
 }
 
+// AdamW's two bounds per parameter (raised by every applied step) give the same verdicts as
+// reading the moments at every step, in float32, bfloat16 and float16: from small moments
+// (bounds known), a gradient jumps to a multiple of g*, where (1 - beta2) g^2 reaches the
+// dtype's largest value (beta2 = 0.95): below the bounds' limit (about g* / 2), past it but
+// still finite, past g*, Inf and NaN; then again from the moments it left.
+TEST(Hardening, TheAdamWBoundsNeverChangeAVerdict) {
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
+  for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
+    int applied = 0, steps = 0;
+    for (double jump : {0.45, 0.55, 0.9, 1.05, 3.0, inf, nan}) {
+      const std::string what = std::string(dion3::dtype_name(dt)) + ", jump " + std::to_string(jump);
+      const double gstar = std::sqrt(dion3::largest_finite(dt) / 0.05);
+      dion3::OptimizerOptions o;
+      o.on_nonfinite = NonFinitePolicy::Skip;
+      Harness fast(o), exact(o);
+      const std::vector<std::vector<int64_t>> shapes = {{64}, {7, 9}};
+      for (Harness* h : {&fast, &exact}) {
+        Rng rng(6);
+        GroupConfig g;
+        g.algorithm = Algorithm::AdamW;
+        g.betas = {0.9, 0.95};
+        const int gi = h->opt.add_group(g);
+        for (std::size_t k = 0; k < shapes.size(); ++k) h->add(gi, "p" + std::to_string(k), dt, shapes[k], rng);
+      }
+      const std::vector<double> scales = {0.0, 0.0, jump, 0.0, jump};  // 0: every gradient 1e-3
+      for (std::size_t s = 0; s < scales.size(); ++s) {
+        for (Harness* h : {&fast, &exact})
+          for (std::size_t k = 0; k < shapes.size(); ++k)
+            for (int64_t i = 0; i < h->params[k]->g.numel(); ++i)  // the same signs every step
+              h->params[k]->g.set(i, (i % 3 == 0 ? -1.0 : 1.0) * (k == 0 && i == 5 && scales[s] != 0.0 ? scales[s] * gstar : 1e-3));
+        exact.opt.state_changed();
+        const bool a = fast.opt.step(), b = exact.opt.step();
+        EXPECT_EQ(a, b) << what << ": step " << s;
+        applied += a;
+        ++steps;
+        EXPECT_EQ(t3::snapshot(fast.opt, fast.all()), t3::snapshot(exact.opt, exact.all())) << what << ": step " << s;
+      }
+    }
+    EXPECT_GT(applied, steps / 2) << dion3::dtype_name(dt);
+    EXPECT_LT(applied, steps - 3) << dion3::dtype_name(dt);
+  }
+}
+
+// The check leaves AdamW's moments unread where the gradient is below the bounds' limit: with
+// bounds that wrongly claim a small state (it holds an Inf), small gradients pass; a gradient
+// past the limit, or no bounds, reads the state and refuses.
+TEST(Hardening, AdamWBoundsLetTheCheckSkipTheMoments) {
+  auto be = dion3::make_cpu_backend();
+  const int64_t n = 40;
+  std::vector<float> g(n, 1e-3f), m(n, 0.0f), v(n, 1.0f);
+  m[17] = std::numeric_limits<float>::infinity();
+  float bounds[2] = {1.0f, 1.0f};
+  dion3::StepCheck c;
+  c.rule = dion3::StepCheck::AdamW;
+  c.grad = dion3::MatrixView::contiguous(g.data(), DType::F32, 1, 1, n);
+  c.state = dion3::MatrixView::contiguous(m.data(), DType::F32, 1, 1, n);
+  c.state2 = dion3::MatrixView::contiguous(v.data(), DType::F32, 1, 1, n);
+  c.a = 0.9f;
+  c.b = 0.95f;
+  auto refused = [&](const float* b) {
+    c.state_bound = b;
+    int flag = 0;
+    be->check_step({&c, 1}, &flag);
+    return flag != 0;
+  };
+  EXPECT_FALSE(refused(bounds));
+  EXPECT_TRUE(refused(nullptr));
+  const float unknown[2] = {0.0f, 1.0f};
+  EXPECT_TRUE(refused(unknown));
+  const float limit = dion3::adamw_gradient_limit(bounds, 0.9f, 0.95f, dion3::largest_finite(DType::F32));
+  ASSERT_GT(limit, 1e18f);
+  g[3] = 2.0f * limit;
+  EXPECT_TRUE(refused(bounds));
+}
+
+// AdamW raises each parameter's bounds to at least its stored moments' largest |exp_avg| and
+// exp_avg_sq (rounded to the state's dtype), and never lowers them.
+TEST(Hardening, AdamWRaisesItsStateBounds) {
+  auto be = dion3::make_cpu_backend();
+  Rng rng(10);
+  for (DType st : {DType::F32, DType::BF16}) {
+    const int64_t n = 3000;  // more than one piece of the parallel loop
+    std::vector<float> w(n), g(n);
+    for (int64_t i = 0; i < n; ++i) w[i] = static_cast<float>(rng.normal()), g[i] = static_cast<float>(rng.normal());
+    g[2500] = 40.0f;
+    std::vector<unsigned char> m(n * dion3::dtype_size(st), 0), v(n * dion3::dtype_size(st), 0);
+    int64_t steps = 0;
+    dion3::AdamWParams h{0.01f, 0.9f, 0.95f, 0.0f, 1e-8f, &steps, 0};
+    float bounds[2] = {0.0f, 0.0f};
+    dion3::ElementwiseParam e{dion3::MatrixView::contiguous(w.data(), DType::F32, 1, 1, n),
+                              dion3::MatrixView::contiguous(g.data(), DType::F32, 1, 1, n),
+                              dion3::MatrixView::contiguous(m.data(), st, 1, 1, n),
+                              dion3::MatrixView::contiguous(v.data(), st, 1, 1, n), bounds};
+    be->adamw({&e, 1}, {&h, 1}, nullptr);
+    std::vector<float> mf(n), vf(n);
+    dion3::cpu::load_row(e.exp_avg, 0, 0, mf.data());
+    dion3::cpu::load_row(e.exp_avg_sq, 0, 0, vf.data());
+    float bm = 0.0f, bv = 0.0f;
+    for (int64_t i = 0; i < n; ++i) bm = std::max(bm, std::fabs(mf[i])), bv = std::max(bv, vf[i]);
+    EXPECT_EQ(bounds[0], bm) << dion3::dtype_name(st);
+    EXPECT_EQ(bounds[1], bv) << dion3::dtype_name(st);
+    std::fill(g.begin(), g.end(), 0.0f);  // the moments shrink; the bounds stay
+    be->adamw({&e, 1}, {&h, 1}, nullptr);
+    EXPECT_EQ(bounds[0], bm) << dion3::dtype_name(st);
+    EXPECT_EQ(bounds[1], bv) << dion3::dtype_name(st);
+  }
+}
+
 // Every layout over one rank (loopback communicators) steps as one device does, with the
 // orthogonalizer in bf16 on fp32 momentum, wide selections and selections wider than the matrix
 // (k > n), whole megabatches and chunks of one matrix: each path's buffers (the update rows in

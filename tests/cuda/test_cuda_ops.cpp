@@ -894,8 +894,13 @@ TEST_P(Elementwise, AdamWAndLionMatchCpu) {
   std::vector<float> vv = ct::normal_values(rng, n, 0.1f);
   for (auto& x : vv) x *= x;
   v.set_host(vv); v.upload();
-  dion3::ElementwiseParam hp{w.hview(), g.hview(), m.hview(), v.hview()};
-  dion3::ElementwiseParam dp{w.dview(), g.dview(), m.dview(), v.dview()};
+  // AdamW's state bounds: the largest |exp_avg| and exp_avg_sq each backend stored.
+  float hbounds[2] = {0.0f, 0.0f};
+  Twin dbounds(*gpu, DType::F32, 1, 1, 2);
+  dbounds.set_host({0.0f, 0.0f});
+  dbounds.upload();
+  dion3::ElementwiseParam hp{w.hview(), g.hview(), m.hview(), v.hview(), hbounds};
+  dion3::ElementwiseParam dp{w.dview(), g.dview(), m.dview(), v.dview(), static_cast<float*>(dbounds.dview().data)};
   // Bias correction reads the applied-step counter where the backend runs: t = 2 - 0 + 1 = 3.
   const int64_t host_steps = 2;
   dion3::DeviceBuffer dev_steps(gpu->allocator(), sizeof(int64_t));
@@ -909,12 +914,61 @@ TEST_P(Elementwise, AdamWAndLionMatchCpu) {
   EXPECT_LE(ct::rel_max_diff(w.device_values(), w.host_values()), tw);
   EXPECT_LE(ct::rel_max_diff(m.device_values(), m.host_values()), ts);
   EXPECT_LE(ct::rel_max_diff(v.device_values(), v.host_values()), ts);
+  {
+    const std::vector<float> dm = m.device_values(), dv = v.device_values(), db = dbounds.device_values();
+    float bm = 0.0f, bv = 0.0f;
+    for (std::size_t i = 0; i < dm.size(); ++i) bm = std::max(bm, std::fabs(dm[i])), bv = std::max(bv, dv[i]);
+    EXPECT_EQ(db[0], bm);
+    EXPECT_EQ(db[1], bv);
+    EXPECT_NEAR(db[0], hbounds[0], ts * hbounds[0]);
+    EXPECT_NEAR(db[1], hbounds[1], ts * hbounds[1]);
+  }
   w.upload(); m.upload();
   const dion3::LionParams lh{0.01f, 0.9f, 0.99f, 0.1f};
   cpu->lion({&hp, 1}, {&lh, 1}, nullptr);
   gpu->lion({&dp, 1}, {&lh, 1}, nullptr);
   EXPECT_LE(ct::rel_max_diff(w.device_values(), w.host_values()), tw);
   EXPECT_LE(ct::rel_max_diff(m.device_values(), m.host_values()), ts);
+}
+
+// The CUDA check, like the CPU's, leaves AdamW's moments unread where the gradient is below the
+// bounds' limit: bounds that wrongly claim a small state (it holds an Inf) let small gradients
+// pass; a gradient past the limit, or no bounds, reads the state and refuses. Packed (n % 8 == 0)
+// and element-wise segments.
+TEST_F(CudaOps, AdamWBoundsLetTheCheckSkipTheMoments) {
+  for (int64_t n : {4000, 4003}) {
+    Twin g(*gpu, DType::BF16, 1, 1, n), m(*gpu, DType::BF16, 1, 1, n), v(*gpu, DType::BF16, 1, 1, n),
+        bounds(*gpu, DType::F32, 1, 1, 2), unknown(*gpu, DType::F32, 1, 1, 2);
+    std::vector<float> gv(n, 1e-3f), mv(n, 0.0f);
+    mv[1717] = std::numeric_limits<float>::infinity();
+    g.set_host(gv); g.upload();
+    m.set_host(mv); m.upload();
+    v.fill_value(1.0f);
+    bounds.set_host({1.0f, 1.0f}); bounds.upload();
+    unknown.set_host({0.0f, 1.0f}); unknown.upload();
+    dion3::StepCheck c;
+    c.rule = dion3::StepCheck::AdamW;
+    c.grad = g.dview();
+    c.state = m.dview();
+    c.state2 = v.dview();
+    c.a = 0.9f;
+    c.b = 0.95f;
+    dion3::DeviceBuffer flag(gpu->allocator(), sizeof(int));
+    auto refused = [&](const void* b) {
+      c.state_bound = static_cast<const float*>(b);
+      gpu->fill_zero(flag.get(), sizeof(int));
+      gpu->check_step({&c, 1}, flag.as<int>());
+      int f = 0;
+      gpu->copy_to_host(&f, flag.get(), sizeof(int));
+      return f != 0;
+    };
+    EXPECT_FALSE(refused(bounds.dev.get())) << n;
+    EXPECT_TRUE(refused(nullptr)) << n;
+    EXPECT_TRUE(refused(unknown.dev.get())) << n;
+    gv[3] = 1e30f;  // past the limit, and finite in bfloat16
+    g.set_host(gv); g.upload();
+    EXPECT_TRUE(refused(bounds.dev.get())) << n;
+  }
 }
 
 // Many parameters in one call: two dtype combinations, sizes from 1 element to past the
