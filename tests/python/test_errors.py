@@ -500,6 +500,52 @@ def test_the_momentum_bound_stays_in_use_across_plain_steps(device):
     assert _step_past_a_written_momentum(p, opt)
 
 
+def _adamw_after_small_steps(device, dtype):
+    """An AdamW vector after two applied steps of small gradients: its moments' bounds are known."""
+    b = nn.Parameter(torch.zeros(64, device=device, dtype=dtype))
+    opt = dion3.Dion3([dict(params=[b], algorithm="adamw", betas=(0.9, 0.95))], on_nonfinite="skip")
+    for _ in range(2):
+        b.grad = torch.full_like(b, 0.5)
+        opt.step()
+    return b, opt
+
+
+def _step_past_a_written_second_moment(b, opt):
+    """After the second moment ("variance") was written at 0.9 x the dtype's largest value: a step
+    with a gradient below the bounds' limit (about 4e19 here) whose square still takes the second
+    moment past it. Whether it was applied (else: dropped, nothing changed)."""
+    before, skipped = b.detach().clone(), opt.steps_skipped
+    b.grad = torch.full_like(b, 3.6e19)
+    opt.step()
+    if opt.steps_skipped == skipped:
+        return True
+    assert torch.equal(b, before)
+    return False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adamw_moments_written_in_place_are_checked_whole_again(device, dtype):
+    # AdamW's check reads the moments only where the gradient could take them past the bounds
+    # its own steps keep; an in-place write makes the next step read them whole.
+    b, opt = _adamw_after_small_steps(device, dtype)
+    opt.state[b]["variance"].fill_(0.9 * torch.finfo(dtype).max)
+    assert not _step_past_a_written_second_moment(b, opt)
+    opt.state[b]["variance"].fill_(1.0)
+    b.grad = torch.full_like(b, 0.5)
+    opt.step()  # applied: the bounds are known again
+    opt.state[b]["variance"].data.fill_(0.9 * torch.finfo(dtype).max)
+    opt.state_changed()
+    assert not _step_past_a_written_second_moment(b, opt)
+
+
+def test_the_adamw_bounds_stay_in_use_across_plain_steps(device):
+    # As for the momentum: a write the version does not show, without state_changed(), is not
+    # read, and the step over it is applied.
+    b, opt = _adamw_after_small_steps(device, torch.float32)
+    opt.state[b]["variance"].data.fill_(0.9 * torch.finfo(torch.float32).max)
+    assert _step_past_a_written_second_moment(b, opt)
+
+
 def test_refresh_hyperparameters_refuses_a_parameter_that_gained_a_gradient(device):
     # Without a gradient when the step was planned, it is not in it: a replay would never update
     # it, so a new capture is asked for; the next eager step takes it in.
