@@ -910,28 +910,19 @@ void launch_check_step(std::span<const StepCheck> xs, int* flag, cudaStream_t s)
         });
       });
     };
-    using Momentum = std::integral_constant<int, StepCheck::Momentum>;
-    using Whole = std::integral_constant<CheckMode, CheckMode::Whole>;
-    switch (tb.rule) {
-      case StepCheck::Momentum:
-        if (tb.bounded) {
-          launch(Momentum{}, std::integral_constant<CheckMode, CheckMode::Known>{});
-          launch(Momentum{}, std::integral_constant<CheckMode, CheckMode::Unknown>{});
-        } else {
-          launch(Momentum{}, Whole{});
-        }
-        break;
-      case StepCheck::AdamW: {
-        using AdamW = std::integral_constant<int, StepCheck::AdamW>;
-        if (tb.bounded) {
-          launch(AdamW{}, std::integral_constant<CheckMode, CheckMode::Known>{});
-          launch(AdamW{}, std::integral_constant<CheckMode, CheckMode::Unknown>{});
-        } else {
-          launch(AdamW{}, Whole{});
-        }
-        break;
+    // A table with state bounds: Known, then Unknown; else one Whole launch.
+    auto launch_rule = [&](auto rule) {
+      if (tb.bounded) {
+        launch(rule, std::integral_constant<CheckMode, CheckMode::Known>{});
+        launch(rule, std::integral_constant<CheckMode, CheckMode::Unknown>{});
+      } else {
+        launch(rule, std::integral_constant<CheckMode, CheckMode::Whole>{});
       }
-      default: launch(std::integral_constant<int, StepCheck::Lion>{}, Whole{}); break;
+    };
+    switch (tb.rule) {
+      case StepCheck::Momentum: launch_rule(std::integral_constant<int, StepCheck::Momentum>{}); break;
+      case StepCheck::AdamW: launch_rule(std::integral_constant<int, StepCheck::AdamW>{}); break;
+      default: launch(std::integral_constant<int, StepCheck::Lion>{}, std::integral_constant<CheckMode, CheckMode::Whole>{});
     }
     DION3_CUDA_LAUNCH_CHECK();
     tb.t = StepSegments{};

@@ -453,16 +453,22 @@ def _after_small_steps(device, dtype=torch.float32):
     return p, opt
 
 
-def _step_past_a_written_momentum(p, opt):
-    """After the momentum was written at 0.9 x the dtype's largest value: a step with a gradient of
-    0.2 x it, which overflows the sum. Whether it was applied (else: dropped, nothing changed)."""
+def _step_applied(p, opt, g):
+    """One step with every gradient element g: whether it was applied (else: dropped, nothing
+    changed)."""
     before, skipped = p.detach().clone(), opt.steps_skipped
-    p.grad = torch.full_like(p, 0.2 * torch.finfo(p.dtype).max)
+    p.grad = torch.full_like(p, g)
     opt.step()
     if opt.steps_skipped == skipped:
         return True
     assert torch.equal(p, before)
     return False
+
+
+def _step_past_a_written_momentum(p, opt):
+    """After the momentum was written at 0.9 x the dtype's largest value: a step with a gradient of
+    0.2 x it, which overflows the sum."""
+    return _step_applied(p, opt, 0.2 * torch.finfo(p.dtype).max)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -513,14 +519,8 @@ def _adamw_after_small_steps(device, dtype):
 def _step_past_a_written_second_moment(b, opt):
     """After the second moment ("variance") was written at 0.9 x the dtype's largest value: a step
     with a gradient below the bounds' limit (about 4e19 here) whose square still takes the second
-    moment past it. Whether it was applied (else: dropped, nothing changed)."""
-    before, skipped = b.detach().clone(), opt.steps_skipped
-    b.grad = torch.full_like(b, 3.6e19)
-    opt.step()
-    if opt.steps_skipped == skipped:
-        return True
-    assert torch.equal(b, before)
-    return False
+    moment past it."""
+    return _step_applied(b, opt, 3.6e19)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
