@@ -32,6 +32,21 @@ uint32_t bound_bits(float x) {
   std::memcpy(&u, &x, sizeof u);
   return u;
 }
+// The largest bound_bits of n floats as rounded to st.
+uint32_t largest_bits(DType st, const float* x, int64_t n) {
+  uint32_t a = 0;
+  switch (st) {
+    case DType::BF16:
+      for (int64_t j = 0; j < n; ++j) a = std::max(a, bound_bits(cpu::bf16_to_float(cpu::float_to_bf16(x[j]))));
+      break;
+    case DType::F16:
+      for (int64_t j = 0; j < n; ++j) a = std::max(a, bound_bits(cpu::f16_to_float(cpu::float_to_f16(x[j]))));
+      break;
+    default:
+      for (int64_t j = 0; j < n; ++j) a = std::max(a, bound_bits(x[j]));
+  }
+  return a;
+}
 // Raises *bound to the float whose bits are u where that is larger; threads stepping other
 // pieces of the parameter may raise it at the same time.
 void raise_bound(float* bound, uint32_t u) {
@@ -825,19 +840,23 @@ class CpuBackend final : public Backend {
     const float bc1 = AdamWRule::bias_correction1(h.beta1, t);
     const float sqrt_bc2 = AdamWRule::sqrt_bias_correction2(h.beta2, t);
     const DType st = e.exp_avg.dtype;
-    // The largest |exp_avg| and exp_avg_sq stored (ElementwiseParam::state_bound), as rounded.
+    // The largest |exp_avg| and exp_avg_sq stored (ElementwiseParam::state_bound), as rounded;
+    // taken chunk by chunk after the update, in loops of their own that vectorise.
     uint32_t bm = 0, bv = 0;
     auto update = [&](float* w, const float* g, float* m, float* v, int64_t n) {
       for (int64_t j = 0; j < n; ++j) {
         m[j] = AdamWRule::exp_avg(m[j], g[j], h.beta1);
         v[j] = AdamWRule::exp_avg_sq(v[j], g[j], h.beta2);
         w[j] = AdamWRule::weight(w[j], m[j], v[j], h.lr, decay, h.epsilon, bc1, sqrt_bc2);
-        bm = std::max(bm, bound_bits(cpu::round_to(st, m[j])));
-        bv = std::max(bv, bound_bits(cpu::round_to(st, v[j])));
+      }
+      if (e.state_bound) {
+        bm = std::max(bm, largest_bits(st, m, n));
+        bv = std::max(bv, largest_bits(st, v, n));
       }
     };
     if (all_f32({e.weight, e.grad, e.exp_avg, e.exp_avg_sq})) {  // in place, no copies
-      update(f32(e.weight) + c0, f32(e.grad) + c0, f32(e.exp_avg) + c0, f32(e.exp_avg_sq) + c0, c1 - c0);
+      for (int64_t c = c0; c < c1; c += kChunk)
+        update(f32(e.weight) + c, f32(e.grad) + c, f32(e.exp_avg) + c, f32(e.exp_avg_sq) + c, std::min(kChunk, c1 - c));
     } else {
       Floats &w = buf.w, &g = buf.g, &m = buf.m, &v = buf.v;
       for (int64_t c = c0; c < c1; c += kChunk) {  // c0 and c1: multiples of kChunk, or the end
