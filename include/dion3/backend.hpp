@@ -228,12 +228,13 @@ DION3_HOST_DEVICE inline float momentum_gradient_limit(float bound, float a, flo
 // The AdamW rule's counterpart (StepCheck::state_bound, two floats): a |g| up to which the new
 // exp_avg (m + (1 - beta1)*(g - m), |m| <= bounds[0]) and exp_avg_sq (beta2*v + (1 - beta2)*g*g,
 // 0 <= v <= bounds[1]) stay within a quarter of `limit`, and exp_avg_sq >= 0 (0 <= beta2 <= 1).
-// At most a quarter of `limit`; negative when a bound is unknown or too large, or beta2 is
-// outside [0, 1].
+// At most a quarter of `limit`; negative when a bound is unknown, or so large that no gradient
+// passes, or beta1 is NaN, or beta2 is outside [0, 1].
 DION3_HOST_DEVICE inline float adamw_gradient_limit(const float* bounds, float beta1, float beta2, float limit) {
   const float bm = bounds[0], bv = bounds[1], room = 0.25f * limit;
   if (!(bm > 0.0f) || !(bv > 0.0f) || !(beta2 >= 0.0f && beta2 <= 1.0f)) return -1.0f;
   const float f1 = beta1 > 1.0f ? beta1 - 1.0f : 1.0f - beta1;  // |1 - beta1|
+  if (!(f1 >= 0.0f)) return -1.0f;  // NaN beta1: the new exp_avg is NaN
   const float lm = f1 > 0.0f ? (room - (1.0f + f1) * bm) / f1 : (bm <= room ? room : -1.0f);
   const float rv = room - beta2 * bv, f2 = 1.0f - beta2;
   // sqrt(rv) / sqrt(f2), not sqrt(rv / f2): the quotient may overflow where the limit does not.

@@ -839,7 +839,7 @@ class CpuBackend final : public Backend {
     const double t = adamw_step_number(h, *h.applied_steps);
     const float bc1 = AdamWRule::bias_correction1(h.beta1, t);
     const float sqrt_bc2 = AdamWRule::sqrt_bias_correction2(h.beta2, t);
-    const DType st = e.exp_avg.dtype;
+    const DType st = e.exp_avg.dtype, st2 = e.exp_avg_sq.dtype;
     // The largest |exp_avg| and exp_avg_sq stored (ElementwiseParam::state_bound), as rounded;
     // taken chunk by chunk after the update, in loops of their own that vectorise.
     uint32_t bm = 0, bv = 0;
@@ -851,7 +851,7 @@ class CpuBackend final : public Backend {
       }
       if (e.state_bound) {
         bm = std::max(bm, largest_bits(st, m, n));
-        bv = std::max(bv, largest_bits(st, v, n));
+        bv = std::max(bv, largest_bits(st2, v, n));
       }
     };
     if (all_f32({e.weight, e.grad, e.exp_avg, e.exp_avg_sq})) {  // in place, no copies

@@ -298,6 +298,7 @@ struct MultiTensor {
   H h[kMultiTensors];
   bool vec[kMultiTensors];
 };
+static_assert(sizeof(MultiTensor<AdamWParams>) <= 4096, "the 4 KB kernel parameter space");
 // Parameter i of a table, typed.
 template <class TW, class TG, class TS, class H>
 struct TableEntry {

@@ -562,6 +562,11 @@ TEST(Hardening, AdamWBoundsLetTheCheckSkipTheMoments) {
   EXPECT_TRUE(refused(unknown));
   const float limit = dion3::adamw_gradient_limit(bounds, 0.9f, 0.95f, dion3::largest_finite(DType::F32));
   ASSERT_GT(limit, 1e18f);
+  // No gradient passes without a limit the rule's values keep: a NaN beta1 (exp_avg NaN), a beta2
+  // outside [0, 1] (exp_avg_sq may turn negative).
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (auto [b1, b2] : {std::pair{nan, 0.95f}, std::pair{0.9f, nan}, std::pair{0.9f, 1.5f}, std::pair{0.9f, -0.1f}})
+    EXPECT_LT(dion3::adamw_gradient_limit(bounds, b1, b2, dion3::largest_finite(DType::F16)), 0.0f) << b1 << " " << b2;
   g[3] = 2.0f * limit;
   EXPECT_TRUE(refused(bounds));
 }
@@ -571,31 +576,34 @@ TEST(Hardening, AdamWBoundsLetTheCheckSkipTheMoments) {
 TEST(Hardening, AdamWRaisesItsStateBounds) {
   auto be = dion3::make_cpu_backend();
   Rng rng(10);
-  for (DType st : {DType::F32, DType::BF16}) {
+  // The moments' dtypes: both float32, both bfloat16, and exp_avg in bfloat16 beside a float32
+  // exp_avg_sq (each bound rounded as its own moment is stored).
+  for (auto [st, st2] : {std::pair{DType::F32, DType::F32}, std::pair{DType::BF16, DType::BF16},
+                         std::pair{DType::BF16, DType::F32}}) {
     const int64_t n = 3000;  // more than one piece of the parallel loop
     std::vector<float> w(n), g(n);
     for (int64_t i = 0; i < n; ++i) w[i] = static_cast<float>(rng.normal()), g[i] = static_cast<float>(rng.normal());
     g[2500] = 40.0f;
-    std::vector<unsigned char> m(n * dion3::dtype_size(st), 0), v(n * dion3::dtype_size(st), 0);
+    std::vector<unsigned char> m(n * dion3::dtype_size(st), 0), v(n * dion3::dtype_size(st2), 0);
     int64_t steps = 0;
     dion3::AdamWParams h{0.01f, 0.9f, 0.95f, 0.0f, 1e-8f, &steps, 0};
     float bounds[2] = {0.0f, 0.0f};
     dion3::ElementwiseParam e{dion3::MatrixView::contiguous(w.data(), DType::F32, 1, 1, n),
                               dion3::MatrixView::contiguous(g.data(), DType::F32, 1, 1, n),
                               dion3::MatrixView::contiguous(m.data(), st, 1, 1, n),
-                              dion3::MatrixView::contiguous(v.data(), st, 1, 1, n), bounds};
+                              dion3::MatrixView::contiguous(v.data(), st2, 1, 1, n), bounds};
     be->adamw({&e, 1}, {&h, 1}, nullptr);
     std::vector<float> mf(n), vf(n);
     dion3::cpu::load_row(e.exp_avg, 0, 0, mf.data());
     dion3::cpu::load_row(e.exp_avg_sq, 0, 0, vf.data());
     float bm = 0.0f, bv = 0.0f;
     for (int64_t i = 0; i < n; ++i) bm = std::max(bm, std::fabs(mf[i])), bv = std::max(bv, vf[i]);
-    EXPECT_EQ(bounds[0], bm) << dion3::dtype_name(st);
-    EXPECT_EQ(bounds[1], bv) << dion3::dtype_name(st);
+    EXPECT_EQ(bounds[0], bm) << dion3::dtype_name(st) << " / " << dion3::dtype_name(st2);
+    EXPECT_EQ(bounds[1], bv) << dion3::dtype_name(st) << " / " << dion3::dtype_name(st2);
     std::fill(g.begin(), g.end(), 0.0f);  // the moments shrink; the bounds stay
     be->adamw({&e, 1}, {&h, 1}, nullptr);
-    EXPECT_EQ(bounds[0], bm) << dion3::dtype_name(st);
-    EXPECT_EQ(bounds[1], bv) << dion3::dtype_name(st);
+    EXPECT_EQ(bounds[0], bm) << dion3::dtype_name(st) << " / " << dion3::dtype_name(st2);
+    EXPECT_EQ(bounds[1], bv) << dion3::dtype_name(st) << " / " << dion3::dtype_name(st2);
   }
 }
 
