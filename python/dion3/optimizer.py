@@ -1952,6 +1952,10 @@ class _EngineOptimizer(torch.optim.Optimizer):
             if p.dtype not in _SUPPORTED_DTYPES:
                 raise ValueError(f"dion3: {who} has dtype {_dtype_name(p.dtype)} but dion3 supports "
                                  "float32, float16 and bfloat16")
+            if p.is_inference():  # torch's own optimizers fail on their first in-place write to it
+                raise ValueError(f"dion3: {who} is an inference tensor (made under torch.inference_mode()), which "
+                                 "PyTorch does not let a step write in place; make the model outside "
+                                 "inference_mode, or give it a parameter of its own there (nn.Parameter(w.clone()))")
             if device is None:
                 device = p.device
             elif p.device != device:

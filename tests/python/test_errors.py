@@ -506,6 +506,19 @@ def test_the_momentum_bound_stays_in_use_across_plain_steps(device):
     assert _step_past_a_written_momentum(p, opt)
 
 
+def test_inference_tensors_are_refused(device):
+    # PyTorch refuses in-place writes to them outside inference_mode (torch.optim.AdamW's step
+    # raises); the engine writes their memory directly, so it refuses them when they are added.
+    with torch.inference_mode():
+        lin = nn.Linear(8, 8, device=device)
+    with pytest.raises(ValueError, match="inference tensor"):
+        dion3.Dion3(dion3.param_groups(lin, lr=0.01), lr=0.01)
+    opt = dion3.Dion3([mat(device)], lr=0.01)
+    with pytest.raises(ValueError, match="inference tensor"):
+        opt.add_param_group(dict(params=[lin.bias], algorithm="adamw"))
+    assert len(opt.param_groups) == 1
+
+
 def _adamw_after_small_steps(device, dtype):
     """An AdamW vector after two applied steps of small gradients: its moments' bounds are known."""
     b = nn.Parameter(torch.zeros(64, device=device, dtype=dtype))
