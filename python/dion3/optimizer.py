@@ -1952,10 +1952,13 @@ class _EngineOptimizer(torch.optim.Optimizer):
             if p.dtype not in _SUPPORTED_DTYPES:
                 raise ValueError(f"dion3: {who} has dtype {_dtype_name(p.dtype)} but dion3 supports "
                                  "float32, float16 and bfloat16")
-            if p.is_inference():  # torch's own optimizers fail on their first in-place write to it
-                raise ValueError(f"dion3: {who} is an inference tensor (made under torch.inference_mode()), which "
-                                 "PyTorch does not let a step write in place; make the model outside "
-                                 "inference_mode, or give it a parameter of its own there (nn.Parameter(w.clone()))")
+            # Autograd cannot train an inference tensor, and torch lets a step write one in place only
+            # inside inference_mode; the engine would write its memory anywhere, so it is refused.
+            if _dist.local(p).is_inference():
+                raise ValueError(f"dion3: {who} is an inference tensor (made under torch.inference_mode()): autograd "
+                                 "cannot train it, and PyTorch lets a step write it only inside inference_mode; "
+                                 "make the model outside inference_mode (nn.Parameter(w.clone()) made there is a "
+                                 "normal tensor)")
             if device is None:
                 device = p.device
             elif p.device != device:

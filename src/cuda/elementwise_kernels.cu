@@ -286,7 +286,7 @@ struct AdamWElem {
 // combination, blockIdx.y picking the parameter (its pointers, size and hyperparameters ride in
 // the kernel's parameter space). vec[i]: 4 elements per access (n % 4 == 0, every pointer
 // 4-element aligned).
-constexpr int kMultiTensors = 32;  // ~3.1 KB of the 4 KB parameter space with AdamW's
+constexpr int kMultiTensors = 32;  // with AdamW's table, within the 4 KB parameter space (asserted below)
 template <class H>
 struct MultiTensor {
   void* w[kMultiTensors];

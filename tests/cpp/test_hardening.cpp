@@ -494,15 +494,20 @@ TEST(Hardening, TheMomentumBoundNeverChangesAVerdict) {
 // AdamW's two bounds per parameter (raised by every applied step) give the same verdicts as
 // reading the moments at every step, in float32, bfloat16 and float16: from small moments
 // (bounds known), a gradient jumps to a multiple of g*, where (1 - beta2) g^2 reaches the
-// dtype's largest value (beta2 = 0.95): below the bounds' limit (about g* / 2), past it but
-// still finite, past g*, Inf and NaN; then again from the moments it left.
+// dtype's largest value (beta2 = 0.9999): below the bounds' limit (about g* / 2), past it but
+// still finite, past g*, Inf and NaN; then a second jump from the moments the first left, among
+// them one below the limit of small moments that a second moment near the largest value cannot
+// take (a bound set too low would let it through).
 TEST(Hardening, TheAdamWBoundsNeverChangeAVerdict) {
   const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
   for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
     int applied = 0, steps = 0;
-    for (double jump : {0.45, 0.55, 0.9, 1.05, 3.0, inf, nan}) {
-      const std::string what = std::string(dion3::dtype_name(dt)) + ", jump " + std::to_string(jump);
-      const double gstar = std::sqrt(dion3::largest_finite(dt) / 0.05);
+    for (auto [jump, again] : {std::pair{0.45, 0.45}, std::pair{0.55, 0.55}, std::pair{0.9, 0.9}, std::pair{1.05, 1.05},
+                               std::pair{3.0, 3.0}, std::pair{inf, inf}, std::pair{nan, nan}, std::pair{0.95, 0.49},
+                               std::pair{0.95, 0.3}}) {
+      const std::string what =
+          std::string(dion3::dtype_name(dt)) + ", jumps " + std::to_string(jump) + ", " + std::to_string(again);
+      const double gstar = std::sqrt(dion3::largest_finite(dt) / 1e-4);
       dion3::OptimizerOptions o;
       o.on_nonfinite = NonFinitePolicy::Skip;
       Harness fast(o), exact(o);
@@ -511,11 +516,11 @@ TEST(Hardening, TheAdamWBoundsNeverChangeAVerdict) {
         Rng rng(6);
         GroupConfig g;
         g.algorithm = Algorithm::AdamW;
-        g.betas = {0.9, 0.95};
+        g.betas = {0.9, 0.9999};
         const int gi = h->opt.add_group(g);
         for (std::size_t k = 0; k < shapes.size(); ++k) h->add(gi, "p" + std::to_string(k), dt, shapes[k], rng);
       }
-      const std::vector<double> scales = {0.0, 0.0, jump, 0.0, jump};  // 0: every gradient 1e-3
+      const std::vector<double> scales = {0.0, 0.0, jump, 0.0, again};  // 0: every gradient 1e-3
       for (std::size_t s = 0; s < scales.size(); ++s) {
         for (Harness* h : {&fast, &exact})
           for (std::size_t k = 0; k < shapes.size(); ++k)
@@ -567,7 +572,7 @@ TEST(Hardening, AdamWBoundsLetTheCheckSkipTheMoments) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   for (auto [b1, b2] : {std::pair{nan, 0.95f}, std::pair{0.9f, nan}, std::pair{0.9f, 1.5f}, std::pair{0.9f, -0.1f}})
     EXPECT_LT(dion3::adamw_gradient_limit(bounds, b1, b2, dion3::largest_finite(DType::F16)), 0.0f) << b1 << " " << b2;
-  g[3] = 2.0f * limit;
+  g[17] = 1.5f * limit;  // exp_avg_sq stays finite: only the state read (exp_avg Inf) refuses it
   EXPECT_TRUE(refused(bounds));
 }
 
