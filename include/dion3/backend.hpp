@@ -244,6 +244,18 @@ DION3_HOST_DEVICE inline float adamw_gradient_limit(const float* bounds, float b
   return l < room ? l : room;  // finite (lm or lv overflow where they exceed it): an Inf gradient is read
 }
 
+// A StepCheck's gradient limit by its rule, from its state_bound (a, b as StepCheck holds them):
+// the |g| below which its state need not be read; negative where the bound is unknown, and for
+// Lion, which keeps none.
+DION3_HOST_DEVICE inline float state_gradient_limit(StepCheck::Rule rule, const float* bound, float a, float b,
+                                                    float limit) {
+  switch (rule) {
+    case StepCheck::Momentum: return momentum_gradient_limit(*bound, a, b, limit);
+    case StepCheck::AdamW: return adamw_gradient_limit(bound, a, b, limit);
+    default: return -1.0f;
+  }
+}
+
 // The element-wise rules of AdamW and Lion, shared by every backend and by check_step so that
 // the check sees exactly the values the update stores. The second moment multiplies (1 - beta2)
 // into g before squaring: g*g overflows float32 from |g| ~ 2e19, this only from ~ 8e19 at

@@ -236,10 +236,8 @@ class CpuBackend final : public Backend {
         bool ok = true;
         const DType st = x.state.dtype;
         const float a = x.a.get(), b = x.b.get(), gc = x.c.get();
-        if (x.state_bound && x.rule != StepCheck::Lion) {  // the gradient alone may settle it
-          const float limit = x.rule == StepCheck::AdamW
-                                  ? adamw_gradient_limit(x.state_bound, a, b, largest_finite(st))
-                                  : momentum_gradient_limit(*x.state_bound, a, b, largest_finite(st));
+        if (x.state_bound) {  // the gradient alone may settle it
+          const float limit = state_gradient_limit(x.rule, x.state_bound, a, b, largest_finite(st));
           bool small = true;
           for (int64_t j = 0; j < G.cols; ++j) small &= std::fabs(g[j]) <= limit;
           if (small) continue;

@@ -688,19 +688,10 @@ __device__ __forceinline__ bool packs_finite(const TG* g, const TS* m, const TS*
   return ok;
 }
 
-// The |g| below which a segment's state need not be read (momentum_gradient_limit,
-// adamw_gradient_limit); negative where its bound is unknown.
-template <int kRule, class TS>
-__device__ __forceinline__ float gradient_limit(const StepSegment& sg) {
-  const float largest = largest_finite(dtype_of<TS>());
-  if constexpr (kRule == StepCheck::AdamW) return adamw_gradient_limit(sg.bound, sg.a.get(), sg.b.get(), largest);
-  else return momentum_gradient_limit(*sg.bound, sg.a.get(), sg.b.get(), largest);
-}
-
 // This thread's share of one segment: packs tid, tid + stride, ... (kPacks of them loaded
 // before any is used), or elements so where the segment does not allow 16-byte loads. kBounded
 // (a known state bound): only the gradient packs are loaded ahead; a pack whose gradient is not
-// below the bound's limit (gradient_limit) is then loaded again with its state and checked
+// below the bound's limit (state_gradient_limit) is then loaded again with its state and checked
 // exactly, the others being finite whatever the state holds.
 template <int kRule, class TG, class TS, bool kBounded, int kPacks>
 __device__ __forceinline__ bool segment_finite(const StepSegment& sg, int64_t tid, int64_t stride, float limit) {
@@ -776,7 +767,8 @@ __global__ void __launch_bounds__(kStepThreads, kMode == CheckMode::Known ? kKno
       ok &= segment_finite<kRule, TG, TS, false, kStepPacks>(sg, tid, stride, -1.0f);
     } else {
       // Known and Unknown launches compute this same value: each segment is checked by one of them.
-      const float limit = gradient_limit<kRule, TS>(sg);
+      const float limit = state_gradient_limit(static_cast<StepCheck::Rule>(kRule), sg.bound, sg.a.get(), sg.b.get(),
+                                               largest_finite(dtype_of<TS>()));
       if ((limit >= 0.0f) != (kMode == CheckMode::Known)) continue;
       if constexpr (kMode == CheckMode::Known) ok &= segment_finite<kRule, TG, TS, true, kKnownPacks>(sg, tid, stride, limit);
       else ok &= segment_finite<kRule, TG, TS, false, kStepPacks>(sg, tid, stride, -1.0f);
@@ -933,7 +925,7 @@ void launch_check_step(std::span<const StepCheck> xs, int* flag, cudaStream_t s)
     if (n == 0) continue;
     const bool second = x.rule == StepCheck::AdamW;
     if (second && x.state2.dtype != x.state.dtype) fail("check_step: exp_avg and exp_avg_sq dtypes differ");
-    const bool bounded = (x.rule == StepCheck::Momentum || second) && x.state_bound != nullptr;
+    const bool bounded = x.state_bound != nullptr && x.rule != StepCheck::Lion;  // Lion keeps none
     Table* tb = nullptr;
     for (Table& t : tables)
       if (t.rule == x.rule && t.gdt == x.grad.dtype && t.sdt == x.state.dtype && t.bounded == bounded) tb = &t;
