@@ -91,10 +91,10 @@ class ProfilingBackend final : public dion3::Backend {
     shape_ = "all";
     wrap("check_step", [&] { in_->check_step(xs, flag); });
   }
-  void accumulate(const dion3::MatrixSet& s, dion3::Hyper d, dion3::Hyper gs, float* sc, float* ss,
+  void accumulate(const dion3::MatrixSet& s, dion3::Hyper d, dion3::Hyper gs, float* sc, float* ss, float* lg,
                   const int* k) override {
     name(s);
-    wrap("accumulate", [&] { in_->accumulate(s, d, gs, sc, ss, k); });
+    wrap("accumulate", [&] { in_->accumulate(s, d, gs, sc, ss, lg, k); });
   }
   void remap_rows(const int32_t* in, int64_t c, int64_t ki, int64_t lo, int64_t hi, int64_t ko, int32_t* out,
                   const int* sk) override {

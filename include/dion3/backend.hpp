@@ -387,9 +387,11 @@ class DION3_API Backend {
   virtual void check_step(std::span<const StepCheck> xs, int* flag) = 0;
   // M = decay*M + grad_scale*G for each matrix; if scores != null, scores[i*rows + r] =
   // sum_j |M_i[r,j]| taken after the update; if row_sumsq != null, row_sumsq[i*rows + r] =
-  // sum_j M_i[r,j]^2 (both of the values as stored).
+  // sum_j M_i[r,j]^2 (both of the values as stored); if largest != null, largest[i] is raised to
+  // the largest |M_i| element stored where that is larger, never lowered (a momentum bound for
+  // StepCheck::state_bound: M changes nowhere else).
   virtual void accumulate(const MatrixSet& set, Hyper decay, Hyper grad_scale, float* scores, float* row_sumsq,
-                          const int* skip) = 0;
+                          float* largest, const int* skip) = 0;
   // For each of `count` score vectors of length m: the k rows of largest score, ties to the
   // lower index, written to idx[i*k ...] in ascending row order; with `largest` (may be null),
   // also largest[i] = its largest score plus one (a StepCheck::state_bound, > 0); with row_sumsq

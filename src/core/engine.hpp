@@ -113,11 +113,12 @@ struct Megabatch {
   std::vector<Chunk> chunks;                     // gather, orthogonalize, update
   std::vector<std::unique_ptr<Orthogonalizer>> orths;  // one per distinct chunk size
   DeviceBuffer scores;   // members x rows fp32
-  // Per member, the largest row score of the last applied step plus one: an upper bound on every
-  // |M| element of the member (the selected rows' error feedback only shrinks them), which lets
-  // the next step's non-finite check skip reading M (StepCheck::state_bound). Zero (unknown)
-  // after planning and whenever the state may have been written otherwise (forget_state_bounds).
-  // Megabatches that select rows (keeps_state_bounds); else empty.
+  // Per member, an upper bound on every |M| element of the member, which lets the next step's
+  // non-finite check skip reading M (StepCheck::state_bound). Row selection: the largest row
+  // score of the last applied step plus one (the selected rows' error feedback only shrinks
+  // them); Muon and NorMuon: the largest |M| any applied step stored, raised by accumulate. Zero
+  // (unknown) after planning and whenever the state may have been written otherwise
+  // (forget_state_bounds).
   DeviceBuffer bounds;
   DeviceBuffer indices;  // members x k int32
   // Row sums of squares (fp32) for the normalisation: members x rows of M from accumulate when
@@ -364,7 +365,6 @@ struct Optimizer::Impl {
   void check_adjusted_lrs() const;  // each megabatch's lr after adjust_lr is finite in float32
   StepCheck step_check(const Param& p) const;  // what check_step evaluates for p's step
   // Whether mb keeps bounds: it selects rows from scores that bound its momentum.
-  bool keeps_state_bounds(const Megabatch& mb) const;
   void forget_state_bounds();  // the state may have been written outside a step: bounds unknown
   // state_changed(): the second moments (NorMuon's variance, AdamW's exp_avg_sq) of the
   // parameters written are read back and checked at the next eager step, which no kernel's check

@@ -856,10 +856,12 @@ void Optimizer::Impl::build_plan() {
       mb.indices = DeviceBuffer(alloc, static_cast<std::size_t>(n * std::max<int64_t>(listed, 1)) * sizeof(int32_t));
       if (mb.global_scope) backend->fill_zero(mb.indices.get(), mb.indices.bytes());  // see Megabatch::slots
     }
-    if (keeps_state_bounds(mb)) {
-      mb.bounds = DeviceBuffer(alloc, static_cast<std::size_t>(n) * sizeof(float));
-      backend->fill_zero(mb.bounds.get(), mb.bounds.bytes());
-    }
+    // Row selection: every layout selects from scores that include the row l1 norms of the rank's
+    // own momentum (whole rows, its columns' part, or those summed over ranks, or all shards'
+    // gathered), so the largest of them bounds every element of it. Muon and NorMuon: accumulate
+    // raises the bound over the rank's own momentum, which nothing else in a step writes.
+    mb.bounds = DeviceBuffer(alloc, static_cast<std::size_t>(n) * sizeof(float));
+    backend->fill_zero(mb.bounds.get(), mb.bounds.bytes());
     if (mb.gathers_normalized || gathers_whole_rows(mb)) {
       mb.row_sumsq = DeviceBuffer(
           alloc, static_cast<std::size_t>(mb.gathers_normalized ? n * (mb.rows + 1) : n * mb.k) * sizeof(float));
@@ -1774,11 +1776,11 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
     if (selects) {
       // Row l1 scores over this rank's columns, summed over the ranks (one GEMM with a row of
       // ones, the same arithmetic on every rank, so every rank selects the same rows).
-      be.accumulate(*mb.set, 1.0f, 1.0f, scores, nullptr, flag);
+      be.accumulate(*mb.set, 1.0f, 1.0f, scores, nullptr, nullptr, flag);
       be.select_rows(summed_scores(mb, *mb.comm), n, mb.rows, mb.k, idx, flag, mb.bounds.as<float>(), nullptr,
                      nullptr);
     } else {
-      be.accumulate(*mb.set, mu, gs, nullptr, nullptr, flag);
+      be.accumulate(*mb.set, mu, gs, nullptr, nullptr, mb.bounds.as<float>(), flag);
     }
     // The others' columns of the selected rows into `send` ([owner][member][k][c], member
     // order), zero-padded to c columns.
@@ -1800,12 +1802,12 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
   if (mb.layout != Layout::RowShard) {
     if (selects) {
       // M += G, row l1 scores (and sums of squares, for the normalisation in the gather)
-      be.accumulate(*mb.set, 1.0f, 1.0f, scores, row_sumsq, flag);
+      be.accumulate(*mb.set, 1.0f, 1.0f, scores, row_sumsq, nullptr, flag);
       // S = top-k rows (and, when the gather normalises, their sum of squares)
       be.select_rows(scores, n, mb.rows, mb.k, idx, flag, mb.bounds.as<float>(), row_sumsq,
                      row_sumsq ? selected_sumsq(mb) : nullptr);
     } else {
-      be.accumulate(*mb.set, mu, gs, nullptr, nullptr, flag);  // M = mu M + gs G
+      be.accumulate(*mb.set, mu, gs, nullptr, nullptr, mb.bounds.as<float>(), flag);  // M = mu M + gs G
     }
     return;
   }
@@ -1814,7 +1816,7 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
   const int64_t P = mb.ranks, c = ceil_div(mb.global_rows, P), shard_first = std::min(mb.global_rows, mb.rank * c);
   int32_t* piece_idx = mb.piece_idx.as<int32_t>();
   if (selects) {
-    be.accumulate(*mb.set, 1.0f, 1.0f, scores, row_sumsq, flag);
+    be.accumulate(*mb.set, 1.0f, 1.0f, scores, row_sumsq, nullptr, flag);
     if (mb.global_scope) {
       // Every rank gathers every shard's scores and selects the whole matrix's top k (the
       // single-device selection), then keeps the rows that fall in its shard.
@@ -1832,7 +1834,7 @@ void Optimizer::Impl::prepare(Megabatch& mb, int* flag) {
       select_pieces(mb, scores, row_sumsq, flag);
     }
   } else {
-    be.accumulate(*mb.set, mu, gs, nullptr, nullptr, flag);
+    be.accumulate(*mb.set, mu, gs, nullptr, nullptr, mb.bounds.as<float>(), flag);
   }
   if (P == 1) return;  // nothing leaves the rank
   // The pieces other ranks orthogonalize (global scope: every piece, the owner compacts them)
@@ -2030,11 +2032,11 @@ void Optimizer::Impl::prepare_block(Megabatch& mb, int* flag) {
   int32_t* piece_idx = mb.piece_idx.as<int32_t>();
   if (selects) {
     float* scores = mb.scores.as<float>();
-    be.accumulate(*mb.set, 1.0f, 1.0f, scores, nullptr, flag);
+    be.accumulate(*mb.set, 1.0f, 1.0f, scores, nullptr, nullptr, flag);
     // Row scores over this rank's columns, summed over the column ranks.
     select_pieces(mb, Pc > 1 && mb.rows > 0 ? summed_scores(mb, *mb.col_comm) : scores, nullptr, flag);
   } else {
-    be.accumulate(*mb.set, mu, gs, nullptr, nullptr, flag);
+    be.accumulate(*mb.set, mu, gs, nullptr, nullptr, mb.bounds.as<float>(), flag);
   }
   // This rank's columns of every member's pieces, into its block of colbuf (zero-padded to cc).
   const std::size_t block = static_cast<std::size_t>(n * mb.piece * cc) * es_u;
@@ -2163,13 +2165,6 @@ void Optimizer::Impl::build_lists() {
   lists = std::move(l);
 }
 
-bool Optimizer::Impl::keeps_state_bounds(const Megabatch& mb) const {
-  // Every layout selects from scores that include the row l1 norms of the rank's own momentum
-  // (whole rows, its columns' part, or those summed over ranks, or all shards' gathered), so the
-  // largest of them bounds every element of it.
-  return selects_rows(groups[mb.group].algorithm);
-}
-
 void Optimizer::Impl::forget_state_bounds() {
   for (Megabatch& mb : megabatches)
     if (mb.bounds.get() != nullptr) backend->fill_zero(mb.bounds.get(), mb.bounds.bytes());
@@ -2192,6 +2187,7 @@ StepCheck Optimizer::Impl::step_check(const Param& p) const {
       c.a = group_hyper(p.group, kMu);
       c.b = g.nesterov ? group_hyper(p.group, kMu) : Hyper(0.0f);
       c.c = group_hyper(p.group, kGradScale);
+      c.state_bound = p.state_bound;
       break;
     case Algorithm::AdamW:
       c.rule = StepCheck::AdamW;

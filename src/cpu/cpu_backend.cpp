@@ -24,8 +24,8 @@
 namespace dion3 {
 namespace {
 
-// |x| as bits that order as unsigned integers (NaN above every number): the bounds of
-// ElementwiseParam::state_bound are raised by comparing these.
+// |x| as bits that order as unsigned integers (NaN above every number): the state bounds
+// (ElementwiseParam::state_bound, accumulate's `largest`) are raised by comparing these.
 uint32_t bound_bits(float x) {
   x = std::fabs(x);
   uint32_t u;
@@ -271,9 +271,9 @@ class CpuBackend final : public Backend {
   }
 
   void accumulate(const MatrixSet& set, Hyper decay_h, Hyper grad_scale, float* scores, float* row_sumsq,
-                  const int* skip) override {
+                  float* largest, const int* skip) override {
     if (skipped(skip)) return;
-    if (set.columns) return accumulate_columns(set, decay_h.get(), grad_scale.get(), scores, row_sumsq);
+    if (set.columns) return accumulate_columns(set, decay_h.get(), grad_scale.get(), scores, row_sumsq, largest);
     const float decay = decay_h.get(), gs = grad_scale.get();
     const int64_t rows = set.rows(), block = cpu::row_block(set.cols()), blocks = (rows + block - 1) / block;
     struct Buffers {
@@ -286,11 +286,13 @@ class CpuBackend final : public Backend {
       Floats &m = buf.m, &g = buf.g;
       m.resize(p.momentum.cols);
       g.resize(p.grad.cols);
+      uint32_t most = 0;  // bound_bits of the largest |M| element stored
       for (int64_t r = r0; r < std::min(rows, r0 + block); ++r) {
         load_row(p.momentum, 0, r, m.data());
         load_row(p.grad, 0, r, g.data());
         for (int64_t j = 0; j < p.momentum.cols; ++j) m[j] = decay * m[j] + gs * g[j];
         store_row(p.momentum, 0, r, m.data());
+        if (largest) most = std::max(most, largest_bits(p.momentum.dtype, m.data(), p.momentum.cols));
         // Score what is stored: the rounded momentum, as a device kernel reading M back would.
         double l1 = 0.0, sq = 0.0;
         for (int64_t j = 0; j < p.momentum.cols; ++j) {
@@ -301,6 +303,7 @@ class CpuBackend final : public Backend {
         if (scores) scores[i * rows + r] = static_cast<float>(l1);
         if (row_sumsq) row_sumsq[i * rows + r] = static_cast<float>(sq);
       }
+      if (largest) raise_bound(largest + i, most);
     });
   }
 
@@ -692,7 +695,8 @@ class CpuBackend final : public Backend {
   // along memory once; what a stored row gives each selected column is kept in a selected x
   // stored-rows buffer, which the walk down the rows fills a column at a time.
 
-  void accumulate_columns(const MatrixSet& set, float decay, float gs, float* scores, float* row_sumsq) {
+  void accumulate_columns(const MatrixSet& set, float decay, float gs, float* scores, float* row_sumsq,
+                          float* largest) {
     const int64_t n = set.rows();  // stored columns
     struct Buffers {
       Floats m, g;
@@ -706,11 +710,13 @@ class CpuBackend final : public Backend {
       buf.g.resize(n);
       buf.l1.assign(n, 0.0);
       buf.sq.assign(n, 0.0);
+      uint32_t most = 0;  // bound_bits of the largest |M| element stored
       for (int64_t r = 0; r < p.momentum.rows; ++r) {
         load_row(p.momentum, 0, r, buf.m.data());
         load_row(p.grad, 0, r, buf.g.data());
         for (int64_t c = 0; c < n; ++c) buf.m[c] = decay * buf.m[c] + gs * buf.g[c];
         store_row(p.momentum, 0, r, buf.m.data());
+        if (largest) most = std::max(most, largest_bits(p.momentum.dtype, buf.m.data(), n));
         for (int64_t c = 0; c < n; ++c) {  // of the values as stored, summed in row order
           const double v = cpu::round_to(p.momentum.dtype, buf.m[c]);
           buf.l1[c] += std::fabs(v);
@@ -721,6 +727,7 @@ class CpuBackend final : public Backend {
         if (scores) scores[i * n + c] = static_cast<float>(buf.l1[c]);
         if (row_sumsq) row_sumsq[i * n + c] = static_cast<float>(buf.sq[c]);
       }
+      if (largest) raise_bound(largest + i, most);
     });
   }
 

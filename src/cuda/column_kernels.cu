@@ -34,57 +34,63 @@ int64_t row_chunks(int64_t rows) { return std::min<int64_t>(kMaxRowChunks, (rows
 // M = decay*M + grad_scale*G on rows [z*chunk, (z+1)*chunk) of a stored rows x cols matrix; thread q
 // walks column q (VEC: columns 4q.. 4q+3, in 4-element packs, kColumnRowsInFlight rows of them
 // loaded before any is stored), neighbouring threads reading neighbouring elements of a row.
-// Partial ℓ1 and squared sums of the stored values per (chunk, column), each summed in row order.
+// Partial ℓ1 and squared sums of the stored values per (chunk, column), each summed in row order;
+// largest[i] raised to the largest |M_i| stored.
 template <class TM, class TG, bool VEC>
 __global__ void accumulate_columns_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols,
                                           int64_t chunk, Hyper decay_h, Hyper grad_scale_h,
-                                          float* __restrict__ part_l1,
-                                          float* __restrict__ part_sq, const int* skip) {
+                                          float* __restrict__ part_l1, float* __restrict__ part_sq,
+                                          float* __restrict__ largest, const int* skip) {
   pdl_wait();
   if (skipped(skip)) return;
   constexpr int V = VEC ? 4 : 1;
   const int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, i = blockIdx.y, z = blockIdx.z;
-  if (q * V >= cols) return;
-  const float decay = decay_h.get(), gs = grad_scale_h.get();
-  const DeviceMat d = mats[i];
-  float l1[V] = {}, sq[V] = {};
-  const int64_t r_end = min(rows, (z + 1) * chunk);
-  auto step = [&](TM* m, const TG* g, int e) {
-    const TM nv = from_f32<TM>(decay * to_f32(*m) + gs * to_f32(*g));
-    *m = nv;
-    const float v = to_f32(nv);
-    l1[e] += fabsf(v);
-    sq[e] += v * v;
-  };
-  if constexpr (VEC) {
-    for (int64_t r0 = z * chunk; r0 < r_end; r0 += kColumnRowsInFlight) {
-      Pack4<TM> mp[kColumnRowsInFlight];
-      Pack4<TG> gp[kColumnRowsInFlight];
+  unsigned most[1] = {0};  // the largest |M| this thread stores (bound_bits)
+  if (q * V < cols) {  // threads past the last column stay for raise_bounds, which needs every thread
+    const float decay = decay_h.get(), gs = grad_scale_h.get();
+    const DeviceMat d = mats[i];
+    float l1[V] = {}, sq[V] = {};
+    const int64_t r_end = min(rows, (z + 1) * chunk);
+    auto step = [&](TM* m, const TG* g, int e) {
+      const TM nv = from_f32<TM>(decay * to_f32(*m) + gs * to_f32(*g));
+      *m = nv;
+      const float v = to_f32(nv);
+      l1[e] += fabsf(v);
+      sq[e] += v * v;
+      most[0] = max(most[0], bound_bits(v));
+    };
+    if constexpr (VEC) {
+      for (int64_t r0 = z * chunk; r0 < r_end; r0 += kColumnRowsInFlight) {
+        Pack4<TM> mp[kColumnRowsInFlight];
+        Pack4<TG> gp[kColumnRowsInFlight];
 #pragma unroll
-      for (int u = 0; u < kColumnRowsInFlight; ++u)
-        if (r0 + u < r_end) {
-          mp[u] = reinterpret_cast<const Pack4<TM>*>(static_cast<TM*>(d.m) + (r0 + u) * d.ldm)[q];
-          gp[u] = reinterpret_cast<const Pack4<TG>*>(static_cast<const TG*>(d.g) + (r0 + u) * d.ldg)[q];
-        }
+        for (int u = 0; u < kColumnRowsInFlight; ++u)
+          if (r0 + u < r_end) {
+            mp[u] = reinterpret_cast<const Pack4<TM>*>(static_cast<TM*>(d.m) + (r0 + u) * d.ldm)[q];
+            gp[u] = reinterpret_cast<const Pack4<TG>*>(static_cast<const TG*>(d.g) + (r0 + u) * d.ldg)[q];
+          }
 #pragma unroll
-      for (int u = 0; u < kColumnRowsInFlight; ++u)
-        if (r0 + u < r_end) {
+        for (int u = 0; u < kColumnRowsInFlight; ++u)
+          if (r0 + u < r_end) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) step(&mp[u].v[e], &gp[u].v[e], e);
-          reinterpret_cast<Pack4<TM>*>(static_cast<TM*>(d.m) + (r0 + u) * d.ldm)[q] = mp[u];
-        }
+            for (int e = 0; e < 4; ++e) step(&mp[u].v[e], &gp[u].v[e], e);
+            reinterpret_cast<Pack4<TM>*>(static_cast<TM*>(d.m) + (r0 + u) * d.ldm)[q] = mp[u];
+          }
+      }
+    } else {
+      for (int64_t r = z * chunk; r < r_end; ++r)
+        step(static_cast<TM*>(d.m) + r * d.ldm + q, static_cast<const TG*>(d.g) + r * d.ldg + q, 0);
     }
-  } else {
-    for (int64_t r = z * chunk; r < r_end; ++r)
-      step(static_cast<TM*>(d.m) + r * d.ldm + q, static_cast<const TG*>(d.g) + r * d.ldg + q, 0);
-  }
-  if (part_l1 == nullptr) return;
-  const int64_t at = (i * gridDim.z + z) * cols + q * V;
+    if (part_l1 != nullptr) {
+      const int64_t at = (i * gridDim.z + z) * cols + q * V;
 #pragma unroll
-  for (int e = 0; e < V; ++e) {
-    part_l1[at + e] = l1[e];
-    part_sq[at + e] = sq[e];
+      for (int e = 0; e < V; ++e) {
+        part_l1[at + e] = l1[e];
+        part_sq[at + e] = sq[e];
+      }
+    }
   }
+  if (largest) raise_bounds(largest + i, most);
 }
 
 // out[o*inner + c] = the sum over z < parts, in order, of part[(o*parts + z)*inner + c]: the
@@ -404,7 +410,7 @@ int64_t accumulate_columns_scratch_floats(int64_t nmats, int64_t rows, int64_t c
 
 void launch_accumulate_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
                                DType gdt, Hyper decay, Hyper grad_scale, float* scores, float* row_sumsq,
-                               float* scratch, const int* skip, cudaStream_t s, bool vec) {
+                               float* largest, float* scratch, const int* skip, cudaStream_t s, bool vec) {
   if (nmats == 0 || cols == 0) return;
   if (rows == 0) {  // empty columns: zero scores
     for (float* out : {scores, row_sumsq})
@@ -420,7 +426,7 @@ void launch_accumulate_columns(const DeviceMat* mats, int64_t nmats, int64_t row
   DION3_DISPATCH_FLOAT(mdt, TM, [&] {
     DION3_DISPATCH_FLOAT(gdt, TG, [&] {
       launch_pdl(vec ? accumulate_columns_kernel<TM, TG, true> : accumulate_columns_kernel<TM, TG, false>, grid,
-                 kColumnThreads, 0, s, mats, rows, cols, chunk, decay, grad_scale, part_l1, part_sq, skip);
+                 kColumnThreads, 0, s, mats, rows, cols, chunk, decay, grad_scale, part_l1, part_sq, largest, skip);
     });
   });
   const unsigned sum_grid = ceil_div_u(nmats * cols, kColumnThreads);

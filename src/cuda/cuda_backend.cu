@@ -284,17 +284,17 @@ class CudaBackend final : public Backend {
   void check_step(std::span<const StepCheck> xs, int* flag) override { launch_check_step(xs, flag, stream_); }
 
   void accumulate(const MatrixSet& base, Hyper decay, Hyper grad_scale, float* scores, float* row_sumsq,
-                  const int* skip) override {
+                  float* largest, const int* skip) override {
     const auto& set = ready(base);
     if (set.columns) {  // stored rows x cols is the set's cols x rows
       float* scr = static_cast<float*>(scratch(
           scratch_, accumulate_columns_scratch_floats(n_of(set), set.cols(), set.rows()) * sizeof(float)));
       launch_accumulate_columns(table(set), n_of(set), set.cols(), set.rows(), set.mdt, set.gdt, decay, grad_scale,
-                                scores, row_sumsq, scr, skip, stream_, set.vec);
+                                scores, row_sumsq, largest, scr, skip, stream_, set.vec);
       return;
     }
     launch_accumulate(table(set), n_of(set), set.rows(), set.cols(), set.mdt, set.gdt, decay, grad_scale, scores,
-                      row_sumsq, skip, stream_, set.vec);
+                      row_sumsq, largest, skip, stream_, set.vec);
   }
 
   void select_rows(const float* scores, int64_t count, int64_t m, int64_t k, int32_t* idx,

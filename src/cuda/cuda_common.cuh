@@ -199,4 +199,36 @@ __device__ __forceinline__ V block_sum(V x, V* smem32) {
   return warp_sum(lane < nw ? smem32[lane] : V{});
 }
 
+// |x| as bits that order as unsigned integers (NaN above every number): the state bounds are
+// raised by comparing these.
+__device__ __forceinline__ unsigned bound_bits(float x) { return __float_as_uint(fabsf(x)); }
+
+// Raises bound[0 .. N) to the block's largest of x[0 .. N) (bound_bits). Every thread of the block
+// takes part (blockDim.x a multiple of 32). One thread per block compares with the bounds before
+// it raises them: atomics of every warp on the same words would serialise, and once the bounds
+// settle most blocks have none to do.
+template <int N>
+__device__ __forceinline__ void raise_bounds(float* bound, const unsigned (&x)[N]) {
+  __shared__ unsigned part[N][32];
+  unsigned a[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    a[j] = x[j];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) a[j] = max(a[j], __shfl_xor_sync(0xffffffffu, a[j], o));
+  }
+  const int warp = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) == 0)
+#pragma unroll
+    for (int j = 0; j < N; ++j) part[j][warp] = a[j];
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  auto* words = reinterpret_cast<unsigned*>(bound);
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w) a[j] = max(a[j], part[j][w]);
+    if (a[j] > __ldcg(words + j)) atomicMax(words + j, a[j]);
+  }
+}
+
 }  // namespace dion3::cuda

@@ -315,27 +315,6 @@ __device__ __forceinline__ TableEntry<TW, TG, TS, H> entry(const MultiTensor<H>&
           static_cast<TS*>(t.v[i]), t.n[i], t.h[i]};
 }
 
-// Raises bound[0] and bound[1] to the block's largest of a and b: the bit patterns of floats >= 0
-// (or NaN, which stays largest) order as unsigned integers. Every thread of the block takes part.
-// One thread per block compares with the bounds before it raises them: atomics of every warp on
-// the same two words would serialise, and once the bounds settle most blocks have none to do.
-__device__ __forceinline__ void raise_bounds(float* bound, unsigned a, unsigned b) {
-  __shared__ unsigned part[2][32];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    a = max(a, __shfl_xor_sync(0xffffffffu, a, o));
-    b = max(b, __shfl_xor_sync(0xffffffffu, b, o));
-  }
-  const int warp = threadIdx.x >> 5;
-  if ((threadIdx.x & 31) == 0) part[0][warp] = a, part[1][warp] = b;
-  __syncthreads();
-  if (threadIdx.x != 0) return;
-  for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w) a = max(a, part[0][w]), b = max(b, part[1][w]);
-  auto* words = reinterpret_cast<unsigned*>(bound);
-  if (a > __ldcg(words)) atomicMax(words, a);
-  if (b > __ldcg(words + 1)) atomicMax(words + 1, b);
-}
-
 template <class TW, class TG, class TS>
 __global__ void adamw_kernel(const __grid_constant__ MultiTensor<AdamWParams> t, const int* skip) {
   pdl_wait();
@@ -347,11 +326,11 @@ __global__ void adamw_kernel(const __grid_constant__ MultiTensor<AdamWParams> t,
   const AdamWParams h = given.resolved();
   const int64_t start = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  // The largest |exp_avg| and exp_avg_sq this thread stores, as bits (see raise_bounds).
-  unsigned bm = 0, bv = 0;
+  // The largest |exp_avg| and exp_avg_sq this thread stores (bound_bits).
+  unsigned most[2] = {0, 0};
   auto note = [&](float m1, float v1) {
-    bm = max(bm, __float_as_uint(fabsf(m1)));
-    bv = max(bv, __float_as_uint(fabsf(v1)));
+    most[0] = max(most[0], bound_bits(m1));
+    most[1] = max(most[1], bound_bits(v1));
   };
   const float decay = 1.0f - h.lr * h.weight_decay;
   // Bias correction from the device step counter, by the CPU backend's rule.
@@ -388,7 +367,7 @@ __global__ void adamw_kernel(const __grid_constant__ MultiTensor<AdamWParams> t,
       note(to_f32(ms), to_f32(vs));
     }
   }
-  if (bound) raise_bounds(bound, bm, bv);
+  if (bound) raise_bounds(bound, most);
 }
 
 template <class TW, class TG, class TS>

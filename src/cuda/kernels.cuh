@@ -15,7 +15,8 @@ namespace dion3::cuda {
 
 // --- step kernels (step_kernels.cu) ------------------------------------------------------
 void launch_accumulate(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
-                       DType gdt, Hyper decay, Hyper grad_scale, float* scores, float* row_sumsq, const int* skip, cudaStream_t s,
+                       DType gdt, Hyper decay, Hyper grad_scale, float* scores, float* row_sumsq, float* largest,
+                       const int* skip, cudaStream_t s,
                        bool vec);  // vec: every row pointer 4-element aligned, cols % 4 == 0
 void launch_select_rows(const float* scores, int64_t count, int64_t m, int64_t k, int32_t* idx,
                         float* largest, const float* row_sumsq, float* selected_sumsq, const int* skip,
@@ -42,7 +43,7 @@ void launch_normuon_factors(const DeviceMat* mats, int64_t nmats, int64_t rows, 
 int64_t accumulate_columns_scratch_floats(int64_t nmats, int64_t rows, int64_t cols);
 void launch_accumulate_columns(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
                                DType gdt, Hyper decay, Hyper grad_scale, float* scores, float* row_sumsq,
-                               float* scratch, const int* skip, cudaStream_t s,
+                               float* largest, float* scratch, const int* skip, cudaStream_t s,
                                bool vec);  // vec: every stored row 4-element aligned, cols % 4 == 0
 int64_t gather_columns_scratch_floats(int64_t nmats, int64_t rows, int64_t k);
 // With selected_sumsq, each matrix's gathered columns are scaled by

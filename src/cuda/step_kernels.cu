@@ -43,7 +43,7 @@ __device__ __forceinline__ void for_row_packs(const Pack4<TM>* m4, const Pack4<T
 }
 
 // ---- accumulate: M = decay*M + grad_scale*G; scores[r] = sum_j |M[r, j]|, row_sumsq[r] = sum_j M[r, j]^2
-// (of the rounded values) ----------------------------------------------------------------------
+// (of the rounded values); largest[i] raised to the largest |M_i| stored ---------------------------
 // One warp per row; with VEC each lane loads four 4-element packs of M and of G before it
 // stores any (more bytes in flight than a block per row with one pack per thread). Each lane
 // sums in a fixed order, then a fixed shuffle tree: reproducible.
@@ -51,45 +51,50 @@ template <class TM, class TG, bool VEC>
 __global__ void __launch_bounds__(32 * kRowWarps)
     accumulate_kernel(const DeviceMat* __restrict__ mats, int64_t rows, int64_t cols, Hyper decay_h,
                       Hyper grad_scale_h, float* __restrict__ scores, float* __restrict__ row_sumsq,
-                      const int* skip) {
+                      float* __restrict__ largest, const int* skip) {
   pdl_wait();
   if (skipped(skip)) return;
   const float decay = decay_h.get(), gs = grad_scale_h.get();
   const int lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5), i = blockIdx.y;
-  if (r >= rows) return;
-  const DeviceMat d = mats[i];
-  TM* m = static_cast<TM*>(d.m) + r * d.ldm;
-  const TG* g = static_cast<const TG*>(d.g) + r * d.ldg;
-  float2 sums = make_float2(0.0f, 0.0f);  // l1, sum of squares
-  auto add = [&](float v) {
-    sums.x += fabsf(v);
-    sums.y += v * v;
-  };
-  if constexpr (VEC) {
-    Pack4<TM>* m4 = reinterpret_cast<Pack4<TM>*>(m);
-    for_row_packs<4>(m4, reinterpret_cast<const Pack4<TG>*>(g), cols / 4, lane, true,
-                     [&](int64_t q, Pack4<TM>& mp, const Pack4<TG>& gp) {
+  unsigned most[1] = {0};  // the largest |M| this lane stores (bound_bits)
+  if (r < rows) {  // warps past the last row stay for raise_bounds, which needs every thread
+    const DeviceMat d = mats[i];
+    TM* m = static_cast<TM*>(d.m) + r * d.ldm;
+    const TG* g = static_cast<const TG*>(d.g) + r * d.ldg;
+    float2 sums = make_float2(0.0f, 0.0f);  // l1, sum of squares
+    auto add = [&](float v) {
+      sums.x += fabsf(v);
+      sums.y += v * v;
+      most[0] = max(most[0], bound_bits(v));
+    };
+    if constexpr (VEC) {
+      Pack4<TM>* m4 = reinterpret_cast<Pack4<TM>*>(m);
+      for_row_packs<4>(m4, reinterpret_cast<const Pack4<TG>*>(g), cols / 4, lane, true,
+                       [&](int64_t q, Pack4<TM>& mp, const Pack4<TG>& gp) {
 #pragma unroll
-                       for (int e = 0; e < 4; ++e) {
-                         mp.v[e] = from_f32<TM>(decay * to_f32(mp.v[e]) + gs * to_f32(gp.v[e]));
-                         add(to_f32(mp.v[e]));
-                       }
-                       m4[q] = mp;
-                     });
-  } else {
-    for (int64_t j = lane; j < cols; j += 32) {
-      const TM nv = from_f32<TM>(decay * to_f32(m[j]) + gs * to_f32(g[j]));
-      m[j] = nv;
-      add(to_f32(nv));
+                         for (int e = 0; e < 4; ++e) {
+                           mp.v[e] = from_f32<TM>(decay * to_f32(mp.v[e]) + gs * to_f32(gp.v[e]));
+                           add(to_f32(mp.v[e]));
+                         }
+                         m4[q] = mp;
+                       });
+    } else {
+      for (int64_t j = lane; j < cols; j += 32) {
+        const TM nv = from_f32<TM>(decay * to_f32(m[j]) + gs * to_f32(g[j]));
+        m[j] = nv;
+        add(to_f32(nv));
+      }
+    }
+    if (scores != nullptr || row_sumsq != nullptr) {
+      sums = warp_sum(sums);
+      if (lane == 0) {
+        if (scores) scores[i * rows + r] = sums.x;
+        if (row_sumsq) row_sumsq[i * rows + r] = sums.y;
+      }
     }
   }
-  if (scores == nullptr && row_sumsq == nullptr) return;
-  sums = warp_sum(sums);
-  if (lane == 0) {
-    if (scores) scores[i * rows + r] = sums.x;
-    if (row_sumsq) row_sumsq[i * rows + r] = sums.y;
-  }
+  if (largest) raise_bounds(largest + i, most);
 }
 
 // ---- select_rows: per score vector, the k largest (ties: lower index), ascending output ----
@@ -780,18 +785,18 @@ __global__ void __launch_bounds__(kStepThreads, kMode == CheckMode::Known ? kKno
 }  // namespace
 
 void launch_accumulate(const DeviceMat* mats, int64_t nmats, int64_t rows, int64_t cols, DType mdt,
-                       DType gdt, Hyper decay, Hyper grad_scale, float* scores, float* row_sumsq, const int* skip,
-                       cudaStream_t s, bool vec) {
+                       DType gdt, Hyper decay, Hyper grad_scale, float* scores, float* row_sumsq, float* largest,
+                       const int* skip, cudaStream_t s, bool vec) {
   if (nmats == 0 || rows == 0) return;
   const dim3 grid(ceil_div_u(rows, kRowWarps), static_cast<unsigned>(nmats));
   DION3_DISPATCH_FLOAT(mdt, TM, [&] {
     DION3_DISPATCH_FLOAT(gdt, TG, [&] {
       if (vec)
         launch_pdl(accumulate_kernel<TM, TG, true>, grid, 32 * kRowWarps, 0, s, mats, rows, cols, decay,
-                   grad_scale, scores, row_sumsq, skip);
+                   grad_scale, scores, row_sumsq, largest, skip);
       else
         launch_pdl(accumulate_kernel<TM, TG, false>, grid, 32 * kRowWarps, 0, s, mats, rows, cols, decay,
-                   grad_scale, scores, row_sumsq, skip);
+                   grad_scale, scores, row_sumsq, largest, skip);
     });
   });
   DION3_CUDA_LAUNCH_CHECK();

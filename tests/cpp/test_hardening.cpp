@@ -391,19 +391,22 @@ TEST(Hardening, StepsThatWouldOverflowTheStateAreDroppedWithNothingWritten) {
     }
 }
 
-// Between steps the non-finite check keeps, per Dion3 matrix, a bound on its momentum from the
-// step's own last write (the largest row score), and reads the momentum only where the gradient
-// is too large for that bound to settle the verdict. Momentum written at 0.9 x the largest finite
-// value, then a gradient of 0.2 x it: the sum overflows. Written through state_views() without
+// Between steps the non-finite check keeps, per matrix, a bound on its momentum from the step's
+// own last write (Dion3: the largest row score; Muon, NorMuon: the largest element accumulate
+// stored), and reads the momentum only where the gradient is too large for that bound to settle
+// the verdict. Momentum written at 0.9 x the largest finite value, then a gradient of 0.2 x it:
+// the sum (0.95 x it for Muon's and NorMuon's) overflows. Written through state_views() without
 // notice, the check trusts its stale bound and the step is applied, overflowing the momentum and
 // so the weights (what state_changed() is for; this pins that the bound is in use); after
 // state_changed() or import_state() the step is dropped.
 TEST(Hardening, TheCheckReadsTheMomentumAgainOnceTheStateWasWrittenOutsideAStep) {
+  for (Algorithm alg : {Algorithm::Dion3, Algorithm::Muon, Algorithm::NorMuon})
   for (DType dt : {DType::F32, DType::BF16}) {
     const double big = dt == DType::F32 ? 3.4028234663852886e38 : 3.3895313892515355e38;
     for (int how : {0, 1, 2}) {  // 0: state_views() without notice, 1: then state_changed(), 2: import_state()
-      const std::string what = std::string(dion3::dtype_name(dt)) + " case " + std::to_string(how);
-      Overflow o(Algorithm::Dion3, dt, NonFinitePolicy::Skip);
+      const std::string what = std::string(dion3::algorithm_name(alg)) + " " + dion3::dtype_name(dt) + " case " +
+                               std::to_string(how);
+      Overflow o(alg, dt, NonFinitePolicy::Skip);
       for (int s = 0; s < 2; ++s) {
         o.fill(0.5);
         ASSERT_TRUE(o.h.opt.step()) << what;
@@ -438,10 +441,10 @@ TEST(Hardening, TheCheckReadsTheMomentumAgainOnceTheStateWasWrittenOutsideAStep)
 // fraction of it, some rows', another matrix's) would let that step through; then a non-finite
 // gradient and small ones.
 // The same verdicts with the bound as with a check that reads everything (state_changed() before
-// every step), in set-ups of their own (a drop in one would hide the others'): two 8 x 8 matrices
-// of one megabatch, the hot element in a middle row of the first; a parameter split into two row
-// blocks, and a 3-D one stepped as two matrices (no bound: read whole), the hot element in either
-// block or matrix.
+// every step), for Dion3, Muon and NorMuon, in set-ups of their own (a drop in one would hide the
+// others'): two 8 x 8 matrices of one megabatch, the hot element in a middle row of the first, or
+// in the last column of the second; a parameter split into two row blocks, and a 3-D one stepped
+// as two matrices (no bound: read whole), the hot element in either block or matrix.
 TEST(Hardening, TheMomentumBoundNeverChangesAVerdict) {
   const std::vector<double> scales = {0.2, 0.2, 0.2, 0.2, 0.2, 0.19, 0.19, 0.19, 0.1, 0.05, 0.19, 0.19,
                                       std::numeric_limits<double>::infinity(), 1e-30, 1e-30};
@@ -455,13 +458,15 @@ TEST(Hardening, TheMomentumBoundNeverChangesAVerdict) {
     std::vector<P> params;
   };
   const std::vector<Setup> setups = {{"two members", {}, {{{8, 8}, 42}, {{8, 8}, -1}}},
+                                     {"two members, the second hot", {}, {{{8, 8}, -1}, {{8, 8}, 47}}},
                                      {"split rows, first block", {4, 4}, {{{8, 8}, 18}}},
                                      {"split rows, second block", {4, 4}, {{{8, 8}, 45}}},
                                      {"3-D, first matrix", {}, {{{2, 8, 8}, 20}}},
                                      {"3-D, second matrix", {}, {{{2, 8, 8}, 100}}}};
+  for (Algorithm alg : {Algorithm::Dion3, Algorithm::Muon, Algorithm::NorMuon})
   for (const Setup& su : setups)
     for (DType dt : {DType::F32, DType::BF16}) {
-      const std::string what = su.name + " " + dion3::dtype_name(dt);
+      const std::string what = std::string(dion3::algorithm_name(alg)) + " " + su.name + " " + dion3::dtype_name(dt);
       const double big = dt == DType::F32 ? 3.4028234663852886e38 : 3.3895313892515355e38;
       dion3::OptimizerOptions o;
       o.on_nonfinite = NonFinitePolicy::Skip;
@@ -469,6 +474,7 @@ TEST(Hardening, TheMomentumBoundNeverChangesAVerdict) {
       for (Harness* h : {&fast, &exact}) {
         Rng rng(5);
         GroupConfig g;
+        g.algorithm = alg;
         g.fraction = 0.5;
         g.split_sizes = su.split;
         const int gi = h->opt.add_group(g);

@@ -319,8 +319,8 @@ TEST(Orthogonalize, GatherNormalizedIsGatherThenNormalize) {
       };
       auto s1 = set_of(m1), s2 = set_of(m2);
       std::vector<float> scores(n * rows), ss(n * rows);
-      be->accumulate(*s1, 1.0f, 1.0f, scores.data(), ss.data(), nullptr);
-      be->accumulate(*s2, 1.0f, 1.0f, nullptr, nullptr, nullptr);
+      be->accumulate(*s1, 1.0f, 1.0f, scores.data(), ss.data(), nullptr, nullptr);
+      be->accumulate(*s2, 1.0f, 1.0f, nullptr, nullptr, nullptr, nullptr);
       std::vector<int32_t> idx(n * k);
       std::vector<float> selected(n);
       be->select_rows(scores.data(), n, rows, k, idx.data(), nullptr, nullptr, ss.data(), selected.data());

@@ -106,8 +106,8 @@ TEST_P(Accumulate, MatchesCpu) {
   dion3::DeviceBuffer dsc(gpu->allocator(), hsc.size() * 4);
   Twin ss(*gpu, DType::F32, 3, 37, 1);
   ss.fill_value(-1.0f);
-  cpu->accumulate(*s.hs, 0.9f, 0.05f, hsc.data(), static_cast<float*>(ss.hview().data), nullptr);
-  gpu->accumulate(*s.ds, 0.9f, 0.05f, dsc.as<float>(), static_cast<float*>(ss.dview().data), nullptr);
+  cpu->accumulate(*s.hs, 0.9f, 0.05f, hsc.data(), static_cast<float*>(ss.hview().data), nullptr, nullptr);
+  gpu->accumulate(*s.ds, 0.9f, 0.05f, dsc.as<float>(), static_cast<float*>(ss.dview().data), nullptr, nullptr);
   gpu->copy_to_host(dsc_h.data(), dsc.get(), hsc.size() * 4);
   EXPECT_LE(ct::rel_max_diff(s.m.device_values(), s.m.host_values()), storage_tol(c.m));
   // Scores are the l1 norms of the rows as each backend stored them (fp32 tree sum vs the CPU's
@@ -118,6 +118,33 @@ TEST_P(Accumulate, MatchesCpu) {
   // Row sums of squares of M as stored, on both backends.
   EXPECT_LE(ct::rel_max_diff(ss.host_values(), row_sums_of_squares(s.m.host_values(), c.cols)), 1e-6);
   EXPECT_LE(ct::rel_max_diff(ss.device_values(), row_sums_of_squares(s.m.device_values(), c.cols)), 1e-5);
+}
+
+// accumulate's `largest` (Muon's and NorMuon's momentum bound): raised to each matrix's largest
+// |M| as stored, never lowered, on the row path and the column-stepped one, with warps and
+// threads past the last row or column (37 rows; 300 columns).
+TEST_P(Accumulate, RaisesTheMomentumBounds) {
+  const AccCase c = GetParam();
+  for (bool columns : {false, true}) {
+    std::mt19937_64 rng(12);
+    SetTwin s(*cpu, *gpu, 3, 37, c.cols, DType::F32, c.g, c.m, rng, columns);
+    std::vector<float> hb = {0.0f, 1e6f, 0.0f}, db_h(3);  // the second bound lies above its M
+    dion3::DeviceBuffer db(gpu->allocator(), 3 * sizeof(float));
+    gpu->copy_from_host(db.get(), hb.data(), 3 * sizeof(float));
+    cpu->accumulate(*s.hs, 0.9f, 0.05f, nullptr, nullptr, hb.data(), nullptr);
+    gpu->accumulate(*s.ds, 0.9f, 0.05f, nullptr, nullptr, db.as<float>(), nullptr);
+    gpu->copy_to_host(db_h.data(), db.get(), 3 * sizeof(float));
+    const std::vector<float> hm = s.m.host_values(), dm = s.m.device_values();
+    const auto per = static_cast<std::ptrdiff_t>(37 * c.cols);
+    for (int i = 0; i < 3; ++i) {
+      float hmax = 0.0f, dmax = 0.0f;
+      for (std::ptrdiff_t e = i * per; e < (i + 1) * per; ++e)
+        hmax = std::max(hmax, std::fabs(hm[e])), dmax = std::max(dmax, std::fabs(dm[e]));
+      const std::string what = std::string(columns ? "columns" : "rows") + ", matrix " + std::to_string(i);
+      EXPECT_EQ(hb[i], i == 1 ? 1e6f : hmax) << what;
+      EXPECT_EQ(db_h[i], i == 1 ? 1e6f : dmax) << what;
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, Accumulate,
@@ -331,7 +358,7 @@ TEST_F(CudaOps, SkipFlagLeavesEverythingUntouched) {
   const auto w0 = s.w.device_values(), m0 = s.m.device_values(), v0 = s.v.device_values();
   Twin out(*gpu, DType::F32, 2, 5, 64);
   out.fill_value(7.0f);
-  gpu->accumulate(*s.ds, 0.5f, 1.0f, scores.as<float>(), nullptr, flag.as<int>());
+  gpu->accumulate(*s.ds, 0.5f, 1.0f, scores.as<float>(), nullptr, nullptr, flag.as<int>());
   gpu->gather_normalized(*s.ds, nullptr, 20, 0.5f, scores.as<float>(), dion3::NormGuard{}, Twin(*gpu, DType::F32, 2, 20, 64).dview(),
                          flag.as<int>());
   const std::vector<float> sums0 = {-3.0f, -3.0f};

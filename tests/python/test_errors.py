@@ -443,10 +443,10 @@ def test_dropped_steps_and_parameters_without_a_gradient_count_exactly(device):
     assert [int(opt.state[p]["step"]) for p in ps] == want
 
 
-def _after_small_steps(device, dtype=torch.float32):
-    """A Dion3 matrix after two applied steps of small gradients: its momentum bound is known."""
+def _after_small_steps(device, dtype=torch.float32, cls=dion3.Dion3):
+    """A matrix after two applied steps of small gradients: its momentum bound is known."""
     p = mat(device, 16, 8, dtype=dtype)
-    opt = dion3.Dion3([p], on_nonfinite="skip")
+    opt = cls([p], on_nonfinite="skip")
     for _ in range(2):
         p.grad = torch.full_like(p, 0.5)
         opt.step()
@@ -467,17 +467,18 @@ def _step_applied(p, opt, g):
 
 def _step_past_a_written_momentum(p, opt):
     """After the momentum was written at 0.9 x the dtype's largest value: a step with a gradient of
-    0.2 x it, which overflows the sum."""
+    0.2 x it, which overflows the sum (Dion3's M + G; Muon's and NorMuon's 0.95 M + G)."""
     return _step_applied(p, opt, 0.2 * torch.finfo(p.dtype).max)
 
 
+@pytest.mark.parametrize("cls", [dion3.Dion3, dion3.Muon, dion3.NorMuon])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_momentum_written_in_place_is_checked_whole_again(device, dtype):
+def test_momentum_written_in_place_is_checked_whole_again(device, dtype, cls):
     # Between steps the check bounds the momentum by the step's own last write and reads it only
     # where the gradient could overflow it; an in-place write (its tensor version moves) makes the
     # next step read it whole, and the step that would overflow it is dropped.
     big = torch.finfo(dtype).max
-    p, opt = _after_small_steps(device, dtype)
+    p, opt = _after_small_steps(device, dtype, cls)
     opt.state[p]["momentum"].fill_(0.9 * big)
     momentum = opt.state[p]["momentum"].clone()
     assert not _step_past_a_written_momentum(p, opt)
@@ -491,11 +492,12 @@ def test_momentum_written_in_place_is_checked_whole_again(device, dtype):
     assert not _step_past_a_written_momentum(p, opt)
 
 
-def test_the_momentum_bound_stays_in_use_across_plain_steps(device):
+@pytest.mark.parametrize("cls", [dion3.Dion3, dion3.Muon, dion3.NorMuon])
+def test_the_momentum_bound_stays_in_use_across_plain_steps(device, cls):
     # Nothing the optimizer does itself between steps (state_dict, zero_grad, lr changes) counts as
     # a state write: after them a write the version does not show (.data, without state_changed())
     # is not read, and the step over it is applied (what state_changed() is for).
-    p, opt = _after_small_steps(device)
+    p, opt = _after_small_steps(device, cls=cls)
     for step in range(3):
         opt.state_dict()
         opt.zero_grad()
