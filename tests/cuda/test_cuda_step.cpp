@@ -291,16 +291,18 @@ TEST_F(CudaStep, AdamWMovesElementsOfLargeFiniteGradientsByTheLearningRate) {
   }
 }
 
-// The non-finite check's momentum bound on the GPU (the CPU suite's Hardening tests say more):
-// the same verdicts and results as a check told to read everything before every step
-// (state_changed()), with the CPU suite's gradient scales on two elements of a 64 x 96 matrix (the
-// 16-byte path; a second one in its megabatch gets small gradients) and of a 13 x 7 one (the
-// element-wise path); and the bound in use: momentum written through state_views() without
-// state_changed() is not read again.
+// The non-finite check's momentum bound on the GPU (the CPU suite's Hardening tests say more), for
+// Dion3 (from the selection's scores) and Muon and NorMuon (raised by accumulate): the same verdicts
+// and results as a check told to read everything before every step (state_changed()), with the CPU
+// suite's gradient scales on two elements of a 64 x 96 matrix (the 16-byte path; a second one in its
+// megabatch gets small gradients) and of a 13 x 7 one (the element-wise path); and the bound in use:
+// momentum written through state_views() without state_changed() is not read again.
 TEST_F(CudaStep, TheMomentumBoundNeverChangesAVerdict) {
   const std::vector<double> scales = {0.2, 0.2, 0.2, 0.2, 0.2, 0.19, 0.19, 0.19, 0.1, 0.05, 0.19, 0.19,
                                       std::numeric_limits<double>::infinity(), 1e-30, 1e-30};
+  for (Algorithm alg : {Algorithm::Dion3, Algorithm::Muon, Algorithm::NorMuon})
   for (DType dt : {DType::F32, DType::BF16}) {
+    const std::string what = std::string(dion3::algorithm_name(alg)) + " " + dion3::dtype_name(dt);
     const double big = dt == DType::F32 ? 3.4028234663852886e38 : 3.3895313892515355e38;
     struct Run {
       dion3::Optimizer opt;
@@ -313,6 +315,7 @@ TEST_F(CudaStep, TheMomentumBoundNeverChangesAVerdict) {
     auto make = [&] {
       auto r = std::make_unique<Run>(o);
       dion3::GroupConfig g;
+      g.algorithm = alg;
       g.fraction = 0.5;
       const int gi = r->opt.add_group(g);
       std::mt19937_64 wrng(88);
@@ -343,13 +346,13 @@ TEST_F(CudaStep, TheMomentumBoundNeverChangesAVerdict) {
       }
       exact->opt.state_changed();
       const bool a = fast->opt.step(), b = exact->opt.step();
-      EXPECT_EQ(a, b) << dion3::dtype_name(dt) << " step " << s;
+      EXPECT_EQ(a, b) << what << " step " << s;
       applied += a;
       for (std::size_t i = 0; i < fast->w.size(); ++i)
-        EXPECT_EQ(fast->w[i]->device_values(), exact->w[i]->device_values()) << dion3::dtype_name(dt) << " step " << s;
+        EXPECT_EQ(fast->w[i]->device_values(), exact->w[i]->device_values()) << what << " step " << s;
     }
-    EXPECT_GT(applied, 3);
-    EXPECT_LT(applied, static_cast<int>(scales.size()));
+    EXPECT_GT(applied, 3) << what;
+    EXPECT_LT(applied, static_cast<int>(scales.size())) << what;
 
     for (bool notice : {false, true}) {
       auto r = make();
@@ -363,7 +366,7 @@ TEST_F(CudaStep, TheMomentumBoundNeverChangesAVerdict) {
       ASSERT_EQ(cudaMemcpy(m.data, huge.dev.get(), huge.bytes(), cudaMemcpyDeviceToDevice), cudaSuccess);
       if (notice) r->opt.state_changed();
       for (auto& g : r->g) g->fill_value(static_cast<float>(0.2 * big));
-      EXPECT_EQ(r->opt.step(), !notice) << dion3::dtype_name(dt) << (notice ? " after state_changed()" : "");
+      EXPECT_EQ(r->opt.step(), !notice) << what << (notice ? " after state_changed()" : "");
     }
   }
 }

@@ -110,9 +110,10 @@ TEST(Faults, NonFiniteOnOneRankIsDecidedByAll) {
 }
 
 // The non-finite check's momentum bound in every distributed layout (each rank bounds its own
-// part by the scores it selects from): the same verdicts and results as a check told to read
-// everything before every step (state_changed()), with the CPU suite's gradient scales on one
-// element in a middle row and column of the matrix.
+// part: Dion3 by the scores it selects from, Muon and NorMuon by what its accumulate stored): the
+// same verdicts and results as a check told to read everything before every step
+// (state_changed()), with the CPU suite's gradient scales on one element in a middle row and
+// column of the matrix.
 TEST(Faults, TheMomentumBoundNeverChangesAVerdict) {
   const int P = world_size(), rank = world_rank();
   const double big = 3.4028234663852886e38;
@@ -121,14 +122,18 @@ TEST(Faults, TheMomentumBoundNeverChangesAVerdict) {
     Layout layout;
     dion3::SelectionScope scope;
   };
+  for (Algorithm alg : {Algorithm::Dion3, Algorithm::Muon, Algorithm::NorMuon})
   for (const L& l : {L{"row-sharded", Layout::RowShard, dion3::SelectionScope::Local},
                      L{"row-sharded, global selection", Layout::RowShard, dion3::SelectionScope::Global},
                      L{"column-sharded", Layout::ColShard, dion3::SelectionScope::Local},
                      L{"replicated", Layout::Replicated, dion3::SelectionScope::Local}}) {
+    if (alg != Algorithm::Dion3 && l.scope == dion3::SelectionScope::Global) continue;  // no selection
+    const std::string name = std::string(dion3::algorithm_name(alg)) + " " + l.name;
     auto comm = dion3::make_mpi_communicator(nullptr, 60.0);
     dion3::OptimizerOptions o;
     o.on_nonfinite = dion3::NonFinitePolicy::Skip;
     GroupConfig g;
+    g.algorithm = alg;
     g.fraction = 0.5;
     g.selection_scope = l.scope;
     const int m = 16, n = 24, hot = 9 * n + 13;
@@ -162,13 +167,13 @@ TEST(Faults, TheMomentumBoundNeverChangesAVerdict) {
           }
       exact.opt.state_changed();
       const bool a = fast.opt.step(), b = exact.opt.step();
-      EXPECT_EQ(a, b) << l.name << " rank " << rank << " step " << s;
+      EXPECT_EQ(a, b) << name << " rank " << rank << " step " << s;
       applied += a;
       EXPECT_EQ(t3::snapshot(fast.opt, {pf.get()}), t3::snapshot(exact.opt, {pe.get()}))
-          << l.name << " rank " << rank << " step " << s;
+          << name << " rank " << rank << " step " << s;
     }
-    EXPECT_GT(applied, 3) << l.name;
-    EXPECT_LT(applied, static_cast<int>(scales.size())) << l.name;
+    EXPECT_GT(applied, 3) << name;
+    EXPECT_LT(applied, static_cast<int>(scales.size())) << name;
   }
 }
 
