@@ -261,22 +261,23 @@ DION3_HOST_DEVICE inline float state_gradient_limit(StepCheck::Rule rule, const 
 // into g before squaring: g*g overflows float32 from |g| ~ 2e19, this only from ~ 8e19 at
 // beta2 = 0.95 (~ 6e20 at 0.999). The update divides sqrt(v) by sqrt(1 - beta2^t) (as torch):
 // v / (1 - beta2^t) itself overflows from |g| ~ 1.8e19 and would stop those elements. The bias
-// corrections come from a double pow, rounded once to float.
+// corrections come from a double pow, rounded once to float; lr / (1 - beta1^t) is one factor
+// (torch's step size), so that an element costs two divisions.
 struct AdamWRule {
   DION3_HOST_DEVICE static float exp_avg(float m, float g, float beta1) { return m + (1.0f - beta1) * (g - m); }
   DION3_HOST_DEVICE static float exp_avg_sq(float v, float g, float beta2) {
     return beta2 * v + ((1.0f - beta2) * g) * g;
   }
-  DION3_HOST_DEVICE static float bias_correction1(float beta1, double t) {
-    return static_cast<float>(1.0 - pow(static_cast<double>(beta1), t));
+  DION3_HOST_DEVICE static float step_size(float lr, float beta1, double t) {
+    return static_cast<float>(static_cast<double>(lr) / (1.0 - pow(static_cast<double>(beta1), t)));
   }
   DION3_HOST_DEVICE static float sqrt_bias_correction2(float beta2, double t) {
     return static_cast<float>(sqrt(1.0 - pow(static_cast<double>(beta2), t)));
   }
   // The weight after the step, from the new moments; decay = 1 - lr * weight_decay.
-  DION3_HOST_DEVICE static float weight(float w, float m, float v, float lr, float decay, float epsilon, float bc1,
+  DION3_HOST_DEVICE static float weight(float w, float m, float v, float step_size, float decay, float epsilon,
                                         float sqrt_bc2) {
-    return w * decay - lr * (m / bc1) / (sqrtf(v) / sqrt_bc2 + epsilon);
+    return w * decay - step_size * m / (sqrtf(v) / sqrt_bc2 + epsilon);
   }
 };
 struct LionRule {

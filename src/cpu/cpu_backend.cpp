@@ -842,7 +842,7 @@ class CpuBackend final : public Backend {
     const AdamWParams h = given.resolved();
     const float decay = 1.0f - h.lr * h.weight_decay;
     const double t = adamw_step_number(h, *h.applied_steps);
-    const float bc1 = AdamWRule::bias_correction1(h.beta1, t);
+    const float step_size = AdamWRule::step_size(h.lr, h.beta1, t);
     const float sqrt_bc2 = AdamWRule::sqrt_bias_correction2(h.beta2, t);
     const DType st = e.exp_avg.dtype, st2 = e.exp_avg_sq.dtype;
     // The largest |exp_avg| and exp_avg_sq stored (ElementwiseParam::state_bound), as rounded;
@@ -852,7 +852,7 @@ class CpuBackend final : public Backend {
       for (int64_t j = 0; j < n; ++j) {
         m[j] = AdamWRule::exp_avg(m[j], g[j], h.beta1);
         v[j] = AdamWRule::exp_avg_sq(v[j], g[j], h.beta2);
-        w[j] = AdamWRule::weight(w[j], m[j], v[j], h.lr, decay, h.epsilon, bc1, sqrt_bc2);
+        w[j] = AdamWRule::weight(w[j], m[j], v[j], step_size, decay, h.epsilon, sqrt_bc2);
       }
       if (e.state_bound) {
         bm = std::max(bm, largest_bits(st, m, n));

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "cuda/kernels.cuh"
@@ -275,10 +276,10 @@ __global__ void convert_kernel(const TI* __restrict__ in, int64_t rows, int64_t 
 struct AdamWElem {
   // The CPU backend's rules (unrounded moments, bias-corrected).
   __device__ __forceinline__ static void apply(float& w, float g, float& m, float& v, const AdamWParams& h,
-                                               float decay, float bc1, float sqrt_bc2) {
+                                               float decay, float step_size, float sqrt_bc2) {
     m = AdamWRule::exp_avg(m, g, h.beta1);
     v = AdamWRule::exp_avg_sq(v, g, h.beta2);
-    w = AdamWRule::weight(w, m, v, h.lr, decay, h.epsilon, bc1, sqrt_bc2);
+    w = AdamWRule::weight(w, m, v, step_size, decay, h.epsilon, sqrt_bc2);
   }
 };
 
@@ -315,6 +316,22 @@ __device__ __forceinline__ TableEntry<TW, TG, TS, H> entry(const MultiTensor<H>&
           static_cast<TS*>(t.v[i]), t.n[i], t.h[i]};
 }
 
+// The largest |x| of 16-bit floats kept as two 16-bit lanes of a word: the stored bits without
+// their sign order as the magnitudes do (NaN above Inf), so a packed max takes four at a time.
+template <class TS>
+__device__ __forceinline__ unsigned packed_max(unsigned most, const Pack4<TS>& p) {
+  static_assert(sizeof(TS) == 2);
+  const uint2 u = reinterpret_cast<const uint2&>(p);
+  return __vmaxu2(most, __vmaxu2(u.x & 0x7fff7fffu, u.y & 0x7fff7fffu));
+}
+// packed_max's word as bound_bits of the larger lane.
+template <class TS>
+__device__ __forceinline__ unsigned packed_bound_bits(unsigned most) {
+  const unsigned bits = max(most & 0xffffu, most >> 16);
+  if constexpr (std::is_same_v<TS, __half>) return bound_bits(__half2float(__ushort_as_half(static_cast<unsigned short>(bits))));
+  else return bits << 16;  // bfloat16: the top half of a float32
+}
+
 template <class TW, class TG, class TS>
 __global__ void adamw_kernel(const __grid_constant__ MultiTensor<AdamWParams> t, const int* skip) {
   pdl_wait();
@@ -326,7 +343,8 @@ __global__ void adamw_kernel(const __grid_constant__ MultiTensor<AdamWParams> t,
   const AdamWParams h = given.resolved();
   const int64_t start = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  // The largest |exp_avg| and exp_avg_sq this thread stores (bound_bits).
+  // The largest |exp_avg| and exp_avg_sq this thread stores: bound_bits, or for 16-bit moments
+  // in 4-element packs, two 16-bit lanes of stored bits (packed_max).
   unsigned most[2] = {0, 0};
   auto note = [&](float m1, float v1) {
     most[0] = max(most[0], bound_bits(m1));
@@ -335,7 +353,7 @@ __global__ void adamw_kernel(const __grid_constant__ MultiTensor<AdamWParams> t,
   const float decay = 1.0f - h.lr * h.weight_decay;
   // Bias correction from the device step counter, by the CPU backend's rule.
   const double tt = adamw_step_number(h, *h.applied_steps);
-  const float bc1 = AdamWRule::bias_correction1(h.beta1, tt);
+  const float step_size = AdamWRule::step_size(h.lr, h.beta1, tt);
   const float sqrt_bc2 = AdamWRule::sqrt_bias_correction2(h.beta2, tt);
   if (t.vec[blockIdx.y]) {
     for (int64_t q = start; 4 * q < n; q += stride) {
@@ -346,12 +364,13 @@ __global__ void adamw_kernel(const __grid_constant__ MultiTensor<AdamWParams> t,
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float wv = to_f32(wp.v[e]), mv = to_f32(mp.v[e]), vv = to_f32(vp.v[e]);
-        AdamWElem::apply(wv, to_f32(gp.v[e]), mv, vv, h, decay, bc1, sqrt_bc2);
+        AdamWElem::apply(wv, to_f32(gp.v[e]), mv, vv, h, decay, step_size, sqrt_bc2);
         wp.v[e] = from_f32<TW>(wv);
         mp.v[e] = from_f32<TS>(mv);
         vp.v[e] = from_f32<TS>(vv);
-        note(to_f32(mp.v[e]), to_f32(vp.v[e]));
+        if constexpr (sizeof(TS) != 2) note(to_f32(mp.v[e]), to_f32(vp.v[e]));
       }
+      if constexpr (sizeof(TS) == 2) most[0] = packed_max(most[0], mp), most[1] = packed_max(most[1], vp);
       reinterpret_cast<Pack4<TW>*>(w)[q] = wp;
       reinterpret_cast<Pack4<TS>*>(m)[q] = mp;
       reinterpret_cast<Pack4<TS>*>(v)[q] = vp;
@@ -359,7 +378,7 @@ __global__ void adamw_kernel(const __grid_constant__ MultiTensor<AdamWParams> t,
   } else {
     for (int64_t e = start; e < n; e += stride) {
       float wv = to_f32(w[e]), mv = to_f32(m[e]), vv = to_f32(v[e]);
-      AdamWElem::apply(wv, to_f32(g[e]), mv, vv, h, decay, bc1, sqrt_bc2);
+      AdamWElem::apply(wv, to_f32(g[e]), mv, vv, h, decay, step_size, sqrt_bc2);
       const TS ms = from_f32<TS>(mv), vs = from_f32<TS>(vv);
       m[e] = ms;
       v[e] = vs;
@@ -367,6 +386,8 @@ __global__ void adamw_kernel(const __grid_constant__ MultiTensor<AdamWParams> t,
       note(to_f32(ms), to_f32(vs));
     }
   }
+  if constexpr (sizeof(TS) == 2)
+    if (t.vec[blockIdx.y]) most[0] = packed_bound_bits<TS>(most[0]), most[1] = packed_bound_bits<TS>(most[1]);
   if (bound) raise_bounds(bound, most);
 }
 
