@@ -1052,7 +1052,8 @@ TEST_F(CudaOps, MultiTensorAdamWAndLionMatchCpu) {
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, Elementwise,
                          ::testing::Values(EwCase{DType::F32, DType::F32, 10007}, EwCase{DType::BF16, DType::F32},
-                                           EwCase{DType::BF16, DType::BF16}, EwCase{DType::F16, DType::F16, 10007}),
+                                           EwCase{DType::BF16, DType::BF16}, EwCase{DType::F16, DType::F16, 10007},
+                                           EwCase{DType::F16, DType::F16}),
                          [](const auto& i) { return std::string(dn(i.param.w)) + "_" + dn(i.param.s) + "_" + std::to_string(i.param.n); });
 
 }  // namespace
