@@ -105,8 +105,9 @@ struct ElementwiseParam {
   MatrixView grad;
   MatrixView exp_avg;
   MatrixView exp_avg_sq;  // AdamW only
-  // AdamW only, optional: two floats in device memory that each applied step raises to at least
-  // the largest |exp_avg| and the largest exp_avg_sq it stores (StepCheck::state_bound).
+  // Optional, in device memory, floats that each applied step raises to at least the largest
+  // |exp_avg| and (AdamW) the largest exp_avg_sq it stores (StepCheck::state_bound): two for
+  // AdamW, one for Lion.
   float* state_bound = nullptr;
 };
 
@@ -200,7 +201,8 @@ struct StepCheck {
   Hyper c = 1.0f;  // Momentum rule: the gradient's coefficient (1 - mu for an averaged momentum)
   // Optional, in device memory. Momentum rule: one float that, when > 0, is at least the largest
   // |state| element (the optimizer keeps one per matrix between steps). AdamW rule: two, bounds
-  // on |state| and on state2 (ElementwiseParam::state_bound), and a state2 that is >= 0. Where a
+  // on |state| and on state2 (ElementwiseParam::state_bound), and a state2 that is >= 0. Lion
+  // rule: one, a bound on |state|. Where a
   // gradient element is small enough against them that no state so bounded could overflow, the
   // state is not read. 0, NaN, Inf or a null pointer: unknown, the state is read.
   const float* state_bound = nullptr;
@@ -225,6 +227,16 @@ DION3_HOST_DEVICE inline float momentum_gradient_limit(float bound, float a, flo
   return (0.25f * limit - fa * (fb > 1.0f ? fb : 1.0f) * bound) / (1.0f + fb);
 }
 
+// A |g| up to which m + (1 - beta)*(g - m) stays within `room` whatever m with |m| <= bm (and
+// g - m within twice it): the new exp_avg of AdamW and Lion. At most `room`; negative or NaN
+// (no gradient passes) when the bound is too large or beta is NaN or infinite.
+DION3_HOST_DEVICE inline float lerp_gradient_limit(float bm, float beta, float room) {
+  const float f = beta > 1.0f ? beta - 1.0f : 1.0f - beta;  // |1 - beta|
+  if (!(f >= 0.0f)) return -1.0f;  // NaN beta: the new exp_avg is NaN
+  const float l = f > 0.0f ? (room - (1.0f + f) * bm) / f : (bm <= room ? room : -1.0f);
+  return l >= room ? room : l;  // a NaN l (infinite beta) stays NaN: callers pass only l >= 0
+}
+
 // The AdamW rule's counterpart (StepCheck::state_bound, two floats): a |g| up to which the new
 // exp_avg (m + (1 - beta1)*(g - m), |m| <= bounds[0]) and exp_avg_sq (beta2*v + (1 - beta2)*g*g,
 // 0 <= v <= bounds[1]) stay within a quarter of `limit`, and exp_avg_sq >= 0 (0 <= beta2 <= 1).
@@ -233,9 +245,7 @@ DION3_HOST_DEVICE inline float momentum_gradient_limit(float bound, float a, flo
 DION3_HOST_DEVICE inline float adamw_gradient_limit(const float* bounds, float beta1, float beta2, float limit) {
   const float bm = bounds[0], bv = bounds[1], room = 0.25f * limit;
   if (!(bm > 0.0f) || !(bv > 0.0f) || !(beta2 >= 0.0f && beta2 <= 1.0f)) return -1.0f;
-  const float f1 = beta1 > 1.0f ? beta1 - 1.0f : 1.0f - beta1;  // |1 - beta1|
-  if (!(f1 >= 0.0f)) return -1.0f;  // NaN beta1: the new exp_avg is NaN
-  const float lm = f1 > 0.0f ? (room - (1.0f + f1) * bm) / f1 : (bm <= room ? room : -1.0f);
+  const float lm = lerp_gradient_limit(bm, beta1, room);
   const float rv = room - beta2 * bv, f2 = 1.0f - beta2;
   // sqrt(rv) / sqrt(f2), not sqrt(rv / f2): the quotient may overflow where the limit does not.
   const float lv = !(rv >= 0.0f) ? -1.0f : f2 > 0.0f ? sqrtf(rv) / sqrtf(f2) : room;
@@ -245,14 +255,13 @@ DION3_HOST_DEVICE inline float adamw_gradient_limit(const float* bounds, float b
 }
 
 // A StepCheck's gradient limit by its rule, from its state_bound (a, b as StepCheck holds them):
-// the |g| below which its state need not be read; negative where the bound is unknown, and for
-// Lion, which keeps none.
+// the |g| below which its state need not be read; negative where the bound is unknown.
 DION3_HOST_DEVICE inline float state_gradient_limit(StepCheck::Rule rule, const float* bound, float a, float b,
                                                     float limit) {
   switch (rule) {
     case StepCheck::Momentum: return momentum_gradient_limit(*bound, a, b, limit);
     case StepCheck::AdamW: return adamw_gradient_limit(bound, a, b, limit);
-    default: return -1.0f;
+    default: return *bound > 0.0f ? lerp_gradient_limit(*bound, b, 0.25f * limit) : -1.0f;  // Lion: b = beta2
   }
 }
 

@@ -33,8 +33,9 @@ struct Param {
   int64_t step_offset = 0;
   ParamLayout layout;  // RowShard: rows is this rank's shard, layout.global_rows the matrix's
   // Its state's bound for the non-finite check (StepCheck::state_bound): the momentum's
-  // (Megabatch::bounds) when the whole parameter is one member of a megabatch that keeps bounds;
-  // an AdamW parameter's two (Impl::adamw_bounds); null otherwise (the check reads the state).
+  // (Megabatch::bounds) when the whole parameter is one member of a megabatch;
+  // an element-wise parameter's (Impl::elementwise_bounds); null otherwise (the check reads the
+  // state).
   float* state_bound = nullptr;
   // No gradient this step (Optimizer::clear_grad): the step reads and writes zeros in its place
   // (Impl::zeros), so the plan stays and the parameter and its state are left as they are.
@@ -221,9 +222,10 @@ struct Optimizer::Impl {
   int agreement_posted_words = 0;
   bool agreement_pending = false;
   DeviceBuffer arena;  // workspace shared by all chunks (their work is ordered on one stream)
-  // Two floats per AdamW parameter (ElementwiseParam::state_bound): raised by every applied step,
-  // zero (unknown) after planning and whenever the state may have been written otherwise.
-  DeviceBuffer adamw_bounds;
+  // Two floats per AdamW parameter, one per Lion parameter (ElementwiseParam::state_bound):
+  // raised by every applied step, zero (unknown) after planning and whenever the state may have
+  // been written otherwise.
+  DeviceBuffer elementwise_bounds;
   DeviceBuffer counters;  // int64 [steps applied, steps dropped], on the device
   std::unique_ptr<HostCopy> posted;  // counters on their way to the host after a step
   // The structural settings (algorithm, flatten, momentum_dtype) each group had when its first

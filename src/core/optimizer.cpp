@@ -889,15 +889,20 @@ void Optimizer::Impl::build_plan() {
     for (std::size_t i = 0; i < mb.members.size(); ++i)
       if (mb.bounds.get() != nullptr && members_of[mb.members[i].param] == 1)
         params[mb.members[i].param].state_bound = mb.bounds.as<float>() + i;
-  // AdamW parameters' bounds, two floats each.
-  std::vector<Param*> adamw;
-  for (Param& p : params)
-    if (groups[p.group].algorithm == Algorithm::AdamW) adamw.push_back(&p);
-  adamw_bounds = DeviceBuffer();
-  if (!adamw.empty()) {
-    adamw_bounds = DeviceBuffer(alloc, adamw.size() * 2 * sizeof(float));
-    backend->fill_zero(adamw_bounds.get(), adamw_bounds.bytes());
-    for (std::size_t i = 0; i < adamw.size(); ++i) adamw[i]->state_bound = adamw_bounds.as<float>() + 2 * i;
+  // Element-wise parameters' bounds: two floats for AdamW, one for Lion.
+  std::vector<std::pair<Param*, std::size_t>> elementwise;  // parameter, its first float
+  std::size_t floats = 0;
+  for (Param& p : params) {
+    const Algorithm a = groups[p.group].algorithm;
+    if (a != Algorithm::AdamW && a != Algorithm::Lion) continue;
+    elementwise.emplace_back(&p, floats);
+    floats += a == Algorithm::AdamW ? 2 : 1;
+  }
+  elementwise_bounds = DeviceBuffer();
+  if (floats > 0) {
+    elementwise_bounds = DeviceBuffer(alloc, floats * sizeof(float));
+    backend->fill_zero(elementwise_bounds.get(), elementwise_bounds.bytes());
+    for (auto [p, at] : elementwise) p->state_bound = elementwise_bounds.as<float>() + at;
   }
   // Orthogonalizers are planned on the arena (Chunk::orth_offset).
   for (Megabatch& mb : megabatches) {
@@ -2157,6 +2162,7 @@ void Optimizer::Impl::build_lists() {
       l.adamw_hs.push_back({lr, b1, b2, wd, static_cast<float>(g.epsilon), counters.as<int64_t>(), p.step_offset,
                             group_hyper(p.group, kLr).at});
     } else {
+      e.state_bound = p.state_bound;
       l.lion_ps.push_back(e);
       l.lion_hs.push_back({lr, b1, b2, wd, group_hyper(p.group, kLr).at});
     }
@@ -2168,7 +2174,7 @@ void Optimizer::Impl::build_lists() {
 void Optimizer::Impl::forget_state_bounds() {
   for (Megabatch& mb : megabatches)
     if (mb.bounds.get() != nullptr) backend->fill_zero(mb.bounds.get(), mb.bounds.bytes());
-  if (adamw_bounds.get() != nullptr) backend->fill_zero(adamw_bounds.get(), adamw_bounds.bytes());
+  if (elementwise_bounds.get() != nullptr) backend->fill_zero(elementwise_bounds.get(), elementwise_bounds.bytes());
 }
 
 StepCheck Optimizer::Impl::step_check(const Param& p) const {
@@ -2198,6 +2204,7 @@ StepCheck Optimizer::Impl::step_check(const Param& p) const {
       break;
     case Algorithm::Lion:
       c.rule = StepCheck::Lion;
+      c.state_bound = p.state_bound;
       c.b = group_hyper(p.group, kBeta2);
       break;
   }

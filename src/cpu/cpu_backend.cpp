@@ -886,6 +886,7 @@ class CpuBackend final : public Backend {
   void lion_one(const ElementwiseParam& e, const LionParams& given, int64_t c0, int64_t c1, ChunkBuffers& buf) {
     const LionParams h = given.resolved();
     const float decay = 1.0f - h.lr * h.weight_decay;
+    uint32_t most = 0;  // the largest |exp_avg| stored (ElementwiseParam::state_bound), as rounded
     auto update = [&](float* w, const float* g, float* m, int64_t n) {
       for (int64_t j = 0; j < n; ++j) {
         const float c = m[j] + (1.0f - h.beta1) * (g[j] - m[j]);
@@ -893,9 +894,11 @@ class CpuBackend final : public Backend {
         m[j] = LionRule::exp_avg(m[j], g[j], h.beta2);
         w[j] = w[j] * decay - h.lr * u;
       }
+      if (e.state_bound) most = std::max(most, largest_bits(e.exp_avg.dtype, m, n));
     };
     if (all_f32({e.weight, e.grad, e.exp_avg})) {
       update(f32(e.weight) + c0, f32(e.grad) + c0, f32(e.exp_avg) + c0, c1 - c0);
+      if (e.state_bound) raise_bound(e.state_bound, most);
       return;
     }
     Floats &w = buf.w, &g = buf.g, &m = buf.m;
@@ -908,6 +911,7 @@ class CpuBackend final : public Backend {
       store_row(W, 0, 0, w.data());
       store_row(M, 0, 0, m.data());
     }
+    if (e.state_bound) raise_bound(e.state_bound, most);
   }
 
   // Rows [r0, r1) of a p x p matrix (leading dimension ld): the upper triangle from the lower.

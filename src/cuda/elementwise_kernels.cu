@@ -294,7 +294,7 @@ struct MultiTensor {
   const void* g[kMultiTensors];
   void* m[kMultiTensors];
   void* v[kMultiTensors];  // AdamW's second moment
-  float* bound[kMultiTensors];  // AdamW: ElementwiseParam::state_bound, or null
+  float* bound[kMultiTensors];  // ElementwiseParam::state_bound, or null
   int64_t n[kMultiTensors];
   H h[kMultiTensors];
   bool vec[kMultiTensors];
@@ -398,15 +398,19 @@ __global__ void lion_kernel(const __grid_constant__ MultiTensor<LionParams> t, c
   const auto [w, g, m, v, n, given] = entry<TW, TG, TS>(t, blockIdx.y);
   const LionParams h = given.resolved();
   const float decay = 1.0f - h.lr * h.weight_decay;
+  unsigned most[1] = {0};  // the largest |exp_avg| this thread stores (bound_bits)
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float gv = to_f32(g[e]);
     const float mv = to_f32(m[e]);
     const float c = mv + (1.0f - h.beta1) * (gv - mv);
     const float u = c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : 0.0f);
-    m[e] = from_f32<TS>(LionRule::exp_avg(mv, gv, h.beta2));
+    const TS ms = from_f32<TS>(LionRule::exp_avg(mv, gv, h.beta2));
+    m[e] = ms;
     w[e] = from_f32<TW>(to_f32(w[e]) * decay - h.lr * u);
+    most[0] = max(most[0], bound_bits(to_f32(ms)));
   }
+  if (float* bound = t.bound[blockIdx.y]) raise_bounds(bound, most);
 }
 
 // sym_prepare: one warp per row. With VEC (every row of C and D 16-byte aligned) each lane moves

@@ -624,7 +624,7 @@ struct StepSegment {
   const void* g;
   const void* s;
   const void* s2;
-  const float* bound;  // StepCheck::state_bound (Momentum and AdamW rules), or null
+  const float* bound;  // StepCheck::state_bound, or null
   int64_t n;
   Hyper a, b, c;  // StepCheck's (the rule is the launch's: one kernel per rule)
   bool vec;  // n % 8 == 0 and every pointer aligned to 8 elements
@@ -755,9 +755,9 @@ __device__ __forceinline__ bool segment_finite(const StepSegment& sg, int64_t ti
 
 // One rule per kernel: the three rules' bodies in one kernel took twice the registers of the
 // Momentum rule's alone, halving the blocks per SM and the loads in flight. A table of segments
-// with state bounds (Momentum and AdamW rules) takes two launches, each lean in registers: Known,
-// the segments whose bound the device finds known, reading the gradients alone (with more packs
-// in flight, kKnownPacks); then Unknown, the others, read whole.
+// with state bounds takes two launches, each lean in registers: Known, the segments whose bound
+// the device finds known, reading the gradients alone (with more packs in flight, kKnownPacks);
+// then Unknown, the others, read whole.
 enum class CheckMode { Whole, Known, Unknown };
 template <int kRule, class TG, class TS, CheckMode kMode>
 __global__ void __launch_bounds__(kStepThreads, kMode == CheckMode::Known ? kKnownBlocksPerSm : 1)
@@ -919,7 +919,7 @@ void launch_check_step(std::span<const StepCheck> xs, int* flag, cudaStream_t s)
     switch (tb.rule) {
       case StepCheck::Momentum: launch_rule(std::integral_constant<int, StepCheck::Momentum>{}); break;
       case StepCheck::AdamW: launch_rule(std::integral_constant<int, StepCheck::AdamW>{}); break;
-      default: launch(std::integral_constant<int, StepCheck::Lion>{}, std::integral_constant<CheckMode, CheckMode::Whole>{});
+      default: launch_rule(std::integral_constant<int, StepCheck::Lion>{});
     }
     DION3_CUDA_LAUNCH_CHECK();
     tb.t = StepSegments{};
@@ -930,7 +930,7 @@ void launch_check_step(std::span<const StepCheck> xs, int* flag, cudaStream_t s)
     if (n == 0) continue;
     const bool second = x.rule == StepCheck::AdamW;
     if (second && x.state2.dtype != x.state.dtype) fail("check_step: exp_avg and exp_avg_sq dtypes differ");
-    const bool bounded = x.state_bound != nullptr && x.rule != StepCheck::Lion;  // Lion keeps none
+    const bool bounded = x.state_bound != nullptr;
     Table* tb = nullptr;
     for (Table& t : tables)
       if (t.rule == x.rule && t.gdt == x.grad.dtype && t.sdt == x.state.dtype && t.bounded == bounded) tb = &t;

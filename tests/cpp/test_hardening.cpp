@@ -547,7 +547,7 @@ TEST(Hardening, TheAdamWBoundsNeverChangeAVerdict) {
 
 // The check leaves AdamW's moments unread where the gradient is below the bounds' limit: with
 // bounds that wrongly claim a small state (it holds an Inf), small gradients pass; a gradient
-// past the limit, or no bounds, reads the state and refuses.
+// past the limit, or no bounds, reads the state and refuses. Lion's one bound likewise.
 TEST(Hardening, AdamWBoundsLetTheCheckSkipTheMoments) {
   auto be = dion3::make_cpu_backend();
   const int64_t n = 40;
@@ -580,6 +580,24 @@ TEST(Hardening, AdamWBoundsLetTheCheckSkipTheMoments) {
     EXPECT_LT(dion3::adamw_gradient_limit(bounds, b1, b2, dion3::largest_finite(DType::F16)), 0.0f) << b1 << " " << b2;
   g[17] = 1.5f * limit;  // exp_avg_sq stays finite: only the state read (exp_avg Inf) refuses it
   EXPECT_TRUE(refused(bounds));
+  // Lion: exp_avg' = m + (1 - beta2)(g - m), beta2 in b; the first bound only.
+  c.rule = dion3::StepCheck::Lion;
+  c.state2 = {};
+  c.b = 0.99f;
+  g[17] = 1e-3f;
+  EXPECT_FALSE(refused(bounds));
+  EXPECT_TRUE(refused(nullptr));
+  EXPECT_TRUE(refused(unknown));
+  const float lion_limit = dion3::state_gradient_limit(dion3::StepCheck::Lion, bounds, 0.9f, 0.99f,
+                                                       dion3::largest_finite(DType::F32));
+  EXPECT_EQ(lion_limit, 0.25f * dion3::largest_finite(DType::F32));
+  g[17] = 1.5f * lion_limit;
+  EXPECT_TRUE(refused(bounds));
+  // No gradient passes for a NaN or infinite beta2, or a bound that leaves no room.
+  for (float b2 : {nan, std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()})
+    EXPECT_FALSE(dion3::state_gradient_limit(dion3::StepCheck::Lion, bounds, 0.9f, b2, 1.0f) >= 0.0f) << b2;
+  const float huge[1] = {0.2f};
+  EXPECT_LT(dion3::state_gradient_limit(dion3::StepCheck::Lion, huge, 0.9f, 0.5f, 1.0f), 0.0f);
 }
 
 // AdamW raises each parameter's bounds to at least its stored moments' largest |exp_avg| and
@@ -615,6 +633,79 @@ TEST(Hardening, AdamWRaisesItsStateBounds) {
     be->adamw({&e, 1}, {&h, 1}, nullptr);
     EXPECT_EQ(bounds[0], bm) << dion3::dtype_name(st) << " / " << dion3::dtype_name(st2);
     EXPECT_EQ(bounds[1], bv) << dion3::dtype_name(st) << " / " << dion3::dtype_name(st2);
+  }
+}
+
+// Lion's bound (the largest |exp_avg| its steps stored) gives the same verdicts as reading the
+// moment at every step, in float32, bfloat16 and float16. With beta2 = 0.5 the moment follows the
+// gradient quickly: one element's gradient sits at +0.9 x the dtype's largest value until the
+// moment is near it, then turns to -0.2 x it (below the limit a small bound gives, but g - m
+// overflows: refused), twice; smaller swings, Inf and NaN. A bound below that element's moment
+// would let the turns through.
+TEST(Hardening, TheLionBoundNeverChangesAVerdict) {
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
+  const std::vector<double> scales = {0.9, 0.9, 0.9, 0.9, -0.2, 0.3, 0.9, 0.9, -0.2, 0.0, -0.2, inf, nan, 0.0, 0.0};
+  for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
+    const std::string what = dion3::dtype_name(dt);
+    const double big = dion3::largest_finite(dt);
+    dion3::OptimizerOptions o;
+    o.on_nonfinite = NonFinitePolicy::Skip;
+    Harness fast(o), exact(o);
+    const std::vector<std::vector<int64_t>> shapes = {{64}, {7, 9}};
+    for (Harness* h : {&fast, &exact}) {
+      Rng rng(7);
+      GroupConfig g;
+      g.algorithm = Algorithm::Lion;
+      g.lr = 1e-3;
+      g.betas = {0.9, 0.5};
+      const int gi = h->opt.add_group(g);
+      for (std::size_t k = 0; k < shapes.size(); ++k) h->add(gi, "p" + std::to_string(k), dt, shapes[k], rng);
+    }
+    int applied = 0;
+    for (std::size_t s = 0; s < scales.size(); ++s) {
+      for (Harness* h : {&fast, &exact})
+        for (std::size_t k = 0; k < shapes.size(); ++k)
+          for (int64_t i = 0; i < h->params[k]->g.numel(); ++i)  // 0: every gradient 1e-3
+            h->params[k]->g.set(i, k == 1 && i == 40 && scales[s] != 0.0 ? scales[s] * big : (i % 3 == 0 ? -1e-3 : 1e-3));
+      exact.opt.state_changed();
+      const bool a = fast.opt.step(), b = exact.opt.step();
+      EXPECT_EQ(a, b) << what << ": step " << s;
+      applied += a;
+      EXPECT_EQ(t3::snapshot(fast.opt, fast.all()), t3::snapshot(exact.opt, exact.all())) << what << ": step " << s;
+    }
+    // Inf and NaN are refused everywhere; float32 and bfloat16 refuse the turns too (float16's
+    // moment, taken in float32, cannot leave its range from float16 gradients).
+    EXPECT_GT(applied, 5) << what;
+    EXPECT_LT(applied, static_cast<int>(scales.size()) - (dt == DType::F16 ? 1 : 3)) << what;
+  }
+}
+
+// Lion raises its bound to at least the largest |exp_avg| stored (rounded to its dtype), and
+// never lowers it.
+TEST(Hardening, LionRaisesItsStateBound) {
+  auto be = dion3::make_cpu_backend();
+  Rng rng(11);
+  for (DType st : {DType::F32, DType::BF16}) {
+    const int64_t n = 3000;  // more than one piece of the parallel loop
+    std::vector<float> w(n), g(n);
+    for (int64_t i = 0; i < n; ++i) w[i] = static_cast<float>(rng.normal()), g[i] = static_cast<float>(rng.normal());
+    g[2500] = 40.0f;
+    std::vector<unsigned char> m(n * dion3::dtype_size(st), 0);
+    const dion3::LionParams h{0.01f, 0.9f, 0.99f, 0.0f};
+    float bound = 0.0f;
+    dion3::ElementwiseParam e{dion3::MatrixView::contiguous(w.data(), DType::F32, 1, 1, n),
+                              dion3::MatrixView::contiguous(g.data(), DType::F32, 1, 1, n),
+                              dion3::MatrixView::contiguous(m.data(), st, 1, 1, n), {}, &bound};
+    be->lion({&e, 1}, {&h, 1}, nullptr);
+    std::vector<float> mf(n);
+    dion3::cpu::load_row(e.exp_avg, 0, 0, mf.data());
+    float bm = 0.0f;
+    for (int64_t i = 0; i < n; ++i) bm = std::max(bm, std::fabs(mf[i]));
+    EXPECT_GT(bm, 0.3f) << dion3::dtype_name(st);
+    EXPECT_EQ(bound, bm) << dion3::dtype_name(st);
+    std::fill(g.begin(), g.end(), 0.0f);  // the moment shrinks; the bound stays
+    be->lion({&e, 1}, {&h, 1}, nullptr);
+    EXPECT_EQ(bound, bm) << dion3::dtype_name(st);
   }
 }
 

@@ -951,19 +951,31 @@ TEST_P(Elementwise, AdamWAndLionMatchCpu) {
     EXPECT_NEAR(db[1], hbounds[1], ts * hbounds[1]);
   }
   w.upload(); m.upload();
+  // Lion's state bound (one float): the largest |exp_avg| each backend stored.
+  hbounds[0] = 0.0f;
+  dbounds.set_host({0.0f, 0.0f});
+  dbounds.upload();
   const dion3::LionParams lh{0.01f, 0.9f, 0.99f, 0.1f};
   cpu->lion({&hp, 1}, {&lh, 1}, nullptr);
   gpu->lion({&dp, 1}, {&lh, 1}, nullptr);
   EXPECT_LE(ct::rel_max_diff(w.device_values(), w.host_values()), tw);
   EXPECT_LE(ct::rel_max_diff(m.device_values(), m.host_values()), ts);
+  const std::vector<float> dm = m.device_values(), db = dbounds.device_values();
+  float bm = 0.0f;
+  for (float x : dm) bm = std::max(bm, std::fabs(x));
+  EXPECT_EQ(db[0], bm);
+  EXPECT_EQ(db[1], 0.0f);
+  EXPECT_NEAR(db[0], hbounds[0], ts * hbounds[0]);
 }
 
-// The CUDA check, like the CPU's, leaves AdamW's moments unread where the gradient is below the
-// bounds' limit: bounds that wrongly claim a small state (it holds an Inf) let small gradients
-// pass; a gradient past the limit, or no bounds, reads the state and refuses. Packed (n % 8 == 0)
-// and element-wise segments.
+// The CUDA check, like the CPU's, leaves AdamW's and Lion's moments unread where the gradient is
+// below the bounds' limit: bounds that wrongly claim a small state (it holds an Inf) let small
+// gradients pass; a gradient past the limit, or no bounds, reads the state and refuses. Packed
+// (n % 8 == 0) and element-wise segments.
 TEST_F(CudaOps, AdamWBoundsLetTheCheckSkipTheMoments) {
+  for (auto rule : {dion3::StepCheck::AdamW, dion3::StepCheck::Lion})
   for (int64_t n : {4000, 4003}) {
+    const std::string what = std::string(rule == dion3::StepCheck::AdamW ? "AdamW " : "Lion ") + std::to_string(n);
     Twin g(*gpu, DType::BF16, 1, 1, n), m(*gpu, DType::BF16, 1, 1, n), v(*gpu, DType::BF16, 1, 1, n),
         bounds(*gpu, DType::F32, 1, 1, 2), unknown(*gpu, DType::F32, 1, 1, 2);
     std::vector<float> gv(n, 1e-3f), mv(n, 0.0f);
@@ -974,12 +986,12 @@ TEST_F(CudaOps, AdamWBoundsLetTheCheckSkipTheMoments) {
     bounds.set_host({1.0f, 1.0f}); bounds.upload();
     unknown.set_host({0.0f, 1.0f}); unknown.upload();
     dion3::StepCheck c;
-    c.rule = dion3::StepCheck::AdamW;
+    c.rule = rule;
     c.grad = g.dview();
     c.state = m.dview();
-    c.state2 = v.dview();
+    if (rule == dion3::StepCheck::AdamW) c.state2 = v.dview();
     c.a = 0.9f;
-    c.b = 0.95f;
+    c.b = rule == dion3::StepCheck::AdamW ? 0.95f : 0.99f;
     dion3::DeviceBuffer flag(gpu->allocator(), sizeof(int));
     auto refused = [&](const void* b) {
       c.state_bound = static_cast<const float*>(b);
@@ -989,12 +1001,13 @@ TEST_F(CudaOps, AdamWBoundsLetTheCheckSkipTheMoments) {
       gpu->copy_to_host(&f, flag.get(), sizeof(int));
       return f != 0;
     };
-    EXPECT_FALSE(refused(bounds.dev.get())) << n;
-    EXPECT_TRUE(refused(nullptr)) << n;
-    EXPECT_TRUE(refused(unknown.dev.get())) << n;
-    gv[1717] = 6e19f;  // past the limit, exp_avg_sq still finite: only the state read refuses it
+    EXPECT_FALSE(refused(bounds.dev.get())) << what;
+    EXPECT_TRUE(refused(nullptr)) << what;
+    EXPECT_TRUE(refused(unknown.dev.get())) << what;
+    // Past the limit, the new moments of a finite state still finite: only the state read refuses it.
+    gv[1717] = rule == dion3::StepCheck::AdamW ? 6e19f : 1e38f;
     g.set_host(gv); g.upload();
-    EXPECT_TRUE(refused(bounds.dev.get())) << n;
+    EXPECT_TRUE(refused(bounds.dev.get())) << what;
   }
 }
 

@@ -561,6 +561,23 @@ def test_the_adamw_bounds_stay_in_use_across_plain_steps(device):
     assert _step_past_a_written_second_moment(b, opt)
 
 
+@pytest.mark.parametrize("written", ["in place", ".data"])
+def test_lions_moment_is_checked_whole_again_after_an_in_place_write(device, written):
+    # Lion keeps one bound (its moment's largest magnitude): an in-place write makes the next step
+    # read the moment whole and drop the step whose g - m would overflow; a write through .data
+    # without state_changed() is not read (the bound is in use), and that step is applied.
+    big = torch.finfo(torch.float32).max
+    b = nn.Parameter(torch.zeros(64, device=device))
+    opt = dion3.Dion3([dict(params=[b], algorithm="lion", lr=1e-3, betas=(0.9, 0.5))], on_nonfinite="skip")
+    for _ in range(2):
+        b.grad = torch.full_like(b, 0.5)
+        opt.step()
+    moment = opt.state[b]["momentum"]
+    (moment if written == "in place" else moment.data).fill_(0.9 * big)
+    # Below the limit of the small bound (a quarter of the largest value), but g - m overflows.
+    assert _step_applied(b, opt, -0.2 * big) == (written == ".data")
+
+
 def test_refresh_hyperparameters_refuses_a_parameter_that_gained_a_gradient(device):
     # Without a gradient when the step was planned, it is not in it: a replay would never update
     # it, so a new capture is asked for; the next eager step takes it in.
