@@ -346,7 +346,8 @@ struct Optimizer::Impl {
   void set_absent(Param& p, bool absent);  // Param::absent, and what follows it
   // A matrix of mb's rows (the whole stored matrix for a set stepped by columns) in `zeros`.
   MatrixView zero_matrix(int64_t rows, int64_t cols, DType dtype);
-  // Absent members' state bounds are unknown after a step (select_rows bounded the zeros instead).
+  // Absent members' state bounds are unknown after a step of a row-selecting megabatch
+  // (select_rows bounded the zeros instead); Muon's and NorMuon's, only ever raised, still hold.
   void forget_absent_bounds();
   // An applied step leaves absent parameters' step counts (ParamState::step) as they were.
   void skip_absent_counts();
@@ -366,7 +367,6 @@ struct Optimizer::Impl {
   void validate_for_step(bool grads_bound = true);
   void check_adjusted_lrs() const;  // each megabatch's lr after adjust_lr is finite in float32
   StepCheck step_check(const Param& p) const;  // what check_step evaluates for p's step
-  // Whether mb keeps bounds: it selects rows from scores that bound its momentum.
   void forget_state_bounds();  // the state may have been written outside a step: bounds unknown
   // state_changed(): the second moments (NorMuon's variance, AdamW's exp_avg_sq) of the
   // parameters written are read back and checked at the next eager step, which no kernel's check

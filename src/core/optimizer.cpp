@@ -1748,7 +1748,7 @@ void Optimizer::Impl::fold_absent_counts() {
 
 void Optimizer::Impl::forget_absent_bounds() {
   for (Megabatch& mb : megabatches) {
-    if (mb.bounds.get() == nullptr) continue;
+    if (mb.bounds.get() == nullptr || !selects_rows(groups[mb.group].algorithm)) continue;
     const auto n = static_cast<int64_t>(mb.members.size());
     for (int64_t i = 0; i < n;) {  // runs of absent members, one fill each
       int64_t end = i;

@@ -174,6 +174,24 @@ TEST(Faults, TheMomentumBoundNeverChangesAVerdict) {
     }
     EXPECT_GT(applied, 3) << name;
     EXPECT_LT(applied, static_cast<int>(scales.size())) << name;
+
+    // The bound is in use on every rank: momentum written through state_views() without
+    // state_changed() is not read, and a gradient the written momentum cannot take goes through
+    // (what state_changed() is for); after state_changed() every rank drops the step.
+    for (bool notice : {false, true}) {
+      t3::Harness h(o);
+      auto p = make(h);
+      for (int s = 0; s < 2; ++s) {
+        for (int64_t i = 0; i < p->g.numel(); ++i) p->g.set(i, 1e-3);
+        ASSERT_TRUE(h.opt.step()) << name;
+      }
+      const dion3::TensorView m = h.opt.state_views(p->index)[0].second;
+      ASSERT_EQ(m.dtype, DType::F32);
+      std::fill_n(static_cast<float*>(m.data), m.numel(), static_cast<float>(0.9 * big));
+      if (notice) h.opt.state_changed();
+      for (int64_t i = 0; i < p->g.numel(); ++i) p->g.set(i, 0.2 * big);
+      EXPECT_EQ(h.opt.step(), !notice) << name << " rank " << rank << (notice ? " after state_changed()" : "");
+    }
   }
 }
 
