@@ -283,6 +283,9 @@ struct Optimizer::Impl {
     std::vector<LionParams> lion_hs;
   } lists;
   bool capturing_now = false;  // the step being enqueued is captured by the caller
+  // forget_state_bounds() was called under the caller's capture: its fills run when the next step
+  // or refresh_hyperparameters() is enqueued outside one.
+  bool bounds_forget_pending = false;
   uint64_t captured_binding = 0;  // the binding of the last captured step (0: none): a replay reads that memory
 
   // A profiler range for the lifetime of the object (Backend::range_push and the tracer).

@@ -2172,6 +2172,10 @@ void Optimizer::Impl::build_lists() {
 }
 
 void Optimizer::Impl::forget_state_bounds() {
+  // Captured, the fills would wait in the graph for its first replay: an eager step before it
+  // would trust the stale bounds.
+  bounds_forget_pending = backend->capturing();
+  if (bounds_forget_pending) return;
   for (Megabatch& mb : megabatches)
     if (mb.bounds.get() != nullptr) backend->fill_zero(mb.bounds.get(), mb.bounds.bytes());
   if (elementwise_bounds.get() != nullptr) backend->fill_zero(elementwise_bounds.get(), elementwise_bounds.bytes());
@@ -2224,6 +2228,7 @@ void Optimizer::Impl::enqueue_step(bool count_dropped, Start start, bool blockin
   int* flag = s.flag.as<int>();
   s.capturing_now = be.capturing();
   if (s.capturing_now) s.captured_binding = s.binding;
+  if (s.bounds_forget_pending && !s.capturing_now) s.forget_state_bounds();
   s.upload_hyper(s.capturing_now);
   s.build_lists();
   // A copy on the device, not a host write, so that a captured step starts it afresh.
@@ -2278,6 +2283,7 @@ void Optimizer::refresh_hyperparameters() {
          "anew with set_grad, an imported state, a new parameter or plan): capture the step again");
   s.check_adjusted_lrs();
   s.upload_hyper(s.backend->capturing());
+  if (s.bounds_forget_pending) s.forget_state_bounds();  // before the replay's check reads them
 }
 
 uint64_t Optimizer::plan_generation() const { return impl_->plan_generation; }

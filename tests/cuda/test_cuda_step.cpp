@@ -486,6 +486,61 @@ TEST_F(CudaStep, AnEagerStepAfterACaptureThatWasNotReplayedBindsAfresh) {
   cudaStreamDestroy(stream);
 }
 
+// state_changed() while the caller captures (PyTorch's step() calls it there when it notices an
+// in-place state write): the bounds are forgotten for the next step outside the capture, not in
+// the graph, where they would wait for its first replay. Momentum written at 0.9 x the largest
+// value, state_changed() and a step captured, then an eager step with a gradient of 0.2 x it: the
+// sum overflows, and that step is dropped; a replay after refresh_hyperparameters() too.
+TEST_F(CudaStep, StateChangedUnderACaptureForgetsTheBoundsForTheNextEagerStep) {
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  for (bool replay : {false, true}) {
+    const double big = 3.4028234663852886e38;
+    const std::vector<int64_t> shape = {48, 64};
+    dion3::OptimizerOptions o;
+    o.on_nonfinite = dion3::NonFinitePolicy::Skip;
+    dion3::Optimizer opt(dion3::make_cuda_backend(0, stream), o);
+    Twin w(*gpu, DType::F32, 1, 48, 64), g(*gpu, DType::F32, 1, 48, 64);
+    std::mt19937_64 rng(89);
+    w.fill_normal(rng, 0.5f);
+    g.fill_value(0.5f);
+    dion3::GroupConfig gc;
+    gc.fraction = 0.5;
+    dion3::ParamSpec spec;
+    spec.name = "w";
+    spec.weight = {w.dev.get(), DType::F32, dion3::Device::CUDA, 0, shape};
+    spec.grad = {g.dev.get(), DType::F32, dion3::Device::CUDA, 0, shape};
+    opt.add_param(opt.add_group(gc), spec);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (int s = 0; s < 2; ++s) ASSERT_TRUE(opt.step());  // the bound is known and small
+    const dion3::TensorView m = opt.state_views(0)[0].second;
+    Twin huge(*gpu, DType::F32, 1, 1, m.numel());
+    huge.fill_value(static_cast<float>(0.9 * big));
+    ASSERT_EQ(cudaMemcpy(m.data, huge.dev.get(), huge.bytes(), cudaMemcpyDeviceToDevice), cudaSuccess);
+    g.fill_value(static_cast<float>(0.2 * big));
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    opt.state_changed();
+    opt.step_async();
+    cudaGraph_t graph = nullptr;
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    if (replay) {
+      cudaGraphExec_t exec = nullptr;
+      ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+      opt.refresh_hyperparameters();
+      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      cudaGraphExecDestroy(exec);
+      EXPECT_EQ(opt.steps_skipped(), 1) << "the replay went through";
+    } else {
+      EXPECT_FALSE(opt.step()) << "an overflowing momentum went through";
+    }
+    cudaGraphDestroy(graph);
+    for (float x : w.device_values()) ASSERT_TRUE(std::isfinite(x)) << (replay ? "replay" : "eager");
+  }
+  cudaStreamDestroy(stream);
+}
+
 // A step that must be planned (the first, or one after a change of a setting the plan depends on)
 // cannot be captured: step_async() refuses it, naming why, with nothing enqueued, and the capture
 // ends valid; an eager step then plans and steps as if the capture had not been tried.
