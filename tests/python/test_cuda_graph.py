@@ -215,6 +215,29 @@ def test_a_replay_after_an_in_place_state_write_reads_the_momentum():
     assert torch.equal(p, before) and torch.isfinite(opt.state[p]["momentum"]).all()
 
 
+def test_an_in_place_state_write_noticed_under_capture_is_read_by_the_next_eager_step():
+    # The step being captured notices the write (its tensor's version moved) and forgets the
+    # bounds; the forget must not wait in the graph: the eager step after the capture, never
+    # replayed, reads the momentum and drops the step that would overflow it.
+    big = torch.finfo(torch.float32).max
+    p = torch.nn.Parameter(torch.randn(96, 64, device="cuda") * 0.05)
+    opt = dion3.Dion3([p], lr=0.02, on_nonfinite="skip")
+    for _ in range(2):
+        p.grad = torch.full_like(p, 0.5)
+        opt.step()
+    opt.state[p]["momentum"].fill_(0.9 * big)
+    p.grad.fill_(0.2 * big)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    before = p.detach().clone()
+    opt.step()
+    torch.cuda.synchronize()
+    assert torch.equal(p, before) and torch.isfinite(opt.state[p]["momentum"]).all()
+    assert opt.steps_skipped == 1
+
+
 def _pair(seed, warmup_steps, **kwargs):
     """An eager optimizer and a wrapped twin over the same starting weights (matrices and AdamW
     vectors), the twin's gradients allocated once."""
