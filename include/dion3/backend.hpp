@@ -255,7 +255,8 @@ DION3_HOST_DEVICE inline float adamw_gradient_limit(const float* bounds, float b
 }
 
 // A StepCheck's gradient limit by its rule, from its state_bound (a, b as StepCheck holds them):
-// the |g| below which its state need not be read; negative where the bound is unknown.
+// the |g| below which its state need not be read; negative or NaN where the bound is unknown or
+// no gradient passes.
 DION3_HOST_DEVICE inline float state_gradient_limit(StepCheck::Rule rule, const float* bound, float a, float b,
                                                     float limit) {
   switch (rule) {

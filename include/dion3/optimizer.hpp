@@ -296,6 +296,8 @@ class DION3_API Optimizer {
   // reads all of it again (between steps the check may otherwise skip reading momentum that a
   // bound kept from the optimizer's own last write shows cannot overflow), and the next eager
   // step refuses a NaN, an Inf or a negative second moment written there, as import_state does.
+  // Called while a step is being captured, it holds for every replay of that graph and for the
+  // next step or refresh_hyperparameters() outside the capture.
   // state_changed(param): only that parameter's state was written (its second moments are read).
   void state_changed();
   void state_changed(int param);

@@ -119,7 +119,7 @@ struct Megabatch {
   // score of the last applied step plus one (the selected rows' error feedback only shrinks
   // them); Muon and NorMuon: the largest |M| any applied step stored, raised by accumulate. Zero
   // (unknown) after planning and whenever the state may have been written otherwise
-  // (forget_state_bounds).
+  // (forget_state_bounds; under a capture also again outside it, bounds_forget_pending).
   DeviceBuffer bounds;
   DeviceBuffer indices;  // members x k int32
   // Row sums of squares (fp32) for the normalisation: members x rows of M from accumulate when
@@ -283,8 +283,8 @@ struct Optimizer::Impl {
     std::vector<LionParams> lion_hs;
   } lists;
   bool capturing_now = false;  // the step being enqueued is captured by the caller
-  // forget_state_bounds() was called under the caller's capture: its fills run when the next step
-  // or refresh_hyperparameters() is enqueued outside one.
+  // forget_state_bounds() was called under the caller's capture: its fills, captured, run again
+  // when the next step or refresh_hyperparameters() is enqueued outside one.
   bool bounds_forget_pending = false;
   uint64_t captured_binding = 0;  // the binding of the last captured step (0: none): a replay reads that memory
 

@@ -2172,10 +2172,10 @@ void Optimizer::Impl::build_lists() {
 }
 
 void Optimizer::Impl::forget_state_bounds() {
-  // Captured, the fills would wait in the graph for its first replay: an eager step before it
-  // would trust the stale bounds.
+  // Under the caller's capture the fills go into the graph (a write captured with the step is
+  // forgotten at every replay) and run again at the next step or refresh_hyperparameters()
+  // outside it: an eager step may come before the graph's first replay.
   bounds_forget_pending = backend->capturing();
-  if (bounds_forget_pending) return;
   for (Megabatch& mb : megabatches)
     if (mb.bounds.get() != nullptr) backend->fill_zero(mb.bounds.get(), mb.bounds.bytes());
   if (elementwise_bounds.get() != nullptr) backend->fill_zero(elementwise_bounds.get(), elementwise_bounds.bytes());

@@ -548,7 +548,7 @@ TEST(Hardening, TheAdamWBoundsNeverChangeAVerdict) {
 // The check leaves AdamW's moments unread where the gradient is below the bounds' limit: with
 // bounds that wrongly claim a small state (it holds an Inf), small gradients pass; a gradient
 // past the limit, or no bounds, reads the state and refuses. Lion's one bound likewise.
-TEST(Hardening, AdamWBoundsLetTheCheckSkipTheMoments) {
+TEST(Hardening, ElementwiseBoundsLetTheCheckSkipTheMoments) {
   auto be = dion3::make_cpu_backend();
   const int64_t n = 40;
   std::vector<float> g(n, 1e-3f), m(n, 0.0f), v(n, 1.0f);

@@ -972,7 +972,7 @@ TEST_P(Elementwise, AdamWAndLionMatchCpu) {
 // below the bounds' limit: bounds that wrongly claim a small state (it holds an Inf) let small
 // gradients pass; a gradient past the limit, or no bounds, reads the state and refuses. Packed
 // (n % 8 == 0) and element-wise segments.
-TEST_F(CudaOps, AdamWBoundsLetTheCheckSkipTheMoments) {
+TEST_F(CudaOps, ElementwiseBoundsLetTheCheckSkipTheMoments) {
   for (auto rule : {dion3::StepCheck::AdamW, dion3::StepCheck::Lion})
   for (int64_t n : {4000, 4003}) {
     const std::string what = std::string(rule == dion3::StepCheck::AdamW ? "AdamW " : "Lion ") + std::to_string(n);

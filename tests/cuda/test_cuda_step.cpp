@@ -487,10 +487,12 @@ TEST_F(CudaStep, AnEagerStepAfterACaptureThatWasNotReplayedBindsAfresh) {
 }
 
 // state_changed() while the caller captures (PyTorch's step() calls it there when it notices an
-// in-place state write): the bounds are forgotten for the next step outside the capture, not in
-// the graph, where they would wait for its first replay. Momentum written at 0.9 x the largest
-// value, state_changed() and a step captured, then an eager step with a gradient of 0.2 x it: the
-// sum overflows, and that step is dropped; a replay after refresh_hyperparameters() too.
+// in-place state write): the bounds are forgotten for the next step outside the capture too, not
+// only in the graph, where they would wait for its first replay. Momentum written at 0.9 x the
+// largest value, state_changed() and a step captured, then an eager step with a gradient of
+// 0.2 x it: the sum overflows, and that step is dropped; a replay after refresh_hyperparameters()
+// too. And the graph forgets them at every replay (a write captured with the step): after a
+// replay that raised them, momentum written anew without notice is read by the next replay.
 TEST_F(CudaStep, StateChangedUnderACaptureForgetsTheBoundsForTheNextEagerStep) {
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
@@ -530,8 +532,23 @@ TEST_F(CudaStep, StateChangedUnderACaptureForgetsTheBoundsForTheNextEagerStep) {
       opt.refresh_hyperparameters();
       ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
       ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-      cudaGraphExecDestroy(exec);
       EXPECT_EQ(opt.steps_skipped(), 1) << "the replay went through";
+      huge.fill_value(0.0f);
+      ASSERT_EQ(cudaMemcpy(m.data, huge.dev.get(), huge.bytes(), cudaMemcpyDeviceToDevice), cudaSuccess);
+      g.fill_value(0.5f);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      opt.refresh_hyperparameters();
+      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);  // applied: the bound is small again
+      huge.fill_value(static_cast<float>(0.9 * big));
+      ASSERT_EQ(cudaMemcpy(m.data, huge.dev.get(), huge.bytes(), cudaMemcpyDeviceToDevice), cudaSuccess);
+      g.fill_value(static_cast<float>(0.2 * big));
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      opt.refresh_hyperparameters();
+      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      cudaGraphExecDestroy(exec);
+      EXPECT_EQ(opt.steps_taken(), 3) << "the second replay was dropped";
+      EXPECT_EQ(opt.steps_skipped(), 2) << "a replay trusted a bound from before the write";
     } else {
       EXPECT_FALSE(opt.step()) << "an overflowing momentum went through";
     }
