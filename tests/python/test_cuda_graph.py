@@ -192,15 +192,21 @@ def test_a_step_captured_by_hand_follows_refresh_hyperparameters():
         assert all(torch.equal(p, q) for p, q in zip(eager_p[0], graph_p[0])), step
 
 
-def test_a_replay_after_an_in_place_state_write_reads_the_momentum():
-    # Between replays nothing runs step(): refresh_hyperparameters() notices the in-place write, so
-    # the replayed check reads the momentum and drops the step that would overflow it.
-    big = torch.finfo(torch.float32).max
+def _after_small_steps():
+    """A Dion3 matrix after two applied steps of small gradients: its momentum bound is known."""
     p = torch.nn.Parameter(torch.randn(96, 64, device="cuda") * 0.05)
     opt = dion3.Dion3([p], lr=0.02, on_nonfinite="skip")
     for _ in range(2):
         p.grad = torch.full_like(p, 0.5)
         opt.step()
+    return p, opt
+
+
+def test_a_replay_after_an_in_place_state_write_reads_the_momentum():
+    # Between replays nothing runs step(): refresh_hyperparameters() notices the in-place write, so
+    # the replayed check reads the momentum and drops the step that would overflow it.
+    big = torch.finfo(torch.float32).max
+    p, opt = _after_small_steps()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         opt.step()
@@ -220,11 +226,7 @@ def test_an_in_place_state_write_noticed_under_capture_is_read_by_the_next_eager
     # bounds; the forget must not wait in the graph: the eager step after the capture, never
     # replayed, reads the momentum and drops the step that would overflow it.
     big = torch.finfo(torch.float32).max
-    p = torch.nn.Parameter(torch.randn(96, 64, device="cuda") * 0.05)
-    opt = dion3.Dion3([p], lr=0.02, on_nonfinite="skip")
-    for _ in range(2):
-        p.grad = torch.full_like(p, 0.5)
-        opt.step()
+    p, opt = _after_small_steps()
     opt.state[p]["momentum"].fill_(0.9 * big)
     p.grad.fill_(0.2 * big)
     torch.cuda.synchronize()
