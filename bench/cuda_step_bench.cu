@@ -1,8 +1,8 @@
 // bench/cuda_step_bench.cu — dion3-cuda-step-bench: optimizer step time of the CUDA backend on
 // model-shaped parameter sets (bench/model_shapes: gpt-1b, llama-7b), with weights and
 // gradients filled on the device (a 7B set is too large to fill from the host quickly).
-// Rows: AdamW, Muon as issue 3 defines its baseline (standard NS in bf16 on full cuBLAS GEMMs),
-// Muon, NorMuon, Dion3 at f = 1, 1/2, 1/4, 1/8 (library defaults: auto method, symmetric
+// Rows: AdamW, Lion, Muon as issue 3 defines its baseline (standard NS in bf16 on full cuBLAS
+// GEMMs), Muon, NorMuon, Dion3 at f = 1, 1/2, 1/4, 1/8 (library defaults: auto method, symmetric
 // kernels); each with its median step time, the ratios to both Muons and AdamW of the same run,
 // a roofline floor (max of FLOPs really performed — the symmetric products counted by the tiles
 // they compute, dion3::cuda::symmetric_flop_fraction — / 790 TFLOP/s and the bytes a step must
@@ -133,6 +133,7 @@ int main(int argc, char** argv) {
     md << s << "\n";
   };
   const std::vector<Variant> variants = {{"AdamW", dion3::Algorithm::AdamW, 1.0},
+                                         {"Lion", dion3::Algorithm::Lion, 1.0},
                                          {"Muon, std NS on cuBLAS", dion3::Algorithm::Muon, 1.0, true},
                                          {"Muon", dion3::Algorithm::Muon, 1.0},
                                          {"NorMuon", dion3::Algorithm::NorMuon, 1.0},
@@ -308,12 +309,13 @@ int main(int argc, char** argv) {
         opt.step();
         first_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         const double after = used_bytes();
-        // State: momentum (bf16) + variance (fp32 per row) for matrix methods; AdamW two bf16 moments.
+        // State: momentum (bf16) + variance (fp32 per row) for NorMuon and Dion3; AdamW two bf16
+        // moments; Muon and Lion one.
         double state = 0;
         for (const auto& s : shapes)
-          state += v.algo == dion3::Algorithm::AdamW ? 4.0 * s.rows * s.cols
-                   : v.algo == dion3::Algorithm::Muon ? 2.0 * s.rows * s.cols
-                                                       : 2.0 * s.rows * s.cols + 4.0 * s.rows;
+          state += v.algo == dion3::Algorithm::AdamW                                          ? 4.0 * s.rows * s.cols
+                   : v.algo == dion3::Algorithm::Muon || v.algo == dion3::Algorithm::Lion ? 2.0 * s.rows * s.cols
+                                                                                          : 2.0 * s.rows * s.cols + 4.0 * s.rows;
         beyond = (after - base - state) / (1024.0 * 1024 * 1024);
         for (const auto& m : opt.plan()) {
           if (!dion3::is_matrix_algorithm(m.algorithm)) continue;
@@ -339,7 +341,7 @@ int main(int argc, char** argv) {
         std::sort(t.begin(), t.end());
         median_ms = t[t.size() / 2];
       }
-      // Bytes a step must move: read G, read+write M and W (bf16); AdamW: G, W, two moments.
+      // Bytes a step must move: read G, read+write M and W (bf16; Lion too); AdamW: G, W, two moments.
       const double bytes = (v.algo == dion3::Algorithm::AdamW ? 7.0 : 5.0) * 2.0 * static_cast<double>(total);
       const double floor_flop = flops / 790e12 * 1e3, floor_byte = bytes / 4.3e12 * 1e3;
       const double floor_ms = std::max(floor_flop, floor_byte);
