@@ -709,6 +709,73 @@ TEST(Hardening, LionRaisesItsStateBound) {
   }
 }
 
+// The state bounds' gradient limits are sound, by brute force: wherever a bound lets the check
+// leave the state unread (|g| <= the limit, every stored |state| within the bound, AdamW's second
+// moment in [0, its bound]), a check that reads the state accepts. Every rule and dtype, bounds
+// from tiny to the dtype's largest value, coefficients at and inside their ranges, states at and
+// under the bounds, gradients at and under the limits.
+TEST(Hardening, TheStateBoundsLimitsAreSound) {
+  using dion3::StepCheck;
+  auto be = dion3::make_cpu_backend();
+  Rng rng(31);
+  const std::vector<float> mus = {0.0f, 0.5f, 0.9f, 0.95f, 0.999f, 1.0f};
+  const std::vector<float> betas = {0.0f, 0.5f, 0.9f, 0.99f, 0.9999f, 1.0f};
+  const int64_t n = 64;
+  int tested = 0;
+  for (DType dt : {DType::F32, DType::BF16, DType::F16})
+    for (StepCheck::Rule rule : {StepCheck::Momentum, StepCheck::AdamW, StepCheck::Lion})
+      for (int trial = 0; trial < 400; ++trial) {
+        const float largest = dion3::largest_finite(dt);
+        auto pick = [&](const std::vector<float>& xs) { return xs[rng.next() % xs.size()]; };
+        // A bound as a stored value is one: log-uniform from 1e-6 of the largest value to all of it.
+        auto bound_value = [&] {
+          const float x = largest * static_cast<float>(std::pow(10.0, -6.0 * rng.uniform()));
+          return dion3::cpu::round_to(dt, std::min(x, largest));
+        };
+        float a = 0.0f, b = 0.0f, c = 1.0f;
+        if (rule == StepCheck::Momentum) {
+          a = pick(mus);
+          b = rng.next() % 2 ? a : 0.0f;  // Nesterov or not
+          c = rng.next() % 2 ? 1.0f - a : 1.0f;  // averaged momentum or not
+        } else {
+          a = pick(betas);
+          b = pick(betas);
+        }
+        const float bounds[2] = {bound_value(), bound_value()};
+        const float limit = dion3::state_gradient_limit(rule, bounds, a, b, largest);
+        if (!(limit >= 0.0f)) continue;  // the state is read
+        std::vector<float> g(n), m(n), v(n);
+        for (int64_t j = 0; j < n; ++j) {
+          const double u = j < 4 ? 1.0 : rng.uniform();  // some at the bound and the limit exactly
+          const double sign = rng.next() % 2 ? 1.0 : -1.0;
+          m[j] = dion3::cpu::round_to(dt, static_cast<float>(sign * u * bounds[0]));
+          v[j] = dion3::cpu::round_to(dt, static_cast<float>((j < 4 ? 1.0 : rng.uniform()) * bounds[1]));
+          float x = dion3::cpu::round_to(dt, static_cast<float>((rng.next() % 2 ? 1.0 : -1.0) * (j < 8 ? 1.0 : rng.uniform()) * limit));
+          if (std::fabs(x) > limit) x = 0.0f;  // rounded past the limit: such a gradient is read
+          g[j] = x;
+        }
+        const std::size_t es = dion3::dtype_size(dt);
+        std::vector<unsigned char> gb(n * es), mb(n * es), vb(n * es);
+        StepCheck x;
+        x.rule = rule;
+        x.grad = dion3::MatrixView::contiguous(gb.data(), dt, 1, 1, n);
+        x.state = dion3::MatrixView::contiguous(mb.data(), dt, 1, 1, n);
+        if (rule == StepCheck::AdamW) x.state2 = dion3::MatrixView::contiguous(vb.data(), dt, 1, 1, n);
+        dion3::cpu::store_row(x.grad, 0, 0, g.data());
+        dion3::cpu::store_row(x.state, 0, 0, m.data());
+        if (rule == StepCheck::AdamW) dion3::cpu::store_row(x.state2, 0, 0, v.data());
+        x.a = a;
+        x.b = b;
+        x.c = c;
+        int flag = 0;
+        be->check_step({&x, 1}, &flag);  // no bound: everything read
+        EXPECT_EQ(flag, 0) << dion3::dtype_name(dt) << " rule " << rule << " a " << a << " b " << b << " c " << c
+                           << " bounds " << bounds[0] << ", " << bounds[1] << " limit " << limit;
+        ++tested;
+      }
+  EXPECT_GT(tested, 2000);
+}
+
 // Every layout over one rank (loopback communicators) steps as one device does, with the
 // orthogonalizer in bf16 on fp32 momentum, wide selections and selections wider than the matrix
 // (k > n), whole megabatches and chunks of one matrix: each path's buffers (the update rows in
