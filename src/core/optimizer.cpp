@@ -887,7 +887,7 @@ void Optimizer::Impl::build_plan() {
   for (Param& p : params) p.state_bound = nullptr;
   for (const Megabatch& mb : megabatches)
     for (std::size_t i = 0; i < mb.members.size(); ++i)
-      if (mb.bounds.get() != nullptr && members_of[mb.members[i].param] == 1)
+      if (members_of[mb.members[i].param] == 1)
         params[mb.members[i].param].state_bound = mb.bounds.as<float>() + i;
   // Element-wise parameters' bounds: two floats for AdamW, one for Lion.
   std::vector<std::pair<Param*, std::size_t>> elementwise;  // parameter, its first float
@@ -1748,7 +1748,7 @@ void Optimizer::Impl::fold_absent_counts() {
 
 void Optimizer::Impl::forget_absent_bounds() {
   for (Megabatch& mb : megabatches) {
-    if (mb.bounds.get() == nullptr || !selects_rows(groups[mb.group].algorithm)) continue;
+    if (!selects_rows(groups[mb.group].algorithm)) continue;
     const auto n = static_cast<int64_t>(mb.members.size());
     for (int64_t i = 0; i < n;) {  // runs of absent members, one fill each
       int64_t end = i;
@@ -2153,16 +2153,15 @@ void Optimizer::Impl::build_lists() {
     e.weight = flat_of(p.weight);
     e.grad = flat_of(p.grad);
     e.exp_avg = flat_of(p.state[0].second);
+    e.state_bound = p.state_bound;
     const float lr = static_cast<float>(g.lr), wd = static_cast<float>(g.weight_decay);
     const float b1 = static_cast<float>(g.betas[0]), b2 = static_cast<float>(g.betas[1]);
     if (g.algorithm == Algorithm::AdamW) {
       e.exp_avg_sq = flat_of(p.state[1].second);
-      e.state_bound = p.state_bound;
       l.adamw_ps.push_back(e);
       l.adamw_hs.push_back({lr, b1, b2, wd, static_cast<float>(g.epsilon), counters.as<int64_t>(), p.step_offset,
                             group_hyper(p.group, kLr).at});
     } else {
-      e.state_bound = p.state_bound;
       l.lion_ps.push_back(e);
       l.lion_hs.push_back({lr, b1, b2, wd, group_hyper(p.group, kLr).at});
     }
@@ -2176,8 +2175,7 @@ void Optimizer::Impl::forget_state_bounds() {
   // forgotten at every replay) and run again at the next step or refresh_hyperparameters()
   // outside it: an eager step may come before the graph's first replay.
   bounds_forget_pending = backend->capturing();
-  for (Megabatch& mb : megabatches)
-    if (mb.bounds.get() != nullptr) backend->fill_zero(mb.bounds.get(), mb.bounds.bytes());
+  for (Megabatch& mb : megabatches) backend->fill_zero(mb.bounds.get(), mb.bounds.bytes());
   if (elementwise_bounds.get() != nullptr) backend->fill_zero(elementwise_bounds.get(), elementwise_bounds.bytes());
 }
 
@@ -2186,29 +2184,26 @@ StepCheck Optimizer::Impl::step_check(const Param& p) const {
   StepCheck c;
   c.grad = flat_of(p.grad);
   c.state = flat_of(p.state[0].second);
+  c.state_bound = p.state_bound;
   switch (g.algorithm) {
     case Algorithm::Dion3:  // M += G (the selected rows decay after they are read)
     case Algorithm::Dion2:
       c.a = 1.0f;
-      c.state_bound = p.state_bound;
       break;
     case Algorithm::NorMuon:
     case Algorithm::Muon:
       c.a = group_hyper(p.group, kMu);
       c.b = g.nesterov ? group_hyper(p.group, kMu) : Hyper(0.0f);
       c.c = group_hyper(p.group, kGradScale);
-      c.state_bound = p.state_bound;
       break;
     case Algorithm::AdamW:
       c.rule = StepCheck::AdamW;
       c.state2 = flat_of(p.state[1].second);
-      c.state_bound = p.state_bound;
       c.a = group_hyper(p.group, kBeta1);
       c.b = group_hyper(p.group, kBeta2);
       break;
     case Algorithm::Lion:
       c.rule = StepCheck::Lion;
-      c.state_bound = p.state_bound;
       c.b = group_hyper(p.group, kBeta2);
       break;
   }

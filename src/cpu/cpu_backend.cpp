@@ -293,6 +293,7 @@ class CpuBackend final : public Backend {
         for (int64_t j = 0; j < p.momentum.cols; ++j) m[j] = decay * m[j] + gs * g[j];
         store_row(p.momentum, 0, r, m.data());
         if (largest) most = std::max(most, largest_bits(p.momentum.dtype, m.data(), p.momentum.cols));
+        if (!scores && !row_sumsq) continue;  // Muon's and NorMuon's momentum: no sums
         // Score what is stored: the rounded momentum, as a device kernel reading M back would.
         double l1 = 0.0, sq = 0.0;
         for (int64_t j = 0; j < p.momentum.cols; ++j) {
@@ -717,6 +718,7 @@ class CpuBackend final : public Backend {
         for (int64_t c = 0; c < n; ++c) buf.m[c] = decay * buf.m[c] + gs * buf.g[c];
         store_row(p.momentum, 0, r, buf.m.data());
         if (largest) most = std::max(most, largest_bits(p.momentum.dtype, buf.m.data(), n));
+        if (!scores && !row_sumsq) continue;  // NorMuon's momentum: no sums
         for (int64_t c = 0; c < n; ++c) {  // of the values as stored, summed in row order
           const double v = cpu::round_to(p.momentum.dtype, buf.m[c]);
           buf.l1[c] += std::fabs(v);
@@ -898,18 +900,17 @@ class CpuBackend final : public Backend {
     };
     if (all_f32({e.weight, e.grad, e.exp_avg})) {
       update(f32(e.weight) + c0, f32(e.grad) + c0, f32(e.exp_avg) + c0, c1 - c0);
-      if (e.state_bound) raise_bound(e.state_bound, most);
-      return;
-    }
-    Floats &w = buf.w, &g = buf.g, &m = buf.m;
-    for (int64_t c = c0; c < c1; c += kChunk) {
-      const MatrixView W = cols_slice(e.weight, c), G = cols_slice(e.grad, c), M = cols_slice(e.exp_avg, c);
-      load_row(W, 0, 0, w.data());
-      load_row(G, 0, 0, g.data());
-      load_row(M, 0, 0, m.data());
-      update(w.data(), g.data(), m.data(), W.cols);
-      store_row(W, 0, 0, w.data());
-      store_row(M, 0, 0, m.data());
+    } else {
+      Floats &w = buf.w, &g = buf.g, &m = buf.m;
+      for (int64_t c = c0; c < c1; c += kChunk) {
+        const MatrixView W = cols_slice(e.weight, c), G = cols_slice(e.grad, c), M = cols_slice(e.exp_avg, c);
+        load_row(W, 0, 0, w.data());
+        load_row(G, 0, 0, g.data());
+        load_row(M, 0, 0, m.data());
+        update(w.data(), g.data(), m.data(), W.cols);
+        store_row(W, 0, 0, w.data());
+        store_row(M, 0, 0, m.data());
+      }
     }
     if (e.state_bound) raise_bound(e.state_bound, most);
   }
