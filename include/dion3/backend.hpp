@@ -291,7 +291,16 @@ struct AdamWRule {
   }
 };
 struct LionRule {
+  // The step's direction: the sign of momentum and gradient interpolated by beta1 (0 where it is 0).
+  DION3_HOST_DEVICE static float direction(float m, float g, float beta1) {
+    const float c = m + (1.0f - beta1) * (g - m);
+    return static_cast<float>((c > 0.0f) - (c < 0.0f));
+  }
   DION3_HOST_DEVICE static float exp_avg(float m, float g, float beta2) { return m + (1.0f - beta2) * (g - m); }
+  // The weight after the step; decay = 1 - lr * weight_decay.
+  DION3_HOST_DEVICE static float weight(float w, float direction, float lr, float decay) {
+    return w * decay - lr * direction;
+  }
 };
 
 // Ops recorded by Backend::record.

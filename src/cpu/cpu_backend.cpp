@@ -891,10 +891,9 @@ class CpuBackend final : public Backend {
     uint32_t most = 0;  // the largest |exp_avg| stored (ElementwiseParam::state_bound), as rounded
     auto update = [&](float* w, const float* g, float* m, int64_t n) {
       for (int64_t j = 0; j < n; ++j) {
-        const float c = m[j] + (1.0f - h.beta1) * (g[j] - m[j]);
-        const float u = static_cast<float>((c > 0.0f) - (c < 0.0f));
+        const float u = LionRule::direction(m[j], g[j], h.beta1);
         m[j] = LionRule::exp_avg(m[j], g[j], h.beta2);
-        w[j] = w[j] * decay - h.lr * u;
+        w[j] = LionRule::weight(w[j], u, h.lr, decay);
       }
       if (e.state_bound) most = std::max(most, largest_bits(e.exp_avg.dtype, m, n));
     };

@@ -391,26 +391,59 @@ __global__ void adamw_kernel(const __grid_constant__ MultiTensor<AdamWParams> t,
   if (bound) raise_bounds(bound, most);
 }
 
+struct LionElem {
+  // The CPU backend's rules (LionRule).
+  __device__ __forceinline__ static void apply(float& w, float g, float& m, const LionParams& h, float decay) {
+    const float u = LionRule::direction(m, g, h.beta1);
+    m = LionRule::exp_avg(m, g, h.beta2);
+    w = LionRule::weight(w, u, h.lr, decay);
+  }
+};
+
 template <class TW, class TG, class TS>
 __global__ void lion_kernel(const __grid_constant__ MultiTensor<LionParams> t, const int* skip) {
   pdl_wait();
   if (skipped(skip)) return;
   const auto [w, g, m, v, n, given] = entry<TW, TG, TS>(t, blockIdx.y);
+  float* const bound = t.bound[blockIdx.y];
+  // Blocks past a smaller parameter's end (whole blocks: raise_bounds needs every thread).
+  if (blockIdx.x * static_cast<int64_t>(blockDim.x) * (t.vec[blockIdx.y] ? 4 : 1) >= n) return;
   const LionParams h = given.resolved();
   const float decay = 1.0f - h.lr * h.weight_decay;
-  unsigned most[1] = {0};  // the largest |exp_avg| this thread stores (bound_bits)
-  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n;
-       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float gv = to_f32(g[e]);
-    const float mv = to_f32(m[e]);
-    const float c = mv + (1.0f - h.beta1) * (gv - mv);
-    const float u = c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : 0.0f);
-    const TS ms = from_f32<TS>(LionRule::exp_avg(mv, gv, h.beta2));
-    m[e] = ms;
-    w[e] = from_f32<TW>(to_f32(w[e]) * decay - h.lr * u);
-    most[0] = max(most[0], bound_bits(to_f32(ms)));
+  const int64_t start = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  // The largest |exp_avg| this thread stores: bound_bits, or for 16-bit moments in 4-element
+  // packs, two 16-bit lanes of stored bits (packed_max).
+  unsigned most[1] = {0};
+  if (t.vec[blockIdx.y]) {
+    for (int64_t q = start; 4 * q < n; q += stride) {
+      Pack4<TW> wp = reinterpret_cast<const Pack4<TW>*>(w)[q];
+      const Pack4<TG> gp = reinterpret_cast<const Pack4<TG>*>(g)[q];
+      Pack4<TS> mp = reinterpret_cast<const Pack4<TS>*>(m)[q];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float wv = to_f32(wp.v[e]), mv = to_f32(mp.v[e]);
+        LionElem::apply(wv, to_f32(gp.v[e]), mv, h, decay);
+        wp.v[e] = from_f32<TW>(wv);
+        mp.v[e] = from_f32<TS>(mv);
+        if constexpr (sizeof(TS) != 2) most[0] = max(most[0], bound_bits(to_f32(mp.v[e])));
+      }
+      if constexpr (sizeof(TS) == 2) most[0] = packed_max(most[0], mp);
+      reinterpret_cast<Pack4<TW>*>(w)[q] = wp;
+      reinterpret_cast<Pack4<TS>*>(m)[q] = mp;
+    }
+    if constexpr (sizeof(TS) == 2) most[0] = packed_bound_bits<TS>(most[0]);
+  } else {
+    for (int64_t e = start; e < n; e += stride) {
+      float wv = to_f32(w[e]), mv = to_f32(m[e]);
+      LionElem::apply(wv, to_f32(g[e]), mv, h, decay);
+      const TS ms = from_f32<TS>(mv);
+      m[e] = ms;
+      w[e] = from_f32<TW>(wv);
+      most[0] = max(most[0], bound_bits(to_f32(ms)));
+    }
   }
-  if (float* bound = t.bound[blockIdx.y]) raise_bounds(bound, most);
+  if (bound) raise_bounds(bound, most);
 }
 
 // sym_prepare: one warp per row. With VEC (every row of C and D 16-byte aligned) each lane moves
@@ -712,7 +745,7 @@ void launch_lion(std::span<const ElementwiseParam> ps, std::span<const LionParam
     DION3_DISPATCH_FLOAT(p.weight.dtype, TW, [&] {
       DION3_DISPATCH_FLOAT(p.grad.dtype, TG, [&] {
         DION3_DISPATCH_FLOAT(p.exp_avg.dtype, TS, [&] {
-          launch_pdl(lion_kernel<TW, TG, TS>, dim3(grid_for(max_n, 256), used), 256, 0, s, t, skip);
+          launch_pdl(lion_kernel<TW, TG, TS>, dim3(grid_for(max_n / 4 + 1, 256), used), 256, 0, s, t, skip);
         });
       });
     });

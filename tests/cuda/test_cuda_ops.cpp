@@ -909,7 +909,7 @@ TEST_F(CudaOps, ProductsOnFewerMultiprocessorsGiveTheSameBits) {
 }
 
 // ---- AdamW / Lion -------------------------------------------------------------------------------
-struct EwCase { DType w, s; int64_t n = 10008; };  // n % 4 == 0: vectorised AdamW
+struct EwCase { DType w, s; int64_t n = 10008; };  // n % 4 == 0: vectorised AdamW and Lion
 class Elementwise : public ct::CudaTest, public ::testing::WithParamInterface<EwCase> {};
 
 TEST_P(Elementwise, AdamWAndLionMatchCpu) {
