@@ -766,17 +766,26 @@ __global__ void __launch_bounds__(kStepThreads, kMode == CheckMode::Known ? kKno
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kStepThreads;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * kStepThreads + threadIdx.x;
   bool ok = true;
-  for (int i = 0; i < a.count; ++i) {
-    const StepSegment& sg = a.seg[i];
-    if constexpr (kMode == CheckMode::Whole) {
-      ok &= segment_finite<kRule, TG, TS, false, kStepPacks>(sg, tid, stride, -1.0f);
-    } else {
-      // Known and Unknown launches compute this same value: each segment is checked by one of them.
-      const float limit = state_gradient_limit(static_cast<StepCheck::Rule>(kRule), sg.bound, sg.a.get(), sg.b.get(),
-                                               largest_finite(dtype_of<TS>()));
+  if constexpr (kMode == CheckMode::Whole) {
+    for (int i = 0; i < a.count; ++i) ok &= segment_finite<kRule, TG, TS, false, kStepPacks>(a.seg[i], tid, stride, -1.0f);
+  } else {
+    // Every segment's gradient limit, one thread each: the bounds' loads in parallel rather than
+    // one latency per segment. Known and Unknown launches compute the same values: each segment
+    // is checked by one of them, and a launch with none of its own leaves at once.
+    __shared__ float s_limit[kStepSegments];
+    static_assert(kStepSegments <= kStepThreads);
+    if (threadIdx.x < a.count) {
+      const StepSegment& sg = a.seg[threadIdx.x];
+      s_limit[threadIdx.x] = state_gradient_limit(static_cast<StepCheck::Rule>(kRule), sg.bound, sg.a.get(),
+                                                  sg.b.get(), largest_finite(dtype_of<TS>()));
+    }
+    const bool mine = threadIdx.x < a.count && (s_limit[threadIdx.x] >= 0.0f) == (kMode == CheckMode::Known);
+    if (!__syncthreads_or(mine)) return;
+    for (int i = 0; i < a.count; ++i) {
+      const float limit = s_limit[i];
       if ((limit >= 0.0f) != (kMode == CheckMode::Known)) continue;
-      if constexpr (kMode == CheckMode::Known) ok &= segment_finite<kRule, TG, TS, true, kKnownPacks>(sg, tid, stride, limit);
-      else ok &= segment_finite<kRule, TG, TS, false, kStepPacks>(sg, tid, stride, -1.0f);
+      if constexpr (kMode == CheckMode::Known) ok &= segment_finite<kRule, TG, TS, true, kKnownPacks>(a.seg[i], tid, stride, limit);
+      else ok &= segment_finite<kRule, TG, TS, false, kStepPacks>(a.seg[i], tid, stride, -1.0f);
     }
   }
   if (__syncthreads_or(!ok) && threadIdx.x == 0) atomicOr(flag, 1);
