@@ -509,6 +509,65 @@ TEST_F(CudaOps, CheckStepAgreesWithCpuAtTheOverflowEdge) {
   EXPECT_EQ(gpu->read_flag(flag.as<int>()), 1);
 }
 
+// Bounded segments over two launch tables (70 > kStepSegments), known and unknown bounds, 16-byte
+// and element-wise segments mixed: each segment is checked by exactly one of the two launches. A
+// known bound that wrongly claims a small momentum lets a small gradient pass (so the Unknown
+// launch does not read that segment too); an unknown one reads the momentum whole; a gradient past
+// a known bound's limit reads it.
+TEST_F(CudaOps, BoundedCheckTablesSplitKnownAndUnknownSegments) {
+  using dion3::StepCheck;
+  std::mt19937_64 rng(23);
+  constexpr int kCount = 70;
+  std::vector<Twin> gs, ms;
+  std::vector<float> bv(kCount);
+  for (int i = 0; i < kCount; ++i) {
+    const int64_t n = 1000 + 4 * i;  // i even: n % 8 == 0, 16-byte loads
+    gs.emplace_back(*gpu, DType::BF16, 1, 1, n);
+    ms.emplace_back(*gpu, DType::F32, 1, 1, n);
+    gs.back().fill_normal(rng, 1e-3f);
+    ms.back().fill_value(0.0f);
+    bv[i] = i % 4 < 2 ? 1.0f : 0.0f;  // known (> 0) or unknown
+  }
+  Twin bounds(*gpu, DType::F32, 1, 1, kCount);
+  bounds.set_host(bv);
+  bounds.upload();
+  std::vector<StepCheck> cs;
+  for (int i = 0; i < kCount; ++i) {
+    cs.push_back(StepCheck{StepCheck::Momentum, gs[i].dview(), ms[i].dview(), {}, 0.95f, 0.0f});
+    cs.back().state_bound = static_cast<const float*>(bounds.dev.get()) + i;
+  }
+  dion3::DeviceBuffer flag(gpu->allocator(), 4);
+  auto refused = [&] {
+    gpu->fill_zero(flag.get(), 4);
+    gpu->check_step(cs, flag.as<int>());
+    return gpu->read_flag(flag.as<int>()) != 0;
+  };
+  EXPECT_FALSE(refused());
+  auto plant = [&](int i, float g) {
+    std::vector<float> mv(ms[i].numel(), 0.0f), gv = gs[i].host_values();
+    const int64_t at = ms[i].numel() - 3;
+    mv[at] = std::numeric_limits<float>::infinity();
+    gv[at] = g;
+    ms[i].set_host(mv), ms[i].upload();
+    gs[i].set_host(gv), gs[i].upload();
+  };
+  auto clear = [&](int i) { ms[i].fill_value(0.0f); };
+  for (int i : {4, 5, 64, 65}) {  // known bounds, both tables, both load widths
+    plant(i, 1e-3f);
+    EXPECT_FALSE(refused()) << "known segment " << i << ", small gradient";
+    plant(i, 1e38f);
+    EXPECT_TRUE(refused()) << "known segment " << i << ", gradient past the limit";
+    plant(i, 1e-3f);
+    clear(i);
+  }
+  for (int i : {6, 7, 66, 67}) {  // unknown bounds
+    plant(i, 1e-3f);
+    EXPECT_TRUE(refused()) << "unknown segment " << i;
+    clear(i);
+  }
+  EXPECT_FALSE(refused());
+}
+
 // ---- finish_step ------------------------------------------------------------------------------
 // The verdict into the counters, as on the CPU: applied steps always count, dropped ones only
 // when asked (a step that Optimizer::step() raises counts nowhere).
