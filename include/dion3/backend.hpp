@@ -291,7 +291,7 @@ struct AdamWRule {
   }
 };
 struct LionRule {
-  // The step's direction: the sign of momentum and gradient interpolated by beta1 (0 where it is 0).
+  // The step's direction: the sign of momentum and gradient interpolated by beta1 (0 where it is 0 or NaN).
   DION3_HOST_DEVICE static float direction(float m, float g, float beta1) {
     const float c = m + (1.0f - beta1) * (g - m);
     return static_cast<float>((c > 0.0f) - (c < 0.0f));

@@ -552,7 +552,8 @@ TEST_F(CudaOps, BoundedCheckTablesSplitKnownAndUnknownSegments) {
     gs[i].set_host(gv), gs[i].upload();
   };
   auto clear = [&](int i) { ms[i].fill_value(0.0f); };
-  for (int i : {4, 5, 64, 65}) {  // known bounds, both tables, both load widths
+  // Both tables, both load widths, both warps' limits, each table's last segment.
+  for (int i : {4, 5, 36, 37, 64, 65, 68, 69}) {  // known bounds
     plant(i, 1e-3f);
     EXPECT_FALSE(refused()) << "known segment " << i << ", small gradient";
     plant(i, 1e38f);
@@ -560,12 +561,19 @@ TEST_F(CudaOps, BoundedCheckTablesSplitKnownAndUnknownSegments) {
     plant(i, 1e-3f);
     clear(i);
   }
-  for (int i : {6, 7, 66, 67}) {  // unknown bounds
+  for (int i : {6, 7, 38, 39, 66, 67}) {  // unknown bounds
     plant(i, 1e-3f);
     EXPECT_TRUE(refused()) << "unknown segment " << i;
     clear(i);
   }
   EXPECT_FALSE(refused());
+  // Every bound known, then every bound unknown: one of the two launches has no segment.
+  plant(38, 1e-3f);
+  for (float b : {1.0f, 0.0f}) {
+    bounds.set_host(std::vector<float>(kCount, b));
+    bounds.upload();
+    EXPECT_EQ(refused(), b == 0.0f) << "every bound " << b;
+  }
 }
 
 // ---- finish_step ------------------------------------------------------------------------------
