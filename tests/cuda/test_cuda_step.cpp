@@ -539,6 +539,8 @@ TEST_F(CudaStep, StateChangedUnderACaptureForgetsTheBoundsForTheNextEagerStep) {
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       opt.refresh_hyperparameters();
       ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);  // applied: the bound is small again
+      // The stream does not wait for the legacy default stream's copies below, nor they for it.
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
       huge.fill_value(static_cast<float>(0.9 * big));
       ASSERT_EQ(cudaMemcpy(m.data, huge.dev.get(), huge.bytes(), cudaMemcpyDeviceToDevice), cudaSuccess);
       g.fill_value(static_cast<float>(0.2 * big));
