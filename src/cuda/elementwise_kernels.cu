@@ -4,6 +4,7 @@
 // Lion, and the helpers of the symmetric products (scaled-add prologue, mirror of the lower
 // triangle with a diagonal shift).
 #include <algorithm>
+#include <bit>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -669,14 +670,17 @@ void launch_convert(const MatrixView& in, const MatrixView& out, cudaStream_t s)
 }
 
 namespace {
-// A parameter of at least this many elements gets a launch of its own, sized for it; smaller
-// ones share launches (a launch's grid covers its largest parameter).
-constexpr int64_t kOwnLaunch = int64_t{1} << 20;
+// A launch's grid covers its largest parameter, and the blocks past a smaller one's end leave at
+// once. So parameters of at least kLargeTable elements share launches only with those of the same
+// power-of-two size class (at most half a launch's blocks idle); smaller ones share freely. One
+// launch a large parameter left a gap at each launch's ramp and tail.
+constexpr int64_t kLargeTable = int64_t{1} << 20;
+int size_class(int64_t n) { return n >= kLargeTable ? std::bit_width(static_cast<uint64_t>(n)) : 0; }
 
 int64_t numel_of(const ElementwiseParam& p) { return p.weight.batch * p.weight.rows * p.weight.cols; }
 
 // Fills MultiTensor tables with the parameters of one dtype combination and launches `launch`
-// on each: the large ones one per table, the small ones kMultiTensors per table.
+// on each, up to kMultiTensors parameters of one size class (size_class) per table.
 template <class H, class Launch>
 void for_each_table(std::span<const ElementwiseParam> ps, std::span<const H> hs, const char* what, Launch&& launch) {
   if (ps.size() != hs.size()) fail(std::string(what) + ": one set of hyperparameters per parameter");
@@ -684,7 +688,7 @@ void for_each_table(std::span<const ElementwiseParam> ps, std::span<const H> hs,
   for (std::size_t i = 0; i < ps.size(); ++i) order[i] = i;
   auto key = [&](std::size_t i) {
     return std::tuple(static_cast<int>(ps[i].weight.dtype), static_cast<int>(ps[i].grad.dtype),
-                      static_cast<int>(ps[i].exp_avg.dtype), numel_of(ps[i]) >= kOwnLaunch);
+                      static_cast<int>(ps[i].exp_avg.dtype), size_class(numel_of(ps[i])));
   };
   std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return key(a) < key(b); });
   MultiTensor<H> t{};
@@ -702,7 +706,7 @@ void for_each_table(std::span<const ElementwiseParam> ps, std::span<const H> hs,
     const ElementwiseParam& p = ps[i];
     const int64_t n = numel_of(p);
     if (n == 0) continue;
-    if (used > 0 && (key(i) != key(first) || used == kMultiTensors || n >= kOwnLaunch)) flush();
+    if (used > 0 && (key(i) != key(first) || used == kMultiTensors)) flush();
     if (used == 0) first = i;
     t.w[used] = p.weight.data;
     t.g[used] = p.grad.data;

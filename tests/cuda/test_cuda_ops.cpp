@@ -1078,12 +1078,14 @@ TEST_F(CudaOps, ElementwiseBoundsLetTheCheckSkipTheMoments) {
   }
 }
 
-// Many parameters in one call: two dtype combinations, sizes from 1 element to past the
-// own-launch threshold (2^20), more than one launch's table (32), each with its own
-// hyperparameters and step offset; CPU and CUDA must agree on every one.
+// Many parameters in one call: two dtype combinations, sizes from 1 element to past the large
+// tables' threshold (2^20; three sizes of one class share launches, one element-wise), more than
+// one launch's table (32), each with its own hyperparameters and step offset; CPU and CUDA must
+// agree on every one.
 TEST_F(CudaOps, MultiTensorAdamWAndLionMatchCpu) {
   std::mt19937_64 rng(77);
-  const int64_t sizes[] = {1, 3, 4, 5, 64, 130, 4096, 10007, (int64_t{1} << 20) + 4};
+  const int64_t sizes[] = {1, 3, 4, 5, 64, 130, 4096, 10007, (int64_t{1} << 20) + 4, (int64_t{1} << 20) + 3,
+                           (int64_t{1} << 21) - 4};
   struct Param { std::unique_ptr<Twin> w, g, m, v; };
   std::vector<Param> params;
   std::vector<dion3::ElementwiseParam> hp, dp;
@@ -1093,7 +1095,7 @@ TEST_F(CudaOps, MultiTensorAdamWAndLionMatchCpu) {
   dion3::DeviceBuffer dev_steps(gpu->allocator(), sizeof(int64_t));
   gpu->copy_from_host(dev_steps.get(), &host_steps, sizeof(int64_t));
   for (int i = 0; i < 41; ++i) {
-    const int64_t n = sizes[i % 9];
+    const int64_t n = sizes[i % 11];
     const DType wd = i % 2 ? DType::BF16 : DType::F32, sd = wd;
     Param p{std::make_unique<Twin>(*gpu, wd, 1, 1, n), std::make_unique<Twin>(*gpu, wd, 1, 1, n),
             std::make_unique<Twin>(*gpu, sd, 1, 1, n), std::make_unique<Twin>(*gpu, sd, 1, 1, n)};
