@@ -217,6 +217,17 @@ DION3_HOST_DEVICE inline float largest_finite(DType t) {
   }
 }
 
+// a * b rounded on its own, also on the device, where nvcc would otherwise fuse a product into the
+// sum it feeds (fma): the CUDA check computes each gradient limit in two kernels, and both must
+// get the same value to agree on which of them reads a segment.
+DION3_HOST_DEVICE inline float mul_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
 // A |g| up to which a * m + g and the Nesterov mix b * (a * m + g) + g both stay within a quarter
 // of `limit` (a state dtype's largest finite value) whatever m with |m| <= bound, so that float
 // rounding cannot carry either past it (so also with a gradient coefficient |c| <= 1). Negative or
@@ -224,7 +235,7 @@ DION3_HOST_DEVICE inline float largest_finite(DType t) {
 DION3_HOST_DEVICE inline float momentum_gradient_limit(float bound, float a, float b, float limit) {
   if (!(bound > 0.0f)) return -1.0f;
   const float fa = a < 0.0f ? -a : a, fb = b < 0.0f ? -b : b;
-  return (0.25f * limit - fa * (fb > 1.0f ? fb : 1.0f) * bound) / (1.0f + fb);
+  return (0.25f * limit - mul_rn(mul_rn(fa, fb > 1.0f ? fb : 1.0f), bound)) / (1.0f + fb);
 }
 
 // A |g| up to which m + (1 - beta)*(g - m) stays within `room` whatever m with |m| <= bm (and
@@ -233,7 +244,7 @@ DION3_HOST_DEVICE inline float momentum_gradient_limit(float bound, float a, flo
 DION3_HOST_DEVICE inline float lerp_gradient_limit(float bm, float beta, float room) {
   const float f = beta > 1.0f ? beta - 1.0f : 1.0f - beta;  // |1 - beta|
   if (!(f >= 0.0f)) return -1.0f;  // NaN beta: the new exp_avg is NaN
-  const float l = f > 0.0f ? (room - (1.0f + f) * bm) / f : (bm <= room ? room : -1.0f);
+  const float l = f > 0.0f ? (room - mul_rn(1.0f + f, bm)) / f : (bm <= room ? room : -1.0f);
   return l >= room ? room : l;  // a NaN l (infinite beta) stays NaN: callers pass only l >= 0
 }
 
@@ -246,7 +257,7 @@ DION3_HOST_DEVICE inline float adamw_gradient_limit(const float* bounds, float b
   const float bm = bounds[0], bv = bounds[1], room = 0.25f * limit;
   if (!(bm > 0.0f) || !(bv > 0.0f) || !(beta2 >= 0.0f && beta2 <= 1.0f)) return -1.0f;
   const float lm = lerp_gradient_limit(bm, beta1, room);
-  const float rv = room - beta2 * bv, f2 = 1.0f - beta2;
+  const float rv = room - mul_rn(beta2, bv), f2 = 1.0f - beta2;
   // sqrt(rv) / sqrt(f2), not sqrt(rv / f2): the quotient may overflow where the limit does not.
   const float lv = !(rv >= 0.0f) ? -1.0f : f2 > 0.0f ? sqrtf(rv) / sqrtf(f2) : room;
   if (!(lm >= 0.0f) || !(lv >= 0.0f)) return -1.0f;
