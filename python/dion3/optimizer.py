@@ -742,6 +742,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._megabatch = bool(megabatch)
         _LIVE.add(self)
         self._engine = None
+        self._engine_generation = 0  # engines built so far
+        self._captured_generation: Optional[int] = None  # the engine a CUDA-graph capture stepped
         # Distributed: the next step first checks every rank's groups with one all-reduce (see
         # _agree_on_groups); set where every rank's step builds its first engine alike.
         self._agree_first = True
@@ -805,6 +807,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
         self._kinds = {p: _kind(g.get("algorithm")) for g in self.param_groups for p in g["params"]}
         self._pushed, self._pushed_to = {}, None
         self._engine, self._engine_key, self._engine_params, self._engine_groups = None, None, [], []
+        # (load_state_dict keeps them: a graph captured before it is refused at its next refresh)
+        self._engine_generation = getattr(self, "_engine_generation", 0)
+        self._captured_generation = getattr(self, "_captured_generation", None)
         self._agree_first = True
         self._switched_from = {}
         _LIVE.add(self)
@@ -1415,6 +1420,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
                                       "changed since the last step; run one eager step before capturing")
             self._absent = engine.absent()  # what the replays step (counted by _sync_counters)
             self._counters_pending = True
+            # The engine the graph points into: after a rebuild (another engine) it cannot be replayed.
+            self._captured_generation = self._engine_generation
             return loss
         if getattr(self, "_replayed", False):
             # Replays are counted for the parameters the capture stepped, before this step may step
@@ -1810,6 +1817,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         # (a Partial one is compared by the replay's own redistribution, not here).
         given = [_dist.placed_local_grad(p) for p in self._engine_params] if self._given_grads else None
         if (engine is None or self._stale(self._registration_key()) or engine.stale_for_replay()
+                or self._captured_generation not in (None, self._engine_generation)
                 or engine.grads_replaced(given) or self._absence_changed(engine)):
             raise RuntimeError("dion3: the optimizer's parameters, groups, state tensors, the parameters with a "
                                "gradient or their .grad tensors changed since the capture; capture again")
@@ -2203,6 +2211,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
             self._kinds[p] = kinds[p]
             self.state[p].update(st)
         self._engine = engine
+        self._engine_generation += 1
         self._engine_params = engine_params
         self._engine_cuda = device.type == "cuda"
         self._applied_seen, self._skipped_seen = applied_seen, skipped_seen

@@ -644,7 +644,8 @@ void Optimizer::state_changed(int param) {
   const Impl::Use use(*impl_);
   if (param < 0 || param >= num_params()) fail("state_changed: no parameter " + std::to_string(param));
   impl_->forget_state_bounds();
-  impl_->written_params.push_back(param);
+  std::vector<int>& w = impl_->written_params;  // once each: replays may call this before every one
+  if (std::find(w.begin(), w.end(), param) == w.end()) w.push_back(param);
 }
 
 std::vector<std::pair<std::string, TensorView>> Optimizer::state_views(int param) const {

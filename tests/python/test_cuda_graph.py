@@ -240,6 +240,63 @@ def test_an_in_place_state_write_noticed_under_capture_is_read_by_the_next_eager
     assert opt.steps_skipped == 1
 
 
+def test_a_state_write_captured_after_the_step_is_read_by_every_replay():
+    # The graph writes the momentum after its step, and replays move no version: the bound that a
+    # replay's step raised does not hold the momentum its write leaves. Every refresh before a
+    # replay, and the eager step after one, must have the check read it.
+    big = torch.finfo(torch.float32).max
+    p, opt = _after_small_steps()
+    mom = opt.state[p]["momentum"]
+    src = torch.zeros_like(mom)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+        mom.copy_(src)
+    opt.refresh_hyperparameters()
+    graph.replay()  # applied; the momentum is then src (zeros)
+    src.fill_(0.9 * big)
+    opt.refresh_hyperparameters()
+    graph.replay()  # applied from a zero momentum, which the graph then sets to 0.9 x the largest
+    p.grad.fill_(0.2 * big)  # under the limit of the bound the step raised: only a read stops it
+    before = p.detach().clone()
+    opt.refresh_hyperparameters()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(p, before) and opt.steps_skipped == 1
+    src.fill_(0.0)
+    p.grad.fill_(0.5)
+    opt.refresh_hyperparameters()
+    graph.replay()  # applied; momentum zeros
+    src.fill_(0.9 * big)
+    opt.refresh_hyperparameters()
+    graph.replay()  # applied; momentum 0.9 x the largest
+    p.grad.fill_(0.2 * big)
+    before = p.detach().clone()
+    opt.step()  # eager, after a replay
+    torch.cuda.synchronize()
+    assert torch.equal(p, before) and opt.steps_skipped == 2
+
+
+def test_a_graph_captured_before_the_optimizer_was_rebuilt_is_refused():
+    # A new group and an eager step give the optimizer another engine: the graph still points
+    # into the old one's buffers, so refresh_hyperparameters() refuses it (capture again).
+    p, opt = _after_small_steps()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    opt.refresh_hyperparameters()
+    graph.replay()
+    q = torch.nn.Parameter(torch.randn(64, 32, device="cuda"))
+    q.grad = torch.randn_like(q)
+    opt.add_param_group({"params": [q]})
+    opt.step()
+    with pytest.raises(RuntimeError, match="capture again"):
+        opt.refresh_hyperparameters()
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):  # a new capture is replayable again
+        opt.step()
+    opt.refresh_hyperparameters()
+
+
 def _pair(seed, warmup_steps, **kwargs):
     """An eager optimizer and a wrapped twin over the same starting weights (matrices and AdamW
     vectors), the twin's gradients allocated once."""

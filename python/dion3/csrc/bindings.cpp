@@ -751,12 +751,19 @@ class Engine {
     // A step that must plan anew cannot be captured (planning allocates and uploads): -1, as for a
     // rebuild, with nothing enqueued, so that the front end raises CaptureNotReady.
     if (async && opt_->backend().capturing() && opt_->needs_new_plan()) return -1;
+    const bool capturing = opt_->backend().capturing();
+    if (replayed_ && !capturing) forget_graph_writes();  // a replay since may have written them
     note_state_written();
     py::gil_scoped_release release;
     if (async) {
       opt_->step_async();
       written_ = false;  // the engine checks it (now, or under capture at its next eager step)
       bump_versions();
+      if (capturing) {  // a new graph: what the last one wrote after its step no longer counts
+        written_by_graph_.clear();
+        graph_unrefreshed_ = true;
+        replayed_ = false;
+      }
       return 2;
     }
     bool applied = false;
@@ -839,8 +846,21 @@ class Engine {
   bool state_pending() { return note_state_written() || written_; }
   void refresh_hyperparameters() {
     Guard guard(*this);
+    // The first refresh after a capture: a state tensor whose version moved since the captured
+    // step may be written by the graph itself, after its step. Every replay writes it again and
+    // moves no version, so from now on each refresh (and the next eager step after a replay) has
+    // its bounds forgotten (an eager write in between is taken for such a write too).
+    if (graph_unrefreshed_) {
+      for (const Watched& w : state_tensors_)
+        if (w.tensor._version() != w.version &&
+            std::find(written_by_graph_.begin(), written_by_graph_.end(), w.param) == written_by_graph_.end())
+          written_by_graph_.push_back(w.param);
+      graph_unrefreshed_ = false;
+    }
     // Before a replay of a captured step: state written in place since is noticed here, eagerly.
     note_state_written();
+    forget_graph_writes();
+    replayed_ = true;
     opt_->refresh_hyperparameters();
     bump_versions();  // the replay that follows updates the weights
   }
@@ -867,6 +887,14 @@ class Engine {
     explicit Guard(Engine&) {}
 #endif
   };
+
+  // Parameters whose state the last captured graph writes after its step (written_by_graph_):
+  // the next check reads their state (Optimizer::state_changed).
+  void forget_graph_writes() {
+    for (int param : written_by_graph_) opt_->state_changed(param);
+    if (!written_by_graph_.empty()) written_ = true;
+    replayed_ = false;
+  }
 
   // Tells the engine of each parameter whose state tensor was written in place since the last
   // call (its version moved; the engine's own writes do not move it): its next step checks that
@@ -985,6 +1013,9 @@ class Engine {
     int param = 0;  // whose state it is
   };
   bool written_ = false;  // state written since the last step that checked it
+  std::vector<int> written_by_graph_;  // see refresh_hyperparameters()
+  bool graph_unrefreshed_ = false;     // a step was captured, and no refresh followed yet
+  bool replayed_ = false;              // a refresh (so a replay) since the last eager step
   std::vector<Watched> state_tensors_;  // the state tensors
   std::vector<at::Tensor> grads_;              // the gradients bound for the current step
   std::vector<bool> skippable_;                // a matrix algorithm's: it may be absent (clear_grad)
