@@ -1811,7 +1811,8 @@ class _EngineOptimizer(torch.optim.Optimizer):
         epsilon where the captured kernels read them, and have the next check read state tensors
         written in place since (see state_changed). RuntimeError when something the captured
         step cannot follow changed (parameters, groups, fraction, blocks, nesterov, cautious_wd,
-        selection_scope, orthogonalizer): capture again."""
+        selection_scope, orthogonalizer, a loaded state: anything that made the optimizer build
+        its engine anew since the capture): capture again."""
         engine = self._engine
         # DTensor gradients: this step's local shards, where no collective is needed to place them
         # (a Partial one is compared by the replay's own redistribution, not here).
