@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -298,9 +299,11 @@ class DION3_API Optimizer {
   // step refuses a NaN, an Inf or a negative second moment written there, as import_state does.
   // Called while a step is being captured, it holds for every replay of that graph and for the
   // next step or refresh_hyperparameters() outside the capture.
-  // state_changed(param): only that parameter's state was written (its second moments are read).
+  // state_changed(param): only that parameter's state was written (its second moments are read);
+  // state_changed(params): those parameters' (one forget of the bounds for all of them).
   void state_changed();
   void state_changed(int param);
+  void state_changed(std::span<const int> params);
   OptimizerState export_state() const;
   // Checks every tensor's name, dtype and shape, its values (no NaN or Inf, no negative second
   // moment: variance, exp_avg_sq) and the step counters (not negative, none above 2^62, so that

@@ -640,12 +640,17 @@ void Optimizer::state_changed() {
   impl_->all_written = true;
 }
 
-void Optimizer::state_changed(int param) {
+void Optimizer::state_changed(int param) { state_changed(std::span<const int>(&param, 1)); }
+
+void Optimizer::state_changed(std::span<const int> params) {
   const Impl::Use use(*impl_);
-  if (param < 0 || param >= num_params()) fail("state_changed: no parameter " + std::to_string(param));
+  for (int param : params)
+    if (param < 0 || param >= num_params()) fail("state_changed: no parameter " + std::to_string(param));
+  if (params.empty()) return;
   impl_->forget_state_bounds();
   std::vector<int>& w = impl_->written_params;  // once each: replays may call this before every one
-  if (std::find(w.begin(), w.end(), param) == w.end()) w.push_back(param);
+  for (int param : params)
+    if (std::find(w.begin(), w.end(), param) == w.end()) w.push_back(param);
 }
 
 std::vector<std::pair<std::string, TensorView>> Optimizer::state_views(int param) const {

@@ -398,12 +398,16 @@ TEST(Hardening, StepsThatWouldOverflowTheStateAreDroppedWithNothingWritten) {
 // the sum (0.95 x it for Muon's and NorMuon's) overflows. Written through state_views() without
 // notice, the check trusts its stale bound and the step is applied, overflowing the momentum and
 // so the weights (what state_changed() is for; this pins that the bound is in use); after
-// state_changed() or import_state() the step is dropped.
+// state_changed(), state_changed({0}) or import_state() the step is dropped. A list naming a
+// parameter that does not exist is refused with nothing forgotten.
 TEST(Hardening, TheCheckReadsTheMomentumAgainOnceTheStateWasWrittenOutsideAStep) {
   for (Algorithm alg : {Algorithm::Dion3, Algorithm::Muon, Algorithm::NorMuon})
   for (DType dt : {DType::F32, DType::BF16}) {
     const double big = dt == DType::F32 ? 3.4028234663852886e38 : 3.3895313892515355e38;
-    for (int how : {0, 1, 2}) {  // 0: state_views() without notice, 1: then state_changed(), 2: import_state()
+    // 0: state_views() without notice, 1: then state_changed(), 2: import_state(), 3: then a refused
+    // state_changed({0, 7}), 4: then state_changed({0}).
+    for (int how : {0, 1, 2, 3, 4}) {
+      const bool trusted = how == 0 || how == 3;
       const std::string what = std::string(dion3::algorithm_name(alg)) + " " + dion3::dtype_name(dt) + " case " +
                                std::to_string(how);
       Overflow o(alg, dt, NonFinitePolicy::Skip);
@@ -424,11 +428,14 @@ TEST(Hardening, TheCheckReadsTheMomentumAgainOnceTheStateWasWrittenOutsideAStep)
         const dion3::TensorView v = o.h.opt.state_views(0)[0].second;
         std::memcpy(v.data, mom.data.data(), mom.data.size());
         if (how == 1) o.h.opt.state_changed();
+        const std::vector<int> listed = how == 3 ? std::vector<int>{0, 7} : std::vector<int>{0};
+        if (how == 3) EXPECT_THROW(o.h.opt.state_changed(listed), dion3::Error) << what;
+        if (how == 4) o.h.opt.state_changed(listed);
       }
       o.fill(0.2 * big);
-      EXPECT_EQ(o.h.opt.step(), how == 0) << what;
-      EXPECT_EQ(o.h.opt.steps_skipped(), how == 0 ? 0 : 1) << what;
-      if (how != 0) {
+      EXPECT_EQ(o.h.opt.step(), trusted) << what;
+      EXPECT_EQ(o.h.opt.steps_skipped(), trusted ? 0 : 1) << what;
+      if (!trusted) {
         EXPECT_TRUE(o.weights_finite()) << what;
       }
     }

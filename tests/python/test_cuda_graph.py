@@ -240,6 +240,19 @@ def test_an_in_place_state_write_noticed_under_capture_is_read_by_the_next_eager
     assert opt.steps_skipped == 1
 
 
+def _capture_step_then_write(opt, mom, src):
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+        mom.copy_(src)
+    return graph
+
+
+def _replay(opt, graph):
+    opt.refresh_hyperparameters()
+    graph.replay()
+
+
 def test_a_state_write_captured_after_the_step_is_read_by_every_replay():
     # The graph writes the momentum after its step, and replays move no version: the bound that a
     # replay's step raised does not hold the momentum its write leaves. Every refresh before a
@@ -248,31 +261,51 @@ def test_a_state_write_captured_after_the_step_is_read_by_every_replay():
     p, opt = _after_small_steps()
     mom = opt.state[p]["momentum"]
     src = torch.zeros_like(mom)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        opt.step()
-        mom.copy_(src)
-    opt.refresh_hyperparameters()
-    graph.replay()  # applied; the momentum is then src (zeros)
+    graph = _capture_step_then_write(opt, mom, src)
+    _replay(opt, graph)  # applied; the momentum is then src (zeros)
     src.fill_(0.9 * big)
-    opt.refresh_hyperparameters()
-    graph.replay()  # applied from a zero momentum, which the graph then sets to 0.9 x the largest
+    _replay(opt, graph)  # applied from a zero momentum, which the graph then sets to 0.9 x the largest
+    src.fill_(0.0)
     p.grad.fill_(0.2 * big)  # under the limit of the bound the step raised: only a read stops it
     before = p.detach().clone()
-    opt.refresh_hyperparameters()
-    graph.replay()
+    _replay(opt, graph)  # dropped; the graph's write leaves zeros
     torch.cuda.synchronize()
     assert torch.equal(p, before) and opt.steps_skipped == 1
-    src.fill_(0.0)
-    p.grad.fill_(0.5)
-    opt.refresh_hyperparameters()
-    graph.replay()  # applied; momentum zeros
     src.fill_(0.9 * big)
-    opt.refresh_hyperparameters()
-    graph.replay()  # applied; momentum 0.9 x the largest
+    p.grad.fill_(0.5)
+    _replay(opt, graph)  # applied from zeros; momentum 0.9 x the largest
     p.grad.fill_(0.2 * big)
     before = p.detach().clone()
     opt.step()  # eager, after a replay
+    torch.cuda.synchronize()
+    assert torch.equal(p, before) and opt.steps_skipped == 2
+
+
+def test_a_state_write_captured_after_the_step_is_read_after_an_eager_step_or_a_new_capture():
+    # The same write, seen first by an eager step between the capture and its first replay; then a
+    # capture of another graph right after replays of the first, whose last write must be read.
+    big = torch.finfo(torch.float32).max
+    p, opt = _after_small_steps()
+    mom = opt.state[p]["momentum"]
+    src = torch.full_like(mom, 0.9 * big)
+    graph = _capture_step_then_write(opt, mom, src)
+    opt.step()  # eager: the momentum is the small one (the capture wrote nothing yet)
+    _replay(opt, graph)  # applied; momentum 0.9 x the largest
+    src.fill_(0.0)
+    p.grad.fill_(0.2 * big)
+    before = p.detach().clone()
+    _replay(opt, graph)  # dropped
+    torch.cuda.synchronize()
+    assert torch.equal(p, before) and opt.steps_skipped == 1
+    src.fill_(0.9 * big)
+    p.grad.fill_(0.5)
+    _replay(opt, graph)  # applied from zeros; momentum 0.9 x the largest
+    other = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(other):
+        opt.step()
+    p.grad.fill_(0.2 * big)
+    before = p.detach().clone()
+    _replay(opt, other)
     torch.cuda.synchronize()
     assert torch.equal(p, before) and opt.steps_skipped == 2
 

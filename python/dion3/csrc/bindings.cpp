@@ -752,16 +752,20 @@ class Engine {
     // rebuild, with nothing enqueued, so that the front end raises CaptureNotReady.
     if (async && opt_->backend().capturing() && opt_->needs_new_plan()) return -1;
     const bool capturing = opt_->backend().capturing();
-    if (replayed_ && !capturing) forget_graph_writes();  // a replay since may have written them
+    if (!capturing && (replayed_ || !written_by_old_graph_.empty())) forget_graph_writes();
     note_state_written();
     py::gil_scoped_release release;
     if (async) {
       opt_->step_async();
       written_ = false;  // the engine checks it (now, or under capture at its next eager step)
       bump_versions();
-      if (capturing) {  // a new graph: what the last one wrote after its step no longer counts
+      if (capturing) {
+        // A new graph. What the last one wrote after its step, if it replayed since that was last
+        // forgotten, is forgotten once more at the next refresh or eager step.
+        if (replayed_)
+          written_by_old_graph_.insert(written_by_old_graph_.end(), written_by_graph_.begin(), written_by_graph_.end());
         written_by_graph_.clear();
-        graph_unrefreshed_ = true;
+        graph_unseen_ = true;
         replayed_ = false;
       }
       return 2;
@@ -846,18 +850,8 @@ class Engine {
   bool state_pending() { return note_state_written() || written_; }
   void refresh_hyperparameters() {
     Guard guard(*this);
-    // The first refresh after a capture: a state tensor whose version moved since the captured
-    // step may be written by the graph itself, after its step. Every replay writes it again and
-    // moves no version, so from now on each refresh (and the next eager step after a replay) has
-    // its bounds forgotten (an eager write in between is taken for such a write too).
-    if (graph_unrefreshed_) {
-      for (const Watched& w : state_tensors_)
-        if (w.tensor._version() != w.version &&
-            std::find(written_by_graph_.begin(), written_by_graph_.end(), w.param) == written_by_graph_.end())
-          written_by_graph_.push_back(w.param);
-      graph_unrefreshed_ = false;
-    }
-    // Before a replay of a captured step: state written in place since is noticed here, eagerly.
+    // Before a replay of a captured step: state written in place since is noticed here, eagerly,
+    // and what the graph itself writes after its step is forgotten (see written_by_graph_).
     note_state_written();
     forget_graph_writes();
     replayed_ = true;
@@ -888,26 +882,41 @@ class Engine {
 #endif
   };
 
-  // Parameters whose state the last captured graph writes after its step (written_by_graph_):
-  // the next check reads their state (Optimizer::state_changed).
+  // The parameters whose state the graphs write after their step (written_by_graph_, and
+  // written_by_old_graph_ once): the next check reads their state (Optimizer::state_changed).
   void forget_graph_writes() {
-    for (int param : written_by_graph_) opt_->state_changed(param);
-    if (!written_by_graph_.empty()) written_ = true;
+    std::vector<int> params = written_by_graph_;
+    params.insert(params.end(), written_by_old_graph_.begin(), written_by_old_graph_.end());
+    if (!params.empty()) {
+      opt_->state_changed(params);
+      written_ = true;
+    }
+    written_by_old_graph_.clear();
     replayed_ = false;
   }
 
   // Tells the engine of each parameter whose state tensor was written in place since the last
   // call (its version moved; the engine's own writes do not move it): its next step checks that
   // state again (Optimizer::state_changed). Whether there was any.
+  // The first call outside a capture after one also takes such a parameter for one whose state
+  // the graph writes after its step: a replay writes it again and moves no version, so each
+  // refresh before a replay, and the next eager step after one, forget its bounds (an eager write
+  // since the capture is taken for such a write too).
   bool note_state_written() {
-    bool any = false;
+    const bool mark = graph_unseen_ && !opt_->backend().capturing();
+    if (mark) graph_unseen_ = false;
+    std::vector<int> moved;
     for (Watched& w : state_tensors_)
       if (const int64_t now = w.tensor._version(); now != w.version) {
         w.version = now;
-        opt_->state_changed(w.param);
-        any = written_ = true;
+        moved.push_back(w.param);
+        if (mark && std::find(written_by_graph_.begin(), written_by_graph_.end(), w.param) == written_by_graph_.end())
+          written_by_graph_.push_back(w.param);
       }
-    return any;
+    if (moved.empty()) return false;
+    opt_->state_changed(moved);
+    written_ = true;
+    return true;
   }
 
   static at::Tensor contiguous(at::Tensor g) {
@@ -1013,9 +1022,10 @@ class Engine {
     int param = 0;  // whose state it is
   };
   bool written_ = false;  // state written since the last step that checked it
-  std::vector<int> written_by_graph_;  // see refresh_hyperparameters()
-  bool graph_unrefreshed_ = false;     // a step was captured, and no refresh followed yet
-  bool replayed_ = false;              // a refresh (so a replay) since the last eager step
+  std::vector<int> written_by_graph_;      // see note_state_written()
+  std::vector<int> written_by_old_graph_;  // ... of the graph a new capture replaced (see run())
+  bool graph_unseen_ = false;              // a step was captured; no look at the versions outside one since
+  bool replayed_ = false;                  // a refresh (so a replay) since the graph writes were last forgotten
   std::vector<Watched> state_tensors_;  // the state tensors
   std::vector<at::Tensor> grads_;              // the gradients bound for the current step
   std::vector<bool> skippable_;                // a matrix algorithm's: it may be absent (clear_grad)
