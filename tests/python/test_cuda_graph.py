@@ -202,21 +202,32 @@ def _after_small_steps():
     return p, opt
 
 
+def _capture(opt, after=None):
+    """A graph of opt.step(), then of after() where given (a write the graph makes after the step)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+        if after is not None:
+            after()
+    return graph
+
+
+def _replay(opt, graph):
+    opt.refresh_hyperparameters()
+    graph.replay()
+
+
 def test_a_replay_after_an_in_place_state_write_reads_the_momentum():
     # Between replays nothing runs step(): refresh_hyperparameters() notices the in-place write, so
     # the replayed check reads the momentum and drops the step that would overflow it.
     big = torch.finfo(torch.float32).max
     p, opt = _after_small_steps()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        opt.step()
-    opt.refresh_hyperparameters()
-    graph.replay()
+    graph = _capture(opt)
+    _replay(opt, graph)
     opt.state[p]["momentum"].fill_(0.9 * big)
     p.grad.fill_(0.2 * big)
     before = p.detach().clone()
-    opt.refresh_hyperparameters()
-    graph.replay()
+    _replay(opt, graph)
     torch.cuda.synchronize()
     assert torch.equal(p, before) and torch.isfinite(opt.state[p]["momentum"]).all()
 
@@ -240,19 +251,6 @@ def test_an_in_place_state_write_noticed_under_capture_is_read_by_the_next_eager
     assert opt.steps_skipped == 1
 
 
-def _capture_step_then_write(opt, mom, src):
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        opt.step()
-        mom.copy_(src)
-    return graph
-
-
-def _replay(opt, graph):
-    opt.refresh_hyperparameters()
-    graph.replay()
-
-
 def test_a_state_write_captured_after_the_step_is_read_by_every_replay():
     # The graph writes the momentum after its step, and replays move no version: the bound that a
     # replay's step raised does not hold the momentum its write leaves. Every refresh before a
@@ -261,7 +259,7 @@ def test_a_state_write_captured_after_the_step_is_read_by_every_replay():
     p, opt = _after_small_steps()
     mom = opt.state[p]["momentum"]
     src = torch.zeros_like(mom)
-    graph = _capture_step_then_write(opt, mom, src)
+    graph = _capture(opt, lambda: mom.copy_(src))
     _replay(opt, graph)  # applied; the momentum is then src (zeros)
     src.fill_(0.9 * big)
     _replay(opt, graph)  # applied from a zero momentum, which the graph then sets to 0.9 x the largest
@@ -288,7 +286,7 @@ def test_a_state_write_captured_after_the_step_is_read_after_an_eager_step_or_a_
     p, opt = _after_small_steps()
     mom = opt.state[p]["momentum"]
     src = torch.full_like(mom, 0.9 * big)
-    graph = _capture_step_then_write(opt, mom, src)
+    graph = _capture(opt, lambda: mom.copy_(src))
     opt.step()  # eager: the momentum is the small one (the capture wrote nothing yet)
     _replay(opt, graph)  # applied; momentum 0.9 x the largest
     src.fill_(0.0)
@@ -300,9 +298,7 @@ def test_a_state_write_captured_after_the_step_is_read_after_an_eager_step_or_a_
     src.fill_(0.9 * big)
     p.grad.fill_(0.5)
     _replay(opt, graph)  # applied from zeros; momentum 0.9 x the largest
-    other = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(other):
-        opt.step()
+    other = _capture(opt)
     p.grad.fill_(0.2 * big)
     before = p.detach().clone()
     _replay(opt, other)
@@ -314,19 +310,14 @@ def test_a_graph_captured_before_the_optimizer_was_rebuilt_is_refused():
     # A new group and an eager step give the optimizer another engine: the graph still points
     # into the old one's buffers, so refresh_hyperparameters() refuses it (capture again).
     p, opt = _after_small_steps()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        opt.step()
-    opt.refresh_hyperparameters()
-    graph.replay()
+    _replay(opt, _capture(opt))
     q = torch.nn.Parameter(torch.randn(64, 32, device="cuda"))
     q.grad = torch.randn_like(q)
     opt.add_param_group({"params": [q]})
     opt.step()
     with pytest.raises(RuntimeError, match="capture again"):
         opt.refresh_hyperparameters()
-    with torch.cuda.graph(torch.cuda.CUDAGraph()):  # a new capture is replayable again
-        opt.step()
+    _capture(opt)  # a new capture is replayable again
     opt.refresh_hyperparameters()
 
 
