@@ -752,22 +752,16 @@ class Engine {
     // rebuild, with nothing enqueued, so that the front end raises CaptureNotReady.
     if (async && opt_->backend().capturing() && opt_->needs_new_plan()) return -1;
     const bool capturing = opt_->backend().capturing();
-    if (!capturing && (replayed_ || !written_by_old_graph_.empty())) forget_graph_writes();
+    if (!capturing && replayed_) forget_graph_writes();
     note_state_written();
     py::gil_scoped_release release;
     if (async) {
       opt_->step_async();
-      written_ = false;  // the engine checks it (now, or under capture at its next eager step)
+      // The engine checks written state now, or under a capture at its next eager step: until
+      // then a rebuild must still hand it on (state_pending).
+      if (!capturing) written_ = false;
       bump_versions();
-      if (capturing) {
-        // A new graph. What the last one wrote after its step, if it replayed since that was last
-        // forgotten, is forgotten once more at the next refresh or eager step.
-        if (replayed_)
-          written_by_old_graph_.insert(written_by_old_graph_.end(), written_by_graph_.begin(), written_by_graph_.end());
-        written_by_graph_.clear();
-        graph_unseen_ = true;
-        replayed_ = false;
-      }
+      if (capturing) graph_unseen_ = true;
       return 2;
     }
     bool applied = false;
@@ -882,16 +876,13 @@ class Engine {
 #endif
   };
 
-  // The parameters whose state the graphs write after their step (written_by_graph_, and
-  // written_by_old_graph_ once): the next check reads their state (Optimizer::state_changed).
+  // The parameters whose state a graph captured on this engine writes after its step
+  // (written_by_graph_): the next check reads their state (Optimizer::state_changed).
   void forget_graph_writes() {
-    std::vector<int> params = written_by_graph_;
-    params.insert(params.end(), written_by_old_graph_.begin(), written_by_old_graph_.end());
-    if (!params.empty()) {
-      opt_->state_changed(params);
+    if (!written_by_graph_.empty()) {
+      opt_->state_changed(written_by_graph_);
       written_ = true;
     }
-    written_by_old_graph_.clear();
     replayed_ = false;
   }
 
@@ -899,22 +890,24 @@ class Engine {
   // call (its version moved; the engine's own writes do not move it): its next step checks that
   // state again (Optimizer::state_changed). Whether there was any.
   // The first call outside a capture after one also takes such a parameter for one whose state
-  // the graph writes after its step: a replay writes it again and moves no version, so each
-  // refresh before a replay, and the next eager step after one, forget its bounds (an eager write
-  // since the capture is taken for such a write too).
+  // the graph writes after its step: a replay writes it again and moves no version, so from then
+  // on each refresh before a replay, and the next eager step after one, forget its bounds (for
+  // every graph of this engine, whichever replays; an eager write since the capture is taken for
+  // such a write too).
   bool note_state_written() {
     const bool mark = graph_unseen_ && !opt_->backend().capturing();
-    if (mark) graph_unseen_ = false;
     std::vector<int> moved;
+    for (const Watched& w : state_tensors_)
+      if (w.tensor._version() != w.version) moved.push_back(w.param);
+    if (!moved.empty()) opt_->state_changed(moved);  // first: where it throws, they are noticed again
+    if (mark) graph_unseen_ = false;
+    if (moved.empty()) return false;
     for (Watched& w : state_tensors_)
       if (const int64_t now = w.tensor._version(); now != w.version) {
         w.version = now;
-        moved.push_back(w.param);
         if (mark && std::find(written_by_graph_.begin(), written_by_graph_.end(), w.param) == written_by_graph_.end())
           written_by_graph_.push_back(w.param);
       }
-    if (moved.empty()) return false;
-    opt_->state_changed(moved);
     written_ = true;
     return true;
   }
@@ -1022,10 +1015,9 @@ class Engine {
     int param = 0;  // whose state it is
   };
   bool written_ = false;  // state written since the last step that checked it
-  std::vector<int> written_by_graph_;      // see note_state_written()
-  std::vector<int> written_by_old_graph_;  // ... of the graph a new capture replaced (see run())
-  bool graph_unseen_ = false;              // a step was captured; no look at the versions outside one since
-  bool replayed_ = false;                  // a refresh (so a replay) since the graph writes were last forgotten
+  std::vector<int> written_by_graph_;  // see note_state_written()
+  bool graph_unseen_ = false;          // a step was captured; no look at the versions outside one since
+  bool replayed_ = false;              // a refresh (so a replay) since the graph writes were last forgotten
   std::vector<Watched> state_tensors_;  // the state tensors
   std::vector<at::Tensor> grads_;              // the gradients bound for the current step
   std::vector<bool> skippable_;                // a matrix algorithm's: it may be absent (clear_grad)
