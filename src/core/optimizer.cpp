@@ -8,6 +8,7 @@
 #include <map>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 
 #include "core/engine.hpp"
 #include "core/format.hpp"
@@ -648,9 +649,13 @@ void Optimizer::state_changed(std::span<const int> params) {
     if (param < 0 || param >= num_params()) fail("state_changed: no parameter " + std::to_string(param));
   if (params.empty()) return;
   impl_->forget_state_bounds();
-  std::vector<int>& w = impl_->written_params;  // once each: replays may call this before every one
+  // Each parameter once (replays may call this before every one), in time linear in the counts.
+  std::vector<int>& w = impl_->written_params;
+  std::vector<char> listed(static_cast<std::size_t>(num_params()), 0);
+  for (int i : w)
+    if (i < num_params()) listed[static_cast<std::size_t>(i)] = 1;
   for (int param : params)
-    if (std::find(w.begin(), w.end(), param) == w.end()) w.push_back(param);
+    if (!std::exchange(listed[static_cast<std::size_t>(param)], 1)) w.push_back(param);
 }
 
 std::vector<std::pair<std::string, TensorView>> Optimizer::state_views(int param) const {

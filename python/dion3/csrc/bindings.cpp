@@ -905,9 +905,12 @@ class Engine {
     for (Watched& w : state_tensors_)
       if (const int64_t now = w.tensor._version(); now != w.version) {
         w.version = now;
-        if (mark && std::find(written_by_graph_.begin(), written_by_graph_.end(), w.param) == written_by_graph_.end())
-          written_by_graph_.push_back(w.param);
+        if (mark) written_by_graph_.push_back(w.param);
       }
+    if (mark) {  // each parameter once
+      std::sort(written_by_graph_.begin(), written_by_graph_.end());
+      written_by_graph_.erase(std::unique(written_by_graph_.begin(), written_by_graph_.end()), written_by_graph_.end());
+    }
     written_ = true;
     return true;
   }
