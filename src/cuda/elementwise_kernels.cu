@@ -274,16 +274,6 @@ __global__ void convert_kernel(const TI* __restrict__ in, int64_t rows, int64_t 
   }
 }
 
-struct AdamWElem {
-  // The CPU backend's rules (unrounded moments, bias-corrected).
-  __device__ __forceinline__ static void apply(float& w, float g, float& m, float& v, const AdamWParams& h,
-                                               float decay, float step_size, float sqrt_bc2) {
-    m = AdamWRule::exp_avg(m, g, h.beta1);
-    v = AdamWRule::exp_avg_sq(v, g, h.beta2);
-    w = AdamWRule::weight(w, m, v, step_size, decay, h.epsilon, sqrt_bc2);
-  }
-};
-
 // Multi-tensor AdamW and Lion: one launch updates up to kMultiTensors parameters of one dtype
 // combination, blockIdx.y picking the parameter (its pointers, size and hyperparameters ride in
 // the kernel's parameter space). vec[i]: 4 elements per access (n % 4 == 0, every pointer
@@ -333,115 +323,110 @@ __device__ __forceinline__ unsigned packed_bound_bits(unsigned most) {
   else return bits << 16;  // bfloat16: the top half of a float32
 }
 
-template <class TW, class TG, class TS>
-__global__ void adamw_kernel(const __grid_constant__ MultiTensor<AdamWParams> t, const int* skip) {
-  pdl_wait();
-  if (skipped(skip)) return;
-  const auto [w, g, m, v, n, given] = entry<TW, TG, TS>(t, blockIdx.y);
-  float* const bound = t.bound[blockIdx.y];
-  // Blocks past a smaller parameter's end (whole blocks: raise_bounds needs every thread).
-  if (blockIdx.x * static_cast<int64_t>(blockDim.x) * (t.vec[blockIdx.y] ? 4 : 1) >= n) return;
-  const AdamWParams h = given.resolved();
-  const int64_t start = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  // The largest |exp_avg| and exp_avg_sq this thread stores: bound_bits, or for 16-bit moments
-  // in 4-element packs, two 16-bit lanes of stored bits (packed_max).
-  unsigned most[2] = {0, 0};
-  auto note = [&](float m1, float v1) {
-    most[0] = max(most[0], bound_bits(m1));
-    most[1] = max(most[1], bound_bits(v1));
+// The element rules of the multi-tensor kernel, the CPU backend's (AdamWRule, LionRule): the
+// state tensors an element has (kMoments: exp_avg, and AdamW's exp_avg_sq), what a parameter's
+// hyper-parameters give every element (setup), and one element's step.
+struct AdamWElem {
+  using Params = AdamWParams;
+  static constexpr int kMoments = 2;
+  struct Setup {
+    AdamWParams h;
+    float decay, step_size, sqrt_bc2;
   };
-  const float decay = 1.0f - h.lr * h.weight_decay;
-  // Bias correction from the device step counter, by the CPU backend's rule.
-  const double tt = adamw_step_number(h, *h.applied_steps);
-  const float step_size = AdamWRule::step_size(h.lr, h.beta1, tt);
-  const float sqrt_bc2 = AdamWRule::sqrt_bias_correction2(h.beta2, tt);
-  if (t.vec[blockIdx.y]) {
-    for (int64_t q = start; 4 * q < n; q += stride) {
-      Pack4<TW> wp = reinterpret_cast<const Pack4<TW>*>(w)[q];
-      const Pack4<TG> gp = reinterpret_cast<const Pack4<TG>*>(g)[q];
-      Pack4<TS> mp = reinterpret_cast<const Pack4<TS>*>(m)[q];
-      Pack4<TS> vp = reinterpret_cast<const Pack4<TS>*>(v)[q];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float wv = to_f32(wp.v[e]), mv = to_f32(mp.v[e]), vv = to_f32(vp.v[e]);
-        AdamWElem::apply(wv, to_f32(gp.v[e]), mv, vv, h, decay, step_size, sqrt_bc2);
-        wp.v[e] = from_f32<TW>(wv);
-        mp.v[e] = from_f32<TS>(mv);
-        vp.v[e] = from_f32<TS>(vv);
-        if constexpr (sizeof(TS) != 2) note(to_f32(mp.v[e]), to_f32(vp.v[e]));
-      }
-      if constexpr (sizeof(TS) == 2) most[0] = packed_max(most[0], mp), most[1] = packed_max(most[1], vp);
-      reinterpret_cast<Pack4<TW>*>(w)[q] = wp;
-      reinterpret_cast<Pack4<TS>*>(m)[q] = mp;
-      reinterpret_cast<Pack4<TS>*>(v)[q] = vp;
-    }
-  } else {
-    for (int64_t e = start; e < n; e += stride) {
-      float wv = to_f32(w[e]), mv = to_f32(m[e]), vv = to_f32(v[e]);
-      AdamWElem::apply(wv, to_f32(g[e]), mv, vv, h, decay, step_size, sqrt_bc2);
-      const TS ms = from_f32<TS>(mv), vs = from_f32<TS>(vv);
-      m[e] = ms;
-      v[e] = vs;
-      w[e] = from_f32<TW>(wv);
-      note(to_f32(ms), to_f32(vs));
-    }
+  __device__ __forceinline__ static Setup setup(const AdamWParams& given) {
+    const AdamWParams h = given.resolved();
+    // Bias correction from the device step counter, by the CPU backend's rule.
+    const double tt = adamw_step_number(h, *h.applied_steps);
+    return {h, 1.0f - h.lr * h.weight_decay, AdamWRule::step_size(h.lr, h.beta1, tt),
+            AdamWRule::sqrt_bias_correction2(h.beta2, tt)};
   }
-  if constexpr (sizeof(TS) == 2)
-    if (t.vec[blockIdx.y]) most[0] = packed_bound_bits<TS>(most[0]), most[1] = packed_bound_bits<TS>(most[1]);
-  if (bound) raise_bounds(bound, most);
-}
-
+  __device__ __forceinline__ static void apply(float& w, float g, float (&s)[2], const Setup& c) {
+    s[0] = AdamWRule::exp_avg(s[0], g, c.h.beta1);
+    s[1] = AdamWRule::exp_avg_sq(s[1], g, c.h.beta2);
+    w = AdamWRule::weight(w, s[0], s[1], c.step_size, c.decay, c.h.epsilon, c.sqrt_bc2);
+  }
+};
 struct LionElem {
-  // The CPU backend's rules (LionRule).
-  __device__ __forceinline__ static void apply(float& w, float g, float& m, const LionParams& h, float decay) {
-    const float u = LionRule::direction(m, g, h.beta1);
-    m = LionRule::exp_avg(m, g, h.beta2);
-    w = LionRule::weight(w, u, h.lr, decay);
+  using Params = LionParams;
+  static constexpr int kMoments = 1;
+  struct Setup {
+    LionParams h;
+    float decay;
+  };
+  __device__ __forceinline__ static Setup setup(const LionParams& given) {
+    const LionParams h = given.resolved();
+    return {h, 1.0f - h.lr * h.weight_decay};
+  }
+  __device__ __forceinline__ static void apply(float& w, float g, float (&s)[1], const Setup& c) {
+    const float u = LionRule::direction(s[0], g, c.h.beta1);
+    s[0] = LionRule::exp_avg(s[0], g, c.h.beta2);
+    w = LionRule::weight(w, u, c.h.lr, c.decay);
   }
 };
 
-template <class TW, class TG, class TS>
-__global__ void lion_kernel(const __grid_constant__ MultiTensor<LionParams> t, const int* skip) {
+// One parameter per blockIdx.y, a grid-stride loop over its elements (4-element packs where
+// t.vec allows), and the parameter's state bound raised to the largest |state| each moment stores.
+template <class Rule, class TW, class TG, class TS>
+__global__ void multi_tensor_kernel(const __grid_constant__ MultiTensor<typename Rule::Params> t, const int* skip) {
+  constexpr int K = Rule::kMoments;
   pdl_wait();
   if (skipped(skip)) return;
   const auto [w, g, m, v, n, given] = entry<TW, TG, TS>(t, blockIdx.y);
+  TS* const state[2] = {m, v};
   float* const bound = t.bound[blockIdx.y];
+  const bool vec = t.vec[blockIdx.y];
   // Blocks past a smaller parameter's end (whole blocks: raise_bounds needs every thread).
-  if (blockIdx.x * static_cast<int64_t>(blockDim.x) * (t.vec[blockIdx.y] ? 4 : 1) >= n) return;
-  const LionParams h = given.resolved();
-  const float decay = 1.0f - h.lr * h.weight_decay;
+  if (blockIdx.x * static_cast<int64_t>(blockDim.x) * (vec ? 4 : 1) >= n) return;
+  const typename Rule::Setup c = Rule::setup(given);
   const int64_t start = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  // The largest |exp_avg| this thread stores: bound_bits, or for 16-bit moments in 4-element
-  // packs, two 16-bit lanes of stored bits (packed_max).
-  unsigned most[1] = {0};
-  if (t.vec[blockIdx.y]) {
+  // The largest |state| this thread stores, per moment: bound_bits, or for 16-bit moments in
+  // 4-element packs, two 16-bit lanes of stored bits (packed_max).
+  unsigned most[K] = {};
+  if (vec) {
     for (int64_t q = start; 4 * q < n; q += stride) {
       Pack4<TW> wp = reinterpret_cast<const Pack4<TW>*>(w)[q];
       const Pack4<TG> gp = reinterpret_cast<const Pack4<TG>*>(g)[q];
-      Pack4<TS> mp = reinterpret_cast<const Pack4<TS>*>(m)[q];
+      Pack4<TS> sp[K];
+#pragma unroll
+      for (int k = 0; k < K; ++k) sp[k] = reinterpret_cast<const Pack4<TS>*>(state[k])[q];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float wv = to_f32(wp.v[e]), mv = to_f32(mp.v[e]);
-        LionElem::apply(wv, to_f32(gp.v[e]), mv, h, decay);
+        float wv = to_f32(wp.v[e]), sv[K];
+#pragma unroll
+        for (int k = 0; k < K; ++k) sv[k] = to_f32(sp[k].v[e]);
+        Rule::apply(wv, to_f32(gp.v[e]), sv, c);
         wp.v[e] = from_f32<TW>(wv);
-        mp.v[e] = from_f32<TS>(mv);
-        if constexpr (sizeof(TS) != 2) most[0] = max(most[0], bound_bits(to_f32(mp.v[e])));
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          sp[k].v[e] = from_f32<TS>(sv[k]);
+          if constexpr (sizeof(TS) != 2) most[k] = max(most[k], bound_bits(to_f32(sp[k].v[e])));
+        }
       }
-      if constexpr (sizeof(TS) == 2) most[0] = packed_max(most[0], mp);
       reinterpret_cast<Pack4<TW>*>(w)[q] = wp;
-      reinterpret_cast<Pack4<TS>*>(m)[q] = mp;
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        if constexpr (sizeof(TS) == 2) most[k] = packed_max(most[k], sp[k]);
+        reinterpret_cast<Pack4<TS>*>(state[k])[q] = sp[k];
+      }
     }
-    if constexpr (sizeof(TS) == 2) most[0] = packed_bound_bits<TS>(most[0]);
+    if constexpr (sizeof(TS) == 2) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) most[k] = packed_bound_bits<TS>(most[k]);
+    }
   } else {
     for (int64_t e = start; e < n; e += stride) {
-      float wv = to_f32(w[e]), mv = to_f32(m[e]);
-      LionElem::apply(wv, to_f32(g[e]), mv, h, decay);
-      const TS ms = from_f32<TS>(mv);
-      m[e] = ms;
+      float wv = to_f32(w[e]), sv[K];
+#pragma unroll
+      for (int k = 0; k < K; ++k) sv[k] = to_f32(state[k][e]);
+      Rule::apply(wv, to_f32(g[e]), sv, c);
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const TS stored = from_f32<TS>(sv[k]);
+        state[k][e] = stored;
+        most[k] = max(most[k], bound_bits(to_f32(stored)));
+      }
       w[e] = from_f32<TW>(wv);
-      most[0] = max(most[0], bound_bits(to_f32(ms)));
     }
   }
   if (bound) raise_bounds(bound, most);
@@ -725,36 +710,35 @@ void for_each_table(std::span<const ElementwiseParam> ps, std::span<const H> hs,
 }
 }  // namespace
 
-void launch_adamw(std::span<const ElementwiseParam> ps, std::span<const AdamWParams> hs, const int* skip,
-                  cudaStream_t s) {
-  for (const ElementwiseParam& p : ps)
-    if (p.exp_avg.dtype != p.exp_avg_sq.dtype) fail("adamw: exp_avg and exp_avg_sq dtypes differ");
-  for_each_table(ps, hs, "adamw", [&](const MultiTensor<AdamWParams>& t, int used, int64_t max_n,
-                                      const ElementwiseParam& p) {
+namespace {
+template <class Rule>
+void launch_multi_tensor(std::span<const ElementwiseParam> ps, std::span<const typename Rule::Params> hs,
+                         const char* what, const int* skip, cudaStream_t s) {
+  for_each_table(ps, hs, what, [&](const MultiTensor<typename Rule::Params>& t, int used, int64_t max_n,
+                                   const ElementwiseParam& p) {
     DION3_DISPATCH_FLOAT(p.weight.dtype, TW, [&] {
       DION3_DISPATCH_FLOAT(p.grad.dtype, TG, [&] {
         DION3_DISPATCH_FLOAT(p.exp_avg.dtype, TS, [&] {
-          launch_pdl(adamw_kernel<TW, TG, TS>, dim3(grid_for(max_n / 4 + 1, 256), used), 256, 0, s, t, skip);
+          launch_pdl(multi_tensor_kernel<Rule, TW, TG, TS>, dim3(grid_for(max_n / 4 + 1, 256), used), 256, 0, s, t,
+                     skip);
         });
       });
     });
     DION3_CUDA_LAUNCH_CHECK();
   });
 }
+}  // namespace
+
+void launch_adamw(std::span<const ElementwiseParam> ps, std::span<const AdamWParams> hs, const int* skip,
+                  cudaStream_t s) {
+  for (const ElementwiseParam& p : ps)
+    if (p.exp_avg.dtype != p.exp_avg_sq.dtype) fail("adamw: exp_avg and exp_avg_sq dtypes differ");
+  launch_multi_tensor<AdamWElem>(ps, hs, "adamw", skip, s);
+}
 
 void launch_lion(std::span<const ElementwiseParam> ps, std::span<const LionParams> hs, const int* skip,
                  cudaStream_t s) {
-  for_each_table(ps, hs, "lion", [&](const MultiTensor<LionParams>& t, int used, int64_t max_n,
-                                     const ElementwiseParam& p) {
-    DION3_DISPATCH_FLOAT(p.weight.dtype, TW, [&] {
-      DION3_DISPATCH_FLOAT(p.grad.dtype, TG, [&] {
-        DION3_DISPATCH_FLOAT(p.exp_avg.dtype, TS, [&] {
-          launch_pdl(lion_kernel<TW, TG, TS>, dim3(grid_for(max_n / 4 + 1, 256), used), 256, 0, s, t, skip);
-        });
-      });
-    });
-    DION3_CUDA_LAUNCH_CHECK();
-  });
+  launch_multi_tensor<LionElem>(ps, hs, "lion", skip, s);
 }
 
 void launch_sym_prepare(const MatrixView& D, float beta, float gamma, const MatrixView& C,
