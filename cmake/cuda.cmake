@@ -78,3 +78,12 @@ if(DION3_BENCH)
   dion3_cuda_bench(dion3-cuda-overlap-probe cuda_overlap_probe.cu)
   dion3_cuda_bench(dion3-cuda-pass-bench cuda_pass_bench.cu model_shapes.cpp)
 endif()
+
+# The CUTLASS experiment (bench/cuda_cutlass_bench.cu), only where CUTLASS's headers are given:
+# -DDION3_CUTLASS_INCLUDE=.deps/cutlass/include after tools/fetch-cutlass.
+set(DION3_CUTLASS_INCLUDE "" CACHE PATH "CUTLASS/CuTe headers for dion3-cuda-cutlass-bench (empty: not built)")
+if(DION3_BENCH AND DION3_CUTLASS_INCLUDE)
+  dion3_cuda_bench(dion3-cuda-cutlass-bench cuda_cutlass_bench.cu)
+  target_include_directories(dion3-cuda-cutlass-bench SYSTEM PRIVATE ${DION3_CUTLASS_INCLUDE})
+  target_link_libraries(dion3-cuda-cutlass-bench PRIVATE CUDA::cublas)
+endif()
