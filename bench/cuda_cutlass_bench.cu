@@ -6,7 +6,9 @@
 //   CUTLASS    CUTLASS's warp-specialized persistent GEMM (TMA, cooperative, 256 x 128 x 64 tiles)
 //              over every tile, with clusters of 1 x 2 (as cuBLAS picks here) and of one CTA;
 //   triangle   the same kernel over the tiles that touch the lower triangle only (a tile scheduler
-//              of our own), then the library's mirror pass; also timed without the mirror.
+//              of our own), then the library's mirror pass; also timed without the mirror;
+//   sym        the triangle kernel whose epilogue also stores each tile's mirror (an aux store with
+//              a column-major stride onto C): a symmetric C in one kernel, as the fused one does.
 // First a correctness table (CUTLASS full and triangle + mirror against cuBLAS, C poisoned with
 // NaN beforehand), then the timings. Built only with -DDION3_CUTLASS_INCLUDE=<dir> (the headers
 // from tools/fetch-cutlass). --once launches each candidate once behind marker kernels (for ncu).
@@ -106,6 +108,45 @@ struct TileSchedulerSelector<dion3_bench::LowerTriangleScheduler, arch::Sm90, Ti
 };
 }  // namespace cutlass::gemm::kernel::detail
 
+// ---- the mirrored store ------------------------------------------------------------------------
+// An epilogue node that also stores each tile transposed (an aux store with a column-major stride
+// onto C itself), except for tiles that reach into their row block's diagonal TileM x TileM block:
+// the triangle scheduler computes those blocks whole, and a transposed store there would race with
+// the tiles beside it. With it the triangle kernel leaves C symmetric in one pass.
+namespace dion3_bench {
+
+template <int Stages, class EpilogueTile, class Element, cutlass::FloatRoundStyle Round, class StrideMNL,
+          class SmemLayoutAtom, class CopyOpR2S, int TileM, int TileN>
+struct MirrorStore
+    : cutlass::epilogue::fusion::Sm90AuxStore<Stages, EpilogueTile, Element, Round, StrideMNL, SmemLayoutAtom,
+                                              CopyOpR2S> {
+  using Base = cutlass::epilogue::fusion::Sm90AuxStore<Stages, EpilogueTile, Element, Round, StrideMNL,
+                                                       SmemLayoutAtom, CopyOpR2S>;
+  using Base::Base;
+
+  template <class BaseCallbacks>
+  struct Callbacks : BaseCallbacks {
+    bool skip;
+    CUTLASS_DEVICE Callbacks(BaseCallbacks&& base, bool skip_) : BaseCallbacks(cute::move(base)), skip(skip_) {}
+    CUTLASS_DEVICE void postreduce(int epi_m, int epi_n, int iteration, bool issue) {
+      BaseCallbacks::postreduce(epi_m, epi_n, iteration, issue && !skip);
+    }
+    CUTLASS_DEVICE void tma_store(int epi_m, int epi_n, int iteration, bool issue) {
+      BaseCallbacks::tma_store(epi_m, epi_n, iteration, issue && !skip);
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
+    auto base = Base::template get_consumer_store_callbacks<ReferenceSrc>(args);
+    auto [m, n, k, l] = args.tile_coord_mnkl;
+    const bool diagonal = (int(n) + 1) * TileN > int(m) * TileM;
+    return Callbacks<decltype(base)>(cute::move(base), diagonal);
+  }
+};
+
+}  // namespace dion3_bench
+
 namespace {
 
 using bench::fmt;
@@ -178,6 +219,84 @@ struct CutlassGemm {
   }
 };
 
+// The triangle kernel whose epilogue also writes each tile's mirror (MirrorStore above):
+// C = alpha·A·Bᵀ + beta·D, symmetric, in one kernel.
+template <class Element>
+struct CutlassSymGemm {
+  using TileShape = cute::Shape<cute::_256, cute::_128, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  static constexpr int kAlign = 16 / sizeof(Element);
+  using Layout = cutlass::layout::RowMajor;
+  using Schedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
+  using EpiDesc = cutlass::epilogue::collective::detail::EpilogueDescriptor<
+      TileShape, cutlass::epilogue::collective::EpilogueTileAuto, Element, Element, Schedule>;
+  using AuxDesc = cutlass::epilogue::collective::detail::AuxStoreDescriptor<EpiDesc, cutlass::layout::ColumnMajor, Element>;
+  using Mirror = dion3_bench::MirrorStore<AuxDesc::Stages, typename EpiDesc::EpilogueTile, Element,
+                                          cutlass::FloatRoundStyle::round_to_nearest, typename AuxDesc::Stride,
+                                          typename AuxDesc::SmemLayoutAtom, typename AuxDesc::CopyOpR2S, 256, 128>;
+  using Fusion = cutlass::epilogue::fusion::Sm90EVT<
+      Mirror, cutlass::epilogue::fusion::Sm90LinearCombination<Element, float, Element, float>>;
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, Element, Layout, kAlign, Element, Layout, kAlign,
+      Schedule, Fusion>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, Layout, kAlign, Element,
+      cutlass::layout::ColumnMajor, kAlign, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
+                                                      dion3_bench::LowerTriangleScheduler>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  Gemm gemm;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+
+  void run(const void* A, const void* D, void* C, int64_t b, int64_t p, int64_t k, float alpha, float beta,
+           cudaStream_t s) {
+    using StrideA = typename Kernel::StrideA;
+    using StrideB = typename Kernel::StrideB;
+    using StrideC = typename Kernel::StrideC;
+    const int P = static_cast<int>(p), K = static_cast<int>(k), L = static_cast<int>(b);
+    cutlass::KernelHardwareInfo hw;
+    hw.device_id = 0;
+    hw.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
+    typename Gemm::Arguments args{
+        cutlass::gemm::GemmUniversalMode::kGemm,
+        {P, P, K, L},
+        {static_cast<const Element*>(A), cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(P, K, L)),
+         static_cast<const Element*>(A), cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(P, K, L))},
+        {{},  // fusion arguments, set below
+         static_cast<const Element*>(D ? D : C),
+         cutlass::make_cute_packed_stride(StrideC{}, cute::make_shape(P, P, L)),
+         static_cast<Element*>(C),
+         cutlass::make_cute_packed_stride(StrideC{}, cute::make_shape(P, P, L))},
+        hw};
+    auto& lincomb = args.epilogue.thread.op_0;  // beta·C + alpha·acc
+    lincomb.op_0.scalars[0] = beta;
+    lincomb.op_2.op_0.scalars[0] = alpha;
+    args.epilogue.thread.op_1.ptr_aux = static_cast<Element*>(C);
+    args.epilogue.thread.op_1.dAux =
+        cutlass::make_cute_packed_stride(typename AuxDesc::Stride{}, cute::make_shape(P, P, L));
+    const size_t need = Gemm::get_workspace_size(args);
+    if (need > workspace_bytes) {
+      if (workspace) CK(cudaFree(workspace));
+      CK(cudaMalloc(&workspace, need));
+      workspace_bytes = need;
+    }
+    if (gemm.can_implement(args) != cutlass::Status::kSuccess ||
+        gemm.initialize(args, workspace, s) != cutlass::Status::kSuccess || gemm.run(s) != cutlass::Status::kSuccess) {
+      std::fprintf(stderr, "CUTLASS symmetric kernel failed on %lldx%lldx%lld\n", (long long)b, (long long)p,
+                   (long long)k);
+      std::exit(1);
+    }
+  }
+  ~CutlassSymGemm() {
+    if (workspace) cudaFree(workspace);
+  }
+};
+
 using Cluster12 = cute::Shape<cute::_1, cute::_2, cute::_1>;
 using Cluster11 = cute::Shape<cute::_1, cute::_1, cute::_1>;
 using Persistent = cutlass::gemm::PersistentScheduler;
@@ -189,6 +308,7 @@ struct Candidates {
   CutlassGemm<Element, Cluster12, Persistent> full12;
   CutlassGemm<Element, Cluster11, Persistent> full11;
   CutlassGemm<Element, Cluster11, Triangle> triangle;
+  CutlassSymGemm<Element> sym;
 };
 
 __global__ void ncu_marker() {}
@@ -270,12 +390,14 @@ int main(int argc, char** argv) {
   o.line("Same inputs, C in the input dtype. eff. TFLOP/s counts a full GEMM's 2·p²·q FLOPs; real TFLOP/s the lower "
          "triangle's p·(p+1)·q. cuBLAS and CUTLASS full: one strided-batched GEMM, no mirror. fused: the library's "
          "path (its fused kernel, or its fallback, with whatever passes it takes). triangle: CUTLASS's kernel over the "
-         "tiles touching the lower triangle, then the library's mirror pass (alone in the last column). err: max "
+         "tiles touching the lower triangle, then the library's mirror pass (alone in the next column). CUTLASS sym: the triangle kernel storing each "
+         "tile's mirror from its epilogue. err: max "
          "|x - cuBLAS| / max |cuBLAS|, C poisoned with NaN first.");
   o.line("");
   o.line("| op | dt | b | p | q | cuBLAS ms (eff.) | fused ms (real) | CUTLASS 1x2 ms (eff.) | CUTLASS 1x1 ms (eff.) | "
-         "triangle + mirror ms (real) | triangle vs fused | triangle alone ms (real) | err full / triangle |");
-  o.line("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+         "triangle + mirror ms (real) | triangle alone ms (real) | CUTLASS sym ms (real) | CUTLASS sym vs fused | "
+         "err full / triangle / sym |");
+  o.line("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
   int failures = 0;
   for (const Shape& sh : shapes) {
     const int64_t q = sh.q, p = sh.p, b = sh.b;
@@ -315,6 +437,7 @@ int main(int argc, char** argv) {
     auto full12 = [&] { with([&](auto& c) { cutlass_run(c.full12, C.get()); }); };
     auto full11 = [&] { with([&](auto& c) { cutlass_run(c.full11, C.get()); }); };
     auto triangle = [&] { with([&](auto& c) { cutlass_run(c.triangle, C.get()); }); };
+    auto sym = [&] { with([&](auto& c) { c.sym.run(A, D, C.get(), b, p, k, alpha, beta, s); }); };
     auto mirror = [&] { dion3::cuda::launch_mirror_lower(Cv, 0.0f, true, s); };
     auto fused = [&] {
       if (sh.op == 0) be->gram(Xv, Cv, false);
@@ -330,32 +453,33 @@ int main(int argc, char** argv) {
     };
     const double err_full = check(full12), err_full11 = check(full11);
     const double err_tri = check([&] { triangle(); mirror(); });
+    const double err_sym = check(sym);
     const double err_fused = check(fused);
     const double tol = sh.dt == DType::F16 ? 2e-3 : 1.6e-2;
-    const bool ok = err_full <= tol && err_full11 <= tol && err_tri <= tol && err_fused <= tol;
+    const bool ok = err_full <= tol && err_full11 <= tol && err_tri <= tol && err_sym <= tol && err_fused <= tol;
     if (!ok) ++failures;
     const std::string label = fmt("%s %s %lldx%lldx%lld", sh.op == 0 ? "gram" : "sym", bench::dtype_short(sh.dt),
                                   (long long)b, (long long)p, (long long)q);
     std::vector<std::function<void()>> cands{[&] { cublas(C.get()); }, fused, full12, full11,
-                                             [&] { triangle(); mirror(); }, triangle};
+                                             [&] { triangle(); mirror(); }, triangle, sym};
     if (args.once) {  // marker k (a grid of k blocks), then candidate k's kernels
       for (std::size_t c = 0; c < cands.size(); ++c) {
         ncu_marker<<<static_cast<unsigned>(c + 1), 32, 0, s>>>();
         cands[c]();
       }
       CK(cudaStreamSynchronize(s));
-      o.line(fmt("- %s: cuBLAS, fused, CUTLASS 1x2, CUTLASS 1x1, triangle + mirror, triangle; once each%s",
+      o.line(fmt("- %s: cuBLAS, fused, CUTLASS 1x2, CUTLASS 1x1, triangle + mirror, triangle, CUTLASS sym; once each%s",
                  label.c_str(), ok ? "" : " (WRONG)"));
       continue;
     }
     const std::vector<double> ms = bench::interleaved_medians(s, 2, args.iters, cands);
     const double eff = 2.0 * b * p * p * k, real = static_cast<double>(b) * p * (p + 1) * k;
     o.line(fmt("| %s | %s | %lld | %lld | %lld | %.3f (%.0f) | %.3f (%.0f) | %.3f (%.0f) | %.3f (%.0f) | %.3f (%.0f) | "
-               "%.2fx | %.3f (%.0f) | %.1e / %.1e%s |",
+               "%.3f (%.0f) | %.3f (%.0f) | %.2fx | %.1e / %.1e / %.1e%s |",
                sh.op == 0 ? "gram" : "sym_product", bench::dtype_short(sh.dt), (long long)b, (long long)p,
                (long long)q, ms[0], eff / ms[0] / 1e9, ms[1], real / ms[1] / 1e9, ms[2], eff / ms[2] / 1e9, ms[3],
-               eff / ms[3] / 1e9, ms[4], real / ms[4] / 1e9, ms[1] / ms[4], ms[5], real / ms[5] / 1e9,
-               std::max(err_full, err_full11), err_tri, ok ? "" : " WRONG"));
+               eff / ms[3] / 1e9, ms[4], real / ms[4] / 1e9, ms[5], real / ms[5] / 1e9, ms[6], real / ms[6] / 1e9,
+               ms[1] / ms[6], std::max(err_full, err_full11), err_tri, err_sym, ok ? "" : " WRONG"));
   }
   o.line("");
   o.line(fmt("correctness failures: %d", failures));
