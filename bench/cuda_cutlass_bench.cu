@@ -8,7 +8,9 @@
 //   triangle   the same kernel over the tiles that touch the lower triangle only (a tile scheduler
 //              of our own), then the library's mirror pass; also timed without the mirror;
 //   sym        the triangle kernel whose epilogue also stores each tile's mirror (an aux store with
-//              a column-major stride onto C): a symmetric C in one kernel, as the fused one does.
+//              a column-major stride onto C): a symmetric C in one kernel, as the fused one does;
+//              cooperative (256 x 128 tiles) and pingpong (128 x 128, one math warp group's
+//              epilogue under the other's main loop).
 // First a correctness table (CUTLASS full and triangle + mirror against cuBLAS, C poisoned with
 // NaN beforehand), then the timings. Built only with -DDION3_CUTLASS_INCLUDE=<dir> (the headers
 // from tools/fetch-cutlass). --once launches each candidate once behind marker kernels (for ncu).
@@ -220,20 +222,34 @@ struct CutlassGemm {
 };
 
 // The triangle kernel whose epilogue also writes each tile's mirror (MirrorStore above):
-// C = alpha·A·Bᵀ + beta·D, symmetric, in one kernel.
-template <class Element>
-struct CutlassSymGemm {
+// C = alpha·A·Bᵀ + beta·D, symmetric, in one kernel. Cooperative: both math warp groups on one
+// 256 x 128 tile, the epilogue after its main loop. Pingpong: a 128 x 128 tile each, one group's
+// epilogue (the mirrored stores among it) under the other's main loop.
+struct Cooperative {
   using TileShape = cute::Shape<cute::_256, cute::_128, cute::_64>;
+  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+};
+struct Pingpong {
+  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_64>;
+  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
+};
+
+template <class Element, class Config>
+struct CutlassSymGemm {
+  using TileShape = typename Config::TileShape;
   using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
   static constexpr int kAlign = 16 / sizeof(Element);
   using Layout = cutlass::layout::RowMajor;
-  using Schedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
+  using Schedule = typename Config::Epilogue;
   using EpiDesc = cutlass::epilogue::collective::detail::EpilogueDescriptor<
       TileShape, cutlass::epilogue::collective::EpilogueTileAuto, Element, Element, Schedule>;
   using AuxDesc = cutlass::epilogue::collective::detail::AuxStoreDescriptor<EpiDesc, cutlass::layout::ColumnMajor, Element>;
   using Mirror = dion3_bench::MirrorStore<AuxDesc::Stages, typename EpiDesc::EpilogueTile, Element,
                                           cutlass::FloatRoundStyle::round_to_nearest, typename AuxDesc::Stride,
-                                          typename AuxDesc::SmemLayoutAtom, typename AuxDesc::CopyOpR2S, 256, 128>;
+                                          typename AuxDesc::SmemLayoutAtom, typename AuxDesc::CopyOpR2S,
+                                          cute::size<0>(TileShape{}), cute::size<1>(TileShape{})>;
   using Fusion = cutlass::epilogue::fusion::Sm90EVT<
       Mirror, cutlass::epilogue::fusion::Sm90LinearCombination<Element, float, Element, float>>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -244,7 +260,7 @@ struct CutlassSymGemm {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, Layout, kAlign, Element,
       cutlass::layout::ColumnMajor, kAlign, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+      typename Config::Kernel>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
                                                       dion3_bench::LowerTriangleScheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -308,7 +324,8 @@ struct Candidates {
   CutlassGemm<Element, Cluster12, Persistent> full12;
   CutlassGemm<Element, Cluster11, Persistent> full11;
   CutlassGemm<Element, Cluster11, Triangle> triangle;
-  CutlassSymGemm<Element> sym;
+  CutlassSymGemm<Element, Cooperative> sym;
+  CutlassSymGemm<Element, Pingpong> sym_pingpong;
 };
 
 __global__ void ncu_marker() {}
@@ -391,13 +408,14 @@ int main(int argc, char** argv) {
          "triangle's p·(p+1)·q. cuBLAS and CUTLASS full: one strided-batched GEMM, no mirror. fused: the library's "
          "path (its fused kernel, or its fallback, with whatever passes it takes). triangle: CUTLASS's kernel over the "
          "tiles touching the lower triangle, then the library's mirror pass (alone in the next column). CUTLASS sym: the triangle kernel storing each "
-         "tile's mirror from its epilogue. err: max "
+         "tile's mirror from its epilogue (cooperative 256 x 128 tiles; pingpong 128 x 128). err: max "
          "|x - cuBLAS| / max |cuBLAS|, C poisoned with NaN first.");
   o.line("");
   o.line("| op | dt | b | p | q | cuBLAS ms (eff.) | fused ms (real) | CUTLASS 1x2 ms (eff.) | CUTLASS 1x1 ms (eff.) | "
          "triangle + mirror ms (real) | triangle alone ms (real) | CUTLASS sym ms (real) | CUTLASS sym vs fused | "
+         "CUTLASS sym pingpong ms (real) | pingpong vs fused | "
          "err full / triangle / sym |");
-  o.line("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+  o.line("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
   int failures = 0;
   for (const Shape& sh : shapes) {
     const int64_t q = sh.q, p = sh.p, b = sh.b;
@@ -438,6 +456,7 @@ int main(int argc, char** argv) {
     auto full11 = [&] { with([&](auto& c) { cutlass_run(c.full11, C.get()); }); };
     auto triangle = [&] { with([&](auto& c) { cutlass_run(c.triangle, C.get()); }); };
     auto sym = [&] { with([&](auto& c) { c.sym.run(A, D, C.get(), b, p, k, alpha, beta, s); }); };
+    auto sym_pingpong = [&] { with([&](auto& c) { c.sym_pingpong.run(A, D, C.get(), b, p, k, alpha, beta, s); }); };
     auto mirror = [&] { dion3::cuda::launch_mirror_lower(Cv, 0.0f, true, s); };
     auto fused = [&] {
       if (sh.op == 0) be->gram(Xv, Cv, false);
@@ -453,7 +472,7 @@ int main(int argc, char** argv) {
     };
     const double err_full = check(full12), err_full11 = check(full11);
     const double err_tri = check([&] { triangle(); mirror(); });
-    const double err_sym = check(sym);
+    const double err_sym = std::max(check(sym), check(sym_pingpong));
     const double err_fused = check(fused);
     const double tol = sh.dt == DType::F16 ? 2e-3 : 1.6e-2;
     const bool ok = err_full <= tol && err_full11 <= tol && err_tri <= tol && err_sym <= tol && err_fused <= tol;
@@ -461,25 +480,27 @@ int main(int argc, char** argv) {
     const std::string label = fmt("%s %s %lldx%lldx%lld", sh.op == 0 ? "gram" : "sym", bench::dtype_short(sh.dt),
                                   (long long)b, (long long)p, (long long)q);
     std::vector<std::function<void()>> cands{[&] { cublas(C.get()); }, fused, full12, full11,
-                                             [&] { triangle(); mirror(); }, triangle, sym};
+                                             [&] { triangle(); mirror(); }, triangle, sym,
+                                             sym_pingpong};
     if (args.once) {  // marker k (a grid of k blocks), then candidate k's kernels
       for (std::size_t c = 0; c < cands.size(); ++c) {
         ncu_marker<<<static_cast<unsigned>(c + 1), 32, 0, s>>>();
         cands[c]();
       }
       CK(cudaStreamSynchronize(s));
-      o.line(fmt("- %s: cuBLAS, fused, CUTLASS 1x2, CUTLASS 1x1, triangle + mirror, triangle, CUTLASS sym; once each%s",
+      o.line(fmt("- %s: cuBLAS, fused, CUTLASS 1x2, CUTLASS 1x1, triangle + mirror, triangle, CUTLASS sym, CUTLASS sym pingpong; once each%s",
                  label.c_str(), ok ? "" : " (WRONG)"));
       continue;
     }
     const std::vector<double> ms = bench::interleaved_medians(s, 2, args.iters, cands);
     const double eff = 2.0 * b * p * p * k, real = static_cast<double>(b) * p * (p + 1) * k;
     o.line(fmt("| %s | %s | %lld | %lld | %lld | %.3f (%.0f) | %.3f (%.0f) | %.3f (%.0f) | %.3f (%.0f) | %.3f (%.0f) | "
-               "%.3f (%.0f) | %.3f (%.0f) | %.2fx | %.1e / %.1e / %.1e%s |",
+               "%.3f (%.0f) | %.3f (%.0f) | %.2fx | %.3f (%.0f) | %.2fx | %.1e / %.1e / %.1e%s |",
                sh.op == 0 ? "gram" : "sym_product", bench::dtype_short(sh.dt), (long long)b, (long long)p,
                (long long)q, ms[0], eff / ms[0] / 1e9, ms[1], real / ms[1] / 1e9, ms[2], eff / ms[2] / 1e9, ms[3],
                eff / ms[3] / 1e9, ms[4], real / ms[4] / 1e9, ms[5], real / ms[5] / 1e9, ms[6], real / ms[6] / 1e9,
-               ms[1] / ms[6], std::max(err_full, err_full11), err_tri, err_sym, ok ? "" : " WRONG"));
+               ms[1] / ms[6], ms[7], real / ms[7] / 1e9, ms[1] / ms[7], std::max(err_full, err_full11), err_tri,
+               err_sym, ok ? "" : " WRONG"));
   }
   o.line("");
   o.line(fmt("correctness failures: %d", failures));

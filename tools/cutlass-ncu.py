@@ -14,7 +14,7 @@ import io
 import os
 import subprocess
 
-CANDIDATES = ["cuBLAS", "fused", "CUTLASS 1x2", "CUTLASS 1x1", "triangle + mirror", "triangle", "CUTLASS sym"]
+CANDIDATES = ["cuBLAS", "fused", "CUTLASS 1x2", "CUTLASS 1x1", "triangle + mirror", "triangle", "CUTLASS sym", "CUTLASS sym pingpong"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -49,7 +49,8 @@ def groups(text, metric):
 
 def table(results, metric):
     lines = ["| shape | " + " | ".join(f"{c} us (tensor %)" for c in CANDIDATES) + " | triangle / cuBLAS share | "
-             "CUTLASS sym / cuBLAS share | fused / cuBLAS share |", "|---|" + "---|" * (len(CANDIDATES) + 3)]
+             "CUTLASS sym / cuBLAS share | pingpong / cuBLAS share | fused / cuBLAS share |",
+             "|---|" + "---|" * (len(CANDIDATES) + 4)]
     for shape, g in results:
         def cell(c):
             ks = g.get(c, [])
@@ -61,7 +62,7 @@ def table(results, metric):
         base = cells["cuBLAS"][1]
         ratio = lambda c: "-" if not base or cells[c][1] is None else f"{100 * cells[c][1] / base:.0f}%"
         lines.append(f"| {shape} | " + " | ".join(cells[c][0] for c in CANDIDATES) +
-                     f" | {ratio('triangle')} | {ratio('CUTLASS sym')} | {ratio('fused')} |")
+                     f" | {ratio('triangle')} | {ratio('CUTLASS sym')} | {ratio('CUTLASS sym pingpong')} | {ratio('fused')} |")
     return lines
 
 
