@@ -10,7 +10,9 @@
 //   sym        the triangle kernel whose epilogue also stores each tile's mirror (an aux store with
 //              a column-major stride onto C): a symmetric C in one kernel, as the fused one does;
 //              cooperative (256 x 128 tiles) and pingpong (128 x 128, one math warp group's
-//              epilogue under the other's main loop).
+//              epilogue under the other's main loop);
+//   banded     the fused kernel writing C banded (no mirror outside the diagonal blocks), the
+//              fair match for the triangle kernel alone.
 // First a correctness table (CUTLASS full and triangle + mirror against cuBLAS, C poisoned with
 // NaN beforehand), then the timings. Built only with -DDION3_CUTLASS_INCLUDE=<dir> (the headers
 // from tools/fetch-cutlass). --once launches each candidate once behind marker kernels (for ncu).
@@ -408,14 +410,15 @@ int main(int argc, char** argv) {
          "triangle's p·(p+1)·q. cuBLAS and CUTLASS full: one strided-batched GEMM, no mirror. fused: the library's "
          "path (its fused kernel, or its fallback, with whatever passes it takes). triangle: CUTLASS's kernel over the "
          "tiles touching the lower triangle, then the library's mirror pass (alone in the next column). CUTLASS sym: the triangle kernel storing each "
-         "tile's mirror from its epilogue (cooperative 256 x 128 tiles; pingpong 128 x 128). err: max "
+         "tile's mirror from its epilogue (cooperative 256 x 128 tiles; pingpong 128 x 128). fused banded: the fused kernel "
+         "without the mirrored stores outside its diagonal 256 x 256 blocks. err: max "
          "|x - cuBLAS| / max |cuBLAS|, C poisoned with NaN first.");
   o.line("");
   o.line("| op | dt | b | p | q | cuBLAS ms (eff.) | fused ms (real) | CUTLASS 1x2 ms (eff.) | CUTLASS 1x1 ms (eff.) | "
          "triangle + mirror ms (real) | triangle alone ms (real) | CUTLASS sym ms (real) | CUTLASS sym vs fused | "
-         "CUTLASS sym pingpong ms (real) | pingpong vs fused | "
+         "CUTLASS sym pingpong ms (real) | pingpong vs fused | fused banded ms (real) | "
          "err full / triangle / sym |");
-  o.line("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+  o.line("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
   int failures = 0;
   for (const Shape& sh : shapes) {
     const int64_t q = sh.q, p = sh.p, b = sh.b;
@@ -458,6 +461,15 @@ int main(int argc, char** argv) {
     auto sym = [&] { with([&](auto& c) { c.sym.run(A, D, C.get(), b, p, k, alpha, beta, s); }); };
     auto sym_pingpong = [&] { with([&](auto& c) { c.sym_pingpong.run(A, D, C.get(), b, p, k, alpha, beta, s); }); };
     auto mirror = [&] { dion3::cuda::launch_mirror_lower(Cv, 0.0f, true, s); };
+    // The fused kernel writing C banded (no mirrored stores outside the diagonal 256 x 256 blocks):
+    // what CUTLASS's triangle kernel alone compares with, where a banded C is all a product needs.
+    const bool banded_runs = dion3::cuda::sym_wgmma_supported(sh.op == 0 ? Xv : Rv, sh.op == 0 ? Xv : Rv,
+                                                              sh.op == 0 ? nullptr : &Rv, Cv);
+    auto banded = [&] {
+      if (!banded_runs) return;
+      if (sh.op == 0) dion3::cuda::launch_sym_wgmma(Xv, Xv, 1.0f, 0.0f, nullptr, 0.0f, Cv, s, false, true);
+      else dion3::cuda::launch_sym_wgmma(Rv, Rv, 2.0f, -1.0f, &Rv, 0.0f, Cv, s, false, true);
+    };
     auto fused = [&] {
       if (sh.op == 0) be->gram(Xv, Cv, false);
       else be->sym_product(2.0f, Rv, Rv, -1.0f, &Rv, 0.0f, Cv, false, false);
@@ -481,25 +493,27 @@ int main(int argc, char** argv) {
                                   (long long)b, (long long)p, (long long)q);
     std::vector<std::function<void()>> cands{[&] { cublas(C.get()); }, fused, full12, full11,
                                              [&] { triangle(); mirror(); }, triangle, sym,
-                                             sym_pingpong};
+                                             sym_pingpong, banded};
     if (args.once) {  // marker k (a grid of k blocks), then candidate k's kernels
       for (std::size_t c = 0; c < cands.size(); ++c) {
         ncu_marker<<<static_cast<unsigned>(c + 1), 32, 0, s>>>();
         cands[c]();
       }
       CK(cudaStreamSynchronize(s));
-      o.line(fmt("- %s: cuBLAS, fused, CUTLASS 1x2, CUTLASS 1x1, triangle + mirror, triangle, CUTLASS sym, CUTLASS sym pingpong; once each%s",
+      o.line(fmt("- %s: cuBLAS, fused, CUTLASS 1x2, CUTLASS 1x1, triangle + mirror, triangle, CUTLASS sym, CUTLASS sym pingpong, fused banded; once each%s",
                  label.c_str(), ok ? "" : " (WRONG)"));
       continue;
     }
     const std::vector<double> ms = bench::interleaved_medians(s, 2, args.iters, cands);
     const double eff = 2.0 * b * p * p * k, real = static_cast<double>(b) * p * (p + 1) * k;
     o.line(fmt("| %s | %s | %lld | %lld | %lld | %.3f (%.0f) | %.3f (%.0f) | %.3f (%.0f) | %.3f (%.0f) | %.3f (%.0f) | "
-               "%.3f (%.0f) | %.3f (%.0f) | %.2fx | %.3f (%.0f) | %.2fx | %.1e / %.1e / %.1e%s |",
+               "%.3f (%.0f) | %.3f (%.0f) | %.2fx | %.3f (%.0f) | %.2fx | %s | %.1e / %.1e / %.1e%s |",
                sh.op == 0 ? "gram" : "sym_product", bench::dtype_short(sh.dt), (long long)b, (long long)p,
                (long long)q, ms[0], eff / ms[0] / 1e9, ms[1], real / ms[1] / 1e9, ms[2], eff / ms[2] / 1e9, ms[3],
                eff / ms[3] / 1e9, ms[4], real / ms[4] / 1e9, ms[5], real / ms[5] / 1e9, ms[6], real / ms[6] / 1e9,
-               ms[1] / ms[6], ms[7], real / ms[7] / 1e9, ms[1] / ms[7], std::max(err_full, err_full11), err_tri,
+               ms[1] / ms[6], ms[7], real / ms[7] / 1e9, ms[1] / ms[7],
+               banded_runs ? fmt("%.3f (%.0f)", ms[8], real / ms[8] / 1e9).c_str() : "-",
+               std::max(err_full, err_full11), err_tri,
                err_sym, ok ? "" : " WRONG"));
   }
   o.line("");

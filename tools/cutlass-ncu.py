@@ -14,7 +14,8 @@ import io
 import os
 import subprocess
 
-CANDIDATES = ["cuBLAS", "fused", "CUTLASS 1x2", "CUTLASS 1x1", "triangle + mirror", "triangle", "CUTLASS sym", "CUTLASS sym pingpong"]
+CANDIDATES = ["cuBLAS", "fused", "CUTLASS 1x2", "CUTLASS 1x1", "triangle + mirror", "triangle", "CUTLASS sym", "CUTLASS sym pingpong",
+              "fused banded"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
