@@ -1,8 +1,9 @@
 // bench/cuda_bench_common.cuh — what the CUDA benchmark programs share: a CUDA error check that
 // exits, a deterministic device-side fill (hash of the index, uniform in [-scale/2, scale/2]),
 // CUDA-event median timing of candidates in turn, printf-style formatting, a markdown sink that
-// also echoes to stdout, and the session of the kernel benches (arguments, backend, stream, report). Header-only; each
-// program is its own translation unit.
+// also echoes to stdout, the symmetric-product shapes of --shapes, and the session of the kernel
+// benches (arguments, backend, stream, report). Header-only; each program is its own
+// translation unit.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -164,6 +165,31 @@ inline Args parse_args(int argc, char** argv, const char* program) {
     }
   }
   return a;
+}
+
+// A symmetric product of the sym and CUTLASS benches: op 0 gram (C = X·Xᵀ, X p x q), op 1
+// sym_product (C = 2·R·R − R, R p x p, q = p); b matrices of dtype dt.
+struct SymShape { int op; dion3::DType dt; int64_t b, p, q; };
+
+// --shapes: comma-separated OP:DTYPE:BxPxQ (gram) or OP:DTYPE:BxP (sym), OP gram|sym, DTYPE f16|bf16;
+// anything else exits with status 2.
+inline std::vector<SymShape> parse_sym_shapes(const std::string& list) {
+  std::vector<SymShape> out;
+  std::stringstream ss(list);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    char op[8] = {}, dt[8] = {};
+    long long b = 0, p = 0, q = 0;
+    const int got = std::sscanf(item.c_str(), "%7[a-z]:%7[a-z0-9]:%lldx%lldx%lld", op, dt, &b, &p, &q);
+    const std::string o(op), d(dt);
+    const bool gram = o == "gram";
+    if (got < 4 || (!gram && o != "sym") || (d != "f16" && d != "bf16") || (gram && got != 5) || b <= 0 || p <= 0) {
+      std::fprintf(stderr, "--shapes: cannot read '%s' (gram:f16:BxPxQ or sym:bf16:BxP)\n", item.c_str());
+      std::exit(2);
+    }
+    out.push_back({gram ? 0 : 1, d == "f16" ? dion3::DType::F16 : dion3::DType::BF16, b, p, gram ? q : p});
+  }
+  return out;
 }
 
 // The report's first line: which GPU the numbers come from.

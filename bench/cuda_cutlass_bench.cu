@@ -158,6 +158,57 @@ using bench::Out;
 using dion3::DType;
 using dion3::MatrixView;
 
+// A CUTLASS kernel's adapter and its workspace. arguments(): batched row-major A (m x k), B (n x k),
+// C and D (m x n), the fusion's own arguments left to the caller; launch() sets up and runs,
+// exiting on any CUTLASS error.
+template <class Kernel, class Element>
+struct Runner {
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  Gemm gemm;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+
+  typename Gemm::Arguments arguments(const void* A, const void* B, const void* D, void* C, int64_t b, int64_t m,
+                                     int64_t n, int64_t k) const {
+    using StrideA = typename Kernel::StrideA;
+    using StrideB = typename Kernel::StrideB;
+    using StrideC = typename Kernel::StrideC;
+    const int M = static_cast<int>(m), N = static_cast<int>(n), K = static_cast<int>(k), L = static_cast<int>(b);
+    cutlass::KernelHardwareInfo hw;
+    hw.device_id = 0;
+    hw.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
+    return {cutlass::gemm::GemmUniversalMode::kGemm,
+            {M, N, K, L},
+            {static_cast<const Element*>(A), cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(M, K, L)),
+             static_cast<const Element*>(B), cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(N, K, L))},
+            {{},
+             static_cast<const Element*>(D ? D : C),
+             cutlass::make_cute_packed_stride(StrideC{}, cute::make_shape(M, N, L)),
+             static_cast<Element*>(C),
+             cutlass::make_cute_packed_stride(StrideC{}, cute::make_shape(M, N, L))},
+            hw};
+  }
+
+  void launch(const typename Gemm::Arguments& args, cudaStream_t s) {
+    const size_t need = Gemm::get_workspace_size(args);
+    if (need > workspace_bytes) {
+      if (workspace) CK(cudaFree(workspace));
+      CK(cudaMalloc(&workspace, need));
+      workspace_bytes = need;
+    }
+    if (gemm.can_implement(args) != cutlass::Status::kSuccess ||
+        gemm.initialize(args, workspace, s) != cutlass::Status::kSuccess || gemm.run(s) != cutlass::Status::kSuccess) {
+      const auto& shape = args.problem_shape;
+      std::fprintf(stderr, "CUTLASS cannot run %dx%dx%dx%d\n", cute::get<3>(shape), cute::get<0>(shape),
+                   cute::get<1>(shape), cute::get<2>(shape));
+      std::exit(1);
+    }
+  }
+  ~Runner() {
+    if (workspace) cudaFree(workspace);
+  }
+};
+
 // C = alpha·A·Bᵀ + beta·D over a batch, A and B row-major (K contiguous), C and D row-major.
 template <class Element, class ClusterShape, class Scheduler>
 struct CutlassGemm {
@@ -175,51 +226,15 @@ struct CutlassGemm {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue, Scheduler>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
-  Gemm gemm;
-  void* workspace = nullptr;
-  size_t workspace_bytes = 0;
+  Runner<Kernel, Element> runner;
 
-  // Sets up (once per shape) and runs; exits on any CUTLASS error.
   void run(const void* A, const void* B, const void* D, void* C, int64_t b, int64_t m, int64_t n, int64_t k,
            float alpha, float beta, cudaStream_t s) {
-    using StrideA = typename Kernel::StrideA;
-    using StrideB = typename Kernel::StrideB;
-    using StrideC = typename Kernel::StrideC;
-    const int M = static_cast<int>(m), N = static_cast<int>(n), K = static_cast<int>(k), L = static_cast<int>(b);
-    cutlass::KernelHardwareInfo hw;
-    hw.device_id = 0;
-    hw.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
-    typename Gemm::Arguments args{
-        cutlass::gemm::GemmUniversalMode::kGemm,
-        {M, N, K, L},
-        {static_cast<const Element*>(A), cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(M, K, L)),
-         static_cast<const Element*>(B), cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(N, K, L))},
-        {{alpha, beta},
-         static_cast<const Element*>(D ? D : C),
-         cutlass::make_cute_packed_stride(StrideC{}, cute::make_shape(M, N, L)),
-         static_cast<Element*>(C),
-         cutlass::make_cute_packed_stride(StrideC{}, cute::make_shape(M, N, L))},
-        hw};
-    const size_t need = Gemm::get_workspace_size(args);
-    if (need > workspace_bytes) {
-      if (workspace) CK(cudaFree(workspace));
-      CK(cudaMalloc(&workspace, need));
-      workspace_bytes = need;
-    }
-    if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
-      std::fprintf(stderr, "CUTLASS cannot implement %lldx%lldx%lldx%lld\n", (long long)b, (long long)m,
-                   (long long)n, (long long)k);
-      std::exit(1);
-    }
-    if (gemm.initialize(args, workspace, s) != cutlass::Status::kSuccess || gemm.run(s) != cutlass::Status::kSuccess) {
-      std::fprintf(stderr, "CUTLASS run failed\n");
-      std::exit(1);
-    }
-  }
-  ~CutlassGemm() {
-    if (workspace) cudaFree(workspace);
+    auto args = runner.arguments(A, B, D, C, b, m, n, k);
+    args.epilogue.thread.alpha = alpha;
+    args.epilogue.thread.beta = beta;
+    runner.launch(args, s);
   }
 };
 
@@ -265,53 +280,21 @@ struct CutlassSymGemm {
       typename Config::Kernel>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
                                                       dion3_bench::LowerTriangleScheduler>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
-  Gemm gemm;
-  void* workspace = nullptr;
-  size_t workspace_bytes = 0;
+  Runner<Kernel, Element> runner;
 
+  // C = alpha·A·Aᵀ + beta·D, A p x k.
   void run(const void* A, const void* D, void* C, int64_t b, int64_t p, int64_t k, float alpha, float beta,
            cudaStream_t s) {
-    using StrideA = typename Kernel::StrideA;
-    using StrideB = typename Kernel::StrideB;
-    using StrideC = typename Kernel::StrideC;
-    const int P = static_cast<int>(p), K = static_cast<int>(k), L = static_cast<int>(b);
-    cutlass::KernelHardwareInfo hw;
-    hw.device_id = 0;
-    hw.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
-    typename Gemm::Arguments args{
-        cutlass::gemm::GemmUniversalMode::kGemm,
-        {P, P, K, L},
-        {static_cast<const Element*>(A), cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(P, K, L)),
-         static_cast<const Element*>(A), cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(P, K, L))},
-        {{},  // fusion arguments, set below
-         static_cast<const Element*>(D ? D : C),
-         cutlass::make_cute_packed_stride(StrideC{}, cute::make_shape(P, P, L)),
-         static_cast<Element*>(C),
-         cutlass::make_cute_packed_stride(StrideC{}, cute::make_shape(P, P, L))},
-        hw};
+    auto args = runner.arguments(A, A, D, C, b, p, p, k);
     auto& lincomb = args.epilogue.thread.op_0;  // beta·C + alpha·acc
     lincomb.op_0.scalars[0] = beta;
     lincomb.op_2.op_0.scalars[0] = alpha;
     args.epilogue.thread.op_1.ptr_aux = static_cast<Element*>(C);
+    const int P = static_cast<int>(p), L = static_cast<int>(b);
     args.epilogue.thread.op_1.dAux =
         cutlass::make_cute_packed_stride(typename AuxDesc::Stride{}, cute::make_shape(P, P, L));
-    const size_t need = Gemm::get_workspace_size(args);
-    if (need > workspace_bytes) {
-      if (workspace) CK(cudaFree(workspace));
-      CK(cudaMalloc(&workspace, need));
-      workspace_bytes = need;
-    }
-    if (gemm.can_implement(args) != cutlass::Status::kSuccess ||
-        gemm.initialize(args, workspace, s) != cutlass::Status::kSuccess || gemm.run(s) != cutlass::Status::kSuccess) {
-      std::fprintf(stderr, "CUTLASS symmetric kernel failed on %lldx%lldx%lld\n", (long long)b, (long long)p,
-                   (long long)k);
-      std::exit(1);
-    }
-  }
-  ~CutlassSymGemm() {
-    if (workspace) cudaFree(workspace);
+    runner.launch(args, s);
   }
 };
 
@@ -358,26 +341,7 @@ double rel_err(const void* x, const void* ref, int64_t n, DType dt) {
   return err / mag;
 }
 
-struct Shape { int op; DType dt; int64_t b, p, q; };  // op 0 gram (X p x q), 1 sym_product (R p x p)
-
-std::vector<Shape> parse_shapes(const std::string& list) {
-  std::vector<Shape> out;
-  std::stringstream ss(list);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    char op[8] = {}, dt[8] = {};
-    long long b = 0, p = 0, q = 0;
-    const int got = std::sscanf(item.c_str(), "%7[a-z]:%7[a-z0-9]:%lldx%lldx%lld", op, dt, &b, &p, &q);
-    const std::string o(op), d(dt);
-    const bool gram = o == "gram";
-    if (got < 4 || (!gram && o != "sym") || (d != "f16" && d != "bf16") || (gram && got != 5) || b <= 0 || p <= 0) {
-      std::fprintf(stderr, "--shapes: cannot read '%s' (gram:f16:BxPxQ or sym:bf16:BxP)\n", item.c_str());
-      std::exit(2);
-    }
-    out.push_back({gram ? 0 : 1, d == "f16" ? DType::F16 : DType::BF16, b, p, gram ? q : p});
-  }
-  return out;
-}
+using Shape = bench::SymShape;
 
 }  // namespace
 
@@ -396,7 +360,7 @@ int main(int argc, char** argv) {
   Candidates<cutlass::bfloat16_t> bf;
 
   std::vector<Shape> shapes;
-  if (!args.shapes.empty()) shapes = parse_shapes(args.shapes);
+  if (!args.shapes.empty()) shapes = bench::parse_sym_shapes(args.shapes);
   else if (args.quick) shapes = {{0, DType::F16, 4, 1024, 2048}, {1, DType::BF16, 4, 1024, 1024}};
   else
     shapes = {{0, DType::F16, 8, 4096, 11008}, {1, DType::F16, 8, 4096, 4096}, {0, DType::F16, 32, 1024, 4096},

@@ -58,27 +58,7 @@ struct Case { int op; DType in, out; int64_t b, p, q; };  // op 0 gram, 1 sym_pr
 // Launched before each candidate under --once, so that a profiler's list of kernels tells them apart.
 __global__ void ncu_marker() {}
 
-struct Shape { int op; DType dt; int64_t b, p, q; };  // op 0 gram (p x q), 1 sym_product (p x p)
-
-// --shapes: comma-separated OP:DTYPE:BxPxQ (gram) or OP:DTYPE:BxP (sym), OP gram|sym, DTYPE f16|bf16.
-std::vector<Shape> parse_shapes(const std::string& list) {
-  std::vector<Shape> out;
-  std::stringstream ss(list);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    char op[8] = {}, dt[8] = {};
-    long long b = 0, p = 0, q = 0;
-    const int got = std::sscanf(item.c_str(), "%7[a-z]:%7[a-z0-9]:%lldx%lldx%lld", op, dt, &b, &p, &q);
-    const std::string o(op), d(dt);
-    const bool gram = o == "gram";
-    if (got < 4 || (!gram && o != "sym") || (d != "f16" && d != "bf16") || (gram && got != 5) || b <= 0 || p <= 0) {
-      std::fprintf(stderr, "--shapes: cannot read '%s' (gram:f16:BxPxQ or sym:bf16:BxP)\n", item.c_str());
-      std::exit(2);
-    }
-    out.push_back({gram ? 0 : 1, d == "f16" ? DType::F16 : DType::BF16, b, p, gram ? q : p});
-  }
-  return out;
-}
+using Shape = bench::SymShape;
 
 int main(int argc, char** argv) {
   bench::Session session(argc, argv, "dion3-cuda-sym-bench");
@@ -188,7 +168,7 @@ int main(int argc, char** argv) {
   // ---- 2. timing ------------------------------------------------------------------------------
   std::vector<Shape> shapes;
   if (!args.shapes.empty()) {
-    shapes = parse_shapes(args.shapes);
+    shapes = bench::parse_sym_shapes(args.shapes);
   } else if (quick) {
     shapes = {{0, DType::F16, 8, 4096, 11008}, {1, DType::F16, 8, 4096, 4096}};
   } else {
