@@ -1,20 +1,23 @@
 // bench/cuda_cutlass_bench.cu — dion3-cuda-cutlass-bench: can CUTLASS's sm_90 building blocks do
 // the symmetric products (gram C = X·Xᵀ, sym_product C = 2·R·R − R) at least as well as the
 // hand-written fused kernel (sym_wgmma.cu)? Same inputs, timed in turn:
-//   cuBLAS     one full strided-batched GEMM (no mirror): the rate a tuned full GEMM reaches;
+//   cuBLAS     one full strided-batched GEMM (no mirror): the rate a tuned full GEMM reaches (for
+//              sym_product after copying D into C, which its in-place beta needs);
 //   fused      the library's symmetric path as the step runs it (fused kernel where it applies);
 //   CUTLASS    CUTLASS's warp-specialized persistent GEMM (TMA, cooperative, 256 x 128 x 64 tiles)
-//              over every tile, with clusters of 1 x 2 (as cuBLAS picks here) and of one CTA;
+//              over every tile, with clusters of 1 x 2 and of one CTA;
 //   triangle   the same kernel over the tiles that touch the lower triangle only (a tile scheduler
 //              of our own), then the library's mirror pass; also timed without the mirror;
 //   sym        the triangle kernel whose epilogue also stores each tile's mirror (an aux store with
-//              a column-major stride onto C): a symmetric C in one kernel, as the fused one does;
+//              a column-major stride onto C): all of C in one kernel, as the fused one writes it
+//              (its diagonal blocks computed whole, not mirrored);
 //              cooperative (256 x 128 tiles) and pingpong (128 x 128, one math warp group's
 //              epilogue under the other's main loop);
 //   banded     the fused kernel writing C banded (no mirror outside the diagonal blocks), the
 //              fair match for the triangle kernel alone.
-// First a correctness table (CUTLASS full and triangle + mirror against cuBLAS, C poisoned with
-// NaN beforehand), then the timings. Built only with -DDION3_CUTLASS_INCLUDE=<dir> (the headers
+// Each row checks every candidate that writes a whole C against cuBLAS (C poisoned with NaN
+// beforehand; the errors in the last column) before timing them. CUTLASS kernels are set up once per
+// shape, outside the timed calls (Runner). Built only with -DDION3_CUTLASS_INCLUDE=<dir> (the headers
 // from tools/fetch-cutlass). --once launches each candidate once behind marker kernels (for ncu).
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -44,7 +47,10 @@
 // CUTLASS's static persistent scheduler walks every (m, n) tile of every batch; this one walks only
 // the tiles that hold an element on or below the diagonal (row >= column), batch after batch, a
 // row of tiles at a time. Clusters of one CTA only: a cluster's CTAs would need tiles that share
-// their multicast operand, which a ragged triangle row does not always have.
+// their multicast operand, which a ragged triangle row does not always have. The kernels call the
+// scheduler's members by name, so every member that reads the current tile is shadowed here (the
+// base's own index is never used), and the swizzle stays 1 (the default arguments): a larger one
+// pads the tile counts this walk reads.
 namespace dion3_bench {
 
 struct LowerTriangleScheduler {};  // the tag GemmUniversal takes
@@ -52,6 +58,7 @@ struct LowerTriangleScheduler {};  // the tag GemmUniversal takes
 template <int TileM, int TileN>
 class LowerTriangleSchedulerSm90 : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
+  static_assert(TileM % TileN == 0, "a row block's diagonal block is whole tiles");
 
  public:
   using Params = typename Base::Params;
@@ -116,7 +123,7 @@ struct TileSchedulerSelector<dion3_bench::LowerTriangleScheduler, arch::Sm90, Ti
 // An epilogue node that also stores each tile transposed (an aux store with a column-major stride
 // onto C itself), except for tiles that reach into their row block's diagonal TileM x TileM block:
 // the triangle scheduler computes those blocks whole, and a transposed store there would race with
-// the tiles beside it. With it the triangle kernel leaves C symmetric in one pass.
+// the tiles beside it. With it the triangle kernel writes all of C in one pass.
 namespace dion3_bench {
 
 template <int Stages, class EpilogueTile, class Element, cutlass::FloatRoundStyle Round, class StrideMNL,
@@ -127,6 +134,7 @@ struct MirrorStore
   using Base = cutlass::epilogue::fusion::Sm90AuxStore<Stages, EpilogueTile, Element, Round, StrideMNL,
                                                        SmemLayoutAtom, CopyOpR2S>;
   using Base::Base;
+  static_assert(TileM % TileN == 0, "a row block's diagonal block is whole tiles");
 
   template <class BaseCallbacks>
   struct Callbacks : BaseCallbacks {
@@ -158,54 +166,75 @@ using bench::Out;
 using dion3::DType;
 using dion3::MatrixView;
 
-// A CUTLASS kernel's adapter and its workspace. arguments(): batched row-major A (m x k), B (n x k),
-// C and D (m x n), the fusion's own arguments left to the caller; launch() sets up and runs,
-// exiting on any CUTLASS error.
+// A CUTLASS kernel's adapter and its workspace, on batched row-major A (m x k), B (n x k), C and D
+// (m x n). The kernel is set up (arguments, TMA descriptors, workspace) only when the operands or
+// scalars change, so a timed call is the launch alone, as a step that kept its set-up would pay;
+// any CUTLASS error exits.
 template <class Kernel, class Element>
 struct Runner {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  struct Key {
+    const void *A, *B, *D;
+    void* C;
+    int64_t b, m, n, k;
+    float alpha, beta;
+    bool operator==(const Key&) const = default;
+  };
   Gemm gemm;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  Key last{};
+  bool ready = false;
 
-  typename Gemm::Arguments arguments(const void* A, const void* B, const void* D, void* C, int64_t b, int64_t m,
-                                     int64_t n, int64_t k) const {
+  // fill(args, key): the fusion's own arguments (scalars, aux pointers), left to the caller.
+  template <class Fill>
+  void run(const Key& key, Fill&& fill, cudaStream_t s) {
+    if (!ready || !(key == last)) {
+      auto args = arguments(key);
+      fill(args, key);
+      const size_t need = Gemm::get_workspace_size(args);
+      if (need > workspace_bytes) {
+        if (workspace) CK(cudaFree(workspace));
+        CK(cudaMalloc(&workspace, need));
+        workspace_bytes = need;
+      }
+      if (gemm.can_implement(args) != cutlass::Status::kSuccess ||
+          gemm.initialize(args, workspace, s) != cutlass::Status::kSuccess)
+        fail(key);
+      last = key;
+      ready = true;
+    }
+    if (gemm.run(s) != cutlass::Status::kSuccess) fail(key);
+  }
+  ~Runner() {
+    if (workspace) cudaFree(workspace);
+  }
+
+ private:
+  typename Gemm::Arguments arguments(const Key& key) const {
     using StrideA = typename Kernel::StrideA;
     using StrideB = typename Kernel::StrideB;
     using StrideC = typename Kernel::StrideC;
-    const int M = static_cast<int>(m), N = static_cast<int>(n), K = static_cast<int>(k), L = static_cast<int>(b);
+    const int M = static_cast<int>(key.m), N = static_cast<int>(key.n), K = static_cast<int>(key.k),
+              L = static_cast<int>(key.b);
     cutlass::KernelHardwareInfo hw;
     hw.device_id = 0;
     hw.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
     return {cutlass::gemm::GemmUniversalMode::kGemm,
             {M, N, K, L},
-            {static_cast<const Element*>(A), cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(M, K, L)),
-             static_cast<const Element*>(B), cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(N, K, L))},
+            {static_cast<const Element*>(key.A), cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(M, K, L)),
+             static_cast<const Element*>(key.B), cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(N, K, L))},
             {{},
-             static_cast<const Element*>(D ? D : C),
+             static_cast<const Element*>(key.D ? key.D : key.C),
              cutlass::make_cute_packed_stride(StrideC{}, cute::make_shape(M, N, L)),
-             static_cast<Element*>(C),
+             static_cast<Element*>(key.C),
              cutlass::make_cute_packed_stride(StrideC{}, cute::make_shape(M, N, L))},
             hw};
   }
-
-  void launch(const typename Gemm::Arguments& args, cudaStream_t s) {
-    const size_t need = Gemm::get_workspace_size(args);
-    if (need > workspace_bytes) {
-      if (workspace) CK(cudaFree(workspace));
-      CK(cudaMalloc(&workspace, need));
-      workspace_bytes = need;
-    }
-    if (gemm.can_implement(args) != cutlass::Status::kSuccess ||
-        gemm.initialize(args, workspace, s) != cutlass::Status::kSuccess || gemm.run(s) != cutlass::Status::kSuccess) {
-      const auto& shape = args.problem_shape;
-      std::fprintf(stderr, "CUTLASS cannot run %dx%dx%dx%d\n", cute::get<3>(shape), cute::get<0>(shape),
-                   cute::get<1>(shape), cute::get<2>(shape));
-      std::exit(1);
-    }
-  }
-  ~Runner() {
-    if (workspace) cudaFree(workspace);
+  [[noreturn]] static void fail(const Key& key) {
+    std::fprintf(stderr, "CUTLASS cannot run %lldx%lldx%lldx%lld\n", (long long)key.b, (long long)key.m,
+                 (long long)key.n, (long long)key.k);
+    std::exit(1);
   }
 };
 
@@ -231,10 +260,10 @@ struct CutlassGemm {
 
   void run(const void* A, const void* B, const void* D, void* C, int64_t b, int64_t m, int64_t n, int64_t k,
            float alpha, float beta, cudaStream_t s) {
-    auto args = runner.arguments(A, B, D, C, b, m, n, k);
-    args.epilogue.thread.alpha = alpha;
-    args.epilogue.thread.beta = beta;
-    runner.launch(args, s);
+    runner.run({A, B, D, C, b, m, n, k, alpha, beta}, [](auto& args, const auto& key) {
+      args.epilogue.thread.alpha = key.alpha;
+      args.epilogue.thread.beta = key.beta;
+    }, s);
   }
 };
 
@@ -286,15 +315,15 @@ struct CutlassSymGemm {
   // C = alpha·A·Aᵀ + beta·D, A p x k.
   void run(const void* A, const void* D, void* C, int64_t b, int64_t p, int64_t k, float alpha, float beta,
            cudaStream_t s) {
-    auto args = runner.arguments(A, A, D, C, b, p, p, k);
-    auto& lincomb = args.epilogue.thread.op_0;  // beta·C + alpha·acc
-    lincomb.op_0.scalars[0] = beta;
-    lincomb.op_2.op_0.scalars[0] = alpha;
-    args.epilogue.thread.op_1.ptr_aux = static_cast<Element*>(C);
-    const int P = static_cast<int>(p), L = static_cast<int>(b);
-    args.epilogue.thread.op_1.dAux =
-        cutlass::make_cute_packed_stride(typename AuxDesc::Stride{}, cute::make_shape(P, P, L));
-    runner.launch(args, s);
+    runner.run({A, A, D, C, b, p, p, k, alpha, beta}, [](auto& args, const auto& key) {
+      auto& lincomb = args.epilogue.thread.op_0;  // beta·C + alpha·acc
+      lincomb.op_0.scalars[0] = key.beta;
+      lincomb.op_2.op_0.scalars[0] = key.alpha;
+      args.epilogue.thread.op_1.ptr_aux = static_cast<Element*>(key.C);
+      const int P = static_cast<int>(key.m), L = static_cast<int>(key.b);
+      args.epilogue.thread.op_1.dAux =
+          cutlass::make_cute_packed_stride(typename AuxDesc::Stride{}, cute::make_shape(P, P, L));
+    }, s);
   }
 };
 
@@ -373,19 +402,24 @@ int main(int argc, char** argv) {
   o.line("Same inputs, C in the input dtype. eff. TFLOP/s counts a full GEMM's 2·p²·q FLOPs; real TFLOP/s the lower "
          "triangle's p·(p+1)·q. cuBLAS and CUTLASS full: one strided-batched GEMM, no mirror. fused: the library's "
          "path (its fused kernel, or its fallback, with whatever passes it takes). triangle: CUTLASS's kernel over the "
-         "tiles touching the lower triangle, then the library's mirror pass (alone in the next column). CUTLASS sym: the triangle kernel storing each "
+         "tiles touching the lower triangle, then the library's mirror pass (alone in the next column). cuBLAS for "
+         "sym_product: the copy of D into C that its in-place beta needs, then the GEMM. CUTLASS kernels are set up once "
+         "per shape, outside the timed calls. CUTLASS sym: the triangle kernel storing each "
          "tile's mirror from its epilogue (cooperative 256 x 128 tiles; pingpong 128 x 128). fused banded: the fused kernel "
          "without the mirrored stores outside its diagonal 256 x 256 blocks. err: max "
-         "|x - cuBLAS| / max |cuBLAS|, C poisoned with NaN first.");
+         "|x - cuBLAS| / max |cuBLAS|, C poisoned with NaN first. fused / X: the fused kernel's time over X's.");
   o.line("");
   o.line("| op | dt | b | p | q | cuBLAS ms (eff.) | fused ms (real) | CUTLASS 1x2 ms (eff.) | CUTLASS 1x1 ms (eff.) | "
-         "triangle + mirror ms (real) | triangle alone ms (real) | CUTLASS sym ms (real) | CUTLASS sym vs fused | "
-         "CUTLASS sym pingpong ms (real) | pingpong vs fused | fused banded ms (real) | "
-         "err full / triangle / sym |");
+         "triangle + mirror ms (real) | triangle alone ms (real) | CUTLASS sym ms (real) | fused / CUTLASS sym | "
+         "CUTLASS sym pingpong ms (real) | fused / pingpong | fused banded ms (real) | "
+         "err full / triangle / sym / fused |");
   o.line("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
   int failures = 0;
   for (const Shape& sh : shapes) {
     const int64_t q = sh.q, p = sh.p, b = sh.b;
+    const std::string label = fmt("%s %s %lldx%lldx%lld", sh.op == 0 ? "gram" : "sym", bench::dtype_short(sh.dt),
+                                  (long long)b, (long long)p, (long long)q);
+    if (!args.only.empty() && label.find(args.only) == std::string::npos) continue;
     const int64_t es = 2;
     dion3::DeviceBuffer X(be->allocator(), b * p * q * es), C(be->allocator(), b * p * p * es),
         Ref(be->allocator(), b * p * p * es), R(be->allocator(), sh.op == 1 ? b * p * p * es : 16);
@@ -453,8 +487,6 @@ int main(int argc, char** argv) {
     const double tol = sh.dt == DType::F16 ? 2e-3 : 1.6e-2;
     const bool ok = err_full <= tol && err_full11 <= tol && err_tri <= tol && err_sym <= tol && err_fused <= tol;
     if (!ok) ++failures;
-    const std::string label = fmt("%s %s %lldx%lldx%lld", sh.op == 0 ? "gram" : "sym", bench::dtype_short(sh.dt),
-                                  (long long)b, (long long)p, (long long)q);
     std::vector<std::function<void()>> cands{[&] { cublas(C.get()); }, fused, full12, full11,
                                              [&] { triangle(); mirror(); }, triangle, sym,
                                              sym_pingpong, banded};
@@ -471,14 +503,13 @@ int main(int argc, char** argv) {
     const std::vector<double> ms = bench::interleaved_medians(s, 2, args.iters, cands);
     const double eff = 2.0 * b * p * p * k, real = static_cast<double>(b) * p * (p + 1) * k;
     o.line(fmt("| %s | %s | %lld | %lld | %lld | %.3f (%.0f) | %.3f (%.0f) | %.3f (%.0f) | %.3f (%.0f) | %.3f (%.0f) | "
-               "%.3f (%.0f) | %.3f (%.0f) | %.2fx | %.3f (%.0f) | %.2fx | %s | %.1e / %.1e / %.1e%s |",
+               "%.3f (%.0f) | %.3f (%.0f) | %.2fx | %.3f (%.0f) | %.2fx | %s | %.1e / %.1e / %.1e / %.1e%s |",
                sh.op == 0 ? "gram" : "sym_product", bench::dtype_short(sh.dt), (long long)b, (long long)p,
                (long long)q, ms[0], eff / ms[0] / 1e9, ms[1], real / ms[1] / 1e9, ms[2], eff / ms[2] / 1e9, ms[3],
                eff / ms[3] / 1e9, ms[4], real / ms[4] / 1e9, ms[5], real / ms[5] / 1e9, ms[6], real / ms[6] / 1e9,
                ms[1] / ms[6], ms[7], real / ms[7] / 1e9, ms[1] / ms[7],
                banded_runs ? fmt("%.3f (%.0f)", ms[8], real / ms[8] / 1e9).c_str() : "-",
-               std::max(err_full, err_full11), err_tri,
-               err_sym, ok ? "" : " WRONG"));
+               std::max(err_full, err_full11), err_tri, err_sym, err_fused, ok ? "" : " WRONG"));
   }
   o.line("");
   o.line(fmt("correctness failures: %d", failures));

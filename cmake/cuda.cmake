@@ -83,6 +83,10 @@ endif()
 # -DDION3_CUTLASS_INCLUDE=.deps/cutlass/include after tools/fetch-cutlass.
 set(DION3_CUTLASS_INCLUDE "" CACHE PATH "CUTLASS/CuTe headers for dion3-cuda-cutlass-bench (empty: not built)")
 if(DION3_BENCH AND DION3_CUTLASS_INCLUDE)
+  if(NOT EXISTS "${DION3_CUTLASS_INCLUDE}/cutlass/cutlass.h" OR NOT EXISTS "${DION3_CUTLASS_INCLUDE}/cutlass/util/packed_stride.hpp")
+    message(FATAL_ERROR "DION3_CUTLASS_INCLUDE=${DION3_CUTLASS_INCLUDE} holds no CUTLASS headers (run tools/fetch-cutlass; "
+                        "give an absolute path)")
+  endif()
   dion3_cuda_bench(dion3-cuda-cutlass-bench cuda_cutlass_bench.cu)
   target_include_directories(dion3-cuda-cutlass-bench SYSTEM PRIVATE ${DION3_CUTLASS_INCLUDE})
   target_link_libraries(dion3-cuda-cutlass-bench PRIVATE CUDA::cublas)

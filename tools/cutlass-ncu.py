@@ -13,6 +13,7 @@ import importlib.util
 import io
 import os
 import subprocess
+import sys
 
 CANDIDATES = ["cuBLAS", "fused", "CUTLASS 1x2", "CUTLASS 1x1", "triangle + mirror", "triangle", "CUTLASS sym", "CUTLASS sym pingpong",
               "fused banded"]
@@ -27,15 +28,22 @@ def tensor_metrics(ncu):
 
 
 def number(text):
-    return float(text.replace(",", "") or 0)
+    """ncu's raw numbers, with thousands separators in some versions; "n/a" and empty read as 0."""
+    try:
+        return float(text.replace(",", "") or 0)
+    except ValueError:
+        return 0.0
 
 
 def groups(text, metric):
     """{candidate: [(kernel, us, share)]} from ncu's raw CSV of one `--once` run."""
     rows = [r for r in csv.reader(io.StringIO(text)) if r]
-    head = next(i for i, r in enumerate(rows) if "Kernel Name" in r)
+    head = next((i for i, r in enumerate(rows) if "Kernel Name" in r or "Function Name" in r), None)
+    if head is None:
+        raise ValueError("no ncu table (was any kernel profiled?)")
     h = rows[head]
-    name, dur, grid, share = (h.index(k) for k in ["Kernel Name", "gpu__time_duration.sum", "launch__grid_size", metric])
+    kernel_col = "Kernel Name" if "Kernel Name" in h else "Function Name"
+    name, dur, grid, share = (h.index(k) for k in [kernel_col, "gpu__time_duration.sum", "launch__grid_size", metric])
     out, current = {}, None
     for r in rows[head + 1:]:
         if len(r) != len(h) or not r[dur][:1].isdigit():
@@ -89,10 +97,17 @@ def main():
         for shape in [s for s in a.shapes.split(",") if s]:
             cmd = [a.ncu, "--csv", "--page", "raw", "--print-units", "base", "--metrics",
                    ",".join(["gpu__time_duration.sum", "launch__grid_size"] + metrics), a.bench, "--once", "--shapes", shape]
-            text = subprocess.run(cmd, capture_output=True, text=True, timeout=300).stdout
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            text = run.stdout
             if a.csv_dir:
                 open(os.path.join(a.csv_dir, "ncu-" + shape.replace(":", "_") + ".csv"), "w").write(text)
-            results.append((shape, groups(text, metric)))
+            if run.returncode != 0 or "(WRONG)" in text:
+                print(f"{shape}: ncu or the bench failed (rc {run.returncode}); "
+                      f"{'a candidate is WRONG; ' if '(WRONG)' in text else ''}{run.stderr[-400:]}", file=sys.stderr)
+            try:
+                results.append((shape, groups(text, metric)))
+            except ValueError as e:  # one shape's failure leaves the others' rows
+                print(f"{shape}: {e}", file=sys.stderr)
     lines = ["# Symmetric products under ncu: cuBLAS, the fused kernel and CUTLASS", "",
              f"Metric: `{metric}`; times at ncu's locked clocks, each candidate's kernels summed, its share that of "
              "its longest kernel (the GEMM). Each shape: `dion3-cuda-cutlass-bench --once --shapes SHAPE`.", ""]
