@@ -1079,57 +1079,106 @@ TEST_F(CudaOps, ElementwiseBoundsLetTheCheckSkipTheMoments) {
 }
 
 // Many parameters in one call: two dtype combinations, sizes from 1 element to past the large
-// tables' threshold (2^20; three sizes of one class share launches, one element-wise), more than
-// one launch's table (32), each with its own hyperparameters and step offset; CPU and CUDA must
-// agree on every one.
+// tables' threshold (2^20 - 1 just under it; 2^20 up to 2^21 - 1 one size class, 2^21 the next;
+// one size element-wise), more small parameters of one dtype than one launch's table holds (32),
+// each with its own hyperparameters, step offset and state bounds; CPU and CUDA must agree on
+// every one. Weights are small (0.01) so that a bf16 weight shows a step of lr: one parameter's
+// learning rate applied to another, or a weight left unwritten, cannot hide in the rounding.
 TEST_F(CudaOps, MultiTensorAdamWAndLionMatchCpu) {
   std::mt19937_64 rng(77);
-  const int64_t sizes[] = {1, 3, 4, 5, 64, 130, 4096, 10007, (int64_t{1} << 20) + 4, (int64_t{1} << 20) + 3,
-                           (int64_t{1} << 21) - 4};
+  const int64_t sizes[] = {1,    3,    4,    5,    64,   130,  4096, 10007, (int64_t{1} << 20) + 4, (int64_t{1} << 20) + 3,
+                           (int64_t{1} << 21) - 4, (int64_t{1} << 20) - 1, int64_t{1} << 20, int64_t{1} << 21};
+  constexpr int kSizes = sizeof(sizes) / sizeof(sizes[0]);
+  constexpr int kParams = 100;  // about 45 small bf16 parameters: more than one table of them
   struct Param { std::unique_ptr<Twin> w, g, m, v; };
   std::vector<Param> params;
   std::vector<dion3::ElementwiseParam> hp, dp;
   std::vector<dion3::AdamWParams> ah, ad;
   std::vector<dion3::LionParams> lh;
+  // Two state bounds a parameter (AdamW's two; Lion raises the first only), on each side.
+  std::vector<float> hbounds(2 * kParams, 0.0f);
+  Twin dbounds(*gpu, DType::F32, 1, 1, 2 * kParams);
+  dbounds.fill_value(0.0f);
   const int64_t host_steps = 4;
   dion3::DeviceBuffer dev_steps(gpu->allocator(), sizeof(int64_t));
   gpu->copy_from_host(dev_steps.get(), &host_steps, sizeof(int64_t));
-  for (int i = 0; i < 41; ++i) {
-    const int64_t n = sizes[i % 11];
-    const DType wd = i % 2 ? DType::BF16 : DType::F32, sd = wd;
+  for (int i = 0; i < kParams; ++i) {
+    const int64_t n = sizes[i % kSizes];
+    const DType wd = i % 3 ? DType::BF16 : DType::F32, sd = wd;
     Param p{std::make_unique<Twin>(*gpu, wd, 1, 1, n), std::make_unique<Twin>(*gpu, wd, 1, 1, n),
             std::make_unique<Twin>(*gpu, sd, 1, 1, n), std::make_unique<Twin>(*gpu, sd, 1, 1, n)};
-    p.w->fill_normal(rng);
+    p.w->fill_normal(rng, 0.01f);
     p.g->fill_normal(rng);
     p.m->fill_normal(rng, 0.1f);
     std::vector<float> vv = ct::normal_values(rng, n, 0.1f);
     for (auto& x : vv) x *= x;
     p.v->set_host(vv);
     p.v->upload();
-    hp.push_back({p.w->hview(), p.g->hview(), p.m->hview(), p.v->hview()});
-    dp.push_back({p.w->dview(), p.g->dview(), p.m->dview(), p.v->dview()});
-    const float lr = 0.001f * (1 + i % 5), wdk = 0.01f * (i % 3);
+    float* db = static_cast<float*>(dbounds.dview().data) + 2 * i;
+    hp.push_back({p.w->hview(), p.g->hview(), p.m->hview(), p.v->hview(), hbounds.data() + 2 * i});
+    dp.push_back({p.w->dview(), p.g->dview(), p.m->dview(), p.v->dview(), db});
+    const float lr = 0.001f * (1 + i % 7), wdk = 0.01f * (i % 3);
     ah.push_back({lr, 0.9f, 0.95f - 0.01f * (i % 4), wdk, 1e-8f, &host_steps, i % 3});
     ad.push_back(ah.back());
     ad.back().applied_steps = dev_steps.as<int64_t>();
     lh.push_back({lr, 0.9f, 0.99f, wdk});
     params.push_back(std::move(p));
   }
+  // Each parameter's bounds: exactly the largest |exp_avg| and exp_avg_sq the device stored, and
+  // near the CPU's (lion: the second left alone).
+  auto check_bounds = [&](bool lion) {
+    const std::vector<float> db = dbounds.device_values();
+    for (int i = 0; i < kParams; ++i) {
+      const Param& p = params[i];
+      const std::vector<float> dm = p.m->device_values(), dv = p.v->device_values();
+      float bm = 0.0f, bv = 0.0f;
+      for (std::size_t e = 0; e < dm.size(); ++e) bm = std::max(bm, std::fabs(dm[e])), bv = std::max(bv, dv[e]);
+      const double ts = storage_tol(p.m->dtype);
+      EXPECT_EQ(db[2 * i], bm) << "parameter " << i << " of " << p.w->cols;
+      EXPECT_NEAR(db[2 * i], hbounds[2 * i], ts * hbounds[2 * i]) << "parameter " << i;
+      if (lion) {
+        EXPECT_EQ(db[2 * i + 1], 0.0f) << "parameter " << i;
+      } else {
+        EXPECT_EQ(db[2 * i + 1], bv) << "parameter " << i << " of " << p.w->cols;
+        EXPECT_NEAR(db[2 * i + 1], hbounds[2 * i + 1], ts * hbounds[2 * i + 1]) << "parameter " << i;
+      }
+    }
+  };
   cpu->adamw(hp, ah, nullptr);
   gpu->adamw(dp, ad, nullptr);
   for (const Param& p : params) {
     ASSERT_LE(ct::rel_max_diff(p.w->device_values(), p.w->host_values()), storage_tol(p.w->dtype)) << p.w->cols;
     ASSERT_LE(ct::rel_max_diff(p.m->device_values(), p.m->host_values()), storage_tol(p.m->dtype)) << p.w->cols;
     ASSERT_LE(ct::rel_max_diff(p.v->device_values(), p.v->host_values()), storage_tol(p.v->dtype)) << p.w->cols;
+  }
+  check_bounds(false);
+  for (const Param& p : params) {
     p.w->upload();  // both backends go on from the CPU's values
     p.m->upload();
   }
+  std::fill(hbounds.begin(), hbounds.end(), 0.0f);
+  dbounds.fill_value(0.0f);
   cpu->lion(hp, lh, nullptr);
   gpu->lion(dp, lh, nullptr);
-  for (const Param& p : params) {
-    ASSERT_LE(ct::rel_max_diff(p.w->device_values(), p.w->host_values()), storage_tol(p.w->dtype)) << p.w->cols;
+  for (int i = 0; i < kParams; ++i) {
+    const Param& p = params[i];
     ASSERT_LE(ct::rel_max_diff(p.m->device_values(), p.m->host_values()), storage_tol(p.m->dtype)) << p.w->cols;
+    // Lion moves a weight by lr times a sign: where the direction is within rounding of zero the
+    // two backends may take opposite signs (a step of 2·lr apart). A few such elements are
+    // rounding; a wrong learning rate or an unwritten weight moves most of them.
+    const std::vector<float> dw = p.w->device_values(), hw = p.w->host_values();
+    float most = 0.0f;
+    for (float x : hw) most = std::max(most, std::fabs(x));
+    const double tol = storage_tol(p.w->dtype) * most, flip = 2.0 * lh[i].lr + tol;
+    int64_t off = 0;
+    for (std::size_t e = 0; e < dw.size(); ++e) {
+      const double d = std::fabs(static_cast<double>(dw[e]) - hw[e]);
+      ASSERT_LE(d, flip) << "parameter " << i << " element " << e;
+      off += d > tol;
+    }
+    EXPECT_LE(off, static_cast<int64_t>(dw.size() / 100000) + 1) << "parameter " << i << " of " << p.w->cols;
   }
+  check_bounds(true);
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, Elementwise,
