@@ -111,6 +111,11 @@ struct ElementwiseParam {
   float* state_bound = nullptr;
 };
 
+// Throws InvalidArgument, before anything is written, unless every parameter's views (and, with
+// second_moment, AdamW's exp_avg_sq) are flat (1 x 1 x n, n the weight's), of a float dtype and
+// with data. `what` names the call in the message. Backends call it first.
+DION3_API void check_elementwise_params(std::span<const ElementwiseParam> ps, bool second_moment, const char* what);
+
 struct AdamWParams {
   float lr, beta1, beta2, weight_decay, epsilon;
   // Bias correction 1 - beta^t with t = *applied_steps - step_offset + 1, read on the device

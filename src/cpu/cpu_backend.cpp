@@ -672,6 +672,7 @@ class CpuBackend final : public Backend {
 
   void adamw(std::span<const ElementwiseParam> ps, std::span<const AdamWParams> hs, const int* skip) override {
     check(ps.size() == hs.size(), "adamw: one set of hyperparameters per parameter");
+    check_elementwise_params(ps, true, "adamw");
     if (skipped(skip)) return;
     const auto items = elementwise_pieces(ps);
     cpu::parallel_for(static_cast<int64_t>(items.size()), elementwise_size(ps), [this] { return chunk_buffers(); },
@@ -682,6 +683,7 @@ class CpuBackend final : public Backend {
 
   void lion(std::span<const ElementwiseParam> ps, std::span<const LionParams> hs, const int* skip) override {
     check(ps.size() == hs.size(), "lion: one set of hyperparameters per parameter");
+    check_elementwise_params(ps, false, "lion");
     if (skipped(skip)) return;
     const auto items = elementwise_pieces(ps);
     cpu::parallel_for(static_cast<int64_t>(items.size()), elementwise_size(ps), [this] { return chunk_buffers(); },

@@ -731,13 +731,15 @@ void launch_multi_tensor(std::span<const ElementwiseParam> ps, std::span<const t
 
 void launch_adamw(std::span<const ElementwiseParam> ps, std::span<const AdamWParams> hs, const int* skip,
                   cudaStream_t s) {
-  for (const ElementwiseParam& p : ps)
+  check_elementwise_params(ps, true, "adamw");
+  for (const ElementwiseParam& p : ps)  // one state dtype a launch (the CPU takes mixed moments)
     if (p.exp_avg.dtype != p.exp_avg_sq.dtype) fail("adamw: exp_avg and exp_avg_sq dtypes differ");
   launch_multi_tensor<AdamWElem>(ps, hs, "adamw", skip, s);
 }
 
 void launch_lion(std::span<const ElementwiseParam> ps, std::span<const LionParams> hs, const int* skip,
                  cudaStream_t s) {
+  check_elementwise_params(ps, false, "lion");
   launch_multi_tensor<LionElem>(ps, hs, "lion", skip, s);
 }
 

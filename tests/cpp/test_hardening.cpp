@@ -607,6 +607,57 @@ TEST(Hardening, ElementwiseBoundsLetTheCheckSkipTheMoments) {
   EXPECT_LT(dion3::state_gradient_limit(dion3::StepCheck::Lion, huge, 0.9f, 0.5f, 1.0f), 0.0f);
 }
 
+// An element-wise call (AdamW, Lion) with one bad parameter among good ones is refused before any
+// is written: a view that is not flat like the weight, one of another length, a float64 view, a
+// view without data. The parameters before the bad one keep their weights and moments.
+TEST(Hardening, ElementwiseCallsCheckEveryParameterFirst) {
+  using dion3::MatrixView;
+  auto be = dion3::make_cpu_backend();
+  const int64_t n = 64;
+  std::vector<float> w(n, 1.0f), g(n, 0.5f), m(n, 0.25f), v(n, 0.125f), w2(n, 2.0f), g2(n, 0.5f), m2(n, 0.0f),
+      v2(n, 0.0f);
+  std::vector<double> g64(n, 0.5);
+  int64_t steps = 0;
+  const dion3::AdamWParams ah{0.01f, 0.9f, 0.95f, 0.1f, 1e-8f, &steps, 0};
+  const dion3::LionParams lh{0.01f, 0.9f, 0.99f, 0.1f};
+  auto flat = [&](void* p, DType t = DType::F32, int64_t rows = 1, int64_t cols = -1) {
+    return MatrixView::contiguous(p, t, 1, rows, cols < 0 ? n / rows : cols);
+  };
+  const dion3::ElementwiseParam good{flat(w.data()), flat(g.data()), flat(m.data()), flat(v.data())};
+  struct Bad { const char* what; dion3::ElementwiseParam p; const char* message; };
+  const Bad bads[] = {
+      {"2-D grad", {flat(w2.data()), flat(g2.data(), DType::F32, 2), flat(m2.data()), flat(v2.data())},
+       "grad is 1 x 2 x 32"},
+      {"short exp_avg", {flat(w2.data()), flat(g2.data()), flat(m2.data(), DType::F32, 1, n - 1), flat(v2.data())},
+       "exp_avg is 1 x 1 x 63"},
+      {"float64 grad", {flat(w2.data()), flat(g64.data(), DType::F64), flat(m2.data()), flat(v2.data())},
+       "grad is float64"},
+      {"no weight data", {flat(nullptr), flat(g2.data()), flat(m2.data()), flat(v2.data())}, "weight has no data"},
+  };
+  for (const Bad& b : bads)
+    for (bool adamw : {true, false}) {
+      const dion3::ElementwiseParam ps[2] = {good, b.p};
+      const dion3::AdamWParams ahs[2] = {ah, ah};
+      const dion3::LionParams lhs[2] = {lh, lh};
+      dion3::Status st = dion3::Status::Ok;
+      const std::string what = t3::error_of([&] {
+        if (adamw) be->adamw(ps, ahs, nullptr);
+        else be->lion(ps, lhs, nullptr);
+      }, &st);
+      EXPECT_EQ(st, dion3::Status::InvalidArgument) << b.what;
+      EXPECT_THAT(what, HasSubstr(std::string(adamw ? "adamw" : "lion") + ": parameter 1: " + b.message)) << b.what;
+      EXPECT_EQ(w, std::vector<float>(n, 1.0f)) << b.what;
+      EXPECT_EQ(m, std::vector<float>(n, 0.25f)) << b.what;
+      EXPECT_EQ(v, std::vector<float>(n, 0.125f)) << b.what;
+    }
+  // AdamW's second moment is checked too; Lion has none.
+  const dion3::ElementwiseParam no_v{flat(w.data()), flat(g.data()), flat(m.data()), flat(v.data(), DType::F32, 1, 3)};
+  EXPECT_THAT(t3::error_of([&] { be->adamw({&no_v, 1}, {&ah, 1}, nullptr); }),
+              HasSubstr("adamw: parameter 0: exp_avg_sq is 1 x 1 x 3"));
+  be->lion({&no_v, 1}, {&lh, 1}, nullptr);
+  EXPECT_NE(w, std::vector<float>(n, 1.0f));
+}
+
 // AdamW raises each parameter's bounds to at least its stored moments' largest |exp_avg| and
 // exp_avg_sq (rounded to the state's dtype), and never lowers them.
 TEST(Hardening, AdamWRaisesItsStateBounds) {
