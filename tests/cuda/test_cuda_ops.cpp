@@ -1119,11 +1119,13 @@ TEST_F(CudaOps, MultiTensorAdamWAndLionMatchCpu) {
     float* db = static_cast<float*>(dbounds.dview().data) + 2 * i;
     hp.push_back({p.w->hview(), p.g->hview(), p.m->hview(), p.v->hview(), hbounds.data() + 2 * i});
     dp.push_back({p.w->dview(), p.g->dview(), p.m->dview(), p.v->dview(), db});
-    const float lr = 0.001f * (1 + i % 7), wdk = 0.01f * (i % 3);
-    ah.push_back({lr, 0.9f, 0.95f - 0.01f * (i % 4), wdk, 1e-8f, &host_steps, i % 3});
+    // Every hyperparameter varies within a launch's table, apart from the dtype (i % 3), so that one
+    // parameter's values applied to another show; weight decay large enough to move a bf16 weight.
+    const float lr = 0.001f * (1 + i % 7), wdk = 1.0f * (i % 5), b1 = 0.9f - 0.05f * (i % 2);
+    ah.push_back({lr, b1, 0.95f - 0.01f * (i % 4), wdk, 1e-8f, &host_steps, (i / 3) % 3});
     ad.push_back(ah.back());
     ad.back().applied_steps = dev_steps.as<int64_t>();
-    lh.push_back({lr, 0.9f, 0.99f, wdk});
+    lh.push_back({lr, b1, 0.99f - 0.01f * ((i / 2) % 2), wdk});
     params.push_back(std::move(p));
   }
   // Each parameter's bounds: exactly the largest |exp_avg| and exp_avg_sq the device stored, and
@@ -1132,9 +1134,10 @@ TEST_F(CudaOps, MultiTensorAdamWAndLionMatchCpu) {
     const std::vector<float> db = dbounds.device_values();
     for (int i = 0; i < kParams; ++i) {
       const Param& p = params[i];
-      const std::vector<float> dm = p.m->device_values(), dv = p.v->device_values();
+      const std::vector<float> dm = p.m->device_values(), dv = lion ? std::vector<float>{} : p.v->device_values();
       float bm = 0.0f, bv = 0.0f;
-      for (std::size_t e = 0; e < dm.size(); ++e) bm = std::max(bm, std::fabs(dm[e])), bv = std::max(bv, dv[e]);
+      for (float x : dm) bm = std::max(bm, std::fabs(x));
+      for (float x : dv) bv = std::max(bv, x);
       const double ts = storage_tol(p.m->dtype);
       EXPECT_EQ(db[2 * i], bm) << "parameter " << i << " of " << p.w->cols;
       EXPECT_NEAR(db[2 * i], hbounds[2 * i], ts * hbounds[2 * i]) << "parameter " << i;
@@ -1166,8 +1169,9 @@ TEST_F(CudaOps, MultiTensorAdamWAndLionMatchCpu) {
     const Param& p = params[i];
     ASSERT_LE(ct::rel_max_diff(p.m->device_values(), p.m->host_values()), storage_tol(p.m->dtype)) << p.w->cols;
     // Lion moves a weight by lr times a sign: where the direction is within rounding of zero the
-    // two backends may take opposite signs (a step of 2·lr apart). A few such elements are
-    // rounding; a wrong learning rate or an unwritten weight moves most of them.
+    // two backends may take opposite signs (a step of 2·lr apart). One such element in 100000 is
+    // rounding (none in a small parameter); a wrong learning rate or an unwritten weight moves
+    // most of them.
     const std::vector<float> dw = p.w->device_values(), hw = p.w->host_values();
     float most = 0.0f;
     for (float x : hw) most = std::max(most, std::fabs(x));
@@ -1178,7 +1182,7 @@ TEST_F(CudaOps, MultiTensorAdamWAndLionMatchCpu) {
       ASSERT_LE(d, flip) << "parameter " << i << " element " << e;
       off += d > tol;
     }
-    EXPECT_LE(off, static_cast<int64_t>(dw.size() / 100000) + 1) << "parameter " << i << " of " << p.w->cols;
+    EXPECT_LE(off, static_cast<int64_t>(dw.size() / 100000)) << "parameter " << i << " of " << p.w->cols;
   }
   check_bounds(true);
 }
