@@ -1,7 +1,7 @@
 // bench/cuda_bench_common.cuh — what the CUDA benchmark programs share: a CUDA error check that
 // exits, a deterministic device-side fill (hash of the index, uniform in [-scale/2, scale/2]),
-// CUDA-event median timing of candidates in turn, printf-style formatting, a markdown sink that
-// also echoes to stdout, the symmetric-product shapes of --shapes, and the session of the kernel
+// CUDA-event median timing of candidates in turn, a device view's values on the host, printf-style
+// formatting, a markdown sink that also echoes to stdout, the symmetric-product shapes of --shapes, and the session of the kernel
 // benches (arguments, backend, stream, report). Header-only; each program is its own
 // translation unit.
 #pragma once
@@ -165,6 +165,21 @@ inline Args parse_args(int argc, char** argv, const char* program) {
     }
   }
   return a;
+}
+
+// A contiguous view's values, as floats on the host (after the stream's work so far).
+inline std::vector<float> download(const dion3::MatrixView& v, cudaStream_t s) {
+  const int64_t n = v.batch * v.rows * v.cols;
+  std::vector<char> raw(n * dion3::dtype_size(v.dtype));
+  CK(cudaStreamSynchronize(s));
+  CK(cudaMemcpy(raw.data(), v.data, raw.size(), cudaMemcpyDeviceToHost));
+  std::vector<float> out(n);
+  for (int64_t i = 0; i < n; ++i) {
+    if (v.dtype == dion3::DType::F32) out[i] = reinterpret_cast<const float*>(raw.data())[i];
+    else if (v.dtype == dion3::DType::F16) out[i] = __half2float(reinterpret_cast<const __half*>(raw.data())[i]);
+    else out[i] = __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(raw.data())[i]);
+  }
+  return out;
 }
 
 // A symmetric product of the sym and CUTLASS benches: op 0 gram (C = X·Xᵀ, X p x q), op 1

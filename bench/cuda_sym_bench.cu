@@ -35,21 +35,7 @@ using bench::Out;
 using dion3::DType;
 using dion3::MatrixView;
 
-float to_float(const void* p, DType dt, int64_t i) {
-  if (dt == DType::F32) return static_cast<const float*>(p)[i];
-  if (dt == DType::F16) return __half2float(static_cast<const __half*>(p)[i]);
-  return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-}
-
-std::vector<float> download(const MatrixView& v, cudaStream_t s) {
-  const int64_t n = v.batch * v.rows * v.cols;  // contiguous views only
-  std::vector<char> raw(n * dion3::dtype_size(v.dtype));
-  CK(cudaStreamSynchronize(s));
-  CK(cudaMemcpy(raw.data(), v.data, raw.size(), cudaMemcpyDeviceToHost));
-  std::vector<float> out(n);
-  for (int64_t i = 0; i < n; ++i) out[i] = to_float(raw.data(), v.dtype, i);
-  return out;
-}
+using bench::download;
 
 struct Case { int op; DType in, out; int64_t b, p, q; };  // op 0 gram, 1 sym_product
 
