@@ -7,53 +7,20 @@
 #        [--ncu ncu] [--csv-dir DIR] --out FILE.md
 #        python3 tools/cutlass-ncu.py --from-csv DIR --out FILE.md   (CSVs written before)
 import argparse
-import csv
 import glob
-import importlib.util
-import io
 import os
 import subprocess
 import sys
 
+import ncu_csv
+
 CANDIDATES = ["cuBLAS", "fused", "CUTLASS 1x2", "CUTLASS 1x1", "triangle + mirror", "triangle", "CUTLASS sym", "CUTLASS sym pingpong",
               "fused banded"]
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def tensor_metrics(ncu):
-    spec = importlib.util.spec_from_file_location("sym_ncu", os.path.join(HERE, "sym-ncu.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.tensor_metrics(ncu)
-
-
-def number(text):
-    """ncu's raw numbers, with thousands separators in some versions; "n/a" and empty read as 0."""
-    try:
-        return float(text.replace(",", "") or 0)
-    except ValueError:
-        return 0.0
-
-
 def groups(text, metric):
     """{candidate: [(kernel, us, share)]} from ncu's raw CSV of one `--once` run."""
-    rows = [r for r in csv.reader(io.StringIO(text)) if r]
-    head = next((i for i, r in enumerate(rows) if "Kernel Name" in r or "Function Name" in r), None)
-    if head is None:
-        raise ValueError("no ncu table (was any kernel profiled?)")
-    h = rows[head]
-    kernel_col = "Kernel Name" if "Kernel Name" in h else "Function Name"
-    name, dur, grid, share = (h.index(k) for k in [kernel_col, "gpu__time_duration.sum", "launch__grid_size", metric])
-    out, current = {}, None
-    for r in rows[head + 1:]:
-        if len(r) != len(h) or not r[dur][:1].isdigit():
-            continue  # the units row
-        if "ncu_marker" in r[name]:
-            current = CANDIDATES[int(number(r[grid])) - 1]
-            out[current] = []
-        elif current is not None:
-            out[current].append((r[name].split("(")[0][:60], number(r[dur]) / 1e3, number(r[share])))
-    return out
+    return {CANDIDATES[k - 1]: [(r["name"].split("(")[0][:60], ncu_csv.number(r[ncu_csv.TIME]) / 1e3,
+                                 ncu_csv.number(r.get(metric, ""))) for r in ks]
+            for k, ks in ncu_csv.marker_groups(text).items()}
 
 
 def table(results, metric):
@@ -92,7 +59,7 @@ def main():
             shape = os.path.basename(f)[4:-4].replace("_", ":")
             results.append((shape, groups(open(f).read(), metric)))
     else:
-        metrics = tensor_metrics(a.ncu)
+        metrics = ncu_csv.tensor_metrics(a.ncu)
         metric = a.metric or metrics[0]
         for shape in [s for s in a.shapes.split(",") if s]:
             cmd = [a.ncu, "--csv", "--page", "raw", "--print-units", "base", "--metrics",

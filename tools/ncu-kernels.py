@@ -8,18 +8,13 @@
 #        python3 tools/ncu-kernels.py --from FILE [--label L]   (a CSV ncu wrote before)
 import argparse
 import collections
-import csv
-import io
 import re
 import subprocess
 import sys
 
-METRICS = ["gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum"]
+import ncu_csv
 
-
-def number(text):
-    """ncu's raw page prints thousands separators ("14,016") in some locales and versions."""
-    return float(text.replace(",", ""))
+METRICS = [ncu_csv.TIME, "dram__bytes_read.sum", "dram__bytes_write.sum"]
 
 
 def family(name):
@@ -31,24 +26,16 @@ def family(name):
 
 def summarize(text):
     """{family: [launches, ns, bytes read, bytes written]} from ncu --csv --page raw output."""
-    rows = [r for r in csv.reader(io.StringIO(text)) if r]
-    header = next((i for i, r in enumerate(rows) if "Kernel Name" in r and METRICS[0] in r), None)
-    if header is None:
-        raise SystemExit("no ncu table in the output (was any kernel profiled?)")
-    h = rows[header]
-    col = {k: h.index(k) for k in ["Kernel Name", *METRICS]}
+    try:
+        found = ncu_csv.kernels(text)
+    except ValueError as e:
+        raise SystemExit(str(e))
     out = collections.OrderedDict()
-    for r in rows[header + 1:]:
-        if len(r) != len(h):
-            continue
-        try:
-            values = [number(r[col[m]]) for m in METRICS]
-        except ValueError:  # the units row under the header
-            continue
-        acc = out.setdefault(family(r[col["Kernel Name"]]), [0, 0.0, 0.0, 0.0])
+    for k in found:
+        acc = out.setdefault(family(k["name"]), [0, 0.0, 0.0, 0.0])
         acc[0] += 1
-        for j, v in enumerate(values):
-            acc[1 + j] += v
+        for j, m in enumerate(METRICS):
+            acc[1 + j] += ncu_csv.number(k.get(m, ""))
     return out
 
 

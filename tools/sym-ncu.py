@@ -8,54 +8,34 @@
 # Usage: python3 tools/sym-ncu.py --bench BUILD/dion3-cuda-sym-bench --from step-llama.md [--from ...]
 #        [--shapes gram:f16:16x2752x4096,...] [--ncu-args "--cache-control none"] --out sym-ncu.md
 import argparse
-import csv
-import io
 import re
 import subprocess
 import sys
 
+import ncu_csv
+
 CANDIDATES = ["cuBLAS full GEMM", "fused", "fused banded", "fused main loop only"]
 
 
-def tensor_metrics(ncu):
-    """The tensor-pipe activity counters this ncu knows (wgmma's first), as percent-of-peak metrics."""
-    out = subprocess.run([ncu, "--query-metrics"], capture_output=True, text=True).stdout
-    names = sorted(set(re.findall(r"^(sm__pipe_tensor\w*cycles_active)\b", out, re.M)))
-    names.sort(key=lambda n: ("gmma" not in n, n))
-    return [n + ".avg.pct_of_peak_sustained_active" for n in names]
-
-
 def profile(ncu, bench, shape, metrics, extra=()):
-    cmd = [ncu, *extra, "--csv", "--page", "raw", "--print-units", "base", "--metrics", ",".join(["gpu__time_duration.sum", "launch__grid_size"] + metrics),
-           bench, "--once", "--shapes", shape]
+    cmd = [ncu, *extra, "--csv", "--page", "raw", "--print-units", "base", "--metrics",
+           ",".join([ncu_csv.TIME, "launch__grid_size"] + metrics), bench, "--once", "--shapes", shape]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    rows = [line for line in run.stdout.splitlines() if line.startswith('"')]
-    if len(rows) < 3:
+    try:
+        groups = ncu_csv.marker_groups(run.stdout)
+    except ValueError:
+        groups = {}
+    if not groups:
         raise RuntimeError(f"ncu gave no kernels for {shape}:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
-    table = list(csv.reader(io.StringIO("\n".join(rows))))
-    head, body = table[0], table[2:]  # the second row holds the units
-    name_col = head.index("Kernel Name") if "Kernel Name" in head else head.index("Function Name")
-    col = {m: head.index(m) for m in ["gpu__time_duration.sum", "launch__grid_size"] + metrics if m in head}
-    groups, current = {}, None
-    for r in body:
-        if "ncu_marker" in r[name_col]:
-            current = int(float(r[col["launch__grid_size"]].replace(",", "")))
-            groups[current] = []
-        elif current is not None:
-            groups[current].append(r)
-    num = lambda r, m: float(r[col[m]].replace(",", "") or 0)  # ncu may group digits
     result = {}
     for k, ks in groups.items():
         if not ks:
             continue
         # The candidate's longest kernel: the GEMM, not a mirror or conversion pass beside it.
-        ks = [max(ks, key=lambda r: num(r, "gpu__time_duration.sum"))]
-        dur = num(ks[0], "gpu__time_duration.sum")
-        pct = {}
-        for m in metrics:
-            if m in col and dur > 0:
-                pct[m] = sum(num(r, m) * num(r, "gpu__time_duration.sum") for r in ks) / dur
-        result[CANDIDATES[k - 1]] = dict(us=dur / 1e3, pct=pct, kernels=[r[name_col][:60] for r in ks])
+        top = max(ks, key=lambda r: ncu_csv.number(r[ncu_csv.TIME]))
+        dur = ncu_csv.number(top[ncu_csv.TIME])
+        pct = {m: ncu_csv.number(top[m]) for m in metrics if m in top and dur > 0}
+        result[CANDIDATES[k - 1]] = dict(us=dur / 1e3, pct=pct, kernels=[top["name"][:60]])
     return result
 
 
@@ -82,7 +62,7 @@ def main():
     for src in a.sources:
         shapes += shapes_from(src)
     shapes = list(dict.fromkeys(shapes))
-    metrics = tensor_metrics(a.ncu)
+    metrics = ncu_csv.tensor_metrics(a.ncu)
     if not metrics:
         sys.exit("ncu knows no sm__pipe_tensor*cycles_active counter")
     main_metric = metrics[0]
