@@ -238,24 +238,43 @@ struct Runner {
   }
 };
 
-// C = alpha·A·Bᵀ + beta·D over a batch, A and B row-major (K contiguous), C and D row-major.
-template <class Element, class ClusterShape, class Scheduler>
-struct CutlassGemm {
+// Cooperative: both math warp groups on one 256 x 128 tile, the epilogue after its main loop.
+// Pingpong: a 128 x 128 tile each, one group's epilogue under the other's main loop.
+struct Cooperative {
   using TileShape = cute::Shape<cute::_256, cute::_128, cute::_64>;
+  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+};
+struct Pingpong {
+  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_64>;
+  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
+};
+
+// CUTLASS's sm_90 kernel for C = alpha·A·Bᵀ + beta·D over a batch, A and B row-major (K
+// contiguous: B stored n x k is CUTLASS's column-major k x n), C and D row-major, with Config's
+// tiles and schedules, a cluster shape, a tile scheduler (tag) and an epilogue fusion.
+template <class Element, class Config, class ClusterShape, class Scheduler, class Fusion>
+struct Build {
   static constexpr int kAlign = 16 / sizeof(Element);
   using Layout = cutlass::layout::RowMajor;
-  using LayoutB = cutlass::layout::ColumnMajor;  // B stored N x K row-major is K x N column-major
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, Element, Layout, kAlign, Element, Layout, kAlign,
-      cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
+      typename Config::Epilogue, Fusion>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, Layout, kAlign, Element, LayoutB, kAlign, float,
-      TileShape, ClusterShape,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, Layout, kAlign, Element,
+      cutlass::layout::ColumnMajor, kAlign, float, typename Config::TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+      typename Config::Kernel>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue, Scheduler>;
+};
 
+// Cooperative tiles, CUTLASS's own linear combination in the epilogue.
+template <class Element, class ClusterShape, class Scheduler>
+struct CutlassGemm {
+  using Kernel = typename Build<Element, Cooperative, ClusterShape, Scheduler,
+                                cutlass::epilogue::fusion::LinearCombination<Element, float, Element, float>>::Kernel;
   Runner<Kernel, Element> runner;
 
   void run(const void* A, const void* B, const void* D, void* C, int64_t b, int64_t m, int64_t n, int64_t k,
@@ -268,29 +287,12 @@ struct CutlassGemm {
 };
 
 // The triangle kernel whose epilogue also writes each tile's mirror (MirrorStore above):
-// C = alpha·A·Bᵀ + beta·D, symmetric, in one kernel. Cooperative: both math warp groups on one
-// 256 x 128 tile, the epilogue after its main loop. Pingpong: a 128 x 128 tile each, one group's
-// epilogue (the mirrored stores among it) under the other's main loop.
-struct Cooperative {
-  using TileShape = cute::Shape<cute::_256, cute::_128, cute::_64>;
-  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
-};
-struct Pingpong {
-  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_64>;
-  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
-};
-
+// C = alpha·A·Aᵀ + beta·D, all of it, in one kernel.
 template <class Element, class Config>
 struct CutlassSymGemm {
   using TileShape = typename Config::TileShape;
-  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
-  static constexpr int kAlign = 16 / sizeof(Element);
-  using Layout = cutlass::layout::RowMajor;
-  using Schedule = typename Config::Epilogue;
   using EpiDesc = cutlass::epilogue::collective::detail::EpilogueDescriptor<
-      TileShape, cutlass::epilogue::collective::EpilogueTileAuto, Element, Element, Schedule>;
+      TileShape, cutlass::epilogue::collective::EpilogueTileAuto, Element, Element, typename Config::Epilogue>;
   using AuxDesc = cutlass::epilogue::collective::detail::AuxStoreDescriptor<EpiDesc, cutlass::layout::ColumnMajor, Element>;
   using Mirror = dion3_bench::MirrorStore<AuxDesc::Stages, typename EpiDesc::EpilogueTile, Element,
                                           cutlass::FloatRoundStyle::round_to_nearest, typename AuxDesc::Stride,
@@ -298,18 +300,8 @@ struct CutlassSymGemm {
                                           cute::size<0>(TileShape{}), cute::size<1>(TileShape{})>;
   using Fusion = cutlass::epilogue::fusion::Sm90EVT<
       Mirror, cutlass::epilogue::fusion::Sm90LinearCombination<Element, float, Element, float>>;
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, Element, Layout, kAlign, Element, Layout, kAlign,
-      Schedule, Fusion>::CollectiveOp;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, Layout, kAlign, Element,
-      cutlass::layout::ColumnMajor, kAlign, float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      typename Config::Kernel>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
-                                                      dion3_bench::LowerTriangleScheduler>;
-
+  using Kernel = typename Build<Element, Config, cute::Shape<cute::_1, cute::_1, cute::_1>,
+                                dion3_bench::LowerTriangleScheduler, Fusion>::Kernel;
   Runner<Kernel, Element> runner;
 
   // C = alpha·A·Aᵀ + beta·D, A p x k.
