@@ -13,6 +13,10 @@
 // the achieved bandwidth of the memory-bound phases and their share of the device's copy bandwidth
 // (measured in the same run); for several workspace limits and methods; with --transposed, of
 // the weights stored (in, out) in a transposed group (stepped by columns).
+// --energy-s S: after each row's timing, its steps again for S seconds under NVML's energy counter:
+// joules a step, mean power against the enforced limit, the SM clock, and the step time the row's
+// energy would take at the limit (what no overlap of its kernels can go below, as long as they spend
+// as much energy a step).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -27,6 +31,7 @@
 #include <span>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cuda_bench_common.cuh"
@@ -36,6 +41,7 @@
 #include "dion3/optimizer.hpp"
 #include "dion3/orthogonalize.hpp"
 #include "model_shapes.hpp"
+#include "nvml_power.hpp"
 
 namespace {
 
@@ -86,6 +92,7 @@ double used_bytes() {
 int main(int argc, char** argv) {
   std::vector<std::string> models = {"gpt-1b", "llama-7b"};
   int iters = 5, warmup = 1;
+  double energy_s = 0;
   std::string out_path;
   std::string only;  // --only LABEL: just the optimizer rows whose label contains LABEL (=LABEL: is LABEL)
   bool profile = false, prof_transposed = false;
@@ -117,10 +124,12 @@ int main(int argc, char** argv) {
     if (a == "--model" && i + 1 < argc) models = {argv[++i]};
     else if (a == "--iters" && i + 1 < argc) iters = std::atoi(argv[++i]);
     else if (a == "--warmup" && i + 1 < argc) warmup = std::atoi(argv[++i]);
+    else if (a == "--energy-s" && i + 1 < argc) energy_s = std::atof(argv[++i]);
     else if (a == "--out" && i + 1 < argc) out_path = argv[++i];
     else if (a == "--only" && i + 1 < argc) only = argv[++i];
     else {
       std::fprintf(stderr, "usage: dion3-cuda-step-bench [--model NAME] [--iters N] [--warmup N] [--out FILE] [--only LABEL or =LABEL]\n"
+                           "       [--energy-s S]\n"
                            "       [--profile [--fractions 0.25,...] [--workspace-mib 512,...] [--methods auto,gram,standard]\n"
                            "                  [--transposed]]\n");
       return 2;
@@ -132,6 +141,27 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     md << s << "\n";
   };
+  struct EnergyRow {
+    std::string label;
+    int steps = 0, capped = 0;
+    double joules = 0, ms = 0, mhz = 0;
+  };
+  std::vector<EnergyRow> energy_rows;
+  std::unique_ptr<bench::PowerMeter> pm;
+  double limit_w = 0, idle_w = 0;
+  if (energy_s > 0) {
+    pm = std::make_unique<bench::PowerMeter>(0);
+    if (!pm->ok()) {
+      std::fprintf(stderr, "dion3-cuda-step-bench: --energy-s needs NVML: %s\n", pm->why_not().c_str());
+      return 1;
+    }
+    limit_w = pm->limit_w();
+    // The idle GPU's power, the baseline the energy table subtracts.
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    const double j0 = pm->energy_j();
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    idle_w = (pm->energy_j() - j0) / 2.0;
+  }
   const std::vector<Variant> variants = {{"AdamW", dion3::Algorithm::AdamW, 1.0},
                                          {"Lion", dion3::Algorithm::Lion, 1.0},
                                          {"Muon, std NS on cuBLAS", dion3::Algorithm::Muon, 1.0, true},
@@ -340,6 +370,25 @@ int main(int argc, char** argv) {
         }
         std::sort(t.begin(), t.end());
         median_ms = t[t.size() / 2];
+        if (energy_s > 0) {
+          CK(cudaDeviceSynchronize());
+          EnergyRow e{v.label};
+          const double j0 = pm->energy_j();
+          const auto a = std::chrono::steady_clock::now();
+          double mhz = 0, secs = 0;
+          do {
+            if (v.exact_check) v.one_written ? opt.state_changed(0) : opt.state_changed();
+            opt.step();
+            ++e.steps;
+            mhz += pm->sm_mhz();
+            e.capped += (pm->clock_reasons() & 0x4) != 0;
+            secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
+          } while (secs < energy_s);
+          e.joules = (pm->energy_j() - j0) / e.steps;
+          e.ms = secs * 1e3 / e.steps;
+          e.mhz = mhz / e.steps;
+          energy_rows.push_back(e);
+        }
       }
       // Bytes a step must move: read G, read+write M and W (bf16; Lion too); AdamW: G, W, two moments.
       const double bytes = (v.algo == dion3::Algorithm::AdamW ? 7.0 : 5.0) * 2.0 * static_cast<double>(total);
@@ -354,6 +403,21 @@ int main(int argc, char** argv) {
                median_ms / floor_ms, first_s, beyond, methods.c_str()));
     }
     line("");
+    if (!energy_rows.empty()) {
+      line(fmt("Energy, each row's steps again back to back for %.1f s (NVML; enforced power limit %.0f W, idle %.0f W). "
+               "At the limit: the time the row's energy above idle takes at the limit's power above idle.",
+               energy_s, limit_w, idle_w));
+      line("");
+      line("| optimizer | ms a step | J a step | mean W | SM MHz (mean) | steps the power cap held the clock | "
+           "at the limit ms |");
+      line("|---|---|---|---|---|---|---|");
+      for (const EnergyRow& e : energy_rows)
+        line(fmt("| %s | %.2f | %.3f | %.0f | %.0f | %d of %d | %.2f |", e.label.c_str(), e.ms, e.joules,
+                 e.joules / e.ms * 1e3, e.mhz, e.capped, e.steps,
+                 (e.joules - idle_w * e.ms * 1e-3) / (limit_w - idle_w) * 1e3));
+      line("");
+      energy_rows.clear();
+    }
     for (void* p : W) cudaFree(p);
     for (void* p : G) cudaFree(p);
   }

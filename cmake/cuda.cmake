@@ -77,6 +77,9 @@ if(DION3_BENCH)
   dion3_cuda_bench(dion3-cuda-step-bench cuda_step_bench.cu model_shapes.cpp)
   dion3_cuda_bench(dion3-cuda-overlap-probe cuda_overlap_probe.cu)
   dion3_cuda_bench(dion3-cuda-pass-bench cuda_pass_bench.cu model_shapes.cpp)
+  dion3_cuda_bench(dion3-cuda-power-probe cuda_power_probe.cu)
+  target_link_libraries(dion3-cuda-power-probe PRIVATE CUDA::cublas ${CMAKE_DL_LIBS})
+  target_link_libraries(dion3-cuda-step-bench PRIVATE ${CMAKE_DL_LIBS})
 endif()
 
 # The CUTLASS experiment (bench/cuda_cutlass_bench.cu), only where CUTLASS's headers are given:
