@@ -198,7 +198,8 @@ inline std::vector<SymShape> parse_sym_shapes(const std::string& list) {
     const int got = std::sscanf(item.c_str(), "%7[a-z]:%7[a-z0-9]:%lldx%lldx%lld", op, dt, &b, &p, &q);
     const std::string o(op), d(dt);
     const bool gram = o == "gram";
-    if (got < 4 || (!gram && o != "sym") || (d != "f16" && d != "bf16") || (gram && got != 5) || b <= 0 || p <= 0) {
+    if (got < 4 || (!gram && o != "sym") || (d != "f16" && d != "bf16") || got != (gram ? 5 : 4) || b <= 0 ||
+        p <= 0 || (gram && q <= 0)) {
       std::fprintf(stderr, "--shapes: cannot read '%s' (gram:f16:BxPxQ or sym:bf16:BxP)\n", item.c_str());
       std::exit(2);
     }
