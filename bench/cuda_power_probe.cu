@@ -1,17 +1,20 @@
 // bench/cuda_power_probe.cu — dion3-cuda-power-probe: is the optimizer step held by the GPU's power
 // limit rather than by its FLOPs or bytes? Runs each workload sustained (after a warm-up) and reads
 // NVML's energy counter around it: the idle GPU; a kernel on every SM that only sleeps (clocks up,
-// nothing moved); cuBLAS's bf16 GEMM; a copy kernel and cudaMemcpyAsync (device to device); and the
-// GEMM beside each copy on a second stream. For each: its rate, the share of its rate alone that it
-// keeps beside the other, mean power, the SM clock and how often the power cap held it, and its
-// energy per TFLOP or GB above a baseline (idle, or the sleeping kernel).
+// nothing moved); cuBLAS's bf16 GEMM; a copy kernel, cudaMemcpyAsync, a read-only and a write-only
+// kernel; and the GEMM beside the copy kernel and beside cudaMemcpyAsync on a second stream. For
+// each: its rate, the share of its rate alone that it keeps side by side, mean power, the SM clock
+// and how often the power cap held it, and its energy per TFLOP or GB above the sleeping kernel's.
+// For a side-by-side pair, the power the pair would draw if each kept its energy per unit of work
+// alone, against what it drew: below 1, the pair spent less energy per unit than alone (a lower
+// clock and voltage), and the bound below would overstate.
 // Then, for rows given as --row label:flop_ms:byte_ms[:target_ms] (the step bench's floor columns:
-// FLOPs at 790 TFLOP/s, bytes at 4.3 TB/s), the least time a step with those FLOPs and bytes can take
-// at the enforced power limit if every byte moved under the products: the products' and the bytes'
-// energy above the baseline over the power the limit leaves above it (and never less than either
-// alone at its own rate). The GEMM and copy here are the most efficient forms of each; the step's
-// products and passes spend at least as much energy per unit, so this time is a lower bound as long
-// as energy per unit does not fall when the two share the GPU (the side-by-side rows test that).
+// FLOPs at 790 TFLOP/s, bytes at 4.3 TB/s): the least time a step with those FLOPs and bytes takes at
+// the enforced power limit if every byte moved under the products, from the products' energy at the
+// GEMM's and the bytes' at the cheapest move's energy per unit above a baseline, over the power the
+// limit leaves above it (never below the two floors). A higher baseline gives a lower bound: the
+// sleeping kernel's is the bound; with the bytes free (the products alone at the GEMM's sustained
+// rate) is the least any overlap can reach.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -57,6 +60,33 @@ __global__ void copy_kernel(const uint4* __restrict__ src, uint4* __restrict__ d
   for (; i < n; i += stride) dst[i] = src[i];
 }
 
+// Reads every word; one word per thread is written, and only if the data say so (never, for
+// finite bf16 fills), so that the compiler keeps the loads.
+__global__ void read_kernel(const uint4* __restrict__ src, size_t n, uint4* __restrict__ sink) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
+  uint4 acc{0, 0, 0, 0};
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    const uint4 a = src[i], b = src[i + stride], c = src[i + 2 * stride], d = src[i + 3 * stride];
+    acc.x ^= a.x ^ b.x ^ c.x ^ d.x;
+    acc.y ^= a.y ^ b.y ^ c.y ^ d.y;
+    acc.z ^= a.z ^ b.z ^ c.z ^ d.z;
+    acc.w ^= a.w ^ b.w ^ c.w ^ d.w;
+  }
+  for (; i < n; i += stride) acc.x ^= src[i].x;
+  if (acc.x == 0xFFFFFFFFu && acc.y == 0xFFFFFFFFu) sink[threadIdx.x] = acc;
+}
+
+// Writes every word with values that change from word to word (as the step's results do; zeros
+// would cost the memory less energy than real data).
+__global__ void write_kernel(uint4* __restrict__ dst, size_t n, unsigned salt) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n; i += stride) {
+    const unsigned h = static_cast<unsigned>(i) * 0x9E3779B9u + salt;
+    dst[i] = uint4{h, h ^ 0x5bd1e995u, h * 0x85ebca6bu, h ^ (h >> 13)};
+  }
+}
+
 // Every thread sleeps until `ns` have passed on the global timer: the SMs are busy to the power
 // manager (clocks up) while they issue almost nothing.
 __global__ void sleep_kernel(unsigned long long ns) {
@@ -72,115 +102,80 @@ __global__ void sleep_kernel(unsigned long long ns) {
 struct Lane {
   std::string what;  // "GEMM", "copy kernel", ...
   std::function<void(cudaStream_t)> unit;
-  double work;        // FLOPs or bytes (read + written) of one unit; 0 for the sleeping kernel
-  bool flops;         // work counts FLOPs (else bytes)
+  double work;  // FLOPs or bytes (read + written) of one unit; 0 for the sleeping kernel
+  bool flops;   // work counts FLOPs (else bytes)
   cudaStream_t s;
-};
-
-struct LaneResult {
-  double rate = 0;  // work per second over the window all lanes were busy
 };
 
 struct Measured {
   std::string name;
+  int round = 0;
   std::vector<Lane> lanes;
-  std::vector<LaneResult> per_lane;
+  std::vector<double> rate;  // each lane's work per second over the window all lanes were busy
   double seconds = 0, joules = 0, watts = 0;
-  unsigned mhz_min = 0, mhz_max = 0;
-  double mhz_mean = 0, capped_share = 0;  // share of clock samples with the software power cap bit set
+  bench::ClockSampler::Summary clocks;
 };
 
-// Runs the lanes side by side, each kept `depth` units ahead, for `warm_s` and then `run_s` seconds;
-// energy and mean power over the second window, each lane's rate over the time until the first lane's
-// last unit ended (so every counted unit ran beside the others).
-Measured sustain(const std::string& name, std::vector<Lane> lanes, const bench::PowerMeter& pm, double warm_s,
-                 double run_s) {
-  constexpr int depth = 3;
-  Measured m{name, lanes, std::vector<LaneResult>(lanes.size())};
-  auto drive = [&](double seconds, std::vector<std::vector<cudaEvent_t>>* ends) {
-    std::vector<std::deque<cudaEvent_t>> flight(lanes.size());
-    std::vector<double> mhz;
-    int capped = 0;
-    auto next_sample = Clock::now();
-    const auto t0 = Clock::now();
-    while (std::chrono::duration<double>(Clock::now() - t0).count() < seconds) {
-      for (std::size_t l = 0; l < lanes.size(); ++l) {
-        while (!flight[l].empty() && cudaEventQuery(flight[l].front()) == cudaSuccess) {
-          if (!ends) CK(cudaEventDestroy(flight[l].front()));
-          flight[l].pop_front();
-        }
-        while (flight[l].size() < depth) {
-          lanes[l].unit(lanes[l].s);
-          cudaEvent_t e;
-          CK(cudaEventCreate(&e));
-          CK(cudaEventRecord(e, lanes[l].s));
-          flight[l].push_back(e);
-          if (ends) (*ends)[l].push_back(e);
-        }
+// Runs the lanes side by side: `warm_s` of warm-up, then a window of at least `run_s` from one step
+// of the energy counter to another, taken while the lanes run (each kept about 20 ms of work ahead),
+// so the window holds no idle gap. Each lane's rate: the units it finished within the window.
+Measured sustain(const std::string& name, int round, const std::vector<Lane>& lanes, const bench::PowerMeter& pm,
+                 double warm_s, double run_s) {
+  Measured m{name, round, lanes, std::vector<double>(lanes.size())};
+  std::vector<std::deque<cudaEvent_t>> flight(lanes.size());
+  std::vector<int> depth(lanes.size(), 3);
+  std::vector<long> done(lanes.size(), 0);
+  auto pump = [&] {
+    for (std::size_t l = 0; l < lanes.size(); ++l) {
+      while (!flight[l].empty() && cudaEventQuery(flight[l].front()) == cudaSuccess) {
+        CK(cudaEventDestroy(flight[l].front()));
+        flight[l].pop_front();
+        ++done[l];
       }
-      if (ends && Clock::now() >= next_sample) {
-        mhz.push_back(pm.sm_mhz());
-        capped += (pm.clock_reasons() & 0x4) != 0;
-        next_sample += std::chrono::milliseconds(10);
+      while (static_cast<int>(flight[l].size()) < depth[l]) {
+        lanes[l].unit(lanes[l].s);
+        cudaEvent_t e;
+        CK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+        CK(cudaEventRecord(e, lanes[l].s));
+        flight[l].push_back(e);
       }
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
-    CK(cudaDeviceSynchronize());
-    if (!ends)
-      for (auto& f : flight)
-        for (cudaEvent_t e : f) CK(cudaEventDestroy(e));
-    if (!mhz.empty()) {
-      m.mhz_min = static_cast<unsigned>(*std::min_element(mhz.begin(), mhz.end()));
-      m.mhz_max = static_cast<unsigned>(*std::max_element(mhz.begin(), mhz.end()));
-      double sum = 0;
-      for (double v : mhz) sum += v;
-      m.mhz_mean = sum / mhz.size();
-      m.capped_share = static_cast<double>(capped) / mhz.size();
-    }
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
   };
-  if (lanes.empty()) {  // idle: the GPU left alone
-    std::this_thread::sleep_for(std::chrono::duration<double>(warm_s));
+  auto pump_for = [&](double seconds) {
+    const auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+    while (Clock::now() < until) pump();
+  };
+  auto edge = [&] {  // the next step of the energy counter, the lanes kept busy meanwhile
     const double e0 = pm.energy_j();
-    const auto t0 = Clock::now();
-    std::vector<double> mhz;
-    while (std::chrono::duration<double>(Clock::now() - t0).count() < run_s) {
-      mhz.push_back(pm.sm_mhz());
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    for (;;) {
+      const double e = pm.energy_j();
+      if (e != e0) return bench::PowerMeter::Edge{e, Clock::now()};
+      pump();
     }
-    m.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-    m.joules = pm.energy_j() - e0;
-    m.watts = m.joules / m.seconds;
-    m.mhz_min = static_cast<unsigned>(*std::min_element(mhz.begin(), mhz.end()));
-    m.mhz_max = static_cast<unsigned>(*std::max_element(mhz.begin(), mhz.end()));
-    return m;
-  }
-  drive(warm_s, nullptr);
-  cudaEvent_t start;
-  CK(cudaEventCreate(&start));
-  CK(cudaEventRecord(start, lanes[0].s));
-  for (std::size_t l = 1; l < lanes.size(); ++l) CK(cudaStreamWaitEvent(lanes[l].s, start, 0));
-  std::vector<std::vector<cudaEvent_t>> ends(lanes.size());
-  const double e0 = pm.energy_j();
-  const auto t0 = Clock::now();
-  drive(run_s, &ends);
-  m.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  m.joules = pm.energy_j() - e0;
-  m.watts = m.joules / m.seconds;
-  // The window every lane was busy: until the first lane's last unit ended.
-  auto at = [&](cudaEvent_t e) {
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, start, e));
-    return static_cast<double>(ms);
   };
-  double window_ms = 1e30;
-  for (const auto& e : ends) window_ms = std::min(window_ms, at(e.back()));
+  // A short first warm-up tells each lane's unit time; the queue then holds about 20 ms of it.
+  const double probe_s = std::min(0.3, warm_s);
+  pump_for(probe_s);
   for (std::size_t l = 0; l < lanes.size(); ++l) {
-    int done = 0;
-    for (cudaEvent_t e : ends[l]) done += at(e) <= window_ms;
-    m.per_lane[l].rate = done * lanes[l].work / (window_ms * 1e-3);
-    for (cudaEvent_t e : ends[l]) CK(cudaEventDestroy(e));
+    const double unit_ms = 1e3 * probe_s / static_cast<double>(std::max(done[l], 1L));
+    depth[l] = std::clamp(static_cast<int>(std::ceil(20.0 / unit_ms)), 3, 256);
   }
-  CK(cudaEventDestroy(start));
+  pump_for(warm_s - probe_s);
+  const auto e0 = lanes.empty() ? pm.energy_edge() : edge();
+  std::fill(done.begin(), done.end(), 0);
+  bench::ClockSampler clocks(pm);
+  pump_for(run_s);
+  const auto e1 = lanes.empty() ? pm.energy_edge() : edge();
+  const std::vector<long> finished = done;
+  m.clocks = clocks.summary();
+  CK(cudaDeviceSynchronize());
+  for (auto& f : flight)
+    for (cudaEvent_t e : f) CK(cudaEventDestroy(e));
+  m.seconds = std::chrono::duration<double>(e1.at - e0.at).count();
+  m.joules = e1.joules - e0.joules;
+  m.watts = m.joules / m.seconds;
+  for (std::size_t l = 0; l < lanes.size(); ++l) m.rate[l] = finished[l] * lanes[l].work / m.seconds;
   return m;
 }
 
@@ -213,8 +208,8 @@ Row parse_row(const std::string& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  double warm_s = 1.0, run_s = 2.0;
-  int n = 8192;
+  double warm_s = 1.0, run_s = 3.0;
+  int n = 8192, rounds = 2;
   std::size_t copy_mib = 1024;
   std::string out_path;
   std::vector<Row> rows;
@@ -222,20 +217,21 @@ int main(int argc, char** argv) {
     const std::string s = argv[i];
     if (s == "--seconds" && i + 1 < argc) run_s = std::atof(argv[++i]);
     else if (s == "--warm" && i + 1 < argc) warm_s = std::atof(argv[++i]);
+    else if (s == "--rounds" && i + 1 < argc) rounds = std::atoi(argv[++i]);
     else if (s == "--gemm-n" && i + 1 < argc) n = std::atoi(argv[++i]);
     else if (s == "--copy-mib" && i + 1 < argc) copy_mib = std::strtoull(argv[++i], nullptr, 10);
     else if (s == "--row" && i + 1 < argc) rows.push_back(parse_row(argv[++i]));
     else if (s == "--out" && i + 1 < argc) out_path = argv[++i];
     else {
       std::fprintf(stderr,
-                   "usage: dion3-cuda-power-probe [--seconds S] [--warm S] [--gemm-n N] [--copy-mib M] "
+                   "usage: dion3-cuda-power-probe [--seconds S] [--warm S] [--rounds N] [--gemm-n N] [--copy-mib M] "
                    "[--row label:flop_ms:byte_ms[:target_ms]]... [--out FILE]\n");
       return 2;
     }
   }
-  if (run_s <= 0 || warm_s < 0 || n < 256 || n % 8 != 0 || copy_mib < 16) {
-    std::fprintf(stderr, "dion3-cuda-power-probe: need --seconds > 0, --warm >= 0, --gemm-n >= 256 (a multiple of 8), "
-                         "--copy-mib >= 16\n");
+  if (run_s <= 0 || warm_s < 0 || rounds < 1 || n < 256 || n % 8 != 0 || copy_mib < 16) {
+    std::fprintf(stderr, "dion3-cuda-power-probe: need --seconds > 0, --warm >= 0, --rounds >= 1, --gemm-n >= 256 "
+                         "(a multiple of 8), --copy-mib >= 16\n");
     return 2;
   }
   bench::Out o;
@@ -262,123 +258,163 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&c, mat * 2));
   bench::fill(a, dion3::DType::BF16, mat, 1, 1.0f, sg);
   bench::fill(b, dion3::DType::BF16, mat, 2, 1.0f, sg);
-  const std::size_t bytes = copy_mib << 20;
-  void *src, *dst;
+  const std::size_t bytes = copy_mib << 20, words = bytes / 16;
+  void *src, *dst, *sink;
   CK(cudaMalloc(&src, bytes));
   CK(cudaMalloc(&dst, bytes));
+  CK(cudaMalloc(&sink, 1024 * sizeof(uint4)));
   bench::fill(src, dion3::DType::BF16, bytes / 2, 3, 1.0f, sc);
   CK(cudaDeviceSynchronize());
 
   const float alpha = 1.0f, beta = 0.0f;
+  const int blocks = prop.multiProcessorCount * 4;
   const Lane gemm{"GEMM", [&](cudaStream_t) {
                     CKB(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a, CUDA_R_16BF, n, b, CUDA_R_16BF,
                                      n, &beta, c, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
                   },
                   2.0 * n * n * static_cast<double>(n), true, sg};
-  const int copy_blocks = prop.multiProcessorCount * 4;
   const Lane copy{"copy kernel", [&](cudaStream_t s) {
-                    copy_kernel<<<copy_blocks, 512, 0, s>>>(static_cast<const uint4*>(src), static_cast<uint4*>(dst),
-                                                          bytes / 16);
+                    copy_kernel<<<blocks, 512, 0, s>>>(static_cast<const uint4*>(src), static_cast<uint4*>(dst), words);
                     CK(cudaGetLastError());
                   },
                   2.0 * bytes, false, sc};
   const Lane dcopy{"cudaMemcpyAsync", [&](cudaStream_t s) {
-                      CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s));
+                     CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s));
+                   },
+                   2.0 * bytes, false, sc};
+  const Lane reader{"read kernel", [&](cudaStream_t s) {
+                      read_kernel<<<blocks, 512, 0, s>>>(static_cast<const uint4*>(src), words, static_cast<uint4*>(sink));
+                      CK(cudaGetLastError());
                     },
-                    2.0 * bytes, false, sc};
+                    1.0 * bytes, false, sc};
+  unsigned salt = 0;
+  const Lane writer{"write kernel", [&](cudaStream_t s) {
+                      write_kernel<<<blocks, 512, 0, s>>>(static_cast<uint4*>(dst), words, ++salt);
+                      CK(cudaGetLastError());
+                    },
+                    1.0 * bytes, false, sc};
   const Lane sleeper{"sleeping kernel", [&](cudaStream_t s) {
                        sleep_kernel<<<prop.multiProcessorCount * 2, 256, 0, s>>>(500000);
                        CK(cudaGetLastError());
                      },
                      0.0, false, sg};
 
-  o.line(fmt("## Power probe: each workload %.1f s after %.1f s of warm-up; enforced power limit %.0f W", run_s, warm_s,
-             limit_w));
+  o.line(fmt("## Power probe: each workload %.1f s (between two steps of the energy counter) after %.1f s of warm-up, "
+             "%d round(s); enforced power limit %.0f W",
+             run_s, warm_s, rounds, limit_w));
   o.line("");
-  o.line(fmt("GEMM: cuBLAS bf16 %d x %d x %d (fp32 accumulate); copy: %zu MiB device to device (rate counts bytes "
-             "read + written). Side by side: the GEMM on one stream, the copy on another.",
+  o.line(fmt("GEMM: cuBLAS bf16 %d x %d x %d (fp32 accumulate); copies, reads and writes of %zu MiB (a copy's rate "
+             "counts the bytes read and written). Side by side: the GEMM on one stream, the copy on another.",
              n, n, n, copy_mib));
   o.line("");
+  const std::vector<std::pair<std::string, std::vector<Lane>>> plan = {
+      {"idle", {}},
+      {"sleeping kernel", {sleeper}},
+      {"GEMM", {gemm}},
+      {"copy kernel", {copy}},
+      {"cudaMemcpyAsync", {dcopy}},
+      {"read kernel", {reader}},
+      {"write kernel", {writer}},
+      {"GEMM + copy kernel", {gemm, copy}},
+      {"GEMM + cudaMemcpyAsync", {gemm, dcopy}}};
   std::vector<Measured> ms;
-  ms.push_back(sustain("idle", {}, pm, warm_s, run_s));
-  ms.push_back(sustain("sleeping kernel", {sleeper}, pm, warm_s, run_s));
-  ms.push_back(sustain("GEMM", {gemm}, pm, warm_s, run_s));
-  ms.push_back(sustain("copy kernel", {copy}, pm, warm_s, run_s));
-  ms.push_back(sustain("cudaMemcpyAsync", {dcopy}, pm, warm_s, run_s));
-  ms.push_back(sustain("GEMM + copy kernel", {gemm, copy}, pm, warm_s, run_s));
-  ms.push_back(sustain("GEMM + cudaMemcpyAsync", {gemm, dcopy}, pm, warm_s, run_s));
+  for (int r = 1; r <= rounds; ++r)
+    for (const auto& [name, lanes] : plan) ms.push_back(sustain(name, r, lanes, pm, warm_s, run_s));
 
-  auto alone = [&](const std::string& what) {
-    for (const auto& m : ms)
-      if (m.lanes.size() == 1 && m.lanes[0].what == what) return m.per_lane[0].rate;
-    return 0.0;
+  // Each workload's mean over the rounds (power, rates): the numbers the model below uses.
+  struct Alone {
+    double watts = 0, rate = 0;
   };
-  const double p_idle = ms[0].watts, p_sleep = ms[1].watts;
-  o.line("| workload | rate | share of its rate alone | sum of shares | mean W | SM MHz mean (min-max) | "
-         "power cap held the clock | J per TFLOP or GB above idle / above sleeping |");
-  o.line("|---|---|---|---|---|---|---|---|");
+  auto mean_of = [&](const std::string& name) {
+    Alone x;
+    int k = 0;
+    for (const auto& m : ms)
+      if (m.name == name) {
+        x.watts += m.watts;
+        x.rate += m.rate.empty() ? 0 : m.rate[0];
+        ++k;
+      }
+    x.watts /= k;
+    x.rate /= k;
+    return x;
+  };
+  const double p_idle = mean_of("idle").watts, p_sleep = mean_of("sleeping kernel").watts;
+  o.line("| round | workload | rate | share of its rate alone | mean W | W if each kept its energy a unit alone "
+         "(measured / that) | SM MHz mean (min-max) | power cap held the clock | other limits seen | "
+         "J per TFLOP or GB above the sleeping kernel |");
+  o.line("|---|---|---|---|---|---|---|---|---|---|");
   for (const auto& m : ms) {
-    std::string rate, share, energy;
-    double sum = 0;
+    std::string rate, share, energy, predicted = "-";
+    double model_w = p_sleep;
     for (std::size_t l = 0; l < m.lanes.size(); ++l) {
       const Lane& ln = m.lanes[l];
       if (ln.work == 0) continue;
-      const double r = m.per_lane[l].rate, s = r / alone(ln.what);
-      sum += s;
-      rate += fmt("%s%s %.1f %s", rate.empty() ? "" : ", ", ln.what.c_str(), ln.flops ? r / 1e12 : r / 1e9,
-                  ln.flops ? "TFLOP/s" : "GB/s");
-      share += fmt("%s%.3f", share.empty() ? "" : ", ", s);
-      if (m.lanes.size() == 1)
-        energy = fmt("%.3f / %.3f", (m.watts - p_idle) / (ln.flops ? r / 1e12 : r / 1e9),
-                     (m.watts - p_sleep) / (ln.flops ? r / 1e12 : r / 1e9));
+      const Alone al = mean_of(ln.what);
+      const double r = m.rate[l], sh = r / al.rate, unit = ln.flops ? 1e12 : 1e9;
+      model_w += sh * (al.watts - p_sleep);
+      rate += fmt("%s%s %.1f %s", rate.empty() ? "" : ", ", ln.what.c_str(), r / unit, ln.flops ? "TFLOP/s" : "GB/s");
+      share += fmt("%s%.3f", share.empty() ? "" : ", ", sh);
+      if (m.lanes.size() == 1) energy = fmt("%.3f", (m.watts - p_sleep) / (r / unit));
     }
-    o.line(fmt("| %s | %s | %s | %s | %.0f | %.0f (%u-%u) | %s | %s |", m.name.c_str(), rate.empty() ? "-" : rate.c_str(),
-               share.empty() ? "-" : share.c_str(), m.lanes.size() > 1 ? fmt("%.3f", sum).c_str() : "-", m.watts,
-               m.mhz_mean, m.mhz_min, m.mhz_max, m.lanes.empty() ? "-" : fmt("%.0f%%", 100 * m.capped_share).c_str(),
-               energy.empty() ? "-" : energy.c_str()));
+    if (m.lanes.size() > 1) predicted = fmt("%.0f (%.3f)", model_w, m.watts / model_w);
+    // Beyond the software power cap (0x4): hardware slowdown 0x8, thermal 0x20/0x40, power brake 0x80.
+    const unsigned long long other = m.clocks.reasons & 0xE8ull;
+    o.line(fmt("| %d | %s | %s | %s | %.0f | %s | %.0f (%u-%u) | %.0f%% | %s | %s |", m.round, m.name.c_str(),
+               rate.empty() ? "-" : rate.c_str(), share.empty() ? "-" : share.c_str(), m.watts, predicted.c_str(),
+               m.clocks.mean_mhz, m.clocks.min_mhz, m.clocks.max_mhz, 100 * m.clocks.power_capped,
+               other ? fmt("0x%llx", other).c_str() : "-", energy.empty() ? "-" : energy.c_str()));
   }
   o.line("");
-  o.line("A sum of shares near 1 says the two workloads side by side get no more done than one after the other.");
+  o.line("Side by side, shares summing past 1 get more done than one after the other; a measured power below what "
+         "each workload's energy a unit alone predicts (ratio under 1) says the pair spent less energy a unit (lower "
+         "clock and voltage), which the bound below does not allow for.");
   o.line("");
 
-  if (!rows.empty()) {
-    const double r_gemm = alone("GEMM"), p_gemm = ms[2].watts;
-    // The cheaper of the two copies per byte, at the higher of their rates: the bound stays a bound.
-    const double r_copy = std::max(alone("copy kernel"), alone("cudaMemcpyAsync"));
-    auto copy_watts_per_rate = [&](double base) {
-      return std::min((ms[3].watts - base) / ms[3].per_lane[0].rate, (ms[4].watts - base) / ms[4].per_lane[0].rate);
+  if (!rows.empty() && limit_w <= p_sleep) o.line("No bound: the sleeping kernel drew as much as the limit.");
+  if (!rows.empty() && limit_w > p_sleep) {
+    const Alone g = mean_of("GEMM");
+    // Bytes: the highest rate and the least energy a byte of the four ways of moving them.
+    double r_move = 0;
+    for (const char* w : {"copy kernel", "cudaMemcpyAsync", "read kernel", "write kernel"}) r_move = std::max(r_move, mean_of(w).rate);
+    auto joules_per_byte = [&](double base) {
+      double j = 1e30;
+      for (const char* w : {"copy kernel", "cudaMemcpyAsync", "read kernel", "write kernel"}) {
+        const Alone x = mean_of(w);
+        j = std::min(j, (x.watts - base) / x.rate);
+      }
+      return std::max(j, 0.0);
     };
     o.line(fmt("## The least step time at the %.0f W limit, every byte moved under the products", limit_w));
     o.line("");
-    o.line(fmt("Products at the GEMM's sustained %.0f TFLOP/s and %.0f W, bytes at %.0f GB/s and the cheaper copy's "
-               "energy per byte; baseline power idle %.0f W or sleeping %.0f W (a higher baseline gives the lower "
-               "bound). Serial: the products, then the bytes, each at its own rate.",
-               r_gemm / 1e12, p_gemm, r_copy / 1e9, p_idle, p_sleep));
+    o.line(fmt("Products at the GEMM's energy a FLOP (%.0f TFLOP/s sustained at %.0f W); bytes at the least energy a "
+               "byte of the four moves (the best moves %.0f GB/s); above a baseline of the idle GPU (%.0f W) or the "
+               "sleeping kernel (%.0f W), the power the limit leaves above it; never below the 790 TFLOP/s and "
+               "4.3 TB/s floors. The sleeping kernel's column is the bound (the higher baseline); with the bytes "
+               "free, the products alone at the GEMM's sustained rate.",
+               g.rate / 1e12, g.watts, r_move / 1e9, p_idle, p_sleep));
     o.line("");
-    o.line("| row | flop / byte floor ms (790 TFLOP/s, 4.3 TB/s) | products ms | bytes ms | serial ms | "
-           "at the limit ms (above idle / above sleeping) | target ms | target under the bound |");
-    o.line("|---|---|---|---|---|---|---|---|");
+    o.line("| row | floor ms (flop / byte) | products at the GEMM's rate ms | bytes at the best move's rate ms | "
+           "at the limit, above idle ms | at the limit, above the sleeping kernel ms (binding) | bytes free ms | "
+           "target ms | target below the bound |");
+    o.line("|---|---|---|---|---|---|---|---|---|");
     for (const Row& r : rows) {
       const double flops = r.flop_ms * 1e-3 * 790e12, moved = r.byte_ms * 1e-3 * 4.3e12;
-      const double t_f = flops / r_gemm, t_b = moved / r_copy;
-      auto at_limit = [&](double base) {
-        const double joules = flops * (p_gemm - base) / r_gemm + moved * copy_watts_per_rate(base);
-        return std::max({t_f, t_b, joules / (limit_w - base)});
+      const double t_f = flops / g.rate, t_b = moved / r_move;
+      auto energy_term = [&](double base) {
+        return (flops * (g.watts - base) / g.rate + moved * joules_per_byte(base)) / (limit_w - base);
       };
-      const double lo = std::min(at_limit(p_idle), at_limit(p_sleep));
-      o.line(fmt("| %s | %.2f / %.2f | %.2f | %.2f | %.2f | %.2f / %.2f | %s | %s |", r.label.c_str(), r.flop_ms,
-                 r.byte_ms, t_f * 1e3, t_b * 1e3, (t_f + t_b) * 1e3, at_limit(p_idle) * 1e3, at_limit(p_sleep) * 1e3,
-                 r.target_ms > 0 ? fmt("%.2f", r.target_ms).c_str() : "-",
-                 r.target_ms <= 0 ? "-" : r.target_ms < lo * 1e3 ? "yes: out of reach" : "no"));
+      const double floor_s = std::max(r.flop_ms, r.byte_ms) * 1e-3;
+      const double bound = std::max(floor_s, energy_term(p_sleep));
+      const char* binding = energy_term(p_sleep) >= floor_s ? "power" : "floor";
+      o.line(fmt("| %s | %.2f / %.2f | %.2f | %.2f | %.2f | %.2f (%s) | %.2f | %s | %s |", r.label.c_str(), r.flop_ms,
+                 r.byte_ms, t_f * 1e3, t_b * 1e3, std::max(floor_s, energy_term(p_idle)) * 1e3, bound * 1e3, binding,
+                 std::max(floor_s, t_f) * 1e3, r.target_ms > 0 ? fmt("%.2f", r.target_ms).c_str() : "-",
+                 r.target_ms <= 0 ? "-" : r.target_ms < bound * 1e3 ? "yes: out of reach" : "no"));
     }
     o.line("");
   }
   if (!out_path.empty()) std::ofstream(out_path) << o.md.str();
   CKB(cublasDestroy(h));
-  CK(cudaFree(a));
-  CK(cudaFree(b));
-  CK(cudaFree(c));
-  CK(cudaFree(src));
-  CK(cudaFree(dst));
+  for (void* p : {static_cast<void*>(a), static_cast<void*>(b), static_cast<void*>(c), src, dst, sink}) CK(cudaFree(p));
   return 0;
 }

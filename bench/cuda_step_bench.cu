@@ -14,9 +14,8 @@
 // (measured in the same run); for several workspace limits and methods; with --transposed, of
 // the weights stored (in, out) in a transposed group (stepped by columns).
 // --energy-s S: after each row's timing, its steps again for S seconds under NVML's energy counter:
-// joules a step, mean power against the enforced limit, the SM clock, and the step time the row's
-// energy would take at the limit (what no overlap of its kernels can go below, as long as they spend
-// as much energy a step).
+// joules a step, mean power against the enforced limit, the SM clock and how often the power cap
+// held it.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -31,7 +30,6 @@
 #include <span>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "cuda_bench_common.cuh"
@@ -143,12 +141,13 @@ int main(int argc, char** argv) {
   };
   struct EnergyRow {
     std::string label;
-    int steps = 0, capped = 0;
-    double joules = 0, ms = 0, mhz = 0;
+    int steps = 0;
+    double joules = 0, ms = 0;
+    bench::ClockSampler::Summary clocks;
   };
   std::vector<EnergyRow> energy_rows;
   std::unique_ptr<bench::PowerMeter> pm;
-  double limit_w = 0, idle_w = 0;
+  double limit_w = 0;
   if (energy_s > 0) {
     pm = std::make_unique<bench::PowerMeter>(0);
     if (!pm->ok()) {
@@ -156,11 +155,6 @@ int main(int argc, char** argv) {
       return 1;
     }
     limit_w = pm->limit_w();
-    // The idle GPU's power, the baseline the energy table subtracts.
-    std::this_thread::sleep_for(std::chrono::seconds(1));
-    const double j0 = pm->energy_j();
-    std::this_thread::sleep_for(std::chrono::seconds(2));
-    idle_w = (pm->energy_j() - j0) / 2.0;
   }
   const std::vector<Variant> variants = {{"AdamW", dion3::Algorithm::AdamW, 1.0},
                                          {"Lion", dion3::Algorithm::Lion, 1.0},
@@ -371,22 +365,21 @@ int main(int argc, char** argv) {
         std::sort(t.begin(), t.end());
         median_ms = t[t.size() / 2];
         if (energy_s > 0) {
-          CK(cudaDeviceSynchronize());
+          // The window runs from one step of the energy counter to another, both taken between steps.
           EnergyRow e{v.label};
-          const double j0 = pm->energy_j();
-          const auto a = std::chrono::steady_clock::now();
-          double mhz = 0, secs = 0;
+          bench::ClockSampler clocks(*pm);
+          const auto e0 = pm->energy_edge();
+          double secs = 0;
           do {
             if (v.exact_check) v.one_written ? opt.state_changed(0) : opt.state_changed();
             opt.step();
             ++e.steps;
-            mhz += pm->sm_mhz();
-            e.capped += (pm->clock_reasons() & 0x4) != 0;
-            secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
+            secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - e0.at).count();
           } while (secs < energy_s);
-          e.joules = (pm->energy_j() - j0) / e.steps;
-          e.ms = secs * 1e3 / e.steps;
-          e.mhz = mhz / e.steps;
+          const auto e1 = pm->energy_edge();
+          e.clocks = clocks.summary();
+          e.joules = (e1.joules - e0.joules) / e.steps;
+          e.ms = std::chrono::duration<double, std::milli>(e1.at - e0.at).count() / e.steps;
           energy_rows.push_back(e);
         }
       }
@@ -404,17 +397,16 @@ int main(int argc, char** argv) {
     }
     line("");
     if (!energy_rows.empty()) {
-      line(fmt("Energy, each row's steps again back to back for %.1f s (NVML; enforced power limit %.0f W, idle %.0f W). "
-               "At the limit: the time the row's energy above idle takes at the limit's power above idle.",
-               energy_s, limit_w, idle_w));
+      line(fmt("Energy: each row's steps again back to back for %.1f s (NVML's energy counter; enforced power limit "
+               "%.0f W). A row near the limit is held by power: it gets faster only by spending less energy a step.",
+               energy_s, limit_w));
       line("");
-      line("| optimizer | ms a step | J a step | mean W | SM MHz (mean) | steps the power cap held the clock | "
-           "at the limit ms |");
-      line("|---|---|---|---|---|---|---|");
+      line("| optimizer | ms a step | J a step | mean W | SM MHz mean (min-max) | power cap held the clock |");
+      line("|---|---|---|---|---|---|");
       for (const EnergyRow& e : energy_rows)
-        line(fmt("| %s | %.2f | %.3f | %.0f | %.0f | %d of %d | %.2f |", e.label.c_str(), e.ms, e.joules,
-                 e.joules / e.ms * 1e3, e.mhz, e.capped, e.steps,
-                 (e.joules - idle_w * e.ms * 1e-3) / (limit_w - idle_w) * 1e3));
+        line(fmt("| %s | %.2f | %.3f | %.0f | %.0f (%u-%u) | %.0f%% |", e.label.c_str(), e.ms, e.joules,
+                 e.joules / e.ms * 1e3, e.clocks.mean_mhz, e.clocks.min_mhz, e.clocks.max_mhz,
+                 100 * e.clocks.power_capped));
       line("");
       energy_rows.clear();
     }

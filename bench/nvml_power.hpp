@@ -4,11 +4,17 @@
 // and, where it is missing, run and say so instead of printing these numbers.
 #pragma once
 
+#include <cuda_runtime.h>
 #include <dlfcn.h>
 
-#include <cuda_runtime.h>
-
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <string>
+#include <thread>
+#include <vector>
 
 namespace bench {
 
@@ -40,6 +46,7 @@ class PowerMeter {
       why_not_ = "nvmlInit_v2 returned " + std::to_string(rc);
       return;
     }
+    shutdown_ = reinterpret_cast<int (*)()>(sym("nvmlShutdown"));
     if (cudaDeviceGetPCIBusId(bus, sizeof bus, cuda_device) != cudaSuccess || by_bus(bus, &dev_) != 0) {
       why_not_ = std::string("no NVML device for PCI bus id ") + bus;
       return;
@@ -49,20 +56,46 @@ class PowerMeter {
       why_not_ = "the energy counter is not supported on this device";
       return;
     }
+    if (limit_w() <= 0) {
+      why_not_ = "no enforced power limit reported";
+      return;
+    }
     ok_ = true;
   }
   PowerMeter(const PowerMeter&) = delete;
   PowerMeter& operator=(const PowerMeter&) = delete;
   ~PowerMeter() {
+    if (shutdown_) shutdown_();
     if (lib_) dlclose(lib_);
   }
 
   bool ok() const { return ok_; }
   const std::string& why_not() const { return why_not_; }
-  // Energy since the driver loaded, in joules (the counter is in millijoules).
+  // Energy since the driver loaded, in joules (the counter is in millijoules); exits on a failed read,
+  // which would otherwise pass for a huge or negative energy.
   double energy_j() const {
     unsigned long long e = 0;
-    return ok_ && energy_(dev_, &e) == 0 ? static_cast<double>(e) * 1e-3 : 0.0;
+    if (!ok_ || energy_(dev_, &e) != 0) {
+      std::fprintf(stderr, "NVML: reading the energy counter failed\n");
+      std::exit(1);
+    }
+    return static_cast<double>(e) * 1e-3;
+  }
+  // The counter moves in steps tens of milliseconds apart: a window is timed from the moment of one
+  // step to the moment of another, not from whenever it was read.
+  struct Edge {
+    double joules;
+    std::chrono::steady_clock::time_point at;
+  };
+  Edge energy_edge() const {
+    const double e0 = energy_j();
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
+    for (;;) {
+      const double e = energy_j();
+      const auto now = std::chrono::steady_clock::now();
+      if (e != e0 || now > give_up) return {e, now};
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
   }
   double limit_w() const {
     unsigned mw = 0;
@@ -95,6 +128,60 @@ class PowerMeter {
   int (*power_)(Device, unsigned*) = nullptr;
   int (*clock_)(Device, int, unsigned*) = nullptr;
   int (*reasons_)(Device, unsigned long long*) = nullptr;
+  int (*shutdown_)() = nullptr;
+};
+
+// Samples the SM clock and the clock-limit reasons every 10 ms on a thread of its own (so the
+// sampling never holds up the work being measured) until stopped.
+class ClockSampler {
+ public:
+  explicit ClockSampler(const PowerMeter& pm) : pm_(pm), thread_([this] { run(); }) {}
+  ClockSampler(const ClockSampler&) = delete;
+  ClockSampler& operator=(const ClockSampler&) = delete;
+  ~ClockSampler() { stop(); }
+  void stop() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+  struct Summary {
+    double mean_mhz = 0;
+    unsigned min_mhz = 0, max_mhz = 0;
+    double power_capped = 0;      // share of samples with the software power cap (0x4) holding the clock
+    unsigned long long reasons = 0;  // every reason seen (NVML's mask, OR of the samples)
+    int samples = 0;
+  };
+  Summary summary() {
+    stop();
+    Summary s;
+    s.samples = static_cast<int>(mhz_.size());
+    if (mhz_.empty()) return s;
+    double sum = 0;
+    int capped = 0;
+    for (std::size_t i = 0; i < mhz_.size(); ++i) {
+      sum += mhz_[i];
+      capped += (reasons_[i] & 0x4) != 0;
+      s.reasons |= reasons_[i];
+    }
+    s.mean_mhz = sum / mhz_.size();
+    s.min_mhz = *std::min_element(mhz_.begin(), mhz_.end());
+    s.max_mhz = *std::max_element(mhz_.begin(), mhz_.end());
+    s.power_capped = static_cast<double>(capped) / mhz_.size();
+    return s;
+  }
+
+ private:
+  void run() {
+    while (!stop_) {
+      mhz_.push_back(pm_.sm_mhz());
+      reasons_.push_back(pm_.clock_reasons());
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  const PowerMeter& pm_;
+  std::atomic<bool> stop_{false};
+  std::vector<unsigned> mhz_;
+  std::vector<unsigned long long> reasons_;
+  std::thread thread_;
 };
 
 }  // namespace bench
