@@ -13,8 +13,7 @@
 // the enforced power limit if every byte moved under the products, from the products' energy at the
 // GEMM's and the bytes' at the cheapest move's energy per unit above a baseline, over the power the
 // limit leaves above it (never below the two floors). A higher baseline gives a lower bound: the
-// sleeping kernel's is the bound; with the bytes free (the products alone at the GEMM's sustained
-// rate) is the least any overlap can reach.
+// sleeping kernel's (the higher of a cool and a hot reading) is the bound.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -111,7 +110,9 @@ struct Measured {
   std::string name;
   int round = 0;
   std::vector<Lane> lanes;
-  std::vector<double> rate;  // each lane's work per second over the window all lanes were busy
+  std::vector<double> rate;  // each lane's work per second over the window
+  std::vector<long> units;   // each lane's units finished in the window
+  unsigned temp_c = 0;       // GPU temperature at the window's end
   double seconds = 0, joules = 0, watts = 0;
   bench::ClockSampler::Summary clocks;
 };
@@ -121,13 +122,16 @@ struct Measured {
 // so the window holds no idle gap. Each lane's rate: the units it finished within the window.
 Measured sustain(const std::string& name, int round, const std::vector<Lane>& lanes, const bench::PowerMeter& pm,
                  double warm_s, double run_s) {
-  Measured m{name, round, lanes, std::vector<double>(lanes.size())};
+  Measured m{name, round, lanes, std::vector<double>(lanes.size()), std::vector<long>(lanes.size())};
   std::vector<std::deque<cudaEvent_t>> flight(lanes.size());
   std::vector<int> depth(lanes.size(), 3);
   std::vector<long> done(lanes.size(), 0);
   auto pump = [&] {
     for (std::size_t l = 0; l < lanes.size(); ++l) {
-      while (!flight[l].empty() && cudaEventQuery(flight[l].front()) == cudaSuccess) {
+      while (!flight[l].empty()) {
+        const cudaError_t q = cudaEventQuery(flight[l].front());
+        if (q == cudaErrorNotReady) break;
+        CK(q);
         CK(cudaEventDestroy(flight[l].front()));
         flight[l].pop_front();
         ++done[l];
@@ -146,22 +150,15 @@ Measured sustain(const std::string& name, int round, const std::vector<Lane>& la
     const auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
     while (Clock::now() < until) pump();
   };
-  auto edge = [&] {  // the next step of the energy counter, the lanes kept busy meanwhile
-    const double e0 = pm.energy_j();
-    for (;;) {
-      const double e = pm.energy_j();
-      if (e != e0) return bench::PowerMeter::Edge{e, Clock::now()};
-      pump();
-    }
-  };
+  auto edge = [&] { return pm.energy_edge(pump); };  // the lanes kept busy between reads
   // A short first warm-up tells each lane's unit time; the queue then holds about 20 ms of it.
-  const double probe_s = std::min(0.3, warm_s);
+  const double probe_s = 0.3;
   pump_for(probe_s);
   for (std::size_t l = 0; l < lanes.size(); ++l) {
     const double unit_ms = 1e3 * probe_s / static_cast<double>(std::max(done[l], 1L));
-    depth[l] = std::clamp(static_cast<int>(std::ceil(20.0 / unit_ms)), 3, 256);
+    depth[l] = static_cast<int>(std::clamp(std::ceil(20.0 / std::max(unit_ms, 1e-3)), 3.0, 256.0));
   }
-  pump_for(warm_s - probe_s);
+  pump_for((lanes.empty() ? std::max(warm_s, 3.0) : warm_s) - probe_s);  // idle settles longer
   const auto e0 = lanes.empty() ? pm.energy_edge() : edge();
   std::fill(done.begin(), done.end(), 0);
   bench::ClockSampler clocks(pm);
@@ -175,6 +172,8 @@ Measured sustain(const std::string& name, int round, const std::vector<Lane>& la
   m.seconds = std::chrono::duration<double>(e1.at - e0.at).count();
   m.joules = e1.joules - e0.joules;
   m.watts = m.joules / m.seconds;
+  m.units = finished;
+  m.temp_c = pm.temperature_c();
   for (std::size_t l = 0; l < lanes.size(); ++l) m.rate[l] = finished[l] * lanes[l].work / m.seconds;
   return m;
 }
@@ -229,8 +228,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (run_s <= 0 || warm_s < 0 || rounds < 1 || n < 256 || n % 8 != 0 || copy_mib < 16) {
-    std::fprintf(stderr, "dion3-cuda-power-probe: need --seconds > 0, --warm >= 0, --rounds >= 1, --gemm-n >= 256 "
+  if (run_s <= 0 || warm_s < 0.3 || rounds < 1 || n < 256 || n % 8 != 0 || copy_mib < 16) {
+    std::fprintf(stderr, "dion3-cuda-power-probe: need --seconds > 0, --warm >= 0.3, --rounds >= 1, --gemm-n >= 256 "
                          "(a multiple of 8), --copy-mib >= 16\n");
     return 2;
   }
@@ -259,6 +258,11 @@ int main(int argc, char** argv) {
   bench::fill(a, dion3::DType::BF16, mat, 1, 1.0f, sg);
   bench::fill(b, dion3::DType::BF16, mat, 2, 1.0f, sg);
   const std::size_t bytes = copy_mib << 20, words = bytes / 16;
+  if (bytes < 4 * static_cast<std::size_t>(prop.l2CacheSize)) {  // else the moves measure L2, not memory
+    std::fprintf(stderr, "dion3-cuda-power-probe: --copy-mib must be at least four times L2 (%d MiB)\n",
+                 4 * prop.l2CacheSize >> 20);
+    return 2;
+  }
   void *src, *dst, *sink;
   CK(cudaMalloc(&src, bytes));
   CK(cudaMalloc(&dst, bytes));
@@ -316,7 +320,10 @@ int main(int argc, char** argv) {
       {"read kernel", {reader}},
       {"write kernel", {writer}},
       {"GEMM + copy kernel", {gemm, copy}},
-      {"GEMM + cudaMemcpyAsync", {gemm, dcopy}}};
+      {"GEMM + cudaMemcpyAsync", {gemm, dcopy}},
+      // Again when the GPU is at its hottest: leakage grows with temperature, and the higher of the
+      // two baselines keeps the bound a bound.
+      {"sleeping kernel, hot", {sleeper}}};
   std::vector<Measured> ms;
   for (int r = 1; r <= rounds; ++r)
     for (const auto& [name, lanes] : plan) ms.push_back(sustain(name, r, lanes, pm, warm_s, run_s));
@@ -334,15 +341,30 @@ int main(int argc, char** argv) {
         x.rate += m.rate.empty() ? 0 : m.rate[0];
         ++k;
       }
+    if (k == 0) {
+      std::fprintf(stderr, "dion3-cuda-power-probe: no workload named '%s' was measured\n", name.c_str());
+      std::exit(1);
+    }
     x.watts /= k;
     x.rate /= k;
     return x;
   };
-  const double p_idle = mean_of("idle").watts, p_sleep = mean_of("sleeping kernel").watts;
+  const double p_idle = mean_of("idle").watts;
+  const double p_sleep = std::max(mean_of("sleeping kernel").watts, mean_of("sleeping kernel, hot").watts);
+  // A rate from fewer units than this is too coarse (one unit more or less at either end of the window).
+  constexpr long kMinUnits = 50;
+  bool coarse = false;
+  for (const auto& m : ms)
+    for (std::size_t l = 0; l < m.lanes.size(); ++l)
+      if (m.lanes[l].work > 0 && m.units[l] < kMinUnits) {
+        o.line(fmt("Round %d, %s: %s finished %ld units in the window (under %ld): lengthen --seconds.", m.round,
+                   m.name.c_str(), m.lanes[l].what.c_str(), m.units[l], kMinUnits));
+        coarse = true;
+      }
   o.line("| round | workload | rate | share of its rate alone | mean W | W if each kept its energy a unit alone "
-         "(measured / that) | SM MHz mean (min-max) | power cap held the clock | other limits seen | "
+         "(measured / that) | SM MHz mean (min-max) | power cap held the clock | other limits seen | GPU C | "
          "J per TFLOP or GB above the sleeping kernel |");
-  o.line("|---|---|---|---|---|---|---|---|---|---|");
+  o.line("|---|---|---|---|---|---|---|---|---|---|---|");
   for (const auto& m : ms) {
     std::string rate, share, energy, predicted = "-";
     double model_w = p_sleep;
@@ -359,10 +381,10 @@ int main(int argc, char** argv) {
     if (m.lanes.size() > 1) predicted = fmt("%.0f (%.3f)", model_w, m.watts / model_w);
     // Beyond the software power cap (0x4): hardware slowdown 0x8, thermal 0x20/0x40, power brake 0x80.
     const unsigned long long other = m.clocks.reasons & 0xE8ull;
-    o.line(fmt("| %d | %s | %s | %s | %.0f | %s | %.0f (%u-%u) | %.0f%% | %s | %s |", m.round, m.name.c_str(),
+    o.line(fmt("| %d | %s | %s | %s | %.0f | %s | %.0f (%u-%u) | %.0f%% | %s | %u | %s |", m.round, m.name.c_str(),
                rate.empty() ? "-" : rate.c_str(), share.empty() ? "-" : share.c_str(), m.watts, predicted.c_str(),
                m.clocks.mean_mhz, m.clocks.min_mhz, m.clocks.max_mhz, 100 * m.clocks.power_capped,
-               other ? fmt("0x%llx", other).c_str() : "-", energy.empty() ? "-" : energy.c_str()));
+               other ? fmt("0x%llx", other).c_str() : "-", m.temp_c, energy.empty() ? "-" : energy.c_str()));
   }
   o.line("");
   o.line("Side by side, shares summing past 1 get more done than one after the other; a measured power below what "
@@ -371,7 +393,8 @@ int main(int argc, char** argv) {
   o.line("");
 
   if (!rows.empty() && limit_w <= p_sleep) o.line("No bound: the sleeping kernel drew as much as the limit.");
-  if (!rows.empty() && limit_w > p_sleep) {
+  if (!rows.empty() && coarse) o.line("No bound: some rates rest on too few units (above).");
+  if (!rows.empty() && limit_w > p_sleep && !coarse) {
     const Alone g = mean_of("GEMM");
     // Bytes: the highest rate and the least energy a byte of the four ways of moving them.
     double r_move = 0;
@@ -389,14 +412,14 @@ int main(int argc, char** argv) {
     o.line(fmt("Products at the GEMM's energy a FLOP (%.0f TFLOP/s sustained at %.0f W); bytes at the least energy a "
                "byte of the four moves (the best moves %.0f GB/s); above a baseline of the idle GPU (%.0f W) or the "
                "sleeping kernel (%.0f W), the power the limit leaves above it; never below the 790 TFLOP/s and "
-               "4.3 TB/s floors. The sleeping kernel's column is the bound (the higher baseline); with the bytes "
-               "free, the products alone at the GEMM's sustained rate.",
+               "4.3 TB/s floors. The sleeping kernel's column is the bound (the higher baseline; the higher of its "
+               "cool and hot readings). For comparison: the products and the bytes each at its best rate alone.",
                g.rate / 1e12, g.watts, r_move / 1e9, p_idle, p_sleep));
     o.line("");
     o.line("| row | floor ms (flop / byte) | products at the GEMM's rate ms | bytes at the best move's rate ms | "
-           "at the limit, above idle ms | at the limit, above the sleeping kernel ms (binding) | bytes free ms | "
-           "target ms | target below the bound |");
-    o.line("|---|---|---|---|---|---|---|---|---|");
+           "at the limit, above idle ms | at the limit, above the sleeping kernel ms (binding) | target ms | "
+           "target below the bound |");
+    o.line("|---|---|---|---|---|---|---|---|");
     for (const Row& r : rows) {
       const double flops = r.flop_ms * 1e-3 * 790e12, moved = r.byte_ms * 1e-3 * 4.3e12;
       const double t_f = flops / g.rate, t_b = moved / r_move;
@@ -406,9 +429,9 @@ int main(int argc, char** argv) {
       const double floor_s = std::max(r.flop_ms, r.byte_ms) * 1e-3;
       const double bound = std::max(floor_s, energy_term(p_sleep));
       const char* binding = energy_term(p_sleep) >= floor_s ? "power" : "floor";
-      o.line(fmt("| %s | %.2f / %.2f | %.2f | %.2f | %.2f | %.2f (%s) | %.2f | %s | %s |", r.label.c_str(), r.flop_ms,
+      o.line(fmt("| %s | %.2f / %.2f | %.2f | %.2f | %.2f | %.2f (%s) | %s | %s |", r.label.c_str(), r.flop_ms,
                  r.byte_ms, t_f * 1e3, t_b * 1e3, std::max(floor_s, energy_term(p_idle)) * 1e3, bound * 1e3, binding,
-                 std::max(floor_s, t_f) * 1e3, r.target_ms > 0 ? fmt("%.2f", r.target_ms).c_str() : "-",
+                 r.target_ms > 0 ? fmt("%.2f", r.target_ms).c_str() : "-",
                  r.target_ms <= 0 ? "-" : r.target_ms < bound * 1e3 ? "yes: out of reach" : "no"));
     }
     o.line("");

@@ -365,18 +365,39 @@ int main(int argc, char** argv) {
         std::sort(t.begin(), t.end());
         median_ms = t[t.size() / 2];
         if (energy_s > 0) {
-          // The window runs from one step of the energy counter to another, both taken between steps.
+          // After a second of steps, the window runs from the end of the step in which the energy
+          // counter moved to the end of the first such step at least energy_s later: both edges fall
+          // while the steps run (each off by at most the step in which the counter moved).
           EnergyRow e{v.label};
-          bench::ClockSampler clocks(*pm);
-          const auto e0 = pm->energy_edge();
-          double secs = 0;
-          do {
+          auto one = [&] {
             if (v.exact_check) v.one_written ? opt.state_changed(0) : opt.state_changed();
             opt.step();
+          };
+          auto elapsed = [](std::chrono::steady_clock::time_point since) {
+            return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
+          };
+          for (const auto w = std::chrono::steady_clock::now(); elapsed(w) < 1.0;) one();
+          auto step_to_edge = [&](int* steps) {
+            const double j = pm->energy_j();
+            const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+            for (;;) {
+              one();
+              if (steps) ++*steps;
+              const double now_j = pm->energy_j();
+              if (now_j != j) return bench::PowerMeter::Edge{now_j, std::chrono::steady_clock::now()};
+              if (std::chrono::steady_clock::now() > give_up) {
+                std::fprintf(stderr, "NVML: the energy counter did not move for 5 s\n");
+                std::exit(1);
+              }
+            }
+          };
+          const auto e0 = step_to_edge(nullptr);
+          bench::ClockSampler clocks(*pm);
+          while (elapsed(e0.at) < energy_s) {
+            one();
             ++e.steps;
-            secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - e0.at).count();
-          } while (secs < energy_s);
-          const auto e1 = pm->energy_edge();
+          }
+          const auto e1 = step_to_edge(&e.steps);
           e.clocks = clocks.summary();
           e.joules = (e1.joules - e0.joules) / e.steps;
           e.ms = std::chrono::duration<double, std::milli>(e1.at - e0.at).count() / e.steps;

@@ -33,6 +33,7 @@ class PowerMeter {
     limit_ = reinterpret_cast<int (*)(Device, unsigned*)>(sym("nvmlDeviceGetEnforcedPowerLimit"));
     power_ = reinterpret_cast<int (*)(Device, unsigned*)>(sym("nvmlDeviceGetPowerUsage"));
     clock_ = reinterpret_cast<int (*)(Device, int, unsigned*)>(sym("nvmlDeviceGetClockInfo"));
+    temp_ = reinterpret_cast<int (*)(Device, int, unsigned*)>(sym("nvmlDeviceGetTemperature"));
     reasons_ = reinterpret_cast<int (*)(Device, unsigned long long*)>(sym("nvmlDeviceGetCurrentClocksEventReasons"));
     if (!reasons_)
       reasons_ = reinterpret_cast<int (*)(Device, unsigned long long*)>(sym("nvmlDeviceGetCurrentClocksThrottleReasons"));
@@ -82,20 +83,34 @@ class PowerMeter {
     return static_cast<double>(e) * 1e-3;
   }
   // The counter moves in steps tens of milliseconds apart: a window is timed from the moment of one
-  // step to the moment of another, not from whenever it was read.
+  // step to the moment of another, not from whenever it was read. `between_reads` runs between two
+  // reads (the caller keeps its work going there); a counter that does not move for 5 s ends the
+  // program rather than pass a stale value for an edge.
   struct Edge {
     double joules;
     std::chrono::steady_clock::time_point at;
   };
-  Edge energy_edge() const {
+  template <class F>
+  Edge energy_edge(F&& between_reads) const {
     const double e0 = energy_j();
-    const auto give_up = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(5);
     for (;;) {
       const double e = energy_j();
       const auto now = std::chrono::steady_clock::now();
-      if (e != e0 || now > give_up) return {e, now};
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
+      if (e != e0) return {e, now};
+      if (now > give_up) {
+        std::fprintf(stderr, "NVML: the energy counter did not move for 5 s\n");
+        std::exit(1);
+      }
+      between_reads();
     }
+  }
+  Edge energy_edge() const {
+    return energy_edge([] { std::this_thread::sleep_for(std::chrono::microseconds(200)); });
+  }
+  unsigned temperature_c() const {
+    unsigned c = 0;
+    return ok_ && temp_ && temp_(dev_, kTemperatureGpu, &c) == 0 ? c : 0;
   }
   double limit_w() const {
     unsigned mw = 0;
@@ -118,7 +133,8 @@ class PowerMeter {
 
  private:
   using Device = void*;
-  static constexpr int kClockSm = 1;  // NVML_CLOCK_SM
+  static constexpr int kClockSm = 1;         // NVML_CLOCK_SM
+  static constexpr int kTemperatureGpu = 0;  // NVML_TEMPERATURE_GPU
   void* lib_ = nullptr;
   Device dev_ = nullptr;
   bool ok_ = false;
@@ -127,6 +143,7 @@ class PowerMeter {
   int (*limit_)(Device, unsigned*) = nullptr;
   int (*power_)(Device, unsigned*) = nullptr;
   int (*clock_)(Device, int, unsigned*) = nullptr;
+  int (*temp_)(Device, int, unsigned*) = nullptr;
   int (*reasons_)(Device, unsigned long long*) = nullptr;
   int (*shutdown_)() = nullptr;
 };
