@@ -11,8 +11,9 @@
 // Then, for rows given as --row label:flop_ms:byte_ms[:target_ms] (the step bench's floor columns:
 // FLOPs at 790 TFLOP/s, bytes at 4.3 TB/s): the least time a step with those FLOPs and bytes takes at
 // the enforced power limit if every byte moved under the products, from the products' energy at the
-// GEMM's and the bytes' at the cheapest move's energy per unit above a baseline, over the power the
-// limit leaves above it (never below the two floors). A higher baseline gives a lower bound: the
+// GEMM's, the bytes read and written (--read-share of them read) at the cheapest read's and
+// write's energy per byte, each above a baseline, over the power the limit leaves above it (never
+// below the two floors). A higher baseline gives a lower bound: the
 // sleeping kernel's (the higher of a cool and a hot reading) is the bound.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -212,6 +213,9 @@ int main(int argc, char** argv) {
   std::size_t copy_mib = 1024;
   std::string out_path;
   std::vector<Row> rows;
+  // The share of a row's bytes that are reads: the step bench's floor bytes read G, M and W and
+  // write M and W (AdamW: four reads, three writes).
+  double read_share = 0.6;
   for (int i = 1; i < argc; ++i) {
     const std::string s = argv[i];
     if (s == "--seconds" && i + 1 < argc) run_s = std::atof(argv[++i]);
@@ -220,17 +224,19 @@ int main(int argc, char** argv) {
     else if (s == "--gemm-n" && i + 1 < argc) n = std::atoi(argv[++i]);
     else if (s == "--copy-mib" && i + 1 < argc) copy_mib = std::strtoull(argv[++i], nullptr, 10);
     else if (s == "--row" && i + 1 < argc) rows.push_back(parse_row(argv[++i]));
+    else if (s == "--read-share" && i + 1 < argc) read_share = std::atof(argv[++i]);
     else if (s == "--out" && i + 1 < argc) out_path = argv[++i];
     else {
       std::fprintf(stderr,
                    "usage: dion3-cuda-power-probe [--seconds S] [--warm S] [--rounds N] [--gemm-n N] [--copy-mib M] "
-                   "[--row label:flop_ms:byte_ms[:target_ms]]... [--out FILE]\n");
+                   "[--row label:flop_ms:byte_ms[:target_ms]]... [--read-share R] [--out FILE]\n");
       return 2;
     }
   }
-  if (run_s <= 0 || warm_s < 0.3 || rounds < 1 || n < 256 || n % 8 != 0 || copy_mib < 16) {
+  if (run_s <= 0 || warm_s < 0.3 || rounds < 1 || n < 256 || n % 8 != 0 || copy_mib < 16 || read_share < 0 ||
+      read_share > 1) {
     std::fprintf(stderr, "dion3-cuda-power-probe: need --seconds > 0, --warm >= 0.3, --rounds >= 1, --gemm-n >= 256 "
-                         "(a multiple of 8), --copy-mib >= 16\n");
+                         "(a multiple of 8), --copy-mib >= 16, --read-share in [0, 1]\n");
     return 2;
   }
   bench::Out o;
@@ -396,12 +402,14 @@ int main(int argc, char** argv) {
   if (!rows.empty() && coarse) o.line("No bound: some rates rest on too few units (above).");
   if (!rows.empty() && limit_w > p_sleep && !coarse) {
     const Alone g = mean_of("GEMM");
-    // Bytes: the highest rate and the least energy a byte of the four ways of moving them.
+    // Bytes: the highest rate of the four ways of moving them. Energy: a byte read at the least of
+    // the read kernel's and the two copies' energy a byte, a byte written at the least of the write
+    // kernel's and the copies' (the bound assumes the step's passes read and write no cheaper).
     double r_move = 0;
     for (const char* w : {"copy kernel", "cudaMemcpyAsync", "read kernel", "write kernel"}) r_move = std::max(r_move, mean_of(w).rate);
-    auto joules_per_byte = [&](double base) {
+    auto joules_per_byte = [&](const char* own, double base) {
       double j = 1e30;
-      for (const char* w : {"copy kernel", "cudaMemcpyAsync", "read kernel", "write kernel"}) {
+      for (const char* w : {"copy kernel", "cudaMemcpyAsync", own}) {
         const Alone x = mean_of(w);
         j = std::min(j, (x.watts - base) / x.rate);
       }
@@ -410,11 +418,11 @@ int main(int argc, char** argv) {
     o.line(fmt("## The least step time at the %.0f W limit, every byte moved under the products", limit_w));
     o.line("");
     o.line(fmt("Products at the GEMM's energy a FLOP (%.0f TFLOP/s sustained at %.0f W); bytes at the least energy a "
-               "byte of the four moves (the best moves %.0f GB/s); above a baseline of the idle GPU (%.0f W) or the "
+               "byte read or written (%.0f%% of the bytes read; the best move %.0f GB/s); above a baseline of the idle GPU (%.0f W) or the "
                "sleeping kernel (%.0f W), the power the limit leaves above it; never below the 790 TFLOP/s and "
                "4.3 TB/s floors. The sleeping kernel's column is the bound (the higher baseline; the higher of its "
                "cool and hot readings). For comparison: the products and the bytes each at its best rate alone.",
-               g.rate / 1e12, g.watts, r_move / 1e9, p_idle, p_sleep));
+               g.rate / 1e12, g.watts, 100 * read_share, r_move / 1e9, p_idle, p_sleep));
     o.line("");
     o.line("| row | floor ms (flop / byte) | products at the GEMM's rate ms | bytes at the best move's rate ms | "
            "at the limit, above idle ms | at the limit, above the sleeping kernel ms (binding) | target ms | "
@@ -424,7 +432,9 @@ int main(int argc, char** argv) {
       const double flops = r.flop_ms * 1e-3 * 790e12, moved = r.byte_ms * 1e-3 * 4.3e12;
       const double t_f = flops / g.rate, t_b = moved / r_move;
       auto energy_term = [&](double base) {
-        return (flops * (g.watts - base) / g.rate + moved * joules_per_byte(base)) / (limit_w - base);
+        const double bytes_j = moved * (read_share * joules_per_byte("read kernel", base) +
+                                        (1 - read_share) * joules_per_byte("write kernel", base));
+        return (flops * (g.watts - base) / g.rate + bytes_j) / (limit_w - base);
       };
       const double floor_s = std::max(r.flop_ms, r.byte_ms) * 1e-3;
       const double bound = std::max(floor_s, energy_term(p_sleep));
