@@ -111,11 +111,12 @@ struct Measured {
   std::string name;
   int round = 0;
   std::vector<Lane> lanes;
-  std::vector<double> rate;  // each lane's work per second over the window
-  std::vector<long> units;   // each lane's units finished in the window
-  unsigned temp_c = 0;       // GPU temperature at the window's end
+  std::vector<long> units;  // each lane's units finished in the window
+  unsigned temp_c = 0;      // GPU temperature at the window's end
   double seconds = 0, joules = 0, watts = 0;
   bench::ClockSampler::Summary clocks;
+  // Lane l's work per second over the window.
+  double rate(std::size_t l) const { return units[l] * lanes[l].work / seconds; }
 };
 
 // Runs the lanes side by side: `warm_s` of warm-up, then a window of at least `run_s` from one step
@@ -123,7 +124,7 @@ struct Measured {
 // so the window holds no idle gap. Each lane's rate: the units it finished within the window.
 Measured sustain(const std::string& name, int round, const std::vector<Lane>& lanes, const bench::PowerMeter& pm,
                  double warm_s, double run_s) {
-  Measured m{name, round, lanes, std::vector<double>(lanes.size()), std::vector<long>(lanes.size())};
+  Measured m{name, round, lanes};
   std::vector<std::deque<cudaEvent_t>> flight(lanes.size());
   std::vector<int> depth(lanes.size(), 3);
   std::vector<long> done(lanes.size(), 0);
@@ -151,7 +152,6 @@ Measured sustain(const std::string& name, int round, const std::vector<Lane>& la
     const auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
     while (Clock::now() < until) pump();
   };
-  auto edge = [&] { return pm.energy_edge(pump); };  // the lanes kept busy between reads
   // A short first warm-up tells each lane's unit time; the queue then holds about 20 ms of it.
   const double probe_s = 0.3;
   pump_for(probe_s);
@@ -160,12 +160,12 @@ Measured sustain(const std::string& name, int round, const std::vector<Lane>& la
     depth[l] = static_cast<int>(std::clamp(std::ceil(20.0 / std::max(unit_ms, 1e-3)), 3.0, 256.0));
   }
   pump_for((lanes.empty() ? std::max(warm_s, 3.0) : warm_s) - probe_s);  // idle settles longer
-  const auto e0 = lanes.empty() ? pm.energy_edge() : edge();
+  const auto e0 = pm.energy_edge(pump);  // the lanes kept busy between reads (idle: pump only sleeps)
   std::fill(done.begin(), done.end(), 0);
   bench::ClockSampler clocks(pm);
   pump_for(run_s);
-  const auto e1 = lanes.empty() ? pm.energy_edge() : edge();
-  const std::vector<long> finished = done;
+  const auto e1 = pm.energy_edge(pump);
+  m.units = done;
   m.clocks = clocks.summary();
   CK(cudaDeviceSynchronize());
   for (auto& f : flight)
@@ -173,9 +173,7 @@ Measured sustain(const std::string& name, int round, const std::vector<Lane>& la
   m.seconds = std::chrono::duration<double>(e1.at - e0.at).count();
   m.joules = e1.joules - e0.joules;
   m.watts = m.joules / m.seconds;
-  m.units = finished;
   m.temp_c = pm.temperature_c();
-  for (std::size_t l = 0; l < lanes.size(); ++l) m.rate[l] = finished[l] * lanes[l].work / m.seconds;
   return m;
 }
 
@@ -344,7 +342,7 @@ int main(int argc, char** argv) {
     for (const auto& m : ms)
       if (m.name == name) {
         x.watts += m.watts;
-        x.rate += m.rate.empty() ? 0 : m.rate[0];
+        x.rate += m.lanes.empty() ? 0 : m.rate(0);
         ++k;
       }
     if (k == 0) {
@@ -378,7 +376,7 @@ int main(int argc, char** argv) {
       const Lane& ln = m.lanes[l];
       if (ln.work == 0) continue;
       const Alone al = mean_of(ln.what);
-      const double r = m.rate[l], sh = r / al.rate, unit = ln.flops ? 1e12 : 1e9;
+      const double r = m.rate(l), sh = r / al.rate, unit = ln.flops ? 1e12 : 1e9;
       model_w += sh * (al.watts - p_sleep);
       rate += fmt("%s%s %.1f %s", rate.empty() ? "" : ", ", ln.what.c_str(), r / unit, ln.flops ? "TFLOP/s" : "GB/s");
       share += fmt("%s%.3f", share.empty() ? "" : ", ", sh);

@@ -377,27 +377,16 @@ int main(int argc, char** argv) {
             return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
           };
           for (const auto w = std::chrono::steady_clock::now(); elapsed(w) < 1.0;) one();
-          auto step_to_edge = [&](int* steps) {
-            const double j = pm->energy_j();
-            const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-            for (;;) {
-              one();
-              if (steps) ++*steps;
-              const double now_j = pm->energy_j();
-              if (now_j != j) return bench::PowerMeter::Edge{now_j, std::chrono::steady_clock::now()};
-              if (std::chrono::steady_clock::now() > give_up) {
-                std::fprintf(stderr, "NVML: the energy counter did not move for 5 s\n");
-                std::exit(1);
-              }
-            }
-          };
-          const auto e0 = step_to_edge(nullptr);
+          const auto e0 = pm->energy_edge(one);
           bench::ClockSampler clocks(*pm);
           while (elapsed(e0.at) < energy_s) {
             one();
             ++e.steps;
           }
-          const auto e1 = step_to_edge(&e.steps);
+          const auto e1 = pm->energy_edge([&] {
+            one();
+            ++e.steps;
+          });
           e.clocks = clocks.summary();
           e.joules = (e1.joules - e0.joules) / e.steps;
           e.ms = std::chrono::duration<double, std::milli>(e1.at - e0.at).count() / e.steps;

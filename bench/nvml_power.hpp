@@ -1,4 +1,4 @@
-// bench/nvml_power.hpp — the GPU's energy counter, enforced power limit, power and SM clock through
+// bench/nvml_power.hpp — the GPU's energy counter, enforced power limit, SM clock and temperature through
 // NVML, for the benches that ask whether a step is held by the power limit rather than by FLOPs or
 // bytes. The driver's library is opened at run time (dlopen), so the benches build without NVML
 // and, where it is missing, run and say so instead of printing these numbers.
@@ -31,13 +31,12 @@ class PowerMeter {
     auto by_bus = reinterpret_cast<int (*)(const char*, Device*)>(sym("nvmlDeviceGetHandleByPciBusId_v2"));
     energy_ = reinterpret_cast<int (*)(Device, unsigned long long*)>(sym("nvmlDeviceGetTotalEnergyConsumption"));
     limit_ = reinterpret_cast<int (*)(Device, unsigned*)>(sym("nvmlDeviceGetEnforcedPowerLimit"));
-    power_ = reinterpret_cast<int (*)(Device, unsigned*)>(sym("nvmlDeviceGetPowerUsage"));
     clock_ = reinterpret_cast<int (*)(Device, int, unsigned*)>(sym("nvmlDeviceGetClockInfo"));
     temp_ = reinterpret_cast<int (*)(Device, int, unsigned*)>(sym("nvmlDeviceGetTemperature"));
     reasons_ = reinterpret_cast<int (*)(Device, unsigned long long*)>(sym("nvmlDeviceGetCurrentClocksEventReasons"));
     if (!reasons_)
       reasons_ = reinterpret_cast<int (*)(Device, unsigned long long*)>(sym("nvmlDeviceGetCurrentClocksThrottleReasons"));
-    if (!init || !by_bus || !energy_ || !limit_ || !power_ || !clock_) {
+    if (!init || !by_bus || !energy_ || !limit_ || !clock_) {
       why_not_ = "libnvidia-ml.so.1 lacks a function this bench uses";
       return;
     }
@@ -105,9 +104,6 @@ class PowerMeter {
       between_reads();
     }
   }
-  Edge energy_edge() const {
-    return energy_edge([] { std::this_thread::sleep_for(std::chrono::microseconds(200)); });
-  }
   unsigned temperature_c() const {
     unsigned c = 0;
     return ok_ && temp_ && temp_(dev_, kTemperatureGpu, &c) == 0 ? c : 0;
@@ -115,10 +111,6 @@ class PowerMeter {
   double limit_w() const {
     unsigned mw = 0;
     return ok_ && limit_(dev_, &mw) == 0 ? mw * 1e-3 : 0.0;
-  }
-  double power_w() const {
-    unsigned mw = 0;
-    return ok_ && power_(dev_, &mw) == 0 ? mw * 1e-3 : 0.0;
   }
   unsigned sm_mhz() const {
     unsigned mhz = 0;
@@ -141,7 +133,6 @@ class PowerMeter {
   std::string why_not_;
   int (*energy_)(Device, unsigned long long*) = nullptr;
   int (*limit_)(Device, unsigned*) = nullptr;
-  int (*power_)(Device, unsigned*) = nullptr;
   int (*clock_)(Device, int, unsigned*) = nullptr;
   int (*temp_)(Device, int, unsigned*) = nullptr;
   int (*reasons_)(Device, unsigned long long*) = nullptr;
