@@ -1,7 +1,7 @@
-// bench/nvml_power.hpp — the GPU's energy counter, enforced power limit, SM clock and temperature through
-// NVML, for the benches that ask whether a step is held by the power limit rather than by FLOPs or
-// bytes. The driver's library is opened at run time (dlopen), so the benches build without NVML
-// and, where it is missing, run and say so instead of printing these numbers.
+// bench/nvml_power.hpp — the GPU's energy counter, enforced power limit, SM clock and temperature
+// through NVML, for the benches that ask whether a step is held by the power limit rather than by
+// FLOPs or bytes. The driver's library is opened at run time (dlopen), so the benches build without
+// NVML and, where it is missing, run and say so instead of printing these numbers.
 #pragma once
 
 #include <cuda_runtime.h>
