@@ -56,11 +56,12 @@ class PowerMeter {
       why_not_ = "the energy counter is not supported on this device";
       return;
     }
+    ok_ = true;  // limit_w() reads only through an open meter
     if (limit_w() <= 0) {
+      ok_ = false;
       why_not_ = "no enforced power limit reported";
       return;
     }
-    ok_ = true;
   }
   PowerMeter(const PowerMeter&) = delete;
   PowerMeter& operator=(const PowerMeter&) = delete;
