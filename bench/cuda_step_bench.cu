@@ -141,9 +141,7 @@ int main(int argc, char** argv) {
   };
   struct EnergyRow {
     std::string label;
-    int steps = 0;
-    double joules = 0, ms = 0;
-    bench::ClockSampler::Summary clocks;
+    bench::EnergyWindow e;
   };
   std::vector<EnergyRow> energy_rows;
   std::unique_ptr<bench::PowerMeter> pm;
@@ -365,32 +363,11 @@ int main(int argc, char** argv) {
         std::sort(t.begin(), t.end());
         median_ms = t[t.size() / 2];
         if (energy_s > 0) {
-          // After a second of steps, the window runs from the end of the step in which the energy
-          // counter moved to the end of the first such step at least energy_s later: both edges fall
-          // while the steps run (each off by at most the step in which the counter moved).
-          EnergyRow e{v.label};
-          auto one = [&] {
-            if (v.exact_check) v.one_written ? opt.state_changed(0) : opt.state_changed();
-            opt.step();
-          };
-          auto elapsed = [](std::chrono::steady_clock::time_point since) {
-            return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
-          };
-          for (const auto w = std::chrono::steady_clock::now(); elapsed(w) < 1.0;) one();
-          const auto e0 = pm->energy_edge(one);
-          bench::ClockSampler clocks(*pm);
-          while (elapsed(e0.at) < energy_s) {
-            one();
-            ++e.steps;
-          }
-          const auto e1 = pm->energy_edge([&] {
-            one();
-            ++e.steps;
-          });
-          e.clocks = clocks.summary();
-          e.joules = (e1.joules - e0.joules) / e.steps;
-          e.ms = std::chrono::duration<double, std::milli>(e1.at - e0.at).count() / e.steps;
-          energy_rows.push_back(e);
+          // Each step ends with the host synchronisation of its verdict: host time is GPU time.
+          energy_rows.push_back({v.label, bench::energy_window(*pm, energy_s, 1.0, [&] {
+                                   if (v.exact_check) v.one_written ? opt.state_changed(0) : opt.state_changed();
+                                   opt.step();
+                                 })});
         }
       }
       // Bytes a step must move: read G, read+write M and W (bf16; Lion too); AdamW: G, W, two moments.
@@ -413,8 +390,8 @@ int main(int argc, char** argv) {
       line("");
       line("| optimizer | ms a step | J a step | mean W | SM MHz mean (min-max) | power cap held the clock |");
       line("|---|---|---|---|---|---|");
-      for (const EnergyRow& e : energy_rows)
-        line(fmt("| %s | %.2f | %.3f | %.0f | %.0f (%u-%u) | %.0f%% |", e.label.c_str(), e.ms, e.joules,
+      for (const auto& [label, e] : energy_rows)
+        line(fmt("| %s | %.2f | %.3f | %.0f | %.0f (%u-%u) | %.0f%% |", label.c_str(), e.ms, e.joules,
                  e.joules / e.ms * 1e3, e.clocks.mean_mhz, e.clocks.min_mhz, e.clocks.max_mhz,
                  100 * e.clocks.power_capped));
       line("");

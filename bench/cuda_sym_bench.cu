@@ -7,6 +7,8 @@
 // after warm-up, the three ways (and the kernel without stores) timed in turn; markdown on stdout and --out FILE.
 // --shapes LIST times the listed shapes instead; --once launches the full GEMM and the fused
 // kernel's variants once each, untimed, behind marker kernels (tools/sym-ncu.py profiles them).
+// --energy-s S: after the timing, the full GEMM, the fused kernel and its main loop alone again
+// under NVML's energy counter, S seconds each: joules a product and per TFLOP, the clock, the cap.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -21,6 +23,7 @@
 #include <vector>
 
 #include "cuda_bench_common.cuh"
+#include "nvml_power.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/kernels.cuh"
 #include "dion3/backend.hpp"
@@ -56,6 +59,20 @@ int main(int argc, char** argv) {
   Out& o = session.o;
   using dion3::cuda::set_symmetric_options;
   int failures = 0;
+  std::unique_ptr<bench::PowerMeter> pm;
+  if (args.energy_s > 0) {
+    pm = std::make_unique<bench::PowerMeter>(0);
+    if (!pm->ok()) {
+      std::fprintf(stderr, "dion3-cuda-sym-bench: --energy-s needs NVML: %s\n", pm->why_not().c_str());
+      return 1;
+    }
+  }
+  struct EnergyRow {
+    std::string shape, candidate;
+    double real_flops;  // the lower triangle's, a call
+    bench::EnergyWindow e;
+  };
+  std::vector<EnergyRow> energy_rows;
 
   if (args.only.empty() && args.shapes.empty() && !args.once) {  // the correctness table, unless profiling shapes
     // ---- 1. correctness: fused kernel vs the cuBLAS tile schedule ------------------------------
@@ -268,9 +285,43 @@ int main(int argc, char** argv) {
                flops / full / 1e9, tiled, (long long)best_tile, real / tiled / 1e9, kern, runs ? "" : " (fallback)",
                real / kern / 1e9, full / kern, tiled / kern, banded, banded > 0 ? real / banded / 1e9 : 0.0, single,
                single > 0 ? real / single / 1e9 : 0.0, mainloop, mainloop > 0 ? real / mainloop / 1e9 : 0.0));
+    if (pm) {
+      // Calls in batches of about 20 ms, each batch waited for: the host's clock then reads the
+      // GPU's, at a wait's cost every 20 ms.
+      auto measure = [&](const char* name, std::size_t c) {
+        const int reps = std::max(1, static_cast<int>(20.0 / std::max(ms[c], 1e-3)));
+        bench::EnergyWindow e = bench::energy_window(*pm, args.energy_s, 0.5, [&] {
+          for (int r = 0; r < reps; ++r) cands[c]();
+          CK(cudaStreamSynchronize(s));
+        });
+        e.joules /= reps;
+        e.ms /= reps;
+        energy_rows.push_back({label, name, real, e});
+      };
+      measure("full cuBLAS GEMM", 0);
+      measure(runs ? "fused" : "fallback", k);
+      if (runs) measure("fused, no stores", k + 2);
+    }
   }
   set_symmetric_options(*be, {true, 0, true});
   o.line("");
+  if (!energy_rows.empty()) {
+    o.line(fmt("## Energy a product (NVML's counter, each candidate back to back for %.1f s; enforced power limit %.0f W)",
+               args.energy_s, pm->limit_w()));
+    o.line("");
+    o.line("J per TFLOP counts the lower triangle's p·(p+1)·q FLOPs for every candidate, so that the columns compare "
+           "the energy of the same useful work. Under a power cap time follows energy: a candidate that spends less "
+           "a product gets faster there.");
+    o.line("");
+    o.line("| shape | candidate | ms a call | mJ a call | J per TFLOP | mean W | SM MHz mean (min-max) | power cap held the "
+           "clock |");
+    o.line("|---|---|---|---|---|---|---|---|");
+    for (const EnergyRow& r : energy_rows)
+      o.line(fmt("| %s | %s | %.3f | %.2f | %.3f | %.0f | %.0f (%u-%u) | %.0f%% |", r.shape.c_str(), r.candidate.c_str(),
+                 r.e.ms, r.e.joules * 1e3, r.e.joules / (r.real_flops * 1e-12), r.e.joules / r.e.ms * 1e3,
+                 r.e.clocks.mean_mhz, r.e.clocks.min_mhz, r.e.clocks.max_mhz, 100 * r.e.clocks.power_capped));
+    o.line("");
+  }
   o.line(fmt("correctness failures: %d", failures));
   session.save();
   return failures == 0 ? 0 : 1;

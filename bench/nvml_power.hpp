@@ -193,4 +193,36 @@ class ClockSampler {
   std::thread thread_;
 };
 
+// The energy of `one()` run back to back, per call. `one` must return only once the GPU has done
+// its work (a synchronising call), so that host time is GPU time. After warm_s of calls, the
+// window runs from the call in which the counter moved to the end of the first such call at least
+// `seconds` later: both edges fall while the work runs, each off by at most one call.
+struct EnergyWindow {
+  int calls = 0;
+  double joules = 0, ms = 0;  // a call
+  ClockSampler::Summary clocks;
+};
+template <class F>
+EnergyWindow energy_window(const PowerMeter& pm, double seconds, double warm_s, F&& one) {
+  auto elapsed = [](std::chrono::steady_clock::time_point since) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
+  };
+  for (const auto w = std::chrono::steady_clock::now(); elapsed(w) < warm_s;) one();
+  EnergyWindow e;
+  const auto e0 = pm.energy_edge(one);
+  ClockSampler clocks(pm);
+  while (elapsed(e0.at) < seconds) {
+    one();
+    ++e.calls;
+  }
+  const auto e1 = pm.energy_edge([&] {
+    one();
+    ++e.calls;
+  });
+  e.clocks = clocks.summary();
+  e.joules = (e1.joules - e0.joules) / e.calls;
+  e.ms = std::chrono::duration<double, std::milli>(e1.at - e0.at).count() / e.calls;
+  return e;
+}
+
 }  // namespace bench
