@@ -140,7 +140,7 @@ struct Args {
   std::string only;  // --only TEXT: just the timing rows whose label contains TEXT (profiling one shape)
   std::string shapes;  // --shapes LIST: the sym bench's timing rows, e.g. "gram:f16:16x2752x4096,sym:bf16:8x4096"
   bool once = false;   // --once: each candidate run once, untimed (for a profiler such as ncu)
-  double energy_s = 0;  // --energy-s S: the sym bench's candidates under NVML's energy counter, S seconds each
+  double energy_s = 0;  // --energy-s S (> 0): the sym bench's products again under NVML's energy counter
 };
 
 // The short dtype names of the bench tables and of dion3-cuda-sym-bench --shapes.
@@ -159,7 +159,7 @@ inline Args parse_args(int argc, char** argv, const char* program) {
     else if (s == "--only" && i + 1 < argc) a.only = argv[++i];
     else if (s == "--shapes" && i + 1 < argc) a.shapes = argv[++i];
     else if (s == "--once") a.once = true;
-    else if (s == "--energy-s" && i + 1 < argc) a.energy_s = std::atof(argv[++i]);
+    else if (s == "--energy-s" && i + 1 < argc && std::atof(argv[i + 1]) > 0) a.energy_s = std::atof(argv[++i]);
     else {
       std::fprintf(stderr,
                    "usage: %s [--out FILE] [--quick] [--iters N] [--only TEXT] [--shapes LIST] [--once] [--energy-s S]\n",

@@ -122,7 +122,7 @@ int main(int argc, char** argv) {
     if (a == "--model" && i + 1 < argc) models = {argv[++i]};
     else if (a == "--iters" && i + 1 < argc) iters = std::atoi(argv[++i]);
     else if (a == "--warmup" && i + 1 < argc) warmup = std::atoi(argv[++i]);
-    else if (a == "--energy-s" && i + 1 < argc) energy_s = std::atof(argv[++i]);
+    else if (a == "--energy-s" && i + 1 < argc && std::atof(argv[i + 1]) > 0) energy_s = std::atof(argv[++i]);
     else if (a == "--out" && i + 1 < argc) out_path = argv[++i];
     else if (a == "--only" && i + 1 < argc) only = argv[++i];
     else {

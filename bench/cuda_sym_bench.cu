@@ -60,7 +60,7 @@ int main(int argc, char** argv) {
   using dion3::cuda::set_symmetric_options;
   int failures = 0;
   std::unique_ptr<bench::PowerMeter> pm;
-  if (args.energy_s > 0) {
+  if (args.energy_s > 0 && !args.once) {
     pm = std::make_unique<bench::PowerMeter>(0);
     if (!pm->ok()) {
       std::fprintf(stderr, "dion3-cuda-sym-bench: --energy-s needs NVML: %s\n", pm->why_not().c_str());
@@ -309,7 +309,7 @@ int main(int argc, char** argv) {
     o.line(fmt("## Energy a product (NVML's counter, each candidate back to back for %.1f s; enforced power limit %.0f W)",
                args.energy_s, pm->limit_w()));
     o.line("");
-    o.line("J per TFLOP counts the lower triangle's p·(p+1)·q FLOPs for every candidate, so that the columns compare "
+    o.line("J per TFLOP counts the lower triangles' b·p·(p+1)·q FLOPs for every candidate, so that the columns compare "
            "the energy of the same useful work. Under a power cap time follows energy: a candidate that spends less "
            "a product gets faster there.");
     o.line("");

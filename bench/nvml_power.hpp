@@ -211,10 +211,10 @@ EnergyWindow energy_window(const PowerMeter& pm, double seconds, double warm_s, 
   EnergyWindow e;
   const auto e0 = pm.energy_edge(one);
   ClockSampler clocks(pm);
-  while (elapsed(e0.at) < seconds) {
+  do {  // at least one call, so that a window never divides by zero
     one();
     ++e.calls;
-  }
+  } while (elapsed(e0.at) < seconds);
   const auto e1 = pm.energy_edge([&] {
     one();
     ++e.calls;
