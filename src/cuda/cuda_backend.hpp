@@ -27,7 +27,7 @@ void* backend_stream(Backend& backend);  // the cudaStream_t the backend enqueue
 // The tile edge the backend uses for a p x p symmetric product (p when it uses a full GEMM).
 int64_t symmetric_tile_for(Backend& backend, int64_t p);
 // The multiply-adds a p x p symmetric product (X·Xᵀ, sym·sym) really performs on this backend,
-// as a fraction of one full GEMM's: the tiles it computes, padding included (0.52-0.63 with the
+// as a fraction of one full GEMM's: the tiles it computes, padding included (0.51-0.56 with the
 // fused kernel for p = 4096-512; 1 when it runs full GEMMs). What a roofline floor counts.
 double symmetric_flop_fraction(Backend& backend, int64_t p);
 // At most `sms` multiprocessors for the products (the fused symmetric kernel's persistent grid and

@@ -105,7 +105,7 @@ bool sym_wgmma_supported(const MatrixView& A, const MatrixView& B, const MatrixV
                          const MatrixView& C);
 bool sym_wgmma_available();  // a Hopper sm_90 device is current
 // The multiply-adds the kernel performs for a p x p output, over a full GEMM's: the 64-column
-// blocks on or below the diagonal of each 128-row block, padding included.
+// blocks on or below the diagonal of each 64-row block (one consumer warpgroup's), padding included.
 double sym_wgmma_flop_fraction(int64_t p);
 // Banded symmetric matrices (square, p x p): the lower triangle and the diagonal 256 x 256 blocks
 // are stored, the rest of the upper triangle is not (kSymBand). banded_in: A and B are symmetric

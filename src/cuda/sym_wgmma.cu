@@ -829,9 +829,11 @@ bool tma_ok(const MatrixView& v) {
 bool sym_wgmma_available() { return sm_count_and_check() > 0; }
 
 double sym_wgmma_flop_fraction(int64_t p) {
+  // Each consumer warpgroup's 64-row block R multiplies the 64-column blocks 0..R (TileRows:
+  // nblk, capped at p's last column block); the rows of R past p are computed too.
   const int64_t col_blocks = (p + kEB - 1) / kEB;
   double computed = 0.0;
-  for (int64_t i = 0; i * kBM < p; ++i) computed += static_cast<double>(kBM) * kEB * std::min((i + 1) * (kBM / kEB), col_blocks);
+  for (int64_t r = 0; r * kEB < p; ++r) computed += static_cast<double>(kEB) * kEB * std::min(r + 1, col_blocks);
   return computed / (static_cast<double>(p) * p);
 }
 

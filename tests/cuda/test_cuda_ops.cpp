@@ -11,6 +11,7 @@
 #include <numeric>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "cuda/cuda_backend.hpp"
 #include "dion3/error.hpp"
@@ -906,6 +907,18 @@ INSTANTIATE_TEST_SUITE_P(Cases, Banded,
                                            BandCase{DType::F16, 1376, 512}, BandCase{DType::BF16, 2048, 2048},
                                            BandCase{DType::F16, 264, 300}),
                          [](const auto& i) { return std::string(dn(i.param.dt)) + "_p" + std::to_string(i.param.p); });
+
+// ---- the FLOPs a roofline floor counts ---------------------------------------------------------
+// Each consumer warpgroup's 64-row block multiplies only the 64-column blocks on or below its
+// diagonal: all of p = 64, 1 + 2 of 4 blocks at p = 128, (1 + ... + 8) of 64 at p = 512; at a
+// ragged p the last block's rows past p are computed too (p = 200: 1 + 2 + 3 + 4 blocks).
+TEST_F(CudaOps, FusedKernelFlopFractionCountsEachWarpgroupsBlocks) {
+  if (!gpu->symmetric_banded(DType::F16, 512)) GTEST_SKIP() << "no fused sm_90a kernel here";
+  dion3::cuda::set_symmetric_options(*gpu, {});
+  for (auto [p, f] : {std::pair{int64_t{64}, 1.0}, std::pair{int64_t{128}, 0.75}, std::pair{int64_t{512}, 36.0 / 64},
+                      std::pair{int64_t{200}, 10.0 * 4096 / (200.0 * 200)}, std::pair{int64_t{4096}, 2080.0 / 4096}})
+    EXPECT_NEAR(dion3::cuda::symmetric_flop_fraction(*gpu, p), f, 1e-12) << "p = " << p;
+}
 
 // ---- the fused kernel's CTA pairs ----------------------------------------------------------------
 // Clusters of two CTAs sharing B's loads compute every tile as one CTA does alone, k-block by
