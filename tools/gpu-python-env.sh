@@ -6,7 +6,7 @@
 #   dion3_python_build            build (incrementally: compiled objects are kept)
 #   dion3_python_build if-missing build only when no earlier call of this machine built it
 export DION3_BLAS=blas DION3_BLAS_DIR=$ROOT/.deps/blas DION3_CUDA=1 MAX_JOBS=${MAX_JOBS:-16}
-export LD_LIBRARY_PATH="$ROOT/.deps/blas/lib:${LD_LIBRARY_PATH:-}"
+source "$ROOT/tools/gpu-native-env.sh"  # the BLAS (and NCCL) on the library paths
 DION3_SITE=/tmp/dion3-site
 
 dion3_python_build() {
