@@ -6,18 +6,22 @@
 # built programs load them from.
 #   dion3_gtest [JOBS]   builds GoogleTest from .deps/googletest once per machine (into
 #                        /tmp/dion3-deps) and adds its prefix to DION3_CMAKE_DEPS; 1 if it fails
+# Sourced a second time (a tool and the Python env it sources), it keeps what the first set up.
+[ -n "${DION3_NATIVE_ENV:-}" ] && return 0
+DION3_NATIVE_ENV=1
+ROOT=${ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 DION3_DEPS_PREFIX=/tmp/dion3-deps
 DION3_CMAKE_DEPS=()
 if [ -f "$ROOT/.deps/blas/lib/libblas.so" ]; then
   DION3_CMAKE_DEPS+=(-DBLAS_LIBRARIES="$ROOT/.deps/blas/lib/libblas.so" -DCMAKE_CXX_FLAGS="-isystem $ROOT/.deps/blas/include")
-  export LD_LIBRARY_PATH="$ROOT/.deps/blas/lib:${LD_LIBRARY_PATH:-}"
-  export LIBRARY_PATH="$ROOT/.deps/blas/lib:${LIBRARY_PATH:-}"
+  export LD_LIBRARY_PATH="$ROOT/.deps/blas/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export LIBRARY_PATH="$ROOT/.deps/blas/lib${LIBRARY_PATH:+:$LIBRARY_PATH}"
 fi
 # NCCL for the native GPU communicator: the image's nvidia-nccl wheel, where it carries headers.
 DION3_NCCL_ROOT=$(python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null || true)
 if [ -n "$DION3_NCCL_ROOT" ] && [ -f "$DION3_NCCL_ROOT/include/nccl.h" ]; then
   DION3_CMAKE_DEPS+=(-DDION3_NCCL_ROOT="$DION3_NCCL_ROOT")
-  export LD_LIBRARY_PATH="$DION3_NCCL_ROOT/lib:${LD_LIBRARY_PATH:-}"
+  export LD_LIBRARY_PATH="$DION3_NCCL_ROOT/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 
 dion3_gtest() {

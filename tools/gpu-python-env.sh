@@ -5,6 +5,7 @@
 # setuptools is older than the build needs.
 #   dion3_python_build            build (incrementally: compiled objects are kept)
 #   dion3_python_build if-missing build only when no earlier call of this machine built it
+ROOT=${ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 export DION3_BLAS=blas DION3_BLAS_DIR=$ROOT/.deps/blas DION3_CUDA=1 MAX_JOBS=${MAX_JOBS:-16}
 source "$ROOT/tools/gpu-native-env.sh"  # the BLAS (and NCCL) on the library paths
 DION3_SITE=/tmp/dion3-site
