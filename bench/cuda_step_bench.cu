@@ -147,11 +147,7 @@ int main(int argc, char** argv) {
   std::unique_ptr<bench::PowerMeter> pm;
   double limit_w = 0;
   if (energy_s > 0) {
-    pm = std::make_unique<bench::PowerMeter>(0);
-    if (!pm->ok()) {
-      std::fprintf(stderr, "dion3-cuda-step-bench: --energy-s needs NVML: %s\n", pm->why_not().c_str());
-      return 1;
-    }
+    pm = bench::open_power_meter("dion3-cuda-step-bench");
     limit_w = pm->limit_w();
   }
   const std::vector<Variant> variants = {{"AdamW", dion3::Algorithm::AdamW, 1.0},

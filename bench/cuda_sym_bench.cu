@@ -60,13 +60,7 @@ int main(int argc, char** argv) {
   using dion3::cuda::set_symmetric_options;
   int failures = 0;
   std::unique_ptr<bench::PowerMeter> pm;
-  if (args.energy_s > 0 && !args.once) {
-    pm = std::make_unique<bench::PowerMeter>(0);
-    if (!pm->ok()) {
-      std::fprintf(stderr, "dion3-cuda-sym-bench: --energy-s needs NVML: %s\n", pm->why_not().c_str());
-      return 1;
-    }
-  }
+  if (args.energy_s > 0 && !args.once) pm = bench::open_power_meter("dion3-cuda-sym-bench");
   struct EnergyRow {
     std::string shape, candidate;
     double real_flops;  // the lower triangle's, a call

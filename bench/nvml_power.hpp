@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -139,6 +140,16 @@ class PowerMeter {
   int (*reasons_)(Device, unsigned long long*) = nullptr;
   int (*shutdown_)() = nullptr;
 };
+
+// The meter a bench's --energy-s needs; without one the program ends (status 1) saying why.
+inline std::unique_ptr<PowerMeter> open_power_meter(const char* program) {
+  auto pm = std::make_unique<PowerMeter>(0);
+  if (!pm->ok()) {
+    std::fprintf(stderr, "%s: --energy-s needs NVML: %s\n", program, pm->why_not().c_str());
+    std::exit(1);
+  }
+  return pm;
+}
 
 // Samples the SM clock and the clock-limit reasons every 10 ms on a thread of its own (so the
 // sampling never holds up the work being measured) until stopped.

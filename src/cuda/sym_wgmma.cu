@@ -830,11 +830,9 @@ bool sym_wgmma_available() { return sm_count_and_check() > 0; }
 
 double sym_wgmma_flop_fraction(int64_t p) {
   // Each consumer warpgroup's 64-row block R multiplies the 64-column blocks 0..R (TileRows:
-  // nblk, capped at p's last column block); the rows of R past p are computed too.
-  const int64_t col_blocks = (p + kEB - 1) / kEB;
-  double computed = 0.0;
-  for (int64_t r = 0; r * kEB < p; ++r) computed += static_cast<double>(kEB) * kEB * std::min(r + 1, col_blocks);
-  return computed / (static_cast<double>(p) * p);
+  // nblk), rows of R past p included: 1 + 2 + ... + c blocks over c blocks of rows.
+  const double c = static_cast<double>((p + kEB - 1) / kEB);
+  return kEB * kEB * c * (c + 1) / 2 / (static_cast<double>(p) * p);
 }
 
 bool sym_wgmma_supported(const MatrixView& A, const MatrixView& B, const MatrixView* D,
