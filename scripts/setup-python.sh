@@ -8,7 +8,9 @@
 # when a source file changed since the last build. Environment knobs:
 #   DION3_VENV=path        use another virtualenv folder (default: <repo>/.venv)
 #   PYTHON=python3.x       interpreter that creates the virtualenv
-#   DION3_TORCH_SPEC=...   pip requirement for PyTorch (default: torch)
+#   DION3_TORCH_SPEC=...   pip requirement for PyTorch (default: torch from PyPI, with its CUDA
+#                          runtime, where nvidia-smi lists a GPU; elsewhere the CPU-only wheel from
+#                          the PyTorch index when it answers, else torch from PyPI)
 #   DION3_CUDA=0|1         build the CUDA backend (default: when torch sees a GPU and nvcc exists;
 #                          the build log and `python -m dion3` say what was built)
 #   MAX_JOBS=n             parallel compile jobs (default 2)
@@ -32,10 +34,13 @@ pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 # From /: the repo root holds folders (build/) that would import as namespace packages.
 has_module() { (cd / && "$PY" -c "import $1") >/dev/null 2>&1; }
 
+# A machine with an NVIDIA GPU gets PyTorch with CUDA, so that the demo and the extension use it.
+gpu_present() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; }
 if ! has_module torch; then
-  # The CPU-only wheel index is much smaller (no CUDA runtime wheels); use it when it answers.
-  # Where only PyPI is reachable, PyPI's torch (with its CUDA runtime dependencies) is used.
-  if [ -z "${DION3_TORCH_SPEC:-}" ] && curl -fsS -m 10 -o /dev/null https://download.pytorch.org/whl/cpu/ 2>/dev/null; then
+  # Without a GPU, the CPU-only wheel index is much smaller (no CUDA runtime wheels); use it when it
+  # answers. Where only PyPI is reachable, PyPI's torch (with its CUDA runtime dependencies) is used.
+  if [ -z "${DION3_TORCH_SPEC:-}" ] && ! gpu_present &&
+    curl -fsS -m 10 -o /dev/null https://download.pytorch.org/whl/cpu/ 2>/dev/null; then
     log "installing CPU PyTorch from the PyTorch CPU index"
     pip_install --index-url https://download.pytorch.org/whl/cpu torch
   else

@@ -2,7 +2,7 @@
 # tools/gpu-python-env.sh — sourced by the GPU tools (ROOT set): dion3_python_build builds
 # dion3._C with the CUDA backend into the machine's Python (a --target folder, /tmp/dion3-site)
 # and puts it on PYTHONPATH. Needs .deps/blas carried, and .deps/pysetuptools where the machine's
-# setuptools is older than the build needs.
+# setuptools is older than the build needs (both from tools/prepare-device-deps).
 #   dion3_python_build            build (incrementally: compiled objects are kept)
 #   dion3_python_build if-missing build only when no earlier call of this machine built it
 ROOT=${ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
