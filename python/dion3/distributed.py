@@ -50,6 +50,15 @@ def placed_local_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
     return None if _placed_otherwise(p, p.grad) else local(p.grad)
 
 
+def registration_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
+    """What the engine is given as p's gradient while p is registered: the local part as it is
+    placed (a Partial one not yet summed), where it has the weight's local shape. Registration runs
+    no collective, since one rank may rebuild its engine alone; each step then hands over the
+    gradient placed as p is (local_grad)."""
+    g = local(p.grad)
+    return g if g is None or g.shape == local(p).shape else local_grad(p)
+
+
 def local_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
     """The local part of p's gradient placed as p is. A DTensor gradient placed otherwise (Partial:
     what autograd leaves a replicated weight under sequence or tensor parallelism) is
@@ -227,7 +236,9 @@ def _flat_group(mesh) -> Any:
     ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
     group = _GROUPS.get(ranks)
     if group is None or not _registered(group):
-        group = _GROUPS[ranks] = dist.new_group(list(ranks))
+        # Only this mesh's ranks make it: another pipeline stage makes the group of its own
+        # mesh at the same time, and a world-wide new_group would pair the two.
+        group = _GROUPS[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
     return group
 
 
@@ -379,5 +390,5 @@ def local_part(full: torch.Tensor, like: torch.Tensor, single: Optional[int] = N
 
 
 __all__ = ["DTensor", "Shard", "Replicate", "ParamLayout", "LOCAL", "check_mesh", "layout_of", "local", "local_grad",
-           "memory_format", "memory_order", "state_format",
+           "registration_grad", "memory_format", "memory_order", "state_format",
            "is_dtensor", "same_mesh", "zeros_like_layout", "local_part"]

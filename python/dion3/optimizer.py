@@ -1278,9 +1278,9 @@ class _EngineOptimizer(torch.optim.Optimizer):
         (sequence or tensor parallelism), which is summed over the ranks (a collective) before the
         step: every rank must then have that gradient, or none. One all-reduce per mesh dimension
         tells it before any of those collectives run, and the host waits for its answer; a gradient
-        on some ranks only is refused on every rank. Not where steps only enqueue (blocking=False),
-        which would then wait here every step."""
-        if self._mesh is None or not self._blocks():
+        on some ranks only is refused on every rank. Not where steps only enqueue (CUDA with
+        blocking=False), which would then wait here every step."""
+        if self._mesh is None or not self._refusals_reach_every_rank():
             return
         which = [(gi, j, p) for gi, g in enumerate(self.param_groups) for j, p in enumerate(g["params"])
                  if _dist.is_dtensor(p) and p.requires_grad and any(isinstance(pl, _dist.Replicate)
@@ -1377,7 +1377,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         if self._unfolded and not _capturing():
             self._sync_counters()  # a step cut short before its count: counted for its own parameters
         if self._mesh is not None and not _capturing():
-            self._agree_on_partial_gradients()  # first: any registration below may sum a gradient
+            self._agree_on_partial_gradients()  # first: the step sums each Partial gradient
         if self._agree_first and self._mesh is not None and not _capturing():
             self._agree_on_groups()
         key = self._registration_key()
@@ -1491,7 +1491,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
         """Whether a replay of the last step would step other parameters than have a gradient now."""
         if not self._given_grads:
             return engine.absence_changed()
-        now = [i for i, p in enumerate(self._engine_params) if _dist.local_grad(p) is None]
+        now = [i for i, p in enumerate(self._engine_params) if p.grad is None]
         return now != self._absent
 
     def _stale(self, key) -> bool:
@@ -2163,7 +2163,7 @@ class _EngineOptimizer(torch.optim.Optimizer):
                 is_dt = _dist.is_dtensor(p)
                 order = _dist.memory_order(p)  # a channels-last weight: stepped in memory order
                 given_grads |= is_dt
-                weight, grad = _dist.local(p), _dist.local_grad(p) if is_dt and not absent else None
+                weight, grad = _dist.local(p), _dist.registration_grad(p) if is_dt and not absent else None
                 if order is not None:
                     # Detached: a view of the parameter itself would reference its tensor, which
                     # torch.utils.swap_tensors (model.to() in swap mode) then refuses to swap.

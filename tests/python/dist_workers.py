@@ -925,20 +925,42 @@ def one_rank_errors(rank, world, mesh):
     opt.load_state_dict(sd)
     assert set(opt.state[w]) >= {"momentum", "step"}
 
+    # Under either on_nonfinite (the CPU blocks at every step, so 'skip' checks as 'raise' does).
+    for on_nonfinite in ("raise", "skip"):
+        ps = [nn.Parameter(distribute_tensor(torch.randn(8, 6) * 0.1, mesh, [Replicate()])) for _ in range(2)]
+        opt = dion3.Dion3(ps, distributed_mesh=mesh, lr=0.02, on_nonfinite=on_nonfinite)
+        for step in range(4):  # absent on the last rank at the first step (no engine yet) and at the third
+            for p in ps:
+                p.grad = DTensor.from_local(torch.full((8, 6), float(rank + 1)), mesh, [Partial()], run_check=False)
+            if step not in (0, 2):
+                opt.step()
+                continue
+            if last:
+                ps[0].grad = None
+            refused(rank, opt, ps, "has a gradient on some ranks and none on others")
+        same_everywhere(rank, world, ps[0], f"on_nonfinite={on_nonfinite!r}")
+
+    # Partial gradients and a setting invalid on the last rank alone at the first step: the other
+    # ranks build their engine meanwhile, which must sum no gradient (a collective the last rank,
+    # refusing, does not join); every rank refuses, then they step together.
     ps = [nn.Parameter(distribute_tensor(torch.randn(8, 6) * 0.1, mesh, [Replicate()])) for _ in range(2)]
     opt = dion3.Dion3(ps, distributed_mesh=mesh, lr=0.02)
-    for step in range(4):  # absent on the last rank at the first step (no engine yet) and at the third
+    for step in range(3):
         for p in ps:
             p.grad = DTensor.from_local(torch.full((8, 6), float(rank + 1)), mesh, [Partial()], run_check=False)
-        if step not in (0, 2):
+        opt.param_groups[0]["fraction"] = 2.0 if step == 0 and last else 0.25
+        if step == 0:
+            refused(rank, opt, ps, "fraction" if last else "another rank refused")
+        else:
             opt.step()
-            continue
-        if last:
-            ps[0].grad = None
-        refused(rank, opt, ps, "has a gradient on some ranks and none on others")
-    full0 = [torch.empty(8, 6) for _ in range(world)]
-    dist.all_gather(full0, ps[0].to_local().contiguous())
-    assert all(torch.equal(full0[0], t) for t in full0), f"rank {rank}: the ranks drifted apart"
+    same_everywhere(rank, world, ps[0], "after a first step refused on one rank")
+
+
+def same_everywhere(rank, world, p, what):
+    """p's local part is the same tensor on every rank (a replicated weight kept in step)."""
+    parts = [torch.empty_like(p.to_local()) for _ in range(world)]
+    dist.all_gather(parts, p.to_local().contiguous())
+    assert all(torch.equal(parts[0], t) for t in parts), f"rank {rank}: the ranks drifted apart ({what})"
 
 
 def fully_sharded_model(rank, world, mesh):
@@ -1084,6 +1106,37 @@ def rows_cut_over_one_dimension(rank, world):
         assert all(mb["layout"] == "row-sharded" and mb["ranks"] == world for mb in opt.plan()), opt.plan()
 
 
+def pipeline_stages(rank, world):
+    """Two pipeline stages, each with its own (dp, tp) = (1, 2) mesh of a (pp, dp, tp) world mesh:
+    each stage's optimizer flattens its own mesh into a process group at the same time as the
+    other stage does, and each steps its own matrices (other values on each stage) as one
+    process would, a matrix whose rows are cut over both mesh dimensions and a bias sharded on
+    both."""
+    mesh3 = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
+    stage, sub = mesh3.get_local_rank("pp"), mesh3["dp", "tp"]
+    tp = sub.get_local_rank(1)
+    g = torch.Generator().manual_seed(100 + stage)
+    wholes = [torch.randn(8, 6, generator=g) * 0.1, torch.randn(8, generator=g) * 0.1]
+
+    def shard(t):
+        return DTensor.from_local(t.chunk(2)[tp].clone(), sub, [Shard(0), Shard(0)], run_check=False,
+                                  shape=t.shape, stride=t.stride())
+
+    ps = [nn.Parameter(shard(t)) for t in wholes]
+    singles = [nn.Parameter(t.clone()) for t in wholes]
+    groups = lambda params: [dict(params=params[:1]), dict(params=params[1:], algorithm="adamw")]  # noqa: E731
+    opt = dion3.Muon(groups(ps), distributed_mesh=sub, lr=0.02)
+    single = dion3.Muon(groups(singles), lr=0.02)
+    for step in range(2):
+        grads = [torch.randn(t.shape, generator=g) for t in wholes]
+        for p, s, gr in zip(ps, singles, grads):
+            p.grad, s.grad = shard(gr), gr.clone()
+        opt.step()
+        single.step()
+    for p, s, what in zip(ps, singles, ("matrix", "bias")):
+        close(p.to_local(), s.detach().chunk(2)[tp], f"stage {stage}'s {what} on its own (dp, tp) mesh")
+
+
 def row_blocks(rank, world, mesh):
     """split_sizes / num_heads. DDP: bit for bit the single-process run. FSDP2 rows that do not
     divide by the world size, cut across the blocks: a block within one rank's shard steps there
@@ -1155,6 +1208,7 @@ def layouts(rank, world, tmp):
         except ValueError as e:
             assert "lives on" in str(e), str(e)
         tensor_parallel(rank, world, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+        pipeline_stages(rank, world)
     rows_cut_over_one_dimension(rank, world)
     row_blocks(rank, world, mesh)
     nonfinite(rank, world, mesh)

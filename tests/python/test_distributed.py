@@ -5,7 +5,8 @@
 # non-finite gradients on one rank and bad layouts are decided alike on every rank; DCP save /
 # load resumes bit for bit and reshards from 4 ranks to 2; a single-device state_dict loads into
 # a sharded optimizer and back; a state_dict bad on one rank only is refused on every rank, as are
-# errors of other kinds there and a replicated weight's Partial gradient absent there.
+# errors of other kinds there and a replicated weight's Partial gradient absent there; two pipeline
+# stages, each on its own (dp, tp) mesh, step as one process would.
 import os
 import sys
 import time
