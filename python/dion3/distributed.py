@@ -52,9 +52,9 @@ def placed_local_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
 
 def registration_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
     """What the engine is given as p's gradient while p is registered: the local part as it is
-    placed (a Partial one not yet summed), where it has the weight's local shape. Registration runs
-    no collective, since one rank may rebuild its engine alone; each step then hands over the
-    gradient placed as p is (local_grad)."""
+    placed (a Partial one not yet summed), where it has the weight's local shape, so that
+    registration runs no collective (one rank may rebuild its engine alone); else, a placement
+    that changes the shape, the gradient placed as p is. Each step hands over local_grad(p)."""
     g = local(p.grad)
     return g if g is None or g.shape == local(p).shape else local_grad(p)
 

@@ -58,6 +58,15 @@ def full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def same_everywhere(rank, world, ps, what):
+    """Every weight in ps is the same tensor on every rank (replicas kept in step)."""
+    for p in ps:
+        mine = full(p.detach()).clone()
+        every = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine)
+        assert all(torch.equal(every[0], w) for w in every), f"rank {rank}: {what}: the ranks drifted apart"
+
+
 def grads_for(shapes, seed):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(s, generator=g) for s in shapes]
@@ -349,11 +358,7 @@ def agreement(rank, world, mesh):
     for p in ps:
         p.grad = torch.full((8, 6), 3.0)
     opt.step()
-    for p in ps:
-        mine = p.detach().clone()
-        every = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(every, mine)
-        assert all(torch.equal(every[0], w) for w in every), f"rank {rank}: the ranks drifted apart"
+    same_everywhere(rank, world, ps, "after a rank without gradients refused")
     # A second moment written with a NaN on one rank alone (there also planned anew, the second
     # time): every rank refuses the step, the bad one naming it, and nothing moves.
     for rebuild in (False, True):
@@ -447,13 +452,6 @@ def one_rank_settings(rank, world, mesh):
     others instead of stepping alone."""
     torch.manual_seed(0)
 
-    def same_everywhere(ps, what):
-        for p in ps:
-            mine = full(p.detach()).clone()
-            every = [torch.empty_like(mine) for _ in range(world)]
-            dist.all_gather(every, mine)
-            assert all(torch.equal(every[0], w) for w in every), f"rank {rank}: {what}: the ranks drifted apart"
-
     # FSDP2 row shards, every row selected (the same k and pieces under either scope).
     fulls = [torch.randn(s) * 0.05 for s in SHAPES[:3]]
     ps = [nn.Parameter(distribute_tensor(f.clone(), mesh, [Shard(0)])) for f in fulls]
@@ -474,7 +472,7 @@ def one_rank_settings(rank, world, mesh):
             opt.param_groups[0][key] = alike
         grads(2)
         opt.step()
-        same_everywhere(ps, f"FSDP2 after {key}")
+        same_everywhere(rank, world, ps, f"FSDP2 after {key}")
 
     # DDP with an element-wise group.
     w, b = nn.Parameter(torch.randn(8, 6) * 0.05), nn.Parameter(torch.zeros(6))
@@ -495,7 +493,7 @@ def one_rank_settings(rank, world, mesh):
         opt.param_groups[1]["algorithm"] = "adamw"
     grads2(2)
     opt.step()
-    same_everywhere([w, b], "DDP after an element-wise algorithm")
+    same_everywhere(rank, world, [w, b], "DDP after an element-wise algorithm")
     # A replicated vector of another length on one rank alone would step other elements there.
     w2, b2 = nn.Parameter(torch.randn(8, 6) * 0.05), nn.Parameter(torch.zeros(7 if rank == 0 else 6))
     opt2 = dion3.Dion3([{"params": [w2]}, {"params": [b2], "algorithm": "adamw"}], distributed_mesh=dist.group.WORLD,
@@ -513,7 +511,7 @@ def one_rank_settings(rank, world, mesh):
         opt.param_groups[gi][key] = kept
         grads2(seed + 1)
         opt.step()
-        same_everywhere([w, b], f"DDP after {key} on one rank")
+        same_everywhere(rank, world, [w, b], f"DDP after {key} on one rank")
         seed += 2
     # A setting invalid on one rank alone (an lr or betas the front end refuses, num_heads the
     # planner refuses), or a gradient refused there: that rank raises its own error, and the others
@@ -532,7 +530,7 @@ def one_rank_settings(rank, world, mesh):
             opt.param_groups[gi][key] = kept
         grads2(seed + 1)
         opt.step()
-        same_everywhere([w, b], f"DDP after an invalid {key} on one rank")
+        same_everywhere(rank, world, [w, b], f"DDP after an invalid {key} on one rank")
         seed += 2
     # load_state_dict everywhere, then no gradients on the last rank.
     opt.load_state_dict(opt.state_dict())
@@ -543,7 +541,7 @@ def one_rank_settings(rank, world, mesh):
     refused(rank, opt, [w, b], expect)
     grads2(4)
     opt.step()
-    same_everywhere([w, b], "DDP after a refusal right after load_state_dict")
+    same_everywhere(rank, world, [w, b], "DDP after a refusal right after load_state_dict")
     # No gradients on the last rank at the very first step (no engine yet): refused as well, with
     # the plan the others make (a frozen parameter in the group is not part of it).
     w0 = nn.Parameter(torch.randn(8, 6) * 0.05)
@@ -554,7 +552,7 @@ def one_rank_settings(rank, world, mesh):
     assert "momentum" not in opt.state[w0] or not opt.state[w0]["momentum"].any(), f"rank {rank}: state moved"
     w0.grad = torch.ones(8, 6)
     opt.step()
-    same_everywhere([w0], "DDP after a refusal at the first step")
+    same_everywhere(rank, world, [w0], "DDP after a refusal at the first step")
     # A group added on every rank makes the next step plan anew; an lr invalid there on one rank
     # is still refused by all (with the plan the engine held before).
     extra = nn.Parameter(torch.zeros(5))
@@ -565,7 +563,7 @@ def one_rank_settings(rank, world, mesh):
     refused(rank, opt, [w0, extra], "lr" if rank == 0 else "another rank refused this step")
     opt.param_groups[0]["lr"] = 0.02
     opt.step()
-    same_everywhere([w0, extra], "DDP after a refusal as a group was added")
+    same_everywhere(rank, world, [w0, extra], "DDP after a refusal as a group was added")
     # No plan to refuse through yet (the first step, the first after load_state_dict): the ranks
     # check their groups together first.
     for when in ("first step", "first step after a load"):
@@ -581,7 +579,7 @@ def one_rank_settings(rank, world, mesh):
         refused(rank, opt, [w1], "lr" if rank == 0 else "another rank refused this step")
         opt.param_groups[0]["lr"] = 0.02
         opt.step()
-        same_everywhere([w1], f"DDP after a refusal at the {when}")
+        same_everywhere(rank, world, [w1], f"DDP after a refusal at the {when}")
     # Refused while registering on one rank alone (two parameters tied there; a state tensor given
     # storage of another shape there), with no plan yet or with the one the others step with:
     # every rank raises at once, and the next steps pair up as before.
@@ -613,7 +611,7 @@ def one_rank_settings(rank, world, mesh):
         for p in pair:
             p.grad = torch.ones(8, 6)
         opt.step()
-        same_everywhere(pair, f"DDP after a refusal while registering at the {when}")
+        same_everywhere(rank, world, pair, f"DDP after a refusal while registering at the {when}")
     # Refused while registering on a rank without a plan to refuse through: the same refusal again
     # at the next step (the plan kept), after a step no rank had gradients for, and on a rank that
     # has no gradients at the first step (its registration is tried with the others' agreement).
@@ -638,7 +636,7 @@ def one_rank_settings(rank, world, mesh):
         for p in pair:
             p.grad = torch.ones(8, 6)
         opt.step()
-        same_everywhere(pair, f"DDP after a refusal while registering {when}")
+        same_everywhere(rank, world, pair, f"DDP after a refusal while registering {when}")
     # Refused because one rank had no gradients, then a step no rank has gradients for (one rank
     # holds an engine, the other none): both take the same path, and the next step pairs up.
     w4 = nn.Parameter(torch.randn(8, 6) * 0.05)
@@ -650,7 +648,7 @@ def one_rank_settings(rank, world, mesh):
     for seed in (5, 6):
         w4.grad = torch.full((8, 6), float(seed))
         opt.step()
-    same_everywhere([w4], "DDP after steps some or all ranks had no gradients for")
+    same_everywhere(rank, world, [w4], "DDP after steps some or all ranks had no gradients for")
     # A switch of algorithm at the first step after a load, refused by one rank: the others put the
     # replaced state back, so switching back leaves every rank's state alike.
     w3, b3 = nn.Parameter(torch.randn(8, 6) * 0.05), nn.Parameter(torch.zeros(6))
@@ -679,7 +677,7 @@ def one_rank_settings(rank, world, mesh):
     for seed in (3, 4):
         grads3(seed)
         opt.step()
-    same_everywhere([w3, other, b3], "DDP after a switch refused at the first step after a load")
+    same_everywhere(rank, world, [w3, other, b3], "DDP after a switch refused at the first step after a load")
 
 
 def absent_gradients(rank, world, mesh):
@@ -737,10 +735,7 @@ def absent_gradients(rank, world, mesh):
             except ValueError as e:
                 assert missing == ["one rank"], f"rank {rank}: {lacking}, step {step} the ranks agree on: {e}"
                 assert all(torch.equal(w, x) for w, x in zip(ws + [b], before)), f"rank {rank}: a refused step moved"
-            for w in ws + [b]:
-                every = [torch.empty_like(w) for _ in range(world)]
-                dist.all_gather(every, w.detach())
-                assert all(torch.equal(every[0], x) for x in every), f"rank {rank}: replicas parted, step {step}"
+            same_everywhere(rank, world, ws + [b], f"step {step}")
 
 
 def never_a_gradient(rank, world, mesh):
@@ -938,7 +933,7 @@ def one_rank_errors(rank, world, mesh):
             if last:
                 ps[0].grad = None
             refused(rank, opt, ps, "has a gradient on some ranks and none on others")
-        same_everywhere(rank, world, ps[0], f"on_nonfinite={on_nonfinite!r}")
+        same_everywhere(rank, world, ps[:1], f"on_nonfinite={on_nonfinite!r}")
 
     # Partial gradients and a setting invalid on the last rank alone at the first step: the other
     # ranks build their engine meanwhile, which must sum no gradient (a collective the last rank,
@@ -953,14 +948,9 @@ def one_rank_errors(rank, world, mesh):
             refused(rank, opt, ps, "fraction" if last else "another rank refused")
         else:
             opt.step()
-    same_everywhere(rank, world, ps[0], "after a first step refused on one rank")
+    same_everywhere(rank, world, ps[:1], "after a first step refused on one rank")
 
 
-def same_everywhere(rank, world, p, what):
-    """p's local part is the same tensor on every rank (a replicated weight kept in step)."""
-    parts = [torch.empty_like(p.to_local()) for _ in range(world)]
-    dist.all_gather(parts, p.to_local().contiguous())
-    assert all(torch.equal(parts[0], t) for t in parts), f"rank {rank}: the ranks drifted apart ({what})"
 
 
 def fully_sharded_model(rank, world, mesh):
